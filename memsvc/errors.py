@@ -1,0 +1,85 @@
+"""The project's one exception tree.
+
+Every error memsvc raises on purpose derives from :class:`MemsvcError`; the native extension raises
+these same classes. Each class names the gRPC status it maps to (``status_name``) so that one place
+(the servicers' error interceptor) can turn any of them into a status code with an ErrorInfo detail,
+without this module importing grpc.
+"""
+
+from __future__ import annotations
+
+
+class MemsvcError(Exception):
+    """Root of all memsvc errors."""
+
+    status_name = "INTERNAL"
+    reason = "INTERNAL"
+
+
+class InvalidArgument(MemsvcError):
+    """The request is malformed: bad tag, size, level, block list. Nothing was changed."""
+
+    status_name = "INVALID_ARGUMENT"
+    reason = "INVALID_ARGUMENT"
+
+
+class NotFound(MemsvcError):
+    """An unknown tag, allocation, worker or lease."""
+
+    status_name = "NOT_FOUND"
+    reason = "NOT_FOUND"
+
+
+class WrongState(MemsvcError):
+    """The operation does not fit the current state (sleeping twice, copying from a slept tag)."""
+
+    status_name = "FAILED_PRECONDITION"
+    reason = "WRONG_STATE"
+
+
+class TransitionInProgress(MemsvcError):
+    """Another sleep or wake is running; retry after it finishes."""
+
+    status_name = "ABORTED"
+    reason = "TRANSITION_IN_PROGRESS"
+
+
+class OutOfMemory(MemsvcError):
+    """Device or host memory is short. Offloaded data is kept, so a later wake can succeed."""
+
+    status_name = "RESOURCE_EXHAUSTED"
+    reason = "OUT_OF_MEMORY"
+
+
+class IntegrityError(MemsvcError):
+    """Restored data failed its checksum: the message names the allocation. Never silent."""
+
+    status_name = "DATA_LOSS"
+    reason = "CHECKSUM_MISMATCH"
+
+
+class Unavailable(MemsvcError):
+    """A backend, driver, method or peer cannot be used here."""
+
+    status_name = "UNAVAILABLE"
+    reason = "UNAVAILABLE"
+
+
+class BackendError(MemsvcError):
+    """A driver or OS call failed unexpectedly."""
+
+    status_name = "INTERNAL"
+    reason = "BACKEND_ERROR"
+
+
+__all__ = [
+    "BackendError",
+    "IntegrityError",
+    "InvalidArgument",
+    "MemsvcError",
+    "NotFound",
+    "OutOfMemory",
+    "TransitionInProgress",
+    "Unavailable",
+    "WrongState",
+]

@@ -1,0 +1,177 @@
+/* memsvc native core: one C interface over two backends (cuda, host).
+ *
+ * Everything here is plain C with no Python: the allocation table, arenas, sleep/wake and the
+ * batched copy live below the interpreter so torch's allocator hook (pluggable.c) never calls
+ * back into Python, and so long copies run with the GIL released. */
+#ifndef MSV_H
+#define MSV_H
+
+#include <pthread.h>
+#include <stddef.h>
+#include <stdint.h>
+
+/* ---- errors: a code plus a thread-local message ---- */
+enum {
+  MSV_OK = 0,
+  MSV_E_INVALID = 1,     /* bad argument */
+  MSV_E_NOT_FOUND = 2,   /* unknown tag / pointer */
+  MSV_E_STATE = 3,       /* wrong state (sleep twice, alloc while asleep) */
+  MSV_E_OOM = 4,         /* device or host memory exhausted */
+  MSV_E_BUSY = 5,        /* a transition is already running */
+  MSV_E_INTEGRITY = 6,   /* checksum mismatch */
+  MSV_E_UNAVAILABLE = 7, /* backend/driver not usable here */
+  MSV_E_BACKEND = 8,     /* driver or OS call failed */
+};
+int msv_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
+const char *msv_last_error(void);
+int msv_last_error_code(void);
+
+/* ---- backends ---- */
+enum { MSV_BACKEND_HOST = 0, MSV_BACKEND_CUDA = 1 };
+enum { MSV_COPY_AUTO = 0, MSV_COPY_LOOP = 1, MSV_COPY_BATCH = 2, MSV_COPY_KERNEL = 3 };
+
+/* One block copy; addresses are as the CPU/driver sees them (UVA on cuda). */
+typedef struct {
+  uint64_t dst, src, size;
+} msv_copy_item;
+
+/* One span to checksum: bytes [ptr, ptr+size) are words word_base.. of allocation `slot`. */
+typedef struct {
+  uint64_t ptr, size, word_base, slot;
+} msv_sum_item;
+
+typedef struct msv_backend msv_backend;
+struct msv_backend {
+  int kind;
+  const char *name;
+  int device;
+  size_t granularity;
+  /* virtual ranges */
+  int (*reserve)(msv_backend *, size_t size, uint64_t *addr);
+  int (*free_va)(msv_backend *, uint64_t addr, size_t size);
+  /* physical memory: map [addr, addr+size) (fresh, contents undefined), or drop it keeping the range */
+  int (*map)(msv_backend *, uint64_t addr, size_t size, uint64_t *handle);
+  int (*unmap)(msv_backend *, uint64_t addr, size_t size, uint64_t handle);
+  int (*mem_info)(msv_backend *, size_t *free_bytes, size_t *total_bytes);
+  /* page-locked host memory: register already-faulted memory; returns the device alias of p */
+  int (*host_register)(msv_backend *, void *p, size_t size, uint64_t *dev_alias);
+  int (*host_unregister)(msv_backend *, void *p);
+  /* copies: enqueue on `stream` (0 = the backend's own stream), then sync */
+  int (*copy)(msv_backend *, const msv_copy_item *items, size_t n, int method, uint64_t stream);
+  int (*sync)(msv_backend *, uint64_t stream);
+  /* per-slot checksums of resident memory; out[slot] is summed into (caller zeroes it) */
+  int (*checksum)(msv_backend *, const msv_sum_item *items, size_t n, uint64_t *out, size_t nslots);
+  int (*has_method)(msv_backend *, int method);
+  void (*destroy)(msv_backend *);
+  void *impl;
+};
+
+int msv_backend_host_create(int device, size_t capacity, size_t granularity, msv_backend **out);
+int msv_backend_cuda_create(int device, msv_backend **out);
+int msv_cuda_available(int *device_count);
+
+/* CPU checksum, shared by the host backend and tests: sum of mix(word_i ^ (i * golden)). */
+uint64_t msv_checksum_cpu(const void *p, size_t size, uint64_t word_base);
+/* Threaded memcpy for large host copies. */
+void msv_memcpy_parallel(const msv_copy_item *items, size_t n);
+
+/* ---- host staging memory (the offload engine's pinned chunks) ---- */
+typedef struct msv_hchunk {
+  char *ptr;
+  size_t size;
+  uint64_t dev_alias;
+  struct msv_hchunk *next;
+} msv_hchunk;
+
+typedef struct {
+  msv_backend *backend;
+  pthread_mutex_t mu;
+  msv_hchunk *free_list; /* registered chunks kept between cycles */
+  size_t free_bytes;
+  size_t reserve_bytes;  /* keep at most this many bytes of free chunks */
+  size_t chunk_bytes;    /* size of a fresh chunk */
+  size_t held_bytes;     /* all chunks, in use or free */
+  int prefault_threads;
+  uint64_t chunks_created, chunks_reused;
+  double register_seconds, prefault_seconds;
+} msv_hostpool;
+
+int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads);
+int msv_hostpool_get(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
+void msv_hostpool_put(msv_hostpool *hp, msv_hchunk *c);
+void msv_hostpool_trim(msv_hostpool *hp);
+void msv_hostpool_destroy(msv_hostpool *hp);
+
+/* ---- the allocator ---- */
+enum { MSV_ACTION_KEEP = 0, MSV_ACTION_OFFLOAD = 1, MSV_ACTION_DISCARD = 2 };
+enum { MSV_TAG_AWAKE = 0, MSV_TAG_OFFLOADED = 1, MSV_TAG_DISCARDED = 2 };
+
+typedef struct {
+  char tag[64];
+  int state;
+  uint64_t base;
+  size_t mapped_bytes;     /* physical bytes mapped now */
+  size_t layout_bytes;     /* bytes mapped while awake (restored on wake) */
+  size_t allocated_bytes;  /* live allocation bytes */
+  size_t offloaded_bytes;  /* bytes held in host backups */
+  size_t discarded_bytes;  /* bytes dropped by the last DISCARD, while asleep */
+  size_t n_allocs;
+  size_t n_extents;
+} msv_tag_stats;
+
+typedef struct {
+  uint64_t bytes_offloaded, bytes_restored, bytes_verified, sleeps, wakes;
+  double last_sleep_seconds, last_wake_seconds;
+  uint64_t host_chunks_created, host_chunks_reused;
+  size_t host_held_bytes, host_reserve_bytes;
+} msv_counters;
+
+typedef struct msv_allocator msv_allocator;
+
+typedef struct {
+  int backend;             /* MSV_BACKEND_* */
+  int device;
+  size_t host_capacity;    /* host backend: simulated device capacity */
+  size_t granularity;      /* host backend: mapping granularity (cuda reads the driver's) */
+  size_t arena_va_bytes;   /* virtual range reserved per tag */
+  size_t host_chunk_bytes; /* offload engine chunk size */
+  size_t host_reserve_bytes;
+  int checksum;            /* checksum offloaded data at sleep, verify on wake */
+  int prefault_threads;
+} msv_config;
+
+int msv_create(const msv_config *cfg, msv_allocator **out);
+void msv_destroy(msv_allocator *a);
+/* Reference counting: every tensor handed to torch holds one, so the allocator outlives them. */
+void msv_retain(msv_allocator *a);
+void msv_release(msv_allocator *a);
+msv_backend *msv_get_backend(msv_allocator *a);
+
+int msv_alloc(msv_allocator *a, const char *tag, size_t size, uint64_t *out);
+int msv_free(msv_allocator *a, uint64_t addr);
+/* actions[i] applies to tags[i]; tags not named are kept. Validates everything before moving a byte. */
+int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n);
+/* tags == NULL: every sleeping tag. */
+int msv_wake(msv_allocator *a, const char **tags, size_t n);
+int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *n);
+void msv_get_counters(msv_allocator *a, msv_counters *out);
+int msv_set_checksum(msv_allocator *a, int on);
+int msv_set_host_reserve(msv_allocator *a, size_t bytes);
+
+/* Page-locked host buffers for callers (the host KV pool); valid copy_blocks endpoints. */
+int msv_host_alloc(msv_allocator *a, size_t size, uint64_t *out);
+int msv_host_free(msv_allocator *a, uint64_t addr);
+
+/* Validated batched copy: every range must lie inside one live, resident allocation or host
+ * buffer of this allocator; destinations must not overlap. Nothing moves if any item is bad. */
+int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
+                    int method, uint64_t stream);
+
+/* Find the live allocation holding [addr, addr+size): its base and tag; MSV_E_NOT_FOUND if none. */
+int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap);
+
+/* torch hook (pluggable.c) */
+void msv_hook_install(msv_allocator *a);
+void msv_hook_set_tag(const char *tag);
+
+#endif

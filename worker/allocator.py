@@ -1,0 +1,380 @@
+"""The allocator API: tagged memory pools that can sleep and wake at the same addresses.
+
+Usage::
+
+    alloc = get_allocator(AllocatorConfig(backend="auto"))
+    w = alloc.empty((4096, 4096), torch.bfloat16, tag="weights")
+    with alloc.use_memory_pool("weights"):      # CUDA: ordinary torch allocations land in the pool
+        model = build_model()
+    alloc.sleep({"weights": Action.OFFLOAD, "kv_cache": Action.DISCARD})
+    alloc.wake_up(["weights"])                   # partial wake; kv_cache stays asleep
+    alloc.wake_up()                              # the rest
+
+The work happens in the native extension (``worker._native``): the allocation table, arenas,
+copies and the host staging pool are C, so torch's allocator hook never calls into Python and long
+copies run without the GIL.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import enum
+import threading
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal
+
+from memsvc.errors import InvalidArgument, WrongState
+from worker import _native
+
+if TYPE_CHECKING:
+    import torch
+
+GiB = 1 << 30
+MiB = 1 << 20
+
+
+class Action(enum.StrEnum):
+    """What happens to a tag's memory on sleep."""
+
+    OFFLOAD = "offload"  #: copy to page-locked host memory, restore on wake
+    DISCARD = "discard"  #: drop; contents undefined on wake
+    KEEP = "keep"  #: stay resident
+
+
+class CopyMethod(enum.StrEnum):
+    """How ``copy_blocks`` moves a batch (see docs/benchmarks.md for the crossovers)."""
+
+    AUTO = "auto"
+    LOOP = "loop"  #: one cuMemcpyAsync per block
+    BATCH = "batch"  #: one cuMemcpyBatchAsync (falls back to loop on drivers without it)
+    KERNEL = "kernel"  #: one gather/scatter kernel through mapped host memory
+
+
+_ACTION_CODE = {Action.KEEP: _native.KEEP, Action.OFFLOAD: _native.OFFLOAD, Action.DISCARD: _native.DISCARD}
+_METHOD_CODE = {
+    CopyMethod.AUTO: _native.COPY_AUTO,
+    CopyMethod.LOOP: _native.COPY_LOOP,
+    CopyMethod.BATCH: _native.COPY_BATCH,
+    CopyMethod.KERNEL: _native.COPY_KERNEL,
+}
+
+
+@dataclass(frozen=True)
+class AllocatorConfig:
+    """How the process's allocator is built."""
+
+    backend: Literal["auto", "cuda", "host"] = "auto"
+    """``auto`` picks ``cuda`` when the driver reports a device, else ``host``."""
+    device: int = 0
+    """CUDA device ordinal (the worker serves one GPU)."""
+    host_capacity_bytes: int = 8 * GiB
+    """Host backend only: the simulated device's size, so budgets and out-of-memory paths are testable."""
+    granularity_bytes: int = 2 * MiB
+    """Host backend only: mapping granularity (cuda uses the driver's, 2 MiB on Hopper)."""
+    arena_va_bytes: int = 256 * GiB
+    """Virtual address range reserved per tag: the most one tag can ever hold."""
+    host_chunk_bytes: int = 256 * MiB
+    """Offload engine: size of one page-locked host chunk; copies and pinning are pipelined per chunk."""
+    host_reserve_bytes: int = 0
+    """Offload engine: page-locked host memory kept between cycles so later sleeps skip pinning.
+    Host RAM held vs. sleep speed; 0 frees it all on wake."""
+    checksum: bool = False
+    """Checksum offloaded data at sleep and verify it on wake (a mismatch raises IntegrityError)."""
+    prefault_threads: int = 0
+    """Threads that pre-fault fresh host chunks (0: up to 8, by core count)."""
+
+
+@dataclass(frozen=True)
+class TagStats:
+    """One tag's memory, in bytes."""
+
+    tag: str
+    state: Literal["awake", "offloaded", "discarded"]
+    mapped_bytes: int  #: physical device memory mapped now
+    allocated_bytes: int  #: bytes of live allocations
+    offloaded_bytes: int  #: bytes held in host memory while asleep
+    discarded_bytes: int  #: bytes dropped by DISCARD, while asleep
+    allocations: int
+    layout_bytes: int  #: mapped bytes when awake
+    extents: int  #: physical mappings now
+
+
+@dataclass(frozen=True)
+class AllocatorStats:
+    """A snapshot of the allocator: device memory, per-tag pools and transition counters."""
+
+    backend: str
+    device: int
+    device_free_bytes: int
+    device_total_bytes: int
+    tags: dict[str, TagStats] = field(default_factory=dict)
+    counters: dict[str, float] = field(default_factory=dict)
+
+
+def _dlpack_dtype(dtype: torch.dtype) -> tuple[int, int]:
+    import torch
+
+    table = {
+        torch.float16: (2, 16), torch.float32: (2, 32), torch.float64: (2, 64), torch.bfloat16: (4, 16),
+        torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32), torch.int64: (0, 64),
+        torch.uint8: (1, 8), torch.bool: (6, 8),
+    }  # fmt: skip
+    try:
+        return table[dtype]
+    except KeyError:
+        raise InvalidArgument(f"unsupported dtype {dtype}") from None
+
+
+def _check_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
+    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in dims):
+        raise InvalidArgument(f"shape must be non-negative integers, got {shape!r}")
+    return dims
+
+
+def _ints(values: Any, what: str) -> list[int]:
+    if hasattr(values, "tolist"):
+        values = values.tolist()
+    if isinstance(values, int):
+        raise InvalidArgument(f"{what} must be a sequence of integers")
+    return list(values)
+
+
+class MemoryAllocator:
+    """Tagged device memory that sleeps and wakes at the same addresses.
+
+    There is one per process (:func:`get_allocator`), because what it manages is process-wide: the
+    device's primary context and memory, and torch's pluggable-allocator hook, which torch loads by
+    symbol name from this library and which can route to only one table. Two allocators in one
+    process would each believe they own the card, count its memory twice, and could receive each
+    other's frees.
+    """
+
+    def __init__(self, config: AllocatorConfig) -> None:
+        self.config = config
+        backend = config.backend
+        if backend not in ("auto", "cuda", "host"):
+            raise InvalidArgument(f"backend must be auto, cuda or host, got {backend!r}")
+        if backend == "auto":
+            backend = "cuda" if _native.cuda_device_count() > 0 else "host"
+        if config.device < 0:
+            raise InvalidArgument(f"device must be >= 0, got {config.device}")
+        self._native = _native.Allocator(
+            _native.BACKEND_CUDA if backend == "cuda" else _native.BACKEND_HOST,
+            config.device,
+            host_capacity=config.host_capacity_bytes,
+            granularity=config.granularity_bytes,
+            arena_va_bytes=config.arena_va_bytes,
+            host_chunk_bytes=config.host_chunk_bytes,
+            host_reserve_bytes=config.host_reserve_bytes,
+            checksum=config.checksum,
+            prefault_threads=config.prefault_threads,
+        )
+        info = self._native.info()
+        self.backend: str = info["backend"]
+        self.device: int = info["device"]
+        self.granularity: int = info["granularity"]
+        self._pools: dict[str, Any] = {}
+        self._pluggable: Any = None
+        self._pool_lock = threading.Lock()
+
+    # ---- tensors ----
+    def empty(self, shape: Sequence[int] | int, dtype: torch.dtype, tag: str) -> torch.Tensor:
+        """An uninitialised tensor in ``tag``'s pool (on the GPU for cuda, the CPU for host)."""
+        import torch
+
+        dims = _check_shape(shape)
+        code, bits = _dlpack_dtype(dtype)
+        nbytes = bits // 8
+        for d in dims:
+            nbytes *= d
+        if nbytes == 0:
+            return torch.empty(dims, dtype=dtype, device=self.torch_device)
+        return torch.from_dlpack(self._native.tensor(tag, nbytes, list(dims), code, bits))
+
+    def host_empty(self, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
+        """An uninitialised page-locked CPU tensor the device can copy to and from (host KV pool)."""
+        import torch
+
+        dims = _check_shape(shape)
+        code, bits = _dlpack_dtype(dtype)
+        nbytes = bits // 8
+        for d in dims:
+            nbytes *= d
+        if nbytes == 0:
+            return torch.empty(dims, dtype=dtype)
+        return torch.from_dlpack(self._native.host_tensor(nbytes, list(dims), code, bits))
+
+    @property
+    def torch_device(self) -> torch.device:
+        import torch
+
+        return torch.device("cuda", self.device) if self.backend == "cuda" else torch.device("cpu")
+
+    @contextlib.contextmanager
+    def use_memory_pool(self, tag: str) -> Iterator[None]:
+        """Route torch CUDA allocations made inside the block into ``tag``'s pool.
+
+        On cuda this is torch's CUDAPluggableAllocator + MemPool (one pool per tag, so a cached
+        torch segment never mixes tags). The host backend cannot intercept torch's CPU allocator:
+        there, allocate pool tensors with :meth:`empty`.
+        """
+        if not tag or len(tag.encode()) > 63:
+            raise InvalidArgument("tag must be 1 to 63 bytes long")
+        if self._tag_state(tag) not in (None, "awake"):
+            raise WrongState(f"tag '{tag}' is asleep: wake it before allocating")
+        if self.backend != "cuda":
+            yield
+            return
+        import torch
+
+        with self._pool_lock:
+            if self._pluggable is None:
+                self._native.install_torch_hook()
+                self._pluggable = torch.cuda.memory.CUDAPluggableAllocator(
+                    _native.__file__, "msv_torch_malloc", "msv_torch_free"
+                )
+            pool = self._pools.get(tag)
+            if pool is None:
+                pool = self._pools[tag] = torch.cuda.MemPool(self._pluggable.allocator())
+        _native.set_pool_tag(tag)
+        with torch.cuda.use_mem_pool(pool, device=self.device):
+            yield
+
+    # ---- transitions ----
+    def sleep(self, actions: Mapping[str, Action | str]) -> None:
+        """Apply a per-tag action; tags not named are kept. All-or-nothing: on error nothing changed."""
+        pairs = []
+        for tag, action in actions.items():
+            try:
+                act = Action(action)
+            except ValueError:
+                raise InvalidArgument(f"tag '{tag}': unknown action {action!r}") from None
+            pairs.append((tag, _ACTION_CODE[act]))
+        if self.backend == "cuda":
+            self._synchronize_torch()
+        self._native.sleep(pairs)
+
+    def wake_up(self, tags: Iterable[str] | None = None) -> None:
+        """Bring back the named sleeping tags (all of them when ``tags`` is None)."""
+        if isinstance(tags, str):
+            raise InvalidArgument("tags must be a list of tag names, not a string")
+        self._native.wake(None if tags is None else list(tags))
+
+    def _synchronize_torch(self) -> None:
+        # Work queued by torch on the device must finish before its memory is copied or unmapped.
+        import sys
+
+        torch = sys.modules.get("torch")
+        if torch is not None and torch.cuda.is_initialized():
+            torch.cuda.synchronize(self.device)
+
+    # ---- block copies ----
+    def copy_blocks(
+        self,
+        src_ptrs: Sequence[int] | Any,
+        dst_ptrs: Sequence[int] | Any,
+        sizes: Sequence[int] | int | Any,
+        method: CopyMethod | str = CopyMethod.AUTO,
+        stream: Any = None,
+    ) -> None:
+        """Copy ``sizes[i]`` bytes from ``src_ptrs[i]`` to ``dst_ptrs[i]`` for every i, in one batch.
+
+        Every range must lie inside one live allocation of an awake tag or a host buffer from
+        :meth:`host_empty`, and destinations must not overlap; otherwise nothing moves. ``sizes`` may
+        be one int for equal blocks. Returns when the copy is complete; with ``stream`` (a
+        torch.cuda.Stream or a raw handle) it is ordered after work already queued there.
+        """
+        try:
+            m = _METHOD_CODE[CopyMethod(method)]
+        except ValueError:
+            raise InvalidArgument(f"unknown copy method {method!r}") from None
+        src = _ints(src_ptrs, "src_ptrs")
+        dst = _ints(dst_ptrs, "dst_ptrs")
+        if isinstance(sizes, int):
+            if sizes <= 0:
+                raise InvalidArgument(f"block size must be > 0, got {sizes}")
+            size_list = [sizes] * len(src)
+        else:
+            size_list = _ints(sizes, "sizes")
+        handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
+        if self.backend == "cuda":
+            self._synchronize_torch() if handle == 0 else None
+        self._native.copy_blocks(src, dst, size_list, m, handle)
+
+    def has_method(self, method: CopyMethod | str) -> bool:
+        """Whether ``method`` runs natively here (batch falls back to loop when it does not)."""
+        return bool(self._native.has_method(_METHOD_CODE[CopyMethod(method)]))
+
+    # ---- knobs and numbers ----
+    def set_checksum(self, on: bool) -> None:
+        self._native.set_checksum(on)
+
+    def set_host_reserve(self, nbytes: int) -> None:
+        if nbytes < 0:
+            raise InvalidArgument("host reserve must be >= 0 bytes")
+        self._native.set_host_reserve(nbytes)
+
+    def lookup(self, address: int, size: int = 1) -> tuple[int, str]:
+        """The base address and tag of the allocation holding ``[address, address+size)``."""
+        base, tag = self._native.lookup(address, size)
+        return int(base), str(tag)
+
+    def _tag_state(self, tag: str) -> str | None:
+        for s in self._native.tag_stats():
+            if s["tag"] == tag:
+                return str(s["state"])
+        return None
+
+    def stats(self) -> AllocatorStats:
+        free, total = self._native.mem_info()
+        tags = {
+            s["tag"]: TagStats(
+                tag=s["tag"], state=s["state"], mapped_bytes=s["mapped_bytes"], allocated_bytes=s["allocated_bytes"],
+                offloaded_bytes=s["offloaded_bytes"], discarded_bytes=s["discarded_bytes"],
+                allocations=s["allocations"], layout_bytes=s["layout_bytes"], extents=s["extents"],
+            )
+            for s in self._native.tag_stats()
+        }  # fmt: skip
+        return AllocatorStats(self.backend, self.device, free, total, tags, dict(self._native.counters()))
+
+    def close(self) -> None:
+        """Release this handle; device memory goes once the last tensor from it is gone."""
+        self._native.close()
+
+
+_instance: MemoryAllocator | None = None
+_instance_lock = threading.Lock()
+
+
+def get_allocator(config: AllocatorConfig | None = None) -> MemoryAllocator:
+    """The process's allocator, created on first use (with ``config`` or the defaults)."""
+    global _instance
+    with _instance_lock:
+        if _instance is None:
+            _instance = MemoryAllocator(config or AllocatorConfig())
+        elif config is not None and config != _instance.config:
+            raise WrongState("the process allocator already exists with a different configuration")
+        return _instance
+
+
+def close_allocator() -> None:
+    """Drop the process's allocator (shutdown and tests); tensors still alive keep their memory."""
+    global _instance
+    with _instance_lock:
+        if _instance is not None:
+            _instance.close()
+            _instance = None
+
+
+__all__ = [
+    "Action",
+    "AllocatorConfig",
+    "AllocatorStats",
+    "CopyMethod",
+    "MemoryAllocator",
+    "TagStats",
+    "close_allocator",
+    "get_allocator",
+]
