@@ -35,7 +35,35 @@ int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size
   }
   hp->prefault_threads = threads < 1 ? 1 : threads;
   pthread_mutex_init(&hp->mu, NULL);
+  pthread_cond_init(&hp->cv, NULL);
   return MSV_OK;
+}
+
+static void *reaper_main(void *arg) {
+  msv_hostpool *hp = (msv_hostpool *)arg;
+  pthread_mutex_lock(&hp->mu);
+  for (;;) {
+    while (!hp->reap_pending && !hp->stopping) pthread_cond_wait(&hp->cv, &hp->mu);
+    if (hp->stopping) break;
+    hp->reap_pending = 0;
+    pthread_mutex_unlock(&hp->mu);
+    msv_hostpool_trim(hp);
+    pthread_mutex_lock(&hp->mu);
+  }
+  pthread_mutex_unlock(&hp->mu);
+  return NULL;
+}
+
+void msv_hostpool_trim_async(msv_hostpool *hp) {
+  pthread_mutex_lock(&hp->mu);
+  if (!hp->reaper_started && !hp->stopping) hp->reaper_started = pthread_create(&hp->reaper, NULL, reaper_main, hp) == 0;
+  int async = hp->reaper_started;
+  if (async) {
+    hp->reap_pending = 1;
+    pthread_cond_signal(&hp->cv);
+  }
+  pthread_mutex_unlock(&hp->mu);
+  if (!async) msv_hostpool_trim(hp);
 }
 
 typedef struct {
@@ -159,7 +187,14 @@ void msv_hostpool_trim(msv_hostpool *hp) {
 }
 
 void msv_hostpool_destroy(msv_hostpool *hp) {
+  pthread_mutex_lock(&hp->mu);
+  hp->stopping = 1;
   hp->reserve_bytes = 0;
+  int started = hp->reaper_started;
+  pthread_cond_signal(&hp->cv);
+  pthread_mutex_unlock(&hp->mu);
+  if (started) pthread_join(hp->reaper, NULL);
   msv_hostpool_trim(hp);
+  pthread_cond_destroy(&hp->cv);
   pthread_mutex_destroy(&hp->mu);
 }

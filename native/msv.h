@@ -94,12 +94,18 @@ typedef struct {
   int prefault_threads;
   uint64_t chunks_created, chunks_reused;
   double register_seconds, prefault_seconds;
+  /* the reaper unpins and unmaps chunks beyond the reserve off the caller's path */
+  pthread_t reaper;
+  pthread_cond_t cv;
+  int reaper_started, reap_pending, stopping;
 } msv_hostpool;
 
 int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads);
 int msv_hostpool_get(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
 void msv_hostpool_put(msv_hostpool *hp, msv_hchunk *c);
 void msv_hostpool_trim(msv_hostpool *hp);
+/* Ask the reaper thread to trim (wake returns without waiting for cuMemHostUnregister). */
+void msv_hostpool_trim_async(msv_hostpool *hp);
 void msv_hostpool_destroy(msv_hostpool *hp);
 
 /* ---- the allocator ---- */
@@ -124,6 +130,7 @@ typedef struct {
   double last_sleep_seconds, last_wake_seconds;
   uint64_t host_chunks_created, host_chunks_reused;
   size_t host_held_bytes, host_reserve_bytes;
+  double host_prefault_seconds, host_register_seconds;
 } msv_counters;
 
 typedef struct msv_allocator msv_allocator;
