@@ -16,9 +16,12 @@ from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
+from setuptools.command.build_py import build_py
 
 ROOT = Path(__file__).parent
 NATIVE = ROOT / "native"
+PROTOS = ROOT / "protos"
+STUBS = ROOT / "memsvc" / "v1"
 GENCODE = [
     "-gencode=arch=compute_80,code=sm_80",
     "-gencode=arch=compute_90,code=sm_90",
@@ -62,6 +65,36 @@ class BuildNative(build_ext):
         super().build_extensions()
 
 
+def generate_stubs() -> None:
+    """protos/memsvc/v1/*.proto -> memsvc/v1/*_pb2.py(i), *_pb2_grpc.py(i), in the source tree.
+
+    The proto tree mirrors the package (-Iprotos), so generated imports are absolute
+    (``from memsvc.v1 import common_pb2``) with no rewriting.
+    """
+    import sys
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    protos = sorted(str(p) for p in (PROTOS / "memsvc" / "v1").glob("*.proto"))
+    wkt = str(Path(grpc_tools.__file__).parent / "_proto")
+    args = ["protoc", f"-I{PROTOS}", f"-I{wkt}", f"--python_out={ROOT}", f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}"]
+    plugin = shutil.which("protoc-gen-mypy_grpc") or str(Path(sys.executable).parent / "protoc-gen-mypy_grpc")
+    if os.access(plugin, os.X_OK):
+        args += [f"--plugin=protoc-gen-mypy_grpc={plugin}", f"--mypy_grpc_out={ROOT}"]
+    if protoc.main([*args, *protos]) != 0:
+        raise RuntimeError("protoc failed on " + " ".join(protos))
+    for stub in STUBS.glob("*_pb2_grpc.py*"):  # files without services get empty gRPC modules
+        if "service" not in stub.name:
+            stub.unlink()
+
+
+class BuildPy(build_py):
+    def run(self) -> None:
+        generate_stubs()
+        super().run()
+
+
 native = Extension(
     "worker._native",
     sources=sorted(str(p.relative_to(ROOT)) for p in NATIVE.glob("*.c")),
@@ -73,6 +106,6 @@ native = Extension(
 
 setup(
     ext_modules=[native],
-    cmdclass={"build_ext": BuildNative},
+    cmdclass={"build_ext": BuildNative, "build_py": BuildPy},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},
 )

@@ -143,8 +143,16 @@ def copy_bench(block_sizes: list[int], reps: int) -> list[dict[str, Any]]:
                     alloc.copy_blocks(src, dst, bs, method)
                     times.append(time.perf_counter() - t0)
                 med = statistics.median(times)
-                rows.append({"block_bytes": bs, "blocks": n, "direction": direction, "method": method,
-                             "median_s": med, "GBps": n * bs / med / GB})  # fmt: skip
+                rows.append(
+                    {
+                        "block_bytes": bs,
+                        "blocks": n,
+                        "direction": direction,
+                        "method": method,
+                        "median_s": med,
+                        "GBps": n * bs / med / GB,
+                    }
+                )
         # correctness spot check of the last method run (h2d): device slots equal host slots
         idx = torch.tensor(d_slots[:64], device=dev.device)
         hidx = torch.tensor(h_slots[:64])
@@ -178,13 +186,17 @@ def main() -> None:
 
     w = result["weights_reserve"]
     print(f"\n{result['device']} driver {result.get('driver')} commit {result['commit']}")
-    print(f"weights {w['tensor_bytes'] / 2**30:.2f} GiB in {w['tensors']} tensors; mapped/tensor "
-          f"{w['mapped_over_tensor']:.4f}; device used/tensor {w['device_used_over_tensor']:.4f}; "
-          f"freed on sleep/mapped {w['freed_on_sleep_over_mapped']:.4f}")  # fmt: skip
+    print(
+        f"weights {w['tensor_bytes'] / 2**30:.2f} GiB in {w['tensors']} tensors; mapped/tensor "
+        f"{w['mapped_over_tensor']:.4f}; device used/tensor {w['device_used_over_tensor']:.4f}; "
+        f"freed on sleep/mapped {w['freed_on_sleep_over_mapped']:.4f}"
+    )
     for name in ("weights_reserve", "weights_no_reserve", "weights_checksum"):
         for r in result[name]["cycles"]:
-            print(f"{name:20s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s ({r['sleep_s']:.3f}s)  "
-                  f"wake {r['wake_GBps']:6.1f} GB/s ({r['wake_s']:.3f}s)  ok={r['data_ok']}")  # fmt: skip
+            print(
+                f"{name:20s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s ({r['sleep_s']:.3f}s)  "
+                f"wake {r['wake_GBps']:6.1f} GB/s ({r['wake_s']:.3f}s)  ok={r['data_ok']}"
+            )
     print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in ("loop", "batch", "kernel", "auto")))
     by: dict[tuple[int, str], dict[str, float]] = {}
     for r in result["copy_blocks"]:

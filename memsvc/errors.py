@@ -10,10 +10,18 @@ from __future__ import annotations
 
 
 class MemsvcError(Exception):
-    """Root of all memsvc errors."""
+    """Root of all memsvc errors.
+
+    ``metadata`` carries the dynamic values of the message (lowerCamel keys) into the ErrorInfo
+    detail, so clients can act on them without parsing text.
+    """
 
     status_name = "INTERNAL"
     reason = "INTERNAL"
+
+    def __init__(self, message: str = "", *, metadata: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.metadata: dict[str, str] = dict(metadata or {})
 
 
 class InvalidArgument(MemsvcError):

@@ -789,8 +789,12 @@ out:
 }
 
 /* ---- stats ---- */
-int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *n) {
-  pthread_mutex_lock(&a->mu);
+int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *n, int nonblocking) {
+  if (nonblocking) {
+    if (pthread_mutex_trylock(&a->mu) != 0) return msv_fail(MSV_E_BUSY, "the allocator is busy with a transition");
+  } else {
+    pthread_mutex_lock(&a->mu);
+  }
   *n = a->n_arenas;
   for (size_t i = 0; i < a->n_arenas && i < cap; i++) {
     arena *ar = a->arenas[i];

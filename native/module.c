@@ -315,17 +315,21 @@ static const char *state_name(int s) {
   return s == MSV_TAG_AWAKE ? "awake" : s == MSV_TAG_OFFLOADED ? "offloaded" : "discarded";
 }
 
-static PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *unused) {
-  (void)unused;
+static PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args) {
+  int nonblocking = 0;
+  if (!PyArg_ParseTuple(args, "|p", &nonblocking)) return NULL;
   msv_allocator *a = get(self);
   if (!a) return NULL;
   size_t n = 0;
   msv_tag_stats probe;
-  msv_tag_stats_all(a, &probe, 0, &n);
+  if (msv_tag_stats_all(a, &probe, 0, &n, nonblocking)) return raise_last();
   msv_tag_stats *st = calloc(n + 8, sizeof *st); /* room for tags created meanwhile */
   if (!st) return PyErr_NoMemory();
   size_t cap = n + 8;
-  msv_tag_stats_all(a, st, cap, &n);
+  if (msv_tag_stats_all(a, st, cap, &n, nonblocking)) {
+    free(st);
+    return raise_last();
+  }
   if (n > cap) n = cap;
   PyObject *out = PyList_New(0);
   for (size_t i = 0; out && i < n; i++) {
@@ -516,7 +520,7 @@ static PyMethodDef Allocator_methods[] = {
     {"host_tensor", (PyCFunction)Allocator_host_tensor, METH_VARARGS, "host_tensor(nbytes, shape, code, bits) -> capsule"},
     {"sleep", (PyCFunction)Allocator_sleep, METH_VARARGS, "sleep([(tag, action), ...])"},
     {"wake", (PyCFunction)Allocator_wake, METH_VARARGS, "wake(tags=None)"},
-    {"tag_stats", (PyCFunction)Allocator_tag_stats, METH_NOARGS, "per-tag statistics"},
+    {"tag_stats", (PyCFunction)Allocator_tag_stats, METH_VARARGS, "tag_stats(nonblocking=False): per-tag statistics"},
     {"counters", (PyCFunction)Allocator_counters, METH_NOARGS, "transition counters"},
     {"mem_info", (PyCFunction)Allocator_mem_info, METH_NOARGS, "(free, total) device bytes"},
     {"copy_blocks", (PyCFunction)Allocator_copy_blocks, METH_VARARGS, "copy_blocks(src, dst, sizes, method, stream)"},

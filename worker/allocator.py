@@ -116,10 +116,17 @@ def _dlpack_dtype(dtype: torch.dtype) -> tuple[int, int]:
     import torch
 
     table = {
-        torch.float16: (2, 16), torch.float32: (2, 32), torch.float64: (2, 64), torch.bfloat16: (4, 16),
-        torch.int8: (0, 8), torch.int16: (0, 16), torch.int32: (0, 32), torch.int64: (0, 64),
-        torch.uint8: (1, 8), torch.bool: (6, 8),
-    }  # fmt: skip
+        torch.float16: (2, 16),
+        torch.float32: (2, 32),
+        torch.float64: (2, 64),
+        torch.bfloat16: (4, 16),
+        torch.int8: (0, 8),
+        torch.int16: (0, 16),
+        torch.int32: (0, 32),
+        torch.int64: (0, 64),
+        torch.uint8: (1, 8),
+        torch.bool: (6, 8),
+    }
     try:
         return table[dtype]
     except KeyError:
@@ -327,16 +334,25 @@ class MemoryAllocator:
                 return str(s["state"])
         return None
 
-    def stats(self) -> AllocatorStats:
+    def stats(self, wait: bool = True) -> AllocatorStats:
+        """A snapshot; with ``wait=False`` raise TransitionInProgress instead of waiting for a
+        running sleep or wake (status RPCs must answer during transitions)."""
+        raw = self._native.tag_stats(not wait)
         free, total = self._native.mem_info()
         tags = {
             s["tag"]: TagStats(
-                tag=s["tag"], state=s["state"], mapped_bytes=s["mapped_bytes"], allocated_bytes=s["allocated_bytes"],
-                offloaded_bytes=s["offloaded_bytes"], discarded_bytes=s["discarded_bytes"],
-                allocations=s["allocations"], layout_bytes=s["layout_bytes"], extents=s["extents"],
+                tag=s["tag"],
+                state=s["state"],
+                mapped_bytes=s["mapped_bytes"],
+                allocated_bytes=s["allocated_bytes"],
+                offloaded_bytes=s["offloaded_bytes"],
+                discarded_bytes=s["discarded_bytes"],
+                allocations=s["allocations"],
+                layout_bytes=s["layout_bytes"],
+                extents=s["extents"],
             )
-            for s in self._native.tag_stats()
-        }  # fmt: skip
+            for s in raw
+        }
         return AllocatorStats(self.backend, self.device, free, total, tags, dict(self._native.counters()))
 
     def close(self) -> None:

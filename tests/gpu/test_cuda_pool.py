@@ -32,9 +32,13 @@ def cuda_alloc() -> Iterator[MemoryAllocator]:
 def _model() -> torch.nn.Module:
     torch.manual_seed(0)
     return torch.nn.Sequential(
-        torch.nn.Linear(4096, 8192), torch.nn.GELU(), torch.nn.LayerNorm(8192),
-        torch.nn.Linear(8192, 4096), torch.nn.SiLU(), torch.nn.Linear(4096, 1000),
-    ).to(device="cuda", dtype=torch.bfloat16)  # fmt: skip
+        torch.nn.Linear(4096, 8192),
+        torch.nn.GELU(),
+        torch.nn.LayerNorm(8192),
+        torch.nn.Linear(8192, 4096),
+        torch.nn.SiLU(),
+        torch.nn.Linear(4096, 1000),
+    ).to(device="cuda", dtype=torch.bfloat16)
 
 
 def test_model_in_pool_is_bit_identical_and_frees_device_memory(cuda_alloc: MemoryAllocator) -> None:

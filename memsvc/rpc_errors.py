@@ -1,0 +1,98 @@
+"""The one place where errors become gRPC statuses.
+
+Servers install :class:`ErrorMappingInterceptor`; handlers just raise :class:`memsvc.errors.MemsvcError`
+subclasses. Each becomes its canonical status code with a ``google.rpc.ErrorInfo`` detail
+(reason, domain, metadata), per AIP-193. Anything else is a bug: it is logged with its traceback
+and answered INTERNAL, so no stack trace leaks to clients and the server keeps running.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from google.protobuf import any_pb2
+from google.rpc import code_pb2, error_details_pb2, status_pb2
+from grpc_status import rpc_status
+
+from memsvc.errors import MemsvcError
+
+DOMAIN = "memsvc.dev"
+log = logging.getLogger("memsvc.rpc")
+
+
+def to_status(exc: BaseException) -> grpc.Status:
+    """A MemsvcError (or any exception, as INTERNAL) as a rich gRPC status."""
+    if isinstance(exc, MemsvcError):
+        code_name, reason, metadata, message = exc.status_name, exc.reason, exc.metadata, str(exc)
+    else:
+        code_name, reason, metadata, message = "INTERNAL", "INTERNAL", {}, f"internal error: {type(exc).__name__}"
+    info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
+    detail = any_pb2.Any()
+    detail.Pack(info)
+    status = status_pb2.Status(code=code_pb2.Code.Value(code_name), message=message or reason, details=[detail])
+    return rpc_status.to_status(status)
+
+
+def error_info(err: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
+    """The ErrorInfo detail of a failed call, for clients and tests."""
+    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    if status is None:
+        return None
+    for d in status.details:
+        info = error_details_pb2.ErrorInfo()
+        if d.Unpack(info):
+            return info
+    return None
+
+
+async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+    if not isinstance(exc, MemsvcError):
+        log.exception("unexpected error in %s", method, exc_info=exc)
+    await context.abort_with_status(to_status(exc))
+
+
+class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
+    """Wraps every unary and server-streaming handler with the error mapping above."""
+
+    async def intercept_service(
+        self,
+        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
+        details: grpc.HandlerCallDetails,
+    ) -> grpc.RpcMethodHandler:
+        handler = await continuation(details)
+        if handler is None:
+            return handler
+        method = details.method
+        if handler.unary_unary is not None:
+            inner_uu = handler.unary_unary
+
+            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+                try:
+                    return await inner_uu(request, context)
+                except (MemsvcError, Exception) as exc:  # noqa: BLE001 - mapped, not swallowed
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, exc, method)
+
+            return grpc.unary_unary_rpc_method_handler(
+                unary_unary, handler.request_deserializer, handler.response_serializer
+            )
+        if handler.unary_stream is not None:
+            inner_us = handler.unary_stream
+
+            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+                try:
+                    async for item in inner_us(request, context):
+                        yield item
+                except (MemsvcError, Exception) as exc:  # noqa: BLE001
+                    if isinstance(exc, grpc.aio.AbortError):
+                        raise
+                    await _abort(context, exc, method)
+
+            return grpc.unary_stream_rpc_method_handler(
+                unary_stream, handler.request_deserializer, handler.response_serializer
+            )
+        return handler

@@ -1,0 +1,430 @@
+"""The worker's domain object: one model, its memory pools, and the state machine around them.
+
+Every piece of device work (load, sleep, wake, reload, swap, generate) runs on one dedicated
+thread, so the event loop stays free for status and telemetry, and device work is naturally
+serialised. Bookkeeping of a transition (state, busy flag, events) happens on that thread inside
+the job itself: a client that cancels mid-Sleep leaves the job to finish, and the worker ends in
+a consistent state rather than in the one the cancelled coroutine last saw.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import collections
+import concurrent.futures
+import socket
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+from memsvc.errors import InvalidArgument, MemsvcError, TransitionInProgress, WrongState
+from worker.allocator import Action, AllocatorConfig, AllocatorStats, CopyMethod, MemoryAllocator
+from worker.telemetry import Event, TelemetryHub
+
+T = TypeVar("T")
+
+WEIGHTS, KV_CACHE = "weights", "kv_cache"
+LEVEL_ACTIONS: dict[int, dict[str, Action]] = {
+    1: {WEIGHTS: Action.OFFLOAD, KV_CACHE: Action.DISCARD},
+    2: {WEIGHTS: Action.DISCARD, KV_CACHE: Action.DISCARD},
+}
+
+
+class State:
+    """Worker states; the names match memsvc.v1.WorkerState."""
+
+    LOADING = "LOADING"
+    AWAKE = "AWAKE"
+    SLEEPING = "SLEEPING"
+    ASLEEP = "ASLEEP"
+    WAKING = "WAKING"
+    PARTIALLY_AWAKE = "PARTIALLY_AWAKE"
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker is built (the ``memsvc worker`` flags)."""
+
+    model: str = "synthetic:tiny"
+    """A Hugging Face-layout checkpoint directory, or ``synthetic:<preset>``."""
+    backend: str = "auto"
+    device: int = 0
+    worker_id: str = ""
+    """Name under which the worker registers; default ``<hostname>-<device>``."""
+    kv_blocks: int = 256
+    """Device KV cache blocks."""
+    host_kv_blocks: int = 256
+    """Host KV cache blocks (swap space)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    host_capacity_bytes: int = 8 << 30
+    """Host backend only: size of the simulated device."""
+    checksum: bool = False
+    host_reserve_bytes: int = 0
+    seed: int = 0
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{self.device}"
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What one finished transition moved, and how fast."""
+
+    kind: str
+    moved_bytes: int
+    seconds: float
+    verified_bytes: int = 0
+    end_time: float = field(default_factory=time.time)
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        return self.moved_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Status:
+    """A snapshot of the worker for GetWorkerStatus and telemetry."""
+
+    worker_id: str
+    state: str
+    sleep_level: int
+    device: dict[str, Any]
+    model: dict[str, Any]
+    memory: AllocatorStats | None
+    kv_cache: dict[str, int]
+    last_transition: Transition | None
+    time: float
+
+
+class WorkerCore:
+    REQUEST_CACHE = 512
+
+    def __init__(self, config: WorkerConfig, loop: asyncio.AbstractEventLoop) -> None:
+        self.config = config
+        self.worker_id = config.resolved_worker_id()
+        self.telemetry = TelemetryHub(loop)
+        self._loop = loop
+        self._device_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memsvc-device")
+        self._busy = threading.Lock()
+        self._state = State.LOADING
+        self._sleep_level = 0
+        self._slept_tags: set[str] = set()
+        self._last: Transition | None = None
+        self._last_memory: AllocatorStats | None = None
+        self._done: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
+        self._done_lock = threading.Lock()
+        self.alloc: MemoryAllocator | None = None
+        self.runner: Any = None
+        self._device: dict[str, Any] = {}
+
+    # ---- plumbing ----
+    async def _run(self, fn: Callable[[], T]) -> T:
+        return await self._loop.run_in_executor(self._device_thread, fn)
+
+    def _set_state(self, new: str, reason: str) -> None:
+        old, self._state = self._state, new
+        if old != new:
+            self.telemetry.publish(Event("state_change", {"from": old, "to": new, "reason": reason}))
+
+    def _finish(self, t: Transition) -> Transition:
+        self._last = t
+        self.telemetry.publish(Event("transition", {"transition": t}))
+        return t
+
+    def _replay(self, request_id: str, method: str) -> Any:
+        if not request_id:
+            return None
+        with self._done_lock:
+            hit = self._done.get(request_id)
+        if hit is None:
+            return None
+        if hit[0] != method:
+            raise InvalidArgument(
+                f"request_id {request_id!r} was already used for {hit[0]}", metadata={"requestId": request_id}
+            )
+        return hit[1]
+
+    def _remember(self, request_id: str, method: str, result: Any) -> None:
+        if request_id:
+            with self._done_lock:
+                self._done[request_id] = (method, result)
+                while len(self._done) > self.REQUEST_CACHE:
+                    self._done.popitem(last=False)
+
+    def _begin(self) -> None:
+        if not self._busy.acquire(blocking=False):
+            raise TransitionInProgress(
+                f"worker is {self._state.lower()}: another transition is running", metadata={"state": self._state}
+            )
+
+    @property
+    def state(self) -> str:
+        return self._state
+
+    # ---- lifecycle ----
+    async def load(self) -> None:
+        """Create the allocator and load the model (state LOADING -> AWAKE)."""
+        self._busy.acquire()
+        await self._run(self._load)
+
+    def _load(self) -> None:
+        try:
+            from worker.model.runner import ModelRunner
+            from worker.model.weights import parse_model_spec
+
+            c = self.config
+            t0 = time.perf_counter()
+            self.alloc = MemoryAllocator(
+                AllocatorConfig(
+                    backend=c.backend,
+                    device=c.device,
+                    host_capacity_bytes=c.host_capacity_bytes,  # type: ignore[arg-type]
+                    checksum=c.checksum,
+                    host_reserve_bytes=c.host_reserve_bytes,
+                )
+            )
+            source = parse_model_spec(c.model, seed=c.seed)
+            self.runner = ModelRunner(
+                self.alloc,
+                source,
+                num_device_blocks=c.kv_blocks,
+                num_host_blocks=c.host_kv_blocks,
+                block_size=c.block_size,
+            )
+            self._device = self._describe_device()
+            self._last_memory = self.alloc.stats()
+            moved = self._last_memory.tags[WEIGHTS].allocated_bytes if WEIGHTS in self._last_memory.tags else 0
+            self._finish(Transition("load", moved, time.perf_counter() - t0))
+            self._set_state(State.AWAKE, "model loaded")
+        finally:
+            self._busy.release()
+
+    def _describe_device(self) -> dict[str, Any]:
+        assert self.alloc is not None
+        if self.alloc.backend == "cuda":
+            import torch
+
+            p = torch.cuda.get_device_properties(self.alloc.device)
+            return {"backend": "cuda", "index": self.alloc.device, "name": p.name, "uuid": str(getattr(p, "uuid", ""))}
+        return {"backend": "host", "index": self.alloc.device, "name": "host memory", "uuid": ""}
+
+    async def close(self) -> None:
+        """Finish queued device work, then release the model and the allocator."""
+        await self._run(self._close)
+        self._device_thread.shutdown(wait=True)
+
+    def _close(self) -> None:
+        self.runner = None
+        if self.alloc is not None:
+            self.alloc.close()
+            self.alloc = None
+
+    # ---- status ----
+    def status(self) -> Status:
+        memory = self._last_memory
+        if self.alloc is not None:
+            try:
+                memory = self.alloc.stats(wait=False)
+                self._last_memory = memory
+            except TransitionInProgress:
+                pass  # a transition holds the table: report the last snapshot with the live state
+        kv = dict(self.runner.kv_cache.stats()) if self.runner is not None else {}
+        model = dict(self.runner.info()) if self.runner is not None else {"source": self.config.model}
+        return Status(
+            self.worker_id,
+            self._state,
+            self._sleep_level,
+            dict(self._device),
+            model,
+            memory,
+            kv,
+            self._last,
+            time.time(),
+        )
+
+    def _require(self, *states: str) -> None:
+        if self._state not in states:
+            raise WrongState(
+                f"worker is {self._state.lower()}; this needs it {' or '.join(s.lower() for s in states)}",
+                metadata={"state": self._state},
+            )
+
+    # ---- sleep ----
+    def plan_sleep(self, level: int, tag_actions: Mapping[str, Action]) -> dict[str, Action]:
+        """Actions per tag for a Sleep request; explicit tag actions override the level."""
+        if level not in (0, 1, 2):
+            raise InvalidArgument(f"sleep level must be 1 or 2, got {level}", metadata={"level": str(level)})
+        if level == 0 and not tag_actions:
+            raise InvalidArgument("give a sleep level or tag actions")
+        known = set(self._last_memory.tags) if self._last_memory else {WEIGHTS, KV_CACHE}
+        for tag in tag_actions:
+            if tag not in known:
+                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(known)}", metadata={"tag": tag})
+        plan = dict(LEVEL_ACTIONS.get(level, {}))
+        plan.update(tag_actions)
+        return plan
+
+    async def sleep(self, level: int, tag_actions: Mapping[str, Action], request_id: str = "") -> Transition:
+        replay = self._replay(request_id, "Sleep")
+        if replay is not None:
+            return replay  # type: ignore[no-any-return]
+        plan = self.plan_sleep(level, tag_actions)
+        self._begin()
+        try:
+            self._require(State.AWAKE, State.PARTIALLY_AWAKE)
+            assert self.alloc is not None
+            awake = {t for t, s in self.alloc.stats().tags.items() if s.state == "awake"}
+            todo = {t: a for t, a in plan.items() if t in awake and a != Action.KEEP}
+            if not todo:
+                raise WrongState("nothing to put to sleep: every named tag is already asleep or kept")
+        except BaseException:
+            self._busy.release()
+            raise
+        return await self._run(lambda: self._sleep(todo, level if not tag_actions else 0, request_id))
+
+    def _sleep(self, todo: dict[str, Action], level: int, request_id: str) -> Transition:
+        assert self.alloc is not None
+        before = self._state
+        try:
+            self._set_state(State.SLEEPING, "Sleep")
+            t0 = time.perf_counter()
+            self.alloc.sleep(todo)
+            if todo.get(KV_CACHE) == Action.DISCARD and self.runner is not None:
+                self.runner.drop_kv()
+            seconds = time.perf_counter() - t0
+            self._last_memory = self.alloc.stats()
+            moved = sum(self._last_memory.tags[t].offloaded_bytes for t, a in todo.items() if a == Action.OFFLOAD)
+            self._slept_tags = set(todo) | (self._slept_tags if before == State.PARTIALLY_AWAKE else set())
+            self._sleep_level = level
+            self._set_state(State.ASLEEP, "Sleep")
+            t = self._finish(Transition("sleep", moved, seconds))
+            self._remember(request_id, "Sleep", t)
+            return t
+        except BaseException as exc:
+            self._set_state(before, f"Sleep failed: {exc}")
+            raise
+        finally:
+            self._busy.release()
+
+    # ---- wake ----
+    async def wake(self, tags: Sequence[str], request_id: str = "") -> Transition:
+        replay = self._replay(request_id, "WakeUp")
+        if replay is not None:
+            return replay  # type: ignore[no-any-return]
+        self._begin()
+        try:
+            self._require(State.ASLEEP, State.PARTIALLY_AWAKE)
+            assert self.alloc is not None
+            stats = self.alloc.stats().tags
+            if len(set(tags)) != len(tags):
+                raise InvalidArgument("a tag is named twice")
+            for tag in tags:
+                if tag not in stats:
+                    raise InvalidArgument(
+                        f"unknown tag {tag!r}; this worker has {sorted(stats)}", metadata={"tag": tag}
+                    )
+                if stats[tag].state == "awake":
+                    raise WrongState(f"tag {tag!r} is not asleep", metadata={"tag": tag})
+            wanted = list(tags) or [t for t, s in stats.items() if s.state != "awake"]
+            reload = stats[WEIGHTS].state == "discarded" if WEIGHTS in wanted else False
+        except BaseException:
+            self._busy.release()
+            raise
+        return await self._run(lambda: self._wake(wanted, reload, request_id))
+
+    def _wake(self, tags: list[str], reload: bool, request_id: str) -> Transition:
+        assert self.alloc is not None
+        before = self._state
+        try:
+            self._set_state(State.WAKING, "WakeUp")
+            t0 = time.perf_counter()
+            ctr0 = self.alloc.stats().counters
+            self.alloc.wake_up(tags)
+            if reload:
+                self.runner.reload_weights()
+            seconds = time.perf_counter() - t0
+            self._last_memory = self.alloc.stats()
+            ctr = self._last_memory.counters
+            moved = int(ctr["bytes_restored"] - ctr0["bytes_restored"])
+            if reload:
+                moved += self._last_memory.tags[WEIGHTS].allocated_bytes
+            asleep = {t for t, s in self._last_memory.tags.items() if s.state != "awake"}
+            if not asleep:
+                self._sleep_level = 0
+                self._set_state(State.AWAKE, "WakeUp")
+            else:
+                self._set_state(State.PARTIALLY_AWAKE, "WakeUp")
+            t = self._finish(Transition("wake", moved, seconds, int(ctr["bytes_verified"] - ctr0["bytes_verified"])))
+            self._remember(request_id, "WakeUp", t)
+            return t
+        except BaseException as exc:
+            # Native wake is all-or-nothing: the tags are still asleep with their backups.
+            self._set_state(before, f"WakeUp failed: {exc}")
+            raise
+        finally:
+            self._busy.release()
+
+    # ---- weights ----
+    async def reload_weights(self, request_id: str = "") -> Transition:
+        replay = self._replay(request_id, "ReloadWeights")
+        if replay is not None:
+            return replay  # type: ignore[no-any-return]
+        self._begin()
+        try:
+            self._require(State.AWAKE)
+        except BaseException:
+            self._busy.release()
+            raise
+        return await self._run(lambda: self._reload(request_id))
+
+    def _reload(self, request_id: str) -> Transition:
+        try:
+            t0 = time.perf_counter()
+            self.runner.reload_weights()
+            assert self.alloc is not None
+            self._last_memory = self.alloc.stats()
+            t = self._finish(
+                Transition("reload_weights", self._last_memory.tags[WEIGHTS].allocated_bytes, time.perf_counter() - t0)
+            )
+            self._remember(request_id, "ReloadWeights", t)
+            return t
+        finally:
+            self._busy.release()
+
+    # ---- KV blocks and generation ----
+    async def swap_blocks(self, direction: str, pairs: list[tuple[int, int]], method: CopyMethod) -> Transition:
+        if direction not in ("out", "in"):
+            raise InvalidArgument("direction must be DEVICE_TO_HOST or HOST_TO_DEVICE")
+        if not pairs:
+            raise InvalidArgument("no block pairs given")
+        self._check_kv_awake()
+        return await self._run(lambda: self._swap(direction, pairs, method))
+
+    def _check_kv_awake(self) -> None:
+        if self._state in (State.LOADING, State.SLEEPING, State.WAKING):
+            raise WrongState(f"worker is {self._state.lower()}", metadata={"state": self._state})
+        mem = self._last_memory
+        if mem is not None and KV_CACHE in mem.tags and mem.tags[KV_CACHE].state != "awake":
+            raise WrongState("the KV cache is asleep: wake it first", metadata={"state": self._state})
+
+    def _swap(self, direction: str, pairs: list[tuple[int, int]], method: CopyMethod) -> Transition:
+        self._check_kv_awake()
+        t0 = time.perf_counter()
+        moved = int(self.runner.kv_cache.swap(direction, pairs, method=method))
+        return self._finish(Transition("swap_blocks", moved, time.perf_counter() - t0))
+
+    async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> tuple[list[int], float]:
+        self._require(State.AWAKE)
+        return await self._run(lambda: self._generate(prompt, max_new_tokens, sequence_id))
+
+    def _generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> tuple[list[int], float]:
+        self._require(State.AWAKE)  # a Sleep may have run while this job was queued
+        t0 = time.perf_counter()
+        tokens = self.runner.generate(prompt, max_new_tokens, sequence_id=sequence_id or None)
+        return list(tokens), time.perf_counter() - t0
+
+
+__all__ = ["LEVEL_ACTIONS", "MemsvcError", "State", "Status", "Transition", "WorkerConfig", "WorkerCore"]

@@ -1,0 +1,58 @@
+"""``memsvc worker``: serve one model on one device until SIGTERM, then drain and exit."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import sys
+
+from memsvc.serving import install_signal_handlers, start_server
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from worker.core import WorkerConfig, WorkerCore
+from worker.servicer import ModelWorkerServicer
+
+log = logging.getLogger("memsvc.worker")
+SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
+DRAIN_SECONDS = 30.0
+
+
+async def serve(config: WorkerConfig, listen: str, manager: str | None = None) -> int:
+    loop = asyncio.get_running_loop()
+    core = WorkerCore(config, loop)
+    servicer = ModelWorkerServicer(core)
+    srv = await start_server(
+        listen, [lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+    )
+    await srv.set_serving(False)
+    await srv.set_serving(False, SERVICE_NAME)
+    print(f"memsvc worker {core.worker_id} listening on {srv.address}", flush=True)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    try:
+        await core.load()
+    except Exception:
+        log.exception("loading the model failed")
+        await srv.stop(0)
+        return 1
+    await srv.set_serving(True)
+    await srv.set_serving(True, SERVICE_NAME)
+    print(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}", flush=True)
+    background: list[asyncio.Task[None]] = []
+    if manager:
+        from worker.registration import keep_registered
+
+        background.append(asyncio.create_task(keep_registered(core, srv.address, manager)))
+    await stop.wait()
+    log.info("draining: finishing in-flight calls (up to %.0f s)", DRAIN_SECONDS)
+    for task in background:
+        task.cancel()
+    await srv.stop(DRAIN_SECONDS)
+    await core.close()
+    print(f"memsvc worker {core.worker_id} stopped", flush=True)
+    return 0
+
+
+def run(config: WorkerConfig, listen: str, manager: str | None) -> int:
+    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
+    return asyncio.run(serve(config, listen, manager))

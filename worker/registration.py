@@ -1,0 +1,37 @@
+"""Self-registration: a worker started with ``--manager`` registers and then heartbeats by
+registering again every interval the manager asks for. A manager that is down is retried with
+backoff; the worker keeps serving meanwhile."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import socket
+
+import grpc
+
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from worker.core import WorkerCore
+from worker.servicer import status_pb
+
+log = logging.getLogger("memsvc.worker.registration")
+
+
+async def keep_registered(core: WorkerCore, address: str, manager: str) -> None:
+    backoff = 0.5
+    async with grpc.aio.insecure_channel(manager) as channel:
+        stub = m_grpc.MemoryManagerServiceStub(channel)
+        while True:
+            request = m.RegisterWorkerRequest(
+                worker_id=core.worker_id, address=address, host=socket.gethostname(), status=status_pb(core.status())
+            )
+            try:
+                reply = await stub.RegisterWorker(request, timeout=5.0)
+                backoff = 0.5
+                interval = reply.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0
+                await asyncio.sleep(min(max(interval, 0.1), 60.0))
+            except grpc.aio.AioRpcError as err:
+                log.warning("registering with %s failed: %s; retrying in %.1f s", manager, err.code().name, backoff)
+                await asyncio.sleep(backoff)
+                backoff = min(backoff * 2, 10.0)

@@ -1,0 +1,209 @@
+"""ModelWorkerService: proto in, domain call, proto out. Errors are raised as MemsvcError and
+mapped to status codes by memsvc.rpc_errors; nothing here decides policy."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+from google.protobuf import duration_pb2, timestamp_pb2
+
+from memsvc.errors import InvalidArgument
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from worker.allocator import Action, CopyMethod
+from worker.core import Status, Transition, WorkerCore
+from worker.telemetry import Event
+
+_TAG_STATE = {"awake": c.TAG_STATE_AWAKE, "offloaded": c.TAG_STATE_OFFLOADED, "discarded": c.TAG_STATE_DISCARDED}
+_ACTION = {c.TAG_ACTION_OFFLOAD: Action.OFFLOAD, c.TAG_ACTION_DISCARD: Action.DISCARD, c.TAG_ACTION_KEEP: Action.KEEP}
+_METHOD = {
+    c.COPY_METHOD_UNSPECIFIED: CopyMethod.AUTO,
+    c.COPY_METHOD_AUTO: CopyMethod.AUTO,
+    c.COPY_METHOD_LOOP: CopyMethod.LOOP,
+    c.COPY_METHOD_BATCH: CopyMethod.BATCH,
+    c.COPY_METHOD_KERNEL: CopyMethod.KERNEL,
+}
+MAX_GENERATE_TOKENS = 4096
+MAX_PROMPT_TOKENS = 1 << 16
+MAX_SWAP_PAIRS = 1 << 20
+
+
+def state_enum(state: str) -> int:
+    return int(c.WorkerState.Value(f"WORKER_STATE_{state}"))
+
+
+def timestamp(t: float) -> timestamp_pb2.Timestamp:
+    ts = timestamp_pb2.Timestamp()
+    ts.FromNanoseconds(int(t * 1e9))
+    return ts
+
+
+def duration(seconds: float) -> duration_pb2.Duration:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(seconds * 1e9))
+    return d
+
+
+def transition_pb(t: Transition | None) -> c.TransitionStats:
+    if t is None:
+        return c.TransitionStats()
+    return c.TransitionStats(
+        kind=t.kind,
+        moved_bytes=t.moved_bytes,
+        duration=duration(t.seconds),
+        gigabytes_per_second=t.gigabytes_per_second,
+        verified_bytes=t.verified_bytes,
+        end_time=timestamp(t.end_time),
+    )
+
+
+def status_pb(s: Status) -> c.WorkerStatus:
+    mem = s.memory
+    tags = []
+    device = c.DeviceInfo(**s.device)
+    host_pinned = 0
+    if mem is not None:
+        device.total_bytes, device.free_bytes = mem.device_total_bytes, mem.device_free_bytes
+        host_pinned = int(mem.counters.get("host_held_bytes", 0))
+        for t in sorted(mem.tags.values(), key=lambda t: t.tag):
+            tags.append(
+                c.TagMemory(
+                    tag=t.tag,
+                    state=_TAG_STATE[t.state],
+                    mapped_bytes=t.mapped_bytes,
+                    allocated_bytes=t.allocated_bytes,
+                    offloaded_bytes=t.offloaded_bytes,
+                    discarded_bytes=t.discarded_bytes,
+                    allocation_count=t.allocations,
+                )
+            )
+    m = s.model
+    kv = s.kv_cache
+    return c.WorkerStatus(
+        worker_id=s.worker_id,
+        state=state_enum(s.state),
+        device=device,
+        model=c.ModelInfo(
+            source=str(m.get("source", "")),
+            family=str(m.get("family", "")),
+            parameter_count=int(m.get("parameter_count", 0)),
+            weights_bytes=int(m.get("weights_bytes", 0)),
+            vocab_size=int(m.get("vocab_size", 0)),
+            layer_count=int(m.get("layer_count", 0)),
+        ),
+        tags=tags,
+        kv_cache=c.KvCacheInfo(
+            block_bytes=kv.get("block_bytes", 0),
+            block_size_tokens=kv.get("block_size", 0),
+            device_block_count=kv.get("device_blocks", 0),
+            device_free_block_count=kv.get("device_free_blocks", 0),
+            host_block_count=kv.get("host_blocks", 0),
+            host_free_block_count=kv.get("host_free_blocks", 0),
+            sequence_count=kv.get("sequences", 0),
+        ),
+        last_transition=transition_pb(s.last_transition),
+        host_pinned_bytes=host_pinned,
+        update_time=timestamp(s.time),
+        sleep_level=s.sleep_level,
+    )
+
+
+def event_pb(e: Event) -> dict[str, Any]:
+    if e.kind == "state_change":
+        return {
+            "state_change": c.StateChange(
+                from_state=state_enum(e.data["from"]), to_state=state_enum(e.data["to"]), reason=e.data["reason"]
+            )
+        }
+    return {"transition": transition_pb(e.data["transition"])}
+
+
+class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
+    def __init__(self, core: WorkerCore) -> None:
+        self.core = core
+
+    async def GetWorkerStatus(self, request: w.GetWorkerStatusRequest, context: Any) -> w.GetWorkerStatusResponse:
+        return w.GetWorkerStatusResponse(status=status_pb(self.core.status()))
+
+    async def Sleep(self, request: w.SleepRequest, context: Any) -> w.SleepResponse:
+        if request.level not in (c.SLEEP_LEVEL_UNSPECIFIED, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):
+            raise InvalidArgument(f"unknown sleep level {request.level}")
+        actions = {}
+        for tag, act in request.tag_actions.items():
+            if act not in _ACTION:
+                raise InvalidArgument(f"tag {tag!r}: action must be OFFLOAD, DISCARD or KEEP", metadata={"tag": tag})
+            actions[tag] = _ACTION[act]
+        t = await self.core.sleep(int(request.level), actions, request.request_id)
+        return w.SleepResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
+
+    async def WakeUp(self, request: w.WakeUpRequest, context: Any) -> w.WakeUpResponse:
+        t = await self.core.wake(list(request.tags), request.request_id)
+        return w.WakeUpResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
+
+    async def ReloadWeights(self, request: w.ReloadWeightsRequest, context: Any) -> w.ReloadWeightsResponse:
+        t = await self.core.reload_weights(request.request_id)
+        return w.ReloadWeightsResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
+
+    async def SwapBlocks(self, request: w.SwapBlocksRequest, context: Any) -> w.SwapBlocksResponse:
+        direction = {c.SWAP_DIRECTION_DEVICE_TO_HOST: "out", c.SWAP_DIRECTION_HOST_TO_DEVICE: "in"}.get(
+            request.direction
+        )
+        if direction is None:
+            raise InvalidArgument("direction must be SWAP_DIRECTION_DEVICE_TO_HOST or SWAP_DIRECTION_HOST_TO_DEVICE")
+        if request.method not in _METHOD:
+            raise InvalidArgument(f"unknown copy method {request.method}")
+        if len(request.pairs) > MAX_SWAP_PAIRS:
+            raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} block pairs per call")
+        pairs = [(p.src_block, p.dst_block) for p in request.pairs]
+        t = await self.core.swap_blocks(direction, pairs, _METHOD[request.method])
+        return w.SwapBlocksResponse(
+            moved_bytes=t.moved_bytes,
+            duration=duration(t.seconds),
+            gigabytes_per_second=t.gigabytes_per_second,
+            kv_cache=status_pb(self.core.status()).kv_cache,
+        )
+
+    async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
+        if not 0 <= request.max_new_tokens <= MAX_GENERATE_TOKENS:
+            raise InvalidArgument(f"max_new_tokens must be in [0, {MAX_GENERATE_TOKENS}]")
+        if len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
+            raise InvalidArgument(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
+        tokens, seconds = await self.core.generate(
+            list(request.prompt_token_ids), request.max_new_tokens, request.sequence_id
+        )
+        return w.GenerateResponse(token_ids=tokens, sequence_id=request.sequence_id, duration=duration(seconds))
+
+    async def StreamTelemetry(
+        self, request: w.StreamTelemetryRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[w.StreamTelemetryResponse]:
+        interval = request.interval.ToNanoseconds() / 1e9 if request.HasField("interval") else 1.0
+        if interval < 0:
+            raise InvalidArgument("interval must not be negative")
+        interval = min(max(interval or 1.0, 0.05), 3600.0)
+        queue = self.core.telemetry.subscribe()
+        seq = 0
+        try:
+            seq += 1
+            yield w.StreamTelemetryResponse(
+                time=timestamp(self.core.status().time), sequence_number=seq, snapshot=status_pb(self.core.status())
+            )
+            while True:
+                try:
+                    event = await asyncio.wait_for(queue.get(), timeout=interval)
+                except TimeoutError:
+                    seq += 1
+                    snap = self.core.status()
+                    yield w.StreamTelemetryResponse(
+                        time=timestamp(snap.time), sequence_number=seq, snapshot=status_pb(snap)
+                    )
+                    continue
+                seq += 1
+                yield w.StreamTelemetryResponse(
+                    time=timestamp(self.core.status().time), sequence_number=seq, **event_pb(event)
+                )
+        finally:
+            self.core.telemetry.unsubscribe(queue)

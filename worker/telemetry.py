@@ -1,0 +1,57 @@
+"""Fan-out of worker events to StreamTelemetry subscribers.
+
+Transitions run on the device thread; subscribers live on the event loop. ``publish`` may be called
+from any thread and hands the event to each subscriber's bounded queue on the loop, dropping the
+oldest event for a subscriber that does not keep up (a slow client must not stall a transition).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from dataclasses import dataclass, field
+from typing import Any
+
+
+@dataclass(frozen=True)
+class Event:
+    """One telemetry event: ``kind`` is "state_change" or "transition"; ``data`` its fields."""
+
+    kind: str
+    data: dict[str, Any] = field(default_factory=dict)
+
+
+class TelemetryHub:
+    QUEUE_SIZE = 256
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._queues: set[asyncio.Queue[Event]] = set()
+        self._lock = threading.Lock()
+
+    def subscribe(self) -> asyncio.Queue[Event]:
+        q: asyncio.Queue[Event] = asyncio.Queue(self.QUEUE_SIZE)
+        with self._lock:
+            self._queues.add(q)
+        return q
+
+    def unsubscribe(self, q: asyncio.Queue[Event]) -> None:
+        with self._lock:
+            self._queues.discard(q)
+
+    def publish(self, event: Event) -> None:
+        with self._lock:
+            queues = list(self._queues)
+        for q in queues:
+            self._loop.call_soon_threadsafe(self._put, q, event)
+
+    @staticmethod
+    def _put(q: asyncio.Queue[Event], event: Event) -> None:
+        if q.full():
+            q.get_nowait()
+        q.put_nowait(event)
+
+    @property
+    def subscriber_count(self) -> int:
+        with self._lock:
+            return len(self._queues)
