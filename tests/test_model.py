@@ -1,0 +1,486 @@
+"""The model layer on the host backend: config parsing, checkpoints into pool tensors, the paged KV
+cache and swaps, and the proof points — identical greedy tokens across sleep levels and swaps, and
+paged logits equal to a dense reference."""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import json
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+from model_helpers import dense_greedy, dense_logits
+from safetensors.torch import save_file
+
+from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, WrongState
+from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.model import (
+    PRESETS,
+    CheckpointSource,
+    ModelConfig,
+    ModelRunner,
+    SyntheticSource,
+    allocate_weights,
+    fill_synthetic,
+    load_checkpoint,
+    parse_model_spec,
+    save_checkpoint,
+)
+from worker.model.decoder import Rope, forward
+from worker.model.kv_cache import KvCache
+
+PROMPT = [5, 6, 7, 8, 9]
+
+
+@pytest.fixture
+def alloc() -> Iterator[MemoryAllocator]:
+    a = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=64 << 20, host_chunk_bytes=8 << 20))
+    yield a
+    a.close()
+
+
+def tiny_runner(alloc: MemoryAllocator, source: Any = "synthetic:tiny", **kw: Any) -> ModelRunner:
+    args: dict[str, Any] = {"num_device_blocks": 32, "num_host_blocks": 16, "block_size": 4} | kw
+    return ModelRunner(alloc, source, **args)
+
+
+def ptrs(runner: ModelRunner) -> dict[str, int]:
+    return {name: t.data_ptr() for name, t in runner.weights.items()} | {"kv": runner.kv.device.tensor.data_ptr()}
+
+
+def varied(tokens: list[int]) -> list[int]:
+    """Guard against a degenerate model: a run that repeats one token would prove little."""
+    assert len(set(tokens)) >= 4, tokens
+    return tokens
+
+
+# ---- config ----
+LLAMA_32_1B = {
+    "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
+    "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
+    "model_type": "llama", "num_attention_heads": 32, "num_hidden_layers": 16, "num_key_value_heads": 8,
+    "pretraining_tp": 1, "rms_norm_eps": 1e-05,
+    "rope_scaling": {"factor": 32.0, "high_freq_factor": 4.0, "low_freq_factor": 1.0,
+                     "original_max_position_embeddings": 8192, "rope_type": "llama3"},
+    "rope_theta": 500000.0, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.45.0.dev0", "use_cache": True, "vocab_size": 128256,
+}  # fmt: skip
+QWEN25_05B = {
+    "architectures": ["Qwen2ForCausalLM"], "attention_dropout": 0.0, "bos_token_id": 151643,
+    "eos_token_id": 151643, "hidden_act": "silu", "hidden_size": 896, "initializer_range": 0.02,
+    "intermediate_size": 4864, "max_position_embeddings": 32768, "max_window_layers": 24, "model_type": "qwen2",
+    "num_attention_heads": 14, "num_hidden_layers": 24, "num_key_value_heads": 2, "rms_norm_eps": 1e-06,
+    "rope_theta": 1000000.0, "sliding_window": 32768, "tie_word_embeddings": True, "torch_dtype": "bfloat16",
+    "transformers_version": "4.40.1", "use_cache": True, "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
+MISTRAL_7B = {
+    "architectures": ["MistralForCausalLM"], "bos_token_id": 1, "eos_token_id": 2, "hidden_act": "silu",
+    "hidden_size": 4096, "initializer_range": 0.02, "intermediate_size": 14336, "max_position_embeddings": 32768,
+    "model_type": "mistral", "num_attention_heads": 32, "num_hidden_layers": 32, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
+    "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
+}  # fmt: skip
+
+
+def test_config_parses_llama_qwen2_mistral() -> None:
+    llama = ModelConfig.from_hf(LLAMA_32_1B)
+    assert llama == PRESETS["1b"]
+    assert llama.rope_scaling is not None and llama.rope_scaling.rope_type == "llama3"
+
+    qwen = ModelConfig.from_hf(QWEN25_05B)
+    assert (qwen.family, qwen.head_dim, qwen.num_kv_heads, qwen.attention_bias) == ("qwen2", 64, 2, True)
+    assert (qwen.tie_word_embeddings, qwen.rope_theta, qwen.rms_norm_eps, qwen.dtype) == (True, 1e6, 1e-6, "bfloat16")
+    assert qwen.sliding_window is None  # use_sliding_window is false
+    assert qwen.param_count() == 494_032_768  # Qwen2.5-0.5B
+
+    mistral = ModelConfig.from_hf(MISTRAL_7B)
+    assert (mistral.family, mistral.head_dim, mistral.sliding_window, mistral.attention_bias) == (
+        "mistral", 128, 4096, False,
+    )  # fmt: skip
+    assert mistral.param_count() == 7_241_732_096  # Mistral-7B
+
+    assert PRESETS["8b"].param_count() == 8_030_261_248  # Llama-3-8B
+    assert PRESETS["8b"].param_bytes() == 16_060_522_496
+    for preset in PRESETS.values():
+        assert ModelConfig.from_hf(json.loads(json.dumps(preset.to_hf()))) == preset
+
+
+@pytest.mark.parametrize(
+    ("change", "message"),
+    [
+        ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architectures"),
+        ({"architectures": None}, "unsupported architectures"),
+        ({"hidden_size": None}, "hidden_size"),
+        ({"num_hidden_layers": "16"}, "num_hidden_layers"),
+        ({"hidden_act": "gelu"}, "hidden_act"),
+        ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
+    ],
+)
+def test_config_rejects_what_the_decoder_cannot_run(change: dict[str, Any], message: str) -> None:
+    raw = {k: v for k, v in (LLAMA_32_1B | change).items() if v is not None}
+    with pytest.raises(InvalidArgument, match=message):
+        ModelConfig.from_hf(raw)
+
+
+def test_model_spec(tmp_path: Path) -> None:
+    assert isinstance(parse_model_spec("synthetic:small"), SyntheticSource)
+    with pytest.raises(InvalidArgument, match="preset"):
+        parse_model_spec("synthetic:huge")
+    with pytest.raises(NotFound):
+        parse_model_spec(str(tmp_path / "absent"))
+
+
+# ---- weights and checkpoints ----
+def test_weights_live_in_the_weights_pool(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    for t in runner.weights.values():
+        assert alloc.lookup(t.data_ptr(), t.numel() * t.element_size())[1] == "weights"
+    assert "lm_head.weight" in runner.weights
+    assert sum(t.numel() for t in runner.weights.values()) == runner.config.param_count()
+    info = runner.info()
+    assert (info.name, info.family, info.param_bytes) == ("synthetic:tiny", "llama", runner.config.param_bytes())
+
+
+def test_checkpoint_roundtrip_in_place(alloc: MemoryAllocator, tmp_path: Path) -> None:
+    config = PRESETS["tiny"]
+    src = allocate_weights(config, alloc)
+    fill_synthetic(src, config, seed=1)
+    save_checkpoint(tmp_path, src, config)
+
+    dst = allocate_weights(config, alloc)
+    for t in dst.values():
+        t.zero_()
+    before = {name: t.data_ptr() for name, t in dst.items()}
+    load_checkpoint(tmp_path, dst, config)
+    assert {name: t.data_ptr() for name, t in dst.items()} == before
+    for name, t in src.items():
+        assert torch.equal(dst[name], t), name
+    assert CheckpointSource(tmp_path).config == config
+
+
+def test_sharded_checkpoint_loads(alloc: MemoryAllocator, tmp_path: Path) -> None:
+    config = PRESETS["tiny"]
+    src = allocate_weights(config, alloc)
+    fill_synthetic(src, config, seed=2)
+    names = list(src)
+    shards = {"model-00001-of-00002.safetensors": names[: len(names) // 2],
+              "model-00002-of-00002.safetensors": names[len(names) // 2 :]}  # fmt: skip
+    for file, part in shards.items():
+        save_file({n: src[n].clone() for n in part}, str(tmp_path / file))
+    index = {"metadata": {}, "weight_map": {n: file for file, part in shards.items() for n in part}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
+    dst = allocate_weights(config, alloc)
+    load_checkpoint(tmp_path, dst, config)
+    assert all(torch.equal(dst[n], src[n]) for n in names)
+
+
+def test_bad_checkpoint_names_the_tensor_and_changes_nothing(alloc: MemoryAllocator, tmp_path: Path) -> None:
+    config = PRESETS["tiny"]
+    src = allocate_weights(config, alloc)
+    fill_synthetic(src, config, seed=3)
+    tensors = {n: t.clone() for n, t in src.items()}
+    dst = allocate_weights(config, alloc)
+    for t in dst.values():
+        t.fill_(7.0)
+
+    missing = dict(tensors)
+    del missing["model.layers.1.mlp.up_proj.weight"]
+    save_file(missing, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InvalidArgument, match=r"model\.layers\.1\.mlp\.up_proj\.weight"):
+        load_checkpoint(tmp_path, dst, config)
+
+    wrong = dict(tensors)
+    wrong["model.norm.weight"] = torch.ones(config.hidden_size + 1)
+    save_file(wrong, str(tmp_path / "model.safetensors"))
+    with pytest.raises(InvalidArgument, match=r"'model\.norm\.weight' has shape"):
+        load_checkpoint(tmp_path, dst, config)
+    assert all(bool((t == 7.0).all()) for t in dst.values())
+
+    (tmp_path / "model.safetensors").write_bytes(b"not a safetensors file")
+    with pytest.raises(InvalidArgument, match="model.safetensors"):
+        load_checkpoint(tmp_path, dst, config)
+
+
+def test_qwen2_checkpoint_with_biases_loads_and_generates(alloc: MemoryAllocator, tmp_path: Path) -> None:
+    config = dataclasses.replace(PRESETS["tiny"], family="qwen2", attention_bias=True)
+    weights = allocate_weights(config, alloc)
+    fill_synthetic(weights, config, seed=4)
+    assert weights["model.layers.0.self_attn.k_proj.bias"].abs().sum() > 0
+    save_checkpoint(tmp_path, weights, config)
+
+    runner = tiny_runner(alloc, str(tmp_path))
+    assert runner.config == config
+    tokens = varied(runner.generate(PROMPT, 10))
+    assert tokens == dense_greedy(weights, config, PROMPT, 10)
+    no_bias = {n: torch.zeros_like(t) if n.endswith("bias") else t for n, t in weights.items()}
+    assert dense_greedy(no_bias, config, PROMPT, 10) != tokens  # the biases are really applied
+
+
+# ---- decoder against the dense reference ----
+@pytest.mark.parametrize(
+    "variant",
+    [
+        {},
+        {"family": "mistral", "sliding_window": 6},
+        {"family": "qwen2", "attention_bias": True, "tie_word_embeddings": True},
+    ],
+    ids=["llama", "mistral-window", "qwen2-tied"],
+)
+def test_paged_decoder_matches_dense_reference(alloc: MemoryAllocator, variant: dict[str, Any]) -> None:
+    config = dataclasses.replace(PRESETS["tiny"], **variant)
+    weights = allocate_weights(config, alloc)
+    fill_synthetic(weights, config, seed=5)
+    kv = KvCache(config, alloc, num_device_blocks=24, num_host_blocks=0, block_size=3)
+    for i in range(4):  # fragment the free list so the sequence's blocks are scattered
+        kv.allocate_sequence(f"filler{i}")
+        kv.ensure_capacity(f"filler{i}", 3 * (i + 1))
+    kv.free_sequence("filler1")
+    kv.free_sequence("filler3")
+    tokens = [11, 400, 3, 77, 250, 9, 9, 131, 500, 42, 1, 0, 317, 64]
+    kv.allocate_sequence("s")
+    kv.ensure_capacity("s", len(tokens))
+    blocks = kv.sequence("s").block_ids
+    assert blocks != sorted(blocks) or blocks[-1] - blocks[0] != len(blocks) - 1  # not one contiguous run
+
+    rope = Rope.build(config, alloc.torch_device)
+    chunks = [(0, 5), (5, 6), (6, 7), (7, 11), (11, 12), (12, 14)]  # prefill, decode steps, a chunk
+    paged = torch.cat(
+        [forward(weights, config, rope, kv.device.tensor, blocks, tokens[a:b], a, all_logits=True) for a, b in chunks]
+    )
+    reference = dense_logits(weights, config, tokens)
+    torch.testing.assert_close(paged.double(), reference, atol=1e-5, rtol=1e-4)
+    last = forward(weights, config, rope, kv.device.tensor, blocks, tokens[13:], 13)
+    torch.testing.assert_close(last.double(), reference[-1], atol=1e-5, rtol=1e-4)
+
+
+def test_greedy_generation_matches_reference_and_is_deterministic(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    tokens = varied(runner.generate(PROMPT, 12))
+    assert tokens == dense_greedy(runner.weights, runner.config, PROMPT, 12)
+    assert runner.generate(PROMPT, 12) == tokens
+    assert tiny_runner(alloc, SyntheticSource("tiny", seed=0)).generate(PROMPT, 12) == tokens
+    assert tiny_runner(alloc, SyntheticSource("tiny", seed=1)).generate(PROMPT, 12) != tokens
+    assert runner.kv.stats().sequences == 0
+    assert runner.kv.stats().device_blocks_free == 32
+
+
+def test_continuing_a_sequence_equals_one_call(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    whole = varied(runner.generate(PROMPT, 10, "a"))
+    assert runner.generate(PROMPT, 5, "b") + runner.generate([], 5, "b") == whole
+    assert runner.generate(PROMPT, 0, "c") == []
+    assert runner.generate([], 10, "c") == whole
+    # extra prompt tokens on a continuation are fed before generating
+    more = runner.generate([1, 2], 4, "b")
+    assert more == dense_greedy(runner.weights, runner.config, PROMPT + whole + [1, 2], 4)
+    runner.free_sequence("a")
+    with pytest.raises(NotFound):
+        runner.free_sequence("a")
+
+
+def test_generate_rejects_bad_input_and_changes_nothing(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc, num_device_blocks=4)  # 16 positions
+    runner.generate(PROMPT, 2, "s")
+    before = (runner.kv.stats(), copy.deepcopy(runner.kv.sequence("s")))
+    vocab = runner.config.vocab_size
+    cases: list[tuple[Any, Any, str | None, type[Exception]]] = [
+        ([vocab], 1, None, InvalidArgument),
+        ([-1], 1, None, InvalidArgument),
+        ([True], 1, None, InvalidArgument),
+        ("abc", 1, None, InvalidArgument),
+        ([], 3, None, InvalidArgument),
+        ([], 3, "new", InvalidArgument),
+        ([1], -1, None, InvalidArgument),
+        ([1], 1.5, None, InvalidArgument),
+        ([1], runner.max_new_tokens_limit + 1, None, InvalidArgument),
+        ([1], 1, "", InvalidArgument),
+        ([1] * 1000, 1049, None, InvalidArgument),  # past max_position_embeddings (2048)
+        ([1], 20, None, OutOfMemory),
+        ([], 12, "s", OutOfMemory),
+    ]
+    for prompt, n, seq, error in cases:
+        with pytest.raises(error):
+            runner.generate(prompt, n, seq)
+        assert (runner.kv.stats(), runner.kv.sequence("s")) == before, (prompt, n, seq)
+    assert "new" not in runner.kv.sequences
+
+
+# ---- sleep and wake ----
+def test_level1_sleep_wake_same_tokens(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    before = varied(runner.generate(PROMPT, 16))
+    runner.generate(PROMPT, 3, "kept")
+    addresses = ptrs(runner)
+
+    alloc.sleep({"weights": "offload", "kv_cache": "discard"})
+    with pytest.raises(WrongState, match="asleep"):
+        runner.generate(PROMPT, 1)
+    alloc.wake_up()
+    assert runner.drop_kv() == ["kept"]
+    assert runner.kv.stats().device_blocks_free == 32
+    assert ptrs(runner) == addresses
+    assert runner.generate(PROMPT, 16) == before
+
+
+def test_level2_reload_from_checkpoint_same_tokens(alloc: MemoryAllocator, tmp_path: Path) -> None:
+    config = PRESETS["tiny"]
+    weights = allocate_weights(config, alloc)
+    fill_synthetic(weights, config, seed=6)
+    save_checkpoint(tmp_path / "ckpt", weights, config)
+    del weights
+
+    runner = tiny_runner(alloc, CheckpointSource(tmp_path / "ckpt"))
+    before = varied(runner.generate(PROMPT, 16))
+    addresses = ptrs(runner)
+
+    alloc.sleep({"weights": "discard", "kv_cache": "discard"})
+    alloc.wake_up(["weights"])  # partial wake: weights first, as an RL loop would
+    runner.reload_weights()
+    with pytest.raises(WrongState, match="kv_cache"):
+        runner.generate(PROMPT, 1)
+    alloc.wake_up(["kv_cache"])
+    runner.drop_kv()
+    assert ptrs(runner) == addresses
+    assert runner.generate(PROMPT, 16) == before
+
+
+def test_reload_weights_needs_awake_weights(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    alloc.sleep({"weights": "discard"})
+    with pytest.raises(WrongState):
+        runner.reload_weights()
+    alloc.wake_up()
+    runner.reload_weights()  # synthetic sources regenerate the same weights
+    assert runner.generate(PROMPT, 8) == dense_greedy(runner.weights, runner.config, PROMPT, 8)
+
+
+# ---- swap ----
+def test_swap_out_and_into_other_slots_continues_identically(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    kv = runner.kv
+    whole = varied(runner.generate(PROMPT, 14))
+
+    part = runner.generate(PROMPT, 6, "s")  # 10 positions cached: 3 blocks of 4
+    seq = kv.sequence("s")
+    old_device = list(seq.block_ids)
+    host_dst = [9, 3, 12]
+    moved = runner.swap("out", list(zip(old_device, host_dst, strict=True)))
+    assert moved == 3 * kv.block_bytes
+    assert (seq.block_ids, seq.location) == (host_dst, "host")
+    with pytest.raises(WrongState, match="swapped out"):
+        runner.generate([], 1, "s")
+
+    runner.generate([300, 301, 302], 9, "other")  # reuses and overwrites the freed device blocks
+    assert set(old_device) <= set(kv.sequence("other").block_ids)
+    free = sorted(set(range(kv.device.num_blocks)) - set(kv.sequence("other").block_ids))
+    device_dst = [free[-1], free[-5], free[-3]]
+    assert not set(device_dst) & set(old_device)
+    assert runner.swap("in", list(zip(host_dst, device_dst, strict=True))) == 3 * kv.block_bytes
+    assert (seq.block_ids, seq.location) == (device_dst, "device")
+    assert kv.stats().host_blocks_free == 16
+
+    assert part + runner.generate([], 8, "s") == whole
+
+
+def test_swap_whole_sequence_survives_kv_discard(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    whole = varied(runner.generate(PROMPT, 12))
+    part = runner.generate(PROMPT, 4, "parked")
+    runner.generate([1, 2, 3], 4, "live")
+    parked = runner.kv.sequence("parked").block_ids
+    runner.swap("out", [(b, i) for i, b in enumerate(parked)])
+
+    alloc.sleep({"weights": "offload", "kv_cache": "discard"})
+    alloc.wake_up()
+    assert runner.drop_kv() == ["live"]
+    runner.swap("in", [(i, 20 + i) for i in range(len(parked))])
+    assert part + runner.generate([], 8, "parked") == whole
+
+
+def test_partial_swap_makes_a_sequence_mixed(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    runner.generate(PROMPT, 6, "s")
+    seq = runner.kv.sequence("s")
+    first = seq.block_ids[0]
+    runner.swap("out", [(first, 0)])
+    assert seq.location == "mixed" and seq.block_locations[0] == "host"
+    with pytest.raises(WrongState):
+        runner.generate([], 1, "s")
+    runner.swap("in", [(0, first)])
+    assert runner.kv.sequence("s").location == "device"
+    runner.free_sequence("s")
+    assert runner.kv.stats().device_blocks_free == 32 and runner.kv.stats().host_blocks_free == 16
+
+
+def test_swap_free_blocks_is_a_plain_copy(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    kv = runner.kv
+    kv.device.tensor[7].fill_(1.25)
+    assert runner.swap("out", [(7, 2)]) == kv.block_bytes
+    assert bool((kv.host.tensor[2] == 1.25).all())
+    assert kv.stats().device_blocks_free == 32 and kv.stats().host_blocks_free == 16
+    assert runner.swap("out", []) == 0
+
+
+def test_swap_validation_changes_nothing(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    kv = runner.kv
+    runner.generate(PROMPT, 6, "a")  # device blocks 0, 1, 2
+    runner.generate(PROMPT, 6, "b")  # device blocks 3, 4, 5
+    runner.swap("out", [(3, 0), (4, 1), (5, 2)])  # b on host blocks 0, 1, 2
+
+    def snapshot() -> tuple[Any, ...]:
+        seqs = {k: copy.deepcopy(s) for k, s in kv.sequences.items()}
+        return kv.stats(), seqs, kv.device.tensor.clone(), kv.host.tensor.clone()
+
+    before = snapshot()
+    bad: list[tuple[str, Any, str]] = [
+        ("out", [(0, 1)], "in use by sequence 'b'"),
+        ("in", [(0, 1)], "in use by sequence 'a'"),
+        ("out", [(0, 5), (0, 6)], "source twice"),
+        ("out", [(0, 5), (1, 5)], "destination twice"),
+        ("out", [(32, 5)], "out of range"),
+        ("out", [(0, 16)], "out of range"),
+        ("in", [(-1, 10)], "out of range"),
+        ("in", [(0, 10), (1, 10)], "destination twice"),
+        ("out", [(0, 5), (1, 6), (2, 0)], "in use"),  # valid pairs first: still nothing moves
+        ("out", [(0, True)], "integer"),
+        ("out", [(0,)], "expected"),
+        ("sideways", [(0, 5)], "direction"),
+    ]
+    for direction, pairs, message in bad:
+        with pytest.raises(InvalidArgument, match=message):
+            runner.swap(direction, pairs)  # type: ignore[arg-type]
+        after = snapshot()
+        assert after[:2] == before[:2], (direction, pairs)
+        assert torch.equal(after[2], before[2]) and torch.equal(after[3], before[3]), (direction, pairs)
+    with pytest.raises(InvalidArgument, match="method"):
+        runner.swap("out", [(0, 5)], method="teleport")
+    assert snapshot()[:2] == before[:2]
+
+
+def test_swap_while_kv_asleep_is_refused(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    runner.generate(PROMPT, 2, "s")
+    alloc.sleep({"kv_cache": "offload"})
+    with pytest.raises(WrongState):
+        runner.swap("out", [(0, 0)])
+    alloc.wake_up()
+    assert runner.kv.sequence("s").location == "device"
+
+
+def test_kv_blocks_are_contiguous_byte_ranges(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    c, kv = runner.config, runner.kv
+    assert kv.block_bytes == c.num_layers * 2 * 4 * c.num_kv_heads * c.head_dim * 4 == 4 * c.kv_bytes_per_token()
+    base = kv.device.tensor.data_ptr()
+    assert kv.device.tensor[5].data_ptr() == base + 5 * kv.block_bytes
+    assert kv.device.tensor[5].is_contiguous()
+    assert alloc.lookup(base, 32 * kv.block_bytes)[1] == "kv_cache"
+    assert kv.host.tensor.shape == kv.device.tensor.shape[:0] + (16,) + kv.device.tensor.shape[1:]

@@ -1,0 +1,171 @@
+"""The worker's model: weights in the ``weights`` pool, a paged KV cache, greedy generation.
+
+This is what the gRPC servicer drives. It validates every request before touching state (a bad
+request never changes anything), refuses to run on memory that is asleep (touching a slept range
+faults), and offers the two hooks a sleep cycle needs: :meth:`ModelRunner.drop_kv` after the KV
+cache was discarded and :meth:`ModelRunner.reload_weights` after the weights were.
+"""
+
+from __future__ import annotations
+
+import threading
+import uuid
+from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+from memsvc.errors import InvalidArgument, WrongState
+from worker.allocator import CopyMethod, MemoryAllocator
+from worker.model.config import ModelConfig
+from worker.model.decoder import Rope, forward
+from worker.model.kv_cache import KV_TAG, KvCache, KvStats, SwapDirection
+from worker.model.source import ModelSource, parse_model_spec
+from worker.model.weights import WEIGHTS_TAG, allocate_weights
+
+DEFAULT_MAX_NEW_TOKENS = 4096
+
+
+@dataclass(frozen=True)
+class ModelInfo:
+    name: str
+    """The model spec: ``synthetic:<preset>`` or the checkpoint directory."""
+    family: str
+    dtype: str
+    param_count: int
+    param_bytes: int
+    kv: KvStats
+
+
+class ModelRunner:
+    """One model on one device, serving one sequence at a time.
+
+    ``lock`` serialises generation, swaps and the sleep hooks. The servicer should hold it across
+    ``alloc.sleep``/``wake_up`` too, so that no step reads a range that is being unmapped.
+    """
+
+    def __init__(
+        self,
+        alloc: MemoryAllocator,
+        source: ModelSource | str,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int = 16,
+        max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS,
+    ) -> None:
+        self.alloc = alloc
+        self.source = parse_model_spec(source) if isinstance(source, str) else source
+        self.config: ModelConfig = self.source.config
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self.lock = threading.RLock()
+        self.kv = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size)
+        self.weights = allocate_weights(self.config, alloc)
+        self.source.load_into(self.weights)
+        self._rope = Rope.build(self.config, alloc.torch_device)
+
+    # ---- generation ----
+    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sequence_id: str | None = None) -> list[int]:
+        """Greedy decoding: ``max_new_tokens`` token ids after the prompt.
+
+        With ``sequence_id`` the sequence and its KV cache stay after the call and a later call with
+        the same id continues it (``prompt_ids`` may then be empty, or add tokens first). Without,
+        the sequence is temporary. Errors: InvalidArgument (bad ids or counts, a new sequence without
+        prompt, beyond ``max_position_embeddings``), WrongState (sequence swapped out, memory
+        asleep), OutOfMemory (too few free KV blocks; nothing changed).
+        """
+        prompt = self._check_tokens(prompt_ids)
+        n = max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.max_new_tokens_limit:
+            raise InvalidArgument(f"max_new_tokens must be an integer in [0, {self.max_new_tokens_limit}], got {n!r}")
+        if sequence_id is not None and (not isinstance(sequence_id, str) or not sequence_id):
+            raise InvalidArgument(f"sequence_id must be a non-empty string, got {sequence_id!r}")
+        with self.lock:
+            existing = self.kv.sequences.get(sequence_id) if sequence_id is not None else None
+            if existing is None and not prompt:
+                raise InvalidArgument("a new sequence needs a non-empty prompt")
+            if existing is not None and existing.location != "device":
+                raise WrongState(f"sequence {sequence_id!r} is swapped out ({existing.location}); swap it in first")
+            total = (len(existing.tokens) if existing else 0) + len(prompt) + n
+            if total > self.config.max_position_embeddings:
+                raise InvalidArgument(
+                    f"sequence would reach {total} tokens; the model allows {self.config.max_position_embeddings}"
+                )
+            self._check_awake(WEIGHTS_TAG, KV_TAG)
+
+            seq_id = sequence_id if sequence_id is not None else f"tmp-{uuid.uuid4().hex}"
+            seq = existing if existing is not None else self.kv.allocate_sequence(seq_id)
+            try:
+                if n:  # the last generated token is not fed, so total - 1 positions get K/V
+                    self.kv.ensure_capacity(seq_id, total - 1)
+            except BaseException:
+                if existing is None:
+                    self.kv.free_sequence(seq_id)
+                raise
+            try:
+                seq.tokens.extend(prompt)
+                out: list[int] = []
+                for _ in range(n):
+                    logits = forward(
+                        self.weights, self.config, self._rope, self.kv.device.tensor, seq.block_ids,
+                        seq.tokens[seq.num_cached :], seq.num_cached,
+                    )  # fmt: skip
+                    seq.num_cached = len(seq.tokens)
+                    token = int(logits.argmax())
+                    seq.tokens.append(token)
+                    out.append(token)
+                return out
+            finally:
+                if sequence_id is None:
+                    self.kv.free_sequence(seq_id)
+
+    def _check_tokens(self, ids: Sequence[int]) -> list[int]:
+        if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
+            raise InvalidArgument("prompt_ids must be a list of token ids")
+        tokens = list(ids)
+        vocab = self.config.vocab_size
+        for i, t in enumerate(tokens):
+            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+                raise InvalidArgument(f"prompt_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
+        return tokens
+
+    def _check_awake(self, *tags: str) -> None:
+        states = self.alloc.stats().tags
+        for tag in tags:
+            state = states[tag].state if tag in states else "awake"
+            if state != "awake":
+                raise WrongState(f"the '{tag}' memory is asleep ({state}); wake the worker first")
+
+    # ---- sequences and swaps ----
+    def free_sequence(self, sequence_id: str) -> None:
+        with self.lock:
+            self.kv.free_sequence(sequence_id)
+
+    def swap(self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto") -> int:
+        """:meth:`KvCache.swap` under the runner's lock; the bytes moved."""
+        with self.lock:
+            return self.kv.swap(direction, pairs, method)
+
+    # ---- sleep hooks ----
+    def reload_weights(self) -> None:
+        """Rewrite every weight from the source into the same pool tensors (after a level-2 wake)."""
+        with self.lock:
+            self._check_awake(WEIGHTS_TAG)
+            self.source.load_into(self.weights)
+
+    def drop_kv(self) -> list[str]:
+        """Forget the sequences whose device blocks were discarded; return their ids.
+
+        Call after waking from a sleep that discarded ``kv_cache``. Sequences entirely swapped out
+        to the host pool kept their data and stay.
+        """
+        with self.lock:
+            return self.kv.drop_device()
+
+    def info(self) -> ModelInfo:
+        with self.lock:
+            return ModelInfo(
+                name=self.source.name, family=self.config.family, dtype=self.config.dtype,
+                param_count=self.config.param_count(), param_bytes=self.config.param_bytes(), kv=self.kv.stats(),
+            )  # fmt: skip
+
+
+__all__ = ["DEFAULT_MAX_NEW_TOKENS", "ModelInfo", "ModelRunner"]
