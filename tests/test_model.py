@@ -49,7 +49,7 @@ def tiny_runner(alloc: MemoryAllocator, source: Any = "synthetic:tiny", **kw: An
 
 
 def ptrs(runner: ModelRunner) -> dict[str, int]:
-    return {name: t.data_ptr() for name, t in runner.weights.items()} | {"kv": runner.kv.device.tensor.data_ptr()}
+    return {name: t.data_ptr() for name, t in runner.weights.items()} | {"kv": runner.kv_cache.device.tensor.data_ptr()}
 
 
 def varied(tokens: list[int]) -> list[int]:
@@ -144,7 +144,8 @@ def test_weights_live_in_the_weights_pool(alloc: MemoryAllocator) -> None:
     assert "lm_head.weight" in runner.weights
     assert sum(t.numel() for t in runner.weights.values()) == runner.config.param_count()
     info = runner.info()
-    assert (info.name, info.family, info.param_bytes) == ("synthetic:tiny", "llama", runner.config.param_bytes())
+    assert (info["source"], info["family"], info["weights_bytes"]) == ("synthetic:tiny", "llama", 558_336)
+    assert info["kv_cache"]["block_bytes"] == runner.kv_cache.block_bytes
 
 
 def test_checkpoint_roundtrip_in_place(alloc: MemoryAllocator, tmp_path: Path) -> None:
@@ -266,8 +267,8 @@ def test_greedy_generation_matches_reference_and_is_deterministic(alloc: MemoryA
     assert runner.generate(PROMPT, 12) == tokens
     assert tiny_runner(alloc, SyntheticSource("tiny", seed=0)).generate(PROMPT, 12) == tokens
     assert tiny_runner(alloc, SyntheticSource("tiny", seed=1)).generate(PROMPT, 12) != tokens
-    assert runner.kv.stats().sequences == 0
-    assert runner.kv.stats().device_blocks_free == 32
+    assert runner.kv_cache.stats()["sequences"] == 0
+    assert runner.kv_cache.stats()["device_free_blocks"] == 32
 
 
 def test_continuing_a_sequence_equals_one_call(alloc: MemoryAllocator) -> None:
@@ -287,7 +288,7 @@ def test_continuing_a_sequence_equals_one_call(alloc: MemoryAllocator) -> None:
 def test_generate_rejects_bad_input_and_changes_nothing(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc, num_device_blocks=4)  # 16 positions
     runner.generate(PROMPT, 2, "s")
-    before = (runner.kv.stats(), copy.deepcopy(runner.kv.sequence("s")))
+    before = (runner.kv_cache.stats(), copy.deepcopy(runner.kv_cache.sequence("s")))
     vocab = runner.config.vocab_size
     cases: list[tuple[Any, Any, str | None, type[Exception]]] = [
         ([vocab], 1, None, InvalidArgument),
@@ -307,8 +308,8 @@ def test_generate_rejects_bad_input_and_changes_nothing(alloc: MemoryAllocator) 
     for prompt, n, seq, error in cases:
         with pytest.raises(error):
             runner.generate(prompt, n, seq)
-        assert (runner.kv.stats(), runner.kv.sequence("s")) == before, (prompt, n, seq)
-    assert "new" not in runner.kv.sequences
+        assert (runner.kv_cache.stats(), runner.kv_cache.sequence("s")) == before, (prompt, n, seq)
+    assert "new" not in runner.kv_cache.sequences
 
 
 # ---- sleep and wake ----
@@ -323,7 +324,7 @@ def test_level1_sleep_wake_same_tokens(alloc: MemoryAllocator) -> None:
         runner.generate(PROMPT, 1)
     alloc.wake_up()
     assert runner.drop_kv() == ["kept"]
-    assert runner.kv.stats().device_blocks_free == 32
+    assert runner.kv_cache.stats()["device_free_blocks"] == 32
     assert ptrs(runner) == addresses
     assert runner.generate(PROMPT, 16) == before
 
@@ -363,7 +364,7 @@ def test_reload_weights_needs_awake_weights(alloc: MemoryAllocator) -> None:
 # ---- swap ----
 def test_swap_out_and_into_other_slots_continues_identically(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc)
-    kv = runner.kv
+    kv = runner.kv_cache
     whole = varied(runner.generate(PROMPT, 14))
 
     part = runner.generate(PROMPT, 6, "s")  # 10 positions cached: 3 blocks of 4
@@ -383,7 +384,7 @@ def test_swap_out_and_into_other_slots_continues_identically(alloc: MemoryAlloca
     assert not set(device_dst) & set(old_device)
     assert runner.swap("in", list(zip(host_dst, device_dst, strict=True))) == 3 * kv.block_bytes
     assert (seq.block_ids, seq.location) == (device_dst, "device")
-    assert kv.stats().host_blocks_free == 16
+    assert kv.stats()["host_free_blocks"] == 16
 
     assert part + runner.generate([], 8, "s") == whole
 
@@ -393,7 +394,7 @@ def test_swap_whole_sequence_survives_kv_discard(alloc: MemoryAllocator) -> None
     whole = varied(runner.generate(PROMPT, 12))
     part = runner.generate(PROMPT, 4, "parked")
     runner.generate([1, 2, 3], 4, "live")
-    parked = runner.kv.sequence("parked").block_ids
+    parked = runner.kv_cache.sequence("parked").block_ids
     runner.swap("out", [(b, i) for i, b in enumerate(parked)])
 
     alloc.sleep({"weights": "offload", "kv_cache": "discard"})
@@ -406,31 +407,31 @@ def test_swap_whole_sequence_survives_kv_discard(alloc: MemoryAllocator) -> None
 def test_partial_swap_makes_a_sequence_mixed(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc)
     runner.generate(PROMPT, 6, "s")
-    seq = runner.kv.sequence("s")
+    seq = runner.kv_cache.sequence("s")
     first = seq.block_ids[0]
     runner.swap("out", [(first, 0)])
     assert seq.location == "mixed" and seq.block_locations[0] == "host"
     with pytest.raises(WrongState):
         runner.generate([], 1, "s")
     runner.swap("in", [(0, first)])
-    assert runner.kv.sequence("s").location == "device"
+    assert runner.kv_cache.sequence("s").location == "device"
     runner.free_sequence("s")
-    assert runner.kv.stats().device_blocks_free == 32 and runner.kv.stats().host_blocks_free == 16
+    assert runner.kv_cache.stats()["device_free_blocks"] == 32 and runner.kv_cache.stats()["host_free_blocks"] == 16
 
 
 def test_swap_free_blocks_is_a_plain_copy(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc)
-    kv = runner.kv
+    kv = runner.kv_cache
     kv.device.tensor[7].fill_(1.25)
     assert runner.swap("out", [(7, 2)]) == kv.block_bytes
     assert bool((kv.host.tensor[2] == 1.25).all())
-    assert kv.stats().device_blocks_free == 32 and kv.stats().host_blocks_free == 16
+    assert kv.stats()["device_free_blocks"] == 32 and kv.stats()["host_free_blocks"] == 16
     assert runner.swap("out", []) == 0
 
 
 def test_swap_validation_changes_nothing(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc)
-    kv = runner.kv
+    kv = runner.kv_cache
     runner.generate(PROMPT, 6, "a")  # device blocks 0, 1, 2
     runner.generate(PROMPT, 6, "b")  # device blocks 3, 4, 5
     runner.swap("out", [(3, 0), (4, 1), (5, 2)])  # b on host blocks 0, 1, 2
@@ -472,12 +473,12 @@ def test_swap_while_kv_asleep_is_refused(alloc: MemoryAllocator) -> None:
     with pytest.raises(WrongState):
         runner.swap("out", [(0, 0)])
     alloc.wake_up()
-    assert runner.kv.sequence("s").location == "device"
+    assert runner.kv_cache.sequence("s").location == "device"
 
 
 def test_kv_blocks_are_contiguous_byte_ranges(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc)
-    c, kv = runner.config, runner.kv
+    c, kv = runner.config, runner.kv_cache
     assert kv.block_bytes == c.num_layers * 2 * 4 * c.num_kv_heads * c.head_dim * 4 == 4 * c.kv_bytes_per_token()
     base = kv.device.tensor.data_ptr()
     assert kv.device.tensor[5].data_ptr() == base + 5 * kv.block_bytes

@@ -7,8 +7,16 @@ Everything here allocates through :class:`worker.allocator.MemoryAllocator` (wei
 from worker.model.config import PRESETS, ModelConfig, RopeScaling
 from worker.model.kv_cache import KvCache, KvStats, Sequence
 from worker.model.runner import ModelInfo, ModelRunner
-from worker.model.source import CheckpointSource, ModelSource, SyntheticSource, parse_model_spec
-from worker.model.weights import allocate_weights, fill_synthetic, load_checkpoint, save_checkpoint
+from worker.model.weights import (
+    CheckpointSource,
+    ModelSource,
+    SyntheticSource,
+    allocate_weights,
+    fill_synthetic,
+    load_checkpoint,
+    parse_model_spec,
+    save_checkpoint,
+)
 
 __all__ = [
     "PRESETS",

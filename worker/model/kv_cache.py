@@ -16,7 +16,7 @@ from __future__ import annotations
 import heapq
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any, Literal, TypedDict
 
 import torch
 
@@ -93,15 +93,16 @@ class Sequence:
         return "mixed"
 
 
-@dataclass(frozen=True)
-class KvStats:
+class KvStats(TypedDict):
+    """Block counts of both pools; a plain dict, so status messages and JSON take it as is."""
+
     block_size: int
     """Token positions per block."""
     block_bytes: int
-    device_blocks_total: int
-    device_blocks_free: int
-    host_blocks_total: int
-    host_blocks_free: int
+    device_blocks: int
+    device_free_blocks: int
+    host_blocks: int
+    host_free_blocks: int
     sequences: int
 
 
@@ -271,8 +272,8 @@ class KvCache:
     def stats(self) -> KvStats:
         return KvStats(
             block_size=self.block_size, block_bytes=self.block_bytes,
-            device_blocks_total=self.device.num_blocks, device_blocks_free=len(self._free["device"]),
-            host_blocks_total=self.host.num_blocks, host_blocks_free=len(self._free["host"]),
+            device_blocks=self.device.num_blocks, device_free_blocks=len(self._free["device"]),
+            host_blocks=self.host.num_blocks, host_free_blocks=len(self._free["host"]),
             sequences=len(self._seqs),
         )  # fmt: skip
 

@@ -11,29 +11,30 @@ from __future__ import annotations
 import threading
 import uuid
 from collections.abc import Iterable, Sequence
-from dataclasses import dataclass
-from typing import Any
+from typing import Any, TypedDict
 
 from memsvc.errors import InvalidArgument, WrongState
 from worker.allocator import CopyMethod, MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import Rope, forward
 from worker.model.kv_cache import KV_TAG, KvCache, KvStats, SwapDirection
-from worker.model.source import ModelSource, parse_model_spec
-from worker.model.weights import WEIGHTS_TAG, allocate_weights
+from worker.model.weights import WEIGHTS_TAG, ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = 4096
 
 
-@dataclass(frozen=True)
-class ModelInfo:
-    name: str
+class ModelInfo(TypedDict):
+    """What the worker serves; a plain dict, so status messages and JSON take it as is."""
+
+    source: str
     """The model spec: ``synthetic:<preset>`` or the checkpoint directory."""
     family: str
     dtype: str
-    param_count: int
-    param_bytes: int
-    kv: KvStats
+    parameter_count: int
+    weights_bytes: int
+    vocab_size: int
+    layer_count: int
+    kv_cache: KvStats
 
 
 class ModelRunner:
@@ -57,7 +58,7 @@ class ModelRunner:
         self.config: ModelConfig = self.source.config
         self.max_new_tokens_limit = max_new_tokens_limit
         self.lock = threading.RLock()
-        self.kv = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size)
+        self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size)
         self.weights = allocate_weights(self.config, alloc)
         self.source.load_into(self.weights)
         self._rope = Rope.build(self.config, alloc.torch_device)
@@ -79,7 +80,7 @@ class ModelRunner:
         if sequence_id is not None and (not isinstance(sequence_id, str) or not sequence_id):
             raise InvalidArgument(f"sequence_id must be a non-empty string, got {sequence_id!r}")
         with self.lock:
-            existing = self.kv.sequences.get(sequence_id) if sequence_id is not None else None
+            existing = self.kv_cache.sequences.get(sequence_id) if sequence_id is not None else None
             if existing is None and not prompt:
                 raise InvalidArgument("a new sequence needs a non-empty prompt")
             if existing is not None and existing.location != "device":
@@ -92,20 +93,20 @@ class ModelRunner:
             self._check_awake(WEIGHTS_TAG, KV_TAG)
 
             seq_id = sequence_id if sequence_id is not None else f"tmp-{uuid.uuid4().hex}"
-            seq = existing if existing is not None else self.kv.allocate_sequence(seq_id)
+            seq = existing if existing is not None else self.kv_cache.allocate_sequence(seq_id)
             try:
                 if n:  # the last generated token is not fed, so total - 1 positions get K/V
-                    self.kv.ensure_capacity(seq_id, total - 1)
+                    self.kv_cache.ensure_capacity(seq_id, total - 1)
             except BaseException:
                 if existing is None:
-                    self.kv.free_sequence(seq_id)
+                    self.kv_cache.free_sequence(seq_id)
                 raise
             try:
                 seq.tokens.extend(prompt)
                 out: list[int] = []
                 for _ in range(n):
                     logits = forward(
-                        self.weights, self.config, self._rope, self.kv.device.tensor, seq.block_ids,
+                        self.weights, self.config, self._rope, self.kv_cache.device.tensor, seq.block_ids,
                         seq.tokens[seq.num_cached :], seq.num_cached,
                     )  # fmt: skip
                     seq.num_cached = len(seq.tokens)
@@ -115,7 +116,7 @@ class ModelRunner:
                 return out
             finally:
                 if sequence_id is None:
-                    self.kv.free_sequence(seq_id)
+                    self.kv_cache.free_sequence(seq_id)
 
     def _check_tokens(self, ids: Sequence[int]) -> list[int]:
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
@@ -137,12 +138,12 @@ class ModelRunner:
     # ---- sequences and swaps ----
     def free_sequence(self, sequence_id: str) -> None:
         with self.lock:
-            self.kv.free_sequence(sequence_id)
+            self.kv_cache.free_sequence(sequence_id)
 
     def swap(self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto") -> int:
         """:meth:`KvCache.swap` under the runner's lock; the bytes moved."""
         with self.lock:
-            return self.kv.swap(direction, pairs, method)
+            return self.kv_cache.swap(direction, pairs, method)
 
     # ---- sleep hooks ----
     def reload_weights(self) -> None:
@@ -158,13 +159,15 @@ class ModelRunner:
         to the host pool kept their data and stay.
         """
         with self.lock:
-            return self.kv.drop_device()
+            return self.kv_cache.drop_device()
 
     def info(self) -> ModelInfo:
         with self.lock:
+            c = self.config
             return ModelInfo(
-                name=self.source.name, family=self.config.family, dtype=self.config.dtype,
-                param_count=self.config.param_count(), param_bytes=self.config.param_bytes(), kv=self.kv.stats(),
+                source=self.source.name, family=c.family, dtype=c.dtype, parameter_count=c.param_count(),
+                weights_bytes=c.param_bytes(), vocab_size=c.vocab_size, layer_count=c.num_layers,
+                kv_cache=self.kv_cache.stats(),
             )  # fmt: skip
 
 

@@ -1,13 +1,17 @@
-"""Model weights as pool tensors tagged ``weights``: names, allocation, synthetic fill, safetensors I/O.
+"""Model weights as pool tensors tagged ``weights``: names, allocation, where they come from
+(a seeded synthetic preset or a safetensors checkpoint), and checkpoint I/O.
 
 Every weight is allocated with ``alloc.empty(..., tag="weights")`` and never by torch's own
 allocator, so the whole model sleeps and wakes with the pool at the same addresses, on the cuda and
 the host backend alike. Loading copies *into* those tensors: a level-2 wake (weights discarded) reloads
 the checkpoint without a single tensor changing address, so captured graphs and views stay valid.
+That is also why the runner keeps its :class:`ModelSource` for the worker's whole life: a source is
+cheap to hold and re-reads its data on every :meth:`ModelSource.load_into`.
 """
 
 from __future__ import annotations
 
+import abc
 import contextlib
 import json
 import os
@@ -21,7 +25,7 @@ from safetensors.torch import save_file
 
 from memsvc.errors import InvalidArgument, NotFound
 from worker.allocator import MemoryAllocator
-from worker.model.config import ModelConfig
+from worker.model.config import PRESETS, ModelConfig
 
 WEIGHTS_TAG = "weights"
 INDEX_FILE = "model.safetensors.index.json"
@@ -168,12 +172,67 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     return ModelConfig.from_hf(raw)
 
 
+SYNTHETIC_PREFIX = "synthetic:"
+
+
+class ModelSource(abc.ABC):
+    """A model's config plus a way to (re)write its weights into existing tensors."""
+
+    name: str
+    """How the model was named (``synthetic:tiny``, a checkpoint path): for info and telemetry."""
+    config: ModelConfig
+
+    @abc.abstractmethod
+    def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
+        """Write every weight in place; tensors keep their addresses."""
+
+
+class SyntheticSource(ModelSource):
+    """Seeded random weights in a preset's shapes (:data:`PRESETS`), for tests and benchmarks."""
+
+    def __init__(self, preset: str, seed: int = 0) -> None:
+        if preset not in PRESETS:
+            raise InvalidArgument(f"unknown synthetic preset {preset!r}: expected one of {sorted(PRESETS)}")
+        self.name = SYNTHETIC_PREFIX + preset
+        self.config = PRESETS[preset]
+        self.seed = seed
+
+    def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
+        fill_synthetic(weights, self.config, self.seed)
+
+
+class CheckpointSource(ModelSource):
+    """A local Hugging Face checkpoint directory: ``config.json`` and ``*.safetensors``."""
+
+    def __init__(self, path: str | os.PathLike[str]) -> None:
+        self.path = Path(path)
+        self.name = str(self.path)
+        self.config = read_config(self.path)
+
+    def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
+        load_checkpoint(self.path, weights, self.config)
+
+
+def parse_model_spec(spec: str, seed: int = 0) -> ModelSource:
+    """``synthetic:<preset>`` or a checkpoint directory path."""
+    if not isinstance(spec, str) or not spec:
+        raise InvalidArgument("model spec must be 'synthetic:<preset>' or a checkpoint directory")
+    if spec.startswith(SYNTHETIC_PREFIX):
+        return SyntheticSource(spec[len(SYNTHETIC_PREFIX) :], seed)
+    return CheckpointSource(spec)
+
+
 __all__ = [
+    "SYNTHETIC_PREFIX",
     "WEIGHTS_TAG",
+    "CheckpointSource",
+    "ModelSource",
+    "SyntheticSource",
     "Weights",
     "allocate_weights",
     "fill_synthetic",
     "load_checkpoint",
+    "parse_model_spec",
     "read_config",
     "save_checkpoint",
     "weight_shapes",
