@@ -17,6 +17,7 @@ from model_helpers import dense_greedy, dense_logits
 from safetensors.torch import save_file
 
 from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, WrongState
+from worker import _native
 from worker.allocator import AllocatorConfig, MemoryAllocator
 from worker.model import (
     PRESETS,
@@ -36,9 +37,18 @@ from worker.model.kv_cache import KvCache
 PROMPT = [5, 6, 7, 8, 9]
 
 
-@pytest.fixture
-def alloc() -> Iterator[MemoryAllocator]:
-    a = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=64 << 20, host_chunk_bytes=8 << 20))
+@pytest.fixture(
+    params=[
+        "host",
+        pytest.param(
+            "cuda",
+            marks=[pytest.mark.gpu, pytest.mark.skipif(_native.cuda_device_count() == 0, reason="needs a CUDA device")],
+        ),
+    ]
+)
+def alloc(request: pytest.FixtureRequest) -> Iterator[MemoryAllocator]:
+    """A fresh allocator per test: the host backend everywhere, cuda where a device is present."""
+    a = MemoryAllocator(AllocatorConfig(backend=request.param, host_capacity_bytes=64 << 20, host_chunk_bytes=8 << 20))
     yield a
     a.close()
 
@@ -255,9 +265,9 @@ def test_paged_decoder_matches_dense_reference(alloc: MemoryAllocator, variant: 
         [forward(weights, config, rope, kv.device.tensor, blocks, tokens[a:b], a, all_logits=True) for a, b in chunks]
     )
     reference = dense_logits(weights, config, tokens)
-    torch.testing.assert_close(paged.double(), reference, atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(paged.cpu().double(), reference, atol=1e-5, rtol=1e-4)
     last = forward(weights, config, rope, kv.device.tensor, blocks, tokens[13:], 13)
-    torch.testing.assert_close(last.double(), reference[-1], atol=1e-5, rtol=1e-4)
+    torch.testing.assert_close(last.cpu().double(), reference[-1], atol=1e-5, rtol=1e-4)
 
 
 def test_greedy_generation_matches_reference_and_is_deterministic(alloc: MemoryAllocator) -> None:
