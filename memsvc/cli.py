@@ -1,5 +1,9 @@
-"""The ``memsvc`` command: ``memsvc worker`` serves a model; the manager and operator commands
-build on the same entry point."""
+"""The ``memsvc`` command.
+
+memsvc up                      manager + one worker on this machine (embedded defaults)
+memsvc manager | worker        the two services
+memsvc status | sleep | wake | watch    operate a running manager (--manager or $MEMSVC_MANAGER)
+"""
 
 from __future__ import annotations
 
@@ -56,11 +60,150 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--manager", default=None, help="manager address to register with (host:port)")
 
 
+def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("manager", help="serve MemoryManagerService")
+    p.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0 picks one)")
+    p.add_argument("--db", default="memsvc-manager.db", help="SQLite file: policies, registrations, leases")
+    p.add_argument("--config", default=None, help="TOML (or YAML) file: default policy, static workers, timing")
+    p.add_argument("--metrics-listen", default=None, help="host:port of the Prometheus /metrics endpoint")
+    _policy_flags(p)
+
+
+def _policy_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--idle-sleep-timeout", type=float, default=None, help="seed: seconds idle before tier 1 (0: never)")
+    p.add_argument(
+        "--idle-deep-sleep-timeout",
+        type=float,
+        default=None,
+        help="seed: seconds idle before tier 2, level 2 (0: never)",
+    )
+
+
+def _policy_seed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, float]:
+    seed = {}
+    for name in ("idle_sleep_timeout", "idle_deep_sleep_timeout"):
+        value = getattr(args, name)
+        if value is not None:
+            if value < 0:
+                parser.error(f"--{name.replace('_', '-')} must not be negative")
+            seed[name] = value
+    return seed
+
+
+def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    for name, text in (("status", "list workers"), ("watch", "live table of workers")):
+        p = sub.add_parser(name, help=text)
+        p.add_argument("--manager", default=None, help="manager address (default $MEMSVC_MANAGER or 127.0.0.1:50051)")
+    p = sub.add_parser("sleep", help="put a worker to sleep")
+    p.add_argument("worker")
+    p.add_argument("--level", type=int, choices=[1, 2], default=None, help="default: the policy's tag actions")
+    p.add_argument("--manager", default=None)
+    p = sub.add_parser("wake", help="wake a worker")
+    p.add_argument("worker")
+    p.add_argument("--tags", nargs="*", default=[], help="wake only these tags")
+    p.add_argument("--manager", default=None)
+    p = sub.add_parser("up", help="run a manager and one worker on this machine")
+    p.add_argument("--manager-listen", default="127.0.0.1:50051")
+    p.add_argument("--worker-listen", default="127.0.0.1:50061")
+    p.add_argument("--metrics-listen", default="127.0.0.1:9400")
+    p.add_argument("--state-dir", default=".memsvc", help="where the manager keeps its database")
+    p.add_argument("--model", default=None, help="default: synthetic:1b on a GPU, synthetic:small without")
+    p.add_argument("--backend", choices=["auto", "cuda", "host"], default="auto")
+    p.add_argument("--idle-sleep-timeout", type=float, default=300.0)
+    p.add_argument("--idle-deep-sleep-timeout", type=float, default=3600.0)
+
+
+def _status_table(workers: list, title: str = "memsvc workers") -> object:  # type: ignore[type-arg]
+    from rich.table import Table
+
+    from memsvc.client import gib, state_name
+
+    table = Table(title=title)
+    for col in ("worker", "state", "address", "leases", "weights GiB", "kv GiB", "offloaded GiB", "device free GiB"):
+        table.add_column(col)
+    for wk in workers:
+        tags = {t.tag: t for t in wk.status.tags}
+        off = sum(t.offloaded_bytes for t in wk.status.tags)
+        table.add_row(
+            wk.name.removeprefix("workers/"),
+            state_name(wk.state),
+            wk.address,
+            str(wk.lease_count),
+            gib(tags["weights"].mapped_bytes) if "weights" in tags else "-",
+            gib(tags["kv_cache"].mapped_bytes) if "kv_cache" in tags else "-",
+            gib(off),
+            gib(wk.status.device.free_bytes),
+        )
+    return table
+
+
+def _ops(args: argparse.Namespace) -> int:
+    from rich.console import Console
+
+    from memsvc.client import ManagerClient, state_name
+    from memsvc.errors import MemsvcError
+
+    console = Console()
+    try:
+        with ManagerClient(args.manager) as client:
+            if args.command == "status":
+                console.print(_status_table(client.workers()))
+            elif args.command == "sleep":
+                r = client.sleep(args.worker, args.level or 0)
+                t = r.transition
+                console.print(
+                    f"{r.worker.name}: {state_name(r.worker.state)} "
+                    f"({t.moved_bytes} bytes in {t.duration.ToNanoseconds() / 1e9:.3f} s)"
+                )
+            elif args.command == "wake":
+                r = client.wake(args.worker, args.tags)
+                t = r.transition
+                console.print(
+                    f"{r.worker.name}: {state_name(r.worker.state)} "
+                    f"({t.moved_bytes} bytes in {t.duration.ToNanoseconds() / 1e9:.3f} s)"
+                )
+            elif args.command == "watch":
+                from rich.live import Live
+
+                latest: dict[str, object] = {}
+                with Live(_status_table([]), console=console, refresh_per_second=4) as live:
+                    for event in client.watch():
+                        latest[event.worker.name] = event.worker
+                        live.update(_status_table(list(latest.values())))
+    except MemsvcError as exc:
+        console.print(f"[red]error[/red] ({exc.status_name}): {exc}")
+        return 1
+    except KeyboardInterrupt:
+        return 0
+    return 0
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memsvc", description="Sleep and wake LLM model workers.")
     sub = parser.add_subparsers(dest="command", required=True)
     _worker_parser(sub)
+    _manager_parser(sub)
+    _ops_parsers(sub)
     args = parser.parse_args(argv)
+    if args.command == "manager":
+        from memsvc.manager.main import run as run_manager
+
+        return run_manager(args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args, parser))
+    if args.command == "up":
+        from memsvc.up import run as run_up
+
+        return run_up(
+            args.manager_listen,
+            args.worker_listen,
+            args.metrics_listen,
+            args.state_dir,
+            args.model,
+            args.backend,
+            args.idle_sleep_timeout,
+            args.idle_deep_sleep_timeout,
+        )
+    if args.command in ("status", "sleep", "wake", "watch"):
+        return _ops(args)
     if args.command == "worker":
         from worker.core import WorkerConfig
         from worker.main import run

@@ -96,3 +96,35 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 unary_stream, handler.request_deserializer, handler.response_serializer
             )
         return handler
+
+
+_FROM_CODE: dict[grpc.StatusCode, type[MemsvcError]] = {}
+
+
+def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
+    """A failed call to another memsvc service as our own exception, same status, same ErrorInfo.
+
+    The manager relays worker errors this way: a worker's FAILED_PRECONDITION reaches the
+    manager's client as FAILED_PRECONDITION, and an unreachable worker becomes UNAVAILABLE.
+    """
+    from memsvc import errors as e
+
+    if not _FROM_CODE:
+        for cls in (
+            e.InvalidArgument,
+            e.NotFound,
+            e.WrongState,
+            e.TransitionInProgress,
+            e.OutOfMemory,
+            e.IntegrityError,
+            e.Unavailable,
+        ):
+            _FROM_CODE[grpc.StatusCode[cls.status_name]] = cls
+        _FROM_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = e.Unavailable
+    code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
+    details = err.details() if hasattr(err, "details") else str(err)
+    cls = _FROM_CODE.get(code, e.BackendError)
+    prefix = f"worker {peer}: " if peer else ""
+    info = error_info(err) if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else None
+    exc = cls(prefix + (details or code.name), metadata=dict(info.metadata) if info else {})
+    return exc

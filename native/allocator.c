@@ -631,7 +631,10 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
         rc = msv_fail(MSV_E_INVALID, "tag '%s' named twice", tags[i]);
         goto out;
       }
-    if (actions[i] != MSV_ACTION_KEEP && a->arenas[idx[i]]->state != MSV_TAG_AWAKE) {
+    /* An offloaded tag may be demoted to DISCARD (level 1 -> level 2: frees its host copy). */
+    int st = a->arenas[idx[i]]->state;
+    int demote = st == MSV_TAG_OFFLOADED && actions[i] == MSV_ACTION_DISCARD;
+    if (actions[i] != MSV_ACTION_KEEP && st != MSV_TAG_AWAKE && !demote) {
       rc = msv_fail(MSV_E_STATE, "tag '%s' is already asleep", tags[i]);
       goto out;
     }
@@ -649,10 +652,16 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     msv_hostpool_trim(&a->hp);
     goto out;
   }
-  /* Phase 2: drop the physical memory. */
+  /* Phase 2: drop the physical memory (or, for a demotion, the host copy). */
   for (size_t i = 0; i < n; i++) {
     if (actions[i] == MSV_ACTION_KEEP) continue;
     arena *ar = a->arenas[idx[i]];
+    if (ar->state == MSV_TAG_OFFLOADED) {
+      drop_backup(a, ar);
+      ar->state = MSV_TAG_DISCARDED;
+      ar->discarded = ar->allocated;
+      continue;
+    }
     int urc = unmap_all(a, ar);
     if (urc && !rc) rc = urc;
     /* Nothing dropped: the tag stays awake (its backup is released below). Anything dropped: it
@@ -673,6 +682,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     arena *ar = a->arenas[idx[i]];
     if (actions[i] == MSV_ACTION_OFFLOAD && ar->state == MSV_TAG_AWAKE) drop_backup(a, ar);
   }
+  msv_hostpool_trim_async(&a->hp);
   a->ctr.sleeps++;
   a->ctr.last_sleep_seconds = now_s() - t0;
 out:

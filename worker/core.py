@@ -274,12 +274,23 @@ class WorkerCore:
         plan = self.plan_sleep(level, tag_actions)
         self._begin()
         try:
-            self._require(State.AWAKE, State.PARTIALLY_AWAKE)
+            self._require(State.AWAKE, State.PARTIALLY_AWAKE, State.ASLEEP)
             assert self.alloc is not None
-            awake = {t for t, s in self.alloc.stats().tags.items() if s.state == "awake"}
-            todo = {t: a for t, a in plan.items() if t in awake and a != Action.KEEP}
+            tags = self.alloc.stats().tags
+            # Awake tags go to sleep; an offloaded tag asked to DISCARD is demoted (level 1 -> 2),
+            # which frees its host copy without waking it.
+            todo = {
+                t: a
+                for t, a in plan.items()
+                if t in tags
+                and a != Action.KEEP
+                and (tags[t].state == "awake" or (tags[t].state == "offloaded" and a == Action.DISCARD))
+            }
             if not todo:
-                raise WrongState("nothing to put to sleep: every named tag is already asleep or kept")
+                raise WrongState(
+                    f"worker is {self._state.lower()}: every named tag is already asleep or kept",
+                    metadata={"state": self._state},
+                )
         except BaseException:
             self._busy.release()
             raise
@@ -297,8 +308,8 @@ class WorkerCore:
             seconds = time.perf_counter() - t0
             self._last_memory = self.alloc.stats()
             moved = sum(self._last_memory.tags[t].offloaded_bytes for t, a in todo.items() if a == Action.OFFLOAD)
-            self._slept_tags = set(todo) | (self._slept_tags if before == State.PARTIALLY_AWAKE else set())
-            self._sleep_level = level
+            self._slept_tags = set(todo) | (self._slept_tags if before != State.AWAKE else set())
+            self._sleep_level = max(level, self._sleep_level) if before == State.ASLEEP else level
             self._set_state(State.ASLEEP, "Sleep")
             t = self._finish(Transition("sleep", moved, seconds))
             self._remember(request_id, "Sleep", t)

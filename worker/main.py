@@ -47,6 +47,7 @@ async def serve(config: WorkerConfig, listen: str, manager: str | None = None) -
     log.info("draining: finishing in-flight calls (up to %.0f s)", DRAIN_SECONDS)
     for task in background:
         task.cancel()
+    core.telemetry.close()  # end telemetry streams now; the drain waits only for real work
     await srv.stop(DRAIN_SECONDS)
     await core.close()
     print(f"memsvc worker {core.worker_id} stopped", flush=True)

@@ -18,13 +18,24 @@ from worker.servicer import status_pb
 log = logging.getLogger("memsvc.worker.registration")
 
 
+def advertised(address: str) -> str:
+    """An address others can dial: a wildcard listen address becomes this host's name."""
+    host, _, port = address.rpartition(":")
+    if host in ("0.0.0.0", "[::]", "::", ""):
+        host = socket.gethostname()
+    return f"{host}:{port}"
+
+
 async def keep_registered(core: WorkerCore, address: str, manager: str) -> None:
     backoff = 0.5
     async with grpc.aio.insecure_channel(manager) as channel:
         stub = m_grpc.MemoryManagerServiceStub(channel)
         while True:
             request = m.RegisterWorkerRequest(
-                worker_id=core.worker_id, address=address, host=socket.gethostname(), status=status_pb(core.status())
+                worker_id=core.worker_id,
+                address=advertised(address),
+                host=socket.gethostname(),
+                status=status_pb(core.status()),
             )
             try:
                 reply = await stub.RegisterWorker(request, timeout=5.0)

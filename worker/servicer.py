@@ -16,7 +16,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.allocator import Action, CopyMethod
 from worker.core import Status, Transition, WorkerCore
-from worker.telemetry import Event
+from worker.telemetry import CLOSED, Event
 
 _TAG_STATE = {"awake": c.TAG_STATE_AWAKE, "offloaded": c.TAG_STATE_OFFLOADED, "discarded": c.TAG_STATE_DISCARDED}
 _ACTION = {c.TAG_ACTION_OFFLOAD: Action.OFFLOAD, c.TAG_ACTION_DISCARD: Action.DISCARD, c.TAG_ACTION_KEEP: Action.KEEP}
@@ -79,6 +79,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
                     offloaded_bytes=t.offloaded_bytes,
                     discarded_bytes=t.discarded_bytes,
                     allocation_count=t.allocations,
+                    awake_bytes=t.layout_bytes,
                 )
             )
     m = s.model
@@ -201,6 +202,8 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                         time=timestamp(snap.time), sequence_number=seq, snapshot=status_pb(snap)
                     )
                     continue
+                if event is CLOSED:
+                    return
                 seq += 1
                 yield w.StreamTelemetryResponse(
                     time=timestamp(self.core.status().time), sequence_number=seq, **event_pb(event)

@@ -21,6 +21,10 @@ class Event:
     data: dict[str, Any] = field(default_factory=dict)
 
 
+CLOSED = Event("closed")
+"""Delivered to every subscriber when the worker shuts down: streams end before the drain."""
+
+
 class TelemetryHub:
     QUEUE_SIZE = 256
 
@@ -28,6 +32,9 @@ class TelemetryHub:
         self._loop = loop
         self._queues: set[asyncio.Queue[Event]] = set()
         self._lock = threading.Lock()
+
+    def close(self) -> None:
+        self.publish(CLOSED)
 
     def subscribe(self) -> asyncio.Queue[Event]:
         q: asyncio.Queue[Event] = asyncio.Queue(self.QUEUE_SIZE)

@@ -1,0 +1,90 @@
+"""A small synchronous client of the manager, for the CLI and for scripts.
+
+Other services can use the generated stubs directly; this adds defaults (deadlines, names) and turns
+failed calls into memsvc.errors exceptions with the server's message.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator, Sequence
+from typing import Any
+
+import grpc
+
+from memsvc.rpc_errors import from_rpc_error
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+
+DEFAULT_MANAGER = "127.0.0.1:50051"
+
+
+def manager_address(explicit: str | None = None) -> str:
+    return explicit or os.environ.get("MEMSVC_MANAGER", DEFAULT_MANAGER)
+
+
+def worker_name(worker: str) -> str:
+    return worker if worker.startswith("workers/") else f"workers/{worker}"
+
+
+class ManagerClient:
+    def __init__(self, address: str | None = None, timeout: float = 10.0) -> None:
+        self.address = manager_address(address)
+        self.timeout = timeout
+        self.channel = grpc.insecure_channel(self.address)
+        self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
+
+    def close(self) -> None:
+        self.channel.close()
+
+    def __enter__(self) -> ManagerClient:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    def _call(self, method: str, request: Any, timeout: float | None = None) -> Any:
+        try:
+            return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
+        except grpc.RpcError as err:
+            raise from_rpc_error(err, "") from None
+
+    def workers(self) -> list[m.Worker]:
+        out: list[m.Worker] = []
+        token = ""
+        while True:
+            r = self._call("ListWorkers", m.ListWorkersRequest(page_size=1000, page_token=token))
+            out.extend(r.workers)
+            token = r.next_page_token
+            if not token:
+                return out
+
+    def sleep(self, worker: str, level: int = 0, timeout: float = 600.0) -> m.SleepWorkerResponse:
+        return self._call("SleepWorker", m.SleepWorkerRequest(name=worker_name(worker), level=level), timeout)  # type: ignore[arg-type, no-any-return]
+
+    def wake(self, worker: str, tags: Sequence[str] = (), timeout: float = 600.0) -> m.WakeWorkerResponse:
+        return self._call("WakeWorker", m.WakeWorkerRequest(name=worker_name(worker), tags=list(tags)), timeout)  # type: ignore[no-any-return]
+
+    def acquire(self, worker: str, ttl_s: float = 60.0, holder: str = "", timeout: float = 600.0) -> m.Lease:
+        req = m.AcquireWorkerRequest(name=worker_name(worker), holder=holder)
+        req.ttl.FromNanoseconds(int(ttl_s * 1e9))
+        return self._call("AcquireWorker", req, timeout).lease  # type: ignore[no-any-return]
+
+    def release(self, lease_id: str) -> m.Worker:
+        return self._call("ReleaseWorker", m.ReleaseWorkerRequest(lease_id=lease_id)).worker  # type: ignore[no-any-return]
+
+    def watch(self) -> Iterator[m.WatchWorkersResponse]:
+        try:
+            yield from self.stub.WatchWorkers(m.WatchWorkersRequest())
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.CANCELLED:
+                raise from_rpc_error(err, "") from None
+
+
+def state_name(state: int) -> str:
+    return c.WorkerState.Name(state).removeprefix("WORKER_STATE_").lower()
+
+
+def gib(n: int) -> str:
+    return f"{n / (1 << 30):.2f}"

@@ -1,0 +1,1 @@
+"""The manager service: registry, tag policy, tiered idle timers, leases, budgets, telemetry."""

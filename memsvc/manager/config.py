@@ -1,0 +1,83 @@
+"""The manager's config file (TOML, or YAML when PyYAML is installed): default policy, static
+workers and timing. Example::
+
+    [manager]
+    heartbeat_interval = 2.0        # seconds
+    default_lease_ttl = 60.0
+
+    [policy]                        # seeds the default policy (UpdatePolicy changes persist and win)
+    idle_sleep_timeout = 300        # seconds idle -> tier 1
+    idle_deep_sleep_timeout = 3600  # seconds idle -> tier 2 (level 2)
+    device_budget_bytes = 0         # 0: the device's capacity
+    host_budget_bytes = 0           # 0: unlimited
+    tag_actions = { weights = "offload", kv_cache = "discard" }
+
+    [[workers]]                     # static workers, besides those that register themselves
+    id = "gpu0"
+    address = "10.0.0.7:50061"
+    host = "gpu-host-1"
+"""
+
+from __future__ import annotations
+
+import time
+import tomllib
+from dataclasses import dataclass, field, fields
+from pathlib import Path
+from typing import Any
+
+from memsvc.errors import InvalidArgument
+from memsvc.manager.controller import ManagerSettings
+from memsvc.manager.policy import fields_from_config
+from memsvc.manager.records import worker_id_from_name
+from memsvc.manager.store import StoredWorker
+
+
+@dataclass(frozen=True)
+class ManagerConfig:
+    settings: ManagerSettings = field(default_factory=ManagerSettings)
+    policy_fields: dict[str, Any] = field(default_factory=dict)
+    workers: list[StoredWorker] = field(default_factory=list)
+
+
+def load_config(path: str | Path | None) -> ManagerConfig:
+    if path is None:
+        return ManagerConfig()
+    p = Path(path)
+    try:
+        text = p.read_text()
+    except OSError as exc:
+        raise InvalidArgument(f"cannot read config {p}: {exc}") from exc
+    raw: dict[str, Any]
+    if p.suffix in (".yaml", ".yml"):
+        import yaml
+
+        raw = yaml.safe_load(text) or {}
+    else:
+        try:
+            raw = tomllib.loads(text)
+        except tomllib.TOMLDecodeError as exc:
+            raise InvalidArgument(f"config {p}: {exc}") from exc
+    unknown = set(raw) - {"manager", "policy", "workers"}
+    if unknown:
+        raise InvalidArgument(f"config {p}: unknown section(s) {sorted(unknown)}")
+    known = {f.name for f in fields(ManagerSettings)}
+    mgr = dict(raw.get("manager", {}))
+    bad = set(mgr) - known
+    if bad:
+        raise InvalidArgument(f"config {p}: unknown [manager] key(s) {sorted(bad)}")
+    settings = ManagerSettings(**{k: float(v) for k, v in mgr.items()})
+    workers = []
+    for entry in raw.get("workers", []):
+        if "id" not in entry or "address" not in entry:
+            raise InvalidArgument(f"config {p}: every [[workers]] entry needs id and address")
+        workers.append(
+            StoredWorker(
+                worker_id_from_name(str(entry["id"])),
+                str(entry["address"]),
+                str(entry.get("host", "")),
+                True,
+                time.time(),
+            )  # fmt: skip
+        )
+    return ManagerConfig(settings, fields_from_config(dict(raw.get("policy", {}))), workers)

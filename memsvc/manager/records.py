@@ -1,0 +1,110 @@
+"""A worker as the manager knows it: where it is, what it last reported, who holds it."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from dataclasses import dataclass, field
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+
+NAME_PREFIX = "workers/"
+
+
+def worker_id_from_name(name: str) -> str:
+    """``workers/{id}`` or a bare id -> id (validated)."""
+    from memsvc.errors import InvalidArgument
+
+    wid = name[len(NAME_PREFIX) :] if name.startswith(NAME_PREFIX) else name
+    if not wid or len(wid) > 128 or "/" in wid or not wid.isprintable():
+        raise InvalidArgument(f"bad worker name {name!r}: use workers/<id>", metadata={"name": name})
+    return wid
+
+
+@dataclass
+class Lease:
+    lease_id: str
+    worker_id: str
+    expire_time: float
+    holder: str
+
+    def to_proto(self) -> m.Lease:
+        lease = m.Lease(lease_id=self.lease_id, worker=NAME_PREFIX + self.worker_id, holder=self.holder)
+        lease.expire_time.FromNanoseconds(int(self.expire_time * 1e9))
+        return lease
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    address: str
+    host: str
+    configured: bool = False
+    status: c.WorkerStatus | None = None
+    reachable: bool = False
+    last_seen: float = 0.0
+    idle_since: float = field(default_factory=time.time)
+    leases: dict[str, Lease] = field(default_factory=dict)
+    lock: asyncio.Lock = field(default_factory=asyncio.Lock)
+    """Serialises the manager's transitions on this worker (idle timer, budget, operator, lease)."""
+    changed: asyncio.Condition = field(default_factory=asyncio.Condition)
+    """Notified on every status or availability change (AcquireWorker waits on it)."""
+
+    @property
+    def name(self) -> str:
+        return NAME_PREFIX + self.worker_id
+
+    @property
+    def state(self) -> int:
+        if not self.reachable:
+            return c.WORKER_STATE_UNAVAILABLE
+        return self.status.state if self.status is not None else c.WORKER_STATE_UNSPECIFIED
+
+    @property
+    def device_key(self) -> tuple[str, str, str]:
+        """Workers with equal keys share one device (and its budget)."""
+        d = self.status.device if self.status is not None else c.DeviceInfo()
+        return (self.host, d.backend, d.uuid or str(d.index))
+
+    def tags(self) -> list[c.TagMemory]:
+        return list(self.status.tags) if self.status is not None else []
+
+    @property
+    def mapped_bytes(self) -> int:
+        return sum(t.mapped_bytes for t in self.tags())
+
+    @property
+    def offloaded_bytes(self) -> int:
+        return sum(t.offloaded_bytes for t in self.tags())
+
+    def wake_need_bytes(self, tags: list[str] | None = None) -> int:
+        """Device bytes a wake of ``tags`` (all sleeping tags when None) would map."""
+        return sum(
+            t.awake_bytes for t in self.tags() if t.state != c.TAG_STATE_AWAKE and (tags is None or t.tag in tags)
+        )
+
+    def offload_need_bytes(self, actions: dict[str, int]) -> int:
+        """Host bytes a sleep with ``actions`` would add (awake tags that OFFLOAD)."""
+        return sum(
+            t.allocated_bytes
+            for t in self.tags()
+            if t.state == c.TAG_STATE_AWAKE and actions.get(t.tag) == c.TAG_ACTION_OFFLOAD
+        )
+
+    @property
+    def device_total_bytes(self) -> int:
+        return self.status.device.total_bytes if self.status is not None else 0
+
+    def to_proto(self) -> m.Worker:
+        w = m.Worker(
+            name=self.name, address=self.address, state=self.state, lease_count=len(self.leases),
+            configured=self.configured, host=self.host,
+        )  # fmt: skip
+        if self.status is not None:
+            w.status.CopyFrom(self.status)
+        if self.last_seen:
+            w.last_seen_time.FromNanoseconds(int(self.last_seen * 1e9))
+        if not self.leases:
+            w.idle_since_time.FromNanoseconds(int(self.idle_since * 1e9))
+        return w

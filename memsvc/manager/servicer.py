@@ -1,0 +1,110 @@
+"""MemoryManagerService: proto in, Manager call, proto out."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+
+from memsvc.errors import InvalidArgument
+from memsvc.manager.controller import Manager
+from memsvc.manager.records import worker_id_from_name
+from memsvc.manager.watch import CLOSED
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import model_worker_service_pb2 as w
+
+
+def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+    remaining = context.time_remaining()
+    return None if remaining is None else time.monotonic() + remaining
+
+
+class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
+    def __init__(self, manager: Manager) -> None:
+        self.manager = manager
+
+    async def RegisterWorker(self, request: m.RegisterWorkerRequest, context: Any) -> m.RegisterWorkerResponse:
+        rec = await self.manager.register(
+            request.worker_id, request.address, request.host, request.status if request.HasField("status") else None
+        )
+        resp = m.RegisterWorkerResponse(worker=rec.to_proto())
+        resp.heartbeat_interval.FromNanoseconds(int(self.manager.settings.heartbeat_interval * 1e9))
+        return resp
+
+    async def ListWorkers(self, request: m.ListWorkersRequest, context: Any) -> m.ListWorkersResponse:
+        page, token = self.manager.list(request.page_size, request.page_token)
+        return m.ListWorkersResponse(workers=[r.to_proto() for r in page], next_page_token=token)
+
+    async def GetWorker(self, request: m.GetWorkerRequest, context: Any) -> m.GetWorkerResponse:
+        return m.GetWorkerResponse(worker=self.manager.get(request.name).to_proto())
+
+    async def SleepWorker(self, request: m.SleepWorkerRequest, context: Any) -> m.SleepWorkerResponse:
+        rec, t = await self.manager.sleep_worker(
+            request.name, int(request.level), dict(request.tag_actions), request.request_id, _deadline(context)
+        )
+        return m.SleepWorkerResponse(worker=rec.to_proto(), transition=t)
+
+    async def WakeWorker(self, request: m.WakeWorkerRequest, context: Any) -> m.WakeWorkerResponse:
+        rec, t = await self.manager.wake_worker(
+            request.name, list(request.tags), request.request_id, _deadline(context)
+        )
+        return m.WakeWorkerResponse(worker=rec.to_proto(), transition=t)
+
+    async def SwapWorkerBlocks(self, request: m.SwapWorkerBlocksRequest, context: Any) -> m.SwapWorkerBlocksResponse:
+        req = w.SwapBlocksRequest(direction=request.direction, pairs=request.pairs, method=request.method)
+        r = await self.manager.swap_blocks(request.name, req, _deadline(context))
+        return m.SwapWorkerBlocksResponse(
+            moved_bytes=r.moved_bytes, duration=r.duration, gigabytes_per_second=r.gigabytes_per_second,
+            kv_cache=r.kv_cache,
+        )  # fmt: skip
+
+    async def AcquireWorker(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
+        if request.ttl.seconds < 0 or request.ttl.nanos < 0:
+            raise InvalidArgument("ttl must not be negative")
+        lease, rec = await self.manager.acquire(
+            request.name, request.ttl.ToNanoseconds() / 1e9, request.holder, request.lease_id, request.request_id,
+            _deadline(context),
+        )  # fmt: skip
+        return m.AcquireWorkerResponse(lease=lease.to_proto(), worker=rec.to_proto())
+
+    async def ReleaseWorker(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:
+        return m.ReleaseWorkerResponse(worker=self.manager.release(request.lease_id).to_proto())
+
+    async def GetPolicy(self, request: m.GetPolicyRequest, context: Any) -> m.GetPolicyResponse:
+        rec = self.manager.get(request.name) if request.name else None
+        return m.GetPolicyResponse(policy=self.manager.policy(rec).to_proto())
+
+    async def UpdatePolicy(self, request: m.UpdatePolicyRequest, context: Any) -> m.UpdatePolicyResponse:
+        if not request.HasField("policy"):
+            raise InvalidArgument("policy is required")
+        p = self.manager.update_policy(request.name, request.policy, list(request.update_mask.paths))
+        return m.UpdatePolicyResponse(policy=p.to_proto())
+
+    async def WatchWorkers(
+        self, request: m.WatchWorkersRequest, context: grpc.aio.ServicerContext
+    ) -> AsyncIterator[m.WatchWorkersResponse]:
+        ids = {worker_id_from_name(n) for n in request.names}
+        for wid in ids:
+            self.manager.get(wid)  # NOT_FOUND before the stream starts
+        queue = self.manager.hub.subscribe()
+        try:
+            for rec in list(self.manager.workers.values()):
+                if not ids or rec.worker_id in ids:
+                    msg = m.WatchWorkersResponse(worker=rec.to_proto(), snapshot=rec.to_proto())
+                    msg.time.GetCurrentTime()
+                    yield msg
+            while True:
+                event = await queue.get()
+                if event is CLOSED:
+                    return
+                if not ids or event.worker_id in ids:
+                    yield event.message
+        finally:
+            self.manager.hub.unsubscribe(queue)
+
+
+__all__ = ["MemoryManagerServicer", "c"]

@@ -1,0 +1,102 @@
+"""``memsvc up``: a manager and one worker on this machine, with embedded defaults.
+
+Where there is no GPU the worker uses the host backend and a small synthetic model, so the pair runs
+anywhere. Both are child processes; SIGINT/SIGTERM stops both, and if either dies the other is
+stopped too.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+
+def default_model() -> str:
+    from worker import _native
+
+    return "synthetic:1b" if _native.cuda_device_count() > 0 else "synthetic:small"
+
+
+def run(
+    manager_listen: str,
+    worker_listen: str,
+    metrics_listen: str,
+    state_dir: str,
+    model: str | None,
+    backend: str,
+    idle_sleep_timeout: float,
+    idle_deep_sleep_timeout: float,
+) -> int:
+    Path(state_dir).mkdir(parents=True, exist_ok=True)
+    exe = [sys.executable, "-m", "memsvc.cli"]
+    manager = subprocess.Popen(
+        [
+            *exe,
+            "manager",
+            "--listen",
+            manager_listen,
+            "--db",
+            str(Path(state_dir) / "manager.db"),
+            "--metrics-listen",
+            metrics_listen,
+            "--idle-sleep-timeout",
+            str(idle_sleep_timeout),
+            "--idle-deep-sleep-timeout",
+            str(idle_deep_sleep_timeout),
+        ]
+    )
+    worker = subprocess.Popen(
+        [
+            *exe,
+            "worker",
+            "--listen",
+            worker_listen,
+            "--manager",
+            manager_listen,
+            "--backend",
+            backend,
+            "--model",
+            model or default_model(),
+        ]
+    )
+    children = [manager, worker]
+    stopping = False
+
+    def stop(signum: int, _frame: object) -> None:
+        nonlocal stopping
+        stopping = True
+
+    signal.signal(signal.SIGTERM, stop)
+    signal.signal(signal.SIGINT, stop)
+    while not stopping and all(p.poll() is None for p in children):
+        time.sleep(0.2)
+    for p in reversed(children):
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + 40
+    for p in reversed(children):
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+    codes = [p.returncode for p in children]
+    return 0 if stopping and all(code == 0 for code in codes) else (next((c for c in codes if c), 1))
+
+
+if __name__ == "__main__":
+    sys.exit(
+        run(
+            "127.0.0.1:50051",
+            "127.0.0.1:50061",
+            "127.0.0.1:9400",
+            os.path.expanduser("~/.memsvc"),
+            None,
+            "auto",
+            300,
+            3600,
+        )
+    )
