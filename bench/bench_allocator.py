@@ -77,6 +77,8 @@ def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycle
                 "wake_GBps": nbytes / (t2 - t1) / GB,
                 "device_freed_bytes": free1 - free0,
                 "host_chunks_created": ctr["host_chunks_created"],
+                "host_prefault_s_total": ctr["host_prefault_seconds"],
+                "host_register_s_total": ctr["host_register_seconds"],
                 "host_chunks_reused": ctr["host_chunks_reused"],
                 "data_ok": ok,
             }
