@@ -67,7 +67,12 @@ def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
 
 @torch.no_grad()
 def fill_synthetic(weights: Mapping[str, torch.Tensor], config: ModelConfig, seed: int) -> None:
-    """Seeded random weights (normal, std 0.02; norm scales 1), generated on the tensors' device.
+    """Seeded random weights, generated on the tensors' device: embeddings std 0.02, every other
+    matrix std 1/sqrt(fan_in), norm scales 1.
+
+    The 1/sqrt(fan_in) scale lets each layer move the residual stream as much as the embedding does;
+    with 0.02 everywhere, a model with tied embeddings just echoes its last input token, which makes
+    "the same tokens after wake" prove nothing.
 
     Generating in place on the device needs no host staging, so even an 8B-shaped model fills in
     seconds; the stream of numbers depends on the device type, so tokens are reproducible per device.
@@ -82,7 +87,8 @@ def fill_synthetic(weights: Mapping[str, torch.Tensor], config: ModelConfig, see
         if gen is None:
             gen = generators[t.device] = torch.Generator(device=t.device)
             gen.manual_seed(seed)
-        t.normal_(0.0, 0.02, generator=gen)
+        std = 0.02 if name.endswith("embed_tokens.weight") or t.dim() < 2 else t.shape[-1] ** -0.5
+        t.normal_(0.0, std, generator=gen)
 
 
 @contextlib.contextmanager
