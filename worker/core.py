@@ -85,6 +85,15 @@ class Transition:
 
 
 @dataclass(frozen=True)
+class Generation:
+    """What Generate returns: new tokens, the kept sequence's KV blocks, and the time taken."""
+
+    tokens: list[int]
+    block_ids: list[int]
+    seconds: float
+
+
+@dataclass(frozen=True)
 class Status:
     """A snapshot of the worker for GetWorkerStatus and telemetry."""
 
@@ -427,15 +436,16 @@ class WorkerCore:
         moved = int(self.runner.kv_cache.swap(direction, pairs, method=method))
         return self._finish(Transition("swap_blocks", moved, time.perf_counter() - t0))
 
-    async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> tuple[list[int], float]:
+    async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
         self._require(State.AWAKE)
         return await self._run(lambda: self._generate(prompt, max_new_tokens, sequence_id))
 
-    def _generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> tuple[list[int], float]:
+    def _generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
         self._require(State.AWAKE)  # a Sleep may have run while this job was queued
         t0 = time.perf_counter()
         tokens = self.runner.generate(prompt, max_new_tokens, sequence_id=sequence_id or None)
-        return list(tokens), time.perf_counter() - t0
+        blocks = list(self.runner.kv_cache.sequence(sequence_id).block_ids) if sequence_id else []
+        return Generation(list(tokens), blocks, time.perf_counter() - t0)
 
 
-__all__ = ["LEVEL_ACTIONS", "MemsvcError", "State", "Status", "Transition", "WorkerConfig", "WorkerCore"]
+__all__ = ["LEVEL_ACTIONS", "Generation", "MemsvcError", "State", "Status", "Transition", "WorkerConfig", "WorkerCore"]

@@ -173,10 +173,10 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             raise InvalidArgument(f"max_new_tokens must be in [0, {MAX_GENERATE_TOKENS}]")
         if len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
             raise InvalidArgument(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
-        tokens, seconds = await self.core.generate(
-            list(request.prompt_token_ids), request.max_new_tokens, request.sequence_id
+        g = await self.core.generate(list(request.prompt_token_ids), request.max_new_tokens, request.sequence_id)
+        return w.GenerateResponse(
+            token_ids=g.tokens, sequence_id=request.sequence_id, duration=duration(g.seconds), block_ids=g.block_ids
         )
-        return w.GenerateResponse(token_ids=tokens, sequence_id=request.sequence_id, duration=duration(seconds))
 
     async def StreamTelemetry(
         self, request: w.StreamTelemetryRequest, context: grpc.aio.ServicerContext
