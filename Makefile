@@ -4,7 +4,7 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 PIP := $(PY) -m pip
 
-.PHONY: test build lint clean
+.PHONY: test build wheel up clean
 
 $(VENV)/.deps: pyproject.toml
 	python3 -m venv $(VENV)
@@ -16,9 +16,21 @@ $(VENV)/.deps: pyproject.toml
 build: $(VENV)/.deps
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
-test: build
-	$(PY) -m ruff check memsvc worker tests bench
+# The image's build stage runs this same target.
+wheel:
+	python3 -m venv .venv-build
+	.venv-build/bin/pip install -q --upgrade pip build
+	rm -rf build dist
+	.venv-build/bin/python -m build --wheel --outdir dist .
+
+up: build
+	$(VENV)/bin/memsvc up
+
+test: build wheel
+	$(PY) -m ruff check memsvc worker tests bench examples
+	$(VENV)/bin/buf lint
+	$(VENV)/bin/buf format --diff --exit-code
 	$(PY) -m pytest
 
 clean:
-	rm -rf build $(VENV) worker/*.so *.egg-info
+	rm -rf build dist $(VENV) .venv-build worker/*.so *.egg-info memsvc/v1/*_pb2*

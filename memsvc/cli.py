@@ -8,6 +8,7 @@ memsvc status | sleep | wake | watch    operate a running manager (--manager or 
 from __future__ import annotations
 
 import argparse
+import os
 import re
 import sys
 from collections.abc import Sequence
@@ -30,6 +31,11 @@ _UNITS = {
 }
 
 
+def env(name: str, default: str) -> str:
+    """Every flag's default can come from MEMSVC_<FLAG> (containers are configured by environment)."""
+    return os.environ.get(f"MEMSVC_{name}", default)
+
+
 def parse_bytes(text: str) -> int:
     """``8GiB``, ``512MiB``, ``1.5G`` or a plain byte count."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -40,16 +46,29 @@ def parse_bytes(text: str) -> int:
 
 def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("worker", help="serve one model on one device (ModelWorkerService)")
-    p.add_argument("--listen", default="127.0.0.1:50061", help="host:port to serve on (port 0 picks one)")
-    p.add_argument("--model", default="synthetic:tiny", help="checkpoint directory (HF layout) or synthetic:<preset>")
-    p.add_argument("--backend", choices=["auto", "cuda", "host"], default="auto")
-    p.add_argument("--device", type=int, default=0, help="CUDA device ordinal")
-    p.add_argument("--worker-id", default="", help="registration name (default: <hostname>-<device>)")
-    p.add_argument("--kv-blocks", type=int, default=256, help="device KV cache blocks")
-    p.add_argument("--host-kv-blocks", type=int, default=256, help="host KV cache blocks (swap space)")
+    p.add_argument(
+        "--listen", default=env("WORKER_LISTEN", "127.0.0.1:50061"), help="host:port to serve on (0: any port)"
+    )
+    p.add_argument(
+        "--model", default=env("MODEL", "synthetic:tiny"), help="HF-layout checkpoint dir or synthetic:<preset>"
+    )
+    p.add_argument("--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"))
+    p.add_argument("--device", type=int, default=int(env("DEVICE", "0")), help="CUDA device ordinal")
+    p.add_argument("--worker-id", default=env("WORKER_ID", ""), help="registration name (default: <hostname>-<device>)")
+    p.add_argument("--kv-blocks", type=int, default=int(env("KV_BLOCKS", "256")), help="device KV cache blocks")
+    p.add_argument(
+        "--host-kv-blocks", type=int, default=int(env("HOST_KV_BLOCKS", "256")), help="host KV blocks (swap)"
+    )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
-    p.add_argument("--host-capacity", type=parse_bytes, default=8 << 30, help="host backend: simulated device size")
-    p.add_argument("--checksum", action="store_true", help="verify offloaded data with checksums on wake")
+    p.add_argument(
+        "--host-capacity", type=parse_bytes, default=env("HOST_CAPACITY", "8GiB"), help="host backend: device size"
+    )
+    p.add_argument(
+        "--checksum",
+        action="store_true",
+        default=env("CHECKSUM", "") in ("1", "true"),
+        help="verify offloaded data with checksums on wake",
+    )
     p.add_argument(
         "--host-reserve",
         type=parse_bytes,
@@ -57,15 +76,26 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="page-locked host memory kept between sleeps (faster later sleeps)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
-    p.add_argument("--manager", default=None, help="manager address to register with (host:port)")
+    p.add_argument("--manager", default=env("MANAGER", "") or None, help="manager address to register with (host:port)")
+    p.add_argument(
+        "--advertise",
+        default=env("ADVERTISE", "") or None,
+        help="address the manager should dial (default: the listen address)",
+    )
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("manager", help="serve MemoryManagerService")
-    p.add_argument("--listen", default="127.0.0.1:50051", help="host:port to serve on (port 0 picks one)")
-    p.add_argument("--db", default="memsvc-manager.db", help="SQLite file: policies, registrations, leases")
-    p.add_argument("--config", default=None, help="TOML (or YAML) file: default policy, static workers, timing")
-    p.add_argument("--metrics-listen", default=None, help="host:port of the Prometheus /metrics endpoint")
+    p.add_argument(
+        "--listen", default=env("MANAGER_LISTEN", "127.0.0.1:50051"), help="host:port to serve on (0: any port)"
+    )
+    p.add_argument("--db", default=env("DB", "memsvc-manager.db"), help="SQLite file: policies, registrations, leases")
+    p.add_argument(
+        "--config", default=env("CONFIG", "") or None, help="TOML or YAML: default policy, static workers, timing"
+    )
+    p.add_argument(
+        "--metrics-listen", default=env("METRICS_LISTEN", "") or None, help="host:port of Prometheus /metrics"
+    )
     _policy_flags(p)
 
 
@@ -102,6 +132,10 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("worker")
     p.add_argument("--tags", nargs="*", default=[], help="wake only these tags")
     p.add_argument("--manager", default=None)
+    p = sub.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING (container health checks)")
+    p.add_argument("address", help="host:port")
+    p.add_argument("--service", default="", help="service name ('' = the whole server)")
+    p.add_argument("--timeout", type=float, default=3.0)
     p = sub.add_parser("up", help="run a manager and one worker on this machine")
     p.add_argument("--manager-listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50061")
@@ -178,6 +212,22 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
+def _health(address: str, service: str, timeout: float) -> int:
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    with grpc.insecure_channel(address) as channel:
+        try:
+            r = health_pb2_grpc.HealthStub(channel).Check(
+                health_pb2.HealthCheckRequest(service=service), timeout=timeout
+            )
+        except grpc.RpcError as err:
+            print(f"{address}: {err.code().name}", file=sys.stderr)
+            return 1
+    print(f"{address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
+    return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = argparse.ArgumentParser(prog="memsvc", description="Sleep and wake LLM model workers.")
     sub = parser.add_subparsers(dest="command", required=True)
@@ -202,6 +252,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.idle_sleep_timeout,
             args.idle_deep_sleep_timeout,
         )
+    if args.command == "health":
+        return _health(args.address, args.service, args.timeout)
     if args.command in ("status", "sleep", "wake", "watch"):
         return _ops(args)
     if args.command == "worker":
@@ -224,7 +276,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_reserve_bytes=args.host_reserve,
             seed=args.seed,
         )
-        return run(config, args.listen, args.manager)
+        return run(config, args.listen, args.manager, args.advertise)
     parser.error(f"unknown command {args.command}")
     return 2
 

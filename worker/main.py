@@ -17,7 +17,7 @@ SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 DRAIN_SECONDS = 30.0
 
 
-async def serve(config: WorkerConfig, listen: str, manager: str | None = None) -> int:
+async def serve(config: WorkerConfig, listen: str, manager: str | None = None, advertise: str | None = None) -> int:
     loop = asyncio.get_running_loop()
     core = WorkerCore(config, loop)
     servicer = ModelWorkerServicer(core)
@@ -42,7 +42,7 @@ async def serve(config: WorkerConfig, listen: str, manager: str | None = None) -
     if manager:
         from worker.registration import keep_registered
 
-        background.append(asyncio.create_task(keep_registered(core, srv.address, manager)))
+        background.append(asyncio.create_task(keep_registered(core, advertise or srv.address, manager)))
     await stop.wait()
     log.info("draining: finishing in-flight calls (up to %.0f s)", DRAIN_SECONDS)
     for task in background:
@@ -54,6 +54,6 @@ async def serve(config: WorkerConfig, listen: str, manager: str | None = None) -
     return 0
 
 
-def run(config: WorkerConfig, listen: str, manager: str | None) -> int:
+def run(config: WorkerConfig, listen: str, manager: str | None, advertise: str | None = None) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, listen, manager))
+    return asyncio.run(serve(config, listen, manager, advertise))

@@ -1,0 +1,31 @@
+# memsvc image: the manager and the worker (one per GPU) run from it.
+# Build stage: the same `make wheel` CI runs (native extension with its CUDA kernels, gRPC stubs).
+ARG CUDA_VERSION=13.0.1
+FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv python3-dev make gcc \
+ && rm -rf /var/lib/apt/lists/*
+WORKDIR /src
+COPY . .
+RUN make wheel
+
+# Runtime stage: no compiler, no toolkit; the driver comes from the host (NVIDIA container toolkit).
+FROM nvidia/cuda:${CUDA_VERSION}-base-ubuntu24.04 AS runtime
+RUN apt-get update \
+ && apt-get install -y --no-install-recommends python3 python3-venv \
+ && rm -rf /var/lib/apt/lists/* \
+ && useradd --create-home --uid 10001 memsvc \
+ && mkdir -p /var/lib/memsvc /models \
+ && chown memsvc /var/lib/memsvc
+COPY --from=build /src/dist/ /tmp/dist/
+RUN python3 -m venv /opt/memsvc \
+ && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc-*.whl)[worker]" \
+ && rm -rf /tmp/dist
+ENV PATH=/opt/memsvc/bin:$PATH \
+    NVIDIA_DRIVER_CAPABILITIES=compute,utility \
+    PYTHONUNBUFFERED=1
+USER memsvc
+WORKDIR /home/memsvc
+EXPOSE 50051 50061 9400
+ENTRYPOINT ["memsvc"]
+CMD ["--help"]

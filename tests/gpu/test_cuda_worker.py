@@ -1,0 +1,95 @@
+"""The worker service on the GPU: a ~1B-parameter synthetic model (Llama-3.2-1B shapes, bf16) on the
+cuda backend gives identical greedy tokens across level-1 sleep, level-2 sleep (reload), and a swap
+of its KV blocks out and back into different slots; sleep returns the device memory."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+
+import pytest
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from worker import _native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_native.cuda_device_count() == 0, reason="needs a CUDA device"),
+]
+
+from workerproc import WorkerProcess  # noqa: E402
+
+PROMPT = [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679]
+
+
+@pytest.fixture(scope="module")
+def gpu_worker() -> Iterator[WorkerProcess]:
+    with WorkerProcess(
+        ["--backend", "cuda", "--model", "synthetic:1b", "--kv-blocks", "1024", "--host-kv-blocks", "256"],
+        ready_timeout=300,
+    ) as wp:
+        yield wp
+
+
+def _tags(wp: WorkerProcess) -> dict[str, c.TagMemory]:
+    st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    return {t.tag: t for t in st.tags}
+
+
+def _generate(wp: WorkerProcess, n: int = 24, prompt: list[int] = PROMPT, seq: str = "") -> w.GenerateResponse:
+    return wp.stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, sequence_id=seq), timeout=120)
+
+
+def test_level1_and_level2_keep_tokens_and_return_memory(gpu_worker: WorkerProcess) -> None:
+    st = gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    assert st.device.backend == "cuda" and st.model.parameter_count > 1_000_000_000
+    before = list(_generate(gpu_worker).token_ids)
+    assert len(set(before)) > 3, f"degenerate synthetic model: {before}"
+    tags = _tags(gpu_worker)
+    mapped = tags["weights"].mapped_bytes + tags["kv_cache"].mapped_bytes
+    free_awake = st.device.free_bytes
+
+    r = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=120)
+    assert r.status.state == c.WORKER_STATE_ASLEEP
+    asleep = {t.tag: t for t in r.status.tags}
+    assert asleep["weights"].mapped_bytes == 0 and asleep["weights"].offloaded_bytes == tags["weights"].allocated_bytes
+    gained = r.status.device.free_bytes - free_awake
+    print(
+        f"level 1: {r.transition.moved_bytes} B in {r.transition.duration.ToNanoseconds() / 1e6:.1f} ms "
+        f"({r.transition.gigabytes_per_second:.1f} GB/s); device free +{gained} of {mapped} mapped"
+    )
+    assert gained >= 0.99 * mapped
+    r = gpu_worker.stub.WakeUp(w.WakeUpRequest(), timeout=120)
+    print(f"wake: {r.transition.gigabytes_per_second:.1f} GB/s")
+    assert r.status.state == c.WORKER_STATE_AWAKE
+    assert list(_generate(gpu_worker).token_ids) == before
+
+    r = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=120)
+    assert {t.tag: t for t in r.status.tags}["weights"].state == c.TAG_STATE_DISCARDED
+    gpu_worker.stub.WakeUp(w.WakeUpRequest(), timeout=300)
+    assert list(_generate(gpu_worker).token_ids) == before
+
+
+def test_swap_out_and_back_into_other_slots_keeps_tokens(gpu_worker: WorkerProcess) -> None:
+    whole = list(_generate(gpu_worker, 32, seq="ref").token_ids)
+    first = _generate(gpu_worker, 16, seq="s")
+    blocks = list(first.block_ids)
+    assert blocks
+    host = list(range(len(blocks)))
+    out = gpu_worker.stub.SwapBlocks(
+        w.SwapBlocksRequest(
+            direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+            pairs=[w.BlockPair(src_block=b, dst_block=h) for b, h in zip(blocks, host, strict=True)],
+        )
+    )
+    assert out.moved_bytes == len(blocks) * out.kv_cache.block_bytes
+    new = list(range(1000, 1000 + len(blocks)))
+    gpu_worker.stub.SwapBlocks(
+        w.SwapBlocksRequest(
+            direction=c.SWAP_DIRECTION_HOST_TO_DEVICE,
+            pairs=[w.BlockPair(src_block=h, dst_block=d) for h, d in zip(host, new, strict=True)],
+        )
+    )
+    rest = _generate(gpu_worker, 16, prompt=[], seq="s")
+    assert list(first.token_ids) + list(rest.token_ids) == whole
+    assert list(rest.block_ids)[: len(new)] == new
