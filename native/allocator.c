@@ -18,7 +18,6 @@
 #include "msv.h"
 
 #define ALIGN 256ull
-#define MAX_EXTENT_ON_WAKE (1ull << 30)
 
 typedef struct {
   uint64_t off, size, handle;
@@ -48,6 +47,7 @@ typedef struct {
   uint64_t addr, size, rsize;
   int arena; /* -1 for a host buffer */
   uint64_t sum;
+  int has_sum;       /* sum was taken at the last sleep: verify it on wake */
   msv_hchunk *chunk; /* host buffer */
 } entry;
 
@@ -136,14 +136,16 @@ static int check_tag(const char *tag) {
   return MSV_OK;
 }
 
-static int get_arena(msv_allocator *a, const char *tag, int *idx) {
+static int get_arena(msv_allocator *a, const char *tag, int *idx, int *created) {
   int rc = check_tag(tag);
   if (rc) return rc;
   int i = find_arena(a, tag);
+  *created = 0;
   if (i >= 0) {
     *idx = i;
     return MSV_OK;
   }
+  *created = 1;
   arena *ar = calloc(1, sizeof *ar);
   arena **na = realloc(a->arenas, (a->n_arenas + 1) * sizeof *na);
   if (!ar || !na) {
@@ -294,7 +296,7 @@ int msv_alloc(msv_allocator *a, const char *tag, size_t size, uint64_t *out) {
   if (size > (1ull << 50)) return msv_fail(MSV_E_INVALID, "allocation of %zu bytes is larger than any device", size);
   uint64_t rsize = round_up(size, ALIGN);
   pthread_mutex_lock(&a->mu);
-  int idx = -1, rc = get_arena(a, tag, &idx);
+  int idx = -1, created = 0, rc = get_arena(a, tag, &idx, &created);
   if (rc) goto out;
   arena *ar = a->arenas[idx];
   if (ar->state != MSV_TAG_AWAKE) {
@@ -330,7 +332,7 @@ int msv_alloc(msv_allocator *a, const char *tag, size_t size, uint64_t *out) {
       if (rc) goto out;
     }
   }
-  rc = tab_insert(a, (entry){ar->base + off, size, rsize, idx, 0, NULL});
+  rc = tab_insert(a, (entry){ar->base + off, size, rsize, idx, 0, 0, NULL});
   if (rc) {
     free_insert(ar, off, rsize);
     goto out;
@@ -339,6 +341,13 @@ int msv_alloc(msv_allocator *a, const char *tag, size_t size, uint64_t *out) {
   ar->n_allocs++;
   *out = ar->base + off;
 out:
+  if (rc && created) { /* a failed first allocation leaves no tag behind */
+    arena *dead = a->arenas[idx];
+    for (size_t k = 0; k < dead->n_ext; k++) a->b->unmap(a->b, dead->base + dead->ext[k].off, dead->ext[k].size, dead->ext[k].handle);
+    a->b->free_va(a->b, dead->base, dead->va_size);
+    free(dead->ext), free(dead->fr), free(dead);
+    a->n_arenas--;
+  }
   pthread_mutex_unlock(&a->mu);
   return rc;
 }
@@ -370,7 +379,7 @@ int msv_host_alloc(msv_allocator *a, size_t size, uint64_t *out) {
   int rc = msv_hostpool_get(&a->hp, size, &c);
   if (rc) return rc;
   pthread_mutex_lock(&a->mu);
-  rc = tab_insert(a, (entry){(uint64_t)(uintptr_t)c->ptr, size, c->size, -1, 0, c});
+  rc = tab_insert(a, (entry){(uint64_t)(uintptr_t)c->ptr, size, c->size, -1, 0, 0, c});
   pthread_mutex_unlock(&a->mu);
   if (rc) msv_hostpool_put(&a->hp, c);
   else *out = (uint64_t)(uintptr_t)c->ptr;
@@ -561,7 +570,8 @@ static int unmap_all(msv_allocator *a, arena *ar) {
   return MSV_OK;
 }
 
-/* Map again the extents a failed sleep left dropped; all or nothing. */
+/* Map the dropped extents again at the same offsets and sizes, so a free after the wake can still
+ * return a trailing extent to the device. All or nothing. */
 static int remap_dropped(msv_allocator *a, arena *ar) {
   size_t k = 0;
   int rc = MSV_OK;
@@ -576,32 +586,27 @@ static int remap_dropped(msv_allocator *a, arena *ar) {
   return rc;
 }
 
-/* Map the arena's whole layout again, in extents of at most 1 GiB (fewer, larger mappings than
- * the arena grew with). All or nothing. */
-static int remap_all(msv_allocator *a, arena *ar) {
-  if (mapped_bytes(ar) != 0) return remap_dropped(a, ar);
-  size_t n = (ar->frontier + MAX_EXTENT_ON_WAKE - 1) / MAX_EXTENT_ON_WAKE;
-  extent *nx = calloc(n ? n : 1, sizeof *nx);
-  if (!nx) return msv_fail(MSV_E_OOM, "out of host memory");
-  int rc = MSV_OK;
-  size_t done = 0;
-  for (uint64_t off = 0; off < ar->frontier; off += MAX_EXTENT_ON_WAKE) {
-    uint64_t len = ar->frontier - off < MAX_EXTENT_ON_WAKE ? ar->frontier - off : MAX_EXTENT_ON_WAKE;
-    rc = a->b->map(a->b, ar->base + off, len, &nx[done].handle);
-    if (rc) break;
-    nx[done].off = off, nx[done].size = len, nx[done].mapped = 1;
-    done++;
+/* The end of the last live allocation of arena `idx` (0 if none). */
+static uint64_t live_end(msv_allocator *a, int idx) {
+  uint64_t end = 0;
+  for (size_t t = 0; t < a->n_tab; t++) {
+    entry *e = &a->tab[t];
+    if (e->arena == idx && e->addr - a->arenas[idx]->base + e->rsize > end) end = e->addr - a->arenas[idx]->base + e->rsize;
   }
-  if (rc) {
-    for (size_t k = 0; k < done; k++) a->b->unmap(a->b, ar->base + nx[k].off, nx[k].size, nx[k].handle);
-    free(nx);
-    return rc;
-  }
-  free(ar->ext);
-  ar->ext = nx;
-  ar->n_ext = ar->cap_ext = done;
-  if (ar->cap_ext == 0) ar->cap_ext = n ? n : 1;
-  return MSV_OK;
+  return end;
+}
+
+/* Before a wake: forget trailing extents that no live allocation reaches any more (freed while the
+ * tag slept), so the wake maps only what is used. The free list is clipped to the new frontier. */
+static void drop_dead_tail(msv_allocator *a, int idx) {
+  arena *ar = a->arenas[idx];
+  uint64_t end = live_end(a, idx);
+  while (ar->n_ext && !ar->ext[ar->n_ext - 1].mapped && ar->ext[ar->n_ext - 1].off >= end) ar->n_ext--;
+  uint64_t frontier = ar->n_ext ? ar->ext[ar->n_ext - 1].off + ar->ext[ar->n_ext - 1].size : 0;
+  while (ar->n_fr && ar->fr[ar->n_fr - 1].off >= frontier) ar->n_fr--;
+  if (ar->n_fr && ar->fr[ar->n_fr - 1].off + ar->fr[ar->n_fr - 1].size > frontier)
+    ar->fr[ar->n_fr - 1].size = frontier - ar->fr[ar->n_fr - 1].off;
+  ar->frontier = frontier;
 }
 
 /* ---- sleep ---- */
@@ -674,7 +679,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
       if (sums[i]) {
         size_t k = 0;
         for (size_t t = 0; t < a->n_tab; t++)
-          if (a->tab[t].arena == idx[i]) a->tab[t].sum = sums[i][k++];
+          if (a->tab[t].arena == idx[i]) a->tab[t].sum = sums[i][k++], a->tab[t].has_sum = 1;
       }
     }
   }
@@ -707,6 +712,10 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
     rc = msv_fail(MSV_E_OOM, "out of host memory");
     goto out;
   }
+  if (tags && n == 0) {
+    rc = msv_fail(MSV_E_INVALID, "empty tag list: name tags, or pass none to wake every sleeping tag");
+    goto out;
+  }
   if (tags) {
     for (size_t i = 0; i < n; i++) {
       if ((rc = check_tag(tags[i]))) goto out;
@@ -735,8 +744,9 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
     }
   }
   /* Phase 1: map every tag back; on failure unmap what this call mapped and keep all backups. */
+  for (size_t q = 0; q < k; q++) drop_dead_tail(a, idx[q]);
   for (mapped = 0; mapped < k; mapped++)
-    if ((rc = remap_all(a, a->arenas[idx[mapped]]))) break;
+    if ((rc = remap_dropped(a, a->arenas[idx[mapped]]))) break;
   if (rc) {
     for (size_t q = 0; q < mapped; q++) unmap_all(a, a->arenas[idx[q]]);
     goto out;
@@ -750,8 +760,15 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
       rc = msv_fail(MSV_E_OOM, "out of host memory");
       break;
     }
-    for (size_t i = 0; i < ar->n_pieces; i++) back[i] = (msv_copy_item){ar->pieces[i].src, ar->pieces[i].dst, ar->pieces[i].size};
-    rc = a->b->copy(a->b, back, ar->n_pieces, MSV_COPY_LOOP, 0);
+    size_t nb = 0;
+    uint64_t limit = ar->base + ar->frontier; /* pieces past a dropped tail held freed data only */
+    for (size_t i = 0; i < ar->n_pieces; i++) {
+      msv_copy_item p = ar->pieces[i];
+      if (p.src >= limit) continue;
+      uint64_t size = p.src + p.size > limit ? limit - p.src : p.size;
+      back[nb++] = (msv_copy_item){p.src, p.dst, size};
+    }
+    rc = nb ? a->b->copy(a->b, back, nb, MSV_COPY_LOOP, 0) : MSV_OK;
     free(back);
   }
   if (!rc) rc = a->b->sync(a->b, 0);
@@ -763,7 +780,9 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
   for (size_t q = 0; q < k; q++) {
     arena *ar = a->arenas[idx[q]];
     int was_offloaded = ar->state == MSV_TAG_OFFLOADED;
-    if (was_offloaded && a->cfg.checksum && !rc) {
+    int any_sum = 0;
+    for (size_t t = 0; t < a->n_tab; t++) any_sum |= a->tab[t].arena == idx[q] && a->tab[t].has_sum;
+    if (was_offloaded && any_sum && !rc) { /* verify what was summed at sleep, even if checksums are off now */
       uint64_t *sums = NULL;
       size_t ns = 0;
       int crc = checksum_arena(a, idx[q], &sums, &ns);
@@ -772,6 +791,11 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
       for (size_t t = 0; !crc && t < a->n_tab; t++) {
         entry *e = &a->tab[t];
         if (e->arena != idx[q]) continue;
+        if (!e->has_sum) {
+          s++;
+          continue;
+        }
+        e->has_sum = 0;
         if (sums[s] != e->sum && !rc)
           rc = msv_fail(MSV_E_INTEGRITY,
                         "tag '%s': allocation 0x%llx (%llu bytes) failed its checksum on wake (0x%016llx != 0x%016llx)",
@@ -933,6 +957,18 @@ int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, 
       for (size_t i = 1; i < n && !rc; i++)
         if (sorted[i - 1].dst + sorted[i - 1].size > sorted[i].dst)
           rc = msv_fail(MSV_E_INVALID, "destinations overlap at 0x%llx", (unsigned long long)sorted[i].dst);
+      /* a source may not overlap any destination: the copies run in parallel, in no set order */
+      for (size_t i = 0; i < n && !rc; i++) {
+        size_t lo = 0, hi = n; /* first destination ending after the source starts */
+        while (lo < hi) {
+          size_t mid = (lo + hi) / 2;
+          if (sorted[mid].dst + sorted[mid].size <= src[i]) lo = mid + 1;
+          else hi = mid;
+        }
+        if (lo < n && sorted[lo].dst < src[i] + sizes[i])
+          rc = msv_fail(MSV_E_INVALID, "item %zu: source overlaps a destination at 0x%llx", i,
+                        (unsigned long long)sorted[lo].dst);
+      }
       free(sorted);
     }
   }

@@ -18,7 +18,6 @@ from _util import MiB, as_cpu_bytes, fill_random, random_bytes
 from conftest import HOST_CAPACITY, AllocatorFactory
 
 from memsvc.errors import (
-    IntegrityError,
     InvalidArgument,
     NotFound,
     OutOfMemory,
@@ -457,11 +456,6 @@ def test_wake_out_of_memory_keeps_every_named_tag_asleep(
         assert torch.equal(as_cpu_bytes(t), data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: msv_alloc creates (and reserves VA for) the tag before the mapping fails, "
-    "so a failed allocation in a new tag leaves an empty tag behind (native/allocator.c msv_alloc/get_arena)",
-)
 def test_out_of_memory_in_a_new_tag_leaves_no_tag(host_alloc: MemoryAllocator) -> None:
     before = host_alloc.stats()
     with pytest.raises(OutOfMemory):
@@ -619,11 +613,6 @@ def test_tensor_freed_while_asleep(
     assert torch.equal(as_cpu_bytes(d), d_data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: wake maps back the whole old layout (remap_all maps [0, frontier)) even when "
-    "the tail was freed while asleep, so that memory is never returned (native/allocator.c remap_all)",
-)
 def test_tail_freed_while_asleep_is_not_mapped_back(alloc: MemoryAllocator, gen: torch.Generator) -> None:
     small, small_data = _tensor(alloc, 1000, "weights", gen)
     free_small = alloc.stats().device_free_bytes
@@ -636,11 +625,6 @@ def test_tail_freed_while_asleep_is_not_mapped_back(alloc: MemoryAllocator, gen:
     assert alloc.stats().device_free_bytes == free_small
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: after a wake the tag is one extent, and trim_tail only drops whole free "
-    "extents, so freeing the tail after any sleep/wake cycle returns nothing (native/allocator.c)",
-)
 def test_freeing_the_tail_after_a_wake_returns_memory(alloc: MemoryAllocator, gen: torch.Generator) -> None:
     small, small_data = _tensor(alloc, 1000, "weights", gen)
     free_small = alloc.stats().device_free_bytes
@@ -725,13 +709,6 @@ def test_checksum_can_be_switched(make_allocator: AllocatorFactory, backend: str
     assert torch.equal(as_cpu_bytes(t), data)
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=IntegrityError,
-    reason="product bug: turning the checksum on while a tag sleeps makes its wake verify against a sum "
-    "that was never taken (entry.sum is 0 or stale), raising IntegrityError on intact data "
-    "(native/allocator.c msv_wake phase 3 checks a->cfg.checksum, not whether sleep summed the tag)",
-)
 def test_enabling_checksum_while_asleep_does_not_fail_the_wake(
     make_allocator: AllocatorFactory, backend: str, gen: torch.Generator
 ) -> None:
@@ -938,3 +915,39 @@ def test_host_buffers_hold_and_release_host_memory(alloc: MemoryAllocator, gen: 
     del h
     gc.collect()
     assert alloc.stats().counters["host_held_bytes"] == 0
+
+
+@pytest.mark.parametrize("tag", ["", "x" * 64, "nul\0tag"])
+def test_bad_tag_names_are_invalid_argument_everywhere(host_alloc: MemoryAllocator, tag: str) -> None:
+    for call in (
+        lambda: host_alloc.empty((4,), torch.uint8, tag),
+        lambda: host_alloc.empty((0,), torch.uint8, tag),
+        lambda: host_alloc.sleep({tag: "offload"}),
+        lambda: host_alloc.wake_up([tag]),
+    ):
+        with pytest.raises(InvalidArgument):
+            call()
+    assert host_alloc.stats().tags == {}
+
+
+def test_zero_size_tensor_in_a_slept_tag_is_wrong_state(host_alloc: MemoryAllocator, gen: torch.Generator) -> None:
+    _tensor(host_alloc, 100, "weights", gen)
+    host_alloc.sleep({"weights": "offload"})
+    with pytest.raises(WrongState):
+        host_alloc.empty((0, 5), torch.float32, "weights")
+
+
+def test_a_shape_larger_than_any_device_is_invalid_argument(host_alloc: MemoryAllocator) -> None:
+    with pytest.raises(InvalidArgument):
+        host_alloc.empty((1 << 40, 1 << 40), torch.float32, "weights")
+    assert host_alloc.stats().tags == {}
+
+
+def test_waking_an_empty_tag_list_is_invalid_argument(host_alloc: MemoryAllocator, gen: torch.Generator) -> None:
+    _tensor(host_alloc, 100, "weights", gen)
+    host_alloc.sleep({"weights": "offload"})
+    wakes = host_alloc.stats().counters["wakes"]
+    with pytest.raises(InvalidArgument):
+        host_alloc.wake_up([])
+    assert host_alloc.stats().tags["weights"].state == "offloaded"
+    assert host_alloc.stats().counters["wakes"] == wakes

@@ -322,3 +322,20 @@ def test_empty_list_is_a_no_op(setup: Setup) -> None:
             setup.alloc.copy_blocks([], [], [], method=method)
             setup.alloc.copy_blocks(torch.empty(0, dtype=torch.int64), torch.empty(0, dtype=torch.int64), 16)
     setup.assert_untouched()
+
+
+def test_a_source_overlapping_a_destination_is_rejected(alloc: MemoryAllocator) -> None:
+    dev = alloc.empty((4096,), torch.uint8, tag="kv")
+    dev.copy_(torch.arange(4096, dtype=torch.int64).remainder(251).to(torch.uint8).to(dev.device))
+    before = as_cpu_bytes(dev).clone()
+    p = dev.data_ptr()
+    with pytest.raises(InvalidArgument, match="overlaps a destination"):
+        alloc.copy_blocks([p, p + 1024], [p + 2048, p + 1], [100, 50])
+    assert torch.equal(as_cpu_bytes(dev), before)
+
+
+@pytest.mark.parametrize("bad", [None, 7, object()])
+def test_pointer_lists_that_are_not_sequences_are_invalid_argument(alloc: MemoryAllocator, bad: object) -> None:
+    dev = alloc.empty((64,), torch.uint8, tag="kv")
+    with pytest.raises(InvalidArgument):
+        alloc.copy_blocks(bad, [dev.data_ptr()], [8])

@@ -133,19 +133,39 @@ def _dlpack_dtype(dtype: torch.dtype) -> tuple[int, int]:
         raise InvalidArgument(f"unsupported dtype {dtype}") from None
 
 
-def _check_shape(shape: Sequence[int] | int) -> tuple[int, ...]:
-    dims = (shape,) if isinstance(shape, int) else tuple(shape)
+MAX_TENSOR_BYTES = 1 << 50
+
+
+def _check_shape(shape: Sequence[int] | int, itemsize: int) -> tuple[tuple[int, ...], int]:
+    """Validated dims and byte size."""
+    try:
+        dims = (shape,) if isinstance(shape, int) else tuple(shape)
+    except TypeError:
+        raise InvalidArgument(f"shape must be a sequence of integers, got {shape!r}") from None
     if any(not isinstance(d, int) or isinstance(d, bool) or d < 0 for d in dims):
         raise InvalidArgument(f"shape must be non-negative integers, got {shape!r}")
-    return dims
+    nbytes = itemsize
+    for d in dims:
+        nbytes *= d
+    if nbytes > MAX_TENSOR_BYTES:
+        raise InvalidArgument(f"a tensor of shape {dims} is larger than any device")
+    return dims, nbytes
+
+
+def _check_tag(tag: str) -> None:
+    if not isinstance(tag, str) or not 0 < len(tag.encode()) <= 63 or "\0" in tag:
+        raise InvalidArgument(f"tag must be a string of 1 to 63 bytes without NUL, got {tag!r}")
 
 
 def _ints(values: Any, what: str) -> list[int]:
     if hasattr(values, "tolist"):
         values = values.tolist()
-    if isinstance(values, int):
+    if isinstance(values, int) or values is None:
         raise InvalidArgument(f"{what} must be a sequence of integers")
-    return list(values)
+    try:
+        return list(values)
+    except TypeError:
+        raise InvalidArgument(f"{what} must be a sequence of integers") from None
 
 
 class MemoryAllocator:
@@ -191,12 +211,12 @@ class MemoryAllocator:
         """An uninitialised tensor in ``tag``'s pool (on the GPU for cuda, the CPU for host)."""
         import torch
 
-        dims = _check_shape(shape)
+        _check_tag(tag)
         code, bits = _dlpack_dtype(dtype)
-        nbytes = bits // 8
-        for d in dims:
-            nbytes *= d
+        dims, nbytes = _check_shape(shape, bits // 8)
         if nbytes == 0:
+            if self._tag_state(tag) not in (None, "awake"):
+                raise WrongState(f"tag '{tag}' is asleep: wake it before allocating")
             return torch.empty(dims, dtype=dtype, device=self.torch_device)
         return torch.from_dlpack(self._native.tensor(tag, nbytes, list(dims), code, bits))
 
@@ -204,11 +224,8 @@ class MemoryAllocator:
         """An uninitialised page-locked CPU tensor the device can copy to and from (host KV pool)."""
         import torch
 
-        dims = _check_shape(shape)
         code, bits = _dlpack_dtype(dtype)
-        nbytes = bits // 8
-        for d in dims:
-            nbytes *= d
+        dims, nbytes = _check_shape(shape, bits // 8)
         if nbytes == 0:
             return torch.empty(dims, dtype=dtype)
         return torch.from_dlpack(self._native.host_tensor(nbytes, list(dims), code, bits))
@@ -227,8 +244,7 @@ class MemoryAllocator:
         torch segment never mixes tags). The host backend cannot intercept torch's CPU allocator:
         there, allocate pool tensors with :meth:`empty`.
         """
-        if not tag or len(tag.encode()) > 63:
-            raise InvalidArgument("tag must be 1 to 63 bytes long")
+        _check_tag(tag)
         if self._tag_state(tag) not in (None, "awake"):
             raise WrongState(f"tag '{tag}' is asleep: wake it before allocating")
         if self.backend != "cuda":
@@ -254,6 +270,7 @@ class MemoryAllocator:
         """Apply a per-tag action; tags not named are kept. All-or-nothing: on error nothing changed."""
         pairs = []
         for tag, action in actions.items():
+            _check_tag(tag)
             try:
                 act = Action(action)
             except ValueError:
@@ -267,7 +284,10 @@ class MemoryAllocator:
         """Bring back the named sleeping tags (all of them when ``tags`` is None)."""
         if isinstance(tags, str):
             raise InvalidArgument("tags must be a list of tag names, not a string")
-        self._native.wake(None if tags is None else list(tags))
+        names = None if tags is None else list(tags)
+        for tag in names or ():
+            _check_tag(tag)
+        self._native.wake(names)
 
     def _synchronize_torch(self) -> None:
         # Work queued by torch on the device must finish before its memory is copied or unmapped.
