@@ -17,6 +17,7 @@ copies run without the GIL.
 
 from __future__ import annotations
 
+import array
 import contextlib
 import enum
 import threading
@@ -157,10 +158,20 @@ def _check_tag(tag: str) -> None:
         raise InvalidArgument(f"tag must be a string of 1 to 63 bytes without NUL, got {tag!r}")
 
 
-def _ints(values: Any, what: str) -> list[int]:
-    if hasattr(values, "tolist"):
-        values = values.tolist()
-    if isinstance(values, int) or values is None:
+def _ints(values: Any, what: str) -> Any:
+    """Integers for the native call: an int64 buffer (array('q'), numpy) passes through without a
+    per-element conversion (an 8192-block swap stays in C); anything else becomes a list."""
+    if isinstance(values, array.array) and values.typecode == "q":
+        return values
+    if hasattr(values, "numpy") and hasattr(values, "dtype"):  # a torch tensor: share its memory
+        values = values.detach().cpu().contiguous()
+        try:
+            return values.numpy() if str(values.dtype) == "torch.int64" else values.tolist()
+        except RuntimeError:  # torch without numpy
+            return values.tolist()
+    if hasattr(values, "__array_interface__") and getattr(values, "dtype", None) is not None:
+        return values if str(values.dtype) == "int64" else values.tolist()
+    if isinstance(values, int) or values is None or isinstance(values, str | bytes):
         raise InvalidArgument(f"{what} must be a sequence of integers")
     try:
         return list(values)
@@ -320,9 +331,9 @@ class MemoryAllocator:
         src = _ints(src_ptrs, "src_ptrs")
         dst = _ints(dst_ptrs, "dst_ptrs")
         if isinstance(sizes, int):
-            if sizes <= 0:
-                raise InvalidArgument(f"block size must be > 0, got {sizes}")
-            size_list = [sizes] * len(src)
+            if not 0 < sizes < MAX_TENSOR_BYTES:
+                raise InvalidArgument(f"block size must be in (0, 2**50), got {sizes}")
+            size_list = array.array("q", [sizes]) * len(src)
         else:
             size_list = _ints(sizes, "sizes")
         handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
