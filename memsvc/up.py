@@ -59,6 +59,8 @@ def run(
             manager_listen,
             "--backend",
             backend,
+            "--worker-id",
+            "local0",
             "--model",
             model or default_model(),
         ]
