@@ -1,12 +1,20 @@
 #!/usr/bin/env bash
-# One device call: facts about the machine, the GPU tests, then the allocator benchmark.
-# Usage (on the GPU machine, repo root, with worker/_native.abi3.so carried): bash bench/device_run.sh [pytest args]
+# One device call: the GPU tests (every test marked gpu, incl. the cuda variants of the semantic
+# tests), then the allocator benchmark. Run from the repo root on the GPU machine, with the built
+# extension (worker/_native.abi3.so), the generated stubs (memsvc/v1) and .whl carried.
+# Usage: bash bench/device_run.sh [extra pytest args]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
+if [ -d .whl ]; then
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null) memlock: $(ulimit -l) cpus: $(nproc)"
-python3 -c "import torch, sys; print('python', sys.version.split()[0], 'torch', torch.__version__)"
-python3 -m pytest tests -m gpu -p no:cacheprovider -q -s "$@" 2>&1 | tee "$OUT/gpu_tests.log"
-python3 -m bench.bench_allocator --out "$OUT/bench_allocator.json" 2>&1 | tee "$OUT/bench_allocator.log"
+python3 -c "import torch, sys, grpc, google.protobuf as pb; print('python', sys.version.split()[0], 'torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
+python3 -m pytest tests -m gpu -p no:cacheprovider -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log"
+if [ "${SKIP_BENCH:-0}" != 1 ]; then
+  python3 -m bench.bench_allocator --out "$OUT/bench_allocator.json" 2>&1 | tee "$OUT/bench_allocator.log"
+fi
