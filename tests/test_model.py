@@ -221,6 +221,10 @@ def test_qwen2_checkpoint_with_biases_loads_and_generates(alloc: MemoryAllocator
     config = dataclasses.replace(PRESETS["tiny"], family="qwen2", attention_bias=True)
     weights = allocate_weights(config, alloc)
     fill_synthetic(weights, config, seed=4)
+    gen = torch.Generator(device=weights["model.norm.weight"].device).manual_seed(4)
+    for name, t in weights.items():  # biases large enough that dropping them must change greedy tokens
+        if name.endswith("bias"):
+            t.normal_(0.0, 1.0, generator=gen)
     assert weights["model.layers.0.self_attn.k_proj.bias"].abs().sum() > 0
     save_checkpoint(tmp_path, weights, config)
 
