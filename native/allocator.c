@@ -426,12 +426,14 @@ static int checksum_arena(msv_allocator *a, int idx, uint64_t **sums_out, size_t
   return MSV_OK;
 }
 
-/* ---- the offload pipeline: a producer thread readies host chunks while copies run ---- */
+/* ---- the offload pipeline ----
+ * Three stages run at once: a faulting thread maps and pre-faults chunk i+2, a pinning thread
+ * registers chunk i+1, and the caller copies into chunk i. Chunks reused from the pool skip both. */
 typedef struct {
   msv_hostpool *hp;
   size_t nchunks, chunk_bytes, total;
-  msv_hchunk **ready;
-  size_t n_ready;
+  msv_hchunk **staged, **ready;
+  size_t n_staged, n_ready;
   int failed, stop;
   int err_code;
   char err[512];
@@ -439,28 +441,66 @@ typedef struct {
   pthread_cond_t cv;
 } producer;
 
-static void *produce(void *arg) {
+static void producer_fail(producer *p, int rc) {
+  pthread_mutex_lock(&p->mu);
+  if (!p->failed) {
+    p->failed = 1;
+    p->err_code = rc;
+    snprintf(p->err, sizeof p->err, "%s", msv_last_error());
+  }
+  pthread_cond_broadcast(&p->cv);
+  pthread_mutex_unlock(&p->mu);
+}
+
+static void *fault_stage(void *arg) {
   producer *p = (producer *)arg;
   for (size_t i = 0; i < p->nchunks; i++) {
     pthread_mutex_lock(&p->mu);
-    int stop = p->stop;
+    int stop = p->stop || p->failed;
     pthread_mutex_unlock(&p->mu);
     if (stop) break;
     size_t want = p->total - i * p->chunk_bytes < p->chunk_bytes ? p->total - i * p->chunk_bytes : p->chunk_bytes;
     msv_hchunk *c = NULL;
-    int rc = msv_hostpool_get(p->hp, want, &c);
-    pthread_mutex_lock(&p->mu);
+    int rc = msv_hostpool_take(p->hp, want, &c);
     if (rc) {
-      p->failed = 1;
-      p->err_code = rc;
-      snprintf(p->err, sizeof p->err, "%s", msv_last_error());
-    } else {
-      p->ready[p->n_ready++] = c;
+      producer_fail(p, rc);
+      break;
     }
+    pthread_mutex_lock(&p->mu);
+    p->staged[p->n_staged++] = c;
     pthread_cond_broadcast(&p->cv);
     pthread_mutex_unlock(&p->mu);
-    if (rc) break;
   }
+  return NULL;
+}
+
+static void *pin_stage(void *arg) {
+  producer *p = (producer *)arg;
+  for (size_t i = 0; i < p->nchunks; i++) {
+    pthread_mutex_lock(&p->mu);
+    while (p->n_staged <= i && !p->failed && !p->stop) pthread_cond_wait(&p->cv, &p->mu);
+    msv_hchunk *c = p->n_staged > i ? p->staged[i] : NULL;
+    pthread_mutex_unlock(&p->mu);
+    if (!c) break;
+    int rc = c->registered ? MSV_OK : msv_hostpool_register(p->hp, c);
+    pthread_mutex_lock(&p->mu);
+    if (rc) {
+      p->staged[i] = NULL; /* freed by msv_hostpool_register */
+      pthread_mutex_unlock(&p->mu);
+      producer_fail(p, rc);
+      break;
+    }
+    p->ready[p->n_ready++] = c;
+    pthread_cond_broadcast(&p->cv);
+    pthread_mutex_unlock(&p->mu);
+  }
+  return NULL;
+}
+
+static void *produce(void *arg) { /* both stages on one thread: the fallback when threads fail */
+  producer *p = (producer *)arg;
+  fault_stage(p);
+  pin_stage(p);
   return NULL;
 }
 
@@ -498,16 +538,19 @@ static int offload_arena(msv_allocator *a, int idx) {
   p.total = total;
   p.nchunks = (total + p.chunk_bytes - 1) / p.chunk_bytes;
   p.ready = calloc(p.nchunks, sizeof *p.ready);
+  p.staged = calloc(p.nchunks, sizeof *p.staged);
   msv_copy_item *pieces = malloc((n_runs + p.nchunks) * sizeof *pieces);
-  if (!p.ready || !pieces) {
-    free(p.ready), free(pieces), free(runs);
+  if (!p.ready || !p.staged || !pieces) {
+    free(p.ready), free(p.staged), free(pieces), free(runs);
     return msv_fail(MSV_E_OOM, "out of host memory");
   }
   pthread_mutex_init(&p.mu, NULL);
   pthread_cond_init(&p.cv, NULL);
-  pthread_t tid;
-  int threaded = pthread_create(&tid, NULL, produce, &p) == 0;
-  if (!threaded) produce(&p);
+  pthread_t fault_tid, pin_tid;
+  int faulting = pthread_create(&fault_tid, NULL, fault_stage, &p) == 0;
+  int pinning = faulting && pthread_create(&pin_tid, NULL, pin_stage, &p) == 0;
+  if (!faulting) produce(&p);
+  else if (!pinning) pin_stage(&p);
 
   size_t n_pieces = 0, run = 0;
   uint64_t run_off = 0;
@@ -535,9 +578,11 @@ static int offload_arena(msv_allocator *a, int idx) {
   else a->b->sync(a->b, 0);
   pthread_mutex_lock(&p.mu);
   p.stop = 1;
+  pthread_cond_broadcast(&p.cv);
   pthread_mutex_unlock(&p.mu);
-  if (threaded) pthread_join(tid, NULL);
-  /* chain the chunks (in order) onto the arena, or give them back on failure */
+  if (faulting) pthread_join(fault_tid, NULL);
+  if (pinning) pthread_join(pin_tid, NULL);
+  /* chain the chunks (in order) onto the arena, or give them all back on failure */
   for (size_t i = p.n_ready; i-- > 0;) {
     if (rc) {
       msv_hostpool_put(&a->hp, p.ready[i]);
@@ -546,9 +591,11 @@ static int offload_arena(msv_allocator *a, int idx) {
       ar->chunks = p.ready[i];
     }
   }
+  for (size_t i = p.n_ready; i < p.n_staged; i++) /* faulted but never pinned (a failure upstream) */
+    if (p.staged[i]) msv_hostpool_put(&a->hp, p.staged[i]);
   pthread_mutex_destroy(&p.mu);
   pthread_cond_destroy(&p.cv);
-  free(p.ready), free(runs);
+  free(p.ready), free(p.staged), free(runs);
   if (rc) {
     free(pieces);
     return rc;

@@ -80,6 +80,7 @@ typedef struct msv_hchunk {
   char *ptr;
   size_t size;
   uint64_t dev_alias;
+  int registered;
   struct msv_hchunk *next;
 } msv_hchunk;
 
@@ -101,7 +102,11 @@ typedef struct {
 } msv_hostpool;
 
 int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads);
+/* A registered chunk of at least min_size: a reused one, or a fresh one mapped and registered. */
 int msv_hostpool_get(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
+/* The two halves, for pipelining: take (reuse, or map + pre-fault; maybe unregistered) then register. */
+int msv_hostpool_take(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
+int msv_hostpool_register(msv_hostpool *hp, msv_hchunk *c);
 void msv_hostpool_put(msv_hostpool *hp, msv_hchunk *c);
 void msv_hostpool_trim(msv_hostpool *hp);
 /* Ask the reaper thread to trim (wake returns without waiting for cuMemHostUnregister). */
