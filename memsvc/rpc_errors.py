@@ -54,8 +54,26 @@ async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: 
     await context.abort_with_status(to_status(exc))
 
 
+class _Undecodable:
+    """What a request that failed to decode becomes, so the handler can answer INVALID_ARGUMENT."""
+
+    def __init__(self, exc: Exception) -> None:
+        self.exc = exc
+
+
+def _check_decoded(request: Any) -> None:
+    if isinstance(request, _Undecodable):
+        from memsvc.errors import InvalidArgument
+
+        raise InvalidArgument(f"the request body is not a valid message: {request.exc}")
+
+
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
-    """Wraps every unary and server-streaming handler with the error mapping above."""
+    """Wraps every unary and server-streaming handler with the error mapping above.
+
+    It also decodes requests itself: left to grpcio, a body that is not the request message fails
+    before any of our code runs and reaches the client as a bare UNKNOWN without ErrorInfo.
+    """
 
     async def intercept_service(
         self,
@@ -66,25 +84,33 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler is None:
             return handler
         method = details.method
+        decode = handler.request_deserializer
+
+        def safe_decode(data: bytes) -> Any:
+            try:
+                return decode(data) if decode is not None else data
+            except Exception as exc:  # noqa: BLE001 - any decoder failure is the client's bad input
+                return _Undecodable(exc)
+
         if handler.unary_unary is not None:
             inner_uu = handler.unary_unary
 
             async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
                 try:
+                    _check_decoded(request)
                     return await inner_uu(request, context)
                 except (MemsvcError, Exception) as exc:  # noqa: BLE001 - mapped, not swallowed
                     if isinstance(exc, grpc.aio.AbortError):
                         raise
                     await _abort(context, exc, method)
 
-            return grpc.unary_unary_rpc_method_handler(
-                unary_unary, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_unary_rpc_method_handler(unary_unary, safe_decode, handler.response_serializer)
         if handler.unary_stream is not None:
             inner_us = handler.unary_stream
 
             async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
                 try:
+                    _check_decoded(request)
                     async for item in inner_us(request, context):
                         yield item
                 except (MemsvcError, Exception) as exc:  # noqa: BLE001
@@ -92,9 +118,7 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                         raise
                     await _abort(context, exc, method)
 
-            return grpc.unary_stream_rpc_method_handler(
-                unary_stream, handler.request_deserializer, handler.response_serializer
-            )
+            return grpc.unary_stream_rpc_method_handler(unary_stream, safe_decode, handler.response_serializer)
         return handler
 
 

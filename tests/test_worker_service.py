@@ -46,6 +46,7 @@ REASON = {
     grpc.StatusCode.INVALID_ARGUMENT: "INVALID_ARGUMENT",
     grpc.StatusCode.FAILED_PRECONDITION: "WRONG_STATE",
     grpc.StatusCode.ABORTED: "TRANSITION_IN_PROGRESS",
+    grpc.StatusCode.NOT_FOUND: "NOT_FOUND",
 }
 """The ErrorInfo reason each status code comes with (memsvc.errors)."""
 
@@ -698,12 +699,6 @@ def test_undecodable_request_is_refused_and_worker_keeps_serving(
     assert generate(stub, PROMPT) == info.reference
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: a request that is not a valid protobuf is answered UNKNOWN ('Unexpected "
-    "DecodeError') without an ErrorInfo detail, although the API promises INVALID_ARGUMENT for bad input and "
-    "an ErrorInfo on every error (deserialisation fails in grpcio before ErrorMappingInterceptor sees it)",
-)
 @pytest.mark.parametrize("method", ["Sleep", "Generate"])
 def test_undecodable_request_is_invalid_argument(worker: WorkerProcess, stub: Stub, method: str) -> None:
     expect_error(lambda: _raw_call(worker, method), grpc.StatusCode.INVALID_ARGUMENT)
@@ -809,13 +804,6 @@ def small_worker() -> Iterator[WorkerProcess]:
         wp.stop()
 
 
-@pytest.mark.xfail(
-    strict=False,
-    raises=TransitionLockLeaked,
-    reason="product bug, timing-dependent here (strict in test_cancelling_transition_queued_behind_generate): "
-    "a cancel that reaches the worker before the device thread has picked up the Sleep job cancels the job, "
-    "and the transition lock taken by WorkerCore.sleep() is never released",
-)
 @pytest.mark.parametrize("how", ["cancel", "deadline"])
 def test_client_cancelling_sleep_leaves_worker_consistent(small_worker: WorkerProcess, how: str) -> None:
     """The client gives up on a Sleep right after sending it (cancel, or a deadline too short to be
@@ -857,14 +845,6 @@ def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grp
     return fut
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=TransitionLockLeaked,
-    reason="product bug (worker/core.py): sleep()/reload_weights() take the transition lock (_begin) on the "
-    "event loop, then await the device job; a client cancel while the job is still queued behind a "
-    "Generate cancels the job before it runs, so nothing ever releases the lock and every later "
-    "Sleep/WakeUp/ReloadWeights is ABORTED",
-)
 @pytest.mark.parametrize("rpc", ["Sleep", "ReloadWeights"])
 def test_cancelling_transition_queued_behind_generate(small_worker: WorkerProcess, rpc: str) -> None:
     """A transition that waits for the device thread (a Generate runs there) is cancelled by its client.
@@ -905,14 +885,6 @@ class StatusBlocked(AssertionError):
     """GetWorkerStatus did not answer until a running Generate had finished."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    raises=StatusBlocked,
-    reason="product bug: WorkerCore.status() (worker/core.py) calls ModelRunner.info(), which takes "
-    "ModelRunner.lock; generate() holds that lock for the whole decode, and status() runs on the asyncio "
-    "event loop, so GetWorkerStatus, telemetry snapshots and every other RPC of the process (health checks "
-    "included) stall until the running Generate ends",
-)
 def test_status_answers_while_generate_runs(small_worker: WorkerProcess) -> None:
     """core.py promises "the event loop stays free for status and telemetry" while device work runs.
 
@@ -974,3 +946,19 @@ def test_worker_that_cannot_start_exits_nonzero_and_says_why(args: list[str], co
     message = str(ei.value)
     assert f"worker exited with code {code} before 'ready'" in message, message
     assert says in message, message
+
+
+def test_free_sequence_returns_its_blocks_wherever_they_are(stub: Stub, info: Info) -> None:
+    base = status(stub).kv_cache
+    kept = generate_full(stub, [3, 1, 4, 1, 5], sequence_id="to-free")
+    blocks = list(kept.block_ids)
+    assert blocks and status(stub).kv_cache.sequence_count == base.sequence_count + 1
+    free_host = sorted(range(base.host_block_count))[: len(blocks)]
+    swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(blocks, free_host, strict=True)))
+    assert status(stub).kv_cache.host_free_block_count == base.host_free_block_count - len(blocks)
+    r = stub.FreeSequence(w.FreeSequenceRequest(sequence_id="to-free"))
+    assert r.kv_cache.sequence_count == base.sequence_count
+    assert r.kv_cache.host_free_block_count == base.host_free_block_count
+    assert r.kv_cache.device_free_block_count == base.device_free_block_count
+    expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest(sequence_id="to-free")), grpc.StatusCode.NOT_FOUND)
+    expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest()), grpc.StatusCode.INVALID_ARGUMENT)

@@ -128,10 +128,14 @@ class WorkerCore:
         self.alloc: MemoryAllocator | None = None
         self.runner: Any = None
         self._device: dict[str, Any] = {}
+        self._model_info: dict[str, Any] = {"source": config.model}
+        """Static after load: status() must not wait for the model's lock while Generate runs."""
 
     # ---- plumbing ----
     async def _run(self, fn: Callable[[], T]) -> T:
-        return await self._loop.run_in_executor(self._device_thread, fn)
+        # Shielded: a client that cancels (or whose deadline passes) must not cancel a queued job,
+        # because the job itself releases the transition lock and settles the state.
+        return await asyncio.shield(self._loop.run_in_executor(self._device_thread, fn))
 
     def _set_state(self, new: str, reason: str) -> None:
         old, self._state = self._state, new
@@ -204,6 +208,9 @@ class WorkerCore:
                 block_size=c.block_size,
             )
             self._device = self._describe_device()
+            info = dict(self.runner.info())
+            info.pop("kv_cache", None)
+            self._model_info = info
             self._last_memory = self.alloc.stats()
             moved = self._last_memory.tags[WEIGHTS].allocated_bytes if WEIGHTS in self._last_memory.tags else 0
             self._finish(Transition("load", moved, time.perf_counter() - t0))
@@ -241,7 +248,7 @@ class WorkerCore:
             except TransitionInProgress:
                 pass  # a transition holds the table: report the last snapshot with the live state
         kv = dict(self.runner.kv_cache.stats()) if self.runner is not None else {}
-        model = dict(self.runner.info()) if self.runner is not None else {"source": self.config.model}
+        model = self._model_info
         return Status(
             self.worker_id,
             self._state,
@@ -334,18 +341,18 @@ class WorkerCore:
         replay = self._replay(request_id, "WakeUp")
         if replay is not None:
             return replay  # type: ignore[no-any-return]
+        if len(set(tags)) != len(tags):
+            raise InvalidArgument("a tag is named twice")
+        known = set(self._last_memory.tags) if self._last_memory else set()
+        for tag in tags:  # bad input is INVALID_ARGUMENT whatever the state
+            if known and tag not in known:
+                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(known)}", metadata={"tag": tag})
         self._begin()
         try:
             self._require(State.ASLEEP, State.PARTIALLY_AWAKE)
             assert self.alloc is not None
             stats = self.alloc.stats().tags
-            if len(set(tags)) != len(tags):
-                raise InvalidArgument("a tag is named twice")
             for tag in tags:
-                if tag not in stats:
-                    raise InvalidArgument(
-                        f"unknown tag {tag!r}; this worker has {sorted(stats)}", metadata={"tag": tag}
-                    )
                 if stats[tag].state == "awake":
                     raise WrongState(f"tag {tag!r} is not asleep", metadata={"tag": tag})
             wanted = list(tags) or [t for t, s in stats.items() if s.state != "awake"]
@@ -435,6 +442,13 @@ class WorkerCore:
         t0 = time.perf_counter()
         moved = int(self.runner.kv_cache.swap(direction, pairs, method=method))
         return self._finish(Transition("swap_blocks", moved, time.perf_counter() - t0))
+
+    async def free_sequence(self, sequence_id: str) -> None:
+        if not sequence_id:
+            raise InvalidArgument("sequence_id is required")
+        if self._state in (State.LOADING, State.SLEEPING, State.WAKING):
+            raise WrongState(f"worker is {self._state.lower()}", metadata={"state": self._state})
+        await self._run(lambda: self.runner.free_sequence(sequence_id))
 
     async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
         self._require(State.AWAKE)

@@ -178,6 +178,10 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             token_ids=g.tokens, sequence_id=request.sequence_id, duration=duration(g.seconds), block_ids=g.block_ids
         )
 
+    async def FreeSequence(self, request: w.FreeSequenceRequest, context: Any) -> w.FreeSequenceResponse:
+        await self.core.free_sequence(request.sequence_id)
+        return w.FreeSequenceResponse(kv_cache=status_pb(self.core.status()).kv_cache)
+
     async def StreamTelemetry(
         self, request: w.StreamTelemetryRequest, context: grpc.aio.ServicerContext
     ) -> AsyncIterator[w.StreamTelemetryResponse]:
