@@ -1,0 +1,423 @@
+"""Real ``memsvc manager`` processes (and the workers that register with them) for the manager tests.
+
+:class:`ManagerProcess` starts ``python -m memsvc.cli manager`` on a loopback port picked by the
+process itself (``--listen 127.0.0.1:0``), reads the bound address from its "listening on" line (and
+the metrics URL from its "metrics on" line), and hands out a gRPC stub. ``kill()`` is SIGKILL (a
+crash: nothing is flushed or closed), ``stop()`` the graceful SIGTERM path.
+
+:class:`Cluster` owns every process a test starts and ends them all at teardown, whatever happened,
+so a failing test never leaks a manager or a worker. Workers are :class:`workerproc.WorkerProcess`
+(host backend, simulated device) started with ``--manager``.
+
+The polling helpers (:func:`wait_for`, :func:`wait_state`) give timer behaviour a bounded wait and
+fail with the last thing they saw; they never assert on speed.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import queue
+import re
+import signal
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterable, Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+from prometheus_client.parser import text_string_to_metric_families
+from workerproc import REPO_ROOT, WorkerProcess
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+READY_TIMEOUT = 60.0
+STOP_TIMEOUT = 30.0
+WORKER_MODEL = "synthetic:tiny"
+WORKER_CAPACITY = "64MiB"
+"""Simulated device size of a test worker; synthetic:tiny maps 4 MiB awake (2 MiB weights, 2 MiB KV)."""
+
+_LISTENING = re.compile(r"^memsvc manager listening on (?P<address>\S+)$")
+_METRICS = re.compile(r"^memsvc manager metrics on (?P<url>http://\S+)$")
+
+T = TypeVar("T")
+
+
+class ManagerStartError(RuntimeError):
+    """The manager exited or did not print its address in time; the message carries its output."""
+
+
+class ManagerProcess:
+    """One manager process; ``args`` are extra flags after ``memsvc manager``."""
+
+    def __init__(self, db: Path | str, args: Sequence[str] = (), *, listen: str = "127.0.0.1:0",
+                 metrics: bool = False) -> None:  # fmt: skip
+        argv = [sys.executable, "-m", "memsvc.cli", "manager", "--listen", listen, "--db", str(db), *args]
+        if metrics:
+            argv += ["--metrics-listen", "127.0.0.1:0"]
+        self.argv = argv
+        self.db = Path(db)
+        self.proc: subprocess.Popen[str] | None = None
+        self.address = ""
+        self.metrics_url = ""
+        self.stdout_lines: list[str] = []
+        self._lines: queue.Queue[str | None] = queue.Queue()
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+        self._channel: grpc.Channel | None = None
+        self._stub: m_grpc.MemoryManagerServiceStub | None = None
+
+    def start(self) -> ManagerProcess:
+        self.proc = subprocess.Popen(
+            self.argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr,
+            text=True, bufsize=1,
+        )  # fmt: skip
+        threading.Thread(target=self._read_stdout, name="manager-stdout", daemon=True).start()
+        deadline = time.monotonic() + READY_TIMEOUT
+        try:
+            while not self.address:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise ManagerStartError(self.failure(f"no 'listening on' line within {READY_TIMEOUT:.0f} s"))
+                try:
+                    line = self._lines.get(timeout=min(left, 1.0))
+                except queue.Empty:
+                    continue
+                if line is None:
+                    rc = self.proc.wait(timeout=STOP_TIMEOUT)
+                    raise ManagerStartError(self.failure(f"manager exited with code {rc} before listening"))
+                if mm := _METRICS.match(line):
+                    self.metrics_url = mm["url"]
+                elif ml := _LISTENING.match(line):
+                    self.address = ml["address"]
+        except BaseException:
+            self.kill()
+            raise
+        return self
+
+    def _read_stdout(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.stdout_lines.append(line)
+            self._lines.put(line)
+        self._lines.put(None)
+
+    def stderr_text(self) -> str:
+        self._stderr.flush()
+        self._stderr.seek(0)
+        text = self._stderr.read()
+        self._stderr.seek(0, os.SEEK_END)
+        return text
+
+    def failure(self, what: str) -> str:
+        return (
+            f"{what}\ncommand: {self.argv}\n--- stdout ---\n" + "\n".join(self.stdout_lines)
+            + f"\n--- stderr ---\n{self.stderr_text()[-8000:]}"
+        )  # fmt: skip
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    @property
+    def stub(self) -> m_grpc.MemoryManagerServiceStub:
+        if self._stub is None:
+            assert self.address, "manager is not started"
+            self._channel = grpc.insecure_channel(self.address)
+            self._stub = m_grpc.MemoryManagerServiceStub(self._channel)
+        return self._stub
+
+    def close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self._stub = None
+
+    def kill(self) -> None:
+        """SIGKILL now (a crash), if it still runs; always safe to call."""
+        self.close_channel()
+        if self.proc is not None and self.proc.poll() is None:
+            self.proc.kill()
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self.proc.wait(timeout=STOP_TIMEOUT)
+
+    def stop(self) -> int:
+        """SIGTERM and wait; the exit code."""
+        self.close_channel()
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+        try:
+            return self.proc.wait(timeout=STOP_TIMEOUT)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise AssertionError(self.failure("manager did not exit after SIGTERM")) from None
+
+    def close(self) -> None:
+        self.kill()
+        self._stderr.close()
+
+    def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
+        """One scrape of /metrics: {(sample name, labels): value}."""
+        assert self.metrics_url, "manager was started without --metrics-listen"
+        with urllib.request.urlopen(self.metrics_url, timeout=10) as resp:
+            text = resp.read().decode()
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                out[(s.name, frozenset(s.labels.items()))] = s.value
+        return out
+
+
+class Cluster:
+    """Every manager and worker a test starts; ``close()`` ends them all (workers first)."""
+
+    def __init__(self, tmp_path: Path) -> None:
+        self.tmp_path = tmp_path
+        self.managers: list[ManagerProcess] = []
+        self.workers: list[WorkerProcess] = []
+        self.scripted_workers: list[ScriptedWorker] = []
+
+    def manager(self, args: Sequence[str] = (), *, db: Path | str | None = None, listen: str = "127.0.0.1:0",
+                metrics: bool = False) -> ManagerProcess:  # fmt: skip
+        mp = ManagerProcess(db or self.tmp_path / "manager.db", args, listen=listen, metrics=metrics)
+        self.managers.append(mp)
+        return mp.start()
+
+    def worker_process(self, manager: str, worker_id: str, args: Sequence[str] = ()) -> WorkerProcess:
+        """A not yet started worker that registers with ``manager`` as ``worker_id``."""
+        flags = list(args)
+        if "--host-capacity" not in flags:
+            flags += ["--host-capacity", WORKER_CAPACITY]
+        if "--model" not in flags:
+            flags += ["--model", WORKER_MODEL]
+        wp = WorkerProcess(["--manager", manager, "--worker-id", worker_id, *flags])
+        self.workers.append(wp)
+        return wp
+
+    def workers_up(self, manager: ManagerProcess, ids: Iterable[str], args: Sequence[str] = (),
+                   state: int | None = c.WORKER_STATE_AWAKE) -> list[WorkerProcess]:  # fmt: skip
+        """Start workers in parallel; return once each is ready and, in the manager's view, in ``state``
+        (``None``: registered and reachable, whatever its state)."""
+        procs = [self.worker_process(manager.address, wid, args) for wid in ids]
+        with ThreadPoolExecutor(len(procs)) as pool:
+            for f in [pool.submit(p.start) for p in procs]:
+                f.result()
+        for p in procs:
+            if state is None:
+                wait_for(lambda p=p: get(manager.stub, p.worker_id),
+                         lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
+                         what=f"{p.worker_id} to register and be reachable")  # fmt: skip
+            else:
+                wait_state(manager.stub, p.worker_id, state)
+        return procs
+
+    def scripted(self, worker_id: str, state: int = c.WORKER_STATE_ASLEEP) -> ScriptedWorker:
+        """An in-process :class:`ScriptedWorker` (not registered: the test calls RegisterWorker)."""
+        sw = ScriptedWorker(worker_id, state)
+        self.scripted_workers.append(sw)
+        return sw
+
+    def close(self) -> None:
+        for sw in self.scripted_workers:
+            sw.close()
+        for wp in self.workers:
+            wp.close()
+        for mp in self.managers:
+            mp.close()
+
+
+# ---- a scripted worker, for orderings a real worker produces only by chance ----
+
+
+class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
+    """A ModelWorkerService served from the test process, whose telemetry the test releases by hand.
+
+    A real worker reports a transition twice, on two independent HTTP/2 streams: in the RPC's response
+    and as telemetry events; which reaches the manager first is up to scheduling. This one answers
+    Sleep/WakeUp at once and holds the matching telemetry events (stamped with the times they
+    happened, before the response) until :meth:`release_events`, so the late-telemetry case is exact.
+    """
+
+    MiB = 1 << 20
+
+    def __init__(self, worker_id: str, state: int = c.WORKER_STATE_ASLEEP) -> None:
+        self.worker_id = worker_id
+        self.state = state
+        self._stream: queue.Queue[w.StreamTelemetryResponse | None] = queue.Queue()
+        self._held: list[w.StreamTelemetryResponse] = []
+        self._seq = 0
+        self._lock = threading.Lock()
+        self.server = grpc.server(ThreadPoolExecutor(8))
+        w_grpc.add_ModelWorkerServiceServicer_to_server(self, self.server)
+        port = self.server.add_insecure_port("127.0.0.1:0")
+        self.address = f"127.0.0.1:{port}"
+        self.server.start()
+
+    def close(self) -> None:
+        self._stream.put(None)
+        self.server.stop(0)
+
+    def status(self) -> c.WorkerStatus:
+        awake = self.state == c.WORKER_STATE_AWAKE
+        st = c.WorkerStatus(
+            worker_id=self.worker_id, state=self.state,
+            device=c.DeviceInfo(backend="host", index=0, name="scripted", total_bytes=64 * self.MiB,
+                                free_bytes=(60 if awake else 64) * self.MiB),
+            tags=[
+                c.TagMemory(tag="kv_cache", state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_DISCARDED,
+                            mapped_bytes=2 * self.MiB if awake else 0, allocated_bytes=2 * self.MiB,
+                            discarded_bytes=0 if awake else 2 * self.MiB, awake_bytes=2 * self.MiB),
+                c.TagMemory(tag="weights", state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_OFFLOADED,
+                            mapped_bytes=2 * self.MiB if awake else 0, allocated_bytes=self.MiB,
+                            offloaded_bytes=0 if awake else self.MiB, awake_bytes=2 * self.MiB),
+            ],
+        )  # fmt: skip
+        st.update_time.GetCurrentTime()
+        return st
+
+    def _message(self, **event: Any) -> w.StreamTelemetryResponse:
+        with self._lock:
+            self._seq += 1
+            msg = w.StreamTelemetryResponse(sequence_number=self._seq, **event)
+        msg.time.GetCurrentTime()
+        return msg
+
+    def _transition(self, to: int, reason: str, busy: int, kind: str) -> tuple[c.WorkerStatus, c.TransitionStats]:
+        frm = self.state
+        self._held.append(self._message(state_change=c.StateChange(from_state=frm, to_state=busy, reason=reason)))
+        self.state = to
+        self._held.append(self._message(state_change=c.StateChange(from_state=busy, to_state=to, reason=reason)))
+        t = c.TransitionStats(kind=kind, moved_bytes=self.MiB)
+        t.end_time.GetCurrentTime()
+        self._held.append(self._message(transition=t))
+        return self.status(), t
+
+    def release_events(self) -> None:
+        """Send the held telemetry events now, in the order they happened."""
+        held, self._held = self._held, []
+        for msg in held:
+            self._stream.put(msg)
+
+    # ModelWorkerService
+    def GetWorkerStatus(self, request: Any, context: Any) -> w.GetWorkerStatusResponse:
+        return w.GetWorkerStatusResponse(status=self.status())
+
+    def StreamTelemetry(self, request: Any, context: Any) -> Iterator[w.StreamTelemetryResponse]:
+        yield self._message(snapshot=self.status())
+        while context.is_active():
+            try:
+                msg = self._stream.get(timeout=0.1)
+            except queue.Empty:
+                continue
+            if msg is None:
+                return
+            yield msg
+
+    def Sleep(self, request: Any, context: Any) -> w.SleepResponse:
+        st, t = self._transition(c.WORKER_STATE_ASLEEP, "Sleep", c.WORKER_STATE_SLEEPING, "sleep")
+        return w.SleepResponse(status=st, transition=t)
+
+    def WakeUp(self, request: Any, context: Any) -> w.WakeUpResponse:
+        st, t = self._transition(c.WORKER_STATE_AWAKE, "WakeUp", c.WORKER_STATE_WAKING, "wake")
+        return w.WakeUpResponse(status=st, transition=t)
+
+
+# ---- polling and views ----
+
+
+def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], timeout: float = 15.0, what: str = "",
+             interval: float = 0.05) -> T:  # fmt: skip
+    """Call ``probe`` until ``ok(value)``; the value, or AssertionError with the last one after ``timeout``."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            last = probe()
+            if ok(last):
+                return last  # type: ignore[no-any-return]
+        except grpc.RpcError as err:
+            last = f"{err.code().name}: {err.details()}"
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout:.1f} s waiting for {what or ok}; last value:\n{last}")
+        time.sleep(interval)
+
+
+def name(worker_id: str) -> str:
+    return worker_id if worker_id.startswith("workers/") else f"workers/{worker_id}"
+
+
+def get(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worker:
+    return stub.GetWorker(m.GetWorkerRequest(name=name(worker_id)), timeout=10).worker
+
+
+def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: int, timeout: float = 15.0,
+               extra: Callable[[m.Worker], bool] = lambda w: True) -> m.Worker:  # fmt: skip
+    """Poll GetWorker until the worker is in ``state`` (and ``extra`` holds)."""
+    return wait_for(
+        lambda: get(stub, worker_id), lambda w: w.state == state and extra(w), timeout,
+        f"{worker_id} to be {c.WorkerState.Name(state)}",
+    )  # fmt: skip
+
+
+def tags(worker: m.Worker) -> dict[str, c.TagMemory]:
+    return {t.tag: t for t in worker.status.tags}
+
+
+def tag_states(worker: m.Worker) -> dict[str, str]:
+    return {t.tag: c.TagState.Name(t.state) for t in worker.status.tags}
+
+
+def offloaded(worker: m.Worker) -> int:
+    return sum(t.offloaded_bytes for t in worker.status.tags)
+
+
+def mapped(worker: m.Worker) -> int:
+    return sum(t.mapped_bytes for t in worker.status.tags)
+
+
+def view(worker: m.Worker) -> tuple[Any, ...]:
+    """What a bad request must not change: state, leases, address, and every tag's state and sizes."""
+    return (
+        worker.name,
+        worker.address,
+        c.WorkerState.Name(worker.state),
+        worker.lease_count,
+        tuple(
+            (t.tag, c.TagState.Name(t.state), t.mapped_bytes, t.allocated_bytes, t.offloaded_bytes, t.discarded_bytes)
+            for t in sorted(worker.status.tags, key=lambda t: t.tag)
+        ),
+    )
+
+
+def seconds(ts: Any) -> float:
+    """A Timestamp or Duration as float seconds."""
+    return float(ts.ToNanoseconds()) / 1e9
+
+
+__all__ = [
+    "Cluster",
+    "ManagerProcess",
+    "ManagerStartError",
+    "ScriptedWorker",
+    "get",
+    "mapped",
+    "name",
+    "offloaded",
+    "seconds",
+    "tag_states",
+    "tags",
+    "view",
+    "wait_for",
+    "wait_state",
+]

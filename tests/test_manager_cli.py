@@ -1,0 +1,107 @@
+"""The operator commands against a real manager: ``memsvc status``, ``memsvc sleep``, ``memsvc wake``."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from managerproc import Cluster, ManagerProcess, get, tags, wait_state
+from workerproc import REPO_ROOT
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+
+
+@pytest.fixture(scope="module")
+def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
+    cl = Cluster(tmp_path_factory.mktemp("manager-cli"))
+    try:
+        mp = cl.manager()
+        cl.workers_up(mp, ["cli-a", "cli-b"])
+        yield mp
+    finally:
+        cl.close()
+
+
+def memsvc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        [sys.executable, "-m", "memsvc.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        env={**os.environ, "COLUMNS": "200", **(env or {})},
+    )  # fmt: skip
+
+
+def test_status_lists_every_worker_with_its_state(mgr: ManagerProcess) -> None:
+    r = memsvc("status", "--manager", mgr.address)
+    assert r.returncode == 0, r.stderr
+    lines = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.count("│") > 2}
+    assert "cli-a" in lines and "cli-b" in lines, r.stdout
+    assert "awake" in lines["cli-a"] and get(mgr.stub, "cli-a").address in lines["cli-a"]
+
+
+def test_status_reads_the_manager_address_from_the_environment(mgr: ManagerProcess) -> None:
+    r = memsvc("status", env={"MEMSVC_MANAGER": mgr.address})
+    assert r.returncode == 0, r.stderr
+    assert "cli-a" in r.stdout and "cli-b" in r.stdout
+
+
+def test_sleep_and_wake_change_the_state(mgr: ManagerProcess) -> None:
+    r = memsvc("sleep", "cli-a", "--manager", mgr.address)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "workers/cli-a" in r.stdout and "asleep" in r.stdout
+    wk = wait_state(mgr.stub, "cli-a", c.WORKER_STATE_ASLEEP)
+    assert tags(wk)["weights"].state == c.TAG_STATE_OFFLOADED  # the policy's tier-1 actions
+    assert get(mgr.stub, "cli-b").state == c.WORKER_STATE_AWAKE  # only the named worker
+
+    r = memsvc("status", "--manager", mgr.address)
+    assert r.returncode == 0 and "asleep" in r.stdout
+
+    r = memsvc("wake", "workers/cli-a", "--manager", mgr.address)
+    assert r.returncode == 0, r.stdout + r.stderr
+    assert "awake" in r.stdout
+    wait_state(mgr.stub, "cli-a", c.WORKER_STATE_AWAKE)
+
+    r = memsvc("sleep", "cli-b", "--level", "2", "--manager", mgr.address)
+    assert r.returncode == 0, r.stdout + r.stderr
+    wk = wait_state(mgr.stub, "cli-b", c.WORKER_STATE_ASLEEP)
+    assert tags(wk)["weights"].state == c.TAG_STATE_DISCARDED
+    assert memsvc("wake", "cli-b", "--manager", mgr.address).returncode == 0
+    wait_state(mgr.stub, "cli-b", c.WORKER_STATE_AWAKE)
+
+
+@pytest.mark.parametrize(
+    "args, code",
+    [
+        (["sleep", "nobody"], "NOT_FOUND"),
+        (["wake", "nobody"], "NOT_FOUND"),
+        (["sleep", "a/b"], "INVALID_ARGUMENT"),
+        (["wake", "cli-a"], "FAILED_PRECONDITION"),  # already awake
+    ],
+)
+def test_a_refused_command_exits_1_with_the_status_and_changes_nothing(
+    mgr: ManagerProcess, args: list[str], code: str
+) -> None:
+    before = [get(mgr.stub, w).state for w in ("cli-a", "cli-b")]
+    r = memsvc(*args, "--manager", mgr.address)
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert code in r.stdout and "Traceback" not in r.stdout + r.stderr
+    assert [get(mgr.stub, w).state for w in ("cli-a", "cli-b")] == before
+
+
+def test_sleep_of_a_leased_worker_is_refused(mgr: ManagerProcess) -> None:
+    lease = mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/cli-b", ttl={"seconds": 60}), timeout=30).lease
+    try:
+        r = memsvc("sleep", "cli-b", "--manager", mgr.address)
+        assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stdout, r.stdout + r.stderr
+        assert get(mgr.stub, "cli-b").state == c.WORKER_STATE_AWAKE
+    finally:
+        mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+
+
+def test_commands_without_a_reachable_manager_fail_cleanly(tmp_path: Path) -> None:
+    r = memsvc("status", "--manager", "127.0.0.1:1")
+    assert r.returncode == 1, r.stdout + r.stderr
+    assert "UNAVAILABLE" in r.stdout and "Traceback" not in r.stdout + r.stderr

@@ -1,0 +1,432 @@
+"""Bad input on every RPC of MemoryManagerService: the right status code, and nothing changed.
+
+One manager for the module, with a real worker ("real", awake) and a registered worker nobody
+answers for ("ghost", UNAVAILABLE). After every test the ``unchanged`` fixture compares the workers
+(state, leases, tags and sizes), the list of workers and the policies with what they were before.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator
+from typing import Any
+
+import grpc
+import pytest
+from managerproc import Cluster, ManagerProcess, get, view, wait_state
+
+from memsvc.rpc_errors import error_info
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
+
+Code = grpc.StatusCode
+REAL, GHOST = "workers/real", "workers/ghost"
+T1_S, T2_S = 1000, 2000
+"""Idle timers of the module's default policy: long enough never to fire during the tests."""
+
+
+@pytest.fixture(scope="module")
+def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
+    cl = Cluster(tmp_path_factory.mktemp("manager-errors"))
+    try:
+        mp = cl.manager()
+        cl.workers_up(mp, ["real"])
+        mp.stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"),
+                               timeout=10)  # fmt: skip
+        wait_state(mp.stub, GHOST, c.WORKER_STATE_UNAVAILABLE)
+        mp.stub.UpdatePolicy(
+            m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout={"seconds": T1_S},
+                                                  idle_deep_sleep_timeout={"seconds": T2_S}),
+                                  update_mask={"paths": ["idle_sleep_timeout", "idle_deep_sleep_timeout"]}),
+            timeout=10,
+        )  # fmt: skip
+        yield mp
+    finally:
+        cl.close()
+
+
+def _snapshot(mp: ManagerProcess) -> dict[str, Any]:
+    stub = mp.stub
+    listed = stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    return {
+        "workers": [x.name for x in listed.workers],
+        "real": view(get(stub, REAL)),
+        "ghost": view(get(stub, GHOST)),
+        "default": stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy.SerializeToString(deterministic=True),
+        "real policy": stub.GetPolicy(m.GetPolicyRequest(name=REAL), timeout=10).policy.SerializeToString(
+            deterministic=True
+        ),
+    }
+
+
+@pytest.fixture
+def unchanged(mgr: ManagerProcess) -> Iterator[ManagerProcess]:
+    """The manager, checked after the test to be exactly as before it."""
+    wait_state(mgr.stub, REAL, c.WORKER_STATE_AWAKE, extra=lambda wk: wk.lease_count == 0)
+    before = _snapshot(mgr)
+    yield mgr
+    assert _snapshot(mgr) == before, "a rejected request changed the manager's state"
+
+
+def _expect(code: grpc.StatusCode, call: Callable[[], Any]) -> grpc.RpcError:
+    with pytest.raises(grpc.RpcError) as err:
+        result = call()
+        if hasattr(result, "__next__"):  # a stream: its first message (or its error)
+            next(result)
+    assert err.value.code() == code, f"{err.value.code()}: {err.value.details()}"
+    assert err.value.details(), "an error without a message"
+    if code != Code.UNAVAILABLE:  # the manager answers these itself, with an ErrorInfo detail
+        info = error_info(err.value)
+        assert info is not None and info.domain == "memsvc.dev", "no google.rpc.ErrorInfo detail"
+    return err.value
+
+
+# ---- requests naming a worker ----
+
+NAMED_CALLS: dict[str, Callable[[Any, str], Any]] = {
+    "GetWorker": lambda s, n: s.GetWorker(m.GetWorkerRequest(name=n), timeout=10),
+    "SleepWorker": lambda s, n: s.SleepWorker(m.SleepWorkerRequest(name=n), timeout=10),
+    "WakeWorker": lambda s, n: s.WakeWorker(m.WakeWorkerRequest(name=n), timeout=10),
+    "SwapWorkerBlocks": lambda s, n: s.SwapWorkerBlocks(
+        m.SwapWorkerBlocksRequest(
+            name=n, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=0, dst_block=0)]
+        ),
+        timeout=10,
+    ),  # fmt: skip
+    "AcquireWorker": lambda s, n: s.AcquireWorker(m.AcquireWorkerRequest(name=n, ttl={"seconds": 30}), timeout=10),
+    "GetPolicy": lambda s, n: s.GetPolicy(m.GetPolicyRequest(name=n), timeout=10),
+    "UpdatePolicy": lambda s, n: s.UpdatePolicy(
+        m.UpdatePolicyRequest(
+            name=n, policy=m.Policy(device_budget_bytes=1 << 20), update_mask={"paths": ["device_budget_bytes"]}
+        ),
+        timeout=10,
+    ),  # fmt: skip
+    "WatchWorkers": lambda s, n: s.WatchWorkers(m.WatchWorkersRequest(names=[REAL, n]), timeout=10),
+}
+
+
+@pytest.mark.parametrize("rpc", list(NAMED_CALLS))
+@pytest.mark.parametrize("worker", ["workers/nobody", "nobody"])
+def test_unknown_worker_is_not_found(unchanged: ManagerProcess, rpc: str, worker: str) -> None:
+    err = _expect(Code.NOT_FOUND, lambda: NAMED_CALLS[rpc](unchanged.stub, worker))
+    assert "nobody" in (err.details() or "")
+
+
+MALFORMED = ["workers/", "a/b", "workers/a/b", "workers/x\ny", "workers/" + "x" * 129, ""]
+
+
+@pytest.mark.parametrize(
+    "rpc, worker",
+    [
+        (rpc, worker)
+        for rpc in NAMED_CALLS
+        for worker in MALFORMED
+        if not (worker == "" and rpc in ("GetPolicy", "UpdatePolicy"))  # there "" names the default policy
+    ],
+)
+def test_malformed_worker_name_is_invalid_argument(unchanged: ManagerProcess, rpc: str, worker: str) -> None:
+    _expect(Code.INVALID_ARGUMENT, lambda: NAMED_CALLS[rpc](unchanged.stub, worker))
+
+
+@pytest.mark.parametrize("rpc", ["SleepWorker", "WakeWorker", "SwapWorkerBlocks", "AcquireWorker"])
+def test_unreachable_worker_is_unavailable(unchanged: ManagerProcess, rpc: str) -> None:
+    _expect(Code.UNAVAILABLE, lambda: NAMED_CALLS[rpc](unchanged.stub, GHOST))
+    assert get(unchanged.stub, GHOST).lease_count == 0
+
+
+def test_unreachable_worker_is_still_listed_and_described(unchanged: ManagerProcess) -> None:
+    ghost = get(unchanged.stub, GHOST)
+    assert ghost.state == c.WORKER_STATE_UNAVAILABLE and ghost.address == "127.0.0.1:1" and ghost.host == "h"
+    assert not ghost.configured
+
+
+# ---- policies ----
+
+
+def _dur(seconds: int = 0, nanos: int = 0) -> dict[str, int]:
+    return {"seconds": seconds, "nanos": nanos}
+
+
+BAD_POLICIES: dict[str, tuple[m.Policy, list[str]]] = {
+    "negative idle_sleep_timeout": (m.Policy(idle_sleep_timeout=_dur(-1)), ["idle_sleep_timeout"]),
+    "negative idle_sleep_timeout nanos": (m.Policy(idle_sleep_timeout=_dur(0, -5)), ["idle_sleep_timeout"]),
+    "negative idle_deep_sleep_timeout": (m.Policy(idle_deep_sleep_timeout=_dur(-3)), ["idle_deep_sleep_timeout"]),
+    "negative device budget": (m.Policy(device_budget_bytes=-1), ["device_budget_bytes"]),
+    "negative host budget": (m.Policy(host_budget_bytes=-(1 << 30)), ["host_budget_bytes"]),
+    "T2 < T1 in one request": (
+        m.Policy(idle_sleep_timeout=_dur(10), idle_deep_sleep_timeout=_dur(5)),
+        ["idle_sleep_timeout", "idle_deep_sleep_timeout"],
+    ),
+    "T2 below the stored T1": (m.Policy(idle_deep_sleep_timeout=_dur(T1_S - 1)), ["idle_deep_sleep_timeout"]),
+    "T1 above the stored T2": (m.Policy(idle_sleep_timeout=_dur(T2_S + 1)), ["idle_sleep_timeout"]),
+    "timeout over a year": (m.Policy(idle_sleep_timeout=_dur(400 * 24 * 3600)), ["idle_sleep_timeout"]),
+    "unknown tag action": (m.Policy(tag_actions={"weights": 9}), ["tag_actions"]),  # type: ignore[dict-item]
+    "unspecified tag action": (m.Policy(tag_actions={"weights": c.TAG_ACTION_UNSPECIFIED}), ["tag_actions"]),
+    "empty tag name": (m.Policy(tag_actions={"": c.TAG_ACTION_KEEP}), ["tag_actions"]),
+    "unknown update_mask path": (m.Policy(device_budget_bytes=1), ["device_budget"]),
+    "update_mask path with a prefix": (m.Policy(device_budget_bytes=1), ["policy.device_budget_bytes"]),
+    "one good and one unknown path": (m.Policy(device_budget_bytes=1), ["device_budget_bytes", "nope"]),
+    "negative budget, whole policy": (m.Policy(host_budget_bytes=-1), []),
+}
+
+
+@pytest.mark.parametrize("scope", ["", REAL])
+@pytest.mark.parametrize("case", list(BAD_POLICIES))
+def test_bad_policy_is_invalid_argument(unchanged: ManagerProcess, scope: str, case: str) -> None:
+    policy, paths = BAD_POLICIES[case]
+    req = m.UpdatePolicyRequest(name=scope, policy=policy, update_mask={"paths": paths})
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.UpdatePolicy(req, timeout=10))
+
+
+def test_update_policy_without_a_policy_is_invalid_argument(unchanged: ManagerProcess) -> None:
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.UpdatePolicy(m.UpdatePolicyRequest(), timeout=10))
+
+
+# ---- leases ----
+
+
+def test_release_with_an_empty_lease_id_is_invalid_argument(unchanged: ManagerProcess) -> None:
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ReleaseWorker(m.ReleaseWorkerRequest(), timeout=10))
+
+
+def test_release_of_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> None:
+    req = m.ReleaseWorkerRequest(lease_id="0123456789abcdef0123456789abcdef")
+    _expect(Code.NOT_FOUND, lambda: unchanged.stub.ReleaseWorker(req, timeout=10))
+
+
+@pytest.mark.parametrize(
+    "ttl", [_dur(-1), _dur(0, -1), _dur(-5, 0), _dur(25 * 3600)], ids=["-1s", "-1ns", "-5s", "over-max"]
+)
+def test_acquire_with_a_bad_ttl_is_invalid_argument(unchanged: ManagerProcess, ttl: dict[str, int]) -> None:
+    req = m.AcquireWorkerRequest(name=REAL, ttl=ttl)
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
+
+
+def test_acquire_with_a_too_long_holder_is_invalid_argument(unchanged: ManagerProcess) -> None:
+    req = m.AcquireWorkerRequest(name=REAL, ttl=_dur(30), holder="h" * 257)
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
+
+
+def test_renewing_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> None:
+    req = m.AcquireWorkerRequest(name=REAL, ttl=_dur(30), lease_id="no-such-lease")
+    _expect(Code.NOT_FOUND, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
+
+
+def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(unchanged: ManagerProcess) -> None:
+    stub = unchanged.stub
+    lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=REAL, ttl=_dur(60), holder="t"), timeout=30).lease
+    try:
+        leased = view(get(stub, REAL))
+        assert leased[3] == 1
+        for req in (
+            m.SleepWorkerRequest(name=REAL),
+            m.SleepWorkerRequest(name=REAL, level=c.SLEEP_LEVEL_2),
+            m.SleepWorkerRequest(name=REAL, tag_actions={"kv_cache": c.TAG_ACTION_DISCARD}),
+        ):
+            _expect(Code.FAILED_PRECONDITION, lambda req=req: stub.SleepWorker(req, timeout=30))
+            assert view(get(stub, REAL)) == leased
+        # Renewing with the right lease id on the wrong worker is NOT_FOUND, and changes no lease.
+        req = m.AcquireWorkerRequest(name=GHOST, ttl=_dur(30), lease_id=lease.lease_id)
+        _expect(Code.NOT_FOUND, lambda: stub.AcquireWorker(req, timeout=10))
+        # Renewing on the right worker extends the same lease.
+        renewed = stub.AcquireWorker(m.AcquireWorkerRequest(name=REAL, ttl=_dur(600), lease_id=lease.lease_id),
+                                     timeout=10).lease  # fmt: skip
+        assert renewed.lease_id == lease.lease_id
+        assert renewed.expire_time.ToNanoseconds() > lease.expire_time.ToNanoseconds()
+        assert view(get(stub, REAL)) == leased
+    finally:
+        stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    # Released: the lease is gone for good.
+    _expect(Code.NOT_FOUND, lambda: stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10))
+
+
+# ---- transitions the worker refuses ----
+
+
+@pytest.mark.parametrize(
+    "req",
+    [
+        m.SleepWorkerRequest(name=REAL, level=7),  # type: ignore[arg-type]
+        m.SleepWorkerRequest(name=REAL, tag_actions={"weights": 9}),  # type: ignore[dict-item]
+        m.SleepWorkerRequest(name=REAL, tag_actions={"no-such-tag": c.TAG_ACTION_OFFLOAD}),
+    ],
+    ids=["level 7", "action 9", "unknown tag"],
+)
+def test_bad_sleep_request_is_invalid_argument(unchanged: ManagerProcess, req: m.SleepWorkerRequest) -> None:
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.SleepWorker(req, timeout=30))
+
+
+def test_waking_an_awake_worker_is_failed_precondition(unchanged: ManagerProcess) -> None:
+    _expect(Code.FAILED_PRECONDITION, lambda: unchanged.stub.WakeWorker(m.WakeWorkerRequest(name=REAL), timeout=30))
+
+
+@pytest.mark.parametrize(
+    "direction, pairs",
+    [
+        (c.SWAP_DIRECTION_UNSPECIFIED, [(0, 0)]),
+        (c.SWAP_DIRECTION_DEVICE_TO_HOST, []),
+        (c.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 100_000)]),
+        (c.SWAP_DIRECTION_HOST_TO_DEVICE, [(-1, 0)]),
+        (c.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 1), (0, 2)]),
+    ],
+    ids=["no direction", "no pairs", "dst out of range", "negative src", "src twice"],
+)
+def test_bad_swap_is_invalid_argument(unchanged: ManagerProcess, direction: int, pairs: list[tuple[int, int]]) -> None:
+    req = m.SwapWorkerBlocksRequest(
+        name=REAL, direction=direction, pairs=[w.BlockPair(src_block=s, dst_block=d) for s, d in pairs]
+    )  # type: ignore[arg-type]
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.SwapWorkerBlocks(req, timeout=30))
+
+
+def test_swap_through_the_manager_moves_blocks(mgr: ManagerProcess) -> None:
+    kv = get(mgr.stub, REAL).status.kv_cache
+    req = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+                                    pairs=[w.BlockPair(src_block=1, dst_block=2)])  # fmt: skip
+    resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
+    assert resp.moved_bytes == kv.block_bytes > 0
+    assert resp.kv_cache.device_block_count == kv.device_block_count
+
+
+def test_swap_on_a_sleeping_kv_cache_is_failed_precondition(mgr: ManagerProcess) -> None:
+    stub = mgr.stub
+    stub.SleepWorker(m.SleepWorkerRequest(name=REAL), timeout=60)
+    try:
+        before = view(wait_state(stub, REAL, c.WORKER_STATE_ASLEEP))
+        req = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+                                        pairs=[w.BlockPair(src_block=0, dst_block=0)])  # fmt: skip
+        _expect(Code.FAILED_PRECONDITION, lambda: stub.SwapWorkerBlocks(req, timeout=30))
+        # Sleeping again is a wrong state too, relayed from the worker.
+        _expect(Code.FAILED_PRECONDITION, lambda: stub.SleepWorker(m.SleepWorkerRequest(name=REAL), timeout=30))
+        assert view(get(stub, REAL)) == before
+    finally:
+        stub.WakeWorker(m.WakeWorkerRequest(name=REAL), timeout=60)
+    wait_state(stub, REAL, c.WORKER_STATE_AWAKE)
+
+
+# ---- registry ----
+
+
+@pytest.fixture(scope="module")
+def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
+    """A manager of its own for registrations, so one that wrongly succeeds cannot disturb the others."""
+    cl = Cluster(tmp_path_factory.mktemp("manager-register"))
+    try:
+        yield cl.manager()
+    finally:
+        cl.close()
+
+
+def _not_registered(mp: ManagerProcess, worker_id: str) -> None:
+    listed = [x.name for x in mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers]
+    assert f"workers/{worker_id}" not in listed, f"a rejected registration left a record: {listed}"
+
+
+@pytest.mark.parametrize(
+    "address",
+    [
+        "",
+        "localhost",
+        "localhost:",
+        "localhost:http",
+        "localhost:-1",
+        "localhost:50061/x",
+        pytest.param(
+            "localhost:99999",
+            marks=pytest.mark.xfail(strict=True, reason="product bug: RegisterWorker accepts a port above 65535"),
+        ),
+        pytest.param(
+            "localhost:0",
+            marks=pytest.mark.xfail(strict=True, reason="product bug: RegisterWorker accepts port 0 (not dialable)"),
+        ),
+    ],
+)
+def test_register_with_a_bad_address_is_invalid_argument(bare: ManagerProcess, address: str) -> None:
+    wid = "newcomer-" + "".join(ch if ch.isalnum() else "_" for ch in address)
+    req = m.RegisterWorkerRequest(worker_id=wid, address=address, host="h")
+    _expect(Code.INVALID_ARGUMENT, lambda: bare.stub.RegisterWorker(req, timeout=10))
+    _not_registered(bare, wid)
+
+
+@pytest.mark.parametrize("worker_id", ["", "workers/", "a/b", "x" * 129])
+def test_register_with_a_bad_worker_id_is_invalid_argument(bare: ManagerProcess, worker_id: str) -> None:
+    before = bare.stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    req = m.RegisterWorkerRequest(worker_id=worker_id, address="127.0.0.1:5", host="h")
+    _expect(Code.INVALID_ARGUMENT, lambda: bare.stub.RegisterWorker(req, timeout=10))
+    assert bare.stub.ListWorkers(m.ListWorkersRequest(), timeout=10) == before
+
+
+def test_list_with_a_negative_page_size_is_invalid_argument(unchanged: ManagerProcess) -> None:
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ListWorkers(m.ListWorkersRequest(page_size=-1), timeout=10))
+
+
+@pytest.mark.parametrize(
+    "token",
+    [
+        "garbage",
+        "zzzz",
+        *[
+            pytest.param(
+                token,
+                marks=pytest.mark.xfail(
+                    strict=True,
+                    reason="product bug: page_token is base64-decoded leniently (non-alphabet characters and "
+                    "data after the padding are dropped), so garbage is read as a cursor",
+                ),
+            )
+            for token in ("!!!!", "%%%", "bm8=x")
+        ],
+    ],
+)
+def test_list_with_a_garbage_page_token_is_invalid_argument(unchanged: ManagerProcess, token: str) -> None:
+    req = m.ListWorkersRequest(page_size=1, page_token=token)
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ListWorkers(req, timeout=10))
+
+
+def test_list_pages_through_every_worker_in_name_order(unchanged: ManagerProcess) -> None:
+    stub = unchanged.stub
+    seen: list[str] = []
+    token = ""
+    for _ in range(10):
+        page = stub.ListWorkers(m.ListWorkersRequest(page_size=1, page_token=token), timeout=10)
+        assert len(page.workers) == 1
+        seen.append(page.workers[0].name)
+        token = page.next_page_token
+        if not token:
+            break
+    assert seen == [GHOST, REAL]
+    everything = stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    assert [x.name for x in everything.workers] == [GHOST, REAL] and not everything.next_page_token
+    assert [x.name for x in stub.ListWorkers(m.ListWorkersRequest(page_size=5000), timeout=10).workers] == seen
+
+
+def test_heartbeat_with_the_same_address_changes_nothing(unchanged: ManagerProcess) -> None:
+    """RegisterWorker is also the heartbeat: repeating it keeps the record, reachable state and leases."""
+    stub = unchanged.stub
+    real = get(stub, REAL)
+    resp = stub.RegisterWorker(
+        m.RegisterWorkerRequest(worker_id="real", address=real.address, host=real.host), timeout=10
+    )
+    assert resp.worker.name == REAL and resp.heartbeat_interval.ToNanoseconds() > 0
+
+
+@pytest.mark.xfail(
+    strict=True,
+    reason="product bug: UpdatePolicy on the default checks T2 >= T1 for the default only, so a worker whose "
+    "override sets T2 ends up with an effective policy of T2 < T1",
+)
+def test_a_default_change_cannot_make_a_workers_effective_policy_invalid(bare: ManagerProcess) -> None:
+    stub = bare.stub
+    stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="pol", address="127.0.0.1:1", host="h"), timeout=10)
+    override = m.Policy(idle_deep_sleep_timeout=_dur(50))
+    mask = {"paths": ["idle_deep_sleep_timeout"]}
+    stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/pol", policy=override, update_mask=mask), timeout=10)
+    try:
+        default = m.Policy(idle_sleep_timeout=_dur(100))
+        stub.UpdatePolicy(
+            m.UpdatePolicyRequest(policy=default, update_mask={"paths": ["idle_sleep_timeout"]}), timeout=10
+        )
+    except grpc.RpcError as err:  # refusing the change is one right answer
+        assert err.code() == Code.INVALID_ARGUMENT
+    eff = stub.GetPolicy(m.GetPolicyRequest(name="workers/pol"), timeout=10).policy
+    t1, t2 = eff.idle_sleep_timeout.ToNanoseconds(), eff.idle_deep_sleep_timeout.ToNanoseconds()
+    assert not (t1 and t2 and t2 < t1), f"effective policy of workers/pol has T1={t1} ns > T2={t2} ns"

@@ -1,0 +1,133 @@
+"""The manager's Prometheus endpoint agrees with GetWorker: bytes per tag, state, leases, reachability."""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from managerproc import Cluster, ManagerProcess, get, wait_for, wait_state
+
+from memsvc.manager.metrics import STATES
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+
+WID = "metered"
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    cl = Cluster(tmp_path)
+    yield cl
+    cl.close()
+
+
+def _sample(scrape: dict, metric: str, **labels: str) -> float | None:  # type: ignore[type-arg]
+    return scrape.get((metric, frozenset(labels.items())))
+
+
+def _disagreements(mgr: ManagerProcess) -> list[str]:
+    """Where /metrics and GetWorker differ right now (empty when they agree)."""
+    wk = get(mgr.stub, WID)
+    scrape = mgr.metrics()
+    out = []
+    state = c.WorkerState.Name(wk.state).removeprefix("WORKER_STATE_").lower()
+    for s in STATES:
+        got = _sample(scrape, "memsvc_worker_state", worker=WID, state=s)
+        if got != (1.0 if s == state else 0.0):
+            out.append(f"memsvc_worker_state{{state={s}}} = {got}, GetWorker says {state}")
+    got = _sample(scrape, "memsvc_worker_leases", worker=WID)
+    if got != wk.lease_count:
+        out.append(f"memsvc_worker_leases = {got}, lease_count {wk.lease_count}")
+    up = 0.0 if wk.state == c.WORKER_STATE_UNAVAILABLE else 1.0
+    if _sample(scrape, "memsvc_worker_up", worker=WID) != up:
+        out.append(f"memsvc_worker_up = {_sample(scrape, 'memsvc_worker_up', worker=WID)}, want {up}")
+    if not wk.status.tags:
+        out.append("GetWorker has no tags yet")
+    for t in wk.status.tags:
+        for metric, want in (
+            ("memsvc_worker_mapped_bytes", t.mapped_bytes),
+            ("memsvc_worker_offloaded_bytes", t.offloaded_bytes),
+            ("memsvc_worker_allocated_bytes", t.allocated_bytes),
+        ):
+            got = _sample(scrape, metric, worker=WID, tag=t.tag)
+            if got != want:
+                out.append(f"{metric}{{tag={t.tag}}} = {got}, GetWorker says {want}")
+    return out
+
+
+def _agree(mgr: ManagerProcess, what: str) -> None:
+    wait_for(lambda: _disagreements(mgr), lambda d: not d, timeout=10, what=f"/metrics to match GetWorker ({what})")
+
+
+def _counter(mgr: ManagerProcess, metric: str, **labels: str) -> float:
+    return _sample(mgr.metrics(), metric, **labels) or 0.0
+
+
+def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cluster) -> None:
+    mgr = cluster.manager(metrics=True)
+    assert mgr.metrics_url.startswith("http://127.0.0.1:") and mgr.metrics_url.endswith("/metrics")
+    stub = mgr.stub
+    (wp,) = cluster.workers_up(mgr, [WID])
+
+    _agree(mgr, "awake")
+    scrape = mgr.metrics()
+    assert _sample(scrape, "memsvc_worker_state", worker=WID, state="awake") == 1.0
+    assert (_sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") or 0) > 0
+
+    stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{WID}"), timeout=60)
+    wait_state(stub, WID, c.WORKER_STATE_ASLEEP)
+    _agree(mgr, "asleep")
+    scrape = mgr.metrics()
+    assert _sample(scrape, "memsvc_worker_state", worker=WID, state="asleep") == 1.0
+    assert (_sample(scrape, "memsvc_worker_offloaded_bytes", worker=WID, tag="weights") or 0) > 0
+    assert _sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") == 0
+    assert (_sample(scrape, "memsvc_worker_transitions_total", worker=WID, kind="sleep") or 0) >= 1
+
+    lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl={"seconds": 60}), timeout=60).lease
+    _agree(mgr, "awake with one lease")
+    assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 1
+    assert _counter(mgr, "memsvc_leases_granted_total") == 1
+    second = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl={"seconds": 60}), timeout=60).lease
+    _agree(mgr, "two leases")
+    assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 2
+    for lease_id in (lease.lease_id, second.lease_id):
+        stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
+    _agree(mgr, "released")
+    assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 0
+    assert (_counter(mgr, "memsvc_worker_transitions_total", worker=WID, kind="wake")) >= 1
+
+    # Level 2: nothing offloaded any more.
+    stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{WID}", level=c.SLEEP_LEVEL_2), timeout=60)
+    wait_state(stub, WID, c.WORKER_STATE_ASLEEP)
+    _agree(mgr, "asleep at level 2")
+    assert _counter(mgr, "memsvc_worker_offloaded_bytes", worker=WID, tag="weights") == 0
+
+    wp.kill()
+    wait_state(stub, WID, c.WORKER_STATE_UNAVAILABLE, timeout=10)
+    _agree(mgr, "unavailable")
+    scrape = mgr.metrics()
+    assert _sample(scrape, "memsvc_worker_up", worker=WID) == 0.0
+    assert _sample(scrape, "memsvc_worker_state", worker=WID, state="unavailable") == 1.0
+
+
+def test_metrics_count_idle_sleeps_and_budget_evictions(cluster: Cluster) -> None:
+    mgr = cluster.manager(metrics=True)
+    stub = mgr.stub
+    cluster.workers_up(mgr, ["ev-a", "ev-b"])
+    awake = sum(t.awake_bytes for t in get(stub, "ev-a").status.tags)
+    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(device_budget_bytes=awake + awake // 2),
+                                            update_mask={"paths": ["device_budget_bytes"]}), timeout=10)  # fmt: skip
+    stub.SleepWorker(m.SleepWorkerRequest(name="workers/ev-b"), timeout=60)
+    wait_state(stub, "ev-b", c.WORKER_STATE_ASLEEP)
+    assert _counter(mgr, "memsvc_budget_evictions_total") == 0
+    stub.WakeWorker(m.WakeWorkerRequest(name="workers/ev-b"), timeout=60)
+    wait_state(stub, "ev-a", c.WORKER_STATE_ASLEEP)
+    assert _counter(mgr, "memsvc_budget_evictions_total") == 1
+
+    assert _counter(mgr, "memsvc_idle_sleeps_total", tier="1") == 0
+    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout={"nanos": 300_000_000}),
+                                            update_mask={"paths": ["idle_sleep_timeout"]}), timeout=10)  # fmt: skip
+    wait_state(stub, "ev-b", c.WORKER_STATE_ASLEEP)
+    wait_for(lambda: _counter(mgr, "memsvc_idle_sleeps_total", tier="1"), lambda v: v == 1, timeout=10,
+             what="one tier-1 idle sleep counted")  # fmt: skip
