@@ -1,0 +1,305 @@
+"""Line-rate benchmark (issue: sleep, wake and SwapBlocks at PCIe line rate), side by side in one run:
+
+1. 8B-shaped bf16 weights (15 GiB): our sleep/wake per cycle through the allocator API (cold first
+   sleep, later sleeps with the host reserve) against a vLLM-style baseline written here (a fresh
+   pin_memory tensor per allocation and a synchronous copy on every sleep, copy back on wake);
+2. the same through a real worker's gRPC API (Sleep/WakeUp), against the server-side duration;
+3. SwapBlocks-shaped copies: 8192 random blocks per size, loop / batch / kernel / auto, both ways;
+4. a decode step (every weight matrix read once, as an 8B decode does) alone and beside a running
+   swap, for the kernel and the copy-engine methods.
+
+    python -m bench.bench_line_rate --out line_rate.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import random
+import statistics
+import subprocess
+import sys
+import threading
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from bench.bench_allocator import _device_info, _git_commit, load_weights
+from bench.shapes import llama3_8b_shapes
+from worker.allocator import AllocatorConfig, MemoryAllocator
+
+GB = 1e9
+METHODS = ("loop", "batch", "kernel", "auto")
+
+
+def ours(cycles: int) -> dict[str, Any]:
+    alloc = MemoryAllocator(AllocatorConfig(backend="cuda", host_reserve_bytes=64 << 30))
+    tensors = load_weights(alloc, llama3_8b_shapes())
+    torch.cuda.synchronize()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    ref = [t.view(-1)[:8].clone() for t in tensors[::8]]
+    rows = []
+    for c in range(cycles):
+        t0 = time.perf_counter()
+        alloc.sleep({"weights": "offload"})
+        t1 = time.perf_counter()
+        alloc.wake_up()
+        t2 = time.perf_counter()
+        ok = all(torch.equal(t.view(-1)[:8], r) for t, r in zip(tensors[::8], ref, strict=True))
+        rows.append(
+            {
+                "cycle": c + 1,
+                "sleep_GBps": nbytes / (t1 - t0) / GB,
+                "wake_GBps": nbytes / (t2 - t1) / GB,
+                "sleep_s": t1 - t0,
+                "wake_s": t2 - t1,
+                "data_ok": ok,
+            }
+        )
+    counters = alloc.stats().counters
+    del tensors
+    alloc.close()
+    return {
+        "bytes": nbytes,
+        "cycles": rows,
+        "prefault_s": counters["host_prefault_seconds"],
+        "register_s": counters["host_register_seconds"],
+    }
+
+
+def vllm_style(cycles: int) -> dict[str, Any]:
+    """Per allocation: a fresh pinned host tensor and a blocking copy on sleep; copy back on wake."""
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    tensors = [
+        torch.empty(s, dtype=torch.bfloat16, device="cuda").normal_(generator=gen) for _, s in llama3_8b_shapes()
+    ]
+    torch.cuda.synchronize()
+    nbytes = sum(t.numel() * t.element_size() for t in tensors)
+    rows = []
+    for c in range(cycles):
+        t0 = time.perf_counter()
+        backups = []
+        for t in tensors:
+            cpu = torch.empty(t.shape, dtype=t.dtype, pin_memory=True)
+            cpu.copy_(t)
+            backups.append(cpu)
+        torch.cuda.synchronize()
+        t1 = time.perf_counter()
+        for t, cpu in zip(tensors, backups, strict=True):
+            t.copy_(cpu, non_blocking=True)
+        torch.cuda.synchronize()
+        t2 = time.perf_counter()
+        del backups
+        rows.append(
+            {
+                "cycle": c + 1,
+                "sleep_GBps": nbytes / (t1 - t0) / GB,
+                "wake_GBps": nbytes / (t2 - t1) / GB,
+                "sleep_s": t1 - t0,
+                "wake_s": t2 - t1,
+            }
+        )
+    del tensors
+    torch.cuda.empty_cache()
+    return {"bytes": nbytes, "cycles": rows}
+
+
+def through_rpc(cycles: int) -> dict[str, Any]:
+    """Sleep/WakeUp of a synthetic:8b worker over gRPC: client time vs the worker's own duration."""
+    import grpc
+
+    from memsvc.v1 import common_pb2 as c
+    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "memsvc.cli",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "cuda",
+            "--model",
+            "synthetic:8b",
+            "--host-reserve",
+            "40GiB",
+            "--kv-blocks",
+            "64",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    address = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if " listening on " in line:
+            address = line.split(" listening on ")[1].strip()
+        if " ready: " in line:
+            break
+    rows = []
+    try:
+        stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
+        for i in range(cycles):
+            t0 = time.perf_counter()
+            s = stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=300)
+            t1 = time.perf_counter()
+            k = stub.WakeUp(w.WakeUpRequest(), timeout=300)
+            t2 = time.perf_counter()
+            rows.append(
+                {
+                    "cycle": i + 1,
+                    "bytes": s.transition.moved_bytes,
+                    "sleep_client_s": t1 - t0,
+                    "sleep_server_s": s.transition.duration.ToNanoseconds() / 1e9,
+                    "wake_client_s": t2 - t1,
+                    "wake_server_s": k.transition.duration.ToNanoseconds() / 1e9,
+                }
+            )
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    for r in rows:
+        r["sleep_GBps_client"] = r["bytes"] / r["sleep_client_s"] / GB
+        r["wake_GBps_client"] = r["bytes"] / r["wake_client_s"] / GB
+        r["sleep_overhead_ms"] = (r["sleep_client_s"] - r["sleep_server_s"]) * 1e3
+        r["wake_overhead_ms"] = (r["wake_client_s"] - r["wake_server_s"]) * 1e3
+    return {"cycles": rows}
+
+
+def _blocks(alloc: MemoryAllocator, bs: int, n: int, seed: int) -> tuple[Any, Any, list[int], list[int]]:
+    rng = random.Random(seed)
+    dev = alloc.empty((2 * n, bs), torch.uint8, tag="kv_cache")
+    host = alloc.host_empty((2 * n, bs), torch.uint8)
+    dev.random_(0, 255)
+    host.random_(0, 255)
+    d = [dev.data_ptr() + s * bs for s in rng.sample(range(2 * n), n)]
+    h = [host.data_ptr() + s * bs for s in rng.sample(range(2 * n), n)]
+    return dev, host, d, h
+
+
+def swaps(reps: int) -> list[dict[str, Any]]:
+    import array
+
+    alloc = MemoryAllocator(AllocatorConfig(backend="cuda"))
+    rows = []
+    for bs in (4 << 10, 16 << 10, 64 << 10, 256 << 10, 1 << 20, 2 << 20):
+        n = 8192 if bs <= (256 << 10) else 1024
+        dev, host, d, h = _blocks(alloc, bs, n, bs)
+        d_arr, h_arr = array.array("q", d), array.array("q", h)
+        for direction, (src, dst) in {"d2h": (d_arr, h_arr), "h2d": (h_arr, d_arr)}.items():
+            for m in METHODS:
+                alloc.copy_blocks(src, dst, bs, m)
+                ts = []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    alloc.copy_blocks(src, dst, bs, m)
+                    ts.append(time.perf_counter() - t0)
+                med = statistics.median(ts)
+                rows.append(
+                    {
+                        "block_bytes": bs,
+                        "blocks": n,
+                        "direction": direction,
+                        "method": m,
+                        "median_s": med,
+                        "GBps": n * bs / med / GB,
+                    }
+                )
+        del dev, host
+    alloc.close()
+    return rows
+
+
+def decode_beside_swap(steps: int) -> dict[str, Any]:
+    """Median decode-step time (an 8B model's matrices each read once, batch 1) alone and while a
+    thread keeps swapping 8192 x 4 KiB blocks with each method."""
+    import array
+
+    alloc = MemoryAllocator(AllocatorConfig(backend="cuda"))
+    mats = [t for t in load_weights(alloc, llama3_8b_shapes()) if t.dim() == 2]
+    x_by_in = {m.shape[1]: torch.randn(1, m.shape[1], device="cuda", dtype=torch.bfloat16) for m in mats}
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+
+    def step_ms() -> float:
+        start.record()
+        for m in mats:
+            torch.matmul(x_by_in[m.shape[1]], m.t())
+        end.record()
+        end.synchronize()
+        return start.elapsed_time(end)
+
+    for _ in range(5):
+        step_ms()
+    out: dict[str, Any] = {"alone_ms": statistics.median(step_ms() for _ in range(steps))}
+    dev, host, d, h = _blocks(alloc, 4 << 10, 8192, 1)
+    d_arr, h_arr = array.array("q", d), array.array("q", h)
+    for m in ("kernel", "batch", "loop"):
+        stop = threading.Event()
+        moved = [0]
+
+        def swapper(method: str = m, stop: threading.Event = stop, moved: list[int] = moved) -> None:
+            while not stop.is_set():
+                alloc.copy_blocks(d_arr, h_arr, 4 << 10, method)
+                moved[0] += 8192 * 4096
+
+        th = threading.Thread(target=swapper, daemon=True)
+        t0 = time.perf_counter()
+        th.start()
+        times = [step_ms() for _ in range(steps)]
+        stop.set()
+        th.join()
+        out[f"with_{m}_ms"] = statistics.median(times)
+        out[f"swap_{m}_GBps_during"] = moved[0] / (time.perf_counter() - t0) / GB
+    del dev, host
+    mats.clear()
+    alloc.close()
+    return out
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="line_rate.json")
+    ap.add_argument("--cycles", type=int, default=3)
+    ap.add_argument("--reps", type=int, default=9)
+    ap.add_argument("--skip-rpc", action="store_true")
+    args = ap.parse_args()
+    res: dict[str, Any] = {
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
+        **_device_info(),
+    }
+    res["ours"] = ours(args.cycles)
+    res["vllm_style"] = vllm_style(2)
+    if not args.skip_rpc:
+        res["rpc"] = through_rpc(args.cycles)
+    res["swaps"] = swaps(args.reps)
+    res["decode"] = decode_beside_swap(30)
+    Path(args.out).write_text(json.dumps(res, indent=2))
+
+    print(f"\n{res['device']} driver {res.get('driver')} commit {res['commit']}")
+    for name in ("ours", "vllm_style"):
+        for r in res[name]["cycles"]:
+            print(f"{name:11s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s  wake {r['wake_GBps']:6.1f} GB/s")
+    print(f"ours: first-sleep prefault {res['ours']['prefault_s']:.3f}s register {res['ours']['register_s']:.3f}s")
+    for r in res.get("rpc", {}).get("cycles", []):
+        print(
+            f"rpc cycle {r['cycle']}: sleep {r['sleep_GBps_client']:6.1f} GB/s (+{r['sleep_overhead_ms']:.1f} ms over "
+            f"server)  wake {r['wake_GBps_client']:6.1f} GB/s (+{r['wake_overhead_ms']:.1f} ms)"
+        )
+    by: dict[tuple[int, str], dict[str, float]] = {}
+    for r in res["swaps"]:
+        by.setdefault((r["block_bytes"], r["direction"]), {})[r["method"]] = r["GBps"]
+    print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in METHODS))
+    for (bs, d), m in by.items():
+        print(f"{bs // 1024:>6}Ki {d:>4} " + " ".join(f"{m.get(k, float('nan')):8.1f}" for k in METHODS))
+    print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
+
+
+if __name__ == "__main__":
+    main()
