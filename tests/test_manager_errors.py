@@ -330,14 +330,8 @@ def _not_registered(mp: ManagerProcess, worker_id: str) -> None:
         "localhost:http",
         "localhost:-1",
         "localhost:50061/x",
-        pytest.param(
-            "localhost:99999",
-            marks=pytest.mark.xfail(strict=True, reason="product bug: RegisterWorker accepts a port above 65535"),
-        ),
-        pytest.param(
-            "localhost:0",
-            marks=pytest.mark.xfail(strict=True, reason="product bug: RegisterWorker accepts port 0 (not dialable)"),
-        ),
+        "localhost:99999",
+        "localhost:0",
     ],
 )
 def test_register_with_a_bad_address_is_invalid_argument(bare: ManagerProcess, address: str) -> None:
@@ -364,17 +358,9 @@ def test_list_with_a_negative_page_size_is_invalid_argument(unchanged: ManagerPr
     [
         "garbage",
         "zzzz",
-        *[
-            pytest.param(
-                token,
-                marks=pytest.mark.xfail(
-                    strict=True,
-                    reason="product bug: page_token is base64-decoded leniently (non-alphabet characters and "
-                    "data after the padding are dropped), so garbage is read as a cursor",
-                ),
-            )
-            for token in ("!!!!", "%%%", "bm8=x")
-        ],
+        "!!!!",
+        "%%%",
+        "bm8=x",
     ],
 )
 def test_list_with_a_garbage_page_token_is_invalid_argument(unchanged: ManagerProcess, token: str) -> None:
@@ -409,11 +395,6 @@ def test_heartbeat_with_the_same_address_changes_nothing(unchanged: ManagerProce
     assert resp.worker.name == REAL and resp.heartbeat_interval.ToNanoseconds() > 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: UpdatePolicy on the default checks T2 >= T1 for the default only, so a worker whose "
-    "override sets T2 ends up with an effective policy of T2 < T1",
-)
 def test_a_default_change_cannot_make_a_workers_effective_policy_invalid(bare: ManagerProcess) -> None:
     stub = bare.stub
     stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="pol", address="127.0.0.1:1", host="h"), timeout=10)

@@ -162,11 +162,6 @@ def test_lease_of_a_vanished_client_expires_then_idle_timer_sleeps(cluster: Clus
     assert wk.lease_count == 0
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: the idle clock ignores traffic (Worker.idle_since_time promises 'no lease, no traffic'); "
-    "a worker serving Generate without a lease is put to sleep after T1 and its clients get FAILED_PRECONDITION",
-)
 def test_a_worker_serving_generate_is_not_idle(cluster: Cluster) -> None:
     mgr = cluster.manager(["--idle-sleep-timeout", str(T1)])
     (wp,) = cluster.workers_up(mgr, ["busy"], state=None)

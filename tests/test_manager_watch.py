@@ -116,11 +116,6 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
     assert watch.error is not None and watch.error.code() == grpc.StatusCode.CANCELLED
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="product bug: the manager applies a worker's telemetry state_change without ordering it against the "
-    "Sleep/WakeUp response it already applied, so late telemetry moves the state backwards (AWAKE -> WAKING)",
-)
 def test_late_telemetry_never_moves_a_worker_backwards(cluster: Cluster) -> None:
     """A real worker's WakeUp response and its WAKING/AWAKE telemetry travel on separate streams; under
     load the response can be applied first (seen in this suite). The scripted worker makes that exact."""

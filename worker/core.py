@@ -106,6 +106,7 @@ class Status:
     kv_cache: dict[str, int]
     last_transition: Transition | None
     time: float
+    last_activity: float
 
 
 class WorkerCore:
@@ -129,6 +130,8 @@ class WorkerCore:
         self.runner: Any = None
         self._device: dict[str, Any] = {}
         self._model_info: dict[str, Any] = {"source": config.model}
+        self._last_activity = time.time()
+        self._activity_published = 0.0
         """Static after load: status() must not wait for the model's lock while Generate runs."""
 
     # ---- plumbing ----
@@ -172,6 +175,17 @@ class WorkerCore:
             raise TransitionInProgress(
                 f"worker is {self._state.lower()}: another transition is running", metadata={"state": self._state}
             )
+
+    ACTIVITY_PUBLISH_S = 0.2
+
+    def _note_activity(self) -> None:
+        """Traffic resets the manager's idle clock; tell telemetry subscribers soon, not at the next
+        periodic snapshot (which may come after an idle timer shorter than the period fired)."""
+        now = time.time()
+        self._last_activity = now
+        if now - self._activity_published >= self.ACTIVITY_PUBLISH_S:
+            self._activity_published = now
+            self.telemetry.publish(Event("activity"))
 
     @property
     def state(self) -> str:
@@ -259,6 +273,7 @@ class WorkerCore:
             kv,
             self._last,
             time.time(),
+            self._last_activity,
         )
 
     def _require(self, *states: str) -> None:
@@ -379,6 +394,7 @@ class WorkerCore:
             if reload:
                 moved += self._last_memory.tags[WEIGHTS].allocated_bytes
             asleep = {t for t, s in self._last_memory.tags.items() if s.state != "awake"}
+            self._last_activity = time.time()
             if not asleep:
                 self._sleep_level = 0
                 self._set_state(State.AWAKE, "WakeUp")
@@ -441,6 +457,7 @@ class WorkerCore:
         self._check_kv_awake()
         t0 = time.perf_counter()
         moved = int(self.runner.kv_cache.swap(direction, pairs, method=method))
+        self._note_activity()
         return self._finish(Transition("swap_blocks", moved, time.perf_counter() - t0))
 
     async def free_sequence(self, sequence_id: str) -> None:
@@ -449,6 +466,7 @@ class WorkerCore:
         if self._state in (State.LOADING, State.SLEEPING, State.WAKING):
             raise WrongState(f"worker is {self._state.lower()}", metadata={"state": self._state})
         await self._run(lambda: self.runner.free_sequence(sequence_id))
+        self._note_activity()
 
     async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
         self._require(State.AWAKE)
@@ -458,6 +476,7 @@ class WorkerCore:
         self._require(State.AWAKE)  # a Sleep may have run while this job was queued
         t0 = time.perf_counter()
         tokens = self.runner.generate(prompt, max_new_tokens, sequence_id=sequence_id or None)
+        self._note_activity()
         blocks = list(self.runner.kv_cache.sequence(sequence_id).block_ids) if sequence_id else []
         return Generation(list(tokens), blocks, time.perf_counter() - t0)
 

@@ -109,6 +109,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
         last_transition=transition_pb(s.last_transition),
         host_pinned_bytes=host_pinned,
         update_time=timestamp(s.time),
+        last_activity_time=timestamp(s.last_activity),
         sleep_level=s.sleep_level,
     )
 
@@ -208,9 +209,14 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                     continue
                 if event is CLOSED:
                     return
+                if event.kind == "activity":  # traffic: a fresh snapshot carries last_activity_time
+                    seq += 1
+                    snap = self.core.status()
+                    yield w.StreamTelemetryResponse(
+                        time=timestamp(snap.time), sequence_number=seq, snapshot=status_pb(snap)
+                    )
+                    continue
                 seq += 1
-                yield w.StreamTelemetryResponse(
-                    time=timestamp(self.core.status().time), sequence_number=seq, **event_pb(event)
-                )
+                yield w.StreamTelemetryResponse(time=timestamp(event.time), sequence_number=seq, **event_pb(event))
         finally:
             self.core.telemetry.unsubscribe(queue)

@@ -9,16 +9,22 @@ from __future__ import annotations
 
 import asyncio
 import threading
+import time
 from dataclasses import dataclass, field
 from typing import Any
 
 
 @dataclass(frozen=True)
 class Event:
-    """One telemetry event: ``kind`` is "state_change" or "transition"; ``data`` its fields."""
+    """One telemetry event: ``kind`` is "state_change" or "transition"; ``data`` its fields.
+
+    ``time`` is when it happened (not when a stream sent it): the manager orders telemetry against
+    RPC responses by it, so a late event never moves a worker's state backwards.
+    """
 
     kind: str
     data: dict[str, Any] = field(default_factory=dict)
+    time: float = field(default_factory=time.time)
 
 
 CLOSED = Event("closed")

@@ -61,6 +61,13 @@ class ManagerSettings:
     """Longest call to a worker (a sleep of a large model included)."""
     retry_backoff: float = 5.0
     """After a failed idle sleep, wait this long before trying that worker again."""
+    unavailable_after: float = 0.0
+    """A worker silent this long (no telemetry, no heartbeat) is UNAVAILABLE; 0 = 3 heartbeats, at
+    least 3 s (telemetry snapshots come every second)."""
+
+    @property
+    def silence_limit(self) -> float:
+        return self.unavailable_after or max(3.0, 3 * self.heartbeat_interval)
 
 
 @dataclass
@@ -154,7 +161,18 @@ class Manager:
         return rec
 
     # ---- what workers tell us ----
-    async def _set_status(self, rec: WorkerRecord, status: c.WorkerStatus | None, reachable: bool, reason: str) -> None:
+    async def _set_status(
+        self, rec: WorkerRecord, status: c.WorkerStatus | None, reachable: bool, reason: str, when_ns: int = 0
+    ) -> None:
+        """Apply what a worker said. ``when_ns`` is when it was true at the worker (a response's or
+        snapshot's update_time, an event's time); anything older than what was applied is dropped,
+        so telemetry that arrives after a Sleep/WakeUp response never moves the state backwards."""
+        if status is not None:
+            when_ns = when_ns or (status.update_time.ToNanoseconds() if status.HasField("update_time") else 0)
+            if when_ns and when_ns < rec.status_time_ns:
+                status = None  # stale: keep the newer status; the message still shows the worker answers
+            else:
+                rec.status_time_ns = max(rec.status_time_ns, when_ns)
         old = rec.state
         if status is not None:
             rec.status = status
@@ -179,7 +197,7 @@ class Manager:
             if rec.status is not None:
                 status.CopyFrom(rec.status)
             status.state = msg.state_change.to_state
-            await self._set_status(rec, status, True, msg.state_change.reason)
+            await self._set_status(rec, status, True, msg.state_change.reason, msg.time.ToNanoseconds())
         elif kind == "transition":
             self.metrics.transition(rec.worker_id, msg.transition)
             out = m.WatchWorkersResponse(worker=rec.to_proto())
@@ -206,8 +224,11 @@ class Manager:
     # ---- registry ----
     async def register(self, worker_id: str, address: str, host: str, status: c.WorkerStatus | None) -> WorkerRecord:
         worker_id = worker_id_from_name(worker_id)
-        if ":" not in address or not address.rsplit(":", 1)[1].isdigit():
-            raise InvalidArgument(f"address must be host:port, got {address!r}", metadata={"address": address})
+        host_part, _, port = address.rpartition(":")
+        if not host_part or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(
+                f"address must be host:port with a port in 1..65535, got {address!r}", metadata={"address": address}
+            )
         known = worker_id in self.workers
         rec = self._add_record(worker_id, address, host, False)
         self.store.save_worker(StoredWorker(worker_id, address, rec.host, rec.configured, time.time()))
@@ -232,9 +253,10 @@ class Manager:
         after = ""
         if page_token:
             try:
-                after = base64.urlsafe_b64decode(page_token.encode()).decode()
-            except (ValueError, UnicodeDecodeError):
-                raise InvalidArgument("bad page_token") from None
+                after = base64.b64decode(page_token.encode(), altchars=b"-_", validate=True).decode()
+                worker_id_from_name(after)
+            except (ValueError, UnicodeDecodeError, InvalidArgument):
+                raise InvalidArgument("bad page_token: pass next_page_token from a previous response") from None
         ids = sorted(i for i in self.workers if i > after)
         page = ids[:size]
         token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(ids) > size else ""
@@ -251,6 +273,13 @@ class Manager:
         fields = fields_from_proto(p, paths)
         if not name:
             new = check(self._default.with_fields(fields))
+            for rec in self.workers.values():  # every worker's effective policy must stay valid too
+                override = self.store.policy_fields(rec.name)
+                if override:
+                    try:
+                        check(new.with_fields(override))
+                    except InvalidArgument as exc:
+                        raise InvalidArgument(f"{rec.name}'s overrides would become invalid: {exc}") from None
             self.store.save_policy_fields(Store.DEFAULT_SCOPE, new.to_fields())
             self._default = new
             return new
@@ -322,7 +351,7 @@ class Manager:
                     "and no idle worker on the device can be put to sleep",
                     metadata={"budgetBytes": str(budget), "neededBytes": str(need), "usedBytes": str(used)},
                 )
-            victim = min(idle, key=lambda r: r.idle_since)
+            victim = min(idle, key=lambda r: r.idle_start)
             log.info("making room for %s: putting %s to sleep", rec.worker_id, victim.worker_id)
             async with victim.lock:
                 if victim.leases or victim.state not in AWAKE_STATES:
@@ -352,7 +381,7 @@ class Manager:
             ]
             if not cold:
                 return False
-            victim = min(cold, key=lambda r: r.idle_since)
+            victim = min(cold, key=lambda r: r.idle_start)
             log.info("host budget: demoting %s to level 2", victim.worker_id)
             async with victim.lock:
                 if victim.state == c.WORKER_STATE_ASLEEP and not victim.leases:
@@ -516,13 +545,19 @@ class Manager:
         now = time.time()
         for lease in [x for x in self.leases.values() if x.expire_time <= now]:
             self.release(lease.lease_id, expired=True)
+        for rec in self.workers.values():  # a hung worker keeps its TCP stream open but says nothing
+            if rec.reachable and now - rec.last_seen > self.settings.silence_limit:
+                silent = now - rec.last_seen
+                rec.last_seen = now  # once per silence period
+                self._spawn(self._on_down(rec, f"silent for {silent:.1f} s"), f"silent {rec.worker_id}")
+                self.links[rec.worker_id].restart()
         for rec in self.workers.values():
             if not rec.reachable or rec.leases or rec.lock.locked():
                 continue
             if self._next_attempt.get(rec.worker_id, 0.0) > now:
                 continue
             p = self.policy(rec)
-            idle = now - rec.idle_since
+            idle = now - rec.idle_start
             if rec.state in AWAKE_STATES and p.idle_sleep_timeout and idle >= p.idle_sleep_timeout:
                 self._spawn(self._idle_sleep(rec, 1), f"idle sleep {rec.worker_id}")
             elif (

@@ -27,7 +27,10 @@ class WorkerLink:
 
     def __init__(self, address: str, on_message: OnMessage, on_down: OnDown) -> None:
         self.address = address
-        self.channel = grpc.aio.insecure_channel(address)
+        # keepalive pings find a dead peer whose TCP connection never closed
+        self.channel = grpc.aio.insecure_channel(
+            address, options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+        )
         self.stub = w_grpc.ModelWorkerServiceStub(self.channel)
         self._on_message = on_message
         self._on_down = on_down
@@ -36,6 +39,12 @@ class WorkerLink:
 
     def start(self) -> None:
         self._task = asyncio.create_task(self._follow(), name=f"telemetry {self.address}")
+
+    def restart(self) -> None:
+        """Drop the current stream and connect again (the worker went silent on it)."""
+        if self._task is not None:
+            self._task.cancel()
+        self.start()
 
     def poke(self) -> None:
         """Reconnect now instead of after the backoff (the worker just registered)."""

@@ -46,10 +46,19 @@ class WorkerRecord:
     last_seen: float = 0.0
     idle_since: float = field(default_factory=time.time)
     leases: dict[str, Lease] = field(default_factory=dict)
+    status_time_ns: int = 0
+    """When the applied status was true at the worker: older telemetry is ignored."""
     lock: asyncio.Lock = field(default_factory=asyncio.Lock)
     """Serialises the manager's transitions on this worker (idle timer, budget, operator, lease)."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     """Notified on every status or availability change (AcquireWorker waits on it)."""
+
+    @property
+    def idle_start(self) -> float:
+        """The idle clock counts from the later of the last release and the worker's last traffic."""
+        if self.status is not None and self.status.HasField("last_activity_time"):
+            return max(self.idle_since, self.status.last_activity_time.ToNanoseconds() / 1e9)
+        return self.idle_since
 
     @property
     def name(self) -> str:
