@@ -177,7 +177,7 @@ def _ops(args: argparse.Namespace) -> int:
     from memsvc.client import ManagerClient, state_name
     from memsvc.errors import MemsvcError
 
-    console = Console()
+    console = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs get whole addresses
     try:
         with ManagerClient(args.manager) as client:
             if args.command == "status":
