@@ -72,11 +72,16 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--host-reserve",
         type=parse_bytes,
-        default=0,
+        default=env("HOST_RESERVE", "0"),
         help="page-locked host memory kept between sleeps (faster later sleeps)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument("--manager", default=env("MANAGER", "") or None, help="manager address to register with (host:port)")
+    p.add_argument(
+        "--host-name",
+        default=env("HOST_NAME", ""),
+        help="host the worker reports to the manager (host budgets group by it; default: hostname)",
+    )
     p.add_argument(
         "--advertise",
         default=env("ADVERTISE", "") or None,
@@ -100,11 +105,17 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--idle-sleep-timeout", type=float, default=None, help="seed: seconds idle before tier 1 (0: never)")
+    t1, t2 = env("IDLE_SLEEP_TIMEOUT", ""), env("IDLE_DEEP_SLEEP_TIMEOUT", "")
+    p.add_argument(
+        "--idle-sleep-timeout",
+        type=float,
+        default=float(t1) if t1 else None,
+        help="seed: seconds idle before tier 1 (0: never)",
+    )
     p.add_argument(
         "--idle-deep-sleep-timeout",
         type=float,
-        default=None,
+        default=float(t2) if t2 else None,
         help="seed: seconds idle before tier 2, level 2 (0: never)",
     )
 
@@ -275,6 +286,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             checksum=args.checksum,
             host_reserve_bytes=args.host_reserve,
             seed=args.seed,
+            host_name=args.host_name,
         )
         return run(config, args.listen, args.manager, args.advertise)
     parser.error(f"unknown command {args.command}")

@@ -67,10 +67,7 @@ _UPDATE_POLICY_LINE = (
     """grpcurl -plaintext -d '{"policy": {"idle_sleep_timeout": "120s"}, "update_mask": "idleSleepTimeout"}' """
     "127.0.0.1:50051 memsvc.v1.MemoryManagerService/UpdatePolicy"
 )
-KNOWN_BUGS = {
-    _UPDATE_POLICY_LINE: "README bug: grpcurl 1.8.6 cannot parse a FieldMask given as a JSON string (bad input: "
-    'expecting start of JSON object); the line works with "update_mask": {"paths": ["idle_sleep_timeout"]}',
-}
+KNOWN_BUGS: dict[str, str] = {}
 """README lines that fail today because of a reported bug: checked by their own strict-xfail test."""
 
 
@@ -531,15 +528,6 @@ def test_every_grpcurl_line_runs_as_written_and_has_its_effect(session: Session)
     bad = [st for st in session.steps if st.problems and st.line not in KNOWN_BUGS]
     assert not bad, "\n\n".join(st.report() for st in bad)
     assert len(session.steps) == len(grpcurl_lines())
-
-
-@pytest.mark.parametrize("line", sorted(KNOWN_BUGS))
-@pytest.mark.xfail(strict=True, reason="reported README bug (see KNOWN_BUGS)")
-def test_known_bad_readme_line(session: Session, line: str) -> None:
-    steps = [st for st in session.steps if st.line == line]
-    if not steps:
-        pytest.skip("the README line changed: drop it from KNOWN_BUGS")
-    assert not steps[0].problems, f"{KNOWN_BUGS[line]}\n{steps[0].report()}"
 
 
 def test_cli_lines_operate_the_running_pair(session: Session) -> None:

@@ -64,6 +64,8 @@ class WorkerConfig:
     checksum: bool = False
     host_reserve_bytes: int = 0
     seed: int = 0
+    host_name: str = ""
+    """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{self.device}"

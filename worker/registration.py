@@ -34,7 +34,7 @@ async def keep_registered(core: WorkerCore, address: str, manager: str) -> None:
             request = m.RegisterWorkerRequest(
                 worker_id=core.worker_id,
                 address=advertised(address),
-                host=socket.gethostname(),
+                host=core.config.host_name or socket.gethostname(),
                 status=status_pb(core.status()),
             )
             try:

@@ -115,5 +115,5 @@ class WorkerRecord:
         if self.last_seen:
             w.last_seen_time.FromNanoseconds(int(self.last_seen * 1e9))
         if not self.leases:
-            w.idle_since_time.FromNanoseconds(int(self.idle_since * 1e9))
+            w.idle_since_time.FromNanoseconds(int(self.idle_start * 1e9))
         return w
