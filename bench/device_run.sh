@@ -18,3 +18,6 @@ python3 -m pytest tests -m gpu -p no:cacheprovider -q -rs "$@" 2>&1 | tee "$OUT/
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m bench.bench_allocator --out "$OUT/bench_allocator.json" 2>&1 | tee "$OUT/bench_allocator.log"
 fi
+if [ "${LINE_RATE:-0}" = 1 ]; then
+  python3 -m bench.bench_line_rate --out "$OUT/line_rate.json" 2>&1 | tee "$OUT/line_rate.log"
+fi
