@@ -1,0 +1,71 @@
+"""Plots for docs/benchmarks.md from the benchmarks' JSON: GB/s against block size per copy method,
+and sleep/wake GB/s per cycle.
+
+    python -m bench.plot docs/results/line_rate-<date>.json docs/results/bench_allocator-<date>.json docs/img
+"""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+import matplotlib
+
+matplotlib.use("Agg")
+import matplotlib.pyplot as plt  # noqa: E402
+
+
+def copy_plot(line_rate: dict[str, Any], out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    for ax, direction in zip(axes, ("d2h", "h2d"), strict=True):
+        for method, style in (("loop", "o:"), ("batch", "s--"), ("kernel", "^-"), ("auto", "x-")):
+            rows = sorted(
+                (r for r in line_rate["swaps"] if r["direction"] == direction and r["method"] == method),
+                key=lambda r: r["block_bytes"],
+            )
+            ax.plot([r["block_bytes"] / 1024 for r in rows], [r["GBps"] for r in rows], style, label=method)
+        ax.set_xscale("log", base=2)
+        ax.set_xlabel("block size (KiB)")
+        ax.set_title(f"{direction}: random blocks (8192; 1024 at >= 1 MiB)", fontsize=10)
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend()
+    fig.suptitle(f"{line_rate['device']}, driver {line_rate.get('driver')}, commit {line_rate['commit']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def cycles_plot(line_rate: dict[str, Any], alloc: dict[str, Any], out: Path) -> None:
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
+    series = {
+        "memsvc, host reserve on": alloc["weights_reserve"]["cycles"],
+        "memsvc, no reserve": alloc["weights_no_reserve"]["cycles"],
+        "vLLM-style (pin per tensor, sync copy)": line_rate["vllm_style"]["cycles"],
+    }
+    for ax, key in zip(axes, ("sleep_GBps", "wake_GBps"), strict=True):
+        for label, rows in series.items():
+            ax.plot([r["cycle"] for r in rows], [r[key] for r in rows], "o-", label=label)
+        ax.set_xlabel("cycle")
+        ax.set_xticks(range(1, 1 + max(len(rows) for rows in series.values())))
+        ax.set_title(key.split("_")[0] + " of 15 GiB Llama-3-8B-shaped bf16 weights")
+        ax.grid(alpha=0.3)
+    axes[0].set_ylabel("GB/s")
+    axes[0].legend(fontsize=8)
+    fig.suptitle(f"{alloc['device']}, driver {alloc.get('driver')}, commit {alloc['commit']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
+def main() -> None:
+    line_rate = json.loads(Path(sys.argv[1]).read_text())
+    alloc = json.loads(Path(sys.argv[2]).read_text())
+    out = Path(sys.argv[3])
+    out.mkdir(parents=True, exist_ok=True)
+    copy_plot(line_rate, out / "copy_gbps_by_block_size.png")
+    cycles_plot(line_rate, alloc, out / "sleep_wake_by_cycle.png")
+
+
+if __name__ == "__main__":
+    main()
