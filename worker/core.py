@@ -123,7 +123,6 @@ class WorkerCore:
         self._busy = threading.Lock()
         self._state = State.LOADING
         self._sleep_level = 0
-        self._slept_tags: set[str] = set()
         self._last: Transition | None = None
         self._last_memory: AllocatorStats | None = None
         self._done: collections.OrderedDict[str, tuple[str, Any]] = collections.OrderedDict()
@@ -341,7 +340,6 @@ class WorkerCore:
             seconds = time.perf_counter() - t0
             self._last_memory = self.alloc.stats()
             moved = sum(self._last_memory.tags[t].offloaded_bytes for t, a in todo.items() if a == Action.OFFLOAD)
-            self._slept_tags = set(todo) | (self._slept_tags if before != State.AWAKE else set())
             self._sleep_level = max(level, self._sleep_level) if before == State.ASLEEP else level
             self._set_state(State.ASLEEP, "Sleep")
             t = self._finish(Transition("sleep", moved, seconds))
