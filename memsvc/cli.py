@@ -65,9 +65,9 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--checksum",
-        action="store_true",
-        default=env("CHECKSUM", "") in ("1", "true"),
-        help="verify offloaded data with checksums on wake",
+        action=argparse.BooleanOptionalAction,
+        default=env("CHECKSUM", "1") in ("1", "true"),
+        help="checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
     )
     p.add_argument(
         "--host-reserve",

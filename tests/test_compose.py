@@ -344,7 +344,7 @@ def test_cpu_profile_services_run_and_become_healthy(cpu_pair: tuple[dict[str, P
 # ---- every variable compose sets reaches the process ----
 OVERRIDES = {
     "MEMSVC_HOST_RESERVE": "64MiB",
-    "MEMSVC_CHECKSUM": "1",
+    "MEMSVC_CHECKSUM": "0",  # the default is on: set the other value to prove the variable is read
     "MEMSVC_IDLE_SLEEP_TIMEOUT": "42",
     "MEMSVC_IDLE_DEEP_SLEEP_TIMEOUT": "420",
     "MEMSVC_MODEL": "synthetic:tiny",

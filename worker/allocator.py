@@ -81,9 +81,10 @@ class AllocatorConfig:
     """Offload engine: page-locked host memory kept between cycles so later sleeps skip pinning.
     Host RAM held vs. sleep speed; 0 frees it all on wake."""
     checksum: bool = False
-    """Checksum offloaded data at sleep and verify it on wake (a mismatch raises IntegrityError)."""
+    """Checksum offloaded data at sleep and verify it on wake (a mismatch raises IntegrityError).
+    Off in the library; the worker turns it on (it costs 1.5-2 % of wake time on an H200)."""
     prefault_threads: int = 0
-    """Threads that pre-fault fresh host chunks (0: up to 8, by core count)."""
+    """Threads that pre-fault fresh host chunks (0: up to 16, by core count)."""
 
 
 @dataclass(frozen=True)

@@ -61,7 +61,8 @@ class WorkerConfig:
     """Tokens per KV block."""
     host_capacity_bytes: int = 8 << 30
     """Host backend only: size of the simulated device."""
-    checksum: bool = False
+    checksum: bool = True
+    """Verify offloaded bytes on wake; a mismatch fails the wake with DATA_LOSS naming the allocation."""
     host_reserve_bytes: int = 0
     seed: int = 0
     host_name: str = ""
