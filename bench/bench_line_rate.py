@@ -201,6 +201,7 @@ def swaps(reps: int) -> list[dict[str, Any]]:
                     alloc.copy_blocks(src, dst, bs, m)
                     ts.append(time.perf_counter() - t0)
                 med = statistics.median(ts)
+                ctr = alloc.stats().counters  # the native split of the last call: checks vs copy+sync
                 rows.append(
                     {
                         "block_bytes": bs,
@@ -209,6 +210,8 @@ def swaps(reps: int) -> list[dict[str, Any]]:
                         "method": m,
                         "median_s": med,
                         "GBps": n * bs / med / GB,
+                        "native_validate_s": ctr["last_copy_validate_seconds"],
+                        "native_copy_s": ctr["last_copy_seconds"],
                     }
                 )
         del dev, host
@@ -298,6 +301,12 @@ def main() -> None:
     print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in METHODS))
     for (bs, d), m in by.items():
         print(f"{bs // 1024:>6}Ki {d:>4} " + " ".join(f"{m.get(k, float('nan')):8.1f}" for k in METHODS))
+    for r in res["swaps"]:
+        if r["block_bytes"] == 4 << 10 and r["method"] in ("kernel", "auto"):
+            print(
+                f"4 KiB {r['direction']} {r['method']}: call {r['median_s'] * 1e3:.3f} ms = native checks "
+                f"{r['native_validate_s'] * 1e3:.3f} ms + copy/sync {r['native_copy_s'] * 1e3:.3f} ms + Python"
+            )
     print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
 
 

@@ -358,13 +358,15 @@ static PyObject *Allocator_counters(AllocatorObject *self, PyObject *unused) {
   if (!a) return NULL;
   msv_counters c;
   msv_get_counters(a, &c);
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d}", "bytes_offloaded", c.bytes_offloaded,
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d}", "bytes_offloaded", c.bytes_offloaded,
                        "bytes_restored", c.bytes_restored, "bytes_verified", c.bytes_verified, "sleeps", c.sleeps,
                        "wakes", c.wakes, "last_sleep_seconds", c.last_sleep_seconds, "last_wake_seconds",
                        c.last_wake_seconds, "host_chunks_created", c.host_chunks_created, "host_chunks_reused",
                        c.host_chunks_reused, "host_held_bytes", (unsigned long long)c.host_held_bytes,
                        "host_reserve_bytes", (unsigned long long)c.host_reserve_bytes, "host_prefault_seconds",
-                       c.host_prefault_seconds, "host_register_seconds", c.host_register_seconds);
+                       c.host_prefault_seconds, "host_register_seconds", c.host_register_seconds,
+                       "last_copy_validate_seconds", c.last_copy_validate_seconds, "last_copy_seconds",
+                       c.last_copy_seconds);
 }
 
 static PyObject *Allocator_mem_info(AllocatorObject *self, PyObject *unused) {

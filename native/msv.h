@@ -136,6 +136,7 @@ typedef struct {
   uint64_t host_chunks_created, host_chunks_reused;
   size_t host_held_bytes, host_reserve_bytes;
   double host_prefault_seconds, host_register_seconds;
+  double last_copy_validate_seconds, last_copy_seconds; /* the last copy_blocks: checks, then copy+sync */
 } msv_counters;
 
 typedef struct msv_allocator msv_allocator;
