@@ -166,6 +166,8 @@ typedef struct {
   int kernels_tried;
   CUdeviceptr scratch;
   size_t scratch_bytes;
+  void *stage; /* page-locked host copy of the descriptors: their upload is a DMA, not a staged copy */
+  size_t stage_bytes;
 } cuda_impl;
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
@@ -270,6 +272,28 @@ static int load_kernels(cuda_impl *c) {
 #endif
 }
 
+static int ensure_stage(cuda_impl *c, size_t bytes) {
+  if (c->stage_bytes >= bytes) return MSV_OK;
+  if (c->stage) {
+    D.MemHostUnregister(c->stage);
+    free(c->stage);
+  }
+  c->stage = NULL;
+  c->stage_bytes = 0;
+  size_t want = bytes < (1u << 20) ? (1u << 20) : bytes * 2;
+  void *p = NULL;
+  if (posix_memalign(&p, 4096, want) != 0) return msv_fail(MSV_E_OOM, "out of host memory for copy descriptors");
+  memset(p, 0, want);
+  CUresult r = D.MemHostRegister(p, want, CU_MEMHOSTREGISTER_PORTABLE);
+  if (r != CUDA_SUCCESS) {
+    free(p);
+    return drv_fail(r, "cuMemHostRegister(descriptors)");
+  }
+  c->stage = p;
+  c->stage_bytes = want;
+  return MSV_OK;
+}
+
 static int ensure_scratch(cuda_impl *c, size_t bytes) {
   if (c->scratch_bytes >= bytes) return MSV_OK;
   if (c->scratch) D.MemFree(c->scratch);
@@ -288,19 +312,23 @@ static int copy_kernel(msv_backend *b, const msv_copy_item *items, size_t n, CUs
   cuda_impl *c = IMPL(b);
   size_t ntiles = 0;
   for (size_t i = 0; i < n; i++) ntiles += (items[i].size + MSV_TILE_BYTES - 1) / MSV_TILE_BYTES;
-  msv_copy_item *tiles = malloc(ntiles * sizeof *tiles);
-  if (!tiles) return msv_fail(MSV_E_OOM, "out of host memory for %zu copy tiles", ntiles);
-  size_t k = 0;
-  for (size_t i = 0; i < n; i++) {
-    for (uint64_t off = 0; off < items[i].size; off += MSV_TILE_BYTES) {
-      uint64_t len = items[i].size - off < MSV_TILE_BYTES ? items[i].size - off : MSV_TILE_BYTES;
-      tiles[k++] = (msv_copy_item){items[i].dst + off, items[i].src + off, len};
-    }
-  }
   pthread_mutex_lock(&c->mu);
   int rc = load_kernels(c);
-  if (!rc) rc = ensure_scratch(c, ntiles * sizeof *tiles);
+  if (!rc) rc = ensure_scratch(c, ntiles * sizeof(msv_copy_item));
+  if (!rc) rc = ensure_stage(c, ntiles * sizeof(msv_copy_item));
   if (!rc) {
+    msv_copy_item *tiles = (msv_copy_item *)c->stage;
+    if (ntiles == n) { /* every block fits one tile: the items are the tiles */
+      memcpy(tiles, items, n * sizeof *items);
+    } else {
+      size_t k = 0;
+      for (size_t i = 0; i < n; i++) {
+        for (uint64_t off = 0; off < items[i].size; off += MSV_TILE_BYTES) {
+          uint64_t len = items[i].size - off < MSV_TILE_BYTES ? items[i].size - off : MSV_TILE_BYTES;
+          tiles[k++] = (msv_copy_item){items[i].dst + off, items[i].src + off, len};
+        }
+      }
+    }
     CUresult r = D.MemcpyHtoDAsync(c->scratch, tiles, ntiles * sizeof *tiles, st);
     if (r) rc = drv_fail(r, "cuMemcpyHtoDAsync(tiles)");
   }
@@ -312,13 +340,12 @@ static int copy_kernel(msv_backend *b, const msv_copy_item *items, size_t n, CUs
     CUresult r = D.LaunchKernel(c->fn_copy, grid, 1, 1, 256, 1, 1, 0, st, args, NULL);
     if (r) rc = drv_fail(r, "cuLaunchKernel(msv_copy_tiles)");
   }
-  /* The scratch buffer is reused by the next call: wait for this one while holding the lock. */
+  /* The stage and scratch buffers are reused by the next call: wait for this one under the lock. */
   if (!rc) {
     CUresult r = D.StreamSynchronize(st);
     if (r) rc = drv_fail(r, "cuStreamSynchronize");
   }
   pthread_mutex_unlock(&c->mu);
-  free(tiles);
   return rc;
 }
 
@@ -446,6 +473,10 @@ static void c_destroy(msv_backend *b) {
   cuda_impl *c = IMPL(b);
   if (bind(b) == MSV_OK) {
     if (c->scratch) D.MemFree(c->scratch);
+    if (c->stage) {
+      D.MemHostUnregister(c->stage);
+      free(c->stage);
+    }
     if (c->stream) D.StreamDestroy(c->stream);
   }
   D.PrimaryCtxRelease(c->dev);
