@@ -20,6 +20,7 @@ import random
 import statistics
 import subprocess
 import sys
+import tempfile
 import threading
 import time
 from pathlib import Path
@@ -107,7 +108,7 @@ def vllm_style(cycles: int) -> dict[str, Any]:
     return {"bytes": nbytes, "cycles": rows}
 
 
-def through_rpc(cycles: int) -> dict[str, Any]:
+def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
     """Sleep/WakeUp of a synthetic:8b worker over gRPC: client time vs the worker's own duration."""
     import grpc
 
@@ -115,6 +116,7 @@ def through_rpc(cycles: int) -> dict[str, Any]:
     from memsvc.v1 import model_worker_service_pb2 as w
     from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
+    errlog = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the worker
     proc = subprocess.Popen(
         [
             sys.executable,
@@ -131,7 +133,9 @@ def through_rpc(cycles: int) -> dict[str, Any]:
             "40GiB",
             "--kv-blocks",
             "64",
+            "--huge-pages" if huge_pages else "--no-huge-pages",
         ],
+        stderr=errlog,
         stdout=subprocess.PIPE,
         text=True,
     )
@@ -164,12 +168,14 @@ def through_rpc(cycles: int) -> dict[str, Any]:
     finally:
         proc.terminate()
         proc.wait(timeout=60)
+    errlog.seek(0)
+    log = [line.strip() for line in errlog if "sleep:" in line]
     for r in rows:
         r["sleep_GBps_client"] = r["bytes"] / r["sleep_client_s"] / GB
         r["wake_GBps_client"] = r["bytes"] / r["wake_client_s"] / GB
         r["sleep_overhead_ms"] = (r["sleep_client_s"] - r["sleep_server_s"]) * 1e3
         r["wake_overhead_ms"] = (r["wake_client_s"] - r["wake_server_s"]) * 1e3
-    return {"cycles": rows}
+    return {"huge_pages": huge_pages, "cycles": rows, "worker_log": log}
 
 
 def _blocks(alloc: MemoryAllocator, bs: int, n: int, seed: int) -> tuple[Any, Any, list[int], list[int]]:
@@ -281,6 +287,7 @@ def main() -> None:
     res["vllm_style"] = vllm_style(2)
     if not args.skip_rpc:
         res["rpc"] = through_rpc(args.cycles)
+        res["rpc_no_huge_pages"] = through_rpc(2, huge_pages=False)
     res["swaps"] = swaps(args.reps)
     res["decode"] = decode_beside_swap(30)
     Path(args.out).write_text(json.dumps(res, indent=2))
@@ -290,6 +297,10 @@ def main() -> None:
         for r in res[name]["cycles"]:
             print(f"{name:11s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s  wake {r['wake_GBps']:6.1f} GB/s")
     print(f"ours: first-sleep prefault {res['ours']['prefault_s']:.3f}s register {res['ours']['register_s']:.3f}s")
+    for line in res.get("rpc", {}).get("worker_log", []) + res.get("rpc_no_huge_pages", {}).get("worker_log", []):
+        print("worker:", line.split("memsvc.worker: ")[-1])
+    for r in res.get("rpc_no_huge_pages", {}).get("cycles", []):
+        print(f"rpc without huge pages, cycle {r['cycle']}: sleep {r['sleep_GBps_client']:6.1f} GB/s")
     for r in res.get("rpc", {}).get("cycles", []):
         print(
             f"rpc cycle {r['cycle']}: sleep {r['sleep_GBps_client']:6.1f} GB/s (+{r['sleep_overhead_ms']:.1f} ms over "

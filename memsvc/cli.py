@@ -75,6 +75,12 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         default=env("HOST_RESERVE", "0"),
         help="page-locked host memory kept between sleeps (faster later sleeps)",
     )
+    p.add_argument(
+        "--huge-pages",
+        action=argparse.BooleanOptionalAction,
+        default=env("HUGE_PAGES", "1") in ("1", "true"),
+        help="transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
+    )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument("--manager", default=env("MANAGER", "") or None, help="manager address to register with (host:port)")
     p.add_argument(
@@ -287,6 +293,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_reserve_bytes=args.host_reserve,
             seed=args.seed,
             host_name=args.host_name,
+            huge_pages=args.huge_pages,
         )
         return run(config, args.listen, args.manager, args.advertise)
     parser.error(f"unknown command {args.command}")

@@ -12,7 +12,7 @@ from typing import Any
 
 import grpc
 
-from memsvc.rpc_errors import from_rpc_error
+from memsvc.auth import Security, channel, error_from_rpc
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
@@ -29,10 +29,13 @@ def worker_name(worker: str) -> str:
 
 
 class ManagerClient:
-    def __init__(self, address: str | None = None, timeout: float = 10.0) -> None:
+    """``security`` (memsvc.auth): TLS, client certificate and token; default: the MEMSVC_* variables
+    (MEMSVC_TOKEN_FILE or MEMSVC_TOKEN, MEMSVC_TLS_CA, MEMSVC_TLS_CLIENT_CERT/KEY), else plaintext."""
+
+    def __init__(self, address: str | None = None, timeout: float = 10.0, security: Security | None = None) -> None:
         self.address = manager_address(address)
         self.timeout = timeout
-        self.channel = grpc.insecure_channel(self.address)
+        self.channel = channel(self.address, security if security is not None else Security.from_args(None))
         self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
 
     def close(self) -> None:
@@ -48,7 +51,7 @@ class ManagerClient:
         try:
             return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
-            raise from_rpc_error(err, "") from None
+            raise error_from_rpc(err, "") from None
 
     def workers(self) -> list[m.Worker]:
         out: list[m.Worker] = []
@@ -79,7 +82,7 @@ class ManagerClient:
             yield from self.stub.WatchWorkers(m.WatchWorkersRequest())
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
-                raise from_rpc_error(err, "") from None
+                raise error_from_rpc(err, "") from None
 
 
 def state_name(state: int) -> str:

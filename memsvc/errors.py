@@ -73,6 +73,20 @@ class Unavailable(MemsvcError):
     reason = "UNAVAILABLE"
 
 
+class Unauthenticated(MemsvcError):
+    """The call carries no valid credentials (a missing or wrong bearer token)."""
+
+    status_name = "UNAUTHENTICATED"
+    reason = "UNAUTHENTICATED"
+
+
+class PermissionDenied(MemsvcError):
+    """The caller is authenticated but may not call this method (e.g. not the worker's --allowed-client)."""
+
+    status_name = "PERMISSION_DENIED"
+    reason = "PERMISSION_DENIED"
+
+
 class BackendError(MemsvcError):
     """A driver or OS call failed unexpectedly."""
 
@@ -87,7 +101,9 @@ __all__ = [
     "MemsvcError",
     "NotFound",
     "OutOfMemory",
+    "PermissionDenied",
     "TransitionInProgress",
+    "Unauthenticated",
     "Unavailable",
     "WrongState",
 ]

@@ -13,6 +13,7 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
+from memsvc.auth import Security
 from memsvc.errors import InvalidArgument
 from memsvc.rpc_errors import ErrorMappingInterceptor
 
@@ -50,9 +51,19 @@ async def start_server(
     register: Iterable[Callable[[grpc.aio.Server], None]],
     service_names: Iterable[str],
     interceptors: Iterable[grpc.aio.ServerInterceptor] = (),
+    security: Security | None = None,
 ) -> Server:
-    """Start a server on ``listen`` (``host:0`` picks a free port) with every service registered."""
-    server = grpc.aio.server(interceptors=[*interceptors, ErrorMappingInterceptor()], options=SERVER_OPTIONS)
+    """Start a server on ``listen`` (``host:0`` picks a free port) with every service registered.
+
+    ``security`` (memsvc.auth) adds the token / client-certificate checks in front of everything
+    else and serves TLS or mTLS instead of plaintext.
+    """
+    sec = security or Security()
+    sec.check_server()
+    creds = sec.server_credentials()
+    server = grpc.aio.server(
+        interceptors=[*sec.interceptors(), *interceptors, ErrorMappingInterceptor()], options=SERVER_OPTIONS
+    )
     for add in register:
         add(server)
     hs = health.aio.HealthServicer()
@@ -60,7 +71,7 @@ async def start_server(
     names = [*service_names, health.SERVICE_NAME, reflection.SERVICE_NAME]
     reflection.enable_server_reflection(names, server)
     try:
-        port = server.add_insecure_port(listen)
+        port = server.add_secure_port(listen, creds) if creds else server.add_insecure_port(listen)
     except RuntimeError as exc:
         raise InvalidArgument(f"cannot listen on {listen!r}: {exc}") from exc
     if port == 0:

@@ -243,7 +243,8 @@ int msv_create(const msv_config *cfg, msv_allocator **out) {
   a->b = b;
   pthread_mutex_init(&a->mu, NULL);
   pthread_mutex_init(&a->transition, NULL);
-  msv_hostpool_init(&a->hp, b, cfg->host_chunk_bytes, cfg->host_reserve_bytes, cfg->prefault_threads);
+  msv_hostpool_init(&a->hp, b, cfg->host_chunk_bytes, cfg->host_reserve_bytes, cfg->prefault_threads,
+                    !cfg->no_huge_pages);
   a->refs = 1;
   *out = a;
   return MSV_OK;

@@ -25,7 +25,8 @@ static double now_s(void) {
   return ts.tv_sec + ts.tv_nsec * 1e-9;
 }
 
-int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads) {
+int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads,
+                      int huge_pages) {
   memset(hp, 0, sizeof *hp);
   hp->backend = b;
   hp->chunk_bytes = chunk_bytes ? (chunk_bytes + HUGE_2M - 1) / HUGE_2M * HUGE_2M : (256ull << 20);
@@ -35,6 +36,7 @@ int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size
     threads = n > 16 ? 16 : (int)n;
   }
   hp->prefault_threads = threads < 1 ? 1 : threads;
+  hp->huge_pages = huge_pages;
   pthread_mutex_init(&hp->mu, NULL);
   pthread_cond_init(&hp->cv, NULL);
   return MSV_OK;
@@ -118,7 +120,7 @@ int msv_hostpool_map(msv_hostpool *hp, size_t size, msv_hchunk **out) {
   if (aligned > start) munmap(raw, aligned - start);
   if (start + size + HUGE_2M > aligned + size) munmap((char *)(aligned + size), start + size + HUGE_2M - aligned - size);
   char *p = (char *)aligned;
-  madvise(p, size, MADV_HUGEPAGE);
+  if (hp->huge_pages) madvise(p, size, MADV_HUGEPAGE);
   double t0 = now_s();
   prefault(p, size, hp->prefault_threads);
   double t1 = now_s();

@@ -126,20 +126,20 @@ static msv_allocator *get(AllocatorObject *self) {
 
 static int Allocator_init(AllocatorObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"backend", "device", "host_capacity", "granularity", "arena_va_bytes", "host_chunk_bytes",
-                           "host_reserve_bytes", "checksum", "prefault_threads", NULL};
+                           "host_reserve_bytes", "checksum", "prefault_threads", "huge_pages", NULL};
   msv_config c;
   memset(&c, 0, sizeof c);
   unsigned long long cap = 0, gran = 0, va = 0, chunk = 0, reserve = 0;
-  int checksum = 0;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|KKKKKpi", kwlist, &c.backend, &c.device, &cap, &gran, &va, &chunk,
-                                   &reserve, &checksum, &c.prefault_threads))
+  int checksum = 0, huge_pages = 1;
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|KKKKKpip", kwlist, &c.backend, &c.device, &cap, &gran, &va, &chunk,
+                                   &reserve, &checksum, &c.prefault_threads, &huge_pages))
     return -1;
   if (c.backend != MSV_BACKEND_HOST && c.backend != MSV_BACKEND_CUDA) {
     PyErr_SetString(g_err[MSV_E_INVALID], "backend must be 0 (host) or 1 (cuda)");
     return -1;
   }
   c.host_capacity = cap, c.granularity = gran, c.arena_va_bytes = va, c.host_chunk_bytes = chunk;
-  c.host_reserve_bytes = reserve, c.checksum = checksum;
+  c.host_reserve_bytes = reserve, c.checksum = checksum, c.no_huge_pages = !huge_pages;
   if (self->a) {
     PyErr_SetString(g_err[MSV_E_STATE], "allocator already initialised");
     return -1;

@@ -93,6 +93,7 @@ typedef struct {
   size_t chunk_bytes;    /* size of a fresh chunk */
   size_t held_bytes;     /* all chunks, in use or free */
   int prefault_threads;
+  int huge_pages; /* madvise(MADV_HUGEPAGE) fresh chunks */
   uint64_t chunks_created, chunks_reused;
   double register_seconds, prefault_seconds;
   /* the reaper unpins and unmaps chunks beyond the reserve off the caller's path */
@@ -101,7 +102,8 @@ typedef struct {
   int reaper_started, reap_pending, stopping;
 } msv_hostpool;
 
-int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads);
+int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads,
+                      int huge_pages);
 /* A registered chunk of at least min_size: a reused one, or a fresh one mapped and registered. */
 int msv_hostpool_get(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
 /* The two halves, for pipelining: take (reuse, or map + pre-fault; maybe unregistered) then register. */
@@ -151,6 +153,7 @@ typedef struct {
   size_t host_reserve_bytes;
   int checksum;            /* checksum offloaded data at sleep, verify on wake */
   int prefault_threads;
+  int no_huge_pages;       /* do not ask for transparent huge pages for host chunks */
 } msv_config;
 
 int msv_create(const msv_config *cfg, msv_allocator **out);

@@ -85,6 +85,9 @@ class AllocatorConfig:
     Off in the library; the worker turns it on (it costs 1.5-2 % of wake time on an H200)."""
     prefault_threads: int = 0
     """Threads that pre-fault fresh host chunks (0: up to 16, by core count)."""
+    huge_pages: bool = True
+    """Ask for transparent huge pages for host chunks: faster faults and pinning, but under the
+    kernel's default THP defrag policy a fragmented host may compact memory on the fault path."""
 
 
 @dataclass(frozen=True)
@@ -209,6 +212,7 @@ class MemoryAllocator:
             host_reserve_bytes=config.host_reserve_bytes,
             checksum=config.checksum,
             prefault_threads=config.prefault_threads,
+            huge_pages=config.huge_pages,
         )
         info = self._native.info()
         self.backend: str = info["backend"]

@@ -12,6 +12,7 @@ from __future__ import annotations
 import asyncio
 import collections
 import concurrent.futures
+import logging
 import socket
 import threading
 import time
@@ -24,6 +25,7 @@ from worker.allocator import Action, AllocatorConfig, AllocatorStats, CopyMethod
 from worker.telemetry import Event, TelemetryHub
 
 T = TypeVar("T")
+log = logging.getLogger("memsvc.worker")
 
 WEIGHTS, KV_CACHE = "weights", "kv_cache"
 LEVEL_ACTIONS: dict[int, dict[str, Action]] = {
@@ -64,6 +66,7 @@ class WorkerConfig:
     checksum: bool = True
     """Verify offloaded bytes on wake; a mismatch fails the wake with DATA_LOSS naming the allocation."""
     host_reserve_bytes: int = 0
+    huge_pages: bool = True
     seed: int = 0
     host_name: str = ""
     """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
@@ -213,6 +216,7 @@ class WorkerCore:
                     host_capacity_bytes=c.host_capacity_bytes,  # type: ignore[arg-type]
                     checksum=c.checksum,
                     host_reserve_bytes=c.host_reserve_bytes,
+                    huge_pages=c.huge_pages,
                 )
             )
             source = parse_model_spec(c.model, seed=c.seed)
@@ -335,6 +339,7 @@ class WorkerCore:
         try:
             self._set_state(State.SLEEPING, "Sleep")
             t0 = time.perf_counter()
+            ctr0 = self.alloc.stats().counters
             self.alloc.sleep(todo)
             if todo.get(KV_CACHE) == Action.DISCARD and self.runner is not None:
                 self.runner.drop_kv()
@@ -343,6 +348,14 @@ class WorkerCore:
             moved = sum(self._last_memory.tags[t].offloaded_bytes for t, a in todo.items() if a == Action.OFFLOAD)
             self._sleep_level = max(level, self._sleep_level) if before == State.ASLEEP else level
             self._set_state(State.ASLEEP, "Sleep")
+            ctr = self._last_memory.counters
+            log.info(
+                "sleep: %d bytes offloaded in %.3f s (fresh host memory: faulting %.3f s, pinning %.3f s)",
+                moved,
+                seconds,
+                ctr["host_prefault_seconds"] - ctr0["host_prefault_seconds"],
+                ctr["host_register_seconds"] - ctr0["host_register_seconds"],
+            )
             t = self._finish(Transition("sleep", moved, seconds))
             self._remember(request_id, "Sleep", t)
             return t

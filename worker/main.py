@@ -6,6 +6,7 @@ import asyncio
 import logging
 import sys
 
+from memsvc.auth import Security
 from memsvc.serving import install_signal_handlers, start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -17,12 +18,19 @@ SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 DRAIN_SECONDS = 30.0
 
 
-async def serve(config: WorkerConfig, listen: str, manager: str | None = None, advertise: str | None = None) -> int:
+async def serve(
+    config: WorkerConfig,
+    listen: str,
+    manager: str | None = None,
+    advertise: str | None = None,
+    security: Security | None = None,
+) -> int:
+    sec = security or Security()
     loop = asyncio.get_running_loop()
     core = WorkerCore(config, loop)
     servicer = ModelWorkerServicer(core)
     srv = await start_server(
-        listen, [lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)], [SERVICE_NAME]
+        listen, [lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)], [SERVICE_NAME], security=sec
     )
     await srv.set_serving(False)
     await srv.set_serving(False, SERVICE_NAME)
@@ -42,7 +50,7 @@ async def serve(config: WorkerConfig, listen: str, manager: str | None = None, a
     if manager:
         from worker.registration import keep_registered
 
-        background.append(asyncio.create_task(keep_registered(core, advertise or srv.address, manager)))
+        background.append(asyncio.create_task(keep_registered(core, advertise or srv.address, manager, sec)))
     await stop.wait()
     log.info("draining: finishing in-flight calls (up to %.0f s)", DRAIN_SECONDS)
     for task in background:
@@ -54,6 +62,12 @@ async def serve(config: WorkerConfig, listen: str, manager: str | None = None, a
     return 0
 
 
-def run(config: WorkerConfig, listen: str, manager: str | None, advertise: str | None = None) -> int:
+def run(
+    config: WorkerConfig,
+    listen: str,
+    manager: str | None,
+    advertise: str | None = None,
+    security: Security | None = None,
+) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, listen, manager, advertise))
+    return asyncio.run(serve(config, listen, manager, advertise, security))

@@ -10,6 +10,7 @@ import socket
 
 import grpc
 
+from memsvc.auth import Security, aio_channel
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from worker.core import WorkerCore
@@ -26,9 +27,9 @@ def advertised(address: str) -> str:
     return f"{host}:{port}"
 
 
-async def keep_registered(core: WorkerCore, address: str, manager: str) -> None:
+async def keep_registered(core: WorkerCore, address: str, manager: str, security: Security | None = None) -> None:
     backoff = 0.5
-    async with grpc.aio.insecure_channel(manager) as channel:
+    async with aio_channel(manager, security) as channel:
         stub = m_grpc.MemoryManagerServiceStub(channel)
         while True:
             request = m.RegisterWorkerRequest(
@@ -43,6 +44,12 @@ async def keep_registered(core: WorkerCore, address: str, manager: str) -> None:
                 interval = reply.heartbeat_interval.ToNanoseconds() / 1e9 or 2.0
                 await asyncio.sleep(min(max(interval, 0.1), 60.0))
             except grpc.aio.AioRpcError as err:
-                log.warning("registering with %s failed: %s; retrying in %.1f s", manager, err.code().name, backoff)
+                log.warning(
+                    "registering with %s failed: %s (%s); retrying in %.1f s",
+                    manager,
+                    err.code().name,
+                    err.details(),
+                    backoff,
+                )
                 await asyncio.sleep(backoff)
                 backoff = min(backoff * 2, 10.0)

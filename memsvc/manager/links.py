@@ -10,6 +10,7 @@ from collections.abc import Awaitable, Callable
 
 import grpc
 
+from memsvc.auth import Security, aio_channel
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
@@ -24,12 +25,17 @@ class WorkerLink:
 
     INTERVAL_S = 1.0
     MAX_BACKOFF_S = 5.0
+    security = Security()
+    """How the manager dials its workers (TLS, client certificate, token); ``memsvc manager`` sets it once
+    at start from its own flags, so every link the controller creates uses it."""
 
-    def __init__(self, address: str, on_message: OnMessage, on_down: OnDown) -> None:
+    def __init__(self, address: str, on_message: OnMessage, on_down: OnDown, security: Security | None = None) -> None:
         self.address = address
         # keepalive pings find a dead peer whose TCP connection never closed
-        self.channel = grpc.aio.insecure_channel(
-            address, options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
+        self.channel = aio_channel(
+            address,
+            security or self.security,
+            options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)],
         )
         self.stub = w_grpc.ModelWorkerServiceStub(self.channel)
         self._on_message = on_message

@@ -8,8 +8,10 @@ import sys
 from pathlib import Path
 from typing import Any
 
+from memsvc.auth import Security
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
+from memsvc.manager.links import WorkerLink
 from memsvc.manager.servicer import MemoryManagerServicer
 from memsvc.manager.store import Store
 from memsvc.serving import install_signal_handlers, start_server
@@ -20,7 +22,16 @@ log = logging.getLogger("memsvc.manager")
 SERVICE_NAME = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 
 
-async def serve(listen: str, db: str, config: str | None, metrics_listen: str | None, policy: dict[str, Any]) -> int:
+async def serve(
+    listen: str,
+    db: str,
+    config: str | None,
+    metrics_listen: str | None,
+    policy: dict[str, Any],
+    security: Security | None = None,
+) -> int:
+    sec = security or Security()
+    WorkerLink.security = sec  # the manager dials its workers with its own TLS identity and token
     cfg = load_config(config)
     Path(db).parent.mkdir(parents=True, exist_ok=True)
     store = Store(db)
@@ -28,7 +39,7 @@ async def serve(listen: str, db: str, config: str | None, metrics_listen: str | 
     await manager.start()
     servicer = MemoryManagerServicer(manager)
     srv = await start_server(listen, [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
-                             [SERVICE_NAME])  # fmt: skip
+                             [SERVICE_NAME], security=sec)  # fmt: skip
     await srv.set_serving(True)
     await srv.set_serving(True, SERVICE_NAME)
     if metrics_listen:
@@ -46,6 +57,13 @@ async def serve(listen: str, db: str, config: str | None, metrics_listen: str | 
     return 0
 
 
-def run(listen: str, db: str, config: str | None, metrics_listen: str | None, policy: dict[str, Any]) -> int:
+def run(
+    listen: str,
+    db: str,
+    config: str | None,
+    metrics_listen: str | None,
+    policy: dict[str, Any],
+    security: Security | None = None,
+) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(listen, db, config, metrics_listen, policy))
+    return asyncio.run(serve(listen, db, config, metrics_listen, policy, security))
