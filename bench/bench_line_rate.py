@@ -116,7 +116,7 @@ def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
     from memsvc.v1 import model_worker_service_pb2 as w
     from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
-    errlog = tempfile.TemporaryFile(mode="w+")  # a file, not a pipe: a full pipe would stall the worker
+    errlog = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - a file, not a pipe: a full pipe stalls the worker
     proc = subprocess.Popen(
         [
             sys.executable,

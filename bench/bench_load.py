@@ -68,7 +68,7 @@ class LoadConfig:
     duration: float = 60.0
     max_requests: int = 0
     """Stop after this many client calls in total (0: only the duration counts)."""
-    lease_ttl: float = 5.0
+    lease_ttl: float = 10.0
     abandon_ttl: float = 0.5
     """TTL of the leases a client deliberately never releases (they must expire)."""
     idle_sleep_timeout: float = 1.0
@@ -167,12 +167,25 @@ class Client(threading.Thread):
         self.abandoned: list[tuple[str, float]] = []
         self.error: BaseException | None = None
 
-    def hot(self) -> list[str]:
-        """Workers that get traffic now: all but the cold one of this phase."""
-        if len(self.names) < 2:
-            return self.names
-        cold = int((time.monotonic() - self.t_start) / self.cfg.phase) % len(self.names)
-        return [n for i, n in enumerate(self.names) if i != cold]
+    def roles(self) -> tuple[list[str], list[str]]:
+        """(lease targets, operator targets) of this phase. With three workers or more, each phase
+        one worker is left cold (its idle timers fire), one gets the operator's Sleep/Wake calls
+        and the rest get the leases; the roles rotate every ``phase`` seconds."""
+        n = len(self.names)
+        if n < 3:
+            return self.names, self.names
+        k = int((time.monotonic() - self.t_start) / self.cfg.phase)
+        operated = self.names[(k + 1) % n]
+        leased = [x for i, x in enumerate(self.names) if i not in (k % n, (k + 1) % n)]
+        return leased, [operated]
+
+    def lease_target(self) -> str:
+        leased, operated = self.roles()
+        return self.rng.choice(operated if self.rng.random() < 0.1 else leased)  # 10 %: race the operator
+
+    def operator_target(self) -> str:
+        leased, operated = self.roles()
+        return self.rng.choice(leased if self.rng.random() < 0.2 else operated)  # 20 %: a leased worker
 
     def worker_stub(self, name: str) -> w_grpc.ModelWorkerServiceStub:
         if name not in self.worker_stubs:
@@ -208,7 +221,7 @@ class Client(threading.Thread):
         return self.rec.call("AcquireWorker", self.mgr.AcquireWorker, req)  # type: ignore[no-any-return]
 
     def lease_cycle(self) -> None:
-        name = self.rng.choice(self.hot())
+        name = self.lease_target()
         t0 = time.monotonic()
         resp = self.acquire(name, self.cfg.lease_ttl)
         if resp is None:
@@ -228,7 +241,7 @@ class Client(threading.Thread):
                       expect=lambda code, dt: code == "NOT_FOUND" and time.monotonic() - t_acquired > ttl)  # fmt: skip
 
     def abandon_lease(self) -> None:
-        name = self.rng.choice(self.hot())
+        name = self.rng.choice(self.roles()[0])
         t0 = time.monotonic()
         resp = self.acquire(name, self.cfg.abandon_ttl)
         if resp is not None:
@@ -255,11 +268,11 @@ class Client(threading.Thread):
         self.rec.call("ListWorkers", self.mgr.ListWorkers, m.ListWorkersRequest(page_size=self.rng.choice([0, 1, 2])))
 
     def sleep_worker(self) -> None:
-        req = m.SleepWorkerRequest(name=self.rng.choice(self.hot()), level=self.rng.choice([0, 1, 1, 2]))  # type: ignore[arg-type]
+        req = m.SleepWorkerRequest(name=self.operator_target(), level=self.rng.choice([0, 1, 1, 2]))  # type: ignore[arg-type]
         self.rec.call("SleepWorker", self.mgr.SleepWorker, req, EXPECTED["SleepWorker"])
 
     def wake_worker(self) -> None:
-        req = m.WakeWorkerRequest(name=self.rng.choice(self.hot()), tags=self.rng.choice([[], [], ["weights"]]))
+        req = m.WakeWorkerRequest(name=self.operator_target(), tags=self.rng.choice([[], [], ["weights"]]))
         self.rec.call("WakeWorker", self.mgr.WakeWorker, req, EXPECTED["WakeWorker"])
 
 
@@ -337,9 +350,13 @@ def _wait(probe: Any, timeout: float) -> tuple[bool, Any]:
 
 
 def _git_commit() -> str:
+    """Short commit, with "+dirty" when tracked files differ from it (the figures then include them)."""
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
+        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
                               cwd=REPO_ROOT).stdout.strip()  # fmt: skip
+        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
+                               text=True, cwd=REPO_ROOT).stdout.strip()  # fmt: skip
+        return head + ("+dirty" if dirty else "")
     except OSError:
         return "unknown"
 

@@ -1,0 +1,273 @@
+"""Leak test of sleep/wake cycles (CPU, host backend): file descriptors, threads, RSS, mappings.
+
+Two variants:
+
+- ``worker``: one ``memsvc worker`` process (host backend, ``synthetic:tiny``) driven over gRPC
+  with ``--cycles`` Sleep/WakeUp pairs (level 1, every ``--level2-every``-th cycle level 2, which
+  reloads the weights on wake; every ``--partial-every``-th wake goes weights first, then the
+  rest), once per ``--host-reserve`` value. The WORKER process is sampled from outside.
+- ``allocator``: a MemoryAllocator (host backend) in this process, ``--cycles`` sleep/wake rounds
+  over a few tags with OFFLOAD, DISCARD, KEEP, a level-1 -> level-2 demotion and partial wakes,
+  checking the offloaded bytes come back; this process is sampled.
+
+Every ``--sample-every`` cycles: open fds (/proc/PID/fd), threads (/proc/PID/task), VmRSS
+(/proc/PID/status) and memory mappings (/proc/PID/maps lines). Reported: start / after warm-up /
+end / max and a least-squares slope per 1000 cycles over the samples after warm-up.
+
+"No growth" means, after warm-up (the first ``--warmup`` cycles, default 10 %: lazily started
+threads such as the host pool's reaper, torch's first-use state, allocator caches):
+fds and threads identical in every later sample; maps count within ``MAPS_TOLERANCE`` of the
+warm-up value; RSS slope at most ``RSS_SLOPE_LIMIT_KIB`` per 1000 cycles and RSS end at most
+``RSS_END_LIMIT_KIB`` above the warm-up value.
+
+    python -m bench.bench_leaks --out leaks.json [--cycles 1000] [--host-reserve 0 --host-reserve 8MiB]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+sys.path.insert(0, str(REPO_ROOT / "tests"))
+
+from bench.bench_load import machine  # noqa: E402
+
+MAPS_TOLERANCE = 16
+"""Mappings may vary a little (glibc arenas, Python's allocator); a leak grows without bound."""
+RSS_SLOPE_LIMIT_KIB = 2048.0
+"""Per 1000 cycles, fitted over the samples after warm-up."""
+RSS_END_LIMIT_KIB = 4096.0
+"""End minus warm-up RSS."""
+
+KEYS = ("fds", "threads", "rss_kib", "maps")
+
+
+def sample(pid: int | str = "self") -> dict[str, int]:
+    """One reading of a process's fds, threads, RSS (KiB) and mapping count, from /proc."""
+    base = f"/proc/{pid}"
+    fds = len(os.listdir(f"{base}/fd"))
+    threads = len(os.listdir(f"{base}/task"))
+    rss = 0
+    with open(f"{base}/status") as f:
+        for line in f:
+            if line.startswith("VmRSS:"):
+                rss = int(line.split()[1])
+                break
+    with open(f"{base}/maps") as f:
+        maps = sum(1 for _ in f)
+    return {"fds": fds, "threads": threads, "rss_kib": rss, "maps": maps}
+
+
+def slope(xs: list[float], ys: list[float]) -> float:
+    """Least-squares slope of ys over xs (0 with fewer than two distinct xs)."""
+    n = len(xs)
+    if n < 2:
+        return 0.0
+    mx, my = sum(xs) / n, sum(ys) / n
+    den = sum((x - mx) ** 2 for x in xs)
+    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+
+
+def analyse(samples: list[dict[str, int]], warmup: int) -> dict[str, Any]:
+    """Summary and verdict of a series of samples (each with its "cycle")."""
+    after = [s for s in samples if s["cycle"] >= warmup] or samples[-1:]
+    warm = after[0]
+    out: dict[str, Any] = {"warmup_cycles": warmup, "samples": len(samples)}
+    for k in KEYS:
+        vals = [s[k] for s in after]
+        out[k] = {
+            "start": samples[0][k], "after_warmup": warm[k], "end": samples[-1][k], "max": max(s[k] for s in samples),
+            "min_after_warmup": min(vals), "max_after_warmup": max(vals),
+            "slope_per_1000": slope([s["cycle"] for s in after], vals) * 1000,
+        }  # fmt: skip
+    checks = {
+        "fds_flat": out["fds"]["min_after_warmup"] == out["fds"]["max_after_warmup"] == warm["fds"],
+        "threads_flat": out["threads"]["min_after_warmup"] == out["threads"]["max_after_warmup"] == warm["threads"],
+        "maps_bounded": out["maps"]["max_after_warmup"] - warm["maps"] <= MAPS_TOLERANCE,
+        "rss_slope_small": out["rss_kib"]["slope_per_1000"] <= RSS_SLOPE_LIMIT_KIB,
+        "rss_end_bounded": samples[-1]["rss_kib"] - warm["rss_kib"] <= RSS_END_LIMIT_KIB,
+    }
+    out["checks"] = checks
+    out["passed"] = all(checks.values())
+    return out
+
+
+# ---- a worker process over gRPC ----
+
+
+def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: int | None = None,
+               level2_every: int = 10, partial_every: int = 7) -> dict[str, Any]:  # fmt: skip
+    from workerproc import WorkerProcess
+
+    from memsvc.v1 import model_worker_service_pb2 as w
+
+    warmup = max(10, cycles // 10) if warmup is None else warmup
+    args = ["--model", "synthetic:tiny", "--host-capacity", "64MiB", "--host-reserve", host_reserve]
+    samples: list[dict[str, int]] = []
+    t0 = time.perf_counter()
+    with WorkerProcess(args) as wp:
+        assert wp.address.startswith("127.0.0.1:"), wp.address
+        pid = wp.proc.pid  # type: ignore[union-attr]
+        stub = wp.stub
+        stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30)
+        samples.append({"cycle": 0, **sample(pid)})
+        for i in range(1, cycles + 1):
+            level = w.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else w.SLEEP_LEVEL_1
+            stub.Sleep(w.SleepRequest(level=level), timeout=60)
+            if partial_every and i % partial_every == 0:
+                stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=60)
+                stub.WakeUp(w.WakeUpRequest(tags=["kv_cache"]), timeout=60)
+            else:
+                stub.WakeUp(w.WakeUpRequest(), timeout=60)
+            if i % sample_every == 0 or i == cycles:
+                samples.append({"cycle": i, **sample(pid)})
+        st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
+        final_state = w.WORKER_STATE_AWAKE == st.state
+        wp.stop()
+    result = analyse(samples, warmup)
+    result["checks"]["awake_at_end"] = final_state
+    result["passed"] = all(result["checks"].values())
+    return {
+        "variant": "worker", "host_reserve": host_reserve, "cycles": cycles, "seconds": time.perf_counter() - t0,
+        "level2_every": level2_every, "partial_every": partial_every, **result, "series": samples,
+    }  # fmt: skip
+
+
+# ---- the allocator in this process ----
+
+MiB = 1 << 20
+
+
+def run_allocator(cycles: int, host_reserve_bytes: int, sample_every: int = 20,
+                  warmup: int | None = None) -> dict[str, Any]:  # fmt: skip
+    import gc
+
+    import torch
+
+    from worker.allocator import AllocatorConfig, MemoryAllocator
+
+    warmup = max(10, cycles // 10) if warmup is None else warmup
+    alloc = MemoryAllocator(AllocatorConfig(
+        backend="host", host_capacity_bytes=64 * MiB, host_chunk_bytes=4 * MiB, host_reserve_bytes=host_reserve_bytes,
+        checksum=True,
+    ))  # fmt: skip
+    gen = torch.Generator().manual_seed(0)
+    tensors: dict[str, list[torch.Tensor]] = {"weights": [], "kv_cache": [], "aux": []}
+    sizes = {"weights": [256 * 1024, 256 * 1024, 1 * MiB, 3 * MiB], "kv_cache": [2 * MiB], "aux": [64 * 1024] * 4}
+    for tag, ss in sizes.items():
+        for nbytes in ss:
+            t = alloc.empty((nbytes // 4,), torch.float32, tag=tag)
+            t.copy_(torch.randn(nbytes // 4, generator=gen))
+            tensors[tag].append(t)
+    golden = {tag: [t.clone() for t in ts] for tag, ts in tensors.items()}
+
+    def intact(tag: str) -> bool:
+        return all(torch.equal(t, g) for t, g in zip(tensors[tag], golden[tag], strict=True))
+
+    def refill(tag: str) -> None:
+        for t, g in zip(tensors[tag], golden[tag], strict=True):
+            t.copy_(g)
+
+    bad: list[str] = []
+    samples: list[dict[str, int]] = [{"cycle": 0, **sample()}]
+    t0 = time.perf_counter()
+    try:
+        for i in range(1, cycles + 1):
+            pattern = i % 4
+            if pattern == 0:  # level 1 plus an offloaded side tag, one wake
+                alloc.sleep({"weights": "offload", "kv_cache": "discard", "aux": "offload"})
+                alloc.wake_up()
+                offloaded = ["weights", "aux"]
+            elif pattern == 1:  # aux kept; partial wakes, weights first
+                alloc.sleep({"weights": "offload", "kv_cache": "discard", "aux": "keep"})
+                alloc.wake_up(["weights"])
+                alloc.wake_up(["kv_cache"])
+                offloaded = ["weights", "aux"]
+            elif pattern == 2:  # level 1, then demoted to level 2 while asleep (host copy freed)
+                alloc.sleep({"weights": "offload", "kv_cache": "discard"})
+                alloc.sleep({"weights": "discard"})
+                alloc.wake_up()
+                offloaded = ["aux"]
+            else:  # everything dropped but aux
+                alloc.sleep({"weights": "discard", "kv_cache": "discard", "aux": "offload"})
+                alloc.wake_up(["aux", "weights"])
+                alloc.wake_up()
+                offloaded = ["aux"]
+            for tag in offloaded:
+                if not intact(tag) and len(bad) < 10:
+                    bad.append(f"cycle {i}: tag {tag} differs after wake")
+            for tag in ("weights", "kv_cache"):
+                if tag not in offloaded:
+                    refill(tag)
+            refill("kv_cache")
+            if i % sample_every == 0 or i == cycles:
+                samples.append({"cycle": i, **sample()})
+        counters = alloc.stats().counters
+    finally:
+        del tensors, golden
+        alloc.close()
+        gc.collect()
+    seconds = time.perf_counter() - t0
+    result = analyse(samples, warmup)
+    result["checks"]["data_intact"] = not bad
+    result["passed"] = all(result["checks"].values())
+    return {
+        "variant": "allocator", "host_reserve": host_reserve_bytes, "cycles": cycles, "seconds": seconds,
+        "errors": bad, "counters": {k: counters[k] for k in ("sleeps", "wakes", "host_held_bytes") if k in counters},
+        **result, "series": samples,
+    }  # fmt: skip
+
+
+def format_table(runs: list[dict[str, Any]]) -> str:
+    head = f"{'variant':<10}{'reserve':>9}{'cycles':>7}  {'metric':<8}{'start':>9}{'warm':>9}{'end':>9}{'max':>9}"
+    lines = [head + f"{'slope/1000':>12}  verdict"]
+    for r in runs:
+        for k in KEYS:
+            v = r[k]
+            ok = {"fds": "fds_flat", "threads": "threads_flat", "maps": "maps_bounded", "rss_kib": "rss_slope_small"}[k]
+            verdict = "ok" if r["checks"][ok] and (k != "rss_kib" or r["checks"]["rss_end_bounded"]) else "GROWTH"
+            lines.append(
+                f"{r['variant']:<10}{r['host_reserve']!s:>9}{r['cycles']:>7}  {k:<8}{v['start']:>9}"
+                f"{v['after_warmup']:>9}{v['end']:>9}{v['max']:>9}{v['slope_per_1000']:>12.1f}  {verdict}"
+            )
+        others = {k: v for k, v in r["checks"].items() if k not in ("fds_flat", "threads_flat", "maps_bounded",
+                                                                     "rss_slope_small", "rss_end_bounded")}  # fmt: skip
+        lines.append(f"{'':<10}{r['seconds']:>8.1f}s  other checks: {others}  -> {'PASS' if r['passed'] else 'FAIL'}")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.split("\n\n")[0] if __doc__ else None)
+    p.add_argument("--cycles", type=int, default=1000)
+    p.add_argument("--sample-every", type=int, default=20)
+    p.add_argument("--warmup", type=int, default=None, help="cycles ignored by the checks (default 10 %%, >= 10)")
+    p.add_argument("--host-reserve", action="append", default=None,
+                   help="worker --host-reserve values, one run each (default: 0 and 8MiB)")  # fmt: skip
+    p.add_argument("--variant", choices=["worker", "allocator", "both"], default="both")
+    p.add_argument("--out", default=None, help="write the result as JSON here")
+    a = p.parse_args(argv)
+    reserves = a.host_reserve or ["0", "8MiB"]
+    runs = []
+    if a.variant in ("worker", "both"):
+        for r in reserves:
+            runs.append(run_worker(a.cycles, r, a.sample_every, a.warmup))
+    if a.variant in ("allocator", "both"):
+        for r in (0, 8 * MiB):
+            runs.append(run_allocator(a.cycles, r, a.sample_every, a.warmup))
+    print(format_table(runs))
+    result = {"bench": "leaks", "machine": machine(), "limits": {
+        "maps_tolerance": MAPS_TOLERANCE, "rss_slope_limit_kib_per_1000": RSS_SLOPE_LIMIT_KIB,
+        "rss_end_limit_kib": RSS_END_LIMIT_KIB}, "runs": runs, "passed": all(r["passed"] for r in runs)}  # fmt: skip
+    if a.out:
+        Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
+    return 0 if result["passed"] else 1
+
+
+if __name__ == "__main__":
+    sys.exit(main())
