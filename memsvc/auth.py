@@ -253,9 +253,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
                 await context.abort_with_status(to_status(exc))
             return await inner(request, context)
 
-        return grpc.unary_unary_rpc_method_handler(
-            checked, handler.request_deserializer, handler.response_serializer
-        )
+        return grpc.unary_unary_rpc_method_handler(checked, handler.request_deserializer, handler.response_serializer)
 
 
 # ---------------------------------------------------------------------------------------------

@@ -44,6 +44,60 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _client_auth_flags(p: argparse.ArgumentParser) -> None:
+    """How this command dials a memsvc server (memsvc.auth; off by default)."""
+    g = p.add_argument_group("auth (client side)")
+    g.add_argument(
+        "--token-file",
+        default=env("TOKEN_FILE", ""),
+        help="file holding the bearer token (default $MEMSVC_TOKEN_FILE, else the token in $MEMSVC_TOKEN)",
+    )
+    g.add_argument("--tls-ca", default=env("TLS_CA", ""), help="CA (PEM) that verifies servers: dial with TLS")
+    g.add_argument(
+        "--tls-client-cert", default=env("TLS_CLIENT_CERT", ""), help="client certificate for mTLS servers (PEM)"
+    )
+    g.add_argument("--tls-client-key", default=env("TLS_CLIENT_KEY", ""), help="key of --tls-client-cert (PEM)")
+
+
+def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
+    """Token and TLS of a server; the same settings configure its outgoing channels."""
+    _client_auth_flags(p)
+    g = p.add_argument_group("auth (server side)")
+    g.add_argument("--tls-cert", default=env("TLS_CERT", ""), help="serve TLS with this certificate chain (PEM)")
+    g.add_argument("--tls-key", default=env("TLS_KEY", ""), help="key of --tls-cert (PEM)")
+    g.add_argument(
+        "--tls-client-ca",
+        default=env("TLS_CLIENT_CA", ""),
+        help="require client certificates signed by this CA (mTLS)",
+    )
+    if worker:
+        g.add_argument(
+            "--allowed-client",
+            default=env("ALLOWED_CLIENT", ""),
+            help="with mTLS: the only client certificate name(s) (CN or SAN, comma-separated) allowed to call "
+            "Sleep, WakeUp, ReloadWeights, SwapBlocks, FreeSequence (e.g. the manager's CN)",
+        )
+
+
+def _security(args: argparse.Namespace, parser: argparse.ArgumentParser, server: bool = False) -> object:
+    from memsvc.auth import Security
+    from memsvc.errors import MemsvcError
+
+    try:
+        sec = Security.from_args(args)
+        if server:
+            sec.check_server()
+        sec.channel_credentials()  # reads the client files now: a bad path is a usage error, not a retry loop
+    except MemsvcError as exc:
+        parser.error(str(exc))
+    return sec
+
+
+def _security_kwargs(sec: object) -> dict[str, object]:
+    """``security=`` only when some auth is on, so run() functions keep their plain signature otherwise."""
+    return {"security": sec} if getattr(sec, "enabled", False) else {}
+
+
 def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("worker", help="serve one model on one device (ModelWorkerService)")
     p.add_argument(
@@ -93,6 +147,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         default=env("ADVERTISE", "") or None,
         help="address the manager should dial (default: the listen address)",
     )
+    _server_auth_flags(p, worker=True)
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -108,6 +163,7 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--metrics-listen", default=env("METRICS_LISTEN", "") or None, help="host:port of Prometheus /metrics"
     )
     _policy_flags(p)
+    _server_auth_flags(p)
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
@@ -141,18 +197,22 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     for name, text in (("status", "list workers"), ("watch", "live table of workers")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--manager", default=None, help="manager address (default $MEMSVC_MANAGER or 127.0.0.1:50051)")
+        _client_auth_flags(p)
     p = sub.add_parser("sleep", help="put a worker to sleep")
     p.add_argument("worker")
     p.add_argument("--level", type=int, choices=[1, 2], default=None, help="default: the policy's tag actions")
     p.add_argument("--manager", default=None)
+    _client_auth_flags(p)
     p = sub.add_parser("wake", help="wake a worker")
     p.add_argument("worker")
     p.add_argument("--tags", nargs="*", default=[], help="wake only these tags")
     p.add_argument("--manager", default=None)
+    _client_auth_flags(p)
     p = sub.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING (container health checks)")
     p.add_argument("address", help="host:port")
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
+    _client_auth_flags(p)
     p = sub.add_parser("up", help="run a manager and one worker on this machine")
     p.add_argument("--manager-listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50061")
@@ -162,6 +222,13 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--backend", choices=["auto", "cuda", "host"], default="auto")
     p.add_argument("--idle-sleep-timeout", type=float, default=300.0)
     p.add_argument("--idle-deep-sleep-timeout", type=float, default=3600.0)
+    g = p.add_argument_group("auth (passed to both services; see memsvc manager --help)")
+    g.add_argument("--token-file", default=None, help="bearer token file for both services and their channels")
+    g.add_argument("--tls-cert", default=None, help="certificate (SAN 127.0.0.1) both services serve TLS with")
+    g.add_argument("--tls-key", default=None)
+    g.add_argument("--tls-ca", default=None, help="CA the manager and the worker verify each other with")
+    g.add_argument("--tls-client-ca", default=None, help="require client certificates (mTLS; --tls-cert is then the "
+                   "client certificate too, so it needs the clientAuth usage)")  # fmt: skip
 
 
 def _status_table(workers: list, title: str = "memsvc workers") -> object:  # type: ignore[type-arg]
@@ -188,7 +255,7 @@ def _status_table(workers: list, title: str = "memsvc workers") -> object:  # ty
     return table
 
 
-def _ops(args: argparse.Namespace) -> int:
+def _ops(args: argparse.Namespace, security: object) -> int:
     from rich.console import Console
 
     from memsvc.client import ManagerClient, state_name
@@ -196,7 +263,7 @@ def _ops(args: argparse.Namespace) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs get whole addresses
     try:
-        with ManagerClient(args.manager) as client:
+        with ManagerClient(args.manager, security=security) as client:  # type: ignore[arg-type]
             if args.command == "status":
                 console.print(_status_table(client.workers()))
             elif args.command == "sleep":
@@ -229,11 +296,13 @@ def _ops(args: argparse.Namespace) -> int:
     return 0
 
 
-def _health(address: str, service: str, timeout: float) -> int:
+def _health(address: str, service: str, timeout: float, security: object = None) -> int:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    with grpc.insecure_channel(address) as channel:
+    from memsvc.auth import channel as auth_channel
+
+    with auth_channel(address, security) as channel:  # type: ignore[arg-type]
         try:
             r = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -255,7 +324,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
 
-        return run_manager(args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args, parser))
+        security = _security(args, parser, server=True)
+        return run_manager(
+            args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args, parser),
+            **_security_kwargs(security),  # type: ignore[arg-type]
+        )  # fmt: skip
     if args.command == "up":
         from memsvc.up import run as run_up
 
@@ -268,11 +341,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.backend,
             args.idle_sleep_timeout,
             args.idle_deep_sleep_timeout,
+            {
+                f"MEMSVC_{name.upper()}": os.path.abspath(value)
+                for name in ("token_file", "tls_cert", "tls_key", "tls_ca", "tls_client_ca")
+                if (value := getattr(args, name))
+            },
         )
     if args.command == "health":
-        return _health(args.address, args.service, args.timeout)
+        return _health(args.address, args.service, args.timeout, _security(args, parser))
     if args.command in ("status", "sleep", "wake", "watch"):
-        return _ops(args)
+        return _ops(args, _security(args, parser))
     if args.command == "worker":
         from worker.core import WorkerConfig
         from worker.main import run
@@ -295,7 +373,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_name=args.host_name,
             huge_pages=args.huge_pages,
         )
-        return run(config, args.listen, args.manager, args.advertise)
+        security = _security(args, parser, server=True)
+        return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]
     parser.error(f"unknown command {args.command}")
     return 2
 

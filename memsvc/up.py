@@ -3,6 +3,10 @@
 Where there is no GPU the worker uses the host backend and a small synthetic model, so the pair runs
 anywhere. Both are child processes; SIGINT/SIGTERM stops both, and if either dies the other is
 stopped too.
+
+Auth (``--token-file``, ``--tls-cert/--tls-key``, ``--tls-ca``, ``--tls-client-ca``) reaches both
+children as their MEMSVC_* variables: they serve with the same token and certificate and dial each
+other with the same CA (the certificate needs a SAN for the listen host, e.g. 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -30,8 +34,10 @@ def run(
     backend: str,
     idle_sleep_timeout: float,
     idle_deep_sleep_timeout: float,
+    auth_env: dict[str, str] | None = None,
 ) -> int:
     Path(state_dir).mkdir(parents=True, exist_ok=True)
+    child_env = {**os.environ, **(auth_env or {})}
     exe = [sys.executable, "-m", "memsvc.cli"]
     manager = subprocess.Popen(
         [
@@ -47,7 +53,8 @@ def run(
             str(idle_sleep_timeout),
             "--idle-deep-sleep-timeout",
             str(idle_deep_sleep_timeout),
-        ]
+        ],
+        env=child_env,
     )
     worker = subprocess.Popen(
         [
@@ -63,7 +70,8 @@ def run(
             "local0",
             "--model",
             model or default_model(),
-        ]
+        ],
+        env=child_env,
     )
     children = [manager, worker]
     stopping = False
