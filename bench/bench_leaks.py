@@ -105,6 +105,7 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
                level2_every: int = 10, partial_every: int = 7) -> dict[str, Any]:  # fmt: skip
     from workerproc import WorkerProcess
 
+    from memsvc.v1 import common_pb2 as c
     from memsvc.v1 import model_worker_service_pb2 as w
 
     warmup = max(10, cycles // 10) if warmup is None else warmup
@@ -118,7 +119,7 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
         stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30)
         samples.append({"cycle": 0, **sample(pid)})
         for i in range(1, cycles + 1):
-            level = w.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else w.SLEEP_LEVEL_1
+            level = c.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else c.SLEEP_LEVEL_1
             stub.Sleep(w.SleepRequest(level=level), timeout=60)
             if partial_every and i % partial_every == 0:
                 stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=60)
@@ -128,7 +129,7 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
             if i % sample_every == 0 or i == cycles:
                 samples.append({"cycle": i, **sample(pid)})
         st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
-        final_state = w.WORKER_STATE_AWAKE == st.state
+        final_state = st.state == c.WORKER_STATE_AWAKE
         wp.stop()
     result = analyse(samples, warmup)
     result["checks"]["awake_at_end"] = final_state
@@ -210,7 +211,8 @@ def run_allocator(cycles: int, host_reserve_bytes: int, sample_every: int = 20,
                 samples.append({"cycle": i, **sample()})
         counters = alloc.stats().counters
     finally:
-        del tensors, golden
+        tensors.clear()
+        golden.clear()
         alloc.close()
         gc.collect()
     seconds = time.perf_counter() - t0

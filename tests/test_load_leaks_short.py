@@ -1,0 +1,144 @@
+"""Short CI versions of bench/bench_load.py and bench/bench_leaks.py, with the same pass criteria.
+
+- load: 8 clients for about 5 s against one manager and three host-backend workers on loopback;
+  no unexpected status code, every RPC kind exercised, leases drained afterwards, the manager's
+  view agrees with each worker's, the idle timers fired, every process alive. No latency assertion.
+- leaks: 150 Sleep/WakeUp cycles on a worker process (host reserve 0 and 8 MiB) and 200 rounds of
+  the in-process allocator variant: fds and threads identical after warm-up, maps count bounded,
+  RSS growth bounded, data intact.
+"""
+
+from __future__ import annotations
+
+import json
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+from managerproc import Cluster, ScriptedWorker, get, wait_for, wait_state
+
+from bench import bench_leaks, bench_load
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+
+MiB = 1 << 20
+
+
+def _explain(result: dict[str, Any]) -> str:
+    brief = {k: v for k, v in result.items() if k != "series"}
+    return json.dumps(brief, indent=1, default=str)[-6000:]
+
+
+LEASE_RACE = (
+    "bug: AcquireWorker grants a lease while a SleepWorker or idle sleep of that worker is in flight "
+    "(Manager._ensure_awake returns on the stale AWAKE state without waiting for rec.lock), so the "
+    "lease holder's Generate fails with FAILED_PRECONDITION 'worker is asleep'"
+)
+
+
+def _only_the_lease_race(result: dict[str, Any]) -> bool:
+    """Every failed check is no_unexpected_errors, and every unexpected error is a Generate
+    FAILED_PRECONDITION 'worker is asleep' within the lease's TTL (the race pinned below)."""
+    failed = [k for k, v in result["checks"].items() if not v]
+    if failed != ["no_unexpected_errors"] or result["bench_errors"] or result["hung_clients"]:
+        return False
+    unexpected = {k: v["unexpected_errors"] for k, v in result["rpcs"].items() if v["unexpected_errors"]}
+    samples = result["rpcs"].get("Generate", {}).get("unexpected_samples", [])
+    return (
+        unexpected.keys() == {"Generate"}
+        and unexpected["Generate"].keys() == {"FAILED_PRECONDITION"}
+        and all("worker is asleep" in s for s in samples)
+    )
+
+
+def test_short_load_has_no_unexpected_errors() -> None:
+    cfg = bench_load.LoadConfig(
+        clients=8, workers=3, watchers=2, duration=5.0, idle_sleep_timeout=0.5, idle_deep_sleep_timeout=1.0,
+        phase=2.0, abandon_ttl=0.5, lease_ttl=10.0, seed=1,
+    )  # fmt: skip
+    result = bench_load.run_load(cfg)
+    print(bench_load.format_table(result))
+    if _only_the_lease_race(result):  # the known race hit this run; any other failure still fails here
+        pytest.xfail(LEASE_RACE + " (hit in this run; pinned by test_acquire_during_an_in_flight_sleep)")
+    assert result["checks"] == dict.fromkeys(result["checks"], True), bench_load.format_table(result)
+    assert result["passed"]
+
+
+@pytest.mark.parametrize("host_reserve", ["0", "8MiB"])
+def test_worker_sleep_wake_cycles_do_not_leak(host_reserve: str) -> None:
+    result = bench_leaks.run_worker(150, host_reserve, sample_every=10, warmup=15)
+    print(bench_leaks.format_table([result]))
+    assert result["checks"] == dict.fromkeys(result["checks"], True), _explain(result)
+
+
+@pytest.mark.parametrize("host_reserve", [0, 8 * MiB])
+def test_allocator_sleep_wake_cycles_do_not_leak(host_reserve: int) -> None:
+    result = bench_leaks.run_allocator(200, host_reserve, sample_every=10, warmup=20)
+    print(bench_leaks.format_table([result]))
+    assert result["checks"] == dict.fromkeys(result["checks"], True), _explain(result)
+
+
+class GatedSleepWorker(ScriptedWorker):
+    """A scripted worker whose Sleep blocks until the test opens the gate (telemetry held too, so
+    the manager keeps seeing AWAKE while the sleep is in flight, as with a real worker's slow sleep)."""
+
+    def __init__(self, worker_id: str) -> None:
+        super().__init__(worker_id, c.WORKER_STATE_AWAKE)
+        self.entered = threading.Event()
+        self.gate = threading.Event()
+
+    def Sleep(self, request: Any, context: Any) -> Any:
+        self.entered.set()
+        self.gate.wait(30)
+        return super().Sleep(request, context)
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    cl = Cluster(tmp_path)
+    yield cl
+    cl.close()
+
+
+@pytest.mark.xfail(strict=True, reason=LEASE_RACE)
+def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
+    """Deterministic reproducer of what the load test saw: a lease granted while the worker goes to sleep.
+
+    SleepWorker is in flight (the worker's Sleep has started, the manager holds the worker's lock);
+    AcquireWorker then comes. Whatever the order it settles in, once both calls are done a live lease
+    must mean an awake worker ("while the lease lives the worker is never put to sleep")."""
+    mp = cluster.manager()
+    stub = mp.stub
+    sw = GatedSleepWorker("race")
+    cluster.scripted_workers.append(sw)
+    stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="race", address=sw.address, host="h"), timeout=10)
+    wait_state(stub, "race", c.WORKER_STATE_AWAKE)
+
+    outcome: dict[str, Any] = {}
+
+    def call(key: str, fn: Any, req: Any) -> None:
+        try:
+            outcome[key] = fn(req, timeout=20)
+        except grpc.RpcError as err:
+            outcome[key] = err.code()
+
+    sleeper = threading.Thread(target=call, args=("sleep", stub.SleepWorker,
+                               m.SleepWorkerRequest(name="workers/race", level=c.SLEEP_LEVEL_1)))  # fmt: skip
+    sleeper.start()
+    assert sw.entered.wait(10), "the manager never called Sleep"
+    acquirer = threading.Thread(target=call, args=("acquire", stub.AcquireWorker,
+                                m.AcquireWorkerRequest(name="workers/race", holder="race")))  # fmt: skip
+    acquirer.start()
+    acquirer.join(1.0)  # with the bug it has its lease already; a fixed manager waits for the sleep
+    sw.gate.set()
+    sleeper.join(20)
+    acquirer.join(20)
+    sw.release_events()
+    assert isinstance(outcome.get("acquire"), m.AcquireWorkerResponse), outcome
+    # the lease is live: the worker must end up awake (woken after the sleep), not asleep under the lease
+    w = wait_for(lambda: get(stub, "race"), lambda w: w.state == c.WORKER_STATE_AWAKE, timeout=5,
+                 what="the leased worker to be awake")  # fmt: skip
+    assert w.lease_count == 1
