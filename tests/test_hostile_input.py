@@ -452,11 +452,14 @@ def test_generated_messages(env: Env, service: str, method: str, cls: type[pb_me
     prop()
 
 
+RAW_EDGES = [b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" + b"\xff" * 9 + b"\x01", b"\x80", b"\x0a\x05ab"]
+"""Truncated varints, a length past the end, an over-long varint, a lone continuation byte."""
+
+
 @pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[c[1] for c in CASES])
 def test_raw_bytes(env: Env, service: str, method: str, cls: type[pb_message.Message]) -> None:
     @settings(max_examples=25, **SETTINGS)  # type: ignore[arg-type]
-    @given(body=st.one_of(st.binary(max_size=256), st.sampled_from([b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f",
-                                                                    b"\x08" + b"\xff" * 9 + b"\x01", b"\x80"])))  # fmt: skip
+    @given(body=st.one_of(st.binary(max_size=256), st.sampled_from(RAW_EDGES)))
     def prop(body: bytes) -> None:
         exercise(env, service, method, body, "awake")
 
