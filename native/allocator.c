@@ -145,7 +145,6 @@ static int get_arena(msv_allocator *a, const char *tag, int *idx, int *created) 
     *idx = i;
     return MSV_OK;
   }
-  *created = 1;
   arena *ar = calloc(1, sizeof *ar);
   arena **na = realloc(a->arenas, (a->n_arenas + 1) * sizeof *na);
   if (!ar || !na) {
@@ -163,6 +162,7 @@ static int get_arena(msv_allocator *a, const char *tag, int *idx, int *created) 
   }
   a->arenas[a->n_arenas] = ar;
   *idx = (int)a->n_arenas++;
+  *created = 1; /* only now: a failed reserve leaves nothing to undo */
   return MSV_OK;
 }
 
@@ -250,7 +250,15 @@ int msv_create(const msv_config *cfg, msv_allocator **out) {
   return MSV_OK;
 }
 
+static void clear_sums(msv_allocator *a, arena *ar) {
+  for (size_t t = 0; t < a->n_tab; t++)
+    if (a->tab[t].arena >= 0 && a->arenas[a->tab[t].arena] == ar) a->tab[t].has_sum = 0;
+}
+
+/* The host copy of a tag goes away (restored, demoted, or a failed sleep): so do its checksums,
+ * which describe only that copy. */
 static void drop_backup(msv_allocator *a, arena *ar) {
+  clear_sums(a, ar);
   while (ar->chunks) {
     msv_hchunk *c = ar->chunks;
     ar->chunks = c->next;
@@ -342,7 +350,7 @@ int msv_alloc(msv_allocator *a, const char *tag, size_t size, uint64_t *out) {
   ar->n_allocs++;
   *out = ar->base + off;
 out:
-  if (rc && created) { /* a failed first allocation leaves no tag behind */
+  if (rc && created && idx == (int)a->n_arenas - 1) { /* a failed first allocation leaves no tag behind */
     arena *dead = a->arenas[idx];
     for (size_t k = 0; k < dead->n_ext; k++) a->b->unmap(a->b, dead->base + dead->ext[k].off, dead->ext[k].size, dead->ext[k].handle);
     a->b->free_va(a->b, dead->base, dead->va_size);
@@ -897,8 +905,12 @@ int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *
   return MSV_OK;
 }
 
-void msv_get_counters(msv_allocator *a, msv_counters *out) {
-  pthread_mutex_lock(&a->mu);
+int msv_get_counters(msv_allocator *a, msv_counters *out, int nonblocking) {
+  if (nonblocking) {
+    if (pthread_mutex_trylock(&a->mu) != 0) return msv_fail(MSV_E_BUSY, "the allocator is busy with a transition");
+  } else {
+    pthread_mutex_lock(&a->mu);
+  }
   *out = a->ctr;
   pthread_mutex_lock(&a->hp.mu);
   out->host_chunks_created = a->hp.chunks_created;
@@ -909,6 +921,7 @@ void msv_get_counters(msv_allocator *a, msv_counters *out) {
   out->host_register_seconds = a->hp.register_seconds;
   pthread_mutex_unlock(&a->hp.mu);
   pthread_mutex_unlock(&a->mu);
+  return MSV_OK;
 }
 
 int msv_set_checksum(msv_allocator *a, int on) {

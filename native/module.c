@@ -86,15 +86,25 @@ static void capsule_destructor(PyObject *cap) {
 static PyObject *make_capsule(msv_allocator *a, uint64_t addr, int host, PyObject *shape, int code, int bits,
                               int device_type, int device_id) {
   Py_ssize_t nd = PySequence_Size(shape);
-  if (nd < 0) return NULL;
+  if (nd < 0) {
+    if (host) msv_host_free(a, addr);
+    else msv_free(a, addr);
+    return NULL;
+  }
   owned_tensor *t = calloc(1, sizeof *t + (size_t)(nd ? nd : 1) * sizeof(int64_t));
-  if (!t) return PyErr_NoMemory();
+  if (!t) {
+    if (host) msv_host_free(a, addr);
+    else msv_free(a, addr);
+    return PyErr_NoMemory();
+  }
   for (Py_ssize_t i = 0; i < nd; i++) {
     PyObject *it = PySequence_GetItem(shape, i);
     t->shape[i] = it ? PyLong_AsLongLong(it) : -1;
     Py_XDECREF(it);
     if (PyErr_Occurred()) {
       free(t);
+      if (host) msv_host_free(a, addr);
+      else msv_free(a, addr);
       return NULL;
     }
   }
@@ -180,8 +190,10 @@ static PyObject *Allocator_alloc(AllocatorObject *self, PyObject *args) {
   if (size <= 0) return PyErr_Format(g_err[MSV_E_INVALID], "allocation size must be > 0, got %lld", size);
   uint64_t p;
   int rc;
+  msv_retain(a); /* a close() on another thread must not destroy it under this call */
   Py_BEGIN_ALLOW_THREADS rc = msv_alloc(a, tag, (size_t)size, &p);
-  Py_END_ALLOW_THREADS if (rc) return raise_last();
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) return raise_last();
   return PyLong_FromUnsignedLongLong(p);
 }
 
@@ -206,12 +218,16 @@ static PyObject *Allocator_tensor(AllocatorObject *self, PyObject *args) {
   if (nbytes <= 0) return PyErr_Format(g_err[MSV_E_INVALID], "tensor size must be > 0 bytes, got %lld", nbytes);
   uint64_t p;
   int rc;
+  msv_retain(a);
   Py_BEGIN_ALLOW_THREADS rc = msv_alloc(a, tag, (size_t)nbytes, &p);
-  Py_END_ALLOW_THREADS if (rc) return raise_last();
+  Py_END_ALLOW_THREADS if (rc) {
+    msv_release(a);
+    return raise_last();
+  }
   msv_backend *b = msv_get_backend(a);
   int cuda = b->kind == MSV_BACKEND_CUDA;
   PyObject *cap = make_capsule(a, p, 0, shape, code, bits, cuda ? 2 : 1, cuda ? b->device : 0);
-  if (!cap) msv_free(a, p);
+  msv_release(a); /* the capsule holds its own reference; on failure it already freed p */
   return cap;
 }
 
@@ -226,10 +242,14 @@ static PyObject *Allocator_host_tensor(AllocatorObject *self, PyObject *args) {
   if (nbytes <= 0) return PyErr_Format(g_err[MSV_E_INVALID], "host buffer size must be > 0 bytes, got %lld", nbytes);
   uint64_t p;
   int rc;
+  msv_retain(a);
   Py_BEGIN_ALLOW_THREADS rc = msv_host_alloc(a, (size_t)nbytes, &p);
-  Py_END_ALLOW_THREADS if (rc) return raise_last();
+  Py_END_ALLOW_THREADS if (rc) {
+    msv_release(a);
+    return raise_last();
+  }
   PyObject *cap = make_capsule(a, p, 1, shape, code, bits, 1, 0);
-  if (!cap) msv_host_free(a, p);
+  msv_release(a); /* the capsule holds its own reference; on failure it already freed p */
   return cap;
 }
 
@@ -284,8 +304,10 @@ static PyObject *Allocator_sleep(AllocatorObject *self, PyObject *args) {
     tags[i] = t, actions[i] = act;
   }
   int rc;
+  msv_retain(a);
   Py_BEGIN_ALLOW_THREADS rc = msv_sleep(a, tags, actions, (size_t)n);
-  Py_END_ALLOW_THREADS if (rc) raise_last();
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) raise_last();
   else ret = Py_NewRef(Py_None);
 done:
   Py_XDECREF(keep);
@@ -305,8 +327,10 @@ static PyObject *Allocator_wake(AllocatorObject *self, PyObject *args) {
     return NULL;
   }
   int rc;
+  msv_retain(a);
   Py_BEGIN_ALLOW_THREADS rc = msv_wake(a, seq == Py_None ? NULL : tags, (size_t)n);
-  Py_END_ALLOW_THREADS free(tags);
+  Py_END_ALLOW_THREADS msv_release(a);
+  free(tags);
   if (rc) return raise_last();
   Py_RETURN_NONE;
 }
@@ -322,11 +346,22 @@ static PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args) {
   if (!a) return NULL;
   size_t n = 0;
   msv_tag_stats probe;
-  if (msv_tag_stats_all(a, &probe, 0, &n, nonblocking)) return raise_last();
-  msv_tag_stats *st = calloc(n + 8, sizeof *st); /* room for tags created meanwhile */
-  if (!st) return PyErr_NoMemory();
-  size_t cap = n + 8;
-  if (msv_tag_stats_all(a, st, cap, &n, nonblocking)) {
+  int rc;
+  msv_retain(a);
+  Py_BEGIN_ALLOW_THREADS rc = msv_tag_stats_all(a, &probe, 0, &n, nonblocking);
+  Py_END_ALLOW_THREADS if (rc) {
+    msv_release(a);
+    return raise_last();
+  }
+  size_t cap = n + 8; /* room for tags created meanwhile */
+  msv_tag_stats *st = calloc(cap, sizeof *st);
+  if (!st) {
+    msv_release(a);
+    return PyErr_NoMemory();
+  }
+  Py_BEGIN_ALLOW_THREADS rc = msv_tag_stats_all(a, st, cap, &n, nonblocking);
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) {
     free(st);
     return raise_last();
   }
@@ -352,12 +387,17 @@ static PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args) {
   return out;
 }
 
-static PyObject *Allocator_counters(AllocatorObject *self, PyObject *unused) {
-  (void)unused;
+static PyObject *Allocator_counters(AllocatorObject *self, PyObject *args) {
+  int nonblocking = 0;
+  if (!PyArg_ParseTuple(args, "|p", &nonblocking)) return NULL;
   msv_allocator *a = get(self);
   if (!a) return NULL;
   msv_counters c;
-  msv_get_counters(a, &c);
+  int rc;
+  msv_retain(a);
+  Py_BEGIN_ALLOW_THREADS rc = msv_get_counters(a, &c, nonblocking);
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) return raise_last();
   return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d}", "bytes_offloaded", c.bytes_offloaded,
                        "bytes_restored", c.bytes_restored, "bytes_verified", c.bytes_verified, "sleeps", c.sleeps,
                        "wakes", c.wakes, "last_sleep_seconds", c.last_sleep_seconds, "last_wake_seconds",
@@ -451,8 +491,10 @@ static PyObject *Allocator_copy_blocks(AllocatorObject *self, PyObject *args) {
     goto done;
   }
   int rc;
+  msv_retain(a);
   Py_BEGIN_ALLOW_THREADS rc = msv_copy_blocks(a, src, dst, sz, (size_t)ns, method, stream);
-  Py_END_ALLOW_THREADS if (rc) raise_last();
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) raise_last();
   else ret = Py_NewRef(Py_None);
 done:
   free(src), free(dst), free(sz);
@@ -482,8 +524,10 @@ static PyObject *Allocator_set_host_reserve(AllocatorObject *self, PyObject *arg
   if (!PyArg_ParseTuple(args, "K", &n)) return NULL;
   msv_allocator *a = get(self);
   if (!a) return NULL;
+  msv_retain(a);
   Py_BEGIN_ALLOW_THREADS msv_set_host_reserve(a, n);
-  Py_END_ALLOW_THREADS Py_RETURN_NONE;
+  Py_END_ALLOW_THREADS msv_release(a);
+  Py_RETURN_NONE;
 }
 
 static PyObject *Allocator_lookup(AllocatorObject *self, PyObject *args) {
@@ -523,7 +567,7 @@ static PyMethodDef Allocator_methods[] = {
     {"sleep", (PyCFunction)Allocator_sleep, METH_VARARGS, "sleep([(tag, action), ...])"},
     {"wake", (PyCFunction)Allocator_wake, METH_VARARGS, "wake(tags=None)"},
     {"tag_stats", (PyCFunction)Allocator_tag_stats, METH_VARARGS, "tag_stats(nonblocking=False): per-tag statistics"},
-    {"counters", (PyCFunction)Allocator_counters, METH_NOARGS, "transition counters"},
+    {"counters", (PyCFunction)Allocator_counters, METH_VARARGS, "counters(nonblocking=False)"},
     {"mem_info", (PyCFunction)Allocator_mem_info, METH_NOARGS, "(free, total) device bytes"},
     {"copy_blocks", (PyCFunction)Allocator_copy_blocks, METH_VARARGS, "copy_blocks(src, dst, sizes, method, stream)"},
     {"has_method", (PyCFunction)Allocator_has_method, METH_VARARGS, "has_method(method) -> bool"},

@@ -171,7 +171,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
 int msv_wake(msv_allocator *a, const char **tags, size_t n);
 /* nonblocking: fail with MSV_E_BUSY instead of waiting while a transition holds the table. */
 int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *n, int nonblocking);
-void msv_get_counters(msv_allocator *a, msv_counters *out);
+int msv_get_counters(msv_allocator *a, msv_counters *out, int nonblocking);
 int msv_set_checksum(msv_allocator *a, int on);
 int msv_set_host_reserve(msv_allocator *a, size_t bytes);
 

@@ -8,7 +8,9 @@
 #include "msv.h"
 
 static msv_allocator *g_hooked;
-static char g_tag[64] = "default";
+/* Per thread: torch routes a MemPool per thread, so the tag must follow the thread that entered
+ * use_memory_pool (a process-wide tag would send another thread's segments to the wrong pool). */
+static __thread char g_tag[64] = "default";
 static pthread_mutex_t g_mu = PTHREAD_MUTEX_INITIALIZER;
 
 void msv_hook_install(msv_allocator *a) {
@@ -19,21 +21,15 @@ void msv_hook_install(msv_allocator *a) {
   pthread_mutex_unlock(&g_mu);
 }
 
-void msv_hook_set_tag(const char *tag) {
-  pthread_mutex_lock(&g_mu);
-  snprintf(g_tag, sizeof g_tag, "%s", tag);
-  pthread_mutex_unlock(&g_mu);
-}
+void msv_hook_set_tag(const char *tag) { snprintf(g_tag, sizeof g_tag, "%s", tag); }
 
 __attribute__((visibility("default"))) void *msv_torch_malloc(ssize_t size, int device, void *stream) {
   (void)device, (void)stream;
-  char tag[64];
   pthread_mutex_lock(&g_mu);
   msv_allocator *a = g_hooked;
-  memcpy(tag, g_tag, sizeof tag);
   pthread_mutex_unlock(&g_mu);
   uint64_t p = 0;
-  if (!a || size <= 0 || msv_alloc(a, tag, (size_t)size, &p) != MSV_OK) return NULL;
+  if (!a || size <= 0 || msv_alloc(a, g_tag, (size_t)size, &p) != MSV_OK) return NULL;
   return (void *)(uintptr_t)p;
 }
 

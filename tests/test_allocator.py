@@ -951,3 +951,24 @@ def test_waking_an_empty_tag_list_is_invalid_argument(host_alloc: MemoryAllocato
         host_alloc.wake_up([])
     assert host_alloc.stats().tags["weights"].state == "offloaded"
     assert host_alloc.stats().counters["wakes"] == wakes
+
+
+def test_an_arena_that_cannot_be_reserved_is_out_of_memory_not_a_crash(make_allocator: AllocatorFactory) -> None:
+    a = make_allocator("host", arena_va_bytes=1 << 47)  # more address space than a process has
+    with pytest.raises(OutOfMemory):
+        a.empty((16,), torch.uint8, "weights")
+    assert a.stats().tags == {}
+
+
+def test_checksums_from_before_a_demotion_are_not_verified_later(host_alloc: MemoryAllocator) -> None:
+    t = host_alloc.empty((4096,), torch.uint8, "w")
+    t.fill_(1)
+    host_alloc.set_checksum(True)
+    host_alloc.sleep({"w": "offload"})
+    host_alloc.sleep({"w": "discard"})  # demoted: the summed host copy is gone
+    host_alloc.wake_up()
+    t.fill_(2)
+    host_alloc.set_checksum(False)
+    host_alloc.sleep({"w": "offload"})
+    host_alloc.wake_up()  # must not compare against the sum of the discarded copy
+    assert int(t.min()) == 2 and int(t.max()) == 2

@@ -32,28 +32,6 @@ def _explain(result: dict[str, Any]) -> str:
     return json.dumps(brief, indent=1, default=str)[-6000:]
 
 
-LEASE_RACE = (
-    "bug: AcquireWorker grants a lease while a SleepWorker or idle sleep of that worker is in flight "
-    "(Manager._ensure_awake returns on the stale AWAKE state without waiting for rec.lock), so the "
-    "lease holder's Generate fails with FAILED_PRECONDITION 'worker is asleep'"
-)
-
-
-def _only_the_lease_race(result: dict[str, Any]) -> bool:
-    """Every failed check is no_unexpected_errors, and every unexpected error is a Generate
-    FAILED_PRECONDITION 'worker is asleep' within the lease's TTL (the race pinned below)."""
-    failed = [k for k, v in result["checks"].items() if not v]
-    if failed != ["no_unexpected_errors"] or result["bench_errors"] or result["hung_clients"]:
-        return False
-    unexpected = {k: v["unexpected_errors"] for k, v in result["rpcs"].items() if v["unexpected_errors"]}
-    samples = result["rpcs"].get("Generate", {}).get("unexpected_samples", [])
-    return (
-        unexpected.keys() == {"Generate"}
-        and unexpected["Generate"].keys() == {"FAILED_PRECONDITION"}
-        and all("worker is asleep" in s for s in samples)
-    )
-
-
 def test_short_load_has_no_unexpected_errors() -> None:
     cfg = bench_load.LoadConfig(
         clients=8, workers=3, watchers=2, duration=5.0, idle_sleep_timeout=0.5, idle_deep_sleep_timeout=1.0,
@@ -61,8 +39,6 @@ def test_short_load_has_no_unexpected_errors() -> None:
     )  # fmt: skip
     result = bench_load.run_load(cfg)
     print(bench_load.format_table(result))
-    if _only_the_lease_race(result):  # the known race hit this run; any other failure still fails here
-        pytest.xfail(LEASE_RACE + " (hit in this run; pinned by test_acquire_during_an_in_flight_sleep)")
     assert result["checks"] == dict.fromkeys(result["checks"], True), bench_load.format_table(result)
     assert result["passed"]
 
@@ -103,7 +79,6 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     cl.close()
 
 
-@pytest.mark.xfail(strict=True, reason=LEASE_RACE)
 def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
     """Deterministic reproducer of what the load test saw: a lease granted while the worker goes to sleep.
 

@@ -962,3 +962,26 @@ def test_free_sequence_returns_its_blocks_wherever_they_are(stub: Stub, info: In
     assert r.kv_cache.device_free_block_count == base.device_free_block_count
     expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest(sequence_id="to-free")), grpc.StatusCode.NOT_FOUND)
     expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest()), grpc.StatusCode.INVALID_ARGUMENT)
+
+
+def test_a_failed_level2_reload_leaves_the_weights_discarded_and_a_retry_recovers(tmp_path: Path) -> None:
+    """The reload after a level-2 wake fails (checkpoint gone): the worker must not claim to be
+    asleep-yet-awake or serve unloaded weights; once the checkpoint is back, WakeUp works."""
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, seed=5)
+    with WorkerProcess(["--model", str(ckpt)]) as wp:
+        s = wp.stub
+        before = generate(s, PROMPT)
+        sleep(s, c.SLEEP_LEVEL_2)
+        ckpt.rename(tmp_path / "moved")
+        with pytest.raises(grpc.RpcError) as err:
+            wake(s)
+        assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), err.value.details()
+        st = status(s)  # the KV cache woke in the same call; the weights are DISCARDED again
+        assert st.state in (c.WORKER_STATE_ASLEEP, c.WORKER_STATE_PARTIALLY_AWAKE)
+        assert tag_state(tags(st)["weights"]) == "DISCARDED"
+        expect_error(lambda: generate(s, PROMPT), grpc.StatusCode.FAILED_PRECONDITION)
+        (tmp_path / "moved").rename(ckpt)
+        wake(s)
+        assert status(s).state == c.WORKER_STATE_AWAKE
+        assert generate(s, PROMPT) == before

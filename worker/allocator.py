@@ -221,6 +221,7 @@ class MemoryAllocator:
         self._pools: dict[str, Any] = {}
         self._pluggable: Any = None
         self._pool_lock = threading.Lock()
+        self._pool_tags = threading.local()
 
     # ---- tensors ----
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype, tag: str) -> torch.Tensor:
@@ -277,9 +278,15 @@ class MemoryAllocator:
             pool = self._pools.get(tag)
             if pool is None:
                 pool = self._pools[tag] = torch.cuda.MemPool(self._pluggable.allocator())
-        _native.set_pool_tag(tag)
-        with torch.cuda.use_mem_pool(pool, device=self.device):
-            yield
+        previous = getattr(self._pool_tags, "tag", "default")
+        _native.set_pool_tag(tag)  # per thread in C, like torch's pool routing
+        self._pool_tags.tag = tag
+        try:
+            with torch.cuda.use_mem_pool(pool, device=self.device):
+                yield
+        finally:  # nested blocks: the outer pool's tag is back for its next segment
+            _native.set_pool_tag(previous)
+            self._pool_tags.tag = previous
 
     # ---- transitions ----
     def sleep(self, actions: Mapping[str, Action | str]) -> None:
@@ -389,7 +396,8 @@ class MemoryAllocator:
             )
             for s in raw
         }
-        return AllocatorStats(self.backend, self.device, free, total, tags, dict(self._native.counters()))
+        counters = dict(self._native.counters(not wait))
+        return AllocatorStats(self.backend, self.device, free, total, tags, counters)
 
     def close(self) -> None:
         """Release this handle; device memory goes once the last tensor from it is gone."""

@@ -20,7 +20,7 @@ from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from memsvc.errors import InvalidArgument, MemsvcError, TransitionInProgress, WrongState
+from memsvc.errors import IntegrityError, InvalidArgument, MemsvcError, TransitionInProgress, WrongState
 from worker.allocator import Action, AllocatorConfig, AllocatorStats, CopyMethod, MemoryAllocator
 from worker.telemetry import Event, TelemetryHub
 
@@ -360,7 +360,10 @@ class WorkerCore:
             self._remember(request_id, "Sleep", t)
             return t
         except BaseException as exc:
-            self._set_state(before, f"Sleep failed: {exc}")
+            # Native sleep is all-or-nothing except when an unmap fails midway: trust the pools.
+            if self._tag_states().get(KV_CACHE) == "discarded" and self.runner is not None:
+                self.runner.drop_kv()
+            self._settle(f"Sleep failed: {exc}")
             raise
         finally:
             self._busy.release()
@@ -393,14 +396,23 @@ class WorkerCore:
 
     def _wake(self, tags: list[str], reload: bool, request_id: str) -> Transition:
         assert self.alloc is not None
-        before = self._state
         try:
             self._set_state(State.WAKING, "WakeUp")
             t0 = time.perf_counter()
             ctr0 = self.alloc.stats().counters
-            self.alloc.wake_up(tags)
+            try:
+                self.alloc.wake_up(tags)
+            except IntegrityError as exc:
+                self._recover_from_corruption(exc)
+                raise
             if reload:
-                self.runner.reload_weights()
+                try:
+                    self.runner.reload_weights()
+                except BaseException:
+                    # The weights are mapped but hold nothing valid: back to DISCARDED, so the next
+                    # WakeUp reloads them again instead of serving garbage.
+                    self.alloc.sleep({WEIGHTS: Action.DISCARD})
+                    raise
             seconds = time.perf_counter() - t0
             self._last_memory = self.alloc.stats()
             ctr = self._last_memory.counters
@@ -418,11 +430,41 @@ class WorkerCore:
             self._remember(request_id, "WakeUp", t)
             return t
         except BaseException as exc:
-            # Native wake is all-or-nothing: the tags are still asleep with their backups.
-            self._set_state(before, f"WakeUp failed: {exc}")
+            self._settle(f"WakeUp failed: {exc}")
             raise
         finally:
             self._busy.release()
+
+    def _tag_states(self) -> dict[str, str]:
+        assert self.alloc is not None
+        return {t: s.state for t, s in self.alloc.stats().tags.items()}
+
+    def _settle(self, reason: str) -> None:
+        """After a failed transition, the state is whatever the pools say, not what it was before."""
+        assert self.alloc is not None
+        self._last_memory = self.alloc.stats()
+        states = {s.state for s in self._last_memory.tags.values()}
+        if states <= {"awake"}:
+            self._sleep_level = 0
+            new = State.AWAKE
+        elif "awake" in states:
+            new = State.PARTIALLY_AWAKE
+        else:
+            new = State.ASLEEP
+        self._set_state(new, reason)
+
+    def _recover_from_corruption(self, exc: IntegrityError) -> None:
+        """A restored allocation failed its checksum. The native wake left the tags awake and the
+        host copy is gone; the weights' source is still the truth, so reload them (the caller still
+        gets DATA_LOSS); a corrupt KV cache is dropped."""
+        log.error("wake: %s", exc)
+        if self.runner is None:
+            return
+        if WEIGHTS in str(exc):
+            self.runner.reload_weights()
+            log.error("wake: weights reloaded from %s after the checksum failure", self.config.model)
+        if KV_CACHE in str(exc):
+            self.runner.drop_kv()
 
     # ---- weights ----
     async def reload_weights(self, request_id: str = "") -> Transition:

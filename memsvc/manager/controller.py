@@ -78,6 +78,7 @@ class _Replay:
         return self.entries.get((method, request_id)) if request_id else None
 
     def put(self, method: str, request_id: str, value: Any) -> None:
+        """``method`` includes the worker's name: a request_id is unique per worker and method."""
         if request_id:
             self.entries[(method, request_id)] = value
             while len(self.entries) > 1024:
@@ -388,20 +389,22 @@ class Manager:
                     await self._sleep_call(victim, 2, {}, "", deadline, "host budget")
                     self.metrics.demotions.inc()
 
-    async def _sleep_tier1(self, rec: WorkerRecord, deadline: float | None, why: str) -> c.TransitionStats:
+    async def _sleep_tier1(
+        self, rec: WorkerRecord, deadline: float | None, why: str, request_id: str = ""
+    ) -> c.TransitionStats:
         """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short."""
         actions = dict(self.policy(rec).tag_actions)
         if await self._make_host_room(rec, rec.offload_need_bytes(actions), deadline):
-            return await self._sleep_call(rec, 0, actions, "", deadline, why)
+            return await self._sleep_call(rec, 0, actions, request_id, deadline, why)
         log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)
-        return await self._sleep_call(rec, 2, {}, "", deadline, why + " (level 2: host budget)")
+        return await self._sleep_call(rec, 2, {}, request_id, deadline, why + " (level 2: host budget)")
 
     # ---- operator transitions ----
     async def sleep_worker(
         self, name: str, level: int, tag_actions: dict[str, int], request_id: str, deadline: float | None
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self.get(name)
-        hit = self._replay.get("SleepWorker", request_id)
+        hit = self._replay.get(f"SleepWorker {rec.worker_id}", request_id)
         if hit is not None:
             return rec, hit
         if level not in (0, 1, 2):
@@ -417,7 +420,7 @@ class Manager:
                     metadata={"leaseCount": str(len(rec.leases))},
                 )
             if level == 0 and not tag_actions:
-                t = await self._sleep_tier1(rec, deadline, "SleepWorker")
+                t = await self._sleep_tier1(rec, deadline, "SleepWorker", request_id)
             else:
                 actions = {**LEVEL_ACTIONS.get(level, {}), **tag_actions}
                 need = rec.offload_need_bytes(actions)
@@ -427,14 +430,14 @@ class Manager:
                         metadata={"neededBytes": str(need)},
                     )
                 t = await self._sleep_call(rec, level, tag_actions, request_id, deadline, "SleepWorker")
-        self._replay.put("SleepWorker", request_id, t)
+        self._replay.put(f"SleepWorker {rec.worker_id}", request_id, t)
         return rec, t
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: float | None
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self.get(name)
-        hit = self._replay.get("WakeWorker", request_id)
+        hit = self._replay.get(f"WakeWorker {rec.worker_id}", request_id)
         if hit is not None:
             return rec, hit
         self._link(rec)
@@ -442,7 +445,7 @@ class Manager:
             await self._make_device_room(rec, tags or None, deadline)
             t = await self._wake_call(rec, tags, request_id, deadline)
             rec.idle_since = time.time()
-        self._replay.put("WakeWorker", request_id, t)
+        self._replay.put(f"WakeWorker {rec.worker_id}", request_id, t)
         return rec, t
 
     async def swap_blocks(
@@ -473,11 +476,11 @@ class Manager:
             lease.expire_time = time.time() + ttl
             self.store.save_lease(StoredLease(lease.lease_id, lease.worker_id, lease.expire_time, lease.holder))
             return lease, rec
-        hit = self._replay.get("AcquireWorker", request_id)
+        hit = self._replay.get(f"AcquireWorker {rec.worker_id}", request_id)
         if hit is not None and hit in self.leases:
             return self.leases[hit], rec
         self._link(rec)
-        lease = Lease(uuid.uuid4().hex, rec.worker_id, time.time() + ttl, holder)
+        lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
         self.leases[lease.lease_id] = lease
         try:
@@ -489,17 +492,23 @@ class Manager:
                 rec.idle_since = time.time()
             self._update_metrics(rec)
             raise
+        lease.expire_time = time.time() + ttl
         self.store.save_lease(StoredLease(lease.lease_id, lease.worker_id, lease.expire_time, lease.holder))
         self.metrics.leases_granted.inc()
         self._update_metrics(rec)
-        self._replay.put("AcquireWorker", request_id, lease.lease_id)
+        self._replay.put(f"AcquireWorker {rec.worker_id}", request_id, lease.lease_id)
         return lease, rec
 
     async def _ensure_awake(self, rec: WorkerRecord, deadline: float | None) -> None:
         while True:
             state = rec.state
             if state == c.WORKER_STATE_AWAKE:
-                return
+                # An idle or budget sleep in flight holds the lock while the state still reads AWAKE:
+                # wait for it, then look again (the caller's lease already stops new sleeps).
+                async with rec.lock:
+                    if rec.state == c.WORKER_STATE_AWAKE:
+                        return
+                continue
             if state == c.WORKER_STATE_UNAVAILABLE:
                 raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
             if state in BUSY_STATES:
