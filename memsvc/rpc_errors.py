@@ -23,12 +23,27 @@ DOMAIN = "memsvc.dev"
 log = logging.getLogger("memsvc.rpc")
 
 
+MAX_MESSAGE = 1024
+MAX_METADATA_VALUE = 256
+
+
+def _clip(text: str, limit: int) -> str:
+    return text if len(text) <= limit else text[: limit - 14] + f"... ({len(text)} chars)"
+
+
 def to_status(exc: BaseException) -> grpc.Status:
-    """A MemsvcError (or any exception, as INTERNAL) as a rich gRPC status."""
+    """A MemsvcError (or any exception, as INTERNAL) as a rich gRPC status.
+
+    Messages and metadata echo client input (names, ids), so both are clipped: the status travels in
+    trailing metadata, and a client's 16 KiB limit would otherwise turn it into a bare
+    RESOURCE_EXHAUSTED without the ErrorInfo.
+    """
     if isinstance(exc, MemsvcError):
         code_name, reason, metadata, message = exc.status_name, exc.reason, exc.metadata, str(exc)
     else:
         code_name, reason, metadata, message = "INTERNAL", "INTERNAL", {}, f"internal error: {type(exc).__name__}"
+    message = _clip(message, MAX_MESSAGE)
+    metadata = {_clip(k, 64): _clip(v, MAX_METADATA_VALUE) for k, v in metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
     detail = any_pb2.Any()
     detail.Pack(info)
@@ -142,6 +157,8 @@ def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
             e.OutOfMemory,
             e.IntegrityError,
             e.Unavailable,
+            e.Unauthenticated,
+            e.PermissionDenied,
         ):
             _FROM_CODE[grpc.StatusCode[cls.status_name]] = cls
         _FROM_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = e.Unavailable

@@ -479,13 +479,6 @@ LONG = "y" * 70000
 """Far longer than gRPC's 16 KiB limit on received metadata once echoed into the status message."""
 
 
-@pytest.mark.xfail(
-    strict=True,
-    reason="BUG: error messages and ErrorInfo metadata echo unbounded request strings (e.g. controller.py:246 "
-    "'no worker {name!r}', controller.py:523 'no lease {lease_id!r}', records.py:21, kv_cache.py:147) and "
-    "rpc_errors.to_status does not bound them: the status exceeds the client's 16 KiB metadata limit and the "
-    "client gets a bare RESOURCE_EXHAUSTED 'received metadata size exceeds hard limit' without ErrorInfo",
-)
 @pytest.mark.parametrize(
     ("service", "method", "request_"),
     [
