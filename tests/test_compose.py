@@ -430,3 +430,26 @@ def test_compose_variables_reach_the_process(name: str, var: str) -> None:
     key, convert = EXPECTED[var]
     got = probe(name)
     assert got.get(key) == convert(value), f"{var}={value!r} did not reach {key}: {got}"
+
+
+def test_the_auth_overlay_sets_only_variables_the_services_read() -> None:
+    """compose.auth.yaml (token + mTLS) merges onto compose.yaml: same services, secrets that exist
+    as files under ./certs, and only MEMSVC_* names that memsvc.auth.Security reads."""
+    import dataclasses
+
+    from memsvc.auth import Security
+
+    overlay = yaml.safe_load((REPO_ROOT / "compose.auth.yaml").read_text())
+    base = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
+    assert set(overlay["services"]) <= set(base["services"])
+    read = {f"MEMSVC_{f.name.upper()}" for f in dataclasses.fields(Security)} | {
+        "MEMSVC_TOKEN_FILE",
+        "MEMSVC_ALLOWED_CLIENT",
+    }
+    for name, svc in overlay["services"].items():
+        for var in svc["environment"]:
+            assert var in read, f"{name}: {var} is not read by memsvc.auth"
+        for secret in svc["secrets"]:
+            assert overlay["secrets"][secret]["file"].startswith("./certs/"), secret
+    docs = (REPO_ROOT / "docs" / "operations.md").read_text()
+    assert "compose.auth.yaml" in docs
