@@ -34,6 +34,7 @@ from worker.allocator import AllocatorConfig, MemoryAllocator
 
 GB = 1e9
 METHODS = ("loop", "batch", "kernel", "auto")
+COLUMNS = (*METHODS, "ids")  # "ids": copy_block_ids (auto), the SwapBlocks fast path
 
 
 def ours(cycles: int) -> dict[str, Any]:
@@ -178,6 +179,79 @@ def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
     return {"huge_pages": huge_pages, "cycles": rows, "worker_log": log}
 
 
+def rpc_swap(reps: int) -> dict[str, Any]:
+    """SwapBlocks through a worker's gRPC API: 8192 random 4 KiB blocks (synthetic:tiny with 8-token
+    blocks), device -> host and back, client time against the worker's own duration."""
+    import grpc
+
+    from memsvc.v1 import common_pb2 as c
+    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+    proc = subprocess.Popen(
+        [
+            sys.executable,
+            "-m",
+            "memsvc.cli",
+            "worker",
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "cuda",
+            "--model",
+            "synthetic:tiny",
+            "--block-size",
+            "8",
+            "--kv-blocks",
+            "16384",
+            "--host-kv-blocks",
+            "16384",
+        ],
+        stdout=subprocess.PIPE,
+        text=True,
+    )
+    address = ""
+    assert proc.stdout is not None
+    for line in proc.stdout:
+        if " listening on " in line:
+            address = line.split(" listening on ")[1].strip()
+        if " ready: " in line:
+            break
+    out: dict[str, Any] = {}
+    try:
+        stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
+        block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
+        rng = random.Random(0)
+        dev, host = rng.sample(range(16384), 8192), rng.sample(range(16384), 8192)
+        for name, direction, src, dst in (
+            ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, dev, host),
+            ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, host, dev),
+        ):
+            req = w.SwapBlocksRequest(
+                direction=direction,
+                pairs=[w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src, dst, strict=True)],
+            )
+            stub.SwapBlocks(req, timeout=60)
+            client, server = [], []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                r = stub.SwapBlocks(req, timeout=60)
+                client.append(time.perf_counter() - t0)
+                server.append(r.duration.ToNanoseconds() / 1e9)
+            med = statistics.median(client)
+            out[name] = {
+                "block_bytes": block,
+                "blocks": 8192,
+                "client_s": med,
+                "server_s": statistics.median(server),
+                "GBps_client": 8192 * block / med / GB,
+            }
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+    return out
+
+
 def _blocks(alloc: MemoryAllocator, bs: int, n: int, seed: int) -> tuple[Any, Any, list[int], list[int]]:
     rng = random.Random(seed)
     dev = alloc.empty((2 * n, bs), torch.uint8, tag="kv_cache")
@@ -220,6 +294,30 @@ def swaps(reps: int) -> list[dict[str, Any]]:
                         "native_copy_s": ctr["last_copy_seconds"],
                     }
                 )
+        # the SwapBlocks fast path: the same blocks as ids into block-major pools
+        d_ids = array.array("q", [(p - dev.data_ptr()) // bs for p in d])
+        h_ids = array.array("q", [(p - host.data_ptr()) // bs for p in h])
+        for direction, (sp, dp, si, di) in {"d2h": (dev, host, d_ids, h_ids), "h2d": (host, dev, h_ids, d_ids)}.items():
+            alloc.copy_block_ids(sp, dp, si, di, "auto")
+            ts = []
+            for _ in range(reps):
+                t0 = time.perf_counter()
+                alloc.copy_block_ids(sp, dp, si, di, "auto")
+                ts.append(time.perf_counter() - t0)
+            med = statistics.median(ts)
+            ctr = alloc.stats().counters
+            rows.append(
+                {
+                    "block_bytes": bs,
+                    "blocks": n,
+                    "direction": direction,
+                    "method": "ids",
+                    "median_s": med,
+                    "GBps": n * bs / med / GB,
+                    "native_validate_s": ctr["last_copy_validate_seconds"],
+                    "native_copy_s": ctr["last_copy_seconds"],
+                }
+            )
         del dev, host
     alloc.close()
     return rows
@@ -289,6 +387,8 @@ def main() -> None:
         res["rpc"] = through_rpc(args.cycles)
         res["rpc_no_huge_pages"] = through_rpc(2, huge_pages=False)
     res["swaps"] = swaps(args.reps)
+    if not args.skip_rpc:
+        res["rpc_swap"] = rpc_swap(5)
     res["decode"] = decode_beside_swap(30)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
@@ -309,15 +409,20 @@ def main() -> None:
     by: dict[tuple[int, str], dict[str, float]] = {}
     for r in res["swaps"]:
         by.setdefault((r["block_bytes"], r["direction"]), {})[r["method"]] = r["GBps"]
-    print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in METHODS))
+    print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in COLUMNS))
     for (bs, d), m in by.items():
-        print(f"{bs // 1024:>6}Ki {d:>4} " + " ".join(f"{m.get(k, float('nan')):8.1f}" for k in METHODS))
+        print(f"{bs // 1024:>6}Ki {d:>4} " + " ".join(f"{m.get(k, float('nan')):8.1f}" for k in COLUMNS))
     for r in res["swaps"]:
-        if r["block_bytes"] == 4 << 10 and r["method"] in ("kernel", "auto"):
+        if r["block_bytes"] == 4 << 10 and r["method"] in ("kernel", "auto", "ids"):
             print(
                 f"4 KiB {r['direction']} {r['method']}: call {r['median_s'] * 1e3:.3f} ms = native checks "
                 f"{r['native_validate_s'] * 1e3:.3f} ms + copy/sync {r['native_copy_s'] * 1e3:.3f} ms + Python"
             )
+    for name, r in res.get("rpc_swap", {}).items():
+        print(
+            f"SwapBlocks RPC {name}: 8192 x {r['block_bytes']} B in {r['client_s'] * 1e3:.1f} ms "
+            f"({r['GBps_client']:.1f} GB/s; worker {r['server_s'] * 1e3:.1f} ms)"
+        )
     print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
 
 

@@ -20,7 +20,7 @@ import matplotlib.pyplot as plt  # noqa: E402
 def copy_plot(line_rate: dict[str, Any], out: Path) -> None:
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     for ax, direction in zip(axes, ("d2h", "h2d"), strict=True):
-        for method, style in (("loop", "o:"), ("batch", "s--"), ("kernel", "^-"), ("auto", "x-")):
+        for method, style in (("loop", "o:"), ("batch", "s--"), ("kernel", "^-"), ("auto", "x-"), ("ids", "d-.")):
             rows = sorted(
                 (r for r in line_rate["swaps"] if r["direction"] == direction and r["method"] == method),
                 key=lambda r: r["block_bytes"],

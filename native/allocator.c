@@ -1058,3 +1058,68 @@ int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, 
   free(items);
   return rc;
 }
+
+/* ---- block-id copies: the SwapBlocks fast path ---- */
+static int pool_blocks(msv_allocator *a, const char *what, uint64_t base, uint64_t block_bytes, entry **out,
+                       uint64_t *nblocks) {
+  entry *e = tab_find_containing(a, base, block_bytes);
+  if (!e)
+    return msv_fail(MSV_E_INVALID, "%s pool 0x%llx: no live allocation or host buffer holds one block there", what,
+                    (unsigned long long)base);
+  if (e->arena >= 0 && a->arenas[e->arena]->state != MSV_TAG_AWAKE)
+    return msv_fail(MSV_E_STATE, "%s pool is in tag '%s', which is asleep", what, a->arenas[e->arena]->tag);
+  *out = e;
+  *nblocks = (e->addr + e->size - base) / block_bytes;
+  return MSV_OK;
+}
+
+int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, uint64_t block_bytes,
+                       const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream) {
+  if (method < MSV_COPY_AUTO || method > MSV_COPY_KERNEL) return msv_fail(MSV_E_INVALID, "unknown copy method %d", method);
+  if (block_bytes == 0) return msv_fail(MSV_E_INVALID, "block size must be > 0");
+  if (n == 0) return MSV_OK;
+  if (method == MSV_COPY_KERNEL && !a->b->has_method(a->b, MSV_COPY_KERNEL))
+    return msv_fail(MSV_E_UNAVAILABLE, "copy method 'kernel' is not available here");
+  msv_copy_item *items = malloc(n * sizeof *items);
+  if (!items) return msv_fail(MSV_E_OOM, "out of host memory for %zu copy items", n);
+  double t0 = now_s();
+  pthread_mutex_lock(&a->mu);
+  entry *es = NULL, *ed = NULL;
+  uint64_t ns = 0, nd = 0;
+  uint8_t *dst_seen = NULL;
+  int rc = pool_blocks(a, "source", src_base, block_bytes, &es, &ns);
+  if (!rc) rc = pool_blocks(a, "destination", dst_base, block_bytes, &ed, &nd);
+  if (!rc && es == ed && src_base != dst_base)
+    rc = msv_fail(MSV_E_INVALID, "source and destination pools overlap: use copy_blocks for this case");
+  if (!rc && !(dst_seen = calloc((nd + 7) / 8, 1))) rc = msv_fail(MSV_E_OOM, "out of host memory");
+  for (size_t i = 0; i < n && !rc; i++) {
+    int64_t s = src_ids[i], d = dst_ids[i];
+    if (s < 0 || (uint64_t)s >= ns)
+      rc = msv_fail(MSV_E_INVALID, "item %zu: source block %lld is outside the pool of %llu blocks", i, (long long)s,
+                    (unsigned long long)ns);
+    else if (d < 0 || (uint64_t)d >= nd)
+      rc = msv_fail(MSV_E_INVALID, "item %zu: destination block %lld is outside the pool of %llu blocks", i,
+                    (long long)d, (unsigned long long)nd);
+    else if (dst_seen[d / 8] & (1u << (d % 8)))
+      rc = msv_fail(MSV_E_INVALID, "item %zu: destination block %lld appears twice", i, (long long)d);
+    else {
+      dst_seen[d / 8] |= (uint8_t)(1u << (d % 8));
+      items[i] = (msv_copy_item){dst_base + (uint64_t)d * block_bytes, src_base + (uint64_t)s * block_bytes, block_bytes};
+    }
+  }
+  /* one pool to itself: no block may be both a source and a destination */
+  for (size_t i = 0; i < n && !rc && es == ed; i++)
+    if (dst_seen[src_ids[i] / 8] & (1u << (src_ids[i] % 8)))
+      rc = msv_fail(MSV_E_INVALID, "item %zu: block %lld is both a source and a destination", i, (long long)src_ids[i]);
+  free(dst_seen);
+  double t1 = now_s();
+  if (!rc) rc = a->b->copy(a->b, items, n, method, stream);
+  if (!rc) rc = a->b->sync(a->b, stream);
+  if (!rc) {
+    a->ctr.last_copy_validate_seconds = t1 - t0;
+    a->ctr.last_copy_seconds = now_s() - t1;
+  }
+  pthread_mutex_unlock(&a->mu);
+  free(items);
+  return rc;
+}

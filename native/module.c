@@ -501,6 +501,34 @@ done:
   return ret;
 }
 
+/* copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method=0, stream=0) */
+static PyObject *Allocator_copy_block_ids(AllocatorObject *self, PyObject *args) {
+  unsigned long long src_base, dst_base, block_bytes, stream = 0;
+  PyObject *so, *dobj;
+  int method = MSV_COPY_AUTO;
+  if (!PyArg_ParseTuple(args, "KKKOO|iK", &src_base, &dst_base, &block_bytes, &so, &dobj, &method, &stream)) return NULL;
+  msv_allocator *a = get(self);
+  if (!a) return NULL;
+  uint64_t *src = NULL, *dst = NULL;
+  Py_ssize_t ns = 0, nd = 0;
+  PyObject *ret = NULL;
+  if (read_u64s(so, "src_ids", &src, &ns) || read_u64s(dobj, "dst_ids", &dst, &nd)) goto done;
+  if (ns != nd) {
+    PyErr_Format(g_err[MSV_E_INVALID], "mismatched lengths: %zd source ids, %zd destination ids", ns, nd);
+    goto done;
+  }
+  int rc;
+  msv_retain(a);
+  Py_BEGIN_ALLOW_THREADS rc = msv_copy_block_ids(a, src_base, dst_base, block_bytes, (const int64_t *)src,
+                                                 (const int64_t *)dst, (size_t)ns, method, stream);
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) raise_last();
+  else ret = Py_NewRef(Py_None);
+done:
+  free(src), free(dst);
+  return ret;
+}
+
 static PyObject *Allocator_has_method(AllocatorObject *self, PyObject *args) {
   int m;
   if (!PyArg_ParseTuple(args, "i", &m)) return NULL;
@@ -570,6 +598,8 @@ static PyMethodDef Allocator_methods[] = {
     {"counters", (PyCFunction)Allocator_counters, METH_VARARGS, "counters(nonblocking=False)"},
     {"mem_info", (PyCFunction)Allocator_mem_info, METH_NOARGS, "(free, total) device bytes"},
     {"copy_blocks", (PyCFunction)Allocator_copy_blocks, METH_VARARGS, "copy_blocks(src, dst, sizes, method, stream)"},
+    {"copy_block_ids", (PyCFunction)Allocator_copy_block_ids, METH_VARARGS,
+     "copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method, stream)"},
     {"has_method", (PyCFunction)Allocator_has_method, METH_VARARGS, "has_method(method) -> bool"},
     {"set_checksum", (PyCFunction)Allocator_set_checksum, METH_VARARGS, "set_checksum(on)"},
     {"set_host_reserve", (PyCFunction)Allocator_set_host_reserve, METH_VARARGS, "set_host_reserve(bytes)"},

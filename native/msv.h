@@ -184,6 +184,12 @@ int msv_host_free(msv_allocator *a, uint64_t addr);
 int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
                     int method, uint64_t stream);
 
+/* Block copy between two block-major pools: block i of a pool is [base + i*block_bytes, +block_bytes).
+ * Ids are checked against each pool's bounds and destinations for duplicates with bitmaps, O(n); the
+ * fast path of SwapBlocks. Nothing moves if any id is bad. */
+int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, uint64_t block_bytes,
+                       const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream);
+
 /* Find the live allocation holding [addr, addr+size): its base and tag; MSV_E_NOT_FOUND if none. */
 int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap);
 

@@ -339,3 +339,32 @@ def test_pointer_lists_that_are_not_sequences_are_invalid_argument(alloc: Memory
     dev = alloc.empty((64,), torch.uint8, tag="kv")
     with pytest.raises(InvalidArgument):
         alloc.copy_blocks(bad, [dev.data_ptr()], [8])
+
+
+def test_copy_block_ids_moves_blocks_between_pools_and_rejects_bad_ids(alloc: MemoryAllocator) -> None:
+    """The SwapBlocks fast path: ids checked against each pool's bounds and for duplicate destinations
+    before anything moves; the right blocks land in the right slots."""
+    n, bs = 64, 4096
+    dev = alloc.empty((n, bs), torch.uint8, tag="kv")
+    host = alloc.host_empty((n, bs), torch.uint8)
+    dev.copy_(torch.arange(n * bs, dtype=torch.int64).remainder(253).to(torch.uint8).view(n, bs).to(dev.device))
+    host.fill_(7)
+    rng = random.Random(3)
+    src, dst = rng.sample(range(n), 40), rng.sample(range(n), 40)
+    for method in ("loop", "batch", "kernel", "auto"):
+        host.fill_(7)
+        alloc.copy_block_ids(dev, host, src, dst, method)
+        expected = torch.full((n, bs), 7, dtype=torch.uint8)
+        expected[dst] = as_cpu_bytes(dev).view(n, bs)[src]
+        assert torch.equal(host, expected), method
+    before = host.clone()
+    for bad_src, bad_dst in (([0, 1], [2, 2]), ([n], [0]), ([0], [n]), ([0, 1], [3])):
+        with pytest.raises(InvalidArgument):
+            alloc.copy_block_ids(dev, host, bad_src, bad_dst)
+    with pytest.raises(InvalidArgument):
+        alloc.copy_block_ids(dev, dev, [1, 2], [2, 3])  # block 2 both a source and a destination
+    assert torch.equal(host, before)
+    alloc.sleep({"kv": "offload"})
+    with pytest.raises(WrongState):
+        alloc.copy_block_ids(dev, host, [0], [0])
+    alloc.wake_up()

@@ -353,6 +353,46 @@ class MemoryAllocator:
             self._synchronize_torch() if handle == 0 else None
         self._native.copy_blocks(src, dst, size_list, m, handle)
 
+    def copy_block_ids(
+        self,
+        src_pool: torch.Tensor,
+        dst_pool: torch.Tensor,
+        src_ids: Sequence[int] | Any,
+        dst_ids: Sequence[int] | Any,
+        method: CopyMethod | str = CopyMethod.AUTO,
+        stream: Any = None,
+    ) -> None:
+        """Copy block ``src_ids[i]`` of ``src_pool`` to block ``dst_ids[i]`` of ``dst_pool`` for every i.
+
+        A pool is a contiguous tensor whose first dimension indexes equal blocks (the KV cache's
+        block-major layout). The fast path of SwapBlocks: ids are checked against each pool's bounds,
+        and destinations for duplicates, in O(n) in C, without resolving a pointer per block.
+        """
+        try:
+            m = _METHOD_CODE[CopyMethod(method)]
+        except ValueError:
+            raise InvalidArgument(f"unknown copy method {method!r}") from None
+        block_bytes = 0
+        for pool in (src_pool, dst_pool):
+            if not pool.is_contiguous() or pool.dim() < 1 or pool.shape[0] == 0:
+                raise InvalidArgument("a block pool must be a contiguous tensor with at least one block")
+            size = pool.numel() * pool.element_size() // pool.shape[0]
+            if block_bytes and size != block_bytes:
+                raise InvalidArgument(f"pools have different block sizes ({block_bytes} and {size} bytes)")
+            block_bytes = size
+        handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
+        if self.backend == "cuda" and handle == 0:
+            self._synchronize_torch()
+        self._native.copy_block_ids(
+            src_pool.data_ptr(),
+            dst_pool.data_ptr(),
+            block_bytes,
+            _ints(src_ids, "src_ids"),
+            _ints(dst_ids, "dst_ids"),
+            m,
+            handle,
+        )
+
     def has_method(self, method: CopyMethod | str) -> bool:
         """Whether ``method`` runs natively here (batch falls back to loop when it does not)."""
         return bool(self._native.has_method(_METHOD_CODE[CopyMethod(method)]))

@@ -225,10 +225,9 @@ class KvCache:
         if not checked:
             return 0
         src_pool, dst_pool = self._pools[src_loc], self._pools[dst_loc]
-        self._alloc.copy_blocks(
-            [src_pool.block_ptr(s) for s, _ in checked], [dst_pool.block_ptr(d) for _, d in checked],
-            self.block_bytes, method,
-        )  # fmt: skip
+        self._alloc.copy_block_ids(
+            src_pool.tensor, dst_pool.tensor, [s for s, _ in checked], [d for _, d in checked], method
+        )
         for src, dst in checked:
             owner = self._owner.pop((src_loc, src), None)
             if owner is None:
