@@ -403,7 +403,7 @@ class WorkerCore:
             try:
                 self.alloc.wake_up(tags)
             except IntegrityError as exc:
-                self._recover_from_corruption(exc)
+                self._recover_from_corruption(exc, reload)
                 raise
             if reload:
                 try:
@@ -453,14 +453,14 @@ class WorkerCore:
             new = State.ASLEEP
         self._set_state(new, reason)
 
-    def _recover_from_corruption(self, exc: IntegrityError) -> None:
+    def _recover_from_corruption(self, exc: IntegrityError, reload_pending: bool) -> None:
         """A restored allocation failed its checksum. The native wake left the tags awake and the
         host copy is gone; the weights' source is still the truth, so reload them (the caller still
         gets DATA_LOSS); a corrupt KV cache is dropped."""
         log.error("wake: %s", exc)
         if self.runner is None:
             return
-        if WEIGHTS in str(exc):
+        if reload_pending or f"'{WEIGHTS}'" in str(exc):  # discarded weights still need their reload too
             self.runner.reload_weights()
             log.error("wake: weights reloaded from %s after the checksum failure", self.config.model)
         if KV_CACHE in str(exc):
