@@ -109,35 +109,12 @@ def vllm_style(cycles: int) -> dict[str, Any]:
     return {"bytes": nbytes, "cycles": rows}
 
 
-def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
-    """Sleep/WakeUp of a synthetic:8b worker over gRPC: client time vs the worker's own duration."""
-    import grpc
-
-    from memsvc.v1 import common_pb2 as c
-    from memsvc.v1 import model_worker_service_pb2 as w
-    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
-
-    errlog = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - a file, not a pipe: a full pipe stalls the worker
+def _start_worker(args: list[str], stderr: Any = None) -> tuple[subprocess.Popen[str], str]:
+    """A cuda worker process with ``args``; returns once it printed "ready", with its address."""
     proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "memsvc.cli",
-            "worker",
-            "--listen",
-            "127.0.0.1:0",
-            "--backend",
-            "cuda",
-            "--model",
-            "synthetic:8b",
-            "--host-reserve",
-            "40GiB",
-            "--kv-blocks",
-            "64",
-            "--huge-pages" if huge_pages else "--no-huge-pages",
-        ],
-        stderr=errlog,
+        [sys.executable, "-m", "memsvc.cli", "worker", "--listen", "127.0.0.1:0", "--backend", "cuda", *args],
         stdout=subprocess.PIPE,
+        stderr=stderr,
         text=True,
     )
     address = ""
@@ -147,6 +124,30 @@ def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
             address = line.split(" listening on ")[1].strip()
         if " ready: " in line:
             break
+    return proc, address
+
+
+def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
+    """Sleep/WakeUp of a synthetic:8b worker over gRPC: client time vs the worker's own duration."""
+    import grpc
+
+    from memsvc.v1 import common_pb2 as c
+    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+    errlog = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - a file, not a pipe: a full pipe stalls the worker
+    proc, address = _start_worker(
+        [
+            "--model",
+            "synthetic:8b",
+            "--host-reserve",
+            "40GiB",
+            "--kv-blocks",
+            "64",
+            "--huge-pages" if huge_pages else "--no-huge-pages",
+        ],
+        stderr=errlog,
+    )
     rows = []
     try:
         stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
@@ -188,35 +189,9 @@ def rpc_swap(reps: int) -> dict[str, Any]:
     from memsvc.v1 import model_worker_service_pb2 as w
     from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
-    proc = subprocess.Popen(
-        [
-            sys.executable,
-            "-m",
-            "memsvc.cli",
-            "worker",
-            "--listen",
-            "127.0.0.1:0",
-            "--backend",
-            "cuda",
-            "--model",
-            "synthetic:tiny",
-            "--block-size",
-            "8",
-            "--kv-blocks",
-            "16384",
-            "--host-kv-blocks",
-            "16384",
-        ],
-        stdout=subprocess.PIPE,
-        text=True,
+    proc, address = _start_worker(
+        ["--model", "synthetic:tiny", "--block-size", "8", "--kv-blocks", "16384", "--host-kv-blocks", "16384"]
     )
-    address = ""
-    assert proc.stdout is not None
-    for line in proc.stdout:
-        if " listening on " in line:
-            address = line.split(" listening on ")[1].strip()
-        if " ready: " in line:
-            break
     out: dict[str, Any] = {}
     try:
         stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))

@@ -117,6 +117,13 @@ class AllocatorStats:
     counters: dict[str, float] = field(default_factory=dict)
 
 
+def _method_code(method: CopyMethod | str) -> int:
+    try:
+        return _METHOD_CODE[CopyMethod(method)]
+    except ValueError:
+        raise InvalidArgument(f"unknown copy method {method!r}") from None
+
+
 def _dlpack_dtype(dtype: torch.dtype) -> tuple[int, int]:
     import torch
 
@@ -336,10 +343,7 @@ class MemoryAllocator:
         be one int for equal blocks. Returns when the copy is complete; with ``stream`` (a
         torch.cuda.Stream or a raw handle) it is ordered after work already queued there.
         """
-        try:
-            m = _METHOD_CODE[CopyMethod(method)]
-        except ValueError:
-            raise InvalidArgument(f"unknown copy method {method!r}") from None
+        m = _method_code(method)
         src = _ints(src_ptrs, "src_ptrs")
         dst = _ints(dst_ptrs, "dst_ptrs")
         if isinstance(sizes, int):
@@ -348,9 +352,7 @@ class MemoryAllocator:
             size_list = array.array("q", [sizes]) * len(src)
         else:
             size_list = _ints(sizes, "sizes")
-        handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
-        if self.backend == "cuda":
-            self._synchronize_torch() if handle == 0 else None
+        handle = self._copy_stream(stream)
         self._native.copy_blocks(src, dst, size_list, m, handle)
 
     def copy_block_ids(
@@ -368,10 +370,7 @@ class MemoryAllocator:
         block-major layout). The fast path of SwapBlocks: ids are checked against each pool's bounds,
         and destinations for duplicates, in O(n) in C, without resolving a pointer per block.
         """
-        try:
-            m = _METHOD_CODE[CopyMethod(method)]
-        except ValueError:
-            raise InvalidArgument(f"unknown copy method {method!r}") from None
+        m = _method_code(method)
         block_bytes = 0
         for pool in (src_pool, dst_pool):
             if not pool.is_contiguous() or pool.dim() < 1 or pool.shape[0] == 0:
@@ -380,9 +379,7 @@ class MemoryAllocator:
             if block_bytes and size != block_bytes:
                 raise InvalidArgument(f"pools have different block sizes ({block_bytes} and {size} bytes)")
             block_bytes = size
-        handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
-        if self.backend == "cuda" and handle == 0:
-            self._synchronize_torch()
+        handle = self._copy_stream(stream)
         self._native.copy_block_ids(
             src_pool.data_ptr(),
             dst_pool.data_ptr(),
@@ -393,9 +390,16 @@ class MemoryAllocator:
             handle,
         )
 
+    def _copy_stream(self, stream: Any) -> int:
+        """The raw stream a copy is ordered on; without one, torch's queued work finishes first."""
+        handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
+        if self.backend == "cuda" and handle == 0:
+            self._synchronize_torch()
+        return handle
+
     def has_method(self, method: CopyMethod | str) -> bool:
         """Whether ``method`` runs natively here (batch falls back to loop when it does not)."""
-        return bool(self._native.has_method(_METHOD_CODE[CopyMethod(method)]))
+        return bool(self._native.has_method(_method_code(method)))
 
     # ---- knobs and numbers ----
     def set_checksum(self, on: bool) -> None:
