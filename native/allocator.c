@@ -997,19 +997,37 @@ static int check_range(msv_allocator *a, size_t i, const char *what, uint64_t p,
   return MSV_OK;
 }
 
-int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
-                    int method, uint64_t stream) {
+/* An empty batch moves nothing, so it needs no kernel. */
+static int check_method(msv_allocator *a, int method, size_t n) {
   if (method < MSV_COPY_AUTO || method > MSV_COPY_KERNEL) return msv_fail(MSV_E_INVALID, "unknown copy method %d", method);
-  if (n == 0) return MSV_OK;
-  if (method == MSV_COPY_KERNEL && !a->b->has_method(a->b, MSV_COPY_KERNEL))
+  if (n && method == MSV_COPY_KERNEL && !a->b->has_method(a->b, MSV_COPY_KERNEL))
     return msv_fail(MSV_E_UNAVAILABLE,
                     "copy method 'kernel' is not available here (needs the cuda backend, a build with nvcc, and "
                     "host memory the device can address)");
+  return MSV_OK;
+}
+
+/* Copy checked items and wait for them (caller holds a->mu); record the checks/copy split. */
+static int timed_copy(msv_allocator *a, const msv_copy_item *items, size_t n, int method, uint64_t stream,
+                      double checks_seconds) {
+  double t = now_s();
+  int rc = a->b->copy(a->b, items, n, method, stream);
+  if (!rc) rc = a->b->sync(a->b, stream);
+  if (!rc) {
+    a->ctr.last_copy_validate_seconds = checks_seconds;
+    a->ctr.last_copy_seconds = now_s() - t;
+  }
+  return rc;
+}
+
+int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,
+                    int method, uint64_t stream) {
+  int rc = check_method(a, method, n);
+  if (rc || n == 0) return rc;
   msv_copy_item *items = malloc(n * sizeof *items);
   if (!items) return msv_fail(MSV_E_OOM, "out of host memory for %zu copy items", n);
   double t0 = now_s();
   pthread_mutex_lock(&a->mu);
-  int rc = MSV_OK;
   entry *src_hint = NULL, *dst_hint = NULL;
   uint64_t src_lo = UINT64_MAX, src_hi = 0, dst_lo = UINT64_MAX, dst_hi = 0;
   for (size_t i = 0; i < n && !rc; i++) {
@@ -1048,12 +1066,7 @@ int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, 
     }
   }
   double t1 = now_s();
-  if (!rc) rc = a->b->copy(a->b, items, n, method, stream);
-  if (!rc) rc = a->b->sync(a->b, stream);
-  if (!rc) {
-    a->ctr.last_copy_validate_seconds = t1 - t0;
-    a->ctr.last_copy_seconds = now_s() - t1;
-  }
+  if (!rc) rc = timed_copy(a, items, n, method, stream, t1 - t0);
   pthread_mutex_unlock(&a->mu);
   free(items);
   return rc;
@@ -1075,11 +1088,10 @@ static int pool_blocks(msv_allocator *a, const char *what, uint64_t base, uint64
 
 int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, uint64_t block_bytes,
                        const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream) {
-  if (method < MSV_COPY_AUTO || method > MSV_COPY_KERNEL) return msv_fail(MSV_E_INVALID, "unknown copy method %d", method);
+  int rc = check_method(a, method, n);
+  if (rc) return rc;
   if (block_bytes == 0) return msv_fail(MSV_E_INVALID, "block size must be > 0");
   if (n == 0) return MSV_OK;
-  if (method == MSV_COPY_KERNEL && !a->b->has_method(a->b, MSV_COPY_KERNEL))
-    return msv_fail(MSV_E_UNAVAILABLE, "copy method 'kernel' is not available here");
   msv_copy_item *items = malloc(n * sizeof *items);
   if (!items) return msv_fail(MSV_E_OOM, "out of host memory for %zu copy items", n);
   double t0 = now_s();
@@ -1087,7 +1099,7 @@ int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, u
   entry *es = NULL, *ed = NULL;
   uint64_t ns = 0, nd = 0;
   uint8_t *dst_seen = NULL;
-  int rc = pool_blocks(a, "source", src_base, block_bytes, &es, &ns);
+  rc = pool_blocks(a, "source", src_base, block_bytes, &es, &ns);
   if (!rc) rc = pool_blocks(a, "destination", dst_base, block_bytes, &ed, &nd);
   if (!rc && es == ed && src_base != dst_base)
     rc = msv_fail(MSV_E_INVALID, "source and destination pools overlap: use copy_blocks for this case");
@@ -1113,12 +1125,7 @@ int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, u
       rc = msv_fail(MSV_E_INVALID, "item %zu: block %lld is both a source and a destination", i, (long long)src_ids[i]);
   free(dst_seen);
   double t1 = now_s();
-  if (!rc) rc = a->b->copy(a->b, items, n, method, stream);
-  if (!rc) rc = a->b->sync(a->b, stream);
-  if (!rc) {
-    a->ctr.last_copy_validate_seconds = t1 - t0;
-    a->ctr.last_copy_seconds = now_s() - t1;
-  }
+  if (!rc) rc = timed_copy(a, items, n, method, stream, t1 - t0);
   pthread_mutex_unlock(&a->mu);
   free(items);
   return rc;
