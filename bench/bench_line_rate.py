@@ -26,6 +26,7 @@ import time
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import torch
 
 from bench.bench_allocator import _device_info, _git_commit, load_weights
@@ -180,15 +181,19 @@ def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
     return {"huge_pages": huge_pages, "cycles": rows, "worker_log": log}
 
 
-def rpc_swap(reps: int) -> dict[str, Any]:
+def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
     """SwapBlocks through a worker's gRPC API: 8192 random 4 KiB blocks (synthetic:tiny with 8-token
-    blocks), device -> host and back, client time against the worker's own duration."""
+    blocks), device -> host and back, in both request forms (BlockPair messages, and the packed
+    src_blocks/dst_blocks lists). Per form: one call at a time (client time against the worker's own
+    duration), and ``depth`` calls in flight (the worker decodes the next request while the copy
+    engine runs the current one; the throughput a scheduler streaming swaps would see)."""
     import grpc
 
     from memsvc.v1 import common_pb2 as c
     from memsvc.v1 import model_worker_service_pb2 as w
     from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
+    n = 8192
     proc, address = _start_worker(
         ["--model", "synthetic:tiny", "--block-size", "8", "--kv-blocks", "16384", "--host-kv-blocks", "16384"]
     )
@@ -197,34 +202,93 @@ def rpc_swap(reps: int) -> dict[str, Any]:
         stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
         block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
         rng = random.Random(0)
-        dev, host = rng.sample(range(16384), 8192), rng.sample(range(16384), 8192)
-        for name, direction, src, dst in (
-            ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, dev, host),
-            ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, host, dev),
-        ):
-            req = w.SwapBlocksRequest(
-                direction=direction,
-                pairs=[w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src, dst, strict=True)],
-            )
-            stub.SwapBlocks(req, timeout=60)
-            client, server = [], []
-            for _ in range(reps):
+        dev, host = rng.sample(range(16384), n), rng.sample(range(16384), n)
+        for form in ("pairs", "packed"):
+            for name, direction, src, dst in (
+                ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, dev, host),
+                ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, host, dev),
+            ):
+                if form == "pairs":
+                    pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src, dst, strict=True)]
+                    req = w.SwapBlocksRequest(direction=direction, pairs=pairs)
+                else:
+                    req = w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst)
+                stub.SwapBlocks(req, timeout=60)
+                client, server = [], []
+                for _ in range(reps):
+                    t0 = time.perf_counter()
+                    r = stub.SwapBlocks(req, timeout=60)
+                    client.append(time.perf_counter() - t0)
+                    server.append(r.duration.ToNanoseconds() / 1e9)
+                calls = depth * reps
                 t0 = time.perf_counter()
-                r = stub.SwapBlocks(req, timeout=60)
-                client.append(time.perf_counter() - t0)
-                server.append(r.duration.ToNanoseconds() / 1e9)
-            med = statistics.median(client)
-            out[name] = {
-                "block_bytes": block,
-                "blocks": 8192,
-                "client_s": med,
-                "server_s": statistics.median(server),
-                "GBps_client": 8192 * block / med / GB,
-            }
+                pending = [stub.SwapBlocks.future(req, timeout=60) for _ in range(depth)]
+                for i in range(calls):
+                    pending.pop(0).result()
+                    if i + depth < calls:
+                        pending.append(stub.SwapBlocks.future(req, timeout=60))
+                streamed = (time.perf_counter() - t0) / calls
+                med = statistics.median(client)
+                out[f"{form}_{name}"] = {
+                    "form": form,
+                    "direction": name,
+                    "block_bytes": block,
+                    "blocks": n,
+                    "client_s": med,
+                    "server_s": statistics.median(server),
+                    "GBps_client": n * block / med / GB,
+                    "GBps_server": n * block / statistics.median(server) / GB,
+                    "in_flight": depth,
+                    "streamed_s_per_call": streamed,
+                    "GBps_streamed": n * block / streamed / GB,
+                }
     finally:
         proc.terminate()
         proc.wait(timeout=60)
     return out
+
+
+def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
+    """KvCache.swap_ids in process, 8192 blocks owned by 64 sequences (every block table moves), against
+    the bare copy_block_ids of the same ids: the cost of the checks and the ownership update."""
+    from worker.model.config import PRESETS
+    from worker.model.kv_cache import KvCache
+
+    alloc = MemoryAllocator(AllocatorConfig(backend="cuda"))
+    kv = KvCache(PRESETS["tiny"], alloc, 16384, 16384, block_size=8)
+    n, per = 8192, 128
+    for s in range(n // per):
+        kv.allocate_sequence(f"s{s}")
+        kv.ensure_capacity(f"s{s}", per * 8)
+    rng = np.random.default_rng(0)
+    dev = np.concatenate([np.array(kv.sequence(f"s{s}").block_ids) for s in range(n // per)])
+    host = rng.permutation(16384)[:n]
+    rows: dict[str, list[float]] = {"kv_out": [], "kv_in": [], "copy_out": [], "copy_in": []}
+    for _ in range(reps):
+        for tag, a, b, direction in (("out", dev, host, "out"), ("in", host, dev, "in")):
+            torch.cuda.synchronize()
+            t0 = time.perf_counter()
+            kv.swap_ids(direction, a, b)  # type: ignore[arg-type]
+            rows[f"kv_{tag}"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        alloc.copy_block_ids(kv.device.tensor, kv.host.tensor, dev, host)
+        rows["copy_out"].append(time.perf_counter() - t0)
+        t0 = time.perf_counter()
+        alloc.copy_block_ids(kv.host.tensor, kv.device.tensor, host, dev)
+        rows["copy_in"].append(time.perf_counter() - t0)
+    assert kv.sequence("s0").location == "device"
+    med = {k: statistics.median(v) for k, v in rows.items()}
+    res: dict[str, Any] = {"blocks": n, "block_bytes": kv.block_bytes, "sequences": n // per}
+    for d in ("out", "in"):
+        res[d] = {
+            "swap_ids_s": med[f"kv_{d}"],
+            "copy_block_ids_s": med[f"copy_{d}"],
+            "bookkeeping_s": med[f"kv_{d}"] - med[f"copy_{d}"],
+            "GBps_swap_ids": n * kv.block_bytes / med[f"kv_{d}"] / GB,
+        }
+    del kv
+    alloc.close()
+    return res
 
 
 def _blocks(alloc: MemoryAllocator, bs: int, n: int, seed: int) -> tuple[Any, Any, list[int], list[int]]:
@@ -364,6 +428,7 @@ def main() -> None:
     res["swaps"] = swaps(args.reps)
     if not args.skip_rpc:
         res["rpc_swap"] = rpc_swap(5)
+    res["kv_swap"] = kv_swap_bookkeeping(args.reps)
     res["decode"] = decode_beside_swap(30)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
@@ -395,8 +460,15 @@ def main() -> None:
             )
     for name, r in res.get("rpc_swap", {}).items():
         print(
-            f"SwapBlocks RPC {name}: 8192 x {r['block_bytes']} B in {r['client_s'] * 1e3:.1f} ms "
-            f"({r['GBps_client']:.1f} GB/s; worker {r['server_s'] * 1e3:.1f} ms)"
+            f"SwapBlocks RPC {name}: 8192 x {r['block_bytes']} B in {r['client_s'] * 1e3:.2f} ms "
+            f"({r['GBps_client']:.1f} GB/s; worker {r['server_s'] * 1e3:.2f} ms = {r['GBps_server']:.1f} GB/s); "
+            f"{r['in_flight']} in flight: {r['streamed_s_per_call'] * 1e3:.2f} ms/call = {r['GBps_streamed']:.1f} GB/s"
+        )
+    for d in ("out", "in"):
+        r = res["kv_swap"][d]
+        print(
+            f"KvCache.swap_ids {d}: {r['swap_ids_s'] * 1e3:.3f} ms ({r['GBps_swap_ids']:.1f} GB/s) = copy_block_ids "
+            f"{r['copy_block_ids_s'] * 1e3:.3f} ms + checks/ownership {r['bookkeeping_s'] * 1e3:.3f} ms"
         )
     print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
 

@@ -285,6 +285,14 @@ def test_swap_through_the_manager_moves_blocks(mgr: ManagerProcess) -> None:
     resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
     assert resp.moved_bytes == kv.block_bytes > 0
     assert resp.kv_cache.device_block_count == kv.device_block_count
+    # The packed form passes through too (free blocks: a plain copy, nothing changes hands).
+    req = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_HOST_TO_DEVICE,
+                                    src_blocks=[2, 3, 4], dst_blocks=[5, 6, 7])  # fmt: skip
+    resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
+    assert resp.moved_bytes == 3 * kv.block_bytes
+    assert resp.kv_cache.device_free_block_count == kv.device_free_block_count
+    req.pairs.append(w.BlockPair(src_block=1, dst_block=2))  # both forms at once
+    _expect(Code.INVALID_ARGUMENT, lambda: mgr.stub.SwapWorkerBlocks(req, timeout=30))
 
 
 def test_swap_on_a_sleeping_kv_cache_is_failed_precondition(mgr: ManagerProcess) -> None:

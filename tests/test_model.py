@@ -4,13 +4,16 @@ paged logits equal to a dense reference."""
 
 from __future__ import annotations
 
+import array
 import copy
 import dataclasses
 import json
+import random
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
+import numpy as np
 import pytest
 import torch
 from model_helpers import dense_greedy, dense_logits
@@ -475,6 +478,76 @@ def test_swap_validation_changes_nothing(alloc: MemoryAllocator) -> None:
     with pytest.raises(InvalidArgument, match="method"):
         runner.swap("out", [(0, 5)], method="teleport")
     assert snapshot()[:2] == before[:2]
+
+
+def test_swap_ids_takes_arrays_and_refuses_malformed_ids(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    kv = runner.kv_cache
+    runner.generate(PROMPT, 6, "a")  # device blocks 0, 1, 2
+    assert kv.swap_ids("out", np.array([0, 1]), array.array("q", [4, 5])) == 2 * kv.block_bytes
+    assert kv.sequence("a").block_locations == ["host", "host", "device"]
+    assert kv.swap_ids("in", torch.tensor([4, 5]), [9, 8]) == 2 * kv.block_bytes
+    assert kv.sequence("a").block_ids == [9, 8, 2] and kv.sequence("a").location == "device"
+    assert kv.swap_ids("out", [], np.zeros(0, np.int32)) == 0
+    before = (kv.stats(), copy.deepcopy(kv.sequence("a")))
+    for src, dst, message in [
+        ([9, 8], [1], "2 source blocks but 1"),
+        ([[9, 8]], [[1, 2]], "flat sequence"),
+        ([9.0], [1], "integers"),
+        (np.array([True]), [1], "integers"),
+        (["9"], [1], "integers"),
+        ([9, None], [1, 2], "integers"),
+        ([2**64], [1], "integers"),
+        (np.array([2**63], np.uint64), [1], "out of range"),
+        ("98", "12", "integers"),
+    ]:
+        with pytest.raises(InvalidArgument, match=message):
+            kv.swap_ids("out", src, dst)
+        assert (kv.stats(), kv.sequence("a")) == before, (src, dst)
+
+
+def test_swap_bookkeeping_matches_a_reference_model(alloc: MemoryAllocator) -> None:
+    """Random swaps, valid and not, several sequences and free blocks mixed in one call: the vectorised
+    ownership arrays must agree with a plain per-block model, and the bytes must move with them."""
+    runner = tiny_runner(alloc, num_device_blocks=24, num_host_blocks=20)
+    kv = runner.kv_cache
+    rng = random.Random(11)
+    for name in "abcd":
+        kv.allocate_sequence(name)
+        kv.ensure_capacity(name, rng.randint(1, 4) * kv.block_size)
+    ref = {n: list(zip(kv.sequence(n).block_locations, kv.sequence(n).block_ids, strict=True)) for n in "abcd"}
+    pools = {"device": kv.device, "host": kv.host}
+    for step in range(300):
+        direction = rng.choice(["out", "in"])
+        src_loc, dst_loc = ("device", "host") if direction == "out" else ("host", "device")
+        k = rng.randint(1, 6)
+        src = [rng.randrange(pools[src_loc].num_blocks) for _ in range(k)]
+        dst = [rng.randrange(pools[dst_loc].num_blocks) for _ in range(k)]
+        owned = {(loc, b): (n, i) for n, table in ref.items() for i, (loc, b) in enumerate(table)}
+        valid = len(set(src)) == k and len(set(dst)) == k and not any((dst_loc, d) in owned for d in dst)
+        marks = [float((step * 7 + j) % 200) for j in range(k)]
+        if valid:
+            for b, v in zip(src, marks, strict=True):
+                pools[src_loc].tensor[b].fill_(v)
+            assert kv.swap_ids(direction, np.array(src), dst) == k * kv.block_bytes  # type: ignore[arg-type]
+            for s_, d, v in zip(src, dst, marks, strict=True):
+                assert bool((pools[dst_loc].tensor[d] == v).all()), (step, s_, d)
+                if (src_loc, s_) in owned:
+                    n, i = owned[(src_loc, s_)]
+                    ref[n][i] = (dst_loc, d)
+        else:
+            with pytest.raises(InvalidArgument):
+                kv.swap_ids(direction, src, dst)  # type: ignore[arg-type]
+        for n, table in ref.items():
+            seq = kv.sequence(n)
+            assert list(zip(seq.block_locations, seq.block_ids, strict=True)) == table, (step, n)
+        held = {loc: sum(1 for t in ref.values() for loc2, _ in t if loc2 == loc) for loc in pools}
+        stats = kv.stats()
+        assert stats["device_free_blocks"] == kv.device.num_blocks - held["device"]
+        assert stats["host_free_blocks"] == kv.host.num_blocks - held["host"]
+    for n in "abcd":  # every block comes back
+        kv.free_sequence(n)
+    assert kv.stats()["device_free_blocks"] == kv.device.num_blocks and kv.stats()["host_free_blocks"] == 20
 
 
 def test_swap_while_kv_asleep_is_refused(alloc: MemoryAllocator) -> None:

@@ -363,10 +363,18 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
 # KV block swaps
 
 
-def swap(stub: Stub, direction: int, pairs: list[tuple[int, int]], **kw: Any) -> w.SwapBlocksResponse:
-    req = w.SwapBlocksRequest(
-        direction=direction, pairs=[w.BlockPair(src_block=s, dst_block=d) for s, d in pairs], **kw
-    )
+def swap(
+    stub: Stub, direction: int, pairs: list[tuple[int, int]], packed: bool = False, **kw: Any
+) -> w.SwapBlocksResponse:
+    """SwapBlocks with ``pairs`` as BlockPair messages, or ``packed`` as src_blocks + dst_blocks."""
+    if packed:
+        req = w.SwapBlocksRequest(
+            direction=direction, src_blocks=[s for s, _ in pairs], dst_blocks=[d for _, d in pairs], **kw
+        )
+    else:
+        req = w.SwapBlocksRequest(
+            direction=direction, pairs=[w.BlockPair(src_block=s, dst_block=d) for s, d in pairs], **kw
+        )
     return stub.SwapBlocks(req, timeout=CALL_TIMEOUT)
 
 
@@ -411,7 +419,8 @@ def test_swap_out_and_in_continues_generation(stub: Stub, info: Info) -> None:
     free_now = set(range(info.device_blocks)) - set(other.block_ids)
     device_dst = sorted(free_now - set(device_src), reverse=True)[::3][:k]
     assert len(device_dst) == k
-    r = swap(stub, c.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host_dst, device_dst, strict=True)))
+    # Back in with the packed form (src_blocks + dst_blocks) of the same request.
+    r = swap(stub, c.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host_dst, device_dst, strict=True)), packed=True)
     assert r.moved_bytes == k * info.block_bytes
     assert r.kv_cache.device_free_block_count == held - k
     assert r.kv_cache.host_free_block_count == info.host_blocks
@@ -559,6 +568,19 @@ def _swap(direction: int, pairs: Pairs, **kw: Any) -> Call:
     return lambda s, i, b: swap(s, direction, pairs(i, b), **kw)
 
 
+def _packed(direction: int, src: Callable[[Info, list[int]], list[int]], dst: Callable[[Info, list[int]], list[int]],
+            pairs: Pairs | None = None) -> Call:  # fmt: skip
+    """SwapBlocks with the packed src_blocks/dst_blocks form (and pairs too, if given)."""
+
+    def call(s: Stub, i: Info, b: list[int]) -> Any:
+        req = w.SwapBlocksRequest(direction=direction, src_blocks=src(i, b), dst_blocks=dst(i, b))
+        if pairs is not None:
+            req.pairs.extend(w.BlockPair(src_block=x, dst_block=y) for x, y in pairs(i, b))
+        return s.SwapBlocks(req, timeout=CALL_TIMEOUT)
+
+    return call
+
+
 def _gen(prompt: Callable[[Info], list[int]], n: int, seq: str = "") -> Call:
     return lambda s, i, b: s.Generate(
         w.GenerateRequest(prompt_token_ids=prompt(i), max_new_tokens=n, sequence_id=seq), timeout=CALL_TIMEOUT
@@ -633,6 +655,26 @@ BAD_REQUESTS = [
     Bad("swap-dst-in-use", "sequence", _swap(IN, lambda i, b: [(5, _free_device(i, b)[0]), (6, b[1])]), INVALID),
     Bad("swap-bad-method", "sequence", _swap(OUT, lambda i, b: [(b[0], 3)], method=99), INVALID),
     Bad("swap-while-kv-asleep", "asleep", _swap(OUT, lambda i, b: [(0, 3)]), PRECONDITION),
+    # SwapBlocks, packed form: the same checks, plus the two forms' consistency.
+    Bad("packed-length-mismatch", "sequence", _packed(OUT, lambda i, b: b[:2], lambda i, b: [3]), INVALID),
+    Bad("packed-only-dst", "sequence", _packed(OUT, lambda i, b: [], lambda i, b: [3]), INVALID),
+    Bad(
+        "packed-and-pairs",
+        "sequence",
+        _packed(OUT, lambda i, b: [b[0]], lambda i, b: [3], pairs=lambda i, b: [(b[1], 4)]),
+        INVALID,
+    ),
+    Bad("packed-duplicate-dst", "sequence", _packed(OUT, lambda i, b: b[:2], lambda i, b: [3, 3]), INVALID),
+    Bad("packed-duplicate-src", "sequence", _packed(OUT, lambda i, b: [b[0], b[0]], lambda i, b: [3, 4]), INVALID),
+    Bad("packed-huge-src", "sequence", _packed(OUT, lambda i, b: [b[0], 2**62], lambda i, b: [3, 4]), INVALID),
+    Bad("packed-negative-dst", "sequence", _packed(OUT, lambda i, b: b[:2], lambda i, b: [3, -1]), INVALID),
+    Bad(
+        "packed-dst-in-use",
+        "sequence",
+        _packed(IN, lambda i, b: [5, 6], lambda i, b: [_free_device(i, b)[0], b[1]]),
+        INVALID,
+    ),
+    Bad("packed-while-kv-asleep", "asleep", _packed(OUT, lambda i, b: [0], lambda i, b: [3]), PRECONDITION),
     # StreamTelemetry
     Bad("telemetry-negative-interval", "awake", _stream(duration_pb2.Duration(seconds=-1)), INVALID),
     Bad("telemetry-negative-nanos", "awake", _stream(duration_pb2.Duration(nanos=-5)), INVALID),

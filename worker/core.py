@@ -494,13 +494,14 @@ class WorkerCore:
             self._busy.release()
 
     # ---- KV blocks and generation ----
-    async def swap_blocks(self, direction: str, pairs: list[tuple[int, int]], method: CopyMethod) -> Transition:
+    async def swap_blocks(self, direction: str, src: Any, dst: Any, method: CopyMethod) -> Transition:
+        """Move block ``src[i]`` to ``dst[i]`` (id arrays, see :meth:`KvCache.swap_ids`)."""
         if direction not in ("out", "in"):
             raise InvalidArgument("direction must be DEVICE_TO_HOST or HOST_TO_DEVICE")
-        if not pairs:
-            raise InvalidArgument("no block pairs given")
+        if not len(src) and not len(dst):
+            raise InvalidArgument("no blocks given")
         self._check_kv_awake()
-        return await self._run(lambda: self._swap(direction, pairs, method))
+        return await self._run(lambda: self._swap(direction, src, dst, method))
 
     def _check_kv_awake(self) -> None:
         if self._state in (State.LOADING, State.SLEEPING, State.WAKING):
@@ -509,10 +510,10 @@ class WorkerCore:
         if mem is not None and KV_CACHE in mem.tags and mem.tags[KV_CACHE].state != "awake":
             raise WrongState("the KV cache is asleep: wake it first", metadata={"state": self._state})
 
-    def _swap(self, direction: str, pairs: list[tuple[int, int]], method: CopyMethod) -> Transition:
+    def _swap(self, direction: str, src: Any, dst: Any, method: CopyMethod) -> Transition:
         self._check_kv_awake()
         t0 = time.perf_counter()
-        moved = int(self.runner.kv_cache.swap(direction, pairs, method=method))
+        moved = int(self.runner.swap_ids(direction, src, dst, method))  # type: ignore[arg-type]
         self._note_activity()
         return self._finish(Transition("swap_blocks", moved, time.perf_counter() - t0))
 

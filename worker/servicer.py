@@ -8,6 +8,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 import grpc
+import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from memsvc.errors import InvalidArgument
@@ -30,6 +31,28 @@ _METHOD = {
 MAX_GENERATE_TOKENS = 4096
 MAX_PROMPT_TOKENS = 1 << 16
 MAX_SWAP_PAIRS = 1 << 20
+
+
+def swap_ids(request: w.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
+    """The request's (src ids, dst ids), from either form. The packed lists convert to arrays in C
+    (protobuf's repeated scalars implement ``__array__``); pairs cost a Python object per block."""
+    packed = len(request.src_blocks) or len(request.dst_blocks)
+    if packed and len(request.pairs):
+        raise InvalidArgument("give the blocks as pairs or as src_blocks + dst_blocks, not both")
+    n = len(request.src_blocks) if packed else len(request.pairs)
+    if n > MAX_SWAP_PAIRS:
+        raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} blocks per call")
+    if packed:
+        if len(request.src_blocks) != len(request.dst_blocks):
+            raise InvalidArgument(
+                f"src_blocks has {len(request.src_blocks)} ids but dst_blocks has {len(request.dst_blocks)}"
+            )
+        return np.array(request.src_blocks, np.int64), np.array(request.dst_blocks, np.int64)
+    pairs = request.pairs
+    return (
+        np.fromiter((p.src_block for p in pairs), np.int64, n),
+        np.fromiter((p.dst_block for p in pairs), np.int64, n),
+    )
 
 
 def state_enum(state: str) -> int:
@@ -158,10 +181,8 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             raise InvalidArgument("direction must be SWAP_DIRECTION_DEVICE_TO_HOST or SWAP_DIRECTION_HOST_TO_DEVICE")
         if request.method not in _METHOD:
             raise InvalidArgument(f"unknown copy method {request.method}")
-        if len(request.pairs) > MAX_SWAP_PAIRS:
-            raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} block pairs per call")
-        pairs = [(p.src_block, p.dst_block) for p in request.pairs]
-        t = await self.core.swap_blocks(direction, pairs, _METHOD[request.method])
+        src, dst = swap_ids(request)
+        t = await self.core.swap_blocks(direction, src, dst, _METHOD[request.method])
         return w.SwapBlocksResponse(
             moved_bytes=t.moved_bytes,
             duration=duration(t.seconds),

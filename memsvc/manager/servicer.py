@@ -55,7 +55,10 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         return m.WakeWorkerResponse(worker=rec.to_proto(), transition=t)
 
     async def SwapWorkerBlocks(self, request: m.SwapWorkerBlocksRequest, context: Any) -> m.SwapWorkerBlocksResponse:
-        req = w.SwapBlocksRequest(direction=request.direction, pairs=request.pairs, method=request.method)
+        req = w.SwapBlocksRequest(
+            direction=request.direction, pairs=request.pairs, method=request.method,
+            src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+        )  # fmt: skip
         r = await self.manager.swap_blocks(request.name, req, _deadline(context))
         return m.SwapWorkerBlocksResponse(
             moved_bytes=r.moved_bytes, duration=r.duration, gigabytes_per_second=r.gigabytes_per_second,

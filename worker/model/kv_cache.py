@@ -3,21 +3,21 @@
 Layout is block-major, ``[num_blocks, num_layers, 2 (K, V), block_size, num_kv_heads, head_dim]``,
 so one block (K and V of every layer for ``block_size`` positions) is one contiguous byte range.
 That is what makes SwapBlocks cheap: moving a block between the device and the host pool is a
-single item of one batched ``copy_blocks`` call, however many layers the model has. The host pool
+single item of one batched copy (``copy_block_ids``), however many layers the model has. The host pool
 has the same layout in page-locked memory, so the copy engine can reach it directly.
 
 Sequences own blocks in either pool. A swap moves ownership with the bytes: the sequence's block
 table entry follows its block to the other pool, and a sequence runs only while every one of its
-blocks is on the device.
+blocks is on the device. Ownership lives in one array per pool (owner handle and table index per
+block), so checking and moving thousands of blocks is a handful of numpy operations.
 """
 
 from __future__ import annotations
 
-import heapq
 from collections.abc import Iterable, Mapping
-from dataclasses import dataclass, field
 from typing import Any, Literal, TypedDict
 
+import numpy as np
 import torch
 
 from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, WrongState
@@ -69,28 +69,57 @@ class HostKvPool(_BlockPool):
         super().__init__(alloc.host_empty(shape, config.torch_dtype), block_size)
 
 
-@dataclass
 class Sequence:
-    """One sequence's tokens and block table."""
+    """One sequence's tokens and block table.
 
-    seq_id: str
-    tokens: list[int] = field(default_factory=list)
-    """Every token of the sequence, prompt and generated."""
-    block_ids: list[int] = field(default_factory=list)
-    """Block table: entry ``i`` holds positions ``[i * block_size, (i + 1) * block_size)``."""
-    block_locations: list[Location] = field(default_factory=list)
-    """Which pool each entry of ``block_ids`` is in."""
-    num_cached: int = 0
-    """Leading tokens whose K and V are written in the blocks (the rest are still to be fed)."""
+    The block table is kept as arrays so a swap of thousands of blocks rewrites it with a few
+    vectorised assignments instead of a Python loop per block; the list views below are for readers.
+    """
+
+    __slots__ = ("_host", "_ids", "handle", "num_cached", "seq_id", "tokens")
+
+    def __init__(self, seq_id: str, tokens: Iterable[int] = (), handle: int = 0) -> None:
+        self.seq_id = seq_id
+        self.tokens: list[int] = list(tokens)
+        """Every token of the sequence, prompt and generated."""
+        self.num_cached = 0
+        """Leading tokens whose K and V are written in the blocks (the rest are still to be fed)."""
+        self.handle = handle
+        """The cache's integer name for the sequence, stored in its ownership arrays."""
+        self._ids = np.zeros(0, np.int64)
+        self._host = np.zeros(0, np.bool_)
+
+    @property
+    def block_ids(self) -> list[int]:
+        """Block table: entry ``i`` holds positions ``[i * block_size, (i + 1) * block_size)``."""
+        return self._ids.tolist()
+
+    @property
+    def block_locations(self) -> list[Location]:
+        """Which pool each entry of :attr:`block_ids` is in."""
+        return ["host" if h else "device" for h in self._host.tolist()]
 
     @property
     def location(self) -> Literal["device", "host", "mixed"]:
         """``device`` (runnable; also with no blocks yet), ``host`` (all swapped out) or ``mixed``."""
-        if all(loc == "device" for loc in self.block_locations):
+        if not self._host.any():
             return "device"
-        if all(loc == "host" for loc in self.block_locations):
+        if self._host.all():
             return "host"
         return "mixed"
+
+    def __eq__(self, other: object) -> bool:
+        if not isinstance(other, Sequence):
+            return NotImplemented
+        return (
+            (self.seq_id, self.tokens, self.num_cached) == (other.seq_id, other.tokens, other.num_cached)
+            and np.array_equal(self._ids, other._ids) and np.array_equal(self._host, other._host)
+        )  # fmt: skip
+
+    __hash__ = None  # type: ignore[assignment]  # mutable
+
+    def __repr__(self) -> str:
+        return f"Sequence({self.seq_id!r}, tokens={len(self.tokens)}, blocks={self.block_ids}, {self.location})"
 
 
 class KvStats(TypedDict):
@@ -129,10 +158,13 @@ class KvCache:
         self.host = HostKvPool(config, alloc, num_host_blocks, block_size)
         self.block_bytes = self.device.block_bytes
         self._pools: dict[Location, _BlockPool] = {"device": self.device, "host": self.host}
-        self._free: dict[Location, set[int]] = {"device": set(), "host": set()}
-        self._owner: dict[tuple[Location, int], tuple[str, int]] = {}
-        """(pool, block) -> (sequence, index in its block table), for every owned block."""
+        self._owner: dict[Location, np.ndarray] = {}
+        """Per pool and block: the handle of the sequence that owns it, or ``_FREE``."""
+        self._index: dict[Location, np.ndarray] = {}
+        """Per pool and owned block: its index in the owner's block table."""
         self._seqs: dict[str, Sequence] = {}
+        self._by_handle: dict[int, Sequence] = {}
+        self._next_handle = 0
         self.drop_all()
 
     # ---- sequences ----
@@ -152,43 +184,46 @@ class KvCache:
             raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
         if seq_id in self._seqs:
             raise InvalidArgument(f"sequence {seq_id!r} already exists")
-        seq = self._seqs[seq_id] = Sequence(seq_id, list(tokens))
+        seq = Sequence(seq_id, tokens, self._next_handle)
+        self._next_handle += 1
+        self._seqs[seq_id] = self._by_handle[seq.handle] = seq
         return seq
 
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
-        """Give the sequence device blocks for ``num_tokens`` positions in all.
+        """Give the sequence device blocks for ``num_tokens`` positions in all (the lowest free ids).
 
         OutOfMemory when the device pool has too few free blocks; then nothing changed.
         """
         seq = self.sequence(seq_id)
         if seq.location != "device":
             raise WrongState(f"sequence {seq_id!r} is swapped out ({seq.location}); swap it in first")
-        needed = -(-num_tokens // self.block_size) - len(seq.block_ids)
+        needed = -(-num_tokens // self.block_size) - len(seq._ids)
         if needed <= 0:
             return
-        free = self._free["device"]
+        owner = self._owner["device"]
+        free = np.flatnonzero(owner == _FREE)
         if needed > len(free):
             raise OutOfMemory(f"KV cache: sequence {seq_id!r} needs {needed} more device blocks, {len(free)} are free")
-        for block in heapq.nsmallest(needed, free):
-            free.remove(block)
-            self._owner[("device", block)] = (seq_id, len(seq.block_ids))
-            seq.block_ids.append(block)
-            seq.block_locations.append("device")
+        blocks = free[:needed]
+        owner[blocks] = seq.handle
+        self._index["device"][blocks] = np.arange(len(seq._ids), len(seq._ids) + needed)
+        seq._ids = np.concatenate((seq._ids, blocks))
+        seq._host = np.concatenate((seq._host, np.zeros(needed, np.bool_)))
 
     def free_sequence(self, seq_id: str) -> None:
         """Forget the sequence and return its blocks, in whichever pool they are, to the free lists."""
         seq = self.sequence(seq_id)
-        for block, loc in zip(seq.block_ids, seq.block_locations, strict=True):
-            del self._owner[(loc, block)]
-            self._free[loc].add(block)
-        del self._seqs[seq_id]
+        self._owner["device"][seq._ids[~seq._host]] = _FREE
+        self._owner["host"][seq._ids[seq._host]] = _FREE
+        del self._seqs[seq_id], self._by_handle[seq.handle]
 
     def drop_all(self) -> None:
         """Forget every sequence and free every block of both pools."""
         self._seqs.clear()
-        self._owner.clear()
+        self._by_handle.clear()
         for loc, pool in self._pools.items():
-            self._free[loc] = set(range(pool.num_blocks))
+            self._owner[loc] = np.full(pool.num_blocks, _FREE, np.int64)
+            self._index[loc] = np.zeros(pool.num_blocks, np.int64)
 
     def drop_device(self) -> list[str]:
         """Forget the sequences that hold any device block; return their ids.
@@ -196,85 +231,163 @@ class KvCache:
         For after the ``kv_cache`` tag was discarded: device blocks hold garbage then, but sequences
         entirely swapped out to the host pool are intact (host blocks do not sleep) and are kept.
         """
-        dropped = [s.seq_id for s in self._seqs.values() if "device" in s.block_locations]
+        dropped = [s.seq_id for s in self._seqs.values() if not s._host.all()]
         for seq_id in dropped:
             self.free_sequence(seq_id)
         return dropped
 
     # ---- swap ----
     def swap(self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto") -> int:
-        """Copy blocks between the pools in one batched copy; return the bytes moved.
+        """:meth:`swap_ids` with (src, dst) pairs; each pair is checked to be two integers."""
+        _locations(direction)
+        return self.swap_ids(direction, *pairs_to_ids(pairs), method)
 
-        ``out``: each pair is (device block, host block); ``in``: (host block, device block). Every
-        check comes before the copy and a rejected request changes nothing: ids in range, no source
-        or destination twice, every destination free. A source owned by a sequence hands its place
-        in the block table to the destination; a free source is a plain data copy.
+    def swap_ids(self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto") -> int:
+        """Copy block ``src_ids[i]`` to block ``dst_ids[i]`` of the other pool, in one batched copy;
+        return the bytes moved.
+
+        ``out``: device blocks to host blocks; ``in``: host blocks to device blocks. Ids are any
+        integer sequence or array (a protobuf repeated field converts without a per-block object).
+        Every check comes before the copy and a rejected request changes nothing: ids in range, no
+        source or destination twice, every destination free. A source owned by a sequence hands its
+        place in the block table to the destination; a free source is a plain data copy. The checks
+        and the bookkeeping are vectorised, so 8192 blocks cost tens of microseconds beside the copy.
         """
-        if direction == "out":
-            src_loc: Location = "device"
-            dst_loc: Location = "host"
-        elif direction == "in":
-            src_loc, dst_loc = "host", "device"
-        else:
-            raise InvalidArgument(f"swap direction must be 'out' or 'in', got {direction!r}")
+        src_loc, dst_loc = _locations(direction)
         try:
             CopyMethod(method)
         except ValueError:
             raise InvalidArgument(f"unknown copy method {method!r}") from None
-        checked = self._check_pairs(pairs, src_loc, dst_loc)
-        if not checked:
+        src, dst = _id_array(src_ids, "src"), _id_array(dst_ids, "dst")
+        if len(src) != len(dst):
+            raise InvalidArgument(f"{len(src)} source blocks but {len(dst)} destination blocks")
+        if not len(src):
             return 0
-        src_pool, dst_pool = self._pools[src_loc], self._pools[dst_loc]
-        self._alloc.copy_block_ids(
-            src_pool.tensor, dst_pool.tensor, [s for s, _ in checked], [d for _, d in checked], method
-        )
-        for src, dst in checked:
-            owner = self._owner.pop((src_loc, src), None)
-            if owner is None:
-                continue  # a free block: the data moved, nothing owns it
-            seq_id, index = owner
-            seq = self._seqs[seq_id]
-            seq.block_ids[index] = dst
-            seq.block_locations[index] = dst_loc
-            self._owner[(dst_loc, dst)] = owner
-            self._free[src_loc].add(src)
-            self._free[dst_loc].remove(dst)
-        return len(checked) * self.block_bytes
+        self._check(src, dst, src_loc, dst_loc)
+        self._alloc.copy_block_ids(self._pools[src_loc].tensor, self._pools[dst_loc].tensor, src, dst, method)
+        self._move(src, dst, src_loc, dst_loc)
+        return len(src) * self.block_bytes
 
-    def _check_pairs(self, pairs: Iterable[Any], src_loc: Location, dst_loc: Location) -> list[tuple[int, int]]:
-        src_n, dst_n = self._pools[src_loc].num_blocks, self._pools[dst_loc].num_blocks
-        checked: list[tuple[int, int]] = []
-        seen_src: set[int] = set()
-        seen_dst: set[int] = set()
-        for i, pair in enumerate(pairs):
-            try:
-                src, dst = pair
-            except (TypeError, ValueError):
-                raise InvalidArgument(f"pair {i}: expected (src, dst), got {pair!r}") from None
-            for what, block, n, loc in (("src", src, src_n, src_loc), ("dst", dst, dst_n, dst_loc)):
-                if not isinstance(block, int) or isinstance(block, bool):
-                    raise InvalidArgument(f"pair {i}: {what} block must be an integer, got {block!r}")
-                if not 0 <= block < n:
-                    raise InvalidArgument(f"pair {i}: {what} block {block} out of range for {loc} pool of {n}")
-            if src in seen_src:
-                raise InvalidArgument(f"pair {i}: {src_loc} block {src} is a source twice")
-            if dst in seen_dst:
-                raise InvalidArgument(f"pair {i}: {dst_loc} block {dst} is a destination twice")
-            if dst not in self._free[dst_loc]:
-                owner = self._owner[(dst_loc, dst)][0]
-                raise InvalidArgument(f"pair {i}: {dst_loc} block {dst} is in use by sequence {owner!r}")
-            seen_src.add(src)
-            seen_dst.add(dst)
-            checked.append((src, dst))
-        return checked
+    def _check(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
+        for what, ids, loc in (("src", src, src_loc), ("dst", dst, dst_loc)):
+            n = self._pools[loc].num_blocks
+            bad = (ids < 0) | (ids >= n)
+            if bad.any():
+                i = int(bad.argmax())
+                raise InvalidArgument(f"pair {i}: {what} block {ids[i]} out of range for {loc} pool of {n}")
+        for ids, loc, role in ((src, src_loc, "a source"), (dst, dst_loc, "a destination")):
+            i = _first_repeat(ids, self._pools[loc].num_blocks)
+            if i >= 0:
+                raise InvalidArgument(f"pair {i}: {loc} block {ids[i]} is {role} twice")
+        owners = self._owner[dst_loc][dst]
+        used = owners != _FREE
+        if used.any():
+            i = int(used.argmax())
+            owner = self._by_handle[int(owners[i])].seq_id
+            raise InvalidArgument(f"pair {i}: {dst_loc} block {dst[i]} is in use by sequence {owner!r}")
+
+    def _move(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
+        """Hand each owned source's place in its block table to its destination."""
+        handles = self._owner[src_loc][src]
+        owned = handles != _FREE
+        if not owned.any():
+            return  # free blocks: the data moved, nothing owns it
+        if not owned.all():
+            src, dst, handles = src[owned], dst[owned], handles[owned]
+        index = self._index[src_loc][src]
+        self._owner[dst_loc][dst] = handles
+        self._index[dst_loc][dst] = index
+        self._owner[src_loc][src] = _FREE
+        to_host = dst_loc == "host"
+        one = handles[0] == handles[-1] and bool((handles == handles[0]).all())
+        for handle in [int(handles[0])] if one else np.unique(handles).tolist():
+            seq = self._by_handle[handle]
+            mine = slice(None) if one else handles == handle
+            seq._ids[index[mine]] = dst[mine]
+            seq._host[index[mine]] = to_host
+
+    def _free_count(self, loc: Location) -> int:
+        return int(np.count_nonzero(self._owner[loc] == _FREE))
 
     def stats(self) -> KvStats:
         return KvStats(
             block_size=self.block_size, block_bytes=self.block_bytes,
-            device_blocks=self.device.num_blocks, device_free_blocks=len(self._free["device"]),
-            host_blocks=self.host.num_blocks, host_free_blocks=len(self._free["host"]),
+            device_blocks=self.device.num_blocks, device_free_blocks=self._free_count("device"),
+            host_blocks=self.host.num_blocks, host_free_blocks=self._free_count("host"),
             sequences=len(self._seqs),
         )  # fmt: skip
 
 
-__all__ = ["KV_TAG", "HostKvPool", "KvBlockPool", "KvCache", "KvStats", "Location", "Sequence", "kv_block_shape"]
+_FREE = -1
+"""Owner handle of a free block."""
+
+
+def _locations(direction: str) -> tuple[Location, Location]:
+    """(source pool, destination pool) of a swap direction."""
+    if direction == "out":
+        return "device", "host"
+    if direction == "in":
+        return "host", "device"
+    raise InvalidArgument(f"swap direction must be 'out' or 'in', got {direction!r}")
+
+
+def _id_array(values: Any, what: str) -> np.ndarray:
+    """Block ids as a flat int64 array; anything that is not a sequence of integers is refused."""
+    try:
+        arr = np.asarray(values)
+    except (TypeError, ValueError, OverflowError):
+        raise InvalidArgument(f"{what} block ids must be a sequence of integers") from None
+    if arr.size == 0:
+        return np.zeros(0, np.int64)
+    if arr.ndim != 1 or arr.dtype.kind not in "iu":
+        raise InvalidArgument(
+            f"{what} block ids must be a flat sequence of integers, got {arr.dtype} of shape {arr.shape}"
+        )
+    return arr.astype(np.int64, copy=False)
+
+
+def _first_repeat(ids: np.ndarray, n: int) -> int:
+    """Index of the first id that appeared earlier in ``ids`` (all in ``[0, n)``), or -1: O(n) when
+    there is none, which is every accepted request."""
+    seen = np.zeros(n, np.bool_)
+    seen[ids] = True
+    if int(np.count_nonzero(seen)) == len(ids):
+        return -1
+    order = np.argsort(ids, kind="stable")
+    ranked = ids[order]
+    later = order[1:][ranked[1:] == ranked[:-1]]  # each repeat after its first occurrence
+    return int(later.min())
+
+
+def pairs_to_ids(pairs: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
+    """(src ids, dst ids) from (src, dst) pairs, each checked to be two integers (not bools)."""
+    if isinstance(pairs, str | bytes) or not isinstance(pairs, Iterable):
+        raise InvalidArgument("pairs must be a sequence of (src, dst) block pairs")
+    src: list[int] = []
+    dst: list[int] = []
+    for i, pair in enumerate(pairs):
+        try:
+            s, d = pair
+        except (TypeError, ValueError):
+            raise InvalidArgument(f"pair {i}: expected (src, dst), got {pair!r}") from None
+        for what, block in (("src", s), ("dst", d)):
+            if not isinstance(block, int) or isinstance(block, bool):
+                raise InvalidArgument(f"pair {i}: {what} block must be an integer, got {block!r}")
+            if not -(1 << 63) <= block < 1 << 63:
+                raise InvalidArgument(f"pair {i}: {what} block {block} out of range")
+        src.append(s)
+        dst.append(d)
+    return np.array(src, np.int64), np.array(dst, np.int64)
+
+
+__all__ = [
+    "KV_TAG",
+    "HostKvPool",
+    "KvBlockPool",
+    "KvCache",
+    "KvStats",
+    "Location",
+    "Sequence",
+    "kv_block_shape",
+    "pairs_to_ids",
+]

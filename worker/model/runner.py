@@ -145,6 +145,11 @@ class ModelRunner:
         with self.lock:
             return self.kv_cache.swap(direction, pairs, method)
 
+    def swap_ids(self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto") -> int:
+        """:meth:`KvCache.swap_ids` under the runner's lock; the bytes moved."""
+        with self.lock:
+            return self.kv_cache.swap_ids(direction, src_ids, dst_ids, method)
+
     # ---- sleep hooks ----
     def reload_weights(self) -> None:
         """Rewrite every weight from the source into the same pool tensors (after a level-2 wake)."""
