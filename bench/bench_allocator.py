@@ -92,6 +92,8 @@ def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycle
                 "host_prefault_s_total": ctr["host_prefault_seconds"],
                 "host_register_s_total": ctr["host_register_seconds"],
                 "host_chunks_reused": ctr["host_chunks_reused"],
+                "sleep_unmap_s": ctr["last_sleep_unmap_seconds"],
+                "wake_map_s": ctr["last_wake_map_seconds"],
                 "data_ok": ok,
             }
         )
@@ -99,8 +101,10 @@ def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycle
 
 
 def weights_bench(
-    cycles: int, reserve: bool, checksum: bool, shapes: list[tuple[str, tuple[int, ...]]]
+    cycles: int, reserve: bool, checksum: bool, shapes: list[tuple[str, tuple[int, ...]]], prepin: bool = False
 ) -> dict[str, Any]:
+    """Load 8B-shaped weights, then sleep/wake cycles. ``prepin``: page-lock the host memory for the
+    offload after the load (what ``memsvc worker --host-prepin weights`` does), timed on its own."""
     total_tensor = sum(math.prod(s) * 2 for _, s in shapes)
     alloc = MemoryAllocator(
         AllocatorConfig(backend="cuda", host_reserve_bytes=(64 << 30) if reserve else 0, checksum=checksum)
@@ -112,9 +116,16 @@ def weights_bench(
     st = alloc.stats()
     used = free_before - st.device_free_bytes
     tag = st.tags["weights"]
+    prepin_s = None
+    if prepin:
+        t0 = time.perf_counter()
+        alloc.prepin_host(tag.mapped_bytes)
+        prepin_s = time.perf_counter() - t0
     rows = sleep_wake_cycles(alloc, tensors, cycles)
     result = {
         "host_reserve": reserve,
+        "prepin_s": prepin_s,
+        "prepin_GBps": tag.mapped_bytes / prepin_s / GB if prepin_s else None,
         "checksum": checksum,
         "tensor_bytes": total_tensor,
         "tensors": len(shapes),
@@ -192,6 +203,7 @@ def main() -> None:
         **_device_info(),
     }
     result["weights_reserve"] = weights_bench(args.cycles, True, False, shapes)
+    result["weights_prepinned"] = weights_bench(2, True, False, shapes, prepin=True)
     result["weights_no_reserve"] = weights_bench(2, False, False, shapes)
     result["weights_checksum"] = weights_bench(2, True, True, shapes)
     result["copy_blocks"] = copy_bench([4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20], args.reps)
@@ -205,11 +217,14 @@ def main() -> None:
         f"{w['mapped_over_tensor']:.4f}; device used/tensor {w['device_used_over_tensor']:.4f}; "
         f"freed on sleep/mapped {w['freed_on_sleep_over_mapped']:.4f}"
     )
-    for name in ("weights_reserve", "weights_no_reserve", "weights_checksum"):
+    p = result["weights_prepinned"]
+    print(f"prepin before the first sleep: {p['prepin_s']:.2f} s ({p['prepin_GBps']:.1f} GB/s)")
+    for name in ("weights_reserve", "weights_prepinned", "weights_no_reserve", "weights_checksum"):
         for r in result[name]["cycles"]:
             print(
-                f"{name:20s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s ({r['sleep_s']:.3f}s)  "
-                f"wake {r['wake_GBps']:6.1f} GB/s ({r['wake_s']:.3f}s)  ok={r['data_ok']}"
+                f"{name:20s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s ({r['sleep_s']:.3f}s, unmap "
+                f"{r['sleep_unmap_s'] * 1e3:.0f} ms)  wake {r['wake_GBps']:6.1f} GB/s ({r['wake_s']:.3f}s, map "
+                f"{r['wake_map_s'] * 1e3:.0f} ms)  ok={r['data_ok']}"
             )
     print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in ("loop", "batch", "kernel", "auto")))
     by: dict[tuple[int, str], dict[str, float]] = {}

@@ -128,8 +128,9 @@ def _start_worker(args: list[str], stderr: Any = None) -> tuple[subprocess.Popen
     return proc, address
 
 
-def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
-    """Sleep/WakeUp of a synthetic:8b worker over gRPC: client time vs the worker's own duration."""
+def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> dict[str, Any]:
+    """Sleep/WakeUp of a synthetic:8b worker over gRPC: client time vs the worker's own duration.
+    ``prepin``: the worker runs with ``--host-prepin weights``; the first sleep waits until it is done."""
     import grpc
 
     from memsvc.v1 import common_pb2 as c
@@ -137,21 +138,22 @@ def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
     from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
     errlog = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - a file, not a pipe: a full pipe stalls the worker
-    proc, address = _start_worker(
-        [
-            "--model",
-            "synthetic:8b",
-            "--host-reserve",
-            "40GiB",
-            "--kv-blocks",
-            "64",
-            "--huge-pages" if huge_pages else "--no-huge-pages",
-        ],
-        stderr=errlog,
-    )
+    args = ["--model", "synthetic:8b", "--host-reserve", "40GiB", "--kv-blocks", "64"]
+    args += ["--huge-pages" if huge_pages else "--no-huge-pages"]
+    args += ["--host-prepin", "weights"] if prepin else []
+    proc, address = _start_worker(args, stderr=errlog)
+    prepin_wait_s = None
     rows = []
     try:
         stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
+        if prepin:
+            t0 = time.perf_counter()
+            st = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+            weights = next(t.mapped_bytes for t in st.tags if t.tag == "weights")
+            while st.host_pinned_bytes < weights and time.perf_counter() - t0 < 300:
+                time.sleep(0.1)
+                st = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+            prepin_wait_s = time.perf_counter() - t0
         for i in range(cycles):
             t0 = time.perf_counter()
             s = stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=300)
@@ -172,13 +174,15 @@ def through_rpc(cycles: int, huge_pages: bool = True) -> dict[str, Any]:
         proc.terminate()
         proc.wait(timeout=60)
     errlog.seek(0)
-    log = [line.strip() for line in errlog if "sleep:" in line]
+    log = [line.strip() for line in errlog if "sleep:" in line or "prepin" in line]
     for r in rows:
         r["sleep_GBps_client"] = r["bytes"] / r["sleep_client_s"] / GB
         r["wake_GBps_client"] = r["bytes"] / r["wake_client_s"] / GB
         r["sleep_overhead_ms"] = (r["sleep_client_s"] - r["sleep_server_s"]) * 1e3
         r["wake_overhead_ms"] = (r["wake_client_s"] - r["wake_server_s"]) * 1e3
-    return {"huge_pages": huge_pages, "cycles": rows, "worker_log": log}
+    return {
+        "huge_pages": huge_pages, "prepin": prepin, "prepin_wait_s": prepin_wait_s, "cycles": rows, "worker_log": log
+    }  # fmt: skip
 
 
 def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
@@ -423,7 +427,7 @@ def main() -> None:
     res["ours"] = ours(args.cycles)
     res["vllm_style"] = vllm_style(2)
     if not args.skip_rpc:
-        res["rpc"] = through_rpc(args.cycles)
+        res["rpc"] = through_rpc(args.cycles, prepin=True)
         res["rpc_no_huge_pages"] = through_rpc(2, huge_pages=False)
     res["swaps"] = swaps(args.reps)
     if not args.skip_rpc:
@@ -441,6 +445,8 @@ def main() -> None:
         print("worker:", line.split("memsvc.worker: ")[-1])
     for r in res.get("rpc_no_huge_pages", {}).get("cycles", []):
         print(f"rpc without huge pages, cycle {r['cycle']}: sleep {r['sleep_GBps_client']:6.1f} GB/s")
+    if res.get("rpc", {}).get("prepin_wait_s") is not None:
+        print(f"rpc worker (--host-prepin weights): prepin done {res['rpc']['prepin_wait_s']:.2f} s after ready")
     for r in res.get("rpc", {}).get("cycles", []):
         print(
             f"rpc cycle {r['cycle']}: sleep {r['sleep_GBps_client']:6.1f} GB/s (+{r['sleep_overhead_ms']:.1f} ms over "

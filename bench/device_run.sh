@@ -8,12 +8,15 @@ export PYTHONUNBUFFERED=1
 OUT=${OUT:-/tmp/out}
 mkdir -p "$OUT"
 if [ -d .whl ]; then
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site .whl/*.whl \
+  wheels=(.whl/*.whl)
+  # numpy: only where the machine has none (its torch was built against the one it has)
+  python3 -c "import numpy" 2>/dev/null && wheels=($(ls .whl/*.whl | grep -v /numpy-))
+  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
     && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null) memlock: $(ulimit -l) cpus: $(nproc)"
-python3 -c "import torch, sys, grpc, google.protobuf as pb; print('python', sys.version.split()[0], 'torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__)"
+python3 -c "import torch, sys, grpc, numpy, google.protobuf as pb; print('python', sys.version.split()[0], 'torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__, 'numpy', numpy.__version__)"
 python3 -m pytest tests -m gpu -p no:cacheprovider -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m bench.bench_allocator --out "$OUT/bench_allocator.json" 2>&1 | tee "$OUT/bench_allocator.log"

@@ -44,6 +44,11 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
 
 
+def _prepin_size(text: str) -> int | str:
+    """``--host-prepin``: ``weights`` or a size."""
+    return "weights" if text.strip().lower() == "weights" else parse_bytes(text)
+
+
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
     """How this command dials a memsvc server (memsvc.auth; off by default)."""
     g = p.add_argument_group("auth (client side)")
@@ -128,6 +133,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         type=parse_bytes,
         default=env("HOST_RESERVE", "0"),
         help="page-locked host memory kept between sleeps (faster later sleeps)",
+    )
+    p.add_argument(
+        "--host-prepin",
+        type=_prepin_size,
+        default=env("HOST_PREPIN", "0"),
+        help="page-lock this much host memory right after the load, in the background, so the first sleep runs "
+        "at line rate: a size, or 'weights' for the weights pool (raises --host-reserve to it; held while awake)",
     )
     p.add_argument(
         "--huge-pages",
@@ -369,6 +381,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_capacity_bytes=args.host_capacity,
             checksum=args.checksum,
             host_reserve_bytes=args.host_reserve,
+            host_prepin=args.host_prepin,
             seed=args.seed,
             host_name=args.host_name,
             huge_pages=args.huge_pages,

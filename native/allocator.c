@@ -626,20 +626,65 @@ static int unmap_all(msv_allocator *a, arena *ar) {
   return MSV_OK;
 }
 
-/* Map the dropped extents again at the same offsets and sizes, so a free after the wake can still
- * return a trailing extent to the device. All or nothing. */
-static int remap_dropped(msv_allocator *a, arena *ar) {
-  size_t k = 0;
-  int rc = MSV_OK;
-  for (; k < ar->n_ext && !rc; k++)
-    if (!ar->ext[k].mapped) rc = a->b->map(a->b, ar->base + ar->ext[k].off, ar->ext[k].size, &ar->ext[k].handle);
-  if (!rc) {
-    for (size_t q = 0; q < ar->n_ext; q++) ar->ext[q].mapped = 1;
-    return MSV_OK;
+/* The parts of a tag's host backup that land in extent x, as copy items (dst = device), cut at the
+ * extent's edges: a piece that straddles two extents is copied in two parts, each once its extent
+ * is mapped. Extents cover [0, frontier) with no gaps, so nothing past the frontier (a tail freed
+ * while the tag slept) is ever copied. *pi is the first piece not wholly below x; pieces and extents
+ * are both in address order, so the walk over a whole tag costs O(pieces + extents). Returns the
+ * number of items written to out (at most one per piece). */
+static size_t backup_in_extent(const arena *ar, const extent *x, size_t *pi, msv_copy_item *out) {
+  uint64_t lo = ar->base + x->off, hi = lo + x->size;
+  while (*pi < ar->n_pieces && ar->pieces[*pi].src + ar->pieces[*pi].size <= lo) (*pi)++;
+  size_t n = 0;
+  for (size_t i = *pi; i < ar->n_pieces && ar->pieces[i].src < hi; i++) {
+    const msv_copy_item *p = &ar->pieces[i];
+    uint64_t s = p->src > lo ? p->src : lo, e = p->src + p->size < hi ? p->src + p->size : hi;
+    out[n++] = (msv_copy_item){s, p->dst + (s - p->src), e - s};
   }
-  for (size_t q = 0; q + 1 < k; q++)
-    if (!ar->ext[q].mapped) a->b->unmap(a->b, ar->base + ar->ext[q].off, ar->ext[q].size, ar->ext[q].handle);
+  return n;
+}
+
+/* Map the dropped extents of one sleeping tag again at the same offsets and sizes (so a free after
+ * the wake can still return a trailing extent to the device), and enqueue each extent's share of
+ * the host backup as soon as that extent is mapped: the copy engine fills extent k while the host
+ * maps extent k+1, so the mapping (cuMemCreate + cuMemMap + cuMemSetAccess per extent, ~165 of them
+ * for 16 GB) hides behind the copy instead of running before the first byte moves. Copies are only
+ * enqueued; the caller syncs. Each extent is marked mapped the moment it is, so after a failure
+ * unmap_all drops exactly what is there. Time spent in map calls is added to *map_seconds. */
+static int wake_arena(msv_allocator *a, arena *ar, double *map_seconds) {
+  int restore = ar->state == MSV_TAG_OFFLOADED && ar->n_pieces;
+  /* one list, refilled per extent: a piece yields at most one item per extent */
+  msv_copy_item *items = restore ? malloc(ar->n_pieces * sizeof *items) : NULL;
+  if (restore && !items) return msv_fail(MSV_E_OOM, "out of host memory for the copy list of tag '%s'", ar->tag);
+  size_t pi = 0;
+  int rc = MSV_OK;
+  for (size_t k = 0; k < ar->n_ext && !rc; k++) {
+    extent *x = &ar->ext[k];
+    if (!x->mapped) { /* one a failed sleep could not drop is still mapped: it only needs its bytes back */
+      double t = now_s();
+      rc = a->b->map(a->b, ar->base + x->off, x->size, &x->handle);
+      *map_seconds += now_s() - t;
+      if (rc) break;
+      x->mapped = 1;
+    }
+    size_t n = restore ? backup_in_extent(ar, x, &pi, items) : 0;
+    /* the backend reads the items during the call (cuMemcpyAsync takes its arguments by value), so
+     * the list can be refilled for the next extent while this copy is still in flight */
+    if (n) rc = a->b->copy(a->b, items, n, MSV_COPY_LOOP, 0);
+  }
+  free(items);
   return rc;
+}
+
+/* A wake failed part-way: wait for the copies in flight, then drop every extent of every tag named
+ * in the call, so each stays asleep with its host backup intact and a later wake starts afresh.
+ * The caller sees the error that stopped the wake, not one from this clean-up. */
+static int back_to_sleep(msv_allocator *a, const int *idx, size_t k, int rc) {
+  char why[512];
+  snprintf(why, sizeof why, "%s", msv_last_error());
+  a->b->sync(a->b, 0);
+  for (size_t q = 0; q < k; q++) unmap_all(a, a->arenas[idx[q]]);
+  return msv_fail(rc, "%s", why);
 }
 
 /* The end of the last live allocation of arena `idx` (0 if none). */
@@ -714,6 +759,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     goto out;
   }
   /* Phase 2: drop the physical memory (or, for a demotion, the host copy). */
+  double unmap_seconds = 0;
   for (size_t i = 0; i < n; i++) {
     if (actions[i] == MSV_ACTION_KEEP) continue;
     arena *ar = a->arenas[idx[i]];
@@ -723,7 +769,9 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
       ar->discarded = ar->allocated;
       continue;
     }
+    double tu = now_s();
     int urc = unmap_all(a, ar);
+    unmap_seconds += now_s() - tu;
     if (urc && !rc) rc = urc;
     /* Nothing dropped: the tag stays awake (its backup is released below). Anything dropped: it
      * is asleep, and wake maps back exactly the extents that are gone. */
@@ -746,6 +794,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
   msv_hostpool_trim_async(&a->hp);
   a->ctr.sleeps++;
   a->ctr.last_sleep_seconds = now_s() - t0;
+  a->ctr.last_sleep_unmap_seconds = unmap_seconds;
 out:
   if (sums)
     for (size_t i = 0; i < n; i++) free(sums[i]);
@@ -763,7 +812,7 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
   int rc = MSV_OK;
   size_t m = tags ? n : a->n_arenas;
   int *idx = calloc(m ? m : 1, sizeof *idx);
-  size_t k = 0, mapped = 0;
+  size_t k = 0;
   if (!idx) {
     rc = msv_fail(MSV_E_OOM, "out of host memory");
     goto out;
@@ -799,37 +848,13 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
       goto out;
     }
   }
-  /* Phase 1: map every tag back; on failure unmap what this call mapped and keep all backups. */
+  /* Phases 1 and 2, pipelined per extent: map it, then enqueue its share of the backup. */
   for (size_t q = 0; q < k; q++) drop_dead_tail(a, idx[q]);
-  for (mapped = 0; mapped < k; mapped++)
-    if ((rc = remap_dropped(a, a->arenas[idx[mapped]]))) break;
-  if (rc) {
-    for (size_t q = 0; q < mapped; q++) unmap_all(a, a->arenas[idx[q]]);
-    goto out;
-  }
-  /* Phase 2: copy back, one batch per tag. */
-  for (size_t q = 0; q < k && !rc; q++) {
-    arena *ar = a->arenas[idx[q]];
-    if (ar->state != MSV_TAG_OFFLOADED || !ar->n_pieces) continue;
-    msv_copy_item *back = malloc(ar->n_pieces * sizeof *back);
-    if (!back) {
-      rc = msv_fail(MSV_E_OOM, "out of host memory");
-      break;
-    }
-    size_t nb = 0;
-    uint64_t limit = ar->base + ar->frontier; /* pieces past a dropped tail held freed data only */
-    for (size_t i = 0; i < ar->n_pieces; i++) {
-      msv_copy_item p = ar->pieces[i];
-      if (p.src >= limit) continue;
-      uint64_t size = p.src + p.size > limit ? limit - p.src : p.size;
-      back[nb++] = (msv_copy_item){p.src, p.dst, size};
-    }
-    rc = nb ? a->b->copy(a->b, back, nb, MSV_COPY_LOOP, 0) : MSV_OK;
-    free(back);
-  }
+  double map_seconds = 0;
+  for (size_t q = 0; q < k && !rc; q++) rc = wake_arena(a, a->arenas[idx[q]], &map_seconds);
   if (!rc) rc = a->b->sync(a->b, 0);
-  if (rc) { /* a copy failed: the backups are intact, so put the tags back to sleep */
-    for (size_t q = 0; q < k; q++) unmap_all(a, a->arenas[idx[q]]);
+  if (rc) { /* a map or a copy failed: the backups are intact, so put the tags back to sleep */
+    rc = back_to_sleep(a, idx, k, rc);
     goto out;
   }
   /* Phase 3: verify, then release backups. */
@@ -871,6 +896,7 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
   msv_hostpool_trim_async(&a->hp);
   a->ctr.wakes++;
   a->ctr.last_wake_seconds = now_s() - t0;
+  a->ctr.last_wake_map_seconds = map_seconds;
 out:
   free(idx);
   pthread_mutex_unlock(&a->mu);
@@ -938,6 +964,9 @@ int msv_set_host_reserve(msv_allocator *a, size_t bytes) {
   msv_hostpool_trim(&a->hp);
   return MSV_OK;
 }
+
+/* Only the pool's own lock, taken briefly: the seconds of faulting and pinning hold no allocator lock. */
+int msv_host_prepin(msv_allocator *a, size_t bytes) { return msv_hostpool_prepin(&a->hp, bytes); }
 
 int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap) {
   pthread_mutex_lock(&a->mu);

@@ -398,10 +398,12 @@ static PyObject *Allocator_counters(AllocatorObject *self, PyObject *args) {
   Py_BEGIN_ALLOW_THREADS rc = msv_get_counters(a, &c, nonblocking);
   Py_END_ALLOW_THREADS msv_release(a);
   if (rc) return raise_last();
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d}", "bytes_offloaded", c.bytes_offloaded,
-                       "bytes_restored", c.bytes_restored, "bytes_verified", c.bytes_verified, "sleeps", c.sleeps,
-                       "wakes", c.wakes, "last_sleep_seconds", c.last_sleep_seconds, "last_wake_seconds",
-                       c.last_wake_seconds, "host_chunks_created", c.host_chunks_created, "host_chunks_reused",
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d}", "bytes_offloaded",
+                       c.bytes_offloaded, "bytes_restored", c.bytes_restored, "bytes_verified", c.bytes_verified,
+                       "sleeps", c.sleeps, "wakes", c.wakes, "last_sleep_seconds", c.last_sleep_seconds,
+                       "last_wake_seconds", c.last_wake_seconds, "last_sleep_unmap_seconds",
+                       c.last_sleep_unmap_seconds, "last_wake_map_seconds", c.last_wake_map_seconds,
+                       "host_chunks_created", c.host_chunks_created, "host_chunks_reused",
                        c.host_chunks_reused, "host_held_bytes", (unsigned long long)c.host_held_bytes,
                        "host_reserve_bytes", (unsigned long long)c.host_reserve_bytes, "host_prefault_seconds",
                        c.host_prefault_seconds, "host_register_seconds", c.host_register_seconds,
@@ -558,6 +560,21 @@ static PyObject *Allocator_set_host_reserve(AllocatorObject *self, PyObject *arg
   Py_RETURN_NONE;
 }
 
+/* prepin_host(nbytes): page-lock host chunks for the offload engine now, not on the first sleep */
+static PyObject *Allocator_prepin_host(AllocatorObject *self, PyObject *args) {
+  long long n;
+  if (!PyArg_ParseTuple(args, "L", &n)) return NULL;
+  msv_allocator *a = get(self);
+  if (!a) return NULL;
+  if (n < 0) return PyErr_Format(g_err[MSV_E_INVALID], "bytes to pre-pin must be >= 0, got %lld", n);
+  int rc;
+  msv_retain(a); /* faulting and pinning take seconds: a close() meanwhile must not destroy it */
+  Py_BEGIN_ALLOW_THREADS rc = msv_host_prepin(a, (size_t)n);
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) return raise_last();
+  Py_RETURN_NONE;
+}
+
 static PyObject *Allocator_lookup(AllocatorObject *self, PyObject *args) {
   unsigned long long p, size = 1;
   if (!PyArg_ParseTuple(args, "K|K", &p, &size)) return NULL;
@@ -603,6 +620,8 @@ static PyMethodDef Allocator_methods[] = {
     {"has_method", (PyCFunction)Allocator_has_method, METH_VARARGS, "has_method(method) -> bool"},
     {"set_checksum", (PyCFunction)Allocator_set_checksum, METH_VARARGS, "set_checksum(on)"},
     {"set_host_reserve", (PyCFunction)Allocator_set_host_reserve, METH_VARARGS, "set_host_reserve(bytes)"},
+    {"prepin_host", (PyCFunction)Allocator_prepin_host, METH_VARARGS,
+     "prepin_host(bytes): map, pre-fault and page-lock offload chunks now; raises the host reserve to bytes"},
     {"lookup", (PyCFunction)Allocator_lookup, METH_VARARGS, "lookup(addr, size=1) -> (base, tag)"},
     {"install_torch_hook", (PyCFunction)Allocator_install_torch_hook, METH_NOARGS, "route msv_torch_malloc here"},
     {"info", (PyCFunction)Allocator_info, METH_NOARGS, "backend name, device, granularity"},

@@ -110,6 +110,9 @@ int msv_hostpool_get(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
 int msv_hostpool_take(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
 int msv_hostpool_register(msv_hostpool *hp, msv_hchunk *c);
 void msv_hostpool_put(msv_hostpool *hp, msv_hchunk *c);
+/* Have at least `bytes` of registered chunks free, in offload-sized chunks, and raise the reserve to
+ * `bytes` so trimming keeps them. Creates at most `bytes` per call; on failure keeps what it pinned. */
+int msv_hostpool_prepin(msv_hostpool *hp, size_t bytes);
 void msv_hostpool_trim(msv_hostpool *hp);
 /* Ask the reaper thread to trim (wake returns without waiting for cuMemHostUnregister). */
 void msv_hostpool_trim_async(msv_hostpool *hp);
@@ -135,6 +138,8 @@ typedef struct {
 typedef struct {
   uint64_t bytes_offloaded, bytes_restored, bytes_verified, sleeps, wakes;
   double last_sleep_seconds, last_wake_seconds;
+  double last_sleep_unmap_seconds; /* of the last sleep: time inside the backend's unmap calls */
+  double last_wake_map_seconds;    /* of the last wake: time inside the backend's map calls (overlaps its copies) */
   uint64_t host_chunks_created, host_chunks_reused;
   size_t host_held_bytes, host_reserve_bytes;
   double host_prefault_seconds, host_register_seconds;
@@ -174,6 +179,10 @@ int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *
 int msv_get_counters(msv_allocator *a, msv_counters *out, int nonblocking);
 int msv_set_checksum(msv_allocator *a, int on);
 int msv_set_host_reserve(msv_allocator *a, size_t bytes);
+/* Pre-pin host memory for the offload engine (msv_hostpool_prepin), so the first sleep skips mapping,
+ * faulting and page-locking. Takes neither the table lock nor the transition lock: safe beside sleep,
+ * wake and alloc. */
+int msv_host_prepin(msv_allocator *a, size_t bytes);
 
 /* Page-locked host buffers for callers (the host KV pool); valid copy_blocks endpoints. */
 int msv_host_alloc(msv_allocator *a, size_t size, uint64_t *out);

@@ -456,6 +456,109 @@ def test_wake_out_of_memory_keeps_every_named_tag_asleep(
         assert torch.equal(as_cpu_bytes(t), data)
 
 
+# Most sizes outgrow the arena's free tail, so the arena grows by six extents (4, 4, 4, 2, 2 and
+# 8 MiB), and tensors start and end mid-extent: their host pieces straddle extent boundaries, and
+# the 4 MiB host chunks cut them at other places again. The last tensor is the only one in the
+# last extent.
+MANY_EXTENT_SIZES = [
+    3 * MiB + 5,
+    3 * MiB + 77,
+    1000,
+    5 * MiB + 999,
+    700_001,
+    2 * MiB + 3,
+    4097,
+    1_234_567,
+    9 * MiB + 11,
+]
+
+
+@pytest.mark.parametrize("checksum", [False, True])
+def test_wake_restores_a_tag_of_many_extents(
+    make_allocator: AllocatorFactory, backend: str, gen: torch.Generator, checksum: bool
+) -> None:
+    alloc = make_allocator(backend, checksum=checksum)
+    live = [_tensor(alloc, n, "w", gen) for n in MANY_EXTENT_SIZES]
+    before = alloc.stats().tags["w"]
+    assert before.extents > 3
+    del live[3], live[5]  # holes: the backup holds several runs, cut at the holes
+    gc.collect()
+    tail, _ = live.pop()  # the last tensor goes while asleep: its own extent is not mapped back
+    ptrs = [t.data_ptr() for t, _ in live]
+    alloc.sleep({"w": "offload"})
+    del tail
+    gc.collect()
+    offloaded = alloc.stats().tags["w"].offloaded_bytes
+
+    alloc.wake_up()
+    after = alloc.stats()
+    w = after.tags["w"]
+    assert (w.state, w.mapped_bytes, w.offloaded_bytes) == ("awake", w.layout_bytes, 0)
+    assert 3 < w.extents == before.extents - 1
+    assert w.layout_bytes < before.layout_bytes
+    assert after.counters["bytes_restored"] == offloaded
+    assert [t.data_ptr() for t, _ in live] == ptrs
+    for t, data in live:
+        assert torch.equal(as_cpu_bytes(t), data)
+    if checksum:
+        assert after.counters["bytes_verified"] == sum(t.numel() for t, _ in live)
+
+
+def test_wake_out_of_memory_midway_through_a_tags_extents(
+    make_allocator: AllocatorFactory, gen: torch.Generator
+) -> None:
+    cap = 40 * MiB
+    alloc = make_allocator("host", host_capacity_bytes=cap)
+    kv, _ = _tensor(alloc, 1000, "kv", gen)  # woken first, fully mapped, and must be dropped again
+    live = [_tensor(alloc, n, "w", gen) for n in MANY_EXTENT_SIZES]
+    s = alloc.stats().tags
+    assert s["w"].extents > 3
+    layout = s["kv"].layout_bytes + s["w"].layout_bytes
+    alloc.sleep({"kv": "discard", "w": "offload"})
+    # room for "kv" and about half of "w": the wake maps and fills w's first extents, then fails
+    squat = cap - s["kv"].layout_bytes - s["w"].layout_bytes // 2 // alloc.granularity * alloc.granularity
+    squatter = alloc.empty(squat, torch.uint8, tag="other")
+    before = alloc.stats()
+    assert s["kv"].layout_bytes + 4 * MiB <= before.device_free_bytes < layout
+    with pytest.raises(OutOfMemory):
+        alloc.wake_up()
+    after = alloc.stats()
+    assert after.device_free_bytes == before.device_free_bytes
+    for tag, state in (("kv", "discarded"), ("w", "offloaded")):
+        t0, t1 = before.tags[tag], after.tags[tag]
+        assert (t1.state, t1.mapped_bytes) == (state, 0)
+        assert (t1.offloaded_bytes, t1.allocated_bytes, t1.extents) == (
+            t0.offloaded_bytes,
+            t0.allocated_bytes,
+            t0.extents,
+        )
+    assert after.counters["wakes"] == before.counters["wakes"]
+    assert after.counters["bytes_restored"] == before.counters["bytes_restored"]
+
+    del squatter
+    gc.collect()
+    alloc.wake_up()
+    w = alloc.stats().tags["w"]
+    assert (w.state, w.mapped_bytes) == ("awake", w.layout_bytes)
+    for t, data in live:
+        assert torch.equal(as_cpu_bytes(t), data)
+    assert alloc.stats().tags["kv"].state == "awake"
+    del kv
+
+
+def test_transition_timings_are_counted(alloc: MemoryAllocator, gen: torch.Generator) -> None:
+    first = alloc.stats().counters
+    assert first["last_sleep_unmap_seconds"] == 0.0 == first["last_wake_map_seconds"]
+    t, data = _tensor(alloc, 9 * MiB + 3, "w", gen)
+    alloc.sleep({"w": "offload"})
+    alloc.wake_up()
+    c = alloc.stats().counters
+    # the unmap calls are part of the sleep, the map calls part of the wake (overlapping its copies)
+    assert 0.0 <= c["last_sleep_unmap_seconds"] <= c["last_sleep_seconds"]
+    assert 0.0 <= c["last_wake_map_seconds"] <= c["last_wake_seconds"]
+    assert torch.equal(as_cpu_bytes(t), data)
+
+
 def test_out_of_memory_in_a_new_tag_leaves_no_tag(host_alloc: MemoryAllocator) -> None:
     before = host_alloc.stats()
     with pytest.raises(OutOfMemory):
@@ -903,6 +1006,86 @@ def test_negative_host_reserve_is_invalid(alloc: MemoryAllocator) -> None:
     with pytest.raises(InvalidArgument):
         alloc.set_host_reserve(-1)
     assert alloc.stats().counters["host_reserve_bytes"] == 0
+
+
+@pytest.mark.parametrize("nbytes", [20 * MiB, 13 * MiB + 5])
+def test_prepinned_host_memory_serves_the_first_sleep(
+    alloc: MemoryAllocator, gen: torch.Generator, nbytes: int
+) -> None:
+    pinned = 20 * MiB  # five 4 MiB chunks
+    alloc.prepin_host(pinned)
+    c0 = alloc.stats().counters
+    assert c0["host_held_bytes"] >= pinned
+    assert c0["host_reserve_bytes"] >= pinned
+    assert c0["host_chunks_created"] > 0
+    alloc.prepin_host(pinned)  # already there: nothing more to do
+    assert alloc.stats().counters["host_chunks_created"] == c0["host_chunks_created"]
+
+    t, data = _tensor(alloc, nbytes, "w", gen)
+    alloc.sleep({"w": "offload"})
+    c1 = alloc.stats().counters
+    assert c1["host_chunks_created"] == c0["host_chunks_created"]  # the first sleep made no chunk
+    assert c1["host_chunks_reused"] - c0["host_chunks_reused"] == -(-nbytes // (4 * MiB))
+    alloc.wake_up()
+    assert torch.equal(as_cpu_bytes(t), data)
+    assert _host_held_settles_at(alloc, int(c0["host_held_bytes"])) == c0["host_held_bytes"]  # kept by the reserve
+
+
+def test_prepin_beside_sleep_and_wake_cycles(alloc: MemoryAllocator, gen: torch.Generator) -> None:
+    w, w_data = _tensor(alloc, 9 * MiB + 77, "weights", gen)
+    kv, kv_data = _tensor(alloc, 3 * MiB + 1, "kv", gen)
+
+    def cycler() -> None:
+        for _ in range(6):
+            alloc.sleep({"weights": "offload"})
+            alloc.wake_up(["weights"])
+            assert torch.equal(as_cpu_bytes(w), w_data)
+
+    def prepinner() -> None:
+        for n in (8 * MiB, 16 * MiB, 0, 4 * MiB + 1, 24 * MiB, 12 * MiB):
+            alloc.prepin_host(n)
+
+    def reader() -> None:
+        for _ in range(50):
+            assert torch.equal(as_cpu_bytes(kv), kv_data)
+            alloc.stats()
+
+    _run_threads([cycler, prepinner, reader])
+    c = alloc.stats().counters
+    assert c["sleeps"] == c["wakes"] == 6
+    assert c["host_reserve_bytes"] >= 24 * MiB
+    assert c["host_held_bytes"] >= 24 * MiB
+    assert torch.equal(as_cpu_bytes(w), w_data)
+    alloc.sleep({"weights": "offload"})  # three chunks from the pool, none new
+    created = alloc.stats().counters["host_chunks_created"]
+    alloc.wake_up()
+    assert alloc.stats().counters["host_chunks_created"] == created
+    assert torch.equal(as_cpu_bytes(w), w_data)
+
+
+@pytest.mark.parametrize("nbytes", [-1, -(1 << 40), 1.5, "4096", None, True, 1 << 64])
+def test_bad_prepin_is_invalid_argument(host_alloc: MemoryAllocator, nbytes: object) -> None:
+    before = host_alloc.stats()
+    with pytest.raises(InvalidArgument):
+        host_alloc.prepin_host(nbytes)  # type: ignore[arg-type]
+    _unchanged(before, host_alloc.stats())
+    with pytest.raises(InvalidArgument):
+        host_alloc._native.prepin_host(-1)  # the native call checks too
+
+
+def test_prepin_of_zero_is_a_no_op(host_alloc: MemoryAllocator) -> None:
+    before = host_alloc.stats()
+    host_alloc.prepin_host(0)
+    _unchanged(before, host_alloc.stats())
+    assert before.counters["host_held_bytes"] == 0
+
+
+def test_prepin_never_lowers_the_host_reserve(host_alloc: MemoryAllocator) -> None:
+    host_alloc.set_host_reserve(64 * MiB)
+    host_alloc.prepin_host(8 * MiB)
+    c = host_alloc.stats().counters
+    assert c["host_reserve_bytes"] == 64 * MiB
+    assert c["host_held_bytes"] == 8 * MiB
 
 
 def test_host_buffers_hold_and_release_host_memory(alloc: MemoryAllocator, gen: torch.Generator) -> None:

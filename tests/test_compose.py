@@ -344,6 +344,7 @@ def test_cpu_profile_services_run_and_become_healthy(cpu_pair: tuple[dict[str, P
 # ---- every variable compose sets reaches the process ----
 OVERRIDES = {
     "MEMSVC_HOST_RESERVE": "64MiB",
+    "MEMSVC_HOST_PREPIN": "weights",
     "MEMSVC_CHECKSUM": "0",  # the default is on: set the other value to prove the variable is read
     "MEMSVC_IDLE_SLEEP_TIMEOUT": "42",
     "MEMSVC_IDLE_DEEP_SLEEP_TIMEOUT": "420",
@@ -390,6 +391,7 @@ EXPECTED: dict[str, tuple[str, Any]] = {
     "MEMSVC_KV_BLOCKS": ("kv_blocks", int),
     "MEMSVC_HOST_CAPACITY": ("host_capacity_bytes", parse_bytes),
     "MEMSVC_HOST_RESERVE": ("host_reserve_bytes", parse_bytes),
+    "MEMSVC_HOST_PREPIN": ("host_prepin", lambda v: v if v == "weights" else parse_bytes(v)),
     "MEMSVC_CHECKSUM": ("checksum", lambda v: v in ("1", "true")),
 }
 

@@ -256,6 +256,32 @@ def test_level1_sleep_offloads_weights_and_wake_restores_same_tokens(stub: Stub,
     assert generate(stub, PROMPT) == before
 
 
+def test_host_prepin_serves_the_first_sleep() -> None:
+    """``--host-prepin weights`` page-locks the weights pool's size in the background after the load:
+    the first sleep then finds its host memory ready (pinned bytes do not grow), and the wake keeps
+    it for the next sleep (the reserve was raised), although --host-reserve is 0."""
+    with WorkerProcess(["--model", "synthetic:tiny", "--host-prepin", "weights", "--host-reserve", "0"]) as wp:
+        st = status(wp.stub)
+        weights = tags(st)["weights"].mapped_bytes
+        kv_pool = st.kv_cache.host_block_count * st.kv_cache.block_bytes
+        deadline = time.monotonic() + 60
+        while st.host_pinned_bytes < weights + kv_pool and time.monotonic() < deadline:
+            time.sleep(0.05)
+            st = status(wp.stub)
+        pinned = st.host_pinned_bytes
+        assert pinned >= weights + kv_pool > 0
+        reference = generate(wp.stub, PROMPT)
+        r = sleep(wp.stub, c.SLEEP_LEVEL_1)
+        assert r.transition.moved_bytes == tags(st)["weights"].allocated_bytes
+        assert r.status.host_pinned_bytes == pinned  # the sleep made no chunk of its own
+        assert wake(wp.stub).status.host_pinned_bytes == pinned  # and the wake kept them
+        assert generate(wp.stub, PROMPT) == reference
+        assert sleep(wp.stub, c.SLEEP_LEVEL_1).status.host_pinned_bytes == pinned
+        wake(wp.stub)
+        wp.stop()
+        assert "host prepin: " in wp.stderr_text(), "no prepin log line"
+
+
 def test_reload_weights_keeps_tokens(stub: Stub, info: Info) -> None:
     r = stub.ReloadWeights(w.ReloadWeightsRequest(), timeout=CALL_TIMEOUT)
     assert r.transition.kind == "reload_weights"

@@ -410,6 +410,30 @@ class MemoryAllocator:
             raise InvalidArgument("host reserve must be >= 0 bytes")
         self._native.set_host_reserve(nbytes)
 
+    def prepin_host(self, nbytes: int) -> None:
+        """Map, pre-fault and page-lock ``nbytes`` of host staging chunks now, ahead of the first sleep.
+
+        A worker's first sleep is otherwise slow (2.5-30 GB/s on an H200 VM against 52 GB/s once
+        chunks are reused) because every host chunk it copies into must first be faulted in and
+        page-locked on the sleep path. This pays that cost up front, in offload-sized chunks, and
+        raises the host reserve to at least ``nbytes`` so wakes keep them. The trade: ``nbytes`` of
+        host RAM is held, locked, from now on instead of only while a tag sleeps; in return a sleep
+        of up to ``nbytes`` runs at line rate the first time. Pre-pin the bytes the first sleep will
+        offload (the tags slept with ``offload``), no more.
+
+        Safe while other threads allocate, sleep or wake: it holds no allocator lock, and runs
+        without the GIL. It creates at most ``nbytes`` of chunks, however many a sleep running beside
+        it takes from the pool. On failure (the memlock limit, host memory exhausted) the chunks
+        pinned so far are kept and OutOfMemory is raised. ``0`` does nothing.
+        """
+        if not isinstance(nbytes, int) or isinstance(nbytes, bool):
+            raise InvalidArgument(f"bytes to pre-pin must be an integer, got {nbytes!r}")
+        if nbytes < 0:
+            raise InvalidArgument(f"bytes to pre-pin must be >= 0, got {nbytes}")
+        if nbytes >= 1 << 63:
+            raise InvalidArgument(f"bytes to pre-pin must be < 2**63, got {nbytes}")
+        self._native.prepin_host(nbytes)
+
     def lookup(self, address: int, size: int = 1) -> tuple[int, str]:
         """The base address and tag of the allocation holding ``[address, address+size)``."""
         base, tag = self._native.lookup(address, size)

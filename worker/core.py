@@ -66,6 +66,9 @@ class WorkerConfig:
     checksum: bool = True
     """Verify offloaded bytes on wake; a mismatch fails the wake with DATA_LOSS naming the allocation."""
     host_reserve_bytes: int = 0
+    host_prepin: int | str = 0
+    """Host memory to page-lock in the background once the model is loaded, so the first sleep
+    runs at line rate: a byte count, or ``"weights"`` for the size of the weights pool."""
     huge_pages: bool = True
     seed: int = 0
     host_name: str = ""
@@ -133,6 +136,8 @@ class WorkerCore:
         self._done_lock = threading.Lock()
         self.alloc: MemoryAllocator | None = None
         self.runner: Any = None
+        self._prepin: threading.Thread | None = None
+        """Page-locks host memory after the load (``host_prepin``); the allocator outlives it."""
         self._device: dict[str, Any] = {}
         self._model_info: dict[str, Any] = {"source": config.model}
         self._last_activity = time.time()
@@ -235,8 +240,34 @@ class WorkerCore:
             moved = self._last_memory.tags[WEIGHTS].allocated_bytes if WEIGHTS in self._last_memory.tags else 0
             self._finish(Transition("load", moved, time.perf_counter() - t0))
             self._set_state(State.AWAKE, "model loaded")
+            self._start_prepin()
         finally:
             self._busy.release()
+
+    def _start_prepin(self) -> None:
+        """Page-lock the configured host memory on a thread of its own: the worker serves meanwhile,
+        and a sleep that comes first takes the chunks ready so far and makes the rest itself."""
+        assert self.alloc is not None and self._last_memory is not None
+        want = self.config.host_prepin
+        if want == "weights":
+            tag = self._last_memory.tags.get(WEIGHTS)
+            want = tag.mapped_bytes if tag is not None else 0
+        if not isinstance(want, int) or want <= 0:
+            return
+        alloc = self.alloc
+
+        def prepin() -> None:
+            t0 = time.perf_counter()
+            try:
+                alloc.prepin_host(want)
+            except MemsvcError as exc:
+                log.warning("host prepin of %.2f GiB stopped: %s", want / 2**30, exc)
+                return
+            dt = time.perf_counter() - t0
+            log.info("host prepin: %.2f GiB page-locked in %.2f s (%.1f GB/s)", want / 2**30, dt, want / dt / 1e9)
+
+        self._prepin = threading.Thread(target=prepin, name="memsvc-prepin", daemon=True)
+        self._prepin.start()
 
     def _describe_device(self) -> dict[str, Any]:
         assert self.alloc is not None

@@ -85,11 +85,8 @@ def test_swap_out_and_back_into_other_slots_keeps_tokens(gpu_worker: WorkerProce
     )
     assert out.moved_bytes == len(blocks) * out.kv_cache.block_bytes
     new = list(range(1000, 1000 + len(blocks)))
-    gpu_worker.stub.SwapBlocks(
-        w.SwapBlocksRequest(
-            direction=c.SWAP_DIRECTION_HOST_TO_DEVICE,
-            pairs=[w.BlockPair(src_block=h, dst_block=d) for h, d in zip(host, new, strict=True)],
-        )
+    gpu_worker.stub.SwapBlocks(  # back in with the packed form
+        w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=new)
     )
     rest = _generate(gpu_worker, 16, prompt=[], seq="s")
     assert list(first.token_ids) + list(rest.token_ids) == whole
