@@ -186,28 +186,39 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
 
 
 def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
-    """SwapBlocks through a worker's gRPC API: 8192 random 4 KiB blocks (synthetic:tiny with 8-token
-    blocks), device -> host and back, in both request forms (BlockPair messages, and the packed
-    src_blocks/dst_blocks lists). Per form: one call at a time (client time against the worker's own
-    duration), and ``depth`` calls in flight (the worker decodes the next request while the copy
-    engine runs the current one; the throughput a scheduler streaming swaps would see)."""
+    """SwapBlocks through a worker's gRPC API: random 4 KiB blocks (synthetic:tiny with 8-token blocks,
+    pools of 65536 blocks), device -> host and back. 8192 blocks per call in both request forms
+    (BlockPair messages, and the packed src_blocks/dst_blocks lists), and 32768 packed. Each: one call
+    at a time (client time against the worker's own duration), and ``depth`` calls in flight (the
+    worker decodes the next request while the copy engine runs the current one; the throughput a
+    scheduler streaming swaps would see). ``null_rpc_s``: a Health.Check round trip, the floor any
+    call pays on this host."""
     import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
 
     from memsvc.v1 import common_pb2 as c
     from memsvc.v1 import model_worker_service_pb2 as w
     from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
-    n = 8192
+    pool = 65536
     proc, address = _start_worker(
-        ["--model", "synthetic:tiny", "--block-size", "8", "--kv-blocks", "16384", "--host-kv-blocks", "16384"]
+        ["--model", "synthetic:tiny", "--block-size", "8", "--kv-blocks", str(pool), "--host-kv-blocks", str(pool)]
     )
     out: dict[str, Any] = {}
     try:
-        stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
+        channel = grpc.insecure_channel(address)
+        stub = w_grpc.ModelWorkerServiceStub(channel)
+        health = health_pb2_grpc.HealthStub(channel)
+        null = []
+        for _ in range(100):
+            t0 = time.perf_counter()
+            health.Check(health_pb2.HealthCheckRequest(), timeout=10)
+            null.append(time.perf_counter() - t0)
+        out["null_rpc_s"] = statistics.median(null)
         block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
         rng = random.Random(0)
-        dev, host = rng.sample(range(16384), n), rng.sample(range(16384), n)
-        for form in ("pairs", "packed"):
+        for form, n in (("pairs", 8192), ("packed", 8192), ("packed", 32768)):
+            dev, host = rng.sample(range(pool), n), rng.sample(range(pool), n)
             for name, direction, src, dst in (
                 ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, dev, host),
                 ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, host, dev),
@@ -233,7 +244,7 @@ def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
                         pending.append(stub.SwapBlocks.future(req, timeout=60))
                 streamed = (time.perf_counter() - t0) / calls
                 med = statistics.median(client)
-                out[f"{form}_{name}"] = {
+                out[f"{form}_{n}_{name}"] = {
                     "form": form,
                     "direction": name,
                     "block_bytes": block,
@@ -253,43 +264,56 @@ def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
 
 
 def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
-    """KvCache.swap_ids in process, 8192 blocks owned by 64 sequences (every block table moves), against
-    the bare copy_block_ids of the same ids: the cost of the checks and the ownership update."""
+    """KvCache.swap_ids in process (the worker's device-thread path without gRPC) on pools of 65536
+    4 KiB blocks: 8192 and 32768 random blocks owned by sequences of 128 blocks (every moved block's
+    table entry changes hands), against the bare copy_block_ids of the same ids: the cost of the
+    checks and the ownership update, and of the copy itself at that spread."""
     from worker.model.config import PRESETS
     from worker.model.kv_cache import KvCache
 
     alloc = MemoryAllocator(AllocatorConfig(backend="cuda"))
-    kv = KvCache(PRESETS["tiny"], alloc, 16384, 16384, block_size=8)
-    n, per = 8192, 128
-    for s in range(n // per):
+    pool, per = 65536, 128
+    kv = KvCache(PRESETS["tiny"], alloc, pool, pool, block_size=8)
+    for s in range(pool // per):
         kv.allocate_sequence(f"s{s}")
         kv.ensure_capacity(f"s{s}", per * 8)
     rng = np.random.default_rng(0)
-    dev = np.concatenate([np.array(kv.sequence(f"s{s}").block_ids) for s in range(n // per)])
-    host = rng.permutation(16384)[:n]
-    rows: dict[str, list[float]] = {"kv_out": [], "kv_in": [], "copy_out": [], "copy_in": []}
-    for _ in range(reps):
-        for tag, a, b, direction in (("out", dev, host, "out"), ("in", host, dev, "in")):
+    res: dict[str, Any] = {"block_bytes": kv.block_bytes, "pool_blocks": pool, "blocks_per_sequence": per}
+    for n in (8192, 32768):
+        seqs = rng.permutation(pool // per)[: n // per]
+        dev = np.concatenate([np.array(kv.sequence(f"s{s}").block_ids) for s in seqs])
+        others = np.concatenate([np.array(q.block_ids) for k, q in kv.sequences.items() if int(k[1:]) not in set(seqs)])
+        free_dev = np.setdiff1d(np.arange(pool), others)  # free once the sequences are out
+        host = rng.permutation(pool)[:n]
+        rows: dict[str, list[float]] = {"kv_out": [], "kv_in": [], "copy_out": [], "copy_in": []}
+        for _ in range(reps):
+            target = rng.permutation(free_dev)[:n]  # swap back in to other device blocks
             torch.cuda.synchronize()
             t0 = time.perf_counter()
-            kv.swap_ids(direction, a, b)  # type: ignore[arg-type]
-            rows[f"kv_{tag}"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        alloc.copy_block_ids(kv.device.tensor, kv.host.tensor, dev, host)
-        rows["copy_out"].append(time.perf_counter() - t0)
-        t0 = time.perf_counter()
-        alloc.copy_block_ids(kv.host.tensor, kv.device.tensor, host, dev)
-        rows["copy_in"].append(time.perf_counter() - t0)
-    assert kv.sequence("s0").location == "device"
-    med = {k: statistics.median(v) for k, v in rows.items()}
-    res: dict[str, Any] = {"blocks": n, "block_bytes": kv.block_bytes, "sequences": n // per}
-    for d in ("out", "in"):
-        res[d] = {
-            "swap_ids_s": med[f"kv_{d}"],
-            "copy_block_ids_s": med[f"copy_{d}"],
-            "bookkeeping_s": med[f"kv_{d}"] - med[f"copy_{d}"],
-            "GBps_swap_ids": n * kv.block_bytes / med[f"kv_{d}"] / GB,
-        }
+            kv.swap_ids("out", dev, host)
+            rows["kv_out"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            kv.swap_ids("in", host, target)
+            rows["kv_in"].append(time.perf_counter() - t0)
+            dev = target
+            t0 = time.perf_counter()
+            alloc.copy_block_ids(kv.device.tensor, kv.host.tensor, dev, host)
+            rows["copy_out"].append(time.perf_counter() - t0)
+            t0 = time.perf_counter()
+            alloc.copy_block_ids(kv.host.tensor, kv.device.tensor, host, dev)
+            rows["copy_in"].append(time.perf_counter() - t0)
+        assert all(kv.sequence(f"s{s}").location == "device" for s in seqs)
+        med = {k: statistics.median(v) for k, v in rows.items()}
+        for d in ("out", "in"):
+            res[f"{n}_{d}"] = {
+                "blocks": n,
+                "sequences": n // per,
+                "swap_ids_s": med[f"kv_{d}"],
+                "copy_block_ids_s": med[f"copy_{d}"],
+                "bookkeeping_s": med[f"kv_{d}"] - med[f"copy_{d}"],
+                "GBps_swap_ids": n * kv.block_bytes / med[f"kv_{d}"] / GB,
+                "GBps_copy_block_ids": n * kv.block_bytes / med[f"copy_{d}"] / GB,
+            }
     del kv
     alloc.close()
     return res
@@ -464,17 +488,23 @@ def main() -> None:
                 f"4 KiB {r['direction']} {r['method']}: call {r['median_s'] * 1e3:.3f} ms = native checks "
                 f"{r['native_validate_s'] * 1e3:.3f} ms + copy/sync {r['native_copy_s'] * 1e3:.3f} ms + Python"
             )
+    if "rpc_swap" in res:
+        print(f"null RPC (Health.Check) round trip: {res['rpc_swap']['null_rpc_s'] * 1e3:.2f} ms")
     for name, r in res.get("rpc_swap", {}).items():
+        if not isinstance(r, dict):
+            continue
         print(
-            f"SwapBlocks RPC {name}: 8192 x {r['block_bytes']} B in {r['client_s'] * 1e3:.2f} ms "
+            f"SwapBlocks RPC {name}: {r['blocks']} x {r['block_bytes']} B in {r['client_s'] * 1e3:.2f} ms "
             f"({r['GBps_client']:.1f} GB/s; worker {r['server_s'] * 1e3:.2f} ms = {r['GBps_server']:.1f} GB/s); "
             f"{r['in_flight']} in flight: {r['streamed_s_per_call'] * 1e3:.2f} ms/call = {r['GBps_streamed']:.1f} GB/s"
         )
-    for d in ("out", "in"):
-        r = res["kv_swap"][d]
+    for key, r in res["kv_swap"].items():
+        if not isinstance(r, dict):
+            continue
         print(
-            f"KvCache.swap_ids {d}: {r['swap_ids_s'] * 1e3:.3f} ms ({r['GBps_swap_ids']:.1f} GB/s) = copy_block_ids "
-            f"{r['copy_block_ids_s'] * 1e3:.3f} ms + checks/ownership {r['bookkeeping_s'] * 1e3:.3f} ms"
+            f"KvCache.swap_ids {key} ({r['sequences']} sequences): {r['swap_ids_s'] * 1e3:.3f} ms "
+            f"({r['GBps_swap_ids']:.1f} GB/s) = copy_block_ids {r['copy_block_ids_s'] * 1e3:.3f} ms "
+            f"({r['GBps_copy_block_ids']:.1f} GB/s) + checks/ownership {r['bookkeeping_s'] * 1e3:.3f} ms"
         )
     print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
 

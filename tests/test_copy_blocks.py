@@ -11,6 +11,7 @@ import gc
 import random
 from dataclasses import dataclass
 
+import numpy as np
 import pytest
 import torch
 from _util import MiB, as_cpu_bytes, fill_random
@@ -364,6 +365,18 @@ def test_copy_block_ids_moves_blocks_between_pools_and_rejects_bad_ids(alloc: Me
     with pytest.raises(InvalidArgument):
         alloc.copy_block_ids(dev, dev, [1, 2], [2, 3])  # block 2 both a source and a destination
     assert torch.equal(host, before)
+    # Id arrays of any integer dtype and layout (numpy views, int32, torch tensors) say the same.
+    ids = np.arange(2 * 20)
+    for s_ids, d_ids in (
+        (ids[::2], ids[1::2]),
+        (ids[:20].astype(np.int32), ids[20:]),
+        (torch.arange(20), ids[::-1][:20]),
+    ):
+        host.fill_(7)
+        alloc.copy_block_ids(dev, host, s_ids, d_ids)
+        expected = torch.full((n, bs), 7, dtype=torch.uint8)
+        expected[np.asarray(d_ids).tolist()] = as_cpu_bytes(dev).view(n, bs)[np.asarray(s_ids).tolist()]
+        assert torch.equal(host, expected), (s_ids, d_ids)
     alloc.sleep({"kv": "offload"})
     with pytest.raises(WrongState):
         alloc.copy_block_ids(dev, host, [0], [0])

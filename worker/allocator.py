@@ -174,6 +174,8 @@ def _ints(values: Any, what: str) -> Any:
     per-element conversion (an 8192-block swap stays in C); anything else becomes a list."""
     if isinstance(values, array.array) and values.typecode == "q":
         return values
+    if type(values).__name__ == "ndarray" and values.dtype.str == "<i8" and values.flags.c_contiguous:
+        return values  # numpy int64 (the KV cache's id arrays): no dtype string to build
     if hasattr(values, "numpy") and hasattr(values, "dtype"):  # a torch tensor: share its memory
         values = values.detach().cpu().contiguous()
         try:
@@ -181,7 +183,8 @@ def _ints(values: Any, what: str) -> Any:
         except RuntimeError:  # torch without numpy
             return values.tolist()
     if hasattr(values, "__array_interface__") and getattr(values, "dtype", None) is not None:
-        return values if str(values.dtype) == "int64" else values.tolist()
+        contiguous = getattr(getattr(values, "flags", None), "c_contiguous", False)
+        return values if str(values.dtype) == "int64" and contiguous else values.tolist()
     if isinstance(values, int) or values is None or isinstance(values, str | bytes):
         raise InvalidArgument(f"{what} must be a sequence of integers")
     try:

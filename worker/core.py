@@ -298,7 +298,7 @@ class WorkerCore:
                 self._last_memory = memory
             except TransitionInProgress:
                 pass  # a transition holds the table: report the last snapshot with the live state
-        kv = dict(self.runner.kv_cache.stats()) if self.runner is not None else {}
+        kv = self.kv_stats()
         model = self._model_info
         return Status(
             self.worker_id,
@@ -312,6 +312,11 @@ class WorkerCore:
             time.time(),
             self._last_activity,
         )
+
+    def kv_stats(self) -> dict[str, int]:
+        """Block counts of the KV cache alone: what SwapBlocks and FreeSequence answer with, without
+        the allocator snapshot a full :meth:`status` takes."""
+        return dict(self.runner.kv_cache.stats()) if self.runner is not None else {}
 
     def _require(self, *states: str) -> None:
         if self._state not in states:

@@ -4,7 +4,7 @@ mapped to status codes by memsvc.rpc_errors; nothing here decides policy."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Mapping
 from typing import Any
 
 import grpc
@@ -106,7 +106,6 @@ def status_pb(s: Status) -> c.WorkerStatus:
                 )
             )
     m = s.model
-    kv = s.kv_cache
     return c.WorkerStatus(
         worker_id=s.worker_id,
         state=state_enum(s.state),
@@ -120,20 +119,25 @@ def status_pb(s: Status) -> c.WorkerStatus:
             layer_count=int(m.get("layer_count", 0)),
         ),
         tags=tags,
-        kv_cache=c.KvCacheInfo(
-            block_bytes=kv.get("block_bytes", 0),
-            block_size_tokens=kv.get("block_size", 0),
-            device_block_count=kv.get("device_blocks", 0),
-            device_free_block_count=kv.get("device_free_blocks", 0),
-            host_block_count=kv.get("host_blocks", 0),
-            host_free_block_count=kv.get("host_free_blocks", 0),
-            sequence_count=kv.get("sequences", 0),
-        ),
+        kv_cache=kv_pb(s.kv_cache),
         last_transition=transition_pb(s.last_transition),
         host_pinned_bytes=host_pinned,
         update_time=timestamp(s.time),
         last_activity_time=timestamp(s.last_activity),
         sleep_level=s.sleep_level,
+    )
+
+
+def kv_pb(kv: Mapping[str, int]) -> c.KvCacheInfo:
+    """KvCacheInfo from :meth:`KvCache.stats` (empty before the model is loaded)."""
+    return c.KvCacheInfo(
+        block_bytes=kv.get("block_bytes", 0),
+        block_size_tokens=kv.get("block_size", 0),
+        device_block_count=kv.get("device_blocks", 0),
+        device_free_block_count=kv.get("device_free_blocks", 0),
+        host_block_count=kv.get("host_blocks", 0),
+        host_free_block_count=kv.get("host_free_blocks", 0),
+        sequence_count=kv.get("sequences", 0),
     )
 
 
@@ -187,7 +191,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             moved_bytes=t.moved_bytes,
             duration=duration(t.seconds),
             gigabytes_per_second=t.gigabytes_per_second,
-            kv_cache=status_pb(self.core.status()).kv_cache,
+            kv_cache=kv_pb(self.core.kv_stats()),
         )
 
     async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
@@ -202,7 +206,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
 
     async def FreeSequence(self, request: w.FreeSequenceRequest, context: Any) -> w.FreeSequenceResponse:
         await self.core.free_sequence(request.sequence_id)
-        return w.FreeSequenceResponse(kv_cache=status_pb(self.core.status()).kv_cache)
+        return w.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats()))
 
     async def StreamTelemetry(
         self, request: w.StreamTelemetryRequest, context: grpc.aio.ServicerContext

@@ -69,52 +69,79 @@ class HostKvPool(_BlockPool):
         super().__init__(alloc.host_empty(shape, config.torch_dtype), block_size)
 
 
+class _Slots:
+    """Every block-table entry of every sequence, one *slot* each: the block it names and whether
+    that block is in the host pool. Each slot owns exactly one block, so there are never more slots
+    than blocks in both pools. A swap rewrites the moved entries with one vectorised assignment
+    whatever the sequences they belong to, and a pool's owner array maps a block to its slot."""
+
+    def __init__(self, capacity: int) -> None:
+        self.block = np.full(capacity, _FREE, np.int64)
+        self.host = np.zeros(capacity, np.bool_)
+        self.seq = np.full(capacity, _FREE, np.int64)
+        """Handle of the sequence whose table holds the slot."""
+        self._free = np.arange(capacity - 1, -1, -1, dtype=np.int64)  # a stack: the lowest slot on top
+        self._n_free = capacity
+
+    def take(self, n: int, handle: int) -> np.ndarray:
+        assert n <= self._n_free, "more table entries than blocks"  # callers hand out one per block
+        self._n_free -= n
+        slots = self._free[self._n_free : self._n_free + n][::-1].copy()
+        self.seq[slots] = handle
+        return slots
+
+    def give_back(self, slots: np.ndarray) -> None:
+        self.seq[slots] = _FREE
+        self.block[slots] = _FREE
+        self._free[self._n_free : self._n_free + len(slots)] = slots[::-1]
+        self._n_free += len(slots)
+
+
 class Sequence:
     """One sequence's tokens and block table.
 
-    The block table is kept as arrays so a swap of thousands of blocks rewrites it with a few
-    vectorised assignments instead of a Python loop per block; the list views below are for readers.
+    The table is a list of slots in the cache's :class:`_Slots`, so a swap of thousands of blocks
+    moves their entries with a few array operations; the list views below are for readers.
     """
 
-    __slots__ = ("_host", "_ids", "handle", "num_cached", "seq_id", "tokens")
+    __slots__ = ("_slots", "_table", "handle", "num_cached", "seq_id", "tokens")
 
-    def __init__(self, seq_id: str, tokens: Iterable[int] = (), handle: int = 0) -> None:
+    def __init__(self, seq_id: str, table: _Slots, handle: int, tokens: Iterable[int] = ()) -> None:
         self.seq_id = seq_id
         self.tokens: list[int] = list(tokens)
         """Every token of the sequence, prompt and generated."""
         self.num_cached = 0
         """Leading tokens whose K and V are written in the blocks (the rest are still to be fed)."""
         self.handle = handle
-        """The cache's integer name for the sequence, stored in its ownership arrays."""
-        self._ids = np.zeros(0, np.int64)
-        self._host = np.zeros(0, np.bool_)
+        """The cache's integer name for the sequence, stored in its slots."""
+        self._table = table
+        self._slots = np.zeros(0, np.int64)
 
     @property
     def block_ids(self) -> list[int]:
         """Block table: entry ``i`` holds positions ``[i * block_size, (i + 1) * block_size)``."""
-        return self._ids.tolist()
+        return self._table.block[self._slots].tolist()  # type: ignore[no-any-return]
 
     @property
     def block_locations(self) -> list[Location]:
         """Which pool each entry of :attr:`block_ids` is in."""
-        return ["host" if h else "device" for h in self._host.tolist()]
+        return ["host" if h else "device" for h in self._table.host[self._slots].tolist()]
 
     @property
     def location(self) -> Literal["device", "host", "mixed"]:
         """``device`` (runnable; also with no blocks yet), ``host`` (all swapped out) or ``mixed``."""
-        if not self._host.any():
+        host = self._table.host[self._slots]
+        if not host.any():
             return "device"
-        if self._host.all():
+        if host.all():
             return "host"
         return "mixed"
 
     def __eq__(self, other: object) -> bool:
         if not isinstance(other, Sequence):
             return NotImplemented
-        return (
-            (self.seq_id, self.tokens, self.num_cached) == (other.seq_id, other.tokens, other.num_cached)
-            and np.array_equal(self._ids, other._ids) and np.array_equal(self._host, other._host)
-        )  # fmt: skip
+        mine = (self.seq_id, self.tokens, self.num_cached, self.block_ids, self.block_locations)
+        return mine == (other.seq_id, other.tokens, other.num_cached, other.block_ids, other.block_locations)
 
     __hash__ = None  # type: ignore[assignment]  # mutable
 
@@ -136,7 +163,7 @@ class KvStats(TypedDict):
 
 
 class KvCache:
-    """The device and host block pools, their free lists, and the sequence table.
+    """The device and host block pools, which table slot owns each block, and the sequence table.
 
     Not thread-safe: the :class:`~worker.model.runner.ModelRunner` serialises access.
     """
@@ -159,9 +186,8 @@ class KvCache:
         self.block_bytes = self.device.block_bytes
         self._pools: dict[Location, _BlockPool] = {"device": self.device, "host": self.host}
         self._owner: dict[Location, np.ndarray] = {}
-        """Per pool and block: the handle of the sequence that owns it, or ``_FREE``."""
-        self._index: dict[Location, np.ndarray] = {}
-        """Per pool and owned block: its index in the owner's block table."""
+        """Per pool and block: the table slot that names it, or ``_FREE``."""
+        self._table = _Slots(0)
         self._seqs: dict[str, Sequence] = {}
         self._by_handle: dict[int, Sequence] = {}
         self._next_handle = 0
@@ -184,7 +210,7 @@ class KvCache:
             raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
         if seq_id in self._seqs:
             raise InvalidArgument(f"sequence {seq_id!r} already exists")
-        seq = Sequence(seq_id, tokens, self._next_handle)
+        seq = Sequence(seq_id, self._table, self._next_handle, tokens)
         self._next_handle += 1
         self._seqs[seq_id] = self._by_handle[seq.handle] = seq
         return seq
@@ -197,7 +223,7 @@ class KvCache:
         seq = self.sequence(seq_id)
         if seq.location != "device":
             raise WrongState(f"sequence {seq_id!r} is swapped out ({seq.location}); swap it in first")
-        needed = -(-num_tokens // self.block_size) - len(seq._ids)
+        needed = -(-num_tokens // self.block_size) - len(seq._slots)
         if needed <= 0:
             return
         owner = self._owner["device"]
@@ -205,16 +231,19 @@ class KvCache:
         if needed > len(free):
             raise OutOfMemory(f"KV cache: sequence {seq_id!r} needs {needed} more device blocks, {len(free)} are free")
         blocks = free[:needed]
-        owner[blocks] = seq.handle
-        self._index["device"][blocks] = np.arange(len(seq._ids), len(seq._ids) + needed)
-        seq._ids = np.concatenate((seq._ids, blocks))
-        seq._host = np.concatenate((seq._host, np.zeros(needed, np.bool_)))
+        slots = self._table.take(needed, seq.handle)
+        self._table.block[slots] = blocks
+        self._table.host[slots] = False
+        owner[blocks] = slots
+        seq._slots = np.concatenate((seq._slots, slots))
 
     def free_sequence(self, seq_id: str) -> None:
         """Forget the sequence and return its blocks, in whichever pool they are, to the free lists."""
         seq = self.sequence(seq_id)
-        self._owner["device"][seq._ids[~seq._host]] = _FREE
-        self._owner["host"][seq._ids[seq._host]] = _FREE
+        blocks, host = self._table.block[seq._slots], self._table.host[seq._slots]
+        self._owner["device"][blocks[~host]] = _FREE
+        self._owner["host"][blocks[host]] = _FREE
+        self._table.give_back(seq._slots)
         del self._seqs[seq_id], self._by_handle[seq.handle]
 
     def drop_all(self) -> None:
@@ -223,7 +252,7 @@ class KvCache:
         self._by_handle.clear()
         for loc, pool in self._pools.items():
             self._owner[loc] = np.full(pool.num_blocks, _FREE, np.int64)
-            self._index[loc] = np.zeros(pool.num_blocks, np.int64)
+        self._table = _Slots(self.device.num_blocks + self.host.num_blocks)
 
     def drop_device(self) -> list[str]:
         """Forget the sequences that hold any device block; return their ids.
@@ -231,7 +260,7 @@ class KvCache:
         For after the ``kv_cache`` tag was discarded: device blocks hold garbage then, but sequences
         entirely swapped out to the host pool are intact (host blocks do not sleep) and are kept.
         """
-        dropped = [s.seq_id for s in self._seqs.values() if not s._host.all()]
+        dropped = [s.seq_id for s in self._seqs.values() if not self._table.host[s._slots].all()]
         for seq_id in dropped:
             self.free_sequence(seq_id)
         return dropped
@@ -271,40 +300,31 @@ class KvCache:
     def _check(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
         for what, ids, loc in (("src", src, src_loc), ("dst", dst, dst_loc)):
             n = self._pools[loc].num_blocks
-            bad = (ids < 0) | (ids >= n)
-            if bad.any():
-                i = int(bad.argmax())
+            if ids.min() < 0 or ids.max() >= n:  # two reductions; the offender is looked up only on error
+                i = int(((ids < 0) | (ids >= n)).argmax())
                 raise InvalidArgument(f"pair {i}: {what} block {ids[i]} out of range for {loc} pool of {n}")
         for ids, loc, role in ((src, src_loc, "a source"), (dst, dst_loc, "a destination")):
             i = _first_repeat(ids, self._pools[loc].num_blocks)
             if i >= 0:
                 raise InvalidArgument(f"pair {i}: {loc} block {ids[i]} is {role} twice")
-        owners = self._owner[dst_loc][dst]
-        used = owners != _FREE
-        if used.any():
-            i = int(used.argmax())
-            owner = self._by_handle[int(owners[i])].seq_id
+        slots = self._owner[dst_loc][dst]
+        if slots.max() != _FREE:  # slots are >= 0, _FREE is -1
+            i = int((slots != _FREE).argmax())
+            owner = self._by_handle[int(self._table.seq[slots[i]])].seq_id
             raise InvalidArgument(f"pair {i}: {dst_loc} block {dst[i]} is in use by sequence {owner!r}")
 
     def _move(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
-        """Hand each owned source's place in its block table to its destination."""
-        handles = self._owner[src_loc][src]
-        owned = handles != _FREE
-        if not owned.any():
+        """Hand each owned source's table entry to its destination: whole arrays, whatever the owners."""
+        slots = self._owner[src_loc][src]
+        if slots.max() == _FREE:
             return  # free blocks: the data moved, nothing owns it
-        if not owned.all():
-            src, dst, handles = src[owned], dst[owned], handles[owned]
-        index = self._index[src_loc][src]
-        self._owner[dst_loc][dst] = handles
-        self._index[dst_loc][dst] = index
+        if slots.min() == _FREE:  # some free, some owned
+            owned = slots != _FREE
+            src, dst, slots = src[owned], dst[owned], slots[owned]
         self._owner[src_loc][src] = _FREE
-        to_host = dst_loc == "host"
-        one = handles[0] == handles[-1] and bool((handles == handles[0]).all())
-        for handle in [int(handles[0])] if one else np.unique(handles).tolist():
-            seq = self._by_handle[handle]
-            mine = slice(None) if one else handles == handle
-            seq._ids[index[mine]] = dst[mine]
-            seq._host[index[mine]] = to_host
+        self._owner[dst_loc][dst] = slots
+        self._table.block[slots] = dst
+        self._table.host[slots] = dst_loc == "host"
 
     def _free_count(self, loc: Location) -> int:
         return int(np.count_nonzero(self._owner[loc] == _FREE))
