@@ -1,5 +1,5 @@
 """Plots for docs/benchmarks.md from the benchmarks' JSON: GB/s against block size per copy method,
-and sleep/wake GB/s per cycle.
+sleep/wake GB/s per cycle, and 4 KiB swaps along the SwapBlocks path.
 
     python -m bench.plot docs/results/line_rate-<date>.json docs/results/bench_allocator-<date>.json docs/img
 """
@@ -41,6 +41,7 @@ def cycles_plot(line_rate: dict[str, Any], alloc: dict[str, Any], out: Path) -> 
     fig, axes = plt.subplots(1, 2, figsize=(11, 4), sharey=True)
     series = {
         "memsvc, host reserve on": alloc["weights_reserve"]["cycles"],
+        "memsvc, prepinned (--host-prepin)": alloc["weights_prepinned"]["cycles"],
         "memsvc, no reserve": alloc["weights_no_reserve"]["cycles"],
         "vLLM-style (pin per tensor, sync copy)": line_rate["vllm_style"]["cycles"],
     }
@@ -58,6 +59,28 @@ def cycles_plot(line_rate: dict[str, Any], alloc: dict[str, Any], out: Path) -> 
     fig.savefig(out, dpi=110)
 
 
+def swap_path_plot(line_rate: dict[str, Any], out: Path) -> None:
+    """4 KiB swaps along the SwapBlocks path, device -> host: the bare copy, the KV cache in process,
+    the RPC one call at a time, and the RPC with calls in flight; 8192 and 32768 blocks per call."""
+    rpc, kv = line_rate["rpc_swap"], line_rate["kv_swap"]
+    labels = ["copy_block_ids", "KvCache.swap_ids", "RPC, 1 call", "RPC, 4 in flight"]
+    fig, ax = plt.subplots(figsize=(8, 4))
+    width = 0.38
+    for k, n in enumerate((8192, 32768)):
+        r, q = rpc[f"packed_{n}_d2h"], kv[f"{n}_out"]
+        values = [q["GBps_copy_block_ids"], q["GBps_swap_ids"], r["GBps_client"], r["GBps_streamed"]]
+        bars = ax.bar([i + (k - 0.5) * width for i in range(len(labels))], values, width, label=f"{n} blocks per call")
+        ax.bar_label(bars, fmt="%.0f", fontsize=8)
+    ax.set_xticks(range(len(labels)), labels)
+    ax.set_ylabel("GB/s")
+    ax.set_title("4 KiB blocks, device -> host, along the SwapBlocks path", fontsize=10)
+    ax.legend(fontsize=8)
+    ax.grid(alpha=0.3, axis="y")
+    fig.suptitle(f"{line_rate['device']}, driver {line_rate.get('driver')}, commit {line_rate['commit']}")
+    fig.tight_layout()
+    fig.savefig(out, dpi=110)
+
+
 def main() -> None:
     line_rate = json.loads(Path(sys.argv[1]).read_text())
     alloc = json.loads(Path(sys.argv[2]).read_text())
@@ -65,6 +88,7 @@ def main() -> None:
     out.mkdir(parents=True, exist_ok=True)
     copy_plot(line_rate, out / "copy_gbps_by_block_size.png")
     cycles_plot(line_rate, alloc, out / "sleep_wake_by_cycle.png")
+    swap_path_plot(line_rate, out / "swap_path.png")
 
 
 if __name__ == "__main__":

@@ -668,11 +668,90 @@ static PyObject *mod_checksum(PyObject *m, PyObject *args) {
   return PyLong_FromUnsignedLongLong(s);
 }
 
+/* A C-contiguous buffer of `itemsize`-byte items, `kinds` naming the accepted format letters. */
+static int get_items(PyObject *obj, const char *what, Py_ssize_t itemsize, const char *kinds, int writable,
+                     Py_buffer *view) {
+  int flags = PyBUF_FORMAT | PyBUF_C_CONTIGUOUS | (writable ? PyBUF_WRITABLE : 0);
+  if (PyObject_GetBuffer(obj, view, flags) != 0) {
+    PyErr_Clear();
+    PyErr_Format(g_err[MSV_E_INVALID], "%s must be a contiguous%s array", what, writable ? ", writable" : "");
+    return -1;
+  }
+  const char *f = view->format ? view->format : "B";
+  if (*f && strchr("@=<>!", *f)) f++;
+  if (view->itemsize != itemsize || !f[0] || f[1] || !strchr(kinds, f[0])) {
+    PyBuffer_Release(view);
+    PyErr_Format(g_err[MSV_E_INVALID], "%s must hold %zd-byte items of kind '%s'", what, itemsize, kinds);
+    return -1;
+  }
+  return 0;
+}
+
+/* kv_check(src, dst, n_src, n_dst, owner_dst) -> (code, index): see msv_kv_check */
+static PyObject *mod_kv_check(PyObject *m, PyObject *args) {
+  (void)m;
+  PyObject *so, *dobj, *oo;
+  long long n_src, n_dst;
+  if (!PyArg_ParseTuple(args, "OOLLO", &so, &dobj, &n_src, &n_dst, &oo)) return NULL;
+  Py_buffer s, d, o;
+  if (get_items(so, "src", 8, "qlQL", 0, &s)) return NULL;
+  if (get_items(dobj, "dst", 8, "qlQL", 0, &d)) return PyBuffer_Release(&s), NULL;
+  if (get_items(oo, "owner_dst", 8, "ql", 0, &o)) return PyBuffer_Release(&s), PyBuffer_Release(&d), NULL;
+  PyObject *ret = NULL;
+  if (s.len != d.len)
+    PyErr_Format(g_err[MSV_E_INVALID], "%zd source ids but %zd destination ids", s.len / 8, d.len / 8);
+  else if (n_dst < 0 || o.len / 8 < n_dst)
+    PyErr_Format(g_err[MSV_E_INVALID], "owner_dst holds %zd blocks, fewer than n_dst = %lld", o.len / 8, n_dst);
+  else {
+    size_t bad = 0;
+    int code = msv_kv_check(s.buf, d.buf, (size_t)(s.len / 8), n_src, n_dst, o.buf, &bad);
+    if (code == MSV_KV_NO_MEMORY) PyErr_NoMemory();
+    else ret = Py_BuildValue("(in)", code, (Py_ssize_t)bad);
+  }
+  PyBuffer_Release(&s), PyBuffer_Release(&d), PyBuffer_Release(&o);
+  return ret;
+}
+
+/* kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host): see msv_kv_move */
+static PyObject *mod_kv_move(PyObject *m, PyObject *args) {
+  (void)m;
+  PyObject *obj[6];
+  int to_host;
+  if (!PyArg_ParseTuple(args, "OOOOOOp", &obj[0], &obj[1], &obj[2], &obj[3], &obj[4], &obj[5], &to_host)) return NULL;
+  static const char *names[6] = {"src", "dst", "owner_src", "owner_dst", "slot_block", "slot_host"};
+  Py_buffer v[6];
+  int got = 0, rc = 0;
+  for (; got < 6; got++) {
+    int host = got == 5;
+    if (get_items(obj[got], names[got], host ? 1 : 8, host ? "?bB" : (got < 2 ? "qlQL" : "ql"), got >= 2, &v[got])) {
+      rc = -1;
+      break;
+    }
+  }
+  if (!rc && v[0].len != v[1].len) {
+    PyErr_Format(g_err[MSV_E_INVALID], "%zd source ids but %zd destination ids", v[0].len / 8, v[1].len / 8);
+    rc = -1;
+  }
+  if (!rc && v[4].len / 8 != v[5].len) {
+    PyErr_Format(g_err[MSV_E_INVALID], "slot_block and slot_host differ in length");
+    rc = -1;
+  }
+  if (!rc && msv_kv_move(v[0].buf, v[1].buf, (size_t)(v[0].len / 8), v[2].buf, (size_t)(v[2].len / 8), v[3].buf,
+                         (size_t)(v[3].len / 8), v[4].buf, v[5].buf, (size_t)v[5].len, to_host)) {
+    raise_last();
+    rc = -1;
+  }
+  for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
+  return rc ? NULL : Py_NewRef(Py_None);
+}
+
 static PyMethodDef mod_methods[] = {
     {"cuda_device_count", mod_cuda_device_count, METH_NOARGS, "CUDA devices the driver reports (0 without a driver)."},
     {"cuda_unavailable_reason", mod_cuda_unavailable_reason, METH_NOARGS, "why the cuda backend cannot run, or None"},
     {"set_pool_tag", mod_set_pool_tag, METH_VARARGS, "tag for allocations made through the torch hook"},
     {"checksum", mod_checksum, METH_VARARGS, "the offload checksum of a bytes-like object"},
+    {"kv_check", mod_kv_check, METH_VARARGS, "kv_check(src, dst, n_src, n_dst, owner_dst) -> (code, index)"},
+    {"kv_move", mod_kv_move, METH_VARARGS, "kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host)"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "memsvc native allocator core", -1, mod_methods,
@@ -697,5 +776,11 @@ PyMODINIT_FUNC PyInit__native(void) {
   PyModule_AddIntConstant(m, "COPY_LOOP", MSV_COPY_LOOP);
   PyModule_AddIntConstant(m, "COPY_BATCH", MSV_COPY_BATCH);
   PyModule_AddIntConstant(m, "COPY_KERNEL", MSV_COPY_KERNEL);
+  PyModule_AddIntConstant(m, "KV_OK", MSV_KV_OK);
+  PyModule_AddIntConstant(m, "KV_SRC_RANGE", MSV_KV_SRC_RANGE);
+  PyModule_AddIntConstant(m, "KV_DST_RANGE", MSV_KV_DST_RANGE);
+  PyModule_AddIntConstant(m, "KV_SRC_TWICE", MSV_KV_SRC_TWICE);
+  PyModule_AddIntConstant(m, "KV_DST_TWICE", MSV_KV_DST_TWICE);
+  PyModule_AddIntConstant(m, "KV_DST_IN_USE", MSV_KV_DST_IN_USE);
   return m;
 }

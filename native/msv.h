@@ -202,6 +202,26 @@ int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, u
 /* Find the live allocation holding [addr, addr+size): its base and tag; MSV_E_NOT_FOUND if none. */
 int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap);
 
+/* ---- the KV cache's block ownership (kvtable.c) ---- */
+enum {
+  MSV_KV_OK = 0,
+  MSV_KV_SRC_RANGE = 1,  /* a source id outside its pool */
+  MSV_KV_DST_RANGE = 2,  /* a destination id outside its pool */
+  MSV_KV_SRC_TWICE = 3,  /* a source named twice */
+  MSV_KV_DST_TWICE = 4,  /* a destination named twice */
+  MSV_KV_DST_IN_USE = 5, /* a destination some sequence owns */
+  MSV_KV_NO_MEMORY = 6,
+};
+/* Check a swap of src[i] -> dst[i] against the pools' sizes and the destination pool's owner array
+ * (slot per block, < 0 when free). Returns MSV_KV_OK or the first problem, with its index in *bad. */
+int msv_kv_check(const int64_t *src, const int64_t *dst, size_t n, int64_t n_src, int64_t n_dst,
+                 const int64_t *owner_dst, size_t *bad);
+/* After a checked swap's copy: each owned source's slot moves to its destination (owner arrays and
+ * the slot's block and pool). MSV_E_INVALID, changing nothing, if any index lies outside its array. */
+int msv_kv_move(const int64_t *src, const int64_t *dst, size_t n, int64_t *owner_src, size_t n_owner_src,
+                int64_t *owner_dst, size_t n_owner_dst, int64_t *slot_block, uint8_t *slot_host, size_t n_slots,
+                int to_host);
+
 /* torch hook (pluggable.c) */
 void msv_hook_install(msv_allocator *a);
 void msv_hook_set_tag(const char *tag);

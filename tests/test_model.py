@@ -506,6 +506,35 @@ def test_swap_ids_takes_arrays_and_refuses_malformed_ids(alloc: MemoryAllocator)
         assert (kv.stats(), kv.sequence("a")) == before, (src, dst)
 
 
+def test_native_kv_table_refuses_bad_buffers_and_indices() -> None:
+    """kv_check / kv_move (native/kvtable.c) index raw memory: a wrong dtype, layout or index must be
+    an InvalidArgument that changes nothing, never a write out of bounds."""
+    from worker import _native
+
+    owner = np.full(8, -1, np.int64)
+    owner_src = np.array([0, -1, 1, -1], np.int64)
+    block, host = np.array([0, 2], np.int64), np.zeros(2, np.bool_)
+    ids = np.array([0, 2], np.int64)
+    assert _native.kv_check(ids, ids, 4, 8, owner) == (_native.KV_OK, 0)
+    assert _native.kv_check(ids, np.array([1, 1]), 4, 8, owner) == (_native.KV_DST_TWICE, 1)
+    assert _native.kv_check(ids, np.array([1, 8]), 4, 8, owner) == (_native.KV_DST_RANGE, 1)
+    for bad in (ids.astype(np.float64), ids.astype(np.int32), np.arange(4, dtype=np.int64)[::2], [0, 2]):
+        with pytest.raises(InvalidArgument):
+            _native.kv_check(bad, ids, 4, 8, owner)
+    with pytest.raises(InvalidArgument):
+        _native.kv_check(ids, ids, 4, 9, owner)  # the owner array is shorter than the pool
+    before = (owner.copy(), owner_src.copy(), block.copy(), host.copy())
+    for src, dst in (([0, 4], [1, 2]), ([0, 2], [1, 8]), ([-1, 2], [1, 2])):
+        with pytest.raises(InvalidArgument):
+            _native.kv_move(np.array(src), np.array(dst), owner_src, owner, block, host, True)
+        assert all(np.array_equal(x, y) for x, y in zip((owner, owner_src, block, host), before, strict=True))
+    with pytest.raises(InvalidArgument):  # slot_host of the wrong item kind
+        _native.kv_move(ids, ids, owner_src, np.full(8, -1, np.int64)[:], block, host.astype(np.float32), True)
+    _native.kv_move(ids, np.array([5, 6]), owner_src, owner, block, host, True)
+    assert owner_src.tolist() == [-1, -1, -1, -1] and owner[5] == 0 and owner[6] == 1
+    assert block.tolist() == [5, 6] and host.tolist() == [True, True]
+
+
 def test_swap_bookkeeping_matches_a_reference_model(alloc: MemoryAllocator) -> None:
     """Random swaps, valid and not, several sequences and free blocks mixed in one call: the vectorised
     ownership arrays must agree with a plain per-block model, and the bytes must move with them."""

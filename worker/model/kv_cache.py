@@ -21,6 +21,7 @@ import numpy as np
 import torch
 
 from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, WrongState
+from worker import _native
 from worker.allocator import CopyMethod, MemoryAllocator
 from worker.model.config import ModelConfig
 
@@ -298,33 +299,25 @@ class KvCache:
         return len(src) * self.block_bytes
 
     def _check(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
-        for what, ids, loc in (("src", src, src_loc), ("dst", dst, dst_loc)):
-            n = self._pools[loc].num_blocks
-            if ids.min() < 0 or ids.max() >= n:  # two reductions; the offender is looked up only on error
-                i = int(((ids < 0) | (ids >= n)).argmax())
-                raise InvalidArgument(f"pair {i}: {what} block {ids[i]} out of range for {loc} pool of {n}")
-        for ids, loc, role in ((src, src_loc, "a source"), (dst, dst_loc, "a destination")):
-            i = _first_repeat(ids, self._pools[loc].num_blocks)
-            if i >= 0:
-                raise InvalidArgument(f"pair {i}: {loc} block {ids[i]} is {role} twice")
-        slots = self._owner[dst_loc][dst]
-        if slots.max() != _FREE:  # slots are >= 0, _FREE is -1
-            i = int((slots != _FREE).argmax())
-            owner = self._by_handle[int(self._table.seq[slots[i]])].seq_id
+        """One pass in C (native/kvtable.c); the first bad pair is named, as a per-pair check would."""
+        n_src, n_dst = self._pools[src_loc].num_blocks, self._pools[dst_loc].num_blocks
+        code, i = _native.kv_check(src, dst, n_src, n_dst, self._owner[dst_loc])
+        if code == _native.KV_SRC_RANGE:
+            raise InvalidArgument(f"pair {i}: src block {src[i]} out of range for {src_loc} pool of {n_src}")
+        if code == _native.KV_DST_RANGE:
+            raise InvalidArgument(f"pair {i}: dst block {dst[i]} out of range for {dst_loc} pool of {n_dst}")
+        if code == _native.KV_SRC_TWICE:
+            raise InvalidArgument(f"pair {i}: {src_loc} block {src[i]} is a source twice")
+        if code == _native.KV_DST_TWICE:
+            raise InvalidArgument(f"pair {i}: {dst_loc} block {dst[i]} is a destination twice")
+        if code == _native.KV_DST_IN_USE:
+            owner = self._by_handle[int(self._table.seq[self._owner[dst_loc][dst[i]]])].seq_id
             raise InvalidArgument(f"pair {i}: {dst_loc} block {dst[i]} is in use by sequence {owner!r}")
 
     def _move(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
-        """Hand each owned source's table entry to its destination: whole arrays, whatever the owners."""
-        slots = self._owner[src_loc][src]
-        if slots.max() == _FREE:
-            return  # free blocks: the data moved, nothing owns it
-        if slots.min() == _FREE:  # some free, some owned
-            owned = slots != _FREE
-            src, dst, slots = src[owned], dst[owned], slots[owned]
-        self._owner[src_loc][src] = _FREE
-        self._owner[dst_loc][dst] = slots
-        self._table.block[slots] = dst
-        self._table.host[slots] = dst_loc == "host"
+        """Hand each owned source's table entry to its destination (one pass in C)."""
+        t = self._table
+        _native.kv_move(src, dst, self._owner[src_loc], self._owner[dst_loc], t.block, t.host, dst_loc == "host")
 
     def _free_count(self, loc: Location) -> int:
         return int(np.count_nonzero(self._owner[loc] == _FREE))
@@ -363,20 +356,7 @@ def _id_array(values: Any, what: str) -> np.ndarray:
         raise InvalidArgument(
             f"{what} block ids must be a flat sequence of integers, got {arr.dtype} of shape {arr.shape}"
         )
-    return arr.astype(np.int64, copy=False)
-
-
-def _first_repeat(ids: np.ndarray, n: int) -> int:
-    """Index of the first id that appeared earlier in ``ids`` (all in ``[0, n)``), or -1: O(n) when
-    there is none, which is every accepted request."""
-    seen = np.zeros(n, np.bool_)
-    seen[ids] = True
-    if int(np.count_nonzero(seen)) == len(ids):
-        return -1
-    order = np.argsort(ids, kind="stable")
-    ranked = ids[order]
-    later = order[1:][ranked[1:] == ranked[:-1]]  # each repeat after its first occurrence
-    return int(later.min())
+    return np.ascontiguousarray(arr, dtype=np.int64)
 
 
 def pairs_to_ids(pairs: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
