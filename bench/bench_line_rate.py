@@ -149,8 +149,10 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
         if prepin:
             t0 = time.perf_counter()
             st = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
-            weights = next(t.mapped_bytes for t in st.tags if t.tag == "weights")
-            while st.host_pinned_bytes < weights and time.perf_counter() - t0 < 300:
+            # done: the weights' size pinned beside the host KV pool (a sleep before that would race it)
+            want = next(t.mapped_bytes for t in st.tags if t.tag == "weights")
+            want += st.kv_cache.host_block_count * st.kv_cache.block_bytes
+            while st.host_pinned_bytes < want and time.perf_counter() - t0 < 300:
                 time.sleep(0.1)
                 st = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
             prepin_wait_s = time.perf_counter() - t0
