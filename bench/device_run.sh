@@ -11,8 +11,10 @@ if [ -d .whl ]; then
   wheels=(.whl/*.whl)
   # numpy: only where the machine has none (its torch was built against the one it has)
   python3 -c "import numpy" 2>/dev/null && wheels=($(ls .whl/*.whl | grep -v /numpy-))
-  python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
-    && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  if [ ${#wheels[@]} -gt 0 ]; then
+    python3 -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target /tmp/site "${wheels[@]}" \
+      && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
+  fi
 fi
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null) memlock: $(ulimit -l) cpus: $(nproc)"

@@ -967,6 +967,7 @@ int msv_set_host_reserve(msv_allocator *a, size_t bytes) {
 
 /* Only the pool's own lock, taken briefly: the seconds of faulting and pinning hold no allocator lock. */
 int msv_host_prepin(msv_allocator *a, size_t bytes) { return msv_hostpool_prepin(&a->hp, bytes); }
+void msv_host_prepin_cancel(msv_allocator *a) { msv_hostpool_prepin_cancel(&a->hp); }
 
 int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap) {
   pthread_mutex_lock(&a->mu);

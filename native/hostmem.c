@@ -262,18 +262,22 @@ int msv_hostpool_prepin(msv_hostpool *hp, size_t bytes) {
    * reports at start-up is far below what can be had. The caller sizes this, as it sizes a sleep. */
   pthread_mutex_lock(&hp->mu);
   if (hp->reserve_bytes < bytes) hp->reserve_bytes = bytes; /* so a trim keeps what is pinned here */
+  size_t held_at_start = hp->held_bytes;
   pthread_mutex_unlock(&hp->mu);
-  /* Count free chunks afresh each round, since a sleep running beside this may take some; but
-   * create at most `bytes` in all, so such a sleep cannot keep this call going. */
+  /* Stop when `bytes` of free chunks are ready, or when the pool has grown by `bytes` since the
+   * start, whoever made the chunks: a sleep running beside this takes prepinned chunks and makes
+   * its own, and together they must not pin more than the sleep needs. */
   pin_job job = {.hp = hp};
-  size_t made = 0;
   int rc = MSV_OK;
-  while (made < bytes) {
+  for (;;) {
     pthread_mutex_lock(&hp->mu);
     size_t have = hp->free_bytes + job.size;
+    size_t grown = hp->held_bytes > held_at_start ? hp->held_bytes - held_at_start : 0;
+    int cancel = hp->prepin_cancel || hp->stopping;
     pthread_mutex_unlock(&hp->mu);
-    if (have >= bytes) break;
-    size_t want = bytes - have < hp->chunk_bytes ? bytes - have : hp->chunk_bytes;
+    if (have >= bytes || grown >= bytes || cancel) break;
+    size_t left = bytes - (have > grown ? have : grown);
+    size_t want = left < hp->chunk_bytes ? left : hp->chunk_bytes;
     msv_hchunk *c = NULL;
     rc = msv_hostpool_map(hp, want, &c); /* faults this chunk while the helper pins the last one */
     int prc = pin_finish(&job);
@@ -282,10 +286,15 @@ int msv_hostpool_prepin(msv_hostpool *hp, size_t bytes) {
       if (c) chunk_destroy(hp, c); /* faulted but not pinned: not worth the RAM it holds */
       return rc;
     }
-    made += c->size;
     pin_start(&job, c);
   }
   return pin_finish(&job);
+}
+
+void msv_hostpool_prepin_cancel(msv_hostpool *hp) {
+  pthread_mutex_lock(&hp->mu);
+  hp->prepin_cancel = 1;
+  pthread_mutex_unlock(&hp->mu);
 }
 
 void msv_hostpool_destroy(msv_hostpool *hp) {

@@ -175,6 +175,7 @@ static void Allocator_dealloc(AllocatorObject *self) {
 static PyObject *Allocator_close(AllocatorObject *self, PyObject *unused) {
   (void)unused;
   if (self->a) {
+    msv_host_prepin_cancel(self->a); /* a prepin still running on another thread stops at its next chunk */
     msv_release(self->a);
     self->a = NULL;
   }
@@ -427,7 +428,7 @@ static int read_u64s(PyObject *obj, const char *what, uint64_t **out, Py_ssize_t
   Py_buffer view;
   if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
     const char *f = view.format ? view.format : "B";
-    if (*f && strchr("@=<>!", *f)) f++;
+    if (*f && strchr("@=<", *f)) f++; /* native or little-endian; '>' and '!' fall through as bad */
     int ok = view.itemsize == 8 && f[0] && f[1] == '\0' && strchr("qQlL", f[0]);
     if (!ok) {
       PyBuffer_Release(&view);
@@ -678,7 +679,7 @@ static int get_items(PyObject *obj, const char *what, Py_ssize_t itemsize, const
     return -1;
   }
   const char *f = view->format ? view->format : "B";
-  if (*f && strchr("@=<>!", *f)) f++;
+  if (*f && strchr("@=<", *f)) f++; /* native or little-endian; '>' and '!' fall through as bad */
   if (view->itemsize != itemsize || !f[0] || f[1] || !strchr(kinds, f[0])) {
     PyBuffer_Release(view);
     PyErr_Format(g_err[MSV_E_INVALID], "%s must hold %zd-byte items of kind '%s'", what, itemsize, kinds);

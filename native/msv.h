@@ -100,6 +100,7 @@ typedef struct {
   pthread_t reaper;
   pthread_cond_t cv;
   int reaper_started, reap_pending, stopping;
+  int prepin_cancel; /* a running prepin stops before its next chunk */
 } msv_hostpool;
 
 int msv_hostpool_init(msv_hostpool *hp, msv_backend *b, size_t chunk_bytes, size_t reserve_bytes, int threads,
@@ -111,8 +112,11 @@ int msv_hostpool_take(msv_hostpool *hp, size_t min_size, msv_hchunk **out);
 int msv_hostpool_register(msv_hostpool *hp, msv_hchunk *c);
 void msv_hostpool_put(msv_hostpool *hp, msv_hchunk *c);
 /* Have at least `bytes` of registered chunks free, in offload-sized chunks, and raise the reserve to
- * `bytes` so trimming keeps them. Creates at most `bytes` per call; on failure keeps what it pinned. */
+ * `bytes` so trimming keeps them. Stops early once the pool grew by `bytes` (a sleep beside it made
+ * chunks too) or when cancelled; on failure keeps what it pinned. */
 int msv_hostpool_prepin(msv_hostpool *hp, size_t bytes);
+/* A running prepin stops before its next chunk (close does this). */
+void msv_hostpool_prepin_cancel(msv_hostpool *hp);
 void msv_hostpool_trim(msv_hostpool *hp);
 /* Ask the reaper thread to trim (wake returns without waiting for cuMemHostUnregister). */
 void msv_hostpool_trim_async(msv_hostpool *hp);
@@ -183,6 +187,7 @@ int msv_set_host_reserve(msv_allocator *a, size_t bytes);
  * faulting and page-locking. Takes neither the table lock nor the transition lock: safe beside sleep,
  * wake and alloc. */
 int msv_host_prepin(msv_allocator *a, size_t bytes);
+void msv_host_prepin_cancel(msv_allocator *a);
 
 /* Page-locked host buffers for callers (the host KV pool); valid copy_blocks endpoints. */
 int msv_host_alloc(msv_allocator *a, size_t size, uint64_t *out);

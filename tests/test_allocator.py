@@ -15,7 +15,7 @@ from collections.abc import Callable
 import pytest
 import torch
 from _util import MiB, as_cpu_bytes, fill_random, random_bytes
-from conftest import HOST_CAPACITY, AllocatorFactory
+from conftest import HOST_CAPACITY, HOST_CHUNK, AllocatorFactory
 
 from memsvc.errors import (
     InvalidArgument,
@@ -1061,6 +1061,62 @@ def test_prepin_beside_sleep_and_wake_cycles(alloc: MemoryAllocator, gen: torch.
     alloc.wake_up()
     assert alloc.stats().counters["host_chunks_created"] == created
     assert torch.equal(as_cpu_bytes(w), w_data)
+
+
+def test_prepin_racing_a_first_sleep_pins_no_more_than_the_sleep_needs(
+    alloc: MemoryAllocator, gen: torch.Generator
+) -> None:
+    """The worker starts a prepin after the load; an early sleep may run beside it. The sleep takes
+    prepinned chunks and makes the rest; the prepin must then stop, not pin the whole size again."""
+    w, w_data = _tensor(alloc, 32 * MiB, "weights", gen)
+    chunk = HOST_CHUNK
+    barrier = threading.Barrier(2)
+
+    def prepinner() -> None:
+        barrier.wait()
+        alloc.prepin_host(32 * MiB)
+
+    def sleeper() -> None:
+        barrier.wait()
+        alloc.sleep({"weights": "offload"})
+
+    _run_threads([prepinner, sleeper])
+    held = alloc.stats().counters["host_held_bytes"]
+    assert 32 * MiB <= held <= 32 * MiB + 2 * chunk, held  # the backup, plus at most the chunks in flight
+    alloc.wake_up()
+    assert torch.equal(as_cpu_bytes(w), w_data)
+
+
+def test_close_stops_a_running_prepin(make_allocator: AllocatorFactory) -> None:
+    """close() stops a prepin on another thread at its next chunk (the worker joins it on shutdown):
+    a 4 GiB prepin closed after 50 ms ends long before 4 GiB could have been pinned here."""
+    probe = make_allocator("host")
+    t0 = time.monotonic()
+    probe.prepin_host(64 * MiB)
+    full_4g = (time.monotonic() - t0) * 64  # what the whole 4 GiB would take at this machine's rate
+    probe.close()
+
+    a = make_allocator("host")
+    started = threading.Event()
+    errors: list[BaseException] = []
+
+    def prepin() -> None:
+        started.set()
+        try:
+            a.prepin_host(4096 * MiB)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    t = threading.Thread(target=prepin)
+    t.start()
+    started.wait()
+    time.sleep(0.05)
+    t0 = time.monotonic()
+    a.close()
+    t.join(timeout=max(30.0, 2 * full_4g))
+    took = time.monotonic() - t0
+    assert not t.is_alive() and not errors, errors
+    assert took < full_4g / 4, (took, full_4g)
 
 
 @pytest.mark.parametrize("nbytes", [-1, -(1 << 40), 1.5, "4096", None, True, 1 << 64])

@@ -500,10 +500,25 @@ def test_swap_ids_takes_arrays_and_refuses_malformed_ids(alloc: MemoryAllocator)
         ([2**64], [1], "integers"),
         (np.array([2**63], np.uint64), [1], "out of range"),
         ("98", "12", "integers"),
+        ([True, 9], [1, 2], "booleans"),
+        (np.array([2**63 + 5], np.uint64), [1], "out of range"),
     ]:
         with pytest.raises(InvalidArgument, match=message):
             kv.swap_ids("out", src, dst)
         assert (kv.stats(), kv.sequence("a")) == before, (src, dst)
+
+
+def test_a_freed_sequence_object_does_not_see_reused_slots(alloc: MemoryAllocator) -> None:
+    kv = tiny_runner(alloc).kv_cache
+    a = kv.allocate_sequence("a")
+    kv.ensure_capacity("a", 2 * kv.block_size)
+    kv.free_sequence("a")
+    kv.allocate_sequence("b")
+    kv.ensure_capacity("b", 2 * kv.block_size)  # takes a's table slots again
+    kv.swap_ids("out", [kv.sequence("b").block_ids[0]], [3])
+    assert (a.block_ids, a.location) == ([], "device")
+    kv.drop_all()
+    assert kv.sequences == {} and a.block_ids == []
 
 
 def test_native_kv_table_refuses_bad_buffers_and_indices() -> None:

@@ -425,9 +425,11 @@ class MemoryAllocator:
         offload (the tags slept with ``offload``), no more.
 
         Safe while other threads allocate, sleep or wake: it holds no allocator lock, and runs
-        without the GIL. It creates at most ``nbytes`` of chunks, however many a sleep running beside
-        it takes from the pool. On failure (the memlock limit, host memory exhausted) the chunks
-        pinned so far are kept and OutOfMemory is raised. ``0`` does nothing.
+        without the GIL. It stops once ``nbytes`` of chunks are free or the pool has grown by
+        ``nbytes`` since it began, whoever made them: a sleep running beside it takes prepinned chunks
+        and makes the rest, and the two together pin no more than the sleep needs. :meth:`close`
+        stops it before its next chunk. On failure (the memlock limit, host memory exhausted) the
+        chunks pinned so far are kept and OutOfMemory is raised. ``0`` does nothing.
         """
         if not isinstance(nbytes, int) or isinstance(nbytes, bool):
             raise InvalidArgument(f"bytes to pre-pin must be an integer, got {nbytes!r}")
@@ -471,7 +473,8 @@ class MemoryAllocator:
         return AllocatorStats(self.backend, self.device, free, total, tags, counters)
 
     def close(self) -> None:
-        """Release this handle; device memory goes once the last tensor from it is gone."""
+        """Release this handle; device memory goes once the last tensor from it is gone. A
+        :meth:`prepin_host` running on another thread stops before its next chunk."""
         self._native.close()
 
 

@@ -74,6 +74,11 @@ class WorkerConfig:
     host_name: str = ""
     """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
 
+    def __post_init__(self) -> None:
+        prepin = self.host_prepin
+        if isinstance(prepin, bool) or not (prepin == "weights" or (isinstance(prepin, int) and prepin >= 0)):
+            raise InvalidArgument(f"host_prepin must be a byte count >= 0 or 'weights', got {prepin!r}")
+
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{self.device}"
 
@@ -120,6 +125,8 @@ class Status:
 
 class WorkerCore:
     REQUEST_CACHE = 512
+    PREPIN_JOIN_S = 30.0
+    """How long close waits for a prepin to stop (it stops at its next chunk: well under a second)."""
 
     def __init__(self, config: WorkerConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
@@ -267,7 +274,11 @@ class WorkerCore:
             log.info("host prepin: %.2f GiB page-locked in %.2f s (%.1f GB/s)", want / 2**30, dt, want / dt / 1e9)
 
         self._prepin = threading.Thread(target=prepin, name="memsvc-prepin", daemon=True)
-        self._prepin.start()
+        try:
+            self._prepin.start()
+        except RuntimeError as exc:  # no thread to be had: the worker runs, the first sleep pins
+            log.warning("host prepin not started: %s", exc)
+            self._prepin = None
 
     def _describe_device(self) -> dict[str, Any]:
         assert self.alloc is not None
@@ -286,8 +297,13 @@ class WorkerCore:
     def _close(self) -> None:
         self.runner = None
         if self.alloc is not None:
-            self.alloc.close()
+            self.alloc.close()  # also stops a prepin before its next chunk
             self.alloc = None
+        if self._prepin is not None:
+            # Not past interpreter exit: it may be inside the driver (cuMemHostRegister).
+            self._prepin.join(timeout=self.PREPIN_JOIN_S)
+            if self._prepin.is_alive():
+                log.warning("host prepin still running after %.0f s; exiting anyway", self.PREPIN_JOIN_S)
 
     # ---- status ----
     def status(self) -> Status:

@@ -8,8 +8,9 @@ has the same layout in page-locked memory, so the copy engine can reach it direc
 
 Sequences own blocks in either pool. A swap moves ownership with the bytes: the sequence's block
 table entry follows its block to the other pool, and a sequence runs only while every one of its
-blocks is on the device. Ownership lives in one array per pool (owner handle and table index per
-block), so checking and moving thousands of blocks is a handful of numpy operations.
+blocks is on the device. Ownership lives in arrays: per pool, the block-table slot that owns each
+block; per slot, its block and pool. Checking and moving thousands of blocks is one C pass each
+(native/kvtable.c).
 """
 
 from __future__ import annotations
@@ -245,10 +246,13 @@ class KvCache:
         self._owner["device"][blocks[~host]] = _FREE
         self._owner["host"][blocks[host]] = _FREE
         self._table.give_back(seq._slots)
+        seq._slots = np.zeros(0, np.int64)  # a Sequence object kept by someone must not read reused slots
         del self._seqs[seq_id], self._by_handle[seq.handle]
 
     def drop_all(self) -> None:
         """Forget every sequence and free every block of both pools."""
+        for seq in self._seqs.values():
+            seq._slots = np.zeros(0, np.int64)
         self._seqs.clear()
         self._by_handle.clear()
         for loc, pool in self._pools.items():
@@ -332,7 +336,7 @@ class KvCache:
 
 
 _FREE = -1
-"""Owner handle of a free block."""
+"""The owner slot of a free block (and the block of an unused slot)."""
 
 
 def _locations(direction: str) -> tuple[Location, Location]:
@@ -345,7 +349,10 @@ def _locations(direction: str) -> tuple[Location, Location]:
 
 
 def _id_array(values: Any, what: str) -> np.ndarray:
-    """Block ids as a flat int64 array; anything that is not a sequence of integers is refused."""
+    """Block ids as a flat, contiguous int64 array; anything that is not a sequence of integers is
+    refused (bools too, as in the pairs form)."""
+    if isinstance(values, list | tuple) and any(type(v) is bool for v in values):
+        raise InvalidArgument(f"{what} block ids must be integers, not booleans")
     try:
         arr = np.asarray(values)
     except (TypeError, ValueError, OverflowError):
@@ -356,6 +363,8 @@ def _id_array(values: Any, what: str) -> np.ndarray:
         raise InvalidArgument(
             f"{what} block ids must be a flat sequence of integers, got {arr.dtype} of shape {arr.shape}"
         )
+    if arr.dtype.kind == "u" and int(arr.max()) >= 1 << 63:
+        raise InvalidArgument(f"{what} block id {int(arr.max())} out of range")
     return np.ascontiguousarray(arr, dtype=np.int64)
 
 
