@@ -63,7 +63,11 @@ def _wait_for_host_trim(alloc: MemoryAllocator) -> None:
         time.sleep(0.05)
 
 
-def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycles: int) -> list[dict[str, float]]:
+def sleep_wake_cycles(
+    alloc: MemoryAllocator, tensors: list[torch.Tensor], cycles: int, pause_s: float = 0.0
+) -> list[dict[str, float]]:
+    """``pause_s``: seconds asleep before each wake. Back to back (0), the wake's copy competes with
+    the driver still scrubbing the device memory the sleep released; a real worker sleeps longer."""
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     probe = [t.view(-1)[:4].float().clone() for t in tensors[::16]]
     rows = []
@@ -74,6 +78,8 @@ def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycle
         alloc.sleep({"weights": "offload"})
         t1 = time.perf_counter()
         free1 = alloc.stats().device_free_bytes
+        time.sleep(pause_s)
+        t1p = time.perf_counter()
         alloc.wake_up()
         t2 = time.perf_counter()
         _wait_for_host_trim(alloc)
@@ -84,9 +90,10 @@ def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycle
                 "cycle": c + 1,
                 "bytes": nbytes,
                 "sleep_s": t1 - t0,
-                "wake_s": t2 - t1,
+                "wake_s": t2 - t1p,
+                "pause_s": pause_s,
                 "sleep_GBps": nbytes / (t1 - t0) / GB,
-                "wake_GBps": nbytes / (t2 - t1) / GB,
+                "wake_GBps": nbytes / (t2 - t1p) / GB,
                 "device_freed_bytes": free1 - free0,
                 "host_chunks_created": ctr["host_chunks_created"],
                 "host_prefault_s_total": ctr["host_prefault_seconds"],
@@ -101,7 +108,12 @@ def sleep_wake_cycles(alloc: MemoryAllocator, tensors: list[torch.Tensor], cycle
 
 
 def weights_bench(
-    cycles: int, reserve: bool, checksum: bool, shapes: list[tuple[str, tuple[int, ...]]], prepin: bool = False
+    cycles: int,
+    reserve: bool,
+    checksum: bool,
+    shapes: list[tuple[str, tuple[int, ...]]],
+    prepin: bool = False,
+    pause_s: float = 0.0,
 ) -> dict[str, Any]:
     """Load 8B-shaped weights, then sleep/wake cycles. ``prepin``: page-lock the host memory for the
     offload after the load (what ``memsvc worker --host-prepin weights`` does), timed on its own."""
@@ -121,7 +133,7 @@ def weights_bench(
         t0 = time.perf_counter()
         alloc.prepin_host(tag.mapped_bytes)
         prepin_s = time.perf_counter() - t0
-    rows = sleep_wake_cycles(alloc, tensors, cycles)
+    rows = sleep_wake_cycles(alloc, tensors, cycles, pause_s)
     result = {
         "host_reserve": reserve,
         "prepin_s": prepin_s,
@@ -204,6 +216,7 @@ def main() -> None:
     }
     result["weights_reserve"] = weights_bench(args.cycles, True, False, shapes)
     result["weights_prepinned"] = weights_bench(2, True, False, shapes, prepin=True)
+    result["weights_paused"] = weights_bench(3, True, False, shapes, pause_s=2.0)
     result["weights_no_reserve"] = weights_bench(2, False, False, shapes)
     result["weights_checksum"] = weights_bench(2, True, True, shapes)
     result["copy_blocks"] = copy_bench([4 << 10, 16 << 10, 64 << 10, 256 << 10, 2 << 20], args.reps)
@@ -219,7 +232,7 @@ def main() -> None:
     )
     p = result["weights_prepinned"]
     print(f"prepin before the first sleep: {p['prepin_s']:.2f} s ({p['prepin_GBps']:.1f} GB/s)")
-    for name in ("weights_reserve", "weights_prepinned", "weights_no_reserve", "weights_checksum"):
+    for name in ("weights_reserve", "weights_prepinned", "weights_paused", "weights_no_reserve", "weights_checksum"):
         for r in result[name]["cycles"]:
             print(
                 f"{name:20s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s ({r['sleep_s']:.3f}s, unmap "
