@@ -12,7 +12,7 @@ Two variants:
 
 Every ``--sample-every`` cycles: open fds (/proc/PID/fd), threads (/proc/PID/task), VmRSS
 (/proc/PID/status) and memory mappings (/proc/PID/maps lines). Reported: start / after warm-up /
-end / max and a least-squares slope per 1000 cycles over the samples after warm-up.
+end / max and a robust (Theil-Sen) slope per 1000 cycles over the samples after warm-up.
 
 "No growth" means, after warm-up (the first ``--warmup`` cycles, default 10 %: lazily started
 threads such as the host pool's reaper, torch's first-use state, allocator caches):
@@ -28,6 +28,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import statistics
 import sys
 import time
 from pathlib import Path
@@ -65,13 +66,12 @@ def sample(pid: int | str = "self") -> dict[str, int]:
 
 
 def slope(xs: list[float], ys: list[float]) -> float:
-    """Least-squares slope of ys over xs (0 with fewer than two distinct xs)."""
-    n = len(xs)
-    if n < 2:
-        return 0.0
-    mx, my = sum(xs) / n, sum(ys) / n
-    den = sum((x - mx) ** 2 for x in xs)
-    return sum((x - mx) * (y - my) for x, y in zip(xs, ys, strict=True)) / den if den else 0.0
+    """Theil-Sen slope of ys over xs: the median of the slopes between every two samples (0 with
+    fewer than two distinct xs). A leak raises every pair's slope; a one-off spike, such as a
+    staging chunk sampled before the reaper thread unmapped it, moves a least-squares fit but not
+    the median."""
+    pairs = [(ys[j] - ys[i]) / (xs[j] - xs[i]) for i in range(len(xs)) for j in range(i + 1, len(xs)) if xs[j] != xs[i]]
+    return statistics.median(pairs) if pairs else 0.0
 
 
 def analyse(samples: list[dict[str, int]], warmup: int) -> dict[str, Any]:
