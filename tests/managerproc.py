@@ -15,14 +15,10 @@ fail with the last thing they saw; they never assert on speed.
 
 from __future__ import annotations
 
-import contextlib
-import os
 import queue
 import re
 import signal
-import subprocess
 import sys
-import tempfile
 import threading
 import time
 import urllib.request
@@ -32,8 +28,9 @@ from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from childproc import Proc, ProcError
 from prometheus_client.parser import text_string_to_metric_families
-from workerproc import REPO_ROOT, WorkerProcess
+from workerproc import WorkerProcess
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
@@ -53,81 +50,39 @@ _METRICS = re.compile(r"^memsvc manager metrics on (?P<url>http://\S+)$")
 T = TypeVar("T")
 
 
-class ManagerStartError(RuntimeError):
+class ManagerStartError(ProcError):
     """The manager exited or did not print its address in time; the message carries its output."""
 
 
-class ManagerProcess:
+class ManagerProcess(Proc):
     """One manager process; ``args`` are extra flags after ``memsvc manager``."""
+
+    stop_timeout = STOP_TIMEOUT
 
     def __init__(self, db: Path | str, args: Sequence[str] = (), *, listen: str = "127.0.0.1:0",
                  metrics: bool = False) -> None:  # fmt: skip
         argv = [sys.executable, "-m", "memsvc.cli", "manager", "--listen", listen, "--db", str(db), *args]
         if metrics:
             argv += ["--metrics-listen", "127.0.0.1:0"]
-        self.argv = argv
+        super().__init__(argv, name="manager", new_session=False)
         self.db = Path(db)
-        self.proc: subprocess.Popen[str] | None = None
+        self.with_metrics = metrics
         self.address = ""
         self.metrics_url = ""
-        self.stdout_lines: list[str] = []
-        self._lines: queue.Queue[str | None] = queue.Queue()
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
         self._channel: grpc.Channel | None = None
         self._stub: m_grpc.MemoryManagerServiceStub | None = None
 
     def start(self) -> ManagerProcess:
-        self.proc = subprocess.Popen(
-            self.argv, cwd=REPO_ROOT, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=self._stderr,
-            text=True, bufsize=1,
-        )  # fmt: skip
-        threading.Thread(target=self._read_stdout, name="manager-stdout", daemon=True).start()
-        deadline = time.monotonic() + READY_TIMEOUT
-        try:
-            while not self.address:
-                left = deadline - time.monotonic()
-                if left <= 0:
-                    raise ManagerStartError(self.failure(f"no 'listening on' line within {READY_TIMEOUT:.0f} s"))
-                try:
-                    line = self._lines.get(timeout=min(left, 1.0))
-                except queue.Empty:
-                    continue
-                if line is None:
-                    rc = self.proc.wait(timeout=STOP_TIMEOUT)
-                    raise ManagerStartError(self.failure(f"manager exited with code {rc} before listening"))
-                if mm := _METRICS.match(line):
-                    self.metrics_url = mm["url"]
-                elif ml := _LISTENING.match(line):
-                    self.address = ml["address"]
+        super().start()
+        try:  # the metrics line, when asked for, comes before the address
+            found = self.wait_lines([_METRICS, _LISTENING] if self.with_metrics else [_LISTENING], READY_TIMEOUT,
+                                    ManagerStartError, "listening")  # fmt: skip
+            self.address = found[-1]["address"]
+            self.metrics_url = found[0]["url"] if self.with_metrics else ""
         except BaseException:
             self.kill()
             raise
         return self
-
-    def _read_stdout(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.stdout_lines.append(line)
-            self._lines.put(line)
-        self._lines.put(None)
-
-    def stderr_text(self) -> str:
-        self._stderr.flush()
-        self._stderr.seek(0)
-        text = self._stderr.read()
-        self._stderr.seek(0, os.SEEK_END)
-        return text
-
-    def failure(self, what: str) -> str:
-        return (
-            f"{what}\ncommand: {self.argv}\n--- stdout ---\n" + "\n".join(self.stdout_lines)
-            + f"\n--- stderr ---\n{self.stderr_text()[-8000:]}"
-        )  # fmt: skip
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
 
     @property
     def stub(self) -> m_grpc.MemoryManagerServiceStub:
@@ -146,26 +101,15 @@ class ManagerProcess:
     def kill(self) -> None:
         """SIGKILL now (a crash), if it still runs; always safe to call."""
         self.close_channel()
-        if self.proc is not None and self.proc.poll() is None:
-            self.proc.kill()
-            with contextlib.suppress(subprocess.TimeoutExpired):
-                self.proc.wait(timeout=STOP_TIMEOUT)
+        super().kill()
 
     def stop(self) -> int:
         """SIGTERM and wait; the exit code."""
         self.close_channel()
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
         try:
-            return self.proc.wait(timeout=STOP_TIMEOUT)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise AssertionError(self.failure("manager did not exit after SIGTERM")) from None
-
-    def close(self) -> None:
-        self.kill()
-        self._stderr.close()
+            return self.signal_and_wait(signal.SIGTERM)
+        except ProcError as exc:
+            raise AssertionError(str(exc)) from None
 
     def metrics(self) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
         """One scrape of /metrics: {(sample name, labels): value}."""

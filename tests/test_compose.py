@@ -27,7 +27,8 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from upproc import MEMSVC, REPO_ROOT, Proc, free_port, get_worker, run, wait_state
+from childproc import Proc
+from upproc import MEMSVC, REPO_ROOT, free_port, get_worker, run, wait_state
 
 from memsvc.cli import parse_bytes
 from memsvc.v1 import common_pb2 as c

@@ -201,8 +201,8 @@ def test_worker_sigterm_mid_sleep_drains_and_exits_zero() -> None:
         )
         assert result.status.state == c.WORKER_STATE_ASLEEP
         assert result.transition.moved_bytes >= 1 << 30
-        assert wp.wait() == 0, wp._failure("exit code after SIGTERM")
-        assert any(line.endswith("stopped") for line in wp.stdout_lines)
+        assert wp.wait() == 0, wp.failure("exit code after SIGTERM")
+        assert any(line.endswith("stopped") for line in wp.lines)
 
 
 # ---------------------------------------------------------------- the manager dies

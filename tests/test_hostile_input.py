@@ -259,7 +259,7 @@ def snapshot(e: Env) -> tuple[Any, ...]:
 
 
 def assert_alive(e: Env) -> None:
-    assert e.worker.running, e.worker._failure("the worker died")
+    assert e.worker.running, e.worker.failure("the worker died")
     assert e.manager.running, e.manager.failure("the manager died")
     for chan in (e.wchan, e.mchan):
         r = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)

@@ -33,11 +33,11 @@ from typing import Any
 
 import grpc
 import pytest
+from childproc import STOP_TIMEOUT
 from prometheus_client.parser import text_string_to_metric_families
 from upproc import (
     MEMSVC,
     REPO_ROOT,
-    STOP_TIMEOUT,
     Up,
     get_worker,
     grpcurl_binary,

@@ -995,7 +995,7 @@ def test_health_serving_and_sigterm_drains() -> None:
         assert len(in_flight.result().token_ids) == n
         rc = wp.wait()
         assert rc == 0, wp.stderr_text()[-4000:]
-        lines = wp.stdout_lines
+        lines = wp.lines
         assert lines[-1] == f"memsvc worker {wp.worker_id} stopped", lines
         assert any(" ready: synthetic:tiny on host" in line for line in lines), lines
 

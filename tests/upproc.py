@@ -1,10 +1,8 @@
 """Real memsvc processes the way users start them (``memsvc up``, the compose services' commands),
 and the clients they use (grpcurl, the ``memsvc`` CLI), for the "run it like users do" tests.
 
-:class:`Proc` is one child process with its stdout read line by line on a thread (so a test can wait
-for "listening on" / "ready" lines) and its stderr kept in a temporary file for failure messages. It
-runs in its own session, so ``kill()`` ends it *and* the children it started (``memsvc up`` starts a
-manager and a worker) through its process group, whatever happened in the test.
+:class:`childproc.Proc` runs each of them in its own session, so ``kill()`` ends it *and* the
+children it started (``memsvc up`` starts a manager and a worker), whatever happened in the test.
 
 The helpers never assert on speed: :func:`wait_for` polls up to a generous deadline and fails with
 the last thing it saw.
@@ -12,35 +10,27 @@ the last thing it saw.
 
 from __future__ import annotations
 
-import contextlib
 import json
 import os
-import queue
 import re
 import shutil
-import signal
 import socket
 import subprocess
 import sys
-import tempfile
-import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any, TypeVar
 
 import grpc
+from childproc import REPO_ROOT, START_TIMEOUT, Proc
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 
-REPO_ROOT = Path(__file__).resolve().parent.parent
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 """``memsvc`` as this interpreter runs it (the console script is the same entry point)."""
-START_TIMEOUT = 120.0
-STOP_TIMEOUT = 60.0
-
 MANAGER_LISTENING = re.compile(r"^memsvc manager listening on (?P<address>\S+)$")
 WORKER_LISTENING = re.compile(r"^memsvc worker (?P<id>\S+) listening on (?P<address>\S+)$")
 WORKER_READY = re.compile(r"^memsvc worker (?P<id>\S+) ready: ")
@@ -79,119 +69,6 @@ def pick_ports(preferred: Sequence[int]) -> list[int]:
 
 
 # ---- processes ----
-class ProcError(RuntimeError):
-    """A process exited or did not print what was expected in time; the message carries its output."""
-
-
-class Proc:
-    """One child process (and, through its session, everything it starts)."""
-
-    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path = REPO_ROOT,
-                 name: str = "") -> None:  # fmt: skip
-        self.argv = list(argv)
-        self.env = dict(os.environ if env is None else env)
-        self.cwd = cwd
-        self.name = name or Path(self.argv[0]).name
-        self.proc: subprocess.Popen[str] | None = None
-        self.lines: list[str] = []
-        self._queue: queue.Queue[str | None] = queue.Queue()
-        self._stderr = tempfile.TemporaryFile(mode="w+", encoding="utf-8", errors="replace")  # noqa: SIM115
-
-    def start(self) -> Proc:
-        self.proc = subprocess.Popen(
-            self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=self._stderr, text=True, bufsize=1, start_new_session=True,
-        )  # fmt: skip
-        threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True).start()
-        return self
-
-    def _read(self) -> None:
-        assert self.proc is not None and self.proc.stdout is not None
-        for line in self.proc.stdout:
-            line = line.rstrip("\n")
-            self.lines.append(line)
-            self._queue.put(line)
-        self._queue.put(None)
-
-    def wait_lines(self, patterns: Sequence[re.Pattern[str]], timeout: float = START_TIMEOUT) -> list[re.Match[str]]:
-        """Wait until each pattern has matched a stdout line (in any order); the matches, in pattern order."""
-        found: dict[int, re.Match[str]] = {}
-        for line in list(self.lines):
-            self._match(line, patterns, found)
-        deadline = time.monotonic() + timeout
-        while len(found) < len(patterns):
-            left = deadline - time.monotonic()
-            if left <= 0:
-                missing = [p.pattern for i, p in enumerate(patterns) if i not in found]
-                raise ProcError(self.failure(f"no line matching {missing} within {timeout:.0f} s"))
-            try:
-                got = self._queue.get(timeout=min(left, 1.0))
-            except queue.Empty:
-                continue
-            if got is None:
-                rc = self.wait(STOP_TIMEOUT)
-                raise ProcError(self.failure(f"exited with code {rc} before printing every expected line"))
-            self._match(got, patterns, found)
-        return [found[i] for i in range(len(patterns))]
-
-    @staticmethod
-    def _match(line: str, patterns: Sequence[re.Pattern[str]], found: dict[int, re.Match[str]]) -> None:
-        for i, p in enumerate(patterns):
-            if i not in found and (mt := p.match(line)):
-                found[i] = mt
-
-    def stderr_text(self) -> str:
-        self._stderr.flush()
-        self._stderr.seek(0)
-        text = self._stderr.read()
-        self._stderr.seek(0, os.SEEK_END)
-        return text
-
-    def failure(self, what: str) -> str:
-        return (
-            f"{self.name}: {what}\ncommand: {self.argv}\n--- stdout ---\n" + "\n".join(self.lines[-200:])
-            + f"\n--- stderr ---\n{self.stderr_text()[-8000:]}"
-        )  # fmt: skip
-
-    @property
-    def running(self) -> bool:
-        return self.proc is not None and self.proc.poll() is None
-
-    def wait(self, timeout: float) -> int:
-        assert self.proc is not None
-        return self.proc.wait(timeout=timeout)
-
-    def signal_and_wait(self, sig: int, timeout: float = STOP_TIMEOUT) -> int:
-        """Send ``sig`` to the process itself (not its group) and wait for its exit code."""
-        assert self.proc is not None
-        if self.proc.poll() is None:
-            self.proc.send_signal(sig)
-        try:
-            return self.proc.wait(timeout=timeout)
-        except subprocess.TimeoutExpired:
-            self.kill()
-            raise ProcError(self.failure(f"still running {timeout:.0f} s after {signal.Signals(sig).name}")) from None
-
-    def kill(self) -> None:
-        """SIGKILL the process group (the process and whatever it started); always safe to call."""
-        if self.proc is None:
-            return
-        with contextlib.suppress(ProcessLookupError, PermissionError):
-            os.killpg(self.proc.pid, signal.SIGKILL)
-        with contextlib.suppress(subprocess.TimeoutExpired):
-            self.proc.wait(timeout=STOP_TIMEOUT)
-
-    def close(self) -> None:
-        self.kill()
-        self._stderr.close()
-
-    def __enter__(self) -> Proc:
-        return self
-
-    def __exit__(self, *exc: object) -> None:
-        self.close()
-
-
 class Up:
     """``memsvc up`` on loopback ports with the host backend: a manager and the worker ``local0``."""
 
