@@ -7,6 +7,7 @@ import json
 import subprocess
 import sys
 import textwrap
+from typing import Any
 
 from workerproc import REPO_ROOT
 
@@ -47,8 +48,8 @@ def test_generated_stubs_exist() -> None:
         assert f"memsvc.v1.{service}_pb2_grpc" in names, names
 
 
-def test_stubs_and_client_modules_import_without_torch() -> None:
-    names = stub_modules() + CLIENT_MODULES
+def run_probe(names: list[str]) -> dict[str, Any]:
+    """PROBE in a fresh interpreter over ``names``: its JSON verdict."""
     r = subprocess.run(
         [sys.executable, "-c", PROBE, json.dumps(names)],
         cwd=REPO_ROOT,
@@ -57,7 +58,11 @@ def test_stubs_and_client_modules_import_without_torch() -> None:
         timeout=120,
     )
     assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    return json.loads(r.stdout.strip().splitlines()[-1])  # type: ignore[no-any-return]
+
+
+def test_stubs_and_client_modules_import_without_torch() -> None:
+    result = run_probe(stub_modules() + CLIENT_MODULES)
     assert result["failed"] == {}, result["failed"]
     assert result["torch"] == "None", "something replaced the blocked torch module"
     assert result["loaded"] == [], f"imported without need: {result['loaded']}"
@@ -66,15 +71,7 @@ def test_stubs_and_client_modules_import_without_torch() -> None:
 
 def test_probe_detects_a_torch_import() -> None:
     """The probe itself can fail: a module that imports torch is reported."""
-    r = subprocess.run(
-        [sys.executable, "-c", PROBE, json.dumps(["worker.model.kv_cache"])],
-        cwd=REPO_ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert r.returncode == 0, r.stderr
-    result = json.loads(r.stdout.strip().splitlines()[-1])
+    result = run_probe(["worker.model.kv_cache"])
     assert "worker.model.kv_cache" in result["failed"]
     assert "import of torch halted" in result["failed"]["worker.model.kv_cache"]
     assert "worker" in result["loaded"]  # and the loaded-module check sees the worker package
