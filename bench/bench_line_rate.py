@@ -286,10 +286,11 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
     for n in (8192, 32768):
         seqs = rng.permutation(pool // per)[: n // per]
         dev = np.concatenate([np.array(kv.sequence(f"s{s}").block_ids) for s in seqs])
-        others = np.concatenate([np.array(q.block_ids) for k, q in kv.sequences.items() if int(k[1:]) not in set(seqs)])
+        chosen = {f"s{s}" for s in seqs}
+        others = np.concatenate([np.array(q.block_ids) for k, q in kv.sequences.items() if k not in chosen])
         free_dev = np.setdiff1d(np.arange(pool), others)  # free once the sequences are out
         host = rng.permutation(pool)[:n]
-        rows: dict[str, list[float]] = {"kv_out": [], "kv_in": [], "copy_out": [], "copy_in": []}
+        rows: dict[str, list[float]] = {"kv_out": [], "kv_in": [], "copy_out": [], "copy_in": [], "native": []}
         for _ in range(reps):
             target = rng.permutation(free_dev)[:n]  # swap back in to other device blocks
             torch.cuda.synchronize()
@@ -313,7 +314,7 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             _native.kv_check(c_dev, c_host, pool, pool, owner_dst)
             _native.kv_move(c_dev, c_host, owner_src, owner_dst, slot_block, slot_host, True)
-            rows.setdefault("native", []).append(time.perf_counter() - t0)
+            rows["native"].append(time.perf_counter() - t0)
         assert all(kv.sequence(f"s{s}").location == "device" for s in seqs)
         med = {k: statistics.median(v) for k, v in rows.items()}
         for d in ("out", "in"):
