@@ -110,10 +110,15 @@ def vllm_style(cycles: int) -> dict[str, Any]:
     return {"bytes": nbytes, "cycles": rows}
 
 
+WORKER_BACKEND = os.environ.get("MEMSVC_BENCH_BACKEND", "cuda")
+"""The RPC benches' worker backend: ``host`` runs them on a CPU-only machine (a check of the bench
+and of the RPC path's CPU cost, not a measurement of copies)."""
+
+
 def _start_worker(args: list[str], stderr: Any = None) -> tuple[subprocess.Popen[str], str]:
     """A cuda worker process with ``args``; returns once it printed "ready", with its address."""
     proc = subprocess.Popen(
-        [sys.executable, "-m", "memsvc.cli", "worker", "--listen", "127.0.0.1:0", "--backend", "cuda", *args],
+        [sys.executable, "-m", "memsvc.cli", "worker", "--listen", "127.0.0.1:0", "--backend", WORKER_BACKEND, *args],
         stdout=subprocess.PIPE,
         stderr=stderr,
         text=True,
@@ -187,14 +192,14 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
     }  # fmt: skip
 
 
-def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
+def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
     """SwapBlocks through a worker's gRPC API: random 4 KiB blocks (synthetic:tiny with 8-token blocks,
     pools of 65536 blocks), device -> host and back. 8192 blocks per call in both request forms
     (BlockPair messages, and the packed src_blocks/dst_blocks lists), and 32768 packed. Each: one call
-    at a time (client time against the worker's own duration), and ``depth`` calls in flight (the
-    worker decodes the next request while the copy engine runs the current one; the throughput a
-    scheduler streaming swaps would see). ``null_rpc_s``: a Health.Check round trip, the floor any
-    call pays on this host."""
+    at a time (client time against the worker's own duration), and 4 or 8 calls in flight (the
+    worker decodes, checks and enqueues the next request while the device copies the current one;
+    the throughput a scheduler streaming swaps would see). ``null_rpc_s``: a Health.Check round trip,
+    the floor any call pays on this host."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -237,14 +242,16 @@ def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
                     r = stub.SwapBlocks(req, timeout=60)
                     client.append(time.perf_counter() - t0)
                     server.append(r.duration.ToNanoseconds() / 1e9)
-                calls = depth * reps
-                t0 = time.perf_counter()
-                pending = [stub.SwapBlocks.future(req, timeout=60) for _ in range(depth)]
-                for i in range(calls):
-                    pending.pop(0).result()
-                    if i + depth < calls:
-                        pending.append(stub.SwapBlocks.future(req, timeout=60))
-                streamed = (time.perf_counter() - t0) / calls
+                streamed = {}
+                for depth in depths:
+                    calls = 8 * reps
+                    t0 = time.perf_counter()
+                    pending = [stub.SwapBlocks.future(req, timeout=60) for _ in range(depth)]
+                    for i in range(calls):
+                        pending.pop(0).result()
+                        if i + depth < calls:
+                            pending.append(stub.SwapBlocks.future(req, timeout=60))
+                    streamed[str(depth)] = (time.perf_counter() - t0) / calls
                 med = statistics.median(client)
                 out[f"{form}_{n}_{name}"] = {
                     "form": form,
@@ -255,9 +262,8 @@ def rpc_swap(reps: int, depth: int = 4) -> dict[str, Any]:
                     "server_s": statistics.median(server),
                     "GBps_client": n * block / med / GB,
                     "GBps_server": n * block / statistics.median(server) / GB,
-                    "in_flight": depth,
-                    "streamed_s_per_call": streamed,
-                    "GBps_streamed": n * block / streamed / GB,
+                    "in_flight_s_per_call": streamed,
+                    "GBps_in_flight": {d: n * block / t / GB for d, t in streamed.items()},
                 }
     finally:
         proc.terminate()
@@ -450,35 +456,51 @@ def decode_beside_swap(steps: int) -> dict[str, Any]:
     return out
 
 
+SECTIONS = ("ours", "vllm_style", "rpc", "swaps", "rpc_swap", "kv_swap", "decode")
+"""What main runs, in this order (``rpc``: sleep/wake through the worker's gRPC API)."""
+
+
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--out", default="line_rate.json")
     ap.add_argument("--cycles", type=int, default=3)
     ap.add_argument("--reps", type=int, default=9)
     ap.add_argument("--skip-rpc", action="store_true")
+    ap.add_argument("--only", default="", help=f"comma-separated sections to run, of: {','.join(SECTIONS)}")
     args = ap.parse_args()
+    only = set(filter(None, args.only.split(",")))
+    if only - set(SECTIONS):
+        ap.error(f"unknown sections: {sorted(only - set(SECTIONS))}")
+    rpc = not args.skip_rpc
+    run = {name: (not only or name in only) and (rpc or not name.startswith("rpc")) for name in SECTIONS}
     res: dict[str, Any] = {
         "date": time.strftime("%Y-%m-%d"),
         "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
         **_device_info(),
     }
-    res["ours"] = ours(args.cycles)
-    res["vllm_style"] = vllm_style(2)
-    if not args.skip_rpc:
+    if run["ours"]:
+        res["ours"] = ours(args.cycles)
+    if run["vllm_style"]:
+        res["vllm_style"] = vllm_style(2)
+    if run["rpc"]:
         res["rpc"] = through_rpc(args.cycles, prepin=True)
         res["rpc_no_huge_pages"] = through_rpc(2, huge_pages=False)
-    res["swaps"] = swaps(args.reps)
-    if not args.skip_rpc:
+    if run["swaps"]:
+        res["swaps"] = swaps(args.reps)
+    if run["rpc_swap"]:
         res["rpc_swap"] = rpc_swap(5)
-    res["kv_swap"] = kv_swap_bookkeeping(args.reps)
-    res["decode"] = decode_beside_swap(30)
+    if run["kv_swap"]:
+        res["kv_swap"] = kv_swap_bookkeeping(args.reps)
+    if run["decode"]:
+        res["decode"] = decode_beside_swap(30)
     Path(args.out).write_text(json.dumps(res, indent=2))
 
     print(f"\n{res['device']} driver {res.get('driver')} commit {res['commit']}")
     for name in ("ours", "vllm_style"):
-        for r in res[name]["cycles"]:
+        for r in res.get(name, {}).get("cycles", []):
             print(f"{name:11s} cycle {r['cycle']}: sleep {r['sleep_GBps']:6.1f} GB/s  wake {r['wake_GBps']:6.1f} GB/s")
-    print(f"ours: first-sleep prefault {res['ours']['prefault_s']:.3f}s register {res['ours']['register_s']:.3f}s")
+    if "ours" in res:
+        print(f"ours: first-sleep prefault {res['ours']['prefault_s']:.3f}s register {res['ours']['register_s']:.3f}s")
     for line in res.get("rpc", {}).get("worker_log", []) + res.get("rpc_no_huge_pages", {}).get("worker_log", []):
         print("worker:", line.split("memsvc.worker: ")[-1])
     for r in res.get("rpc_no_huge_pages", {}).get("cycles", []):
@@ -491,12 +513,12 @@ def main() -> None:
             f"server)  wake {r['wake_GBps_client']:6.1f} GB/s (+{r['wake_overhead_ms']:.1f} ms)"
         )
     by: dict[tuple[int, str], dict[str, float]] = {}
-    for r in res["swaps"]:
+    for r in res.get("swaps", []):
         by.setdefault((r["block_bytes"], r["direction"]), {})[r["method"]] = r["GBps"]
     print(f"{'block':>8} {'dir':>4} " + " ".join(f"{m:>8}" for m in COLUMNS))
     for (bs, d), m in by.items():
         print(f"{bs // 1024:>6}Ki {d:>4} " + " ".join(f"{m.get(k, float('nan')):8.1f}" for k in COLUMNS))
-    for r in res["swaps"]:
+    for r in res.get("swaps", []):
         if r["block_bytes"] == 4 << 10 and r["method"] in ("kernel", "auto", "ids"):
             print(
                 f"4 KiB {r['direction']} {r['method']}: call {r['median_s'] * 1e3:.3f} ms = native checks "
@@ -510,9 +532,12 @@ def main() -> None:
         print(
             f"SwapBlocks RPC {name}: {r['blocks']} x {r['block_bytes']} B in {r['client_s'] * 1e3:.2f} ms "
             f"({r['GBps_client']:.1f} GB/s; worker {r['server_s'] * 1e3:.2f} ms = {r['GBps_server']:.1f} GB/s); "
-            f"{r['in_flight']} in flight: {r['streamed_s_per_call'] * 1e3:.2f} ms/call = {r['GBps_streamed']:.1f} GB/s"
+            + "; ".join(
+                f"{d} in flight: {t * 1e3:.2f} ms/call = {r['GBps_in_flight'][d]:.1f} GB/s"
+                for d, t in r["in_flight_s_per_call"].items()
+            )
         )
-    for key, r in res["kv_swap"].items():
+    for key, r in res.get("kv_swap", {}).items():
         if not isinstance(r, dict):
             continue
         print(
@@ -521,7 +546,8 @@ def main() -> None:
             f"({r['GBps_copy_block_ids']:.1f} GB/s) + {r['bookkeeping_s'] * 1e3:.3f} ms (of which kv_check + kv_move "
             f"{r['kv_check_move_s'] * 1e3:.3f} ms)"
         )
-    print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
+    if "decode" in res:
+        print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
 
 
 if __name__ == "__main__":

@@ -63,12 +63,12 @@ def swap_path_plot(line_rate: dict[str, Any], out: Path) -> None:
     """4 KiB swaps along the SwapBlocks path, device -> host: the bare copy, the KV cache in process,
     the RPC one call at a time, and the RPC with calls in flight; 8192 and 32768 blocks per call."""
     rpc, kv = line_rate["rpc_swap"], line_rate["kv_swap"]
-    labels = ["copy_block_ids", "KvCache.swap_ids", "RPC, 1 call", "RPC, 4 in flight"]
+    labels = ["copy_block_ids", "KvCache.swap_ids", "RPC, 1 call", "RPC, 4 in flight", "RPC, 8 in flight"]
     fig, ax = plt.subplots(figsize=(8, 4))
     width = 0.38
     for k, n in enumerate((8192, 32768)):
         r, q = rpc[f"packed_{n}_d2h"], kv[f"{n}_out"]
-        values = [q["GBps_copy_block_ids"], q["GBps_swap_ids"], r["GBps_client"], r["GBps_streamed"]]
+        values = [q["GBps_copy_block_ids"], q["GBps_swap_ids"], r["GBps_client"], *r["GBps_in_flight"].values()]
         bars = ax.bar([i + (k - 0.5) * width for i in range(len(labels))], values, width, label=f"{n} blocks per call")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.set_xticks(range(len(labels)), labels)

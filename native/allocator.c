@@ -1043,6 +1043,7 @@ static int timed_copy(msv_allocator *a, const msv_copy_item *items, size_t n, in
   double t = now_s();
   int rc = a->b->copy(a->b, items, n, method, stream);
   if (!rc) rc = a->b->sync(a->b, stream);
+  else a->b->sync(a->b, stream); /* a partial enqueue finishes before the caller hears of the failure */
   if (!rc) {
     a->ctr.last_copy_validate_seconds = checks_seconds;
     a->ctr.last_copy_seconds = now_s() - t;
@@ -1117,7 +1118,9 @@ static int pool_blocks(msv_allocator *a, const char *what, uint64_t base, uint64
 }
 
 int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, uint64_t block_bytes,
-                       const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream) {
+                       const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream,
+                       uint64_t *fence) {
+  if (fence) *fence = 0;
   int rc = check_method(a, method, n);
   if (rc) return rc;
   if (block_bytes == 0) return msv_fail(MSV_E_INVALID, "block size must be > 0");
@@ -1155,8 +1158,21 @@ int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, u
       rc = msv_fail(MSV_E_INVALID, "item %zu: block %lld is both a source and a destination", i, (long long)src_ids[i]);
   free(dst_seen);
   double t1 = now_s();
-  if (!rc) rc = timed_copy(a, items, n, method, stream, t1 - t0);
+  if (!rc && !fence) rc = timed_copy(a, items, n, method, stream, t1 - t0);
+  if (!rc && fence) { /* enqueue only; the counters describe waited copies */
+    rc = a->b->copy(a->b, items, n, method, stream);
+    if (!rc) rc = a->b->fence(a->b, stream, fence);
+    else a->b->sync(a->b, stream); /* a partial enqueue finishes before the caller hears of the failure */
+  }
   pthread_mutex_unlock(&a->mu);
   free(items);
   return rc;
 }
+
+int msv_fence_wait(msv_allocator *a, uint64_t fence) { return fence ? a->b->fence_wait(a->b, fence) : MSV_OK; }
+
+void msv_fence_release(msv_allocator *a, uint64_t fence) {
+  if (fence) a->b->fence_release(a->b, fence);
+}
+
+int msv_copies_wait(msv_allocator *a) { return a->b->sync(a->b, 0); }

@@ -55,6 +55,10 @@ static struct {
   PFN_cuStreamCreate StreamCreate;
   PFN_cuStreamDestroy StreamDestroy;
   PFN_cuStreamSynchronize StreamSynchronize;
+  PFN_cuEventCreate EventCreate;
+  PFN_cuEventRecord EventRecord;
+  PFN_cuEventSynchronize EventSynchronize;
+  PFN_cuEventDestroy EventDestroy;
   PFN_cuModuleLoadData ModuleLoadData;
   PFN_cuModuleGetFunction ModuleGetFunction;
   PFN_cuLaunchKernel LaunchKernel;
@@ -113,6 +117,10 @@ static void load_driver(void) {
   GET(StreamCreate, "cuStreamCreate", 2000);
   GET(StreamDestroy, "cuStreamDestroy", 4000);
   GET(StreamSynchronize, "cuStreamSynchronize", 2000);
+  GET(EventCreate, "cuEventCreate", 2000);
+  GET(EventRecord, "cuEventRecord", 2000);
+  GET(EventSynchronize, "cuEventSynchronize", 2000);
+  GET(EventDestroy, "cuEventDestroy", 4000);
   GET(ModuleLoadData, "cuModuleLoadData", 2000);
   GET(ModuleGetFunction, "cuModuleGetFunction", 2000);
   GET(LaunchKernel, "cuLaunchKernel", 4000);
@@ -154,20 +162,31 @@ int msv_cuda_available(int *count) {
 }
 
 /* ---- the backend ---- */
+/* The copy kernel's descriptor buffers, in a ring: a copy that does not wait for itself leaves its
+ * slot busy until `done` fires, and the next copies take the following slots meanwhile. */
+#define MSV_KSLOTS 4
+typedef struct {
+  void *stage; /* page-locked host copy of the descriptors: their upload is a DMA, not a staged copy */
+  size_t stage_bytes;
+  CUdeviceptr scratch; /* the descriptors on the device, read by the kernel */
+  size_t scratch_bytes;
+  CUevent done; /* recorded after the launch; NULL before the slot's first use */
+} kslot;
+
 typedef struct {
   CUdevice dev;
   CUcontext ctx;
   CUstream stream;
   int sms;
   int host_ptr_is_device_ptr;
-  pthread_mutex_t mu; /* guards the scratch buffers and kernel launch state */
+  pthread_mutex_t mu; /* guards the buffers below and kernel launch state */
   CUmodule module;
   CUfunction fn_copy, fn_sum;
   int kernels_tried;
-  CUdeviceptr scratch;
+  kslot ks[MSV_KSLOTS];
+  unsigned kturn;
+  CUdeviceptr scratch; /* the checksum kernel's tiles and sums (it waits for itself) */
   size_t scratch_bytes;
-  void *stage; /* page-locked host copy of the descriptors: their upload is a DMA, not a staged copy */
-  size_t stage_bytes;
 } cuda_impl;
 
 #define IMPL(b) ((cuda_impl *)(b)->impl)
@@ -272,14 +291,15 @@ static int load_kernels(cuda_impl *c) {
 #endif
 }
 
-static int ensure_stage(cuda_impl *c, size_t bytes) {
-  if (c->stage_bytes >= bytes) return MSV_OK;
-  if (c->stage) {
-    D.MemHostUnregister(c->stage);
-    free(c->stage);
+/* Grow a page-locked host buffer to at least `bytes` (contents lost). */
+static int ensure_stage(void **stage, size_t *have, size_t bytes) {
+  if (*have >= bytes) return MSV_OK;
+  if (*stage) {
+    D.MemHostUnregister(*stage);
+    free(*stage);
   }
-  c->stage = NULL;
-  c->stage_bytes = 0;
+  *stage = NULL;
+  *have = 0;
   size_t want = bytes < (1u << 20) ? (1u << 20) : bytes * 2;
   void *p = NULL;
   if (posix_memalign(&p, 4096, want) != 0) return msv_fail(MSV_E_OOM, "out of host memory for copy descriptors");
@@ -289,62 +309,64 @@ static int ensure_stage(cuda_impl *c, size_t bytes) {
     free(p);
     return drv_fail(r, "cuMemHostRegister(descriptors)");
   }
-  c->stage = p;
-  c->stage_bytes = want;
+  *stage = p;
+  *have = want;
   return MSV_OK;
 }
 
-static int ensure_scratch(cuda_impl *c, size_t bytes) {
-  if (c->scratch_bytes >= bytes) return MSV_OK;
-  if (c->scratch) D.MemFree(c->scratch);
-  c->scratch = 0;
-  c->scratch_bytes = 0;
+/* Grow a device buffer to at least `bytes` (contents lost). */
+static int ensure_scratch(CUdeviceptr *scratch, size_t *have, size_t bytes) {
+  if (*have >= bytes) return MSV_OK;
+  if (*scratch) D.MemFree(*scratch);
+  *scratch = 0;
+  *have = 0;
   size_t want = bytes < (1u << 20) ? (1u << 20) : bytes * 2;
-  CK(D.MemAlloc(&c->scratch, want), "cuMemAlloc(scratch)");
-  c->scratch_bytes = want;
+  CK(D.MemAlloc(scratch, want), "cuMemAlloc(scratch)");
+  *have = want;
   return MSV_OK;
 }
 
 /* Tiles of at most this many bytes: large blocks are spread over many thread blocks. */
 #define MSV_TILE_BYTES (64u << 10)
 
+/* Enqueue the gather kernel; it does not wait for itself. The descriptors go in the next ring slot,
+ * once that slot's previous copy is done (normally long since). */
 static int copy_kernel(msv_backend *b, const msv_copy_item *items, size_t n, CUstream st) {
   cuda_impl *c = IMPL(b);
   size_t ntiles = 0;
   for (size_t i = 0; i < n; i++) ntiles += (items[i].size + MSV_TILE_BYTES - 1) / MSV_TILE_BYTES;
   pthread_mutex_lock(&c->mu);
+  kslot *k = &c->ks[c->kturn++ % MSV_KSLOTS];
   int rc = load_kernels(c);
-  if (!rc) rc = ensure_scratch(c, ntiles * sizeof(msv_copy_item));
-  if (!rc) rc = ensure_stage(c, ntiles * sizeof(msv_copy_item));
+  CUresult r = CUDA_SUCCESS;
+  if (!rc && k->done && (r = D.EventSynchronize(k->done))) rc = drv_fail(r, "cuEventSynchronize(copy slot)");
+  if (!rc && !k->done && (r = D.EventCreate(&k->done, CU_EVENT_DISABLE_TIMING))) rc = drv_fail(r, "cuEventCreate");
+  if (!rc) rc = ensure_scratch(&k->scratch, &k->scratch_bytes, ntiles * sizeof(msv_copy_item));
+  if (!rc) rc = ensure_stage(&k->stage, &k->stage_bytes, ntiles * sizeof(msv_copy_item));
   if (!rc) {
-    msv_copy_item *tiles = (msv_copy_item *)c->stage;
+    msv_copy_item *tiles = (msv_copy_item *)k->stage;
     if (ntiles == n) { /* every block fits one tile: the items are the tiles */
       memcpy(tiles, items, n * sizeof *items);
     } else {
-      size_t k = 0;
+      size_t t = 0;
       for (size_t i = 0; i < n; i++) {
         for (uint64_t off = 0; off < items[i].size; off += MSV_TILE_BYTES) {
           uint64_t len = items[i].size - off < MSV_TILE_BYTES ? items[i].size - off : MSV_TILE_BYTES;
-          tiles[k++] = (msv_copy_item){items[i].dst + off, items[i].src + off, len};
+          tiles[t++] = (msv_copy_item){items[i].dst + off, items[i].src + off, len};
         }
       }
     }
-    CUresult r = D.MemcpyHtoDAsync(c->scratch, tiles, ntiles * sizeof *tiles, st);
-    if (r) rc = drv_fail(r, "cuMemcpyHtoDAsync(tiles)");
+    if ((r = D.MemcpyHtoDAsync(k->scratch, tiles, ntiles * sizeof *tiles, st))) rc = drv_fail(r, "cuMemcpyHtoDAsync(tiles)");
   }
   if (!rc) {
-    CUdeviceptr tp = c->scratch;
+    CUdeviceptr tp = k->scratch;
     unsigned long long nt = ntiles;
     void *args[] = {&tp, &nt};
     unsigned grid = (unsigned)(ntiles < (size_t)c->sms * 8 ? ntiles : (size_t)c->sms * 8);
-    CUresult r = D.LaunchKernel(c->fn_copy, grid, 1, 1, 256, 1, 1, 0, st, args, NULL);
-    if (r) rc = drv_fail(r, "cuLaunchKernel(msv_copy_tiles)");
+    if ((r = D.LaunchKernel(c->fn_copy, grid, 1, 1, 256, 1, 1, 0, st, args, NULL))) rc = drv_fail(r, "cuLaunchKernel(msv_copy_tiles)");
   }
-  /* The stage and scratch buffers are reused by the next call: wait for this one under the lock. */
-  if (!rc) {
-    CUresult r = D.StreamSynchronize(st);
-    if (r) rc = drv_fail(r, "cuStreamSynchronize");
-  }
+  /* Recorded on failure too: a partial enqueue (the upload without the launch) still reads the stage. */
+  if (k->done && (r = D.EventRecord(k->done, st)) && !rc) rc = drv_fail(r, "cuEventRecord(copy slot)");
   pthread_mutex_unlock(&c->mu);
   return rc;
 }
@@ -423,6 +445,36 @@ static int c_sync(msv_backend *b, uint64_t stream) {
   return MSV_OK;
 }
 
+/* A fence is an event recorded on the stream after the copies enqueued so far. */
+static int c_fence(msv_backend *b, uint64_t stream, uint64_t *out) {
+  int rc = bind(b);
+  if (rc) return rc;
+  CUevent e = NULL;
+  CK(D.EventCreate(&e, CU_EVENT_DISABLE_TIMING), "cuEventCreate");
+  CUresult r = D.EventRecord(e, pick(b, stream));
+  if (r) {
+    D.EventDestroy(e);
+    return drv_fail(r, "cuEventRecord");
+  }
+  *out = (uint64_t)(uintptr_t)e;
+  return MSV_OK;
+}
+
+static int c_fence_wait(msv_backend *b, uint64_t fence) {
+  int rc = bind(b);
+  if (rc) return rc;
+  CUevent e = (CUevent)(uintptr_t)fence;
+  CUresult r = D.EventSynchronize(e);
+  D.EventDestroy(e);
+  if (r) return drv_fail(r, "cuEventSynchronize");
+  return MSV_OK;
+}
+
+/* Dropped unwaited: the driver frees the event once it fires. */
+static void c_fence_release(msv_backend *b, uint64_t fence) {
+  if (bind(b) == MSV_OK) D.EventDestroy((CUevent)(uintptr_t)fence);
+}
+
 #define MSV_SUM_TILE_BYTES (1u << 20)
 
 static int c_checksum(msv_backend *b, const msv_sum_item *items, size_t n, uint64_t *out, size_t nslots) {
@@ -448,7 +500,7 @@ static int c_checksum(msv_backend *b, const msv_sum_item *items, size_t n, uint6
   size_t tbytes = ntiles * sizeof *tiles, obytes = nslots * sizeof(uint64_t);
   pthread_mutex_lock(&c->mu);
   rc = load_kernels(c);
-  if (!rc) rc = ensure_scratch(c, tbytes + obytes + 256);
+  if (!rc) rc = ensure_scratch(&c->scratch, &c->scratch_bytes, tbytes + obytes + 256);
   CUstream st = c->stream;
   CUdeviceptr tp = c->scratch, op = c->scratch + ((tbytes + 255) / 256) * 256;
   CUresult r = CUDA_SUCCESS;
@@ -472,11 +524,17 @@ static int c_checksum(msv_backend *b, const msv_sum_item *items, size_t n, uint6
 static void c_destroy(msv_backend *b) {
   cuda_impl *c = IMPL(b);
   if (bind(b) == MSV_OK) {
-    if (c->scratch) D.MemFree(c->scratch);
-    if (c->stage) {
-      D.MemHostUnregister(c->stage);
-      free(c->stage);
+    if (c->stream) D.StreamSynchronize(c->stream);
+    for (int i = 0; i < MSV_KSLOTS; i++) {
+      kslot *k = &c->ks[i];
+      if (k->done) D.EventSynchronize(k->done), D.EventDestroy(k->done);
+      if (k->scratch) D.MemFree(k->scratch);
+      if (k->stage) {
+        D.MemHostUnregister(k->stage);
+        free(k->stage);
+      }
     }
+    if (c->scratch) D.MemFree(c->scratch);
     if (c->stream) D.StreamDestroy(c->stream);
   }
   D.PrimaryCtxRelease(c->dev);
@@ -531,6 +589,9 @@ int msv_backend_cuda_create(int device, msv_backend **out) {
   b->host_unregister = c_host_unregister;
   b->copy = c_copy;
   b->sync = c_sync;
+  b->fence = c_fence;
+  b->fence_wait = c_fence_wait;
+  b->fence_release = c_fence_release;
   b->checksum = c_checksum;
   b->has_method = c_has_method;
   b->destroy = c_destroy;

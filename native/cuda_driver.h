@@ -16,6 +16,7 @@ typedef struct CUctx_st *CUcontext;
 typedef struct CUstream_st *CUstream;
 typedef struct CUmod_st *CUmodule;
 typedef struct CUfunc_st *CUfunction;
+typedef struct CUevent_st *CUevent;
 typedef uint64_t cuuint64_t;
 
 #define CUDA_SUCCESS 0
@@ -24,6 +25,7 @@ typedef uint64_t cuuint64_t;
 #define CUDA_ERROR_HOST_MEMORY_ALREADY_REGISTERED 712
 
 #define CU_STREAM_NON_BLOCKING 0x1
+#define CU_EVENT_DISABLE_TIMING 0x2
 #define CU_MEMHOSTREGISTER_PORTABLE 0x01
 #define CU_MEMHOSTREGISTER_DEVICEMAP 0x02
 #define CU_GET_PROC_ADDRESS_DEFAULT 0
@@ -103,6 +105,10 @@ typedef CUresult (*PFN_cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
 typedef CUresult (*PFN_cuStreamCreate)(CUstream *, unsigned int);
 typedef CUresult (*PFN_cuStreamDestroy)(CUstream);
 typedef CUresult (*PFN_cuStreamSynchronize)(CUstream);
+typedef CUresult (*PFN_cuEventCreate)(CUevent *, unsigned int);
+typedef CUresult (*PFN_cuEventRecord)(CUevent, CUstream);
+typedef CUresult (*PFN_cuEventSynchronize)(CUevent);
+typedef CUresult (*PFN_cuEventDestroy)(CUevent);
 typedef CUresult (*PFN_cuModuleLoadData)(CUmodule *, const void *);
 typedef CUresult (*PFN_cuModuleGetFunction)(CUfunction *, CUmodule, const char *);
 typedef CUresult (*PFN_cuLaunchKernel)(CUfunction, unsigned int, unsigned int, unsigned int, unsigned int,

@@ -37,6 +37,14 @@ static int load_errors(void) {
   return 0;
 }
 
+/* Whether a buffer holds `itemsize`-byte items, native or little-endian, of a format letter in
+ * `kinds` ('>' and '!' fall through as bad). */
+static int items_are(const Py_buffer *v, Py_ssize_t itemsize, const char *kinds) {
+  const char *f = v->format ? v->format : "B";
+  if (*f && strchr("@=<", *f)) f++;
+  return v->itemsize == itemsize && f[0] && !f[1] && strchr(kinds, f[0]);
+}
+
 /* ---- DLPack (v0.8 ABI) ---- */
 typedef struct {
   int32_t device_type, device_id;
@@ -427,10 +435,7 @@ static int read_u64s(PyObject *obj, const char *what, uint64_t **out, Py_ssize_t
   *out = NULL;
   Py_buffer view;
   if (PyObject_CheckBuffer(obj) && PyObject_GetBuffer(obj, &view, PyBUF_FORMAT | PyBUF_C_CONTIGUOUS) == 0) {
-    const char *f = view.format ? view.format : "B";
-    if (*f && strchr("@=<", *f)) f++; /* native or little-endian; '>' and '!' fall through as bad */
-    int ok = view.itemsize == 8 && f[0] && f[1] == '\0' && strchr("qQlL", f[0]);
-    if (!ok) {
+    if (!items_are(&view, 8, "qQlL")) {
       PyBuffer_Release(&view);
       PyErr_Format(g_err[MSV_E_INVALID], "%s: buffer must hold 64-bit integers", what);
       return -1;
@@ -504,32 +509,116 @@ done:
   return ret;
 }
 
-/* copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method=0, stream=0) */
+/* ---- the Fence type: a copy in flight ---- */
+typedef struct {
+  PyObject_HEAD msv_allocator *a; /* held: the backend outlives every fence */
+  uint64_t fence;
+  int state; /* FENCE_PENDING, FENCE_WAITING (a thread waits without the GIL), FENCE_DONE */
+} FenceObject;
+enum { FENCE_PENDING, FENCE_WAITING, FENCE_DONE };
+
+static PyTypeObject *g_fence_type;
+
+static PyObject *Fence_wait(FenceObject *self, PyObject *unused) {
+  (void)unused;
+  if (self->state == FENCE_DONE) Py_RETURN_NONE;
+  if (self->state == FENCE_WAITING)
+    return PyErr_Format(g_err[MSV_E_STATE], "another thread is waiting on this fence");
+  self->state = FENCE_WAITING;
+  int rc;
+  uint64_t f = self->fence;
+  Py_BEGIN_ALLOW_THREADS rc = msv_fence_wait(self->a, f);
+  Py_END_ALLOW_THREADS self->state = FENCE_DONE;
+  self->fence = 0;
+  if (rc) return raise_last();
+  Py_RETURN_NONE;
+}
+
+static PyObject *Fence_done(FenceObject *self, void *unused) {
+  (void)unused;
+  return PyBool_FromLong(self->state == FENCE_DONE);
+}
+
+static void Fence_dealloc(FenceObject *self) {
+  if (self->a) {
+    if (self->state == FENCE_PENDING) msv_fence_release(self->a, self->fence); /* FENCE_WAITING holds a ref */
+    msv_release(self->a);
+  }
+  PyTypeObject *tp = Py_TYPE((PyObject *)self);
+  freefunc f = (freefunc)PyType_GetSlot(tp, Py_tp_free);
+  f(self);
+  Py_DECREF(tp);
+}
+
+static PyMethodDef Fence_methods[] = {
+    {"wait", (PyCFunction)Fence_wait, METH_NOARGS, "Block (without the GIL) until the copy is done; raise if it failed."},
+    {NULL, NULL, 0, NULL}};
+static PyGetSetDef Fence_getset[] = {{"done", (getter)Fence_done, NULL, "whether wait() returned", NULL},
+                                     {NULL, NULL, NULL, NULL, NULL}};
+static PyType_Slot Fence_slots[] = {{Py_tp_dealloc, Fence_dealloc},
+                                    {Py_tp_methods, Fence_methods},
+                                    {Py_tp_getset, Fence_getset},
+                                    {Py_tp_doc, "A copy enqueued on the device: wait() once it must be complete."},
+                                    {0, NULL}};
+static PyType_Spec Fence_spec = {"worker._native.Fence", sizeof(FenceObject), 0,
+                                 Py_TPFLAGS_DEFAULT | Py_TPFLAGS_DISALLOW_INSTANTIATION, Fence_slots};
+
+/* copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method=0, stream=0, wait=True)
+ * -> None, or with wait=False a Fence once the copy is enqueued */
 static PyObject *Allocator_copy_block_ids(AllocatorObject *self, PyObject *args) {
   unsigned long long src_base, dst_base, block_bytes, stream = 0;
   PyObject *so, *dobj;
-  int method = MSV_COPY_AUTO;
-  if (!PyArg_ParseTuple(args, "KKKOO|iK", &src_base, &dst_base, &block_bytes, &so, &dobj, &method, &stream)) return NULL;
+  int method = MSV_COPY_AUTO, wait = 1;
+  if (!PyArg_ParseTuple(args, "KKKOO|iKp", &src_base, &dst_base, &block_bytes, &so, &dobj, &method, &stream, &wait))
+    return NULL;
   msv_allocator *a = get(self);
   if (!a) return NULL;
   uint64_t *src = NULL, *dst = NULL;
   Py_ssize_t ns = 0, nd = 0;
   PyObject *ret = NULL;
+  FenceObject *fo = NULL;
   if (read_u64s(so, "src_ids", &src, &ns) || read_u64s(dobj, "dst_ids", &dst, &nd)) goto done;
   if (ns != nd) {
     PyErr_Format(g_err[MSV_E_INVALID], "mismatched lengths: %zd source ids, %zd destination ids", ns, nd);
     goto done;
   }
+  if (!wait && !(fo = PyObject_New(FenceObject, g_fence_type))) goto done;
+  if (fo) fo->a = NULL, fo->fence = 0, fo->state = FENCE_DONE;
   int rc;
+  uint64_t fence = 0;
   msv_retain(a);
   Py_BEGIN_ALLOW_THREADS rc = msv_copy_block_ids(a, src_base, dst_base, block_bytes, (const int64_t *)src,
-                                                 (const int64_t *)dst, (size_t)ns, method, stream);
-  Py_END_ALLOW_THREADS msv_release(a);
-  if (rc) raise_last();
-  else ret = Py_NewRef(Py_None);
+                                                 (const int64_t *)dst, (size_t)ns, method, stream, fo ? &fence : NULL);
+  Py_END_ALLOW_THREADS if (rc) {
+    msv_release(a);
+    raise_last();
+  } else if (fo) {
+    fo->a = a; /* the reference taken above */
+    fo->fence = fence;
+    fo->state = FENCE_PENDING;
+    ret = (PyObject *)fo;
+    fo = NULL;
+  } else {
+    msv_release(a);
+    ret = Py_NewRef(Py_None);
+  }
 done:
+  Py_XDECREF((PyObject *)fo);
   free(src), free(dst);
   return ret;
+}
+
+/* copies_wait(): wait for every copy enqueued on the allocator's own stream */
+static PyObject *Allocator_copies_wait(AllocatorObject *self, PyObject *unused) {
+  (void)unused;
+  msv_allocator *a = get(self);
+  if (!a) return NULL;
+  int rc;
+  msv_retain(a);
+  Py_BEGIN_ALLOW_THREADS rc = msv_copies_wait(a);
+  Py_END_ALLOW_THREADS msv_release(a);
+  if (rc) return raise_last();
+  Py_RETURN_NONE;
 }
 
 static PyObject *Allocator_has_method(AllocatorObject *self, PyObject *args) {
@@ -617,7 +706,8 @@ static PyMethodDef Allocator_methods[] = {
     {"mem_info", (PyCFunction)Allocator_mem_info, METH_NOARGS, "(free, total) device bytes"},
     {"copy_blocks", (PyCFunction)Allocator_copy_blocks, METH_VARARGS, "copy_blocks(src, dst, sizes, method, stream)"},
     {"copy_block_ids", (PyCFunction)Allocator_copy_block_ids, METH_VARARGS,
-     "copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method, stream)"},
+     "copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method, stream, wait=True) -> None | Fence"},
+    {"copies_wait", (PyCFunction)Allocator_copies_wait, METH_NOARGS, "wait for every copy on the allocator's stream"},
     {"has_method", (PyCFunction)Allocator_has_method, METH_VARARGS, "has_method(method) -> bool"},
     {"set_checksum", (PyCFunction)Allocator_set_checksum, METH_VARARGS, "set_checksum(on)"},
     {"set_host_reserve", (PyCFunction)Allocator_set_host_reserve, METH_VARARGS, "set_host_reserve(bytes)"},
@@ -678,9 +768,7 @@ static int get_items(PyObject *obj, const char *what, Py_ssize_t itemsize, const
     PyErr_Format(g_err[MSV_E_INVALID], "%s must be a contiguous%s array", what, writable ? ", writable" : "");
     return -1;
   }
-  const char *f = view->format ? view->format : "B";
-  if (*f && strchr("@=<", *f)) f++; /* native or little-endian; '>' and '!' fall through as bad */
-  if (view->itemsize != itemsize || !f[0] || f[1] || !strchr(kinds, f[0])) {
+  if (!items_are(view, itemsize, kinds)) {
     PyBuffer_Release(view);
     PyErr_Format(g_err[MSV_E_INVALID], "%s must hold %zd-byte items of kind '%s'", what, itemsize, kinds);
     return -1;
@@ -765,6 +853,11 @@ PyMODINIT_FUNC PyInit__native(void) {
   PyObject *t = PyType_FromSpec(&Allocator_spec);
   if (!t || PyModule_AddObject(m, "Allocator", t)) {
     Py_XDECREF(t);
+    Py_DECREF(m);
+    return NULL;
+  }
+  g_fence_type = (PyTypeObject *)PyType_FromSpec(&Fence_spec);
+  if (!g_fence_type || PyModule_AddObject(m, "Fence", Py_NewRef((PyObject *)g_fence_type))) {
     Py_DECREF(m);
     return NULL;
   }

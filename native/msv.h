@@ -56,9 +56,14 @@ struct msv_backend {
   /* page-locked host memory: register already-faulted memory; returns the device alias of p */
   int (*host_register)(msv_backend *, void *p, size_t size, uint64_t *dev_alias);
   int (*host_unregister)(msv_backend *, void *p);
-  /* copies: enqueue on `stream` (0 = the backend's own stream), then sync */
+  /* copies: enqueue on `stream` (0 = the backend's own stream); sync waits for the stream */
   int (*copy)(msv_backend *, const msv_copy_item *items, size_t n, int method, uint64_t stream);
   int (*sync)(msv_backend *, uint64_t stream);
+  /* fences: a mark on `stream` after the work enqueued so far (0 = nothing left to wait for);
+   * fence_wait waits for it and frees it, fence_release frees it without waiting */
+  int (*fence)(msv_backend *, uint64_t stream, uint64_t *out);
+  int (*fence_wait)(msv_backend *, uint64_t fence);
+  void (*fence_release)(msv_backend *, uint64_t fence);
   /* per-slot checksums of resident memory; out[slot] is summed into (caller zeroes it) */
   int (*checksum)(msv_backend *, const msv_sum_item *items, size_t n, uint64_t *out, size_t nslots);
   int (*has_method)(msv_backend *, int method);
@@ -200,9 +205,17 @@ int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, 
 
 /* Block copy between two block-major pools: block i of a pool is [base + i*block_bytes, +block_bytes).
  * Ids are checked against each pool's bounds and destinations for duplicates with bitmaps, O(n); the
- * fast path of SwapBlocks. Nothing moves if any id is bad. */
+ * fast path of SwapBlocks. Nothing moves if any id is bad. With `fence` NULL it returns once the copy
+ * is done; otherwise once it is enqueued, with *fence to wait on (msv_fence_wait, or drop it with
+ * msv_fence_release): the caller overlaps its next request's work with this copy. */
 int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, uint64_t block_bytes,
-                       const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream);
+                       const int64_t *src_ids, const int64_t *dst_ids, size_t n, int method, uint64_t stream,
+                       uint64_t *fence);
+/* Wait for a fence and free it (a fence of 0 is already done); each fence is waited or released once. */
+int msv_fence_wait(msv_allocator *a, uint64_t fence);
+void msv_fence_release(msv_allocator *a, uint64_t fence);
+/* Wait for every copy enqueued on the allocator's own stream. */
+int msv_copies_wait(msv_allocator *a);
 
 /* Find the live allocation holding [addr, addr+size): its base and tag; MSV_E_NOT_FOUND if none. */
 int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap);

@@ -381,3 +381,49 @@ def test_copy_block_ids_moves_blocks_between_pools_and_rejects_bad_ids(alloc: Me
     with pytest.raises(WrongState):
         alloc.copy_block_ids(dev, host, [0], [0])
     alloc.wake_up()
+
+
+@pytest.mark.parametrize("method", METHODS)
+def test_copies_not_waited_for_run_in_order(alloc: MemoryAllocator, method: str) -> None:
+    """copy_block_ids(wait=False) returns a fence once the copy is enqueued. Twelve chained copies
+    device -> host -> device, each reading what the one before wrote and overwriting what it read
+    (more than the kernel's four descriptor slots), waited only at the end, leave exactly what a
+    reference doing them one by one leaves; copies begun after an unwaited, dropped fence too."""
+    _need(alloc, method)
+    n, bs, k = 64, 4096, 24
+    pools = {"d": alloc.empty((n, bs), torch.uint8, tag="kv"), "h": alloc.host_empty((n, bs), torch.uint8)}
+    gen = torch.Generator().manual_seed(11)
+    ref = {name: torch.randint(0, 256, (n, bs), dtype=torch.uint8, generator=gen) for name in pools}
+    for name, pool in pools.items():
+        pool.copy_(ref[name].to(pool.device))
+    rng = random.Random(method)
+    fences = []
+    for r in range(12):
+        src_name, dst_name = ("d", "h") if r % 2 == 0 else ("h", "d")
+        src, dst = rng.sample(range(n), k), rng.sample(range(n), k)
+        fence = alloc.copy_block_ids(pools[src_name], pools[dst_name], src, dst, method, wait=False)
+        assert fence is not None and not fence.done
+        ref[dst_name][dst] = ref[src_name][src]
+        fences.append(fence)
+    del fences[3]  # dropped unwaited: the copy still runs, in its place
+    fences[-1].wait()
+    assert fences[-1].done
+    fences[-1].wait()  # a second wait returns at once
+    for name, pool in pools.items():
+        assert torch.equal(as_cpu_bytes(pool).view(n, bs), ref[name]), name
+    for fence in fences[:-1]:
+        fence.wait()
+    assert all(f.done for f in fences)
+    alloc.copy_block_ids(pools["d"], pools["h"], [0], [1], method, wait=False)
+    alloc.copies_wait()
+    assert torch.equal(as_cpu_bytes(pools["h"]).view(n, bs)[1], as_cpu_bytes(pools["d"]).view(n, bs)[0])
+
+
+def test_a_rejected_copy_not_waited_for_returns_no_fence(alloc: MemoryAllocator) -> None:
+    """Bad ids fail before anything is enqueued, as with wait=True."""
+    dev = alloc.empty((8, 4096), torch.uint8, tag="kv")
+    host = alloc.host_empty((8, 4096), torch.uint8)
+    host.fill_(5)
+    with pytest.raises(InvalidArgument, match="outside the pool"):
+        alloc.copy_block_ids(dev, host, [0, 8], [0, 1], wait=False)
+    assert int(host.sum()) == 5 * 8 * 4096

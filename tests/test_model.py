@@ -403,6 +403,28 @@ def test_swap_out_and_into_other_slots_continues_identically(alloc: MemoryAlloca
     assert part + runner.generate([], 8, "s") == whole
 
 
+def test_swaps_begun_without_waiting_chain_and_generation_waits_for_them(alloc: MemoryAllocator) -> None:
+    """begin_swap moves ownership at once and leaves the copy running: a sequence swapped out, in to
+    other device blocks, out and in again (each swap reading what the one before wrote), with no wait
+    between them, then continued by generate at once, decodes exactly like a sequence never moved.
+    Generation waits for every swap begun before it (on cuda the last copy is still in flight)."""
+    runner = tiny_runner(alloc)
+    kv = runner.kv_cache
+    whole = varied(runner.generate(PROMPT, 14))
+    part = runner.generate(PROMPT, 6, "s")
+    seq = kv.sequence("s")
+    pending = []
+    for host_dst, device_dst in (([9, 3, 12], [30, 20, 25]), ([0, 15, 7], [1, 31, 17])):
+        pending.append(runner.begin_swap("out", np.asarray(seq.block_ids), np.asarray(host_dst)))
+        assert (seq.block_ids, seq.location) == (host_dst, "host")  # before any copy is waited for
+        pending.append(runner.begin_swap("in", np.asarray(host_dst), np.asarray(device_dst)))
+        assert (seq.block_ids, seq.location) == (device_dst, "device")
+    assert [p.moved_bytes for p in pending] == [3 * kv.block_bytes] * 4
+    assert part + runner.generate([], 8, "s") == whole
+    for p in pending:
+        p.wait()
+
+
 def test_swap_whole_sequence_survives_kv_discard(alloc: MemoryAllocator) -> None:
     runner = tiny_runner(alloc)
     whole = varied(runner.generate(PROMPT, 12))

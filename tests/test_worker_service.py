@@ -460,6 +460,39 @@ def test_swap_out_and_in_continues_generation(stub: Stub, info: Info) -> None:
     assert generate(stub, [], 4, sequence_id="swap-other") == generate(stub, [9, 8, 7, 6, 5], 8)[4:]
 
 
+def test_swaps_in_flight_together_keep_every_sequence(stub: Stub, info: Info) -> None:
+    """Four sequences swapped out by four SwapBlocks calls in flight at once, then back in to other
+    device blocks by four more: the worker checks and enqueues each while the one before copies.
+    Every sequence continues exactly as if never moved, and the counts add up."""
+    prompts = {f"fl-{i}": [(13 * j + 7 * i + 1) % info.vocab for j in range(18)] for i in range(4)}
+    n1, n2 = 6, 6
+    whole = {sid: generate(stub, p, n1 + n2) for sid, p in prompts.items()}
+    first = {sid: generate_full(stub, p, n1, sequence_id=sid) for sid, p in prompts.items()}
+    blocks = {sid: list(r.block_ids) for sid, r in first.items()}
+    k = blocks_for(18, n1)
+    assert all(len(b) == k for b in blocks.values())
+    host = {sid: [info.host_blocks - 1 - (i * k + j) for j in range(k)] for i, sid in enumerate(prompts)}
+
+    def in_flight(direction: int, src: dict[str, list[int]], dst: dict[str, list[int]]) -> list[Any]:
+        req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in prompts]
+        return [stub.SwapBlocks.future(r, timeout=CALL_TIMEOUT) for r in req]  # all sent before any answer
+
+    out = in_flight(c.SWAP_DIRECTION_DEVICE_TO_HOST, blocks, host)
+    assert all(f.result().moved_bytes == k * info.block_bytes for f in out)
+    assert status(stub).kv_cache.host_free_block_count == info.host_blocks - 4 * k
+    used = {b for bs in blocks.values() for b in bs}
+    spare = sorted(set(range(info.device_blocks)) - used, reverse=True)
+    device = {sid: spare[i * k : (i + 1) * k] for i, sid in enumerate(prompts)}
+    back = in_flight(c.SWAP_DIRECTION_HOST_TO_DEVICE, host, device)
+    assert all(f.result().moved_bytes == k * info.block_bytes for f in back)
+    kv = status(stub).kv_cache
+    assert (kv.host_free_block_count, kv.device_free_block_count) == (info.host_blocks, info.device_blocks - 4 * k)
+    for sid in prompts:
+        rest = generate_full(stub, [], n2, sequence_id=sid)
+        assert whole[sid] == list(first[sid].token_ids) + list(rest.token_ids), sid
+        assert list(rest.block_ids)[:k] == device[sid]
+
+
 @pytest.mark.parametrize("kv_action", ["OFFLOAD", "KEEP", "DISCARD"])
 def test_sequence_across_sleep_with_kv_action(stub: Stub, info: Info, kv_action: str) -> None:
     """A kept sequence survives a Sleep whose kv_cache action is OFFLOAD or KEEP and continues exactly

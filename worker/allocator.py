@@ -193,6 +193,12 @@ def _ints(values: Any, what: str) -> Any:
         raise InvalidArgument(f"{what} must be a sequence of integers") from None
 
 
+Fence = _native.Fence
+"""A copy in flight (``copy_block_ids(wait=False)``): ``wait()`` blocks, without the GIL, until it is
+done, and raises the copy's error if it failed; ``done`` says whether a wait returned. Dropping an
+unwaited fence does not cancel the copy."""
+
+
 class MemoryAllocator:
     """Tagged device memory that sleeps and wakes at the same addresses.
 
@@ -366,12 +372,18 @@ class MemoryAllocator:
         dst_ids: Sequence[int] | Any,
         method: CopyMethod | str = CopyMethod.AUTO,
         stream: Any = None,
-    ) -> None:
+        wait: bool = True,
+    ) -> Fence | None:
         """Copy block ``src_ids[i]`` of ``src_pool`` to block ``dst_ids[i]`` of ``dst_pool`` for every i.
 
         A pool is a contiguous tensor whose first dimension indexes equal blocks (the KV cache's
         block-major layout). The fast path of SwapBlocks: ids are checked against each pool's bounds,
         and destinations for duplicates, in O(n) in C, without resolving a pointer per block.
+
+        ``wait=False`` returns once the copy is enqueued, with a :class:`Fence` to ``wait()`` on: the
+        caller prepares its next copy while this one runs (copies on one stream run in order). Until
+        then the destination blocks hold no defined data; work that reads them on another stream
+        must wait for the fence or for :meth:`copies_wait` first.
         """
         m = _method_code(method)
         block_bytes = 0
@@ -383,7 +395,7 @@ class MemoryAllocator:
                 raise InvalidArgument(f"pools have different block sizes ({block_bytes} and {size} bytes)")
             block_bytes = size
         handle = self._copy_stream(stream)
-        self._native.copy_block_ids(
+        return self._native.copy_block_ids(  # type: ignore[no-any-return]
             src_pool.data_ptr(),
             dst_pool.data_ptr(),
             block_bytes,
@@ -391,13 +403,24 @@ class MemoryAllocator:
             _ints(dst_ids, "dst_ids"),
             m,
             handle,
+            wait,
         )
 
+    def copies_wait(self) -> None:
+        """Wait for every copy enqueued on the allocator's own stream (``wait=False`` copies)."""
+        self._native.copies_wait()
+
     def _copy_stream(self, stream: Any) -> int:
-        """The raw stream a copy is ordered on; without one, torch's queued work finishes first."""
+        """The raw stream a copy is ordered on. Without one, the allocator's own stream, after the work
+        torch queued on its current stream: that stream is synchronised, not the whole device, so
+        copies still in flight on the allocator's stream keep running."""
         handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
         if self.backend == "cuda" and handle == 0:
-            self._synchronize_torch()
+            import sys
+
+            torch = sys.modules.get("torch")
+            if torch is not None and torch.cuda.is_initialized():
+                torch.cuda.current_stream(self.device).synchronize()
         return handle
 
     def has_method(self, method: CopyMethod | str) -> bool:
@@ -507,6 +530,7 @@ __all__ = [
     "AllocatorConfig",
     "AllocatorStats",
     "CopyMethod",
+    "Fence",
     "MemoryAllocator",
     "TagStats",
     "close_allocator",

@@ -18,11 +18,14 @@ import threading
 import time
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
-from typing import Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar
 
 from memsvc.errors import IntegrityError, InvalidArgument, MemsvcError, TransitionInProgress, WrongState
 from worker.allocator import Action, AllocatorConfig, AllocatorStats, CopyMethod, MemoryAllocator
 from worker.telemetry import Event, TelemetryHub
+
+if TYPE_CHECKING:
+    from worker.model.kv_cache import PendingSwap  # imports torch: only where a model is loaded
 
 T = TypeVar("T")
 log = logging.getLogger("memsvc.worker")
@@ -127,6 +130,8 @@ class WorkerCore:
     REQUEST_CACHE = 512
     PREPIN_JOIN_S = 30.0
     """How long close waits for a prepin to stop (it stops at its next chunk: well under a second)."""
+    COPY_WAITERS = 4
+    """Threads that wait for SwapBlocks copies to finish: swaps in flight beyond this wait in turn."""
 
     def __init__(self, config: WorkerConfig, loop: asyncio.AbstractEventLoop) -> None:
         self.config = config
@@ -134,6 +139,11 @@ class WorkerCore:
         self.telemetry = TelemetryHub(loop)
         self._loop = loop
         self._device_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memsvc-device")
+        self._swaps_submitted = 0
+        """SwapBlocks calls sent to the device thread whose check and enqueue have not returned (event loop only)."""
+        self._copy_waiters = concurrent.futures.ThreadPoolExecutor(
+            self.COPY_WAITERS, thread_name_prefix="memsvc-copywait"
+        )
         self._busy = threading.Lock()
         self._state = State.LOADING
         self._sleep_level = 0
@@ -293,6 +303,7 @@ class WorkerCore:
         """Finish queued device work, then release the model and the allocator."""
         await self._run(self._close)
         self._device_thread.shutdown(wait=True)
+        self._copy_waiters.shutdown(wait=True)
 
     def _close(self) -> None:
         self.runner = None
@@ -553,7 +564,21 @@ class WorkerCore:
         if not len(src) and not len(dst):
             raise InvalidArgument("no blocks given")
         self._check_kv_awake()
-        return await self._run(lambda: self._swap(direction, src, dst, method))
+        self._swaps_submitted += 1
+        try:
+            t0, pending = await self._run(lambda: self._begin_swap(direction, src, dst, method))
+        finally:
+            self._swaps_submitted -= 1
+        if isinstance(pending, Transition):
+            return pending
+
+        def done() -> Transition:
+            pending.wait()
+            return self._finish(Transition("swap_blocks", pending.moved_bytes, time.perf_counter() - t0))
+
+        # The device thread takes the next request while this copy runs; the wait is on a thread of
+        # its own (it holds no GIL), shielded like _run so a cancelled call still publishes its result.
+        return await asyncio.shield(self._loop.run_in_executor(self._copy_waiters, done))
 
     def _check_kv_awake(self) -> None:
         if self._state in (State.LOADING, State.SLEEPING, State.WAKING):
@@ -562,12 +587,21 @@ class WorkerCore:
         if mem is not None and KV_CACHE in mem.tags and mem.tags[KV_CACHE].state != "awake":
             raise WrongState("the KV cache is asleep: wake it first", metadata={"state": self._state})
 
-    def _swap(self, direction: str, src: Any, dst: Any, method: CopyMethod) -> Transition:
+    def _begin_swap(
+        self, direction: str, src: Any, dst: Any, method: CopyMethod
+    ) -> tuple[float, PendingSwap | Transition]:
+        """Check and enqueue a swap on the device thread. With another SwapBlocks call queued behind
+        this one, return the pending copy (the caller waits for it elsewhere and this thread checks
+        and enqueues the next call meanwhile); alone, wait here and return the finished transition,
+        one thread hop fewer for a lone call."""
         self._check_kv_awake()
         t0 = time.perf_counter()
-        moved = int(self.runner.swap_ids(direction, src, dst, method))  # type: ignore[arg-type]
+        pending = self.runner.begin_swap(direction, src, dst, method)
         self._note_activity()
-        return self._finish(Transition("swap_blocks", moved, time.perf_counter() - t0))
+        if self._swaps_submitted > 1:  # read off the event loop: a stale count only picks the other path
+            return t0, pending
+        pending.wait()
+        return t0, self._finish(Transition("swap_blocks", pending.moved_bytes, time.perf_counter() - t0))
 
     async def free_sequence(self, sequence_id: str) -> None:
         if not sequence_id:

@@ -91,3 +91,30 @@ def test_swap_out_and_back_into_other_slots_keeps_tokens(gpu_worker: WorkerProce
     rest = _generate(gpu_worker, 16, prompt=[], seq="s")
     assert list(first.token_ids) + list(rest.token_ids) == whole
     assert list(rest.block_ids)[: len(new)] == new
+
+
+def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None:
+    """Eight sequences swapped out by eight SwapBlocks calls sent at once, then back into other device
+    blocks by eight more: each is checked and enqueued while the one before still copies on the
+    device. Every sequence continues with the tokens it would have produced unmoved."""
+    seqs = {f"fl{i}": [PROMPT[0], *(p + 17 * i for p in PROMPT[1:])] for i in range(8)}
+    whole = {sid: list(_generate(gpu_worker, 24, prompt=p).token_ids) for sid, p in seqs.items()}
+    first = {sid: _generate(gpu_worker, 12, prompt=p, seq=sid) for sid, p in seqs.items()}
+    blocks = {sid: list(r.block_ids) for sid, r in first.items()}
+    k = len(blocks["fl0"])
+    host = {sid: list(range(i * k, (i + 1) * k)) for i, sid in enumerate(seqs)}
+    device = {sid: list(range(1023 - i * k, 1023 - (i + 1) * k, -1)) for i, sid in enumerate(seqs)}
+    assert not {b for bs in device.values() for b in bs} & {b for bs in blocks.values() for b in bs}
+
+    def in_flight(direction: int, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
+        req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in seqs]
+        calls = [gpu_worker.stub.SwapBlocks.future(r, timeout=120) for r in req]
+        assert [f.result().moved_bytes > 0 for f in calls] == [True] * len(seqs)
+
+    in_flight(c.SWAP_DIRECTION_DEVICE_TO_HOST, blocks, host)
+    _generate(gpu_worker, 24, prompt=[PROMPT[0], 1, 2, 3, 4, 5, 6, 7, 8, 9], seq="")  # overwrite freed blocks
+    in_flight(c.SWAP_DIRECTION_HOST_TO_DEVICE, host, device)
+    for sid in seqs:
+        rest = _generate(gpu_worker, 12, prompt=[], seq=sid)
+        assert list(first[sid].token_ids) + list(rest.token_ids) == whole[sid], sid
+        assert list(rest.block_ids)[:k] == device[sid]

@@ -17,7 +17,7 @@ from memsvc.errors import InvalidArgument, WrongState
 from worker.allocator import CopyMethod, MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import Rope, forward
-from worker.model.kv_cache import KV_TAG, KvCache, KvStats, SwapDirection
+from worker.model.kv_cache import KV_TAG, KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.weights import WEIGHTS_TAG, ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = 4096
@@ -102,6 +102,7 @@ class ModelRunner:
                     self.kv_cache.free_sequence(seq_id)
                 raise
             try:
+                self.kv_cache.wait_copies()  # swaps begun earlier may still be writing these blocks
                 seq.tokens.extend(prompt)
                 out: list[int] = []
                 for _ in range(n):
@@ -149,6 +150,15 @@ class ModelRunner:
         """:meth:`KvCache.swap_ids` under the runner's lock; the bytes moved."""
         with self.lock:
             return self.kv_cache.swap_ids(direction, src_ids, dst_ids, method)
+
+    def begin_swap(
+        self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto"
+    ) -> PendingSwap:
+        """:meth:`KvCache.begin_swap` under the runner's lock: wait for the result outside it, so the
+        next swap is checked and enqueued while this one copies. Generation waits for every swap
+        begun before it."""
+        with self.lock:
+            return self.kv_cache.begin_swap(direction, src_ids, dst_ids, method)
 
     # ---- sleep hooks ----
     def reload_weights(self) -> None:
