@@ -36,7 +36,8 @@ int msv_kv_check(const int64_t *src, const int64_t *dst, size_t n, int64_t n_src
 
 int msv_kv_move(const int64_t *src, const int64_t *dst, size_t n, int64_t *owner_src, size_t n_owner_src,
                 int64_t *owner_dst, size_t n_owner_dst, int64_t *slot_block, uint8_t *slot_host, size_t n_slots,
-                int to_host) {
+                int to_host, size_t *moved) {
+  *moved = 0;
   /* The caller checked the ids; an index out of any array would still be a bug that corrupts memory,
    * so every one is bounds-checked before anything changes. */
   for (size_t i = 0; i < n; i++) {
@@ -54,6 +55,7 @@ int msv_kv_move(const int64_t *src, const int64_t *dst, size_t n, int64_t *owner
     owner_dst[dst[i]] = slot;
     slot_block[slot] = dst[i];
     slot_host[slot] = (uint8_t)(to_host != 0);
+    ++*moved;
   }
   return MSV_OK;
 }

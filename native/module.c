@@ -776,6 +776,10 @@ static int get_items(PyObject *obj, const char *what, Py_ssize_t itemsize, const
   return 0;
 }
 
+/* From this many ids the KV passes run without the GIL: the event loop serves other calls meanwhile.
+ * The arrays are the KV cache's own, touched by one thread at a time under the runner's lock. */
+#define KV_NOGIL_MIN 1024
+
 /* kv_check(src, dst, n_src, n_dst, owner_dst) -> (code, index): see msv_kv_check */
 static PyObject *mod_kv_check(PyObject *m, PyObject *args) {
   (void)m;
@@ -792,8 +796,13 @@ static PyObject *mod_kv_check(PyObject *m, PyObject *args) {
   else if (n_dst < 0 || o.len / 8 < n_dst)
     PyErr_Format(g_err[MSV_E_INVALID], "owner_dst holds %zd blocks, fewer than n_dst = %lld", o.len / 8, n_dst);
   else {
-    size_t bad = 0;
-    int code = msv_kv_check(s.buf, d.buf, (size_t)(s.len / 8), n_src, n_dst, o.buf, &bad);
+    size_t bad = 0, n = (size_t)(s.len / 8);
+    int code;
+    if (n < KV_NOGIL_MIN) code = msv_kv_check(s.buf, d.buf, n, n_src, n_dst, o.buf, &bad);
+    else {
+      Py_BEGIN_ALLOW_THREADS code = msv_kv_check(s.buf, d.buf, n, n_src, n_dst, o.buf, &bad);
+      Py_END_ALLOW_THREADS
+    }
     if (code == MSV_KV_NO_MEMORY) PyErr_NoMemory();
     else ret = Py_BuildValue("(in)", code, (Py_ssize_t)bad);
   }
@@ -801,7 +810,7 @@ static PyObject *mod_kv_check(PyObject *m, PyObject *args) {
   return ret;
 }
 
-/* kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host): see msv_kv_move */
+/* kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host) -> blocks whose owner moved */
 static PyObject *mod_kv_move(PyObject *m, PyObject *args) {
   (void)m;
   PyObject *obj[6];
@@ -825,13 +834,26 @@ static PyObject *mod_kv_move(PyObject *m, PyObject *args) {
     PyErr_Format(g_err[MSV_E_INVALID], "slot_block and slot_host differ in length");
     rc = -1;
   }
-  if (!rc && msv_kv_move(v[0].buf, v[1].buf, (size_t)(v[0].len / 8), v[2].buf, (size_t)(v[2].len / 8), v[3].buf,
-                         (size_t)(v[3].len / 8), v[4].buf, v[5].buf, (size_t)v[5].len, to_host)) {
-    raise_last();
-    rc = -1;
+  size_t moved = 0;
+  if (!rc) {
+    size_t n = (size_t)(v[0].len / 8);
+    int bad;
+    if (n < KV_NOGIL_MIN)
+      bad = msv_kv_move(v[0].buf, v[1].buf, n, v[2].buf, (size_t)(v[2].len / 8), v[3].buf, (size_t)(v[3].len / 8),
+                        v[4].buf, v[5].buf, (size_t)v[5].len, to_host, &moved);
+    else {
+      Py_BEGIN_ALLOW_THREADS bad = msv_kv_move(v[0].buf, v[1].buf, n, v[2].buf, (size_t)(v[2].len / 8), v[3].buf,
+                                               (size_t)(v[3].len / 8), v[4].buf, v[5].buf, (size_t)v[5].len, to_host,
+                                               &moved);
+      Py_END_ALLOW_THREADS
+    }
+    if (bad) {
+      raise_last();
+      rc = -1;
+    }
   }
   for (int i = 0; i < got; i++) PyBuffer_Release(&v[i]);
-  return rc ? NULL : Py_NewRef(Py_None);
+  return rc ? NULL : PyLong_FromSize_t(moved);
 }
 
 static PyMethodDef mod_methods[] = {
@@ -840,7 +862,7 @@ static PyMethodDef mod_methods[] = {
     {"set_pool_tag", mod_set_pool_tag, METH_VARARGS, "tag for allocations made through the torch hook"},
     {"checksum", mod_checksum, METH_VARARGS, "the offload checksum of a bytes-like object"},
     {"kv_check", mod_kv_check, METH_VARARGS, "kv_check(src, dst, n_src, n_dst, owner_dst) -> (code, index)"},
-    {"kv_move", mod_kv_move, METH_VARARGS, "kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host)"},
+    {"kv_move", mod_kv_move, METH_VARARGS, "kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host) -> owned blocks moved"},
     {NULL, NULL, 0, NULL}};
 
 static struct PyModuleDef moddef = {PyModuleDef_HEAD_INIT, "_native", "memsvc native allocator core", -1, mod_methods,

@@ -235,10 +235,11 @@ enum {
 int msv_kv_check(const int64_t *src, const int64_t *dst, size_t n, int64_t n_src, int64_t n_dst,
                  const int64_t *owner_dst, size_t *bad);
 /* After a checked swap's copy: each owned source's slot moves to its destination (owner arrays and
- * the slot's block and pool). MSV_E_INVALID, changing nothing, if any index lies outside its array. */
+ * the slot's block and pool); *moved counts them. MSV_E_INVALID, changing nothing, if any index lies
+ * outside its array. */
 int msv_kv_move(const int64_t *src, const int64_t *dst, size_t n, int64_t *owner_src, size_t n_owner_src,
                 int64_t *owner_dst, size_t n_owner_dst, int64_t *slot_block, uint8_t *slot_host, size_t n_slots,
-                int to_host);
+                int to_host, size_t *moved);
 
 /* torch hook (pluggable.c) */
 void msv_hook_install(msv_allocator *a);

@@ -567,9 +567,21 @@ def test_native_kv_table_refuses_bad_buffers_and_indices() -> None:
         assert all(np.array_equal(x, y) for x, y in zip((owner, owner_src, block, host), before, strict=True))
     with pytest.raises(InvalidArgument):  # slot_host of the wrong item kind
         _native.kv_move(ids, ids, owner_src, np.full(8, -1, np.int64)[:], block, host.astype(np.float32), True)
-    _native.kv_move(ids, np.array([5, 6]), owner_src, owner, block, host, True)
+    assert _native.kv_move(ids, np.array([5, 6]), owner_src, owner, block, host, True) == 2  # owned blocks moved
     assert owner_src.tolist() == [-1, -1, -1, -1] and owner[5] == 0 and owner[6] == 1
     assert block.tolist() == [5, 6] and host.tolist() == [True, True]
+    # From 1024 ids both passes run without the GIL: same results, and the first bad index still found.
+    n = 4096
+    owner_src, owner = np.where(np.arange(n) % 3 == 0, np.arange(n) // 3, -1), np.full(n, -1, np.int64)
+    block, host = np.arange(0, n, 3, dtype=np.int64), np.ones((n + 2) // 3, np.bool_)
+    src, dst = np.arange(n, dtype=np.int64), np.arange(n, dtype=np.int64)[::-1].copy()
+    dst_bad = dst.copy()
+    dst_bad[3000] = dst_bad[10]
+    assert _native.kv_check(src, dst_bad, n, n, owner) == (_native.KV_DST_TWICE, 3000)
+    assert _native.kv_check(src, dst, n, n, owner) == (_native.KV_OK, 0)
+    assert _native.kv_move(src, dst, owner_src, owner, block, host, False) == len(block)
+    assert (owner_src == -1).all() and owner[n - 1 - 3 * np.arange(len(block))].tolist() == list(range(len(block)))
+    assert block.tolist() == (n - 1 - 3 * np.arange(len(block))).tolist() and not host.any()
 
 
 def test_swap_bookkeeping_matches_a_reference_model(alloc: MemoryAllocator) -> None:

@@ -140,7 +140,9 @@ class WorkerCore:
         self._loop = loop
         self._device_thread = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memsvc-device")
         self._swaps_submitted = 0
-        """SwapBlocks calls sent to the device thread whose check and enqueue have not returned (event loop only)."""
+        """SwapBlocks calls sent to the device thread (written on the event loop only)."""
+        self._swaps_started = 0
+        """SwapBlocks calls the device thread has begun (written on the device thread only)."""
         self._copy_waiters = concurrent.futures.ThreadPoolExecutor(
             self.COPY_WAITERS, thread_name_prefix="memsvc-copywait"
         )
@@ -564,21 +566,11 @@ class WorkerCore:
         if not len(src) and not len(dst):
             raise InvalidArgument("no blocks given")
         self._check_kv_awake()
+        result: asyncio.Future[Transition] = self._loop.create_future()
         self._swaps_submitted += 1
-        try:
-            t0, pending = await self._run(lambda: self._begin_swap(direction, src, dst, method))
-        finally:
-            self._swaps_submitted -= 1
-        if isinstance(pending, Transition):
-            return pending
-
-        def done() -> Transition:
-            pending.wait()
-            return self._finish(Transition("swap_blocks", pending.moved_bytes, time.perf_counter() - t0))
-
-        # The device thread takes the next request while this copy runs; the wait is on a thread of
-        # its own (it holds no GIL), shielded like _run so a cancelled call still publishes its result.
-        return await asyncio.shield(self._loop.run_in_executor(self._copy_waiters, done))
+        self._device_thread.submit(self._swap_job, direction, src, dst, method, result)
+        # Shielded like _run: a client that cancels must not cancel a queued swap.
+        return await asyncio.shield(result)
 
     def _check_kv_awake(self) -> None:
         if self._state in (State.LOADING, State.SLEEPING, State.WAKING):
@@ -587,21 +579,35 @@ class WorkerCore:
         if mem is not None and KV_CACHE in mem.tags and mem.tags[KV_CACHE].state != "awake":
             raise WrongState("the KV cache is asleep: wake it first", metadata={"state": self._state})
 
-    def _begin_swap(
-        self, direction: str, src: Any, dst: Any, method: CopyMethod
-    ) -> tuple[float, PendingSwap | Transition]:
-        """Check and enqueue a swap on the device thread. With another SwapBlocks call queued behind
-        this one, return the pending copy (the caller waits for it elsewhere and this thread checks
-        and enqueues the next call meanwhile); alone, wait here and return the finished transition,
-        one thread hop fewer for a lone call."""
-        self._check_kv_awake()
-        t0 = time.perf_counter()
-        pending = self.runner.begin_swap(direction, src, dst, method)
-        self._note_activity()
-        if self._swaps_submitted > 1:  # read off the event loop: a stale count only picks the other path
-            return t0, pending
-        pending.wait()
-        return t0, self._finish(Transition("swap_blocks", pending.moved_bytes, time.perf_counter() - t0))
+    def _swap_job(
+        self, direction: str, src: Any, dst: Any, method: CopyMethod, result: asyncio.Future[Transition]
+    ) -> None:
+        """On the device thread: check and enqueue the swap. With another SwapBlocks call queued
+        behind this one, a waiter thread waits for the copy while this thread checks and enqueues the
+        next; alone, wait here (one thread fewer on the way). Whichever waits settles ``result``: one
+        wake-up of the event loop per call."""
+        self._swaps_started += 1
+        try:
+            self._check_kv_awake()
+            t0 = time.perf_counter()
+            pending = self.runner.begin_swap(direction, src, dst, method)
+            self._note_activity()
+            if self._swaps_submitted > self._swaps_started:  # each count has one writer thread
+                self._copy_waiters.submit(self._swap_wait, pending, t0, result)
+                return
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self._loop.call_soon_threadsafe(_settle, result, None, exc)
+            return
+        self._swap_wait(pending, t0, result)
+
+    def _swap_wait(self, pending: PendingSwap, t0: float, result: asyncio.Future[Transition]) -> None:
+        try:
+            pending.wait()
+            t = self._finish(Transition("swap_blocks", pending.moved_bytes, time.perf_counter() - t0))
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self._loop.call_soon_threadsafe(_settle, result, None, exc)
+            return
+        self._loop.call_soon_threadsafe(_settle, result, t, None)
 
     async def free_sequence(self, sequence_id: str) -> None:
         if not sequence_id:
@@ -622,6 +628,16 @@ class WorkerCore:
         self._note_activity()
         blocks = list(self.runner.kv_cache.sequence(sequence_id).block_ids) if sequence_id else []
         return Generation(list(tokens), blocks, time.perf_counter() - t0)
+
+
+def _settle(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
+    """Complete a future from another thread's result (through call_soon_threadsafe)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)  # type: ignore[arg-type]
 
 
 __all__ = ["LEVEL_ACTIONS", "Generation", "MemsvcError", "State", "Status", "Transition", "WorkerConfig", "WorkerCore"]

@@ -204,6 +204,9 @@ class KvCache:
         self._pools: dict[Location, _BlockPool] = {"device": self.device, "host": self.host}
         self._owner: dict[Location, np.ndarray] = {}
         """Per pool and block: the table slot that names it, or ``_FREE``."""
+        self._free: dict[Location, int] = {}
+        """Per pool: how many blocks are ``_FREE``, kept as they change (stats() runs off the device
+        thread, and must neither scan nor see an array mid-update)."""
         self._table: _Slots  # set by drop_all, as are the owner arrays
         self._seqs: dict[str, Sequence] = {}
         self._by_handle: dict[int, Sequence] = {}
@@ -252,6 +255,7 @@ class KvCache:
         self._table.block[slots] = blocks
         self._table.host[slots] = False
         owner[blocks] = slots
+        self._free["device"] -= needed
         seq._slots = np.concatenate((seq._slots, slots))
 
     def free_sequence(self, seq_id: str) -> None:
@@ -260,6 +264,9 @@ class KvCache:
         blocks, host = self._table.block[seq._slots], self._table.host[seq._slots]
         self._owner["device"][blocks[~host]] = _FREE
         self._owner["host"][blocks[host]] = _FREE
+        on_host = int(np.count_nonzero(host))
+        self._free["device"] += len(blocks) - on_host
+        self._free["host"] += on_host
         self._table.give_back(seq._slots)
         seq._slots = np.zeros(0, np.int64)  # a Sequence object kept by someone must not read reused slots
         del self._seqs[seq_id], self._by_handle[seq.handle]
@@ -272,6 +279,7 @@ class KvCache:
         self._by_handle.clear()
         for loc, pool in self._pools.items():
             self._owner[loc] = np.full(pool.num_blocks, _FREE, np.int64)
+            self._free[loc] = pool.num_blocks
         self._table = _Slots(self.device.num_blocks + self.host.num_blocks)
 
     def drop_device(self) -> list[str]:
@@ -356,16 +364,16 @@ class KvCache:
     def _move(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
         """Hand each owned source's table entry to its destination (one pass in C)."""
         t = self._table
-        _native.kv_move(src, dst, self._owner[src_loc], self._owner[dst_loc], t.block, t.host, dst_loc == "host")
-
-    def _free_count(self, loc: Location) -> int:
-        return int(np.count_nonzero(self._owner[loc] == _FREE))
+        owners = self._owner[src_loc], self._owner[dst_loc]
+        moved = _native.kv_move(src, dst, *owners, t.block, t.host, dst_loc == "host")
+        self._free[src_loc] += moved
+        self._free[dst_loc] -= moved
 
     def stats(self) -> KvStats:
         return KvStats(
             block_size=self.block_size, block_bytes=self.block_bytes,
-            device_blocks=self.device.num_blocks, device_free_blocks=self._free_count("device"),
-            host_blocks=self.host.num_blocks, host_free_blocks=self._free_count("host"),
+            device_blocks=self.device.num_blocks, device_free_blocks=self._free["device"],
+            host_blocks=self.host.num_blocks, host_free_blocks=self._free["host"],
             sequences=len(self._seqs),
         )  # fmt: skip
 
