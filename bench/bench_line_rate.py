@@ -29,6 +29,7 @@ from typing import Any
 import numpy as np
 import torch
 
+from bench import rpc_load
 from bench.bench_allocator import _device_info, _git_commit, load_weights
 from bench.shapes import llama3_8b_shapes
 from worker.allocator import AllocatorConfig, MemoryAllocator
@@ -192,14 +193,21 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
     }  # fmt: skip
 
 
+CAPACITY_LOADS = ((1, 8), (2, 4), (4, 4))
+"""(client processes, calls in flight each) for the worker's SwapBlocks capacity."""
+
+
 def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
     """SwapBlocks through a worker's gRPC API: random 4 KiB blocks (synthetic:tiny with 8-token blocks,
-    pools of 65536 blocks), device -> host and back. 8192 blocks per call in both request forms
-    (BlockPair messages, and the packed src_blocks/dst_blocks lists), and 32768 packed. Each: one call
-    at a time (client time against the worker's own duration), and 4 or 8 calls in flight (the
-    worker decodes, checks and enqueues the next request while the device copies the current one;
-    the throughput a scheduler streaming swaps would see). ``null_rpc_s``: a Health.Check round trip,
-    the floor any call pays on this host."""
+    pools of 65536 blocks; other ids call after call), device -> host and back. 8192 blocks per call
+    in both request forms (BlockPair messages, and the packed src_blocks/dst_blocks lists), and 32768
+    packed. Each: one call at a time (client time against the worker's own duration), and 4 or 8
+    calls in flight (the worker decodes, checks and enqueues the next request while the device copies
+    the current one; the throughput a scheduler streaming swaps would see). ``null_rpc_s``: a
+    Health.Check round trip, the floor any call pays on this host. ``GBps_raw_clients`` (8192
+    packed): client processes sending the requests pre-encoded (bench/rpc_load.py), "CxD" = C
+    clients with D calls in flight each: what the worker serves when one Python client is not the
+    limit."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -225,33 +233,43 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
         block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
         rng = random.Random(0)
         for form, n in (("pairs", 8192), ("packed", 8192), ("packed", 32768)):
-            dev, host = rng.sample(range(pool), n), rng.sample(range(pool), n)
-            for name, direction, src, dst in (
-                ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, dev, host),
-                ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, host, dev),
+            # Fresh ids call after call, over the whole pool: one set repeated would stay in the L2 cache.
+            sets = [(rng.sample(range(pool), n), rng.sample(range(pool), n)) for _ in range(pool // n)]
+            for name, direction, flip in (
+                ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, False),
+                ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, True),
             ):
-                if form == "pairs":
-                    pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src, dst, strict=True)]
-                    req = w.SwapBlocksRequest(direction=direction, pairs=pairs)
-                else:
-                    req = w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst)
-                stub.SwapBlocks(req, timeout=60)
+                reqs = []
+                for dev, host in sets:
+                    src, dst = (host, dev) if flip else (dev, host)
+                    if form == "pairs":
+                        pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src, dst, strict=True)]
+                        reqs.append(w.SwapBlocksRequest(direction=direction, pairs=pairs))
+                    else:
+                        reqs.append(w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst))
+                stub.SwapBlocks(reqs[0], timeout=60)
                 client, server = [], []
-                for _ in range(reps):
+                for i in range(reps):
                     t0 = time.perf_counter()
-                    r = stub.SwapBlocks(req, timeout=60)
+                    r = stub.SwapBlocks(reqs[i % len(reqs)], timeout=60)
                     client.append(time.perf_counter() - t0)
                     server.append(r.duration.ToNanoseconds() / 1e9)
                 streamed = {}
                 for depth in depths:
                     calls = 8 * reps
                     t0 = time.perf_counter()
-                    pending = [stub.SwapBlocks.future(req, timeout=60) for _ in range(depth)]
+                    pending = [stub.SwapBlocks.future(reqs[i % len(reqs)], timeout=60) for i in range(depth)]
                     for i in range(calls):
                         pending.pop(0).result()
                         if i + depth < calls:
-                            pending.append(stub.SwapBlocks.future(req, timeout=60))
+                            pending.append(stub.SwapBlocks.future(reqs[(i + depth) % len(reqs)], timeout=60))
                     streamed[str(depth)] = (time.perf_counter() - t0) / calls
+                capacity = {}
+                if form == "packed" and n == 8192:
+                    bodies = [r.SerializeToString() for r in reqs]
+                    for clients, depth in CAPACITY_LOADS:
+                        rate = rpc_load.calls_per_second(address, bodies, clients, depth)
+                        capacity[f"{clients}x{depth}"] = n * block * rate / GB
                 med = statistics.median(client)
                 out[f"{form}_{n}_{name}"] = {
                     "form": form,
@@ -264,6 +282,7 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
                     "GBps_server": n * block / statistics.median(server) / GB,
                     "in_flight_s_per_call": streamed,
                     "GBps_in_flight": {d: n * block / t / GB for d, t in streamed.items()},
+                    "GBps_raw_clients": capacity,
                 }
     finally:
         proc.terminate()
@@ -275,8 +294,10 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
     """KvCache.swap_ids in process (the worker's device-thread path without gRPC) on pools of 65536
     4 KiB blocks: 8192 and 32768 random blocks owned by sequences of 128 blocks (every moved block's
     table entry changes hands), against a bare copy_block_ids of as many other random blocks (fresh
-    ids each time: a copy repeated on the same ids runs on warm address translations), and the C
-    ownership passes (kv_check + kv_move) alone on arrays of the same sizes."""
+    ids each time), the same copy repeated on one set of ids (``copy_repeat``: does a set that fits
+    the device's L2 cache copy faster?), the C ownership passes (kv_check + kv_move) alone on arrays
+    of the same sizes, and swaps begun back to back with begin_swap, waited for at the end
+    (``pipelined``: what the device thread sustains when it never waits for a copy)."""
     from worker import _native
     from worker.model.config import PRESETS
     from worker.model.kv_cache import KvCache
@@ -296,7 +317,11 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
         others = np.concatenate([np.array(q.block_ids) for k, q in kv.sequences.items() if k not in chosen])
         free_dev = np.setdiff1d(np.arange(pool), others)  # free once the sequences are out
         host = rng.permutation(pool)[:n]
-        rows: dict[str, list[float]] = {"kv_out": [], "kv_in": [], "copy_out": [], "copy_in": [], "native": []}
+        rows: dict[str, list[float]] = {
+            "kv_out": [], "kv_in": [], "copy_out": [], "copy_in": [], "copy_repeat_out": [], "copy_repeat_in": [],
+            "native": [],
+        }  # fmt: skip
+        fixed = rng.permutation(pool)[:n], rng.permutation(pool)[:n]
         for _ in range(reps):
             target = rng.permutation(free_dev)[:n]  # swap back in to other device blocks
             torch.cuda.synchronize()
@@ -314,6 +339,12 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
             t0 = time.perf_counter()
             alloc.copy_block_ids(kv.host.tensor, kv.device.tensor, c_host, c_dev)
             rows["copy_in"].append(time.perf_counter() - t0)
+            for d, (src_pool, dst_pool, ids) in {
+                "out": (kv.device.tensor, kv.host.tensor, fixed), "in": (kv.host.tensor, kv.device.tensor, fixed[::-1])
+            }.items():  # fmt: skip
+                t0 = time.perf_counter()
+                alloc.copy_block_ids(src_pool, dst_pool, *ids)
+                rows[f"copy_repeat_{d}"].append(time.perf_counter() - t0)
             owner_src, owner_dst = np.full(pool, -1, np.int64), np.full(pool, -1, np.int64)
             owner_src[c_dev] = np.arange(n)
             slot_block, slot_host = c_dev.copy(), np.zeros(n, np.bool_)
@@ -321,6 +352,17 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
             _native.kv_check(c_dev, c_host, pool, pool, owner_dst)
             _native.kv_move(c_dev, c_host, owner_src, owner_dst, slot_block, slot_host, True)
             rows["native"].append(time.perf_counter() - t0)
+        torch.cuda.synchronize()
+        t0 = time.perf_counter()
+        last = None
+        for _ in range(reps):
+            target = rng.permutation(free_dev)[:n]
+            kv.begin_swap("out", dev, host)
+            last = kv.begin_swap("in", host, target)
+            dev = target
+        assert last is not None
+        last.wait()
+        pipelined = (time.perf_counter() - t0) / (2 * reps)
         assert all(kv.sequence(f"s{s}").location == "device" for s in seqs)
         med = {k: statistics.median(v) for k, v in rows.items()}
         for d in ("out", "in"):
@@ -333,6 +375,9 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
                 "kv_check_move_s": med["native"],
                 "GBps_swap_ids": n * kv.block_bytes / med[f"kv_{d}"] / GB,
                 "GBps_copy_block_ids": n * kv.block_bytes / med[f"copy_{d}"] / GB,
+                "GBps_copy_repeat": n * kv.block_bytes / med[f"copy_repeat_{d}"] / GB,
+                "pipelined_s_per_swap": pipelined,
+                "GBps_pipelined": n * kv.block_bytes / pipelined / GB,
             }
     del kv
     alloc.close()
@@ -536,6 +581,7 @@ def main() -> None:
                 f"{d} in flight: {t * 1e3:.2f} ms/call = {r['GBps_in_flight'][d]:.1f} GB/s"
                 for d, t in r["in_flight_s_per_call"].items()
             )
+            + "".join(f"; raw clients {k}: {v:.1f} GB/s" for k, v in r["GBps_raw_clients"].items())
         )
     for key, r in res.get("kv_swap", {}).items():
         if not isinstance(r, dict):
@@ -544,7 +590,8 @@ def main() -> None:
             f"KvCache.swap_ids {key} ({r['sequences']} sequences): {r['swap_ids_s'] * 1e3:.3f} ms "
             f"({r['GBps_swap_ids']:.1f} GB/s) = copy_block_ids {r['copy_block_ids_s'] * 1e3:.3f} ms "
             f"({r['GBps_copy_block_ids']:.1f} GB/s) + {r['bookkeeping_s'] * 1e3:.3f} ms (of which kv_check + kv_move "
-            f"{r['kv_check_move_s'] * 1e3:.3f} ms)"
+            f"{r['kv_check_move_s'] * 1e3:.3f} ms); same ids again {r['GBps_copy_repeat']:.1f} GB/s; begun back to "
+            f"back {r['GBps_pipelined']:.1f} GB/s (in and out alternating)"
         )
     if "decode" in res:
         print("decode step:", {k: round(v, 3) for k, v in res["decode"].items()})
