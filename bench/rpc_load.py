@@ -1,10 +1,13 @@
 """How many SwapBlocks calls a worker serves, apart from what one Python client can send.
 
 Each client is a process of its own that sends pre-encoded requests in turn, as bytes (no encode
-or decode on the client side), keeping ``depth`` calls in flight; the clients start
-together and run for the same time. With one client this is the cheapest Python client there is;
+or decode on the client side), keeping ``depth`` calls in flight; the clients wait for a common
+start time and run for the same time. With one client this is the cheapest Python client there is;
 with several it is the worker's capacity, the figure a scheduler in a faster language, or several
-scheduler threads, would see. No torch import: the client processes start in a fraction of a second.
+scheduler threads, would see. The rate counts every call over the union of the clients' windows
+(first start to last end), so clients that start late lower it rather than raise it. The processes
+are spawned: each imports the parent's main module again (torch, for bench_line_rate), which the
+start time allows for.
 """
 
 from __future__ import annotations
@@ -19,7 +22,7 @@ SWAP_BLOCKS = "/memsvc.v1.ModelWorkerService/SwapBlocks"
 
 def _client(
     address: str, bodies: list[bytes], first: int, depth: int, start: float, seconds: float
-) -> tuple[int, float]:
+) -> tuple[int, float, float]:
     import grpc
 
     with grpc.insecure_channel(address) as channel:
@@ -27,6 +30,7 @@ def _client(
         call(bodies[first], timeout=60)
         while time.time() < start:
             time.sleep(0.0005)
+        began = time.time()
         t0 = time.perf_counter()
         end, done, sent = t0 + seconds, 0, first
         pending: deque[Any] = deque()
@@ -39,7 +43,7 @@ def _client(
             if time.perf_counter() < end:
                 sent += 1
                 pending.append(call.future(bodies[sent % len(bodies)], timeout=60))
-        return done, time.perf_counter() - t0
+        return done, began, began + time.perf_counter() - t0
 
 
 def calls_per_second(address: str, bodies: list[bytes], clients: int, depth: int, seconds: float = 3.0) -> float:
@@ -47,7 +51,7 @@ def calls_per_second(address: str, bodies: list[bytes], clients: int, depth: int
     client sending ``bodies`` in turn from its own starting point."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(clients) as pool:
-        start = time.time() + 3.0  # every process imported grpc and connected by then
+        start = time.time() + 8.0  # every process imported its modules and connected by then
         jobs = [(address, bodies, k * len(bodies) // clients, depth, start, seconds) for k in range(clients)]
         runs = pool.starmap(_client, jobs)
-    return sum(n for n, _ in runs) / max(t for _, t in runs)
+    return sum(n for n, _, _ in runs) / (max(e for _, _, e in runs) - min(b for _, b, _ in runs))

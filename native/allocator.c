@@ -214,10 +214,14 @@ static int extend(msv_allocator *a, arena *ar, uint64_t len) {
 
 /* Drop trailing extents that hold no allocation, returning their memory to the device. */
 static void trim_tail(msv_allocator *a, arena *ar) {
+  int synced = 0;
   while (ar->n_ext && ar->n_fr) {
     extent *x = &ar->ext[ar->n_ext - 1];
     frange *f = &ar->fr[ar->n_fr - 1];
     if (!x->mapped || f->off + f->size != ar->frontier || f->off > x->off) return;
+    /* a copy enqueued without waiting (copy_block_ids) may still touch the freed range */
+    if (!synced && a->b->sync(a->b, 0)) return;
+    synced = 1;
     if (a->b->unmap(a->b, ar->base + x->off, x->size, x->handle)) return;
     ar->frontier = x->off;
     ar->n_ext--;
@@ -279,6 +283,7 @@ void msv_release(msv_allocator *a) {
 
 void msv_destroy(msv_allocator *a) {
   if (!a) return;
+  a->b->sync(a->b, 0); /* copies still in flight (unwaited or dropped fences) end before memory goes */
   for (size_t i = 0; i < a->n_tab; i++)
     if (a->tab[i].chunk) msv_hostpool_put(&a->hp, a->tab[i].chunk);
   for (size_t i = 0; i < a->n_arenas; i++) {
@@ -405,6 +410,7 @@ int msv_host_free(msv_allocator *a, uint64_t addr) {
   msv_hchunk *c = e->chunk;
   tab_remove(a, e);
   pthread_mutex_unlock(&a->mu);
+  a->b->sync(a->b, 0); /* no copy enqueued without waiting may still write into it once reused or unmapped */
   msv_hostpool_put(&a->hp, c);
   msv_hostpool_trim(&a->hp);
   return MSV_OK;
@@ -752,6 +758,10 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     if (a->cfg.checksum && (rc = checksum_arena(a, idx[i], &sums[i], &ns))) break;
     rc = offload_arena(a, idx[i]);
   }
+  /* No copy on the allocator's stream may still touch what phase 2 drops: the offloads above waited
+   * for their own, but a block copy enqueued without waiting may be in flight (alone, for a sleep
+   * that only discards). */
+  if (!rc) rc = a->b->sync(a->b, 0);
   if (rc) {
     for (size_t i = 0; i < n; i++)
       if (actions[i] == MSV_ACTION_OFFLOAD) drop_backup(a, a->arenas[idx[i]]);
@@ -1162,7 +1172,7 @@ int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, u
   if (!rc && fence) { /* enqueue only; the counters describe waited copies */
     rc = a->b->copy(a->b, items, n, method, stream);
     if (!rc) rc = a->b->fence(a->b, stream, fence);
-    else a->b->sync(a->b, stream); /* a partial enqueue finishes before the caller hears of the failure */
+    if (rc) a->b->sync(a->b, stream); /* what was enqueued finishes before the caller hears of the failure */
   }
   pthread_mutex_unlock(&a->mu);
   free(items);

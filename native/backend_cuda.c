@@ -461,11 +461,11 @@ static int c_fence(msv_backend *b, uint64_t stream, uint64_t *out) {
 }
 
 static int c_fence_wait(msv_backend *b, uint64_t fence) {
-  int rc = bind(b);
-  if (rc) return rc;
   CUevent e = (CUevent)(uintptr_t)fence;
-  CUresult r = D.EventSynchronize(e);
-  D.EventDestroy(e);
+  int rc = bind(b);
+  CUresult r = rc ? CUDA_SUCCESS : D.EventSynchronize(e);
+  D.EventDestroy(e); /* the fence is spent whatever happened */
+  if (rc) return rc;
   if (r) return drv_fail(r, "cuEventSynchronize");
   return MSV_OK;
 }

@@ -48,12 +48,19 @@ int msv_kv_move(const int64_t *src, const int64_t *dst, size_t n, int64_t *owner
       return msv_fail(MSV_E_INVALID, "kv move: block %lld has slot %lld, outside the table", (long long)src[i],
                       (long long)slot);
   }
+  /* The second pass checks every index again: these arrays are the caller's, and a thread that
+   * changed one between the passes must cost an error, never a write out of bounds. */
   for (size_t i = 0; i < n; i++) {
-    int64_t slot = owner_src[src[i]];
+    int64_t s = src[i], d = dst[i];
+    if (s < 0 || (uint64_t)s >= n_owner_src || d < 0 || (uint64_t)d >= n_owner_dst)
+      return msv_fail(MSV_E_INVALID, "kv move: pair %zu changed while it was being moved", i);
+    int64_t slot = owner_src[s];
+    if (slot >= 0 && (uint64_t)slot >= n_slots)
+      return msv_fail(MSV_E_INVALID, "kv move: block %lld changed while it was being moved", (long long)s);
     if (slot < 0) continue; /* a free block: its bytes moved, nothing owns them */
-    owner_src[src[i]] = -1;
-    owner_dst[dst[i]] = slot;
-    slot_block[slot] = dst[i];
+    owner_src[s] = -1;
+    owner_dst[d] = slot;
+    slot_block[slot] = d;
     slot_host[slot] = (uint8_t)(to_host != 0);
     ++*moved;
   }

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+from typing import Any
+
+import numpy as np
 import torch
 
 MiB = 1 << 20
@@ -22,3 +25,18 @@ def fill_random(t: torch.Tensor, gen: torch.Generator) -> torch.Tensor:
 def as_cpu_bytes(t: torch.Tensor) -> torch.Tensor:
     """The bytes of ``t`` as a CPU uint8 tensor, for torch.equal against what was written."""
     return t.detach().reshape(-1).view(torch.uint8).cpu()
+
+
+def busy_copy_stream(alloc: Any, mib: int = 512) -> Any:
+    """On cuda, a large copy enqueued without waiting on the allocator's own stream: the copies a test
+    enqueues next queue behind it for milliseconds, so a missing wait or a reused buffer shows in the
+    data instead of hiding behind copies that finish before Python takes its next step. Keep the
+    returned object until those copies are checked. None on the host backend (its copies finish
+    before they return)."""
+    if alloc.backend != "cuda":
+        return None
+    n = mib // 4
+    dev = alloc.empty((n, 4 << 20), torch.uint8, tag="busy")
+    host = alloc.host_empty((n, 4 << 20), torch.uint8)
+    ids = np.arange(n, dtype=np.int64)
+    return dev, host, alloc.copy_block_ids(dev, host, ids, ids, "batch", wait=False)

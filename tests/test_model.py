@@ -16,6 +16,7 @@ from typing import Any
 import numpy as np
 import pytest
 import torch
+from _util import busy_copy_stream
 from model_helpers import dense_greedy, dense_logits
 from safetensors.torch import save_file
 
@@ -407,13 +408,14 @@ def test_swaps_begun_without_waiting_chain_and_generation_waits_for_them(alloc: 
     """begin_swap moves ownership at once and leaves the copy running: a sequence swapped out, in to
     other device blocks, out and in again (each swap reading what the one before wrote), with no wait
     between them, then continued by generate at once, decodes exactly like a sequence never moved.
-    Generation waits for every swap begun before it (on cuda the last copy is still in flight)."""
+    Generation waits for every swap begun before it: on cuda they all queue behind a 512 MiB copy."""
     runner = tiny_runner(alloc)
     kv = runner.kv_cache
     whole = varied(runner.generate(PROMPT, 14))
     part = runner.generate(PROMPT, 6, "s")
     seq = kv.sequence("s")
     pending = []
+    busy = busy_copy_stream(alloc)  # on cuda the swaps below are still queued when generate starts
     for host_dst, device_dst in (([9, 3, 12], [30, 20, 25]), ([0, 15, 7], [1, 31, 17])):
         pending.append(runner.begin_swap("out", np.asarray(seq.block_ids), np.asarray(host_dst)))
         assert (seq.block_ids, seq.location) == (host_dst, "host")  # before any copy is waited for
@@ -423,6 +425,7 @@ def test_swaps_begun_without_waiting_chain_and_generation_waits_for_them(alloc: 
     assert part + runner.generate([], 8, "s") == whole
     for p in pending:
         p.wait()
+    del busy
 
 
 def test_swap_whole_sequence_survives_kv_discard(alloc: MemoryAllocator) -> None:

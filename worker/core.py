@@ -592,12 +592,15 @@ class WorkerCore:
             t0 = time.perf_counter()
             pending = self.runner.begin_swap(direction, src, dst, method)
             self._note_activity()
-            if self._swaps_submitted > self._swaps_started:  # each count has one writer thread
+        except BaseException as exc:  # noqa: BLE001 - handed to the caller
+            self._loop.call_soon_threadsafe(_settle_future, result, None, exc)
+            return
+        if self._swaps_submitted > self._swaps_started:  # each count has one writer thread
+            try:
                 self._copy_waiters.submit(self._swap_wait, pending, t0, result)
                 return
-        except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            self._loop.call_soon_threadsafe(_settle, result, None, exc)
-            return
+            except RuntimeError:  # the waiters are shut down (worker closing): wait here
+                pass
         self._swap_wait(pending, t0, result)
 
     def _swap_wait(self, pending: PendingSwap, t0: float, result: asyncio.Future[Transition]) -> None:
@@ -605,9 +608,9 @@ class WorkerCore:
             pending.wait()
             t = self._finish(Transition("swap_blocks", pending.moved_bytes, time.perf_counter() - t0))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            self._loop.call_soon_threadsafe(_settle, result, None, exc)
+            self._loop.call_soon_threadsafe(_settle_future, result, None, exc)
             return
-        self._loop.call_soon_threadsafe(_settle, result, t, None)
+        self._loop.call_soon_threadsafe(_settle_future, result, t, None)
 
     async def free_sequence(self, sequence_id: str) -> None:
         if not sequence_id:
@@ -630,7 +633,7 @@ class WorkerCore:
         return Generation(list(tokens), blocks, time.perf_counter() - t0)
 
 
-def _settle(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
+def _settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
     """Complete a future from another thread's result (through call_soon_threadsafe)."""
     if fut.done():
         return
