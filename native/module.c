@@ -777,7 +777,9 @@ static int get_items(PyObject *obj, const char *what, Py_ssize_t itemsize, const
 }
 
 /* From this many ids the KV passes run without the GIL: the event loop serves other calls meanwhile.
- * The arrays are the KV cache's own, touched by one thread at a time under the runner's lock. */
+ * Both read each id once and bound-check it where it is used, so another thread changing an array
+ * meanwhile costs a wrong answer or an error, never an access out of bounds; the KV cache's own
+ * arrays are touched by one thread at a time, under the runner's lock. */
 #define KV_NOGIL_MIN 1024
 
 /* kv_check(src, dst, n_src, n_dst, owner_dst) -> (code, index): see msv_kv_check */

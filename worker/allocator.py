@@ -20,6 +20,7 @@ from __future__ import annotations
 import array
 import contextlib
 import enum
+import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
@@ -193,6 +194,13 @@ def _ints(values: Any, what: str) -> Any:
         raise InvalidArgument(f"{what} must be a sequence of integers") from None
 
 
+def _torch_with_cuda() -> Any:
+    """torch, where this process imported it and initialised CUDA (else there is no torch work to
+    wait for)."""
+    torch = sys.modules.get("torch")
+    return torch if torch is not None and torch.cuda.is_initialized() else None
+
+
 Fence = _native.Fence
 """A copy in flight (``copy_block_ids(wait=False)``): ``wait()`` blocks, without the GIL, until it is
 done, and raises the copy's error if it failed; ``done`` says whether a wait returned. Dropping an
@@ -330,10 +338,8 @@ class MemoryAllocator:
 
     def _synchronize_torch(self) -> None:
         # Work queued by torch on the device must finish before its memory is copied or unmapped.
-        import sys
-
-        torch = sys.modules.get("torch")
-        if torch is not None and torch.cuda.is_initialized():
+        torch = _torch_with_cuda()
+        if torch is not None:
             torch.cuda.synchronize(self.device)
 
     # ---- block copies ----
@@ -415,12 +421,9 @@ class MemoryAllocator:
         torch queued on its current stream: that stream is synchronised, not the whole device, so
         copies still in flight on the allocator's stream keep running."""
         handle = 0 if stream is None else int(getattr(stream, "cuda_stream", stream))
-        if self.backend == "cuda" and handle == 0:
-            import sys
-
-            torch = sys.modules.get("torch")
-            if torch is not None and torch.cuda.is_initialized():
-                torch.cuda.current_stream(self.device).synchronize()
+        torch = _torch_with_cuda() if self.backend == "cuda" and handle == 0 else None
+        if torch is not None:
+            torch.cuda.current_stream(self.device).synchronize()
         return handle
 
     def has_method(self, method: CopyMethod | str) -> bool:
