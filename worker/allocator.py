@@ -389,7 +389,9 @@ class MemoryAllocator:
         ``wait=False`` returns once the copy is enqueued, with a :class:`Fence` to ``wait()`` on: the
         caller prepares its next copy while this one runs (copies on one stream run in order). Until
         then the destination blocks hold no defined data; work that reads them on another stream
-        must wait for the fence or for :meth:`copies_wait` first.
+        must wait for the fence or for :meth:`copies_wait` first. Sleep, freeing a pool and close
+        wait for the allocator's own stream before memory goes; a copy on a ``stream`` of the
+        caller's is the caller's to wait for.
         """
         m = _method_code(method)
         block_bytes = 0
