@@ -200,8 +200,11 @@ CAPACITY_LOADS = ((1, 8), (2, 4), (4, 4))
 def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
     """SwapBlocks through a worker's gRPC API: random 4 KiB blocks (synthetic:tiny with 8-token blocks,
     pools of 65536 blocks; other ids call after call), device -> host and back. 8192 blocks per call
-    in both request forms (BlockPair messages, and the packed src_blocks/dst_blocks lists), and 32768
-    packed. Each: one call at a time (client time against the worker's own duration), and 4 or 8
+    in the three request forms (BlockPair messages, the packed src_blocks/dst_blocks lists, raw
+    src_blocks_u32le/dst_blocks_u32le bytes), and 32768 packed and raw. ``client_build_s``: building
+    and encoding one request from numpy ids, what a scheduler pays per call before sending (the
+    timed calls send requests built beforehand). Each: one call at a time (client time against the
+    worker's own duration), and 4 or 8
     calls in flight (the worker decodes, checks and enqueues the next request while the device copies
     the current one; the throughput a scheduler streaming swaps would see). ``null_rpc_s``: a
     Health.Check round trip, the floor any call pays on this host. ``GBps_raw_clients`` (8192
@@ -232,21 +235,34 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
         out["null_rpc_s"] = statistics.median(null)
         block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
         rng = random.Random(0)
-        for form, n in (("pairs", 8192), ("packed", 8192), ("packed", 32768)):
+
+        def build(form: str, direction: int, src: np.ndarray, dst: np.ndarray) -> Any:
+            """The request a scheduler holding numpy ids would send, in ``form``."""
+            if form == "pairs":
+                pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src.tolist(), dst.tolist(), strict=True)]
+                return w.SwapBlocksRequest(direction=direction, pairs=pairs)
+            if form == "packed":
+                return w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst)
+            return w.SwapBlocksRequest(
+                direction=direction, src_blocks_u32le=src.astype("<u4").tobytes(),
+                dst_blocks_u32le=dst.astype("<u4").tobytes(),
+            )  # fmt: skip
+
+        for form, n in (("pairs", 8192), ("packed", 8192), ("u32le", 8192), ("packed", 32768), ("u32le", 32768)):
             # Fresh ids call after call, over the whole pool: one set repeated would stay in the L2 cache.
-            sets = [(rng.sample(range(pool), n), rng.sample(range(pool), n)) for _ in range(pool // n)]
+            sets = [
+                (np.array(rng.sample(range(pool), n)), np.array(rng.sample(range(pool), n))) for _ in range(pool // n)
+            ]
             for name, direction, flip in (
                 ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, False),
                 ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, True),
             ):
-                reqs = []
-                for dev, host in sets:
-                    src, dst = (host, dev) if flip else (dev, host)
-                    if form == "pairs":
-                        pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src, dst, strict=True)]
-                        reqs.append(w.SwapBlocksRequest(direction=direction, pairs=pairs))
-                    else:
-                        reqs.append(w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst))
+                reqs = [build(form, direction, *((h, d) if flip else (d, h))) for d, h in sets]
+                builds = []
+                for dev, host in sets[:4]:
+                    t0 = time.perf_counter()
+                    build(form, direction, dev, host).SerializeToString()
+                    builds.append(time.perf_counter() - t0)
                 stub.SwapBlocks(reqs[0], timeout=60)
                 client, server = [], []
                 for i in range(reps):
@@ -265,7 +281,7 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
                             pending.append(stub.SwapBlocks.future(reqs[(i + depth) % len(reqs)], timeout=60))
                     streamed[str(depth)] = (time.perf_counter() - t0) / calls
                 capacity = {}
-                if form == "packed" and n == 8192:
+                if form == "u32le" and n == 8192:
                     bodies = [r.SerializeToString() for r in reqs]
                     for clients, depth in CAPACITY_LOADS:
                         rate = rpc_load.calls_per_second(address, bodies, clients, depth)
@@ -280,6 +296,7 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
                     "server_s": statistics.median(server),
                     "GBps_client": n * block / med / GB,
                     "GBps_server": n * block / statistics.median(server) / GB,
+                    "client_build_s": statistics.median(builds),
                     "in_flight_s_per_call": streamed,
                     "GBps_in_flight": {d: n * block / t / GB for d, t in streamed.items()},
                     "GBps_raw_clients": capacity,
@@ -575,7 +592,8 @@ def main() -> None:
         if not isinstance(r, dict):
             continue
         print(
-            f"SwapBlocks RPC {name}: {r['blocks']} x {r['block_bytes']} B in {r['client_s'] * 1e3:.2f} ms "
+            f"SwapBlocks RPC {name}: request built in {r['client_build_s'] * 1e3:.2f} ms; "
+            f"{r['blocks']} x {r['block_bytes']} B in {r['client_s'] * 1e3:.2f} ms "
             f"({r['GBps_client']:.1f} GB/s; worker {r['server_s'] * 1e3:.2f} ms = {r['GBps_server']:.1f} GB/s); "
             + "; ".join(
                 f"{d} in flight: {t * 1e3:.2f} ms/call = {r['GBps_in_flight'][d]:.1f} GB/s"

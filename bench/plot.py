@@ -72,7 +72,7 @@ def swap_path_plot(line_rate: dict[str, Any], out: Path) -> None:
     fig, ax = plt.subplots(figsize=(10, 4.2))
     width = 0.38
     for k, n in enumerate((8192, 32768)):
-        r, q = rpc[f"packed_{n}_d2h"], kv[f"{n}_out"]
+        r, q = rpc[f"u32le_{n}_d2h" if f"u32le_{n}_d2h" in rpc else f"packed_{n}_d2h"], kv[f"{n}_out"]
         values = [
             q["GBps_copy_block_ids"], q["GBps_swap_ids"], q["GBps_pipelined"], r["GBps_client"],
             r["GBps_in_flight"]["4"], r["GBps_in_flight"]["8"], r["GBps_raw_clients"].get("4x4", float("nan")),

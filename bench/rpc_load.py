@@ -51,7 +51,7 @@ def calls_per_second(address: str, bodies: list[bytes], clients: int, depth: int
     client sending ``bodies`` in turn from its own starting point."""
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(clients) as pool:
-        start = time.time() + 8.0  # every process imported its modules and connected by then
+        start = time.time() + 6.0  # every process imported its modules and connected by then
         jobs = [(address, bodies, k * len(bodies) // clients, depth, start, seconds) for k in range(clients)]
         runs = pool.starmap(_client, jobs)
     return sum(n for n, _, _ in runs) / (max(e for _, _, e in runs) - min(b for _, b, _ in runs))

@@ -293,6 +293,14 @@ def test_swap_through_the_manager_moves_blocks(mgr: ManagerProcess) -> None:
     assert resp.kv_cache.device_free_block_count == kv.device_free_block_count
     req.pairs.append(w.BlockPair(src_block=1, dst_block=2))  # both forms at once
     _expect(Code.INVALID_ARGUMENT, lambda: mgr.stub.SwapWorkerBlocks(req, timeout=30))
+    # And the raw form: 4-byte little-endian ids (back out to the host blocks they came from).
+    raw = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+                                    src_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (5, 6, 7)),
+                                    dst_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (2, 3, 4)))  # fmt: skip
+    resp = mgr.stub.SwapWorkerBlocks(raw, timeout=30)
+    assert resp.moved_bytes == 3 * kv.block_bytes
+    raw.dst_blocks_u32le = raw.dst_blocks_u32le[:-1]  # not whole ids
+    _expect(Code.INVALID_ARGUMENT, lambda: mgr.stub.SwapWorkerBlocks(raw, timeout=30))
 
 
 def test_swap_on_a_sleeping_kv_cache_is_failed_precondition(mgr: ManagerProcess) -> None:

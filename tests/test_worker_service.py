@@ -390,10 +390,16 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
 
 
 def swap(
-    stub: Stub, direction: int, pairs: list[tuple[int, int]], packed: bool = False, **kw: Any
+    stub: Stub, direction: int, pairs: list[tuple[int, int]], packed: bool = False, raw: bool = False, **kw: Any
 ) -> w.SwapBlocksResponse:
-    """SwapBlocks with ``pairs`` as BlockPair messages, or ``packed`` as src_blocks + dst_blocks."""
-    if packed:
+    """SwapBlocks with ``pairs`` as BlockPair messages, ``packed`` as src_blocks + dst_blocks, or ``raw`` as
+    src_blocks_u32le + dst_blocks_u32le."""
+    if raw:
+        req = w.SwapBlocksRequest(
+            direction=direction, src_blocks_u32le=u32le([s for s, _ in pairs]),
+            dst_blocks_u32le=u32le([d for _, d in pairs]), **kw,
+        )  # fmt: skip
+    elif packed:
         req = w.SwapBlocksRequest(
             direction=direction, src_blocks=[s for s, _ in pairs], dst_blocks=[d for _, d in pairs], **kw
         )
@@ -404,8 +410,10 @@ def swap(
     return stub.SwapBlocks(req, timeout=CALL_TIMEOUT)
 
 
-def test_swap_out_and_in_continues_generation(stub: Stub, info: Info) -> None:
-    """A sequence swapped to the host and back into other device blocks continues as if never moved.
+@pytest.mark.parametrize("raw_out", [False, True], ids=["out-as-pairs", "out-as-u32le"])
+def test_swap_out_and_in_continues_generation(stub: Stub, info: Info, raw_out: bool) -> None:
+    """A sequence swapped to the host (as BlockPairs, or as raw u32le ids) and back into other device
+    blocks (as packed lists) continues as if never moved.
 
     The block ids come from GenerateResponse.block_ids. Another kept sequence is created first, so
     the swapped one does not simply hold blocks 0..k-1; the free counts after the swap-out confirm
@@ -430,7 +438,7 @@ def test_swap_out_and_in_continues_generation(stub: Stub, info: Info) -> None:
     assert kv.device_free_block_count == held - k
     host_dst = [info.host_blocks - 1 - 2 * i for i in range(k)]
 
-    r = swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(device_src, host_dst, strict=True)))
+    r = swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(device_src, host_dst, strict=True)), raw=raw_out)
     assert r.moved_bytes == k * info.block_bytes
     assert r.kv_cache.device_free_block_count == held
     assert r.kv_cache.host_free_block_count == info.host_blocks - k
@@ -640,6 +648,23 @@ def _packed(direction: int, src: Callable[[Info, list[int]], list[int]], dst: Ca
     return call
 
 
+def _u32le(
+    direction: int, src: Callable[[Info, list[int]], bytes], dst: Callable[[Info, list[int]], bytes], **kw: Any
+) -> Call:
+    """SwapBlocks with raw src_blocks_u32le/dst_blocks_u32le bytes (and any other fields in ``kw``)."""
+
+    def call(s: Stub, i: Info, b: list[int]) -> Any:
+        req = w.SwapBlocksRequest(direction=direction, src_blocks_u32le=src(i, b), dst_blocks_u32le=dst(i, b), **kw)
+        return s.SwapBlocks(req, timeout=CALL_TIMEOUT)
+
+    return call
+
+
+def u32le(ids: list[int]) -> bytes:
+    """Block ids as the raw form: 4 bytes each, unsigned little-endian."""
+    return b"".join(x.to_bytes(4, "little") for x in ids)
+
+
 def _gen(prompt: Callable[[Info], list[int]], n: int, seq: str = "") -> Call:
     return lambda s, i, b: s.Generate(
         w.GenerateRequest(prompt_token_ids=prompt(i), max_new_tokens=n, sequence_id=seq), timeout=CALL_TIMEOUT
@@ -734,6 +759,35 @@ BAD_REQUESTS = [
         INVALID,
     ),
     Bad("packed-while-kv-asleep", "asleep", _packed(OUT, lambda i, b: [0], lambda i, b: [3]), PRECONDITION),
+    # SwapBlocks, raw u32le form: whole 4-byte ids, as many on each side, one form only, then the same checks.
+    Bad(
+        "u32le-partial-id", "sequence", _u32le(OUT, lambda i, b: u32le(b[:2])[:7], lambda i, b: u32le([3, 4])), INVALID
+    ),
+    Bad("u32le-length-mismatch", "sequence", _u32le(OUT, lambda i, b: u32le(b[:2]), lambda i, b: u32le([3])), INVALID),
+    Bad("u32le-only-dst", "sequence", _u32le(OUT, lambda i, b: b"", lambda i, b: u32le([3])), INVALID),
+    Bad(
+        "u32le-and-packed",
+        "sequence",
+        _u32le(OUT, lambda i, b: u32le([b[0]]), lambda i, b: u32le([3]), src_blocks=[5], dst_blocks=[4]),
+        INVALID,
+    ),
+    Bad(
+        "u32le-and-pairs",
+        "sequence",
+        _u32le(OUT, lambda i, b: u32le([b[0]]), lambda i, b: u32le([3]), pairs=[w.BlockPair(src_block=5, dst_block=4)]),
+        INVALID,
+    ),
+    Bad("u32le-duplicate-dst", "sequence", _u32le(OUT, lambda i, b: u32le(b[:2]), lambda i, b: u32le([3, 3])), INVALID),
+    Bad(
+        "u32le-max-id", "sequence", _u32le(OUT, lambda i, b: u32le(b[:2]), lambda i, b: u32le([3, 2**32 - 1])), INVALID
+    ),
+    Bad(
+        "u32le-dst-in-use",
+        "sequence",
+        _u32le(IN, lambda i, b: u32le([5, 6]), lambda i, b: u32le([_free_device(i, b)[0], b[1]])),
+        INVALID,
+    ),
+    Bad("u32le-while-kv-asleep", "asleep", _u32le(OUT, lambda i, b: u32le([0]), lambda i, b: u32le([3])), PRECONDITION),
     # StreamTelemetry
     Bad("telemetry-negative-interval", "awake", _stream(duration_pb2.Duration(seconds=-1)), INVALID),
     Bad("telemetry-negative-nanos", "awake", _stream(duration_pb2.Duration(nanos=-5)), INVALID),

@@ -34,11 +34,34 @@ MAX_SWAP_PAIRS = 1 << 20
 
 
 def swap_ids(request: w.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
-    """The request's (src ids, dst ids), from either form. The packed lists convert to arrays in C
-    (protobuf's repeated scalars implement ``__array__``); pairs cost a Python object per block."""
+    """The request's (src ids, dst ids), from whichever form it uses. The raw u32le bytes are read in
+    place and the packed lists convert in C (protobuf's repeated scalars implement ``__array__``);
+    pairs cost a Python object per block."""
+    raw_src, raw_dst = request.src_blocks_u32le, request.dst_blocks_u32le
+    forms = [
+        name
+        for name, given in (
+            ("pairs", len(request.pairs)),
+            ("src_blocks + dst_blocks", len(request.src_blocks) or len(request.dst_blocks)),
+            ("src_blocks_u32le + dst_blocks_u32le", len(raw_src) or len(raw_dst)),
+        )
+        if given
+    ]
+    if len(forms) > 1:
+        raise InvalidArgument(f"give the blocks in one form, not as {' and as '.join(forms)}")
+    if raw_src or raw_dst:
+        if len(raw_src) % 4 or len(raw_dst) % 4:
+            raise InvalidArgument(
+                f"src_blocks_u32le and dst_blocks_u32le hold 4 bytes per block id, got {len(raw_src)} and "
+                f"{len(raw_dst)} bytes"
+            )
+        n, n_dst = len(raw_src) // 4, len(raw_dst) // 4
+        if n != n_dst:
+            raise InvalidArgument(f"src_blocks_u32le has {n} ids but dst_blocks_u32le has {n_dst}")
+        if n > MAX_SWAP_PAIRS:
+            raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} blocks per call")
+        return np.frombuffer(raw_src, "<u4").astype(np.int64), np.frombuffer(raw_dst, "<u4").astype(np.int64)
     packed = len(request.src_blocks) or len(request.dst_blocks)
-    if packed and len(request.pairs):
-        raise InvalidArgument("give the blocks as pairs or as src_blocks + dst_blocks, not both")
     n = len(request.src_blocks) if packed else len(request.pairs)
     if n > MAX_SWAP_PAIRS:
         raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} blocks per call")

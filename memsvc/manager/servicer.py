@@ -58,6 +58,7 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         req = w.SwapBlocksRequest(
             direction=request.direction, pairs=request.pairs, method=request.method,
             src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
+            src_blocks_u32le=request.src_blocks_u32le, dst_blocks_u32le=request.dst_blocks_u32le,
         )  # fmt: skip
         r = await self.manager.swap_blocks(request.name, req, _deadline(context))
         return m.SwapWorkerBlocksResponse(

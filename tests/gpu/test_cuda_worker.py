@@ -6,6 +6,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 
+import numpy as np
 import pytest
 
 from memsvc.v1 import common_pb2 as c
@@ -94,9 +95,10 @@ def test_swap_out_and_back_into_other_slots_keeps_tokens(gpu_worker: WorkerProce
 
 
 def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None:
-    """Eight sequences swapped out by eight SwapBlocks calls sent at once, then back into other device
-    blocks by eight more: each is checked and enqueued while the one before still copies on the
-    device. Every sequence continues with the tokens it would have produced unmoved."""
+    """Eight sequences swapped out by eight SwapBlocks calls sent at once (packed ids), then back into
+    other device blocks by eight more (raw u32le ids): each is checked and enqueued while the one
+    before still copies on the device. Every sequence continues with the tokens it would have
+    produced unmoved."""
     seqs = {f"fl{i}": [PROMPT[0], *(p + 17 * i for p in PROMPT[1:])] for i in range(8)}
     whole = {sid: list(_generate(gpu_worker, 24, prompt=p).token_ids) for sid, p in seqs.items()}
     first = {sid: _generate(gpu_worker, 12, prompt=p, seq=sid) for sid, p in seqs.items()}
@@ -108,6 +110,15 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
 
     def in_flight(direction: int, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
         req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in seqs]
+        if direction == c.SWAP_DIRECTION_HOST_TO_DEVICE:  # back in as raw little-endian u32 ids
+            req = [
+                w.SwapBlocksRequest(
+                    direction=direction,
+                    src_blocks_u32le=np.array(src[sid], "<u4").tobytes(),
+                    dst_blocks_u32le=np.array(dst[sid], "<u4").tobytes(),
+                )  # fmt: skip
+                for sid in seqs
+            ]
         calls = [gpu_worker.stub.SwapBlocks.future(r, timeout=120) for r in req]
         assert [f.result().moved_bytes > 0 for f in calls] == [True] * len(seqs)
 
