@@ -62,12 +62,12 @@ def cycles_plot(line_rate: dict[str, Any], alloc: dict[str, Any], out: Path) -> 
 def swap_path_plot(line_rate: dict[str, Any], out: Path) -> None:
     """4 KiB swaps along the SwapBlocks path, device -> host: the bare copy, the KV cache in process
     (one swap at a time, and begun back to back), the RPC from one client (one call at a time, 4 and
-    8 in flight) and the worker's capacity (4 raw-bytes client processes, 8192 only); 8192 and 32768
-    blocks per call."""
+    8 in flight) and one client process sending encoded requests, 8 in flight (8192 only); the raw
+    u32le request form where the run has it; 8192 and 32768 blocks per call."""
     rpc, kv = line_rate["rpc_swap"], line_rate["kv_swap"]
     labels = [
         "copy_block_ids", "KvCache\nswap_ids", "begin_swap\nback to back", "RPC\n1 call", "RPC\n4 in flight",
-        "RPC\n8 in flight", "RPC, 4 clients\nx 4 in flight",
+        "RPC\n8 in flight", "RPC, encoded\nrequests, 8 in flight",
     ]  # fmt: skip
     fig, ax = plt.subplots(figsize=(10, 4.2))
     width = 0.38
@@ -75,7 +75,7 @@ def swap_path_plot(line_rate: dict[str, Any], out: Path) -> None:
         r, q = rpc[f"u32le_{n}_d2h" if f"u32le_{n}_d2h" in rpc else f"packed_{n}_d2h"], kv[f"{n}_out"]
         values = [
             q["GBps_copy_block_ids"], q["GBps_swap_ids"], q["GBps_pipelined"], r["GBps_client"],
-            r["GBps_in_flight"]["4"], r["GBps_in_flight"]["8"], r["GBps_raw_clients"].get("4x4", float("nan")),
+            r["GBps_in_flight"]["4"], r["GBps_in_flight"]["8"], r["GBps_raw_clients"].get("1x8", float("nan")),
         ]  # fmt: skip
         bars = ax.bar([i + (k - 0.5) * width for i in range(len(labels))], values, width, label=f"{n} blocks per call")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
