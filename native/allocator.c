@@ -1047,13 +1047,20 @@ static int check_method(msv_allocator *a, int method, size_t n) {
   return MSV_OK;
 }
 
-/* Copy checked items and wait for them (caller holds a->mu); record the checks/copy split. */
-static int timed_copy(msv_allocator *a, const msv_copy_item *items, size_t n, int method, uint64_t stream,
-                      double checks_seconds) {
+/* Copy checked items (caller holds a->mu). Without a fence: wait for them and record the checks/copy
+ * split. With one: return once they are enqueued, *fence marking their end (the counters describe
+ * waited copies only). Whatever fails, what was enqueued finishes before the caller hears of it. */
+static int run_copy(msv_allocator *a, const msv_copy_item *items, size_t n, int method, uint64_t stream,
+                    double checks_seconds, uint64_t *fence) {
   double t = now_s();
   int rc = a->b->copy(a->b, items, n, method, stream);
-  if (!rc) rc = a->b->sync(a->b, stream);
-  else a->b->sync(a->b, stream); /* a partial enqueue finishes before the caller hears of the failure */
+  if (!rc && fence) rc = a->b->fence(a->b, stream, fence);
+  if (rc) {
+    a->b->sync(a->b, stream);
+    return rc;
+  }
+  if (fence) return MSV_OK;
+  rc = a->b->sync(a->b, stream);
   if (!rc) {
     a->ctr.last_copy_validate_seconds = checks_seconds;
     a->ctr.last_copy_seconds = now_s() - t;
@@ -1107,7 +1114,7 @@ int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, 
     }
   }
   double t1 = now_s();
-  if (!rc) rc = timed_copy(a, items, n, method, stream, t1 - t0);
+  if (!rc) rc = run_copy(a, items, n, method, stream, t1 - t0, NULL);
   pthread_mutex_unlock(&a->mu);
   free(items);
   return rc;
@@ -1168,12 +1175,7 @@ int msv_copy_block_ids(msv_allocator *a, uint64_t src_base, uint64_t dst_base, u
       rc = msv_fail(MSV_E_INVALID, "item %zu: block %lld is both a source and a destination", i, (long long)src_ids[i]);
   free(dst_seen);
   double t1 = now_s();
-  if (!rc && !fence) rc = timed_copy(a, items, n, method, stream, t1 - t0);
-  if (!rc && fence) { /* enqueue only; the counters describe waited copies */
-    rc = a->b->copy(a->b, items, n, method, stream);
-    if (!rc) rc = a->b->fence(a->b, stream, fence);
-    if (rc) a->b->sync(a->b, stream); /* what was enqueued finishes before the caller hears of the failure */
-  }
+  if (!rc) rc = run_copy(a, items, n, method, stream, t1 - t0, fence);
   pthread_mutex_unlock(&a->mu);
   free(items);
   return rc;
