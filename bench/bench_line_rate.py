@@ -117,7 +117,8 @@ and of the RPC path's CPU cost, not a measurement of copies)."""
 
 
 def _start_worker(args: list[str], stderr: Any = None) -> tuple[subprocess.Popen[str], str]:
-    """A cuda worker process with ``args``; returns once it printed "ready", with its address."""
+    """A worker process (``WORKER_BACKEND``) with ``args``; returns once it printed "ready", with its
+    address."""
     proc = subprocess.Popen(
         [sys.executable, "-m", "memsvc.cli", "worker", "--listen", "127.0.0.1:0", "--backend", WORKER_BACKEND, *args],
         stdout=subprocess.PIPE,
@@ -204,13 +205,12 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
     src_blocks_u32le/dst_blocks_u32le bytes), and 32768 packed and raw. ``client_build_s``: building
     and encoding one request from numpy ids, what a scheduler pays per call before sending (the
     timed calls send requests built beforehand). Each: one call at a time (client time against the
-    worker's own duration), and 4 or 8
-    calls in flight (the worker decodes, checks and enqueues the next request while the device copies
-    the current one; the throughput a scheduler streaming swaps would see). ``null_rpc_s``: a
-    Health.Check round trip, the floor any call pays on this host. ``GBps_raw_clients`` (8192
-    packed): client processes sending the requests pre-encoded (bench/rpc_load.py), "CxD" = C
-    clients with D calls in flight each: what the worker serves when one Python client is not the
-    limit."""
+    worker's own duration), and 4 or 8 calls in flight (the worker decodes, checks and enqueues the
+    next request while the device copies the current one; the throughput a scheduler streaming swaps
+    would see). ``null_rpc_s``: a Health.Check round trip, the floor any call pays on this host.
+    ``GBps_raw_clients`` (8192, u32le): client processes sending the requests pre-encoded
+    (bench/rpc_load.py), "CxD" = C clients with D calls in flight each: what the worker serves when
+    one Python client is not the limit."""
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 

@@ -47,9 +47,6 @@ class _BlockPool:
         self.block_size = block_size
         self.block_bytes = tensor[0].numel() * tensor.element_size() if self.num_blocks else 0
 
-    def block_ptr(self, block_id: int) -> int:
-        return int(self.tensor.data_ptr()) + block_id * self.block_bytes
-
 
 class KvBlockPool(_BlockPool):
     """The device pool, in the allocator's ``kv_cache`` tag (discarded or offloaded with it on sleep)."""

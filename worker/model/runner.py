@@ -146,11 +146,6 @@ class ModelRunner:
         with self.lock:
             return self.kv_cache.swap(direction, pairs, method)
 
-    def swap_ids(self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto") -> int:
-        """:meth:`KvCache.swap_ids` under the runner's lock; the bytes moved."""
-        with self.lock:
-            return self.kv_cache.swap_ids(direction, src_ids, dst_ids, method)
-
     def begin_swap(
         self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto"
     ) -> PendingSwap:
