@@ -10,7 +10,7 @@
 #include <stddef.h>
 #include <stdint.h>
 
-/* ---- errors: a code plus a thread-local message ---- */
+/* ---- errors: a code plus a thread-local message (and, for some, detail) ---- */
 enum {
   MSV_OK = 0,
   MSV_E_INVALID = 1,     /* bad argument */
@@ -25,6 +25,17 @@ enum {
 int msv_fail(int code, const char *fmt, ...) __attribute__((format(printf, 2, 3)));
 const char *msv_last_error(void);
 int msv_last_error_code(void);
+/* Which allocation an error is about, as data: the binding hands it to Python as the exception's
+ * metadata, so callers act on it without parsing the message. */
+typedef struct {
+  char tag[64];
+  uint64_t addr, size;
+} msv_error_detail;
+/* MSV_E_INTEGRITY about allocation [addr, +size) of `tag`: the message, plus the detail. */
+int msv_fail_integrity(const char *tag, uint64_t addr, uint64_t size, const char *fmt, ...)
+    __attribute__((format(printf, 4, 5)));
+/* The detail of the last error, or NULL when it has none (msv_fail clears it). */
+const msv_error_detail *msv_last_error_detail(void);
 
 /* ---- backends ---- */
 enum { MSV_BACKEND_HOST = 0, MSV_BACKEND_CUDA = 1 };
@@ -128,7 +139,9 @@ void msv_hostpool_trim_async(msv_hostpool *hp);
 void msv_hostpool_destroy(msv_hostpool *hp);
 
 /* ---- the allocator ---- */
-enum { MSV_ACTION_KEEP = 0, MSV_ACTION_OFFLOAD = 1, MSV_ACTION_DISCARD = 2 };
+/* The proto's TagAction numbers (protos/memsvc/v1/common.proto; 0 is unspecified, never valid).
+ * msv_sleep's known_action (sleep.c) is the one place that decides which codes exist. */
+enum { MSV_ACTION_OFFLOAD = 1, MSV_ACTION_DISCARD = 2, MSV_ACTION_KEEP = 3 };
 enum { MSV_TAG_AWAKE = 0, MSV_TAG_OFFLOADED = 1, MSV_TAG_DISCARDED = 2 };
 
 typedef struct {

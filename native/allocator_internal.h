@@ -1,0 +1,129 @@
+/* What the allocator's own files share and nothing else sees: the allocation table's rows, the
+ * per-tag arenas, the allocator itself, the helpers they all use, and each file's functions for the
+ * others. The public interface is msv.h; the backends and the Python binding never include this.
+ *
+ * One mutex (mu) guards the table and every arena. Transitions hold it for their whole run, so no
+ * allocation, free or block copy can observe a half-slept tag; a second transition fails fast with
+ * MSV_E_BUSY (begin_transition). */
+#ifndef MSV_ALLOCATOR_INTERNAL_H
+#define MSV_ALLOCATOR_INTERNAL_H
+
+#include <stdlib.h>
+#include <time.h>
+
+#include "msv.h"
+
+/* One physical mapping of an arena: [base + off, +size), backed by `handle` while `mapped`. */
+typedef struct {
+  uint64_t off, size, handle;
+  int mapped;
+} extent;
+
+/* A free range of an arena, by offset; the list is sorted and neighbours are merged. */
+typedef struct {
+  uint64_t off, size;
+} frange;
+
+typedef struct {
+  char tag[64];
+  uint64_t base, va_size, frontier;
+  extent *ext;
+  size_t n_ext, cap_ext;
+  frange *fr;
+  size_t n_fr, cap_fr;
+  int state;
+  size_t allocated, n_allocs, discarded;
+  /* host backup while OFFLOADED */
+  msv_hchunk *chunks;
+  msv_copy_item *pieces; /* dst = host, src = device */
+  size_t n_pieces, offloaded;
+} arena;
+
+/* A row of the allocation table (sorted by addr): a pool allocation or a host buffer. */
+typedef struct {
+  uint64_t addr, size, rsize;
+  int arena; /* -1 for a host buffer */
+  uint64_t sum;
+  int has_sum;       /* sum was taken at the last sleep: verify it on wake */
+  msv_hchunk *chunk; /* host buffer */
+} entry;
+
+struct msv_allocator {
+  msv_config cfg;
+  msv_backend *b;
+  msv_hostpool hp;
+  pthread_mutex_t mu, transition;
+  arena **arenas;
+  size_t n_arenas;
+  entry *tab;
+  size_t n_tab, cap_tab;
+  msv_counters ctr;
+  int refs; /* the owner plus one per live tensor; destroyed at zero */
+};
+
+static inline double now_s(void) {
+  struct timespec ts;
+  clock_gettime(CLOCK_MONOTONIC, &ts);
+  return ts.tv_sec + ts.tv_nsec * 1e-9;
+}
+
+static inline int grow(void **p, size_t *cap, size_t need, size_t elem) {
+  if (need <= *cap) return MSV_OK;
+  size_t nc = *cap ? *cap * 2 : 16;
+  while (nc < need) nc *= 2;
+  void *q = realloc(*p, nc * elem);
+  if (!q) return msv_fail(MSV_E_OOM, "out of host memory for allocator bookkeeping");
+  *p = q;
+  *cap = nc;
+  return MSV_OK;
+}
+
+static inline uint64_t round_up(uint64_t x, uint64_t a) { return (x + a - 1) / a * a; }
+
+/* Take both locks for a sleep or wake, or fail at once if another one runs. */
+static inline int begin_transition(msv_allocator *a) {
+  if (pthread_mutex_trylock(&a->transition) != 0) return msv_fail(MSV_E_BUSY, "a sleep or wake is already running");
+  pthread_mutex_lock(&a->mu);
+  return MSV_OK;
+}
+
+static inline void end_transition(msv_allocator *a) {
+  pthread_mutex_unlock(&a->mu);
+  pthread_mutex_unlock(&a->transition);
+}
+
+/* ---- table.c: the allocation table (caller holds mu) ---- */
+entry *tab_find_exact(msv_allocator *a, uint64_t addr);
+/* The row that holds all of [addr, addr+size), or NULL. */
+entry *tab_find_containing(msv_allocator *a, uint64_t addr, uint64_t size);
+int tab_insert(msv_allocator *a, entry e);
+void tab_remove(msv_allocator *a, entry *e);
+
+/* ---- arena.c: per-tag arenas (caller holds mu) ---- */
+int check_tag(const char *tag);
+/* Index of the arena of `tag`, or -1. */
+int find_arena(msv_allocator *a, const char *tag);
+/* The arena of `tag`, reserved on first use (*created says so). */
+int get_arena(msv_allocator *a, const char *tag, int *idx, int *created);
+/* Offset of `rsize` fresh bytes in an awake arena, mapping more at its tail when no free range fits. */
+int arena_carve(msv_allocator *a, arena *ar, uint64_t rsize, uint64_t *off);
+int free_insert(arena *ar, uint64_t off, uint64_t size);
+size_t mapped_bytes(const arena *ar);
+void trim_tail(msv_allocator *a, arena *ar);
+/* Drop every mapped extent, keeping the range; stops at the first failure. */
+int unmap_all(msv_allocator *a, arena *ar);
+/* Unmap what is mapped, give the range back and free the arena (its backup must be gone). */
+void arena_destroy(msv_allocator *a, arena *ar);
+
+/* ---- offload.c: a tag's host backup ---- */
+int offload_arena(msv_allocator *a, int idx);
+size_t backup_in_extent(const arena *ar, const extent *x, size_t *pi, msv_copy_item *out);
+void drop_backup(msv_allocator *a, arena *ar);
+
+/* ---- checksums.c: the per-allocation sums of a backup ---- */
+int checksum_arena(msv_allocator *a, int idx, uint64_t **sums_out, size_t *n_out);
+void keep_sums(msv_allocator *a, int idx, const uint64_t *sums);
+int verify_sums(msv_allocator *a, int idx);
+void clear_sums(msv_allocator *a, arena *ar);
+
+#endif

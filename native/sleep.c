@@ -1,0 +1,110 @@
+/* msv_sleep: put tags to sleep, each by its action, in three steps. Everything is checked before a
+ * byte moves; phase 1 copies out every OFFLOAD tag (device memory untouched until all copies
+ * succeed, so a failure leaves every tag as it was); phase 2 drops the physical memory, keeping each
+ * tag's virtual range so wake brings every address back unchanged. */
+#include "allocator_internal.h"
+
+/* The one place that knows which action codes exist (msv.h's MSV_ACTION_*, the proto's TagAction):
+ * a new action is added here and handled below. */
+static int known_action(int action) {
+  switch (action) {
+    case MSV_ACTION_KEEP:
+    case MSV_ACTION_OFFLOAD:
+    case MSV_ACTION_DISCARD:
+      return 1;
+    default:
+      return 0;
+  }
+}
+
+int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n) {
+  int rc = begin_transition(a);
+  if (rc) return rc;
+  double t0 = now_s();
+  int *idx = calloc(n ? n : 1, sizeof *idx);
+  uint64_t **sums = calloc(n ? n : 1, sizeof *sums);
+  if (!idx || !sums) {
+    rc = msv_fail(MSV_E_OOM, "out of host memory");
+    goto out;
+  }
+  for (size_t i = 0; i < n; i++) {
+    if ((rc = check_tag(tags[i]))) goto out;
+    if (!known_action(actions[i])) {
+      rc = msv_fail(MSV_E_INVALID, "tag '%s': unknown action %d", tags[i], actions[i]);
+      goto out;
+    }
+    idx[i] = find_arena(a, tags[i]);
+    if (idx[i] < 0) {
+      rc = msv_fail(MSV_E_NOT_FOUND, "unknown tag '%s': nothing was ever allocated under it", tags[i]);
+      goto out;
+    }
+    for (size_t j = 0; j < i; j++)
+      if (idx[j] == idx[i]) {
+        rc = msv_fail(MSV_E_INVALID, "tag '%s' named twice", tags[i]);
+        goto out;
+      }
+    /* An offloaded tag may be demoted to DISCARD (level 1 -> level 2: frees its host copy). */
+    int st = a->arenas[idx[i]]->state;
+    int demote = st == MSV_TAG_OFFLOADED && actions[i] == MSV_ACTION_DISCARD;
+    if (actions[i] != MSV_ACTION_KEEP && st != MSV_TAG_AWAKE && !demote) {
+      rc = msv_fail(MSV_E_STATE, "tag '%s' is already asleep", tags[i]);
+      goto out;
+    }
+  }
+  /* Phase 1: copy out everything to keep (device memory untouched until all copies succeed). */
+  for (size_t i = 0; i < n && !rc; i++) {
+    if (actions[i] != MSV_ACTION_OFFLOAD) continue;
+    size_t ns = 0;
+    if (a->cfg.checksum && (rc = checksum_arena(a, idx[i], &sums[i], &ns))) break;
+    rc = offload_arena(a, idx[i]);
+  }
+  /* No copy on the allocator's stream may still touch what phase 2 drops: the offloads above waited
+   * for their own, but a block copy enqueued without waiting may be in flight (alone, for a sleep
+   * that only discards). */
+  if (!rc) rc = a->b->sync(a->b, 0);
+  if (rc) {
+    for (size_t i = 0; i < n; i++)
+      if (actions[i] == MSV_ACTION_OFFLOAD) drop_backup(a, a->arenas[idx[i]]);
+    msv_hostpool_trim(&a->hp);
+    goto out;
+  }
+  /* Phase 2: drop the physical memory (or, for a demotion, the host copy). */
+  double unmap_seconds = 0;
+  for (size_t i = 0; i < n; i++) {
+    if (actions[i] == MSV_ACTION_KEEP) continue;
+    arena *ar = a->arenas[idx[i]];
+    if (ar->state == MSV_TAG_OFFLOADED) {
+      drop_backup(a, ar);
+      ar->state = MSV_TAG_DISCARDED;
+      ar->discarded = ar->allocated;
+      continue;
+    }
+    double tu = now_s();
+    int urc = unmap_all(a, ar);
+    unmap_seconds += now_s() - tu;
+    if (urc && !rc) rc = urc;
+    /* Nothing dropped: the tag stays awake (its backup is released below). Anything dropped: it
+     * is asleep, and wake maps back exactly the extents that are gone. */
+    if (urc && mapped_bytes(ar) == ar->frontier) continue;
+    ar->state = actions[i] == MSV_ACTION_OFFLOAD ? MSV_TAG_OFFLOADED : MSV_TAG_DISCARDED;
+    ar->discarded = actions[i] == MSV_ACTION_DISCARD ? ar->allocated : 0;
+    if (actions[i] == MSV_ACTION_OFFLOAD) {
+      a->ctr.bytes_offloaded += ar->offloaded;
+      if (sums[i]) keep_sums(a, idx[i], sums[i]);
+    }
+  }
+  for (size_t i = 0; i < n; i++) {
+    arena *ar = a->arenas[idx[i]];
+    if (actions[i] == MSV_ACTION_OFFLOAD && ar->state == MSV_TAG_AWAKE) drop_backup(a, ar);
+  }
+  msv_hostpool_trim_async(&a->hp);
+  a->ctr.sleeps++;
+  a->ctr.last_sleep_seconds = now_s() - t0;
+  a->ctr.last_sleep_unmap_seconds = unmap_seconds;
+out:
+  if (sums)
+    for (size_t i = 0; i < n; i++) free(sums[i]);
+  free(sums), free(idx);
+  end_transition(a);
+  return rc;
+}
