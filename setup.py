@@ -78,10 +78,14 @@ def generate_stubs() -> None:
 
     protos = sorted(str(p) for p in (PROTOS / "memsvc" / "v1").glob("*.proto"))
     wkt = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-I{PROTOS}", f"-I{wkt}", f"--python_out={ROOT}", f"--pyi_out={ROOT}", f"--grpc_python_out={ROOT}"]
-    plugin = shutil.which("protoc-gen-mypy_grpc") or str(Path(sys.executable).parent / "protoc-gen-mypy_grpc")
-    if os.access(plugin, os.X_OK):
-        args += [f"--plugin=protoc-gen-mypy_grpc={plugin}", f"--mypy_grpc_out={ROOT}"]
+    args = ["protoc", f"-I{PROTOS}", f"-I{wkt}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}"]
+    # Typed stubs from mypy-protobuf (a build requirement): enums as typed ValueTypes, messages and
+    # both the sync and the asyncio service stubs, so users' code and ours type-check against them.
+    for name, out in (("protoc-gen-mypy", "mypy_out"), ("protoc-gen-mypy_grpc", "mypy_grpc_out")):
+        plugin = shutil.which(name) or str(Path(sys.executable).parent / name)
+        if not os.access(plugin, os.X_OK):
+            raise RuntimeError(f"{name} not found: install mypy-protobuf (a build requirement)")
+        args += [f"--plugin={name}={plugin}", f"--{out}={ROOT}"]
     if protoc.main([*args, *protos]) != 0:
         raise RuntimeError("protoc failed on " + " ".join(protos))
     for stub in STUBS.glob("*_pb2_grpc.py*"):  # files without services get empty gRPC modules

@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterable, Sequence
+from collections.abc import AsyncIterator, Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -38,7 +38,7 @@ from typing import Any
 import grpc
 
 from memsvc.errors import InvalidArgument, MemsvcError, PermissionDenied, Unauthenticated
-from memsvc.rpc_errors import from_rpc_error, to_status
+from memsvc.rpc_errors import Context, Continuation, Handler, to_status
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 WORKER_SERVICE = "/memsvc.v1.ModelWorkerService/"
@@ -123,8 +123,8 @@ class Security:
         if not self.tls_cert:
             return None
         self.check_server()
-        chain = _read(self.tls_cert, "TLS certificate")
-        key = _read(self.tls_key, "TLS key")
+        chain = _read(self.tls_cert, "TLS certificate") or b""
+        key = _read(self.tls_key, "TLS key") or b""
         client_ca = _read(self.tls_client_ca, "TLS client CA")
         return grpc.ssl_server_credentials(
             [(key, chain)], root_certificates=client_ca, require_client_auth=client_ca is not None
@@ -169,7 +169,7 @@ def bearer_token(metadata: Iterable[tuple[str, Any]] | None) -> str | None:
     return None
 
 
-def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
+def peer_names(context: Context) -> list[str]:
     """Common name and subject alternative names of the client certificate (empty without mTLS)."""
     auth = context.auth_context() or {}
     names: list[str] = []
@@ -179,17 +179,17 @@ def peer_names(context: grpc.aio.ServicerContext) -> list[str]:
     return names
 
 
-def _deny_handler(handler: grpc.RpcMethodHandler, exc: MemsvcError) -> grpc.RpcMethodHandler:
+def _deny_handler(handler: Handler, exc: MemsvcError) -> Handler:
     """A handler of the same kind as ``handler`` that only aborts with ``exc`` (ErrorInfo included)."""
     status = to_status(exc)
 
     def ignore(_data: bytes) -> None:
         return None
 
-    async def unary(_request: Any, context: grpc.aio.ServicerContext) -> Any:
+    async def unary(_request: Any, context: Context) -> Any:
         await context.abort_with_status(status)
 
-    async def stream(_request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+    async def stream(_request: Any, context: Context) -> AsyncIterator[Any]:
         await context.abort_with_status(status)
         yield  # pragma: no cover - makes this an async generator
 
@@ -212,16 +212,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         self._guarded = guarded
 
     async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
-        method = details.method
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
+        method = handler_call_details.method
         if handler is None or method.startswith(HEALTH_PREFIX):
             return handler
         if self._token:
-            given = bearer_token(details.invocation_metadata)
+            given = bearer_token(handler_call_details.invocation_metadata)
             if given is None:
                 return _deny_handler(
                     handler,
@@ -235,14 +233,14 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
             return self._check_peer(handler, method)
         return handler
 
-    def _check_peer(self, handler: grpc.RpcMethodHandler, method: str) -> grpc.RpcMethodHandler:
+    def _check_peer(self, handler: Handler, method: str) -> Handler:
         """Wrap a guarded (unary-unary) handler: the client certificate is only known per call."""
-        inner = handler.unary_unary
+        inner: Any = handler.unary_unary
         if inner is None:  # every guarded method is unary today; refuse rather than skip the check
             return _deny_handler(handler, PermissionDenied(f"{method}: not callable with --allowed-client"))
         allowed = self._allowed
 
-        async def checked(request: Any, context: grpc.aio.ServicerContext) -> Any:
+        async def checked(request: Any, context: Context) -> Any:
             names = peer_names(context)
             if not any(n in allowed for n in names):
                 who = names[0] if names else "a client without a certificate"
@@ -327,16 +325,6 @@ def aio_channel(
     return grpc.aio.insecure_channel(address, options=options, interceptors=interceptors)
 
 
-def error_from_rpc(err: grpc.RpcError, peer: str = "") -> MemsvcError:
-    """:func:`memsvc.rpc_errors.from_rpc_error` that also keeps UNAUTHENTICATED and PERMISSION_DENIED."""
-    code = err.code() if hasattr(err, "code") else None
-    for cls in (Unauthenticated, PermissionDenied):
-        if code == grpc.StatusCode[cls.status_name]:
-            prefix = f"worker {peer}: " if peer else ""
-            return cls(prefix + (err.details() or code.name))
-    return from_rpc_error(err, peer)
-
-
 __all__ = [
     "TRANSITIONS",
     "AuthInterceptor",
@@ -344,6 +332,5 @@ __all__ = [
     "aio_channel",
     "bearer_token",
     "channel",
-    "error_from_rpc",
     "peer_names",
 ]

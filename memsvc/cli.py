@@ -12,6 +12,12 @@ import os
 import re
 import sys
 from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
+    from rich.table import Table
+
+    from memsvc.v1 import memory_manager_service_pb2 as m
 
 _UNITS = {
     "": 1,
@@ -46,7 +52,9 @@ def parse_bytes(text: str) -> int:
 
 def _prepin_size(text: str) -> int | str:
     """``--host-prepin``: ``weights`` or a size."""
-    return "weights" if text.strip().lower() == "weights" else parse_bytes(text)
+    from memsvc.vocabulary import WEIGHTS
+
+    return WEIGHTS if text.strip().lower() == WEIGHTS else parse_bytes(text)
 
 
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
@@ -243,10 +251,11 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                    "client certificate too, so it needs the clientAuth usage)")  # fmt: skip
 
 
-def _status_table(workers: list, title: str = "memsvc workers") -> object:  # type: ignore[type-arg]
+def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") -> Table:
     from rich.table import Table
 
     from memsvc.client import gib, state_name
+    from memsvc.vocabulary import KV_CACHE, WEIGHTS
 
     table = Table(title=title)
     for col in ("worker", "state", "address", "leases", "weights GiB", "kv GiB", "offloaded GiB", "device free GiB"):
@@ -259,8 +268,8 @@ def _status_table(workers: list, title: str = "memsvc workers") -> object:  # ty
             state_name(wk.state),
             wk.address,
             str(wk.lease_count),
-            gib(tags["weights"].mapped_bytes) if "weights" in tags else "-",
-            gib(tags["kv_cache"].mapped_bytes) if "kv_cache" in tags else "-",
+            gib(tags[WEIGHTS].mapped_bytes) if WEIGHTS in tags else "-",
+            gib(tags[KV_CACHE].mapped_bytes) if KV_CACHE in tags else "-",
             gib(off),
             gib(wk.status.device.free_bytes),
         )
@@ -278,24 +287,21 @@ def _ops(args: argparse.Namespace, security: object) -> int:
         with ManagerClient(args.manager, security=security) as client:  # type: ignore[arg-type]
             if args.command == "status":
                 console.print(_status_table(client.workers()))
-            elif args.command == "sleep":
-                r = client.sleep(args.worker, args.level or 0)
-                t = r.transition
+            elif args.command in ("sleep", "wake"):
+                if args.command == "sleep":
+                    done = client.sleep(args.worker, args.level or 0)
+                    worker, t = done.worker, done.transition
+                else:
+                    woke = client.wake(args.worker, args.tags)
+                    worker, t = woke.worker, woke.transition
                 console.print(
-                    f"{r.worker.name}: {state_name(r.worker.state)} "
-                    f"({t.moved_bytes} bytes in {t.duration.ToNanoseconds() / 1e9:.3f} s)"
-                )
-            elif args.command == "wake":
-                r = client.wake(args.worker, args.tags)
-                t = r.transition
-                console.print(
-                    f"{r.worker.name}: {state_name(r.worker.state)} "
+                    f"{worker.name}: {state_name(worker.state)} "
                     f"({t.moved_bytes} bytes in {t.duration.ToNanoseconds() / 1e9:.3f} s)"
                 )
             elif args.command == "watch":
                 from rich.live import Live
 
-                latest: dict[str, object] = {}
+                latest: dict[str, m.Worker] = {}
                 with Live(_status_table([]), console=console, refresh_per_second=4) as live:
                     for event in client.watch():
                         latest[event.worker.name] = event.worker
@@ -364,7 +370,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("status", "sleep", "wake", "watch"):
         return _ops(args, _security(args, parser))
     if args.command == "worker":
-        from worker.core import WorkerConfig
+        from worker.config import WorkerConfig
         from worker.main import run
 
         for name in ("kv_blocks", "host_kv_blocks", "block_size"):

@@ -12,10 +12,11 @@ from typing import Any
 
 import grpc
 
-from memsvc.auth import Security, channel, error_from_rpc
-from memsvc.v1 import common_pb2 as c
+from memsvc.auth import Security, channel
+from memsvc.rpc_errors import from_rpc_error
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.vocabulary import WorkerState
 
 DEFAULT_MANAGER = "127.0.0.1:50051"
 
@@ -51,7 +52,7 @@ class ManagerClient:
         try:
             return getattr(self.stub, method)(request, timeout=timeout or self.timeout)
         except grpc.RpcError as err:
-            raise error_from_rpc(err, "") from None
+            raise from_rpc_error(err) from None
 
     def workers(self) -> list[m.Worker]:
         out: list[m.Worker] = []
@@ -82,11 +83,11 @@ class ManagerClient:
             yield from self.stub.WatchWorkers(m.WatchWorkersRequest())
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
-                raise error_from_rpc(err, "") from None
+                raise from_rpc_error(err) from None
 
 
 def state_name(state: int) -> str:
-    return c.WorkerState.Name(state).removeprefix("WORKER_STATE_").lower()
+    return WorkerState.of(state).label
 
 
 def gib(n: int) -> str:

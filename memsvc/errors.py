@@ -94,6 +94,19 @@ class BackendError(MemsvcError):
     reason = "BACKEND_ERROR"
 
 
+class RelayedError(MemsvcError):
+    """A peer's error whose status code no class above stands for (UNIMPLEMENTED, CANCELLED,
+    UNKNOWN, ...): relayed with that same code and the peer's ErrorInfo reason, not relabelled as a
+    driver failure."""
+
+    def __init__(
+        self, status_name: str, message: str = "", *, reason: str = "", metadata: dict[str, str] | None = None
+    ) -> None:
+        super().__init__(message, metadata=metadata)
+        self.status_name = status_name
+        self.reason = reason or status_name
+
+
 __all__ = [
     "BackendError",
     "IntegrityError",
@@ -102,6 +115,7 @@ __all__ = [
     "NotFound",
     "OutOfMemory",
     "PermissionDenied",
+    "RelayedError",
     "TransitionInProgress",
     "Unauthenticated",
     "Unavailable",

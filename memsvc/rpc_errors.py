@@ -10,14 +10,14 @@ from __future__ import annotations
 
 import logging
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeAlias
 
 import grpc
 from google.protobuf import any_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
-from memsvc.errors import MemsvcError
+from memsvc.errors import InvalidArgument, MemsvcError, RelayedError, Unavailable
 
 DOMAIN = "memsvc.dev"
 log = logging.getLogger("memsvc.rpc")
@@ -48,12 +48,13 @@ def to_status(exc: BaseException) -> grpc.Status:
     detail = any_pb2.Any()
     detail.Pack(info)
     status = status_pb2.Status(code=code_pb2.Code.Value(code_name), message=message or reason, details=[detail])
-    return rpc_status.to_status(status)
+    out: grpc.Status = rpc_status.to_status(status)
+    return out
 
 
 def error_info(err: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """The ErrorInfo detail of a failed call, for clients and tests."""
-    status = rpc_status.from_call(err)  # type: ignore[arg-type]
+    status = rpc_status.from_call(err)
     if status is None:
         return None
     for d in status.details:
@@ -63,7 +64,15 @@ def error_info(err: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.E
     return None
 
 
-async def _abort(context: grpc.aio.ServicerContext, exc: BaseException, method: str) -> None:
+# Type aliases as strings: grpcio's runtime classes are not subscriptable, its stubs' are.
+Context: TypeAlias = "grpc.aio.ServicerContext[Any, Any]"
+Handler: TypeAlias = "grpc.RpcMethodHandler[Any, Any]"
+"""A method handler as grpc.aio servers use it: its behaviours are coroutines (the stubs type the
+sync form, so code that wraps a behaviour treats it as ``Any``)."""
+Continuation: TypeAlias = "Callable[[grpc.HandlerCallDetails], Awaitable[Handler | None]]"
+
+
+async def _abort(context: Context, exc: BaseException, method: str) -> None:
     if not isinstance(exc, MemsvcError):
         log.exception("unexpected error in %s", method, exc_info=exc)
     await context.abort_with_status(to_status(exc))
@@ -78,8 +87,6 @@ class _Undecodable:
 
 def _check_decoded(request: Any) -> None:
     if isinstance(request, _Undecodable):
-        from memsvc.errors import InvalidArgument
-
         raise InvalidArgument(f"the request body is not a valid message: {request.exc}")
 
 
@@ -91,14 +98,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
     """
 
     async def intercept_service(
-        self,
-        continuation: Callable[[grpc.HandlerCallDetails], Awaitable[grpc.RpcMethodHandler]],
-        details: grpc.HandlerCallDetails,
-    ) -> grpc.RpcMethodHandler:
-        handler = await continuation(details)
+        self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
+    ) -> Handler | None:
+        handler = await continuation(handler_call_details)
         if handler is None:
             return handler
-        method = details.method
+        method = handler_call_details.method
         decode = handler.request_deserializer
 
         def safe_decode(data: bytes) -> Any:
@@ -108,9 +113,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
                 return _Undecodable(exc)
 
         if handler.unary_unary is not None:
-            inner_uu = handler.unary_unary
+            inner_uu: Any = handler.unary_unary
 
-            async def unary_unary(request: Any, context: grpc.aio.ServicerContext) -> Any:
+            async def unary_unary(request: Any, context: Context) -> Any:
                 try:
                     _check_decoded(request)
                     return await inner_uu(request, context)
@@ -121,9 +126,9 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
             return grpc.unary_unary_rpc_method_handler(unary_unary, safe_decode, handler.response_serializer)
         if handler.unary_stream is not None:
-            inner_us = handler.unary_stream
+            inner_us: Any = handler.unary_stream
 
-            async def unary_stream(request: Any, context: grpc.aio.ServicerContext) -> AsyncIterator[Any]:
+            async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
                 try:
                     _check_decoded(request)
                     async for item in inner_us(request, context):
@@ -137,35 +142,36 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         return handler
 
 
-_FROM_CODE: dict[grpc.StatusCode, type[MemsvcError]] = {}
+def _classes_by_code() -> dict[grpc.StatusCode, type[MemsvcError]]:
+    """Each status code the tree has exactly one class for (INTERNAL has two: no class of its own)."""
+    by_code: dict[str, list[type[MemsvcError]]] = {}
+    for cls in MemsvcError.__subclasses__():
+        if cls is not RelayedError:
+            by_code.setdefault(cls.status_name, []).append(cls)
+    out = {grpc.StatusCode[name]: classes[0] for name, classes in by_code.items() if len(classes) == 1}
+    out.pop(grpc.StatusCode.INTERNAL, None)
+    out[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable  # the peer did not answer in time
+    return out
+
+
+_FROM_CODE = _classes_by_code()
 
 
 def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
-    """A failed call to another memsvc service as our own exception, same status, same ErrorInfo.
+    """A failed call to another memsvc service as our own exception: same status, same ErrorInfo.
 
-    The manager relays worker errors this way: a worker's FAILED_PRECONDITION reaches the
-    manager's client as FAILED_PRECONDITION, and an unreachable worker becomes UNAVAILABLE.
+    The one reverse mapping. The manager relays worker errors this way (a worker's
+    FAILED_PRECONDITION reaches the manager's client as FAILED_PRECONDITION; an unreachable worker
+    is UNAVAILABLE), and the client helpers raise these for failed calls. A code the tree has no
+    class for is relayed as itself (:class:`RelayedError`), never relabelled.
     """
-    from memsvc import errors as e
-
-    if not _FROM_CODE:
-        for cls in (
-            e.InvalidArgument,
-            e.NotFound,
-            e.WrongState,
-            e.TransitionInProgress,
-            e.OutOfMemory,
-            e.IntegrityError,
-            e.Unavailable,
-            e.Unauthenticated,
-            e.PermissionDenied,
-        ):
-            _FROM_CODE[grpc.StatusCode[cls.status_name]] = cls
-        _FROM_CODE[grpc.StatusCode.DEADLINE_EXCEEDED] = e.Unavailable
     code = err.code() if hasattr(err, "code") else grpc.StatusCode.UNKNOWN
     details = err.details() if hasattr(err, "details") else str(err)
-    cls = _FROM_CODE.get(code, e.BackendError)
     prefix = f"worker {peer}: " if peer else ""
+    message = prefix + (details or code.name)
     info = error_info(err) if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else None
-    exc = cls(prefix + (details or code.name), metadata=dict(info.metadata) if info else {})
-    return exc
+    metadata = dict(info.metadata) if info else {}
+    cls = _FROM_CODE.get(code)
+    if cls is not None:
+        return cls(message, metadata=metadata)
+    return RelayedError(code.name, message, reason=info.reason if info else "", metadata=metadata)

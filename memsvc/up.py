@@ -20,9 +20,9 @@ from pathlib import Path
 
 
 def default_model() -> str:
-    from worker import _native
+    from worker._native import cuda_device_count
 
-    return "synthetic:1b" if _native.cuda_device_count() > 0 else "synthetic:small"
+    return "synthetic:1b" if cuda_device_count() > 0 else "synthetic:small"
 
 
 def run(

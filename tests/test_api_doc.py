@@ -15,9 +15,9 @@ import pytest
 from upproc import REPO_ROOT
 
 from memsvc.manager.config import ManagerConfig, load_config
-from memsvc.manager.controller import ManagerSettings
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.policy import FIELDS
+from memsvc.manager.settings import ManagerSettings
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w

@@ -19,7 +19,6 @@ from __future__ import annotations
 
 import array
 import contextlib
-import enum
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -27,7 +26,9 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal
 
 from memsvc.errors import InvalidArgument, WrongState
+from memsvc.vocabulary import Action, CopyMethod, TagState, check_tag
 from worker import _native
+from worker._native import Fence
 
 if TYPE_CHECKING:
     import torch
@@ -36,24 +37,6 @@ GiB = 1 << 30
 MiB = 1 << 20
 
 
-class Action(enum.StrEnum):
-    """What happens to a tag's memory on sleep."""
-
-    OFFLOAD = "offload"  #: copy to page-locked host memory, restore on wake
-    DISCARD = "discard"  #: drop; contents undefined on wake
-    KEEP = "keep"  #: stay resident
-
-
-class CopyMethod(enum.StrEnum):
-    """How ``copy_blocks`` moves a batch (see docs/benchmarks.md for the crossovers)."""
-
-    AUTO = "auto"
-    LOOP = "loop"  #: one cuMemcpyAsync per block
-    BATCH = "batch"  #: one cuMemcpyBatchAsync (falls back to loop on drivers without it)
-    KERNEL = "kernel"  #: one gather/scatter kernel through mapped host memory
-
-
-_ACTION_CODE = {Action.KEEP: _native.KEEP, Action.OFFLOAD: _native.OFFLOAD, Action.DISCARD: _native.DISCARD}
 _METHOD_CODE = {
     CopyMethod.AUTO: _native.COPY_AUTO,
     CopyMethod.LOOP: _native.COPY_LOOP,
@@ -96,7 +79,7 @@ class TagStats:
     """One tag's memory, in bytes."""
 
     tag: str
-    state: Literal["awake", "offloaded", "discarded"]
+    state: TagState
     mapped_bytes: int  #: physical device memory mapped now
     allocated_bytes: int  #: bytes of live allocations
     offloaded_bytes: int  #: bytes held in host memory while asleep
@@ -165,11 +148,6 @@ def _check_shape(shape: Sequence[int] | int, itemsize: int) -> tuple[tuple[int, 
     return dims, nbytes
 
 
-def _check_tag(tag: str) -> None:
-    if not isinstance(tag, str) or not 0 < len(tag.encode()) <= 63 or "\0" in tag:
-        raise InvalidArgument(f"tag must be a string of 1 to 63 bytes without NUL, got {tag!r}")
-
-
 def _ints(values: Any, what: str) -> Any:
     """Integers for the native call: an int64 buffer (array('q'), numpy) passes through without a
     per-element conversion (an 8192-block swap stays in C); anything else becomes a list."""
@@ -199,12 +177,6 @@ def _torch_with_cuda() -> Any:
     wait for)."""
     torch = sys.modules.get("torch")
     return torch if torch is not None and torch.cuda.is_initialized() else None
-
-
-Fence = _native.Fence
-"""A copy in flight (``copy_block_ids(wait=False)``): ``wait()`` blocks, without the GIL, until it is
-done, and raises the copy's error if it failed; ``done`` says whether a wait returned. Dropping an
-unwaited fence does not cancel the copy."""
 
 
 class MemoryAllocator:
@@ -251,25 +223,27 @@ class MemoryAllocator:
     def empty(self, shape: Sequence[int] | int, dtype: torch.dtype, tag: str) -> torch.Tensor:
         """An uninitialised tensor in ``tag``'s pool (on the GPU for cuda, the CPU for host)."""
         import torch
+        from torch.utils.dlpack import from_dlpack
 
-        _check_tag(tag)
+        check_tag(tag)
         code, bits = _dlpack_dtype(dtype)
         dims, nbytes = _check_shape(shape, bits // 8)
         if nbytes == 0:
             if self._tag_state(tag) not in (None, "awake"):
                 raise WrongState(f"tag '{tag}' is asleep: wake it before allocating")
             return torch.empty(dims, dtype=dtype, device=self.torch_device)
-        return torch.from_dlpack(self._native.tensor(tag, nbytes, list(dims), code, bits))
+        return from_dlpack(self._native.tensor(tag, nbytes, list(dims), code, bits))
 
     def host_empty(self, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised page-locked CPU tensor the device can copy to and from (host KV pool)."""
         import torch
+        from torch.utils.dlpack import from_dlpack
 
         code, bits = _dlpack_dtype(dtype)
         dims, nbytes = _check_shape(shape, bits // 8)
         if nbytes == 0:
             return torch.empty(dims, dtype=dtype)
-        return torch.from_dlpack(self._native.host_tensor(nbytes, list(dims), code, bits))
+        return from_dlpack(self._native.host_tensor(nbytes, list(dims), code, bits))
 
     @property
     def torch_device(self) -> torch.device:
@@ -285,7 +259,7 @@ class MemoryAllocator:
         torch segment never mixes tags). The host backend cannot intercept torch's CPU allocator:
         there, allocate pool tensors with :meth:`empty`.
         """
-        _check_tag(tag)
+        check_tag(tag)
         if self._tag_state(tag) not in (None, "awake"):
             raise WrongState(f"tag '{tag}' is asleep: wake it before allocating")
         if self.backend != "cuda":
@@ -317,12 +291,7 @@ class MemoryAllocator:
         """Apply a per-tag action; tags not named are kept. All-or-nothing: on error nothing changed."""
         pairs = []
         for tag, action in actions.items():
-            _check_tag(tag)
-            try:
-                act = Action(action)
-            except ValueError:
-                raise InvalidArgument(f"tag '{tag}': unknown action {action!r}") from None
-            pairs.append((tag, _ACTION_CODE[act]))
+            pairs.append((check_tag(tag), int(Action.parse(action, tag))))  # the native layer speaks proto numbers
         if self.backend == "cuda":
             self._synchronize_torch()
         self._native.sleep(pairs)
@@ -333,7 +302,7 @@ class MemoryAllocator:
             raise InvalidArgument("tags must be a list of tag names, not a string")
         names = None if tags is None else list(tags)
         for tag in names or ():
-            _check_tag(tag)
+            check_tag(tag)
         self._native.wake(names)
 
     def _synchronize_torch(self) -> None:
@@ -403,7 +372,7 @@ class MemoryAllocator:
                 raise InvalidArgument(f"pools have different block sizes ({block_bytes} and {size} bytes)")
             block_bytes = size
         handle = self._copy_stream(stream)
-        return self._native.copy_block_ids(  # type: ignore[no-any-return]
+        return self._native.copy_block_ids(
             src_pool.data_ptr(),
             dst_pool.data_ptr(),
             block_bytes,
@@ -486,7 +455,7 @@ class MemoryAllocator:
         tags = {
             s["tag"]: TagStats(
                 tag=s["tag"],
-                state=s["state"],
+                state=TagState(s["state"]),
                 mapped_bytes=s["mapped_bytes"],
                 allocated_bytes=s["allocated_bytes"],
                 offloaded_bytes=s["offloaded_bytes"],

@@ -10,7 +10,8 @@ from memsvc.auth import Security
 from memsvc.serving import install_signal_handlers, start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
-from worker.core import WorkerConfig, WorkerCore
+from worker.config import WorkerConfig
+from worker.core import WorkerCore
 from worker.servicer import ModelWorkerServicer
 
 log = logging.getLogger("memsvc.worker")

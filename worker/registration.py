@@ -51,5 +51,9 @@ async def keep_registered(core: WorkerCore, address: str, manager: str, security
                     err.details(),
                     backoff,
                 )
-                await asyncio.sleep(backoff)
-                backoff = min(backoff * 2, 10.0)
+            except Exception:  # a bug must show in the log, and must not end the heartbeat for good
+                log.exception("registering with %s failed; retrying in %.1f s", manager, backoff)
+            else:
+                continue
+            await asyncio.sleep(backoff)
+            backoff = min(backoff * 2, 10.0)

@@ -4,30 +4,25 @@ mapped to status codes by memsvc.rpc_errors; nothing here decides policy."""
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Mapping
-from typing import Any
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
-import grpc
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
 from memsvc.errors import InvalidArgument
+from memsvc.rpc_errors import Context
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
-from worker.allocator import Action, CopyMethod
-from worker.core import Status, Transition, WorkerCore
-from worker.telemetry import CLOSED, Event
+from memsvc.vocabulary import CopyMethod, SleepLevel, actions_from_proto
+from worker.core import WorkerCore
+from worker.status import Status, Transition
+from worker.telemetry import CLOSED, Event, EventKind
 
-_TAG_STATE = {"awake": c.TAG_STATE_AWAKE, "offloaded": c.TAG_STATE_OFFLOADED, "discarded": c.TAG_STATE_DISCARDED}
-_ACTION = {c.TAG_ACTION_OFFLOAD: Action.OFFLOAD, c.TAG_ACTION_DISCARD: Action.DISCARD, c.TAG_ACTION_KEEP: Action.KEEP}
-_METHOD = {
-    c.COPY_METHOD_UNSPECIFIED: CopyMethod.AUTO,
-    c.COPY_METHOD_AUTO: CopyMethod.AUTO,
-    c.COPY_METHOD_LOOP: CopyMethod.LOOP,
-    c.COPY_METHOD_BATCH: CopyMethod.BATCH,
-    c.COPY_METHOD_KERNEL: CopyMethod.KERNEL,
-}
+if TYPE_CHECKING:
+    from worker.model.kv_cache import KvStats
+
 MAX_GENERATE_TOKENS = 4096
 MAX_PROMPT_TOKENS = 1 << 16
 MAX_SWAP_PAIRS = 1 << 20
@@ -78,10 +73,6 @@ def swap_ids(request: w.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
     )
 
 
-def state_enum(state: str) -> int:
-    return int(c.WorkerState.Value(f"WORKER_STATE_{state}"))
-
-
 def timestamp(t: float) -> timestamp_pb2.Timestamp:
     ts = timestamp_pb2.Timestamp()
     ts.FromNanoseconds(int(t * 1e9))
@@ -119,7 +110,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
             tags.append(
                 c.TagMemory(
                     tag=t.tag,
-                    state=_TAG_STATE[t.state],
+                    state=t.state.proto,
                     mapped_bytes=t.mapped_bytes,
                     allocated_bytes=t.allocated_bytes,
                     offloaded_bytes=t.offloaded_bytes,
@@ -131,7 +122,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
     m = s.model
     return c.WorkerStatus(
         worker_id=s.worker_id,
-        state=state_enum(s.state),
+        state=s.state.proto,
         device=device,
         model=c.ModelInfo(
             source=str(m.get("source", "")),
@@ -147,28 +138,30 @@ def status_pb(s: Status) -> c.WorkerStatus:
         host_pinned_bytes=host_pinned,
         update_time=timestamp(s.time),
         last_activity_time=timestamp(s.last_activity),
-        sleep_level=s.sleep_level,
+        sleep_level=SleepLevel.proto_of(s.sleep_level),
     )
 
 
-def kv_pb(kv: Mapping[str, int]) -> c.KvCacheInfo:
+def kv_pb(kv: KvStats | None) -> c.KvCacheInfo:
     """KvCacheInfo from :meth:`KvCache.stats` (empty before the model is loaded)."""
+    if kv is None:
+        return c.KvCacheInfo()
     return c.KvCacheInfo(
-        block_bytes=kv.get("block_bytes", 0),
-        block_size_tokens=kv.get("block_size", 0),
-        device_block_count=kv.get("device_blocks", 0),
-        device_free_block_count=kv.get("device_free_blocks", 0),
-        host_block_count=kv.get("host_blocks", 0),
-        host_free_block_count=kv.get("host_free_blocks", 0),
-        sequence_count=kv.get("sequences", 0),
+        block_bytes=kv["block_bytes"],
+        block_size_tokens=kv["block_size"],
+        device_block_count=kv["device_blocks"],
+        device_free_block_count=kv["device_free_blocks"],
+        host_block_count=kv["host_blocks"],
+        host_free_block_count=kv["host_free_blocks"],
+        sequence_count=kv["sequences"],
     )
 
 
 def event_pb(e: Event) -> dict[str, Any]:
-    if e.kind == "state_change":
+    if e.kind == EventKind.STATE_CHANGE:
         return {
             "state_change": c.StateChange(
-                from_state=state_enum(e.data["from"]), to_state=state_enum(e.data["to"]), reason=e.data["reason"]
+                from_state=e.data["from"].proto, to_state=e.data["to"].proto, reason=e.data["reason"]
             )
         }
     return {"transition": transition_pb(e.data["transition"])}
@@ -182,14 +175,8 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         return w.GetWorkerStatusResponse(status=status_pb(self.core.status()))
 
     async def Sleep(self, request: w.SleepRequest, context: Any) -> w.SleepResponse:
-        if request.level not in (c.SLEEP_LEVEL_UNSPECIFIED, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):
-            raise InvalidArgument(f"unknown sleep level {request.level}")
-        actions = {}
-        for tag, act in request.tag_actions.items():
-            if act not in _ACTION:
-                raise InvalidArgument(f"tag {tag!r}: action must be OFFLOAD, DISCARD or KEEP", metadata={"tag": tag})
-            actions[tag] = _ACTION[act]
-        t = await self.core.sleep(int(request.level), actions, request.request_id)
+        level = SleepLevel.parse(request.level)
+        t = await self.core.sleep(level, actions_from_proto(request.tag_actions), request.request_id)
         return w.SleepResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
 
     async def WakeUp(self, request: w.WakeUpRequest, context: Any) -> w.WakeUpResponse:
@@ -206,10 +193,9 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         )
         if direction is None:
             raise InvalidArgument("direction must be SWAP_DIRECTION_DEVICE_TO_HOST or SWAP_DIRECTION_HOST_TO_DEVICE")
-        if request.method not in _METHOD:
-            raise InvalidArgument(f"unknown copy method {request.method}")
+        method = CopyMethod.from_proto(request.method)
         src, dst = swap_ids(request)
-        t = await self.core.swap_blocks(direction, src, dst, _METHOD[request.method])
+        t = await self.core.swap_blocks(direction, src, dst, method)
         return w.SwapBlocksResponse(
             moved_bytes=t.moved_bytes,
             duration=duration(t.seconds),
@@ -232,7 +218,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         return w.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats()))
 
     async def StreamTelemetry(
-        self, request: w.StreamTelemetryRequest, context: grpc.aio.ServicerContext
+        self, request: w.StreamTelemetryRequest, context: Context
     ) -> AsyncIterator[w.StreamTelemetryResponse]:
         interval = request.interval.ToNanoseconds() / 1e9 if request.HasField("interval") else 1.0
         if interval < 0:
@@ -257,7 +243,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                     continue
                 if event is CLOSED:
                     return
-                if event.kind == "activity":  # traffic: a fresh snapshot carries last_activity_time
+                if event.kind == EventKind.ACTIVITY:  # traffic: a fresh snapshot carries last_activity_time
                     seq += 1
                     snap = self.core.status()
                     yield w.StreamTelemetryResponse(

@@ -8,26 +8,41 @@ oldest event for a subscriber that does not keep up (a slow client must not stal
 from __future__ import annotations
 
 import asyncio
+import enum
 import threading
 import time
 from dataclasses import dataclass, field
 from typing import Any
 
 
+class EventKind(enum.StrEnum):
+    """What a telemetry event says."""
+
+    STATE_CHANGE = "state_change"
+    """``data``: ``from`` and ``to`` (WorkerState), ``reason`` (str)."""
+    TRANSITION = "transition"
+    """``data``: ``transition`` (a finished :class:`~worker.status.Transition`)."""
+    ACTIVITY = "activity"
+    """Traffic (Generate, SwapBlocks, FreeSequence): streams send a fresh snapshot, whose
+    ``last_activity_time`` resets the manager's idle clock. No data."""
+    CLOSED = "closed"
+    """The worker shuts down: streams end before the drain. No data."""
+
+
 @dataclass(frozen=True)
 class Event:
-    """One telemetry event: ``kind`` is "state_change" or "transition"; ``data`` its fields.
+    """One telemetry event of ``kind``, with its ``data`` (see :class:`EventKind`).
 
     ``time`` is when it happened (not when a stream sent it): the manager orders telemetry against
     RPC responses by it, so a late event never moves a worker's state backwards.
     """
 
-    kind: str
+    kind: EventKind
     data: dict[str, Any] = field(default_factory=dict)
     time: float = field(default_factory=time.time)
 
 
-CLOSED = Event("closed")
+CLOSED = Event(EventKind.CLOSED)
 """Delivered to every subscriber when the worker shuts down: streams end before the drain."""
 
 
@@ -68,3 +83,6 @@ class TelemetryHub:
     def subscriber_count(self) -> int:
         with self._lock:
             return len(self._queues)
+
+
+__all__ = ["CLOSED", "Event", "EventKind", "TelemetryHub"]

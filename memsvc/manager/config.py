@@ -27,9 +27,9 @@ from pathlib import Path
 from typing import Any
 
 from memsvc.errors import InvalidArgument
-from memsvc.manager.controller import ManagerSettings
 from memsvc.manager.policy import fields_from_config
 from memsvc.manager.records import worker_id_from_name
+from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store import StoredWorker
 
 

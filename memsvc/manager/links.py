@@ -1,5 +1,14 @@
-"""The manager's connection to one worker: its stub, and a telemetry subscription that keeps the
-latest status and tells the manager, within moments, when the worker stops answering."""
+"""The manager's link to one worker: the calls it makes, and the telemetry it follows.
+
+:class:`WorkerLink` is the interface the manager's decisions use; a :data:`LinkFactory` makes one per
+worker address. :class:`GrpcWorkerLink` is the real link (a gRPC channel and a telemetry
+subscription that tells the manager, within moments, when the worker stops answering);
+:mod:`memsvc.manager.inmemory` has an honest in-memory worker behind the same interface, so
+budget, lease and idle-timer decisions can be tested in process.
+
+Every call either returns the worker's response or raises a :class:`~memsvc.errors.MemsvcError`
+with the worker's status code, so the manager relays errors the same way whatever the link.
+"""
 
 from __future__ import annotations
 
@@ -7,35 +16,64 @@ import asyncio
 import contextlib
 import logging
 from collections.abc import Awaitable, Callable
+from typing import Protocol
 
 import grpc
 
 from memsvc.auth import Security, aio_channel
+from memsvc.rpc_errors import from_rpc_error
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
 log = logging.getLogger("memsvc.manager.links")
 
 OnMessage = Callable[[w.StreamTelemetryResponse], Awaitable[None]]
+"""Called with every telemetry message the worker sends."""
 OnDown = Callable[[str], Awaitable[None]]
+"""Called with a reason when the telemetry stream ends or fails."""
 
 
-class WorkerLink:
+class WorkerLink(Protocol):
+    """What the manager can do with one worker."""
+
+    address: str
+
+    def start(self) -> None:
+        """Begin following the worker's telemetry."""
+
+    def restart(self) -> None:
+        """Drop the current telemetry stream and connect again (the worker went silent on it)."""
+
+    def poke(self) -> None:
+        """Reconnect now instead of after the backoff (the worker just registered)."""
+
+    async def close(self) -> None: ...
+
+    async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse: ...
+
+    async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse: ...
+
+    async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse: ...
+
+
+LinkFactory = Callable[[str, str, OnMessage, OnDown], WorkerLink]
+"""Makes the link to a worker: (worker id, address, on_message, on_down)."""
+
+
+class GrpcWorkerLink:
     """Owns one channel to a worker and the task that follows its telemetry."""
 
     INTERVAL_S = 1.0
     MAX_BACKOFF_S = 5.0
-    security = Security()
-    """How the manager dials its workers (TLS, client certificate, token); ``memsvc manager`` sets it once
-    at start from its own flags, so every link the controller creates uses it."""
 
-    def __init__(self, address: str, on_message: OnMessage, on_down: OnDown, security: Security | None = None) -> None:
+    def __init__(
+        self, worker_id: str, address: str, on_message: OnMessage, on_down: OnDown, security: Security
+    ) -> None:
+        self.worker_id = worker_id
         self.address = address
         # keepalive pings find a dead peer whose TCP connection never closed
         self.channel = aio_channel(
-            address,
-            security or self.security,
-            options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)],
+            address, security, options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
         )
         self.stub = w_grpc.ModelWorkerServiceStub(self.channel)
         self._on_message = on_message
@@ -47,13 +85,11 @@ class WorkerLink:
         self._task = asyncio.create_task(self._follow(), name=f"telemetry {self.address}")
 
     def restart(self) -> None:
-        """Drop the current stream and connect again (the worker went silent on it)."""
         if self._task is not None:
             self._task.cancel()
         self.start()
 
     def poke(self) -> None:
-        """Reconnect now instead of after the backoff (the worker just registered)."""
         self._retry_now.set()
 
     async def close(self) -> None:
@@ -62,6 +98,26 @@ class WorkerLink:
             await asyncio.gather(self._task, return_exceptions=True)
         await self.channel.close()
 
+    # ---- calls ----
+    async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
+        try:
+            return await self.stub.Sleep(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, self.worker_id) from None
+
+    async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse:
+        try:
+            return await self.stub.WakeUp(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, self.worker_id) from None
+
+    async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse:
+        try:
+            return await self.stub.SwapBlocks(request, timeout=timeout)
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, self.worker_id) from None
+
+    # ---- telemetry ----
     async def _follow(self) -> None:
         backoff = 0.2
         while True:
@@ -74,8 +130,26 @@ class WorkerLink:
                 reason = "telemetry stream ended"
             except grpc.aio.AioRpcError as err:
                 reason = f"{err.code().name}: {err.details()}"
+            except asyncio.CancelledError:
+                raise
+            except Exception as exc:  # a bug in handling one message must not end the link silently
+                log.exception("following the telemetry of %s failed", self.worker_id)
+                reason = f"telemetry handling failed: {type(exc).__name__}: {exc}"
             await self._on_down(reason)
             self._retry_now.clear()
             with contextlib.suppress(TimeoutError):
                 await asyncio.wait_for(self._retry_now.wait(), timeout=backoff)
             backoff = min(backoff * 2, self.MAX_BACKOFF_S)
+
+
+def grpc_links(security: Security | None = None) -> LinkFactory:
+    """The real links: every worker dialled with this process's TLS identity and token."""
+    sec = security or Security()
+
+    def make(worker_id: str, address: str, on_message: OnMessage, on_down: OnDown) -> WorkerLink:
+        return GrpcWorkerLink(worker_id, address, on_message, on_down, sec)
+
+    return make
+
+
+__all__ = ["GrpcWorkerLink", "LinkFactory", "OnDown", "OnMessage", "WorkerLink", "grpc_links"]

@@ -11,7 +11,7 @@ from typing import Any
 from memsvc.auth import Security
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
-from memsvc.manager.links import WorkerLink
+from memsvc.manager.links import grpc_links
 from memsvc.manager.servicer import MemoryManagerServicer
 from memsvc.manager.store import Store
 from memsvc.serving import install_signal_handlers, start_server
@@ -31,11 +31,11 @@ async def serve(
     security: Security | None = None,
 ) -> int:
     sec = security or Security()
-    WorkerLink.security = sec  # the manager dials its workers with its own TLS identity and token
     cfg = load_config(config)
     Path(db).parent.mkdir(parents=True, exist_ok=True)
     store = Store(db)
-    manager = Manager(store, cfg.settings, {**cfg.policy_fields, **policy}, cfg.workers)
+    # the manager dials its workers with its own TLS identity and token
+    manager = Manager(store, cfg.settings, {**cfg.policy_fields, **policy}, cfg.workers, grpc_links(sec))
     await manager.start()
     servicer = MemoryManagerServicer(manager)
     srv = await start_server(listen, [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],

@@ -8,8 +8,10 @@ from __future__ import annotations
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
 
 from memsvc.v1 import common_pb2 as c
+from memsvc.vocabulary import WorkerState
 
-STATES = [n[len("WORKER_STATE_") :].lower() for n in c.WorkerState.keys() if n != "WORKER_STATE_UNSPECIFIED"]  # noqa: SIM118
+STATES = [s.label for s in WorkerState if s != WorkerState.UNSPECIFIED]
+"""The ``state`` label values of ``memsvc_worker_state``."""
 
 
 class ManagerMetrics:
@@ -56,10 +58,10 @@ class ManagerMetrics:
         return host, int(server.server_port)
 
     def update_worker(
-        self, worker_id: str, reachable: bool, state: int, status: c.WorkerStatus | None, leases: int
+        self, worker_id: str, reachable: bool, state: WorkerState, status: c.WorkerStatus | None, leases: int
     ) -> None:
         self.up.labels(worker_id).set(1 if reachable else 0)
-        current = c.WorkerState.Name(state)[len("WORKER_STATE_") :].lower() if state else ""
+        current = state.label if state != WorkerState.UNSPECIFIED else ""
         for s in STATES:
             self.state.labels(worker_id, s).set(1 if s == current else 0)
         self.leases.labels(worker_id).set(leases)

@@ -6,16 +6,16 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.vocabulary import Action, TagState, WorkerState
 
 NAME_PREFIX = "workers/"
 
 
 def worker_id_from_name(name: str) -> str:
     """``workers/{id}`` or a bare id -> id (validated)."""
-    from memsvc.errors import InvalidArgument
-
     wid = name[len(NAME_PREFIX) :] if name.startswith(NAME_PREFIX) else name
     if not wid or len(wid) > 128 or "/" in wid or not wid.isprintable():
         raise InvalidArgument(f"bad worker name {name!r}: use workers/<id>", metadata={"name": name})
@@ -65,10 +65,10 @@ class WorkerRecord:
         return NAME_PREFIX + self.worker_id
 
     @property
-    def state(self) -> int:
+    def state(self) -> WorkerState:
         if not self.reachable:
-            return c.WORKER_STATE_UNAVAILABLE
-        return self.status.state if self.status is not None else c.WORKER_STATE_UNSPECIFIED
+            return WorkerState.UNAVAILABLE
+        return WorkerState.of(self.status.state) if self.status is not None else WorkerState.UNSPECIFIED
 
     @property
     def device_key(self) -> tuple[str, str, str]:
@@ -90,15 +90,15 @@ class WorkerRecord:
     def wake_need_bytes(self, tags: list[str] | None = None) -> int:
         """Device bytes a wake of ``tags`` (all sleeping tags when None) would map."""
         return sum(
-            t.awake_bytes for t in self.tags() if t.state != c.TAG_STATE_AWAKE and (tags is None or t.tag in tags)
+            t.awake_bytes for t in self.tags() if t.state != TagState.AWAKE.proto and (tags is None or t.tag in tags)
         )
 
-    def offload_need_bytes(self, actions: dict[str, int]) -> int:
+    def offload_need_bytes(self, actions: dict[str, Action]) -> int:
         """Host bytes a sleep with ``actions`` would add (awake tags that OFFLOAD)."""
         return sum(
             t.allocated_bytes
             for t in self.tags()
-            if t.state == c.TAG_STATE_AWAKE and actions.get(t.tag) == c.TAG_ACTION_OFFLOAD
+            if t.state == TagState.AWAKE.proto and actions.get(t.tag) == Action.OFFLOAD
         )
 
     @property
@@ -107,7 +107,7 @@ class WorkerRecord:
 
     def to_proto(self) -> m.Worker:
         w = m.Worker(
-            name=self.name, address=self.address, state=self.state, lease_count=len(self.leases),
+            name=self.name, address=self.address, state=self.state.proto, lease_count=len(self.leases),
             configured=self.configured, host=self.host,
         )  # fmt: skip
         if self.status is not None:

@@ -6,19 +6,18 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
-import grpc
-
 from memsvc.errors import InvalidArgument
 from memsvc.manager.controller import Manager
 from memsvc.manager.records import worker_id_from_name
 from memsvc.manager.watch import CLOSED
-from memsvc.v1 import common_pb2 as c
+from memsvc.rpc_errors import Context
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.vocabulary import SleepLevel, actions_from_proto
 
 
-def _deadline(context: grpc.aio.ServicerContext) -> float | None:
+def _deadline(context: Context) -> float | None:
     remaining = context.time_remaining()
     return None if remaining is None else time.monotonic() + remaining
 
@@ -36,16 +35,16 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         return resp
 
     async def ListWorkers(self, request: m.ListWorkersRequest, context: Any) -> m.ListWorkersResponse:
-        page, token = self.manager.list(request.page_size, request.page_token)
+        page, token = self.manager.list_workers(request.page_size, request.page_token)
         return m.ListWorkersResponse(workers=[r.to_proto() for r in page], next_page_token=token)
 
     async def GetWorker(self, request: m.GetWorkerRequest, context: Any) -> m.GetWorkerResponse:
         return m.GetWorkerResponse(worker=self.manager.get(request.name).to_proto())
 
     async def SleepWorker(self, request: m.SleepWorkerRequest, context: Any) -> m.SleepWorkerResponse:
-        rec, t = await self.manager.sleep_worker(
-            request.name, int(request.level), dict(request.tag_actions), request.request_id, _deadline(context)
-        )
+        level = SleepLevel.parse(request.level)
+        actions = actions_from_proto(request.tag_actions)
+        rec, t = await self.manager.sleep_worker(request.name, level, actions, request.request_id, _deadline(context))
         return m.SleepWorkerResponse(worker=rec.to_proto(), transition=t)
 
     async def WakeWorker(self, request: m.WakeWorkerRequest, context: Any) -> m.WakeWorkerResponse:
@@ -89,7 +88,7 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         return m.UpdatePolicyResponse(policy=p.to_proto())
 
     async def WatchWorkers(
-        self, request: m.WatchWorkersRequest, context: grpc.aio.ServicerContext
+        self, request: m.WatchWorkersRequest, context: Context
     ) -> AsyncIterator[m.WatchWorkersResponse]:
         ids = {worker_id_from_name(n) for n in request.names}
         for wid in ids:
@@ -111,4 +110,4 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             self.manager.hub.unsubscribe(queue)
 
 
-__all__ = ["MemoryManagerServicer", "c"]
+__all__ = ["MemoryManagerServicer"]

@@ -22,11 +22,10 @@ import numpy as np
 import torch
 
 from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, WrongState
+from memsvc.vocabulary import KV_CACHE, CopyMethod
 from worker import _native
-from worker.allocator import CopyMethod, Fence, MemoryAllocator
+from worker.allocator import Fence, MemoryAllocator
 from worker.model.config import ModelConfig
-
-KV_TAG = "kv_cache"
 
 Location = Literal["device", "host"]
 SwapDirection = Literal["out", "in"]
@@ -55,7 +54,7 @@ class KvBlockPool(_BlockPool):
 
     def __init__(self, config: ModelConfig, alloc: MemoryAllocator, num_blocks: int, block_size: int) -> None:
         shape = kv_block_shape(config, num_blocks, block_size)
-        super().__init__(alloc.empty(shape, config.torch_dtype, KV_TAG), block_size)
+        super().__init__(alloc.empty(shape, config.torch_dtype, KV_CACHE), block_size)
 
 
 class HostKvPool(_BlockPool):
@@ -430,7 +429,6 @@ def pairs_to_ids(pairs: Iterable[Any]) -> tuple[np.ndarray, np.ndarray]:
 
 
 __all__ = [
-    "KV_TAG",
     "HostKvPool",
     "KvBlockPool",
     "KvCache",

@@ -14,11 +14,12 @@ from collections.abc import Iterable, Sequence
 from typing import Any, TypedDict
 
 from memsvc.errors import InvalidArgument, WrongState
-from worker.allocator import CopyMethod, MemoryAllocator
+from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
+from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import Rope, forward
-from worker.model.kv_cache import KV_TAG, KvCache, KvStats, PendingSwap, SwapDirection
-from worker.model.weights import WEIGHTS_TAG, ModelSource, allocate_weights, parse_model_spec
+from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
+from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = 4096
 
@@ -40,8 +41,10 @@ class ModelInfo(TypedDict):
 class ModelRunner:
     """One model on one device, serving one sequence at a time.
 
-    ``lock`` serialises generation, swaps and the sleep hooks. The servicer should hold it across
-    ``alloc.sleep``/``wake_up`` too, so that no step reads a range that is being unmapped.
+    ``lock`` serialises generation, swaps and the sleep hooks for callers on several threads (tests,
+    embedders). The worker needs no lock around sleep and wake: it calls the runner, ``alloc.sleep``
+    and ``alloc.wake_up`` from its one device thread only (worker/device_thread.py), so no step can
+    read a range while it is being unmapped.
     """
 
     def __init__(
@@ -90,7 +93,7 @@ class ModelRunner:
                 raise InvalidArgument(
                     f"sequence would reach {total} tokens; the model allows {self.config.max_position_embeddings}"
                 )
-            self._check_awake(WEIGHTS_TAG, KV_TAG)
+            self._check_awake(WEIGHTS, KV_CACHE)
 
             seq_id = sequence_id if sequence_id is not None else f"tmp-{uuid.uuid4().hex}"
             seq = existing if existing is not None else self.kv_cache.allocate_sequence(seq_id)
@@ -132,8 +135,8 @@ class ModelRunner:
     def _check_awake(self, *tags: str) -> None:
         states = self.alloc.stats().tags
         for tag in tags:
-            state = states[tag].state if tag in states else "awake"
-            if state != "awake":
+            state = states[tag].state if tag in states else TagState.AWAKE
+            if state != TagState.AWAKE:
                 raise WrongState(f"the '{tag}' memory is asleep ({state}); wake the worker first")
 
     # ---- sequences and swaps ----
@@ -159,7 +162,7 @@ class ModelRunner:
     def reload_weights(self) -> None:
         """Rewrite every weight from the source into the same pool tensors (after a level-2 wake)."""
         with self.lock:
-            self._check_awake(WEIGHTS_TAG)
+            self._check_awake(WEIGHTS)
             self.source.load_into(self.weights)
 
     def drop_kv(self) -> list[str]:

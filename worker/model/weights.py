@@ -24,10 +24,10 @@ from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from memsvc.errors import InvalidArgument, NotFound
+from memsvc.vocabulary import WEIGHTS
 from worker.allocator import MemoryAllocator
 from worker.model.config import PRESETS, ModelConfig
 
-WEIGHTS_TAG = "weights"
 INDEX_FILE = "model.safetensors.index.json"
 
 Weights = dict[str, torch.Tensor]
@@ -61,7 +61,7 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
     """Uninitialised pool tensors for every weight (fill them with a source's ``load_into``)."""
     return {
-        name: alloc.empty(shape, config.torch_dtype, tag=WEIGHTS_TAG) for name, shape in weight_shapes(config).items()
+        name: alloc.empty(shape, config.torch_dtype, tag=WEIGHTS) for name, shape in weight_shapes(config).items()
     }
 
 
@@ -230,7 +230,6 @@ def parse_model_spec(spec: str, seed: int = 0) -> ModelSource:
 
 __all__ = [
     "SYNTHETIC_PREFIX",
-    "WEIGHTS_TAG",
     "CheckpointSource",
     "ModelSource",
     "SyntheticSource",

@@ -1,0 +1,110 @@
+"""Device and host budgets: room is made before it is needed.
+
+- device: before a worker wakes, the least recently used idle worker on the same device is put to
+  sleep until the waking one fits; RESOURCE_EXHAUSTED only when nothing can be freed.
+- host: before a sleep offloads, the coldest sleeper on the host is demoted to level 2; a tier-1
+  sleep that still does not fit sleeps at level 2 itself.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from memsvc.errors import OutOfMemory
+from memsvc.manager.calls import WorkerCalls
+from memsvc.manager.metrics import ManagerMetrics
+from memsvc.manager.policy import Policies
+from memsvc.manager.records import WorkerRecord
+from memsvc.manager.registry import Registry
+from memsvc.v1 import common_pb2 as c
+from memsvc.vocabulary import AWAKE_STATES, SleepLevel, WorkerState
+
+log = logging.getLogger("memsvc.manager")
+
+
+class Budgets:
+    def __init__(self, registry: Registry, policies: Policies, calls: WorkerCalls, metrics: ManagerMetrics) -> None:
+        self._registry = registry
+        self._policies = policies
+        self._calls = calls
+        self._metrics = metrics
+
+    def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
+        return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
+
+    async def make_device_room(self, rec: WorkerRecord, tags: list[str] | None, deadline: float | None) -> None:
+        """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget."""
+        group = self._device_group(rec)
+        budget = self._policies.effective(rec.name).device_budget_bytes or min(
+            [r.device_total_bytes for r in [rec, *group] if r.device_total_bytes] or [0]
+        )
+        if not budget:
+            return
+        need = rec.wake_need_bytes(tags)
+        while True:
+            used = rec.mapped_bytes + sum(r.mapped_bytes for r in group)
+            if used + need <= budget:
+                return
+            idle = [
+                r
+                for r in group
+                if not r.leases and r.state in AWAKE_STATES and r.mapped_bytes > 0 and not r.lock.locked()
+            ]
+            if not idle:
+                raise OutOfMemory(
+                    f"device budget of {budget} bytes: {rec.worker_id} needs {need} more, {used} in use, "
+                    "and no idle worker on the device can be put to sleep",
+                    metadata={"budgetBytes": str(budget), "neededBytes": str(need), "usedBytes": str(used)},
+                )
+            victim = min(idle, key=lambda r: r.idle_start)
+            log.info("making room for %s: putting %s to sleep", rec.worker_id, victim.worker_id)
+            async with victim.lock:
+                if victim.leases or victim.state not in AWAKE_STATES:
+                    continue
+                await self.sleep_tier1(victim, deadline, "device budget")
+                self._metrics.evictions.inc()
+
+    async def make_host_room(self, rec: WorkerRecord, need: int, deadline: float | None) -> bool:
+        """Demote the coldest sleepers on ``rec``'s host to level 2 until ``need`` more bytes fit."""
+        budget = self._policies.effective(rec.name).host_budget_bytes
+        if not budget or not need:
+            return True
+        while True:
+            used = sum(r.offloaded_bytes for r in self._registry if r.host == rec.host and r.reachable)
+            if used + need <= budget:
+                return True
+            cold = [
+                r
+                for r in self._registry
+                if r is not rec
+                and r.host == rec.host
+                and r.reachable
+                and not r.leases
+                and r.state == WorkerState.ASLEEP
+                and r.offloaded_bytes > 0
+                and not r.lock.locked()
+            ]
+            if not cold:
+                return False
+            victim = min(cold, key=lambda r: r.idle_start)
+            log.info("host budget: demoting %s to level 2", victim.worker_id)
+            async with victim.lock:
+                if victim.state == WorkerState.ASLEEP and not victim.leases:
+                    await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
+                    self._metrics.demotions.inc()
+
+    async def sleep_tier1(
+        self, rec: WorkerRecord, deadline: float | None, why: str, request_id: str = ""
+    ) -> c.TransitionStats:
+        """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short.
+        The caller holds ``rec.lock``."""
+        actions = dict(self._policies.effective(rec.name).tag_actions)
+        if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
+            return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
+        log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)
+        return await self._calls.sleep(
+            rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why + " (level 2: host budget)"
+        )
+
+
+__all__ = ["Budgets"]

@@ -1,0 +1,296 @@
+"""An honest in-memory worker behind the :class:`~memsvc.manager.links.WorkerLink` interface.
+
+For fast, in-process tests of the manager's decisions (budgets, leases, idle timers) and for
+embedders who want to try the manager without a GPU or a worker process. :class:`InMemoryWorker`
+keeps the state a real worker reports (per-tag sizes and states, the worker state, the sleep level)
+and applies Sleep and WakeUp with the worker's rules: the level table, explicit tag actions over it,
+level-1 to level-2 demotion, partial wake, FAILED_PRECONDITION for a transition that does not fit
+the state, ABORTED while another runs, UNAVAILABLE while it is "down". It sends telemetry the way a
+worker does: a snapshot when the link starts, then a state change and a snapshot per transition.
+
+    links = InMemoryLinks()
+    a = links.add(InMemoryWorker("a", weights_bytes=8 << 30, kv_bytes=2 << 30, device_total_bytes=16 << 30))
+    manager = Manager(store, links=links)
+    await manager.start()
+    await manager.register("a", a.address, "host1", a.status())
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+from memsvc.errors import InvalidArgument, NotFound, TransitionInProgress, Unavailable, WrongState
+from memsvc.manager.links import OnDown, OnMessage, WorkerLink
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.vocabulary import (
+    KV_CACHE,
+    WEIGHTS,
+    Action,
+    SleepLevel,
+    TagState,
+    TransitionKind,
+    WorkerState,
+    actions_from_proto,
+    plan_actions,
+)
+
+
+@dataclass
+class _Tag:
+    awake_bytes: int
+    state: TagState = TagState.AWAKE
+
+
+class InMemoryWorker:
+    """One simulated worker: tags and their sizes, state, and the transitions that change them."""
+
+    def __init__(
+        self,
+        worker_id: str,
+        *,
+        weights_bytes: int = 1 << 30,
+        kv_bytes: int = 256 << 20,
+        device_total_bytes: int = 8 << 30,
+        device_index: int = 0,
+        address: str = "",
+    ) -> None:
+        self.worker_id = worker_id
+        self.address = address or f"inmemory-{worker_id}:1"
+        self.device_total_bytes = device_total_bytes
+        self.device_index = device_index
+        self.tags: dict[str, _Tag] = {WEIGHTS: _Tag(weights_bytes), KV_CACHE: _Tag(kv_bytes)}
+        self.state = WorkerState.AWAKE
+        self.sleep_level = 0
+        self.up = True
+        """False: every call fails UNAVAILABLE and the telemetry stream ends (a crashed worker)."""
+        self.gate: asyncio.Event | None = None
+        """When set to an unset Event, transitions wait on it (a slow sleep or wake, held open)."""
+        self.calls: list[str] = []
+        """Every transition call received, in order (``Sleep``, ``WakeUp``, ``SwapBlocks``)."""
+        self._busy = False
+        self._last = c.TransitionStats()
+        self._links: list[_InMemoryLink] = []
+        """Links following this worker's telemetry."""
+
+    # ---- what a worker reports ----
+    def status(self) -> c.WorkerStatus:
+        s = c.WorkerStatus(
+            worker_id=self.worker_id, state=self.state.proto, sleep_level=SleepLevel.proto_of(self.sleep_level)
+        )
+        mapped = 0
+        for name, t in sorted(self.tags.items()):
+            awake = t.state == TagState.AWAKE
+            mapped += t.awake_bytes if awake else 0
+            s.tags.append(
+                c.TagMemory(
+                    tag=name,
+                    state=t.state.proto,
+                    mapped_bytes=t.awake_bytes if awake else 0,
+                    allocated_bytes=t.awake_bytes,
+                    offloaded_bytes=t.awake_bytes if t.state == TagState.OFFLOADED else 0,
+                    discarded_bytes=t.awake_bytes if t.state == TagState.DISCARDED else 0,
+                    awake_bytes=t.awake_bytes,
+                )
+            )
+        s.device.CopyFrom(
+            c.DeviceInfo(
+                backend="inmemory", index=self.device_index, total_bytes=self.device_total_bytes,
+                free_bytes=self.device_total_bytes - mapped,
+            )
+        )  # fmt: skip
+        s.last_transition.CopyFrom(self._last)
+        s.update_time.FromNanoseconds(time.time_ns())
+        return s
+
+    async def _send(self, msg: w.StreamTelemetryResponse) -> None:
+        msg.time.FromNanoseconds(time.time_ns())
+        for link in list(self._links):
+            await link.on_message(msg)
+
+    async def crash(self) -> None:
+        """Go down: calls fail UNAVAILABLE, and every telemetry stream ends."""
+        self.up = False
+        links, self._links = self._links, []
+        for link in links:
+            await link.on_down("UNAVAILABLE: telemetry stream ended")
+
+    async def revive(self) -> None:
+        """Come back (as after a restart, state kept): links that try again reconnect."""
+        self.up = True
+
+    async def _set_state(self, new: WorkerState, reason: str) -> None:
+        old, self.state = self.state, new
+        if old != new:
+            await self._send(
+                w.StreamTelemetryResponse(
+                    state_change=c.StateChange(from_state=old.proto, to_state=new.proto, reason=reason)
+                )
+            )
+
+    # ---- transitions ----
+    @contextlib.asynccontextmanager
+    async def _transition(self, method: str) -> AsyncIterator[None]:
+        self.calls.append(method)
+        if not self.up:
+            raise Unavailable(f"worker {self.worker_id}: UNAVAILABLE: connection refused")
+        if self._busy:
+            raise TransitionInProgress(f"worker {self.worker_id}: another transition is running")
+        self._busy = True
+        try:
+            if self.gate is not None:
+                await self.gate.wait()
+            yield
+        finally:
+            self._busy = False
+        await self._send(w.StreamTelemetryResponse(snapshot=self.status()))
+
+    def _finish(self, kind: TransitionKind, moved: int) -> c.TransitionStats:
+        self._last = c.TransitionStats(kind=kind, moved_bytes=moved)
+        self._last.end_time.FromNanoseconds(time.time_ns())
+        return self._last
+
+    async def sleep(self, request: w.SleepRequest) -> w.SleepResponse:
+        level = SleepLevel.parse(request.level)
+        explicit = actions_from_proto(request.tag_actions)
+        if level is None and not explicit:
+            raise InvalidArgument("give a sleep level or tag actions")
+        for tag in explicit:
+            if tag not in self.tags:
+                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(self.tags)}")
+        async with self._transition("Sleep"):
+            if self.state not in (WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE, WorkerState.ASLEEP):
+                raise WrongState(f"worker is {self.state.label}")
+            todo = {
+                t: a
+                for t, a in plan_actions(level, explicit).items()
+                if t in self.tags
+                and a != Action.KEEP
+                and (
+                    self.tags[t].state == TagState.AWAKE
+                    or (self.tags[t].state == TagState.OFFLOADED and a == Action.DISCARD)
+                )
+            }
+            if not todo:
+                raise WrongState(f"worker is {self.state.label}: every named tag is already asleep or kept")
+            before = self.state
+            await self._set_state(WorkerState.SLEEPING, "Sleep")
+            moved = 0
+            for tag, action in todo.items():
+                t = self.tags[tag]
+                t.state = TagState.OFFLOADED if action == Action.OFFLOAD else TagState.DISCARDED
+                moved += t.awake_bytes if action == Action.OFFLOAD else 0
+            reported = int(level) if level is not None and not explicit else 0
+            self.sleep_level = max(reported, self.sleep_level) if before == WorkerState.ASLEEP else reported
+            await self._set_state(WorkerState.ASLEEP, "Sleep")
+            transition = self._finish(TransitionKind.SLEEP, moved)
+        return w.SleepResponse(status=self.status(), transition=transition)
+
+    async def wake_up(self, request: w.WakeUpRequest) -> w.WakeUpResponse:
+        tags = list(request.tags)
+        for tag in tags:
+            if tag not in self.tags:
+                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(self.tags)}")
+        async with self._transition("WakeUp"):
+            if self.state not in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE):
+                raise WrongState(f"worker is {self.state.label}; this needs it asleep or partially_awake")
+            for tag in tags:
+                if self.tags[tag].state == TagState.AWAKE:
+                    raise WrongState(f"tag {tag!r} is not asleep")
+            await self._set_state(WorkerState.WAKING, "WakeUp")
+            moved = 0
+            for tag in tags or [t for t, v in self.tags.items() if v.state != TagState.AWAKE]:
+                moved += self.tags[tag].awake_bytes
+                self.tags[tag].state = TagState.AWAKE
+            if all(t.state == TagState.AWAKE for t in self.tags.values()):
+                self.sleep_level = 0
+                await self._set_state(WorkerState.AWAKE, "WakeUp")
+            else:
+                await self._set_state(WorkerState.PARTIALLY_AWAKE, "WakeUp")
+            transition = self._finish(TransitionKind.WAKE, moved)
+        return w.WakeUpResponse(status=self.status(), transition=transition)
+
+    async def swap_blocks(self, request: w.SwapBlocksRequest) -> w.SwapBlocksResponse:
+        self.calls.append("SwapBlocks")
+        if not self.up:
+            raise Unavailable(f"worker {self.worker_id}: UNAVAILABLE: connection refused")
+        if self.tags[KV_CACHE].state != TagState.AWAKE:
+            raise WrongState("the KV cache is asleep: wake it first")
+        n = len(request.pairs) or len(request.src_blocks) or len(request.src_blocks_u32le) // 4
+        if not n:
+            raise InvalidArgument("no blocks given")
+        return w.SwapBlocksResponse(moved_bytes=n * 4096)
+
+
+class _InMemoryLink:
+    """The link to one :class:`InMemoryWorker`: calls go straight to it, telemetry comes back.
+
+    Connecting (start, restart, poke) runs as a task, as a real link's stream does; the task is
+    kept until it ends."""
+
+    def __init__(self, worker: InMemoryWorker, on_message: OnMessage, on_down: OnDown) -> None:
+        self.address = worker.address
+        self._worker = worker
+        self.on_message = on_message
+        self.on_down = on_down
+        self._connecting: set[asyncio.Task[None]] = set()
+
+    def start(self) -> None:
+        self.restart()
+
+    def restart(self) -> None:
+        task = asyncio.get_running_loop().create_task(self._connect())
+        self._connecting.add(task)
+        task.add_done_callback(self._connecting.discard)
+
+    def poke(self) -> None:
+        if self not in self._worker._links:
+            self.restart()
+
+    async def _connect(self) -> None:
+        if not self._worker.up:
+            await self.on_down("UNAVAILABLE: connection refused")
+            return
+        if self not in self._worker._links:
+            self._worker._links.append(self)
+        await self.on_message(w.StreamTelemetryResponse(snapshot=self._worker.status()))
+
+    async def close(self) -> None:
+        for task in list(self._connecting):
+            task.cancel()
+        await asyncio.gather(*self._connecting, return_exceptions=True)
+        if self in self._worker._links:
+            self._worker._links.remove(self)
+
+    async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
+        return await asyncio.wait_for(self._worker.sleep(request), timeout)
+
+    async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse:
+        return await asyncio.wait_for(self._worker.wake_up(request), timeout)
+
+    async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse:
+        return await asyncio.wait_for(self._worker.swap_blocks(request), timeout)
+
+
+class InMemoryLinks:
+    """A :data:`~memsvc.manager.links.LinkFactory` over in-memory workers, found by address."""
+
+    def __init__(self) -> None:
+        self.workers: dict[str, InMemoryWorker] = {}
+
+    def add(self, worker: InMemoryWorker) -> InMemoryWorker:
+        self.workers[worker.address] = worker
+        return worker
+
+    def __call__(self, worker_id: str, address: str, on_message: OnMessage, on_down: OnDown) -> WorkerLink:
+        worker = self.workers.get(address)
+        if worker is None:
+            raise NotFound(f"no in-memory worker at {address!r}")
+        return _InMemoryLink(worker, on_message, on_down)
+
+
+__all__ = ["InMemoryLinks", "InMemoryWorker"]

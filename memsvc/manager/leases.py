@@ -1,0 +1,162 @@
+"""Leases: AcquireWorker wakes on demand and waits until the worker is ready; a leased worker is
+never put to sleep; its idle clock starts at the last release (a drain, not a refusal).
+
+A lease is recorded on the worker *before* the wake starts, so no timer or budget eviction can put
+it to sleep between the wake and the grant; its TTL starts at the grant.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import time
+import uuid
+
+from memsvc.errors import InvalidArgument, NotFound, Unavailable
+from memsvc.manager.budgets import Budgets
+from memsvc.manager.calls import WorkerCalls
+from memsvc.manager.metrics import ManagerMetrics
+from memsvc.manager.records import Lease, WorkerRecord
+from memsvc.manager.registry import Registry
+from memsvc.manager.settings import ManagerSettings
+from memsvc.manager.store import Store, StoredLease
+from memsvc.manager.telemetry import TelemetryIngest
+from memsvc.replay import ReplayCache
+from memsvc.vocabulary import BUSY_STATES, WorkerState
+
+log = logging.getLogger("memsvc.manager")
+
+MAX_HOLDER_CHARS = 256
+
+
+class Leases:
+    def __init__(
+        self,
+        registry: Registry,
+        store: Store,
+        settings: ManagerSettings,
+        calls: WorkerCalls,
+        budgets: Budgets,
+        ingest: TelemetryIngest,
+        metrics: ManagerMetrics,
+        replay: ReplayCache,
+    ) -> None:
+        self._registry = registry
+        self._store = store
+        self._settings = settings
+        self._calls = calls
+        self._budgets = budgets
+        self._ingest = ingest
+        self._metrics = metrics
+        self._replay = replay
+        self.leases: dict[str, Lease] = {}
+
+    def restore(self) -> None:
+        """Take back the stored leases of known workers that have not expired; drop the rest."""
+        now = time.time()
+        for sl in self._store.leases():
+            rec = self._registry.workers.get(sl.worker_id)
+            if rec is None or sl.expire_time <= now:
+                self._store.delete_lease(sl.lease_id)
+                continue
+            lease = Lease(sl.lease_id, sl.worker_id, sl.expire_time, sl.holder)
+            self.leases[lease.lease_id] = lease
+            rec.leases[lease.lease_id] = lease
+
+    def _ttl(self, seconds: float) -> float:
+        if seconds < 0:
+            raise InvalidArgument("ttl must not be negative")
+        if seconds > self._settings.max_lease_ttl:
+            raise InvalidArgument(f"ttl must be at most {self._settings.max_lease_ttl:.0f} s")
+        return seconds or self._settings.default_lease_ttl
+
+    def _save(self, lease: Lease) -> None:
+        self._store.save_lease(StoredLease(lease.lease_id, lease.worker_id, lease.expire_time, lease.holder))
+
+    async def acquire(
+        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: float | None
+    ) -> tuple[Lease, WorkerRecord]:
+        ttl = self._ttl(ttl)
+        if len(holder) > MAX_HOLDER_CHARS:
+            raise InvalidArgument(f"holder must be at most {MAX_HOLDER_CHARS} characters")
+        rec = self._registry.get(name)
+        if lease_id:  # renewal
+            lease = self.leases.get(lease_id)
+            if lease is None or lease.worker_id != rec.worker_id:
+                raise NotFound(f"no lease {lease_id!r} on {rec.name}", metadata={"leaseId": lease_id})
+            lease.expire_time = time.time() + ttl
+            self._save(lease)
+            return lease, rec
+        hit = self._replay.get(request_id, "AcquireWorker", rec.worker_id)
+        if hit is not None and hit in self.leases:
+            return self.leases[hit], rec
+        self._registry.link(rec)
+        lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
+        rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
+        self.leases[lease.lease_id] = lease
+        try:
+            await self._ensure_awake(rec, deadline)
+        except BaseException:
+            rec.leases.pop(lease.lease_id, None)
+            self.leases.pop(lease.lease_id, None)
+            if not rec.leases:
+                rec.idle_since = time.time()
+            self._ingest.update_metrics(rec)
+            raise
+        lease.expire_time = time.time() + ttl
+        self._save(lease)
+        self._metrics.leases_granted.inc()
+        self._ingest.update_metrics(rec)
+        self._replay.put(request_id, "AcquireWorker", lease.lease_id, rec.worker_id)
+        return lease, rec
+
+    async def _ensure_awake(self, rec: WorkerRecord, deadline: float | None) -> None:
+        while True:
+            state = rec.state
+            if state == WorkerState.AWAKE:
+                # An idle or budget sleep in flight holds the lock while the state still reads AWAKE:
+                # wait for it, then look again (the caller's lease already stops new sleeps).
+                async with rec.lock:
+                    if rec.state == WorkerState.AWAKE:
+                        return
+                continue
+            if state == WorkerState.UNAVAILABLE:
+                raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
+            if state in BUSY_STATES or state == WorkerState.UNSPECIFIED:
+                timeout = None if deadline is None else deadline - time.monotonic()
+                if timeout is not None and timeout <= 0:
+                    raise Unavailable(f"worker {rec.worker_id} did not become ready before the deadline")
+                async with rec.changed:
+                    with contextlib.suppress(TimeoutError):
+                        await asyncio.wait_for(rec.changed.wait(), timeout=min(timeout or 1.0, 1.0))
+                continue
+            async with rec.lock:
+                if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE):
+                    await self._budgets.make_device_room(rec, None, deadline)
+                    await self._calls.wake(rec, [], "", deadline)
+
+    def release(self, lease_id: str, expired: bool = False) -> WorkerRecord:
+        if not lease_id:
+            raise InvalidArgument("lease_id is required")
+        lease = self.leases.pop(lease_id, None)
+        if lease is None:
+            raise NotFound(f"no lease {lease_id!r}", metadata={"leaseId": lease_id})
+        self._store.delete_lease(lease_id)
+        rec = self._registry.workers[lease.worker_id]
+        rec.leases.pop(lease_id, None)
+        if not rec.leases:
+            rec.idle_since = time.time()  # a drain: the idle clock starts at the last release
+        if expired:
+            self._metrics.leases_expired.inc()
+            log.info("lease %s on %s expired", lease_id, rec.worker_id)
+        self._ingest.update_metrics(rec)
+        return rec
+
+    def expire(self, now: float) -> None:
+        """Release every lease whose TTL has passed."""
+        for lease in [x for x in self.leases.values() if x.expire_time <= now]:
+            self.release(lease.lease_id, expired=True)
+
+
+__all__ = ["MAX_HOLDER_CHARS", "Leases"]

@@ -1,0 +1,120 @@
+"""Which workers the manager knows: their records, one link each, registration and lookup."""
+
+from __future__ import annotations
+
+import asyncio
+import base64
+import logging
+import time
+from collections.abc import Iterator
+
+from memsvc.errors import InvalidArgument, NotFound, Unavailable
+from memsvc.manager.background import Background
+from memsvc.manager.links import LinkFactory, WorkerLink
+from memsvc.manager.records import WorkerRecord, worker_id_from_name
+from memsvc.manager.store import Store, StoredWorker
+from memsvc.manager.telemetry import TelemetryIngest
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+
+log = logging.getLogger("memsvc.manager")
+
+MAX_PAGE_SIZE = 1000
+DEFAULT_PAGE_SIZE = 50
+
+
+class Registry:
+    def __init__(self, store: Store, links: LinkFactory, ingest: TelemetryIngest, background: Background) -> None:
+        self._store = store
+        self._make_link = links
+        self._ingest = ingest
+        self._background = background
+        self.workers: dict[str, WorkerRecord] = {}
+        self.links: dict[str, WorkerLink] = {}
+
+    def __iter__(self) -> Iterator[WorkerRecord]:
+        return iter(list(self.workers.values()))
+
+    def add(self, worker_id: str, address: str, host: str, configured: bool) -> WorkerRecord:
+        """The worker's record, created or updated, with a started link to its address."""
+        rec = self.workers.get(worker_id)
+        if rec is None:
+            rec = self.workers[worker_id] = WorkerRecord(worker_id, address, host, configured)
+            self._ingest.publish_snapshot(rec)
+        elif rec.address != address:
+            rec.address = address
+            old = self.links.pop(worker_id, None)
+            if old is not None:
+                self._background.spawn(old.close(), f"close link {worker_id}")
+        rec.host = host or rec.host
+        rec.configured = rec.configured or configured
+        if worker_id not in self.links:
+
+            async def on_message(msg: w.StreamTelemetryResponse, r: WorkerRecord = rec) -> None:
+                await self._ingest.on_telemetry(r, msg)
+
+            async def on_down(why: str, r: WorkerRecord = rec) -> None:
+                await self._ingest.on_down(r, why)
+
+            link = self.links[worker_id] = self._make_link(worker_id, address, on_message, on_down)
+            link.start()
+        self._ingest.update_metrics(rec)
+        return rec
+
+    async def close(self) -> None:
+        links = list(self.links.values())
+        results = await asyncio.gather(*(link.close() for link in links), return_exceptions=True)
+        for link, result in zip(links, results, strict=True):
+            if isinstance(result, Exception):
+                log.error("closing the link to %s failed", link.address, exc_info=result)
+
+    def register(self, worker_id: str, address: str, host: str, status: c.WorkerStatus | None) -> WorkerRecord:
+        """RegisterWorker: a worker announces itself (at start and as its heartbeat)."""
+        worker_id = worker_id_from_name(worker_id)
+        host_part, _, port = address.rpartition(":")
+        if not host_part or not port.isdigit() or not 0 < int(port) < 65536:
+            raise InvalidArgument(
+                f"address must be host:port with a port in 1..65535, got {address!r}", metadata={"address": address}
+            )
+        known = worker_id in self.workers
+        rec = self.add(worker_id, address, host, False)
+        self._store.save_worker(StoredWorker(worker_id, address, rec.host, rec.configured, time.time()))
+        rec.last_seen = time.time()
+        if not rec.reachable:
+            self.links[worker_id].poke()
+        if not known:
+            log.info("worker %s registered at %s", worker_id, address)
+        return rec
+
+    def get(self, name: str) -> WorkerRecord:
+        wid = worker_id_from_name(name)
+        rec = self.workers.get(wid)
+        if rec is None:
+            raise NotFound(f"no worker {name!r}", metadata={"name": name})
+        return rec
+
+    def link(self, rec: WorkerRecord) -> WorkerLink:
+        """The link to call ``rec`` through; UNAVAILABLE while the worker cannot be reached."""
+        if not rec.reachable:
+            raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
+        return self.links[rec.worker_id]
+
+    def page(self, page_size: int, page_token: str) -> tuple[list[WorkerRecord], str]:
+        """ListWorkers: one page in worker-id order, and the token of the next ("" on the last)."""
+        if page_size < 0:
+            raise InvalidArgument("page_size must not be negative")
+        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
+        after = ""
+        if page_token:
+            try:
+                after = base64.b64decode(page_token.encode(), altchars=b"-_", validate=True).decode()
+                worker_id_from_name(after)
+            except (ValueError, UnicodeDecodeError, InvalidArgument):
+                raise InvalidArgument("bad page_token: pass next_page_token from a previous response") from None
+        ids = sorted(i for i in self.workers if i > after)
+        page = ids[:size]
+        token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(ids) > size else ""
+        return [self.workers[i] for i in page], token
+
+
+__all__ = ["Registry"]

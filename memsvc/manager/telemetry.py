@@ -1,0 +1,89 @@
+"""What workers tell the manager: their status (telemetry, RPC answers, heartbeats) applied to
+their records, and the changes fanned out to WatchWorkers and the metrics.
+
+Status is ordered by when it was true at the worker, not when it arrived: a telemetry snapshot that
+reaches the manager after a Sleep response never moves the worker's state backwards.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+
+from memsvc.manager.metrics import ManagerMetrics
+from memsvc.manager.records import WorkerRecord
+from memsvc.manager.watch import WatchEvent, WatchHub
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
+
+log = logging.getLogger("memsvc.manager")
+
+
+class TelemetryIngest:
+    def __init__(self, metrics: ManagerMetrics, hub: WatchHub) -> None:
+        self.metrics = metrics
+        self.hub = hub
+
+    async def set_status(
+        self, rec: WorkerRecord, status: c.WorkerStatus | None, reachable: bool, reason: str, when_ns: int = 0
+    ) -> None:
+        """Apply what a worker said. ``when_ns`` is when it was true at the worker (a response's or
+        snapshot's update_time, an event's time); anything older than what was applied is dropped,
+        so telemetry that arrives after a Sleep/WakeUp response never moves the state backwards."""
+        if status is not None:
+            when_ns = when_ns or (status.update_time.ToNanoseconds() if status.HasField("update_time") else 0)
+            if when_ns and when_ns < rec.status_time_ns:
+                status = None  # stale: keep the newer status; the message still shows the worker answers
+            else:
+                rec.status_time_ns = max(rec.status_time_ns, when_ns)
+        old = rec.state
+        if status is not None:
+            rec.status = status
+        rec.reachable = reachable
+        if reachable:
+            rec.last_seen = time.time()
+        new = rec.state
+        if new != old:
+            msg = m.WatchWorkersResponse(worker=rec.to_proto())
+            msg.state_change.CopyFrom(c.StateChange(from_state=old.proto, to_state=new.proto, reason=reason))
+            self.publish(rec, msg)
+        self.update_metrics(rec)
+        async with rec.changed:
+            rec.changed.notify_all()
+
+    async def on_telemetry(self, rec: WorkerRecord, msg: w.StreamTelemetryResponse) -> None:
+        kind = msg.WhichOneof("event")
+        if kind == "snapshot":
+            await self.set_status(rec, msg.snapshot, True, "telemetry")
+        elif kind == "state_change":
+            status = c.WorkerStatus()
+            if rec.status is not None:
+                status.CopyFrom(rec.status)
+            status.state = msg.state_change.to_state
+            await self.set_status(rec, status, True, msg.state_change.reason, msg.time.ToNanoseconds())
+        elif kind == "transition":
+            self.metrics.transition(rec.worker_id, msg.transition)
+            out = m.WatchWorkersResponse(worker=rec.to_proto())
+            out.transition.CopyFrom(msg.transition)
+            self.publish(rec, out)
+
+    async def on_down(self, rec: WorkerRecord, reason: str) -> None:
+        if rec.reachable:
+            log.warning("worker %s unavailable: %s", rec.worker_id, reason)
+        await self.set_status(rec, None, False, reason)
+
+    def publish(self, rec: WorkerRecord, msg: m.WatchWorkersResponse) -> None:
+        msg.time.GetCurrentTime()
+        self.hub.publish(WatchEvent(rec.worker_id, msg))
+
+    def publish_snapshot(self, rec: WorkerRecord) -> None:
+        msg = m.WatchWorkersResponse(worker=rec.to_proto())
+        msg.snapshot.CopyFrom(msg.worker)
+        self.publish(rec, msg)
+
+    def update_metrics(self, rec: WorkerRecord) -> None:
+        self.metrics.update_worker(rec.worker_id, rec.reachable, rec.state, rec.status, len(rec.leases))
+
+
+__all__ = ["TelemetryIngest"]

@@ -1,0 +1,82 @@
+"""Transitions an operator or service asks for: SleepWorker, WakeWorker, SwapWorkerBlocks.
+
+Each holds the worker's lock while it runs, so timers, budget evictions, operators and leases never
+race on one worker, and a retried ``request_id`` returns the first call's result.
+"""
+
+from __future__ import annotations
+
+import time
+
+from memsvc.errors import OutOfMemory, WrongState
+from memsvc.manager.budgets import Budgets
+from memsvc.manager.calls import WorkerCalls
+from memsvc.manager.records import WorkerRecord
+from memsvc.manager.registry import Registry
+from memsvc.replay import ReplayCache
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.vocabulary import Action, SleepLevel, plan_actions
+
+
+class Transitions:
+    def __init__(self, registry: Registry, calls: WorkerCalls, budgets: Budgets, replay: ReplayCache) -> None:
+        self._registry = registry
+        self._calls = calls
+        self._budgets = budgets
+        self._replay = replay
+
+    async def sleep_worker(
+        self,
+        name: str,
+        level: SleepLevel | None,
+        tag_actions: dict[str, Action],
+        request_id: str,
+        deadline: float | None,
+    ) -> tuple[WorkerRecord, c.TransitionStats]:
+        rec = self._registry.get(name)
+        hit = self._replay.get(request_id, "SleepWorker", rec.worker_id)
+        if hit is not None:
+            return rec, hit
+        self._registry.link(rec)
+        async with rec.lock:
+            if rec.leases:
+                raise WrongState(
+                    f"worker {rec.worker_id} holds {len(rec.leases)} lease(s); it sleeps after they are released",
+                    metadata={"leaseCount": str(len(rec.leases))},
+                )
+            if level is None and not tag_actions:
+                t = await self._budgets.sleep_tier1(rec, deadline, "SleepWorker", request_id)
+            else:
+                need = rec.offload_need_bytes(plan_actions(level, tag_actions))
+                if not await self._budgets.make_host_room(rec, need, deadline):
+                    raise OutOfMemory(
+                        f"host budget: offloading {need} bytes does not fit and no sleeper can be demoted",
+                        metadata={"neededBytes": str(need)},
+                    )
+                t = await self._calls.sleep(rec, level, tag_actions, request_id, deadline, "SleepWorker")
+        self._replay.put(request_id, "SleepWorker", t, rec.worker_id)
+        return rec, t
+
+    async def wake_worker(
+        self, name: str, tags: list[str], request_id: str, deadline: float | None
+    ) -> tuple[WorkerRecord, c.TransitionStats]:
+        rec = self._registry.get(name)
+        hit = self._replay.get(request_id, "WakeWorker", rec.worker_id)
+        if hit is not None:
+            return rec, hit
+        self._registry.link(rec)
+        async with rec.lock:
+            await self._budgets.make_device_room(rec, tags or None, deadline)
+            t = await self._calls.wake(rec, tags, request_id, deadline)
+            rec.idle_since = time.time()
+        self._replay.put(request_id, "WakeWorker", t, rec.worker_id)
+        return rec, t
+
+    async def swap_blocks(
+        self, name: str, request: w.SwapBlocksRequest, deadline: float | None
+    ) -> w.SwapBlocksResponse:
+        return await self._calls.swap_blocks(self._registry.get(name), request, deadline)
+
+
+__all__ = ["Transitions"]

@@ -1,0 +1,281 @@
+"""The words memsvc speaks, defined once: memory tags, tag actions and states, sleep levels, worker
+states, copy methods and transition kinds.
+
+Every module that names one of these imports it from here, so the worker, the manager, the CLI, the
+allocator and the native extension cannot drift apart. Each enum wraps its proto enum in
+``protos/memsvc/v1/common.proto``:
+
+- where the API speaks numbers (tag actions, sleep levels, worker states) the members *are* the
+  proto's numbers (``IntEnum``), so a member goes into a message, a database row or the native
+  extension as it is (``msv_sleep`` switches on these action numbers);
+- where the allocator API speaks names (tag states, copy methods) the members are those names
+  (``StrEnum``) and ``.proto`` gives the number.
+
+A new member is one line here plus its value in the proto. Bad input is refused here, once, with
+INVALID_ARGUMENT: :meth:`Action.from_proto`, :meth:`Action.parse`, :meth:`SleepLevel.parse`,
+:meth:`CopyMethod.from_proto`, :func:`check_tag`.
+"""
+
+from __future__ import annotations
+
+import enum
+from collections.abc import Mapping
+from types import MappingProxyType
+from typing import Any
+
+from memsvc.errors import InvalidArgument
+from memsvc.v1 import common_pb2 as c
+
+WEIGHTS = "weights"
+"""The model's weights (offloaded, or reloaded from the checkpoint)."""
+KV_CACHE = "kv_cache"
+"""The paged KV cache's device pool."""
+MAX_TAG_BYTES = 63
+"""Longest tag name in UTF-8 bytes (the native table keeps 64 with the NUL)."""
+
+
+def check_tag(tag: object) -> str:
+    """A tag name: a string of 1 to 63 UTF-8 bytes without NUL (what the native table can hold)."""
+    if not isinstance(tag, str) or not 0 < len(tag.encode()) <= MAX_TAG_BYTES or "\0" in tag:
+        raise InvalidArgument(
+            f"tag must be a string of 1 to {MAX_TAG_BYTES} bytes without NUL, got {tag!r}",
+            metadata={"tag": str(tag)},
+        )
+    return tag
+
+
+def _where(tag: str) -> tuple[str, dict[str, str] | None]:
+    return (f"tag {tag!r}: ", {"tag": tag}) if tag else ("", None)
+
+
+class Action(enum.IntEnum):
+    """What happens to a tag's memory on sleep (proto ``TagAction``)."""
+
+    OFFLOAD = c.TAG_ACTION_OFFLOAD
+    """Copy to page-locked host memory, restore byte for byte on wake."""
+    DISCARD = c.TAG_ACTION_DISCARD
+    """Drop; weights are reloaded from their source on wake, a KV cache comes back empty."""
+    KEEP = c.TAG_ACTION_KEEP
+    """Stay resident."""
+
+    @property
+    def label(self) -> str:
+        """The name users write (``offload``): config files, the allocator API, messages."""
+        return self.name.lower()
+
+    @property
+    def proto(self) -> c.TagAction.ValueType:
+        return c.TagAction.ValueType(self.value)
+
+    @classmethod
+    def from_proto(cls, value: int, tag: str = "") -> Action:
+        """A request's TagAction; INVALID_ARGUMENT for UNSPECIFIED and unknown values."""
+        try:
+            return cls(value)
+        except ValueError:
+            where, metadata = _where(tag)
+            raise InvalidArgument(f"{where}action must be {_choices(cls)}, got {value}", metadata=metadata) from None
+
+    @classmethod
+    def parse(cls, value: Any, tag: str = "") -> Action:
+        """An action given as a member or by name (``"offload"``, any case)."""
+        if isinstance(value, Action):
+            return value
+        if isinstance(value, str) and value.upper() in cls.__members__:
+            return cls[value.upper()]
+        where, metadata = _where(tag)
+        raise InvalidArgument(f"{where}unknown action {value!r}; use {_choices(cls).lower()}", metadata=metadata)
+
+
+class SleepLevel(enum.IntEnum):
+    """vLLM's sleep levels (proto ``SleepLevel``)."""
+
+    LEVEL_1 = c.SLEEP_LEVEL_1
+    """Weights OFFLOAD, kv_cache DISCARD."""
+    LEVEL_2 = c.SLEEP_LEVEL_2
+    """Both DISCARD; the weights are reloaded from their source on wake (host RAM freed too)."""
+
+    @classmethod
+    def parse(cls, value: int) -> SleepLevel | None:
+        """A request's level: None for UNSPECIFIED, INVALID_ARGUMENT for an unknown one."""
+        if value == c.SLEEP_LEVEL_UNSPECIFIED:
+            return None
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"sleep level must be 1 or 2, got {value}", metadata={"level": str(value)}) from None
+
+    @property
+    def actions(self) -> Mapping[str, Action]:
+        """The tag actions this level means."""
+        return LEVEL_ACTIONS[self]
+
+    @property
+    def proto(self) -> c.SleepLevel.ValueType:
+        return c.SleepLevel.ValueType(self.value)
+
+    @staticmethod
+    def proto_of(level: int) -> c.SleepLevel.ValueType:
+        """A level number as the proto field takes it (0: unspecified, after an explicit tag map)."""
+        return c.SleepLevel.ValueType(level)
+
+
+LEVEL_ACTIONS: Mapping[SleepLevel, Mapping[str, Action]] = MappingProxyType(
+    {
+        SleepLevel.LEVEL_1: MappingProxyType({WEIGHTS: Action.OFFLOAD, KV_CACHE: Action.DISCARD}),
+        SleepLevel.LEVEL_2: MappingProxyType({WEIGHTS: Action.DISCARD, KV_CACHE: Action.DISCARD}),
+    }
+)
+"""What each sleep level does per tag; explicit tag actions override it."""
+
+
+def plan_actions(level: SleepLevel | None, tag_actions: Mapping[str, Action]) -> dict[str, Action]:
+    """Actions per tag for a sleep: the level's table, overridden by explicit tag actions."""
+    plan = dict(level.actions) if level is not None else {}
+    plan.update(tag_actions)
+    return plan
+
+
+def actions_from_proto(tag_actions: Mapping[str, int]) -> dict[str, Action]:
+    """A request's ``map<string, TagAction>``, each tag and action checked."""
+    return {check_tag(tag): Action.from_proto(act, tag) for tag, act in tag_actions.items()}
+
+
+class WorkerState(enum.IntEnum):
+    """Lifecycle of a worker (proto ``WorkerState``)."""
+
+    UNSPECIFIED = c.WORKER_STATE_UNSPECIFIED
+    """The manager has no status from the worker yet."""
+    LOADING = c.WORKER_STATE_LOADING
+    AWAKE = c.WORKER_STATE_AWAKE
+    SLEEPING = c.WORKER_STATE_SLEEPING
+    ASLEEP = c.WORKER_STATE_ASLEEP
+    WAKING = c.WORKER_STATE_WAKING
+    PARTIALLY_AWAKE = c.WORKER_STATE_PARTIALLY_AWAKE
+    UNAVAILABLE = c.WORKER_STATE_UNAVAILABLE
+    """Only the manager says this: it cannot reach the worker."""
+
+    @classmethod
+    def of(cls, value: int) -> WorkerState:
+        """A state from a message; a value this version does not know reads as UNSPECIFIED
+        (the proto asks clients to treat unknown values as "not AWAKE")."""
+        try:
+            return cls(value)
+        except ValueError:
+            return cls.UNSPECIFIED
+
+    @property
+    def label(self) -> str:
+        """``awake``, ``partially_awake``, ...: the CLI's and the metrics' spelling."""
+        return self.name.lower()
+
+    @property
+    def proto(self) -> c.WorkerState.ValueType:
+        return c.WorkerState.ValueType(self.value)
+
+
+AWAKE_STATES = frozenset({WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE})
+"""States in which some tag is resident: an idle timer may put the worker to sleep."""
+BUSY_STATES = frozenset({WorkerState.LOADING, WorkerState.SLEEPING, WorkerState.WAKING})
+"""States a transition passes through: no other transition or KV work starts until they end."""
+
+
+class _NamedProtoEnum(enum.StrEnum):
+    """A StrEnum whose members map by name onto a proto enum (``<PREFIX>_<MEMBER NAME>``)."""
+
+    @classmethod
+    def _prefix(cls) -> str:
+        raise NotImplementedError
+
+    def _proto_number(self) -> int:
+        return int(getattr(c, f"{self._prefix()}_{self.name}"))
+
+
+class TagState(_NamedProtoEnum):
+    """Where one tag's memory is (proto ``TagState``)."""
+
+    AWAKE = "awake"
+    OFFLOADED = "offloaded"
+    DISCARDED = "discarded"
+
+    @classmethod
+    def _prefix(cls) -> str:
+        return "TAG_STATE"
+
+    @property
+    def proto(self) -> c.TagState.ValueType:
+        return c.TagState.ValueType(self._proto_number())
+
+
+class CopyMethod(_NamedProtoEnum):
+    """How a batched block copy moves bytes (see docs/benchmarks.md for the crossovers)."""
+
+    AUTO = "auto"
+    """Pick by block size (measured crossover)."""
+    LOOP = "loop"
+    """One cuMemcpyAsync per block."""
+    BATCH = "batch"
+    """One cuMemcpyBatchAsync (falls back to loop on drivers without it)."""
+    KERNEL = "kernel"
+    """One gather/scatter kernel through mapped host memory."""
+
+    @classmethod
+    def _prefix(cls) -> str:
+        return "COPY_METHOD"
+
+    @property
+    def proto(self) -> c.CopyMethod.ValueType:
+        return c.CopyMethod.ValueType(self._proto_number())
+
+    @classmethod
+    def from_proto(cls, value: int) -> CopyMethod:
+        """A request's CopyMethod; UNSPECIFIED means AUTO, unknown values are INVALID_ARGUMENT."""
+        if value == c.COPY_METHOD_UNSPECIFIED:
+            return cls.AUTO
+        for member in cls:
+            if member.proto == value:
+                return member
+        raise InvalidArgument(f"unknown copy method {value}")
+
+    @classmethod
+    def parse(cls, value: Any) -> CopyMethod:
+        """A method given as a member or by name (the allocator API)."""
+        try:
+            return cls(value)
+        except ValueError:
+            raise InvalidArgument(f"unknown copy method {value!r}") from None
+
+
+class TransitionKind(enum.StrEnum):
+    """What a finished transition was (``TransitionStats.kind``)."""
+
+    LOAD = "load"
+    SLEEP = "sleep"
+    WAKE = "wake"
+    RELOAD_WEIGHTS = "reload_weights"
+    SWAP_BLOCKS = "swap_blocks"
+
+
+def _choices(cls: type[enum.Enum]) -> str:
+    """``OFFLOAD, DISCARD or KEEP``, for messages."""
+    names = [m.name for m in cls]
+    return ", ".join(names[:-1]) + " or " + names[-1]
+
+
+__all__ = [
+    "AWAKE_STATES",
+    "BUSY_STATES",
+    "KV_CACHE",
+    "LEVEL_ACTIONS",
+    "MAX_TAG_BYTES",
+    "WEIGHTS",
+    "Action",
+    "CopyMethod",
+    "SleepLevel",
+    "TagState",
+    "TransitionKind",
+    "WorkerState",
+    "actions_from_proto",
+    "check_tag",
+    "plan_actions",
+]

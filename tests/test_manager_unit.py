@@ -1,0 +1,251 @@
+"""The manager's decisions in process, against in-memory workers (memsvc.manager.inmemory).
+
+The same decisions are tested through real worker processes in test_manager_budgets.py,
+test_manager_idle.py and test_faults.py; here each runs in milliseconds, so the edge cases get their
+own test: LRU eviction order, leases that block every kind of sleep, tier-2 demotion, the host
+budget's fallback to level 2, silence, expiry. The store is a real SQLite file; timers are driven by
+calling ``tick()`` with idle clocks moved back, not by sleeping.
+"""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator, Callable
+from pathlib import Path
+from typing import TypedDict, Unpack
+
+import pytest
+import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
+
+from memsvc.errors import OutOfMemory, Unavailable, WrongState
+from memsvc.manager.controller import Manager
+from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
+from memsvc.manager.records import WorkerRecord
+from memsvc.manager.settings import ManagerSettings
+from memsvc.manager.store import Store
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, SleepLevel, TagState, WorkerState
+
+GiB = 1 << 30
+pytestmark = pytest.mark.asyncio
+
+
+class _Sizes(TypedDict, total=False):
+    weights_bytes: int
+    kv_bytes: int
+    device_total_bytes: int
+
+
+class _PolicyFields(TypedDict, total=False):
+    device_budget_bytes: int
+    host_budget_bytes: int
+    idle_sleep_timeout: Duration
+    idle_deep_sleep_timeout: Duration
+
+
+class Env:
+    def __init__(self, manager: Manager, links: InMemoryLinks) -> None:
+        self.manager = manager
+        self.links = links
+
+    async def worker(self, wid: str, host: str = "h1", **sizes: Unpack[_Sizes]) -> InMemoryWorker:
+        wk = self.links.add(InMemoryWorker(wid, **sizes))
+        await self.manager.register(wid, wk.address, host, wk.status())
+        await settle(lambda: self.rec(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+        return wk
+
+    def rec(self, wid: str) -> WorkerRecord:
+        return self.manager.get(wid)
+
+    def idle_for(self, wid: str, seconds: float) -> None:
+        """Move the worker's idle clock back, as if it had been idle that long."""
+        rec = self.rec(wid)
+        rec.idle_since -= seconds
+        if rec.status is not None:
+            t = rec.status.last_activity_time
+            t.FromNanoseconds(t.ToNanoseconds() - int(seconds * 1e9))
+
+    async def policy(self, **fields: Unpack[_PolicyFields]) -> None:
+        p = m.Policy(**fields)
+        self.manager.update_policy("", p, list(fields))
+
+
+async def settle(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    """Let the manager's tasks run until ``cond()`` holds."""
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+@pytest_asyncio.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    links = InMemoryLinks()
+    # a tick interval of an hour: the tests call tick() themselves
+    manager = Manager(Store(tmp_path / "manager.db"), ManagerSettings(tick_interval=3600.0), links=links)
+    await manager.start()
+    yield Env(manager, links)
+    await manager.close()
+    manager.store.close()
+
+
+async def test_device_budget_evicts_the_least_recently_used_idle_worker(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    c_ = await env.worker("c", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    await env.manager.sleep_worker("c", SleepLevel.LEVEL_1, {}, "", None)
+    env.idle_for("a", 100)  # a has been idle longer than b
+    env.idle_for("b", 10)
+    lease, _ = await env.manager.acquire("c", 60, "t", "", "", None)
+    assert c_.state == WorkerState.AWAKE
+    assert a.state == WorkerState.ASLEEP and b.state == WorkerState.AWAKE  # the LRU one went, only it
+    assert a.calls == ["Sleep"] and b.calls == []
+    assert env.manager.metrics.evictions._value.get() == 1
+    env.manager.release(lease.lease_id)
+
+
+async def test_device_budget_refuses_when_every_neighbour_is_leased_and_keeps_the_sleeper_asleep(env: Env) -> None:
+    await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    held, _ = await env.manager.acquire("a", 60, "holder", "", "", None)
+    with pytest.raises(OutOfMemory):
+        await env.manager.acquire("b", 60, "t", "", "", None)
+    assert b.state == WorkerState.ASLEEP and b.tags[WEIGHTS].state == TagState.OFFLOADED
+    assert env.rec("b").leases == {}, "a refused acquire leaves no lease behind"
+    env.manager.release(held.lease_id)
+    lease, _ = await env.manager.acquire("b", 60, "t", "", "", None)  # now a can be evicted
+    # mypy keeps b.state narrowed to ASLEEP by the assert above, across the await that wakes b
+    assert b.state == WorkerState.AWAKE  # type: ignore[comparison-overlap]
+    env.manager.release(lease.lease_id)
+
+
+async def test_device_budget_policy_is_smaller_than_the_device(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=80 * GiB)
+    b = await env.worker("b", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=80 * GiB)
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    await env.policy(device_budget_bytes=4 * GiB)
+    await env.manager.wake_worker("b", [], "", None)
+    assert a.state == WorkerState.ASLEEP and b.state == WorkerState.AWAKE
+
+
+async def test_a_lease_blocks_idle_sleep_and_the_idle_clock_starts_at_release(env: Env) -> None:
+    a = await env.worker("a")
+    await env.policy(idle_sleep_timeout=Duration(seconds=60))
+    lease, _ = await env.manager.acquire("a", 600, "t", "", "", None)
+    env.idle_for("a", 3600)
+    env.manager.tick()
+    await asyncio.sleep(0.05)
+    assert a.calls == [], "a leased worker is never put to sleep"
+    env.manager.release(lease.lease_id)
+    env.manager.tick()  # just released: idle for 0 s
+    await asyncio.sleep(0.05)
+    assert a.calls == []
+    env.idle_for("a", 61)
+    env.manager.tick()
+    await settle(lambda: a.state == WorkerState.ASLEEP, "the tier-1 idle sleep")
+    assert a.tags[WEIGHTS].state == TagState.OFFLOADED and a.tags[KV_CACHE].state == TagState.DISCARDED
+
+
+async def test_tier_two_demotes_an_idle_sleeper_to_level_two(env: Env) -> None:
+    a = await env.worker("a")
+    await env.policy(idle_sleep_timeout=Duration(seconds=60), idle_deep_sleep_timeout=Duration(seconds=600))
+    env.idle_for("a", 61)
+    env.manager.tick()
+    await settle(lambda: a.state == WorkerState.ASLEEP, "tier 1")
+    assert a.sleep_level == 0 and a.tags[WEIGHTS].state == TagState.OFFLOADED
+    env.idle_for("a", 600)
+    env.manager.tick()
+    await settle(lambda: a.tags[WEIGHTS].state == TagState.DISCARDED, "tier 2")
+    assert a.sleep_level == SleepLevel.LEVEL_2 and a.calls == ["Sleep", "Sleep"]
+    assert env.manager.metrics.idle_sleeps.labels("2")._value.get() == 1
+
+
+async def test_host_budget_demotes_the_coldest_sleeper_before_another_offloads(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=3 * GiB)
+    b = await env.worker("b", weights_bytes=3 * GiB)
+    cold = await env.worker("cold", weights_bytes=3 * GiB)
+    await env.policy(host_budget_bytes=7 * GiB)
+    await env.manager.sleep_worker("cold", None, {}, "", None)
+    await env.manager.sleep_worker("a", None, {}, "", None)
+    env.idle_for("cold", 1000)
+    await env.manager.sleep_worker("b", None, {}, "", None)  # 9 GiB would not fit: the coldest goes to level 2
+    assert cold.tags[WEIGHTS].state == TagState.DISCARDED
+    assert a.tags[WEIGHTS].state == TagState.OFFLOADED and b.tags[WEIGHTS].state == TagState.OFFLOADED
+    assert env.manager.metrics.demotions._value.get() == 1
+
+
+async def test_host_budget_with_no_one_to_demote_puts_a_tier_one_sleep_at_level_two(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=3 * GiB)
+    await env.policy(host_budget_bytes=2 * GiB)
+    await env.manager.sleep_worker("a", None, {}, "", None)
+    assert a.tags[WEIGHTS].state == TagState.DISCARDED and a.sleep_level == SleepLevel.LEVEL_2
+    b = await env.worker("b", weights_bytes=3 * GiB)
+    with pytest.raises(OutOfMemory):  # an explicit offload is refused instead, nothing changed
+        await env.manager.sleep_worker("b", None, {WEIGHTS: Action.OFFLOAD}, "", None)
+    assert b.state == WorkerState.AWAKE and b.calls == []
+
+
+async def test_sleep_worker_is_refused_while_leased_and_acquire_waits_for_a_sleep_in_flight(env: Env) -> None:
+    a = await env.worker("a")
+    lease, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    with pytest.raises(WrongState):
+        await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+    env.manager.release(lease.lease_id)
+    a.gate = asyncio.Event()  # the next sleep holds until the gate opens
+    sleeping = asyncio.create_task(env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None))
+    await settle(lambda: a.calls == ["Sleep"], "the sleep to reach the worker")
+    acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t2", "", "", None))
+    await asyncio.sleep(0.05)
+    assert not acquiring.done(), "acquire waits for the sleep in flight, then wakes the worker"
+    a.gate.set()
+    await sleeping
+    lease2, rec = await acquiring
+    assert a.state == WorkerState.AWAKE and a.calls == ["Sleep", "WakeUp"]
+    assert rec.state == WorkerState.AWAKE and list(rec.leases) == [lease2.lease_id]
+
+
+async def test_a_lease_expires_after_its_ttl_and_frees_the_worker_for_idle_sleep(env: Env) -> None:
+    a = await env.worker("a")
+    await env.policy(idle_sleep_timeout=Duration(seconds=60))
+    lease, _ = await env.manager.acquire("a", 30, "vanished", "", "", None)
+    env.manager.leases.leases[lease.lease_id].expire_time -= 31
+    env.manager.tick()
+    assert env.rec("a").leases == {}
+    assert env.manager.metrics.leases_expired._value.get() == 1
+    env.idle_for("a", 61)
+    env.manager.tick()
+    await settle(lambda: a.state == WorkerState.ASLEEP, "idle sleep after expiry")
+
+
+async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> None:
+    a = await env.worker("a")
+    await a.crash()
+    await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
+    with pytest.raises(Unavailable):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    with pytest.raises(Unavailable):
+        await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+    assert env.rec("a").leases == {}
+    await a.revive()
+    await env.manager.register("a", a.address, "h1", a.status())  # its heartbeat reconnects the link
+    await settle(lambda: env.rec("a").state == WorkerState.AWAKE, "back")
+
+
+async def test_a_silent_worker_is_marked_unavailable_and_its_link_restarted(env: Env) -> None:
+    await env.worker("a")
+    rec = env.rec("a")
+    rec.last_seen -= env.manager.settings.silence_limit + 1
+    env.manager.tick()
+    await settle(lambda: rec.state == WorkerState.AWAKE, "the restarted link's snapshot")
+    assert rec.last_seen > 0
+
+
+async def test_a_retried_request_id_sleeps_once(env: Env) -> None:
+    a = await env.worker("a")
+    _, t1 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
+    _, t2 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
+    assert t1 == t2 and a.calls == ["Sleep"]

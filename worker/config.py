@@ -1,0 +1,50 @@
+"""How a worker is built: the ``memsvc worker`` flags as one frozen value."""
+
+from __future__ import annotations
+
+import socket
+from dataclasses import dataclass
+
+from memsvc.errors import InvalidArgument
+from memsvc.vocabulary import WEIGHTS
+
+
+@dataclass(frozen=True)
+class WorkerConfig:
+    """How a worker is built (the ``memsvc worker`` flags)."""
+
+    model: str = "synthetic:tiny"
+    """A Hugging Face-layout checkpoint directory, or ``synthetic:<preset>``."""
+    backend: str = "auto"
+    device: int = 0
+    worker_id: str = ""
+    """Name under which the worker registers; default ``<hostname>-<device>``."""
+    kv_blocks: int = 256
+    """Device KV cache blocks."""
+    host_kv_blocks: int = 256
+    """Host KV cache blocks (swap space)."""
+    block_size: int = 16
+    """Tokens per KV block."""
+    host_capacity_bytes: int = 8 << 30
+    """Host backend only: size of the simulated device."""
+    checksum: bool = True
+    """Verify offloaded bytes on wake; a mismatch fails the wake with DATA_LOSS naming the allocation."""
+    host_reserve_bytes: int = 0
+    host_prepin: int | str = 0
+    """Host memory to page-lock in the background once the model is loaded, so the first sleep
+    runs at line rate: a byte count, or ``"weights"`` for the size of the weights pool."""
+    huge_pages: bool = True
+    seed: int = 0
+    host_name: str = ""
+    """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
+
+    def __post_init__(self) -> None:
+        prepin = self.host_prepin
+        if isinstance(prepin, bool) or not (prepin == WEIGHTS or (isinstance(prepin, int) and prepin >= 0)):
+            raise InvalidArgument(f"host_prepin must be a byte count >= 0 or '{WEIGHTS}', got {prepin!r}")
+
+    def resolved_worker_id(self) -> str:
+        return self.worker_id or f"{socket.gethostname()}-{self.device}"
+
+
+__all__ = ["WorkerConfig"]

@@ -1,0 +1,52 @@
+"""The one thread that does the worker's device work.
+
+Load, sleep, wake, reload, swap and generate all run here, one after another, so the event loop stays
+free for status and telemetry, and device work is serialised without a lock around the model: a
+step never reads memory a sleep is unmapping, because the sleep cannot start until the step is done.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import concurrent.futures
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+T = TypeVar("T")
+
+
+class DeviceThread:
+    """A single-thread executor bound to the worker's event loop."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self.loop = loop
+        self._executor = concurrent.futures.ThreadPoolExecutor(1, thread_name_prefix="memsvc-device")
+
+    async def run(self, fn: Callable[[], T]) -> T:
+        """Run ``fn`` on the device thread and return its result.
+
+        Shielded: a client that cancels (or whose deadline passes) must not cancel a queued job,
+        because the job itself releases the transition lock and settles the state.
+        """
+        return await asyncio.shield(self.loop.run_in_executor(self._executor, fn))
+
+    def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
+        """Queue ``fn(*args)`` without waiting (the caller settles its own result future)."""
+        return self._executor.submit(fn, *args)
+
+    def shutdown(self) -> None:
+        """Finish the jobs queued so far, then stop the thread."""
+        self._executor.shutdown(wait=True)
+
+
+def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
+    """Complete a loop future with another thread's result (call through ``call_soon_threadsafe``)."""
+    if fut.done():
+        return
+    if exc is not None:
+        fut.set_exception(exc)
+    else:
+        fut.set_result(value)  # type: ignore[arg-type]
+
+
+__all__ = ["DeviceThread", "settle_future"]

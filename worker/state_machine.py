@@ -1,0 +1,116 @@
+"""The worker's transition state machine: its state, sleep level and last transition, the lock that
+lets one transition run at a time, and the one path every transition RPC takes.
+
+A transition's bookkeeping (state, lock, events) happens on the device thread inside the job itself:
+a client that cancels mid-Sleep leaves the job to finish, and the worker ends in a consistent state
+rather than in the one the cancelled coroutine last saw.
+"""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Callable, Collection
+
+from memsvc.errors import TransitionInProgress, WrongState
+from memsvc.replay import ReplayCache
+from memsvc.vocabulary import TagState, WorkerState
+from worker.device_thread import DeviceThread
+from worker.status import Transition
+from worker.telemetry import Event, EventKind, TelemetryHub
+
+Job = Callable[[], Transition]
+
+
+class WorkerStateMachine:
+    REQUEST_CACHE = 512
+    """Transition results kept for retries with the same request_id."""
+
+    def __init__(self, telemetry: TelemetryHub, device: DeviceThread) -> None:
+        self.state = WorkerState.LOADING
+        self.sleep_level = 0
+        """Level of the last Sleep while not AWAKE (0 after an explicit tag map, or awake)."""
+        self.last: Transition | None = None
+        self._telemetry = telemetry
+        self._device = device
+        self._busy = threading.Lock()
+        self.replay = ReplayCache(self.REQUEST_CACHE)
+
+    # ---- the transition lock ----
+    def begin(self) -> None:
+        """Take the transition lock, or fail fast with ABORTED: a second transition never queues."""
+        if not self._busy.acquire(blocking=False):
+            raise TransitionInProgress(
+                f"worker is {self.state.label}: another transition is running", metadata={"state": self.state.name}
+            )
+
+    def begin_blocking(self) -> None:
+        """Take the lock, waiting (the load, before any RPC can race it)."""
+        self._busy.acquire()
+
+    def release(self) -> None:
+        self._busy.release()
+
+    async def run(
+        self, method: str, request_id: str, validate: Callable[[], None], plan: Callable[[], Job]
+    ) -> Transition:
+        """The path of every transition RPC.
+
+        A retried ``request_id`` returns its first result; ``validate`` checks the request's input
+        (INVALID_ARGUMENT whatever the state); the lock is taken; ``plan`` checks the state and returns
+        the job, which runs on the device thread. The lock is released when the job ends, or at once
+        if ``plan`` refuses.
+        """
+        hit = self.replay.get(request_id, method)
+        if hit is not None:
+            return hit  # type: ignore[no-any-return]
+        validate()
+        self.begin()
+        try:
+            job = plan()
+        except BaseException:
+            self.release()
+            raise
+
+        def locked() -> Transition:
+            try:
+                t = job()
+                self.replay.put(request_id, method, t)
+                return t
+            finally:
+                self.release()
+
+        return await self._device.run(locked)
+
+    # ---- state ----
+    def require(self, *states: WorkerState) -> None:
+        if self.state not in states:
+            raise WrongState(
+                f"worker is {self.state.label}; this needs it {' or '.join(s.label for s in states)}",
+                metadata={"state": self.state.name},
+            )
+
+    def set_state(self, new: WorkerState, reason: str) -> None:
+        old, self.state = self.state, new
+        if old != new:
+            self._telemetry.publish(Event(EventKind.STATE_CHANGE, {"from": old, "to": new, "reason": reason}))
+
+    def finish(self, t: Transition) -> Transition:
+        """Record a finished transition and tell telemetry subscribers."""
+        self.last = t
+        self._telemetry.publish(Event(EventKind.TRANSITION, {"transition": t}))
+        return t
+
+    def settle(self, tag_states: Collection[TagState], reason: str) -> None:
+        """After a failed transition, the state is whatever the pools say, not what it was before."""
+        states = set(tag_states)
+        if states <= {TagState.AWAKE}:
+            self.sleep_level = 0
+            new = WorkerState.AWAKE
+        elif TagState.AWAKE in states:
+            new = WorkerState.PARTIALLY_AWAKE
+        else:
+            new = WorkerState.ASLEEP
+        self.set_state(new, reason)
+
+
+__all__ = ["Job", "WorkerStateMachine"]

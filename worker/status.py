@@ -1,0 +1,61 @@
+"""The worker's value types: what a transition moved, what Generate made, and a status snapshot.
+
+Plain frozen values, built on the device thread and read anywhere (the servicer turns them into
+protos, telemetry carries them), so nothing here refers to the allocator or the model.
+"""
+
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any
+
+from memsvc.vocabulary import TransitionKind, WorkerState
+
+if TYPE_CHECKING:
+    from worker.allocator import AllocatorStats
+    from worker.model.kv_cache import KvStats
+
+
+@dataclass(frozen=True)
+class Transition:
+    """What one finished transition moved, and how fast."""
+
+    kind: TransitionKind
+    moved_bytes: int
+    seconds: float
+    verified_bytes: int = 0
+    end_time: float = field(default_factory=time.time)
+
+    @property
+    def gigabytes_per_second(self) -> float:
+        return self.moved_bytes / self.seconds / 1e9 if self.seconds > 0 else 0.0
+
+
+@dataclass(frozen=True)
+class Generation:
+    """What Generate returns: new tokens, the kept sequence's KV blocks, and the time taken."""
+
+    tokens: list[int]
+    block_ids: list[int]
+    seconds: float
+
+
+@dataclass(frozen=True)
+class Status:
+    """A snapshot of the worker for GetWorkerStatus and telemetry."""
+
+    worker_id: str
+    state: WorkerState
+    sleep_level: int
+    device: dict[str, Any]
+    model: dict[str, Any]
+    memory: AllocatorStats | None
+    kv_cache: KvStats | None
+    """None before the model is loaded."""
+    last_transition: Transition | None
+    time: float
+    last_activity: float
+
+
+__all__ = ["Generation", "Status", "Transition"]
