@@ -28,6 +28,7 @@ up: build
 
 test: build wheel
 	$(PY) -m ruff check memsvc worker tests bench examples
+	$(PY) -m mypy
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf format --diff --exit-code
 	$(PY) -m pytest

@@ -31,6 +31,7 @@ import os
 import statistics
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -65,7 +66,7 @@ def sample(pid: int | str = "self") -> dict[str, int]:
     return {"fds": fds, "threads": threads, "rss_kib": rss, "maps": maps}
 
 
-def slope(xs: list[float], ys: list[float]) -> float:
+def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Theil-Sen slope of ys over xs: the median of the slopes between every two samples (0 with
     fewer than two distinct xs). A leak raises every pair's slope; a one-off spike, such as a
     staging chunk sampled before the reaper thread unmapped it, moves a least-squares fit but not
@@ -114,7 +115,8 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
     t0 = time.perf_counter()
     with WorkerProcess(args) as wp:
         assert wp.address.startswith("127.0.0.1:"), wp.address
-        pid = wp.proc.pid  # type: ignore[union-attr]
+        assert wp.proc is not None
+        pid = wp.proc.pid
         stub = wp.stub
         stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30)
         samples.append({"cycle": 0, **sample(pid)})

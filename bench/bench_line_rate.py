@@ -236,7 +236,9 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
         block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
         rng = random.Random(0)
 
-        def build(form: str, direction: int, src: np.ndarray, dst: np.ndarray) -> Any:
+        def build(
+            form: str, direction: c.SwapDirection.ValueType, src: np.ndarray, dst: np.ndarray
+        ) -> w.SwapBlocksRequest:
             """The request a scheduler holding numpy ids would send, in ``form``."""
             if form == "pairs":
                 pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src.tolist(), dst.tolist(), strict=True)]
@@ -480,7 +482,8 @@ def decode_beside_swap(steps: int) -> dict[str, Any]:
     alloc = MemoryAllocator(AllocatorConfig(backend="cuda"))
     mats = [t for t in load_weights(alloc, llama3_8b_shapes()) if t.dim() == 2]
     x_by_in = {m.shape[1]: torch.randn(1, m.shape[1], device="cuda", dtype=torch.bfloat16) for m in mats}
-    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+    # torch leaves Event.__new__ and Event.elapsed_time's result unannotated
+    start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
 
     def step_ms() -> float:
         start.record()
@@ -488,7 +491,8 @@ def decode_beside_swap(steps: int) -> dict[str, Any]:
             torch.matmul(x_by_in[m.shape[1]], m.t())
         end.record()
         end.synchronize()
-        return start.elapsed_time(end)
+        ms: float = start.elapsed_time(end)
+        return ms
 
     for _ in range(5):
         step_ms()

@@ -28,16 +28,17 @@ import tempfile
 import threading
 import time
 from collections import defaultdict
+from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 sys.path.insert(0, str(REPO_ROOT / "tests"))
 
-from managerproc import Cluster  # noqa: E402
+from managerproc import Cluster, ManagerProcess  # noqa: E402
 
 from memsvc.v1 import common_pb2 as c  # noqa: E402
 from memsvc.v1 import memory_manager_service_pb2 as m  # noqa: E402
@@ -58,6 +59,10 @@ EXPECTED: dict[str, frozenset[str]] = {
 """Status codes that are a correct answer to a racing client. Anything else is unexpected; in
 particular Generate on a worker whose lease we hold must succeed, and ReleaseWorker of a live
 lease must find it (NOT_FOUND is expected only once the lease's TTL has passed, decided per call)."""
+SLEEP_LEVELS = [c.SLEEP_LEVEL_UNSPECIFIED, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2]
+"""What an operator's SleepWorker asks for: the policy's tag actions (unspecified), level 1 more often, level 2."""
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -115,8 +120,8 @@ class Recorder:
         with self.lock:
             return sum(s.calls for s in self.rpcs.values())
 
-    def call(self, method: str, fn: Any, request: Any, expected: frozenset[str] = frozenset(),
-             expect: Any = None) -> Any:  # fmt: skip
+    def call(self, method: str, fn: Callable[..., R], request: Any, expected: frozenset[str] = frozenset(),
+             expect: Any = None) -> R | None:  # fmt: skip
         """Call ``fn(request)``; record the outcome; return the response or None on error.
 
         ``expect(code, elapsed)`` may decide per call whether an error code is expected."""
@@ -218,7 +223,7 @@ class Client(threading.Thread):
     def acquire(self, name: str, ttl: float) -> m.AcquireWorkerResponse | None:
         req = m.AcquireWorkerRequest(name=name, holder=self.name)
         req.ttl.FromNanoseconds(int(ttl * 1e9))
-        return self.rec.call("AcquireWorker", self.mgr.AcquireWorker, req)  # type: ignore[no-any-return]
+        return self.rec.call("AcquireWorker", self.mgr.AcquireWorker, req)
 
     def lease_cycle(self) -> None:
         name = self.lease_target()
@@ -268,7 +273,7 @@ class Client(threading.Thread):
         self.rec.call("ListWorkers", self.mgr.ListWorkers, m.ListWorkersRequest(page_size=self.rng.choice([0, 1, 2])))
 
     def sleep_worker(self) -> None:
-        req = m.SleepWorkerRequest(name=self.operator_target(), level=self.rng.choice([0, 1, 1, 2]))  # type: ignore[arg-type]
+        req = m.SleepWorkerRequest(name=self.operator_target(), level=self.rng.choice(SLEEP_LEVELS))
         self.rec.call("SleepWorker", self.mgr.SleepWorker, req, EXPECTED["SleepWorker"])
 
     def wake_worker(self) -> None:
@@ -320,7 +325,7 @@ class Watcher(threading.Thread):
             self.call.cancel()
 
 
-def _metrics(mp: Any) -> dict[str, float]:
+def _metrics(mp: ManagerProcess) -> dict[str, float]:
     out: dict[str, float] = defaultdict(float)
     for (sample, labels), value in mp.metrics().items():
         lab = dict(labels)

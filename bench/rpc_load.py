@@ -15,7 +15,6 @@ from __future__ import annotations
 import multiprocessing
 import time
 from collections import deque
-from typing import Any
 
 SWAP_BLOCKS = "/memsvc.v1.ModelWorkerService/SwapBlocks"
 
@@ -26,14 +25,15 @@ def _client(
     import grpc
 
     with grpc.insecure_channel(address) as channel:
-        call = channel.unary_unary(SWAP_BLOCKS)  # no serializers: bytes in, bytes out
+        # no serializers: bytes in, bytes out
+        call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(SWAP_BLOCKS)
         call(bodies[first], timeout=60)
         while time.time() < start:
             time.sleep(0.0005)
         began = time.time()
         t0 = time.perf_counter()
         end, done, sent = t0 + seconds, 0, first
-        pending: deque[Any] = deque()
+        pending: deque[grpc.Future[bytes]] = deque()
         for _ in range(depth):
             sent += 1
             pending.append(call.future(bodies[sent % len(bodies)], timeout=60))

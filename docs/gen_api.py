@@ -16,6 +16,17 @@ import sys
 import tempfile
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from google.protobuf.descriptor_pb2 import (
+        DescriptorProto,
+        EnumDescriptorProto,
+        FieldDescriptorProto,
+        FileDescriptorProto,
+        FileDescriptorSet,
+        ServiceDescriptorProto,
+    )
 
 ROOT = Path(__file__).resolve().parent.parent
 PROTO_ROOT = ROOT / "protos"
@@ -48,7 +59,7 @@ as `{{"paths": ["idle_sleep_timeout"]}}` (grpcurl 1.8.6 does not accept the stri
 """
 
 
-def descriptor_set(proto_root: Path = PROTO_ROOT) -> object:
+def descriptor_set(proto_root: Path = PROTO_ROOT) -> FileDescriptorSet:
     """``proto_root``/memsvc/v1/*.proto compiled, with comments, into a FileDescriptorSet."""
     import grpc_tools
     from google.protobuf import descriptor_pb2
@@ -72,9 +83,9 @@ def descriptor_set(proto_root: Path = PROTO_ROOT) -> object:
 class Comments:
     """Leading (and trailing) comments of one file, by SourceCodeInfo path."""
 
-    def __init__(self, file: object) -> None:
+    def __init__(self, file: FileDescriptorProto) -> None:
         self._by_path: dict[tuple[int, ...], str] = {}
-        for loc in file.source_code_info.location:  # type: ignore[attr-defined]
+        for loc in file.source_code_info.location:
             text = "\n".join(part for part in (loc.leading_comments, loc.trailing_comments) if part.strip())
             if text:
                 self._by_path[tuple(loc.path)] = text
@@ -116,45 +127,45 @@ def type_link(type_name: str) -> str:
     return f"`{name}`"
 
 
-def scalar(field: object) -> str:
+def scalar(field: FieldDescriptorProto) -> str:
     from google.protobuf import descriptor_pb2
 
-    return descriptor_pb2.FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()  # type: ignore[attr-defined]
+    return descriptor_pb2.FieldDescriptorProto.Type.Name(field.type).removeprefix("TYPE_").lower()
 
 
 class Types:
     """Every message of the set by full name, to recognise map entries."""
 
-    def __init__(self, fds: object) -> None:
-        self.messages: dict[str, object] = {}
-        for f in fds.file:  # type: ignore[attr-defined]
+    def __init__(self, fds: FileDescriptorSet) -> None:
+        self.messages: dict[str, DescriptorProto] = {}
+        for f in fds.file:
             for msg in f.message_type:
                 self._add(f".{f.package}", msg)
 
-    def _add(self, prefix: str, msg: object) -> None:
-        full = f"{prefix}.{msg.name}"  # type: ignore[attr-defined]
+    def _add(self, prefix: str, msg: DescriptorProto) -> None:
+        full = f"{prefix}.{msg.name}"
         self.messages[full] = msg
-        for nested in msg.nested_type:  # type: ignore[attr-defined]
+        for nested in msg.nested_type:
             self._add(full, nested)
 
-    def render(self, field: object, oneofs: list[str]) -> str:
+    def render(self, field: FieldDescriptorProto, oneofs: list[str]) -> str:
         from google.protobuf import descriptor_pb2
 
         fd = descriptor_pb2.FieldDescriptorProto
-        if field.type in (fd.TYPE_MESSAGE, fd.TYPE_ENUM):  # type: ignore[attr-defined]
-            entry = self.messages.get(field.type_name)  # type: ignore[attr-defined]
-            if entry is not None and entry.options.map_entry:  # type: ignore[attr-defined]
-                key, value = entry.field  # type: ignore[attr-defined]
+        if field.type in (fd.TYPE_MESSAGE, fd.TYPE_ENUM):
+            entry = self.messages.get(field.type_name)
+            if entry is not None and entry.options.map_entry:
+                key, value = entry.field
                 return f"map<{self.render(key, [])}, {self.render(value, [])}>"
-            base = type_link(field.type_name)  # type: ignore[attr-defined]
+            base = type_link(field.type_name)
         else:
             base = f"`{scalar(field)}`"
-        if field.label == fd.LABEL_REPEATED:  # type: ignore[attr-defined]
+        if field.label == fd.LABEL_REPEATED:
             return f"repeated {base}"
-        if field.proto3_optional:  # type: ignore[attr-defined]
+        if field.proto3_optional:
             return f"optional {base}"
-        if field.HasField("oneof_index"):  # type: ignore[attr-defined]
-            return f"{base} (oneof `{oneofs[field.oneof_index]}`)"  # type: ignore[attr-defined]
+        if field.HasField("oneof_index"):
+            return f"{base} (oneof `{oneofs[field.oneof_index]}`)"
         return base
 
 
@@ -163,61 +174,63 @@ def paragraph(text: str) -> list[str]:
     return [text, ""] if text else []
 
 
-def render_service(svc: object, path: tuple[int, ...], comments: Comments) -> Iterator[str]:
-    yield f"### {svc.name}"  # type: ignore[attr-defined]
+def render_service(svc: ServiceDescriptorProto, path: tuple[int, ...], comments: Comments) -> Iterator[str]:
+    yield f"### {svc.name}"
     yield ""
-    yield f"Service `{PACKAGE}.{svc.name}`."  # type: ignore[attr-defined]
+    yield f"Service `{PACKAGE}.{svc.name}`."
     yield ""
     yield from paragraph(comments.get(path))
     yield "| RPC | Request | Response | Description |"
     yield "| --- | --- | --- | --- |"
-    for i, md in enumerate(svc.method):  # type: ignore[attr-defined]
+    for i, md in enumerate(svc.method):
         req = ("stream " if md.client_streaming else "") + type_link(md.input_type)
         resp = ("stream " if md.server_streaming else "") + type_link(md.output_type)
         yield f"| `{md.name}` | {req} | {resp} | {comments.cell((*path, SERVICE_METHOD, i))} |"
     yield ""
 
 
-def render_message(msg: object, path: tuple[int, ...], comments: Comments, types: Types,
+def render_message(msg: DescriptorProto, path: tuple[int, ...], comments: Comments, types: Types,
                    prefix: str = "") -> Iterator[str]:  # fmt: skip
-    if msg.options.map_entry:  # type: ignore[attr-defined]
+    if msg.options.map_entry:
         return
-    name = f"{prefix}{msg.name}"  # type: ignore[attr-defined]
+    name = f"{prefix}{msg.name}"
     yield f"### {name}"
     yield ""
     yield from paragraph(comments.get(path))
-    oneofs = [o.name for o in msg.oneof_decl]  # type: ignore[attr-defined]
-    if msg.field:  # type: ignore[attr-defined]
+    oneofs = [o.name for o in msg.oneof_decl]
+    if msg.field:
         yield "| Field | Type | Description |"
         yield "| --- | --- | --- |"
-        for i, field in enumerate(msg.field):  # type: ignore[attr-defined]
+        for i, field in enumerate(msg.field):
             yield f"| `{field.name}` | {types.render(field, oneofs)} | {comments.cell((*path, MESSAGE_FIELD, i))} |"
         yield ""
     else:
         yield "No fields."
         yield ""
-    for i, nested in enumerate(msg.nested_type):  # type: ignore[attr-defined]
+    for i, nested in enumerate(msg.nested_type):
         yield from render_message(nested, (*path, MESSAGE_NESTED, i), comments, types, f"{name}.")
-    for i, enum in enumerate(msg.enum_type):  # type: ignore[attr-defined]
+    for i, enum in enumerate(msg.enum_type):
         yield from render_enum(enum, (*path, MESSAGE_ENUM, i), comments, f"{name}.")
 
 
-def render_enum(enum: object, path: tuple[int, ...], comments: Comments, prefix: str = "") -> Iterator[str]:
-    yield f"### {prefix}{enum.name}"  # type: ignore[attr-defined]
+def render_enum(
+    enum: EnumDescriptorProto, path: tuple[int, ...], comments: Comments, prefix: str = ""
+) -> Iterator[str]:
+    yield f"### {prefix}{enum.name}"
     yield ""
     yield from paragraph(comments.get(path))
     yield "| Value | Number | Description |"
     yield "| --- | --- | --- |"
-    for i, value in enumerate(enum.value):  # type: ignore[attr-defined]
+    for i, value in enumerate(enum.value):
         yield f"| `{value.name}` | {value.number} | {comments.cell((*path, ENUM_VALUE, i))} |"
     yield ""
 
 
-def render(fds: object | None = None) -> str:
+def render(fds: FileDescriptorSet | None = None) -> str:
     """docs/api.md as the protos describe it now."""
     fds = fds if fds is not None else descriptor_set()
     types = Types(fds)
-    files = [f for f in fds.file if f.package == PACKAGE]  # type: ignore[attr-defined]
+    files = [f for f in fds.file if f.package == PACKAGE]
     files.sort(key=lambda f: (not f.service, f.name))
     lines = PREAMBLE.splitlines()
     lines += ["", "## Contents", ""]

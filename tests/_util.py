@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
+
+if TYPE_CHECKING:
+    from worker.allocator import Fence, MemoryAllocator
 
 MiB = 1 << 20
 
@@ -27,7 +30,7 @@ def as_cpu_bytes(t: torch.Tensor) -> torch.Tensor:
     return t.detach().reshape(-1).view(torch.uint8).cpu()
 
 
-def busy_copy_stream(alloc: Any, mib: int = 512) -> Any:
+def busy_copy_stream(alloc: MemoryAllocator, mib: int = 512) -> tuple[torch.Tensor, torch.Tensor, Fence | None] | None:
     """On cuda, a large copy enqueued without waiting on the allocator's own stream: the copies a test
     enqueues next queue behind it for milliseconds, so a missing wait or a reused buffer shows in the
     data instead of hiding behind copies that finish before Python takes its next step. Keep the

@@ -15,6 +15,7 @@ fail with the last thing they saw; they never assert on speed.
 
 from __future__ import annotations
 
+import functools
 import queue
 import re
 import signal
@@ -25,10 +26,12 @@ import urllib.request
 from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from childproc import Proc, ProcError
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 from prometheus_client.parser import text_string_to_metric_families
 from workerproc import WorkerProcess
 
@@ -150,7 +153,7 @@ class Cluster:
         return wp
 
     def workers_up(self, manager: ManagerProcess, ids: Iterable[str], args: Sequence[str] = (),
-                   state: int | None = c.WORKER_STATE_AWAKE) -> list[WorkerProcess]:  # fmt: skip
+                   state: c.WorkerState.ValueType | None = c.WORKER_STATE_AWAKE) -> list[WorkerProcess]:  # fmt: skip
         """Start workers in parallel; return once each is ready and, in the manager's view, in ``state``
         (``None``: registered and reachable, whatever its state)."""
         procs = [self.worker_process(manager.address, wid, args) for wid in ids]
@@ -159,14 +162,14 @@ class Cluster:
                 f.result()
         for p in procs:
             if state is None:
-                wait_for(lambda p=p: get(manager.stub, p.worker_id),
+                wait_for(functools.partial(get, manager.stub, p.worker_id),
                          lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
                          what=f"{p.worker_id} to register and be reachable")  # fmt: skip
             else:
                 wait_state(manager.stub, p.worker_id, state)
         return procs
 
-    def scripted(self, worker_id: str, state: int = c.WORKER_STATE_ASLEEP) -> ScriptedWorker:
+    def scripted(self, worker_id: str, state: c.WorkerState.ValueType = c.WORKER_STATE_ASLEEP) -> ScriptedWorker:
         """An in-process :class:`ScriptedWorker` (not registered: the test calls RegisterWorker)."""
         sw = ScriptedWorker(worker_id, state)
         self.scripted_workers.append(sw)
@@ -195,7 +198,7 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
 
     MiB = 1 << 20
 
-    def __init__(self, worker_id: str, state: int = c.WORKER_STATE_ASLEEP) -> None:
+    def __init__(self, worker_id: str, state: c.WorkerState.ValueType = c.WORKER_STATE_ASLEEP) -> None:
         self.worker_id = worker_id
         self.state = state
         self._stream: queue.Queue[w.StreamTelemetryResponse | None] = queue.Queue()
@@ -237,7 +240,8 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
         msg.time.GetCurrentTime()
         return msg
 
-    def _transition(self, to: int, reason: str, busy: int, kind: str) -> tuple[c.WorkerStatus, c.TransitionStats]:
+    def _transition(self, to: c.WorkerState.ValueType, reason: str, busy: c.WorkerState.ValueType,
+                    kind: str) -> tuple[c.WorkerStatus, c.TransitionStats]:  # fmt: skip
         frm = self.state
         self._held.append(self._message(state_change=c.StateChange(from_state=frm, to_state=busy, reason=reason)))
         self.state = to
@@ -254,10 +258,12 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
             self._stream.put(msg)
 
     # ModelWorkerService
-    def GetWorkerStatus(self, request: Any, context: Any) -> w.GetWorkerStatusResponse:
+    def GetWorkerStatus(self, request: w.GetWorkerStatusRequest, context: grpc.ServicerContext
+                        ) -> w.GetWorkerStatusResponse:  # fmt: skip
         return w.GetWorkerStatusResponse(status=self.status())
 
-    def StreamTelemetry(self, request: Any, context: Any) -> Iterator[w.StreamTelemetryResponse]:
+    def StreamTelemetry(self, request: w.StreamTelemetryRequest, context: grpc.ServicerContext
+                        ) -> Iterator[w.StreamTelemetryResponse]:  # fmt: skip
         yield self._message(snapshot=self.status())
         while context.is_active():
             try:
@@ -268,13 +274,33 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
                 return
             yield msg
 
-    def Sleep(self, request: Any, context: Any) -> w.SleepResponse:
+    def Sleep(self, request: w.SleepRequest, context: grpc.ServicerContext) -> w.SleepResponse:
         st, t = self._transition(c.WORKER_STATE_ASLEEP, "Sleep", c.WORKER_STATE_SLEEPING, "sleep")
         return w.SleepResponse(status=st, transition=t)
 
-    def WakeUp(self, request: Any, context: Any) -> w.WakeUpResponse:
+    def WakeUp(self, request: w.WakeUpRequest, context: grpc.ServicerContext) -> w.WakeUpResponse:
         st, t = self._transition(c.WORKER_STATE_AWAKE, "WakeUp", c.WORKER_STATE_WAKING, "wake")
         return w.WakeUpResponse(status=st, transition=t)
+
+    # Not scripted: answered as the generated ModelWorkerServiceServicer answers them (UNIMPLEMENTED).
+    def ReloadWeights(self, request: w.ReloadWeightsRequest, context: grpc.ServicerContext) -> w.ReloadWeightsResponse:
+        _unimplemented(context)
+
+    def SwapBlocks(self, request: w.SwapBlocksRequest, context: grpc.ServicerContext) -> w.SwapBlocksResponse:
+        _unimplemented(context)
+
+    def Generate(self, request: w.GenerateRequest, context: grpc.ServicerContext) -> w.GenerateResponse:
+        _unimplemented(context)
+
+    def FreeSequence(self, request: w.FreeSequenceRequest, context: grpc.ServicerContext) -> w.FreeSequenceResponse:
+        _unimplemented(context)
+
+
+def _unimplemented(context: grpc.ServicerContext) -> NoReturn:
+    """What the generated servicer base class does for a method a subclass does not define."""
+    context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+    context.set_details("Method not implemented!")
+    raise NotImplementedError("Method not implemented!")
 
 
 # ---- polling and views ----
@@ -287,9 +313,10 @@ def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], timeout: float = 1
     last: Any = None
     while True:
         try:
-            last = probe()
-            if ok(last):
-                return last  # type: ignore[no-any-return]
+            value = probe()
+            last = value
+            if ok(value):
+                return value
         except grpc.RpcError as err:
             last = f"{err.code().name}: {err.details()}"
         if time.monotonic() > deadline:
@@ -305,8 +332,8 @@ def get(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worker:
     return stub.GetWorker(m.GetWorkerRequest(name=name(worker_id)), timeout=10).worker
 
 
-def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: int, timeout: float = 15.0,
-               extra: Callable[[m.Worker], bool] = lambda w: True) -> m.Worker:  # fmt: skip
+def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: c.WorkerState.ValueType,
+               timeout: float = 15.0, extra: Callable[[m.Worker], bool] = lambda w: True) -> m.Worker:  # fmt: skip
     """Poll GetWorker until the worker is in ``state`` (and ``extra`` holds)."""
     return wait_for(
         lambda: get(stub, worker_id), lambda w: w.state == state and extra(w), timeout,
@@ -344,7 +371,7 @@ def view(worker: m.Worker) -> tuple[Any, ...]:
     )
 
 
-def seconds(ts: Any) -> float:
+def seconds(ts: Timestamp | Duration) -> float:
     """A Timestamp or Duration as float seconds."""
     return float(ts.ToNanoseconds()) / 1e9
 

@@ -585,7 +585,8 @@ def test_allocating_in_a_slept_tag_is_wrong_state(alloc: MemoryAllocator, gen: t
 
 def test_zero_size_tensors(alloc: MemoryAllocator) -> None:
     before = alloc.stats()
-    for shape in [0, (0,), (3, 0), (0, 5, 7)]:
+    shapes: list[int | tuple[int, ...]] = [0, (0,), (3, 0), (0, 5, 7)]
+    for shape in shapes:
         t = alloc.empty(shape, torch.float32, tag="weights")
         assert t.numel() == 0
         assert t.shape == ((shape,) if isinstance(shape, int) else shape)

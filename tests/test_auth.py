@@ -191,7 +191,7 @@ def test_wrong_transport_fails_the_connection(
 
 # ---- only the manager's certificate changes the mTLS worker ----
 TRANSITION_CALLS = {
-    "Sleep": w.SleepRequest(level=1),
+    "Sleep": w.SleepRequest(level=c.SLEEP_LEVEL_1),
     "WakeUp": w.WakeUpRequest(),
     "ReloadWeights": w.ReloadWeightsRequest(),
     "SwapBlocks": w.SwapBlocksRequest(),
@@ -227,11 +227,11 @@ def test_manager_certificate_may_sleep_and_wake(workers: dict[str, WorkerProcess
     address = workers["mtls"].address
     with channel(address, client("mtls", certs, None, "manager")) as ch:
         with pytest.raises(grpc.RpcError) as exc:  # the right certificate does not replace the token
-            w_grpc.ModelWorkerServiceStub(ch).Sleep(w.SleepRequest(level=1), timeout=CALL_TIMEOUT)
+            w_grpc.ModelWorkerServiceStub(ch).Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
         assert_refused(exc.value, grpc.StatusCode.UNAUTHENTICATED)
     with channel(address, client("mtls", certs, TOKEN, "manager")) as ch:
         stub = w_grpc.ModelWorkerServiceStub(ch)
-        assert stub.Sleep(w.SleepRequest(level=1), timeout=60).status.state == c.WORKER_STATE_ASLEEP
+        assert stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60).status.state == c.WORKER_STATE_ASLEEP
         assert stub.WakeUp(w.WakeUpRequest(), timeout=60).status.state == c.WORKER_STATE_AWAKE
 
 
@@ -240,7 +240,7 @@ def test_tls_worker_without_allowed_client_takes_transitions_from_token_holders(
 ) -> None:
     with channel(workers["tls"].address, client("tls", certs, TOKEN)) as ch:
         stub = w_grpc.ModelWorkerServiceStub(ch)
-        assert stub.Sleep(w.SleepRequest(level=1), timeout=60).status.state == c.WORKER_STATE_ASLEEP
+        assert stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60).status.state == c.WORKER_STATE_ASLEEP
         assert stub.WakeUp(w.WakeUpRequest(), timeout=60).status.state == c.WORKER_STATE_AWAKE
 
 
@@ -346,7 +346,9 @@ def memsvc_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
                           text=True, timeout=120, env=env, check=False)  # fmt: skip
 
 
-def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: int, timeout: float = 60.0) -> m.Worker:
+def wait_state(
+    stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: c.WorkerState.ValueType, timeout: float = 60.0
+) -> m.Worker:
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:

@@ -26,12 +26,14 @@ import subprocess
 import sys
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, get, wait_for, wait_state
 from workerproc import REPO_ROOT, WorkerProcess
 
@@ -69,7 +71,7 @@ def free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def generate(stub: Any) -> list[int]:
+def generate(stub: w_grpc.ModelWorkerServiceStub) -> list[int]:
     return list(stub.Generate(w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=8), timeout=CALL).token_ids)
 
 
@@ -93,7 +95,7 @@ class InFlight:
         return self._out
 
 
-def wait_worker_state(address: str, state: int, timeout: float = 20.0) -> None:
+def wait_worker_state(address: str, state: c.WorkerState.ValueType, timeout: float = 20.0) -> None:
     """Follow the worker's telemetry until it reports ``state`` (a state-change event or a snapshot)."""
     with grpc.insecure_channel(address) as ch:
         stream = w_grpc.ModelWorkerServiceStub(ch).StreamTelemetry(w.StreamTelemetryRequest(), timeout=timeout)
@@ -108,7 +110,7 @@ def wait_worker_state(address: str, state: int, timeout: float = 20.0) -> None:
     raise AssertionError(f"telemetry ended before {c.WorkerState.Name(state)}")
 
 
-def start_when(address: str, state: int, call: Any) -> InFlight:
+def start_when(address: str, state: c.WorkerState.ValueType, call: Any) -> InFlight:
     """Start ``call`` and return once the worker reports ``state`` (the call is then in flight)."""
     seen = threading.Event()
     err: list[BaseException] = []
@@ -141,7 +143,7 @@ def worker_status(address: str) -> c.WorkerStatus:
         return w_grpc.ModelWorkerServiceStub(ch).GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
 
 
-def tag_view(tags: Any) -> dict[str, tuple[int, int, int]]:
+def tag_view(tags: Iterable[c.TagMemory]) -> dict[str, tuple[int, int, int]]:
     return {t.tag: (t.state, t.mapped_bytes, t.offloaded_bytes) for t in tags}
 
 
@@ -163,7 +165,8 @@ def test_worker_sigkilled_mid_transition_is_unavailable_then_comes_back(cluster:
                             lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL))  # fmt: skip
     else:
         flight = start_when(wp.address, c.WORKER_STATE_WAKING, lambda: stub.WakeUp(w.WakeUpRequest(), timeout=CALL))
-    wp.proc.kill()  # type: ignore[union-attr]
+    assert wp.proc is not None
+    wp.proc.kill()
     t_kill = time.monotonic()
     assert_status(flight.result(), grpc.StatusCode.UNAVAILABLE)  # the call in flight fails
     ch.close()
@@ -241,7 +244,7 @@ def test_manager_sigkilled_mid_lease_keeps_the_lease(cluster: Cluster) -> None:
     mp = cluster.manager(listen=address)
     cluster.workers_up(mp, ["w1"])
     lease = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="fault-test",
-                                                         ttl={"seconds": 300}), timeout=CALL).lease  # fmt: skip
+                                                         ttl=Duration(seconds=300)), timeout=CALL).lease  # fmt: skip
     mp.kill()
     mp2 = cluster.manager(listen=address, db=mp.db)
     wk = wait_for(lambda: get(mp2.stub, "w1"), lambda x: x.state == c.WORKER_STATE_AWAKE, timeout=30,
@@ -311,6 +314,7 @@ def test_vanished_watchers_are_dropped(cluster: Cluster) -> None:
     mp = cluster.manager()
     (wp,) = cluster.workers_up(mp, ["w1"])
     assert mp.proc is not None and wp.proc is not None
+    mgr_proc, worker_proc = mp.proc, wp.proc
     counts = []
     for _round in range(3):
         base = (open_fds(mp.proc.pid), open_fds(wp.proc.pid))
@@ -320,9 +324,12 @@ def test_vanished_watchers_are_dropped(cluster: Cluster) -> None:
         for p in clients:
             p.kill()
             p.wait()
+
+        def at_base(now: tuple[int, int], base: tuple[int, int] = base) -> bool:
+            return now[0] <= base[0] and now[1] <= base[1]
+
         # the servers see the connections close and drop the subscribers: back to the baseline
-        counts.append(wait_for(lambda: (open_fds(mp.proc.pid), open_fds(wp.proc.pid)),  # type: ignore[union-attr]
-                               lambda now, base=base: now[0] <= base[0] and now[1] <= base[1], timeout=15,
+        counts.append(wait_for(lambda: (open_fds(mgr_proc.pid), open_fds(worker_proc.pid)), at_base, timeout=15,
                                what="the dead watchers' connections to close"))  # fmt: skip
         assert mp.running and wp.running
     assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], f"growth: {counts}"
@@ -399,7 +406,8 @@ def test_service_wake_over_the_device_budget_changes_nothing(cluster: Cluster) -
     mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=CALL)
     asleep = worker_status(wp.address)
     mp.stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/w1", policy=m.Policy(device_budget_bytes=MiB),
-                                               update_mask={"paths": ["device_budget_bytes"]}), timeout=10)  # fmt: skip
+                                               update_mask=FieldMask(paths=["device_budget_bytes"])),
+                         timeout=10)  # fmt: skip
     with pytest.raises(grpc.RpcError) as ei:
         mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
     assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -409,7 +417,8 @@ def test_service_wake_over_the_device_budget_changes_nothing(cluster: Cluster) -
     assert now.state == c.WORKER_STATE_ASLEEP and tag_view(now.tags) == tag_view(asleep.tags)
     assert sum(t.offloaded_bytes for t in now.tags) > 0
     mp.stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/w1", policy=m.Policy(device_budget_bytes=0),
-                                               update_mask={"paths": ["device_budget_bytes"]}), timeout=10)  # fmt: skip
+                                               update_mask=FieldMask(paths=["device_budget_bytes"])),
+                         timeout=10)  # fmt: skip
     mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
     assert generate(wp.stub) == reference  # the restored weights are the same bytes
 

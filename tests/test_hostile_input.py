@@ -25,7 +25,7 @@ import base64
 import time
 from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING, Any, TypeAlias, TypedDict, cast
 
 import grpc
 import pytest
@@ -41,8 +41,17 @@ from workerproc import WorkerProcess
 from memsvc.rpc_errors import DOMAIN, error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+if TYPE_CHECKING:
+    from google._upb import _message as _upb
+
+    # The protobuf stubs describe the pure-Python descriptors and the upb ones as two classes (a message's
+    # DESCRIPTOR is either); at run time they are one type, so the walk below takes both.
+    _Descriptor: TypeAlias = Descriptor | _upb.Descriptor
+    _Field: TypeAlias = FieldDescriptor | _upb.FieldDescriptor
 
 W0 = "w0"
 W0_NAME = "workers/w0"
@@ -55,7 +64,15 @@ TRANSPORT_CODES = {grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED}
 WORKER_SERVICE = "memsvc.v1.ModelWorkerService"
 MANAGER_SERVICE = "memsvc.v1.MemoryManagerService"
 
-SETTINGS = dict(
+
+class _Settings(TypedDict):
+    deadline: None
+    derandomize: bool
+    database: None
+    suppress_health_check: list[HealthCheck]
+
+
+SETTINGS: _Settings = dict(
     deadline=None,
     derandomize=True,
     database=None,
@@ -87,7 +104,7 @@ _INTERESTING_STRINGS = (
 )  # fmt: skip
 MAX_REPEATED = 12
 
-_text = st.text(st.characters(exclude_categories=("Cs",)), max_size=40)
+_text = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
 STRINGS = st.one_of(st.sampled_from(_INTERESTING_STRINGS), _text)
 """Any valid UTF-8 string (protobuf refuses lone surrogates on the client already)."""
 
@@ -97,11 +114,12 @@ def ints(lo: int, hi: int) -> st.SearchStrategy[int]:
     return st.one_of(st.sampled_from(sorted(set(edges))), st.integers(lo, hi))
 
 
-def _scalar(f: FieldDescriptor) -> st.SearchStrategy[Any]:
+def _scalar(f: _Field) -> st.SearchStrategy[Any]:
     t = f.type
     if t in _INT_RANGES:
         return ints(*_INT_RANGES[t])
     if t == FieldDescriptor.TYPE_ENUM:
+        assert f.enum_type is not None, f.full_name  # every enum field has its enum type
         known = [v.number for v in f.enum_type.values]
         return st.one_of(st.sampled_from(known), ints(-(2**31), 2**31 - 1))  # open enums: out of range too
     if t == FieldDescriptor.TYPE_STRING:
@@ -115,20 +133,26 @@ def _scalar(f: FieldDescriptor) -> st.SearchStrategy[Any]:
     raise AssertionError(f"unhandled field type {t} of {f.full_name}")
 
 
-def _is_map(f: FieldDescriptor) -> bool:
-    return f.type == FieldDescriptor.TYPE_MESSAGE and f.message_type.GetOptions().map_entry
+def _message_type(f: _Field) -> _Descriptor:
+    """The message type of a TYPE_MESSAGE field (every one has it)."""
+    assert f.message_type is not None, f.full_name
+    return f.message_type
 
 
-def _is_repeated(f: FieldDescriptor) -> bool:
+def _is_map(f: _Field) -> bool:
+    return f.type == FieldDescriptor.TYPE_MESSAGE and _message_type(f).GetOptions().map_entry
+
+
+def _is_repeated(f: _Field) -> bool:
     return bool(f.is_repeated)
 
 
 MAX_DEPTH = 3
 
 
-def _field(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any] | None:
+def _field(f: _Field, depth: int) -> st.SearchStrategy[Any] | None:
     if _is_map(f):
-        key, value = f.message_type.fields_by_name["key"], f.message_type.fields_by_name["value"]
+        key, value = _message_type(f).fields_by_name["key"], _message_type(f).fields_by_name["value"]
         return st.dictionaries(_scalar(key), _value(value, depth + 1), max_size=6)  # type: ignore[arg-type]
     one = _value(f, depth)
     if one is None:
@@ -138,11 +162,11 @@ def _field(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any] | None:
     return one
 
 
-def _value(f: FieldDescriptor, depth: int) -> st.SearchStrategy[Any] | None:
+def _value(f: _Field, depth: int) -> st.SearchStrategy[Any] | None:
     if f.type == FieldDescriptor.TYPE_MESSAGE:
         if depth >= MAX_DEPTH:
             return None
-        return messages(f.message_type, depth + 1)
+        return messages(_message_type(f), depth + 1)
     return _scalar(f)
 
 
@@ -174,14 +198,14 @@ def _build(cls: type[pb_message.Message], values: dict[str, Any]) -> pb_message.
 _cache: dict[tuple[str, int], st.SearchStrategy[Any]] = {}
 
 
-def messages(desc: Descriptor, depth: int = 0) -> st.SearchStrategy[Any]:
+def messages(desc: _Descriptor, depth: int = 0) -> st.SearchStrategy[Any]:
     """Messages of type ``desc`` with any subset of fields set to hostile values (generic, by walking
     the descriptor; nested messages up to MAX_DEPTH, then left unset)."""
     key = (desc.full_name, depth)
     if key not in _cache:
-        cls = GetMessageClass(desc)
+        cls = GetMessageClass(cast(Descriptor, desc))  # the stubs take only the pure-Python class (see _Descriptor)
         fields = {f.name: s for f in desc.fields if (s := _field(f, depth)) is not None}
-        _cache[key] = st.fixed_dictionaries({}, optional=fields).map(lambda d, cls=cls: _build(cls, d))
+        _cache[key] = st.fixed_dictionaries({}, optional=fields).map(lambda d: _build(cls, d))
     return _cache[key]
 
 
@@ -205,7 +229,7 @@ class Env:
         return w_grpc.ModelWorkerServiceStub(self.wchan)
 
     @property
-    def mstub(self) -> Any:
+    def mstub(self) -> m_grpc.MemoryManagerServiceStub:
         return self.manager.stub
 
 
@@ -243,7 +267,7 @@ def worker_snapshot(e: Env) -> tuple[Any, ...]:
 def manager_snapshot(e: Env) -> tuple[Any, ...]:
     stub = e.mstub
     workers = stub.ListWorkers(m.ListWorkersRequest(page_size=1000), timeout=10).workers
-    out = []
+    out: list[tuple[object, ...]] = []
     for wk in workers:
         if wk.name == W0_NAME:  # tag bytes: compared at the source (worker_snapshot), the mirror lags by design
             out.append((wk.name, wk.address, wk.host, wk.configured, wk.lease_count, c.WorkerState.Name(wk.state)))
@@ -329,7 +353,9 @@ class Outcome:
 
 def _unary(e: Env, service: str, method: str, body: bytes) -> Outcome:
     chan = e.wchan if service == WORKER_SERVICE else e.mchan
-    call = chan.unary_unary(f"/{service}/{method}", request_serializer=None, response_deserializer=None)
+    call: grpc.UnaryUnaryMultiCallable[bytes, bytes] = chan.unary_unary(
+        f"/{service}/{method}", request_serializer=None, response_deserializer=None
+    )
     try:
         resp = call(body, timeout=CALL_TIMEOUT)
     except grpc.RpcError as err:
@@ -339,7 +365,9 @@ def _unary(e: Env, service: str, method: str, body: bytes) -> Outcome:
 
 def _stream(e: Env, service: str, method: str, body: bytes) -> Outcome:
     chan = e.wchan if service == WORKER_SERVICE else e.mchan
-    call = chan.unary_stream(f"/{service}/{method}", request_serializer=None, response_deserializer=None)
+    call: grpc.UnaryStreamMultiCallable[bytes, bytes] = chan.unary_stream(
+        f"/{service}/{method}", request_serializer=None, response_deserializer=None
+    )
     it = call(body, timeout=STREAM_TIMEOUT)
     try:
         first = next(it)  # one message (the snapshot), then the client cancels
@@ -444,7 +472,7 @@ def _preconditions(method: str) -> st.SearchStrategy[str]:
 
 @pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[c[1] for c in CASES])
 def test_generated_messages(env: Env, service: str, method: str, cls: type[pb_message.Message]) -> None:
-    @settings(max_examples=60 if method in STATEFUL else 40, **SETTINGS)  # type: ignore[arg-type]
+    @settings(max_examples=60 if method in STATEFUL else 40, **SETTINGS)
     @given(msg=messages(cls.DESCRIPTOR), precondition=_preconditions(method))
     def prop(msg: pb_message.Message, precondition: str) -> None:
         exercise(env, service, method, msg.SerializeToString(), precondition)
@@ -458,7 +486,7 @@ RAW_EDGES = [b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" + b"\xff" * 9 + 
 
 @pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[c[1] for c in CASES])
 def test_raw_bytes(env: Env, service: str, method: str, cls: type[pb_message.Message]) -> None:
-    @settings(max_examples=25, **SETTINGS)  # type: ignore[arg-type]
+    @settings(max_examples=25, **SETTINGS)
     @given(body=st.one_of(st.binary(max_size=256), st.sampled_from(RAW_EDGES)))
     def prop(body: bytes) -> None:
         exercise(env, service, method, body, "awake")

@@ -23,6 +23,7 @@ from managerproc import Cluster, ScriptedWorker, get, wait_for, wait_state
 from bench import bench_leaks, bench_load
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
 
 MiB = 1 << 20
 
@@ -66,7 +67,7 @@ class GatedSleepWorker(ScriptedWorker):
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def Sleep(self, request: Any, context: Any) -> Any:
+    def Sleep(self, request: w.SleepRequest, context: grpc.ServicerContext) -> w.SleepResponse:
         self.entered.set()
         self.gate.wait(30)
         return super().Sleep(request, context)

@@ -9,13 +9,17 @@ from __future__ import annotations
 
 from collections.abc import Iterator
 from pathlib import Path
+from typing import TypedDict, Unpack
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, get, mapped, name, offloaded, seconds, tags, view, wait_for
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 
 
 @pytest.fixture
@@ -30,17 +34,22 @@ def _awake_need(wk: m.Worker) -> int:
     return sum(t.awake_bytes for t in wk.status.tags)
 
 
-def _update_default(stub: object, mask: list[str], **fields: int) -> m.Policy:
-    req = m.UpdatePolicyRequest(policy=m.Policy(**fields), update_mask={"paths": mask})
-    return stub.UpdatePolicy(req, timeout=10).policy  # type: ignore[attr-defined, no-any-return]
+class _Budgets(TypedDict, total=False):
+    device_budget_bytes: int
+    host_budget_bytes: int
 
 
-def _acquire(stub: object, wid: str) -> m.AcquireWorkerResponse:
-    req = m.AcquireWorkerRequest(name=name(wid), holder="budget-test", ttl={"seconds": 120})
-    return stub.AcquireWorker(req, timeout=60)  # type: ignore[attr-defined, no-any-return]
+def _update_default(stub: m_grpc.MemoryManagerServiceStub, mask: list[str], **fields: Unpack[_Budgets]) -> m.Policy:
+    req = m.UpdatePolicyRequest(policy=m.Policy(**fields), update_mask=FieldMask(paths=mask))
+    return stub.UpdatePolicy(req, timeout=10).policy
 
 
-def _settled(stub: object, wid: str, state: int) -> m.Worker:
+def _acquire(stub: m_grpc.MemoryManagerServiceStub, wid: str) -> m.AcquireWorkerResponse:
+    req = m.AcquireWorkerRequest(name=name(wid), holder="budget-test", ttl=Duration(seconds=120))
+    return stub.AcquireWorker(req, timeout=60)
+
+
+def _settled(stub: m_grpc.MemoryManagerServiceStub, wid: str, state: c.WorkerState.ValueType) -> m.Worker:
     """The worker in ``state`` with tag sizes that agree with it (a state change may arrive before its sizes)."""
 
     def ok(wk: m.Worker) -> bool:
@@ -50,7 +59,7 @@ def _settled(stub: object, wid: str, state: int) -> m.Worker:
             return all(t.state == c.TAG_STATE_AWAKE and t.mapped_bytes == t.awake_bytes for t in wk.status.tags)
         return all(t.state != c.TAG_STATE_AWAKE and t.mapped_bytes == 0 for t in wk.status.tags)
 
-    return wait_for(lambda: get(stub, wid), ok, what=f"{wid} settled in {c.WorkerState.Name(state)}")  # type: ignore[arg-type]
+    return wait_for(lambda: get(stub, wid), ok, what=f"{wid} settled in {c.WorkerState.Name(state)}")
 
 
 def test_device_budget_puts_the_lru_idle_worker_to_sleep_and_refuses_when_nothing_can_be_freed(
@@ -82,7 +91,7 @@ def test_device_budget_puts_the_lru_idle_worker_to_sleep_and_refuses_when_nothin
     # B holds a lease: nothing on the device can be freed, so waking A is refused, and nothing changes.
     before_a, before_b = view(a), view(b)
     for call, req in (
-        ("AcquireWorker", m.AcquireWorkerRequest(name="workers/dev-a", ttl={"seconds": 60})),
+        ("AcquireWorker", m.AcquireWorkerRequest(name="workers/dev-a", ttl=Duration(seconds=60))),
         ("WakeWorker", m.WakeWorkerRequest(name="workers/dev-a")),
     ):
         with pytest.raises(grpc.RpcError) as err:

@@ -9,6 +9,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
 from managerproc import Cluster, ManagerProcess, get, tags, wait_state
 from workerproc import REPO_ROOT
 
@@ -92,7 +93,8 @@ def test_a_refused_command_exits_1_with_the_status_and_changes_nothing(
 
 
 def test_sleep_of_a_leased_worker_is_refused(mgr: ManagerProcess) -> None:
-    lease = mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/cli-b", ttl={"seconds": 60}), timeout=30).lease
+    req = m.AcquireWorkerRequest(name="workers/cli-b", ttl=Duration(seconds=60))
+    lease = mgr.stub.AcquireWorker(req, timeout=30).lease
     try:
         r = memsvc("sleep", "cli-b", "--manager", mgr.address)
         assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stdout, r.stdout + r.stderr

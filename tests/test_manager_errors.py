@@ -7,16 +7,20 @@ answers for ("ghost", UNAVAILABLE). After every test the ``unchanged`` fixture c
 
 from __future__ import annotations
 
+import functools
 from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, ManagerProcess, get, view, wait_state
 
 from memsvc.rpc_errors import error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2 as w
 
 Code = grpc.StatusCode
@@ -35,9 +39,9 @@ def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
                                timeout=10)  # fmt: skip
         wait_state(mp.stub, GHOST, c.WORKER_STATE_UNAVAILABLE)
         mp.stub.UpdatePolicy(
-            m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout={"seconds": T1_S},
-                                                  idle_deep_sleep_timeout={"seconds": T2_S}),
-                                  update_mask={"paths": ["idle_sleep_timeout", "idle_deep_sleep_timeout"]}),
+            m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(seconds=T1_S),
+                                                  idle_deep_sleep_timeout=Duration(seconds=T2_S)),
+                                  update_mask=FieldMask(paths=["idle_sleep_timeout", "idle_deep_sleep_timeout"])),
             timeout=10,
         )  # fmt: skip
         yield mp
@@ -83,7 +87,7 @@ def _expect(code: grpc.StatusCode, call: Callable[[], Any]) -> grpc.RpcError:
 
 # ---- requests naming a worker ----
 
-NAMED_CALLS: dict[str, Callable[[Any, str], Any]] = {
+NAMED_CALLS: dict[str, Callable[[m_grpc.MemoryManagerServiceStub, str], Any]] = {
     "GetWorker": lambda s, n: s.GetWorker(m.GetWorkerRequest(name=n), timeout=10),
     "SleepWorker": lambda s, n: s.SleepWorker(m.SleepWorkerRequest(name=n), timeout=10),
     "WakeWorker": lambda s, n: s.WakeWorker(m.WakeWorkerRequest(name=n), timeout=10),
@@ -93,11 +97,11 @@ NAMED_CALLS: dict[str, Callable[[Any, str], Any]] = {
         ),
         timeout=10,
     ),  # fmt: skip
-    "AcquireWorker": lambda s, n: s.AcquireWorker(m.AcquireWorkerRequest(name=n, ttl={"seconds": 30}), timeout=10),
+    "AcquireWorker": lambda s, n: s.AcquireWorker(m.AcquireWorkerRequest(name=n, ttl=Duration(seconds=30)), timeout=10),
     "GetPolicy": lambda s, n: s.GetPolicy(m.GetPolicyRequest(name=n), timeout=10),
     "UpdatePolicy": lambda s, n: s.UpdatePolicy(
         m.UpdatePolicyRequest(
-            name=n, policy=m.Policy(device_budget_bytes=1 << 20), update_mask={"paths": ["device_budget_bytes"]}
+            name=n, policy=m.Policy(device_budget_bytes=1 << 20), update_mask=FieldMask(paths=["device_budget_bytes"])
         ),
         timeout=10,
     ),  # fmt: skip
@@ -143,8 +147,8 @@ def test_unreachable_worker_is_still_listed_and_described(unchanged: ManagerProc
 # ---- policies ----
 
 
-def _dur(seconds: int = 0, nanos: int = 0) -> dict[str, int]:
-    return {"seconds": seconds, "nanos": nanos}
+def _dur(seconds: int = 0, nanos: int = 0) -> Duration:
+    return Duration(seconds=seconds, nanos=nanos)
 
 
 BAD_POLICIES: dict[str, tuple[m.Policy, list[str]]] = {
@@ -174,7 +178,7 @@ BAD_POLICIES: dict[str, tuple[m.Policy, list[str]]] = {
 @pytest.mark.parametrize("case", list(BAD_POLICIES))
 def test_bad_policy_is_invalid_argument(unchanged: ManagerProcess, scope: str, case: str) -> None:
     policy, paths = BAD_POLICIES[case]
-    req = m.UpdatePolicyRequest(name=scope, policy=policy, update_mask={"paths": paths})
+    req = m.UpdatePolicyRequest(name=scope, policy=policy, update_mask=FieldMask(paths=paths))
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.UpdatePolicy(req, timeout=10))
 
 
@@ -197,7 +201,7 @@ def test_release_of_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> 
 @pytest.mark.parametrize(
     "ttl", [_dur(-1), _dur(0, -1), _dur(-5, 0), _dur(25 * 3600)], ids=["-1s", "-1ns", "-5s", "over-max"]
 )
-def test_acquire_with_a_bad_ttl_is_invalid_argument(unchanged: ManagerProcess, ttl: dict[str, int]) -> None:
+def test_acquire_with_a_bad_ttl_is_invalid_argument(unchanged: ManagerProcess, ttl: Duration) -> None:
     req = m.AcquireWorkerRequest(name=REAL, ttl=ttl)
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
 
@@ -218,12 +222,12 @@ def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(uncha
     try:
         leased = view(get(stub, REAL))
         assert leased[3] == 1
-        for req in (
+        for sleep_req in (
             m.SleepWorkerRequest(name=REAL),
             m.SleepWorkerRequest(name=REAL, level=c.SLEEP_LEVEL_2),
             m.SleepWorkerRequest(name=REAL, tag_actions={"kv_cache": c.TAG_ACTION_DISCARD}),
         ):
-            _expect(Code.FAILED_PRECONDITION, lambda req=req: stub.SleepWorker(req, timeout=30))
+            _expect(Code.FAILED_PRECONDITION, functools.partial(stub.SleepWorker, sleep_req, timeout=30))
             assert view(get(stub, REAL)) == leased
         # Renewing with the right lease id on the wrong worker is NOT_FOUND, and changes no lease.
         req = m.AcquireWorkerRequest(name=GHOST, ttl=_dur(30), lease_id=lease.lease_id)
@@ -271,10 +275,12 @@ def test_waking_an_awake_worker_is_failed_precondition(unchanged: ManagerProcess
     ],
     ids=["no direction", "no pairs", "dst out of range", "negative src", "src twice"],
 )
-def test_bad_swap_is_invalid_argument(unchanged: ManagerProcess, direction: int, pairs: list[tuple[int, int]]) -> None:
+def test_bad_swap_is_invalid_argument(
+    unchanged: ManagerProcess, direction: c.SwapDirection.ValueType, pairs: list[tuple[int, int]]
+) -> None:
     req = m.SwapWorkerBlocksRequest(
         name=REAL, direction=direction, pairs=[w.BlockPair(src_block=s, dst_block=d) for s, d in pairs]
-    )  # type: ignore[arg-type]
+    )
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.SwapWorkerBlocks(req, timeout=30))
 
 
@@ -415,12 +421,12 @@ def test_a_default_change_cannot_make_a_workers_effective_policy_invalid(bare: M
     stub = bare.stub
     stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="pol", address="127.0.0.1:1", host="h"), timeout=10)
     override = m.Policy(idle_deep_sleep_timeout=_dur(50))
-    mask = {"paths": ["idle_deep_sleep_timeout"]}
+    mask = FieldMask(paths=["idle_deep_sleep_timeout"])
     stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/pol", policy=override, update_mask=mask), timeout=10)
     try:
         default = m.Policy(idle_sleep_timeout=_dur(100))
         stub.UpdatePolicy(
-            m.UpdatePolicyRequest(policy=default, update_mask={"paths": ["idle_sleep_timeout"]}), timeout=10
+            m.UpdatePolicyRequest(policy=default, update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
         )
     except grpc.RpcError as err:  # refusing the change is one right answer
         assert err.code() == Code.INVALID_ARGUMENT

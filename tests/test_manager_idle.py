@@ -14,10 +14,14 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, get, name, offloaded, seconds, tag_states, tags, wait_for, wait_state
+from workerproc import WorkerProcess
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2 as w
 
 T1 = 1.0
@@ -35,19 +39,20 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     cl.close()
 
 
-def _duration(s: float) -> dict[str, int]:
+def _duration(s: float) -> Duration:
     ns = int(round(s * 1e9))
-    return {"seconds": ns // 1_000_000_000, "nanos": ns % 1_000_000_000}
+    return Duration(seconds=ns // 1_000_000_000, nanos=ns % 1_000_000_000)
 
 
-def _generate(wp: object) -> list[int]:
-    resp = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS), timeout=60)  # type: ignore[attr-defined]
+def _generate(wp: WorkerProcess) -> list[int]:
+    resp = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS), timeout=60)
     return list(resp.token_ids)
 
 
-def _acquire(stub: object, wid: str, ttl: float, holder: str = "test") -> m.AcquireWorkerResponse:
+def _acquire(stub: m_grpc.MemoryManagerServiceStub, wid: str, ttl: float, holder: str = "test"
+             ) -> m.AcquireWorkerResponse:  # fmt: skip
     req = m.AcquireWorkerRequest(name=name(wid), holder=holder, ttl=_duration(ttl))
-    return stub.AcquireWorker(req, timeout=60)  # type: ignore[attr-defined, no-any-return]
+    return stub.AcquireWorker(req, timeout=60)
 
 
 def _is_tier1(wk: m.Worker) -> bool:
@@ -80,7 +85,7 @@ def test_idle_tiers_then_lease_wakes_keeps_awake_and_release_restarts_the_clock(
     # Hold a lease while the timers are switched on, so the idle clock starts at a known release.
     lease = _acquire(stub, "idle", ttl=60).lease
     policy = m.Policy(idle_sleep_timeout=_duration(T1), idle_deep_sleep_timeout=_duration(T2))
-    mask = {"paths": ["idle_sleep_timeout", "idle_deep_sleep_timeout"]}
+    mask = FieldMask(paths=["idle_sleep_timeout", "idle_deep_sleep_timeout"])
     got = stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10).policy
     assert (seconds(got.idle_sleep_timeout), seconds(got.idle_deep_sleep_timeout)) == (T1, T2)
     eff = stub.GetPolicy(m.GetPolicyRequest(name="workers/idle"), timeout=10).policy

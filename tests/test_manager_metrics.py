@@ -6,6 +6,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, ManagerProcess, get, wait_for, wait_state
 
 from memsvc.manager.metrics import STATES
@@ -22,7 +24,7 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     cl.close()
 
 
-def _sample(scrape: dict, metric: str, **labels: str) -> float | None:  # type: ignore[type-arg]
+def _sample(scrape: dict[tuple[str, frozenset[tuple[str, str]]], float], metric: str, **labels: str) -> float | None:
     return scrape.get((metric, frozenset(labels.items())))
 
 
@@ -84,11 +86,13 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     assert _sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") == 0
     assert (_sample(scrape, "memsvc_worker_transitions_total", worker=WID, kind="sleep") or 0) >= 1
 
-    lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl={"seconds": 60}), timeout=60).lease
+    lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)),
+                               timeout=60).lease  # fmt: skip
     _agree(mgr, "awake with one lease")
     assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 1
     assert _counter(mgr, "memsvc_leases_granted_total") == 1
-    second = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl={"seconds": 60}), timeout=60).lease
+    second = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)),
+                                timeout=60).lease  # fmt: skip
     _agree(mgr, "two leases")
     assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 2
     for lease_id in (lease.lease_id, second.lease_id):
@@ -117,7 +121,8 @@ def test_metrics_count_idle_sleeps_and_budget_evictions(cluster: Cluster) -> Non
     cluster.workers_up(mgr, ["ev-a", "ev-b"])
     awake = sum(t.awake_bytes for t in get(stub, "ev-a").status.tags)
     stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(device_budget_bytes=awake + awake // 2),
-                                            update_mask={"paths": ["device_budget_bytes"]}), timeout=10)  # fmt: skip
+                                            update_mask=FieldMask(paths=["device_budget_bytes"])),
+                      timeout=10)  # fmt: skip
     stub.SleepWorker(m.SleepWorkerRequest(name="workers/ev-b"), timeout=60)
     wait_state(stub, "ev-b", c.WORKER_STATE_ASLEEP)
     assert _counter(mgr, "memsvc_budget_evictions_total") == 0
@@ -126,8 +131,9 @@ def test_metrics_count_idle_sleeps_and_budget_evictions(cluster: Cluster) -> Non
     assert _counter(mgr, "memsvc_budget_evictions_total") == 1
 
     assert _counter(mgr, "memsvc_idle_sleeps_total", tier="1") == 0
-    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout={"nanos": 300_000_000}),
-                                            update_mask={"paths": ["idle_sleep_timeout"]}), timeout=10)  # fmt: skip
+    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(nanos=300_000_000)),
+                                            update_mask=FieldMask(paths=["idle_sleep_timeout"])),
+                      timeout=10)  # fmt: skip
     wait_state(stub, "ev-b", c.WORKER_STATE_ASLEEP)
     wait_for(lambda: _counter(mgr, "memsvc_idle_sleeps_total", tier="1"), lambda v: v == 1, timeout=10,
              what="one tier-1 idle sleep counted")  # fmt: skip

@@ -13,10 +13,13 @@ from pathlib import Path
 
 import grpc
 import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, get, seconds, tags, wait_for, wait_state
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 
 
 @pytest.fixture
@@ -26,8 +29,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     cl.close()
 
 
-def _list(stub: object) -> list[m.Worker]:
-    return list(stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers)  # type: ignore[attr-defined]
+def _list(stub: m_grpc.MemoryManagerServiceStub) -> list[m.Worker]:
+    return list(stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers)
 
 
 def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_state(cluster: Cluster) -> None:
@@ -40,14 +43,14 @@ def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_stat
 
     default = m.Policy(
         tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD},
-        idle_sleep_timeout={"seconds": 3600}, idle_deep_sleep_timeout={"seconds": 7200},
+        idle_sleep_timeout=Duration(seconds=3600), idle_deep_sleep_timeout=Duration(seconds=7200),
         device_budget_bytes=48 << 20, host_budget_bytes=1 << 30,
     )  # fmt: skip
     stub.UpdatePolicy(m.UpdatePolicyRequest(policy=default), timeout=10)
-    override = m.Policy(idle_deep_sleep_timeout={"seconds": 9000})
+    override = m.Policy(idle_deep_sleep_timeout=Duration(seconds=9000))
     stub.UpdatePolicy(
         m.UpdatePolicyRequest(name="workers/persist", policy=override,
-                              update_mask={"paths": ["idle_deep_sleep_timeout"]}), timeout=10
+                              update_mask=FieldMask(paths=["idle_deep_sleep_timeout"])), timeout=10
     )  # fmt: skip
     want_default = stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
     want_worker = stub.GetPolicy(m.GetPolicyRequest(name="workers/persist"), timeout=10).policy
@@ -118,8 +121,8 @@ def test_config_file_seeds_policy_and_static_workers_but_update_policy_wins_afte
     assert wk.state == c.WORKER_STATE_UNAVAILABLE  # nothing listens there
 
     mgr.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout={"seconds": 42}),
-                              update_mask={"paths": ["idle_sleep_timeout"]}), timeout=10
+        m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(seconds=42)),
+                              update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
     )  # fmt: skip
     mgr.kill()
     mgr2 = cluster.manager(["--config", str(cfg)], db=db)

@@ -2,8 +2,9 @@
 
 from __future__ import annotations
 
+import functools
 import threading
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 
 import grpc
@@ -12,6 +13,7 @@ from managerproc import Cluster, get, wait_for, wait_state
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 
 S = c.WorkerState
 
@@ -26,8 +28,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 class Watch:
     """A WatchWorkers stream read on a thread; ``events`` grows as messages arrive."""
 
-    def __init__(self, stub: object, names: list[str] | None = None) -> None:
-        self.call = stub.WatchWorkers(m.WatchWorkersRequest(names=names or []))  # type: ignore[attr-defined]
+    def __init__(self, stub: m_grpc.MemoryManagerServiceStub, names: list[str] | None = None) -> None:
+        self.call = stub.WatchWorkers(m.WatchWorkersRequest(names=names or []))
         self.events: list[m.WatchWorkersResponse] = []
         self.error: grpc.RpcError | None = None
         self._thread = threading.Thread(target=self._read, daemon=True)
@@ -47,20 +49,24 @@ class Watch:
     def of(self, worker: str) -> list[m.WatchWorkersResponse]:
         return [e for e in list(self.events) if e.worker.name == worker]
 
-    def changes(self, worker: str) -> list[tuple[int, int]]:
+    def changes(self, worker: str) -> list[tuple[c.WorkerState.ValueType, c.WorkerState.ValueType]]:
         return [
             (e.state_change.from_state, e.state_change.to_state)
             for e in self.of(worker)
             if e.WhichOneof("event") == "state_change"
         ]
 
+    def to_states(self, worker: str) -> list[c.WorkerState.ValueType]:
+        """The state each change of ``worker`` led to, in order."""
+        return [to for _, to in self.changes(worker)]
 
-def _is_subsequence(want: list[int], seq: list[int]) -> bool:
+
+def _is_subsequence(want: Sequence[c.WorkerState.ValueType], seq: Sequence[c.WorkerState.ValueType]) -> bool:
     it = iter(seq)
     return all(any(x == y for y in it) for x in want)
 
 
-def _names(states: list[int]) -> list[str]:
+def _names(states: Sequence[c.WorkerState.ValueType]) -> list[str]:
     return [S.Name(s) for s in states]
 
 
@@ -73,17 +79,17 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
     cycle = [S.WORKER_STATE_SLEEPING, S.WORKER_STATE_ASLEEP, S.WORKER_STATE_WAKING, S.WORKER_STATE_AWAKE]
     try:
         for wt in (watch, named):
-            wait_for(lambda wt=wt: wt.of("workers/watched"), lambda ev: len(ev) > 0, what="the first event")
+            wait_for(functools.partial(wt.of, "workers/watched"), lambda ev: len(ev) > 0, what="the first event")
         stub.SleepWorker(m.SleepWorkerRequest(name="workers/watched"), timeout=60)
         stub.WakeWorker(m.WakeWorkerRequest(name="workers/watched"), timeout=60)
         for wt in (watch, named):
-            wait_for(lambda wt=wt: [to for _, to in wt.changes("workers/watched")],
+            wait_for(functools.partial(wt.to_states, "workers/watched"),
                      lambda tos: _is_subsequence(cycle, tos), timeout=10,
                      what=f"state changes {_names(cycle)}")  # fmt: skip
         wp.kill()
         wait_state(stub, "workers/watched", S.WORKER_STATE_UNAVAILABLE, timeout=10)
         for wt in (watch, named):
-            wait_for(lambda wt=wt: [to for _, to in wt.changes("workers/watched")],
+            wait_for(functools.partial(wt.to_states, "workers/watched"),
                      lambda tos: tos[-1:] == [S.WORKER_STATE_UNAVAILABLE], timeout=10,
                      what="the change to UNAVAILABLE")  # fmt: skip
     finally:

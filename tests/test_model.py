@@ -35,7 +35,7 @@ from worker.model import (
     save_checkpoint,
 )
 from worker.model.decoder import Rope, forward
-from worker.model.kv_cache import KvCache
+from worker.model.kv_cache import KvCache, Location, SwapDirection
 
 PROMPT = [5, 6, 7, 8, 9]
 
@@ -560,13 +560,13 @@ def test_native_kv_table_refuses_bad_buffers_and_indices() -> None:
     assert _native.kv_check(ids, np.array([1, 8]), 4, 8, owner) == (_native.KV_DST_RANGE, 1)
     for bad in (ids.astype(np.float64), ids.astype(np.int32), np.arange(4, dtype=np.int64)[::2], [0, 2]):
         with pytest.raises(InvalidArgument):
-            _native.kv_check(bad, ids, 4, 8, owner)
+            _native.kv_check(bad, ids, 4, 8, owner)  # type: ignore[arg-type]
     with pytest.raises(InvalidArgument):
         _native.kv_check(ids, ids, 4, 9, owner)  # the owner array is shorter than the pool
     before = (owner.copy(), owner_src.copy(), block.copy(), host.copy())
-    for src, dst in (([0, 4], [1, 2]), ([0, 2], [1, 8]), ([-1, 2], [1, 2])):
+    for bad_src, bad_dst in (([0, 4], [1, 2]), ([0, 2], [1, 8]), ([-1, 2], [1, 2])):
         with pytest.raises(InvalidArgument):
-            _native.kv_move(np.array(src), np.array(dst), owner_src, owner, block, host, True)
+            _native.kv_move(np.array(bad_src), np.array(bad_dst), owner_src, owner, block, host, True)
         assert all(np.array_equal(x, y) for x, y in zip((owner, owner_src, block, host), before, strict=True))
     with pytest.raises(InvalidArgument):  # slot_host of the wrong item kind
         _native.kv_move(ids, ids, owner_src, np.full(8, -1, np.int64)[:], block, host.astype(np.float32), True)
@@ -599,7 +599,9 @@ def test_swap_bookkeeping_matches_a_reference_model(alloc: MemoryAllocator) -> N
     ref = {n: list(zip(kv.sequence(n).block_locations, kv.sequence(n).block_ids, strict=True)) for n in "abcd"}
     pools = {"device": kv.device, "host": kv.host}
     for step in range(300):
-        direction = rng.choice(["out", "in"])
+        direction: SwapDirection = rng.choice(["out", "in"])
+        src_loc: Location
+        dst_loc: Location
         src_loc, dst_loc = ("device", "host") if direction == "out" else ("host", "device")
         k = rng.randint(1, 6)
         src = [rng.randrange(pools[src_loc].num_blocks) for _ in range(k)]
@@ -610,7 +612,7 @@ def test_swap_bookkeeping_matches_a_reference_model(alloc: MemoryAllocator) -> N
         if valid:
             for b, v in zip(src, marks, strict=True):
                 pools[src_loc].tensor[b].fill_(v)
-            assert kv.swap_ids(direction, np.array(src), dst) == k * kv.block_bytes  # type: ignore[arg-type]
+            assert kv.swap_ids(direction, np.array(src), dst) == k * kv.block_bytes
             for s_, d, v in zip(src, dst, marks, strict=True):
                 assert bool((pools[dst_loc].tensor[d] == v).all()), (step, s_, d)
                 if (src_loc, s_) in owned:
@@ -618,7 +620,7 @@ def test_swap_bookkeeping_matches_a_reference_model(alloc: MemoryAllocator) -> N
                     ref[n][i] = (dst_loc, d)
         else:
             with pytest.raises(InvalidArgument):
-                kv.swap_ids(direction, src, dst)  # type: ignore[arg-type]
+                kv.swap_ids(direction, src, dst)
         for n, table in ref.items():
             seq = kv.sequence(n)
             assert list(zip(seq.block_locations, seq.block_ids, strict=True)) == table, (step, n)

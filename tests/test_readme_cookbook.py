@@ -144,7 +144,7 @@ def _manager(s: Session) -> m.Worker:
     return get_worker(s.up.stub, "local0")
 
 
-def _converges(s: Session, state: int, tags: dict[str, str] | None = None) -> m.Worker:
+def _converges(s: Session, state: c.WorkerState.ValueType, tags: dict[str, str] | None = None) -> m.Worker:
     """The manager's view once it shows ``state`` (and these tag states): telemetry takes a moment."""
     assert s.up.stub is not None
     return wait_for(lambda: _manager(s),
@@ -210,7 +210,9 @@ def check_sleep_worker(s: Session, step: Step, msgs: list[dict[str, Any]]) -> No
         assert c.SleepLevel.Name(wk.status.sleep_level) == level
 
 
-def _wake_expectation(s: Session, req_tags: list[str], before: dict[str, str]) -> tuple[int, dict[str, str]]:
+def _wake_expectation(
+    s: Session, req_tags: list[str], before: dict[str, str]
+) -> tuple[c.WorkerState.ValueType, dict[str, str]]:
     after = {t: ("TAG_STATE_AWAKE" if not req_tags or t in req_tags else st) for t, st in before.items()}
     awake = all(st == "TAG_STATE_AWAKE" for st in after.values())
     return (c.WORKER_STATE_AWAKE if awake else c.WORKER_STATE_PARTIALLY_AWAKE), after

@@ -59,7 +59,7 @@ def status(stub: Stub) -> c.WorkerStatus:
     return stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
 
 
-def state_name(value: int) -> str:
+def state_name(value: c.WorkerState.ValueType) -> str:
     return c.WorkerState.Name(value).removeprefix("WORKER_STATE_")
 
 
@@ -86,7 +86,9 @@ def generate(stub: Stub, prompt: list[int], n: int = N_NEW, sequence_id: str = "
     return list(generate_full(stub, prompt, n, sequence_id).token_ids)
 
 
-def sleep(stub: Stub, level: int = c.SLEEP_LEVEL_1, request_id: str = "", **kw: Any) -> w.SleepResponse:
+def sleep(
+    stub: Stub, level: c.SleepLevel.ValueType = c.SLEEP_LEVEL_1, request_id: str = "", **kw: Any
+) -> w.SleepResponse:
     return stub.Sleep(w.SleepRequest(level=level, request_id=request_id, **kw), timeout=CALL_TIMEOUT)
 
 
@@ -225,7 +227,7 @@ def test_level1_sleep_offloads_weights_and_wake_restores_same_tokens(stub: Stub,
     weights0 = tags(st0)["weights"]
     assert tag_state(weights0) == "AWAKE" and weights0.mapped_bytes >= info.weights_bytes
 
-    r = sleep(stub, c.SLEEP_LEVEL_1)
+    r: w.SleepResponse | w.WakeUpResponse = sleep(stub, c.SLEEP_LEVEL_1)
     assert r.transition.kind == "sleep"
     assert r.transition.moved_bytes == info.weights_bytes
     for st in (r.status, status(stub)):
@@ -353,7 +355,7 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
         kv_bytes = tags(st)["kv_cache"].allocated_bytes
         before = generate(s, PROMPT)
 
-        r = sleep(s, c.SLEEP_LEVEL_2)
+        r: w.SleepResponse | w.WakeUpResponse = sleep(s, c.SLEEP_LEVEL_2)
         assert r.transition.kind == "sleep"
         assert r.transition.moved_bytes == 0  # nothing is copied: both tags are dropped
         st = status(s)
@@ -390,7 +392,12 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
 
 
 def swap(
-    stub: Stub, direction: int, pairs: list[tuple[int, int]], packed: bool = False, raw: bool = False, **kw: Any
+    stub: Stub,
+    direction: c.SwapDirection.ValueType,
+    pairs: list[tuple[int, int]],
+    packed: bool = False,
+    raw: bool = False,
+    **kw: Any,
 ) -> w.SwapBlocksResponse:
     """SwapBlocks with ``pairs`` as BlockPair messages, ``packed`` as src_blocks + dst_blocks, or ``raw`` as
     src_blocks_u32le + dst_blocks_u32le."""
@@ -481,7 +488,9 @@ def test_swaps_in_flight_together_keep_every_sequence(stub: Stub, info: Info) ->
     assert all(len(b) == k for b in blocks.values())
     host = {sid: [info.host_blocks - 1 - (i * k + j) for j in range(k)] for i, sid in enumerate(prompts)}
 
-    def in_flight(direction: int, src: dict[str, list[int]], dst: dict[str, list[int]]) -> list[Any]:
+    def in_flight(
+        direction: c.SwapDirection.ValueType, src: dict[str, list[int]], dst: dict[str, list[int]]
+    ) -> list[grpc.Future[w.SwapBlocksResponse]]:
         req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in prompts]
         return [stub.SwapBlocks.future(r, timeout=CALL_TIMEOUT) for r in req]  # all sent before any answer
 
@@ -558,7 +567,7 @@ def test_telemetry_snapshot_then_state_changes_and_transitions(stub: Stub, info:
         call.cancel()
 
     assert [m.sequence_number for m in messages] == list(range(2, len(messages) + 2))
-    events = []
+    events: list[tuple[str, str | int]] = []
     for m in messages:
         kind = m.WhichOneof("event")
         if kind == "state_change":
@@ -631,12 +640,12 @@ class Bad:
 Pairs = Callable[[Info, list[int]], list[tuple[int, int]]]
 
 
-def _swap(direction: int, pairs: Pairs, **kw: Any) -> Call:
+def _swap(direction: c.SwapDirection.ValueType, pairs: Pairs, **kw: Any) -> Call:
     return lambda s, i, b: swap(s, direction, pairs(i, b), **kw)
 
 
-def _packed(direction: int, src: Callable[[Info, list[int]], list[int]], dst: Callable[[Info, list[int]], list[int]],
-            pairs: Pairs | None = None) -> Call:  # fmt: skip
+def _packed(direction: c.SwapDirection.ValueType, src: Callable[[Info, list[int]], list[int]],
+            dst: Callable[[Info, list[int]], list[int]], pairs: Pairs | None = None) -> Call:  # fmt: skip
     """SwapBlocks with the packed src_blocks/dst_blocks form (and pairs too, if given)."""
 
     def call(s: Stub, i: Info, b: list[int]) -> Any:
@@ -649,7 +658,10 @@ def _packed(direction: int, src: Callable[[Info, list[int]], list[int]], dst: Ca
 
 
 def _u32le(
-    direction: int, src: Callable[[Info, list[int]], bytes], dst: Callable[[Info, list[int]], bytes], **kw: Any
+    direction: c.SwapDirection.ValueType,
+    src: Callable[[Info, list[int]], bytes],
+    dst: Callable[[Info, list[int]], bytes],
+    **kw: Any,
 ) -> Call:
     """SwapBlocks with raw src_blocks_u32le/dst_blocks_u32le bytes (and any other fields in ``kw``)."""
 
@@ -726,7 +738,7 @@ BAD_REQUESTS = [
     Bad(
         "swap-unspecified-direction", "sequence", _swap(c.SWAP_DIRECTION_UNSPECIFIED, lambda i, b: [(b[0], 3)]), INVALID
     ),
-    Bad("swap-bad-direction", "sequence", _swap(9, lambda i, b: [(b[0], 3)]), INVALID),
+    Bad("swap-bad-direction", "sequence", _swap(9, lambda i, b: [(b[0], 3)]), INVALID),  # type: ignore[arg-type]
     Bad("swap-no-pairs", "awake", _swap(OUT, lambda i, b: []), INVALID),
     Bad("swap-negative-src", "sequence", _swap(OUT, lambda i, b: [(b[0], 3), (-1, 4)]), INVALID),
     Bad("swap-negative-dst", "sequence", _swap(IN, lambda i, b: [(0, _free_device(i, b)[0]), (1, -2)]), INVALID),
@@ -835,11 +847,12 @@ GARBAGE = b"\xff\xff\xff\xff"
 def _raw_call(worker: WorkerProcess, method: str) -> None:
     path = f"/{SERVICE}/{method}"
     if method == "StreamTelemetry":
-        call = worker.channel.unary_stream(path)
+        call: grpc.UnaryStreamMultiCallable[bytes, bytes] = worker.channel.unary_stream(path)
         for _ in call(GARBAGE, timeout=CALL_TIMEOUT):
             pass
     else:
-        worker.channel.unary_unary(path)(GARBAGE, timeout=CALL_TIMEOUT)
+        unary: grpc.UnaryUnaryMultiCallable[bytes, bytes] = worker.channel.unary_unary(path)
+        unary(GARBAGE, timeout=CALL_TIMEOUT)
 
 
 @pytest.mark.parametrize("method", [*METHODS, "StreamTelemetry"])
@@ -888,7 +901,7 @@ def test_concurrent_sleeps_one_wins(stub: Stub, info: Info) -> None:
     ABORTED (it arrived while the winner's transition was running) or FAILED_PRECONDITION (it arrived
     after the winner finished: the worker is asleep). Which of the two depends on timing; both are
     correct answers. The same holds for eight concurrent WakeUps."""
-    rounds = [
+    rounds: list[tuple[Callable[..., Any], list[Any], str]] = [
         (stub.Sleep, [w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id=f"conc-sleep-{i}") for i in range(8)], "ASLEEP"),
         (stub.WakeUp, [w.WakeUpRequest(request_id=f"conc-wake-{i}") for i in range(8)], "AWAKE"),
     ]
@@ -993,7 +1006,7 @@ def round_trip(wp: WorkerProcess) -> None:
     assert r.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grpc.Future:
+def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grpc.Future[w.GenerateResponse]:
     """A Generate that keeps the device thread busy for a while, received by the server on return."""
     fut = wp.stub.Generate.future(w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=n), timeout=300)
     round_trip(wp)
@@ -1014,6 +1027,7 @@ def test_cancelling_transition_queued_behind_generate(small_worker: WorkerProces
     s = small_worker.stub
     reference = generate(s, PROMPT)
     long_run = start_long_generate(small_worker)
+    fut: grpc.Future[w.SleepResponse] | grpc.Future[w.ReloadWeightsResponse]
     if rpc == "Sleep":
         fut = s.Sleep.future(w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id="queued-sleep"), timeout=CALL_TIMEOUT)
     else:

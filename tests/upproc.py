@@ -120,7 +120,7 @@ def get_worker(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worke
     return worker
 
 
-def state_name(state: int) -> str:
+def state_name(state: c.WorkerState.ValueType) -> str:
     return str(c.WorkerState.Name(state))
 
 
@@ -143,8 +143,8 @@ def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], *, what: str, time
         time.sleep(0.1)
 
 
-def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: int, *, timeout: float = START_TIMEOUT,
-               on_fail: Callable[[str], str] | None = None) -> m.Worker:  # fmt: skip
+def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: c.WorkerState.ValueType, *,
+               timeout: float = START_TIMEOUT, on_fail: Callable[[str], str] | None = None) -> m.Worker:  # fmt: skip
     """The worker once the manager reports it in ``state`` (registration and telemetry take a moment)."""
     return wait_for(lambda: get_worker(stub, worker_id), lambda wk: wk.state == state,
                     what=f"workers/{worker_id} to be {state_name(state)} at the manager", timeout=timeout,
@@ -202,3 +202,26 @@ def readme_code_lines(path: Path) -> list[str]:
         if fence and s:
             lines.append(s)
     return lines
+
+
+__all__ = [
+    "MANAGER_LISTENING",
+    "MEMSVC",
+    "REPO_ROOT",
+    "WORKER_LISTENING",
+    "WORKER_READY",
+    "Up",
+    "free_port",
+    "get_worker",
+    "grpcurl_binary",
+    "json_messages",
+    "memsvc_script",
+    "pick_ports",
+    "port_is_free",
+    "readme_code_lines",
+    "run",
+    "state_name",
+    "tag_states",
+    "wait_for",
+    "wait_state",
+]

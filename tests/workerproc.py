@@ -18,7 +18,6 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
-from types import TracebackType
 from typing import Any
 
 import grpc
@@ -105,9 +104,7 @@ class WorkerProcess(Proc):
     def __enter__(self) -> WorkerProcess:
         return self.start()
 
-    def __exit__(
-        self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
-    ) -> None:
+    def __exit__(self, *exc: object) -> None:
         self.close()
 
     # ---- clients ----

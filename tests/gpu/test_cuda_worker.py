@@ -51,7 +51,7 @@ def test_level1_and_level2_keep_tokens_and_return_memory(gpu_worker: WorkerProce
     mapped = tags["weights"].mapped_bytes + tags["kv_cache"].mapped_bytes
     free_awake = st.device.free_bytes
 
-    r = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=120)
+    r: w.SleepResponse | w.WakeUpResponse = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=120)
     assert r.status.state == c.WORKER_STATE_ASLEEP
     asleep = {t.tag: t for t in r.status.tags}
     assert asleep["weights"].mapped_bytes == 0 and asleep["weights"].offloaded_bytes == tags["weights"].allocated_bytes
@@ -108,7 +108,7 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
     device = {sid: list(range(1023 - i * k, 1023 - (i + 1) * k, -1)) for i, sid in enumerate(seqs)}
     assert not {b for bs in device.values() for b in bs} & {b for bs in blocks.values() for b in bs}
 
-    def in_flight(direction: int, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
+    def in_flight(direction: c.SwapDirection.ValueType, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
         req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in seqs]
         if direction == c.SWAP_DIRECTION_HOST_TO_DEVICE:  # back in as raw little-endian u32 ids
             req = [
