@@ -1,7 +1,105 @@
 """memsvc: put idle LLM model workers to sleep and wake them fast.
 
-This package (manager, CLI, client helpers, generated stubs under ``memsvc.v1``) imports neither
-torch nor the native extension; the worker and its allocator live in the ``worker`` package.
+The public Python API is what this package exports (docs/python-api.md lists it) plus the generated
+stubs in :mod:`memsvc.v1`:
+
+- :class:`ManagerClient` and :class:`Security`: call a manager, with TLS and a token if needed;
+- the exception tree (:class:`MemsvcError` and its subclasses) and :func:`error_info`, which
+  reads the ``google.rpc.ErrorInfo`` detail (domain :data:`DOMAIN`) of a failed call;
+- the vocabulary: :class:`Action`, :class:`SleepLevel`, :class:`WorkerState`, :class:`TagState`,
+  :class:`CopyMethod`, and the tag names :data:`WEIGHTS` and :data:`KV_CACHE`.
+
+The allocator API for embedding is :mod:`worker.allocator`. Everything else (modules whose name
+starts with ``_``, ``memsvc.manager``, ``memsvc.cli`` and the rest of ``worker``) is the services'
+own code, with no compatibility promise.
+
+Importing this package loads neither torch nor the native extension, and loads grpc only when a
+name that needs it is first used.
 """
 
+from __future__ import annotations
+
+import importlib
+from typing import TYPE_CHECKING, Any
+
 __version__ = "0.1.0"
+
+if TYPE_CHECKING:
+    from memsvc._auth import Security
+    from memsvc._rpc_errors import DOMAIN, error_info
+    from memsvc.client import ManagerClient
+    from memsvc.errors import (
+        BackendError,
+        IntegrityError,
+        InvalidArgument,
+        MemsvcError,
+        NotFound,
+        OutOfMemory,
+        PermissionDenied,
+        RelayedError,
+        TransitionInProgress,
+        Unauthenticated,
+        Unavailable,
+        WrongState,
+    )
+    from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, CopyMethod, SleepLevel, TagState, WorkerState
+
+_EXPORTS = {
+    "ManagerClient": "memsvc.client",
+    "Security": "memsvc._auth",
+    "DOMAIN": "memsvc._rpc_errors",
+    "error_info": "memsvc._rpc_errors",
+    **dict.fromkeys(
+        [
+            "BackendError", "IntegrityError", "InvalidArgument", "MemsvcError", "NotFound",
+            "OutOfMemory", "PermissionDenied", "RelayedError", "TransitionInProgress",
+            "Unauthenticated", "Unavailable", "WrongState",
+        ],
+        "memsvc.errors",
+    ),  # fmt: skip
+    **dict.fromkeys(
+        ["KV_CACHE", "WEIGHTS", "Action", "CopyMethod", "SleepLevel", "TagState", "WorkerState"], "memsvc.vocabulary"
+    ),
+}
+
+
+def __getattr__(name: str) -> Any:
+    """Load an exported name's module on first use (PEP 562)."""
+    module = _EXPORTS.get(name)
+    if module is None:
+        raise AttributeError(f"module 'memsvc' has no attribute {name!r}")
+    value = getattr(importlib.import_module(module), name)
+    globals()[name] = value
+    return value
+
+
+def __dir__() -> list[str]:
+    return sorted([*globals(), *_EXPORTS])
+
+
+__all__ = [
+    "DOMAIN",
+    "KV_CACHE",
+    "WEIGHTS",
+    "Action",
+    "BackendError",
+    "CopyMethod",
+    "IntegrityError",
+    "InvalidArgument",
+    "ManagerClient",
+    "MemsvcError",
+    "NotFound",
+    "OutOfMemory",
+    "PermissionDenied",
+    "RelayedError",
+    "Security",
+    "SleepLevel",
+    "TagState",
+    "TransitionInProgress",
+    "Unauthenticated",
+    "Unavailable",
+    "WorkerState",
+    "WrongState",
+    "__version__",
+    "error_info",
+]

@@ -58,7 +58,7 @@ def _prepin_size(text: str) -> int | str:
 
 
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
-    """How this command dials a memsvc server (memsvc.auth; off by default)."""
+    """How this command dials a memsvc server (memsvc._auth; off by default)."""
     g = p.add_argument_group("auth (client side)")
     g.add_argument(
         "--token-file",
@@ -93,7 +93,7 @@ def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None
 
 
 def _security(args: argparse.Namespace, parser: argparse.ArgumentParser, server: bool = False) -> object:
-    from memsvc.auth import Security
+    from memsvc._auth import Security
     from memsvc.errors import MemsvcError
 
     try:
@@ -318,7 +318,7 @@ def _health(address: str, service: str, timeout: float, security: object = None)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from memsvc.auth import channel as auth_channel
+    from memsvc._auth import channel as auth_channel
 
     with auth_channel(address, security) as channel:  # type: ignore[arg-type]
         try:
@@ -348,7 +348,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             **_security_kwargs(security),  # type: ignore[arg-type]
         )  # fmt: skip
     if args.command == "up":
-        from memsvc.up import run as run_up
+        from memsvc._up import run as run_up
 
         return run_up(
             args.manager_listen,

@@ -57,9 +57,6 @@ PyMODINIT_FUNC PyInit__native(void) {
   }
   PyModule_AddIntConstant(m, "BACKEND_HOST", MSV_BACKEND_HOST);
   PyModule_AddIntConstant(m, "BACKEND_CUDA", MSV_BACKEND_CUDA);
-  PyModule_AddIntConstant(m, "KEEP", MSV_ACTION_KEEP);
-  PyModule_AddIntConstant(m, "OFFLOAD", MSV_ACTION_OFFLOAD);
-  PyModule_AddIntConstant(m, "DISCARD", MSV_ACTION_DISCARD);
   PyModule_AddIntConstant(m, "COPY_AUTO", MSV_COPY_AUTO);
   PyModule_AddIntConstant(m, "COPY_LOOP", MSV_COPY_LOOP);
   PyModule_AddIntConstant(m, "COPY_BATCH", MSV_COPY_BATCH);

@@ -37,8 +37,8 @@ from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, get, wait_for, wait_state
 from workerproc import REPO_ROOT, WorkerProcess
 
+from memsvc import DOMAIN, error_info
 from memsvc.errors import IntegrityError, OutOfMemory
-from memsvc.rpc_errors import DOMAIN, error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

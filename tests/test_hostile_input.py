@@ -38,7 +38,7 @@ from hypothesis import strategies as st
 from managerproc import Cluster, ManagerProcess, get, wait_for
 from workerproc import WorkerProcess
 
-from memsvc.rpc_errors import DOMAIN, error_info
+from memsvc import DOMAIN, error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

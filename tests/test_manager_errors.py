@@ -17,7 +17,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, ManagerProcess, get, view, wait_state
 
-from memsvc.rpc_errors import error_info
+from memsvc import error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

@@ -38,7 +38,7 @@ PROBE = textwrap.dedent(
     import memsvc, memsvc.v1
     names = sorted(mi.name for mi in pkgutil.iter_modules(memsvc.v1.__path__, "memsvc.v1."))
     failed = {}
-    for name in [*names, "memsvc.client", "memsvc.errors", "memsvc.rpc_errors"]:
+    for name in [*names, "memsvc.client", "memsvc.errors", "memsvc._rpc_errors"]:
         try:
             importlib.import_module(name)
         except Exception as exc:

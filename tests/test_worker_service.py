@@ -25,7 +25,7 @@ from google.protobuf import duration_pb2
 from grpc_health.v1 import health_pb2
 from workerproc import WorkerProcess, WorkerStartError
 
-from memsvc.rpc_errors import DOMAIN, error_info
+from memsvc import DOMAIN, error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc

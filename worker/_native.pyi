@@ -22,10 +22,6 @@ _Ints: TypeAlias = _U64 | Sequence[int]
 
 BACKEND_HOST: Final[int]
 BACKEND_CUDA: Final[int]
-# Sleep actions: the proto's TagAction numbers.
-KEEP: Final[int]
-OFFLOAD: Final[int]
-DISCARD: Final[int]
 COPY_AUTO: Final[int]
 COPY_LOOP: Final[int]
 COPY_BATCH: Final[int]

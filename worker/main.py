@@ -6,8 +6,8 @@ import asyncio
 import logging
 import sys
 
-from memsvc.auth import Security
-from memsvc.serving import install_signal_handlers, start_server
+from memsvc._auth import Security
+from memsvc._serving import install_signal_handlers, start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.config import WorkerConfig

@@ -1,5 +1,5 @@
 """ModelWorkerService: proto in, domain call, proto out. Errors are raised as MemsvcError and
-mapped to status codes by memsvc.rpc_errors; nothing here decides policy."""
+mapped to status codes by memsvc._rpc_errors; nothing here decides policy."""
 
 from __future__ import annotations
 
@@ -10,8 +10,8 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from memsvc._rpc_errors import Context
 from memsvc.errors import InvalidArgument
-from memsvc.rpc_errors import Context
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc

@@ -11,8 +11,8 @@ from __future__ import annotations
 import threading
 from collections.abc import Callable, Collection
 
+from memsvc._replay import ReplayCache
 from memsvc.errors import TransitionInProgress, WrongState
-from memsvc.replay import ReplayCache
 from memsvc.vocabulary import TagState, WorkerState
 from worker.device_thread import DeviceThread
 from worker.status import Transition

@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from memsvc._replay import ReplayCache
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
@@ -35,7 +36,6 @@ from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.manager.timers import IdleTimers
 from memsvc.manager.transitions import Transitions
 from memsvc.manager.watch import WatchHub
-from memsvc.replay import ReplayCache
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w

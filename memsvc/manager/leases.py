@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 
+from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument, NotFound, Unavailable
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
@@ -22,7 +23,6 @@ from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store import Store, StoredLease
 from memsvc.manager.telemetry import TelemetryIngest
-from memsvc.replay import ReplayCache
 from memsvc.vocabulary import BUSY_STATES, WorkerState
 
 log = logging.getLogger("memsvc.manager")

@@ -8,13 +8,13 @@ import sys
 from pathlib import Path
 from typing import Any
 
-from memsvc.auth import Security
+from memsvc._auth import Security
+from memsvc._serving import install_signal_handlers, start_server
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
 from memsvc.manager.links import grpc_links
 from memsvc.manager.servicer import MemoryManagerServicer
 from memsvc.manager.store import Store
-from memsvc.serving import install_signal_handlers, start_server
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 

@@ -6,11 +6,11 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from memsvc._rpc_errors import Context
 from memsvc.errors import InvalidArgument
 from memsvc.manager.controller import Manager
 from memsvc.manager.records import worker_id_from_name
 from memsvc.manager.watch import CLOSED
-from memsvc.rpc_errors import Context
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2 as w

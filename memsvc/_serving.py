@@ -13,9 +13,9 @@ import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection
 
-from memsvc.auth import Security
+from memsvc._auth import Security
+from memsvc._rpc_errors import ErrorMappingInterceptor
 from memsvc.errors import InvalidArgument
-from memsvc.rpc_errors import ErrorMappingInterceptor
 
 log = logging.getLogger("memsvc.serving")
 
@@ -55,7 +55,7 @@ async def start_server(
 ) -> Server:
     """Start a server on ``listen`` (``host:0`` picks a free port) with every service registered.
 
-    ``security`` (memsvc.auth) adds the token / client-certificate checks in front of everything
+    ``security`` (memsvc._auth) adds the token / client-certificate checks in front of everything
     else and serves TLS or mTLS instead of plaintext.
     """
     sec = security or Security()
