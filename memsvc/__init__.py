@@ -30,11 +30,13 @@ if TYPE_CHECKING:
     from memsvc.client import ManagerClient
     from memsvc.errors import (
         BackendError,
+        Cancelled,
         IntegrityError,
         InvalidArgument,
         MemsvcError,
         NotFound,
         OutOfMemory,
+        Overloaded,
         PermissionDenied,
         RelayedError,
         TransitionInProgress,
@@ -51,8 +53,8 @@ _EXPORTS = {
     "error_info": "memsvc._rpc_errors",
     **dict.fromkeys(
         [
-            "BackendError", "IntegrityError", "InvalidArgument", "MemsvcError", "NotFound",
-            "OutOfMemory", "PermissionDenied", "RelayedError", "TransitionInProgress",
+            "BackendError", "Cancelled", "IntegrityError", "InvalidArgument", "MemsvcError", "NotFound",
+            "OutOfMemory", "Overloaded", "PermissionDenied", "RelayedError", "TransitionInProgress",
             "Unauthenticated", "Unavailable", "WrongState",
         ],
         "memsvc.errors",
@@ -83,6 +85,7 @@ __all__ = [
     "WEIGHTS",
     "Action",
     "BackendError",
+    "Cancelled",
     "CopyMethod",
     "IntegrityError",
     "InvalidArgument",
@@ -90,6 +93,7 @@ __all__ = [
     "MemsvcError",
     "NotFound",
     "OutOfMemory",
+    "Overloaded",
     "PermissionDenied",
     "RelayedError",
     "Security",

@@ -11,7 +11,8 @@ Server side (:class:`AuthInterceptor`, installed by :func:`memsvc._serving.start
   ``hmac.compare_digest``), except ``/grpc.health.v1.Health/*``: health stays readable without one,
   so container health checks need no secret. Reflection is *not* exempt (it exposes the schema).
   A missing or wrong token is ``UNAUTHENTICATED`` (the caller's identity is not established; RFC 6750
-  "invalid_token" is a 401, not a 403), with ErrorInfo reason ``UNAUTHENTICATED``.
+  "invalid_token" is a 401, not a 403), with ErrorInfo reason ``UNAUTHENTICATED``; for a method that
+  does not exist as well (``UNIMPLEMENTED`` only with a valid token), so names cannot be probed.
 * with ``--tls-cert/--tls-key`` the port is TLS; adding ``--tls-client-ca`` makes it mutual TLS:
   the handshake itself refuses clients without a certificate signed by that CA (health included).
 * with ``--allowed-client NAME`` (worker, needs mTLS) the state-changing methods in
@@ -30,7 +31,7 @@ from __future__ import annotations
 
 import hmac
 import os
-from collections.abc import AsyncIterator, Iterable, Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -179,32 +180,32 @@ def peer_names(context: Context) -> list[str]:
     return names
 
 
-def _deny_handler(handler: Handler, exc: MemsvcError) -> Handler:
-    """A handler of the same kind as ``handler`` that only aborts with ``exc`` (ErrorInfo included)."""
+def _deny(exc: MemsvcError) -> Handler:
+    """A handler that only aborts with ``exc`` (ErrorInfo included), whatever the call type.
+
+    On the wire every gRPC call is one HTTP/2 stream; the call type only says how many messages each
+    side sends. A stream-stream behaviour starts without reading a request, and aborting before any
+    message ends every kind of call with this status, so one handler refuses a known method of any
+    kind and an unknown method, of which nothing is known. A handler of the method's own kind would
+    not do: a unary-request one first waits for a request message, so a client stream that sends
+    none would see its deadline instead of the refusal. No (de)serialisers: nothing is read or sent.
+    """
     status = to_status(exc)
 
-    def ignore(_data: bytes) -> None:
-        return None
-
-    async def unary(_request: Any, context: Context) -> Any:
+    async def deny(_requests: Any, context: Context) -> None:
         await context.abort_with_status(status)
 
-    async def stream(_request: Any, context: Context) -> AsyncIterator[Any]:
-        await context.abort_with_status(status)
-        yield  # pragma: no cover - makes this an async generator
-
-    ser = handler.response_serializer
-    if handler.unary_unary is not None:
-        return grpc.unary_unary_rpc_method_handler(unary, ignore, ser)
-    if handler.unary_stream is not None:
-        return grpc.unary_stream_rpc_method_handler(stream, ignore, ser)
-    if handler.stream_unary is not None:
-        return grpc.stream_unary_rpc_method_handler(unary, ignore, ser)
-    return grpc.stream_stream_rpc_method_handler(stream, ignore, ser)
+    return grpc.stream_stream_rpc_method_handler(deny)
 
 
 class AuthInterceptor(grpc.aio.ServerInterceptor):
-    """Bearer token on every method but health; client-certificate names on :data:`TRANSITIONS`."""
+    """Bearer token on every method but health; client-certificate names on :data:`TRANSITIONS`.
+
+    The token is checked before the method is looked up: without a valid token a method that exists
+    and one that does not both answer UNAUTHENTICATED (grpc would answer UNIMPLEMENTED for the
+    latter), so nobody learns the method names without the token. With a valid token an unknown
+    method is UNIMPLEMENTED, as grpc answers a ``None`` handler.
+    """
 
     def __init__(self, token: str, allowed_clients: Sequence[str] = (), guarded: frozenset[str] = TRANSITIONS):
         self._token = token.encode()
@@ -214,21 +215,23 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
     async def intercept_service(
         self, continuation: Continuation, handler_call_details: grpc.HandlerCallDetails
     ) -> Handler | None:
-        handler = await continuation(handler_call_details)
         method = handler_call_details.method
-        if handler is None or method.startswith(HEALTH_PREFIX):
-            return handler
+        if method.startswith(HEALTH_PREFIX):
+            return await continuation(handler_call_details)
         if self._token:
             given = bearer_token(handler_call_details.invocation_metadata)
+            refusal = None
             if given is None:
-                return _deny_handler(
-                    handler,
-                    Unauthenticated(
-                        "missing bearer token: send 'authorization: Bearer <token>'", metadata={"method": method}
-                    ),
+                refusal = Unauthenticated(
+                    "missing bearer token: send 'authorization: Bearer <token>'", metadata={"method": method}
                 )
-            if not hmac.compare_digest(given.encode(), self._token):
-                return _deny_handler(handler, Unauthenticated("invalid bearer token", metadata={"method": method}))
+            elif not hmac.compare_digest(given.encode(), self._token):
+                refusal = Unauthenticated("invalid bearer token", metadata={"method": method})
+            if refusal is not None:
+                return _deny(refusal)
+        handler = await continuation(handler_call_details)
+        if handler is None:
+            return None
         if self._allowed and method in self._guarded:
             return self._check_peer(handler, method)
         return handler
@@ -237,7 +240,7 @@ class AuthInterceptor(grpc.aio.ServerInterceptor):
         """Wrap a guarded (unary-unary) handler: the client certificate is only known per call."""
         inner: Any = handler.unary_unary
         if inner is None:  # every guarded method is unary today; refuse rather than skip the check
-            return _deny_handler(handler, PermissionDenied(f"{method}: not callable with --allowed-client"))
+            return _deny(PermissionDenied(f"{method}: not callable with --allowed-client"))
         allowed = self._allowed
 
         async def checked(request: Any, context: Context) -> Any:

@@ -1,58 +1,100 @@
-"""Retry safety for transition RPCs: a repeated ``request_id`` returns the first call's result.
+"""Retry safety for transition RPCs: a repeated ``request_id`` gets the first call's result.
 
 One cache serves the worker (Sleep, WakeUp, ReloadWeights) and the manager (SleepWorker,
-WakeWorker, AcquireWorker). A request_id names one call of one method: reusing it for another
-method in the same scope is the client's mistake and is refused, not answered with an unrelated
-result. The cache is bounded (oldest entries go first) and thread-safe: the worker records results
-on its device thread while its event loop looks them up.
+WakeWorker, AcquireWorker). The rules, which docs/operations.md states for clients:
+
+- a request_id names one call of one method in one scope (a worker, for the manager): reusing it
+  for another method is the client's mistake and is refused, not answered with an unrelated result;
+- retries that arrive while the first call still runs *share* it: they wait for its result, they
+  do not run the operation again (nor fail with ABORTED because it is running);
+- the operation runs for as long as at least one of its callers waits; when every caller has left
+  (cancelled, deadline passed) it is cancelled, so nothing keeps running for nobody;
+- a result is kept for later retries; a failure is not (the failed call changed nothing, so a retry
+  may run it again);
+- the cache holds at most ``capacity`` results, oldest first out, and request_ids are at most
+  ``MAX_ID_BYTES`` long (memsvc/_limits.py): what a client can make the server keep is bounded.
 """
 
 from __future__ import annotations
 
+import asyncio
 import collections
-import threading
-from typing import Any
+import functools
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
 
+from memsvc._limits import MAX_ID_BYTES, check_length
 from memsvc.errors import InvalidArgument
+
+T = TypeVar("T")
+
+
+@dataclass
+class _Entry:
+    method: str
+    task: asyncio.Task[Any]
+    waiters: int = field(default=0)
 
 
 class ReplayCache:
-    """The last ``capacity`` results by (scope, request_id)."""
+    """Results and calls in flight by (scope, request_id), on one event loop."""
 
     def __init__(self, capacity: int) -> None:
         self.capacity = capacity
-        self._entries: collections.OrderedDict[tuple[str, str], tuple[str, Any]] = collections.OrderedDict()
-        self._lock = threading.Lock()
+        self._entries: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
 
-    def get(self, request_id: str, method: str, scope: str = "") -> Any:
-        """The result recorded for ``request_id``, or None (no id, or not seen).
-
-        InvalidArgument when the id was used for another method in ``scope``.
-        """
+    async def run(self, request_id: str, method: str, operation: Callable[[], Awaitable[T]], scope: str = "") -> T:
+        """``operation()``'s result, run at most once per request_id (see the module's rules)."""
         if not request_id:
-            return None
-        with self._lock:
-            hit = self._entries.get((scope, request_id))
-        if hit is None:
-            return None
-        if hit[0] != method:
+            return await operation()
+        check_length(request_id, MAX_ID_BYTES, "request_id")
+        key = (scope, request_id)
+        entry = self._entries.get(key)
+        if entry is None:
+            entry = _Entry(method, asyncio.get_running_loop().create_task(_call(operation)))
+            self._entries[key] = entry
+            entry.task.add_done_callback(functools.partial(self._settled, key))
+            self._evict()
+        elif entry.method != method:
             raise InvalidArgument(
-                f"request_id {request_id!r} was already used for {hit[0]}", metadata={"requestId": request_id}
+                f"request_id {request_id!r} was already used for {entry.method}", metadata={"requestId": request_id}
             )
-        return hit[1]
+        entry.waiters += 1
+        try:
+            result: T = await asyncio.shield(entry.task)
+            return result
+        finally:
+            entry.waiters -= 1
+            if not entry.waiters and not entry.task.done():
+                entry.task.cancel()  # every caller left: the operation stops too
 
-    def put(self, request_id: str, method: str, result: Any, scope: str = "") -> None:
-        """Record the result of ``method`` for ``request_id`` (nothing without an id)."""
-        if not request_id:
-            return
-        with self._lock:
-            self._entries[(scope, request_id)] = (method, result)
-            while len(self._entries) > self.capacity:
-                self._entries.popitem(last=False)
+    def forget(self, request_id: str, scope: str = "") -> None:
+        """Drop a kept result (the caller found it stale: a lease since released, say)."""
+        entry = self._entries.get((scope, request_id))
+        if entry is not None and entry.task.done():
+            del self._entries[(scope, request_id)]
+
+    def _settled(self, key: tuple[str, str], task: asyncio.Task[Any]) -> None:
+        entry = self._entries.get(key)
+        if entry is not None and entry.task is task and (task.cancelled() or task.exception() is not None):
+            del self._entries[key]  # a failure is not kept: the retry may run it again
+
+    def _evict(self) -> None:
+        while len(self._entries) > self.capacity:
+            for key, entry in self._entries.items():  # the oldest finished result goes first
+                if entry.task.done():
+                    del self._entries[key]
+                    break
+            else:
+                return  # every entry is in flight: keep them until they finish
 
     def __len__(self) -> int:
-        with self._lock:
-            return len(self._entries)
+        return len(self._entries)
+
+
+async def _call(operation: Callable[[], Awaitable[T]]) -> T:
+    return await operation()
 
 
 __all__ = ["ReplayCache"]

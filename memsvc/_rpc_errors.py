@@ -8,8 +8,10 @@ and answered INTERNAL, so no stack trace leaks to clients and the server keeps r
 
 from __future__ import annotations
 
+import contextlib
+import inspect
 import logging
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import Awaitable, Callable
 from typing import Any, TypeAlias
 
 import grpc
@@ -95,6 +97,12 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
     It also decodes requests itself: left to grpcio, a body that is not the request message fails
     before any of our code runs and reaches the client as a bare UNKNOWN without ErrorInfo.
+
+    grpc.aio takes two kinds of server-streaming behaviour, so the wrapper must too: an async
+    generator (our servicers) and a coroutine that sends with ``context.write()`` and returns None
+    (grpcio-health-checking's ``Health/Watch``). The wrapper is a coroutine that awaits the second
+    kind and writes out the items of the first (iterating a coroutine was a TypeError, which made
+    Watch answer INTERNAL).
     """
 
     async def intercept_service(
@@ -128,33 +136,44 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
         if handler.unary_stream is not None:
             inner_us: Any = handler.unary_stream
 
-            async def unary_stream(request: Any, context: Context) -> AsyncIterator[Any]:
+            async def unary_stream_writer(request: Any, context: Context) -> None:
                 try:
                     _check_decoded(request)
-                    async for item in inner_us(request, context):
-                        yield item
+                    result = inner_us(request, context)
+                    if inspect.isawaitable(result):
+                        result = await result
+                    if inspect.isasyncgen(result):
+                        async with contextlib.aclosing(result):  # its finally runs when the client leaves
+                            async for item in result:
+                                await context.write(item)
                 except (MemsvcError, Exception) as exc:  # noqa: BLE001
                     if isinstance(exc, grpc.aio.AbortError):
                         raise
                     await _abort(context, exc, method)
 
-            return grpc.unary_stream_rpc_method_handler(unary_stream, safe_decode, handler.response_serializer)
+            return grpc.unary_stream_rpc_method_handler(unary_stream_writer, safe_decode, handler.response_serializer)
         return handler
 
 
+def _tree() -> list[type[MemsvcError]]:
+    return [cls for cls in MemsvcError.__subclasses__() if cls is not RelayedError]
+
+
 def _classes_by_code() -> dict[grpc.StatusCode, type[MemsvcError]]:
-    """Each status code the tree has exactly one class for (INTERNAL has two: no class of its own)."""
-    by_code: dict[str, list[type[MemsvcError]]] = {}
-    for cls in MemsvcError.__subclasses__():
-        if cls is not RelayedError:
-            by_code.setdefault(cls.status_name, []).append(cls)
-    out = {grpc.StatusCode[name]: classes[0] for name, classes in by_code.items() if len(classes) == 1}
+    """The class a bare status code stands for: the first class of the tree with that code (the
+    reason picks among several, see :data:`_FROM_REASON`); INTERNAL has none of its own."""
+    out: dict[grpc.StatusCode, type[MemsvcError]] = {}
+    for cls in _tree():
+        out.setdefault(grpc.StatusCode[cls.status_name], cls)
     out.pop(grpc.StatusCode.INTERNAL, None)
     out[grpc.StatusCode.DEADLINE_EXCEEDED] = Unavailable  # the peer did not answer in time
     return out
 
 
 _FROM_CODE = _classes_by_code()
+_FROM_REASON = {(cls.status_name, cls.reason): cls for cls in _tree()}
+"""A peer's (code, ErrorInfo reason) picks the class when several share a code (OutOfMemory and
+Overloaded are both RESOURCE_EXHAUSTED)."""
 
 
 def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
@@ -171,7 +190,8 @@ def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
     message = prefix + (details or code.name)
     info = error_info(err) if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else None
     metadata = dict(info.metadata) if info else {}
-    cls = _FROM_CODE.get(code)
+    cls = _FROM_REASON.get((code.name, info.reason)) if info else None
+    cls = cls or _FROM_CODE.get(code)
     if cls is not None:
         return cls(message, metadata=metadata)
     return RelayedError(code.name, message, reason=info.reason if info else "", metadata=metadata)

@@ -167,6 +167,12 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         default=env("ADVERTISE", "") or None,
         help="address the manager should dial (default: the listen address)",
     )
+    p.add_argument(
+        "--drain-timeout",
+        type=float,
+        default=float(env("DRAIN_TIMEOUT", "30")),
+        help="seconds calls in flight get on SIGTERM before they are cancelled",
+    )
     _server_auth_flags(p, worker=True)
 
 
@@ -391,6 +397,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             seed=args.seed,
             host_name=args.host_name,
             huge_pages=args.huge_pages,
+            drain_seconds=args.drain_timeout,
         )
         security = _security(args, parser, server=True)
         return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]

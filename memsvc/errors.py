@@ -59,6 +59,20 @@ class OutOfMemory(MemsvcError):
     reason = "OUT_OF_MEMORY"
 
 
+class Overloaded(MemsvcError):
+    """Too many calls of this kind are queued; retry after a backoff. Nothing was changed."""
+
+    status_name = "RESOURCE_EXHAUSTED"
+    reason = "OVERLOADED"
+
+
+class Cancelled(MemsvcError):
+    """The caller left (cancelled, or its deadline passed): the work stopped and kept nothing."""
+
+    status_name = "CANCELLED"
+    reason = "CANCELLED"
+
+
 class IntegrityError(MemsvcError):
     """Restored data failed its checksum: the message names the allocation. Never silent."""
 
@@ -109,11 +123,13 @@ class RelayedError(MemsvcError):
 
 __all__ = [
     "BackendError",
+    "Cancelled",
     "IntegrityError",
     "InvalidArgument",
     "MemsvcError",
     "NotFound",
     "OutOfMemory",
+    "Overloaded",
     "PermissionDenied",
     "RelayedError",
     "TransitionInProgress",

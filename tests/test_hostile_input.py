@@ -321,14 +321,18 @@ def reset(e: Env, precondition: str = "awake") -> None:
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.NOT_FOUND, err
     e.leases.clear()
+    try:
+        mw = get(stub, W0)
+    except grpc.RpcError as err:  # an accepted DeregisterWorker of w0: register it as its heartbeat would
+        assert err.code() == grpc.StatusCode.NOT_FOUND, err
+        mw = m.Worker()
+    if mw.address != e.worker.address or mw.host != e.worker_host:
+        stub.RegisterWorker(m.RegisterWorkerRequest(worker_id=W0, address=e.worker.address, host=e.worker_host),
+                            timeout=10)  # fmt: skip
     if stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy != e.default_policy:
         stub.UpdatePolicy(m.UpdatePolicyRequest(policy=e.default_policy), timeout=10)
     if stub.GetPolicy(m.GetPolicyRequest(name=W0_NAME), timeout=10).policy != e.w0_policy:
         stub.UpdatePolicy(m.UpdatePolicyRequest(name=W0_NAME, policy=e.w0_policy), timeout=10)
-    mw = get(stub, W0)
-    if mw.address != e.worker.address or mw.host != e.worker_host:
-        stub.RegisterWorker(m.RegisterWorkerRequest(worker_id=W0, address=e.worker.address, host=e.worker_host),
-                            timeout=10)  # fmt: skip
     ws = e.wstub
     state = ws.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state
     if state != c.WORKER_STATE_AWAKE:
@@ -446,7 +450,7 @@ MANAGER_RPCS = {
     "SleepWorker": m.SleepWorkerRequest, "WakeWorker": m.WakeWorkerRequest,
     "SwapWorkerBlocks": m.SwapWorkerBlocksRequest, "AcquireWorker": m.AcquireWorkerRequest,
     "ReleaseWorker": m.ReleaseWorkerRequest, "GetPolicy": m.GetPolicyRequest, "UpdatePolicy": m.UpdatePolicyRequest,
-    "WatchWorkers": m.WatchWorkersRequest,
+    "WatchWorkers": m.WatchWorkersRequest, "DeregisterWorker": m.DeregisterWorkerRequest,
 }  # fmt: skip
 STATEFUL = {"Sleep", "WakeUp", "ReloadWeights", "SwapBlocks", "Generate", "FreeSequence", "SleepWorker",
             "WakeWorker", "AcquireWorker", "SwapWorkerBlocks"}  # fmt: skip

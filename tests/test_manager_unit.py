@@ -238,7 +238,9 @@ async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> 
 async def test_a_silent_worker_is_marked_unavailable_and_its_link_restarted(env: Env) -> None:
     await env.worker("a")
     rec = env.rec("a")
-    rec.last_seen -= env.manager.settings.silence_limit + 1
+    limit = env.manager.settings.silence_limit
+    rec.heard -= limit + 1
+    env.manager.timers._resumed -= limit + 1  # as if the manager had been running that long
     env.manager.tick()
     await settle(lambda: rec.state == WorkerState.AWAKE, "the restarted link's snapshot")
     assert rec.last_seen > 0

@@ -1133,22 +1133,26 @@ def test_free_sequence_returns_its_blocks_wherever_they_are(stub: Stub, info: In
     expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest()), grpc.StatusCode.INVALID_ARGUMENT)
 
 
-def test_a_failed_level2_reload_leaves_the_weights_discarded_and_a_retry_recovers(tmp_path: Path) -> None:
-    """The reload after a level-2 wake fails (checkpoint gone): the worker must not claim to be
-    asleep-yet-awake or serve unloaded weights; once the checkpoint is back, WakeUp works."""
+def test_a_failed_level2_reload_changes_nothing_and_a_retry_recovers(tmp_path: Path) -> None:
+    """The reload of a level-2 wake cannot read its checkpoint (gone): FAILED_PRECONDITION (the request
+    was fine, the worker's files are not), and nothing changed — the worker is asleep exactly as
+    before, KV cache included (it used to come back PARTIALLY_AWAKE with the KV cache awake while the
+    error said nothing changed). Once the checkpoint is back, WakeUp works."""
     ckpt = tmp_path / "ckpt"
     write_checkpoint(ckpt, seed=5)
     with WorkerProcess(["--model", str(ckpt)]) as wp:
         s = wp.stub
         before = generate(s, PROMPT)
         sleep(s, c.SLEEP_LEVEL_2)
+        asleep = status(s)
         ckpt.rename(tmp_path / "moved")
         with pytest.raises(grpc.RpcError) as err:
             wake(s)
-        assert err.value.code() in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.INVALID_ARGUMENT), err.value.details()
-        st = status(s)  # the KV cache woke in the same call; the weights are DISCARDED again
-        assert st.state in (c.WORKER_STATE_ASLEEP, c.WORKER_STATE_PARTIALLY_AWAKE)
-        assert tag_state(tags(st)["weights"]) == "DISCARDED"
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "stays asleep" in (err.value.details() or "")
+        st = status(s)
+        assert (st.state, st.sleep_level) == (asleep.state, asleep.sleep_level) == (c.WORKER_STATE_ASLEEP, 2)
+        assert {t.tag: tag_state(t) for t in st.tags} == {"weights": "DISCARDED", "kv_cache": "DISCARDED"}
         expect_error(lambda: generate(s, PROMPT), grpc.StatusCode.FAILED_PRECONDITION)
         (tmp_path / "moved").rename(ckpt)
         wake(s)

@@ -37,11 +37,16 @@ class WorkerConfig:
     seed: int = 0
     host_name: str = ""
     """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
+    drain_seconds: float = 30.0
+    """On SIGTERM, calls in flight get this long to finish; then they are cancelled (a Generate stops
+    at its next step) and the worker exits."""
 
     def __post_init__(self) -> None:
         prepin = self.host_prepin
         if isinstance(prepin, bool) or not (prepin == WEIGHTS or (isinstance(prepin, int) and prepin >= 0)):
             raise InvalidArgument(f"host_prepin must be a byte count >= 0 or '{WEIGHTS}', got {prepin!r}")
+        if not 0 <= self.drain_seconds <= 3600:
+            raise InvalidArgument(f"drain_seconds must be in [0, 3600], got {self.drain_seconds}")
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{self.device}"

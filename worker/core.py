@@ -12,10 +12,18 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from memsvc.errors import IntegrityError, InvalidArgument, MemsvcError, TransitionInProgress, WrongState
+from memsvc._limits import MAX_QUEUED_GENERATES
+from memsvc.errors import (
+    IntegrityError,
+    InvalidArgument,
+    MemsvcError,
+    Overloaded,
+    TransitionInProgress,
+    WrongState,
+)
 from memsvc.vocabulary import (
     BUSY_STATES,
     KV_CACHE,
@@ -30,7 +38,7 @@ from memsvc.vocabulary import (
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
-from worker.device_thread import DeviceThread
+from worker.device_thread import DeviceThread, Ticket
 from worker.state_machine import Job, WorkerStateMachine
 from worker.status import Generation, Status, Transition
 from worker.swaps import SwapPipeline
@@ -44,6 +52,8 @@ log = logging.getLogger("memsvc.worker")
 
 
 class WorkerCore:
+    MAX_QUEUED_GENERATES = MAX_QUEUED_GENERATES
+    """Generate calls queued or running at once; more are refused with RESOURCE_EXHAUSTED (Overloaded)."""
     PREPIN_JOIN_S = 30.0
     """How long close waits for a prepin to stop (it stops at its next chunk: well under a second)."""
     ACTIVITY_PUBLISH_S = 0.2
@@ -65,6 +75,9 @@ class WorkerCore:
         """Static after load: status() must not wait for the model's lock while Generate runs."""
         self._last_activity = time.time()
         self._activity_published = 0.0
+        self._generate_lock = threading.Lock()
+        self._generates = 0
+        """Generate calls queued or running (bounded by MAX_QUEUED_GENERATES)."""
 
     def _note_activity(self) -> None:
         """Traffic resets the manager's idle clock; tell telemetry subscribers soon, not at the next
@@ -207,6 +220,7 @@ class WorkerCore:
             self._sm.last,
             time.time(),
             self._last_activity,
+            self._sm.in_progress,
         )
 
     def kv_stats(self) -> KvStats | None:
@@ -328,6 +342,9 @@ class WorkerCore:
 
     def _wake(self, tags: list[str], reload: bool) -> Transition:
         alloc = self._allocator()
+        if reload:
+            self._check_source("the worker stays asleep")
+        before = self._pool_states()
         try:
             self._sm.set_state(WorkerState.WAKING, "WakeUp")
             t0 = time.perf_counter()
@@ -340,10 +357,15 @@ class WorkerCore:
             if reload:
                 try:
                     self._model().reload_weights()
-                except BaseException:
-                    # The weights are mapped but hold nothing valid: back to DISCARDED, so the next
-                    # WakeUp reloads them again instead of serving garbage.
-                    alloc.sleep({WEIGHTS: Action.DISCARD})
+                except BaseException as exc:
+                    # The weights are mapped but hold nothing valid: every tag this wake woke goes back
+                    # to how it slept (DISCARDED weights reload on the next WakeUp instead of serving
+                    # garbage; an OFFLOADED tag is copied out again), so nothing has changed.
+                    alloc.sleep(
+                        {t: Action.OFFLOAD if before[t] == TagState.OFFLOADED else Action.DISCARD for t in tags}
+                    )
+                    if isinstance(exc, MemsvcError):
+                        raise self._unreadable(exc, "the worker stays asleep as it was") from exc
                     raise
             seconds = time.perf_counter() - t0
             self._last_memory = alloc.stats()
@@ -363,6 +385,22 @@ class WorkerCore:
         except BaseException as exc:
             self._settle(f"WakeUp failed: {exc}")
             raise
+
+    def _check_source(self, outcome: str) -> None:
+        """Before a reload (a level-2 wake, ReloadWeights) copies a byte: refuse if the weights' source
+        cannot be read (its files changed under the worker), with nothing changed."""
+        try:
+            self._model().source.check()
+        except MemsvcError as exc:
+            raise self._unreadable(exc, outcome) from exc
+
+    def _unreadable(self, exc: MemsvcError, outcome: str) -> WrongState:
+        """FAILED_PRECONDITION, not the loader's INVALID_ARGUMENT: the request was fine, the worker's
+        model source is not."""
+        return WrongState(
+            f"the weights cannot be reloaded from {self.config.model} ({exc}); {outcome}",
+            metadata={"source": self.config.model},
+        )
 
     def _recover_from_corruption(self, exc: IntegrityError, reload_pending: bool) -> None:
         """A restored allocation failed its checksum. The native wake left the tags awake and the
@@ -387,8 +425,19 @@ class WorkerCore:
         return await self._sm.run("ReloadWeights", request_id, lambda: None, start)
 
     def _reload(self) -> Transition:
+        """Checked first (a source that cannot be read changes nothing). A copy that fails midway
+        leaves a mix of old and new weights: they are discarded, so no Generate serves them, and the
+        error says so; the next WakeUp reloads them."""
         t0 = time.perf_counter()
-        self._model().reload_weights()
+        self._check_source("the weights are unchanged")
+        try:
+            self._model().reload_weights()
+        except BaseException as exc:
+            self._allocator().sleep({WEIGHTS: Action.DISCARD})
+            self._settle(f"ReloadWeights failed: {exc}")
+            if isinstance(exc, MemsvcError):
+                raise self._unreadable(exc, "the weights were discarded: WakeUp reloads them") from exc
+            raise
         self._last_memory = self._allocator().stats()
         moved = self._last_memory.tags[WEIGHTS].allocated_bytes
         return self._sm.finish(Transition(TransitionKind.RELOAD_WEIGHTS, moved, time.perf_counter() - t0))
@@ -426,14 +475,52 @@ class WorkerCore:
         self._note_activity()
 
     async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
-        self._sm.require(WorkerState.AWAKE)
-        return await self._device_thread.run(lambda: self._generate(prompt, max_new_tokens, sequence_id))
+        """Run Generate on the device thread, for as long as its caller waits.
 
-    def _generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
+        At most :attr:`MAX_QUEUED_GENERATES` calls are queued or running (Overloaded beyond). A caller
+        that leaves (cancelled, deadline passed) stops its call: a queued one never starts, a running
+        one stops before its next step; either way it keeps nothing (see ModelRunner.generate).
+        """
+        self._sm.require(WorkerState.AWAKE)
+        with self._generate_lock:
+            if self._generates >= self.MAX_QUEUED_GENERATES:
+                raise Overloaded(
+                    f"{self._generates} Generate calls are queued or running, the most this worker takes; retry later",
+                    metadata={"maxQueued": str(self.MAX_QUEUED_GENERATES)},
+                )
+            self._generates += 1
+        stop = threading.Event()
+        ticket = Ticket()
+
+        def job() -> Generation | None:
+            if not ticket.start():
+                return None  # abandoned while queued: its place in the bound was given back then
+            try:
+                return self._generate(prompt, max_new_tokens, sequence_id, stop.is_set)
+            finally:
+                self._generate_done()
+
+        try:
+            result = await self._device_thread.run(job)
+        except asyncio.CancelledError:
+            stop.set()
+            if ticket.abandon():
+                self._generate_done()
+            raise
+        assert result is not None, "a started Generate returns its result"
+        return result
+
+    def _generate_done(self) -> None:
+        with self._generate_lock:
+            self._generates -= 1
+
+    def _generate(
+        self, prompt: list[int], max_new_tokens: int, sequence_id: str, should_stop: Callable[[], bool]
+    ) -> Generation:
         self._sm.require(WorkerState.AWAKE)  # a Sleep may have run while this job was queued
         runner = self._model()
         t0 = time.perf_counter()
-        tokens = runner.generate(prompt, max_new_tokens, sequence_id=sequence_id or None)
+        tokens = runner.generate(prompt, max_new_tokens, sequence_id=sequence_id or None, should_stop=should_stop)
         self._note_activity()
         blocks = list(runner.kv_cache.sequence(sequence_id).block_ids) if sequence_id else []
         return Generation(list(tokens), blocks, time.perf_counter() - t0)

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
@@ -39,6 +40,31 @@ class DeviceThread:
         self._executor.shutdown(wait=True)
 
 
+class Ticket:
+    """A queued job's start, raced against its caller leaving: exactly one of :meth:`start` (on the
+    device thread) and :meth:`abandon` (on the loop, when the caller is cancelled) wins."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._state = "queued"
+
+    def start(self) -> bool:
+        """True: run the job. False: its caller left while it was queued; do nothing."""
+        with self._lock:
+            if self._state == "abandoned":
+                return False
+            self._state = "started"
+            return True
+
+    def abandon(self) -> bool:
+        """True: the job had not started and now never will. False: it is running or done."""
+        with self._lock:
+            if self._state != "queued":
+                return False
+            self._state = "abandoned"
+            return True
+
+
 def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
     """Complete a loop future with another thread's result (call through ``call_soon_threadsafe``)."""
     if fut.done():
@@ -49,4 +75,4 @@ def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | 
         fut.set_result(value)  # type: ignore[arg-type]
 
 
-__all__ = ["DeviceThread", "settle_future"]
+__all__ = ["DeviceThread", "Ticket", "settle_future"]

@@ -16,7 +16,6 @@ from worker.servicer import ModelWorkerServicer
 
 log = logging.getLogger("memsvc.worker")
 SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
-DRAIN_SECONDS = 30.0
 
 
 async def serve(
@@ -53,11 +52,11 @@ async def serve(
 
         background.append(asyncio.create_task(keep_registered(core, advertise or srv.address, manager, sec)))
     await stop.wait()
-    log.info("draining: finishing in-flight calls (up to %.0f s)", DRAIN_SECONDS)
+    log.info("draining: finishing in-flight calls (up to %.0f s)", config.drain_seconds)
     for task in background:
         task.cancel()
     core.telemetry.close()  # end telemetry streams now; the drain waits only for real work
-    await srv.stop(DRAIN_SECONDS)
+    await srv.stop(config.drain_seconds)  # then cancels what still runs: a Generate stops at its next step
     await core.close()
     print(f"memsvc worker {core.worker_id} stopped", flush=True)
     return 0

@@ -10,7 +10,9 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from memsvc._limits import MAX_GENERATE_TOKENS, MAX_ID_BYTES, MAX_PROMPT_TOKENS, check_length
 from memsvc._rpc_errors import Context
+from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
@@ -23,48 +25,19 @@ from worker.telemetry import CLOSED, Event, EventKind
 if TYPE_CHECKING:
     from worker.model.kv_cache import KvStats
 
-MAX_GENERATE_TOKENS = 4096
-MAX_PROMPT_TOKENS = 1 << 16
-MAX_SWAP_PAIRS = 1 << 20
 
 
 def swap_ids(request: w.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
-    """The request's (src ids, dst ids), from whichever form it uses. The raw u32le bytes are read in
-    place and the packed lists convert in C (protobuf's repeated scalars implement ``__array__``);
-    pairs cost a Python object per block."""
+    """The request's (src ids, dst ids), from whichever form it uses, its shape checked first
+    (memsvc/_swap_forms.py). The raw u32le bytes are read in place and the packed lists convert in C
+    (protobuf's repeated scalars implement ``__array__``); pairs cost a Python object per block."""
     raw_src, raw_dst = request.src_blocks_u32le, request.dst_blocks_u32le
-    forms = [
-        name
-        for name, given in (
-            ("pairs", len(request.pairs)),
-            ("src_blocks + dst_blocks", len(request.src_blocks) or len(request.dst_blocks)),
-            ("src_blocks_u32le + dst_blocks_u32le", len(raw_src) or len(raw_dst)),
-        )
-        if given
-    ]
-    if len(forms) > 1:
-        raise InvalidArgument(f"give the blocks in one form, not as {' and as '.join(forms)}")
-    if raw_src or raw_dst:
-        if len(raw_src) % 4 or len(raw_dst) % 4:
-            raise InvalidArgument(
-                f"src_blocks_u32le and dst_blocks_u32le hold 4 bytes per block id, got {len(raw_src)} and "
-                f"{len(raw_dst)} bytes"
-            )
-        n, n_dst = len(raw_src) // 4, len(raw_dst) // 4
-        if n != n_dst:
-            raise InvalidArgument(f"src_blocks_u32le has {n} ids but dst_blocks_u32le has {n_dst}")
-        if n > MAX_SWAP_PAIRS:
-            raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} blocks per call")
+    n = swap_block_count(
+        len(request.pairs), len(request.src_blocks), len(request.dst_blocks), len(raw_src), len(raw_dst)
+    )
+    if raw_src:
         return np.frombuffer(raw_src, "<u4").astype(np.int64), np.frombuffer(raw_dst, "<u4").astype(np.int64)
-    packed = len(request.src_blocks) or len(request.dst_blocks)
-    n = len(request.src_blocks) if packed else len(request.pairs)
-    if n > MAX_SWAP_PAIRS:
-        raise InvalidArgument(f"at most {MAX_SWAP_PAIRS} blocks per call")
-    if packed:
-        if len(request.src_blocks) != len(request.dst_blocks):
-            raise InvalidArgument(
-                f"src_blocks has {len(request.src_blocks)} ids but dst_blocks has {len(request.dst_blocks)}"
-            )
+    if len(request.src_blocks):
         return np.array(request.src_blocks, np.int64), np.array(request.dst_blocks, np.int64)
     pairs = request.pairs
     return (
@@ -139,6 +112,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
         update_time=timestamp(s.time),
         last_activity_time=timestamp(s.last_activity),
         sleep_level=SleepLevel.proto_of(s.sleep_level),
+        transition_in_progress=s.transition_in_progress,
     )
 
 
@@ -208,13 +182,14 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             raise InvalidArgument(f"max_new_tokens must be in [0, {MAX_GENERATE_TOKENS}]")
         if len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
             raise InvalidArgument(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
+        check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id")
         g = await self.core.generate(list(request.prompt_token_ids), request.max_new_tokens, request.sequence_id)
         return w.GenerateResponse(
             token_ids=g.tokens, sequence_id=request.sequence_id, duration=duration(g.seconds), block_ids=g.block_ids
         )
 
     async def FreeSequence(self, request: w.FreeSequenceRequest, context: Any) -> w.FreeSequenceResponse:
-        await self.core.free_sequence(request.sequence_id)
+        await self.core.free_sequence(check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id"))
         return w.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats()))
 
     async def StreamTelemetry(

@@ -3,18 +3,21 @@ lets one transition run at a time, and the one path every transition RPC takes.
 
 A transition's bookkeeping (state, lock, events) happens on the device thread inside the job itself:
 a client that cancels mid-Sleep leaves the job to finish, and the worker ends in a consistent state
-rather than in the one the cancelled coroutine last saw.
+rather than in the one the cancelled coroutine last saw. A job whose callers all left *before it
+started* (it waited behind a long Generate, say) never starts: the manager that gave up on it may
+already have granted a lease on the worker's current state.
 """
 
 from __future__ import annotations
 
+import asyncio
 import threading
 from collections.abc import Callable, Collection
 
 from memsvc._replay import ReplayCache
 from memsvc.errors import TransitionInProgress, WrongState
 from memsvc.vocabulary import TagState, WorkerState
-from worker.device_thread import DeviceThread
+from worker.device_thread import DeviceThread, Ticket
 from worker.status import Transition
 from worker.telemetry import Event, EventKind, TelemetryHub
 
@@ -50,36 +53,51 @@ class WorkerStateMachine:
     def release(self) -> None:
         self._busy.release()
 
+    @property
+    def in_progress(self) -> bool:
+        """A transition holds the lock: accepted, maybe still queued behind other device work."""
+        return self._busy.locked()
+
     async def run(
         self, method: str, request_id: str, validate: Callable[[], None], plan: Callable[[], Job]
     ) -> Transition:
         """The path of every transition RPC.
 
-        A retried ``request_id`` returns its first result; ``validate`` checks the request's input
-        (INVALID_ARGUMENT whatever the state); the lock is taken; ``plan`` checks the state and returns
-        the job, which runs on the device thread. The lock is released when the job ends, or at once
-        if ``plan`` refuses.
+        A retried ``request_id`` shares the first call's result (memsvc/replay.py); ``validate``
+        checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken; ``plan``
+        checks the state and returns the job, which runs on the device thread. The lock is released
+        when the job ends, at once if ``plan`` refuses, and at once if every caller leaves while the
+        job still waits for the device thread (then it never runs).
         """
-        hit = self.replay.get(request_id, method)
-        if hit is not None:
-            return hit  # type: ignore[no-any-return]
-        validate()
-        self.begin()
-        try:
-            job = plan()
-        except BaseException:
-            self.release()
-            raise
 
-        def locked() -> Transition:
+        async def transition() -> Transition:
+            validate()
+            self.begin()
             try:
-                t = job()
-                self.replay.put(request_id, method, t)
-                return t
-            finally:
+                job = plan()
+            except BaseException:
                 self.release()
+                raise
+            ticket = Ticket()
 
-        return await self._device.run(locked)
+            def locked() -> Transition | None:
+                if not ticket.start():
+                    return None  # abandoned while queued: the lock went with it
+                try:
+                    return job()
+                finally:
+                    self.release()
+
+            try:
+                result = await self._device.run(locked)
+            except asyncio.CancelledError:
+                if ticket.abandon():
+                    self.release()
+                raise
+            assert result is not None, "a started job returns its transition"
+            return result
+
+        return await self.replay.run(request_id, method, transition)
 
     # ---- state ----
     def require(self, *states: WorkerState) -> None:

@@ -56,6 +56,8 @@ class Status:
     last_transition: Transition | None
     time: float
     last_activity: float
+    transition_in_progress: bool = False
+    """A transition holds the lock (it may still wait behind a Generate)."""
 
 
 __all__ = ["Generation", "Status", "Transition"]

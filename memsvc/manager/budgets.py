@@ -98,7 +98,9 @@ class Budgets:
     ) -> c.TransitionStats:
         """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short.
         The caller holds ``rec.lock``."""
-        actions = dict(self._policies.effective(rec.name).tag_actions)
+        # The default policy speaks for every worker: a tag this worker does not have is not its to act on.
+        tags = {t.tag for t in rec.tags()}
+        actions = {t: a for t, a in self._policies.effective(rec.name).tag_actions.items() if not tags or t in tags}
         if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
             return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
         log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)

@@ -1,13 +1,24 @@
 """The manager's calls that change a worker: each through the worker's link, bounded by the
 caller's deadline, and each answer applied to the worker's record at once (the answer's status is
-newer than any telemetry still on its way)."""
+newer than any telemetry still on its way).
+
+A call that ends without an answer (the caller's deadline passed, it was cancelled, the connection
+broke) leaves the worker's state unknown: the worker may still run it, queued behind a Generate or
+halfway through a sleep. Before the caller lets go of the worker's lock, the manager asks the worker
+until it says no transition is in progress, and applies what it says; only then may a lease be
+granted on the worker's state. A worker that does not answer is UNAVAILABLE.
+"""
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import time
-from collections.abc import Mapping
+from collections.abc import Awaitable, Mapping
+from typing import TypeVar
 
-from memsvc.errors import Unavailable
+from memsvc.errors import MemsvcError, Unavailable
+from memsvc.manager.links import WorkerLink
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
@@ -16,8 +27,17 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import Action, SleepLevel
 
+log = logging.getLogger("memsvc.manager")
+R = TypeVar("R")
+
 
 class WorkerCalls:
+    SETTLE_CALL_S = 5.0
+    """Deadline of one status call while settling."""
+    SETTLE_FIRST_S = 0.02
+    SETTLE_MAX_S = 1.0
+    """Pauses between status calls while the worker still reports a transition: doubling, at most this."""
+
     def __init__(self, registry: Registry, ingest: TelemetryIngest, settings: ManagerSettings) -> None:
         self._registry = registry
         self._ingest = ingest
@@ -46,16 +66,17 @@ class WorkerCalls:
             tag_actions={t: a.proto for t, a in actions.items()},
             request_id=request_id,
         )
-        resp = await self._registry.link(rec).sleep(req, self.timeout(deadline))
+        link, timeout = self._registry.link(rec), self.timeout(deadline)
+        resp = await self._answered(rec, link, link.sleep(req, timeout))
         await self._ingest.set_status(rec, resp.status, True, why)
         return resp.transition
 
     async def wake(
         self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: float | None
     ) -> c.TransitionStats:
-        resp = await self._registry.link(rec).wake_up(
-            w.WakeUpRequest(tags=tags, request_id=request_id), self.timeout(deadline)
-        )
+        link, timeout = self._registry.link(rec), self.timeout(deadline)
+        req = w.WakeUpRequest(tags=tags, request_id=request_id)
+        resp = await self._answered(rec, link, link.wake_up(req, timeout))
         await self._ingest.set_status(rec, resp.status, True, "wake")
         return resp.transition
 
@@ -63,6 +84,34 @@ class WorkerCalls:
         self, rec: WorkerRecord, request: w.SwapBlocksRequest, deadline: float | None
     ) -> w.SwapBlocksResponse:
         return await self._registry.link(rec).swap_blocks(request, self.timeout(deadline))
+
+    async def _answered(self, rec: WorkerRecord, link: WorkerLink, call: Awaitable[R]) -> R:
+        """``call``'s answer; without one, the worker's real state first (see the module)."""
+        try:
+            return await call
+        except (asyncio.CancelledError, Unavailable):
+            await asyncio.shield(self._settle(rec, link))
+            raise
+
+    async def _settle(self, rec: WorkerRecord, link: WorkerLink) -> None:
+        """Ask the worker until no transition is in progress there, applying each answer."""
+        give_up = time.monotonic() + self._settings.rpc_timeout
+        pause = self.SETTLE_FIRST_S
+        while True:
+            try:
+                status = await link.status(self.SETTLE_CALL_S)
+            except MemsvcError as exc:
+                await self._ingest.set_status(rec, None, False, f"no answer after a call without one: {exc}")
+                return
+            await self._ingest.set_status(rec, status, True, "status after a call without an answer")
+            if not status.transition_in_progress:
+                return
+            if time.monotonic() > give_up:
+                log.error("worker %s still reports a transition after %.0f s", rec.worker_id, give_up)
+                await self._ingest.set_status(rec, None, False, "a transition that does not end")
+                return
+            await asyncio.sleep(pause)
+            pause = min(pause * 2, self.SETTLE_MAX_S)
 
 
 __all__ = ["WorkerCalls"]

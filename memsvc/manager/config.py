@@ -52,12 +52,17 @@ def load_config(path: str | Path | None) -> ManagerConfig:
     if p.suffix in (".yaml", ".yml"):
         import yaml
 
-        raw = yaml.safe_load(text) or {}
+        try:
+            raw = yaml.safe_load(text) or {}
+        except yaml.YAMLError as exc:
+            raise InvalidArgument(f"config {p}: {exc}") from exc
     else:
         try:
             raw = tomllib.loads(text)
         except tomllib.TOMLDecodeError as exc:
             raise InvalidArgument(f"config {p}: {exc}") from exc
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"config {p}: expected tables [manager], [policy], [[workers]], got {type(raw).__name__}")
     unknown = set(raw) - {"manager", "policy", "workers"}
     if unknown:
         raise InvalidArgument(f"config {p}: unknown section(s) {sorted(unknown)}")
@@ -66,7 +71,10 @@ def load_config(path: str | Path | None) -> ManagerConfig:
     bad = set(mgr) - known
     if bad:
         raise InvalidArgument(f"config {p}: unknown [manager] key(s) {sorted(bad)}")
-    settings = ManagerSettings(**{k: float(v) for k, v in mgr.items()})
+    try:
+        settings = ManagerSettings(**{k: float(v) for k, v in mgr.items()})
+    except (TypeError, ValueError) as exc:
+        raise InvalidArgument(f"config {p}: [manager] values are seconds (numbers): {exc}") from None
     workers = []
     for entry in raw.get("workers", []):
         if "id" not in entry or "address" not in entry:

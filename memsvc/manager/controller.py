@@ -98,6 +98,9 @@ class Manager:
     async def register(self, worker_id: str, address: str, host: str, status: c.WorkerStatus | None) -> WorkerRecord:
         return self.registry.register(worker_id, address, host, status)
 
+    async def deregister(self, name: str) -> WorkerRecord:
+        return await self.registry.deregister(name)
+
     def get(self, name: str) -> WorkerRecord:
         return self.registry.get(name)
 

@@ -80,7 +80,10 @@ class InMemoryWorker:
     # ---- what a worker reports ----
     def status(self) -> c.WorkerStatus:
         s = c.WorkerStatus(
-            worker_id=self.worker_id, state=self.state.proto, sleep_level=SleepLevel.proto_of(self.sleep_level)
+            worker_id=self.worker_id,
+            state=self.state.proto,
+            sleep_level=SleepLevel.proto_of(self.sleep_level),
+            transition_in_progress=self._busy,
         )
         mapped = 0
         for name, t in sorted(self.tags.items()):
@@ -265,6 +268,11 @@ class _InMemoryLink:
         await asyncio.gather(*self._connecting, return_exceptions=True)
         if self in self._worker._links:
             self._worker._links.remove(self)
+
+    async def status(self, timeout: float) -> c.WorkerStatus:
+        if not self._worker.up:
+            raise Unavailable(f"worker {self._worker.worker_id}: UNAVAILABLE: connection refused")
+        return self._worker.status()
 
     async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
         return await asyncio.wait_for(self._worker.sleep(request), timeout)

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 
+from memsvc._limits import MAX_HOLDER_CHARS
 from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument, NotFound, Unavailable
 from memsvc.manager.budgets import Budgets
@@ -26,9 +27,6 @@ from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.vocabulary import BUSY_STATES, WorkerState
 
 log = logging.getLogger("memsvc.manager")
-
-MAX_HOLDER_CHARS = 256
-
 
 class Leases:
     def __init__(
@@ -88,9 +86,17 @@ class Leases:
             lease.expire_time = time.time() + ttl
             self._save(lease)
             return lease, rec
-        hit = self._replay.get(request_id, "AcquireWorker", rec.worker_id)
-        if hit is not None and hit in self.leases:
-            return self.leases[hit], rec
+
+        async def grant() -> str:
+            return await self._grant(rec, ttl, holder, deadline)
+
+        lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id)
+        if lease_id not in self.leases:  # released or expired since: this retry asks for a new one
+            self._replay.forget(request_id, rec.worker_id)
+            lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id)
+        return self.leases[lease_id], rec
+
+    async def _grant(self, rec: WorkerRecord, ttl: float, holder: str, deadline: float | None) -> str:
         self._registry.link(rec)
         lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
@@ -108,8 +114,7 @@ class Leases:
         self._save(lease)
         self._metrics.leases_granted.inc()
         self._ingest.update_metrics(rec)
-        self._replay.put(request_id, "AcquireWorker", lease.lease_id, rec.worker_id)
-        return lease, rec
+        return lease.lease_id
 
     async def _ensure_awake(self, rec: WorkerRecord, deadline: float | None) -> None:
         while True:
@@ -159,4 +164,4 @@ class Leases:
             self.release(lease.lease_id, expired=True)
 
 
-__all__ = ["MAX_HOLDER_CHARS", "Leases"]
+__all__ = ["Leases"]

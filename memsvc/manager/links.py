@@ -22,6 +22,7 @@ import grpc
 
 from memsvc._auth import Security, aio_channel
 from memsvc._rpc_errors import from_rpc_error
+from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
@@ -48,6 +49,8 @@ class WorkerLink(Protocol):
         """Reconnect now instead of after the backoff (the worker just registered)."""
 
     async def close(self) -> None: ...
+
+    async def status(self, timeout: float) -> c.WorkerStatus: ...
 
     async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse: ...
 
@@ -99,6 +102,12 @@ class GrpcWorkerLink:
         await self.channel.close()
 
     # ---- calls ----
+    async def status(self, timeout: float) -> c.WorkerStatus:
+        try:
+            return (await self.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=timeout)).status
+        except grpc.aio.AioRpcError as err:
+            raise from_rpc_error(err, self.worker_id) from None
+
     async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
         try:
             return await self.stub.Sleep(request, timeout=timeout)

@@ -1,12 +1,31 @@
 """Prometheus metrics of the manager, named memsvc_* in base units (bytes, seconds, totals).
 
 Gauges mirror the latest status each worker reported, so the endpoint and GetWorker agree.
+
+The HTTP port (``--metrics-listen``, :func:`serve_http`) answers ``/metrics`` and ``/healthz`` and
+404 for anything else. When the manager has a bearer token, ``/metrics`` needs it too
+(``Authorization: Bearer <token>``, as Prometheus sends it with ``authorization: {credentials_file}``;
+401 with ``WWW-Authenticate: Bearer`` otherwise): the series name every worker, its memory, its
+state and its leases, which the gRPC API only shows to token holders. ``/healthz`` stays
+open, like gRPC health, so a probe needs no secret; it reveals only that the port answers.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, start_http_server
+import contextlib
+import hmac
+import logging
+import socket
+import threading
+from collections.abc import Iterable
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
+
+from memsvc._auth import bearer_token
 from memsvc.v1 import common_pb2 as c
 from memsvc.vocabulary import WorkerState
 
@@ -52,10 +71,10 @@ class ManagerMetrics:
         )
         self._tags: dict[str, set[str]] = {}
 
-    def serve(self, listen: str) -> tuple[str, int]:
-        host, _, port = listen.rpartition(":")
-        server, _thread = start_http_server(int(port), addr=host or "0.0.0.0", registry=self.registry)
-        return host, int(server.server_port)
+    def serve(self, listen: str, token: str = "") -> tuple[str, int]:
+        """Serve ``/metrics`` and ``/healthz`` on ``listen`` (``host:0`` picks a port) from a daemon
+        thread; ``/metrics`` needs ``token`` when one is given. The host and the bound port."""
+        return serve_http(listen, http_app(self.registry, token))
 
     def update_worker(
         self, worker_id: str, reachable: bool, state: WorkerState, status: c.WorkerStatus | None, leases: int
@@ -76,7 +95,93 @@ class ManagerMetrics:
             self.allocated.labels(worker_id, t.tag).set(t.allocated_bytes)
         self._tags[worker_id] = seen
 
+    def forget_worker(self, worker_id: str) -> None:
+        """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
+        for gauge in (self.up, self.device_free, self.leases):
+            with contextlib.suppress(KeyError):
+                gauge.remove(worker_id)
+        for s in STATES:
+            with contextlib.suppress(KeyError):
+                self.state.remove(worker_id, s)
+        for tag in self._tags.pop(worker_id, set()):
+            for per_tag in (self.mapped, self.offloaded, self.allocated):
+                with contextlib.suppress(KeyError):
+                    per_tag.remove(worker_id, tag)
+        for counter in (self.transitions, self.moved):
+            for labels in [key for key in counter._metrics if key[0] == worker_id]:
+                counter.remove(*labels)
+
     def transition(self, worker_id: str, t: c.TransitionStats) -> None:
         self.transitions.labels(worker_id, t.kind).inc()
         self.moved.labels(worker_id, t.kind).inc(t.moved_bytes)
         self.duration.labels(t.kind).observe(t.duration.ToNanoseconds() / 1e9)
+
+
+# ---- the HTTP port ----
+log = logging.getLogger("memsvc.metrics")
+METRICS_PATH = "/metrics"
+HEALTH_PATH = "/healthz"
+
+
+def _plain(start_response: StartResponse, status: str, text: str, headers: Iterable[tuple[str, str]] = ()
+           ) -> list[bytes]:  # fmt: skip
+    body = text.encode()
+    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
+                            *headers])  # fmt: skip
+    return [body]
+
+
+def http_app(registry: CollectorRegistry, token: str = "") -> WSGIApplication:
+    """The WSGI app of the metrics port: prometheus_client's exposition behind the token check.
+
+    Exact paths only (prometheus_client alone answers every path with the metrics, which hid typos
+    in scrape configs and made every URL a metrics URL). The token is compared with
+    ``hmac.compare_digest``, as on the gRPC port; the header arrives as a latin-1 native string
+    (PEP 3333), so it is turned back into its bytes before comparing with the token's UTF-8.
+    """
+    metrics: WSGIApplication = make_wsgi_app(registry)
+    expected = token.encode()
+
+    def app(environ: WSGIEnvironment, start_response: StartResponse) -> Iterable[bytes]:
+        path = environ.get("PATH_INFO") or "/"
+        if path == HEALTH_PATH:
+            return _plain(start_response, "200 OK", "ok\n")
+        if path != METRICS_PATH:
+            return _plain(start_response, "404 Not Found", f"not found: try {METRICS_PATH} or {HEALTH_PATH}\n")
+        if expected:
+            header = environ.get("HTTP_AUTHORIZATION")
+            given = bearer_token([("authorization", header)]) if header else None
+            if given is None:
+                return _plain(start_response, "401 Unauthorized", "send 'Authorization: Bearer <token>'\n",
+                              [("WWW-Authenticate", 'Bearer realm="memsvc"')])  # fmt: skip
+            if not hmac.compare_digest(given.encode("latin-1"), expected):
+                return _plain(start_response, "401 Unauthorized", "invalid bearer token\n",
+                              [("WWW-Authenticate", 'Bearer realm="memsvc", error="invalid_token"')])  # fmt: skip
+        return metrics(environ, start_response)
+
+    return app
+
+
+class _Handler(WSGIRequestHandler):
+    """Request lines go to the debug log, not stderr (a scrape every few seconds is noise)."""
+
+    def log_message(self, format: str, *args: Any) -> None:
+        log.debug("%s: " + format, self.address_string(), *args)
+
+
+class _Server(ThreadingMixIn, WSGIServer):
+    """A thread per request, daemonic so a stuck client cannot hold up the manager's exit."""
+
+    daemon_threads = True
+
+
+def serve_http(listen: str, app: WSGIApplication) -> tuple[str, int]:
+    """Serve ``app`` on ``listen`` (``host:port``, ``[v6]:port``; an empty host is every IPv4
+    address) from a daemon thread; the host as given and the bound port (``:0`` works)."""
+    host, _, port = listen.rpartition(":")
+    bind = host.strip("[]") or "0.0.0.0"
+    family, *_, sockaddr = socket.getaddrinfo(bind, int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE)[0]
+    server_class = type("_FamilyServer", (_Server,), {"address_family": family})
+    httpd: WSGIServer = make_server(str(sockaddr[0]), int(port), app, server_class, handler_class=_Handler)
+    threading.Thread(target=httpd.serve_forever, name="memsvc-metrics-http", daemon=True).start()
+    return host, int(httpd.server_port)

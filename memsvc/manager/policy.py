@@ -8,13 +8,18 @@ through to the store; the manager reads a worker's effective policy on every tim
 
 from __future__ import annotations
 
+import logging
+import math
 from dataclasses import dataclass, field, replace
 from typing import Any
 
+from memsvc._limits import MAX_POLICY_TAGS
 from memsvc.errors import InvalidArgument
 from memsvc.manager.store import Store
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
+
+log = logging.getLogger("memsvc.manager.policy")
 
 FIELDS = ("tag_actions", "idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes")
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
@@ -63,6 +68,11 @@ def fields_from_proto(p: m.Policy, paths: list[str]) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for f in paths or FIELDS:
         if f == "tag_actions":
+            if len(p.tag_actions) > MAX_POLICY_TAGS:
+                raise InvalidArgument(
+                    f"tag_actions names {len(p.tag_actions)} tags, at most {MAX_POLICY_TAGS}",
+                    metadata={"field": f, "maxTags": str(MAX_POLICY_TAGS)},
+                )
             out[f] = {check_tag(tag): Action.from_proto(act, tag) for tag, act in p.tag_actions.items()}
         elif f in ("idle_sleep_timeout", "idle_deep_sleep_timeout"):
             d = getattr(p, f)
@@ -96,15 +106,95 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
                 out[key] = {check_tag(str(t)): Action.parse(a, str(t)) for t, a in dict(value).items()}
             except InvalidArgument as exc:
                 raise InvalidArgument(f"config: {exc}") from None
-        elif key in ("idle_sleep_timeout", "idle_deep_sleep_timeout"):
-            out[key] = float(value)
-        elif key in ("device_budget_bytes", "host_budget_bytes"):
-            out[key] = int(value)
+        elif key in ("idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes"):
+            kind = float if key.endswith("timeout") else int
+            try:
+                out[key] = kind(value)
+            except (TypeError, ValueError):
+                raise InvalidArgument(f"config: {key} must be a number, got {value!r}") from None
         else:
             raise InvalidArgument(f"config: unknown policy key {key!r}")
         if isinstance(out[key], int | float) and out[key] < 0:
             raise InvalidArgument(f"config: {key} must not be negative")
     return out
+
+
+_TIMEOUTS = ("idle_sleep_timeout", "idle_deep_sleep_timeout")
+
+
+def _stored_as_proto(name: str, value: object) -> m.Policy:
+    """A stored field as the UpdatePolicy message that would have set it, so that the rules of
+    :func:`fields_from_proto` judge what the file holds: one set of rules for requests and the store.
+
+    TypeError, ValueError or OverflowError for a value no request could carry (a string, a bool,
+    NaN, a number out of the proto's range).
+    """
+    p = m.Policy()
+    if name == "tag_actions":
+        if not isinstance(value, dict) or not all(_is_int(a) for a in value.values()):
+            raise TypeError(f"{value!r:.100} is not a map of tag to action number")
+        for tag, action in value.items():
+            p.tag_actions[tag] = action
+    elif name in _TIMEOUTS:
+        if isinstance(value, bool) or not isinstance(value, int | float):
+            raise TypeError(f"{value!r:.100} is not a number of seconds")
+        if not math.isfinite(value):
+            raise ValueError(f"{value!r} is not a number of seconds")
+        getattr(p, name).FromNanoseconds(round(value * 1e9))
+    else:
+        if not _is_int(value):
+            raise TypeError(f"{value!r:.100} is not a byte count")
+        setattr(p, name, value)
+    return p
+
+
+def _is_int(value: object) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool)
+
+
+def fields_from_store(raw: object, where: str, fallback: str) -> tuple[dict[str, Any], dict[str, Any]]:
+    """One stored scope's fields, each validated as UpdatePolicy validates it: (usable, unknown).
+
+    The file may have been written by a newer memsvc (a field this one does not know) or edited by
+    hand (a wrong type, a negative timeout, an action number that does not exist). Neither may stop
+    the manager or make GetPolicy fail, so each such field is left out with a warning naming
+    ``where`` (the file and scope) and the field; ``fallback`` says what applies instead. Unknown
+    fields come back separately so that a later write keeps them for the version that knows them.
+    """
+    if not isinstance(raw, dict):
+        log.warning("%s: the stored fields are not a JSON object (%.100r), ignored; %s", where, raw, fallback)
+        return {}, {}
+    usable: dict[str, Any] = {}
+    unknown: dict[str, Any] = {}
+    for name, value in raw.items():
+        if name not in FIELDS:
+            log.warning("%s: ignoring unknown field %r (written by a newer memsvc?); it stays in the file", where, name)
+            unknown[name] = value
+            continue
+        try:
+            usable[name] = fields_from_proto(_stored_as_proto(name, value), [name])[name]
+        except (InvalidArgument, TypeError, ValueError, OverflowError) as exc:
+            log.warning("%s: dropping stored %s (%s); %s", where, name, exc, fallback)
+    return usable, unknown
+
+
+def consistent_fields(base: Policy, fields: dict[str, Any], where: str, fallback: str) -> dict[str, Any]:
+    """``fields`` less the stored timeouts that make ``base`` with them fail :func:`check` (tier 2
+    before tier 1), so that a hand-edited or older file cannot make a policy GetPolicy would show
+    but UpdatePolicy would refuse. Tier 2's timeout goes first, as the deeper and costlier sleep;
+    ``base`` (the built-in policy, or the effective default) is valid, so dropping both always ends
+    with a valid policy."""
+    fields = dict(fields)
+    for name in ("idle_deep_sleep_timeout", "idle_sleep_timeout"):
+        try:
+            check(base.with_fields(fields))
+            return fields
+        except InvalidArgument as exc:
+            if name in fields:
+                log.warning("%s: dropping stored %s (%s); %s", where, name, exc, fallback)
+                del fields[name]
+    check(base.with_fields(fields))
+    return fields
 
 
 class Policies:
@@ -113,17 +203,38 @@ class Policies:
 
     def __init__(self, store: Store, seed: dict[str, Any] | None = None) -> None:
         self._store = store
-        stored = store.policy_fields(Store.DEFAULT_SCOPE)
-        if stored is None:  # the config file seeds the default; later UpdatePolicy calls win
-            stored = check(Policy().with_fields(seed or {})).to_fields()
-            store.save_policy_fields(Store.DEFAULT_SCOPE, stored)
-        self.default = Policy().with_fields(stored)
-        self._overrides: dict[str, dict[str, Any]] = {}
+        self._unknown: dict[str, dict[str, Any]] = {}
+        """Per scope, the stored fields this version does not know: written back with its own."""
+        stored = store.policies()  # all of them now, so that what is wrong with the file is logged at start
+        if Store.DEFAULT_SCOPE in stored:
+            fields = self._load(Policy(), Store.DEFAULT_SCOPE, stored.pop(Store.DEFAULT_SCOPE))
+            self.default = Policy().with_fields(fields)
+        else:  # the config file seeds the default; later UpdatePolicy calls win
+            self.default = check(Policy().with_fields(seed or {}))
+            store.save_policy_fields(Store.DEFAULT_SCOPE, self.default.to_fields())
+        self._overrides: dict[str, dict[str, Any]] = {
+            scope: self._load(self.default, scope, raw) for scope, raw in stored.items()
+        }
+
+    def _load(self, base: Policy, scope: str, raw: object) -> dict[str, Any]:
+        """The usable fields of one stored scope (the file itself is left as it is)."""
+        if scope == Store.DEFAULT_SCOPE:
+            where = f"manager database {self._store.path}: the default policy"
+            fallback = "the built-in value applies until UpdatePolicy sets it"
+        else:
+            where = f"manager database {self._store.path}: {scope}'s policy override"
+            fallback = "the default policy's value applies"
+        fields, self._unknown[scope] = fields_from_store(raw, where, fallback)
+        return consistent_fields(base, fields, where, fallback)
+
+    def _save(self, scope: str, fields: dict[str, Any]) -> None:
+        self._store.save_policy_fields(scope, {**self._unknown.get(scope, {}), **fields})
 
     def overrides(self, scope: str) -> dict[str, Any]:
         """The fields a worker overrides (empty when none)."""
         if scope not in self._overrides:
-            self._overrides[scope] = self._store.policy_fields(scope) or {}
+            raw = self._store.policy_fields(scope)
+            self._overrides[scope] = {} if raw is None else self._load(self.default, scope, raw)
         return self._overrides[scope]
 
     def effective(self, scope: str | None) -> Policy:
@@ -143,7 +254,7 @@ class Policies:
                     check(new.with_fields(override))
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"{scope}'s overrides would become invalid: {exc}") from None
-        self._store.save_policy_fields(Store.DEFAULT_SCOPE, new.to_fields())
+        self._save(Store.DEFAULT_SCOPE, new.to_fields())
         self.default = new
         return new
 
@@ -152,9 +263,18 @@ class Policies:
         stored = {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}
         override = {**self.overrides(scope), **stored}
         new = check(self.default.with_fields(override))
-        self._store.save_policy_fields(scope, override)
+        self._save(scope, override)
         self._overrides[scope] = override
         return new
 
 
-__all__ = ["FIELDS", "Policies", "Policy", "check", "fields_from_config", "fields_from_proto"]
+__all__ = [
+    "FIELDS",
+    "Policies",
+    "Policy",
+    "check",
+    "consistent_fields",
+    "fields_from_config",
+    "fields_from_proto",
+    "fields_from_store",
+]

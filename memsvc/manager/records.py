@@ -6,6 +6,7 @@ import asyncio
 import time
 from dataclasses import dataclass, field
 
+from memsvc._limits import MAX_ID_BYTES
 from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
@@ -17,7 +18,7 @@ NAME_PREFIX = "workers/"
 def worker_id_from_name(name: str) -> str:
     """``workers/{id}`` or a bare id -> id (validated)."""
     wid = name[len(NAME_PREFIX) :] if name.startswith(NAME_PREFIX) else name
-    if not wid or len(wid) > 128 or "/" in wid or not wid.isprintable():
+    if not wid or len(wid.encode()) > MAX_ID_BYTES or "/" in wid or not wid.isprintable():
         raise InvalidArgument(f"bad worker name {name!r}: use workers/<id>", metadata={"name": name})
     return wid
 
@@ -44,6 +45,10 @@ class WorkerRecord:
     status: c.WorkerStatus | None = None
     reachable: bool = False
     last_seen: float = 0.0
+    """Wall-clock time the worker was last heard from (for operators: ``last_seen_time``)."""
+    heard: float = field(default_factory=time.monotonic)
+    """Monotonic time of the same (for the manager's own clocks: silence, forgetting); the
+    record's creation until the worker says something."""
     idle_since: float = field(default_factory=time.time)
     leases: dict[str, Lease] = field(default_factory=dict)
     status_time_ns: int = 0

@@ -8,7 +8,8 @@ import logging
 import time
 from collections.abc import Iterator
 
-from memsvc.errors import InvalidArgument, NotFound, Unavailable
+from memsvc._limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_PAGE_SIZE, MAX_STATUS_BYTES, MAX_WORKERS, check_length
+from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable, WrongState
 from memsvc.manager.background import Background
 from memsvc.manager.links import LinkFactory, WorkerLink
 from memsvc.manager.records import WorkerRecord, worker_id_from_name
@@ -19,7 +20,6 @@ from memsvc.v1 import model_worker_service_pb2 as w
 
 log = logging.getLogger("memsvc.manager")
 
-MAX_PAGE_SIZE = 1000
 DEFAULT_PAGE_SIZE = 50
 
 
@@ -69,21 +69,55 @@ class Registry:
                 log.error("closing the link to %s failed", link.address, exc_info=result)
 
     def register(self, worker_id: str, address: str, host: str, status: c.WorkerStatus | None) -> WorkerRecord:
-        """RegisterWorker: a worker announces itself (at start and as its heartbeat)."""
+        """RegisterWorker: a worker announces itself (at start and as its heartbeat). Every field it
+        makes the manager keep is bounded (memsvc/_limits.py), and so is the number of records."""
         worker_id = worker_id_from_name(worker_id)
+        check_length(address, MAX_ADDRESS_BYTES, "address")
+        check_length(host, MAX_HOST_BYTES, "host")
         host_part, _, port = address.rpartition(":")
         if not host_part or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(
                 f"address must be host:port with a port in 1..65535, got {address!r}", metadata={"address": address}
             )
+        if status is not None and status.ByteSize() > MAX_STATUS_BYTES:
+            raise InvalidArgument(
+                f"status must be at most {MAX_STATUS_BYTES} bytes serialized, got {status.ByteSize()}",
+                metadata={"field": "status", "maxBytes": str(MAX_STATUS_BYTES)},
+            )
         known = worker_id in self.workers
+        if not known and len(self.workers) >= MAX_WORKERS:
+            raise Overloaded(
+                f"the manager keeps {MAX_WORKERS} workers, its most; deregister one first",
+                metadata={"maxWorkers": str(MAX_WORKERS)},
+            )
         rec = self.add(worker_id, address, host, False)
         self._store.save_worker(StoredWorker(worker_id, address, rec.host, rec.configured, time.time()))
-        rec.last_seen = time.time()
+        rec.last_seen, rec.heard = time.time(), time.monotonic()
         if not rec.reachable:
             self.links[worker_id].poke()
         if not known:
             log.info("worker %s registered at %s", worker_id, address)
+        return rec
+
+    async def deregister(self, name: str) -> WorkerRecord:
+        """Forget a worker: its record, stored registration and link. Refused while leased (that
+        would break the lease); a worker that registers again is known again."""
+        rec = self.get(name)
+        if rec.leases:
+            raise WrongState(
+                f"worker {rec.worker_id} holds {len(rec.leases)} lease(s); release them first",
+                metadata={"leaseCount": str(len(rec.leases))},
+            )
+        async with rec.lock:  # no transition of the manager's is running on it
+            if rec.leases:
+                raise WrongState(f"worker {rec.worker_id} was leased meanwhile", metadata={"leaseCount": "1"})
+            del self.workers[rec.worker_id]
+            link = self.links.pop(rec.worker_id, None)
+            self._store.delete_worker(rec.worker_id)
+            self._ingest.forget(rec)
+        if link is not None:
+            await link.close()
+        log.info("worker %s deregistered", rec.worker_id)
         return rec
 
     def get(self, name: str) -> WorkerRecord:

@@ -7,6 +7,7 @@ from collections.abc import AsyncIterator
 from typing import Any
 
 from memsvc._rpc_errors import Context
+from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument
 from memsvc.manager.controller import Manager
 from memsvc.manager.records import worker_id_from_name
@@ -34,6 +35,10 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         resp.heartbeat_interval.FromNanoseconds(int(self.manager.settings.heartbeat_interval * 1e9))
         return resp
 
+    async def DeregisterWorker(self, request: m.DeregisterWorkerRequest, context: Any) -> m.DeregisterWorkerResponse:
+        await self.manager.deregister(request.name)
+        return m.DeregisterWorkerResponse()
+
     async def ListWorkers(self, request: m.ListWorkersRequest, context: Any) -> m.ListWorkersResponse:
         page, token = self.manager.list_workers(request.page_size, request.page_token)
         return m.ListWorkersResponse(workers=[r.to_proto() for r in page], next_page_token=token)
@@ -54,6 +59,13 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         return m.WakeWorkerResponse(worker=rec.to_proto(), transition=t)
 
     async def SwapWorkerBlocks(self, request: m.SwapWorkerBlocksRequest, context: Any) -> m.SwapWorkerBlocksResponse:
+        # The shape first, by field lengths alone: an oversized request costs no pass over its blocks.
+        # The worker checks the ids; the raw form passes through as two byte strings.
+        swap_block_count(
+            len(request.pairs), len(request.src_blocks), len(request.dst_blocks),
+            len(request.src_blocks_u32le), len(request.dst_blocks_u32le),
+        )  # fmt: skip
+        self.manager.get(request.name)
         req = w.SwapBlocksRequest(
             direction=request.direction, pairs=request.pairs, method=request.method,
             src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,

@@ -23,6 +23,10 @@ class ManagerSettings:
     """A worker silent this long (no telemetry, no heartbeat) is UNAVAILABLE; 0 = 3 heartbeats, at
     least 3 s (telemetry snapshots come every second)."""
 
+    forget_after: float = 0.0
+    """A self-registered worker unreachable this long (and not leased) is deregistered: its record and
+    stored registration go, as by DeregisterWorker. 0 = never. Configured workers are never forgotten."""
+
     @property
     def silence_limit(self) -> float:
         return self.unavailable_after or max(3.0, 3 * self.heartbeat_interval)

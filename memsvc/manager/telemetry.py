@@ -16,6 +16,7 @@ from memsvc.manager.watch import WatchEvent, WatchHub
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")
 
@@ -42,7 +43,7 @@ class TelemetryIngest:
             rec.status = status
         rec.reachable = reachable
         if reachable:
-            rec.last_seen = time.time()
+            rec.last_seen, rec.heard = time.time(), time.monotonic()
         new = rec.state
         if new != old:
             msg = m.WatchWorkersResponse(worker=rec.to_proto())
@@ -80,6 +81,16 @@ class TelemetryIngest:
     def publish_snapshot(self, rec: WorkerRecord) -> None:
         msg = m.WatchWorkersResponse(worker=rec.to_proto())
         msg.snapshot.CopyFrom(msg.worker)
+        self.publish(rec, msg)
+
+    def forget(self, rec: WorkerRecord) -> None:
+        """A deregistered worker: its metric series go, watchers see it UNSPECIFIED for the last time."""
+        self.metrics.forget_worker(rec.worker_id)
+        msg = m.WatchWorkersResponse(worker=rec.to_proto())
+        msg.worker.state = WorkerState.UNSPECIFIED.proto
+        msg.state_change.CopyFrom(
+            c.StateChange(from_state=rec.state.proto, to_state=WorkerState.UNSPECIFIED.proto, reason="deregistered")
+        )
         self.publish(rec, msg)
 
     def update_metrics(self, rec: WorkerRecord) -> None:

@@ -29,6 +29,9 @@ log = logging.getLogger("memsvc.manager")
 
 
 class IdleTimers:
+    PAUSE_S = 1.0
+    """A gap between ticks longer than this (or 5 intervals) means the manager itself was paused."""
+
     def __init__(
         self,
         registry: Registry,
@@ -52,6 +55,8 @@ class IdleTimers:
         self._background = background
         self._next_attempt: dict[str, float] = {}
         """After a failed idle sleep: not before this time again, per worker."""
+        self._last_tick = 0.0
+        self._resumed = 0.0
 
     async def run_forever(self) -> None:
         while True:
@@ -64,14 +69,18 @@ class IdleTimers:
     def tick(self) -> None:
         now = time.time()
         self._leases.expire(now)
+        running_since = self._running_since()
         for rec in self._registry:  # a hung worker keeps its TCP stream open but says nothing
-            if rec.reachable and now - rec.last_seen > self._settings.silence_limit:
-                silent = now - rec.last_seen
-                rec.last_seen = now  # once per silence period
+            silent = time.monotonic() - max(rec.heard, running_since)
+            if rec.reachable and silent > self._settings.silence_limit:
+                rec.heard = time.monotonic()  # once per silence period
                 self._background.spawn(
                     self._ingest.on_down(rec, f"silent for {silent:.1f} s"), f"silent {rec.worker_id}"
                 )
                 self._registry.links[rec.worker_id].restart()
+            elif self._forgotten(rec):
+                log.info("worker %s unreachable for %.0f s: forgetting it", rec.worker_id, silent)
+                self._background.spawn(self._registry.deregister(rec.name), f"forget {rec.worker_id}")
         for rec in self._registry:
             if not rec.reachable or rec.leases or rec.lock.locked():
                 continue
@@ -88,6 +97,30 @@ class IdleTimers:
                 and rec.offloaded_bytes > 0
             ):
                 self._background.spawn(self._idle_sleep(rec, 2), f"deep sleep {rec.worker_id}")
+
+    def _running_since(self) -> float:
+        """When the manager's current run of ticks began (monotonic). A tick that comes far later than
+        the interval means the manager itself was not running (SIGSTOP, a long GC or swap pause, a
+        starved host): silence is measured from then, not across the pause, or every healthy worker
+        would read as silent the moment the manager resumes."""
+        now = time.monotonic()
+        if now - self._last_tick > max(self.PAUSE_S, 5 * self._settings.tick_interval):
+            if self._last_tick:
+                log.warning("the manager did not run for %.1f s; silence counts from now", now - self._last_tick)
+            self._resumed = now
+        self._last_tick = now
+        return self._resumed
+
+    def _forgotten(self, rec: WorkerRecord) -> bool:
+        after = self._settings.forget_after
+        return bool(
+            after
+            and not rec.reachable
+            and not rec.configured
+            and not rec.leases
+            and not rec.lock.locked()
+            and time.monotonic() - rec.heard > after
+        )
 
     async def _idle_sleep(self, rec: WorkerRecord, tier: int) -> None:
         if rec.lock.locked():

@@ -35,9 +35,20 @@ class Transitions:
         deadline: float | None,
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
-        hit = self._replay.get(request_id, "SleepWorker", rec.worker_id)
-        if hit is not None:
-            return rec, hit
+
+        async def sleep() -> c.TransitionStats:
+            return await self._sleep(rec, level, tag_actions, request_id, deadline)
+
+        return rec, await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id)
+
+    async def _sleep(
+        self,
+        rec: WorkerRecord,
+        level: SleepLevel | None,
+        tag_actions: dict[str, Action],
+        request_id: str,
+        deadline: float | None,
+    ) -> c.TransitionStats:
         self._registry.link(rec)
         async with rec.lock:
             if rec.leases:
@@ -55,23 +66,22 @@ class Transitions:
                         metadata={"neededBytes": str(need)},
                     )
                 t = await self._calls.sleep(rec, level, tag_actions, request_id, deadline, "SleepWorker")
-        self._replay.put(request_id, "SleepWorker", t, rec.worker_id)
-        return rec, t
+        return t
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: float | None
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
-        hit = self._replay.get(request_id, "WakeWorker", rec.worker_id)
-        if hit is not None:
-            return rec, hit
-        self._registry.link(rec)
-        async with rec.lock:
-            await self._budgets.make_device_room(rec, tags or None, deadline)
-            t = await self._calls.wake(rec, tags, request_id, deadline)
-            rec.idle_since = time.time()
-        self._replay.put(request_id, "WakeWorker", t, rec.worker_id)
-        return rec, t
+
+        async def wake() -> c.TransitionStats:
+            self._registry.link(rec)
+            async with rec.lock:
+                await self._budgets.make_device_room(rec, tags or None, deadline)
+                t = await self._calls.wake(rec, tags, request_id, deadline)
+                rec.idle_since = time.time()
+            return t
+
+        return rec, await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id)
 
     async def swap_blocks(
         self, name: str, request: w.SwapBlocksRequest, deadline: float | None

@@ -220,12 +220,25 @@ class KvCache:
         except KeyError:
             raise NotFound(f"no sequence {seq_id!r}") from None
 
+    @property
+    def max_sequences(self) -> int:
+        """Most sequences the cache keeps: one per block of both pools (a sequence with tokens
+        holds at least one block; this also bounds those kept with none)."""
+        return self.device.num_blocks + self.host.num_blocks
+
     def allocate_sequence(self, seq_id: str, tokens: Iterable[int] = ()) -> Sequence:
-        """A new sequence with no blocks yet (see :meth:`ensure_capacity`)."""
+        """A new sequence with no blocks yet (see :meth:`ensure_capacity`).
+
+        OutOfMemory when :attr:`max_sequences` are kept already."""
         if not isinstance(seq_id, str) or not seq_id:
             raise InvalidArgument(f"sequence id must be a non-empty string, got {seq_id!r}")
         if seq_id in self._seqs:
             raise InvalidArgument(f"sequence {seq_id!r} already exists")
+        if len(self._seqs) >= self.max_sequences:
+            raise OutOfMemory(
+                f"KV cache: {len(self._seqs)} sequences are kept, the most it holds; free one first",
+                metadata={"maxSequences": str(self.max_sequences)},
+            )
         seq = Sequence(seq_id, self._table, self._next_handle, tokens)
         self._next_handle += 1
         self._seqs[seq_id] = self._by_handle[seq.handle] = seq
@@ -254,18 +267,30 @@ class KvCache:
         self._free["device"] -= needed
         seq._slots = np.concatenate((seq._slots, slots))
 
+    def shrink(self, seq_id: str, num_blocks: int) -> None:
+        """Give back the sequence's blocks beyond its first ``num_blocks`` (a failed call's additions)."""
+        seq = self.sequence(seq_id)
+        self._give_back(seq._slots[num_blocks:])
+        seq._slots = seq._slots[:num_blocks].copy()
+
     def free_sequence(self, seq_id: str) -> None:
         """Forget the sequence and return its blocks, in whichever pool they are, to the free lists."""
         seq = self.sequence(seq_id)
-        blocks, host = self._table.block[seq._slots], self._table.host[seq._slots]
+        self._give_back(seq._slots)
+        seq._slots = np.zeros(0, np.int64)  # a Sequence object kept by someone must not read reused slots
+        del self._seqs[seq_id], self._by_handle[seq.handle]
+
+    def _give_back(self, slots: np.ndarray) -> None:
+        """Free the blocks these table slots name, in whichever pool, and the slots themselves."""
+        if not len(slots):
+            return
+        blocks, host = self._table.block[slots], self._table.host[slots]
         self._owner["device"][blocks[~host]] = _FREE
         self._owner["host"][blocks[host]] = _FREE
         on_host = int(np.count_nonzero(host))
         self._free["device"] += len(blocks) - on_host
         self._free["host"] += on_host
-        self._table.give_back(seq._slots)
-        seq._slots = np.zeros(0, np.int64)  # a Sequence object kept by someone must not read reused slots
-        del self._seqs[seq_id], self._by_handle[seq.handle]
+        self._table.give_back(slots)
 
     def drop_all(self) -> None:
         """Forget every sequence and free every block of both pools."""

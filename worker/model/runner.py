@@ -10,10 +10,10 @@ from __future__ import annotations
 
 import threading
 import uuid
-from collections.abc import Iterable, Sequence
+from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypedDict
 
-from memsvc.errors import InvalidArgument, WrongState
+from memsvc.errors import Cancelled, InvalidArgument, WrongState
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
@@ -67,14 +67,25 @@ class ModelRunner:
         self._rope = Rope.build(self.config, alloc.torch_device)
 
     # ---- generation ----
-    def generate(self, prompt_ids: Sequence[int], max_new_tokens: int, sequence_id: str | None = None) -> list[int]:
+    def generate(
+        self,
+        prompt_ids: Sequence[int],
+        max_new_tokens: int,
+        sequence_id: str | None = None,
+        should_stop: Callable[[], bool] | None = None,
+    ) -> list[int]:
         """Greedy decoding: ``max_new_tokens`` token ids after the prompt.
 
         With ``sequence_id`` the sequence and its KV cache stay after the call and a later call with
         the same id continues it (``prompt_ids`` may then be empty, or add tokens first). Without,
-        the sequence is temporary. Errors: InvalidArgument (bad ids or counts, a new sequence without
-        prompt, beyond ``max_position_embeddings``), WrongState (sequence swapped out, memory
-        asleep), OutOfMemory (too few free KV blocks; nothing changed).
+        the sequence is temporary. ``should_stop`` is asked before every step: when it says yes (the
+        caller left) generation stops with Cancelled.
+
+        A call that fails keeps nothing: a sequence it created is freed, one it continued is put back
+        as it was (tokens, cached positions, blocks). Errors: InvalidArgument (bad ids or counts, a new
+        sequence without prompt, beyond ``max_position_embeddings``), WrongState (sequence swapped
+        out, memory asleep), OutOfMemory (too few free KV blocks, or too many sequences kept),
+        Cancelled.
         """
         prompt = self._check_tokens(prompt_ids)
         n = max_new_tokens
@@ -97,18 +108,17 @@ class ModelRunner:
 
             seq_id = sequence_id if sequence_id is not None else f"tmp-{uuid.uuid4().hex}"
             seq = existing if existing is not None else self.kv_cache.allocate_sequence(seq_id)
+            kept = (len(seq.tokens), seq.num_cached, len(seq.block_ids))
+            done = False
             try:
                 if n:  # the last generated token is not fed, so total - 1 positions get K/V
                     self.kv_cache.ensure_capacity(seq_id, total - 1)
-            except BaseException:
-                if existing is None:
-                    self.kv_cache.free_sequence(seq_id)
-                raise
-            try:
                 self.kv_cache.wait_copies()  # swaps begun earlier may still be writing these blocks
                 seq.tokens.extend(prompt)
                 out: list[int] = []
                 for _ in range(n):
+                    if should_stop is not None and should_stop():
+                        raise Cancelled("generation stopped: the caller left")
                     logits = forward(
                         self.weights, self.config, self._rope, self.kv_cache.device.tensor, seq.block_ids,
                         seq.tokens[seq.num_cached :], seq.num_cached,
@@ -117,10 +127,15 @@ class ModelRunner:
                     token = int(logits.argmax())
                     seq.tokens.append(token)
                     out.append(token)
+                done = True
                 return out
             finally:
-                if sequence_id is None:
+                if sequence_id is None or (not done and existing is None):
                     self.kv_cache.free_sequence(seq_id)
+                elif not done:  # a continued sequence goes back to what it was before the call
+                    del seq.tokens[kept[0] :]
+                    seq.num_cached = kept[1]
+                    self.kv_cache.shrink(seq_id, kept[2])
 
     def _check_tokens(self, ids: Sequence[int]) -> list[int]:
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):

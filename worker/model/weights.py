@@ -121,14 +121,9 @@ def _shard_files(path: Path) -> dict[str, Path]:
     return where
 
 
-@torch.no_grad()
-def load_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
-    """Copy a Hugging Face safetensors checkpoint into the existing weight tensors, in place.
-
-    Every tensor's presence and shape is checked before the first byte is copied, so a wrong or
-    incomplete checkpoint leaves the weights as they were. Tensors the model does not use (a saved
-    ``lm_head`` of a tied model, rotary buffers) are ignored; dtypes are converted to the config's.
-    """
+def check_checkpoint(path: str | os.PathLike[str], config: ModelConfig) -> dict[Path, list[str]]:
+    """Which file holds which of the model's tensors, after checking every tensor is there with the
+    config's shape: reads the files' headers only, not their data."""
     root = Path(path)
     if not root.is_dir():
         raise NotFound(f"checkpoint directory {root} does not exist")
@@ -151,7 +146,18 @@ def load_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Te
                     raise InvalidArgument(
                         f"checkpoint {root}: tensor '{name}' has shape {shape}, the config needs {expected[name]}"
                     )
-    for file, names in by_file.items():
+    return by_file
+
+
+@torch.no_grad()
+def load_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+    """Copy a Hugging Face safetensors checkpoint into the existing weight tensors, in place.
+
+    Every tensor's presence and shape is checked before the first byte is copied, so a wrong or
+    incomplete checkpoint leaves the weights as they were. Tensors the model does not use (a saved
+    ``lm_head`` of a tied model, rotary buffers) are ignored; dtypes are converted to the config's.
+    """
+    for file, names in check_checkpoint(path, config).items():
         with _open(file) as f:
             for name in names:
                 weights[name].copy_(f.get_tensor(name))
@@ -192,6 +198,12 @@ class ModelSource(abc.ABC):
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
         """Write every weight in place; tensors keep their addresses."""
 
+    @abc.abstractmethod
+    def check(self) -> None:
+        """Raise what :meth:`load_into` would raise before copying a byte (a missing or mismatched
+        file), without reading the data: a level-2 wake checks first, so it can refuse with nothing
+        changed."""
+
 
 class SyntheticSource(ModelSource):
     """Seeded random weights in a preset's shapes (:data:`PRESETS`), for tests and benchmarks."""
@@ -206,6 +218,9 @@ class SyntheticSource(ModelSource):
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
         fill_synthetic(weights, self.config, self.seed)
 
+    def check(self) -> None:
+        """Nothing to read: the weights are made from the seed."""
+
 
 class CheckpointSource(ModelSource):
     """A local Hugging Face checkpoint directory: ``config.json`` and ``*.safetensors``."""
@@ -217,6 +232,9 @@ class CheckpointSource(ModelSource):
 
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
         load_checkpoint(self.path, weights, self.config)
+
+    def check(self) -> None:
+        check_checkpoint(self.path, self.config)
 
 
 def parse_model_spec(spec: str, seed: int = 0) -> ModelSource:
@@ -235,6 +253,7 @@ __all__ = [
     "SyntheticSource",
     "Weights",
     "allocate_weights",
+    "check_checkpoint",
     "fill_synthetic",
     "load_checkpoint",
     "parse_model_spec",

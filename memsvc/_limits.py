@@ -1,0 +1,65 @@
+"""Every bound on what a client can send or make a server keep, in one place.
+
+docs/operations.md ("Bounds") lists these with what happens past them; tests/test_bounds.py checks
+that the table and this module agree. A bound refuses with INVALID_ARGUMENT (a field too long or a
+count too large: the request itself is wrong) or RESOURCE_EXHAUSTED (a queue or table is full: retry
+later), and a refused call changes nothing.
+"""
+
+from __future__ import annotations
+
+from memsvc.errors import InvalidArgument
+
+# ---- strings a client sends and a server keeps ----
+MAX_ID_BYTES = 128
+"""request_id, sequence_id, worker id: room for any UUID or ULID with a prefix."""
+MAX_ADDRESS_BYTES = 256
+"""A worker's ``host:port`` address (RegisterWorker)."""
+MAX_HOST_BYTES = 256
+"""A worker's host name (RegisterWorker)."""
+MAX_HOLDER_CHARS = 256
+"""A lease's holder text (AcquireWorker)."""
+MAX_STATUS_BYTES = 64 << 10
+"""The WorkerStatus a worker registers with (serialized)."""
+
+# ---- counts ----
+MAX_WORKERS = 4096
+"""Worker records a manager keeps (registered and configured)."""
+MAX_POLICY_TAGS = 64
+"""Tags in one policy's tag_actions."""
+MAX_SWAP_PAIRS = 1 << 20
+"""Blocks in one SwapBlocks / SwapWorkerBlocks call."""
+MAX_PROMPT_TOKENS = 1 << 16
+MAX_GENERATE_TOKENS = 4096
+"""max_new_tokens of one Generate (the model's context length may allow fewer)."""
+MAX_QUEUED_GENERATES = 32
+"""Generate calls queued or running on one worker at once."""
+MAX_PAGE_SIZE = 1000
+"""Workers in one ListWorkers page."""
+
+
+def check_length(value: str, limit: int, field: str) -> str:
+    """``value`` if its UTF-8 form is at most ``limit`` bytes, else INVALID_ARGUMENT naming the field."""
+    size = len(value.encode())
+    if size > limit:
+        raise InvalidArgument(
+            f"{field} must be at most {limit} bytes, got {size}", metadata={"field": field, "maxBytes": str(limit)}
+        )
+    return value
+
+
+__all__ = [
+    "MAX_ADDRESS_BYTES",
+    "MAX_GENERATE_TOKENS",
+    "MAX_HOLDER_CHARS",
+    "MAX_HOST_BYTES",
+    "MAX_ID_BYTES",
+    "MAX_PAGE_SIZE",
+    "MAX_POLICY_TAGS",
+    "MAX_PROMPT_TOKENS",
+    "MAX_QUEUED_GENERATES",
+    "MAX_STATUS_BYTES",
+    "MAX_SWAP_PAIRS",
+    "MAX_WORKERS",
+    "check_length",
+]

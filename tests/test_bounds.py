@@ -1,0 +1,54 @@
+"""The bounds table of docs/operations.md says what memsvc/_limits.py enforces (one place for both)."""
+
+from __future__ import annotations
+
+import re
+
+from upproc import REPO_ROOT
+
+from memsvc import _limits as limits
+from memsvc.manager.controller import REQUEST_CACHE as MANAGER_REPLAY
+from memsvc.manager.settings import ManagerSettings
+from worker.state_machine import WorkerStateMachine
+
+DOC = REPO_ROOT / "docs" / "operations.md"
+
+
+def _table() -> dict[str, str]:
+    text = DOC.read_text()
+    section = text[text.index("## Bounds") :]
+    section = section[: section.index("\n## ", 1)]
+    rows = {}
+    for line in section.splitlines():
+        cells = [cell.strip() for cell in line.strip().strip("|").split("|")]
+        if len(cells) == 3 and cells[0] not in ("bound", "---"):
+            rows[cells[0]] = cells[1]
+    return rows
+
+
+def _number(text: str) -> int:
+    return int(re.match(r"\d+", text).group())  # type: ignore[union-attr]
+
+
+def test_the_bounds_table_matches_the_limits() -> None:
+    rows = _table()
+    expect = {
+        "`request_id`, `sequence_id`, worker id": limits.MAX_ID_BYTES,
+        "worker `address`, `host` (RegisterWorker)": limits.MAX_ADDRESS_BYTES,
+        "the `status` a worker registers with": limits.MAX_STATUS_BYTES,
+        "lease `holder`": limits.MAX_HOLDER_CHARS,
+        "lease `ttl`": int(ManagerSettings().max_lease_ttl),
+        "workers a manager keeps": limits.MAX_WORKERS,
+        "tags in one policy's `tag_actions`": limits.MAX_POLICY_TAGS,
+        "blocks in one `SwapBlocks` / `SwapWorkerBlocks`": limits.MAX_SWAP_PAIRS,
+        "prompt tokens of one `Generate`": limits.MAX_PROMPT_TOKENS,
+        "`max_new_tokens` of one `Generate`": limits.MAX_GENERATE_TOKENS,
+        "`Generate` calls queued or running on one worker": limits.MAX_QUEUED_GENERATES,
+        "workers in one `ListWorkers` page": limits.MAX_PAGE_SIZE,
+        "retry results kept": MANAGER_REPLAY,
+    }
+    assert limits.MAX_HOST_BYTES == limits.MAX_ADDRESS_BYTES, "one row documents both"
+    for row, value in expect.items():
+        assert row in rows, f"docs/operations.md's bounds table has no row {row!r}"
+        assert _number(rows[row]) == value, f"{row}: the docs say {rows[row]!r}, the code {value}"
+    assert f"{WorkerStateMachine.REQUEST_CACHE} (worker)" in rows["retry results kept"]
