@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
 
-from memsvc.errors import OutOfMemory, Unavailable, WrongState
+from memsvc.errors import OutOfMemory, Overloaded, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.records import WorkerRecord
@@ -251,3 +251,46 @@ async def test_a_retried_request_id_sleeps_once(env: Env) -> None:
     _, t1 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
     _, t2 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
     assert t1 == t2 and a.calls == ["Sleep"]
+
+
+async def test_a_worker_unreachable_past_forget_after_is_deregistered_unless_leased_or_configured(
+    tmp_path: Path,
+) -> None:
+    links = InMemoryLinks()
+    settings = ManagerSettings(tick_interval=3600.0, forget_after=60.0)
+    manager = Manager(Store(tmp_path / "forget.db"), settings, links=links)
+    await manager.start()
+    try:
+        env = Env(manager, links)
+        a = await env.worker("a")
+        b = await env.worker("b")
+        lease, _ = await manager.acquire("b", 600, "t", "", "", None)
+        for wk in (a, b):
+            await wk.crash()
+        await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "a unavailable")
+        for wid in ("a", "b"):
+            env.rec(wid).heard -= 61
+        manager.tick()
+        await settle(lambda: "a" not in manager.workers, "a forgotten")
+        assert [sw.worker_id for sw in manager.store.workers()] == ["b"], "a's stored registration went too"
+        assert "b" in manager.workers, "a leased worker is never forgotten"
+        manager.release(lease.lease_id)
+    finally:
+        await manager.close()
+        manager.store.close()
+
+
+async def test_the_manager_keeps_at_most_max_workers_records(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    import memsvc.manager.registry as registry
+
+    monkeypatch.setattr(registry, "MAX_WORKERS", 2)
+    await env.worker("a")
+    await env.worker("b")
+    c_ = env.links.add(InMemoryWorker("c"))
+    with pytest.raises(Overloaded):
+        await env.manager.register("c", c_.address, "h1", c_.status())
+    assert sorted(env.manager.workers) == ["a", "b"]
+    await env.manager.register("a", env.rec("a").address, "h1", None)  # a known worker's heartbeat still counts
+    await env.manager.deregister("b")
+    await env.manager.register("c", c_.address, "h1", c_.status())
+    assert sorted(env.manager.workers) == ["a", "c"]

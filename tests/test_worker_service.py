@@ -1158,3 +1158,20 @@ def test_a_failed_level2_reload_changes_nothing_and_a_retry_recovers(tmp_path: P
         wake(s)
         assert status(s).state == c.WORKER_STATE_AWAKE
         assert generate(s, PROMPT) == before
+
+
+def test_reload_weights_from_an_unreadable_checkpoint_changes_nothing(tmp_path: Path) -> None:
+    """ReloadWeights checks its source before copying a byte: a checkpoint that went away is
+    FAILED_PRECONDITION and the weights are the ones it had (same tokens, still AWAKE)."""
+    ckpt = tmp_path / "ckpt"
+    write_checkpoint(ckpt, seed=7)
+    with WorkerProcess(["--model", str(ckpt)]) as wp:
+        s = wp.stub
+        before = generate(s, PROMPT)
+        ckpt.rename(tmp_path / "moved")
+        with pytest.raises(grpc.RpcError) as err:
+            s.ReloadWeights(w.ReloadWeightsRequest(), timeout=60)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
+        assert "unchanged" in (err.value.details() or "")
+        assert status(s).state == c.WORKER_STATE_AWAKE
+        assert generate(s, PROMPT) == before
