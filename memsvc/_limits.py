@@ -19,6 +19,8 @@ MAX_HOST_BYTES = 256
 """A worker's host name (RegisterWorker)."""
 MAX_HOLDER_CHARS = 256
 """A lease's holder text (AcquireWorker)."""
+MAX_PATH_BYTES = 4096
+"""A filesystem path a client names (ReloadWeights' model_path)."""
 MAX_STATUS_BYTES = 64 << 10
 """The WorkerStatus a worker registers with (serialized)."""
 
@@ -30,6 +32,11 @@ MAX_POLICY_TAGS = 64
 MAX_SWAP_PAIRS = 1 << 20
 """Blocks in one SwapBlocks / SwapWorkerBlocks call."""
 MAX_PROMPT_TOKENS = 1 << 16
+MAX_PROMPT_BYTES = 1 << 20
+"""A text prompt, or the chat messages together (UTF-8 bytes), before encoding."""
+MAX_CHAT_MESSAGES = 1024
+MAX_STOP_TOKENS = 64
+"""stop_token_ids of one Generate."""
 MAX_GENERATE_TOKENS = 4096
 """max_new_tokens of one Generate (the model's context length may allow fewer)."""
 MAX_QUEUED_GENERATES = 32
@@ -50,15 +57,19 @@ def check_length(value: str, limit: int, field: str) -> str:
 
 __all__ = [
     "MAX_ADDRESS_BYTES",
+    "MAX_CHAT_MESSAGES",
     "MAX_GENERATE_TOKENS",
     "MAX_HOLDER_CHARS",
     "MAX_HOST_BYTES",
     "MAX_ID_BYTES",
     "MAX_PAGE_SIZE",
+    "MAX_PATH_BYTES",
     "MAX_POLICY_TAGS",
+    "MAX_PROMPT_BYTES",
     "MAX_PROMPT_TOKENS",
     "MAX_QUEUED_GENERATES",
     "MAX_STATUS_BYTES",
+    "MAX_STOP_TOKENS",
     "MAX_SWAP_PAIRS",
     "MAX_WORKERS",
     "check_length",

@@ -24,6 +24,7 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from memsvc._deadline import NO_DEADLINE, Deadline, SharedDeadline
 from memsvc._limits import MAX_ID_BYTES, check_length
 from memsvc.errors import InvalidArgument
 
@@ -34,6 +35,8 @@ T = TypeVar("T")
 class _Entry:
     method: str
     task: asyncio.Task[Any]
+    deadline: SharedDeadline
+    """The latest deadline of the callers waiting: the operation's."""
     waiters: int = field(default=0)
 
 
@@ -44,15 +47,26 @@ class ReplayCache:
         self.capacity = capacity
         self._entries: collections.OrderedDict[tuple[str, str], _Entry] = collections.OrderedDict()
 
-    async def run(self, request_id: str, method: str, operation: Callable[[], Awaitable[T]], scope: str = "") -> T:
-        """``operation()``'s result, run at most once per request_id (see the module's rules)."""
+    async def run(
+        self,
+        request_id: str,
+        method: str,
+        operation: Callable[[Deadline], Awaitable[T]],
+        scope: str = "",
+        deadline: Deadline = NO_DEADLINE,
+    ) -> T:
+        """``operation(deadline)``'s result, run at most once per request_id (see the module's rules).
+
+        The operation is given the deadline to work to: this caller's, or for a shared call the latest
+        of its waiting callers' (memsvc/_deadline.py)."""
         if not request_id:
-            return await operation()
+            return await operation(deadline)
         check_length(request_id, MAX_ID_BYTES, "request_id")
         key = (scope, request_id)
         entry = self._entries.get(key)
         if entry is None:
-            entry = _Entry(method, asyncio.get_running_loop().create_task(_call(operation)))
+            shared = SharedDeadline()
+            entry = _Entry(method, asyncio.get_running_loop().create_task(_call(operation, shared)), shared)
             self._entries[key] = entry
             entry.task.add_done_callback(functools.partial(self._settled, key))
             self._evict()
@@ -61,10 +75,12 @@ class ReplayCache:
                 f"request_id {request_id!r} was already used for {entry.method}", metadata={"requestId": request_id}
             )
         entry.waiters += 1
+        entry.deadline.join(deadline)
         try:
             result: T = await asyncio.shield(entry.task)
             return result
         finally:
+            entry.deadline.leave(deadline)
             entry.waiters -= 1
             if not entry.waiters and not entry.task.done():
                 entry.task.cancel()  # every caller left: the operation stops too
@@ -93,8 +109,8 @@ class ReplayCache:
         return len(self._entries)
 
 
-async def _call(operation: Callable[[], Awaitable[T]]) -> T:
-    return await operation()
+async def _call(operation: Callable[[Deadline], Awaitable[T]], deadline: Deadline) -> T:
+    return await operation(deadline)
 
 
 __all__ = ["ReplayCache"]

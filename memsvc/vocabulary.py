@@ -246,6 +246,24 @@ class CopyMethod(_NamedProtoEnum):
             raise InvalidArgument(f"unknown copy method {value!r}") from None
 
 
+class FinishReason(enum.IntEnum):
+    """Why a generation ended (proto ``FinishReason``)."""
+
+    STOP = c.FINISH_REASON_STOP
+    """An end-of-sequence or stop token was generated (the last token returned)."""
+    LENGTH = c.FINISH_REASON_LENGTH
+    """max_new_tokens were generated."""
+
+    @property
+    def label(self) -> str:
+        """``stop``, ``length``: OpenAI's spelling."""
+        return self.name.lower()
+
+    @property
+    def proto(self) -> c.FinishReason.ValueType:
+        return c.FinishReason.ValueType(self.value)
+
+
 class TransitionKind(enum.StrEnum):
     """What a finished transition was (``TransitionStats.kind``)."""
 
@@ -271,6 +289,7 @@ __all__ = [
     "WEIGHTS",
     "Action",
     "CopyMethod",
+    "FinishReason",
     "SleepLevel",
     "TagState",
     "TransitionKind",

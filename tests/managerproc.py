@@ -292,6 +292,11 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
     def Generate(self, request: w.GenerateRequest, context: grpc.ServicerContext) -> w.GenerateResponse:
         _unimplemented(context)
 
+    def GenerateStream(
+        self, request: w.GenerateStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[w.GenerateStreamResponse]:
+        _unimplemented(context)
+
     def FreeSequence(self, request: w.FreeSequenceRequest, context: grpc.ServicerContext) -> w.FreeSequenceResponse:
         _unimplemented(context)
 

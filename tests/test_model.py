@@ -72,7 +72,7 @@ def varied(tokens: list[int]) -> list[int]:
 
 
 # ---- config ----
-LLAMA_32_1B = {
+LLAMA_32_1B: dict[str, Any] = {
     "architectures": ["LlamaForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
     "bos_token_id": 128000, "eos_token_id": 128001, "head_dim": 64, "hidden_act": "silu", "hidden_size": 2048,
     "initializer_range": 0.02, "intermediate_size": 8192, "max_position_embeddings": 131072, "mlp_bias": False,
@@ -98,9 +98,18 @@ MISTRAL_7B = {
     "rms_norm_eps": 1e-05, "rope_theta": 10000.0, "sliding_window": 4096, "tie_word_embeddings": False,
     "torch_dtype": "bfloat16", "transformers_version": "4.34.0.dev0", "use_cache": True, "vocab_size": 32000,
 }  # fmt: skip
+QWEN3_06B = {
+    "architectures": ["Qwen3ForCausalLM"], "attention_bias": False, "attention_dropout": 0.0,
+    "bos_token_id": 151643, "eos_token_id": 151645, "head_dim": 128, "hidden_act": "silu", "hidden_size": 1024,
+    "initializer_range": 0.02, "intermediate_size": 3072, "max_position_embeddings": 40960, "max_window_layers": 28,
+    "model_type": "qwen3", "num_attention_heads": 16, "num_hidden_layers": 28, "num_key_value_heads": 8,
+    "rms_norm_eps": 1e-06, "rope_scaling": None, "rope_theta": 1000000, "sliding_window": None,
+    "tie_word_embeddings": True, "torch_dtype": "bfloat16", "transformers_version": "4.51.0", "use_cache": True,
+    "use_sliding_window": False, "vocab_size": 151936,
+}  # fmt: skip
 
 
-def test_config_parses_llama_qwen2_mistral() -> None:
+def test_config_parses_llama_qwen2_mistral_qwen3() -> None:
     llama = ModelConfig.from_hf(LLAMA_32_1B)
     assert llama == PRESETS["1b"]
     assert llama.rope_scaling is not None and llama.rope_scaling.rope_type == "llama3"
@@ -117,21 +126,44 @@ def test_config_parses_llama_qwen2_mistral() -> None:
     )  # fmt: skip
     assert mistral.param_count() == 7_241_732_096  # Mistral-7B
 
+    qwen3 = ModelConfig.from_hf(QWEN3_06B)
+    assert (qwen3.family, qwen3.head_dim, qwen3.hidden_size // qwen3.num_heads, qwen3.attention_bias) == (
+        "qwen3", 128, 64, False,
+    )  # fmt: skip
+    assert qwen3.qk_norm and not qwen3.o_proj_bias and qwen3.rope_theta == 1e6
+    assert qwen3.param_count() == 596_049_920  # Qwen3-0.6B
+
     assert PRESETS["8b"].param_count() == 8_030_261_248  # Llama-3-8B
     assert PRESETS["8b"].param_bytes() == 16_060_522_496
     for preset in PRESETS.values():
-        assert ModelConfig.from_hf(json.loads(json.dumps(preset.to_hf()))) == preset
+        for legacy in (False, True):
+            assert ModelConfig.from_hf(json.loads(json.dumps(preset.to_hf(legacy=legacy)))) == preset
+
+
+def test_config_reads_transformers5_keys_like_the_legacy_ones() -> None:
+    """transformers 5 moves the RoPE settings into rope_parameters and spells torch_dtype dtype: the same
+    model in either spelling is the same config (theta and llama3 scaling included, not the 10000 default)."""
+    tf5 = {k: v for k, v in LLAMA_32_1B.items() if k not in ("rope_scaling", "rope_theta", "torch_dtype")}
+    tf5["rope_parameters"] = dict(LLAMA_32_1B["rope_scaling"], rope_theta=500000.0)
+    tf5["dtype"] = "bfloat16"
+    assert ModelConfig.from_hf(tf5) == ModelConfig.from_hf(LLAMA_32_1B) == PRESETS["1b"]
+    # a config's own save_pretrained writes model_type without architectures
+    assert ModelConfig.from_hf({k: v for k, v in tf5.items() if k != "architectures"}) == PRESETS["1b"]
 
 
 @pytest.mark.parametrize(
     ("change", "message"),
     [
         ({"architectures": ["GPT2LMHeadModel"]}, "unsupported architectures"),
-        ({"architectures": None}, "unsupported architectures"),
+        ({"architectures": None, "model_type": None}, "neither 'architectures' nor 'model_type'"),
+        ({"model_type": "gemma2"}, "unsupported model_type 'gemma2'.*llama.*mistral.*qwen2.*qwen3"),
+        ({"model_type": "qwen2"}, "name different families"),
         ({"hidden_size": None}, "hidden_size"),
         ({"num_hidden_layers": "16"}, "num_hidden_layers"),
         ({"hidden_act": "gelu"}, "hidden_act"),
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
+        ({"mlp_bias": True}, "mlp_bias"),
         ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
     ],
 )

@@ -24,6 +24,7 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from google.protobuf import json_format
 from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc.v1 import common_pb2 as c
@@ -143,11 +144,16 @@ def check(wp: WorkerProcess, argv: list[str], r: subprocess.CompletedProcess[str
     elif target == f"{SERVICE}/Generate":
         (msg,) = messages
         tokens = [int(t) for t in msg["token_ids"]]
-        assert len(tokens) == data["max_new_tokens"]
-        same = wp.stub.Generate(
-            w.GenerateRequest(prompt_token_ids=data["prompt_token_ids"], max_new_tokens=data["max_new_tokens"]),
-            timeout=RUN_TIMEOUT,
-        )
+        assert len(tokens) == data["max_new_tokens"] == int(msg["completion_token_count"])
+        assert msg["finish_reason"] == "FINISH_REASON_LENGTH"  # synthetic models have no EOS
+        same = wp.stub.Generate(json_format.ParseDict(data, w.GenerateRequest()), timeout=RUN_TIMEOUT)
+        assert tokens == list(same.token_ids), "a seeded or greedy Generate gives the same tokens again"
+    elif target == f"{SERVICE}/GenerateStream":
+        *chunks, last = messages
+        assert chunks and "done" in last, messages
+        tokens = [int(t) for m in chunks for t in m["token_ids"]]
+        assert tokens == [int(t) for t in last["done"]["token_ids"]]
+        same = wp.stub.Generate(json_format.ParseDict(data["request"], w.GenerateRequest()), timeout=RUN_TIMEOUT)
         assert tokens == list(same.token_ids)
     elif target == f"{SERVICE}/Sleep":
         (msg,) = messages

@@ -15,7 +15,7 @@ import time
 from collections.abc import Callable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from memsvc._limits import MAX_QUEUED_GENERATES
+from memsvc._limits import MAX_PATH_BYTES, MAX_QUEUED_GENERATES, check_length
 from memsvc.errors import (
     IntegrityError,
     InvalidArgument,
@@ -45,8 +45,10 @@ from worker.swaps import SwapPipeline
 from worker.telemetry import Event, EventKind, TelemetryHub
 
 if TYPE_CHECKING:
+    from worker.model.generation import GenerationRequest
     from worker.model.kv_cache import KvStats, PendingSwap  # imports torch: only where a model is loaded
     from worker.model.runner import ModelRunner
+    from worker.model.text import ModelText
 
 log = logging.getLogger("memsvc.worker")
 
@@ -417,21 +419,36 @@ class WorkerCore:
             self.runner.drop_kv()
 
     # ---- weights ----
-    async def reload_weights(self, request_id: str = "") -> Transition:
+    async def reload_weights(self, request_id: str = "", model_path: str = "") -> Transition:
+        """The source's weights again, or ``model_path``'s: another checkpoint of exactly this model's
+        configuration, which then is the source (see CheckpointSource's ``same_as``)."""
+
         def start() -> Job:
             self._sm.require(WorkerState.AWAKE)
-            return self._reload
+            return lambda: self._reload(model_path)
 
-        return await self._sm.run("ReloadWeights", request_id, lambda: None, start)
+        def validate() -> None:
+            check_length(model_path, MAX_PATH_BYTES, "model_path")
 
-    def _reload(self) -> Transition:
-        """Checked first (a source that cannot be read changes nothing). A copy that fails midway
-        leaves a mix of old and new weights: they are discarded, so no Generate serves them, and the
-        error says so; the next WakeUp reloads them."""
+        return await self._sm.run("ReloadWeights", request_id, validate, start)
+
+    def _reload(self, model_path: str) -> Transition:
+        """Checked first (a source that cannot be read, or a checkpoint that does not fit, changes
+        nothing). A copy that fails midway leaves a mix of old and new weights: they are discarded, so
+        no Generate serves them, and the error says so; the next WakeUp reloads them."""
         t0 = time.perf_counter()
-        self._check_source("the weights are unchanged")
+        runner = self._model()
+        if model_path:
+            from worker.model.weights import CheckpointSource
+
+            source = CheckpointSource(model_path, same_as=runner.source)
+        else:
+            self._check_source("the weights are unchanged")
+            source = None
         try:
-            self._model().reload_weights()
+            runner.reload_weights(source)
+            if source is not None:
+                self._model_info = {**self._model_info, "source": source.name}
         except BaseException as exc:
             self._allocator().sleep({WEIGHTS: Action.DISCARD})
             self._settle(f"ReloadWeights failed: {exc}")
@@ -474,8 +491,9 @@ class WorkerCore:
         await self._device_thread.run(lambda: self._model().free_sequence(sequence_id))
         self._note_activity()
 
-    async def generate(self, prompt: list[int], max_new_tokens: int, sequence_id: str) -> Generation:
-        """Run Generate on the device thread, for as long as its caller waits.
+    async def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None) -> Generation:
+        """Run Generate on the device thread, for as long as its caller waits; ``on_token`` sees each
+        token as it is made (on the device thread).
 
         At most :attr:`MAX_QUEUED_GENERATES` calls are queued or running (Overloaded beyond). A caller
         that leaves (cancelled, deadline passed) stops its call: a queued one never starts, a running
@@ -496,7 +514,7 @@ class WorkerCore:
             if not ticket.start():
                 return None  # abandoned while queued: its place in the bound was given back then
             try:
-                return self._generate(prompt, max_new_tokens, sequence_id, stop.is_set)
+                return self._generate(request, stop.is_set, on_token)
             finally:
                 self._generate_done()
 
@@ -515,15 +533,32 @@ class WorkerCore:
             self._generates -= 1
 
     def _generate(
-        self, prompt: list[int], max_new_tokens: int, sequence_id: str, should_stop: Callable[[], bool]
+        self, request: GenerationRequest, should_stop: Callable[[], bool], on_token: Callable[[int], None] | None
     ) -> Generation:
         self._sm.require(WorkerState.AWAKE)  # a Sleep may have run while this job was queued
         runner = self._model()
         t0 = time.perf_counter()
-        tokens = runner.generate(prompt, max_new_tokens, sequence_id=sequence_id or None, should_stop=should_stop)
+        result = runner.run(request, should_stop, on_token)
         self._note_activity()
-        blocks = list(runner.kv_cache.sequence(sequence_id).block_ids) if sequence_id else []
-        return Generation(list(tokens), blocks, time.perf_counter() - t0)
+        seq = request.sequence_id
+        blocks = list(runner.kv_cache.sequence(seq).block_ids) if seq else []
+        return Generation(result.tokens, blocks, time.perf_counter() - t0, result.finish_reason, result.prompt_tokens)
+
+    def text_or_none(self) -> ModelText | None:
+        return self._model().source.text
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        return self._model().source.eos_token_ids
+
+    def text(self) -> ModelText:
+        """The served model's tokenizer and chat template; FAILED_PRECONDITION without one."""
+        text = self._model().source.text
+        if text is None:
+            raise WrongState(
+                f"{self.config.model} has no tokenizer (tokenizer.json): send prompt_token_ids",
+                metadata={"model": self.config.model},
+            )
+        return text
 
 
 __all__ = ["WorkerCore"]

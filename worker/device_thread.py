@@ -29,7 +29,11 @@ class DeviceThread:
         Shielded: a client that cancels (or whose deadline passes) must not cancel a queued job,
         because the job itself releases the transition lock and settles the state.
         """
-        return await asyncio.shield(self.loop.run_in_executor(self._executor, fn))
+        return await asyncio.shield(self.queue(fn))
+
+    def queue(self, fn: Callable[[], T]) -> asyncio.Future[T]:
+        """Queue ``fn`` on the device thread: the loop future of its result (await it shielded)."""
+        return self.loop.run_in_executor(self._executor, fn)
 
     def submit(self, fn: Callable[..., Any], *args: Any) -> concurrent.futures.Future[Any]:
         """Queue ``fn(*args)`` without waiting (the caller settles its own result future)."""

@@ -10,7 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from memsvc._limits import MAX_GENERATE_TOKENS, MAX_ID_BYTES, MAX_PROMPT_TOKENS, check_length
+from memsvc._limits import MAX_ID_BYTES, check_length
 from memsvc._rpc_errors import Context
 from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument
@@ -19,6 +19,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from memsvc.vocabulary import CopyMethod, SleepLevel, actions_from_proto
 from worker.core import WorkerCore
+from worker.generate_messages import StreamedText, generation_request, response
 from worker.status import Status, Transition
 from worker.telemetry import CLOSED, Event, EventKind
 
@@ -104,6 +105,10 @@ def status_pb(s: Status) -> c.WorkerStatus:
             weights_bytes=int(m.get("weights_bytes", 0)),
             vocab_size=int(m.get("vocab_size", 0)),
             layer_count=int(m.get("layer_count", 0)),
+            context_length=int(m.get("context_length", 0)),
+            eos_token_ids=list(m.get("eos_token_ids", [])),
+            has_tokenizer=bool(m.get("has_tokenizer", False)),
+            has_chat_template=bool(m.get("has_chat_template", False)),
         ),
         tags=tags,
         kv_cache=kv_pb(s.kv_cache),
@@ -158,7 +163,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         return w.WakeUpResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
 
     async def ReloadWeights(self, request: w.ReloadWeightsRequest, context: Any) -> w.ReloadWeightsResponse:
-        t = await self.core.reload_weights(request.request_id)
+        t = await self.core.reload_weights(request.request_id, request.model_path)
         return w.ReloadWeightsResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
 
     async def SwapBlocks(self, request: w.SwapBlocksRequest, context: Any) -> w.SwapBlocksResponse:
@@ -178,15 +183,41 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         )
 
     async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
-        if not 0 <= request.max_new_tokens <= MAX_GENERATE_TOKENS:
-            raise InvalidArgument(f"max_new_tokens must be in [0, {MAX_GENERATE_TOKENS}]")
-        if len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
-            raise InvalidArgument(f"at most {MAX_PROMPT_TOKENS} prompt tokens")
-        check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id")
-        g = await self.core.generate(list(request.prompt_token_ids), request.max_new_tokens, request.sequence_id)
-        return w.GenerateResponse(
-            token_ids=g.tokens, sequence_id=request.sequence_id, duration=duration(g.seconds), block_ids=g.block_ids
-        )
+        spec = generation_request(request, self.core.text)
+        g = await self.core.generate(spec)
+        return response(g, request.sequence_id, self.core.text_or_none())
+
+    async def GenerateStream(
+        self, request: w.GenerateStreamRequest, context: Context
+    ) -> AsyncIterator[w.GenerateStreamResponse]:
+        """Generate, a message per token as it is made (several, when they come faster than they go)."""
+        spec = generation_request(request.request, self.core.text)
+        text = self.core.text_or_none()
+        streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()))
+        tokens: asyncio.Queue[int] = asyncio.Queue()
+        loop = asyncio.get_running_loop()
+
+        def made(token: int) -> None:  # on the device thread
+            loop.call_soon_threadsafe(tokens.put_nowait, token)
+
+        task = asyncio.ensure_future(self.core.generate(spec, made))
+        try:
+            while not (task.done() and tokens.empty()):
+                getter = asyncio.ensure_future(tokens.get())
+                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
+                if not getter.done():
+                    getter.cancel()
+                    continue
+                batch = [getter.result()]
+                while not tokens.empty():
+                    batch.append(tokens.get_nowait())
+                yield w.GenerateStreamResponse(token_ids=batch, text="".join(streamed.push(t) for t in batch))
+            done = response(task.result(), request.request.sequence_id, text)
+            yield w.GenerateStreamResponse(text=streamed.finish(done.text), done=done)
+        finally:
+            if not task.done():  # the client left: the generation stops at its next step
+                task.cancel()
+                await asyncio.gather(task, return_exceptions=True)
 
     async def FreeSequence(self, request: w.FreeSequenceRequest, context: Any) -> w.FreeSequenceResponse:
         await self.core.free_sequence(check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id"))

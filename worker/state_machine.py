@@ -14,6 +14,7 @@ import asyncio
 import threading
 from collections.abc import Callable, Collection
 
+from memsvc._deadline import Deadline
 from memsvc._replay import ReplayCache
 from memsvc.errors import TransitionInProgress, WrongState
 from memsvc.vocabulary import TagState, WorkerState
@@ -63,14 +64,15 @@ class WorkerStateMachine:
     ) -> Transition:
         """The path of every transition RPC.
 
-        A retried ``request_id`` shares the first call's result (memsvc/replay.py); ``validate``
+        A retried ``request_id`` shares the first call's result (memsvc/_replay.py); ``validate``
         checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken; ``plan``
         checks the state and returns the job, which runs on the device thread. The lock is released
         when the job ends, at once if ``plan`` refuses, and at once if every caller leaves while the
-        job still waits for the device thread (then it never runs).
+        job still waits for the device thread (then it never runs). A job that had started when its
+        callers left still finishes, and its result is kept for a retry.
         """
 
-        async def transition() -> Transition:
+        async def transition(_deadline: Deadline) -> Transition:
             validate()
             self.begin()
             try:
@@ -88,12 +90,16 @@ class WorkerStateMachine:
                 finally:
                     self.release()
 
+            job_done = self._device.queue(locked)
             try:
-                result = await self._device.run(locked)
+                result = await asyncio.shield(job_done)
             except asyncio.CancelledError:
                 if ticket.abandon():
                     self.release()
-                raise
+                    raise
+                # Every caller left, but the job had started and runs to its end: keep its result, so a
+                # retry with this request_id (the manager's, after it asked how the call ended) gets it.
+                result = await job_done
             assert result is not None, "a started job returns its transition"
             return result
 

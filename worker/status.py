@@ -10,7 +10,7 @@ import time
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any
 
-from memsvc.vocabulary import TransitionKind, WorkerState
+from memsvc.vocabulary import FinishReason, TransitionKind, WorkerState
 
 if TYPE_CHECKING:
     from worker.allocator import AllocatorStats
@@ -34,11 +34,14 @@ class Transition:
 
 @dataclass(frozen=True)
 class Generation:
-    """What Generate returns: new tokens, the kept sequence's KV blocks, and the time taken."""
+    """What Generate returns: new tokens, why they ended, the kept sequence's KV blocks, the time."""
 
     tokens: list[int]
     block_ids: list[int]
     seconds: float
+    finish_reason: FinishReason
+    prompt_tokens: int
+    """Tokens the call fed as its prompt."""
 
 
 @dataclass(frozen=True)

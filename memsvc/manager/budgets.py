@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 
+from memsvc._deadline import Deadline
 from memsvc.errors import OutOfMemory
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
@@ -32,7 +33,7 @@ class Budgets:
     def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
         return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
 
-    async def make_device_room(self, rec: WorkerRecord, tags: list[str] | None, deadline: float | None) -> None:
+    async def make_device_room(self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline) -> None:
         """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget."""
         group = self._device_group(rec)
         budget = self._policies.effective(rec.name).device_budget_bytes or min(
@@ -64,7 +65,7 @@ class Budgets:
                 await self.sleep_tier1(victim, deadline, "device budget")
                 self._metrics.evictions.inc()
 
-    async def make_host_room(self, rec: WorkerRecord, need: int, deadline: float | None) -> bool:
+    async def make_host_room(self, rec: WorkerRecord, need: int, deadline: Deadline) -> bool:
         """Demote the coldest sleepers on ``rec``'s host to level 2 until ``need`` more bytes fit."""
         budget = self._policies.effective(rec.name).host_budget_bytes
         if not budget or not need:
@@ -94,7 +95,7 @@ class Budgets:
                     self._metrics.demotions.inc()
 
     async def sleep_tier1(
-        self, rec: WorkerRecord, deadline: float | None, why: str, request_id: str = ""
+        self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = ""
     ) -> c.TransitionStats:
         """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short.
         The caller holds ``rec.lock``."""

@@ -14,9 +14,10 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import Awaitable, Mapping
+from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
+from memsvc._deadline import Deadline
 from memsvc.errors import MemsvcError, Unavailable
 from memsvc.manager.links import WorkerLink
 from memsvc.manager.records import WorkerRecord
@@ -43,11 +44,12 @@ class WorkerCalls:
         self._ingest = ingest
         self._settings = settings
 
-    def timeout(self, deadline: float | None) -> float:
+    def timeout(self, deadline: Deadline) -> float:
         """Seconds this call may take: the manager's limit, or less if the caller's deadline is near."""
         t = self._settings.rpc_timeout
-        if deadline is not None:
-            t = min(t, deadline - time.monotonic())
+        left = deadline.remaining()
+        if left is not None:
+            t = min(t, left)
             if t <= 0:
                 raise Unavailable("deadline exceeded before the worker could be called")
         return t
@@ -58,7 +60,7 @@ class WorkerCalls:
         level: SleepLevel | None,
         actions: Mapping[str, Action],
         request_id: str,
-        deadline: float | None,
+        deadline: Deadline,
         why: str,
     ) -> c.TransitionStats:
         req = w.SleepRequest(
@@ -66,32 +68,42 @@ class WorkerCalls:
             tag_actions={t: a.proto for t, a in actions.items()},
             request_id=request_id,
         )
-        link, timeout = self._registry.link(rec), self.timeout(deadline)
-        resp = await self._answered(rec, link, link.sleep(req, timeout))
+        resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(req, timeout))
         await self._ingest.set_status(rec, resp.status, True, why)
         return resp.transition
 
     async def wake(
-        self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: float | None
+        self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: Deadline
     ) -> c.TransitionStats:
-        link, timeout = self._registry.link(rec), self.timeout(deadline)
         req = w.WakeUpRequest(tags=tags, request_id=request_id)
-        resp = await self._answered(rec, link, link.wake_up(req, timeout))
+        resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.wake_up(req, timeout))
         await self._ingest.set_status(rec, resp.status, True, "wake")
         return resp.transition
 
     async def swap_blocks(
-        self, rec: WorkerRecord, request: w.SwapBlocksRequest, deadline: float | None
+        self, rec: WorkerRecord, request: w.SwapBlocksRequest, deadline: Deadline
     ) -> w.SwapBlocksResponse:
         return await self._registry.link(rec).swap_blocks(request, self.timeout(deadline))
 
-    async def _answered(self, rec: WorkerRecord, link: WorkerLink, call: Awaitable[R]) -> R:
-        """``call``'s answer; without one, the worker's real state first (see the module)."""
-        try:
-            return await call
-        except (asyncio.CancelledError, Unavailable):
-            await asyncio.shield(self._settle(rec, link))
-            raise
+    async def _answered(
+        self, rec: WorkerRecord, request_id: str, deadline: Deadline, call: Callable[[WorkerLink, float], Awaitable[R]]
+    ) -> R:
+        """``call``'s answer; without one, the worker's real state first (see the module).
+
+        A call shared by several callers (one request_id) works to the latest of their deadlines,
+        which may have moved out since the call was sent with the first caller's: when it ends without
+        an answer and there is time left, it is sent again with the same request_id, which the worker
+        answers with the first attempt's result if that ran (its replay cache), or runs now if not.
+        """
+        while True:
+            link = self._registry.link(rec)
+            try:
+                return await call(link, self.timeout(deadline))
+            except (asyncio.CancelledError, Unavailable):
+                await asyncio.shield(self._settle(rec, link))
+                left = deadline.remaining()
+                if not (request_id and rec.reachable and left is not None and left > self.SETTLE_CALL_S):
+                    raise
 
     async def _settle(self, rec: WorkerRecord, link: WorkerLink) -> None:
         """Ask the worker until no transition is in progress there, applying each answer."""

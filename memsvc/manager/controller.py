@@ -20,6 +20,7 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
+from memsvc._deadline import NO_DEADLINE, Deadline
 from memsvc._replay import ReplayCache
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
@@ -122,24 +123,24 @@ class Manager:
         level: SleepLevel | None,
         tag_actions: dict[str, Action],
         request_id: str,
-        deadline: float | None,
+        deadline: Deadline | None = None,
     ) -> tuple[WorkerRecord, c.TransitionStats]:
-        return await self.transitions.sleep_worker(name, level, tag_actions, request_id, deadline)
+        return await self.transitions.sleep_worker(name, level, tag_actions, request_id, deadline or NO_DEADLINE)
 
     async def wake_worker(
-        self, name: str, tags: list[str], request_id: str, deadline: float | None
+        self, name: str, tags: list[str], request_id: str, deadline: Deadline | None = None
     ) -> tuple[WorkerRecord, c.TransitionStats]:
-        return await self.transitions.wake_worker(name, tags, request_id, deadline)
+        return await self.transitions.wake_worker(name, tags, request_id, deadline or NO_DEADLINE)
 
     async def swap_blocks(
-        self, name: str, request: w.SwapBlocksRequest, deadline: float | None
+        self, name: str, request: w.SwapBlocksRequest, deadline: Deadline | None = None
     ) -> w.SwapBlocksResponse:
-        return await self.transitions.swap_blocks(name, request, deadline)
+        return await self.transitions.swap_blocks(name, request, deadline or NO_DEADLINE)
 
     async def acquire(
-        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: float | None
+        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline | None = None
     ) -> tuple[Lease, WorkerRecord]:
-        return await self.leases.acquire(name, ttl, holder, lease_id, request_id, deadline)
+        return await self.leases.acquire(name, ttl, holder, lease_id, request_id, deadline or NO_DEADLINE)
 
     def release(self, lease_id: str) -> WorkerRecord:
         return self.leases.release(lease_id)

@@ -13,6 +13,7 @@ import logging
 import time
 import uuid
 
+from memsvc._deadline import Deadline
 from memsvc._limits import MAX_HOLDER_CHARS
 from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument, NotFound, Unavailable
@@ -73,7 +74,7 @@ class Leases:
         self._store.save_lease(StoredLease(lease.lease_id, lease.worker_id, lease.expire_time, lease.holder))
 
     async def acquire(
-        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: float | None
+        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline
     ) -> tuple[Lease, WorkerRecord]:
         ttl = self._ttl(ttl)
         if len(holder) > MAX_HOLDER_CHARS:
@@ -87,16 +88,16 @@ class Leases:
             self._save(lease)
             return lease, rec
 
-        async def grant() -> str:
-            return await self._grant(rec, ttl, holder, deadline)
+        async def grant(shared: Deadline) -> str:
+            return await self._grant(rec, ttl, holder, shared)
 
-        lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id)
+        lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id, deadline)
         if lease_id not in self.leases:  # released or expired since: this retry asks for a new one
             self._replay.forget(request_id, rec.worker_id)
-            lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id)
+            lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id, deadline)
         return self.leases[lease_id], rec
 
-    async def _grant(self, rec: WorkerRecord, ttl: float, holder: str, deadline: float | None) -> str:
+    async def _grant(self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline) -> str:
         self._registry.link(rec)
         lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
@@ -116,7 +117,7 @@ class Leases:
         self._ingest.update_metrics(rec)
         return lease.lease_id
 
-    async def _ensure_awake(self, rec: WorkerRecord, deadline: float | None) -> None:
+    async def _ensure_awake(self, rec: WorkerRecord, deadline: Deadline) -> None:
         while True:
             state = rec.state
             if state == WorkerState.AWAKE:
@@ -129,7 +130,7 @@ class Leases:
             if state == WorkerState.UNAVAILABLE:
                 raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
             if state in BUSY_STATES or state == WorkerState.UNSPECIFIED:
-                timeout = None if deadline is None else deadline - time.monotonic()
+                timeout = deadline.remaining()
                 if timeout is not None and timeout <= 0:
                     raise Unavailable(f"worker {rec.worker_id} did not become ready before the deadline")
                 async with rec.changed:

@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+from memsvc._deadline import Deadline
 from memsvc._rpc_errors import Context
 from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument
@@ -18,9 +18,8 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import SleepLevel, actions_from_proto
 
 
-def _deadline(context: Context) -> float | None:
-    remaining = context.time_remaining()
-    return None if remaining is None else time.monotonic() + remaining
+def _deadline(context: Context) -> Deadline:
+    return Deadline.after(context.time_remaining())
 
 
 class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):

@@ -12,6 +12,7 @@ import asyncio
 import logging
 import time
 
+from memsvc._deadline import NO_DEADLINE
 from memsvc.errors import MemsvcError
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
@@ -130,9 +131,9 @@ class IdleTimers:
                 return
             try:
                 if tier == 1 and rec.state in AWAKE_STATES:
-                    await self._budgets.sleep_tier1(rec, None, "idle (tier 1)")
+                    await self._budgets.sleep_tier1(rec, NO_DEADLINE, "idle (tier 1)")
                 elif tier == 2 and rec.state == WorkerState.ASLEEP and rec.offloaded_bytes > 0:
-                    await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, "", None, "idle (tier 2)")
+                    await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, "", NO_DEADLINE, "idle (tier 2)")
                 else:
                     return
                 self._metrics.idle_sleeps.labels(str(tier)).inc()

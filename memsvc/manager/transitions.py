@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import time
 
+from memsvc._deadline import Deadline
 from memsvc._replay import ReplayCache
 from memsvc.errors import OutOfMemory, WrongState
 from memsvc.manager.budgets import Budgets
@@ -32,14 +33,14 @@ class Transitions:
         level: SleepLevel | None,
         tag_actions: dict[str, Action],
         request_id: str,
-        deadline: float | None,
+        deadline: Deadline,
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
 
-        async def sleep() -> c.TransitionStats:
-            return await self._sleep(rec, level, tag_actions, request_id, deadline)
+        async def sleep(shared: Deadline) -> c.TransitionStats:
+            return await self._sleep(rec, level, tag_actions, request_id, shared)
 
-        return rec, await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id)
+        return rec, await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id, deadline)
 
     async def _sleep(
         self,
@@ -47,7 +48,7 @@ class Transitions:
         level: SleepLevel | None,
         tag_actions: dict[str, Action],
         request_id: str,
-        deadline: float | None,
+        deadline: Deadline,
     ) -> c.TransitionStats:
         self._registry.link(rec)
         async with rec.lock:
@@ -69,22 +70,22 @@ class Transitions:
         return t
 
     async def wake_worker(
-        self, name: str, tags: list[str], request_id: str, deadline: float | None
+        self, name: str, tags: list[str], request_id: str, deadline: Deadline
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
 
-        async def wake() -> c.TransitionStats:
+        async def wake(shared: Deadline) -> c.TransitionStats:
             self._registry.link(rec)
             async with rec.lock:
-                await self._budgets.make_device_room(rec, tags or None, deadline)
-                t = await self._calls.wake(rec, tags, request_id, deadline)
+                await self._budgets.make_device_room(rec, tags or None, shared)
+                t = await self._calls.wake(rec, tags, request_id, shared)
                 rec.idle_since = time.time()
             return t
 
-        return rec, await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id)
+        return rec, await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)
 
     async def swap_blocks(
-        self, name: str, request: w.SwapBlocksRequest, deadline: float | None
+        self, name: str, request: w.SwapBlocksRequest, deadline: Deadline
     ) -> w.SwapBlocksResponse:
         return await self._calls.swap_blocks(self._registry.get(name), request, deadline)
 

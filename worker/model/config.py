@@ -2,15 +2,31 @@
 
 One frozen value describes a model whether it comes from a Hugging Face ``config.json`` or a
 ``synthetic:<preset>``, so the allocator sizes, the checkpoint loader and the decoder cannot disagree
-about a dimension. Parsing is strict: an architecture or option this decoder would compute wrongly
-(another activation, an unknown RoPE scaling, MLP biases) is refused rather than served with wrong
-logits.
+about a dimension.
+
+Parsing cannot silently drop numerics. Every ``config.json`` key that transformers 5.17 writes for
+the families served here, plus the legacy spellings and a few keys of neighbouring families, has one
+entry in :data:`CONFIG_KEYS`: read by the parser, accepted only at the value that leaves the numbers
+unchanged, or ignored because it does not reach the logits. Anything that would change the logits
+and that the decoder does not implement (another activation, an unknown RoPE type, MLP biases,
+sliding-window layers, logit soft-capping) is refused by name rather than served with wrong tokens
+that look right. Keys no entry names are ignored: transformers' modeling code for these
+architectures reads only its config class's own fields and the few keys its shared RoPE and loading
+code looks for (all in the table), so an unknown key changes nothing there either, and
+tests/test_config_keys.py fails when a future transformers writes a key the table lacks
+(tests/test_reference.py holds the numbers themselves to transformers).
+
+Both config formats are read: transformers 5 (``rope_parameters`` holding ``rope_theta`` and
+``rope_type``, ``dtype``) and the legacy one (top-level ``rope_theta``, ``rope_scaling``,
+``torch_dtype``). Defaults for keys a file may omit are those of transformers' config classes, since
+that is what transformers would compute with (a Mistral config without ``sliding_window`` slides at
+4096; a Qwen3 config without ``head_dim`` has 128).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, replace
 from typing import Any, Literal
 
@@ -18,15 +34,24 @@ import torch
 
 from memsvc.errors import InvalidArgument
 
-Family = Literal["llama", "qwen2", "mistral"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3"]
 
-_ARCHITECTURES: dict[str, Family] = {
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")
+"""The decoder families implemented here, in the order messages list them."""
+
+ARCHITECTURES: dict[str, Family] = {
     "LlamaForCausalLM": "llama",
-    "Qwen2ForCausalLM": "qwen2",
     "MistralForCausalLM": "mistral",
+    "Qwen2ForCausalLM": "qwen2",
+    "Qwen3ForCausalLM": "qwen3",
 }
-_FAMILY_ARCHITECTURE = {family: arch for arch, family in _ARCHITECTURES.items()}
-_MODEL_TYPE = {"llama": "llama", "qwen2": "qwen2", "mistral": "mistral"}
+"""``config.json`` ``architectures`` entry -> family (a model's ``save_pretrained`` writes it)."""
+_FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
+MODEL_TYPES: dict[str, Family] = {family: family for family in FAMILIES}
+"""``config.json`` ``model_type`` -> family (every ``save_pretrained`` writes it; equal to the family name)."""
+
+ROPE_TYPES = ("default", "linear", "llama3")
+"""RoPE variants the decoder computes exactly as transformers does (worker/model/decoder.py's Rope)."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -34,7 +59,230 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
+_DEFAULT_THETA = 10000.0
+"""transformers' ``RotaryEmbeddingConfigMixin.default_theta``: the base when a config names none."""
 
+FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
+    "llama": {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
+    "mistral": {
+        "num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+    },
+    "qwen2": {
+        "num_key_value_heads": 32, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    },
+    "qwen3": {
+        "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    },
+}  # fmt: skip
+"""What transformers 5.17's config classes use for a key the file omits (None: derived — key/value heads
+from the query heads, ``head_dim`` from hidden_size / num_attention_heads). tests/test_reference.py
+checks each against the classes themselves."""
+
+
+# ---- the key table ----
+Handling = Literal["read", "neutral", "ignored"]
+
+
+@dataclass(frozen=True)
+class KeyRule:
+    """How one ``config.json`` key is handled for one family."""
+
+    handling: Handling
+    """``read``: the parser turns it into the ModelConfig. ``neutral``: accepted only at a value that
+    leaves the numbers as the decoder computes them, refused otherwise. ``ignored``: it does not reach
+    the logits (training, generation defaults, bookkeeping)."""
+    why: str
+    """What the key does; for a neutral key, what the decoder would get wrong (said in the refusal)."""
+    neutral: tuple[Any, ...] | Callable[[Any], bool] = ()
+    """``neutral`` only: the accepted values (``None`` is spelled out where accepted), or a predicate."""
+    refused: Any = None
+    """``neutral`` only: a value that is refused; documents the rule and lets the tests walk it."""
+
+    def accepts(self, value: Any) -> bool:
+        """Whether ``value`` may stand for this key (always, unless the key is neutral)."""
+        if self.handling != "neutral":
+            return True
+        if callable(self.neutral):
+            return self.neutral(value)
+        return any(_same(value, n) for n in self.neutral)
+
+
+def _same(a: Any, b: Any) -> bool:
+    """Equality that keeps booleans apart from numbers: ``mlp_bias: 1`` is not ``False``'s neutral 0,
+    and ``pretraining_tp: true`` is not 1."""
+    if isinstance(a, bool) or isinstance(b, bool):
+        return a is b
+    return bool(a == b)
+
+
+def _all_full_attention(value: Any) -> bool:
+    return value is None or (isinstance(value, list) and all(t == "full_attention" for t in value))
+
+
+def read(why: str) -> KeyRule:
+    return KeyRule("read", why)
+
+
+def neutral(values: tuple[Any, ...] | Callable[[Any], bool], refused: Any, why: str) -> KeyRule:
+    return KeyRule("neutral", why, values, refused)
+
+
+def ignored(why: str) -> KeyRule:
+    return KeyRule("ignored", why)
+
+
+ROPE_PREFIX = "rope_parameters."
+"""Keys inside ``rope_parameters`` (or the legacy ``rope_scaling``) are named with this prefix in the table."""
+
+_ROPE_ONLY_REFUSED = "read only by RoPE types the decoder refuses (yarn, longrope); default, linear, llama3 ignore it"
+
+CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
+    # which model
+    "architectures": read("names the family; must agree with model_type (a config's own save_pretrained omits it)"),
+    "model_type": read("names the family; must agree with architectures"),
+    # dimensions
+    "vocab_size": read("rows of the embedding and the output projection (required)"),
+    "hidden_size": read("width of the residual stream (required)"),
+    "intermediate_size": read("width of the SwiGLU MLP (required)"),
+    "num_hidden_layers": read("decoder layers (required)"),
+    "num_attention_heads": read("query heads (required)"),
+    "num_key_value_heads": read("key/value heads of grouped-query attention"),
+    "head_dim": read("per-head width; apart from hidden_size / num_attention_heads when given"),
+    # numerics the decoder implements
+    "rms_norm_eps": read("epsilon of every RMSNorm"),
+    "max_position_embeddings": read("longest sequence served; llama3 RoPE's original context when it names none"),
+    "tie_word_embeddings": read("the output projection reuses embed_tokens"),
+    "dtype": read("weights, activations and KV cache dtype (transformers 5 spelling)"),
+    "torch_dtype": read("weights, activations and KV cache dtype (legacy spelling; must agree with dtype)"),
+    "rope_parameters": read("RoPE base and scaling (transformers 5: rope_theta and rope_type inside)"),
+    "rope_scaling": read("RoPE scaling (legacy; transformers prefers it to rope_parameters, so both must agree)"),
+    "rope_theta": read("RoPE base (legacy top level; must agree with rope_parameters.rope_theta)"),
+    "original_max_position_embeddings": read(
+        "llama3 RoPE's original context at the top level (transformers prefers it to the one in rope_parameters)"
+    ),
+    "attention_bias": {
+        "llama": read("biases on q/k/v and o_proj"),
+        "mistral": neutral(
+            (False, None), True, "Mistral has no projection biases: transformers ignores this key and drops the "
+            "bias tensors, so a checkpoint that has them is not the model its config describes",
+        ),
+        "qwen2": ignored("Qwen2 always has q/k/v biases and never an o_proj bias; transformers does not read this key"),
+        "qwen3": read("biases on q/k/v and o_proj"),
+    },
+    "sliding_window": {
+        "llama": neutral((None,), 4096, "Llama attends to every earlier position; no sliding window is implemented"),
+        "mistral": read("a query attends to the most recent sliding_window positions, in every layer"),
+        "qwen2": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
+        "qwen3": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
+    },
+    "use_sliding_window": {
+        "llama": neutral((False, None), True, "Llama has no sliding-window layers"),
+        "mistral": neutral(
+            (False, None), True, "Mistral's window is sliding_window itself; this Qwen switch is not Mistral's"
+        ),
+        "qwen2": read("turns layers from max_window_layers on into sliding-window layers (refused: not implemented)"),
+        "qwen3": read("turns layers from max_window_layers on into sliding-window layers (refused: not implemented)"),
+    },
+    "max_window_layers": {
+        "llama": ignored("only Qwen reads it"),
+        "mistral": ignored("only Qwen reads it"),
+        "qwen2": read("first layer that slides when use_sliding_window is set"),
+        "qwen3": read("first layer that slides when use_sliding_window is set"),
+    },
+    "layer_types": neutral(
+        _all_full_attention, ["full_attention", "sliding_attention"],
+        "per-layer attention types other than full attention (sliding or chunked layers) are not implemented; "
+        "Mistral's window comes from sliding_window",
+    ),  # fmt: skip
+    # numerics the decoder does not implement: accepted only where they change nothing
+    "hidden_act": neutral(
+        ("silu", "swish"), "gelu", "the MLP is SwiGLU: only the silu activation (transformers also calls it swish)"
+        " is implemented",
+    ),
+    "mlp_bias": neutral((False, None), True, "the MLP projections have no biases here"),
+    "pretraining_tp": neutral(
+        (1, None), 2, "tensor-parallel slicing of the projections at pretraining is not reproduced"
+    ),
+    "partial_rotary_factor": neutral(
+        (1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)"
+    ),
+    "attn_logit_softcapping": neutral((None,), 50.0, "attention-score soft-capping is not implemented"),
+    "final_logit_softcapping": neutral((None,), 30.0, "output-logit soft-capping is not implemented"),
+    "query_pre_attn_scalar": neutral((None,), 256, "attention scales scores by 1/sqrt(head_dim) only"),
+    "embedding_multiplier": neutral((None, 1, 1.0), 12.0, "embeddings are not rescaled"),
+    "logits_scaling": neutral((None, 1, 1.0), 8.0, "logits are not rescaled"),
+    "residual_multiplier": neutral((None, 1, 1.0), 0.22, "residual branches are not rescaled"),
+    "attention_multiplier": neutral((None,), 0.015625, "attention scales scores by 1/sqrt(head_dim) only"),
+    "use_qk_norm": neutral(
+        (None, False), True, "q/k RMSNorm is Qwen3's own (weights q_norm/k_norm), not switched by this key"
+    ),
+    "quantization_config": neutral((None,), {"quant_method": "gptq"}, "quantized weights are not implemented"),
+    # do not reach the logits
+    "_name_or_path": ignored("where transformers loaded it from"),
+    "transformers_version": ignored("which transformers wrote the file"),
+    "id2label": ignored("labels of classification heads"),
+    "label2id": ignored("labels of classification heads"),
+    "problem_type": ignored("loss of classification heads"),
+    "chunk_size_feed_forward": ignored("a memory-saving chunking that these architectures do not use"),
+    "is_encoder_decoder": ignored("these architectures are decoder-only whatever it says"),
+    "output_attentions": ignored("what a transformers forward returns besides the logits"),
+    "output_hidden_states": ignored("what a transformers forward returns besides the logits"),
+    "return_dict": ignored("what a transformers forward returns besides the logits"),
+    "use_cache": ignored("whether transformers keeps a KV cache: same logits either way"),
+    "bos_token_id": ignored("a generation setting (tokenizer and stopping), not the logits"),
+    "eos_token_id": ignored("a generation setting (tokenizer and stopping), not the logits"),
+    "pad_token_id": ignored("padding row of the embedding only matters for training; no padding is fed here"),
+    "initializer_range": ignored("initialisation of untrained weights"),
+    "attention_dropout": ignored("dropout is off at inference"),
+    # inside rope_parameters / rope_scaling
+    ROPE_PREFIX + "rope_type": read("default, linear or llama3 (others are refused)"),
+    ROPE_PREFIX + "type": read("legacy spelling of rope_type (must agree with it)"),
+    ROPE_PREFIX + "rope_theta": read("RoPE base"),
+    ROPE_PREFIX + "factor": read("linear and llama3 scaling factor; with the default type it must be absent or 1"),
+    ROPE_PREFIX + "low_freq_factor": read("llama3 (other types ignore it, as transformers does)"),
+    ROPE_PREFIX + "high_freq_factor": read("llama3 (other types ignore it, as transformers does)"),
+    ROPE_PREFIX + "original_max_position_embeddings": read(
+        "llama3's pretraining context (other types ignore it, as transformers does)"
+    ),
+    ROPE_PREFIX + "partial_rotary_factor": neutral(
+        (1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)"
+    ),
+    ROPE_PREFIX + "attention_factor": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "beta_fast": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "beta_slow": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "short_factor": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "long_factor": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "mscale": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "mscale_all_dim": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "truncate": ignored(_ROPE_ONLY_REFUSED),
+}
+"""The one rule for every known ``config.json`` key: a :class:`KeyRule`, or one per family where the
+families differ. Keys inside ``rope_parameters``/``rope_scaling`` carry :data:`ROPE_PREFIX`."""
+
+
+def key_rule(key: str, family: Family) -> KeyRule | None:
+    """The rule for ``key`` in ``family``; None for a key the table does not know (ignored)."""
+    rule = CONFIG_KEYS.get(key)
+    if isinstance(rule, dict):
+        return rule[family]
+    return rule
+
+
+def _check_neutral(raw: Mapping[str, Any], family: Family, prefix: str, where: str) -> None:
+    """Refuse the first neutral key of ``raw`` that is away from its neutral value."""
+    for key, value in raw.items():
+        rule = key_rule(prefix + str(key), family)
+        if rule is not None and not rule.accepts(value):
+            raise InvalidArgument(
+                f"config.json: {where}{key} = {value!r} is not supported for {family}: {rule.why}",
+                metadata={"key": prefix + str(key)},
+            )
+
+
+# ---- the value ----
 @dataclass(frozen=True)
 class RopeScaling:
     """Llama 3.1+ style frequency scaling (``rope_type`` "llama3") or plain "linear" scaling.
@@ -50,15 +298,16 @@ class RopeScaling:
     high_freq_factor: float = 4.0
     """llama3 only."""
     original_max_position_embeddings: int = 8192
-    """llama3 only: the context length the unscaled frequencies were trained for."""
+    """llama3 only: the context length the unscaled frequencies were trained for (parsing takes it from
+    the config, falling back to ``max_position_embeddings`` as transformers does)."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and numerics of a Llama / Qwen2 / Mistral decoder."""
+    """Dimensions and numerics of a Llama / Mistral / Qwen2 / Qwen3 decoder."""
 
     family: Family
-    """Which Hugging Face architecture the weights follow (names and biases)."""
+    """Which Hugging Face architecture the weights follow (names, biases, q/k norms)."""
     vocab_size: int
     hidden_size: int
     intermediate_size: int
@@ -76,7 +325,8 @@ class ModelConfig:
     tie_word_embeddings: bool = False
     """The output projection reuses ``embed_tokens`` (no ``lm_head.weight`` tensor)."""
     attention_bias: bool = False
-    """q/k/v projections carry biases (always for Qwen2)."""
+    """q/k/v projections carry biases: always for Qwen2, never for Mistral; for Llama and Qwen3 the
+    o_projection has one too (see :attr:`o_proj_bias`)."""
     dtype: str = "float32"
     """Weights, activations and KV cache dtype: float32, bfloat16 or float16."""
     rope_scaling: RopeScaling | None = None
@@ -84,8 +334,8 @@ class ModelConfig:
     """Mistral: a query attends to at most this many most recent positions (None: all)."""
 
     def __post_init__(self) -> None:
-        if self.family not in _FAMILY_ARCHITECTURE:
-            raise InvalidArgument(f"model family must be llama, qwen2 or mistral, got {self.family!r}")
+        if self.family not in FAMILIES:
+            raise InvalidArgument(f"model family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         for name in (
             "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
             "head_dim", "max_position_embeddings",
@@ -103,12 +353,33 @@ class ModelConfig:
             raise InvalidArgument(f"model config: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
             raise InvalidArgument("model config: rope_theta and rms_norm_eps must be > 0")
-        if self.sliding_window is not None and self.sliding_window <= 0:
-            raise InvalidArgument(f"model config: sliding_window must be > 0, got {self.sliding_window}")
+        if self.sliding_window is not None and (self.family != "mistral" or self.sliding_window <= 0):
+            raise InvalidArgument(
+                f"model config: sliding_window must be a positive integer on mistral only, got {self.sliding_window}"
+                f" on {self.family}"
+            )
+        # The Hugging Face architectures fix these; a config that disagrees would not round-trip through to_hf.
+        if self.family == "qwen2" and not self.attention_bias:
+            raise InvalidArgument("model config: qwen2 always has q/k/v biases (attention_bias=True)")
+        if self.family == "mistral" and self.attention_bias:
+            raise InvalidArgument("model config: mistral has no attention biases")
+        if self.rope_scaling is not None and self.rope_scaling.factor <= 0:
+            raise InvalidArgument(f"model config: RoPE scaling factor must be > 0, got {self.rope_scaling.factor}")
 
     @property
     def torch_dtype(self) -> torch.dtype:
         return DTYPES[self.dtype]
+
+    @property
+    def o_proj_bias(self) -> bool:
+        """Whether o_proj carries a bias: Llama and Qwen3 put ``attention_bias`` on all four
+        projections; Qwen2 has q/k/v biases only."""
+        return self.attention_bias and self.family in ("llama", "qwen3")
+
+    @property
+    def qk_norm(self) -> bool:
+        """Qwen3: per-head RMSNorm (``q_norm``/``k_norm``, ``[head_dim]``) on q and k before RoPE."""
+        return self.family == "qwen3"
 
     # ---- sizes ----
     def param_count(self) -> int:
@@ -117,6 +388,10 @@ class ModelConfig:
         per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
+        if self.o_proj_bias:
+            per_layer += h
+        if self.qk_norm:
+            per_layer += 2 * self.head_dim
         total = self.vocab_size * h + self.num_layers * per_layer + h
         if not self.tie_word_embeddings:
             total += self.vocab_size * h
@@ -132,60 +407,74 @@ class ModelConfig:
     # ---- Hugging Face config.json ----
     @classmethod
     def from_hf(cls, hf: Mapping[str, Any]) -> ModelConfig:
-        """Parse a Hugging Face ``config.json`` dict; InvalidArgument for what this decoder cannot run."""
+        """Parse a Hugging Face ``config.json`` dict, either format; InvalidArgument for what this
+        decoder would compute differently from transformers (see :data:`CONFIG_KEYS`)."""
         if not isinstance(hf, Mapping):
             raise InvalidArgument("config.json must hold a JSON object")
-        archs = hf.get("architectures")
-        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in _ARCHITECTURES:
-            raise InvalidArgument(f"unsupported architectures {archs!r}: expected one of {sorted(_ARCHITECTURES)}")
-        family = _ARCHITECTURES[archs[0]]
+        family = _family(hf)
+        _check_neutral(hf, family, "", "")
+        defaults = FAMILY_DEFAULTS[family]
+
+        def get(key: str) -> Any:
+            """The file's value; the family's transformers default where the key is absent. An explicit
+            null means "derived" (as transformers' ``__post_init__`` treats num_key_value_heads)."""
+            return hf[key] if key in hf else defaults.get(key)
 
         def need(key: str) -> Any:
-            if key not in hf or hf[key] is None:
+            if hf.get(key) is None:
                 raise InvalidArgument(f"config.json: missing required key '{key}'")
             return hf[key]
 
-        act = hf.get("hidden_act", "silu")
-        if act != "silu":
-            raise InvalidArgument(f"config.json: hidden_act {act!r} is not supported (only silu)")
-        if hf.get("mlp_bias"):
-            raise InvalidArgument("config.json: mlp_bias is not supported")
-        if family == "qwen2" and hf.get("use_sliding_window"):
-            raise InvalidArgument("config.json: Qwen2 use_sliding_window is not supported")
-
         num_heads = _int(need("num_attention_heads"), "num_attention_heads")
         hidden = _int(need("hidden_size"), "hidden_size")
-        head_dim = hf.get("head_dim")
+        num_layers = _int(need("num_hidden_layers"), "num_hidden_layers")
+        head_dim = get("head_dim")
         if head_dim is None:
             if hidden % num_heads:
                 raise InvalidArgument("config.json: hidden_size is not a multiple of num_attention_heads")
             head_dim = hidden // num_heads
-        dtype = hf.get("torch_dtype", hf.get("dtype")) or "float32"
-        sliding = hf.get("sliding_window") if family == "mistral" else None
+        num_kv_heads = get("num_key_value_heads")
+        max_pos = _int(get("max_position_embeddings"), "max_position_embeddings")
+        theta, scaling = _rope(hf, family, max_pos)
+        if family in ("llama", "qwen3"):
+            attention_bias = _bool(hf.get("attention_bias") or False, "attention_bias")
+        else:
+            attention_bias = family == "qwen2"
         return cls(
             family=family,
             vocab_size=_int(need("vocab_size"), "vocab_size"),
             hidden_size=hidden,
             intermediate_size=_int(need("intermediate_size"), "intermediate_size"),
-            num_layers=_int(need("num_hidden_layers"), "num_hidden_layers"),
+            num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_int(hf.get("num_key_value_heads") or num_heads, "num_key_value_heads"),
+            num_kv_heads=_int(num_heads if num_kv_heads is None else num_kv_heads, "num_key_value_heads"),
             head_dim=_int(head_dim, "head_dim"),
-            rope_theta=_float(hf.get("rope_theta", 10000.0), "rope_theta"),
-            rms_norm_eps=_float(hf.get("rms_norm_eps", 1e-6), "rms_norm_eps"),
-            max_position_embeddings=_int(hf.get("max_position_embeddings", 2048), "max_position_embeddings"),
-            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
-            attention_bias=True if family == "qwen2" else bool(hf.get("attention_bias", False)),
-            dtype=str(dtype),
-            rope_scaling=_rope_scaling(hf.get("rope_scaling")),
-            sliding_window=None if sliding is None else _int(sliding, "sliding_window"),
+            rope_theta=theta,
+            rms_norm_eps=_float(get("rms_norm_eps"), "rms_norm_eps"),
+            max_position_embeddings=max_pos,
+            tie_word_embeddings=_bool(hf.get("tie_word_embeddings") or False, "tie_word_embeddings"),
+            attention_bias=attention_bias,
+            dtype=_dtype(hf),
+            rope_scaling=scaling,
+            sliding_window=_sliding_window(hf, family, num_layers),
         )
 
-    def to_hf(self) -> dict[str, Any]:
-        """A ``config.json`` dict that :meth:`from_hf` reads back to this config (test checkpoints)."""
+    def to_hf(self, legacy: bool = False) -> dict[str, Any]:
+        """A ``config.json`` dict that :meth:`from_hf` reads back to this config (test checkpoints):
+        as transformers 5 writes it, or with ``legacy`` in the old key names."""
+        rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.rope_scaling is not None:
+            s = self.rope_scaling
+            rope.update(rope_type=s.rope_type, factor=s.factor)
+            if s.rope_type == "llama3":
+                rope.update(
+                    low_freq_factor=s.low_freq_factor,
+                    high_freq_factor=s.high_freq_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings,
+                )
         hf: dict[str, Any] = {
             "architectures": [_FAMILY_ARCHITECTURE[self.family]],
-            "model_type": _MODEL_TYPE[self.family],
+            "model_type": self.family,
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -194,27 +483,61 @@ class ModelConfig:
             "num_key_value_heads": self.num_kv_heads,
             "head_dim": self.head_dim,
             "hidden_act": "silu",
-            "rope_theta": self.rope_theta,
             "rms_norm_eps": self.rms_norm_eps,
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
-            "torch_dtype": self.dtype,
-            "rope_scaling": None,
         }
-        if self.family != "qwen2":
+        if self.family in ("llama", "qwen3"):
             hf["attention_bias"] = self.attention_bias
         if self.family == "mistral":
             hf["sliding_window"] = self.sliding_window
-        if self.rope_scaling is not None:
-            s = self.rope_scaling
-            hf["rope_scaling"] = {"rope_type": s.rope_type, "factor": s.factor}
-            if s.rope_type == "llama3":
-                hf["rope_scaling"].update(
-                    low_freq_factor=s.low_freq_factor,
-                    high_freq_factor=s.high_freq_factor,
-                    original_max_position_embeddings=s.original_max_position_embeddings,
-                )
+        if self.family in ("qwen2", "qwen3"):
+            hf.update(use_sliding_window=False, sliding_window=None)
+        if legacy:
+            theta = rope.pop("rope_theta")
+            hf.update(rope_theta=theta, rope_scaling=None if rope["rope_type"] == "default" else rope)
+            hf["torch_dtype"] = self.dtype
+        else:
+            hf.update(rope_parameters=rope, dtype=self.dtype)
         return hf
+
+
+# ---- parsing helpers ----
+def _family(hf: Mapping[str, Any]) -> Family:
+    """The family from ``architectures`` and/or ``model_type``: either suffices, both must agree.
+
+    A model's ``save_pretrained`` writes both; a config's own ``save_pretrained`` writes only
+    ``model_type`` (``architectures`` is None in a fresh config and left out as a default).
+    """
+    implemented = ", ".join(f"{f} ({_FAMILY_ARCHITECTURE[f]})" for f in FAMILIES)
+    archs, model_type = hf.get("architectures"), hf.get("model_type")
+    by_arch: Family | None = None
+    if archs is not None:
+        if not isinstance(archs, list) or len(archs) != 1 or archs[0] not in ARCHITECTURES:
+            raise InvalidArgument(
+                f"config.json: unsupported architectures {archs!r}: this decoder implements {implemented}",
+                metadata={"key": "architectures"},
+            )
+        by_arch = ARCHITECTURES[archs[0]]
+    by_type: Family | None = None
+    if model_type is not None:
+        if model_type not in MODEL_TYPES:
+            raise InvalidArgument(
+                f"config.json: unsupported model_type {model_type!r}: this decoder implements {implemented}",
+                metadata={"key": "model_type"},
+            )
+        by_type = MODEL_TYPES[model_type]
+    if by_arch is not None and by_type is not None and by_arch != by_type:
+        raise InvalidArgument(
+            f"config.json: architectures {archs!r} and model_type {model_type!r} name different families"
+        )
+    family = by_arch or by_type
+    if family is None:
+        raise InvalidArgument(
+            f"config.json: neither 'architectures' nor 'model_type' names the model; this decoder implements "
+            f"{implemented}"
+        )
+    return family
 
 
 def _int(value: Any, key: str) -> int:
@@ -229,28 +552,124 @@ def _float(value: Any, key: str) -> float:
     return float(value)
 
 
-def _rope_scaling(raw: Any) -> RopeScaling | None:
-    if raw is None:
-        return None
-    if not isinstance(raw, Mapping):
-        raise InvalidArgument(f"config.json: rope_scaling must be an object, got {raw!r}")
-    kind = raw.get("rope_type", raw.get("type"))
-    if kind in (None, "default"):
-        return None
-    factor = _float(raw.get("factor", 1.0), "rope_scaling.factor")
+def _bool(value: Any, key: str) -> bool:
+    if not isinstance(value, bool):
+        raise InvalidArgument(f"config.json: '{key}' must be true or false, got {value!r}")
+    return value
+
+
+def _agreed(a: Any, b: Any, what: str) -> Any:
+    """One value given in two places: either may be absent (None); both present must be equal, since
+    transformers would silently use one of them."""
+    if a is not None and b is not None and not _same(a, b):
+        raise InvalidArgument(f"config.json: {what} disagree ({a!r} vs {b!r})")
+    return a if a is not None else b
+
+
+def _dtype(hf: Mapping[str, Any]) -> str:
+    value = _agreed(hf.get("dtype"), hf.get("torch_dtype"), "'dtype' and 'torch_dtype'")
+    if value is None:
+        return "float32"
+    if value not in DTYPES:
+        raise InvalidArgument(f"config.json: dtype must be one of {sorted(DTYPES)}, got {value!r}")
+    return str(value)
+
+
+def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, RopeScaling | None]:
+    """RoPE base and scaling, from ``rope_parameters`` (transformers 5) or ``rope_scaling`` + top-level
+    ``rope_theta`` (legacy), resolved the way transformers' ``RotaryEmbeddingConfigMixin`` does."""
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, Mapping):
+            raise InvalidArgument(f"config.json: {name} must be an object, got {value!r}")
+    if params and legacy and dict(params) != dict(legacy):
+        raise InvalidArgument(
+            "config.json: rope_parameters and rope_scaling disagree (transformers would use rope_scaling)"
+        )
+    raw: Mapping[str, Any] = legacy or params or {}
+    where = "rope_scaling" if legacy else "rope_parameters"
+    if any(isinstance(v, Mapping) and ROPE_PREFIX + str(k) not in CONFIG_KEYS for k, v in raw.items()):
+        # transformers' nested form, one dict per layer type ({"full_attention": {...}, "sliding_attention": ...})
+        raise InvalidArgument(f"config.json: per-layer-type RoPE parameters in {where} are not implemented")
+    _check_neutral(raw, family, ROPE_PREFIX, where + ".")
+
+    kind = _agreed(raw.get("rope_type"), raw.get("type"), f"{where}.rope_type and {where}.type") or "default"
+    theta = _agreed(raw.get("rope_theta"), hf.get("rope_theta"), f"{where}.rope_theta and rope_theta")
+    theta = _DEFAULT_THETA if theta is None else _float(theta, "rope_theta")
+    if theta <= 0:
+        raise InvalidArgument(f"config.json: rope_theta must be > 0, got {theta}")
+
+    def need(key: str) -> Any:
+        if raw.get(key) is None:
+            raise InvalidArgument(f"config.json: {where} of rope_type {kind!r} needs '{key}'")
+        return raw[key]
+
+    if kind == "default":
+        factor = raw.get("factor")
+        if factor is not None and not _same(factor, 1):
+            raise InvalidArgument(
+                f"config.json: {where}.factor = {factor!r} without a scaling rope_type: transformers would ignore it;"
+                " name the rope_type it was trained with"
+            )
+        return theta, None
     if kind == "linear":
-        return RopeScaling("linear", factor)
+        return theta, RopeScaling("linear", _float(need("factor"), f"{where}.factor"))
     if kind == "llama3":
-        return RopeScaling(
+        original = _agreed(
+            hf.get("original_max_position_embeddings"), raw.get("original_max_position_embeddings"),
+            f"original_max_position_embeddings and {where}.original_max_position_embeddings",
+        )  # fmt: skip
+        scaling = RopeScaling(
             "llama3",
-            factor,
-            low_freq_factor=_float(raw.get("low_freq_factor", 1.0), "rope_scaling.low_freq_factor"),
-            high_freq_factor=_float(raw.get("high_freq_factor", 4.0), "rope_scaling.high_freq_factor"),
+            _float(need("factor"), f"{where}.factor"),
+            low_freq_factor=_float(need("low_freq_factor"), f"{where}.low_freq_factor"),
+            high_freq_factor=_float(need("high_freq_factor"), f"{where}.high_freq_factor"),
             original_max_position_embeddings=_int(
-                raw.get("original_max_position_embeddings", 8192), "rope_scaling.original_max_position_embeddings"
+                max_pos if original is None else original, f"{where}.original_max_position_embeddings"
             ),
         )
-    raise InvalidArgument(f"config.json: rope_scaling type {kind!r} is not supported (linear, llama3)")
+        if scaling.high_freq_factor == scaling.low_freq_factor:
+            raise InvalidArgument(f"config.json: {where}: llama3 needs high_freq_factor != low_freq_factor")
+        return theta, scaling
+    raise InvalidArgument(
+        f"config.json: RoPE type {kind!r} ({where}) is not implemented; this decoder implements "
+        f"{', '.join(ROPE_TYPES)}",
+        metadata={"key": ROPE_PREFIX + "rope_type"},
+    )
+
+
+def _sliding_window(hf: Mapping[str, Any], family: Family, num_layers: int) -> int | None:
+    """Mistral's window (every layer); for Qwen, a refusal where sliding-window layers would exist.
+
+    Qwen2/Qwen3 slide in the layers from ``max_window_layers`` on when ``use_sliding_window`` is set
+    and no explicit ``layer_types`` says otherwise (transformers' config ``__post_init__``); those
+    layers are not implemented. ``layer_types`` itself is held to all full attention by the table.
+    """
+    layer_types = hf.get("layer_types")
+    if layer_types is not None and len(layer_types) != num_layers:
+        raise InvalidArgument(
+            f"config.json: layer_types has {len(layer_types)} entries for {num_layers} num_hidden_layers"
+        )
+    defaults = FAMILY_DEFAULTS[family]
+    window = hf["sliding_window"] if "sliding_window" in hf else defaults.get("sliding_window")  # null: no window
+    if family == "mistral":
+        if window is None:
+            return None
+        window = _int(window, "sliding_window")
+        if window <= 0:
+            raise InvalidArgument(f"config.json: sliding_window must be > 0, got {window}")
+        return window
+    if family in ("qwen2", "qwen3"):
+        use = _bool(hf.get("use_sliding_window") or False, "use_sliding_window")
+        first = hf.get("max_window_layers")
+        first = _int(defaults["max_window_layers"] if first is None else first, "max_window_layers")
+        if use and window is not None and layer_types is None and first < num_layers:
+            raise InvalidArgument(
+                f"config.json: use_sliding_window makes layers {first}..{num_layers - 1} sliding-window layers "
+                f"(max_window_layers {first}, sliding_window {window}); they are not implemented for {family}",
+                metadata={"key": "use_sliding_window"},
+            )
+    return None
 
 
 _TINY = ModelConfig(
@@ -302,4 +721,19 @@ PRESETS: dict[str, ModelConfig] = {
 """Shapes for ``synthetic:<preset>`` models: tiny and small for tests, 1b (Llama-3.2-1B) and 8b
 (Llama-3-8B) for realistic memory sizes in benchmarks."""
 
-__all__ = ["DTYPES", "PRESETS", "Family", "ModelConfig", "RopeScaling"]
+__all__ = [
+    "ARCHITECTURES",
+    "CONFIG_KEYS",
+    "DTYPES",
+    "FAMILIES",
+    "FAMILY_DEFAULTS",
+    "MODEL_TYPES",
+    "PRESETS",
+    "ROPE_PREFIX",
+    "ROPE_TYPES",
+    "Family",
+    "KeyRule",
+    "ModelConfig",
+    "RopeScaling",
+    "key_rule",
+]

@@ -2,8 +2,10 @@
 
 No ``nn.Module``: the weights are pool tensors the allocator owns, and keeping the computation a
 function of (weights, config, cache blocks) means nothing here holds a tensor that could go stale
-across sleep and wake. Numerics follow Hugging Face's Llama (RMSNorm in float32, rotate-half RoPE
-with cos/sin cast to the model dtype) so real checkpoints produce their reference tokens.
+across sleep and wake. Numerics follow transformers' Llama, Mistral, Qwen2 and Qwen3 operation for
+operation (RMSNorm in float32 then scaled in the model dtype, rotate-half RoPE with float32 cos/sin
+cast to the model dtype, Qwen3's per-head q/k norm before RoPE, the same bias placement) so real
+checkpoints produce their reference tokens; tests/test_reference.py checks it against transformers.
 """
 
 from __future__ import annotations
@@ -128,6 +130,8 @@ def forward(
         q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
         k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
         v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
+            q, k = rms_norm(q, weights[a + "q_norm.weight"], eps), rms_norm(k, weights[a + "k_norm.weight"], eps)
         q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
 
         layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
@@ -139,7 +143,8 @@ def forward(
         out = F.scaled_dot_product_attention(
             q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, is_causal=causal
         )
-        x = x + F.linear(out.transpose(0, 1).reshape(n, nh * hd), weights[a + "o_proj.weight"])
+        out = out.transpose(0, 1).reshape(n, nh * hd)
+        x = x + F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
 
         h = rms_norm(x, weights[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."

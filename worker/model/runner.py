@@ -1,4 +1,4 @@
-"""The worker's model: weights in the ``weights`` pool, a paged KV cache, greedy generation.
+"""The worker's model: weights in the ``weights`` pool, a paged KV cache, generation.
 
 This is what the gRPC servicer drives. It validates every request before touching state (a bad
 request never changes anything), refuses to run on memory that is asleep (touching a slept range
@@ -14,11 +14,13 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypedDict
 
 from memsvc.errors import Cancelled, InvalidArgument, WrongState
-from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
+from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, FinishReason, TagState
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import Rope, forward
+from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
+from worker.model.sampling import Sampler
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = 4096
@@ -35,6 +37,10 @@ class ModelInfo(TypedDict):
     weights_bytes: int
     vocab_size: int
     layer_count: int
+    context_length: int
+    eos_token_ids: list[int]
+    has_tokenizer: bool
+    has_chat_template: bool
     kv_cache: KvStats
 
 
@@ -74,12 +80,23 @@ class ModelRunner:
         sequence_id: str | None = None,
         should_stop: Callable[[], bool] | None = None,
     ) -> list[int]:
-        """Greedy decoding: ``max_new_tokens`` token ids after the prompt.
+        """Greedy decoding: the tokens of :meth:`run` with its defaults."""
+        request = GenerationRequest(self._check_tokens(prompt_ids), max_new_tokens, sequence_id)
+        return self.run(request, should_stop).tokens
+
+    def run(
+        self,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool] | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> GenerationResult:
+        """Up to ``max_new_tokens`` tokens after the prompt, each picked by the request's sampling,
+        ending after a stop token (the model's EOS unless ``ignore_eos``, or one of the request's).
 
         With ``sequence_id`` the sequence and its KV cache stay after the call and a later call with
-        the same id continues it (``prompt_ids`` may then be empty, or add tokens first). Without,
-        the sequence is temporary. ``should_stop`` is asked before every step: when it says yes (the
-        caller left) generation stops with Cancelled.
+        the same id continues it (``prompt`` may then be empty, or add tokens first). Without, the
+        sequence is temporary. ``should_stop`` is asked before every step: when it says yes (the
+        caller left) generation stops with Cancelled. ``on_token`` sees each token as it is made.
 
         A call that fails keeps nothing: a sequence it created is freed, one it continued is put back
         as it was (tokens, cached positions, blocks). Errors: InvalidArgument (bad ids or counts, a new
@@ -87,12 +104,15 @@ class ModelRunner:
         out, memory asleep), OutOfMemory (too few free KV blocks, or too many sequences kept),
         Cancelled.
         """
-        prompt = self._check_tokens(prompt_ids)
-        n = max_new_tokens
+        prompt = self._check_tokens(request.prompt)
+        n = request.max_new_tokens
+        sequence_id = request.sequence_id
         if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.max_new_tokens_limit:
             raise InvalidArgument(f"max_new_tokens must be an integer in [0, {self.max_new_tokens_limit}], got {n!r}")
         if sequence_id is not None and (not isinstance(sequence_id, str) or not sequence_id):
             raise InvalidArgument(f"sequence_id must be a non-empty string, got {sequence_id!r}")
+        self._check_tokens(request.stop_token_ids, "stop_token_ids")
+        stops = request.stop_set(self.source.eos_token_ids)
         with self.lock:
             existing = self.kv_cache.sequences.get(sequence_id) if sequence_id is not None else None
             if existing is None and not prompt:
@@ -105,6 +125,7 @@ class ModelRunner:
                     f"sequence would reach {total} tokens; the model allows {self.config.max_position_embeddings}"
                 )
             self._check_awake(WEIGHTS, KV_CACHE)
+            sampler = Sampler(request.sampling, self.alloc.torch_device)
 
             seq_id = sequence_id if sequence_id is not None else f"tmp-{uuid.uuid4().hex}"
             seq = existing if existing is not None else self.kv_cache.allocate_sequence(seq_id)
@@ -116,6 +137,7 @@ class ModelRunner:
                 self.kv_cache.wait_copies()  # swaps begun earlier may still be writing these blocks
                 seq.tokens.extend(prompt)
                 out: list[int] = []
+                reason = FinishReason.LENGTH
                 for _ in range(n):
                     if should_stop is not None and should_stop():
                         raise Cancelled("generation stopped: the caller left")
@@ -124,11 +146,18 @@ class ModelRunner:
                         seq.tokens[seq.num_cached :], seq.num_cached,
                     )  # fmt: skip
                     seq.num_cached = len(seq.tokens)
-                    token = int(logits.argmax())
+                    token = sampler(logits)
                     seq.tokens.append(token)
                     out.append(token)
+                    if on_token is not None:
+                        on_token(token)
+                    if token in stops:
+                        reason = FinishReason.STOP
+                        break
                 done = True
-                return out
+                if sequence_id is not None and reason == FinishReason.STOP:  # blocks it did not reach go back
+                    self.kv_cache.shrink(seq_id, max(kept[2], -(-seq.num_cached // self.kv_cache.block_size)))
+                return GenerationResult(out, reason, len(prompt))
             finally:
                 if sequence_id is None or (not done and existing is None):
                     self.kv_cache.free_sequence(seq_id)
@@ -137,14 +166,14 @@ class ModelRunner:
                     seq.num_cached = kept[1]
                     self.kv_cache.shrink(seq_id, kept[2])
 
-    def _check_tokens(self, ids: Sequence[int]) -> list[int]:
+    def _check_tokens(self, ids: Iterable[int], what: str = "prompt_token_ids") -> list[int]:
         if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
-            raise InvalidArgument("prompt_ids must be a list of token ids")
+            raise InvalidArgument(f"{what} must be a list of token ids")
         tokens = list(ids)
         vocab = self.config.vocab_size
         for i, t in enumerate(tokens):
             if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidArgument(f"prompt_ids[{i}] = {t!r} is not a token id in [0, {vocab})")
+                raise InvalidArgument(f"{what}[{i}] = {t!r} is not a token id in [0, {vocab})")
         return tokens
 
     def _check_awake(self, *tags: str) -> None:
@@ -174,11 +203,15 @@ class ModelRunner:
             return self.kv_cache.begin_swap(direction, src_ids, dst_ids, method)
 
     # ---- sleep hooks ----
-    def reload_weights(self) -> None:
-        """Rewrite every weight from the source into the same pool tensors (after a level-2 wake)."""
+    def reload_weights(self, source: ModelSource | None = None) -> None:
+        """Rewrite every weight into the same pool tensors: from the model's source (after a level-2
+        wake), or from ``source``, which then is the model's source (ReloadWeights from another
+        directory; see CheckpointSource's ``same_as``)."""
         with self.lock:
             self._check_awake(WEIGHTS)
-            self.source.load_into(self.weights)
+            (source or self.source).load_into(self.weights)
+            if source is not None:
+                self.source = source
 
     def drop_kv(self) -> list[str]:
         """Forget the sequences whose device blocks were discarded; return their ids.
@@ -192,9 +225,12 @@ class ModelRunner:
     def info(self) -> ModelInfo:
         with self.lock:
             c = self.config
+            text = self.source.text
             return ModelInfo(
                 source=self.source.name, family=c.family, dtype=c.dtype, parameter_count=c.param_count(),
                 weights_bytes=c.param_bytes(), vocab_size=c.vocab_size, layer_count=c.num_layers,
+                context_length=c.max_position_embeddings, eos_token_ids=list(self.source.eos_token_ids),
+                has_tokenizer=text is not None, has_chat_template=text is not None and text.has_chat_template,
                 kv_cache=self.kv_cache.stats(),
             )  # fmt: skip
 

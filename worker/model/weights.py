@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import abc
 import contextlib
+import dataclasses
 import json
 import os
 from collections.abc import Iterator, Mapping
@@ -27,6 +28,8 @@ from memsvc.errors import InvalidArgument, NotFound
 from memsvc.vocabulary import WEIGHTS
 from worker.allocator import MemoryAllocator
 from worker.model.config import PRESETS, ModelConfig
+from worker.model.generation import read_eos_token_ids
+from worker.model.text import ModelText
 
 INDEX_FILE = "model.safetensors.index.json"
 
@@ -48,6 +51,11 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
             shapes[p + "self_attn.v_proj.bias"] = (kv,)
         shapes[p + "self_attn.o_proj.weight"] = (h, q)
+        if config.o_proj_bias:
+            shapes[p + "self_attn.o_proj.bias"] = (h,)
+        if config.qk_norm:
+            shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
+            shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
         shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
@@ -193,6 +201,10 @@ class ModelSource(abc.ABC):
     name: str
     """How the model was named (``synthetic:tiny``, a checkpoint path): for info and telemetry."""
     config: ModelConfig
+    eos_token_ids: tuple[int, ...] = ()
+    """Tokens that end a generation (worker/model/generation.py); none for synthetic models."""
+    text: ModelText | None = None
+    """The model's tokenizer and chat template, when its directory has them."""
 
     @abc.abstractmethod
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -225,10 +237,34 @@ class SyntheticSource(ModelSource):
 class CheckpointSource(ModelSource):
     """A local Hugging Face checkpoint directory: ``config.json`` and ``*.safetensors``."""
 
-    def __init__(self, path: str | os.PathLike[str]) -> None:
+    def __init__(self, path: str | os.PathLike[str], same_as: ModelSource | None = None) -> None:
+        """``same_as``: new weights for that model (ReloadWeights from another directory, the
+        reinforcement-learning loop). The configuration must be exactly that model's and every
+        tensor's shape is checked before a byte is copied; the tokenizer and EOS tokens stay that
+        model's (the vocabulary is the same by construction)."""
         self.path = Path(path)
         self.name = str(self.path)
         self.config = read_config(self.path)
+        if same_as is not None:
+            if self.config != same_as.config:
+                diff = next(
+                    f"{f.name}: {getattr(same_as.config, f.name)!r} -> {getattr(self.config, f.name)!r}"
+                    for f in dataclasses.fields(ModelConfig)
+                    if getattr(same_as.config, f.name) != getattr(self.config, f.name)
+                )
+                raise InvalidArgument(
+                    f"{self.path} is not a checkpoint of the served model's configuration ({diff})",
+                    metadata={"path": self.name},
+                )
+            self.eos_token_ids, self.text = same_as.eos_token_ids, same_as.text
+            self.check()
+            return
+        self.eos_token_ids = read_eos_token_ids(self.path)
+        self.text = ModelText.load(self.path)
+        if self.text is not None and self.text.vocab_size > self.config.vocab_size:
+            raise InvalidArgument(
+                f"{self.path}: the tokenizer has {self.text.vocab_size} tokens, the model only {self.config.vocab_size}"
+            )
 
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
         load_checkpoint(self.path, weights, self.config)

@@ -1,0 +1,374 @@
+"""Generation semantics against the reference (transformers): EOS and stop tokens, sampling, finish
+reasons and counts, streaming, text and chat templates, and new weights in place from another
+checkpoint directory.
+
+Models and tokenizers are made here with transformers and the tokenizers library themselves (a tiny
+random Llama, a byte-level BPE trained on a few sentences with multi-byte characters); nothing comes
+from the network.
+"""
+
+from __future__ import annotations
+
+import json
+import math
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from hf_models import init_weights
+from workerproc import WorkerProcess
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from worker.model.sampling import SamplingParams, filter_logits
+
+transformers = pytest.importorskip("transformers")
+
+PROMPT = [5, 17, 42, 9, 3]
+CHAT_TEMPLATE = (
+    "{{ bos_token }}{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}{{ eos_token }}{% endfor %}"
+    "{% if add_generation_prompt %}<|assistant|>{% endif %}"
+)
+CORPUS = [
+    "hello world, héllo wörld, naïve café 😀 🚀",
+    "日本語のテキストと emoji 🎉 mixed with ascii text",
+    "the quick brown fox jumps over the lazy dog",
+] * 40
+
+
+def tiny_llama(vocab: int = 256, seed: int = 0, **overrides: Any) -> Any:
+    """A transformers Llama with weights scaled so greedy decoding varies (hf_models.init_weights)."""
+    fields: dict[str, Any] = dict(
+        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
+        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+        pad_token_id=None,
+    )  # fmt: skip
+    config = transformers.LlamaConfig(**{**fields, **overrides})
+    model = transformers.LlamaForCausalLM(config).float().eval()
+    init_weights(model, seed)
+    return model
+
+
+def save(model: Any, path: Path, eos: int | list[int] | None = None, generation_eos: Any = None) -> Path:
+    model.save_pretrained(path)
+    cfg = json.loads((path / "config.json").read_text())
+    cfg["eos_token_id"] = eos
+    (path / "config.json").write_text(json.dumps(cfg))
+    gen = path / "generation_config.json"
+    if generation_eos is not None:
+        gen.write_text(json.dumps({"eos_token_id": generation_eos}))
+    elif gen.exists():
+        gen.unlink()
+    return path
+
+
+def reference_greedy(model: Any, prompt: list[int], n: int, eos: int | list[int] | None) -> list[int]:
+    out = model.generate(
+        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
+        attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
+    )  # fmt: skip
+    tokens: list[int] = out[0, len(prompt) :].tolist()
+    if eos is not None:  # transformers pads after the stop token; the generation ended at it
+        stops = {eos} if isinstance(eos, int) else set(eos)
+        for i, t in enumerate(tokens):
+            if t in stops:
+                return tokens[: i + 1]
+    return tokens
+
+
+@pytest.fixture(scope="module")
+def model() -> Any:
+    return tiny_llama()
+
+
+def gen(stub: w_grpc.ModelWorkerServiceStub, **fields: Any) -> w.GenerateResponse:
+    return stub.Generate(w.GenerateRequest(**fields), timeout=60)
+
+
+def code_of(call: Any) -> grpc.StatusCode:
+    try:
+        call()
+    except grpc.RpcError as err:
+        return err.code()
+    raise AssertionError("the call succeeded")
+
+
+# ---- EOS and stop tokens ----
+
+
+def test_generation_stops_at_the_models_eos_as_transformers_does(model: Any, tmp_path: Path) -> None:
+    free = reference_greedy(model, PROMPT, 24, None)
+    assert len(set(free)) > 4, f"the reference greedy tokens do not vary: {free}"
+    eos = free[6]  # a token greedy decoding reaches: both must stop at its first appearance
+    ref = reference_greedy(model, PROMPT, 24, eos)
+    assert ref[-1] == eos and len(ref) < 24
+    with WorkerProcess(["--model", str(save(model, tmp_path / "m", eos=eos))]) as wp:
+        r = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24)
+        assert list(r.token_ids) == ref
+        assert r.finish_reason == c.FINISH_REASON_STOP
+        assert (r.prompt_token_count, r.completion_token_count) == (len(PROMPT), len(ref))
+        info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.model
+        assert list(info.eos_token_ids) == [eos] and info.context_length == 512
+        ignored = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24, ignore_eos=True)
+        assert list(ignored.token_ids) == free and ignored.finish_reason == c.FINISH_REASON_LENGTH
+        stop = free[3]
+        stopped = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24, ignore_eos=True, stop_token_ids=[stop])
+        assert list(stopped.token_ids) == reference_greedy(model, PROMPT, 24, stop)
+        assert stopped.finish_reason == c.FINISH_REASON_STOP
+
+
+def test_generation_config_eos_wins_over_config_json_as_in_transformers(model: Any, tmp_path: Path) -> None:
+    free = reference_greedy(model, PROMPT, 24, None)
+    eos_list = [free[9], free[4]]
+    path = save(model, tmp_path / "m", eos=free[1], generation_eos=eos_list)
+    ref_model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
+    ref = ref_model.generate(
+        torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+        attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
+    )[0, len(PROMPT) :].tolist()  # fmt: skip
+    with WorkerProcess(["--model", str(path)]) as wp:
+        r = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24)
+        assert list(r.token_ids) == ref[: len(r.token_ids)] and r.token_ids[-1] in eos_list
+        assert sorted(wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.model.eos_token_ids) == sorted(
+            eos_list
+        )
+
+
+# ---- sampling ----
+
+
+@pytest.mark.parametrize(
+    "params",
+    [
+        SamplingParams(temperature=0.7),
+        SamplingParams(temperature=1.3, top_k=5),
+        SamplingParams(temperature=1.0, top_p=0.8),
+        SamplingParams(temperature=0.5, top_k=20, top_p=0.6),
+        SamplingParams(temperature=2.0, top_k=1),
+    ],
+    ids=str,
+)
+def test_the_sampled_distribution_is_transformers_own(params: SamplingParams) -> None:
+    from transformers.generation.logits_process import (
+        LogitsProcessorList,
+        TemperatureLogitsWarper,
+        TopKLogitsWarper,
+        TopPLogitsWarper,
+    )
+
+    warpers = LogitsProcessorList([TemperatureLogitsWarper(params.temperature)])
+    if params.top_k:
+        warpers.append(TopKLogitsWarper(params.top_k))
+    if params.top_p < 1.0:
+        warpers.append(TopPLogitsWarper(params.top_p))
+    gen_ = torch.Generator().manual_seed(3)
+    for _ in range(20):
+        logits = torch.randn(300, generator=gen_) * 4
+        ours = filter_logits(logits, params).softmax(-1)
+        ids, scores = torch.zeros(1, 1, dtype=torch.long), logits[None].clone()
+        ref = warpers(ids, scores)[0].softmax(-1)  # type: ignore[arg-type]  # transformers types these as Long/FloatTensor
+        assert torch.equal(ours > 0, ref > 0), "a different set of tokens survives"
+        assert torch.allclose(ours, ref, atol=1e-6, rtol=1e-5)
+
+
+def test_sampling_is_reproducible_per_seed_and_greedy_without_temperature(model: Any, tmp_path: Path) -> None:
+    with WorkerProcess(["--model", str(save(model, tmp_path / "m"))]) as wp:
+        greedy = list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16).token_ids)
+        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16,
+                        sampling=w.SamplingParams(temperature=0)).token_ids) == greedy  # fmt: skip
+        hot = w.SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+        first = list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=hot).token_ids)
+        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=hot).token_ids) == first
+        others = {
+            tuple(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16,
+                      sampling=w.SamplingParams(temperature=1.5, top_p=0.95, seed=s)).token_ids)
+            for s in range(5)
+        }  # fmt: skip
+        assert len(others) > 1 and first != greedy, "sampling at temperature 1.5 always gave the same tokens"
+        top1 = w.SamplingParams(temperature=1.5, top_k=1, seed=9)
+        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=top1).token_ids) == greedy
+        for bad in (w.SamplingParams(temperature=-1), w.SamplingParams(temperature=1, top_p=1.5),
+                    w.SamplingParams(temperature=1, top_k=-2), w.SamplingParams(temperature=math.inf)):  # fmt: skip
+            assert code_of(lambda b=bad: gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=2, sampling=b)) == (
+                grpc.StatusCode.INVALID_ARGUMENT
+            )
+
+
+# ---- streaming ----
+
+
+def stream(stub: w_grpc.ModelWorkerServiceStub, **fields: Any) -> list[w.GenerateStreamResponse]:
+    return list(stub.GenerateStream(w.GenerateStreamRequest(request=w.GenerateRequest(**fields)), timeout=60))
+
+
+def test_a_stream_sends_the_same_tokens_as_generate_and_ends_with_the_whole_answer(model: Any, tmp_path: Path) -> None:
+    free = reference_greedy(model, PROMPT, 20, None)
+    with WorkerProcess(["--model", str(save(model, tmp_path / "m", eos=free[12]))]) as wp:
+        whole = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=20)
+        msgs = stream(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=20)
+        assert [t for m in msgs[:-1] for t in m.token_ids] == list(whole.token_ids)
+        assert len(msgs) > 2, "the tokens came in one message: nothing was streamed"
+        assert msgs[-1].HasField("done") and not any(m.HasField("done") for m in msgs[:-1])
+        done = msgs[-1].done
+        assert (list(done.token_ids), done.finish_reason, done.completion_token_count) == (
+            list(whole.token_ids), c.FINISH_REASON_STOP, len(whole.token_ids)
+        )
+
+
+def test_a_stream_whose_client_leaves_stops_and_frees_its_blocks(tmp_path: Path) -> None:
+    with WorkerProcess(["--model", "synthetic:small"]) as wp:
+        base = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache
+        call = wp.stub.GenerateStream(
+            w.GenerateStreamRequest(request=w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2000))
+        )
+        first = next(call)
+        assert len(first.token_ids) >= 1
+        call.cancel()
+        import time
+
+        deadline = time.monotonic() + 10
+        while True:
+            kv = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache
+            if kv.device_free_block_count == base.device_free_block_count or time.monotonic() > deadline:
+                break
+            time.sleep(0.05)
+        assert (kv.device_free_block_count, kv.sequence_count) == (base.device_free_block_count, base.sequence_count)
+        r = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=2), timeout=5)
+        assert len(r.token_ids) == 2, "the cancelled stream still holds the device"
+
+
+# ---- text ----
+
+
+def text_model(tmp_path: Path) -> tuple[Path, Any]:
+    """A random Llama whose vocabulary is a byte-level BPE trained here, saved with a chat template."""
+    from tokenizers import Tokenizer, decoders, models, pre_tokenizers, processors, trainers
+
+    tok = Tokenizer(models.BPE())
+    tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    tok.decoder = decoders.ByteLevel()
+    specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
+    tok.train_from_iterator(
+        CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
+                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
+    )  # fmt: skip
+    bos = tok.token_to_id("<s>")
+    tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
+    fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
+    fast.chat_template = CHAT_TEMPLATE
+    path = tmp_path / "text-model"
+    save(tiny_llama(vocab=tok.get_vocab_size(), seed=1), path, eos=tok.token_to_id("</s>"))
+    fast.save_pretrained(path)
+    return path, transformers.AutoTokenizer.from_pretrained(path)
+
+
+@pytest.fixture(scope="module")
+def text_worker(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[WorkerProcess, Any]]:
+    path, reference = text_model(tmp_path_factory.mktemp("text"))
+    with WorkerProcess(["--model", str(path)]) as wp:
+        yield wp, reference
+
+
+def test_a_text_prompt_is_encoded_and_the_answer_decoded_as_transformers_does(
+    text_worker: tuple[WorkerProcess, Any],
+) -> None:
+    wp, ref = text_worker
+    prompt = "héllo wörld, naïve 😀 日本語"
+    by_text = gen(wp.stub, prompt=prompt, max_new_tokens=24, ignore_eos=True)
+    ids = ref(prompt)["input_ids"]
+    assert ids[0] == ref.bos_token_id
+    assert by_text.prompt_token_count == len(ids)
+    by_ids = gen(wp.stub, prompt_token_ids=ids, max_new_tokens=24, ignore_eos=True)
+    assert list(by_text.token_ids) == list(by_ids.token_ids)
+    assert by_text.text == ref.decode(list(by_text.token_ids), skip_special_tokens=True)
+    info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.model
+    assert info.has_tokenizer and info.has_chat_template
+
+
+def test_chat_messages_are_rendered_as_transformers_apply_chat_template(text_worker: tuple[WorkerProcess, Any]) -> None:
+    wp, ref = text_worker
+    messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 😀 wörld?"}]
+    expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
+    expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
+    chat = gen(wp.stub, messages=[w.ChatMessage(**m) for m in messages], max_new_tokens=8, ignore_eos=True)
+    by_ids = gen(wp.stub, prompt_token_ids=list(expected), max_new_tokens=8, ignore_eos=True)
+    assert chat.prompt_token_count == len(expected)
+    assert list(chat.token_ids) == list(by_ids.token_ids)
+
+
+def test_streamed_text_adds_up_to_the_whole_text(text_worker: tuple[WorkerProcess, Any]) -> None:
+    """A random model emits arbitrary bytes, some never forming a character: the stream's pieces still
+    add up to the whole text (U+FFFD where the bytes are invalid, exactly where the reference has it)."""
+    wp, ref = text_worker
+    for seed in range(4):
+        sampling = w.SamplingParams(temperature=1.2, seed=seed)
+        msgs = stream(wp.stub, prompt="日本語 😀", max_new_tokens=40, ignore_eos=True, sampling=sampling)
+        done = msgs[-1].done
+        assert "".join(m.text for m in msgs) == done.text == ref.decode(list(done.token_ids), skip_special_tokens=True)
+
+
+def test_streamed_text_never_splits_a_character(tmp_path: Path) -> None:
+    """Token by token through the worker's stream decoder, a text whose characters span several
+    byte-level tokens: every piece is whole characters, and they add up to the text."""
+    from worker.generate_messages import StreamedText
+    from worker.model.text import ModelText
+
+    path, _ = text_model(tmp_path)
+    text = ModelText.load(path)
+    assert text is not None
+    sample = "naïve café 😀 🚀 日本語のテキスト 🎉"
+    ids = text.tokenizer.encode(sample, add_special_tokens=False).ids
+    split = [i for i in ids if "\ufffd" in text.tokenizer.decode([i])]
+    assert split, "no token of the sample is part of a character: the test would prove nothing"
+    streamed = StreamedText(text, frozenset())
+    pieces = [streamed.push(i) for i in ids]
+    assert not any("\ufffd" in p for p in pieces), pieces
+    assert "".join(pieces) + streamed.finish(sample) == sample
+
+
+def test_text_is_refused_by_a_model_without_a_tokenizer_and_bad_prompts_change_nothing() -> None:
+    with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
+        assert code_of(lambda: gen(wp.stub, prompt="hello", max_new_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
+        chat = [w.ChatMessage(role="user", content="hi")]
+        assert code_of(lambda: gen(wp.stub, messages=chat, max_new_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
+        two = w.GenerateRequest(prompt_token_ids=[1], prompt="x", max_new_tokens=2)
+        assert code_of(lambda: wp.stub.Generate(two, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        big = w.GenerateRequest(prompt="x" * ((1 << 20) + 1), max_new_tokens=2)
+        assert code_of(lambda: wp.stub.Generate(big, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        assert wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.sequence_count == 0
+
+
+# ---- new weights in place ----
+
+
+def test_reload_weights_from_another_checkpoint_serves_its_tokens_and_a_mismatch_changes_nothing(
+    tmp_path: Path,
+) -> None:
+    a, b = tiny_llama(seed=11), tiny_llama(seed=12)
+    path_a, path_b = save(a, tmp_path / "a"), save(b, tmp_path / "b")
+    wrong_layers = save(tiny_llama(seed=13, num_hidden_layers=3), tmp_path / "three-layers")
+    wrong_shape = save(tiny_llama(seed=14), tmp_path / "bad-tensor")
+    from safetensors.torch import load_file, save_file
+
+    tensors = load_file(wrong_shape / "model.safetensors")
+    tensors["model.norm.weight"] = torch.ones(65)
+    save_file(tensors, wrong_shape / "model.safetensors", metadata={"format": "pt"})
+    ref_a, ref_b = reference_greedy(a, PROMPT, 12, None), reference_greedy(b, PROMPT, 12, None)
+    assert ref_a != ref_b
+    with WorkerProcess(["--model", str(path_a)]) as wp:
+        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_a
+        for bad in (wrong_layers, wrong_shape, tmp_path / "missing"):
+            req = w.ReloadWeightsRequest(model_path=str(bad))
+            code = code_of(lambda r=req: wp.stub.ReloadWeights(r, timeout=60))
+            assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (bad, code)
+            assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_a, bad
+        r = wp.stub.ReloadWeights(w.ReloadWeightsRequest(model_path=str(path_b)), timeout=60)
+        assert r.status.state == c.WORKER_STATE_AWAKE and r.status.model.source == str(path_b)
+        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_b
+        wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=60)  # a level-2 wake reloads b, not a
+        wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_b

@@ -1,0 +1,125 @@
+"""Generate's messages and the worker's generation values, both ways: a GenerateRequest checked and
+turned into a :class:`~worker.model.generation.GenerationRequest` (text encoded, chat rendered), and a
+finished :class:`~worker.status.Generation` turned into a GenerateResponse (with its text).
+
+Every field is checked here, before the worker queues anything: one prompt form, its size, the
+counts, the sampling values; a model without a tokenizer refuses text with FAILED_PRECONDITION.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+
+from google.protobuf import duration_pb2
+
+from memsvc._limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_GENERATE_TOKENS,
+    MAX_ID_BYTES,
+    MAX_PROMPT_BYTES,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP_TOKENS,
+    check_length,
+)
+from memsvc.errors import InvalidArgument
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.vocabulary import FinishReason
+from worker.model.generation import GenerationRequest
+from worker.model.sampling import SamplingParams
+from worker.model.text import ModelText, TextStream
+from worker.status import Generation
+
+
+def generation_request(request: w.GenerateRequest, text: Callable[[], ModelText]) -> GenerationRequest:
+    """The request, checked; ``text()`` is the model's text side (it raises for a model without one)."""
+    if not 0 <= request.max_new_tokens <= MAX_GENERATE_TOKENS:
+        raise InvalidArgument(
+            f"max_new_tokens must be in [0, {MAX_GENERATE_TOKENS}]", metadata={"field": "max_new_tokens"}
+        )
+    check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id")
+    if len(request.stop_token_ids) > MAX_STOP_TOKENS:
+        raise InvalidArgument(f"at most {MAX_STOP_TOKENS} stop_token_ids", metadata={"field": "stop_token_ids"})
+    forms = [name for name in ("prompt_token_ids", "prompt", "messages") if _given(request, name)]
+    if len(forms) > 1:
+        raise InvalidArgument(f"give the prompt in one form, not as {' and as '.join(forms)}")
+    if request.prompt:
+        check_length(request.prompt, MAX_PROMPT_BYTES, "prompt")
+        prompt = text().encode(request.prompt)
+    elif request.messages:
+        if len(request.messages) > MAX_CHAT_MESSAGES:
+            raise InvalidArgument(f"at most {MAX_CHAT_MESSAGES} messages", metadata={"field": "messages"})
+        size = sum(len(m.role.encode()) + len(m.content.encode()) for m in request.messages)
+        if size > MAX_PROMPT_BYTES:
+            raise InvalidArgument(
+                f"the messages hold {size} bytes, at most {MAX_PROMPT_BYTES}", metadata={"field": "messages"}
+            )
+        prompt = text().encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
+    else:
+        prompt = list(request.prompt_token_ids)
+    if len(prompt) > MAX_PROMPT_TOKENS:
+        raise InvalidArgument(f"the prompt is {len(prompt)} tokens, at most {MAX_PROMPT_TOKENS}")
+    s = request.sampling
+    sampling = SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None
+    )
+    return GenerationRequest(
+        prompt=prompt,
+        max_new_tokens=request.max_new_tokens,
+        sequence_id=request.sequence_id or None,
+        sampling=sampling,
+        stop_token_ids=frozenset(request.stop_token_ids),
+        ignore_eos=request.ignore_eos,
+    )
+
+
+def _given(request: w.GenerateRequest, field: str) -> bool:
+    value = getattr(request, field)
+    return bool(len(value)) if not isinstance(value, str) else bool(value)
+
+
+def completion(g: Generation) -> list[int]:
+    """The tokens whose text a client reads: without the stop token that ended the generation."""
+    return g.tokens[:-1] if g.finish_reason == FinishReason.STOP else g.tokens
+
+
+def response(g: Generation, sequence_id: str, text: ModelText | None) -> w.GenerateResponse:
+    d = duration_pb2.Duration()
+    d.FromNanoseconds(int(g.seconds * 1e9))
+    return w.GenerateResponse(
+        token_ids=g.tokens,
+        sequence_id=sequence_id,
+        duration=d,
+        block_ids=g.block_ids,
+        finish_reason=g.finish_reason.proto,
+        prompt_token_count=g.prompt_tokens,
+        completion_token_count=len(g.tokens),
+        text=text.decode(completion(g)) if text is not None else "",
+    )
+
+
+class StreamedText:
+    """The text of a stream's tokens as they come. A stop token ends the generation, so its text is
+    left out at once (as :func:`completion` leaves it out of the whole)."""
+
+    def __init__(self, text: ModelText | None, stops: frozenset[int]) -> None:
+        self._stream: TextStream | None = text.stream() if text is not None else None
+        self._stops = stops
+        self._sent = 0
+        """Characters of text sent so far."""
+
+    def push(self, token: int) -> str:
+        """The text this token completes ("" for a stop token, or one that only starts a character)."""
+        if self._stream is None or token in self._stops:
+            return ""
+        piece = self._stream.step(token)
+        self._sent += len(piece)
+        return piece
+
+    def finish(self, whole: str) -> str:
+        """What the stream still holds back at the end: bytes that never completed a character (a
+        model can emit such bytes), which the whole text decodes as U+FFFD. The pieces and this add up
+        to ``whole``."""
+        return whole[self._sent :]
+
+
+__all__ = ["StreamedText", "completion", "generation_request", "response"]

@@ -1,0 +1,75 @@
+"""What one Generate asks for and what it gets: the request (prompt, length, sampling, stop rules),
+the result (tokens, finish reason, counts), and the model's end-of-sequence tokens.
+
+A request stops at the model's EOS tokens unless it says ``ignore_eos``, and at its own
+``stop_token_ids`` always; the token that stops it is the last one returned (as transformers'
+``generate`` returns it). The model's EOS tokens are ``generation_config.json``'s ``eos_token_id``
+when that file has one (transformers' ``generate`` uses it), else ``config.json``'s.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Iterable
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memsvc.errors import InvalidArgument
+from memsvc.vocabulary import FinishReason
+from worker.model.sampling import GREEDY, SamplingParams
+
+GENERATION_CONFIG = "generation_config.json"
+
+
+@dataclass(frozen=True)
+class GenerationRequest:
+    """One Generate, its prompt already tokens."""
+
+    prompt: list[int]
+    """Tokens to feed first (after a kept sequence's own, when continuing it)."""
+    max_new_tokens: int
+    sequence_id: str | None = None
+    """Keep the sequence under this id; None: a temporary one."""
+    sampling: SamplingParams = GREEDY
+    stop_token_ids: frozenset[int] = field(default_factory=frozenset)
+    ignore_eos: bool = False
+
+    def stop_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
+        """Every token that ends this request."""
+        return self.stop_token_ids if self.ignore_eos else self.stop_token_ids | frozenset(eos_token_ids)
+
+
+@dataclass(frozen=True)
+class GenerationResult:
+    tokens: list[int]
+    """The generated tokens, with the stop token when one ended the generation."""
+    finish_reason: FinishReason
+    prompt_tokens: int
+    """Tokens this call fed as its prompt."""
+
+
+def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
+    """A checkpoint directory's EOS tokens (see the module), as a sorted tuple (empty: none)."""
+    root = Path(path)
+    for name in (GENERATION_CONFIG, "config.json"):
+        file = root / name
+        if not file.is_file():
+            continue
+        try:
+            raw = json.loads(file.read_text())
+        except ValueError as exc:
+            raise InvalidArgument(f"{file}: not valid JSON ({exc})") from None
+        if isinstance(raw, dict) and raw.get("eos_token_id") is not None:
+            return _token_ids(raw["eos_token_id"], file)
+    return ()
+
+
+def _token_ids(value: Any, file: Path) -> tuple[int, ...]:
+    values = value if isinstance(value, list) else [value]
+    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
+        raise InvalidArgument(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
+    return tuple(sorted(set(values)))
+
+
+__all__ = ["GENERATION_CONFIG", "GenerationRequest", "GenerationResult", "read_eos_token_ids"]

@@ -1,0 +1,190 @@
+"""Text in and out of a model: its tokenizer (``tokenizer.json``, the ``tokenizers`` library) and its
+chat template (jinja2), read from the model directory as transformers would read them.
+
+- Encoding a prompt adds what the tokenizer's post-processor adds (a BOS token, say), as
+  ``tokenizer(text)`` does in transformers; a rendered chat is encoded without them, as
+  ``apply_chat_template(tokenize=True)`` does (the template writes its own BOS).
+- The chat template is rendered the way transformers renders it: a sandboxed jinja2 environment with
+  ``trim_blocks``/``lstrip_blocks`` and loop controls, its ``tojson`` (no HTML escaping),
+  ``raise_exception`` and ``strftime_now``, the ``{% generation %}`` tag, and the tokenizer's special
+  tokens (``bos_token``, ``eos_token``, ...) as variables. Tests compare the result with
+  transformers' ``apply_chat_template`` on the same directory.
+- Streaming text never splits a character: :class:`TextStream` is the ``tokenizers`` library's own
+  incremental decoder, which holds back bytes until they complete a character.
+"""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Mapping, Sequence
+from datetime import datetime
+from pathlib import Path
+from typing import Any
+
+import jinja2
+import jinja2.ext
+import jinja2.nodes
+import jinja2.parser
+from jinja2.sandbox import ImmutableSandboxedEnvironment
+from tokenizers import Tokenizer
+from tokenizers.decoders import DecodeStream
+
+from memsvc.errors import InvalidArgument, WrongState
+
+TOKENIZER_FILE = "tokenizer.json"
+TOKENIZER_CONFIG = "tokenizer_config.json"
+CHAT_TEMPLATE_FILE = "chat_template.jinja"
+"""Where transformers 5 saves a tokenizer's chat template (older ones put it in tokenizer_config.json)."""
+SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
+"""The named special tokens transformers passes to a chat template."""
+
+
+class _GenerationTag(jinja2.ext.Extension):
+    """``{% generation %}...{% endgeneration %}`` (transformers' assistant-mask marker): rendered as
+    its body, as transformers renders it when it is not tracking assistant tokens."""
+
+    tags = {"generation"}
+
+    def parse(self, parser: jinja2.parser.Parser) -> jinja2.nodes.Node:
+        lineno = next(parser.stream).lineno
+        body = parser.parse_statements(("name:endgeneration",), drop_needle=True)
+        return jinja2.nodes.CallBlock(self.call_method("_body"), [], [], body).set_lineno(lineno)
+
+    def _body(self, caller: Any) -> str:
+        return str(caller())
+
+
+def _raise_exception(message: str) -> None:
+    raise jinja2.exceptions.TemplateError(message)
+
+
+def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
+            sort_keys: bool = False) -> str:  # fmt: skip
+    return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
+
+
+def _strftime_now(fmt: str) -> str:
+    return datetime.now().strftime(fmt)
+
+
+def _environment() -> ImmutableSandboxedEnvironment:
+    env = ImmutableSandboxedEnvironment(
+        trim_blocks=True, lstrip_blocks=True, extensions=[_GenerationTag, jinja2.ext.loopcontrols]
+    )
+    env.filters["tojson"] = _tojson
+    env.globals["raise_exception"] = _raise_exception
+    env.globals["strftime_now"] = _strftime_now
+    return env
+
+
+class ModelText:
+    """A model directory's tokenizer, special tokens and chat template."""
+
+    def __init__(self, tokenizer: Tokenizer, special_tokens: Mapping[str, str], chat_template: str | None) -> None:
+        self.tokenizer = tokenizer
+        self.special_tokens = dict(special_tokens)
+        self._template = _environment().from_string(chat_template) if chat_template else None
+
+    @classmethod
+    def load(cls, path: str | Path) -> ModelText | None:
+        """The directory's text side, or None when it has no ``tokenizer.json`` (ids only)."""
+        root = Path(path)
+        file = root / TOKENIZER_FILE
+        if not file.is_file():
+            return None
+        try:
+            tokenizer = Tokenizer.from_file(str(file))
+        except Exception as exc:  # the library raises its own exception types for a bad file
+            raise InvalidArgument(f"{file}: cannot read the tokenizer ({exc})") from None
+        config = _read_json(root / TOKENIZER_CONFIG)
+        special = {name: token for name in SPECIAL_TOKENS if (token := _token_text(config.get(name))) is not None}
+        template = _chat_template(root, config)
+        try:
+            return cls(tokenizer, special, template)
+        except jinja2.TemplateError as exc:
+            raise InvalidArgument(f"{root}: the chat template does not parse ({exc})") from None
+
+    @property
+    def vocab_size(self) -> int:
+        return int(self.tokenizer.get_vocab_size(with_added_tokens=True))
+
+    @property
+    def has_chat_template(self) -> bool:
+        return self._template is not None
+
+    def encode(self, text: str) -> list[int]:
+        """A text prompt's tokens, with the special tokens the tokenizer adds."""
+        return list(self.tokenizer.encode(text, add_special_tokens=True).ids)
+
+    def render_chat(self, messages: Sequence[Mapping[str, str]], add_generation_prompt: bool = True) -> str:
+        """The chat template applied to ``messages``, as text."""
+        if self._template is None:
+            raise WrongState("this model has no chat template: send prompt or prompt_token_ids")
+        try:
+            return str(
+                self._template.render(
+                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                    **self.special_tokens,
+                )
+            )  # fmt: skip
+        except jinja2.TemplateError as exc:  # raise_exception() in the template: the messages do not fit it
+            raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
+
+    def encode_chat(self, messages: Sequence[Mapping[str, str]]) -> list[int]:
+        """The rendered chat's tokens, without adding special tokens (the template writes them)."""
+        return list(self.tokenizer.encode(self.render_chat(messages), add_special_tokens=False).ids)
+
+    def decode(self, ids: Sequence[int]) -> str:
+        return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
+
+    def stream(self) -> TextStream:
+        return TextStream(self.tokenizer)
+
+
+class TextStream:
+    """Text of a token stream, piece by piece, each piece whole characters only."""
+
+    def __init__(self, tokenizer: Tokenizer) -> None:
+        self._tokenizer = tokenizer
+        self._decode = DecodeStream(skip_special_tokens=True)
+
+    def step(self, token: int) -> str:
+        """The text this token completes ("" while it only starts a character, or is special)."""
+        return str(self._decode.step(self._tokenizer, token) or "")
+
+
+def _read_json(file: Path) -> dict[str, Any]:
+    if not file.is_file():
+        return {}
+    try:
+        raw = json.loads(file.read_text())
+    except ValueError as exc:
+        raise InvalidArgument(f"{file}: not valid JSON ({exc})") from None
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{file}: expected a JSON object")
+    return raw
+
+
+def _token_text(value: Any) -> str | None:
+    """A special token as tokenizer_config.json writes it: a string, or an AddedToken dict."""
+    if isinstance(value, str):
+        return value
+    if isinstance(value, dict) and isinstance(value.get("content"), str):
+        return str(value["content"])
+    return None
+
+
+def _chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
+    """The default chat template: chat_template.jinja (transformers 5), else tokenizer_config.json's
+    ``chat_template`` (a string, or a list of named templates: the one named "default")."""
+    file = root / CHAT_TEMPLATE_FILE
+    if file.is_file():
+        return file.read_text()
+    template = config.get("chat_template")
+    if isinstance(template, list):
+        named = {t.get("name"): t.get("template") for t in template if isinstance(t, dict)}
+        template = named.get("default")
+    return template if isinstance(template, str) and template else None
+
+
+__all__ = ["CHAT_TEMPLATE_FILE", "TOKENIZER_CONFIG", "TOKENIZER_FILE", "ModelText", "TextStream"]
