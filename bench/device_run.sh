@@ -1,7 +1,9 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests (every test marked gpu, incl. the cuda variants of the semantic
-# tests), then the allocator benchmark. Run from the repo root on the GPU machine, with the built
-# extension (worker/_native.abi3.so), the generated stubs (memsvc/v1) and .whl carried.
+# tests), then the allocator benchmark (SKIP_BENCH=1: not), the 8B-shaped reference check against
+# transformers (REFERENCE_8B=1) and the line-rate bench (LINE_RATE=1). Run from the repo root on the
+# GPU machine, with the built extension (worker/_native.abi3.so), the generated stubs (memsvc/v1)
+# and .whl carried.
 # Usage: bash bench/device_run.sh [extra pytest args]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -22,6 +24,9 @@ python3 -c "import torch, sys, grpc, numpy, google.protobuf as pb; print('python
 python3 -m pytest tests -m gpu -p no:cacheprovider -q -rs "$@" 2>&1 | tee "$OUT/gpu_tests.log"
 if [ "${SKIP_BENCH:-0}" != 1 ]; then
   python3 -m bench.bench_allocator --out "$OUT/bench_allocator.json" 2>&1 | tee "$OUT/bench_allocator.log"
+fi
+if [ "${REFERENCE_8B:-0}" = 1 ]; then
+  python3 -m bench.reference_8b --out "$OUT/reference_8b.json" --dir /tmp/ref8b 2>&1 | grep -v "it/s]" | tee "$OUT/reference_8b.log"
 fi
 if [ "${LINE_RATE:-0}" = 1 ]; then
   python3 -m bench.bench_line_rate --out "$OUT/line_rate.json" 2>&1 | tee "$OUT/line_rate.log"
