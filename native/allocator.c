@@ -42,7 +42,7 @@ void msv_release(msv_allocator *a) {
 
 void msv_destroy(msv_allocator *a) {
   if (!a) return;
-  a->b->sync(a->b, 0); /* copies still in flight (unwaited or dropped fences) end before memory goes */
+  a->b->quiesce(a->b); /* copies in flight (unwaited or dropped fences), kernels on any stream: done first */
   for (size_t i = 0; i < a->n_tab; i++)
     if (a->tab[i].chunk) msv_hostpool_put(&a->hp, a->tab[i].chunk);
   for (size_t i = 0; i < a->n_arenas; i++) {

@@ -139,8 +139,9 @@ void trim_tail(msv_allocator *a, arena *ar) {
     extent *x = &ar->ext[ar->n_ext - 1];
     frange *f = &ar->fr[ar->n_fr - 1];
     if (!x->mapped || f->off + f->size != ar->frontier || f->off > x->off) return;
-    /* a copy enqueued without waiting (copy_block_ids) may still touch the freed range */
-    if (!synced && a->b->sync(a->b, 0)) return;
+    /* a copy enqueued without waiting (copy_block_ids), or a kernel still reading the freed tensor on
+     * torch's stream, may still touch the range: wait for all of the device's work first */
+    if (!synced && a->b->quiesce(a->b)) return;
     synced = 1;
     if (a->b->unmap(a->b, ar->base + x->off, x->size, x->handle)) return;
     ar->frontier = x->off;

@@ -55,6 +55,7 @@ static struct {
   PFN_cuStreamCreate StreamCreate;
   PFN_cuStreamDestroy StreamDestroy;
   PFN_cuStreamSynchronize StreamSynchronize;
+  PFN_cuCtxSynchronize CtxSynchronize;
   PFN_cuEventCreate EventCreate;
   PFN_cuEventRecord EventRecord;
   PFN_cuEventSynchronize EventSynchronize;
@@ -117,6 +118,7 @@ static void load_driver(void) {
   GET(StreamCreate, "cuStreamCreate", 2000);
   GET(StreamDestroy, "cuStreamDestroy", 4000);
   GET(StreamSynchronize, "cuStreamSynchronize", 2000);
+  GET(CtxSynchronize, "cuCtxSynchronize", 2000);
   GET(EventCreate, "cuEventCreate", 2000);
   GET(EventRecord, "cuEventRecord", 2000);
   GET(EventSynchronize, "cuEventSynchronize", 2000);
@@ -445,6 +447,13 @@ static int c_sync(msv_backend *b, uint64_t stream) {
   return MSV_OK;
 }
 
+static int c_quiesce(msv_backend *b) {
+  int rc = bind(b);
+  if (rc) return rc;
+  CK(D.CtxSynchronize(), "cuCtxSynchronize");
+  return MSV_OK;
+}
+
 /* A fence is an event recorded on the stream after the copies enqueued so far. */
 static int c_fence(msv_backend *b, uint64_t stream, uint64_t *out) {
   int rc = bind(b);
@@ -589,6 +598,7 @@ int msv_backend_cuda_create(int device, msv_backend **out) {
   b->host_unregister = c_host_unregister;
   b->copy = c_copy;
   b->sync = c_sync;
+  b->quiesce = c_quiesce;
   b->fence = c_fence;
   b->fence_wait = c_fence_wait;
   b->fence_release = c_fence_release;

@@ -115,6 +115,8 @@ static int h_sync(msv_backend *b, uint64_t stream) {
   return MSV_OK;
 }
 
+static int h_quiesce(msv_backend *b) { return h_sync(b, 0); } /* host copies end before they return */
+
 /* Host copies finish before copy returns: every fence is already passed. */
 static int h_fence(msv_backend *b, uint64_t stream, uint64_t *out) {
   (void)b, (void)stream;
@@ -174,6 +176,7 @@ int msv_backend_host_create(int device, size_t capacity, size_t granularity, msv
   b->host_unregister = h_host_unregister;
   b->copy = h_copy;
   b->sync = h_sync;
+  b->quiesce = h_quiesce;
   b->fence = h_fence;
   b->fence_wait = h_fence_wait;
   b->fence_release = h_fence_release;

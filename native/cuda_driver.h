@@ -106,6 +106,7 @@ typedef CUresult (*PFN_cuMemcpyDtoH)(void *, CUdeviceptr, size_t);
 typedef CUresult (*PFN_cuStreamCreate)(CUstream *, unsigned int);
 typedef CUresult (*PFN_cuStreamDestroy)(CUstream);
 typedef CUresult (*PFN_cuStreamSynchronize)(CUstream);
+typedef CUresult (*PFN_cuCtxSynchronize)(void);
 typedef CUresult (*PFN_cuEventCreate)(CUevent *, unsigned int);
 typedef CUresult (*PFN_cuEventRecord)(CUevent, CUstream);
 typedef CUresult (*PFN_cuEventSynchronize)(CUevent);

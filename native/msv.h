@@ -70,6 +70,9 @@ struct msv_backend {
   /* copies: enqueue on `stream` (0 = the backend's own stream); sync waits for the stream */
   int (*copy)(msv_backend *, const msv_copy_item *items, size_t n, int method, uint64_t stream);
   int (*sync)(msv_backend *, uint64_t stream);
+  /* wait for all work on the device, every stream (torch's too): before a freed tensor's memory is
+   * unmapped, since kernels launched on it may still be running */
+  int (*quiesce)(msv_backend *);
   /* fences: a mark on `stream` after the work enqueued so far (0 = nothing left to wait for);
    * fence_wait waits for it and frees it, fence_release frees it without waiting */
   int (*fence)(msv_backend *, uint64_t stream, uint64_t *out);

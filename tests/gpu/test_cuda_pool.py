@@ -128,3 +128,36 @@ def test_reading_a_slept_tensor_faults_in_a_child() -> None:
     assert r.returncode != 0
     assert "UNREACHABLE" not in r.stdout
     assert "illegal" in r.stderr.lower() or "fault" in r.stderr.lower() or r.returncode < 0
+
+
+def test_freeing_a_pool_tensor_that_kernels_still_read_waits_for_them() -> None:
+    """A pool tensor dropped while kernels on torch's stream still read it: its extent is unmapped
+    only after the device's work is done (it used to wait for the allocator's own stream only, and
+    the kernels then read unmapped memory: an illegal address that poisons the CUDA context). Run in
+    a child process, so a regression cannot take the rest of the GPU tests down with it."""
+    code = textwrap.dedent(
+        """
+        import torch
+        from worker.allocator import AllocatorConfig, MemoryAllocator
+
+        alloc = MemoryAllocator(AllocatorConfig(backend="cuda"))
+        x = alloc.empty((8192, 8192), torch.float32, tag="scratch")
+        x.copy_(torch.randn(8192, 8192, device="cuda") / 100)
+        expect = None
+        for attempt in range(2):  # the second time, the read is still queued when x is dropped
+            y = x
+            for _ in range(8):  # ~0.1 s of matmuls queued on torch's stream, all reading x
+                y = y @ x
+            if attempt == 0:
+                expect = float(y.double().sum())
+            else:
+                del x  # the last reference: the tag's extent is freed and trimmed now
+                assert alloc.stats().tags["scratch"].mapped_bytes == 0
+                got = float(y.double().sum())
+                assert abs(got - expect) <= 1e-6 * abs(expect), (got, expect)
+        torch.cuda.synchronize()
+        print("ok")
+        """
+    )
+    r = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300)
+    assert r.returncode == 0 and r.stdout.strip().endswith("ok"), r.stderr[-3000:]
