@@ -444,6 +444,7 @@ WORKER_RPCS = {
     "GetWorkerStatus": w.GetWorkerStatusRequest, "Sleep": w.SleepRequest, "WakeUp": w.WakeUpRequest,
     "ReloadWeights": w.ReloadWeightsRequest, "SwapBlocks": w.SwapBlocksRequest,
     "StreamTelemetry": w.StreamTelemetryRequest, "Generate": w.GenerateRequest, "FreeSequence": w.FreeSequenceRequest,
+    "GenerateStream": w.GenerateStreamRequest,
 }  # fmt: skip
 MANAGER_RPCS = {
     "RegisterWorker": m.RegisterWorkerRequest, "ListWorkers": m.ListWorkersRequest, "GetWorker": m.GetWorkerRequest,

@@ -286,6 +286,15 @@ def check_generate(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     assert all(isinstance(t, int) and 0 <= t < (s.vocab_size or 1 << 31) for t in tokens)
 
 
+def check_generate_stream(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
+    *chunks, last = msgs
+    assert chunks and "done" in last, "GenerateStream sent no token before its final answer"
+    tokens = [t for m in chunks for t in m["token_ids"]]
+    assert tokens == last["done"]["token_ids"]
+    assert len(tokens) == request_json(step.argv)["request"]["max_new_tokens"]
+    assert last["done"]["finish_reason"] == "FINISH_REASON_LENGTH"
+
+
 def check_sleep(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     (resp,) = msgs
     tags = _expected_after_sleep(request_json(step.argv))
@@ -328,6 +337,7 @@ CHECKS: dict[tuple[str, str], Check] = {
     ("worker", f"describe {WORKER_SERVICE.full_name}"): _described(WORKER_SERVICE),
     ("worker", "GetWorkerStatus"): check_worker_status,
     ("worker", "Generate"): check_generate,
+    ("worker", "GenerateStream"): check_generate_stream,
     ("worker", "Sleep"): check_sleep,
     ("worker", "WakeUp"): check_wake_up,
     ("worker", "StreamTelemetry"): check_telemetry,
