@@ -9,6 +9,7 @@ after the first caller's deadline passed.
 from __future__ import annotations
 
 import time
+from typing import Protocol
 
 
 class Deadline:
@@ -34,6 +35,15 @@ class Deadline:
 NO_DEADLINE = Deadline()
 
 
+class _CallContext(Protocol):
+    def time_remaining(self) -> float | None: ...
+
+
+def caller_deadline(context: _CallContext) -> Deadline:
+    """The deadline of the gRPC call being served (its client's, propagated)."""
+    return Deadline.after(context.time_remaining())
+
+
 class SharedDeadline(Deadline):
     """The latest deadline of the callers waiting for one shared call."""
 
@@ -48,10 +58,10 @@ class SharedDeadline(Deadline):
         self._callers.remove(caller)
 
     def at(self) -> float | None:
-        deadlines = [c.at() for c in self._callers]
+        deadlines = [c.at() for c in tuple(self._callers)]  # read from the worker's device thread too
         if not deadlines or None in deadlines:
             return None
         return max(d for d in deadlines if d is not None)
 
 
-__all__ = ["NO_DEADLINE", "Deadline", "SharedDeadline"]
+__all__ = ["NO_DEADLINE", "Deadline", "SharedDeadline", "caller_deadline"]

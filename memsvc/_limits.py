@@ -17,12 +17,10 @@ MAX_ADDRESS_BYTES = 256
 """A worker's ``host:port`` address (RegisterWorker)."""
 MAX_HOST_BYTES = 256
 """A worker's host name (RegisterWorker)."""
-MAX_HOLDER_CHARS = 256
+MAX_HOLDER_BYTES = 256
 """A lease's holder text (AcquireWorker)."""
 MAX_PATH_BYTES = 4096
 """A filesystem path a client names (ReloadWeights' model_path)."""
-MAX_STATUS_BYTES = 64 << 10
-"""The WorkerStatus a worker registers with (serialized)."""
 
 # ---- counts ----
 MAX_WORKERS = 4096
@@ -43,6 +41,16 @@ MAX_QUEUED_GENERATES = 32
 """Generate calls queued or running on one worker at once."""
 MAX_PAGE_SIZE = 1000
 """Workers in one ListWorkers page."""
+MAX_LEASES_PER_WORKER = 1024
+"""Leases held (or being granted) on one worker at once."""
+MAX_LEASES = 65536
+"""Leases a manager holds at once, over all workers."""
+MAX_QUEUED_TRANSITIONS = 64
+"""The manager's calls waiting for, or running, one worker's transitions (SleepWorker, WakeWorker)."""
+MAX_WATCHERS = 256
+"""WatchWorkers streams a manager serves at once."""
+MAX_TELEMETRY_SUBSCRIBERS = 64
+"""StreamTelemetry streams a worker serves at once."""
 
 
 def check_length(value: str, limit: int, field: str) -> str:
@@ -59,18 +67,22 @@ __all__ = [
     "MAX_ADDRESS_BYTES",
     "MAX_CHAT_MESSAGES",
     "MAX_GENERATE_TOKENS",
-    "MAX_HOLDER_CHARS",
+    "MAX_HOLDER_BYTES",
     "MAX_HOST_BYTES",
     "MAX_ID_BYTES",
+    "MAX_LEASES",
+    "MAX_LEASES_PER_WORKER",
     "MAX_PAGE_SIZE",
     "MAX_PATH_BYTES",
     "MAX_POLICY_TAGS",
     "MAX_PROMPT_BYTES",
     "MAX_PROMPT_TOKENS",
     "MAX_QUEUED_GENERATES",
-    "MAX_STATUS_BYTES",
+    "MAX_QUEUED_TRANSITIONS",
     "MAX_STOP_TOKENS",
     "MAX_SWAP_PAIRS",
+    "MAX_TELEMETRY_SUBSCRIBERS",
+    "MAX_WATCHERS",
     "MAX_WORKERS",
     "check_length",
 ]

@@ -38,6 +38,8 @@ class _Entry:
     deadline: SharedDeadline
     """The latest deadline of the callers waiting: the operation's."""
     waiters: int = field(default=0)
+    abandoned: bool = field(default=False)
+    """Every caller left and the task was cancelled: a new caller must not join it."""
 
 
 class ReplayCache:
@@ -64,6 +66,11 @@ class ReplayCache:
         check_length(request_id, MAX_ID_BYTES, "request_id")
         key = (scope, request_id)
         entry = self._entries.get(key)
+        while entry is not None and entry.abandoned:
+            # The cancelled call may still be unwinding (or may have finished before the
+            # cancellation landed): wait for it, then use what it left behind.
+            await asyncio.wait([entry.task])
+            entry = self._entries.get(key)
         if entry is None:
             shared = SharedDeadline()
             entry = _Entry(method, asyncio.get_running_loop().create_task(_call(operation, shared)), shared)
@@ -83,6 +90,7 @@ class ReplayCache:
             entry.deadline.leave(deadline)
             entry.waiters -= 1
             if not entry.waiters and not entry.task.done():
+                entry.abandoned = True
                 entry.task.cancel()  # every caller left: the operation stops too
 
     def forget(self, request_id: str, scope: str = "") -> None:
@@ -93,8 +101,12 @@ class ReplayCache:
 
     def _settled(self, key: tuple[str, str], task: asyncio.Task[Any]) -> None:
         entry = self._entries.get(key)
-        if entry is not None and entry.task is task and (task.cancelled() or task.exception() is not None):
+        if entry is None or entry.task is not task:
+            return
+        if task.cancelled() or task.exception() is not None:
             del self._entries[key]  # a failure is not kept: the retry may run it again
+        else:
+            entry.abandoned = False  # it finished before the cancellation landed: the result stands
 
     def _evict(self) -> None:
         while len(self._entries) > self.capacity:

@@ -109,8 +109,8 @@ class BackendError(MemsvcError):
 
 
 class RelayedError(MemsvcError):
-    """A peer's error whose status code no class above stands for (UNIMPLEMENTED, CANCELLED,
-    UNKNOWN, ...): relayed with that same code and the peer's ErrorInfo reason, not relabelled as a
+    """A peer's error whose status code no class above stands for (UNIMPLEMENTED, UNKNOWN,
+    ALREADY_EXISTS, ...): relayed with that same code and the peer's ErrorInfo reason, not relabelled as a
     driver failure."""
 
     def __init__(

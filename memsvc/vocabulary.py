@@ -19,7 +19,7 @@ INVALID_ARGUMENT: :meth:`Action.from_proto`, :meth:`Action.parse`, :meth:`SleepL
 from __future__ import annotations
 
 import enum
-from collections.abc import Mapping
+from collections.abc import Collection, Iterable, Mapping
 from types import MappingProxyType
 from typing import Any
 
@@ -42,6 +42,18 @@ def check_tag(tag: object) -> str:
             metadata={"tag": str(tag)},
         )
     return tag
+
+
+def check_known_tags(tags: Iterable[str], known: Collection[str]) -> None:
+    """INVALID_ARGUMENT for a tag named twice or one the worker does not have (``known``; empty: not
+    known yet, nothing to check against). The worker and the manager check a request the same way."""
+    seen: set[str] = set()
+    for tag in tags:
+        if tag in seen:
+            raise InvalidArgument(f"tag {tag!r} is named twice", metadata={"tag": tag})
+        seen.add(tag)
+        if known and tag not in known:
+            raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(known)}", metadata={"tag": tag})
 
 
 def _where(tag: str) -> tuple[str, dict[str, str] | None]:
@@ -295,6 +307,7 @@ __all__ = [
     "TransitionKind",
     "WorkerState",
     "actions_from_proto",
+    "check_known_tags",
     "check_tag",
     "plan_actions",
 ]

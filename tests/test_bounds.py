@@ -35,8 +35,7 @@ def test_the_bounds_table_matches_the_limits() -> None:
     expect = {
         "`request_id`, `sequence_id`, worker id": limits.MAX_ID_BYTES,
         "worker `address`, `host` (RegisterWorker)": limits.MAX_ADDRESS_BYTES,
-        "the `status` a worker registers with": limits.MAX_STATUS_BYTES,
-        "lease `holder`": limits.MAX_HOLDER_CHARS,
+        "lease `holder`": limits.MAX_HOLDER_BYTES,
         "lease `ttl`": int(ManagerSettings().max_lease_ttl),
         "workers a manager keeps": limits.MAX_WORKERS,
         "tags in one policy's `tag_actions`": limits.MAX_POLICY_TAGS,
@@ -50,9 +49,15 @@ def test_the_bounds_table_matches_the_limits() -> None:
         "`Generate` calls queued or running on one worker": limits.MAX_QUEUED_GENERATES,
         "workers in one `ListWorkers` page": limits.MAX_PAGE_SIZE,
         "retry results kept": MANAGER_REPLAY,
+        "leases on one worker, and in all": limits.MAX_LEASES_PER_WORKER,
+        "`SleepWorker` / `WakeWorker` calls waiting for one worker": limits.MAX_QUEUED_TRANSITIONS,
+        "`WatchWorkers` streams of a manager, `StreamTelemetry` streams of a worker": limits.MAX_WATCHERS,
     }
     assert limits.MAX_HOST_BYTES == limits.MAX_ADDRESS_BYTES, "one row documents both"
     for row, value in expect.items():
         assert row in rows, f"docs/operations.md's bounds table has no row {row!r}"
         assert _number(rows[row]) == value, f"{row}: the docs say {rows[row]!r}, the code {value}"
     assert f"{WorkerStateMachine.REQUEST_CACHE} (worker)" in rows["retry results kept"]
+    assert rows["leases on one worker, and in all"].endswith(f", {limits.MAX_LEASES}")
+    streams = rows["`WatchWorkers` streams of a manager, `StreamTelemetry` streams of a worker"]
+    assert streams.endswith(f", {limits.MAX_TELEMETRY_SUBSCRIBERS}")

@@ -175,6 +175,14 @@ def test_the_sampled_distribution_is_transformers_own(params: SamplingParams) ->
         assert torch.allclose(ours, ref, atol=1e-6, rtol=1e-5)
 
 
+def test_a_tiny_temperature_samples_the_most_likely_token_without_nan() -> None:
+    logits = torch.tensor([1e4, -3.0, 9.5e3, 2.0])
+    for temperature in (1e-30, 1e-45, 1e-8):
+        probs = filter_logits(logits, SamplingParams(temperature=temperature, top_p=0.9)).softmax(-1)
+        assert torch.isfinite(probs).all(), probs
+        assert probs.tolist() == [1.0, 0.0, 0.0, 0.0]
+
+
 def test_sampling_is_reproducible_per_seed_and_greedy_without_temperature(model: Any, tmp_path: Path) -> None:
     with WorkerProcess(["--model", str(save(model, tmp_path / "m"))]) as wp:
         greedy = list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16).token_ids)

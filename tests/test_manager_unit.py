@@ -18,7 +18,7 @@ import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
 
-from memsvc.errors import OutOfMemory, Overloaded, Unavailable, WrongState
+from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, Overloaded, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.records import WorkerRecord
@@ -51,7 +51,7 @@ class Env:
 
     async def worker(self, wid: str, host: str = "h1", **sizes: Unpack[_Sizes]) -> InMemoryWorker:
         wk = self.links.add(InMemoryWorker(wid, **sizes))
-        await self.manager.register(wid, wk.address, host, wk.status())
+        await self.manager.register(wid, wk.address, host)
         await settle(lambda: self.rec(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
         return wk
 
@@ -231,7 +231,7 @@ async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> 
         await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
     assert env.rec("a").leases == {}
     await a.revive()
-    await env.manager.register("a", a.address, "h1", a.status())  # its heartbeat reconnects the link
+    await env.manager.register("a", a.address, "h1")  # its heartbeat reconnects the link
     await settle(lambda: env.rec("a").state == WorkerState.AWAKE, "back")
 
 
@@ -288,9 +288,164 @@ async def test_the_manager_keeps_at_most_max_workers_records(env: Env, monkeypat
     await env.worker("b")
     c_ = env.links.add(InMemoryWorker("c"))
     with pytest.raises(Overloaded):
-        await env.manager.register("c", c_.address, "h1", c_.status())
+        await env.manager.register("c", c_.address, "h1")
     assert sorted(env.manager.workers) == ["a", "b"]
-    await env.manager.register("a", env.rec("a").address, "h1", None)  # a known worker's heartbeat still counts
+    await env.manager.register("a", env.rec("a").address, "h1")  # a known worker's heartbeat still counts
     await env.manager.deregister("b")
-    await env.manager.register("c", c_.address, "h1", c_.status())
+    await env.manager.register("c", c_.address, "h1")
     assert sorted(env.manager.workers) == ["a", "c"]
+
+
+async def test_concurrent_deregisters_forget_once_and_a_stale_record_is_not_found(env: Env) -> None:
+    await env.worker("a")
+    stale = env.rec("a")
+    results = await asyncio.gather(env.manager.deregister("a"), env.manager.deregister("a"), return_exceptions=True)
+    assert sum(isinstance(r, NotFound) for r in results) == 1, results
+    with pytest.raises(NotFound):
+        env.manager.registry.link(stale)  # a call that began before the deregistration
+    await env.worker("a")  # registered again: a new record, and the old one still is not it
+    with pytest.raises(NotFound):
+        env.manager.registry.link(stale)
+    assert env.manager.registry.link(env.rec("a")) is not None
+
+
+async def test_deregistering_forgets_the_workers_policy_overrides(env: Env) -> None:
+    await env.worker("a")
+    env.manager.update_policy("a", m.Policy(idle_sleep_timeout=Duration(seconds=7)), ["idle_sleep_timeout"])
+    assert env.manager.policies.effective("workers/a").idle_sleep_timeout == 7
+    await env.manager.deregister("a")
+    assert env.manager.store.policy_fields("workers/a") is None
+    await env.worker("a")
+    assert env.manager.policies.effective("workers/a") == env.manager.policies.default
+
+
+async def test_a_transition_in_progress_the_manager_did_not_start_counts_as_busy(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.policy(idle_sleep_timeout=Duration(seconds=60))
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    await a.hold_transition(True)  # a direct Sleep is queued on a, still AWAKE
+    await settle(lambda: env.rec("a").in_transition, "the manager to see a's transition")
+    env.idle_for("a", 100)
+    env.manager.tick()
+    await asyncio.sleep(0.05)
+    assert a.calls == [], "no idle sleep on a worker with a transition in progress"
+    with pytest.raises(OutOfMemory):  # a is not a victim either: nothing else can make room for b
+        await env.manager.acquire("b", 60, "t", "", "", None)
+    acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
+    await asyncio.sleep(0.05)
+    assert not acquiring.done(), "no lease on a state a queued transition is about to change"
+    await a.hold_transition(False)
+    lease, rec = await acquiring
+    assert rec.state == WorkerState.AWAKE and a.calls == []
+    env.manager.release(lease.lease_id)
+
+
+async def test_the_device_budget_passes_over_a_victim_that_refuses(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    c_ = await env.worker("c", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    await env.manager.sleep_worker("c", SleepLevel.LEVEL_1, {}, "", None)
+    env.idle_for("a", 100)  # a is the LRU one, but refuses
+    env.idle_for("b", 10)
+    a.refuse = WrongState("worker a: not now")
+    lease, _ = await env.manager.acquire("c", 60, "t", "", "", None)
+    assert a.state == WorkerState.AWAKE and b.state == WorkerState.ASLEEP and c_.state == WorkerState.AWAKE
+    env.manager.release(lease.lease_id)
+    await env.manager.sleep_worker("c", SleepLevel.LEVEL_1, {}, "", None)
+    await env.manager.wake_worker("b", [], "", None)  # b awake again; now both neighbours refuse
+    b.refuse = WrongState("worker b: not now")
+    with pytest.raises(OutOfMemory):  # every victim refused: the budget's own answer
+        await env.manager.acquire("c", 60, "t", "", "", None)
+    assert env.rec("c").state == WorkerState.ASLEEP and env.rec("c").leases == {}
+
+
+async def test_a_wake_naming_an_unknown_tag_or_mapping_nothing_evicts_no_one(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    with pytest.raises(InvalidArgument, match="unknown tag"):
+        await env.manager.wake_worker("b", ["lora"], "", None)
+    with pytest.raises(InvalidArgument, match="named twice"):
+        await env.manager.wake_worker("b", [KV_CACHE, KV_CACHE], "", None)
+    with pytest.raises(WrongState):  # a is awake: nothing to map, so nothing is evicted for it
+        await env.manager.wake_worker("a", [], "", None)
+    assert a.calls == ["WakeUp"] and b.calls == ["Sleep"]
+    assert a.state == WorkerState.AWAKE
+
+
+async def test_a_refused_acquire_leaves_the_idle_clock_where_it_was(env: Env) -> None:
+    a = await env.worker("a")
+    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+    env.idle_for("a", 100)
+    before = env.rec("a").idle_since
+    a.refuse = OutOfMemory("worker a: the device is full")
+    with pytest.raises(OutOfMemory):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    assert env.rec("a").idle_since == before and env.rec("a").leases == {}
+
+
+async def test_leases_per_worker_are_bounded_and_a_renewal_always_succeeds(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memsvc.manager.leases as leases
+
+    monkeypatch.setattr(leases, "MAX_LEASES_PER_WORKER", 2)
+    await env.worker("a")
+    first, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    await env.manager.acquire("a", 60, "t", "", "", None)
+    with pytest.raises(Overloaded):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    assert len(env.rec("a").leases) == 2
+    renewed, _ = await env.manager.acquire("a", 120, "t", first.lease_id, "", None)
+    assert renewed.lease_id == first.lease_id
+
+
+async def test_calls_waiting_for_one_workers_transitions_are_bounded(
+    env: Env, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    import memsvc.manager.records as records
+
+    monkeypatch.setattr(records, "MAX_QUEUED_TRANSITIONS", 2)
+    a = await env.worker("a")
+    a.gate = asyncio.Event()
+    first = asyncio.create_task(env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None))
+    second = asyncio.create_task(env.manager.wake_worker("a", [], "", None))
+    await settle(lambda: env.rec("a").queued == 2, "two calls queued")
+    with pytest.raises(Overloaded):
+        await env.manager.sleep_worker("a", SleepLevel.LEVEL_2, {}, "", None)
+    a.gate.set()
+    await first
+    await second
+    assert a.calls == ["Sleep", "WakeUp"] and env.rec("a").queued == 0
+
+
+async def test_watch_streams_are_bounded(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
+    import memsvc.manager.watch as watch
+
+    monkeypatch.setattr(watch, "MAX_WATCHERS", 1)
+    q = env.manager.hub.subscribe()
+    with pytest.raises(Overloaded):
+        env.manager.hub.subscribe()
+    env.manager.hub.unsubscribe(q)
+    env.manager.hub.unsubscribe(env.manager.hub.subscribe())
+
+
+async def test_closing_the_manager_does_not_wait_to_settle_a_call_in_doubt(tmp_path: Path) -> None:
+    links = InMemoryLinks()
+    manager = Manager(Store(tmp_path / "close.db"), ManagerSettings(tick_interval=3600.0), links=links)
+    await manager.start()
+    env = Env(manager, links)
+    a = await env.worker("a")
+    a.gate = asyncio.Event()  # the sleep never ends, and the worker reports it in progress
+    sleeping = asyncio.create_task(manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None))
+    await settle(lambda: a.calls == ["Sleep"], "the sleep to reach the worker")
+    sleeping.cancel()  # in doubt: the manager starts asking the worker how it ended
+    await asyncio.sleep(0.05)
+    await asyncio.wait_for(manager.close(), timeout=5.0)
+    manager.store.close()
+    with pytest.raises(asyncio.CancelledError):  # its settling stopped too, not after rpc_timeout (600 s)
+        await asyncio.wait_for(sleeping, timeout=5.0)
+    a.gate.set()  # the worker's sleep, which began, runs to its end
+    await asyncio.gather(*a.handlers)
+    assert a.state == WorkerState.ASLEEP

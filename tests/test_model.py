@@ -20,7 +20,7 @@ from _util import busy_copy_stream
 from model_helpers import dense_greedy, dense_logits
 from safetensors.torch import save_file
 
-from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, WrongState
+from memsvc.errors import Cancelled, InvalidArgument, NotFound, OutOfMemory, WrongState
 from worker.allocator import AllocatorConfig, MemoryAllocator
 from worker.model import (
     PRESETS,
@@ -35,6 +35,7 @@ from worker.model import (
     save_checkpoint,
 )
 from worker.model.decoder import Rope, forward
+from worker.model.generation import GenerationRequest
 from worker.model.kv_cache import KvCache, Location, SwapDirection
 
 PROMPT = [5, 6, 7, 8, 9]
@@ -330,6 +331,31 @@ def test_continuing_a_sequence_equals_one_call(alloc: MemoryAllocator) -> None:
     runner.free_sequence("a")
     with pytest.raises(NotFound):
         runner.free_sequence("a")
+
+
+def test_a_kept_prompt_without_new_tokens_holds_its_blocks_at_once(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)  # block_size 4
+    assert runner.generate(PROMPT, 0, "a") == []
+    assert len(runner.kv_cache.sequence("a").block_ids) == -(-len(PROMPT) // 4)
+    free = runner.kv_cache.stats()["device_free_blocks"]
+    assert runner.generate([], 3, "a") == dense_greedy(runner.weights, runner.config, PROMPT, 3)
+    assert runner.kv_cache.stats()["device_free_blocks"] == free  # 5 + 2 positions fit the 2 blocks held
+
+
+def test_a_caller_leaving_during_the_last_step_keeps_nothing(alloc: MemoryAllocator) -> None:
+    runner = tiny_runner(alloc)
+    runner.generate(PROMPT, 2, "a")
+    seq = runner.kv_cache.sequence("a")
+    before = (list(seq.tokens), seq.num_cached, list(seq.block_ids))
+    left = False
+
+    def made(token: int) -> None:
+        nonlocal left
+        left = True  # the caller goes while the one and only step runs
+
+    with pytest.raises(Cancelled):
+        runner.run(GenerationRequest([], 1, "a"), lambda: left, made)
+    assert (list(seq.tokens), seq.num_cached, list(seq.block_ids)) == before
 
 
 def test_generate_rejects_bad_input_and_changes_nothing(alloc: MemoryAllocator) -> None:

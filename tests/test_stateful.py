@@ -638,9 +638,7 @@ class LeaseMachine(RuleBasedStateMachine):
                                                    timeout=LONG_S),  # fmt: skip
         }
         if kind == "unknown lease":
-            expected = {NOT_FOUND}
-        elif kind == "unknown tag" and self.leases:
-            expected = {PRECONDITION}  # the lease is checked before the worker sees the tags
+            expected = {NOT_FOUND}  # (bad tags are INVALID_ARGUMENT whatever the state, leased or not)
         answer = ask(calls[kind])
         what = f"refused request ({kind})"
         note(f"refused request -> {answer.code.name}")

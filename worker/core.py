@@ -12,9 +12,10 @@ import asyncio
 import logging
 import threading
 import time
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
+from memsvc._deadline import NO_DEADLINE, Deadline
 from memsvc._limits import MAX_PATH_BYTES, MAX_QUEUED_GENERATES, check_length
 from memsvc.errors import (
     IntegrityError,
@@ -34,6 +35,7 @@ from memsvc.vocabulary import (
     TagState,
     TransitionKind,
     WorkerState,
+    check_known_tags,
     plan_actions,
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
@@ -230,8 +232,10 @@ class WorkerCore:
         FreeSequence answer with, without the allocator snapshot a full :meth:`status` takes."""
         return self.runner.kv_cache.stats() if self.runner is not None else None
 
-    def _known_tags(self, default: Sequence[str]) -> set[str]:
-        return set(self._last_memory.tags) if self._last_memory else set(default)
+    def _check_tags(self, tags: Iterable[str], default: Sequence[str]) -> None:
+        """INVALID_ARGUMENT for a tag named twice or one this worker does not have (before its first
+        stats: ``default``'s tags, and none are checked when that is empty), whatever the state."""
+        check_known_tags(tags, set(self._last_memory.tags) if self._last_memory else set(default))
 
     def _pool_states(self) -> dict[str, TagState]:
         return {t: s.state for t, s in self._allocator().stats().tags.items()}
@@ -246,14 +250,15 @@ class WorkerCore:
         """Actions per tag for a Sleep request; explicit tag actions override the level."""
         if level is None and not tag_actions:
             raise InvalidArgument("give a sleep level or tag actions")
-        known = self._known_tags((WEIGHTS, KV_CACHE))
-        for tag in tag_actions:
-            if tag not in known:
-                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(known)}", metadata={"tag": tag})
+        self._check_tags(tag_actions, (WEIGHTS, KV_CACHE))
         return plan_actions(level, tag_actions)
 
     async def sleep(
-        self, level: SleepLevel | None, tag_actions: Mapping[str, Action], request_id: str = ""
+        self,
+        level: SleepLevel | None,
+        tag_actions: Mapping[str, Action],
+        request_id: str = "",
+        deadline: Deadline = NO_DEADLINE,
     ) -> Transition:
         plan: dict[str, Action] = {}
 
@@ -280,7 +285,7 @@ class WorkerCore:
             reported_level = int(level) if level is not None and not tag_actions else 0
             return lambda: self._sleep(todo, reported_level)
 
-        return await self._sm.run("Sleep", request_id, validate, start)
+        return await self._sm.run("Sleep", request_id, validate, start, deadline)
 
     def _sleep(self, todo: dict[str, Action], level: int) -> Transition:
         alloc = self._allocator()
@@ -315,19 +320,12 @@ class WorkerCore:
             raise
 
     # ---- wake ----
-    async def wake(self, tags: Sequence[str], request_id: str = "") -> Transition:
+    async def wake(self, tags: Sequence[str], request_id: str = "", deadline: Deadline = NO_DEADLINE) -> Transition:
         wanted: list[str] = []
         reload = False
 
         def validate() -> None:
-            if len(set(tags)) != len(tags):
-                raise InvalidArgument("a tag is named twice")
-            known = self._known_tags(())
-            for tag in tags:  # bad input is INVALID_ARGUMENT whatever the state
-                if known and tag not in known:
-                    raise InvalidArgument(
-                        f"unknown tag {tag!r}; this worker has {sorted(known)}", metadata={"tag": tag}
-                    )
+            self._check_tags(tags, ())
 
         def start() -> Job:
             nonlocal reload
@@ -340,7 +338,7 @@ class WorkerCore:
             reload = stats[WEIGHTS].state == TagState.DISCARDED if WEIGHTS in wanted else False
             return lambda: self._wake(wanted, reload)
 
-        return await self._sm.run("WakeUp", request_id, validate, start)
+        return await self._sm.run("WakeUp", request_id, validate, start, deadline)
 
     def _wake(self, tags: list[str], reload: bool) -> Transition:
         alloc = self._allocator()
@@ -399,9 +397,9 @@ class WorkerCore:
     def _unreadable(self, exc: MemsvcError, outcome: str) -> WrongState:
         """FAILED_PRECONDITION, not the loader's INVALID_ARGUMENT: the request was fine, the worker's
         model source is not."""
+        source = self._model().source.name
         return WrongState(
-            f"the weights cannot be reloaded from {self.config.model} ({exc}); {outcome}",
-            metadata={"source": self.config.model},
+            f"the weights cannot be reloaded from {source} ({exc}); {outcome}", metadata={"source": source}
         )
 
     def _recover_from_corruption(self, exc: IntegrityError, reload_pending: bool) -> None:
@@ -419,7 +417,9 @@ class WorkerCore:
             self.runner.drop_kv()
 
     # ---- weights ----
-    async def reload_weights(self, request_id: str = "", model_path: str = "") -> Transition:
+    async def reload_weights(
+        self, request_id: str = "", model_path: str = "", deadline: Deadline = NO_DEADLINE
+    ) -> Transition:
         """The source's weights again, or ``model_path``'s: another checkpoint of exactly this model's
         configuration, which then is the source (see CheckpointSource's ``same_as``)."""
 
@@ -430,7 +430,7 @@ class WorkerCore:
         def validate() -> None:
             check_length(model_path, MAX_PATH_BYTES, "model_path")
 
-        return await self._sm.run("ReloadWeights", request_id, validate, start)
+        return await self._sm.run("ReloadWeights", request_id, validate, start, deadline)
 
     def _reload(self, model_path: str) -> Transition:
         """Checked first (a source that cannot be read, or a checkpoint that does not fit, changes
@@ -476,9 +476,13 @@ class WorkerCore:
         self._note_activity()
         return pending
 
-    def _check_kv_awake(self) -> None:
+    def _require_settled(self) -> None:
+        """FAILED_PRECONDITION while a transition is loading, sleeping or waking the worker."""
         if self.state in BUSY_STATES:
             raise WrongState(f"worker is {self.state.label}", metadata={"state": self.state.name})
+
+    def _check_kv_awake(self) -> None:
+        self._require_settled()
         mem = self._last_memory
         if mem is not None and KV_CACHE in mem.tags and mem.tags[KV_CACHE].state != TagState.AWAKE:
             raise WrongState("the KV cache is asleep: wake it first", metadata={"state": self.state.name})
@@ -486,19 +490,14 @@ class WorkerCore:
     async def free_sequence(self, sequence_id: str) -> None:
         if not sequence_id:
             raise InvalidArgument("sequence_id is required")
-        if self.state in BUSY_STATES:
-            raise WrongState(f"worker is {self.state.label}", metadata={"state": self.state.name})
+        self._require_settled()
         await self._device_thread.run(lambda: self._model().free_sequence(sequence_id))
         self._note_activity()
 
-    async def generate(self, request: GenerationRequest, on_token: Callable[[int], None] | None = None) -> Generation:
-        """Run Generate on the device thread, for as long as its caller waits; ``on_token`` sees each
-        token as it is made (on the device thread).
-
-        At most :attr:`MAX_QUEUED_GENERATES` calls are queued or running (Overloaded beyond). A caller
-        that leaves (cancelled, deadline passed) stops its call: a queued one never starts, a running
-        one stops before its next step; either way it keeps nothing (see ModelRunner.generate).
-        """
+    def reserve_generate(self) -> GenerateSlot:
+        """A place among the :attr:`MAX_QUEUED_GENERATES` Generate calls queued or running, taken before
+        the prompt is encoded (a long one is work too): Overloaded when none is free, FAILED_PRECONDITION
+        unless the worker is awake. Pass it to :meth:`generate`, or release it."""
         self._sm.require(WorkerState.AWAKE)
         with self._generate_lock:
             if self._generates >= self.MAX_QUEUED_GENERATES:
@@ -507,6 +506,22 @@ class WorkerCore:
                     metadata={"maxQueued": str(self.MAX_QUEUED_GENERATES)},
                 )
             self._generates += 1
+        return GenerateSlot(self._generate_done)
+
+    async def generate(
+        self,
+        request: GenerationRequest,
+        on_token: Callable[[int], None] | None = None,
+        slot: GenerateSlot | None = None,
+    ) -> Generation:
+        """Run Generate on the device thread, for as long as its caller waits; ``on_token`` sees each
+        token as it is made (on the device thread). ``slot`` (from :meth:`reserve_generate`, taken here
+        when not given) is released when the call ends, which for a started one is when its job does.
+
+        A caller that leaves (cancelled, deadline passed) stops its call: a queued one never starts, a
+        running one stops before its next step; either way it keeps nothing (see ModelRunner.generate).
+        """
+        slot = slot or self.reserve_generate()
         stop = threading.Event()
         ticket = Ticket()
 
@@ -516,14 +531,14 @@ class WorkerCore:
             try:
                 return self._generate(request, stop.is_set, on_token)
             finally:
-                self._generate_done()
+                slot.release()
 
         try:
             result = await self._device_thread.run(job)
-        except asyncio.CancelledError:
+        except BaseException:
             stop.set()
             if ticket.abandon():
-                self._generate_done()
+                slot.release()
             raise
         assert result is not None, "a started Generate returns its result"
         return result
@@ -554,11 +569,25 @@ class WorkerCore:
         """The served model's tokenizer and chat template; FAILED_PRECONDITION without one."""
         text = self._model().source.text
         if text is None:
+            source = self._model().source.name
             raise WrongState(
-                f"{self.config.model} has no tokenizer (tokenizer.json): send prompt_token_ids",
-                metadata={"model": self.config.model},
+                f"{source} has no tokenizer (tokenizer.json): send prompt_token_ids", metadata={"model": source}
             )
         return text
 
 
-__all__ = ["WorkerCore"]
+class GenerateSlot:
+    """One place in the Generate bound; released once, from whichever thread ends the call."""
+
+    def __init__(self, release: Callable[[], None]) -> None:
+        self._release: Callable[[], None] | None = release
+        self._lock = threading.Lock()
+
+    def release(self) -> None:
+        with self._lock:
+            release, self._release = self._release, None
+        if release is not None:
+            release()
+
+
+__all__ = ["GenerateSlot", "WorkerCore"]

@@ -26,8 +26,9 @@ class DeviceThread:
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the device thread and return its result.
 
-        Shielded: a client that cancels (or whose deadline passes) must not cancel a queued job,
-        because the job itself releases the transition lock and settles the state.
+        Shielded: a caller that leaves (cancelled, deadline passed) cannot interrupt a thread, and the
+        job settles its own bookkeeping; a caller that must keep a queued job from starting races it
+        with a :class:`Ticket`.
         """
         return await asyncio.shield(self.queue(fn))
 

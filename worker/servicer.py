@@ -10,6 +10,7 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
+from memsvc._deadline import caller_deadline
 from memsvc._limits import MAX_ID_BYTES, check_length
 from memsvc._rpc_errors import Context
 from memsvc._swap_forms import swap_block_count
@@ -18,12 +19,13 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from memsvc.vocabulary import CopyMethod, SleepLevel, actions_from_proto
-from worker.core import WorkerCore
+from worker.core import GenerateSlot, WorkerCore
 from worker.generate_messages import StreamedText, generation_request, response
 from worker.status import Status, Transition
 from worker.telemetry import CLOSED, Event, EventKind
 
 if TYPE_CHECKING:
+    from worker.model.generation import GenerationRequest
     from worker.model.kv_cache import KvStats
 
 
@@ -155,15 +157,16 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
 
     async def Sleep(self, request: w.SleepRequest, context: Any) -> w.SleepResponse:
         level = SleepLevel.parse(request.level)
-        t = await self.core.sleep(level, actions_from_proto(request.tag_actions), request.request_id)
+        actions = actions_from_proto(request.tag_actions)
+        t = await self.core.sleep(level, actions, request.request_id, caller_deadline(context))
         return w.SleepResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
 
     async def WakeUp(self, request: w.WakeUpRequest, context: Any) -> w.WakeUpResponse:
-        t = await self.core.wake(list(request.tags), request.request_id)
+        t = await self.core.wake(list(request.tags), request.request_id, caller_deadline(context))
         return w.WakeUpResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
 
     async def ReloadWeights(self, request: w.ReloadWeightsRequest, context: Any) -> w.ReloadWeightsResponse:
-        t = await self.core.reload_weights(request.request_id, request.model_path)
+        t = await self.core.reload_weights(request.request_id, request.model_path, caller_deadline(context))
         return w.ReloadWeightsResponse(status=status_pb(self.core.status()), transition=transition_pb(t))
 
     async def SwapBlocks(self, request: w.SwapBlocksRequest, context: Any) -> w.SwapBlocksResponse:
@@ -182,26 +185,37 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             kv_cache=kv_pb(self.core.kv_stats()),
         )
 
+    async def _prepare(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
+        """A place in the Generate bound first, then the request checked and its prompt encoded on a
+        thread (a 1 MiB prompt or a long chat must not stall status and telemetry on the loop)."""
+        slot = self.core.reserve_generate()
+        try:
+            return await asyncio.to_thread(generation_request, request, self.core.text), slot
+        except BaseException:
+            slot.release()
+            raise
+
     async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
-        spec = generation_request(request, self.core.text)
-        g = await self.core.generate(spec)
+        spec, slot = await self._prepare(request)
+        g = await self.core.generate(spec, slot=slot)
         return response(g, request.sequence_id, self.core.text_or_none())
 
     async def GenerateStream(
         self, request: w.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[w.GenerateStreamResponse]:
         """Generate, a message per token as it is made (several, when they come faster than they go)."""
-        spec = generation_request(request.request, self.core.text)
-        text = self.core.text_or_none()
-        streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()))
+        spec, slot = await self._prepare(request.request)
         tokens: asyncio.Queue[int] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def made(token: int) -> None:  # on the device thread
             loop.call_soon_threadsafe(tokens.put_nowait, token)
 
-        task = asyncio.ensure_future(self.core.generate(spec, made))
+        task = asyncio.ensure_future(self.core.generate(spec, made, slot))  # from here the task owns the slot
+        getter: asyncio.Future[int] | None = None
         try:
+            text = self.core.text_or_none()
+            streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()))
             while not (task.done() and tokens.empty()):
                 getter = asyncio.ensure_future(tokens.get())
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
@@ -215,6 +229,8 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             done = response(task.result(), request.request.sequence_id, text)
             yield w.GenerateStreamResponse(text=streamed.finish(done.text), done=done)
         finally:
+            if getter is not None and not getter.done():
+                getter.cancel()
             if not task.done():  # the client left: the generation stops at its next step
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)

@@ -4,8 +4,8 @@ lets one transition run at a time, and the one path every transition RPC takes.
 A transition's bookkeeping (state, lock, events) happens on the device thread inside the job itself:
 a client that cancels mid-Sleep leaves the job to finish, and the worker ends in a consistent state
 rather than in the one the cancelled coroutine last saw. A job whose callers all left *before it
-started* (it waited behind a long Generate, say) never starts: the manager that gave up on it may
-already have granted a lease on the worker's current state.
+started* (it waited behind a long Generate, say), or whose callers' deadline passed by then, never
+starts: the manager that gave up on it may already have granted a lease on the worker's current state.
 """
 
 from __future__ import annotations
@@ -14,9 +14,9 @@ import asyncio
 import threading
 from collections.abc import Callable, Collection
 
-from memsvc._deadline import Deadline
+from memsvc._deadline import NO_DEADLINE, Deadline
 from memsvc._replay import ReplayCache
-from memsvc.errors import TransitionInProgress, WrongState
+from memsvc.errors import Cancelled, TransitionInProgress, WrongState
 from memsvc.vocabulary import TagState, WorkerState
 from worker.device_thread import DeviceThread, Ticket
 from worker.status import Transition
@@ -60,7 +60,12 @@ class WorkerStateMachine:
         return self._busy.locked()
 
     async def run(
-        self, method: str, request_id: str, validate: Callable[[], None], plan: Callable[[], Job]
+        self,
+        method: str,
+        request_id: str,
+        validate: Callable[[], None],
+        plan: Callable[[], Job],
+        deadline: Deadline = NO_DEADLINE,
     ) -> Transition:
         """The path of every transition RPC.
 
@@ -68,11 +73,13 @@ class WorkerStateMachine:
         checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken; ``plan``
         checks the state and returns the job, which runs on the device thread. The lock is released
         when the job ends, at once if ``plan`` refuses, and at once if every caller leaves while the
-        job still waits for the device thread (then it never runs). A job that had started when its
-        callers left still finishes, and its result is kept for a retry.
+        job still waits for the device thread (then it never runs). A job whose callers' deadline
+        (``deadline``, or a retry's later one) passed while it waited does not start either (CANCELLED,
+        nothing changed): the cancellation of a caller that timed out may not have arrived yet. A job
+        that had started when its callers left still finishes, and its result is kept for a retry.
         """
 
-        async def transition(_deadline: Deadline) -> Transition:
+        async def transition(shared: Deadline) -> Transition:
             validate()
             self.begin()
             try:
@@ -86,11 +93,21 @@ class WorkerStateMachine:
                 if not ticket.start():
                     return None  # abandoned while queued: the lock went with it
                 try:
+                    left = shared.remaining()
+                    if left is not None and left <= 0:
+                        raise Cancelled(
+                            f"{method}: its callers' deadline passed before it could start; nothing changed",
+                            metadata={"state": self.state.name},
+                        )
                     return job()
                 finally:
                     self.release()
 
-            job_done = self._device.queue(locked)
+            try:
+                job_done = self._device.queue(locked)
+            except BaseException:
+                self.release()  # the device thread is shut down: the job never runs
+                raise
             try:
                 result = await asyncio.shield(job_done)
             except asyncio.CancelledError:
@@ -103,7 +120,7 @@ class WorkerStateMachine:
             assert result is not None, "a started job returns its transition"
             return result
 
-        return await self.replay.run(request_id, method, transition)
+        return await self.replay.run(request_id, method, transition, deadline=deadline)
 
     # ---- state ----
     def require(self, *states: WorkerState) -> None:

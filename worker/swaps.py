@@ -3,7 +3,8 @@
 Calls are begun on the device thread in the order they arrive (so their copies run in that order on
 one stream). With another call queued behind, a waiter thread waits for this copy while the device
 thread begins the next; alone, the device thread waits itself (one thread fewer on the way).
-Whichever waits settles the caller's future: one wake-up of the event loop per call.
+Whichever waits settles the caller's future: one wake-up of the event loop per call. A call whose
+caller left before the device thread began it never runs.
 """
 
 from __future__ import annotations
@@ -15,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memsvc.vocabulary import CopyMethod, TransitionKind
-from worker.device_thread import DeviceThread, settle_future
+from worker.device_thread import DeviceThread, Ticket, settle_future
 from worker.status import Transition
 
 if TYPE_CHECKING:
@@ -42,16 +43,32 @@ class SwapPipeline:
     async def swap(self, direction: str, src: Any, dst: Any, method: CopyMethod) -> Transition:
         """Queue the swap behind the device work before it; return once its copy is done."""
         result: asyncio.Future[Transition] = self._device.loop.create_future()
+        ticket = Ticket()
         self._submitted += 1
-        self._device.submit(self._job, direction, src, dst, method, result)
-        # Shielded like DeviceThread.run: a client that cancels must not cancel a queued swap.
-        return await asyncio.shield(result)
+        self._device.submit(self._job, ticket, direction, src, dst, method, result)
+        try:
+            return await asyncio.shield(result)
+        except asyncio.CancelledError:
+            # The caller left: a swap still queued never runs (the block table stays as the caller
+            # last saw it); one already begun finishes, since its copy is in flight on the stream.
+            ticket.abandon()
+            raise
 
     def shutdown(self) -> None:
         self._waiters.shutdown(wait=True)
 
-    def _job(self, direction: str, src: Any, dst: Any, method: CopyMethod, result: asyncio.Future[Transition]) -> None:
+    def _job(
+        self,
+        ticket: Ticket,
+        direction: str,
+        src: Any,
+        dst: Any,
+        method: CopyMethod,
+        result: asyncio.Future[Transition],
+    ) -> None:
         self._started += 1
+        if not ticket.start():
+            return  # its caller left while it was queued
         loop = self._device.loop
         try:
             t0 = time.perf_counter()

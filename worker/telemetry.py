@@ -14,6 +14,9 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
+from memsvc._limits import MAX_TELEMETRY_SUBSCRIBERS
+from memsvc.errors import Overloaded
+
 
 class EventKind(enum.StrEnum):
     """What a telemetry event says."""
@@ -58,8 +61,14 @@ class TelemetryHub:
         self.publish(CLOSED)
 
     def subscribe(self) -> asyncio.Queue[Event]:
+        """A queue of the events to come; Overloaded when MAX_TELEMETRY_SUBSCRIBERS streams are open."""
         q: asyncio.Queue[Event] = asyncio.Queue(self.QUEUE_SIZE)
         with self._lock:
+            if len(self._queues) >= MAX_TELEMETRY_SUBSCRIBERS:
+                raise Overloaded(
+                    f"{len(self._queues)} telemetry streams are open, the most this worker serves",
+                    metadata={"maxStreams": str(MAX_TELEMETRY_SUBSCRIBERS)},
+                )
             self._queues.add(q)
         return q
 

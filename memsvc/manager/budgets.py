@@ -4,6 +4,9 @@
   sleep until the waking one fits; RESOURCE_EXHAUSTED only when nothing can be freed.
 - host: before a sleep offloads, the coldest sleeper on the host is demoted to level 2; a tier-1
   sleep that still does not fit sleeps at level 2 itself.
+
+A victim whose own sleep fails (it went down, or refused) is passed over for the next one: one bad
+neighbour does not fail the wake it was making room for.
 """
 
 from __future__ import annotations
@@ -11,7 +14,7 @@ from __future__ import annotations
 import logging
 
 from memsvc._deadline import Deadline
-from memsvc.errors import OutOfMemory
+from memsvc.errors import MemsvcError, OutOfMemory
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.policy import Policies
@@ -42,6 +45,9 @@ class Budgets:
         if not budget:
             return
         need = rec.wake_need_bytes(tags)
+        if not need:
+            return  # nothing to map (the worker will say why the wake does not apply)
+        passed_over: set[str] = set()
         while True:
             used = rec.mapped_bytes + sum(r.mapped_bytes for r in group)
             if used + need <= budget:
@@ -49,7 +55,12 @@ class Budgets:
             idle = [
                 r
                 for r in group
-                if not r.leases and r.state in AWAKE_STATES and r.mapped_bytes > 0 and not r.lock.locked()
+                if r.worker_id not in passed_over
+                and not r.leases
+                and r.state in AWAKE_STATES
+                and not r.in_transition
+                and r.mapped_bytes > 0
+                and not r.lock.locked()
             ]
             if not idle:
                 raise OutOfMemory(
@@ -62,7 +73,14 @@ class Budgets:
             async with victim.lock:
                 if victim.leases or victim.state not in AWAKE_STATES:
                     continue
-                await self.sleep_tier1(victim, deadline, "device budget")
+                try:
+                    await self.sleep_tier1(victim, deadline, "device budget")
+                except MemsvcError as exc:
+                    if _passed(deadline):
+                        raise
+                    log.warning("making room for %s: %s did not sleep: %s", rec.worker_id, victim.worker_id, exc)
+                    passed_over.add(victim.worker_id)
+                    continue
                 self._metrics.evictions.inc()
 
     async def make_host_room(self, rec: WorkerRecord, need: int, deadline: Deadline) -> bool:
@@ -70,6 +88,7 @@ class Budgets:
         budget = self._policies.effective(rec.name).host_budget_bytes
         if not budget or not need:
             return True
+        passed_over: set[str] = set()
         while True:
             used = sum(r.offloaded_bytes for r in self._registry if r.host == rec.host and r.reachable)
             if used + need <= budget:
@@ -78,10 +97,12 @@ class Budgets:
                 r
                 for r in self._registry
                 if r is not rec
+                and r.worker_id not in passed_over
                 and r.host == rec.host
                 and r.reachable
                 and not r.leases
                 and r.state == WorkerState.ASLEEP
+                and not r.in_transition
                 and r.offloaded_bytes > 0
                 and not r.lock.locked()
             ]
@@ -91,7 +112,14 @@ class Budgets:
             log.info("host budget: demoting %s to level 2", victim.worker_id)
             async with victim.lock:
                 if victim.state == WorkerState.ASLEEP and not victim.leases:
-                    await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
+                    try:
+                        await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
+                    except MemsvcError as exc:
+                        if _passed(deadline):
+                            raise
+                        log.warning("host budget: %s was not demoted: %s", victim.worker_id, exc)
+                        passed_over.add(victim.worker_id)
+                        continue
                     self._metrics.demotions.inc()
 
     async def sleep_tier1(
@@ -108,6 +136,12 @@ class Budgets:
         return await self._calls.sleep(
             rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why + " (level 2: host budget)"
         )
+
+
+def _passed(deadline: Deadline) -> bool:
+    """The caller's deadline passed: its error, not the victim's, is the answer."""
+    left = deadline.remaining()
+    return left is not None and left <= 0
 
 
 __all__ = ["Budgets"]

@@ -18,7 +18,7 @@ from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
 from memsvc._deadline import Deadline
-from memsvc.errors import MemsvcError, Unavailable
+from memsvc.errors import Cancelled, MemsvcError, RelayedError, Unavailable
 from memsvc.manager.links import WorkerLink
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
@@ -32,17 +32,39 @@ log = logging.getLogger("memsvc.manager")
 R = TypeVar("R")
 
 
+
+def _in_doubt(exc: BaseException) -> bool:
+    """The call ended without saying whether the worker ran it: no answer (the deadline passed, the
+    connection broke, the caller left), CANCELLED, or UNKNOWN. Any other error is the worker's answer:
+    it refused, and nothing changed."""
+    if isinstance(exc, RelayedError):
+        return exc.status_name == "UNKNOWN"
+    return isinstance(exc, asyncio.CancelledError | Unavailable | Cancelled)
+
+
+def _may_resend(exc: BaseException) -> bool:
+    """Sending the call again may succeed: it got no answer in time, or did not start before its first
+    caller's deadline. (A cancellation is never swallowed: its callers all left.)"""
+    return isinstance(exc, Unavailable | Cancelled)
+
+
 class WorkerCalls:
     SETTLE_CALL_S = 5.0
     """Deadline of one status call while settling."""
     SETTLE_FIRST_S = 0.02
     SETTLE_MAX_S = 1.0
     """Pauses between status calls while the worker still reports a transition: doubling, at most this."""
+    RESEND_MIN_S = 5.0
+    """A call without an answer is sent again only with at least this much of its deadline left."""
+    RESEND_PAUSE_S = 0.1
+    """The pause before sending it again (the worker, or the path to it, just failed)."""
 
     def __init__(self, registry: Registry, ingest: TelemetryIngest, settings: ManagerSettings) -> None:
         self._registry = registry
         self._ingest = ingest
         self._settings = settings
+        self.closing = False
+        """Set when the manager shuts down: settling stops at once instead of polling a worker."""
 
     def timeout(self, deadline: Deadline) -> float:
         """Seconds this call may take: the manager's limit, or less if the caller's deadline is near."""
@@ -97,19 +119,26 @@ class WorkerCalls:
         """
         while True:
             link = self._registry.link(rec)
+            timeout = self.timeout(deadline)  # a deadline already passed: nothing was sent
             try:
-                return await call(link, self.timeout(deadline))
-            except (asyncio.CancelledError, Unavailable):
+                return await call(link, timeout)
+            except BaseException as exc:
+                if not _in_doubt(exc):
+                    raise
                 await asyncio.shield(self._settle(rec, link))
                 left = deadline.remaining()
-                if not (request_id and rec.reachable and left is not None and left > self.SETTLE_CALL_S):
+                resend = request_id and rec.reachable and left is not None and left > self.RESEND_MIN_S
+                if self.closing or not resend or not _may_resend(exc):
                     raise
+                log.info("worker %s: sending request %s again (%.0f s left)", rec.worker_id, request_id, left)
+            await asyncio.sleep(self.RESEND_PAUSE_S)
 
     async def _settle(self, rec: WorkerRecord, link: WorkerLink) -> None:
         """Ask the worker until no transition is in progress there, applying each answer."""
-        give_up = time.monotonic() + self._settings.rpc_timeout
+        limit = self._settings.rpc_timeout
+        give_up = time.monotonic() + limit
         pause = self.SETTLE_FIRST_S
-        while True:
+        while not self.closing:
             try:
                 status = await link.status(self.SETTLE_CALL_S)
             except MemsvcError as exc:
@@ -119,7 +148,7 @@ class WorkerCalls:
             if not status.transition_in_progress:
                 return
             if time.monotonic() > give_up:
-                log.error("worker %s still reports a transition after %.0f s", rec.worker_id, give_up)
+                log.error("worker %s still reports a transition after %.0f s", rec.worker_id, limit)
                 await self._ingest.set_status(rec, None, False, "a transition that does not end")
                 return
             await asyncio.sleep(pause)

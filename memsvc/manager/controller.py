@@ -62,9 +62,9 @@ class Manager:
         self.background = Background()
         self.policies = Policies(store, default_policy_fields)
         ingest = TelemetryIngest(self.metrics, self.hub)
-        self.registry = Registry(store, links or grpc_links(), ingest, self.background)
+        self.registry = Registry(store, links or grpc_links(), ingest, self.background, self.policies)
         replay = ReplayCache(REQUEST_CACHE)
-        calls = WorkerCalls(self.registry, ingest, self.settings)
+        self._calls = calls = WorkerCalls(self.registry, ingest, self.settings)
         budgets = Budgets(self.registry, self.policies, calls, self.metrics)
         self.transitions = Transitions(self.registry, calls, budgets, replay)
         self.leases = Leases(self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay)
@@ -85,6 +85,7 @@ class Manager:
         self._ticker = asyncio.create_task(self.timers.run_forever(), name="manager ticker")
 
     async def close(self) -> None:
+        self._calls.closing = True  # a call cancelled now does not wait to learn how it ended
         if self._ticker is not None:
             self._ticker.cancel()
             await asyncio.gather(self._ticker, return_exceptions=True)
@@ -96,8 +97,8 @@ class Manager:
     def workers(self) -> dict[str, WorkerRecord]:
         return self.registry.workers
 
-    async def register(self, worker_id: str, address: str, host: str, status: c.WorkerStatus | None) -> WorkerRecord:
-        return self.registry.register(worker_id, address, host, status)
+    async def register(self, worker_id: str, address: str, host: str) -> WorkerRecord:
+        return self.registry.register(worker_id, address, host)
 
     async def deregister(self, name: str) -> WorkerRecord:
         return await self.registry.deregister(name)

@@ -5,14 +5,15 @@ embedders who want to try the manager without a GPU or a worker process. :class:
 keeps the state a real worker reports (per-tag sizes and states, the worker state, the sleep level)
 and applies Sleep and WakeUp with the worker's rules: the level table, explicit tag actions over it,
 level-1 to level-2 demotion, partial wake, FAILED_PRECONDITION for a transition that does not fit
-the state, ABORTED while another runs, UNAVAILABLE while it is "down". It sends telemetry the way a
-worker does: a snapshot when the link starts, then a state change and a snapshot per transition.
+the state, ABORTED while another runs, UNAVAILABLE while it is "down", and a repeated request_id
+answered with the first call's result (memsvc/_replay.py, as the worker). It sends telemetry the way
+a worker does: a snapshot when the link starts, then a state change and a snapshot per transition.
 
     links = InMemoryLinks()
     a = links.add(InMemoryWorker("a", weights_bytes=8 << 30, kv_bytes=2 << 30, device_total_bytes=16 << 30))
     manager = Manager(store, links=links)
     await manager.start()
-    await manager.register("a", a.address, "host1", a.status())
+    await manager.register("a", a.address, "host1")
 """
 
 from __future__ import annotations
@@ -20,10 +21,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
-from memsvc.errors import InvalidArgument, NotFound, TransitionInProgress, Unavailable, WrongState
+from memsvc._replay import ReplayCache
+from memsvc.errors import InvalidArgument, MemsvcError, NotFound, TransitionInProgress, Unavailable, WrongState
 from memsvc.manager.links import OnDown, OnMessage, WorkerLink
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
@@ -36,8 +39,11 @@ from memsvc.vocabulary import (
     TransitionKind,
     WorkerState,
     actions_from_proto,
+    check_known_tags,
     plan_actions,
 )
+
+R = TypeVar("R")
 
 
 @dataclass
@@ -72,10 +78,15 @@ class InMemoryWorker:
         """When set to an unset Event, transitions wait on it (a slow sleep or wake, held open)."""
         self.calls: list[str] = []
         """Every transition call received, in order (``Sleep``, ``WakeUp``, ``SwapBlocks``)."""
+        self.refuse: MemsvcError | None = None
+        """When set, transitions fail with it and change nothing (a worker that says no)."""
         self._busy = False
+        self._replay = ReplayCache(512)
         self._last = c.TransitionStats()
         self._links: list[_InMemoryLink] = []
         """Links following this worker's telemetry."""
+        self.handlers: set[asyncio.Task[Any]] = set()
+        """Calls running here, whoever still waits for them."""
 
     # ---- what a worker reports ----
     def status(self) -> c.WorkerStatus:
@@ -115,6 +126,12 @@ class InMemoryWorker:
         for link in list(self._links):
             await link.on_message(msg)
 
+    async def hold_transition(self, held: bool) -> None:
+        """Report a transition accepted but not begun (one queued behind device work, asked for by
+        someone else than the manager), or no longer; tell telemetry subscribers."""
+        self._busy = held
+        await self._send(w.StreamTelemetryResponse(snapshot=self.status()))
+
     async def crash(self) -> None:
         """Go down: calls fail UNAVAILABLE, and every telemetry stream ends."""
         self.up = False
@@ -143,6 +160,8 @@ class InMemoryWorker:
             raise Unavailable(f"worker {self.worker_id}: UNAVAILABLE: connection refused")
         if self._busy:
             raise TransitionInProgress(f"worker {self.worker_id}: another transition is running")
+        if self.refuse is not None:
+            raise self.refuse
         self._busy = True
         try:
             if self.gate is not None:
@@ -158,13 +177,17 @@ class InMemoryWorker:
         return self._last
 
     async def sleep(self, request: w.SleepRequest) -> w.SleepResponse:
+        return await self._replay.run(request.request_id, "Sleep", lambda _: self._sleep(request))
+
+    async def wake_up(self, request: w.WakeUpRequest) -> w.WakeUpResponse:
+        return await self._replay.run(request.request_id, "WakeUp", lambda _: self._wake_up(request))
+
+    async def _sleep(self, request: w.SleepRequest) -> w.SleepResponse:
         level = SleepLevel.parse(request.level)
         explicit = actions_from_proto(request.tag_actions)
         if level is None and not explicit:
             raise InvalidArgument("give a sleep level or tag actions")
-        for tag in explicit:
-            if tag not in self.tags:
-                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(self.tags)}")
+        check_known_tags(explicit, self.tags)
         async with self._transition("Sleep"):
             if self.state not in (WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE, WorkerState.ASLEEP):
                 raise WrongState(f"worker is {self.state.label}")
@@ -193,11 +216,9 @@ class InMemoryWorker:
             transition = self._finish(TransitionKind.SLEEP, moved)
         return w.SleepResponse(status=self.status(), transition=transition)
 
-    async def wake_up(self, request: w.WakeUpRequest) -> w.WakeUpResponse:
+    async def _wake_up(self, request: w.WakeUpRequest) -> w.WakeUpResponse:
         tags = list(request.tags)
-        for tag in tags:
-            if tag not in self.tags:
-                raise InvalidArgument(f"unknown tag {tag!r}; this worker has {sorted(self.tags)}")
+        check_known_tags(tags, self.tags)
         async with self._transition("WakeUp"):
             if self.state not in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE):
                 raise WrongState(f"worker is {self.state.label}; this needs it asleep or partially_awake")
@@ -275,13 +296,21 @@ class _InMemoryLink:
         return self._worker.status()
 
     async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
-        return await asyncio.wait_for(self._worker.sleep(request), timeout)
+        return await self._call(self._worker.sleep(request), timeout)
 
     async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse:
-        return await asyncio.wait_for(self._worker.wake_up(request), timeout)
+        return await self._call(self._worker.wake_up(request), timeout)
 
     async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse:
-        return await asyncio.wait_for(self._worker.swap_blocks(request), timeout)
+        return await self._call(self._worker.swap_blocks(request), timeout)
+
+    async def _call(self, handler: Coroutine[Any, Any, R], timeout: float) -> R:
+        """The worker runs the call as a server runs a handler, on its own: a caller whose deadline
+        passes (or who is cancelled) stops waiting, and a transition that began runs to its end."""
+        task = asyncio.ensure_future(handler)
+        self._worker.handlers.add(task)
+        task.add_done_callback(self._worker.handlers.discard)
+        return await asyncio.wait_for(asyncio.shield(task), timeout)
 
 
 class InMemoryLinks:

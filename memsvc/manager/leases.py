@@ -14,9 +14,9 @@ import time
 import uuid
 
 from memsvc._deadline import Deadline
-from memsvc._limits import MAX_HOLDER_CHARS
+from memsvc._limits import MAX_HOLDER_BYTES, MAX_LEASES, MAX_LEASES_PER_WORKER, check_length
 from memsvc._replay import ReplayCache
-from memsvc.errors import InvalidArgument, NotFound, Unavailable
+from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
@@ -25,7 +25,7 @@ from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store import Store, StoredLease
 from memsvc.manager.telemetry import TelemetryIngest
-from memsvc.vocabulary import BUSY_STATES, WorkerState
+from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")
 
@@ -77,8 +77,7 @@ class Leases:
         self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline
     ) -> tuple[Lease, WorkerRecord]:
         ttl = self._ttl(ttl)
-        if len(holder) > MAX_HOLDER_CHARS:
-            raise InvalidArgument(f"holder must be at most {MAX_HOLDER_CHARS} characters")
+        check_length(holder, MAX_HOLDER_BYTES, "holder")
         rec = self._registry.get(name)
         if lease_id:  # renewal
             lease = self.leases.get(lease_id)
@@ -99,6 +98,15 @@ class Leases:
 
     async def _grant(self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline) -> str:
         self._registry.link(rec)
+        if len(rec.leases) >= MAX_LEASES_PER_WORKER or len(self.leases) >= MAX_LEASES:
+            on_worker = len(rec.leases) >= MAX_LEASES_PER_WORKER
+            raise Overloaded(
+                f"{rec.worker_id} holds {len(rec.leases)} leases, the most one worker takes; release some"
+                if on_worker
+                else f"the manager holds {len(self.leases)} leases, its most; release some",
+                metadata={"maxLeases": str(MAX_LEASES_PER_WORKER if on_worker else MAX_LEASES)},
+            )
+        idle_since = rec.idle_since
         lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
         self.leases[lease.lease_id] = lease
@@ -108,7 +116,7 @@ class Leases:
             rec.leases.pop(lease.lease_id, None)
             self.leases.pop(lease.lease_id, None)
             if not rec.leases:
-                rec.idle_since = time.time()
+                rec.idle_since = idle_since  # a refused acquire is not traffic: the idle clock runs on
             self._ingest.update_metrics(rec)
             raise
         lease.expire_time = time.time() + ttl
@@ -120,16 +128,18 @@ class Leases:
     async def _ensure_awake(self, rec: WorkerRecord, deadline: Deadline) -> None:
         while True:
             state = rec.state
-            if state == WorkerState.AWAKE:
+            if state == WorkerState.UNAVAILABLE:
+                raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
+            if state == WorkerState.AWAKE and not rec.in_transition:
                 # An idle or budget sleep in flight holds the lock while the state still reads AWAKE:
                 # wait for it, then look again (the caller's lease already stops new sleeps).
                 async with rec.lock:
-                    if rec.state == WorkerState.AWAKE:
+                    if rec.state == WorkerState.AWAKE and not rec.in_transition:
                         return
                 continue
-            if state == WorkerState.UNAVAILABLE:
-                raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
-            if state in BUSY_STATES or state == WorkerState.UNSPECIFIED:
+            if rec.in_transition or state == WorkerState.UNSPECIFIED:
+                # A transition the manager did not start (or gave up waiting on) may still change the
+                # state: a lease is granted on the state it leaves, not on the one before it.
                 timeout = deadline.remaining()
                 if timeout is not None and timeout <= 0:
                     raise Unavailable(f"worker {rec.worker_id} did not become ready before the deadline")
@@ -138,7 +148,7 @@ class Leases:
                         await asyncio.wait_for(rec.changed.wait(), timeout=min(timeout or 1.0, 1.0))
                 continue
             async with rec.lock:
-                if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE):
+                if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE) and not rec.in_transition:
                     await self._budgets.make_device_room(rec, None, deadline)
                     await self._calls.wake(rec, [], "", deadline)
 

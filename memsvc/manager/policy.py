@@ -258,6 +258,13 @@ class Policies:
         self.default = new
         return new
 
+    def forget(self, scope: str) -> None:
+        """A deregistered worker's overrides go with it (stored and cached): a worker registering
+        under the name again starts from the default policy."""
+        self._store.delete_policy(scope)
+        self._overrides.pop(scope, None)
+        self._unknown.pop(scope, None)
+
     def update_override(self, scope: str, fields: dict[str, Any]) -> Policy:
         """Change some of a worker's overrides; returns its new effective policy."""
         stored = {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}

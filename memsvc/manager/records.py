@@ -3,14 +3,16 @@
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import time
+from collections.abc import AsyncIterator
 from dataclasses import dataclass, field
 
-from memsvc._limits import MAX_ID_BYTES
-from memsvc.errors import InvalidArgument
+from memsvc._limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
+from memsvc.errors import InvalidArgument, Overloaded
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.vocabulary import Action, TagState, WorkerState
+from memsvc.vocabulary import BUSY_STATES, Action, TagState, WorkerState
 
 NAME_PREFIX = "workers/"
 
@@ -57,6 +59,26 @@ class WorkerRecord:
     """Serialises the manager's transitions on this worker (idle timer, budget, operator, lease)."""
     changed: asyncio.Condition = field(default_factory=asyncio.Condition)
     """Notified on every status or availability change (AcquireWorker waits on it)."""
+    queued: int = 0
+    """Clients' transition calls waiting for ``lock`` or holding it (see :meth:`exclusive`)."""
+    next_idle_attempt: float = 0.0
+    """After a failed idle sleep: the idle timers try again no earlier than this (wall clock)."""
+
+    @contextlib.asynccontextmanager
+    async def exclusive(self) -> AsyncIterator[None]:
+        """``lock``, for a client's SleepWorker or WakeWorker: Overloaded when MAX_QUEUED_TRANSITIONS
+        calls already wait for this worker (a retry with the same request_id joins its first call)."""
+        if self.queued >= MAX_QUEUED_TRANSITIONS:
+            raise Overloaded(
+                f"{self.queued} calls are waiting for {self.worker_id}'s transitions, the most it queues",
+                metadata={"maxQueued": str(MAX_QUEUED_TRANSITIONS)},
+            )
+        self.queued += 1
+        try:
+            async with self.lock:
+                yield
+        finally:
+            self.queued -= 1
 
     @property
     def idle_start(self) -> float:
@@ -74,6 +96,12 @@ class WorkerRecord:
         if not self.reachable:
             return WorkerState.UNAVAILABLE
         return WorkerState.of(self.status.state) if self.status is not None else WorkerState.UNSPECIFIED
+
+    @property
+    def in_transition(self) -> bool:
+        """The worker is loading, sleeping or waking, or has a transition accepted and not yet ended
+        (one it was asked for directly, or one whose caller gave up): no other may start now."""
+        return self.state in BUSY_STATES or (self.status is not None and self.status.transition_in_progress)
 
     @property
     def device_key(self) -> tuple[str, str, str]:

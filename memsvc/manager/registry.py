@@ -8,14 +8,14 @@ import logging
 import time
 from collections.abc import Iterator
 
-from memsvc._limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_PAGE_SIZE, MAX_STATUS_BYTES, MAX_WORKERS, check_length
+from memsvc._limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_PAGE_SIZE, MAX_WORKERS, check_length
 from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable, WrongState
 from memsvc.manager.background import Background
 from memsvc.manager.links import LinkFactory, WorkerLink
+from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord, worker_id_from_name
 from memsvc.manager.store import Store, StoredWorker
 from memsvc.manager.telemetry import TelemetryIngest
-from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 
 log = logging.getLogger("memsvc.manager")
@@ -24,8 +24,11 @@ DEFAULT_PAGE_SIZE = 50
 
 
 class Registry:
-    def __init__(self, store: Store, links: LinkFactory, ingest: TelemetryIngest, background: Background) -> None:
+    def __init__(
+        self, store: Store, links: LinkFactory, ingest: TelemetryIngest, background: Background, policies: Policies
+    ) -> None:
         self._store = store
+        self._policies = policies
         self._make_link = links
         self._ingest = ingest
         self._background = background
@@ -68,9 +71,10 @@ class Registry:
             if isinstance(result, Exception):
                 log.error("closing the link to %s failed", link.address, exc_info=result)
 
-    def register(self, worker_id: str, address: str, host: str, status: c.WorkerStatus | None) -> WorkerRecord:
+    def register(self, worker_id: str, address: str, host: str) -> WorkerRecord:
         """RegisterWorker: a worker announces itself (at start and as its heartbeat). Every field it
-        makes the manager keep is bounded (memsvc/_limits.py), and so is the number of records."""
+        makes the manager keep is bounded (memsvc/_limits.py), and so is the number of records. Its
+        status comes from its telemetry stream, which the link opens."""
         worker_id = worker_id_from_name(worker_id)
         check_length(address, MAX_ADDRESS_BYTES, "address")
         check_length(host, MAX_HOST_BYTES, "host")
@@ -78,11 +82,6 @@ class Registry:
         if not host_part or not port.isdigit() or not 0 < int(port) < 65536:
             raise InvalidArgument(
                 f"address must be host:port with a port in 1..65535, got {address!r}", metadata={"address": address}
-            )
-        if status is not None and status.ByteSize() > MAX_STATUS_BYTES:
-            raise InvalidArgument(
-                f"status must be at most {MAX_STATUS_BYTES} bytes serialized, got {status.ByteSize()}",
-                metadata={"field": "status", "maxBytes": str(MAX_STATUS_BYTES)},
             )
         known = worker_id in self.workers
         if not known and len(self.workers) >= MAX_WORKERS:
@@ -100,8 +99,8 @@ class Registry:
         return rec
 
     async def deregister(self, name: str) -> WorkerRecord:
-        """Forget a worker: its record, stored registration and link. Refused while leased (that
-        would break the lease); a worker that registers again is known again."""
+        """Forget a worker: its record, stored registration, policy overrides and link. Refused while
+        leased (that would break the lease); a worker that registers again is known again."""
         rec = self.get(name)
         if rec.leases:
             raise WrongState(
@@ -109,11 +108,14 @@ class Registry:
                 metadata={"leaseCount": str(len(rec.leases))},
             )
         async with rec.lock:  # no transition of the manager's is running on it
+            if self.workers.get(rec.worker_id) is not rec:
+                raise NotFound(f"worker {rec.worker_id} was deregistered meanwhile", metadata={"name": name})
             if rec.leases:
                 raise WrongState(f"worker {rec.worker_id} was leased meanwhile", metadata={"leaseCount": "1"})
             del self.workers[rec.worker_id]
             link = self.links.pop(rec.worker_id, None)
             self._store.delete_worker(rec.worker_id)
+            self._policies.forget(rec.name)
             self._ingest.forget(rec)
         if link is not None:
             await link.close()
@@ -128,7 +130,10 @@ class Registry:
         return rec
 
     def link(self, rec: WorkerRecord) -> WorkerLink:
-        """The link to call ``rec`` through; UNAVAILABLE while the worker cannot be reached."""
+        """The link to call ``rec`` through; NOT_FOUND once it was deregistered (a call that began
+        before then), UNAVAILABLE while the worker cannot be reached."""
+        if self.workers.get(rec.worker_id) is not rec:
+            raise NotFound(f"worker {rec.worker_id} was deregistered", metadata={"name": rec.name})
         if not rec.reachable:
             raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
         return self.links[rec.worker_id]

@@ -5,7 +5,7 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from memsvc._deadline import Deadline
+from memsvc._deadline import caller_deadline
 from memsvc._rpc_errors import Context
 from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument
@@ -18,18 +18,12 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import SleepLevel, actions_from_proto
 
 
-def _deadline(context: Context) -> Deadline:
-    return Deadline.after(context.time_remaining())
-
-
 class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
     def __init__(self, manager: Manager) -> None:
         self.manager = manager
 
     async def RegisterWorker(self, request: m.RegisterWorkerRequest, context: Any) -> m.RegisterWorkerResponse:
-        rec = await self.manager.register(
-            request.worker_id, request.address, request.host, request.status if request.HasField("status") else None
-        )
+        rec = await self.manager.register(request.worker_id, request.address, request.host)
         resp = m.RegisterWorkerResponse(worker=rec.to_proto())
         resp.heartbeat_interval.FromNanoseconds(int(self.manager.settings.heartbeat_interval * 1e9))
         return resp
@@ -48,12 +42,13 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
     async def SleepWorker(self, request: m.SleepWorkerRequest, context: Any) -> m.SleepWorkerResponse:
         level = SleepLevel.parse(request.level)
         actions = actions_from_proto(request.tag_actions)
-        rec, t = await self.manager.sleep_worker(request.name, level, actions, request.request_id, _deadline(context))
+        deadline = caller_deadline(context)
+        rec, t = await self.manager.sleep_worker(request.name, level, actions, request.request_id, deadline)
         return m.SleepWorkerResponse(worker=rec.to_proto(), transition=t)
 
     async def WakeWorker(self, request: m.WakeWorkerRequest, context: Any) -> m.WakeWorkerResponse:
         rec, t = await self.manager.wake_worker(
-            request.name, list(request.tags), request.request_id, _deadline(context)
+            request.name, list(request.tags), request.request_id, caller_deadline(context)
         )
         return m.WakeWorkerResponse(worker=rec.to_proto(), transition=t)
 
@@ -70,7 +65,7 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
             src_blocks_u32le=request.src_blocks_u32le, dst_blocks_u32le=request.dst_blocks_u32le,
         )  # fmt: skip
-        r = await self.manager.swap_blocks(request.name, req, _deadline(context))
+        r = await self.manager.swap_blocks(request.name, req, caller_deadline(context))
         return m.SwapWorkerBlocksResponse(
             moved_bytes=r.moved_bytes, duration=r.duration, gigabytes_per_second=r.gigabytes_per_second,
             kv_cache=r.kv_cache,
@@ -81,7 +76,7 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             raise InvalidArgument("ttl must not be negative")
         lease, rec = await self.manager.acquire(
             request.name, request.ttl.ToNanoseconds() / 1e9, request.holder, request.lease_id, request.request_id,
-            _deadline(context),
+            caller_deadline(context),
         )  # fmt: skip
         return m.AcquireWorkerResponse(lease=lease.to_proto(), worker=rec.to_proto())
 

@@ -135,6 +135,9 @@ class Store:
     def save_policy_fields(self, scope: str, fields: dict[str, Any]) -> None:
         self._exec("INSERT OR REPLACE INTO policies (scope, fields) VALUES (?, ?)", (scope, json.dumps(fields)))
 
+    def delete_policy(self, scope: str) -> None:
+        self._exec("DELETE FROM policies WHERE scope = ?", (scope,))
+
     # workers
     def workers(self) -> list[StoredWorker]:
         rows = self._exec(

@@ -54,8 +54,6 @@ class IdleTimers:
         self._settings = settings
         self._metrics = metrics
         self._background = background
-        self._next_attempt: dict[str, float] = {}
-        """After a failed idle sleep: not before this time again, per worker."""
         self._last_tick = 0.0
         self._resumed = 0.0
 
@@ -83,9 +81,9 @@ class IdleTimers:
                 log.info("worker %s unreachable for %.0f s: forgetting it", rec.worker_id, silent)
                 self._background.spawn(self._registry.deregister(rec.name), f"forget {rec.worker_id}")
         for rec in self._registry:
-            if not rec.reachable or rec.leases or rec.lock.locked():
+            if not rec.reachable or rec.leases or rec.lock.locked() or rec.in_transition:
                 continue
-            if self._next_attempt.get(rec.worker_id, 0.0) > now:
+            if rec.next_idle_attempt > now:
                 continue
             p = self._policies.effective(rec.name)
             idle = now - rec.idle_start
@@ -127,7 +125,7 @@ class IdleTimers:
         if rec.lock.locked():
             return
         async with rec.lock:
-            if rec.leases or not rec.reachable:
+            if rec.leases or not rec.reachable or rec.in_transition:
                 return
             try:
                 if tier == 1 and rec.state in AWAKE_STATES:
@@ -140,10 +138,10 @@ class IdleTimers:
                 log.info("worker %s idle: tier %d sleep", rec.worker_id, tier)
             except MemsvcError as exc:  # the worker said no (busy, short of memory): try again later
                 log.warning("idle sleep of %s failed: %s", rec.worker_id, exc)
-                self._next_attempt[rec.worker_id] = time.time() + self._settings.retry_backoff
+                rec.next_idle_attempt = time.time() + self._settings.retry_backoff
             except Exception:
                 log.exception("idle sleep of %s failed", rec.worker_id)
-                self._next_attempt[rec.worker_id] = time.time() + self._settings.retry_backoff
+                rec.next_idle_attempt = time.time() + self._settings.retry_backoff
 
 
 __all__ = ["IdleTimers"]

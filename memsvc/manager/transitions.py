@@ -1,7 +1,8 @@
 """Transitions an operator or service asks for: SleepWorker, WakeWorker, SwapWorkerBlocks.
 
 Each holds the worker's lock while it runs, so timers, budget evictions, operators and leases never
-race on one worker, and a retried ``request_id`` returns the first call's result.
+race on one worker, and a retried ``request_id`` returns the first call's result. At most
+MAX_QUEUED_TRANSITIONS calls wait for one worker (WorkerRecord.exclusive).
 """
 
 from __future__ import annotations
@@ -17,7 +18,7 @@ from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.vocabulary import Action, SleepLevel, plan_actions
+from memsvc.vocabulary import Action, SleepLevel, check_known_tags, plan_actions
 
 
 class Transitions:
@@ -36,6 +37,7 @@ class Transitions:
         deadline: Deadline,
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
+        check_known_tags(tag_actions, {t.tag for t in rec.tags()})  # before any neighbour is demoted
 
         async def sleep(shared: Deadline) -> c.TransitionStats:
             return await self._sleep(rec, level, tag_actions, request_id, shared)
@@ -51,7 +53,7 @@ class Transitions:
         deadline: Deadline,
     ) -> c.TransitionStats:
         self._registry.link(rec)
-        async with rec.lock:
+        async with rec.exclusive():
             if rec.leases:
                 raise WrongState(
                     f"worker {rec.worker_id} holds {len(rec.leases)} lease(s); it sleeps after they are released",
@@ -73,10 +75,11 @@ class Transitions:
         self, name: str, tags: list[str], request_id: str, deadline: Deadline
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
+        check_known_tags(tags, {t.tag for t in rec.tags()})  # before any neighbour is evicted
 
         async def wake(shared: Deadline) -> c.TransitionStats:
             self._registry.link(rec)
-            async with rec.lock:
+            async with rec.exclusive():
                 await self._budgets.make_device_room(rec, tags or None, shared)
                 t = await self._calls.wake(rec, tags, request_id, shared)
                 rec.idle_since = time.time()

@@ -5,6 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
+from memsvc._limits import MAX_WATCHERS
+from memsvc.errors import Overloaded
 from memsvc.v1 import memory_manager_service_pb2 as m
 
 
@@ -28,6 +30,12 @@ class WatchHub:
         self._queues: set[asyncio.Queue[WatchEvent]] = set()
 
     def subscribe(self) -> asyncio.Queue[WatchEvent]:
+        """A queue of the events to come; Overloaded when MAX_WATCHERS streams are open."""
+        if len(self._queues) >= MAX_WATCHERS:
+            raise Overloaded(
+                f"{len(self._queues)} WatchWorkers streams are open, the most this manager serves",
+                metadata={"maxStreams": str(MAX_WATCHERS)},
+            )
         q: asyncio.Queue[WatchEvent] = asyncio.Queue(self.QUEUE_SIZE)
         self._queues.add(q)
         return q

@@ -134,6 +134,8 @@ class ModelRunner:
             try:
                 if n:  # the last generated token is not fed, so total - 1 positions get K/V
                     self.kv_cache.ensure_capacity(seq_id, total - 1)
+                elif sequence_id is not None:  # a kept prompt: its blocks are held now, not at the next call
+                    self.kv_cache.ensure_capacity(seq_id, total)
                 self.kv_cache.wait_copies()  # swaps begun earlier may still be writing these blocks
                 seq.tokens.extend(prompt)
                 out: list[int] = []
@@ -154,6 +156,8 @@ class ModelRunner:
                     if token in stops:
                         reason = FinishReason.STOP
                         break
+                if should_stop is not None and should_stop():  # left during the last step: nothing kept
+                    raise Cancelled("generation stopped: the caller left")
                 done = True
                 if sequence_id is not None and reason == FinishReason.STOP:  # blocks it did not reach go back
                     self.kv_cache.shrink(seq_id, max(kept[2], -(-seq.num_cached // self.kv_cache.block_size)))

@@ -57,7 +57,8 @@ GREEDY = SamplingParams()
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float32 ``[vocab]`` logits after temperature, top-k and top-p (removed tokens at -inf)."""
-    x = logits.float() / params.temperature
+    x = logits.float()
+    x = (x - x.max()) / params.temperature  # the same softmax, but a tiny temperature makes -inf, not inf - inf
     vocab = x.shape[-1]
     if 0 < params.top_k < vocab:
         kth = torch.topk(x, params.top_k).values[-1]

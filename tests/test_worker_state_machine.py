@@ -1,0 +1,130 @@
+"""The worker's one transition path (worker/state_machine.py) on a real device thread.
+
+Through a real worker process these orders are hard to pin down (test_hardening.py covers the
+cancellation of a queued Sleep that way); here the device thread is held by a job the test controls,
+so a transition can be made to wait for exactly as long as a test needs.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import threading
+from collections.abc import AsyncIterator
+
+import pytest
+import pytest_asyncio
+
+from memsvc._deadline import NO_DEADLINE, Deadline
+from memsvc.errors import Cancelled, Overloaded, TransitionInProgress
+from memsvc.vocabulary import TransitionKind, WorkerState
+from worker.device_thread import DeviceThread
+from worker.state_machine import WorkerStateMachine
+from worker.status import Transition
+from worker.telemetry import TelemetryHub
+
+pytestmark = pytest.mark.asyncio
+
+
+class Machine:
+    def __init__(self) -> None:
+        loop = asyncio.get_running_loop()
+        self.device = DeviceThread(loop)
+        self.sm = WorkerStateMachine(TelemetryHub(loop), self.device)
+        self.sm.state = WorkerState.AWAKE
+        self.runs = 0
+
+    def hold_device(self) -> threading.Event:
+        """Occupy the device thread until the returned event is set (a long Generate, say)."""
+        release = threading.Event()
+        self.device.submit(release.wait)
+        return release
+
+    async def sleep(self, deadline: Deadline = NO_DEADLINE, request_id: str = "") -> Transition:
+        def job() -> Transition:
+            self.runs += 1
+            return Transition(TransitionKind.SLEEP, 1, 0.0)
+
+        return await self.sm.run("Sleep", request_id, lambda: None, lambda: job, deadline)
+
+
+@pytest_asyncio.fixture
+async def machine() -> AsyncIterator[Machine]:
+    m = Machine()
+    yield m
+    m.device.shutdown()
+
+
+async def test_a_transition_runs_and_releases_the_lock(machine: Machine) -> None:
+    t = await machine.sleep()
+    assert t.kind == TransitionKind.SLEEP and machine.runs == 1
+    assert not machine.sm.in_progress
+
+
+async def test_a_second_transition_is_refused_while_one_waits(machine: Machine) -> None:
+    release = machine.hold_device()
+    first = asyncio.ensure_future(machine.sleep())
+    await asyncio.sleep(0.05)
+    assert machine.sm.in_progress
+    with pytest.raises(TransitionInProgress):
+        await machine.sleep()
+    release.set()
+    await first
+    assert machine.runs == 1 and not machine.sm.in_progress
+
+
+async def test_a_job_whose_deadline_passed_while_queued_never_starts(machine: Machine) -> None:
+    """The caller still waits (its cancellation has not arrived), but its deadline has passed: the
+    job must not run on a state the manager may already have given up on."""
+    release = machine.hold_device()
+    call = asyncio.ensure_future(machine.sleep(Deadline.after(0.05)))
+    await asyncio.sleep(0.15)
+    release.set()
+    with pytest.raises(Cancelled, match="deadline passed before it could start"):
+        await call
+    assert machine.runs == 0 and not machine.sm.in_progress
+    assert machine.sm.state == WorkerState.AWAKE
+
+
+async def test_a_retry_with_time_left_keeps_a_shared_job_alive(machine: Machine) -> None:
+    """A shared call works to its callers' latest deadline: the first caller's passing does not stop
+    a job a retry (same request_id) still waits for."""
+    release = machine.hold_device()
+    first = asyncio.ensure_future(machine.sleep(Deadline.after(0.05), "r1"))
+    await asyncio.sleep(0)
+    retry = asyncio.ensure_future(machine.sleep(Deadline.after(30.0), "r1"))
+    await asyncio.sleep(0.15)
+    release.set()
+    assert (await first) is (await retry)
+    assert machine.runs == 1
+
+
+async def test_a_caller_leaving_a_queued_job_frees_the_lock_at_once(machine: Machine) -> None:
+    release = machine.hold_device()
+    call = asyncio.ensure_future(machine.sleep())
+    await asyncio.sleep(0.05)
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not machine.sm.in_progress  # before the device thread is free again
+    release.set()
+    await machine.sleep()
+    assert machine.runs == 1  # the abandoned job never ran; the new one did
+
+
+async def test_a_shut_down_device_thread_does_not_leak_the_lock(machine: Machine) -> None:
+    machine.device.shutdown()
+    with pytest.raises(RuntimeError):
+        await machine.sleep()
+    assert not machine.sm.in_progress
+
+
+async def test_telemetry_streams_are_bounded(monkeypatch: pytest.MonkeyPatch) -> None:
+    import worker.telemetry as telemetry
+
+    monkeypatch.setattr(telemetry, "MAX_TELEMETRY_SUBSCRIBERS", 1)
+    hub = TelemetryHub(asyncio.get_running_loop())
+    q = hub.subscribe()
+    with pytest.raises(Overloaded):
+        hub.subscribe()
+    hub.unsubscribe(q)
+    assert hub.subscribe() is not None
