@@ -45,20 +45,24 @@ def caller_deadline(context: _CallContext) -> Deadline:
 
 
 class SharedDeadline(Deadline):
-    """The latest deadline of the callers waiting for one shared call."""
+    """The latest deadline of the callers waiting for one shared call; passed once they all left."""
 
     def __init__(self) -> None:
         super().__init__()
         self._callers: list[Deadline] = []
+        self._joined = False
 
     def join(self, caller: Deadline) -> None:
         self._callers.append(caller)
+        self._joined = True
 
     def leave(self, caller: Deadline) -> None:
         self._callers.remove(caller)
 
     def at(self) -> float | None:
         deadlines = [c.at() for c in tuple(self._callers)]  # read from the worker's device thread too
+        if not deadlines and self._joined:
+            return 0.0  # every caller left: passed (a job about to start must not)
         if not deadlines or None in deadlines:
             return None
         return max(d for d in deadlines if d is not None)

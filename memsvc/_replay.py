@@ -8,9 +8,10 @@ WakeWorker, AcquireWorker). The rules, which docs/operations.md states for clien
 - retries that arrive while the first call still runs *share* it: they wait for its result, they
   do not run the operation again (nor fail with ABORTED because it is running);
 - the operation runs for as long as at least one of its callers waits; when every caller has left
-  (cancelled, deadline passed) it is cancelled, so nothing keeps running for nobody;
-- a result is kept for later retries; a failure is not (the failed call changed nothing, so a retry
-  may run it again);
+  (cancelled, deadline passed) it is cancelled, so nothing keeps running for nobody, and a retry that
+  arrives while it unwinds waits for it, then takes its result if it finished anyway, or runs anew;
+- a result is kept for later retries; a failure is not: a retry may run it again (what the failure
+  left is the operation's to say: most change nothing);
 - the cache holds at most ``capacity`` results, oldest first out, and request_ids are at most
   ``MAX_ID_BYTES`` long (memsvc/_limits.py): what a client can make the server keep is bounded.
 """

@@ -18,6 +18,7 @@ import pytest
 import pytest_asyncio
 from google.protobuf.duration_pb2 import Duration
 
+from memsvc._deadline import Deadline
 from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, Overloaded, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
@@ -296,17 +297,32 @@ async def test_the_manager_keeps_at_most_max_workers_records(env: Env, monkeypat
     assert sorted(env.manager.workers) == ["a", "c"]
 
 
-async def test_concurrent_deregisters_forget_once_and_a_stale_record_is_not_found(env: Env) -> None:
-    await env.worker("a")
-    stale = env.rec("a")
-    results = await asyncio.gather(env.manager.deregister("a"), env.manager.deregister("a"), return_exceptions=True)
-    assert sum(isinstance(r, NotFound) for r in results) == 1, results
+async def test_calls_queued_behind_a_deregistration_find_the_worker_gone(env: Env) -> None:
+    x = await env.worker("x", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    n = await env.worker("n", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.manager.sleep_worker("x", SleepLevel.LEVEL_1, {}, "", None)
+    stale = env.rec("x")
+    x.gate = asyncio.Event()  # a demotion holds x's lock while the others queue behind it
+    demoting = asyncio.create_task(env.manager.sleep_worker("x", SleepLevel.LEVEL_2, {}, "", None))
+    await settle(lambda: x.calls[-1:] == ["Sleep"] and stale.lock.locked(), "the demotion to hold the lock")
+    first = asyncio.create_task(env.manager.deregister("x"))
+    second = asyncio.create_task(env.manager.deregister("x"))
+    waking = asyncio.create_task(env.manager.wake_worker("x", [], "", None))
+    await asyncio.sleep(0.01)
+    x.gate.set()
+    await demoting
+    results = await asyncio.gather(first, second, waking, return_exceptions=True)
+    assert not isinstance(results[0], BaseException), results
+    assert isinstance(results[1], NotFound) and isinstance(results[2], NotFound), results
+    assert n.calls == [], "no neighbour is evicted to wake a worker that was forgotten"
+    assert x.calls == ["Sleep", "Sleep"]
     with pytest.raises(NotFound):
         env.manager.registry.link(stale)  # a call that began before the deregistration
-    await env.worker("a")  # registered again: a new record, and the old one still is not it
+    await env.manager.register("x", x.address, "h1")  # registered again: a new record, not the old one
     with pytest.raises(NotFound):
         env.manager.registry.link(stale)
-    assert env.manager.registry.link(env.rec("a")) is not None
+    await settle(lambda: env.rec("x").reachable, "x reachable again")
+    assert env.manager.registry.link(env.rec("x")) is not None
 
 
 async def test_deregistering_forgets_the_workers_policy_overrides(env: Env) -> None:
@@ -361,17 +377,20 @@ async def test_the_device_budget_passes_over_a_victim_that_refuses(env: Env) -> 
 
 
 async def test_a_wake_naming_an_unknown_tag_or_mapping_nothing_evicts_no_one(env: Env) -> None:
-    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
-    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
-    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    c_ = await env.worker("c", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=16 * GiB)
+    await env.manager.sleep_worker("c", SleepLevel.LEVEL_1, {}, "", None)
+    await env.policy(device_budget_bytes=10 * GiB)  # a and b map 14 GiB: any wake would evict one
+    env.idle_for("b", 100)
     with pytest.raises(InvalidArgument, match="unknown tag"):
-        await env.manager.wake_worker("b", ["lora"], "", None)
+        await env.manager.wake_worker("c", [WEIGHTS, "lora"], "", None)
     with pytest.raises(InvalidArgument, match="named twice"):
-        await env.manager.wake_worker("b", [KV_CACHE, KV_CACHE], "", None)
+        await env.manager.wake_worker("c", [KV_CACHE, KV_CACHE], "", None)
     with pytest.raises(WrongState):  # a is awake: nothing to map, so nothing is evicted for it
         await env.manager.wake_worker("a", [], "", None)
-    assert a.calls == ["WakeUp"] and b.calls == ["Sleep"]
-    assert a.state == WorkerState.AWAKE
+    assert a.calls == ["WakeUp"] and b.calls == [] and c_.calls == ["Sleep"]
+    assert a.state == b.state == WorkerState.AWAKE
 
 
 async def test_a_refused_acquire_leaves_the_idle_clock_where_it_was(env: Env) -> None:
@@ -449,3 +468,19 @@ async def test_closing_the_manager_does_not_wait_to_settle_a_call_in_doubt(tmp_p
     a.gate.set()  # the worker's sleep, which began, runs to its end
     await asyncio.gather(*a.handlers)
     assert a.state == WorkerState.ASLEEP
+
+
+async def test_a_call_past_its_deadline_waits_for_the_worker_to_say_how_it_ended(env: Env) -> None:
+    a = await env.worker("a")
+    a.gate = gate = asyncio.Event()
+
+    async def finish_later() -> None:
+        await asyncio.sleep(0.4)
+        gate.set()  # the worker's sleep, begun before the deadline, ends after it
+
+    opener = asyncio.create_task(finish_later())
+    with pytest.raises(Unavailable, match="DEADLINE_EXCEEDED"):
+        await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", Deadline.after(0.1))
+    assert gate.is_set(), "the manager held the worker until it reported no transition in progress"
+    assert env.rec("a").state == WorkerState.ASLEEP and not env.rec("a").in_transition
+    await opener

@@ -1,4 +1,5 @@
-"""The worker's one transition path (worker/state_machine.py) on a real device thread.
+"""The worker's device-thread paths on a real device thread: the one transition path
+(worker/state_machine.py), the swap pipeline's queue (worker/swaps.py), shared deadlines.
 
 Through a real worker process these orders are hard to pin down (test_hardening.py covers the
 cancellation of a queued Sleep that way); here the device thread is held by a job the test controls,
@@ -10,16 +11,18 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import AsyncIterator
+from typing import Any
 
 import pytest
 import pytest_asyncio
 
-from memsvc._deadline import NO_DEADLINE, Deadline
+from memsvc._deadline import NO_DEADLINE, Deadline, SharedDeadline
 from memsvc.errors import Cancelled, Overloaded, TransitionInProgress
-from memsvc.vocabulary import TransitionKind, WorkerState
+from memsvc.vocabulary import CopyMethod, TransitionKind, WorkerState
 from worker.device_thread import DeviceThread
 from worker.state_machine import WorkerStateMachine
 from worker.status import Transition
+from worker.swaps import SwapPipeline
 from worker.telemetry import TelemetryHub
 
 pytestmark = pytest.mark.asyncio
@@ -128,3 +131,48 @@ async def test_telemetry_streams_are_bounded(monkeypatch: pytest.MonkeyPatch) ->
         hub.subscribe()
     hub.unsubscribe(q)
     assert hub.subscribe() is not None
+
+
+class _Copy:
+    """What a begun swap hands back: its copy, already finished (the copies themselves are tested
+    with real pools in test_model.py and test_copy_blocks.py)."""
+
+    moved_bytes = 4096
+
+    def wait(self) -> None:
+        pass
+
+
+async def test_a_swap_whose_caller_left_while_queued_never_begins(machine: Machine) -> None:
+    begun: list[Any] = []
+
+    def begin(direction: str, src: Any, dst: Any, method: CopyMethod) -> Any:
+        begun.append(src)
+        return _Copy()
+
+    pipeline = SwapPipeline(machine.device, begin, lambda t: t)
+    release = machine.hold_device()
+    left = asyncio.ensure_future(pipeline.swap("out", [1], [2], CopyMethod.AUTO))
+    await asyncio.sleep(0.05)
+    left.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await left
+    stays = asyncio.ensure_future(pipeline.swap("out", [3], [4], CopyMethod.AUTO))
+    release.set()
+    t = await stays
+    assert begun == [[3]] and t.moved_bytes == 4096
+    pipeline.shutdown()
+
+
+async def test_a_shared_deadline_has_passed_once_every_caller_left() -> None:
+    shared = SharedDeadline()
+    assert shared.at() is None  # nobody joined yet: no deadline
+    first, second = Deadline.after(30.0), NO_DEADLINE
+    shared.join(first)
+    assert shared.at() == first.at()
+    shared.join(second)
+    assert shared.at() is None  # one caller waits without a deadline
+    shared.leave(second)
+    shared.leave(first)
+    left = shared.remaining()
+    assert left is not None and left < 0

@@ -3,7 +3,9 @@ turned into a :class:`~worker.model.generation.GenerationRequest` (text encoded,
 finished :class:`~worker.status.Generation` turned into a GenerateResponse (with its text).
 
 Every field is checked here, before the worker queues anything: one prompt form, its size, the
-counts, the sampling values; a model without a tokenizer refuses text with FAILED_PRECONDITION.
+counts, the sampling values (:func:`check_request`, before the worker's state: bad input is
+INVALID_ARGUMENT whatever the state); then the prompt is encoded (:func:`generation_request`), where
+a model without a tokenizer refuses text with FAILED_PRECONDITION.
 """
 
 from __future__ import annotations
@@ -30,8 +32,8 @@ from worker.model.text import ModelText, TextStream
 from worker.status import Generation
 
 
-def generation_request(request: w.GenerateRequest, text: Callable[[], ModelText]) -> GenerationRequest:
-    """The request, checked; ``text()`` is the model's text side (it raises for a model without one)."""
+def check_request(request: w.GenerateRequest) -> SamplingParams:
+    """Every check that needs no tokenizer (cheap: run before anything is queued); its sampling."""
     if not 0 <= request.max_new_tokens <= MAX_GENERATE_TOKENS:
         raise InvalidArgument(
             f"max_new_tokens must be in [0, {MAX_GENERATE_TOKENS}]", metadata={"field": "max_new_tokens"}
@@ -44,7 +46,6 @@ def generation_request(request: w.GenerateRequest, text: Callable[[], ModelText]
         raise InvalidArgument(f"give the prompt in one form, not as {' and as '.join(forms)}")
     if request.prompt:
         check_length(request.prompt, MAX_PROMPT_BYTES, "prompt")
-        prompt = text().encode(request.prompt)
     elif request.messages:
         if len(request.messages) > MAX_CHAT_MESSAGES:
             raise InvalidArgument(f"at most {MAX_CHAT_MESSAGES} messages", metadata={"field": "messages"})
@@ -53,15 +54,26 @@ def generation_request(request: w.GenerateRequest, text: Callable[[], ModelText]
             raise InvalidArgument(
                 f"the messages hold {size} bytes, at most {MAX_PROMPT_BYTES}", metadata={"field": "messages"}
             )
+    elif len(request.prompt_token_ids) > MAX_PROMPT_TOKENS:
+        raise InvalidArgument(f"the prompt is {len(request.prompt_token_ids)} tokens, at most {MAX_PROMPT_TOKENS}")
+    s = request.sampling
+    return SamplingParams(
+        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None
+    )
+
+
+def generation_request(request: w.GenerateRequest, text: Callable[[], ModelText]) -> GenerationRequest:
+    """The request, checked and its prompt encoded; ``text()`` is the model's text side (it raises for a
+    model without one). Encoding a long prompt takes a while: the servicer runs this on a thread."""
+    sampling = check_request(request)
+    if request.prompt:
+        prompt = text().encode(request.prompt)
+    elif request.messages:
         prompt = text().encode_chat([{"role": m.role, "content": m.content} for m in request.messages])
     else:
         prompt = list(request.prompt_token_ids)
     if len(prompt) > MAX_PROMPT_TOKENS:
         raise InvalidArgument(f"the prompt is {len(prompt)} tokens, at most {MAX_PROMPT_TOKENS}")
-    s = request.sampling
-    sampling = SamplingParams(
-        temperature=s.temperature, top_k=s.top_k, top_p=s.top_p or 1.0, seed=s.seed if s.HasField("seed") else None
-    )
     return GenerationRequest(
         prompt=prompt,
         max_new_tokens=request.max_new_tokens,

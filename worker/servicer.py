@@ -4,6 +4,7 @@ mapped to status codes by memsvc._rpc_errors; nothing here decides policy."""
 from __future__ import annotations
 
 import asyncio
+import functools
 from collections.abc import AsyncIterator
 from typing import TYPE_CHECKING, Any
 
@@ -20,7 +21,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from memsvc.vocabulary import CopyMethod, SleepLevel, actions_from_proto
 from worker.core import GenerateSlot, WorkerCore
-from worker.generate_messages import StreamedText, generation_request, response
+from worker.generate_messages import StreamedText, check_request, generation_request, response
 from worker.status import Status, Transition
 from worker.telemetry import CLOSED, Event, EventKind
 
@@ -148,6 +149,14 @@ def event_pb(e: Event) -> dict[str, Any]:
     return {"transition": transition_pb(e.data["transition"])}
 
 
+def _release_when_encoded(slot: GenerateSlot, encoding: asyncio.Future[GenerationRequest]) -> None:
+    """The encoding of a caller who left has ended: its place in the bound is free (its result or
+    error goes nowhere)."""
+    slot.release()
+    if not encoding.cancelled():
+        encoding.exception()  # retrieved, so asyncio does not log it as never retrieved
+
+
 class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
@@ -186,11 +195,17 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         )
 
     async def _prepare(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
-        """A place in the Generate bound first, then the request checked and its prompt encoded on a
-        thread (a 1 MiB prompt or a long chat must not stall status and telemetry on the loop)."""
+        """The request checked (INVALID_ARGUMENT whatever the state), a place in the Generate bound,
+        then the prompt encoded on a thread (a 1 MiB prompt or a long chat must not stall status and
+        telemetry on the loop). The place is held until the encoding ends, even for a caller who left."""
+        check_request(request)
         slot = self.core.reserve_generate()
+        encoding = asyncio.ensure_future(asyncio.to_thread(generation_request, request, self.core.text))
         try:
-            return await asyncio.to_thread(generation_request, request, self.core.text), slot
+            return await asyncio.shield(encoding), slot
+        except asyncio.CancelledError:
+            encoding.add_done_callback(functools.partial(_release_when_encoded, slot))
+            raise
         except BaseException:
             slot.release()
             raise
@@ -205,17 +220,23 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
     ) -> AsyncIterator[w.GenerateStreamResponse]:
         """Generate, a message per token as it is made (several, when they come faster than they go)."""
         spec, slot = await self._prepare(request.request)
+        try:
+            text = self.core.text_or_none()
+            streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()))
+        except BaseException:
+            slot.release()
+            raise
         tokens: asyncio.Queue[int] = asyncio.Queue()
         loop = asyncio.get_running_loop()
 
         def made(token: int) -> None:  # on the device thread
             loop.call_soon_threadsafe(tokens.put_nowait, token)
 
-        task = asyncio.ensure_future(self.core.generate(spec, made, slot))  # from here the task owns the slot
+        # From here the task owns the slot: its first step (which hands the slot to the device job)
+        # runs before this generator's first await returns, so it never is cancelled unstarted.
+        task = asyncio.ensure_future(self.core.generate(spec, made, slot))
         getter: asyncio.Future[int] | None = None
         try:
-            text = self.core.text_or_none()
-            streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()))
             while not (task.done() and tokens.empty()):
                 getter = asyncio.ensure_future(tokens.get())
                 await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)

@@ -310,7 +310,10 @@ class _InMemoryLink:
         task = asyncio.ensure_future(handler)
         self._worker.handlers.add(task)
         task.add_done_callback(self._worker.handlers.discard)
-        return await asyncio.wait_for(asyncio.shield(task), timeout)
+        try:
+            return await asyncio.wait_for(asyncio.shield(task), timeout)
+        except TimeoutError:  # as the gRPC link reports DEADLINE_EXCEEDED
+            raise Unavailable(f"worker {self._worker.worker_id}: DEADLINE_EXCEEDED after {timeout:.1f} s") from None
 
 
 class InMemoryLinks:

@@ -106,7 +106,6 @@ class Leases:
                 else f"the manager holds {len(self.leases)} leases, its most; release some",
                 metadata={"maxLeases": str(MAX_LEASES_PER_WORKER if on_worker else MAX_LEASES)},
             )
-        idle_since = rec.idle_since
         lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
         self.leases[lease.lease_id] = lease
@@ -115,9 +114,7 @@ class Leases:
         except BaseException:
             rec.leases.pop(lease.lease_id, None)
             self.leases.pop(lease.lease_id, None)
-            if not rec.leases:
-                rec.idle_since = idle_since  # a refused acquire is not traffic: the idle clock runs on
-            self._ingest.update_metrics(rec)
+            self._ingest.update_metrics(rec)  # a refused acquire is not traffic: the idle clock runs on
             raise
         lease.expire_time = time.time() + ttl
         self._save(lease)
@@ -151,6 +148,7 @@ class Leases:
                 if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE) and not rec.in_transition:
                     await self._budgets.make_device_room(rec, None, deadline)
                     await self._calls.wake(rec, [], "", deadline)
+                    rec.idle_since = time.time()  # if the grant fails now, the idle clock counts from the wake
 
     def release(self, lease_id: str, expired: bool = False) -> WorkerRecord:
         if not lease_id:

@@ -16,7 +16,7 @@ from memsvc.manager.watch import WatchEvent, WatchHub
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.vocabulary import WorkerState
+from memsvc.vocabulary import BUSY_STATES, WorkerState
 
 log = logging.getLogger("memsvc.manager")
 
@@ -62,6 +62,10 @@ class TelemetryIngest:
             if rec.status is not None:
                 status.CopyFrom(rec.status)
             status.state = msg.state_change.to_state
+            if WorkerState.of(status.state) not in BUSY_STATES:
+                # The worker sets the settled state as the last step of a transition (the one it runs
+                # at a time): the snapshot's transition_in_progress is stale from here on.
+                status.transition_in_progress = False
             await self.set_status(rec, status, True, msg.state_change.reason, msg.time.ToNanoseconds())
         elif kind == "transition":
             self.metrics.transition(rec.worker_id, msg.transition)

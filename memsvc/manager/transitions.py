@@ -52,8 +52,8 @@ class Transitions:
         request_id: str,
         deadline: Deadline,
     ) -> c.TransitionStats:
-        self._registry.link(rec)
         async with rec.exclusive():
+            self._registry.link(rec)  # in the lock: a deregistration it waited behind may have run
             if rec.leases:
                 raise WrongState(
                     f"worker {rec.worker_id} holds {len(rec.leases)} lease(s); it sleeps after they are released",
@@ -78,8 +78,8 @@ class Transitions:
         check_known_tags(tags, {t.tag for t in rec.tags()})  # before any neighbour is evicted
 
         async def wake(shared: Deadline) -> c.TransitionStats:
-            self._registry.link(rec)
             async with rec.exclusive():
+                self._registry.link(rec)  # before any neighbour is evicted for a forgotten worker
                 await self._budgets.make_device_room(rec, tags or None, shared)
                 t = await self._calls.wake(rec, tags, request_id, shared)
                 rec.idle_since = time.time()
