@@ -34,10 +34,10 @@ from pathlib import Path
 import grpc
 import pytest
 from certs import Certs, have_openssl, make_certs
-from google.protobuf import descriptor_pb2
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from managerproc import ManagerProcess
 from upproc import grpcurl_binary
+from upproc import health_protoset as write_health_protoset
 from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc import DOMAIN, error_info
@@ -252,12 +252,7 @@ def grpcurl() -> str:
 
 @pytest.fixture(scope="module")
 def health_protoset(base: Path) -> Path:
-    """health.proto as a descriptor set: grpcurl's reflection needs the token, health itself does not."""
-    fds = descriptor_pb2.FileDescriptorSet()
-    health_pb2.DESCRIPTOR.CopyToProto(fds.file.add())
-    path = base / "health.protoset"
-    path.write_bytes(fds.SerializeToString())
-    return path
+    return write_health_protoset(base)
 
 
 def grpcurl_flags(mode: str, certs: Certs, identity: str = "ops") -> list[str]:

