@@ -31,6 +31,10 @@ class Deadline:
         at = self.at()
         return None if at is None else at - time.monotonic()
 
+    def passed(self) -> bool:
+        left = self.remaining()
+        return left is not None and left <= 0
+
 
 NO_DEADLINE = Deadline()
 

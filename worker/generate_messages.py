@@ -62,10 +62,12 @@ def check_request(request: w.GenerateRequest) -> SamplingParams:
     )
 
 
-def generation_request(request: w.GenerateRequest, text: Callable[[], ModelText]) -> GenerationRequest:
-    """The request, checked and its prompt encoded; ``text()`` is the model's text side (it raises for a
-    model without one). Encoding a long prompt takes a while: the servicer runs this on a thread."""
-    sampling = check_request(request)
+def generation_request(
+    request: w.GenerateRequest, sampling: SamplingParams, text: Callable[[], ModelText]
+) -> GenerationRequest:
+    """The request (already checked: ``sampling`` is what :func:`check_request` returned) with its
+    prompt encoded; ``text()`` is the model's text side (it raises for a model without one).
+    Encoding a long prompt takes a while: the servicer runs this on a thread."""
     if request.prompt:
         prompt = text().encode(request.prompt)
     elif request.messages:
@@ -134,4 +136,4 @@ class StreamedText:
         return whole[self._sent :]
 
 
-__all__ = ["StreamedText", "completion", "generation_request", "response"]
+__all__ = ["StreamedText", "check_request", "completion", "generation_request", "response"]

@@ -198,9 +198,9 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         """The request checked (INVALID_ARGUMENT whatever the state), a place in the Generate bound,
         then the prompt encoded on a thread (a 1 MiB prompt or a long chat must not stall status and
         telemetry on the loop). The place is held until the encoding ends, even for a caller who left."""
-        check_request(request)
+        sampling = check_request(request)
         slot = self.core.reserve_generate()
-        encoding = asyncio.ensure_future(asyncio.to_thread(generation_request, request, self.core.text))
+        encoding = asyncio.ensure_future(asyncio.to_thread(generation_request, request, sampling, self.core.text))
         try:
             return await asyncio.shield(encoding), slot
         except asyncio.CancelledError:

@@ -93,8 +93,7 @@ class WorkerStateMachine:
                 if not ticket.start():
                     return None  # abandoned while queued: the lock went with it
                 try:
-                    left = shared.remaining()
-                    if left is not None and left <= 0:
+                    if shared.passed():
                         raise Cancelled(
                             f"{method}: its callers' deadline passed before it could start; nothing changed",
                             metadata={"state": self.state.name},

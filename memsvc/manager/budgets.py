@@ -76,7 +76,7 @@ class Budgets:
                 try:
                     await self.sleep_tier1(victim, deadline, "device budget")
                 except MemsvcError as exc:
-                    if _passed(deadline):
+                    if deadline.passed():  # the caller's deadline, not the victim, is the answer
                         raise
                     log.warning("making room for %s: %s did not sleep: %s", rec.worker_id, victim.worker_id, exc)
                     passed_over.add(victim.worker_id)
@@ -115,7 +115,7 @@ class Budgets:
                     try:
                         await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
                     except MemsvcError as exc:
-                        if _passed(deadline):
+                        if deadline.passed():
                             raise
                         log.warning("host budget: %s was not demoted: %s", victim.worker_id, exc)
                         passed_over.add(victim.worker_id)
@@ -128,7 +128,7 @@ class Budgets:
         """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short.
         The caller holds ``rec.lock``."""
         # The default policy speaks for every worker: a tag this worker does not have is not its to act on.
-        tags = {t.tag for t in rec.tags()}
+        tags = rec.tag_names()
         actions = {t: a for t, a in self._policies.effective(rec.name).tag_actions.items() if not tags or t in tags}
         if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
             return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
@@ -136,12 +136,6 @@ class Budgets:
         return await self._calls.sleep(
             rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why + " (level 2: host budget)"
         )
-
-
-def _passed(deadline: Deadline) -> bool:
-    """The caller's deadline passed: its error, not the victim's, is the answer."""
-    left = deadline.remaining()
-    return left is not None and left <= 0
 
 
 __all__ = ["Budgets"]

@@ -137,12 +137,12 @@ class Leases:
             if rec.in_transition or state == WorkerState.UNSPECIFIED:
                 # A transition the manager did not start (or gave up waiting on) may still change the
                 # state: a lease is granted on the state it leaves, not on the one before it.
-                timeout = deadline.remaining()
-                if timeout is not None and timeout <= 0:
+                if deadline.passed():
                     raise Unavailable(f"worker {rec.worker_id} did not become ready before the deadline")
+                left = deadline.remaining()
                 async with rec.changed:
                     with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(rec.changed.wait(), timeout=min(timeout or 1.0, 1.0))
+                        await asyncio.wait_for(rec.changed.wait(), timeout=min(left or 1.0, 1.0))
                 continue
             async with rec.lock:
                 if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE) and not rec.in_transition:

@@ -112,6 +112,10 @@ class WorkerRecord:
     def tags(self) -> list[c.TagMemory]:
         return list(self.status.tags) if self.status is not None else []
 
+    def tag_names(self) -> set[str]:
+        """The tags the worker last reported (empty before its first status)."""
+        return {t.tag for t in self.tags()}
+
     @property
     def mapped_bytes(self) -> int:
         return sum(t.mapped_bytes for t in self.tags())

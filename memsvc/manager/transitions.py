@@ -37,7 +37,7 @@ class Transitions:
         deadline: Deadline,
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
-        check_known_tags(tag_actions, {t.tag for t in rec.tags()})  # before any neighbour is demoted
+        check_known_tags(tag_actions, rec.tag_names())  # before any neighbour is demoted
 
         async def sleep(shared: Deadline) -> c.TransitionStats:
             return await self._sleep(rec, level, tag_actions, request_id, shared)
@@ -75,7 +75,7 @@ class Transitions:
         self, name: str, tags: list[str], request_id: str, deadline: Deadline
     ) -> tuple[WorkerRecord, c.TransitionStats]:
         rec = self._registry.get(name)
-        check_known_tags(tags, {t.tag for t in rec.tags()})  # before any neighbour is evicted
+        check_known_tags(tags, rec.tag_names())  # before any neighbour is evicted
 
         async def wake(shared: Deadline) -> c.TransitionStats:
             async with rec.exclusive():
