@@ -37,8 +37,9 @@ MAX_STOP_TOKENS = 64
 """stop_token_ids of one Generate."""
 MAX_GENERATE_TOKENS = 4096
 """max_new_tokens of one Generate (the model's context length may allow fewer)."""
-MAX_QUEUED_GENERATES = 32
-"""Generate calls queued or running on one worker at once."""
+MAX_QUEUED_GENERATES = 256
+"""Generate calls queued or running on one worker at once (the engine runs up to --max-batch of
+them in each step; the rest wait their turn)."""
 MAX_PAGE_SIZE = 1000
 """Workers in one ListWorkers page."""
 MAX_LEASES_PER_WORKER = 1024

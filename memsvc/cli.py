@@ -128,6 +128,21 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
+        "--max-batch", type=int, default=int(env("MAX_BATCH", "64")), help="requests one engine step runs at most"
+    )
+    p.add_argument(
+        "--max-step-tokens",
+        type=int,
+        default=int(env("MAX_STEP_TOKENS", "2048")),
+        help="tokens one engine step feeds at most (long prompts are read in chunks)",
+    )
+    p.add_argument(
+        "--cuda-graphs",
+        action=argparse.BooleanOptionalAction,
+        default=env("CUDA_GRAPHS", "1") in ("1", "true"),
+        help="capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
+    )
+    p.add_argument(
         "--host-capacity", type=parse_bytes, default=env("HOST_CAPACITY", "8GiB"), help="host backend: device size"
     )
     p.add_argument(
@@ -379,9 +394,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.config import WorkerConfig
         from worker.main import run
 
-        for name in ("kv_blocks", "host_kv_blocks", "block_size"):
+        for name in ("kv_blocks", "host_kv_blocks", "block_size", "max_batch"):
             if getattr(args, name) <= 0:
                 parser.error(f"--{name.replace('_', '-')} must be > 0")
+        if args.max_step_tokens < args.max_batch:
+            parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
         config = WorkerConfig(
             model=args.model,
             backend=args.backend,
@@ -390,6 +407,9 @@ def main(argv: Sequence[str] | None = None) -> int:
             kv_blocks=args.kv_blocks,
             host_kv_blocks=args.host_kv_blocks,
             block_size=args.block_size,
+            max_batch=args.max_batch,
+            max_step_tokens=args.max_step_tokens,
+            cuda_graphs=args.cuda_graphs,
             host_capacity_bytes=args.host_capacity,
             checksum=args.checksum,
             host_reserve_bytes=args.host_reserve,

@@ -30,6 +30,9 @@ WEIGHTS = "weights"
 """The model's weights (offloaded, or reloaded from the checkpoint)."""
 KV_CACHE = "kv_cache"
 """The paged KV cache's device pool."""
+CUDA_GRAPHS = "cuda_graphs"
+"""The engine's captured decode graphs: their inputs and activations, scratch between replays
+(discarded by both sleep levels, mapped again at the same addresses on wake; CUDA only)."""
 MAX_TAG_BYTES = 63
 """Longest tag name in UTF-8 bytes (the native table keeps 64 with the NUL)."""
 
@@ -103,9 +106,9 @@ class SleepLevel(enum.IntEnum):
     """vLLM's sleep levels (proto ``SleepLevel``)."""
 
     LEVEL_1 = c.SLEEP_LEVEL_1
-    """Weights OFFLOAD, kv_cache DISCARD."""
+    """Weights OFFLOAD, kv_cache and cuda_graphs DISCARD."""
     LEVEL_2 = c.SLEEP_LEVEL_2
-    """Both DISCARD; the weights are reloaded from their source on wake (host RAM freed too)."""
+    """Every tag DISCARD; the weights are reloaded from their source on wake (host RAM freed too)."""
 
     @classmethod
     def parse(cls, value: int) -> SleepLevel | None:
@@ -134,8 +137,12 @@ class SleepLevel(enum.IntEnum):
 
 LEVEL_ACTIONS: Mapping[SleepLevel, Mapping[str, Action]] = MappingProxyType(
     {
-        SleepLevel.LEVEL_1: MappingProxyType({WEIGHTS: Action.OFFLOAD, KV_CACHE: Action.DISCARD}),
-        SleepLevel.LEVEL_2: MappingProxyType({WEIGHTS: Action.DISCARD, KV_CACHE: Action.DISCARD}),
+        SleepLevel.LEVEL_1: MappingProxyType(
+            {WEIGHTS: Action.OFFLOAD, KV_CACHE: Action.DISCARD, CUDA_GRAPHS: Action.DISCARD}
+        ),
+        SleepLevel.LEVEL_2: MappingProxyType(
+            {WEIGHTS: Action.DISCARD, KV_CACHE: Action.DISCARD, CUDA_GRAPHS: Action.DISCARD}
+        ),
     }
 )
 """What each sleep level does per tag; explicit tag actions override it."""
@@ -295,6 +302,7 @@ def _choices(cls: type[enum.Enum]) -> str:
 __all__ = [
     "AWAKE_STATES",
     "BUSY_STATES",
+    "CUDA_GRAPHS",
     "KV_CACHE",
     "LEVEL_ACTIONS",
     "MAX_TAG_BYTES",

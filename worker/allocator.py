@@ -267,6 +267,29 @@ class MemoryAllocator:
             return
         import torch
 
+        pool = self._mem_pool(tag)
+        with self._routed_to(tag), torch.cuda.use_mem_pool(pool, device=self.device):
+            yield
+
+    @contextlib.contextmanager
+    def capture_graph(self, graph: torch.cuda.CUDAGraph, tag: str) -> Iterator[None]:
+        """Capture ``graph`` with its memory (every tensor the captured work allocates) in ``tag``'s
+        pool, so it sleeps with that tag and is mapped at the same addresses on wake: a graph captured
+        before a sleep replays after the wake. CUDA only."""
+        import torch
+
+        check_tag(tag)
+        if self.backend != "cuda":
+            raise WrongState("CUDA graphs need the cuda backend")
+        pool = self._mem_pool(tag)
+        with self._routed_to(tag), torch.cuda.graph(graph, pool=pool.id):
+            yield
+
+    def _mem_pool(self, tag: str) -> Any:
+        """torch's MemPool for ``tag`` (one per tag, so a cached torch segment never mixes tags), its
+        segments allocated by this library through torch's CUDAPluggableAllocator."""
+        import torch
+
         with self._pool_lock:
             if self._pluggable is None:
                 self._native.install_torch_hook()
@@ -276,13 +299,18 @@ class MemoryAllocator:
             pool = self._pools.get(tag)
             if pool is None:
                 pool = self._pools[tag] = torch.cuda.MemPool(self._pluggable.allocator())
+        return pool
+
+    @contextlib.contextmanager
+    def _routed_to(self, tag: str) -> Iterator[None]:
+        """New torch segments made on this thread inside the block go to ``tag`` (per thread in C,
+        like torch's pool routing; nested blocks restore the outer tag)."""
         previous = getattr(self._pool_tags, "tag", "default")
-        _native.set_pool_tag(tag)  # per thread in C, like torch's pool routing
+        _native.set_pool_tag(tag)
         self._pool_tags.tag = tag
         try:
-            with torch.cuda.use_mem_pool(pool, device=self.device):
-                yield
-        finally:  # nested blocks: the outer pool's tag is back for its next segment
+            yield
+        finally:
             _native.set_pool_tag(previous)
             self._pool_tags.tag = previous
 

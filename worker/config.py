@@ -25,6 +25,12 @@ class WorkerConfig:
     """Host KV cache blocks (swap space)."""
     block_size: int = 16
     """Tokens per KV block."""
+    max_batch: int = 64
+    """Requests one engine step runs at most; more wait their turn (worker/model/engine.py)."""
+    max_step_tokens: int = 2048
+    """Tokens one step feeds at most: long prompts are read in chunks of what is left."""
+    cuda_graphs: bool = True
+    """Capture the decode step in CUDA graphs (cuda backend with Triton; ignored on host)."""
     host_capacity_bytes: int = 8 << 30
     """Host backend only: size of the simulated device."""
     checksum: bool = True

@@ -23,6 +23,7 @@ from memsvc.errors import (
     MemsvcError,
     Overloaded,
     TransitionInProgress,
+    Unavailable,
     WrongState,
 )
 from memsvc.vocabulary import (
@@ -40,7 +41,8 @@ from memsvc.vocabulary import (
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
-from worker.device_thread import DeviceThread, Ticket
+from worker.device_thread import DeviceThread
+from worker.host_release import HostRelease
 from worker.state_machine import Job, WorkerStateMachine
 from worker.status import Generation, Status, Transition
 from worker.swaps import SwapPipeline
@@ -66,12 +68,14 @@ class WorkerCore:
         self.config = config
         self.worker_id = config.resolved_worker_id()
         self.telemetry = TelemetryHub(loop)
+        self._loop = loop
         self._device_thread = DeviceThread(loop)
-        self._sm = WorkerStateMachine(self.telemetry, self._device_thread)
+        self._sm = WorkerStateMachine(self.telemetry, self._device_thread, self._drain)
         self._swaps = SwapPipeline(self._device_thread, self._begin_swap, self._sm.finish)
         self._last_memory: AllocatorStats | None = None
         self.alloc: MemoryAllocator | None = None
         self.runner: ModelRunner | None = None
+        self._host_release: HostRelease | None = None
         self._prepin: threading.Thread | None = None
         """Page-locks host memory after the load (``host_prepin``); the allocator outlives it."""
         self._device: dict[str, Any] = {}
@@ -82,6 +86,10 @@ class WorkerCore:
         self._generate_lock = threading.Lock()
         self._generates = 0
         """Generate calls queued or running (bounded by MAX_QUEUED_GENERATES)."""
+        self._step_lock = threading.Lock()
+        self._step_queued = False
+        """An engine step is queued on the device thread (one at a time, so other device work
+        queued meanwhile runs between two steps)."""
 
     def _note_activity(self) -> None:
         """Traffic resets the manager's idle clock; tell telemetry subscribers soon, not at the next
@@ -112,6 +120,7 @@ class WorkerCore:
 
     def _load(self) -> None:
         try:
+            from worker.model.paged_attention import graphs_supported
             from worker.model.runner import ModelRunner
             from worker.model.weights import parse_model_spec
 
@@ -128,13 +137,23 @@ class WorkerCore:
                 )
             )
             source = parse_model_spec(c.model, seed=c.seed)
+            graphs = c.cuda_graphs and self.alloc.backend == "cuda"
+            if graphs and not graphs_supported(source.config):
+                log.warning("CUDA graphs off: they need Triton and a power-of-two head_dim; decoding eagerly")
+                graphs = False
             self.runner = ModelRunner(
                 self.alloc,
                 source,
                 num_device_blocks=c.kv_blocks,
                 num_host_blocks=c.host_kv_blocks,
                 block_size=c.block_size,
+                max_batch=c.max_batch,
+                max_step_tokens=c.max_step_tokens,
+                cuda_graphs=graphs,
             )
+            self.runner.engine.on_work = self._schedule_step
+            self._host_release = HostRelease(self.alloc, self._device_thread, self._loop, self.runner.engine.last_busy)
+            self.runner.engine.admission_checks.insert(0, lambda: self._sm.require(WorkerState.AWAKE))
             self._device = self._describe_device()
             info: dict[str, Any] = dict(self.runner.info())
             info.pop("kv_cache", None)
@@ -194,6 +213,8 @@ class WorkerCore:
         self._swaps.shutdown()
 
     def _close(self) -> None:
+        if self.runner is not None:
+            self.runner.engine.fail_all(Unavailable("the worker is shutting down"))
         self.runner = None
         if self.alloc is not None:
             self.alloc.close()  # also stops a prepin before its next chunk
@@ -298,6 +319,8 @@ class WorkerCore:
             if todo.get(KV_CACHE) == Action.DISCARD and self.runner is not None:
                 self.runner.drop_kv()
             seconds = time.perf_counter() - t0
+            if self._host_release is not None:
+                self._host_release.settle()  # chunks a wake held and this sleep did not reuse
             self._last_memory = alloc.stats()
             tags = self._last_memory.tags
             moved = sum(tags[t].offloaded_bytes for t, a in todo.items() if a == Action.OFFLOAD)
@@ -349,6 +372,8 @@ class WorkerCore:
             self._sm.set_state(WorkerState.WAKING, "WakeUp")
             t0 = time.perf_counter()
             ctr0 = alloc.stats().counters
+            if self._host_release is not None:
+                self._host_release.hold()  # freed chunks go when idle, not under the first requests
             try:
                 alloc.wake_up(tags)
             except IntegrityError as exc:
@@ -381,8 +406,12 @@ class WorkerCore:
             else:
                 self._sm.set_state(WorkerState.PARTIALLY_AWAKE, "WakeUp")
             verified = int(ctr["bytes_verified"] - ctr0["bytes_verified"])
+            if self._host_release is not None:
+                self._host_release.release_when_idle()
             return self._sm.finish(Transition(TransitionKind.WAKE, moved, seconds, verified))
         except BaseException as exc:
+            if self._host_release is not None:
+                self._host_release.settle()
             self._settle(f"WakeUp failed: {exc}")
             raise
 
@@ -497,8 +526,14 @@ class WorkerCore:
     def reserve_generate(self) -> GenerateSlot:
         """A place among the :attr:`MAX_QUEUED_GENERATES` Generate calls queued or running, taken before
         the prompt is encoded (a long one is work too): Overloaded when none is free, FAILED_PRECONDITION
-        unless the worker is awake. Pass it to :meth:`generate`, or release it."""
+        unless the worker is awake and no transition is pending (a Sleep waits for the Generate calls
+        it found, so it must not find new ones forever). Pass it to :meth:`generate`, or release it."""
         self._sm.require(WorkerState.AWAKE)
+        if self._sm.in_progress:
+            raise WrongState(
+                "a transition is pending: it runs once the Generate calls already running end",
+                metadata={"state": self.state.name},
+            )
         with self._generate_lock:
             if self._generates >= self.MAX_QUEUED_GENERATES:
                 raise Overloaded(
@@ -514,50 +549,69 @@ class WorkerCore:
         on_token: Callable[[int], None] | None = None,
         slot: GenerateSlot | None = None,
     ) -> Generation:
-        """Run Generate on the device thread, for as long as its caller waits; ``on_token`` sees each
+        """Run Generate in the engine's batch, for as long as its caller waits; ``on_token`` sees each
         token as it is made (on the device thread). ``slot`` (from :meth:`reserve_generate`, taken here
-        when not given) is released when the call ends, which for a started one is when its job does.
+        when not given) is released when the request ends in the engine.
 
-        A caller that leaves (cancelled, deadline passed) stops its call: a queued one never starts, a
-        running one stops before its next step; either way it keeps nothing (see ModelRunner.generate).
+        A caller that leaves (cancelled, deadline passed) stops its request before the engine's next
+        step; it keeps nothing (see ModelRunner.run).
         """
         slot = slot or self.reserve_generate()
         stop = threading.Event()
-        ticket = Ticket()
-
-        def job() -> Generation | None:
-            if not ticket.start():
-                return None  # abandoned while queued: its place in the bound was given back then
-            try:
-                return self._generate(request, stop.is_set, on_token)
-            finally:
-                slot.release()
-
+        t0 = time.perf_counter()
         try:
-            result = await self._device_thread.run(job)
+            future = self._model().engine.submit(request, stop.is_set, on_token)
         except BaseException:
-            stop.set()
-            if ticket.abandon():
-                slot.release()
+            slot.release()
             raise
-        assert result is not None, "a started Generate returns its result"
-        return result
+        future.add_done_callback(lambda _: slot.release())
+        try:
+            result = await asyncio.shield(asyncio.wrap_future(future))
+        except asyncio.CancelledError:
+            stop.set()  # the engine drops it at its next step (the slot goes when it has)
+            raise
+        self._note_activity()
+        return Generation(
+            result.tokens, result.block_ids, time.perf_counter() - t0, result.finish_reason, result.prompt_tokens
+        )
 
     def _generate_done(self) -> None:
         with self._generate_lock:
             self._generates -= 1
 
-    def _generate(
-        self, request: GenerationRequest, should_stop: Callable[[], bool], on_token: Callable[[int], None] | None
-    ) -> Generation:
-        self._sm.require(WorkerState.AWAKE)  # a Sleep may have run while this job was queued
-        runner = self._model()
-        t0 = time.perf_counter()
-        result = runner.run(request, should_stop, on_token)
-        self._note_activity()
-        seq = request.sequence_id
-        blocks = list(runner.kv_cache.sequence(seq).block_ids) if seq else []
-        return Generation(result.tokens, blocks, time.perf_counter() - t0, result.finish_reason, result.prompt_tokens)
+    def _schedule_step(self) -> None:
+        """Queue one engine step on the device thread unless one is queued (any thread)."""
+        with self._step_lock:
+            if self._step_queued:
+                return
+            self._step_queued = True
+        try:
+            self._device_thread.submit(self._step)
+        except RuntimeError:  # the device thread is shut down: _close failed what was left
+            with self._step_lock:
+                self._step_queued = False
+
+    def _step(self) -> None:
+        """On the device thread: one engine step, then the next queued behind whatever device work
+        arrived meanwhile (a swap, a free, a transition's drain): those run at step boundaries."""
+        with self._step_lock:
+            self._step_queued = False
+        runner = self.runner
+        if runner is None:
+            return
+        try:
+            more = runner.engine.step()
+        except BaseException:
+            log.exception("engine step failed")
+            more = runner.engine.has_work
+        if more:
+            self._schedule_step()
+
+    def _drain(self, until: Callable[[], bool]) -> None:
+        """Before a transition starts (on the device thread): let every accepted Generate end, unless
+        ``until`` says the transition's callers left first."""
+        if self.runner is not None:
+            self.runner.engine.drain(until)
 
     def text_or_none(self) -> ModelText | None:
         return self._model().source.text

@@ -29,13 +29,21 @@ class WorkerStateMachine:
     REQUEST_CACHE = 512
     """Transition results kept for retries with the same request_id."""
 
-    def __init__(self, telemetry: TelemetryHub, device: DeviceThread) -> None:
+    def __init__(
+        self,
+        telemetry: TelemetryHub,
+        device: DeviceThread,
+        drain: Callable[[Callable[[], bool]], None] = lambda until: None,
+    ) -> None:
         self.state = WorkerState.LOADING
         self.sleep_level = 0
         """Level of the last Sleep while not AWAKE (0 after an explicit tag map, or awake)."""
         self.last: Transition | None = None
         self._telemetry = telemetry
         self._device = device
+        self._drain = drain
+        """Run on the device thread before a job starts: the Generate calls accepted so far end first
+        (or it gives up when its argument says the callers left; the job then does not start)."""
         self._busy = threading.Lock()
         self.replay = ReplayCache(self.REQUEST_CACHE)
 
@@ -70,8 +78,9 @@ class WorkerStateMachine:
         """The path of every transition RPC.
 
         A retried ``request_id`` shares the first call's result (memsvc/_replay.py); ``validate``
-        checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken; ``plan``
-        checks the state and returns the job, which runs on the device thread. The lock is released
+        checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken (from
+        then on no Generate is accepted); ``plan`` checks the state and returns the job, which runs on
+        the device thread once the Generate calls accepted before it have ended (the drain). The lock is released
         when the job ends, at once if ``plan`` refuses, and at once if every caller leaves while the
         job still waits for the device thread (then it never runs). A job whose callers' deadline
         (``deadline``, or a retry's later one) passed while it waited does not start either (CANCELLED,
@@ -93,6 +102,7 @@ class WorkerStateMachine:
                 if not ticket.start():
                     return None  # abandoned while queued: the lock went with it
                 try:
+                    self._drain(shared.passed)  # no Generate is accepted meanwhile, so this ends
                     if shared.passed():
                         raise Cancelled(
                             f"{method}: its callers' deadline passed before it could start; nothing changed",

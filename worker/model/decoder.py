@@ -11,9 +11,10 @@ checkpoints produce their reference tokens; tests/test_reference.py checks it ag
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
+import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -89,7 +90,219 @@ def _attention_mask(
     return mask, False
 
 
+@dataclass(frozen=True)
+class SeqSpan:
+    """One sequence's rows in a step: ``length`` new tokens at positions ``start..``."""
+
+    row: int
+    """First row of its tokens in the step's flat token tensor."""
+    start: int
+    length: int
+    blocks: torch.Tensor | None
+    """Its block table (device, int64), read when it attends to K/V cached before this step."""
+
+
+@dataclass(frozen=True)
+class DecodeRows:
+    """The step's leading one-token rows, attended through the block table by a kernel."""
+
+    count: int
+    tables: torch.Tensor
+    """``[count, width]`` int64 block ids; row ``i`` covers ``lengths[i]`` positions."""
+    lengths: torch.Tensor
+    """``[count]`` int64: positions each row attends to (its own included)."""
+
+
+@dataclass(frozen=True)
+class StepInputs:
+    """One model step over several sequences, as device tensors (see :func:`forward_step`).
+
+    Rows ``[0, decode.count)`` are one-token decodes read through ``decode.tables``; every other row
+    belongs to one of ``spans``, whose attention runs per sequence. A CUDA graph captures a step whose
+    rows are all decodes, with these tensors in buffers it owns.
+    """
+
+    token_ids: torch.Tensor
+    positions: torch.Tensor
+    write_blocks: torch.Tensor
+    write_slots: torch.Tensor
+    spans: tuple[SeqSpan, ...] = ()
+    decode: DecodeRows | None = None
+    last_rows: torch.Tensor | None = None
+    """Rows whose logits are returned (None: every row)."""
+
+
+@dataclass(frozen=True)
+class HostStep:
+    """A step as the scheduler builds it, in host arrays; :meth:`to_device` makes the model's inputs
+    (a CUDA-graph runner copies the arrays into buffers of its own instead)."""
+
+    token_ids: np.ndarray
+    """``[rows]`` int64: decodes first, then the prompt chunks."""
+    positions: np.ndarray
+    write_blocks: np.ndarray
+    """``[rows]`` int64: the block each row's K/V goes to (slot: position % block_size)."""
+    decode_tables: np.ndarray
+    """``[decodes, width]`` int64 block tables of the decode rows (zero-padded)."""
+    spans: tuple[tuple[int, int, int, np.ndarray | None], ...]
+    """(row, start, length, block table or None) of each prompt chunk."""
+    last_rows: np.ndarray
+    """Rows whose logits the step returns."""
+
+    @property
+    def decodes(self) -> int:
+        return int(self.decode_tables.shape[0])
+
+    @property
+    def decode_only(self) -> bool:
+        return not self.spans
+
+    def to_device(self, device: torch.device, block_size: int) -> StepInputs:
+        def t(a: np.ndarray) -> torch.Tensor:
+            return torch.from_numpy(a).to(device)
+
+        decode = None
+        if self.decodes:
+            decode = DecodeRows(self.decodes, t(self.decode_tables), t(self.positions[: self.decodes] + 1))
+        return StepInputs(
+            token_ids=t(self.token_ids), positions=t(self.positions), write_blocks=t(self.write_blocks),
+            write_slots=t(self.positions % block_size),
+            spans=tuple(SeqSpan(r, s, n, None if b is None else t(b)) for r, s, n, b in self.spans),
+            decode=decode, last_rows=t(self.last_rows),
+        )  # fmt: skip
+
+
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, DecodeRows, int | None], torch.Tensor]
+"""``(q [n, heads, head_dim], layer K/V pool, decode rows, sliding window) -> [n, heads, head_dim]``."""
+
+
+def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The MLP's ``silu(gate) * up``, each op rounded to the model dtype as transformers does."""
+    return F.silu(gate) * up
+
+
+@dataclass(frozen=True)
+class Kernels:
+    """The step's element-wise operations and decode attention: these torch functions everywhere, or
+    on CUDA the Triton kernels of worker/model/kernels.py, which do the same arithmetic (the same
+    float32 intermediates, rounded to the model dtype at the same points) in one launch each instead
+    of up to seven; a decode step is bound by launches, not bytes."""
+
+    rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
+    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope
+    silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_mul
+    decode_attention: DecodeKernel | None = None
+
+
+def _span_attention(
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, span: SeqSpan, config: ModelConfig
+) -> torch.Tensor:
+    """Causal attention of one sequence's new rows over its cached and new K/V, ``[n, heads * head_dim]``.
+
+    A prefill from position 0 attends to the K/V it just computed; a later chunk (or a decode on a
+    backend without the kernel) reads the sequence's blocks back.
+    """
+    nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    a, n = span.row, span.length
+    total = span.start + n
+    if span.start == 0:
+        keys, values = k[a : a + n], v[a : a + n]
+    else:
+        assert span.blocks is not None, "a span after position 0 reads its blocks"
+        cached = layer[span.blocks[: -(-total // layer.shape[2])]]  # [blocks, 2, block_size, kv_heads, head_dim]
+        keys = cached[:, 0].reshape(-1, nkv, hd)[:total]
+        values = cached[:, 1].reshape(-1, nkv, hd)[:total]
+    keys, values = keys.repeat_interleave(nh // nkv, dim=1), values.repeat_interleave(nh // nkv, dim=1)
+    mask, causal = _attention_mask(span.start, n, config.sliding_window, q.device)
+    # 4-D [batch, heads, tokens, head_dim]: the flash and memory-efficient kernels take nothing else (a
+    # 3-D call falls back to the math kernel, which materialises the n x total scores of every head)
+    out = F.scaled_dot_product_attention(
+        q[None, a : a + n].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
+        attn_mask=mask, is_causal=causal,
+    )  # fmt: skip
+    return out[0].transpose(0, 1).reshape(n, nh * hd)
+
+
 @torch.inference_mode()
+def forward_step(
+    weights: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    rope: Rope,
+    kv: torch.Tensor,
+    step: StepInputs,
+    kernels: Kernels = Kernels(),
+) -> torch.Tensor:
+    """Run one step: write every row's K/V into its slot, attend, return float32 logits
+    ``[len(last_rows), vocab]`` (every row's when ``last_rows`` is None).
+
+    ``kv`` is the device block pool (``[blocks, layers, 2, block_size, kv_heads, head_dim]``). The
+    decode rows need ``kernels.decode_attention`` (through the block table, no copy of the cache);
+    without one, give every row a span. Batching shares each weight matrix's read among all rows,
+    which is what makes a decode step of 64 sequences cost little more than one.
+    """
+    dtype, eps = config.torch_dtype, config.rms_norm_eps
+    n = step.token_ids.shape[0]
+    nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
+    cos, sin = rope.cos_sin(step.positions, dtype)
+    decode = step.decode
+    decode_attention = kernels.decode_attention
+    if decode is not None and decode_attention is None:
+        raise ValueError("decode rows need a decode kernel")
+    norm, rope_ = kernels.rms_norm, kernels.rope
+
+    x = F.embedding(step.token_ids, weights["model.embed_tokens.weight"])
+    for i in range(config.num_layers):
+        p = f"model.layers.{i}."
+        h = norm(x, weights[p + "input_layernorm.weight"], eps)
+        a = p + "self_attn."
+        q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
+        k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
+        v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
+        if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
+            q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
+        q, k = rope_(q, cos, sin), rope_(k, cos, sin)
+
+        layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
+        layer[step.write_blocks, 0, step.write_slots] = k
+        layer[step.write_blocks, 1, step.write_slots] = v
+        parts = []
+        if decode is not None:
+            assert decode_attention is not None
+            parts.append(decode_attention(q[: decode.count], layer, decode, config.sliding_window).reshape(-1, nh * hd))
+        parts.extend(_span_attention(q, k, v, layer, span, config) for span in step.spans)
+        out = parts[0] if len(parts) == 1 else torch.cat(parts)
+        x = x + F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
+
+        h = norm(x, weights[p + "post_attention_layernorm.weight"], eps)
+        m = p + "mlp."
+        act = kernels.silu_mul(F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"]))
+        x = x + F.linear(act, weights[m + "down_proj.weight"])
+
+    if step.last_rows is not None:
+        x = x[step.last_rows]
+    x = norm(x, weights["model.norm.weight"], eps)
+    head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
+    return F.linear(x, head).float()
+
+
+def single_sequence_step(
+    block_ids: Sequence[int], token_ids: Sequence[int], start_pos: int, block_size: int, device: torch.device,
+    all_logits: bool = False,
+) -> StepInputs:  # fmt: skip
+    """The step that feeds ``token_ids`` at ``start_pos..`` of one sequence with this block table."""
+    n = len(token_ids)
+    positions = torch.arange(start_pos, start_pos + n, device=device)
+    table = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    return StepInputs(
+        token_ids=torch.tensor(list(token_ids), dtype=torch.long, device=device),
+        positions=positions,
+        write_blocks=table[positions // block_size],
+        write_slots=positions % block_size,
+        spans=(SeqSpan(0, start_pos, n, table),),
+        last_rows=None if all_logits else torch.tensor([n - 1], device=device),
+    )
+
+
 def forward(
     weights: Mapping[str, torch.Tensor],
     config: ModelConfig,
@@ -102,60 +315,17 @@ def forward(
 ) -> torch.Tensor:
     """Run ``token_ids`` at positions ``start_pos..`` of one sequence; return float32 logits.
 
-    ``kv`` is the device block pool (``[blocks, layers, 2, block_size, kv_heads, head_dim]``) and
-    ``block_ids`` the sequence's block table, covering at least ``start_pos + len(token_ids)``
-    positions. K and V of the new tokens are written into their slots; attention reads the
-    sequence's blocks back, so everything before ``start_pos`` must already be in the cache.
-    Returns ``[vocab]`` logits of the last token, or ``[n, vocab]`` with ``all_logits``.
+    ``block_ids`` is the sequence's block table, covering at least ``start_pos + len(token_ids)``
+    positions; everything before ``start_pos`` must already be in the cache. Returns ``[vocab]``
+    logits of the last token, or ``[n, vocab]`` with ``all_logits``. The engine batches steps of
+    many sequences with :func:`forward_step`; this is one sequence's (tests, references).
     """
-    device, dtype = kv.device, config.torch_dtype
-    n, block_size = len(token_ids), kv.shape[3]
-    total = start_pos + n
-    nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    positions = torch.arange(start_pos, total, device=device)
-    table = torch.tensor(list(block_ids), dtype=torch.long, device=device)
-    write_blocks, write_slots = table[positions // block_size], positions % block_size
-    read_blocks = table[: -(-total // block_size)]
-    cos, sin = rope.cos_sin(positions, dtype)
-    mask, causal = _attention_mask(start_pos, n, config.sliding_window, device)
-    eps = config.rms_norm_eps
-
-    x = F.embedding(
-        torch.tensor(list(token_ids), dtype=torch.long, device=device), weights["model.embed_tokens.weight"]
-    )
-    for i in range(config.num_layers):
-        p = f"model.layers.{i}."
-        h = rms_norm(x, weights[p + "input_layernorm.weight"], eps)
-        a = p + "self_attn."
-        q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
-        k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
-        v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
-        if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
-            q, k = rms_norm(q, weights[a + "q_norm.weight"], eps), rms_norm(k, weights[a + "k_norm.weight"], eps)
-        q, k = apply_rope(q, cos, sin), apply_rope(k, cos, sin)
-
-        layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
-        layer[write_blocks, 0, write_slots] = k
-        layer[write_blocks, 1, write_slots] = v
-        cached = layer[read_blocks]  # gathered: [seq blocks, 2, block_size, kv_heads, head_dim]
-        keys = cached[:, 0].reshape(-1, nkv, hd)[:total].repeat_interleave(nh // nkv, dim=1)
-        values = cached[:, 1].reshape(-1, nkv, hd)[:total].repeat_interleave(nh // nkv, dim=1)
-        out = F.scaled_dot_product_attention(
-            q.transpose(0, 1), keys.transpose(0, 1), values.transpose(0, 1), attn_mask=mask, is_causal=causal
-        )
-        out = out.transpose(0, 1).reshape(n, nh * hd)
-        x = x + F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
-
-        h = rms_norm(x, weights[p + "post_attention_layernorm.weight"], eps)
-        m = p + "mlp."
-        gate = F.silu(F.linear(h, weights[m + "gate_proj.weight"]))
-        x = x + F.linear(gate * F.linear(h, weights[m + "up_proj.weight"]), weights[m + "down_proj.weight"])
-
-    if not all_logits:
-        x = x[-1]
-    x = rms_norm(x, weights["model.norm.weight"], eps)
-    head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
-    return F.linear(x, head).float()
+    step = single_sequence_step(block_ids, token_ids, start_pos, kv.shape[3], kv.device, all_logits)
+    logits = forward_step(weights, config, rope, kv, step)
+    return logits if all_logits else logits[0]
 
 
-__all__ = ["Rope", "apply_rope", "forward", "rms_norm"]
+__all__ = [
+    "DecodeKernel", "DecodeRows", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope", "forward",
+    "forward_step", "rms_norm", "silu_mul", "single_sequence_step",
+]  # fmt: skip

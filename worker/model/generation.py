@@ -47,6 +47,8 @@ class GenerationResult:
     finish_reason: FinishReason
     prompt_tokens: int
     """Tokens this call fed as its prompt."""
+    block_ids: list[int] = field(default_factory=list)
+    """A kept sequence's KV blocks after the call (empty for a temporary one)."""
 
 
 def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:

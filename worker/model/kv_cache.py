@@ -15,7 +15,7 @@ block; per slot, its block and pool. Checking and moving thousands of blocks is 
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Mapping
+from collections.abc import Collection, Iterable, Mapping
 from typing import Any, Literal, TypedDict
 
 import numpy as np
@@ -48,13 +48,23 @@ class _BlockPool:
 
 
 class KvBlockPool(_BlockPool):
-    """The device pool, in the allocator's ``kv_cache`` tag (discarded or offloaded with it on sleep)."""
+    """The device pool, in the allocator's ``kv_cache`` tag (discarded or offloaded with it on sleep).
+
+    One block more than ``num_blocks`` is allocated: :attr:`with_scratch` includes it, and the
+    padding rows of a CUDA-graph step write and read it; no sequence owns it and no swap names it.
+    """
 
     location: Location = "device"
 
     def __init__(self, config: ModelConfig, alloc: MemoryAllocator, num_blocks: int, block_size: int) -> None:
-        shape = kv_block_shape(config, num_blocks, block_size)
-        super().__init__(alloc.empty(shape, config.torch_dtype, KV_CACHE), block_size)
+        shape = kv_block_shape(config, num_blocks + 1, block_size)
+        self.with_scratch = alloc.empty(shape, config.torch_dtype, KV_CACHE)
+        """``num_blocks + 1`` blocks; what the model's steps index."""
+        super().__init__(self.with_scratch[:num_blocks], block_size)
+
+    @property
+    def scratch_block(self) -> int:
+        return self.num_blocks
 
 
 class HostKvPool(_BlockPool):
@@ -244,6 +254,20 @@ class KvCache:
         self._seqs[seq_id] = self._by_handle[seq.handle] = seq
         return seq
 
+    def block_array(self, seq_id: str) -> np.ndarray:
+        """The sequence's block table as an int64 array (what a step copies to the device)."""
+        return self._table.block[self.sequence(seq_id)._slots]
+
+    @staticmethod
+    def blocks_of(seq: Sequence) -> int:
+        """How many blocks the sequence holds, in either pool."""
+        return len(seq._slots)
+
+    def owner_handles(self, location: Location, block_ids: np.ndarray) -> np.ndarray:
+        """The handles of the sequences owning these blocks of one pool (free blocks left out)."""
+        slots = self._owner[location][block_ids]
+        return self._table.seq[slots[slots != _FREE]]  # type: ignore[no-any-return]
+
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
         """Give the sequence device blocks for ``num_tokens`` positions in all (the lowest free ids).
 
@@ -315,21 +339,28 @@ class KvCache:
         return dropped
 
     # ---- swap ----
-    def swap(self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto") -> int:
+    def swap(
+        self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto",
+        busy: Collection[int] = (),
+    ) -> int:  # fmt: skip
         """:meth:`swap_ids` with (src, dst) pairs; each pair is checked to be two integers."""
         _locations(direction)
-        return self.swap_ids(direction, *pairs_to_ids(pairs), method)
+        return self.swap_ids(direction, *pairs_to_ids(pairs), method, busy)
 
-    def swap_ids(self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto") -> int:
+    def swap_ids(
+        self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto",
+        busy: Collection[int] = (),
+    ) -> int:  # fmt: skip
         """Copy block ``src_ids[i]`` to block ``dst_ids[i]`` of the other pool, in one batched copy;
         return the bytes moved once the copy is done. See :meth:`begin_swap`."""
-        pending = self.begin_swap(direction, src_ids, dst_ids, method)
+        pending = self.begin_swap(direction, src_ids, dst_ids, method, busy)
         pending.wait()
         return pending.moved_bytes
 
     def begin_swap(
-        self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto"
-    ) -> PendingSwap:
+        self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto",
+        busy: Collection[int] = (),
+    ) -> PendingSwap:  # fmt: skip
         """Check and enqueue a swap and move the blocks' ownership; return before the copy is done.
 
         ``out``: device blocks to host blocks; ``in``: host blocks to device blocks. Ids are any
@@ -339,6 +370,9 @@ class KvCache:
         place in the block table to the destination; a free source is a plain data copy. The checks
         and the ownership move are one C pass each (native/kvtable.c): 0.08-0.14 ms for 8192 blocks
         on an H200 host, beside a 0.7 ms copy.
+
+        ``busy``: handles of sequences a Generate is reading (:meth:`Engine.busy_sequences`); a source
+        block of one of them is refused (FAILED_PRECONDITION) rather than moved under the step.
 
         The ownership moves at once, so the next swap is checked against it, and copies run in the
         order they were begun (one stream), so a swap back of the same blocks reads what this one
@@ -356,6 +390,15 @@ class KvCache:
         if not len(src):
             return PendingSwap(0, None)
         self._check(src, dst, src_loc, dst_loc)
+        if busy:
+            held = self.owner_handles(src_loc, src)
+            running = held[np.isin(held, np.fromiter(busy, np.int64))]
+            if len(running):
+                name = self._by_handle[int(running[0])].seq_id
+                raise WrongState(
+                    f"{src_loc} blocks of sequence {name!r} are being read by a Generate; swap them when it ends",
+                    metadata={"sequence": name},
+                )
         fence = self._alloc.copy_block_ids(
             self._pools[src_loc].tensor, self._pools[dst_loc].tensor, src, dst, method, wait=False
         )

@@ -9,18 +9,21 @@ cache was discarded and :meth:`ModelRunner.reload_weights` after the weights wer
 from __future__ import annotations
 
 import threading
-import uuid
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypedDict
 
-from memsvc.errors import Cancelled, InvalidArgument, WrongState
-from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, FinishReason, TagState
+import torch
+
+from memsvc.errors import InvalidArgument, WrongState
+from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
-from worker.model.decoder import Rope, forward
+from worker.model.decoder import HostStep, Rope, forward_step
+from worker.model.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
+from worker.model.graphs import DecodeGraphs
+from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
-from worker.model.sampling import Sampler
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = 4096
@@ -45,9 +48,10 @@ class ModelInfo(TypedDict):
 
 
 class ModelRunner:
-    """One model on one device, serving one sequence at a time.
+    """One model on one device: its weights, its paged KV cache and the engine that batches its
+    requests (worker/model/engine.py).
 
-    ``lock`` serialises generation, swaps and the sleep hooks for callers on several threads (tests,
+    ``lock`` serialises steps, swaps and the sleep hooks for callers on several threads (tests,
     embedders). The worker needs no lock around sleep and wake: it calls the runner, ``alloc.sleep``
     and ``alloc.wake_up`` from its one device thread only (worker/device_thread.py), so no step can
     read a range while it is being unmapped.
@@ -61,16 +65,45 @@ class ModelRunner:
         num_host_blocks: int,
         block_size: int = 16,
         max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS,
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        cuda_graphs: bool = False,
     ) -> None:
         self.alloc = alloc
         self.source = parse_model_spec(source) if isinstance(source, str) else source
         self.config: ModelConfig = self.source.config
-        self.max_new_tokens_limit = max_new_tokens_limit
         self.lock = threading.RLock()
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size)
         self.weights = allocate_weights(self.config, alloc)
         self.source.load_into(self.weights)
         self._rope = Rope.build(self.config, alloc.torch_device)
+        self._kernels = kernels_for(alloc.torch_device, self.config)
+        self.engine = Engine(
+            self.kv_cache, self._run_step, alloc.torch_device, self.config.vocab_size,
+            self.config.max_position_embeddings, lambda: self.source.eos_token_ids,
+            lambda: self._check_awake(WEIGHTS, KV_CACHE), max_batch, max_step_tokens, max_new_tokens_limit,
+        )  # fmt: skip
+        self.graphs: DecodeGraphs | None = None
+        if cuda_graphs:
+            if self._kernels is not TRITON_KERNELS:
+                raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
+            self.graphs = DecodeGraphs(
+                alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
+                self.kv_cache.device.scratch_block, max_batch, self._kernels,
+            )  # fmt: skip
+            self.graphs.capture()
+
+    @property
+    def max_new_tokens_limit(self) -> int:
+        return self.engine.max_new_tokens_limit
+
+    def _run_step(self, step: HostStep) -> torch.Tensor:
+        """A step on the model: replayed from a CUDA graph when every row decodes and one fits."""
+        if self.graphs is not None and self.graphs.fits(step):
+            return self.graphs.run(step)
+        kv = self.kv_cache.device
+        inputs = step.to_device(self.alloc.torch_device, kv.block_size)
+        return forward_step(self.weights, self.config, self._rope, kv.with_scratch, inputs, self._kernels)
 
     # ---- generation ----
     def generate(
@@ -81,7 +114,7 @@ class ModelRunner:
         should_stop: Callable[[], bool] | None = None,
     ) -> list[int]:
         """Greedy decoding: the tokens of :meth:`run` with its defaults."""
-        request = GenerationRequest(self._check_tokens(prompt_ids), max_new_tokens, sequence_id)
+        request = GenerationRequest(check_tokens(prompt_ids, self.config.vocab_size), max_new_tokens, sequence_id)
         return self.run(request, should_stop).tokens
 
     def run(
@@ -92,6 +125,8 @@ class ModelRunner:
     ) -> GenerationResult:
         """Up to ``max_new_tokens`` tokens after the prompt, each picked by the request's sampling,
         ending after a stop token (the model's EOS unless ``ignore_eos``, or one of the request's).
+        The engine steps on this thread until the request ends; calls from several threads share
+        its steps (one batch).
 
         With ``sequence_id`` the sequence and its KV cache stay after the call and a later call with
         the same id continues it (``prompt`` may then be empty, or add tokens first). Without, the
@@ -101,84 +136,14 @@ class ModelRunner:
         A call that fails keeps nothing: a sequence it created is freed, one it continued is put back
         as it was (tokens, cached positions, blocks). Errors: InvalidArgument (bad ids or counts, a new
         sequence without prompt, beyond ``max_position_embeddings``), WrongState (sequence swapped
-        out, memory asleep), OutOfMemory (too few free KV blocks, or too many sequences kept),
-        Cancelled.
+        out or being generated, memory asleep), OutOfMemory (more KV blocks than the pool has beside
+        the kept sequences, or too many sequences kept), Cancelled.
         """
-        prompt = self._check_tokens(request.prompt)
-        n = request.max_new_tokens
-        sequence_id = request.sequence_id
-        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.max_new_tokens_limit:
-            raise InvalidArgument(f"max_new_tokens must be an integer in [0, {self.max_new_tokens_limit}], got {n!r}")
-        if sequence_id is not None and (not isinstance(sequence_id, str) or not sequence_id):
-            raise InvalidArgument(f"sequence_id must be a non-empty string, got {sequence_id!r}")
-        self._check_tokens(request.stop_token_ids, "stop_token_ids")
-        stops = request.stop_set(self.source.eos_token_ids)
+        future = self.engine.submit(request, should_stop, on_token)
         with self.lock:
-            existing = self.kv_cache.sequences.get(sequence_id) if sequence_id is not None else None
-            if existing is None and not prompt:
-                raise InvalidArgument("a new sequence needs a non-empty prompt")
-            if existing is not None and existing.location != "device":
-                raise WrongState(f"sequence {sequence_id!r} is swapped out ({existing.location}); swap it in first")
-            total = (len(existing.tokens) if existing else 0) + len(prompt) + n
-            if total > self.config.max_position_embeddings:
-                raise InvalidArgument(
-                    f"sequence would reach {total} tokens; the model allows {self.config.max_position_embeddings}"
-                )
-            self._check_awake(WEIGHTS, KV_CACHE)
-            sampler = Sampler(request.sampling, self.alloc.torch_device)
-
-            seq_id = sequence_id if sequence_id is not None else f"tmp-{uuid.uuid4().hex}"
-            seq = existing if existing is not None else self.kv_cache.allocate_sequence(seq_id)
-            kept = (len(seq.tokens), seq.num_cached, len(seq.block_ids))
-            done = False
-            try:
-                if n:  # the last generated token is not fed, so total - 1 positions get K/V
-                    self.kv_cache.ensure_capacity(seq_id, total - 1)
-                elif sequence_id is not None:  # a kept prompt: its blocks are held now, not at the next call
-                    self.kv_cache.ensure_capacity(seq_id, total)
-                self.kv_cache.wait_copies()  # swaps begun earlier may still be writing these blocks
-                seq.tokens.extend(prompt)
-                out: list[int] = []
-                reason = FinishReason.LENGTH
-                for _ in range(n):
-                    if should_stop is not None and should_stop():
-                        raise Cancelled("generation stopped: the caller left")
-                    logits = forward(
-                        self.weights, self.config, self._rope, self.kv_cache.device.tensor, seq.block_ids,
-                        seq.tokens[seq.num_cached :], seq.num_cached,
-                    )  # fmt: skip
-                    seq.num_cached = len(seq.tokens)
-                    token = sampler(logits)
-                    seq.tokens.append(token)
-                    out.append(token)
-                    if on_token is not None:
-                        on_token(token)
-                    if token in stops:
-                        reason = FinishReason.STOP
-                        break
-                if should_stop is not None and should_stop():  # left during the last step: nothing kept
-                    raise Cancelled("generation stopped: the caller left")
-                done = True
-                if sequence_id is not None and reason == FinishReason.STOP:  # blocks it did not reach go back
-                    self.kv_cache.shrink(seq_id, max(kept[2], -(-seq.num_cached // self.kv_cache.block_size)))
-                return GenerationResult(out, reason, len(prompt))
-            finally:
-                if sequence_id is None or (not done and existing is None):
-                    self.kv_cache.free_sequence(seq_id)
-                elif not done:  # a continued sequence goes back to what it was before the call
-                    del seq.tokens[kept[0] :]
-                    seq.num_cached = kept[1]
-                    self.kv_cache.shrink(seq_id, kept[2])
-
-    def _check_tokens(self, ids: Iterable[int], what: str = "prompt_token_ids") -> list[int]:
-        if isinstance(ids, str | bytes) or not isinstance(ids, Iterable):
-            raise InvalidArgument(f"{what} must be a list of token ids")
-        tokens = list(ids)
-        vocab = self.config.vocab_size
-        for i, t in enumerate(tokens):
-            if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
-                raise InvalidArgument(f"{what}[{i}] = {t!r} is not a token id in [0, {vocab})")
-        return tokens
+            while not future.done():
+                self.engine.step()
+        return future.result()
 
     def _check_awake(self, *tags: str) -> None:
         states = self.alloc.stats().tags
@@ -190,12 +155,18 @@ class ModelRunner:
     # ---- sequences and swaps ----
     def free_sequence(self, sequence_id: str) -> None:
         with self.lock:
+            seq = self.kv_cache.sequence(sequence_id)
+            if seq.handle in self.engine.busy_sequences():
+                raise WrongState(
+                    f"sequence {sequence_id!r} is being generated; free it when its Generate ends",
+                    metadata={"sequence": sequence_id},
+                )
             self.kv_cache.free_sequence(sequence_id)
 
     def swap(self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto") -> int:
         """:meth:`KvCache.swap` under the runner's lock; the bytes moved."""
         with self.lock:
-            return self.kv_cache.swap(direction, pairs, method)
+            return self.kv_cache.swap(direction, pairs, method, self.engine.busy_sequences())
 
     def begin_swap(
         self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto"
@@ -204,7 +175,7 @@ class ModelRunner:
         next swap is checked and enqueued while this one copies. Generation waits for every swap
         begun before it."""
         with self.lock:
-            return self.kv_cache.begin_swap(direction, src_ids, dst_ids, method)
+            return self.kv_cache.begin_swap(direction, src_ids, dst_ids, method, self.engine.busy_sequences())
 
     # ---- sleep hooks ----
     def reload_weights(self, source: ModelSource | None = None) -> None:

@@ -1,0 +1,160 @@
+"""GPU-only proofs for the serving engine: the Triton paged-decode kernel agrees with the torch path
+(which the host backend runs in CI), a batch of concurrent requests gets the tokens each gets alone,
+through CUDA graphs as through eager steps, and graphs captured before a sleep replay after the wake
+without being captured again, their memory discarded while asleep."""
+
+from __future__ import annotations
+
+import math
+import threading
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from worker import _native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_native.cuda_device_count() == 0, reason="needs a CUDA device"),
+]
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
+
+from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, SleepLevel  # noqa: E402
+from worker.allocator import AllocatorConfig, MemoryAllocator  # noqa: E402
+from worker.model.decoder import DecodeRows, apply_rope, rms_norm, silu_mul  # noqa: E402
+from worker.model.generation import GenerationRequest  # noqa: E402
+from worker.model.kernels import triton_rms_norm, triton_rope, triton_silu_mul  # noqa: E402
+from worker.model.paged_attention import torch_paged_decode, triton_paged_decode  # noqa: E402
+from worker.model.runner import ModelRunner  # noqa: E402
+from worker.model.sampling import SamplingParams  # noqa: E402
+
+
+@pytest.fixture(scope="module")
+def cuda_alloc() -> Iterator[MemoryAllocator]:
+    a = MemoryAllocator(AllocatorConfig(backend="cuda", host_chunk_bytes=64 << 20))
+    yield a
+    a.close()
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+    (32, 8, 128, 16, None), (8, 8, 64, 16, None), (16, 2, 64, 8, 37), (4, 2, 16, 4, None),
+])  # fmt: skip
+def test_triton_kernel_matches_the_torch_path(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, window: int | None
+) -> None:
+    g = torch.Generator(device="cuda").manual_seed(heads * 1000 + head_dim)
+    blocks = 300
+    layer = torch.randn(blocks, 2, block_size, kv_heads, head_dim, device="cuda", generator=g).to(dtype)
+    lengths = torch.tensor([1, 2, block_size, block_size + 1, 63, 64, 65, 200, 1000], device="cuda")
+    width = math.ceil(1000 / block_size)
+    tables = torch.stack([torch.randperm(blocks, device="cuda", generator=g)[:width] for _ in range(len(lengths))])
+    q = torch.randn(len(lengths), heads, head_dim, device="cuda", generator=g).to(dtype)
+    rows = DecodeRows(len(lengths), tables, lengths)
+    want = torch_paged_decode(q.float(), layer.float(), rows, window)
+    got = triton_paged_decode(q, layer, rows, window).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got - want).abs().max().item()
+    print(f"{dtype} heads {heads}/{kv_heads} head_dim {head_dim} window {window}: max |err| {err:.2e}")
+    assert err < tol
+
+
+Tokens = list[list[int]]
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_triton_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
+    """Every op within one rounding step of the largest element (float32: reduction order);
+    RMSNorm and SiLU-mul, which round where torch rounds, give torch's 16-bit results almost
+    everywhere (RoPE rounds once instead of three times, see worker/model/kernels.py)."""
+    g = torch.Generator(device="cuda").manual_seed(3)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    x, w = rand(37, 4096), rand(4096)
+    q, cos, sin = rand(37, 32, 128), rand(37, 1, 128), rand(37, 1, 128)
+    gate, up = rand(37, 14336), rand(37, 14336)
+    for name, got, want in [
+        ("rms_norm", triton_rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)),
+        ("rms_norm per head", triton_rms_norm(q, w[:128], 1e-6), rms_norm(q, w[:128], 1e-6)),
+        ("rope", triton_rope(q, cos, sin), apply_rope(q, cos, sin)),
+        ("silu_mul", triton_silu_mul(gate, up), silu_mul(gate, up)),
+    ]:
+        err = (got.float() - want.float()).abs().max().item()
+        scale = want.float().abs().max().item()
+        same = (got == want).float().mean().item()
+        print(f"{dtype} {name}: max |err| {err:.2e} of max {scale:.2e}; {same:.4%} elements identical")
+        assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * scale
+        if dtype != torch.float32 and name != "rope":
+            assert same > 0.99
+
+
+def _alone_and_batched(runner: ModelRunner, requests: list[GenerationRequest]) -> tuple[Tokens, Tokens]:
+    alone = [runner.run(r).tokens for r in requests]
+    batched: list[list[int]] = [[] for _ in requests]
+    start = threading.Barrier(len(requests))
+
+    def one(i: int) -> None:
+        start.wait()
+        batched[i] = runner.run(requests[i]).tokens
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(requests))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+    return alone, batched
+
+
+def _requests(vocab: int, n: int) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(7)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (5 + 7 * i,), generator=g).tolist()
+        sampled = SamplingParams(temperature=0.8, top_k=40, top_p=0.9, seed=100 + i)
+        sampling = sampled if i % 3 == 2 else SamplingParams()
+        out.append(GenerationRequest(prompt, 24 + i, sampling=sampling, ignore_eos=True))
+    return out
+
+
+@pytest.mark.parametrize("graphs", [False, True], ids=["eager", "graphs"])
+def test_a_batch_gets_the_tokens_each_request_gets_alone(cuda_alloc: MemoryAllocator, graphs: bool) -> None:
+    runner = ModelRunner(cuda_alloc, "synthetic:small", 512, 16, block_size=16, max_batch=16, cuda_graphs=graphs)
+    requests = _requests(runner.config.vocab_size, 12)
+    steps0 = runner.engine.steps
+    alone, batched = _alone_and_batched(runner, requests)
+    assert all(len(set(t)) > 3 for t in alone), alone
+    assert batched == alone
+    assert runner.kv_cache.stats()["device_free_blocks"] == 512
+    print(f"{'graphs' if graphs else 'eager'}: {runner.engine.steps - steps0} steps for {len(requests)} requests twice")
+    if graphs:
+        assert runner.graphs is not None and runner.graphs.replays > 0
+
+
+def test_graphs_captured_before_a_sleep_replay_after_the_wake(cuda_alloc: MemoryAllocator) -> None:
+    runner = ModelRunner(cuda_alloc, "synthetic:1b", 1024, 16, block_size=16, max_batch=8, cuda_graphs=True)
+    assert runner.graphs is not None
+    requests = _requests(runner.config.vocab_size, 6)
+    _, before = _alone_and_batched(runner, requests)
+    tags = cuda_alloc.stats().tags
+    assert tags[CUDA_GRAPHS].mapped_bytes > 0, "the graphs' memory is in their tag"
+    captured = runner.graphs.captures
+    for level in (SleepLevel.LEVEL_1, SleepLevel.LEVEL_2):
+        cuda_alloc.sleep(level.actions)
+        runner.drop_kv()
+        asleep = cuda_alloc.stats().tags
+        assert asleep[CUDA_GRAPHS].mapped_bytes == 0 and asleep[KV_CACHE].mapped_bytes == 0
+        cuda_alloc.wake_up()
+        if level == SleepLevel.LEVEL_2:
+            runner.reload_weights()
+        replays = runner.graphs.replays
+        _, after = _alone_and_batched(runner, requests)
+        assert after == before, f"level {int(level)}"
+        assert runner.graphs.replays > replays and runner.graphs.captures == captured
+    assert cuda_alloc.stats().tags[WEIGHTS].mapped_bytes > 0

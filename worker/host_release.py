@@ -1,0 +1,99 @@
+"""Host staging memory freed after a wake only while the worker is idle, one chunk at a time.
+
+A wake leaves the sleep's page-locked host chunks free; the allocator used to unpin and unmap them
+at once on a thread of its own. On the H200 that takes ~0.4 s for 16 GB, and while the driver
+unregisters memory the first request's kernel launches wait for it: the first Generate after a wake
+cost 0.41 s instead of 0.04 s (docs/benchmarks.md). So the worker holds the chunks through the wake
+(a raised host reserve) and gives them back once no Generate has run for :data:`IDLE_S`, one chunk
+per device-thread job, so a request that arrives meanwhile waits for at most one chunk. A sleep
+before that reuses the chunks (its first copies need no fresh pinning), then trims what it left.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import time
+from collections.abc import Callable
+
+from worker.allocator import MemoryAllocator
+from worker.device_thread import DeviceThread
+
+IDLE_S = 0.5
+"""No Generate for this long: give a chunk back."""
+STEP_BYTES = 256 << 20
+"""Bytes given back per device-thread job (the host pool's default chunk)."""
+_HOLD = 1 << 62
+
+
+class HostRelease:
+    """The wake-time hold of host chunks and their release when idle (see the module docstring)."""
+
+    def __init__(
+        self, alloc: MemoryAllocator, device: DeviceThread, loop: asyncio.AbstractEventLoop,
+        last_busy: Callable[[], float],
+    ) -> None:  # fmt: skip
+        self._alloc = alloc
+        self._device = device
+        self._loop = loop
+        self._last_busy = last_busy
+        """Monotonic time of the last engine step (or now, while requests wait)."""
+        self._target: int | None = None
+        """The reserve to come back to, while it is raised."""
+        self._reserve: int | None = None
+        """The lowered reserve while chunks are being given back."""
+        self._epoch = 0
+
+    @property
+    def holding(self) -> bool:
+        return self._target is not None
+
+    def hold(self) -> None:
+        """Before a wake (device thread): keep every chunk the wake frees."""
+        if self._target is None:
+            self._target = int(self._alloc.stats().counters["host_reserve_bytes"])
+        self._epoch += 1
+        self._reserve = None
+        self._alloc.set_host_reserve(_HOLD)
+
+    def release_when_idle(self) -> None:
+        """After the wake (device thread): start giving chunks back once the worker is idle."""
+        epoch = self._epoch
+        self._loop.call_soon_threadsafe(self._loop.call_later, IDLE_S, self._tick, epoch)
+
+    def settle(self) -> None:
+        """After a sleep (device thread): the reserve is back where it was; free chunks beyond it go now."""
+        if self._target is not None:
+            target, self._target, self._reserve = self._target, None, None
+            self._epoch += 1
+            self._alloc.set_host_reserve(target)
+
+    def _tick(self, epoch: int) -> None:
+        """On the loop: queue one chunk's release if the worker is still idle, else look again later."""
+        if epoch != self._epoch or self._target is None:
+            return
+        wait = IDLE_S - (time.monotonic() - self._last_busy())
+        if wait > 0:
+            self._loop.call_later(wait, self._tick, epoch)
+            return
+        with contextlib.suppress(RuntimeError):  # shut down: the allocator's close frees everything
+            self._device.submit(self._release_one, epoch)
+
+    def _release_one(self, epoch: int) -> None:
+        """On the device thread: lower the reserve by a chunk (the allocator trims to it)."""
+        if epoch != self._epoch or self._target is None:
+            return
+        if time.monotonic() - self._last_busy() < IDLE_S:  # a request came in while this was queued
+            self._loop.call_soon_threadsafe(self._tick, epoch)
+            return
+        if self._reserve is None:  # start from every chunk held; free ones go once the reserve is below them
+            self._reserve = int(self._alloc.stats().counters["host_held_bytes"])
+        self._reserve -= STEP_BYTES
+        if self._reserve <= self._target:
+            self.settle()
+            return
+        self._alloc.set_host_reserve(self._reserve)
+        self._loop.call_soon_threadsafe(self._tick, epoch)
+
+
+__all__ = ["IDLE_S", "STEP_BYTES", "HostRelease"]

@@ -1,0 +1,442 @@
+"""The serving engine: one scheduler loop that batches every running Generate into each model step.
+
+Requests join and leave the running batch at every step (continuous batching). A step feeds one
+token of every decoding request and, within the step's token budget, the next chunk of each
+request still reading its prompt; so a long prompt is prefilled in chunks beside the decodes
+instead of stalling them for its whole length. Each request keeps its own sampler and stop rules.
+
+KV blocks come from the paged pool on demand: a request is admitted (first come, first served)
+when the blocks for its prompt are free, and a decode that needs a new block when none is free
+takes them from the newest running request, which is preempted: its blocks go back, it waits at
+the head of the queue, and on resume it re-reads its tokens (recomputation; the sampler keeps its
+state, so a seeded request draws the same tokens as if nothing happened). A request that could not
+fit even alone fails at once with OutOfMemory; no request fails because others hold blocks.
+
+Threads: :meth:`Engine.submit` may be called from any thread; :meth:`Engine.step` runs on one
+thread at a time (the worker's device thread, between its sleeps and swaps, so those happen at
+step boundaries). A request whose caller left is dropped at the next step and keeps nothing.
+"""
+
+from __future__ import annotations
+
+import collections
+import concurrent.futures
+import threading
+import time
+import uuid
+from collections.abc import Callable
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+
+from memsvc.errors import Cancelled, InvalidArgument, OutOfMemory, WrongState
+from memsvc.vocabulary import FinishReason
+from worker.model.decoder import HostStep
+from worker.model.generation import GenerationRequest, GenerationResult
+from worker.model.kv_cache import KvCache, Sequence
+from worker.model.sampling import Sampler
+
+DEFAULT_MAX_BATCH = 64
+"""Requests in one step at most (the largest CUDA-graph bucket)."""
+DEFAULT_MAX_STEP_TOKENS = 2048
+"""Tokens one step feeds at most: the decodes, then prompt chunks up to this budget."""
+
+
+@dataclass(eq=False)
+class _Request:
+    """One Generate inside the engine."""
+
+    request: GenerationRequest
+    prompt: list[int]
+    stops: frozenset[int]
+    should_stop: Callable[[], bool] | None
+    on_token: Callable[[int], None] | None
+    future: concurrent.futures.Future[GenerationResult]
+    seq: Sequence | None = None
+    """Bound at admission (the sequence it creates or continues)."""
+    created: bool = False
+    """The sequence is this call's own (a temporary one, or a new kept one)."""
+    kept: tuple[int, int, int] = (0, 0, 0)
+    """A continued sequence's (tokens, cached positions, blocks) before the call, to go back to."""
+    preempted: bool = False
+    """Its blocks were taken while it ran (its cache is re-read on resume)."""
+    sampler: Sampler | None = None
+    out: list[int] = field(default_factory=list)
+
+    @property
+    def seq_id(self) -> str:
+        assert self.seq is not None
+        return self.seq.seq_id
+
+    @property
+    def pending(self) -> int:
+        """Tokens of its sequence still to be fed (1 while decoding)."""
+        assert self.seq is not None
+        return len(self.seq.tokens) - self.seq.num_cached
+
+    def left(self) -> bool:
+        return self.should_stop is not None and self.should_stop()
+
+
+class Engine:
+    """Continuous batching over one model's paged KV cache (see the module docstring)."""
+
+    def __init__(
+        self,
+        kv_cache: KvCache,
+        run_step: Callable[[HostStep], torch.Tensor],
+        device: torch.device,
+        vocab_size: int,
+        max_position: int,
+        eos_token_ids: Callable[[], tuple[int, ...]],
+        check_ready: Callable[[], None],
+        max_batch: int = DEFAULT_MAX_BATCH,
+        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        max_new_tokens_limit: int = 4096,
+    ) -> None:
+        if not isinstance(max_batch, int) or max_batch < 1:
+            raise InvalidArgument(f"max_batch must be an integer >= 1, got {max_batch!r}")
+        if not isinstance(max_step_tokens, int) or max_step_tokens < max_batch:
+            raise InvalidArgument(
+                f"max_step_tokens must be an integer >= max_batch ({max_batch}), got {max_step_tokens!r}"
+            )
+        self.kv_cache = kv_cache
+        self._run_step = run_step
+        self._device = device
+        self._vocab = vocab_size
+        self._max_position = max_position
+        self._eos = eos_token_ids
+        self.admission_checks: list[Callable[[], None]] = [check_ready]
+        """Asked as a request is admitted (the model's memory awake; the worker adds its state)."""
+        self.max_batch = max_batch
+        self.max_step_tokens = max_step_tokens
+        self.max_new_tokens_limit = max_new_tokens_limit
+        self._incoming: collections.deque[_Request] = collections.deque()
+        self._incoming_lock = threading.Lock()
+        self._waiting: collections.deque[_Request] = collections.deque()
+        self._running: list[_Request] = []
+        self.on_work: Callable[[], None] | None = None
+        """Called (from the submitting thread) when a request arrives: the owner schedules a step."""
+        self.steps = 0
+        self._last_step = time.monotonic()
+
+    # ---- requests ----
+    def check(self, request: GenerationRequest) -> list[int]:
+        """The request's own checks (no state read): INVALID_ARGUMENT before anything is queued."""
+        prompt = check_tokens(request.prompt, self._vocab)
+        n = request.max_new_tokens
+        if not isinstance(n, int) or isinstance(n, bool) or not 0 <= n <= self.max_new_tokens_limit:
+            raise InvalidArgument(f"max_new_tokens must be an integer in [0, {self.max_new_tokens_limit}], got {n!r}")
+        sid = request.sequence_id
+        if sid is not None and (not isinstance(sid, str) or not sid):
+            raise InvalidArgument(f"sequence_id must be a non-empty string, got {sid!r}")
+        check_tokens(request.stop_token_ids, self._vocab, "stop_token_ids")
+        return prompt
+
+    def submit(
+        self,
+        request: GenerationRequest,
+        should_stop: Callable[[], bool] | None = None,
+        on_token: Callable[[int], None] | None = None,
+    ) -> concurrent.futures.Future[GenerationResult]:
+        """Queue a request; its future settles when it ends. ``on_token`` sees each token on the
+        stepping thread; ``should_stop`` is asked before every step (yes: it ends with Cancelled).
+        InvalidArgument is raised here, at once; every other error settles the future."""
+        prompt = self.check(request)
+        fut: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
+        req = _Request(request, prompt, request.stop_set(self._eos()), should_stop, on_token, fut)
+        with self._incoming_lock:
+            self._incoming.append(req)
+        if self.on_work is not None:
+            self.on_work()
+        return fut
+
+    @property
+    def has_work(self) -> bool:
+        return bool(self._incoming or self._waiting or self._running)
+
+    @property
+    def running(self) -> int:
+        return len(self._running)
+
+    @property
+    def queued(self) -> int:
+        return len(self._incoming) + len(self._waiting)
+
+    def last_busy(self) -> float:
+        """Monotonic time the engine last worked: now while requests wait or run, else its last step."""
+        return time.monotonic() if self.has_work else self._last_step
+
+    def busy_sequences(self) -> set[int]:
+        """Handles of the sequences requests are generating (SwapBlocks and FreeSequence refuse them)."""
+        return {r.seq.handle for r in (*self._running, *self._waiting) if r.seq is not None}
+
+    def drain(self, until: Callable[[], bool] = lambda: False) -> None:
+        """Step until every request has ended (before a sleep or a reload), or ``until`` says stop."""
+        while self.has_work and not until():
+            self.step()
+
+    def fail_all(self, exc: BaseException) -> None:
+        """End every request with ``exc`` (the worker is closing)."""
+        with self._incoming_lock:
+            incoming = list(self._incoming)
+            self._incoming.clear()
+        for req in (*incoming, *self._waiting, *self._running):
+            self._fail(req, exc)
+        self._waiting.clear()
+        self._running.clear()
+
+    # ---- the step ----
+    def step(self) -> bool:
+        """Admit, preempt if blocks ran out, run one model step, hand out tokens; True while work remains."""
+        with self._incoming_lock:
+            self._waiting.extend(self._incoming)
+            self._incoming.clear()
+        self._drop_leavers()
+        self._admit()
+        self._grow()
+        if self._running:
+            batch = list(self._running)
+            try:
+                self._forward()
+            except BaseException as exc:  # the batch's requests end with the step's error, the worker serves on
+                for req in batch:
+                    self._fail(req, exc)
+                self._running.clear()
+                if not isinstance(exc, Exception):
+                    raise
+            self.steps += 1
+            self._last_step = time.monotonic()
+        return self.has_work
+
+    def _drop_leavers(self) -> None:
+        for queue in (self._waiting, self._running):
+            for req in [r for r in queue if r.left()]:
+                queue.remove(req)
+                self._fail(req, Cancelled("generation stopped: the caller left"))
+
+    def _admit(self) -> None:
+        """Bind and admit waiting requests in order while the batch has room and their prompts fit."""
+        while self._waiting and len(self._running) < self.max_batch:
+            req = self._waiting[0]
+            try:
+                if req.seq is None and not self._bind(req):
+                    continue  # done without a step (nothing to generate, nothing to keep)
+            except BaseException as exc:
+                self._waiting.popleft()
+                self._fail(req, exc)
+                continue
+            try:
+                self.kv_cache.ensure_capacity(req.seq_id, len(req.seq.tokens))  # type: ignore[union-attr]
+            except OutOfMemory as exc:
+                if self._running:
+                    return  # its prompt fits once running requests end; those behind it wait too
+                self._waiting.popleft()  # nothing runs: only kept sequences hold the blocks it needs
+                self._fail(req, exc)
+                continue
+            self._waiting.popleft()
+            if req.request.max_new_tokens:
+                self._running.append(req)
+            else:  # a kept prompt: its blocks are held now, it is read at the next call
+                self._finish(req, FinishReason.LENGTH)
+
+    def _bind(self, req: _Request) -> bool:
+        """Check the request against the state and attach its sequence; False when it is already
+        done (a temporary sequence with nothing to generate). Raises what the request gets."""
+        for check in self.admission_checks:
+            check()
+        request, kv = req.request, self.kv_cache
+        sid = request.sequence_id
+        existing = kv.sequences.get(sid) if sid is not None else None
+        if existing is None and not req.prompt:
+            raise InvalidArgument("a new sequence needs a non-empty prompt")
+        if existing is not None:
+            if existing.handle in self.busy_sequences():
+                raise WrongState(f"sequence {sid!r} is being generated by another Generate; wait for it to end")
+            if existing.location != "device":
+                raise WrongState(f"sequence {sid!r} is swapped out ({existing.location}); swap it in first")
+        n = request.max_new_tokens
+        total = (len(existing.tokens) if existing else 0) + len(req.prompt) + n
+        if total > self._max_position:
+            raise InvalidArgument(f"sequence would reach {total} tokens; the model allows {self._max_position}")
+        fed = total - 1 if n else total  # the last generated token is not fed
+        temporary = {r.seq.handle for r in (*self._running, *self._waiting) if r.seq and r.request.sequence_id is None}
+        held = sum(kv.blocks_of(s) for s in kv.sequences.values() if s is not existing and s.handle not in temporary)
+        need = -(-fed // kv.block_size)
+        if need > kv.device.num_blocks - held:
+            raise OutOfMemory(
+                f"KV cache: the request needs {need} device blocks; {kv.device.num_blocks} exist and kept "
+                f"sequences hold {held} (free some with FreeSequence)",
+                metadata={"neededBlocks": str(need)},
+            )
+        if n == 0 and sid is None:
+            req.future.set_result(GenerationResult([], FinishReason.LENGTH, len(req.prompt)))
+            self._waiting.popleft()
+            return False
+        if existing is None:
+            req.seq = kv.allocate_sequence(sid if sid is not None else f"tmp-{uuid.uuid4().hex}")
+            req.created = True
+        else:
+            req.seq = existing
+            req.kept = (len(existing.tokens), existing.num_cached, kv.blocks_of(existing))
+        req.seq.tokens.extend(req.prompt)
+        if req.seq.num_cached == len(req.seq.tokens):  # every token read: read the last again for its logits
+            req.seq.num_cached -= 1
+        req.sampler = Sampler(request.sampling, self._device)
+        return True
+
+    def _grow(self) -> None:
+        """Give each decoding request the block its next position needs, preempting the newest
+        running requests when the pool is out of blocks (their prompts' blocks were taken at admission)."""
+        kv = self.kv_cache
+        for req in list(self._running):
+            seq = req.seq
+            if req not in self._running or seq is None or len(seq.tokens) - seq.num_cached != 1:
+                continue  # preempted for an earlier one, or still reading its prompt
+            while True:
+                try:
+                    kv.ensure_capacity(seq.seq_id, seq.num_cached + 1)
+                    break
+                except OutOfMemory:
+                    victim = self._running[-1]
+                    self._preempt(victim)
+                    if victim is req:
+                        break
+
+    def _preempt(self, req: _Request) -> None:
+        """Take a running request's blocks back; it waits at the head of the queue and re-reads its tokens."""
+        assert req.seq is not None
+        self._running.remove(req)
+        self.kv_cache.shrink(req.seq_id, 0)
+        req.seq.num_cached = 0
+        req.preempted = True
+        self._waiting.appendleft(req)
+
+    def _plan(self) -> tuple[HostStep, list[tuple[_Request, int]], list[_Request]]:
+        """The step's rows, decodes first, then prompt chunks within the token budget; how many
+        tokens each request feeds; the requests whose last row ends a read (they get a token)."""
+        kv = self.kv_cache
+        bs = kv.block_size
+        decodes = [r for r in self._running if r.pending == 1]
+        budget = self.max_step_tokens - len(decodes)
+        chunks: list[tuple[_Request, int]] = []
+        for req in self._running:
+            if req.pending > 1 and budget > 0:
+                take = min(req.pending, budget)
+                chunks.append((req, take))
+                budget -= take
+        tables = [kv.block_array(r.seq_id) for r in decodes]
+        table = np.zeros((len(decodes), max((len(t) for t in tables), default=0)), np.int64)
+        for i, t in enumerate(tables):
+            table[i, : len(t)] = t
+        tokens: list[int] = []
+        positions: list[np.ndarray] = []
+        blocks: list[np.ndarray] = []
+        for req, t in zip(decodes, tables, strict=True):
+            seq = req.seq
+            assert seq is not None
+            tokens.append(seq.tokens[-1])
+            positions.append(np.array([seq.num_cached], np.int64))
+            blocks.append(t[[seq.num_cached // bs]])
+        spans: list[tuple[int, int, int, np.ndarray | None]] = []
+        last_rows = list(range(len(decodes)))
+        ends = list(decodes)
+        row = len(decodes)
+        for req, take in chunks:
+            seq = req.seq
+            assert seq is not None
+            start = seq.num_cached
+            table_row = kv.block_array(seq.seq_id)
+            tokens.extend(seq.tokens[start : start + take])
+            pos = np.arange(start, start + take, dtype=np.int64)
+            positions.append(pos)
+            blocks.append(table_row[pos // bs])
+            spans.append((row, start, take, table_row if start else None))
+            row += take
+            if start + take == len(seq.tokens):
+                last_rows.append(row - 1)
+                ends.append(req)
+        step = HostStep(
+            token_ids=np.asarray(tokens, np.int64), positions=np.concatenate(positions),
+            write_blocks=np.concatenate(blocks), decode_tables=table, spans=tuple(spans),
+            last_rows=np.asarray(last_rows, np.int64),
+        )  # fmt: skip
+        return step, [(r, 1) for r in decodes] + chunks, ends
+
+    def _forward(self) -> None:
+        """One model step over the running batch; sample and deliver the token of each request
+        whose row ends a read."""
+        self.kv_cache.wait_copies()  # swaps begun between steps may still be writing blocks
+        step, fed, ends = self._plan()
+        logits = self._run_step(step)
+        for req, n in fed:
+            assert req.seq is not None
+            req.seq.num_cached += n
+        greedy: list[int] = logits.argmax(dim=-1).tolist()
+        for i, req in enumerate(ends):
+            assert req.sampler is not None
+            token = greedy[i] if req.request.sampling.greedy else req.sampler(logits[i])
+            self._deliver(req, token)
+
+    def _deliver(self, req: _Request, token: int) -> None:
+        seq = req.seq
+        assert seq is not None
+        seq.tokens.append(token)
+        req.out.append(token)
+        if req.on_token is not None:
+            req.on_token(token)
+        if token in req.stops:
+            self._finish(req, FinishReason.STOP)
+        elif len(req.out) >= req.request.max_new_tokens:
+            self._finish(req, FinishReason.LENGTH)
+
+    def _finish(self, req: _Request, reason: FinishReason) -> None:
+        if req in self._running:
+            self._running.remove(req)
+        if req.left():  # left during the last step: nothing kept
+            self._fail(req, Cancelled("generation stopped: the caller left"))
+            return
+        kv, seq = self.kv_cache, req.seq
+        assert seq is not None
+        blocks: list[int] = []
+        if req.request.sequence_id is None:
+            kv.free_sequence(seq.seq_id)
+        else:
+            if reason == FinishReason.STOP:  # blocks it did not reach go back
+                kv.shrink(seq.seq_id, max(req.kept[2], -(-seq.num_cached // kv.block_size)))
+            blocks = seq.block_ids
+        req.future.set_result(GenerationResult(req.out, reason, len(req.prompt), blocks))
+
+    def _fail(self, req: _Request, exc: BaseException) -> None:
+        """End a request with ``exc`` and keep nothing: a sequence it created is freed, one it
+        continued goes back to what it was (its cache re-read on the next call if it was preempted)."""
+        seq, kv = req.seq, self.kv_cache
+        if seq is not None and seq.seq_id in kv.sequences:
+            if req.created:
+                kv.free_sequence(seq.seq_id)
+            else:
+                del seq.tokens[req.kept[0] :]
+                if req.preempted:
+                    kv.shrink(seq.seq_id, 0)
+                    seq.num_cached = 0
+                else:
+                    seq.num_cached = req.kept[1]
+                    kv.shrink(seq.seq_id, req.kept[2])
+        req.seq = None
+        if not req.future.done():
+            req.future.set_exception(exc)
+
+
+def check_tokens(ids: object, vocab: int, what: str = "prompt_token_ids") -> list[int]:
+    """A list of token ids in ``[0, vocab)``, or INVALID_ARGUMENT naming the first bad one."""
+    if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
+        raise InvalidArgument(f"{what} must be a list of token ids")
+    tokens = list(ids)  # type: ignore[call-overload,unused-ignore]
+    for i, t in enumerate(tokens):
+        if not isinstance(t, int) or isinstance(t, bool) or not 0 <= t < vocab:
+            raise InvalidArgument(f"{what}[{i}] = {t!r} is not a token id in [0, {vocab})")
+    return tokens
+
+
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_STEP_TOKENS", "Engine", "check_tokens"]

@@ -1,0 +1,120 @@
+# mypy: disable-error-code="no-untyped-def,untyped-decorator"
+# (a Triton kernel's parameters take no annotations: Triton reads them as type hints)
+"""The step's element-wise operations as Triton kernels, and which kernel set a device gets.
+
+A decode step of an 8B model in torch launches ~38 kernels per layer; RMSNorm alone is seven
+(upcast, square, mean, add, rsqrt, multiply, downcast, scale). Inside a CUDA graph each still costs
+its fixed ~2 microseconds, which for 32 layers is more than the weights take to read. These kernels
+do each operation in one launch with worker/model/decoder.py's arithmetic: float32 where
+transformers computes in float32, rounded to the model dtype at the same points (RMSNorm, SiLU-mul:
+the torch path's bf16 results in all but a few elements), except RoPE, which rounds its
+multiply-add once where torch rounds each of its three operations (one rounding step apart in about
+a quarter of the elements, never more). tests/gpu/test_cuda_engine.py measures both.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+
+from worker.model.config import ModelConfig
+from worker.model.decoder import Kernels
+from worker.model.paged_attention import graphs_supported, torch_paged_decode, triton_paged_decode
+
+_compiled: dict[str, Any] = {}
+
+
+def _build() -> dict[str, Any]:
+    import triton
+    import triton.language as tl
+
+    @triton.jit
+    def rms_norm_kernel(X, W, Y, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(X + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        scale = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
+        normed = (x * scale).to(Y.dtype.element_ty)
+        w = tl.load(W + cols, mask=inside, other=0.0)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty)
+        tl.store(Y + row * n_cols + cols, y, mask=inside)
+
+    @triton.jit
+    def rope_kernel(X, COS, SIN, Y, heads, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        token = row // heads
+        d = tl.arange(0, HEAD_DIM)
+        x = tl.load(X + row * HEAD_DIM + d)
+        partner = tl.load(X + row * HEAD_DIM + (d + HALF) % HEAD_DIM)
+        rotated = tl.where(d < HALF, -partner, partner)
+        c = tl.load(COS + token * HEAD_DIM + d).to(tl.float32)
+        s = tl.load(SIN + token * HEAD_DIM + d).to(tl.float32)
+        y = x.to(tl.float32) * c + rotated.to(tl.float32) * s  # rounded once (torch: after each op)
+        tl.store(Y + row * HEAD_DIM + d, y.to(Y.dtype.element_ty))
+
+    @triton.jit
+    def silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
+        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
+        inside = i < n
+        g = tl.load(G + i, mask=inside, other=0.0).to(tl.float32)
+        act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)
+        u = tl.load(U + i, mask=inside, other=0.0)
+        tl.store(Y + i, (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=inside)
+
+    return {"rms_norm": rms_norm_kernel, "rope": rope_kernel, "silu_mul": silu_mul_kernel}
+
+
+def _kernel(name: str) -> Any:
+    if not _compiled:
+        _compiled.update(_build())
+    return _compiled[name]
+
+
+def _next_pow2(n: int) -> int:
+    return 1 << (n - 1).bit_length()
+
+
+def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """:func:`worker.model.decoder.rms_norm` over the last dimension, one program per row."""
+    assert x.is_contiguous()
+    n_cols = x.shape[-1]
+    y = torch.empty_like(x)
+    rows = x.numel() // n_cols
+    if rows:
+        _kernel("rms_norm")[(rows,)](x, weight, y, n_cols, eps, BLOCK=_next_pow2(n_cols))
+    return y
+
+
+def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
+    """:func:`worker.model.decoder.apply_rope` of ``[n, heads, head_dim]`` with ``[n, 1, head_dim]`` tables."""
+    assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
+    n, heads, hd = x.shape
+    y = torch.empty_like(x)
+    if n:
+        _kernel("rope")[(n * heads,)](x, cos, sin, y, heads, HALF=hd // 2, HEAD_DIM=hd)
+    return y
+
+
+def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """:func:`worker.model.decoder.silu_mul` in one pass."""
+    assert gate.is_contiguous() and up.is_contiguous()
+    y = torch.empty_like(gate)
+    n = gate.numel()
+    block = 1024
+    if n:
+        _kernel("silu_mul")[(-(-n // block),)](gate, up, y, n, BLOCK=block)
+    return y
+
+
+TRITON_KERNELS = Kernels(triton_rms_norm, triton_rope, triton_silu_mul, triton_paged_decode)
+TORCH_KERNELS = Kernels(decode_attention=torch_paged_decode)
+
+
+def kernels_for(device: torch.device, config: ModelConfig) -> Kernels:
+    """The Triton set on CUDA where Triton is installed and the shapes suit it, else torch."""
+    return TRITON_KERNELS if device.type == "cuda" and graphs_supported(config) else TORCH_KERNELS
+
+
+__all__ = ["TORCH_KERNELS", "TRITON_KERNELS", "kernels_for", "triton_rms_norm", "triton_rope", "triton_silu_mul"]
