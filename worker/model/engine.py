@@ -119,6 +119,7 @@ class Engine:
         self.on_work: Callable[[], None] | None = None
         """Called (from the submitting thread) when a request arrives: the owner schedules a step."""
         self.steps = 0
+        self.preemptions = 0
         self._last_step = time.monotonic()
 
     # ---- requests ----
@@ -311,6 +312,7 @@ class Engine:
         self.kv_cache.shrink(req.seq_id, 0)
         req.seq.num_cached = 0
         req.preempted = True
+        self.preemptions += 1
         self._waiting.appendleft(req)
 
     def _plan(self) -> tuple[HostStep, list[tuple[_Request, int]], list[_Request]]:
@@ -367,8 +369,10 @@ class Engine:
     def _forward(self) -> None:
         """One model step over the running batch; sample and deliver the token of each request
         whose row ends a read."""
-        self.kv_cache.wait_copies()  # swaps begun between steps may still be writing blocks
         step, fed, ends = self._plan()
+        # swaps begun between steps may still copy: wait for them only if they touch this step's blocks
+        self.kv_cache.wait_copies_touching(np.concatenate([step.write_blocks, step.decode_tables.ravel(), *(
+            b for _, _, _, b in step.spans if b is not None)]))  # fmt: skip
         logits = self._run_step(step)
         for req, n in fed:
             assert req.seq is not None

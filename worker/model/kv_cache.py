@@ -217,6 +217,8 @@ class KvCache:
         self._seqs: dict[str, Sequence] = {}
         self._by_handle: dict[int, Sequence] = {}
         self._next_handle = 0
+        self._copying: list[np.ndarray] = []
+        """Device blocks of the swaps begun since the last wait (their copies may still run)."""
         self.drop_all()
 
     # ---- sequences ----
@@ -403,11 +405,20 @@ class KvCache:
             self._pools[src_loc].tensor, self._pools[dst_loc].tensor, src, dst, method, wait=False
         )
         self._move(src, dst, src_loc, dst_loc)
+        self._copying.append(src if src_loc == "device" else dst)
         return PendingSwap(len(src) * self.block_bytes, fence)
 
     def wait_copies(self) -> None:
         """Wait for every swap begun so far (before work that reads the blocks on another stream)."""
         self._alloc.copies_wait()
+        self._copying.clear()
+
+    def wait_copies_touching(self, blocks: np.ndarray) -> None:
+        """Wait for the swaps begun so far if any of them reads or writes one of these device blocks
+        (a step's blocks): a swap of other blocks copies on beside the step instead of stalling it.
+        A swap-out's sources are free once it is begun, so a step may be about to write one."""
+        if self._copying and np.isin(blocks, np.concatenate(self._copying)).any():
+            self.wait_copies()
 
     def _check(self, src: np.ndarray, dst: np.ndarray, src_loc: Location, dst_loc: Location) -> None:
         """One pass in C (native/kvtable.c); the first bad pair is named, as a per-pair check would."""

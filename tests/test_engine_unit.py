@@ -1,0 +1,89 @@
+"""The engine's scheduling in process, on the host backend: a batch, chunked prefill and preemption
+each give every request the tokens it gets alone (greedy and seeded sampling), and nothing is left
+behind. tests/test_engine.py drives the same engine through real worker processes."""
+
+from __future__ import annotations
+
+import threading
+from collections.abc import Iterator
+
+import pytest
+import torch
+
+from memsvc.errors import OutOfMemory
+from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.model.generation import GenerationRequest
+from worker.model.runner import ModelRunner
+from worker.model.sampling import SamplingParams
+
+
+@pytest.fixture(scope="module")
+def alloc() -> Iterator[MemoryAllocator]:
+    a = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=256 << 20))
+    yield a
+    a.close()
+
+
+def requests(n: int, prompt_len: int = 30, new: int = 20) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, 2048, (prompt_len + i,), generator=g).tolist()
+        sampling = SamplingParams(temperature=0.9, top_k=50, seed=7 + i) if i % 2 else SamplingParams()
+        out.append(GenerationRequest(prompt, new, sampling=sampling, ignore_eos=True))
+    return out
+
+
+def concurrently(runner: ModelRunner, reqs: list[GenerationRequest]) -> list[list[int]]:
+    results: list[list[int]] = [[] for _ in reqs]
+    errors: list[BaseException] = []
+    start = threading.Barrier(len(reqs))
+
+    def one(i: int) -> None:
+        start.wait()
+        try:
+            results[i] = runner.run(reqs[i]).tokens
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors
+    return results
+
+
+def test_preempted_requests_resume_with_their_alone_tokens(alloc: MemoryAllocator) -> None:
+    # 12 blocks of 4 tokens: each request needs 13 of its own at the end, so they cannot all run at once
+    runner = ModelRunner(alloc, "synthetic:small", 16, 4, block_size=4)
+    reqs = requests(4, prompt_len=20, new=30)
+    alone = [runner.run(r).tokens for r in reqs]
+    assert len({tuple(t) for t in alone}) == len(reqs)
+    before = runner.engine.preemptions
+    assert concurrently(runner, reqs) == alone
+    assert runner.engine.preemptions > before, "the pool was meant to run out"
+    assert runner.kv_cache.stats()["device_free_blocks"] == 16 and not runner.kv_cache.sequences
+
+
+def test_long_prompts_are_read_in_chunks_beside_the_decodes(alloc: MemoryAllocator) -> None:
+    runner = ModelRunner(alloc, "synthetic:small", 128, 4, block_size=8, max_batch=4, max_step_tokens=16)
+    reqs = requests(3, prompt_len=50, new=12)
+    alone = [runner.run(r).tokens for r in reqs]
+    steps = runner.engine.steps
+    one = runner.run(reqs[0])
+    assert one.tokens == alone[0]
+    assert runner.engine.steps - steps >= 50 // 16 + 12, "a 50-token prompt takes several 16-token steps"
+    assert concurrently(runner, reqs) == alone
+
+
+def test_a_request_larger_than_the_pool_beside_kept_sequences_fails_at_once(alloc: MemoryAllocator) -> None:
+    runner = ModelRunner(alloc, "synthetic:small", 8, 4, block_size=4)
+    runner.run(GenerationRequest([1] * 16, 0, sequence_id="kept"))  # holds 4 of the 8 blocks
+    with pytest.raises(OutOfMemory, match="kept sequences hold 4"):
+        runner.run(GenerationRequest([2] * 10, 10))  # needs 5
+    assert runner.kv_cache.stats()["device_free_blocks"] == 4
+    assert runner.run(GenerationRequest([2] * 10, 6)).tokens  # 4 blocks: fits
+    runner.free_sequence("kept")
+    assert runner.kv_cache.stats()["device_free_blocks"] == 8
