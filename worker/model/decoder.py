@@ -194,6 +194,46 @@ class Kernels:
     decode_attention: DecodeKernel | None = None
 
 
+@dataclass(frozen=True)
+class FusedLayer:
+    """One layer's projections that read the same input, as single matrices (views of the weights)."""
+
+    qkv: torch.Tensor
+    qkv_bias: torch.Tensor | None
+    gate_up: torch.Tensor
+
+
+def _joined(weights: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor | None:
+    """The tensors as one ``[rows, ...]`` view when they are consecutive rows of one allocation."""
+    parts = [weights.get(n) for n in names]
+    if any(p is None or not p.is_contiguous() for p in parts):
+        return None
+    first = parts[0]
+    assert first is not None
+    end = first.data_ptr()
+    for part in parts:
+        assert part is not None
+        if part.data_ptr() != end or part.shape[1:] != first.shape[1:]:
+            return None
+        end += part.numel() * part.element_size()
+    return first.as_strided((sum(p.shape[0] for p in parts if p is not None), *first.shape[1:]), first.stride())
+
+
+def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tuple[FusedLayer, ...] | None:
+    """Every layer's fused projections, or None unless the weights were allocated fused (by
+    worker/model/weights.py's allocate_weights): then one product replaces three, and one two."""
+    out = []
+    for i in range(config.num_layers):
+        a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+        qkv = _joined(weights, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
+        bias = _joined(weights, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
+        gate_up = _joined(weights, [m + "gate_proj.weight", m + "up_proj.weight"])
+        if qkv is None or gate_up is None or (bias is None and config.attention_bias):
+            return None
+        out.append(FusedLayer(qkv, bias, gate_up))
+    return tuple(out)
+
+
 def _span_attention(
     q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, span: SeqSpan, config: ModelConfig
 ) -> torch.Tensor:
@@ -231,6 +271,7 @@ def forward_step(
     kv: torch.Tensor,
     step: StepInputs,
     kernels: Kernels = Kernels(),
+    fused: Sequence[FusedLayer] | None = None,
 ) -> torch.Tensor:
     """Run one step: write every row's K/V into its slot, attend, return float32 logits
     ``[len(last_rows), vocab]`` (every row's when ``last_rows`` is None).
@@ -238,7 +279,8 @@ def forward_step(
     ``kv`` is the device block pool (``[blocks, layers, 2, block_size, kv_heads, head_dim]``). The
     decode rows need ``kernels.decode_attention`` (through the block table, no copy of the cache);
     without one, give every row a span. Batching shares each weight matrix's read among all rows,
-    which is what makes a decode step of 64 sequences cost little more than one.
+    which is what makes a decode step of 64 sequences cost little more than one. ``fused`` (from
+    :func:`fused_layers`) runs q/k/v and gate/up as one product each.
     """
     dtype, eps = config.torch_dtype, config.rms_norm_eps
     n = step.token_ids.shape[0]
@@ -255,9 +297,15 @@ def forward_step(
         p = f"model.layers.{i}."
         h = norm(x, weights[p + "input_layernorm.weight"], eps)
         a = p + "self_attn."
-        q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
-        k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
-        v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
+        f = fused[i] if fused is not None else None
+        if f is not None:
+            qkv, qw, kw = F.linear(h, f.qkv, f.qkv_bias), nh * hd, nkv * hd
+            q, k = qkv[:, :qw].view(n, nh, hd), qkv[:, qw : qw + kw].view(n, nkv, hd)
+            v = qkv[:, qw + kw :].view(n, nkv, hd)
+        else:
+            q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
+            k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
+            v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
             q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
         q, k = rope_(q, cos, sin), rope_(k, cos, sin)
@@ -275,7 +323,12 @@ def forward_step(
 
         h = norm(x, weights[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
-        act = kernels.silu_mul(F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"]))
+        if f is not None:
+            gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
+            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        else:
+            gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
+        act = kernels.silu_mul(gate, up)
         x = x + F.linear(act, weights[m + "down_proj.weight"])
 
     if step.last_rows is not None:
@@ -326,6 +379,6 @@ def forward(
 
 
 __all__ = [
-    "DecodeKernel", "DecodeRows", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope", "forward",
-    "forward_step", "rms_norm", "silu_mul", "single_sequence_step",
+    "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope",
+    "forward", "forward_step", "fused_layers", "rms_norm", "silu_mul", "single_sequence_step",
 ]  # fmt: skip

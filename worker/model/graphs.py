@@ -15,7 +15,7 @@ engine (tests/gpu/test_cuda_engine.py proves it token for token).
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -23,7 +23,7 @@ import torch
 from memsvc.vocabulary import CUDA_GRAPHS
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
-from worker.model.decoder import DecodeRows, HostStep, Kernels, Rope, StepInputs, forward_step
+from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 """Batch sizes captured (up to the engine's max_batch, which is captured too)."""
@@ -47,6 +47,7 @@ class DecodeGraphs:
     def __init__(
         self, alloc: MemoryAllocator, weights: Mapping[str, torch.Tensor], config: ModelConfig, rope: Rope,
         kv: torch.Tensor, scratch_block: int, max_batch: int, kernels: Kernels,
+        fused: Sequence[FusedLayer] | None = None,
     ) -> None:  # fmt: skip
         self._alloc = alloc
         self._weights = weights
@@ -54,6 +55,7 @@ class DecodeGraphs:
         self._rope = rope
         self._kv = kv
         self._kernels = kernels
+        self._fused = fused
         self.block_size = kv.shape[3]
         self.scratch = scratch_block
         self.width = min(-(-config.max_position_embeddings // self.block_size), scratch_block)
@@ -105,11 +107,11 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(alloc.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
             for _ in range(2):
-                forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels)
+                forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
         torch.cuda.current_stream(alloc.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         with alloc.capture_graph(graph, CUDA_GRAPHS):
-            logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels)
+            logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
         return _Bucket(size, graph, device_buf, host_buf, logits)
 
     def fits(self, step: HostStep) -> bool:

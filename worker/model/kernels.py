@@ -30,11 +30,12 @@ def _build() -> dict[str, Any]:
     import triton.language as tl
 
     @triton.jit
-    def rms_norm_kernel(X, W, Y, n_cols, eps, BLOCK: tl.constexpr):
+    def rms_norm_kernel(X, W, Y, heads, x_token, x_head, n_cols, eps, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.arange(0, BLOCK)
         inside = cols < n_cols
-        x = tl.load(X + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        src = X + (row // heads) * x_token + (row % heads) * x_head
+        x = tl.load(src + cols, mask=inside, other=0.0).to(tl.float32)
         scale = tl.rsqrt(tl.sum(x * x, 0) / n_cols + eps)
         normed = (x * scale).to(Y.dtype.element_ty)
         w = tl.load(W + cols, mask=inside, other=0.0)
@@ -42,12 +43,13 @@ def _build() -> dict[str, Any]:
         tl.store(Y + row * n_cols + cols, y, mask=inside)
 
     @triton.jit
-    def rope_kernel(X, COS, SIN, Y, heads, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
+    def rope_kernel(X, COS, SIN, Y, heads, x_token, x_head, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         token = row // heads
         d = tl.arange(0, HEAD_DIM)
-        x = tl.load(X + row * HEAD_DIM + d)
-        partner = tl.load(X + row * HEAD_DIM + (d + HALF) % HEAD_DIM)
+        src = X + token * x_token + (row % heads) * x_head
+        x = tl.load(src + d)
+        partner = tl.load(src + (d + HALF) % HEAD_DIM)
         rotated = tl.where(d < HALF, -partner, partner)
         c = tl.load(COS + token * HEAD_DIM + d).to(tl.float32)
         s = tl.load(SIN + token * HEAD_DIM + d).to(tl.float32)
@@ -55,13 +57,15 @@ def _build() -> dict[str, Any]:
         tl.store(Y + row * HEAD_DIM + d, y.to(Y.dtype.element_ty))
 
     @triton.jit
-    def silu_mul_kernel(G, U, Y, n, BLOCK: tl.constexpr):
-        i = tl.program_id(0).to(tl.int64) * BLOCK + tl.arange(0, BLOCK)
-        inside = i < n
-        g = tl.load(G + i, mask=inside, other=0.0).to(tl.float32)
+    def silu_mul_kernel(G, U, Y, g_row, u_row, n_cols, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        g = tl.load(G + row * g_row + cols, mask=inside, other=0.0).to(tl.float32)
         act = (g / (1.0 + tl.exp(-g))).to(Y.dtype.element_ty)
-        u = tl.load(U + i, mask=inside, other=0.0)
-        tl.store(Y + i, (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty), mask=inside)
+        u = tl.load(U + row * u_row + cols, mask=inside, other=0.0)
+        y = (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty)
+        tl.store(Y + row * n_cols + cols, y, mask=inside)
 
     return {"rms_norm": rms_norm_kernel, "rope": rope_kernel, "silu_mul": silu_mul_kernel}
 
@@ -76,35 +80,45 @@ def _next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
+def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
+    """(rows, heads, token stride, head stride) of ``[tokens, dim]`` or ``[tokens, heads, dim]`` whose
+    last dimension is contiguous (a column slice of a fused projection's output is fine)."""
+    if x.stride(-1) != 1:
+        raise ValueError("the last dimension must be contiguous")
+    heads = x.shape[1] if x.dim() == 3 else 1
+    return x.shape[0] * heads, heads, x.stride(0), x.stride(1) if x.dim() == 3 else 0
+
+
 def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """:func:`worker.model.decoder.rms_norm` over the last dimension, one program per row."""
-    assert x.is_contiguous()
+    rows, heads, x_token, x_head = _rows(x)
     n_cols = x.shape[-1]
-    y = torch.empty_like(x)
-    rows = x.numel() // n_cols
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows:
-        _kernel("rms_norm")[(rows,)](x, weight, y, n_cols, eps, BLOCK=_next_pow2(n_cols))
+        _kernel("rms_norm")[(rows,)](x, weight, y, heads, x_token, x_head, n_cols, eps, BLOCK=_next_pow2(n_cols))
     return y
 
 
 def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
     """:func:`worker.model.decoder.apply_rope` of ``[n, heads, head_dim]`` with ``[n, 1, head_dim]`` tables."""
-    assert x.is_contiguous() and cos.is_contiguous() and sin.is_contiguous()
-    n, heads, hd = x.shape
-    y = torch.empty_like(x)
-    if n:
-        _kernel("rope")[(n * heads,)](x, cos, sin, y, heads, HALF=hd // 2, HEAD_DIM=hd)
+    assert cos.is_contiguous() and sin.is_contiguous()
+    rows, heads, x_token, x_head = _rows(x)
+    hd = x.shape[-1]
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows:
+        _kernel("rope")[(rows,)](x, cos, sin, y, heads, x_token, x_head, HALF=hd // 2, HEAD_DIM=hd)
     return y
 
 
 def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
-    """:func:`worker.model.decoder.silu_mul` in one pass."""
-    assert gate.is_contiguous() and up.is_contiguous()
-    y = torch.empty_like(gate)
-    n = gate.numel()
+    """:func:`worker.model.decoder.silu_mul` of ``[tokens, n]`` halves (e.g. of one fused product)."""
+    if gate.stride(-1) != 1 or up.stride(-1) != 1:
+        raise ValueError("the last dimension must be contiguous")
+    rows, n_cols = gate.shape
+    y = torch.empty(gate.shape, dtype=gate.dtype, device=gate.device)
     block = 1024
-    if n:
-        _kernel("silu_mul")[(-(-n // block),)](gate, up, y, n, BLOCK=block)
+    if rows and n_cols:
+        _kernel("silu_mul")[(rows, -(-n_cols // block))](gate, up, y, gate.stride(0), up.stride(0), n_cols, BLOCK=block)
     return y
 
 

@@ -18,7 +18,7 @@ from memsvc.errors import InvalidArgument, WrongState
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
-from worker.model.decoder import HostStep, Rope, forward_step
+from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.graphs import DecodeGraphs
@@ -78,6 +78,7 @@ class ModelRunner:
         self.source.load_into(self.weights)
         self._rope = Rope.build(self.config, alloc.torch_device)
         self._kernels = kernels_for(alloc.torch_device, self.config)
+        self._fused = fused_layers(self.weights, self.config)
         self.engine = Engine(
             self.kv_cache, self._run_step, alloc.torch_device, self.config.vocab_size,
             self.config.max_position_embeddings, lambda: self.source.eos_token_ids,
@@ -89,7 +90,7 @@ class ModelRunner:
                 raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
             self.graphs = DecodeGraphs(
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                self.kv_cache.device.scratch_block, max_batch, self._kernels,
+                self.kv_cache.device.scratch_block, max_batch, self._kernels, self._fused,
             )  # fmt: skip
             self.graphs.capture()
 
@@ -103,7 +104,7 @@ class ModelRunner:
             return self.graphs.run(step)
         kv = self.kv_cache.device
         inputs = step.to_device(self.alloc.torch_device, kv.block_size)
-        return forward_step(self.weights, self.config, self._rope, kv.with_scratch, inputs, self._kernels)
+        return forward_step(self.weights, self.config, self._rope, kv.with_scratch, inputs, self._kernels, self._fused)
 
     # ---- generation ----
     def generate(

@@ -66,11 +66,35 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     return shapes
 
 
+FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
+"""Per layer, the projections that read the same input: their matrices are row blocks of one pool
+tensor, so the decoder runs each group as one matrix product (worker/model/decoder.py)."""
+
+
 def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
-    """Uninitialised pool tensors for every weight (fill them with a source's ``load_into``)."""
-    return {
-        name: alloc.empty(shape, config.torch_dtype, tag=WEIGHTS) for name, shape in weight_shapes(config).items()
-    }
+    """Uninitialised pool tensors for every weight (fill them with a source's ``load_into``).
+
+    Every name is its own tensor, but each layer's :data:`FUSED_GROUPS` (weights, and biases when
+    there are) are consecutive row slices of one allocation."""
+    shapes = weight_shapes(config)
+    dtype = config.torch_dtype
+    weights: Weights = {}
+    for i in range(config.num_layers):
+        for group in FUSED_GROUPS:
+            for suffix in (".weight", ".bias"):
+                names = [f"model.layers.{i}.{g}{suffix}" for g in group]
+                if names[0] not in shapes:
+                    continue
+                rows = [shapes[n][0] for n in names]
+                whole = alloc.empty((sum(rows), *shapes[names[0]][1:]), dtype, tag=WEIGHTS)
+                start = 0
+                for name, n in zip(names, rows, strict=True):
+                    weights[name] = whole[start : start + n]
+                    start += n
+    for name, shape in shapes.items():
+        if name not in weights:
+            weights[name] = alloc.empty(shape, dtype, tag=WEIGHTS)
+    return {name: weights[name] for name in shapes}
 
 
 @torch.no_grad()
@@ -175,7 +199,8 @@ def save_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Te
     """Write ``config.json`` and ``model.safetensors`` in Hugging Face layout (tests, exports)."""
     root = Path(path)
     root.mkdir(parents=True, exist_ok=True)
-    tensors = {name: weights[name].detach().to("cpu").contiguous() for name in weight_shapes(config)}
+    # clone: fused projections share one allocation, and safetensors refuses tensors that share memory
+    tensors = {name: weights[name].detach().to("cpu").clone() for name in weight_shapes(config)}
     save_file(tensors, str(root / "model.safetensors"), metadata={"format": "pt"})
     (root / "config.json").write_text(json.dumps(config.to_hf(), indent=2) + "\n")
 
@@ -283,6 +308,7 @@ def parse_model_spec(spec: str, seed: int = 0) -> ModelSource:
 
 
 __all__ = [
+    "FUSED_GROUPS",
     "SYNTHETIC_PREFIX",
     "CheckpointSource",
     "ModelSource",
