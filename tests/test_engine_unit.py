@@ -87,3 +87,25 @@ def test_a_request_larger_than_the_pool_beside_kept_sequences_fails_at_once(allo
     assert runner.run(GenerationRequest([2] * 10, 6)).tokens  # 4 blocks: fits
     runner.free_sequence("kept")
     assert runner.kv_cache.stats()["device_free_blocks"] == 8
+
+
+def test_a_step_that_fails_ends_its_batch_but_keeps_what_ended_before(alloc: MemoryAllocator) -> None:
+    """A request that ended earlier in the failing step keeps its result and its kept sequence; the
+    others get the error and keep nothing; the engine serves on."""
+    runner = ModelRunner(alloc, "synthetic:small", 64, 4, block_size=4)
+    kept = GenerationRequest([5, 6, 7, 8], 1, sequence_id="kept")
+    doomed = GenerationRequest([9, 10, 11], 5)
+    ok = runner.engine.submit(kept)
+
+    def boom(token: int) -> None:
+        raise RuntimeError(f"client gone at {token}")
+
+    bad = runner.engine.submit(doomed, on_token=boom)
+    while not (ok.done() and bad.done()):
+        runner.engine.step()
+    assert len(ok.result().tokens) == 1 and ok.result().block_ids
+    with pytest.raises(RuntimeError, match="client gone"):
+        bad.result()
+    seq = runner.kv_cache.sequence("kept")
+    assert len(seq.tokens) == 5 and list(runner.kv_cache.sequences) == ["kept"]
+    assert runner.run(GenerationRequest([1, 2, 3], 4)).tokens

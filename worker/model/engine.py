@@ -414,7 +414,10 @@ class Engine:
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         """End a request with ``exc`` and keep nothing: a sequence it created is freed, one it
-        continued goes back to what it was (its cache re-read on the next call if it was preempted)."""
+        continued goes back to what it was (its cache re-read on the next call if it was preempted).
+        A request that already ended (in the step that then failed) keeps its result."""
+        if req.future.done():
+            return
         seq, kv = req.seq, self.kv_cache
         if seq is not None and seq.seq_id in kv.sequences:
             if req.created:
@@ -428,8 +431,7 @@ class Engine:
                     seq.num_cached = req.kept[1]
                     kv.shrink(seq.seq_id, req.kept[2])
         req.seq = None
-        if not req.future.done():
-            req.future.set_exception(exc)
+        req.future.set_exception(exc)
 
 
 def check_tokens(ids: object, vocab: int, what: str = "prompt_token_ids") -> list[int]:
