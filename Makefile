@@ -10,7 +10,7 @@ $(VENV)/.deps: pyproject.toml
 	python3 -m venv $(VENV)
 	$(PIP) install -q --upgrade pip setuptools wheel
 	$(PIP) install -q torch==2.13.0
-	$(PIP) install -q -e '.[worker,dev]'
+	$(PIP) install -q -e '.[worker,gateway,dev]'
 	touch $@
 
 build: $(VENV)/.deps

@@ -35,6 +35,7 @@ def run(
     idle_sleep_timeout: float,
     idle_deep_sleep_timeout: float,
     auth_env: dict[str, str] | None = None,
+    gateway_listen: str = "127.0.0.1:8000",
 ) -> int:
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     child_env = {**os.environ, **(auth_env or {})}
@@ -74,6 +75,10 @@ def run(
         env=child_env,
     )
     children = [manager, worker]
+    if gateway_listen:  # the OpenAI-compatible front door (memsvc gateway)
+        children.append(
+            subprocess.Popen([*exe, "gateway", "--listen", gateway_listen, "--manager", manager_listen], env=child_env)
+        )
     stopping = False
 
     def stop(signum: int, _frame: object) -> None:

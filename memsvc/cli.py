@@ -171,6 +171,11 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
+    p.add_argument(
+        "--served-model-name",
+        default=env("SERVED_MODEL_NAME", ""),
+        help="the name clients ask for the model by (default: the checkpoint directory's name, or the synthetic spec)",
+    )
     p.add_argument("--manager", default=env("MANAGER", "") or None, help="manager address to register with (host:port)")
     p.add_argument(
         "--host-name",
@@ -189,6 +194,19 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="seconds calls in flight get on SIGTERM before they are cancelled",
     )
     _server_auth_flags(p, worker=True)
+
+
+def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a manager's workers")
+    p.add_argument("--listen", default=env("GATEWAY_LISTEN", "127.0.0.1:8000"), help="host:port to serve HTTP on")
+    p.add_argument("--manager", default=env("MANAGER", "127.0.0.1:50051"), help="the manager's address")
+    p.add_argument(
+        "--wake-timeout",
+        type=float,
+        default=float(env("WAKE_TIMEOUT", "300")),
+        help="seconds a request waits for its model's worker to be leased (and woken)",
+    )
+    _client_auth_flags(p)
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -258,6 +276,9 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--manager-listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50061")
     p.add_argument("--metrics-listen", default="127.0.0.1:9400")
+    p.add_argument(
+        "--gateway-listen", default="127.0.0.1:8000", help="the OpenAI-compatible HTTP gateway ('' : none)"
+    )
     p.add_argument("--state-dir", default=".memsvc", help="where the manager keeps its database")
     p.add_argument("--model", default=None, help="default: synthetic:1b on a GPU, synthetic:small without")
     p.add_argument("--backend", choices=["auto", "cuda", "host"], default="auto")
@@ -358,6 +379,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     sub = parser.add_subparsers(dest="command", required=True)
     _worker_parser(sub)
     _manager_parser(sub)
+    _gateway_parser(sub)
     _ops_parsers(sub)
     args = parser.parse_args(argv)
     if args.command == "manager":
@@ -368,6 +390,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args, parser),
             **_security_kwargs(security),  # type: ignore[arg-type]
         )  # fmt: skip
+    if args.command == "gateway":
+        from memsvc.gateway import run as run_gateway
+
+        security = _security(args, parser)
+        return run_gateway(args.listen, args.manager, security, args.wake_timeout)  # type: ignore[arg-type]
     if args.command == "up":
         from memsvc._up import run as run_up
 
@@ -385,6 +412,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 for name in ("token_file", "tls_cert", "tls_key", "tls_ca", "tls_client_ca")
                 if (value := getattr(args, name))
             },
+            args.gateway_listen,
         )
     if args.command == "health":
         return _health(args.address, args.service, args.timeout, _security(args, parser))
@@ -416,6 +444,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_prepin=args.host_prepin,
             seed=args.seed,
             host_name=args.host_name,
+            served_model_name=args.served_model_name,
             huge_pages=args.huge_pages,
             drain_seconds=args.drain_timeout,
         )

@@ -79,9 +79,10 @@ class Up:
         self.manager_address = f"127.0.0.1:{manager_port}"
         self.worker_address = f"127.0.0.1:{worker_port}"
         self.metrics_address = f"127.0.0.1:{metrics_port}"
+        self.gateway_url = f"http://127.0.0.1:{free_port()}"
         argv = [*MEMSVC, "up", "--manager-listen", self.manager_address, "--worker-listen", self.worker_address,
-                "--metrics-listen", self.metrics_address, "--state-dir", str(state_dir), "--backend", "host",
-                "--model", model]  # fmt: skip
+                "--metrics-listen", self.metrics_address, "--gateway-listen", self.gateway_url.removeprefix("http://"),
+                "--state-dir", str(state_dir), "--backend", "host", "--model", model]  # fmt: skip
         self.proc = Proc(argv, name="memsvc up")
         self._channel: grpc.Channel | None = None
         self.stub: m_grpc.MemoryManagerServiceStub | None = None

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import socket
 from dataclasses import dataclass
+from pathlib import Path
 
 from memsvc.errors import InvalidArgument
 from memsvc.vocabulary import WEIGHTS
@@ -41,6 +42,8 @@ class WorkerConfig:
     runs at line rate: a byte count, or ``"weights"`` for the size of the weights pool."""
     huge_pages: bool = True
     seed: int = 0
+    served_model_name: str = ""
+    """The OpenAI-style model name clients use (see :meth:`resolved_served_model_name`)."""
     host_name: str = ""
     """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
     drain_seconds: float = 30.0
@@ -53,6 +56,15 @@ class WorkerConfig:
             raise InvalidArgument(f"host_prepin must be a byte count >= 0 or '{WEIGHTS}', got {prepin!r}")
         if not 0 <= self.drain_seconds <= 3600:
             raise InvalidArgument(f"drain_seconds must be in [0, 3600], got {self.drain_seconds}")
+
+    def resolved_served_model_name(self) -> str:
+        """The name clients ask for the model by: ``served_model_name``, else the checkpoint
+        directory's name, else the synthetic spec."""
+        if self.served_model_name:
+            return self.served_model_name
+        if self.model.startswith("synthetic:"):
+            return self.model
+        return Path(self.model).resolve().name or self.model
 
     def resolved_worker_id(self) -> str:
         return self.worker_id or f"{socket.gethostname()}-{self.device}"

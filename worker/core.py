@@ -79,7 +79,10 @@ class WorkerCore:
         self._prepin: threading.Thread | None = None
         """Page-locks host memory after the load (``host_prepin``); the allocator outlives it."""
         self._device: dict[str, Any] = {}
-        self._model_info: dict[str, Any] = {"source": config.model}
+        self._model_info: dict[str, Any] = {
+            "source": config.model,
+            "served_model_name": config.resolved_served_model_name(),
+        }
         """Static after load: status() must not wait for the model's lock while Generate runs."""
         self._last_activity = time.time()
         self._activity_published = 0.0
@@ -157,7 +160,7 @@ class WorkerCore:
             self._device = self._describe_device()
             info: dict[str, Any] = dict(self.runner.info())
             info.pop("kv_cache", None)
-            self._model_info = info
+            self._model_info = {**info, "served_model_name": c.resolved_served_model_name()}
             self._last_memory = self.alloc.stats()
             tags = self._last_memory.tags
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0

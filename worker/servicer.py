@@ -112,6 +112,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
             eos_token_ids=list(m.get("eos_token_ids", [])),
             has_tokenizer=bool(m.get("has_tokenizer", False)),
             has_chat_template=bool(m.get("has_chat_template", False)),
+            served_model_name=str(m.get("served_model_name", "")),
         ),
         tags=tags,
         kv_cache=kv_pb(s.kv_cache),

@@ -50,21 +50,21 @@ class _BlockPool:
 class KvBlockPool(_BlockPool):
     """The device pool, in the allocator's ``kv_cache`` tag (discarded or offloaded with it on sleep).
 
-    One block more than ``num_blocks`` is allocated: :attr:`with_scratch` includes it, and the
-    padding rows of a CUDA-graph step write and read it; no sequence owns it and no swap names it.
+    With ``scratch``, one block more than ``num_blocks`` is allocated: :attr:`with_scratch`
+    includes it, and the padding rows of a CUDA-graph step write and read it; no sequence owns it
+    and no swap names it.
     """
 
     location: Location = "device"
 
-    def __init__(self, config: ModelConfig, alloc: MemoryAllocator, num_blocks: int, block_size: int) -> None:
-        shape = kv_block_shape(config, num_blocks + 1, block_size)
+    def __init__(
+        self, config: ModelConfig, alloc: MemoryAllocator, num_blocks: int, block_size: int, scratch: bool = False
+    ) -> None:
+        shape = kv_block_shape(config, num_blocks + int(scratch), block_size)
         self.with_scratch = alloc.empty(shape, config.torch_dtype, KV_CACHE)
-        """``num_blocks + 1`` blocks; what the model's steps index."""
+        """Every block, the scratch one last; what the model's steps index."""
         super().__init__(self.with_scratch[:num_blocks], block_size)
-
-    @property
-    def scratch_block(self) -> int:
-        return self.num_blocks
+        self.scratch_block: int | None = num_blocks if scratch else None
 
 
 class HostKvPool(_BlockPool):
@@ -193,7 +193,7 @@ class KvCache:
 
     def __init__(
         self, config: ModelConfig, alloc: MemoryAllocator, num_device_blocks: int, num_host_blocks: int,
-        block_size: int = 16,
+        block_size: int = 16, scratch_block: bool = False,
     ) -> None:  # fmt: skip
         for name, value, least in (
             ("num_device_blocks", num_device_blocks, 1), ("num_host_blocks", num_host_blocks, 0),
@@ -204,7 +204,7 @@ class KvCache:
         self.config = config
         self.block_size = block_size
         self._alloc = alloc
-        self.device = KvBlockPool(config, alloc, num_device_blocks, block_size)
+        self.device = KvBlockPool(config, alloc, num_device_blocks, block_size, scratch_block)
         self.host = HostKvPool(config, alloc, num_host_blocks, block_size)
         self.block_bytes = self.device.block_bytes
         self._pools: dict[Location, _BlockPool] = {"device": self.device, "host": self.host}

@@ -73,7 +73,7 @@ class ModelRunner:
         self.source = parse_model_spec(source) if isinstance(source, str) else source
         self.config: ModelConfig = self.source.config
         self.lock = threading.RLock()
-        self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size)
+        self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
         self.source.load_into(self.weights)
         self._rope = Rope.build(self.config, alloc.torch_device)
@@ -88,9 +88,11 @@ class ModelRunner:
         if cuda_graphs:
             if self._kernels is not TRITON_KERNELS:
                 raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
+            scratch = self.kv_cache.device.scratch_block
+            assert scratch is not None, "a KV cache for graphs has its scratch block"
             self.graphs = DecodeGraphs(
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                self.kv_cache.device.scratch_block, max_batch, self._kernels, self._fused,
+                scratch, max_batch, self._kernels, self._fused,
             )  # fmt: skip
             self.graphs.capture()
 

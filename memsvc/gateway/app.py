@@ -1,0 +1,305 @@
+"""``memsvc gateway``: the OpenAI-compatible HTTP front door (FastAPI on uvicorn).
+
+FastAPI because its pydantic request models give OpenAI-shaped 400s for free and Starlette's
+streaming responses cancel the generator when a client disconnects, which is where a lease must be
+released; uvicorn is the ASGI server it is built and tested with.
+
+A request names a model; the gateway finds the workers serving it through the manager, takes a lease
+on the best one (an awake one first; a sleeping one is woken by the lease), sends Generate (or
+GenerateStream) to that worker directly, and releases the lease when the response ends or the
+client leaves. Sleeping models are therefore served on request, at the cost of a wake.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import hmac
+import json
+import logging
+from collections.abc import AsyncIterator, Awaitable, Callable
+from typing import Any
+
+import grpc
+from fastapi import FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from starlette.background import BackgroundTask
+
+from memsvc.gateway.backends import STATE_LABEL, Backends, Served
+from memsvc.gateway.openai_api import (
+    ChatCompletionRequest,
+    CompletionRequest,
+    GatewayError,
+    new_id,
+    now,
+    usage,
+)
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+
+log = logging.getLogger("memsvc.gateway")
+
+GENERATE_TIMEOUT_S = 600.0
+RETRY_AFTER_S = 2
+
+_STATUS = {
+    grpc.StatusCode.INVALID_ARGUMENT: (400, "invalid_request_error"),
+    grpc.StatusCode.FAILED_PRECONDITION: (400, "invalid_request_error"),
+    grpc.StatusCode.OUT_OF_RANGE: (400, "invalid_request_error"),
+    grpc.StatusCode.NOT_FOUND: (404, "invalid_request_error"),
+    grpc.StatusCode.UNAUTHENTICATED: (502, "api_error"),
+    grpc.StatusCode.PERMISSION_DENIED: (502, "api_error"),
+    grpc.StatusCode.RESOURCE_EXHAUSTED: (503, "server_error"),
+    grpc.StatusCode.UNAVAILABLE: (503, "server_error"),
+    grpc.StatusCode.ABORTED: (503, "server_error"),
+    grpc.StatusCode.DEADLINE_EXCEEDED: (504, "server_error"),
+}
+"""A worker's or the manager's gRPC status as the client's HTTP status (502: the gateway's own
+credentials were refused, not the client's)."""
+
+
+def from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str) -> GatewayError:
+    code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
+    details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
+    status, kind = _STATUS.get(code, (500, "server_error"))
+    retry = RETRY_AFTER_S if status == 503 else None
+    return GatewayError(status, f"{where}: {details}", kind, code=code.name.lower(), retry_after=retry)
+
+
+def _sampling(req: CompletionRequest | ChatCompletionRequest) -> w.SamplingParams:
+    params = w.SamplingParams(temperature=req.temperature, top_p=req.top_p)
+    if req.seed is not None:
+        params.seed = req.seed
+    return params
+
+
+def _limit(max_tokens: int | None, worker: Served) -> int:
+    """OpenAI's "no limit" is the model's context; the worker refuses what does not fit."""
+    from memsvc._limits import MAX_GENERATE_TOKENS
+
+    return max_tokens if max_tokens is not None else min(MAX_GENERATE_TOKENS, max(worker.context_length - 1, 1))
+
+
+class _StopText:
+    """Text-level ``stop`` strings over a stream of text pieces: what may be sent so far, held back
+    while it could still be the start of a stop string."""
+
+    def __init__(self, stops: list[str]) -> None:
+        self.stops = stops
+        self.text = ""
+        self.sent = 0
+        self.hit = False
+
+    def feed(self, piece: str) -> str:
+        self.text += piece
+        if self.stops:
+            cut = min((i for i in (self.text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stops) if i >= 0),
+                      default=-1)  # fmt: skip
+            if cut >= 0:
+                self.text, self.hit = self.text[:cut], True
+        hold = 0 if self.hit else max((len(s) - 1 for s in self.stops), default=0)
+        end = max(len(self.text) - hold, self.sent)
+        out, self.sent = self.text[self.sent : end], end
+        return out
+
+    def rest(self) -> str:
+        out, self.sent = self.text[self.sent :], len(self.text)
+        return out
+
+
+def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300.0) -> FastAPI:
+    """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none)."""
+    app = FastAPI(title="memsvc gateway", docs_url=None, redoc_url=None, openapi_url=None)
+
+    @app.exception_handler(GatewayError)
+    async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+        headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after else None
+        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+        first = exc.errors()[0] if exc.errors() else {}
+        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+        msg = str(first.get("msg", "invalid request"))
+        if first.get("type") == "json_invalid":
+            msg = "the request body is not valid JSON"
+        return JSONResponse(GatewayError(400, msg, param=".".join(loc) or None).body(), status_code=400)
+
+    @app.middleware("http")
+    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        if token and request.url.path.startswith("/v1/"):
+            sent = request.headers.get("authorization", "")
+            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
+                err = GatewayError(401, "missing or wrong bearer token", code="invalid_api_key")
+                return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+        return await call_next(request)
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/readyz")
+    async def readyz() -> JSONResponse:
+        try:
+            await backends.models(timeout=3)
+        except grpc.RpcError as exc:
+            return JSONResponse({"status": "manager unreachable", "detail": str(exc)}, status_code=503)
+        return JSONResponse({"status": "ok"})
+
+    @app.get("/v1/models")
+    async def list_models() -> dict[str, Any]:
+        models = await _models()
+        data = [
+            {"id": name, "object": "model", "created": 0, "owned_by": "memsvc",
+             "state": STATE_LABEL.get(Backends.pick(ws).state, "unknown")}
+            for name, ws in sorted(models.items())
+        ]  # fmt: skip
+        return {"object": "list", "data": data}
+
+    async def _models() -> dict[str, list[Served]]:
+        try:
+            return await backends.models()
+        except grpc.RpcError as exc:
+            raise from_rpc(exc, "manager") from None
+
+    async def _worker_for(model: str) -> Served:
+        workers = (await _models()).get(model)
+        if not workers:
+            raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        return Backends.pick(workers)
+
+    @app.post("/v1/completions", response_model=None)
+    async def completions(req: CompletionRequest, request: Request) -> Response:
+        worker = await _worker_for(req.model)
+        gen = w.GenerateRequest(
+            max_new_tokens=_limit(req.max_tokens, worker), sampling=_sampling(req), ignore_eos=req.ignore_eos
+        )
+        if isinstance(req.prompt, str):
+            gen.prompt = req.prompt
+        elif req.prompt and isinstance(req.prompt[0], str):
+            gen.prompt = str(req.prompt[0])
+        else:
+            gen.prompt_token_ids.extend(int(t) for t in req.prompt)
+        return await _respond(req, worker, gen, "text_completion", request)
+
+    @app.post("/v1/chat/completions", response_model=None)
+    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        worker = await _worker_for(req.model)
+        gen = w.GenerateRequest(
+            max_new_tokens=_limit(req.limit, worker), sampling=_sampling(req), ignore_eos=req.ignore_eos
+        )
+        gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
+        return await _respond(req, worker, gen, "chat.completion", request)
+
+    async def _respond(
+        req: CompletionRequest | ChatCompletionRequest, worker: Served, gen: w.GenerateRequest, kind: str,
+        request: Request,
+    ) -> Response:  # fmt: skip
+        holder = f"gateway {request.client.host if request.client else '?'}"
+        stack = contextlib.AsyncExitStack()
+        try:
+            lease = await stack.enter_async_context(backends.lease(worker, holder, acquire_timeout))
+            stub = backends.worker(lease.worker.address or worker.address)
+            if not req.stream:
+                try:
+                    r = await stub.Generate(gen, timeout=GENERATE_TIMEOUT_S)
+                except grpc.RpcError as exc:
+                    raise from_rpc(exc, "worker") from None
+                stops = _StopText(req.stop_strings)
+                text = stops.feed(r.text) + stops.rest()
+                reason = "stop" if stops.hit or r.finish_reason == c.FINISH_REASON_STOP else "length"
+                return JSONResponse(_whole(kind, req.model, text, reason, r.prompt_token_count, len(r.token_ids)))
+            call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
+            stack.callback(call.cancel)
+            try:
+                first = await call.read()  # errors before the first token are the response's status
+            except grpc.RpcError as exc:
+                raise from_rpc(exc, "worker") from None
+        except BaseException:
+            await stack.aclose()
+            raise
+        closed = _Once(stack.aclose)
+        events = _stream(req, kind, first, call, closed)
+        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
+
+    return app
+
+
+class _Once:
+    """An async cleanup that runs once, from the stream's end or the response's background task
+    (which also runs when the client left before the stream started)."""
+
+    def __init__(self, fn: Callable[[], Awaitable[Any]]) -> None:
+        self._fn: Callable[[], Awaitable[Any]] | None = fn
+
+    async def __call__(self) -> None:
+        fn, self._fn = self._fn, None
+        if fn is not None:
+            await fn()
+
+
+def _whole(kind: str, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+    if kind == "chat.completion":
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        rid = new_id("chatcmpl")
+    else:
+        choice = {"index": 0, "text": text, "logprobs": None}
+        rid = new_id("cmpl")
+    choice["finish_reason"] = reason
+    return {"id": rid, "object": kind, "created": now(), "model": model, "choices": [choice],
+            "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+
+
+async def _stream(
+    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once
+) -> AsyncIterator[str]:
+    """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; the lease goes when it ends."""
+    chat = kind == "chat.completion"
+    rid, created, model = new_id("chatcmpl" if chat else "cmpl"), now(), req.model
+    chunk_kind = "chat.completion.chunk" if chat else "text_completion"
+
+    def event(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> str:
+        body: dict[str, Any] = {"id": rid, "object": chunk_kind, "created": created, "model": model,
+                                "choices": [choice] if choice is not None else []}  # fmt: skip
+        body.update(extra or {})
+        return f"data: {json.dumps(body)}\n\n"
+
+    def piece(text: str, reason: str | None = None) -> dict[str, Any]:
+        if chat:
+            return {"index": 0, "delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
+        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+
+    stops = _StopText(req.stop_strings)
+    completion = prompt_tokens = 0
+    finish: str | None = None
+    try:
+        if chat:
+            yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
+        msg = first
+        while msg is not grpc.aio.EOF and msg is not None:
+            completion += len(msg.token_ids)
+            out = stops.feed(msg.text)
+            if out:
+                yield event(piece(out))
+            if msg.HasField("done"):
+                prompt_tokens = msg.done.prompt_token_count
+                finish = "stop" if msg.done.finish_reason == c.FINISH_REASON_STOP else "length"
+            if stops.hit:
+                finish = "stop"
+                break
+            msg = await call.read()
+        tail = stops.rest()
+        if tail:
+            yield event(piece(tail))
+        yield event(piece("", finish or "length"))
+        if req.include_usage:
+            yield event(None, {"usage": usage(prompt_tokens, completion)})
+        yield "data: [DONE]\n\n"
+    except grpc.RpcError as exc:
+        err = from_rpc(exc, "worker")
+        yield f"data: {json.dumps(err.body())}\n\n"
+    finally:
+        await closed()
+
+
+__all__ = ["create_app", "from_rpc"]

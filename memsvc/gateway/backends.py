@@ -1,0 +1,116 @@
+"""Where the gateway's requests go: the manager for the models and their leases, each worker for tokens.
+
+The gateway keeps no state a restart would lose. The models are whatever the manager's registered
+workers serve (their ``served_model_name``), asked again on every request; a request holds a lease
+on the worker it uses (which wakes it when it sleeps: the wait is part of its time to the first
+token) and releases it when the response ends or the client leaves, so several gateways can run
+against one manager. Control plane (the manager) and data plane (gateway to worker) stay apart.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import grpc
+from google.protobuf import duration_pb2
+
+from memsvc._auth import Security, aio_channel
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+LEASE_TTL_S = 300
+"""A request's lease: renewed by nobody, so it must outlast the longest response (the gateway
+releases it at the end; the TTL only matters when the gateway itself dies)."""
+LIST_PAGE = 1000
+
+
+@dataclass(frozen=True)
+class Served:
+    """One worker serving a model, as the manager last saw it."""
+
+    name: str
+    address: str
+    state: int
+    leases: int
+    context_length: int
+    has_chat_template: bool
+
+
+STATE_LABEL: dict[int, str] = {
+    c.WORKER_STATE_AWAKE: "awake",
+    c.WORKER_STATE_PARTIALLY_AWAKE: "partially awake",
+    c.WORKER_STATE_ASLEEP: "asleep",
+    c.WORKER_STATE_SLEEPING: "sleeping",
+    c.WORKER_STATE_WAKING: "waking",
+    c.WORKER_STATE_LOADING: "loading",
+    c.WORKER_STATE_UNAVAILABLE: "unavailable",
+}
+
+
+class Backends:
+    """gRPC channels to the manager and to the workers it names (one per address, kept)."""
+
+    def __init__(self, manager_address: str, security: Security | None = None) -> None:
+        self._security = security
+        self._manager_channel = aio_channel(manager_address, security)
+        self.manager: m_grpc.MemoryManagerServiceAsyncStub = m_grpc.MemoryManagerServiceStub(self._manager_channel)
+        self._workers: dict[str, tuple[grpc.aio.Channel, w_grpc.ModelWorkerServiceAsyncStub]] = {}
+
+    async def close(self) -> None:
+        for ch, _ in self._workers.values():
+            await ch.close()
+        await self._manager_channel.close()
+
+    def worker(self, address: str) -> w_grpc.ModelWorkerServiceAsyncStub:
+        if address not in self._workers:
+            ch = aio_channel(address, self._security)
+            self._workers[address] = (ch, w_grpc.ModelWorkerServiceStub(ch))
+        return self._workers[address][1]
+
+    async def models(self, timeout: float = 10.0) -> dict[str, list[Served]]:
+        """Every served model name and its workers (workers that report no model are left out)."""
+        out: dict[str, list[Served]] = {}
+        token = ""
+        while True:
+            page = m.ListWorkersRequest(page_size=LIST_PAGE, page_token=token)
+            r = await self.manager.ListWorkers(page, timeout=timeout)
+            for wk in r.workers:
+                model = wk.status.model
+                if not model.served_model_name:
+                    continue
+                out.setdefault(model.served_model_name, []).append(
+                    Served(wk.name, wk.address, wk.state, wk.lease_count, model.context_length, model.has_chat_template)
+                )
+            token = r.next_page_token
+            if not token:
+                return out
+
+    @staticmethod
+    def pick(workers: list[Served]) -> Served:
+        """An awake worker first (the least leased), then a sleeping one: never wake a second copy
+        while an awake one can serve."""
+        usable = [s for s in workers if s.state != c.WORKER_STATE_UNAVAILABLE] or workers
+        return min(usable, key=lambda s: (s.state != c.WORKER_STATE_AWAKE, s.leases, s.name))
+
+    @contextlib.asynccontextmanager
+    async def lease(self, worker: Served, holder: str, timeout: float) -> AsyncIterator[m.AcquireWorkerResponse]:
+        """Hold a lease on ``worker`` (waking it) for the block; released however the block ends."""
+        r = await self.manager.AcquireWorker(
+            m.AcquireWorkerRequest(name=worker.name, ttl=duration_pb2.Duration(seconds=LEASE_TTL_S), holder=holder),
+            timeout=timeout,
+        )
+        try:
+            yield r
+        finally:
+            # shielded: a client that left cancels this task, and the lease must still go back now
+            release = self.manager.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=r.lease.lease_id), timeout=10)
+            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+                await asyncio.shield(release)
+
+
+__all__ = ["LEASE_TTL_S", "STATE_LABEL", "Backends", "Served"]

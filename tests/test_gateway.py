@@ -1,0 +1,256 @@
+"""The OpenAI-compatible gateway with real processes: a manager, a worker serving a tiny text model
+(a byte-level BPE tokenizer and a chat template, host backend) and ``memsvc gateway``, driven by the
+real ``openai`` SDK and curl. The tokens through the gateway are the worker's own Generate tokens,
+awake or asleep at level 1 or level 2 (the lease wakes it); errors come in OpenAI's JSON with the
+right HTTP status and change nothing; a client that leaves mid-stream gives its lease back."""
+
+from __future__ import annotations
+
+import json
+import shutil
+import subprocess
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from gatewayproc import GatewayProcess
+from managerproc import ManagerProcess
+from test_generation import text_model
+from workerproc import WorkerProcess
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
+
+openai = pytest.importorskip("openai")
+
+MODEL = "text-model"
+T = TypeVar("T")
+
+
+def wait_for(get: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 30.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = get()
+        if ok(value):
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}; last: {value!r}"
+        time.sleep(0.05)
+
+
+class Stack:
+    def __init__(self, manager: ManagerProcess, worker: WorkerProcess, gateway: GatewayProcess) -> None:
+        self.manager, self.worker, self.gateway = manager, worker, gateway
+        self.client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
+
+    def state(self) -> int:
+        return int(self.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state)
+
+    def leases(self) -> int:
+        r = self.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gw0"), timeout=10)
+        return int(r.worker.lease_count)
+
+    def direct(self, **fields: Any) -> w.GenerateResponse:
+        return self.worker.stub.Generate(w.GenerateRequest(**fields), timeout=60)
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    root = tmp_path_factory.mktemp("gateway")
+    path, _ = text_model(root)
+    mp = ManagerProcess(root / "manager.db", ["--idle-sleep-timeout", "0"]).start()
+    try:
+        with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", "gw0"]) as wp:
+            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                     lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
+            gw = GatewayProcess(mp.address).start()
+            try:
+                yield Stack(mp, wp, gw)
+            finally:
+                gw.kill()
+    finally:
+        mp.kill()
+
+
+PROMPT = "the quick brown fox"
+MESSAGES = [{"role": "user", "content": "hello there"}]
+
+
+def test_models_list_the_served_model_with_its_state(stack: Stack) -> None:
+    models = stack.client.models.list()
+    ids = [x.id for x in models.data]
+    assert ids == [MODEL]
+    assert models.data[0].model_extra is not None and models.data[0].model_extra["state"] == "awake"
+
+
+@pytest.mark.parametrize("sleep", [None, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2], ids=["awake", "level1", "level2"])
+def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(stack: Stack, sleep: int | None) -> None:
+    want = stack.direct(prompt=PROMPT, max_new_tokens=12, ignore_eos=False)
+    want_chat = stack.direct(messages=[w.ChatMessage(role="user", content="hello there")], max_new_tokens=12)
+    for call in range(4):
+        if sleep is not None:
+            stack.worker.stub.Sleep(w.SleepRequest(level=sleep), timeout=60)  # type: ignore[arg-type]
+            assert stack.state() == c.WORKER_STATE_ASLEEP
+        if call == 0:
+            r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+            assert r.choices[0].text == want.text and r.usage is not None
+            assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.prompt_token_count, len(want.token_ids))
+        elif call == 1:
+            chat = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+            assert chat.choices[0].message.content == want_chat.text
+            assert chat.choices[0].finish_reason == ("stop" if want_chat.finish_reason == c.FINISH_REASON_STOP
+                                                     else "length")  # fmt: skip
+        elif call == 2:
+            pieces = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
+                                                     stream=True, stream_options={"include_usage": True})  # fmt: skip
+            chunks = list(pieces)
+            assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
+            assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want.token_ids)
+        else:
+            stream = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
+                                                          temperature=0, stream=True)  # fmt: skip
+            text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
+            assert text == want_chat.text
+        assert stack.state() == c.WORKER_STATE_AWAKE
+        wait_for(stack.leases, lambda n: n == 0, "the request's lease to be released")
+
+
+def test_concurrent_streaming_clients_all_get_their_tokens(stack: Stack) -> None:
+    want = stack.direct(prompt=PROMPT, max_new_tokens=10).text
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def one() -> None:
+        try:
+            s = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=10, temperature=0, stream=True)
+            results.append("".join(ch.choices[0].text for ch in s if ch.choices))
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one) for _ in range(32)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    assert not errors, errors[:3]
+    assert results == [want] * 32
+    wait_for(stack.leases, lambda n: n == 0, "every lease to be released")
+
+
+def test_a_client_that_leaves_mid_stream_releases_its_lease(stack: Stack) -> None:
+    stream = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
+                                             extra_body={"ignore_eos": True})  # fmt: skip
+    it = iter(stream)
+    next(it)
+    assert stack.leases() == 1
+    stream.close()
+    wait_for(stack.leases, lambda n: n == 0, "the lease of the client that left to be released")
+    kv = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+    wait_for(lambda: stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+             lambda k: k.device_free_block_count == k.device_block_count, f"the stream's blocks to be freed ({kv})")
+
+
+def test_stop_strings_cut_the_text_at_the_first_stop(stack: Stack) -> None:
+    full = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
+    assert len(full) > 4
+    stop = full[2:4]
+    cut = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
+    assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
+    streamed = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
+                                               stream=True)  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == full[: full.find(stop)]
+
+
+def curl(stack: Stack, path: str, body: str | None, headers: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
+    exe = shutil.which("curl")
+    if exe is None:
+        pytest.skip("curl is not installed")
+    args = [exe, "-s", "-o", "-", "-w", "\n%{http_code}", f"{stack.gateway.url}{path}"]
+    for h in ("Content-Type: application/json", *headers):
+        args += ["-H", h]
+    if body is not None:
+        args += ["-d", body]
+    out = subprocess.run(args, capture_output=True, text=True, timeout=60, check=True).stdout
+    text, _, code = out.rpartition("\n")
+    return int(code), json.loads(text)
+
+
+@pytest.mark.parametrize(("body", "status", "param"), [
+    ('{"model": "nope", "prompt": "x"}', 404, "model"),
+    ('{"model": "text-model", "prompt": "x", "n": 2}', 400, "n"),
+    ('{"model": "text-model", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+    ('{"model": "text-model", "prompt": "x", "temperature": 3}', 400, "temperature"),
+    ('{"model": "text-model", "prompt": ["a", "b"]}', 400, "prompt"),
+    ('{"model": "text-model", "prompt": "x", "max_tokens": 100000}', 400, None),
+    ('{"model": "text-model", "prompt": "x" ', 400, None),
+], ids=["unknown-model", "n", "max-tokens", "temperature", "two-prompts", "too-long", "bad-json"])  # fmt: skip
+def test_bad_requests_get_openai_errors_and_change_nothing(
+    stack: Stack, body: str, status: int, param: str | None
+) -> None:
+    before = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+    code, err = curl(stack, "/v1/completions", body)
+    assert code == status, err
+    assert set(err) == {"error"} and err["error"]["message"] and err["error"]["type"]
+    if param is not None:
+        assert err["error"]["param"] == param
+    after = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+    assert after == before
+    assert stack.leases() == 0
+
+
+def test_health_and_readiness(stack: Stack) -> None:
+    assert curl(stack, "/healthz", None) == (200, {"status": "ok"})
+    assert curl(stack, "/readyz", None)[0] == 200
+
+
+def test_a_gateway_whose_manager_is_gone_is_alive_but_not_ready(tmp_path: Path) -> None:
+    gw = GatewayProcess("127.0.0.1:1").start()
+    try:
+        stack = Stack.__new__(Stack)
+        stack.gateway = gw
+        assert curl(stack, "/healthz", None)[0] == 200
+        code, body = curl(stack, "/readyz", None)
+        assert code == 503 and body["status"] == "manager unreachable"
+    finally:
+        gw.kill()
+
+
+def test_the_bearer_token_is_required_when_set(stack: Stack, tmp_path: Path) -> None:
+    token = tmp_path / "token"
+    token.write_text("s3cret\n")
+    gw = GatewayProcess(stack.manager.address, ["--token-file", str(token)]).start()
+    try:
+        probe = Stack.__new__(Stack)
+        probe.gateway = gw
+        code, err = curl(probe, "/v1/models", None)
+        assert code == 401 and err["error"]["code"] == "invalid_api_key"
+        code, _ = curl(probe, "/v1/models", None, ("Authorization: Bearer wrong",))
+        assert code == 401
+        # the gateway dials the manager with the same token; this manager has none and ignores it
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="s3cret", max_retries=0, timeout=30)
+        assert [x.id for x in client.models.list().data] == [MODEL]
+    finally:
+        gw.kill()
+
+
+def test_memsvc_up_starts_the_gateway_in_front_of_its_worker(tmp_path: Path) -> None:
+    from upproc import Up, free_port
+
+    up = Up(tmp_path / "state", [free_port(), free_port(), free_port()]).start()
+    try:
+        client = openai.OpenAI(base_url=f"{up.gateway_url}/v1", api_key="unused", max_retries=0, timeout=30)
+
+        def models() -> list[str]:
+            try:
+                return [x.id for x in client.models.list().data]
+            except openai.APIConnectionError:
+                return []
+
+        assert wait_for(models, lambda ids: ids == ["synthetic:tiny"], "the gateway to list up's worker", 60)
+        r = client.completions.create(model="synthetic:tiny", prompt=[1, 2, 3], max_tokens=5, temperature=0)
+        assert r.usage is not None and r.usage.completion_tokens == 5
+    finally:
+        up.close()
