@@ -206,6 +206,13 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=float(env("WAKE_TIMEOUT", "300")),
         help="seconds a request waits for its model's worker to be leased (and woken)",
     )
+    p.add_argument(
+        "--queue-timeout",
+        type=float,
+        default=float(env("QUEUE_TIMEOUT", "30")),
+        help="seconds a request waits for room on its model's device while every other worker there is busy "
+        "(then 503 with Retry-After)",
+    )
     _client_auth_flags(p)
 
 
@@ -394,7 +401,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from memsvc.gateway import run as run_gateway
 
         security = _security(args, parser)
-        return run_gateway(args.listen, args.manager, security, args.wake_timeout)  # type: ignore[arg-type]
+        return run_gateway(args.listen, args.manager, security, args.wake_timeout, args.queue_timeout)  # type: ignore[arg-type]
     if args.command == "up":
         from memsvc._up import run as run_up
 

@@ -254,3 +254,96 @@ def test_memsvc_up_starts_the_gateway_in_front_of_its_worker(tmp_path: Path) -> 
         assert r.usage is not None and r.usage.completion_tokens == 5
     finally:
         up.close()
+
+
+def test_metrics_count_requests_and_responses_carry_a_request_id(stack: Stack) -> None:
+    stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    curl(stack, "/v1/completions", '{"model": "nope", "prompt": "x"}')
+    exe = shutil.which("curl")
+    assert exe is not None
+    probe = [exe, "-s", "-D", "-", "-o", "/dev/null", "-H", "X-Request-Id: probe-42", f"{stack.gateway.url}/healthz"]
+    head = subprocess.run(probe, capture_output=True, text=True, timeout=30).stdout
+    assert "x-request-id: probe-42" in head.lower()
+    scrape = [exe, "-s", f"{stack.gateway.url}/metrics"]
+    text = subprocess.run(scrape, capture_output=True, text=True, timeout=30).stdout
+    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
+               if line and not line.startswith("#")}  # fmt: skip
+    ok = 'memsvc_gateway_requests_total{code="200",endpoint="completions",model="text-model"}'
+    assert samples.get(ok, 0) >= 1
+    assert samples.get('memsvc_gateway_requests_total{code="404",endpoint="completions",model=""}', 0) >= 1
+    assert samples.get('memsvc_gateway_completion_tokens_total{model="text-model"}', 0) >= 3
+    assert samples.get('memsvc_gateway_time_to_first_token_seconds_count{model="text-model"}', 0) >= 1
+
+
+@pytest.fixture
+def two_models(tmp_path: Path) -> Iterator[tuple[ManagerProcess, list[WorkerProcess], GatewayProcess]]:
+    """Two workers on 6 MiB simulated devices of one host: the default budget (the device's size) fits
+    one awake tiny model, so waking one puts the other, idle, to sleep."""
+    mp = ManagerProcess(tmp_path / "manager.db", ["--idle-sleep-timeout", "0"]).start()
+    workers: list[WorkerProcess] = []
+    try:
+        for name in ("alpha", "beta"):
+            flags = ["--model", "synthetic:tiny", "--host-capacity", "6MiB", "--manager", mp.address,
+                     "--worker-id", name, "--served-model-name", name]  # fmt: skip
+            workers.append(WorkerProcess(flags).start())
+        wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                 lambda ws: len([x for x in ws if x.status.model.served_model_name]) == 2,
+                 "both registrations")  # fmt: skip
+        gw = GatewayProcess(mp.address, ["--queue-timeout", "1"]).start()
+        try:
+            yield mp, workers, gw
+        finally:
+            gw.kill()
+    finally:
+        for wp in workers:
+            wp.kill()
+        mp.kill()
+
+
+def _state_of(mp: ManagerProcess, name: str) -> int:
+    return int(mp.stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker.state)
+
+
+def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
+    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
+) -> None:
+    mp, _, gw = two_models
+    client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
+    assert sorted(x.id for x in client.models.list().data) == ["alpha", "beta"]
+    mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
+    answers: dict[str, list[int]] = {}
+    for model in ("alpha", "beta", "alpha", "beta"):
+        r = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=6, temperature=0)
+        assert r.usage is not None and r.usage.completion_tokens == 6
+        other = "beta" if model == "alpha" else "alpha"
+        wait_for(lambda other=other: _state_of(mp, other), lambda s: s == c.WORKER_STATE_ASLEEP,  # type: ignore[misc]
+                 f"{other} to be put to sleep for {model}")  # fmt: skip
+        answers.setdefault(model, []).append(r.usage.completion_tokens)
+    assert answers == {"alpha": [6, 6], "beta": [6, 6]}
+
+
+def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
+    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
+) -> None:
+    mp, _, gw = two_models
+    mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
+    held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    try:
+        probe = Stack.__new__(Stack)
+        probe.gateway = gw
+        t0 = time.monotonic()
+        exe = shutil.which("curl")
+        assert exe is not None
+        args = [exe, "-s", "-D", "-", f"{gw.url}/v1/completions", "-H", "Content-Type: application/json",
+                "-d", '{"model": "beta", "prompt": [1, 2], "max_tokens": 2}']  # fmt: skip
+        out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+        waited = time.monotonic() - t0
+        head, _, body = out.partition("\n\n")
+        assert head.startswith("HTTP/1.1 503"), out
+        assert "retry-after:" in head.lower(), out
+        assert body.strip(), repr(out)
+        assert json.loads(body)["error"]["type"] == "server_error", out
+        assert waited >= 0.9, f"answered after {waited:.2f} s: it did not wait for room"
+        assert _state_of(mp, "alpha") == c.WORKER_STATE_AWAKE and _state_of(mp, "beta") == c.WORKER_STATE_ASLEEP
+    finally:
+        mp.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)

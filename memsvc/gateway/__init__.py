@@ -12,7 +12,10 @@ if TYPE_CHECKING:
     from memsvc._auth import Security
 
 
-def run(listen: str, manager: str, security: Security | None = None, acquire_timeout: float = 300.0) -> int:
+def run(
+    listen: str, manager: str, security: Security | None = None, acquire_timeout: float = 300.0,
+    queue_timeout: float = 30.0,
+) -> int:  # fmt: skip
     """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM."""
     import asyncio
     import logging
@@ -27,7 +30,7 @@ def run(listen: str, manager: str, security: Security | None = None, acquire_tim
 
     async def serve() -> None:
         backends = Backends(manager, security)
-        app = create_app(backends, security.token if security else "", acquire_timeout)
+        app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout)
         config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="info", access_log=True)
         server = uvicorn.Server(config)
 

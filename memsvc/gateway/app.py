@@ -16,6 +16,7 @@ import contextlib
 import hmac
 import json
 import logging
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 from typing import Any
 
@@ -23,9 +24,11 @@ import grpc
 from fastapi import FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
 
 from memsvc.gateway.backends import STATE_LABEL, Backends, Served
+from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
     ChatCompletionRequest,
     CompletionRequest,
@@ -107,9 +110,13 @@ class _StopText:
         return out
 
 
-def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300.0) -> FastAPI:
-    """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none)."""
+def create_app(
+    backends: Backends, token: str = "", acquire_timeout: float = 300.0, queue_timeout: float = 30.0
+) -> FastAPI:
+    """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none);
+    ``queue_timeout``: how long a request waits for room on its model's device."""
     app = FastAPI(title="memsvc gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    metrics = GatewayMetrics()
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
@@ -126,6 +133,18 @@ def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300
         return JSONResponse(GatewayError(400, msg, param=".".join(loc) or None).body(), status_code=400)
 
     @app.middleware("http")
+    async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
+        """Every response carries ``X-Request-Id`` (the client's, or a new one), and one log line."""
+        rid = request.headers.get("x-request-id", "")[:128] or new_id("req")
+        request.state.request_id = rid
+        t0 = time.perf_counter()
+        response = await call_next(request)
+        response.headers["X-Request-Id"] = rid
+        log.info("%s %s %s %d %.1f ms", rid, request.method, request.url.path, response.status_code,
+                 (time.perf_counter() - t0) * 1e3)  # fmt: skip
+        return response
+
+    @app.middleware("http")
     async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
         if token and request.url.path.startswith("/v1/"):
             sent = request.headers.get("authorization", "")
@@ -133,6 +152,10 @@ def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300
                 err = GatewayError(401, "missing or wrong bearer token", code="invalid_api_key")
                 return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
         return await call_next(request)
+
+    @app.get("/metrics")
+    async def prometheus() -> Response:
+        return Response(generate_latest(metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
     @app.get("/healthz")
     async def healthz() -> dict[str, str]:
@@ -170,6 +193,19 @@ def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300
 
     @app.post("/v1/completions", response_model=None)
     async def completions(req: CompletionRequest, request: Request) -> Response:
+        return await _counted(req.model, "completions", _completions(req, request))
+
+    async def _counted(model: str, endpoint: str, answer: Awaitable[Response]) -> Response:
+        try:
+            response = await answer
+        except GatewayError as exc:
+            label = model if exc.code != "model_not_found" else ""
+            metrics.requests.labels(label, endpoint, str(exc.status)).inc()
+            raise
+        metrics.requests.labels(model, endpoint, str(response.status_code)).inc()
+        return response
+
+    async def _completions(req: CompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
         gen = w.GenerateRequest(
             max_new_tokens=_limit(req.max_tokens, worker), sampling=_sampling(req), ignore_eos=req.ignore_eos
@@ -184,6 +220,9 @@ def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300
 
     @app.post("/v1/chat/completions", response_model=None)
     async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+        return await _counted(req.model, "chat_completions", _chat(req, request))
+
+    async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
         gen = w.GenerateRequest(
             max_new_tokens=_limit(req.limit, worker), sampling=_sampling(req), ignore_eos=req.ignore_eos
@@ -195,16 +234,25 @@ def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300
         req: CompletionRequest | ChatCompletionRequest, worker: Served, gen: w.GenerateRequest, kind: str,
         request: Request,
     ) -> Response:  # fmt: skip
-        holder = f"gateway {request.client.host if request.client else '?'}"
+        holder = f"gateway {request.state.request_id}"
+        t0 = time.perf_counter()
+        if worker.state != c.WORKER_STATE_AWAKE:
+            metrics.wakes.labels(req.model).inc()
         stack = contextlib.AsyncExitStack()
         try:
-            lease = await stack.enter_async_context(backends.lease(worker, holder, acquire_timeout))
+            try:
+                lease = await stack.enter_async_context(backends.lease(worker, holder, acquire_timeout, queue_timeout))
+            except grpc.RpcError as exc:
+                raise from_rpc(exc, "manager") from None
+            metrics.lease_wait.labels(req.model).observe(time.perf_counter() - t0)
             stub = backends.worker(lease.worker.address or worker.address)
             if not req.stream:
                 try:
                     r = await stub.Generate(gen, timeout=GENERATE_TIMEOUT_S)
                 except grpc.RpcError as exc:
                     raise from_rpc(exc, "worker") from None
+                metrics.first_token.labels(req.model).observe(time.perf_counter() - t0)
+                metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
                 stops = _StopText(req.stop_strings)
                 text = stops.feed(r.text) + stops.rest()
                 reason = "stop" if stops.hit or r.finish_reason == c.FINISH_REASON_STOP else "length"
@@ -215,11 +263,12 @@ def create_app(backends: Backends, token: str = "", acquire_timeout: float = 300
                 first = await call.read()  # errors before the first token are the response's status
             except grpc.RpcError as exc:
                 raise from_rpc(exc, "worker") from None
+            metrics.first_token.labels(req.model).observe(time.perf_counter() - t0)
         except BaseException:
             await stack.aclose()
             raise
         closed = _Once(stack.aclose)
-        events = _stream(req, kind, first, call, closed)
+        events = _stream(req, kind, first, call, closed, metrics.completion_tokens.labels(req.model).inc)
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
 
     return app
@@ -251,7 +300,8 @@ def _whole(kind: str, model: str, text: str, reason: str, prompt_tokens: int, co
 
 
 async def _stream(
-    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once
+    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once,
+    count_tokens: Callable[[int], None],
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; the lease goes when it ends."""
     chat = kind == "chat.completion"
@@ -278,6 +328,7 @@ async def _stream(
         msg = first
         while msg is not grpc.aio.EOF and msg is not None:
             completion += len(msg.token_ids)
+            count_tokens(len(msg.token_ids))
             out = stops.feed(msg.text)
             if out:
                 yield event(piece(out))

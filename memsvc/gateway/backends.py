@@ -27,6 +27,8 @@ LEASE_TTL_S = 300
 """A request's lease: renewed by nobody, so it must outlast the longest response (the gateway
 releases it at the end; the TTL only matters when the gateway itself dies)."""
 LIST_PAGE = 1000
+QUEUE_POLL_S = 0.25
+"""How often a queued request asks the manager again for room."""
 
 
 @dataclass(frozen=True)
@@ -97,13 +99,30 @@ class Backends:
         usable = [s for s in workers if s.state != c.WORKER_STATE_UNAVAILABLE] or workers
         return min(usable, key=lambda s: (s.state != c.WORKER_STATE_AWAKE, s.leases, s.name))
 
+    async def acquire(self, worker: Served, holder: str, timeout: float, queue_s: float) -> m.AcquireWorkerResponse:
+        """A lease on ``worker``, which the manager wakes (making room on its device first). While the
+        manager cannot make room (every other worker there is leased: RESOURCE_EXHAUSTED) the request
+        waits its turn, asking again, for up to ``queue_s``; then the refusal is the answer."""
+        loop = asyncio.get_running_loop()
+        give_up = loop.time() + queue_s
+        ttl = duration_pb2.Duration(seconds=LEASE_TTL_S)
+        request = m.AcquireWorkerRequest(name=worker.name, ttl=ttl, holder=holder)
+        while True:
+            try:
+                r: m.AcquireWorkerResponse = await self.manager.AcquireWorker(request, timeout=timeout)
+                return r
+            except grpc.aio.AioRpcError as exc:
+                left = give_up - loop.time()
+                if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
+                    raise
+            await asyncio.sleep(min(QUEUE_POLL_S, left))
+
     @contextlib.asynccontextmanager
-    async def lease(self, worker: Served, holder: str, timeout: float) -> AsyncIterator[m.AcquireWorkerResponse]:
-        """Hold a lease on ``worker`` (waking it) for the block; released however the block ends."""
-        r = await self.manager.AcquireWorker(
-            m.AcquireWorkerRequest(name=worker.name, ttl=duration_pb2.Duration(seconds=LEASE_TTL_S), holder=holder),
-            timeout=timeout,
-        )
+    async def lease(
+        self, worker: Served, holder: str, timeout: float, queue_s: float = 0.0
+    ) -> AsyncIterator[m.AcquireWorkerResponse]:
+        """Hold a lease on ``worker`` (see :meth:`acquire`) for the block; released however it ends."""
+        r = await self.acquire(worker, holder, timeout, queue_s)
         try:
             yield r
         finally:
@@ -113,4 +132,4 @@ class Backends:
                 await asyncio.shield(release)
 
 
-__all__ = ["LEASE_TTL_S", "STATE_LABEL", "Backends", "Served"]
+__all__ = ["LEASE_TTL_S", "QUEUE_POLL_S", "STATE_LABEL", "Backends", "Served"]

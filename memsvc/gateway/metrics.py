@@ -1,0 +1,39 @@
+"""The gateway's Prometheus metrics (``GET /metrics``), in a registry of its own.
+
+The ``model`` label takes only names some worker serves (a request for an unknown model counts as
+``""``), so a client cannot grow the series without bound.
+"""
+
+from __future__ import annotations
+
+from prometheus_client import CollectorRegistry, Counter, Histogram
+
+_LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
+
+
+class GatewayMetrics:
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.requests = Counter(
+            "memsvc_gateway_requests", "Requests answered, by model, endpoint and HTTP status",
+            ["model", "endpoint", "code"], registry=r,
+        )  # fmt: skip
+        self.lease_wait = Histogram(
+            "memsvc_gateway_lease_wait_seconds", "From the request to its worker's lease: the queue and the wake",
+            ["model"], buckets=_LATENCY, registry=r,
+        )
+        self.first_token = Histogram(
+            "memsvc_gateway_time_to_first_token_seconds", "From the request to its first token (lease wait included)",
+            ["model"], buckets=_LATENCY, registry=r,
+        )
+        self.wakes = Counter(
+            "memsvc_gateway_wakes", "Requests that leased a worker which was not awake (the lease woke it)", ["model"],
+            registry=r,
+        )
+        self.completion_tokens = Counter(
+            "memsvc_gateway_completion_tokens", "Tokens generated for the gateway's clients", ["model"], registry=r
+        )
+
+
+__all__ = ["GatewayMetrics"]
