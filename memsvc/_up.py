@@ -1,8 +1,8 @@
-"""``memsvc up``: a manager and one worker on this machine, with embedded defaults.
+"""``memsvc up``: a manager, one worker and the OpenAI gateway on this machine, with embedded defaults.
 
-Where there is no GPU the worker uses the host backend and a small synthetic model, so the pair runs
-anywhere. Both are child processes; SIGINT/SIGTERM stops both, and if either dies the other is
-stopped too.
+Where there is no GPU the worker uses the host backend and a small synthetic model, so it runs
+anywhere. All are child processes; SIGINT/SIGTERM stops them all, and if one dies the others are
+stopped too. The gateway dials the manager with the same auth settings (the MEMSVC_* variables).
 
 Auth (``--token-file``, ``--tls-cert/--tls-key``, ``--tls-ca``, ``--tls-client-ca``) reaches both
 children as their MEMSVC_* variables: they serve with the same token and certificate and dial each

@@ -279,7 +279,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
     _client_auth_flags(p)
-    p = sub.add_parser("up", help="run a manager and one worker on this machine")
+    p = sub.add_parser("up", help="run a manager, one worker and the OpenAI gateway on this machine")
     p.add_argument("--manager-listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50061")
     p.add_argument("--metrics-listen", default="127.0.0.1:9400")

@@ -53,6 +53,10 @@ class Stack:
         r = self.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gw0"), timeout=10)
         return int(r.worker.lease_count)
 
+    def kv(self) -> c.KvCacheInfo:
+        kv: c.KvCacheInfo = self.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+        return kv
+
     def direct(self, **fields: Any) -> w.GenerateResponse:
         return self.worker.stub.Generate(w.GenerateRequest(**fields), timeout=60)
 
@@ -190,14 +194,15 @@ def curl(stack: Stack, path: str, body: str | None, headers: tuple[str, ...] = (
 def test_bad_requests_get_openai_errors_and_change_nothing(
     stack: Stack, body: str, status: int, param: str | None
 ) -> None:
-    before = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+    # settled first: a stream an earlier test cut short frees its blocks at the worker's next step
+    before = wait_for(stack.kv, lambda k: k.device_free_block_count == k.device_block_count, "the KV cache to settle")
+    wait_for(stack.leases, lambda n: n == 0, "earlier leases to be released")
     code, err = curl(stack, "/v1/completions", body)
     assert code == status, err
     assert set(err) == {"error"} and err["error"]["message"] and err["error"]["type"]
     if param is not None:
         assert err["error"]["param"] == param
-    after = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
-    assert after == before
+    assert stack.kv() == before
     assert stack.leases() == 0
 
 
