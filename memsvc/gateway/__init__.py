@@ -18,7 +18,10 @@ def run(
 ) -> int:  # fmt: skip
     """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM."""
     import asyncio
+    import contextlib
     import logging
+    import signal
+    from collections.abc import Iterator
 
     import uvicorn
 
@@ -28,24 +31,37 @@ def run(
     host, _, port = listen.rpartition(":")
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
+    class Server(uvicorn.Server):
+        @contextlib.contextmanager
+        def capture_signals(self) -> Iterator[None]:
+            # ours below: uvicorn's would re-raise the signal after the shutdown, and the process
+            # would end killed by it instead of exiting 0 as the other memsvc services do
+            yield
+
     async def serve() -> None:
         backends = Backends(manager, security)
         app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout)
-        config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="info", access_log=True)
-        server = uvicorn.Server(config)
+        config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="info", access_log=False)
+        server = Server(config)
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGTERM, signal.SIGINT):
+            loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
 
-        async def announce() -> None:
-            while not server.started:
-                await asyncio.sleep(0.05)
-            bound = server.servers[0].sockets[0].getsockname() if server.servers else (host, port)
-            print(f"memsvc gateway listening on {bound[0]}:{bound[1]}", flush=True)
-
+        task = asyncio.create_task(server.serve())
         try:
-            await asyncio.gather(server.serve(), announce())
+            while not server.started and not task.done():
+                await asyncio.sleep(0.05)
+            if server.started:
+                bound = server.servers[0].sockets[0].getsockname()
+                print(f"memsvc gateway listening on {bound[0]}:{bound[1]}", flush=True)
+            await task
         finally:
             await backends.close()
+        if not server.started:
+            raise SystemExit(f"memsvc gateway: could not serve on {listen}")
 
     asyncio.run(serve())
+    print("memsvc gateway stopped", flush=True)
     return 0
 
 
