@@ -10,7 +10,8 @@ from collections.abc import Iterator
 import pytest
 import torch
 
-from memsvc.errors import OutOfMemory
+from memsvc.errors import InvalidArgument, OutOfMemory
+from memsvc.vocabulary import FinishReason
 from worker.allocator import AllocatorConfig, MemoryAllocator
 from worker.model.generation import GenerationRequest
 from worker.model.runner import ModelRunner
@@ -109,3 +110,15 @@ def test_a_step_that_fails_ends_its_batch_but_keeps_what_ended_before(alloc: Mem
     seq = runner.kv_cache.sequence("kept")
     assert len(seq.tokens) == 5 and list(runner.kv_cache.sequences) == ["kept"]
     assert runner.run(GenerationRequest([1, 2, 3], 4)).tokens
+
+
+def test_stop_at_context_ends_at_the_models_length_instead_of_refusing(alloc: MemoryAllocator) -> None:
+    runner = ModelRunner(alloc, "synthetic:tiny", 160, 4, block_size=16)  # tiny: 2048 positions
+    prompt = [7] * 2040
+    with pytest.raises(InvalidArgument, match="would reach 2140"):
+        runner.run(GenerationRequest(prompt, 100, ignore_eos=True))
+    r = runner.run(GenerationRequest(prompt, 100, ignore_eos=True, stop_at_context=True))
+    assert len(r.tokens) == 8 and r.finish_reason == FinishReason.LENGTH
+    with pytest.raises(InvalidArgument, match="no room"):
+        runner.run(GenerationRequest([7] * 2048, 5, stop_at_context=True))
+    assert runner.kv_cache.stats()["device_free_blocks"] == 160

@@ -352,3 +352,35 @@ def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
         assert _state_of(mp, "alpha") == c.WORKER_STATE_AWAKE and _state_of(mp, "beta") == c.WORKER_STATE_ASLEEP
     finally:
         mp.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+
+
+def test_without_max_tokens_a_chat_ends_at_the_models_context(stack: Stack) -> None:
+    """OpenAI's max_tokens is a bound: unset, the answer runs until the model's context is full."""
+    context = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.model.context_length
+    chat = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                                extra_body={"ignore_eos": True})  # fmt: skip
+    assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+    assert chat.usage.prompt_tokens + chat.usage.completion_tokens == context
+    wait_for(stack.leases, lambda n: n == 0, "the lease to be released")
+
+
+def test_a_client_that_leaves_a_plain_request_stops_its_generation(
+    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
+) -> None:
+    mp, (alpha, _), gw = two_models
+    exe = shutil.which("curl")
+    assert exe is not None
+    body = '{"model": "alpha", "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true}'
+    args = [exe, "-s", "--max-time", "0.5", f"{gw.url}/v1/completions", "-H", "Content-Type: application/json",
+            "-d", body]  # fmt: skip
+    assert subprocess.run(args, capture_output=True, text=True, timeout=60).returncode == 28  # curl: timed out
+
+    def lease_count() -> int:
+        return int(mp.stub.GetWorker(m.GetWorkerRequest(name="workers/alpha"), timeout=10).worker.lease_count)
+
+    wait_for(lease_count, lambda n: n == 0, "the lease of the client that left")
+    wait_for(lambda: alpha.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+             lambda k: k.device_free_block_count == k.device_block_count,
+             "the generation's blocks to be freed")  # fmt: skip
+    scrape = subprocess.run([exe, "-s", f"{gw.url}/metrics"], capture_output=True, text=True, timeout=30).stdout
+    assert 'memsvc_gateway_requests_total{code="499",endpoint="completions",model="alpha"} 1.0' in scrape, scrape

@@ -83,6 +83,7 @@ def generation_request(
         sampling=sampling,
         stop_token_ids=frozenset(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
+        stop_at_context=request.stop_at_context,
     )
 
 

@@ -12,13 +12,14 @@ client leaves. Sleeping models are therefore served on request, at the cost of a
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import hmac
 import json
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import grpc
 from fastapi import FastAPI, Request
@@ -26,7 +27,9 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
+from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.gateway.backends import STATE_LABEL, Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
@@ -41,8 +44,11 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 
 log = logging.getLogger("memsvc.gateway")
+T = TypeVar("T")
 
 GENERATE_TIMEOUT_S = 600.0
+DISCONNECT_POLL_S = 0.1
+"""How often a request whose answer is not streamed checks that its client is still there."""
 RETRY_AFTER_S = 2
 
 _STATUS = {
@@ -76,11 +82,10 @@ def _sampling(req: CompletionRequest | ChatCompletionRequest) -> w.SamplingParam
     return params
 
 
-def _limit(max_tokens: int | None, worker: Served) -> int:
-    """OpenAI's "no limit" is the model's context; the worker refuses what does not fit."""
-    from memsvc._limits import MAX_GENERATE_TOKENS
-
-    return max_tokens if max_tokens is not None else min(MAX_GENERATE_TOKENS, max(worker.context_length - 1, 1))
+def _limit(max_tokens: int | None) -> int:
+    """OpenAI's max_tokens, an upper bound (the requests say stop_at_context): unset, the most one
+    Generate makes, so the model's context is what ends it."""
+    return max_tokens if max_tokens is not None else MAX_GENERATE_TOKENS
 
 
 class _StopText:
@@ -116,6 +121,7 @@ def create_app(
     """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none);
     ``queue_timeout``: how long a request waits for room on its model's device."""
     app = FastAPI(title="memsvc gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    app.add_middleware(_Edge, token=token)
     metrics = GatewayMetrics()
 
     @app.exception_handler(GatewayError)
@@ -131,27 +137,6 @@ def create_app(
         if first.get("type") == "json_invalid":
             msg = "the request body is not valid JSON"
         return JSONResponse(GatewayError(400, msg, param=".".join(loc) or None).body(), status_code=400)
-
-    @app.middleware("http")
-    async def _request_id(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        """Every response carries ``X-Request-Id`` (the client's, or a new one), and one log line."""
-        rid = request.headers.get("x-request-id", "")[:128] or new_id("req")
-        request.state.request_id = rid
-        t0 = time.perf_counter()
-        response = await call_next(request)
-        response.headers["X-Request-Id"] = rid
-        log.info("%s %s %s %d %.1f ms", rid, request.method, request.url.path, response.status_code,
-                 (time.perf_counter() - t0) * 1e3)  # fmt: skip
-        return response
-
-    @app.middleware("http")
-    async def _auth(request: Request, call_next: Callable[[Request], Awaitable[Response]]) -> Response:
-        if token and request.url.path.startswith("/v1/"):
-            sent = request.headers.get("authorization", "")
-            if not hmac.compare_digest(sent.encode(), f"Bearer {token}".encode()):
-                err = GatewayError(401, "missing or wrong bearer token", code="invalid_api_key")
-                return JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
-        return await call_next(request)
 
     @app.get("/metrics")
     async def prometheus() -> Response:
@@ -208,7 +193,8 @@ def create_app(
     async def _completions(req: CompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
         gen = w.GenerateRequest(
-            max_new_tokens=_limit(req.max_tokens, worker), sampling=_sampling(req), ignore_eos=req.ignore_eos
+            max_new_tokens=_limit(req.max_tokens), sampling=_sampling(req), ignore_eos=req.ignore_eos,
+            stop_at_context=True,
         )
         if isinstance(req.prompt, str):
             gen.prompt = req.prompt
@@ -225,7 +211,8 @@ def create_app(
     async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
         gen = w.GenerateRequest(
-            max_new_tokens=_limit(req.limit, worker), sampling=_sampling(req), ignore_eos=req.ignore_eos
+            max_new_tokens=_limit(req.limit), sampling=_sampling(req), ignore_eos=req.ignore_eos,
+            stop_at_context=True,
         )
         gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
         return await _respond(req, worker, gen, "chat.completion", request)
@@ -248,7 +235,7 @@ def create_app(
             stub = backends.worker(lease.worker.address or worker.address)
             if not req.stream:
                 try:
-                    r = await stub.Generate(gen, timeout=GENERATE_TIMEOUT_S)
+                    r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
                 except grpc.RpcError as exc:
                     raise from_rpc(exc, "worker") from None
                 metrics.first_token.labels(req.model).observe(time.perf_counter() - t0)
@@ -272,6 +259,58 @@ def create_app(
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
 
     return app
+
+
+class _Edge:
+    """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a client's disconnect from
+    the endpoints): every response carries ``X-Request-Id`` (the client's, or a new one) and gets one
+    log line; with a token, /v1 requires ``Authorization: Bearer <token>``."""
+
+    def __init__(self, app: ASGIApp, token: str = "") -> None:
+        self.app = app
+        self.token = token
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] != "http":
+            await self.app(scope, receive, send)
+            return
+        headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
+        rid = headers.get("x-request-id", "")[:128] or new_id("req")
+        scope.setdefault("state", {})["request_id"] = rid
+        status = 0
+        t0 = time.perf_counter()
+
+        async def send_with_id(message: Message) -> None:
+            nonlocal status
+            if message["type"] == "http.response.start":
+                status = int(message["status"])
+                message = {**message, "headers": [*message.get("headers", []), (b"x-request-id", rid.encode())]}
+            await send(message)
+
+        path = str(scope.get("path", ""))
+        sent = headers.get("authorization", "").encode()
+        if self.token and path.startswith("/v1/") and not hmac.compare_digest(sent, f"Bearer {self.token}".encode()):
+            err = GatewayError(401, "missing or wrong bearer token", code="invalid_api_key")
+            denied = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
+            await denied(scope, receive, send_with_id)
+        else:
+            await self.app(scope, receive, send_with_id)
+        log.info("%s %s %s %d %.1f ms", rid, scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3)
+
+
+async def _unless_client_left(request: Request, call: Awaitable[T]) -> T:
+    """``call``'s result, unless the client disconnects first: then the call is cancelled (the worker
+    stops the generation at its next step and frees its blocks) and the answer is a 499."""
+    task = asyncio.ensure_future(call)
+    while True:
+        done, _ = await asyncio.wait({task}, timeout=DISCONNECT_POLL_S)
+        if done:
+            return task.result()
+        if await request.is_disconnected():
+            task.cancel()
+            with contextlib.suppress(asyncio.CancelledError, grpc.RpcError):
+                await task
+            raise GatewayError(499, "the client closed the request", code="client_closed_request")
 
 
 class _Once:

@@ -39,8 +39,6 @@ class Served:
     address: str
     state: int
     leases: int
-    context_length: int
-    has_chat_template: bool
 
 
 STATE_LABEL: dict[int, str] = {
@@ -86,7 +84,7 @@ class Backends:
                 if not model.served_model_name:
                     continue
                 out.setdefault(model.served_model_name, []).append(
-                    Served(wk.name, wk.address, wk.state, wk.lease_count, model.context_length, model.has_chat_template)
+                    Served(wk.name, wk.address, wk.state, wk.lease_count)
                 )
             token = r.next_page_token
             if not token:

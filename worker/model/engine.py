@@ -62,6 +62,8 @@ class _Request:
     preempted: bool = False
     """Its blocks were taken while it ran (its cache is re-read on resume)."""
     sampler: Sampler | None = None
+    limit: int = 0
+    """Tokens it may generate: ``max_new_tokens``, or fewer where the context ends it first."""
     out: list[int] = field(default_factory=list)
 
     @property
@@ -258,7 +260,15 @@ class Engine:
             if existing.location != "device":
                 raise WrongState(f"sequence {sid!r} is swapped out ({existing.location}); swap it in first")
         n = request.max_new_tokens
-        total = (len(existing.tokens) if existing else 0) + len(req.prompt) + n
+        before = (len(existing.tokens) if existing else 0) + len(req.prompt)
+        if request.stop_at_context and n and before + n > self._max_position:
+            n = max(self._max_position - before, 0)  # the model's context ends it, not the request's bound
+            if n == 0:
+                raise InvalidArgument(
+                    f"the sequence is {before} tokens: no room for a new one in the model's {self._max_position}"
+                )
+        req.limit = n
+        total = before + n
         if total > self._max_position:
             raise InvalidArgument(f"sequence would reach {total} tokens; the model allows {self._max_position}")
         fed = total - 1 if n else total  # the last generated token is not fed
@@ -392,7 +402,7 @@ class Engine:
             req.on_token(token)
         if token in req.stops:
             self._finish(req, FinishReason.STOP)
-        elif len(req.out) >= req.request.max_new_tokens:
+        elif len(req.out) >= req.limit:
             self._finish(req, FinishReason.LENGTH)
 
     def _finish(self, req: _Request, reason: FinishReason) -> None:

@@ -34,6 +34,8 @@ class GenerationRequest:
     sampling: SamplingParams = GREEDY
     stop_token_ids: frozenset[int] = field(default_factory=frozenset)
     ignore_eos: bool = False
+    stop_at_context: bool = False
+    """``max_new_tokens`` is an upper bound: end at the model's context length instead of refusing."""
 
     def stop_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """Every token that ends this request."""
