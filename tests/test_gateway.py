@@ -100,10 +100,12 @@ def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(sta
             assert stack.state() == c.WORKER_STATE_ASLEEP
         if call == 0:
             r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
+            assert stack.leases() == 0, "a plain answer comes after its lease was released"
             assert r.choices[0].text == want.text and r.usage is not None
             assert (r.usage.prompt_tokens, r.usage.completion_tokens) == (want.prompt_token_count, len(want.token_ids))
         elif call == 1:
             chat = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
+            assert stack.leases() == 0, "a plain answer comes after its lease was released"
             assert chat.choices[0].message.content == want_chat.text
             assert chat.choices[0].finish_reason == ("stop" if want_chat.finish_reason == c.FINISH_REASON_STOP
                                                      else "length")  # fmt: skip

@@ -238,6 +238,8 @@ def create_app(
                     r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
                 except grpc.RpcError as exc:
                     raise from_rpc(exc, "worker") from None
+                finally:
+                    await stack.aclose()  # the lease goes back before the answer does
                 metrics.first_token.labels(req.model).observe(time.perf_counter() - t0)
                 metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
                 stops = _StopText(req.stop_strings)
