@@ -9,7 +9,8 @@ KV blocks come from the paged pool on demand: a request is admitted (first come,
 when the blocks for its prompt are free, and a decode that needs a new block when none is free
 takes them from the newest running request, which is preempted: its blocks go back, it waits at
 the head of the queue, and on resume it re-reads its tokens (recomputation; the sampler keeps its
-state, so a seeded request draws the same tokens as if nothing happened). A request that could not
+state, so a seeded request draws the same random numbers as if nothing happened, and gets the same
+tokens wherever the recomputed K/V round as the decoded ones did). A request that could not
 fit even alone fails at once with OutOfMemory; no request fails because others hold blocks.
 
 Threads: :meth:`Engine.submit` may be called from any thread; :meth:`Engine.step` runs on one
