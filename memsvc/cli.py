@@ -42,6 +42,25 @@ def env(name: str, default: str) -> str:
     return os.environ.get(f"MEMSVC_{name}", default)
 
 
+ENV_TRUE = frozenset({"1", "true", "yes", "on"})
+ENV_FALSE = frozenset({"0", "false", "no", "off"})
+_BOOL_FLAGS = {"cuda_graphs": "CUDA_GRAPHS", "checksum": "CHECKSUM", "huge_pages": "HUGE_PAGES"}
+"""On/off flags whose default comes from MEMSVC_<NAME>: the string is read once the command is known."""
+
+
+def _env_bools(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
+    """Turn the on/off flags' environment defaults into bools: 1/0, true/false, yes/no, on/off in any
+    case; anything else is a usage error (exit 2), not a silent "off"."""
+    for dest, name in _BOOL_FLAGS.items():
+        value = getattr(args, dest, None)
+        if not isinstance(value, str):
+            continue
+        word = value.strip().lower()
+        if word not in ENV_TRUE | ENV_FALSE:
+            parser.error(f"MEMSVC_{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+        setattr(args, dest, word in ENV_TRUE)
+
+
 def parse_bytes(text: str) -> int:
     """``8GiB``, ``512MiB``, ``1.5G`` or a plain byte count."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
@@ -120,26 +139,26 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "--model", default=env("MODEL", "synthetic:tiny"), help="HF-layout checkpoint dir or synthetic:<preset>"
     )
     p.add_argument("--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"))
-    p.add_argument("--device", type=int, default=int(env("DEVICE", "0")), help="CUDA device ordinal")
+    p.add_argument("--device", type=int, default=env("DEVICE", "0"), help="CUDA device ordinal")
     p.add_argument("--worker-id", default=env("WORKER_ID", ""), help="registration name (default: <hostname>-<device>)")
-    p.add_argument("--kv-blocks", type=int, default=int(env("KV_BLOCKS", "256")), help="device KV cache blocks")
+    p.add_argument("--kv-blocks", type=int, default=env("KV_BLOCKS", "256"), help="device KV cache blocks")
     p.add_argument(
-        "--host-kv-blocks", type=int, default=int(env("HOST_KV_BLOCKS", "256")), help="host KV blocks (swap)"
+        "--host-kv-blocks", type=int, default=env("HOST_KV_BLOCKS", "256"), help="host KV blocks (swap)"
     )
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
-        "--max-batch", type=int, default=int(env("MAX_BATCH", "64")), help="requests one engine step runs at most"
+        "--max-batch", type=int, default=env("MAX_BATCH", "64"), help="requests one engine step runs at most"
     )
     p.add_argument(
         "--max-step-tokens",
         type=int,
-        default=int(env("MAX_STEP_TOKENS", "2048")),
+        default=env("MAX_STEP_TOKENS", "2048"),
         help="tokens one engine step feeds at most (long prompts are read in chunks)",
     )
     p.add_argument(
         "--cuda-graphs",
         action=argparse.BooleanOptionalAction,
-        default=env("CUDA_GRAPHS", "1") in ("1", "true"),
+        default=env("CUDA_GRAPHS", "1"),  # a string: _env_bools turns it into a bool
         help="capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
     )
     p.add_argument(
@@ -148,7 +167,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--checksum",
         action=argparse.BooleanOptionalAction,
-        default=env("CHECKSUM", "1") in ("1", "true"),
+        default=env("CHECKSUM", "1"),  # a string: _env_bools turns it into a bool
         help="checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
     )
     p.add_argument(
@@ -167,7 +186,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--huge-pages",
         action=argparse.BooleanOptionalAction,
-        default=env("HUGE_PAGES", "1") in ("1", "true"),
+        default=env("HUGE_PAGES", "1"),  # a string: _env_bools turns it into a bool
         help="transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
@@ -190,7 +209,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--drain-timeout",
         type=float,
-        default=float(env("DRAIN_TIMEOUT", "30")),
+        default=env("DRAIN_TIMEOUT", "30"),
         help="seconds calls in flight get on SIGTERM before they are cancelled",
     )
     _server_auth_flags(p, worker=True)
@@ -203,13 +222,13 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument(
         "--wake-timeout",
         type=float,
-        default=float(env("WAKE_TIMEOUT", "300")),
+        default=env("WAKE_TIMEOUT", "300"),
         help="seconds a request waits for its model's worker to be leased (and woken)",
     )
     p.add_argument(
         "--queue-timeout",
         type=float,
-        default=float(env("QUEUE_TIMEOUT", "30")),
+        default=env("QUEUE_TIMEOUT", "30"),
         help="seconds a request waits for room on its model's device while every other worker there is busy "
         "(then 503 with Retry-After)",
     )
@@ -381,14 +400,38 @@ def _health(address: str, service: str, timeout: float, security: object = None)
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
 
 
-def main(argv: Sequence[str] | None = None) -> int:
+def build_parser() -> argparse.ArgumentParser:
+    """Every command's flags. Defaults from MEMSVC_* variables stay strings here and are converted
+    with the flag's own type when its command is parsed, so a bad variable is that command's usage
+    error (one line, exit 2), never a crash of every command (``--help`` included)."""
     parser = argparse.ArgumentParser(prog="memsvc", description="Sleep and wake LLM model workers.")
+    parser.add_argument("--version", action="version", version=f"memsvc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True)
     _worker_parser(sub)
     _manager_parser(sub)
     _gateway_parser(sub)
     _ops_parsers(sub)
+    return parser
+
+
+def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
+    _env_bools(args, parser)
+    return args
+
+
+def _version() -> str:
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("memsvc")
+    except PackageNotFoundError:
+        return "unknown (not installed)"
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    parser = build_parser()
+    args = parse(parser, argv)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
 
