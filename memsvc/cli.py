@@ -44,20 +44,37 @@ def env(name: str, default: str) -> str:
 
 ENV_TRUE = frozenset({"1", "true", "yes", "on"})
 ENV_FALSE = frozenset({"0", "false", "no", "off"})
-_BOOL_FLAGS = {"cuda_graphs": "CUDA_GRAPHS", "checksum": "CHECKSUM", "huge_pages": "HUGE_PAGES"}
-"""On/off flags whose default comes from MEMSVC_<NAME>: the string is read once the command is known."""
+
+
+class _OnOffDefault(str):
+    """An on/off flag's default as MEMSVC_<NAME> spells it: kept a string until the command is known
+    (:func:`_env_bools`), so a bad value is only that command's usage error."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> _OnOffDefault:
+        self = super().__new__(cls, value)
+        self.variable = variable
+        return self
+
+
+def _on_off(p: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:  # noqa: A002 - argparse's name
+    """``--flag`` / ``--no-flag``, its default from MEMSVC_<FLAG>."""
+    name = flag.removeprefix("--").replace("-", "_").upper()
+    p.add_argument(
+        flag, action=argparse.BooleanOptionalAction, default=_OnOffDefault(env(name, default), name), help=help
+    )
 
 
 def _env_bools(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
     """Turn the on/off flags' environment defaults into bools: 1/0, true/false, yes/no, on/off in any
     case; anything else is a usage error (exit 2), not a silent "off"."""
-    for dest, name in _BOOL_FLAGS.items():
-        value = getattr(args, dest, None)
-        if not isinstance(value, str):
+    for dest, value in vars(args).items():
+        if not isinstance(value, _OnOffDefault):
             continue
         word = value.strip().lower()
         if word not in ENV_TRUE | ENV_FALSE:
-            parser.error(f"MEMSVC_{name}={value!r}: expected 1/0, true/false, yes/no or on/off")
+            parser.error(f"MEMSVC_{value.variable}={str(value)!r}: expected 1/0, true/false, yes/no or on/off")
         setattr(args, dest, word in ENV_TRUE)
 
 
@@ -155,20 +172,20 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         default=env("MAX_STEP_TOKENS", "2048"),
         help="tokens one engine step feeds at most (long prompts are read in chunks)",
     )
-    p.add_argument(
+    _on_off(
+        p,
         "--cuda-graphs",
-        action=argparse.BooleanOptionalAction,
-        default=env("CUDA_GRAPHS", "1"),  # a string: _env_bools turns it into a bool
-        help="capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
+        "1",
+        "capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
     )
     p.add_argument(
         "--host-capacity", type=parse_bytes, default=env("HOST_CAPACITY", "8GiB"), help="host backend: device size"
     )
-    p.add_argument(
+    _on_off(
+        p,
         "--checksum",
-        action=argparse.BooleanOptionalAction,
-        default=env("CHECKSUM", "1"),  # a string: _env_bools turns it into a bool
-        help="checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
+        "1",
+        "checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
     )
     p.add_argument(
         "--host-reserve",
@@ -183,11 +200,11 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="page-lock this much host memory right after the load, in the background, so the first sleep runs "
         "at line rate: a size, or 'weights' for the weights pool (raises --host-reserve to it; held while awake)",
     )
-    p.add_argument(
+    _on_off(
+        p,
         "--huge-pages",
-        action=argparse.BooleanOptionalAction,
-        default=env("HUGE_PAGES", "1"),  # a string: _env_bools turns it into a bool
-        help="transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
+        "1",
+        "transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
     )
     p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
     p.add_argument(

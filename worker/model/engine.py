@@ -31,6 +31,7 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 
+from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.errors import Cancelled, InvalidArgument, OutOfMemory, WrongState
 from memsvc.vocabulary import FinishReason
 from worker.model.decoder import HostStep
@@ -96,7 +97,7 @@ class Engine:
         check_ready: Callable[[], None],
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
-        max_new_tokens_limit: int = 4096,
+        max_new_tokens_limit: int = MAX_GENERATE_TOKENS,
     ) -> None:
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidArgument(f"max_batch must be an integer >= 1, got {max_batch!r}")
@@ -382,8 +383,9 @@ class Engine:
         whose row ends a read."""
         step, fed, ends = self._plan()
         # swaps begun between steps may still copy: wait for them only if they touch this step's blocks
-        self.kv_cache.wait_copies_touching(np.concatenate([step.write_blocks, step.decode_tables.ravel(), *(
-            b for _, _, _, b in step.spans if b is not None)]))  # fmt: skip
+        if self.kv_cache.copies_in_flight:
+            spans = [b for _, _, _, b in step.spans if b is not None]
+            self.kv_cache.wait_copies_touching(np.concatenate([step.write_blocks, step.decode_tables.ravel(), *spans]))
         logits = self._run_step(step)
         for req, n in fed:
             assert req.seq is not None

@@ -20,7 +20,7 @@ import torch
 
 from worker.model.config import ModelConfig
 from worker.model.decoder import Kernels
-from worker.model.paged_attention import graphs_supported, torch_paged_decode, triton_paged_decode
+from worker.model.paged_attention import graphs_supported, next_pow2, torch_paged_decode, triton_paged_decode
 
 _compiled: dict[str, Any] = {}
 
@@ -76,10 +76,6 @@ def _kernel(name: str) -> Any:
     return _compiled[name]
 
 
-def _next_pow2(n: int) -> int:
-    return 1 << (n - 1).bit_length()
-
-
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     """(rows, heads, token stride, head stride) of ``[tokens, dim]`` or ``[tokens, heads, dim]`` whose
     last dimension is contiguous (a column slice of a fused projection's output is fine)."""
@@ -95,7 +91,7 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     n_cols = x.shape[-1]
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows:
-        _kernel("rms_norm")[(rows,)](x, weight, y, heads, x_token, x_head, n_cols, eps, BLOCK=_next_pow2(n_cols))
+        _kernel("rms_norm")[(rows,)](x, weight, y, heads, x_token, x_head, n_cols, eps, BLOCK=next_pow2(n_cols))
     return y
 
 

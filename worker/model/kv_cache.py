@@ -413,6 +413,11 @@ class KvCache:
         self._alloc.copies_wait()
         self._copying.clear()
 
+    @property
+    def copies_in_flight(self) -> bool:
+        """Swaps were begun since the last wait (their copies may still run)."""
+        return bool(self._copying)
+
     def wait_copies_touching(self, blocks: np.ndarray) -> None:
         """Wait for the swaps begun so far if any of them reads or writes one of these device blocks
         (a step's blocks): a swap of other blocks copies on beside the step instead of stalling it.

@@ -102,6 +102,11 @@ def _build_kernel() -> Any:
     return paged_decode_kernel
 
 
+def next_pow2(n: int) -> int:
+    """The smallest power of two >= n (a Triton tile dimension)."""
+    return 1 << (n - 1).bit_length()
+
+
 def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None) -> torch.Tensor:
     """:func:`torch_paged_decode`'s result, computed by the Triton kernel (float32 accumulation; a
     float32 model's products in IEEE precision, not TF32)."""
@@ -116,7 +121,7 @@ def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, 
         q, layer, rows.tables, rows.lengths, out, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3),
         rows.tables.stride(0), out.stride(0), out.stride(1),
-        GROUP=group, GROUP_PAD=max(16, 1 << (group - 1).bit_length()), BLOCK_SIZE=layer.shape[2], HEAD_DIM=hd,
+        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), BLOCK_SIZE=layer.shape[2], HEAD_DIM=hd,
         KEYS=KEYS_PER_TILE, WINDOW=window or 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
     )  # fmt: skip
     return out
@@ -140,6 +145,6 @@ def graphs_supported(config: ModelConfig) -> bool:
 
 
 __all__ = [
-    "KEYS_PER_TILE", "graphs_supported", "torch_paged_decode", "triton_paged_decode",
+    "KEYS_PER_TILE", "graphs_supported", "next_pow2", "torch_paged_decode", "triton_paged_decode",
     "triton_supports",
 ]  # fmt: skip

@@ -14,6 +14,7 @@ from typing import Any, TypedDict
 
 import torch
 
+from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.errors import InvalidArgument, WrongState
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
@@ -26,7 +27,7 @@ from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
-DEFAULT_MAX_NEW_TOKENS = 4096
+DEFAULT_MAX_NEW_TOKENS = MAX_GENERATE_TOKENS
 
 
 class ModelInfo(TypedDict):
