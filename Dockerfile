@@ -1,4 +1,4 @@
-# memsvc image: the manager and the worker (one per GPU) run from it.
+# memsvc image: the manager, the worker (one per GPU) and the OpenAI gateway run from it.
 # Build stage: the same `make wheel` CI runs (native extension with its CUDA kernels, gRPC stubs).
 ARG CUDA_VERSION=13.0.1
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
@@ -19,13 +19,13 @@ RUN apt-get update \
  && chown memsvc /var/lib/memsvc
 COPY --from=build /src/dist/ /tmp/dist/
 RUN python3 -m venv /opt/memsvc \
- && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc-*.whl)[worker]" \
+ && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc-*.whl)[worker,gateway]" \
  && rm -rf /tmp/dist
 ENV PATH=/opt/memsvc/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONUNBUFFERED=1
 USER memsvc
 WORKDIR /home/memsvc
-EXPOSE 50051 50061 9400
+EXPOSE 50051 50061 9400 8000
 ENTRYPOINT ["memsvc"]
 CMD ["--help"]

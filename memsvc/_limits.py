@@ -46,6 +46,8 @@ MAX_LEASES_PER_WORKER = 1024
 """Leases held (or being granted) on one worker at once."""
 MAX_LEASES = 65536
 """Leases a manager holds at once, over all workers."""
+MAX_KEEP_ALIVE_S = 30 * 86400.0
+"""The longest keep_alive a lease may ask for (AcquireWorkerRequest.keep_alive)."""
 MAX_QUEUED_TRANSITIONS = 64
 """The manager's calls waiting for, or running, one worker's transitions (SleepWorker, WakeWorker)."""
 MAX_WATCHERS = 256
@@ -71,6 +73,7 @@ __all__ = [
     "MAX_HOLDER_BYTES",
     "MAX_HOST_BYTES",
     "MAX_ID_BYTES",
+    "MAX_KEEP_ALIVE_S",
     "MAX_LEASES",
     "MAX_LEASES_PER_WORKER",
     "MAX_PAGE_SIZE",

@@ -310,8 +310,10 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--tags", nargs="*", default=[], help="wake only these tags")
     p.add_argument("--manager", default=None)
     _client_auth_flags(p)
-    p = sub.add_parser("health", help="grpc.health.v1 check; exit 0 when SERVING (container health checks)")
-    p.add_argument("address", help="host:port")
+    p = sub.add_parser(
+        "health", help="grpc.health.v1 check, or an HTTP GET; exit 0 when SERVING or 2xx (container health checks)"
+    )
+    p.add_argument("address", help="host:port (gRPC), or an http:// URL (the gateway's /healthz)")
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
     p.add_argument("--timeout", type=float, default=3.0)
     _client_auth_flags(p)
@@ -400,6 +402,8 @@ def _ops(args: argparse.Namespace, security: object) -> int:
 
 
 def _health(address: str, service: str, timeout: float, security: object = None) -> int:
+    if address.startswith(("http://", "https://")):
+        return _http_health(address, timeout)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -415,6 +419,23 @@ def _health(address: str, service: str, timeout: float, security: object = None)
             return 1
     print(f"{address}: {health_pb2.HealthCheckResponse.ServingStatus.Name(r.status)}")
     return 0 if r.status == health_pb2.HealthCheckResponse.SERVING else 1
+
+
+def _http_health(url: str, timeout: float) -> int:
+    """GET ``url``: 0 on a 2xx answer (the gateway's /healthz, which has no gRPC health service)."""
+    import urllib.error
+    import urllib.request
+
+    try:
+        with urllib.request.urlopen(url, timeout=timeout) as resp:  # noqa: S310 - an operator's own URL
+            status = int(resp.status)
+    except urllib.error.HTTPError as err:
+        status = err.code
+    except (urllib.error.URLError, OSError) as err:
+        print(f"{url}: {getattr(err, 'reason', err)}", file=sys.stderr)
+        return 1
+    print(f"{url}: HTTP {status}")
+    return 0 if 200 <= status < 300 else 1
 
 
 def build_parser() -> argparse.ArgumentParser:

@@ -70,9 +70,16 @@ class ManagerClient:
     def wake(self, worker: str, tags: Sequence[str] = (), timeout: float = 600.0) -> m.WakeWorkerResponse:
         return self._call("WakeWorker", m.WakeWorkerRequest(name=worker_name(worker), tags=list(tags)), timeout)  # type: ignore[no-any-return]
 
-    def acquire(self, worker: str, ttl_s: float = 60.0, holder: str = "", timeout: float = 600.0) -> m.Lease:
+    def acquire(
+        self, worker: str, ttl_s: float = 60.0, holder: str = "", timeout: float = 600.0,
+        keep_alive_s: float | None = None,
+    ) -> m.Lease:  # fmt: skip
+        """A lease (waking the worker); ``keep_alive_s``: its idle time once this lease is the last to
+        end (0: sleep at once, negative: no idle sleep; None: the policy's)."""
         req = m.AcquireWorkerRequest(name=worker_name(worker), holder=holder)
         req.ttl.FromNanoseconds(int(ttl_s * 1e9))
+        if keep_alive_s is not None:
+            req.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
         return self._call("AcquireWorker", req, timeout).lease  # type: ignore[no-any-return]
 
     def release(self, lease_id: str) -> m.Worker:

@@ -43,6 +43,7 @@ MAKEFILE = REPO_ROOT / "Makefile"
 MANAGER_SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 WORKER_SERVICE = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 WORKERS = ("worker", "worker-cpu")
+SERVICES = ("manager", *WORKERS, "gateway")
 HEALTH_DEADLINE = 120.0
 
 
@@ -153,8 +154,9 @@ def make_rule(target: str) -> tuple[list[str], list[str]]:
 # ---- the file checks ----
 def test_services_and_profiles() -> None:
     svc = services()
-    assert {"manager", "worker", "worker-cpu"} <= set(svc)
+    assert set(SERVICES) <= set(svc)
     assert not svc["manager"].get("profiles"), "the manager runs in every profile"
+    assert not svc["gateway"].get("profiles"), "the gateway runs in every profile"
     assert svc["worker"]["profiles"] == ["gpu"]
     assert svc["worker-cpu"]["profiles"] == ["cpu"]
     assert dotenv()["COMPOSE_PROFILES"] == "gpu", ".env makes `docker compose up` start the GPU pair"
@@ -176,20 +178,23 @@ def test_workers_may_lock_host_memory(name: str) -> None:
     assert memlock == -1 or memlock == {"soft": -1, "hard": -1}
 
 
-@pytest.mark.parametrize("name", ["manager", *WORKERS])
+@pytest.mark.parametrize("name", SERVICES)
 def test_health_checks_use_memsvc_health_on_the_service_port(name: str) -> None:
     svc = services()[name]
     env = environment(svc, dotenv())
     test = svc["healthcheck"]["test"]
     assert test[:3] == ["CMD", "memsvc", "health"]
+    hc = svc["healthcheck"]
+    assert hc.get("interval") and hc.get("retries") and hc.get("start_period")
+    if name == "gateway":
+        assert test[3:] == [f"http://127.0.0.1:{port_of(env['MEMSVC_GATEWAY_LISTEN'])}/healthz"]
+        return
     listen = env["MEMSVC_MANAGER_LISTEN" if name == "manager" else "MEMSVC_WORKER_LISTEN"]
     assert test[3] == f"127.0.0.1:{port_of(listen)}", "the check dials the port the service listens on"
     assert test[4:] == ["--service", MANAGER_SERVICE if name == "manager" else WORKER_SERVICE]
-    hc = svc["healthcheck"]
-    assert hc.get("interval") and hc.get("retries") and hc.get("start_period")
 
 
-@pytest.mark.parametrize("name", ["manager", *WORKERS])
+@pytest.mark.parametrize("name", SERVICES)
 def test_restart_policy_image_and_graceful_stop(name: str) -> None:
     svc = services()[name]
     assert svc["restart"] == "unless-stopped"
@@ -217,6 +222,10 @@ def test_ports_volumes_and_wiring() -> None:
         models = [v for v in volumes(svc[name], variables) if v[1] == "/models"]
         assert models == [("./models", "/models", "ro")], "models are mounted read-only at /models"
         assert svc[name]["depends_on"]["manager"]["condition"] == "service_healthy"
+    genv = environment(svc["gateway"], variables)
+    assert ports(svc["gateway"]) == {port_of(genv["MEMSVC_GATEWAY_LISTEN"]): 8000}, "the OpenAI API on :8000"
+    assert genv["MEMSVC_MANAGER"] == f"manager:{port_of(menv['MEMSVC_MANAGER_LISTEN'])}"
+    assert svc["gateway"]["depends_on"]["manager"]["condition"] == "service_healthy"
 
 
 def test_image_builds_the_wheel_with_the_ci_target() -> None:
@@ -229,7 +238,7 @@ def test_image_builds_the_wheel_with_the_ci_target() -> None:
     assert any("--outdir dist" in line for line in recipe)
     runtime = stages["runtime"]
     assert any(ins.startswith("COPY --from=build") and "dist" in ins for ins in runtime)
-    assert any("[worker]" in ins and "pip install" in ins for ins in runtime)
+    assert any("[worker,gateway]" in ins and "pip install" in ins for ins in runtime), "the gateway runs from it too"
     assert any(ins.startswith("USER ") and ins.split()[1] not in ("root", "0") for ins in runtime)
     assert entrypoint() == ["memsvc"]
 
@@ -264,6 +273,9 @@ class Rewrite:
     def __call__(self, value: str, service: str) -> str:
         if value in self.addresses:
             return self.addresses[value]
+        if value.startswith("http://"):  # an HTTP health check: its host:port, the rest as it was
+            netloc, slash, path = value.removeprefix("http://").partition("/")
+            return f"http://{self(netloc, service)}{slash}{path}"
         if value.startswith("127.0.0.1:"):  # a health check dials its own container
             port = port_of(value)
             assert port in self.host_ports[service], f"{service} does not publish {port}"
@@ -297,7 +309,7 @@ def healthy(name: str, test: list[str], proc: Proc) -> None:
 @pytest.fixture
 def cpu_pair(tmp_path: Path) -> Iterator[tuple[dict[str, Proc], Rewrite, dict[str, dict[str, str]]]]:
     svc = services()
-    names = ["manager", "worker-cpu"]
+    names = ["manager", "worker-cpu", "gateway"]
     variables = dotenv()
     rw = Rewrite(svc, names, tmp_path, variables)
     base = {k: v for k, v in os.environ.items() if not k.startswith("MEMSVC_")}  # a container has none of ours
@@ -335,8 +347,16 @@ def test_cpu_profile_services_run_and_become_healthy(cpu_pair: tuple[dict[str, P
     metrics = envs["manager"]["MEMSVC_METRICS_LISTEN"]
     with urllib.request.urlopen(f"http://{metrics}/metrics", timeout=10) as resp:
         assert 'memsvc_worker_up{worker="cpu0"} 1.0' in resp.read().decode()
-    # `docker compose stop`: the stop_signal, then the grace period; both exit cleanly within it
-    for name in ("worker-cpu", "manager"):
+    gateway = envs["gateway"]["MEMSVC_GATEWAY_LISTEN"]  # rewritten to a loopback port
+    with urllib.request.urlopen(f"http://{gateway}/v1/models", timeout=30) as resp:
+        assert [x["id"] for x in json.load(resp)["data"]] == ["synthetic:small"], "the gateway serves the worker"
+    body = json.dumps({"model": "synthetic:small", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
+    post = urllib.request.Request(f"http://{gateway}/v1/completions", body.encode(),
+                                  {"Content-Type": "application/json"})  # fmt: skip
+    with urllib.request.urlopen(post, timeout=60) as resp:
+        assert json.load(resp)["usage"]["completion_tokens"] == 4
+    # `docker compose stop`: the stop_signal, then the grace period; each exits cleanly within it
+    for name in ("gateway", "worker-cpu", "manager"):
         grace = float(str(services()[name]["stop_grace_period"]).removesuffix("s"))
         code = procs[name].signal_and_wait(signal.SIGTERM, timeout=grace)
         assert code == 0, procs[name].failure(f"{name} exited {code} on SIGTERM")
@@ -352,6 +372,7 @@ OVERRIDES = {
     "MEMSVC_MODEL": "synthetic:tiny",
     "MEMSVC_KV_BLOCKS": "128",
     "MEMSVC_HOST_CAPACITY": "1GiB",
+    "MEMSVC_QUEUE_TIMEOUT": "12",
 }
 """What a user may put in .env to override compose's defaults: values that differ from the CLI defaults,
 so a variable the CLI ignores shows."""
@@ -369,7 +390,13 @@ def capture_worker(config, listen, manager=None, advertise=None):
     print(json.dumps({**dataclasses.asdict(config), "listen": listen, "manager": manager, "advertise": advertise}))
     return 0
 
-memsvc.manager.main.run, worker.main.run = capture_manager, capture_worker
+def capture_gateway(listen, manager, security=None, acquire_timeout=None, queue_timeout=None):
+    print(json.dumps({"listen": listen, "manager": manager, "wake_timeout": acquire_timeout,
+                      "queue_timeout": queue_timeout}))
+    return 0
+
+import memsvc.gateway
+memsvc.manager.main.run, worker.main.run, memsvc.gateway.run = capture_manager, capture_worker, capture_gateway
 sys.exit(main(sys.argv[1:]))
 """
 
@@ -382,6 +409,8 @@ EXPECTED: dict[str, tuple[str, Any]] = {
     "MEMSVC_IDLE_SLEEP_TIMEOUT": ("idle_sleep_timeout", float),
     "MEMSVC_IDLE_DEEP_SLEEP_TIMEOUT": ("idle_deep_sleep_timeout", float),
     "MEMSVC_WORKER_LISTEN": ("listen", str),
+    "MEMSVC_GATEWAY_LISTEN": ("listen", str),
+    "MEMSVC_QUEUE_TIMEOUT": ("queue_timeout", float),
     "MEMSVC_MANAGER": ("manager", str),
     "MEMSVC_ADVERTISE": ("advertise", str),
     "MEMSVC_HOST_NAME": ("host_name", str),
@@ -402,7 +431,7 @@ CLI_IGNORES_ENV: dict[str, str] = {}
 
 def _cases() -> list[Any]:
     cases = []
-    for name in ("manager", *WORKERS):
+    for name in SERVICES:
         for var in environment(services()[name], {}):
             marks = [pytest.mark.xfail(strict=True, reason=CLI_IGNORES_ENV[var])] if var in CLI_IGNORES_ENV else []
             cases.append(pytest.param(name, var, marks=marks, id=f"{name}-{var}"))

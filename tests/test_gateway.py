@@ -6,6 +6,7 @@ right HTTP status and change nothing; a client that leaves mid-stream gives its 
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shutil
 import subprocess
@@ -15,8 +16,11 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any, TypeVar
 
+import grpc
 import pytest
 from gatewayproc import GatewayProcess
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import ManagerProcess
 from test_generation import text_model
 from workerproc import WorkerProcess
@@ -155,8 +159,11 @@ def test_a_client_that_leaves_mid_stream_releases_its_lease(stack: Stack) -> Non
     stream.close()
     wait_for(stack.leases, lambda n: n == 0, "the lease of the client that left to be released")
     kv = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
-    wait_for(lambda: stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
-             lambda k: k.device_free_block_count == k.device_block_count, f"the stream's blocks to be freed ({kv})")
+    wait_for(
+        lambda: stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+        lambda k: k.device_free_block_count == k.device_block_count,
+        f"the stream's blocks to be freed ({kv})",
+    )
 
 
 def test_stop_strings_cut_the_text_at_the_first_stop(stack: Stack) -> None:
@@ -213,14 +220,28 @@ def test_health_and_readiness(stack: Stack) -> None:
     assert curl(stack.gateway.url, "/readyz", None)[0] == 200
 
 
+def _health_command(url: str) -> subprocess.CompletedProcess[str]:
+    import sys
+
+    argv = [sys.executable, "-m", "memsvc.cli", "health", url, "--timeout", "5"]
+    return subprocess.run(argv, capture_output=True, text=True, timeout=60)
+
+
 def test_a_gateway_whose_manager_is_gone_is_alive_but_not_ready(tmp_path: Path) -> None:
     gw = GatewayProcess("127.0.0.1:1").start()
     try:
         assert curl(gw.url, "/healthz", None)[0] == 200
         code, body = curl(gw.url, "/readyz", None)
         assert code == 503 and body["status"] == "manager unreachable"
+        # `memsvc health` on a URL (compose's check of the gateway): 0 on 2xx, 1 otherwise or unreachable
+        alive = _health_command(f"{gw.url}/healthz")
+        assert alive.returncode == 0 and "HTTP 200" in alive.stdout, alive
+        ready = _health_command(f"{gw.url}/readyz")
+        assert ready.returncode == 1 and "HTTP 503" in ready.stdout, ready
     finally:
         gw.kill()
+    gone = _health_command(f"{gw.url}/healthz")
+    assert gone.returncode == 1 and gone.stderr.strip(), gone
 
 
 def test_the_bearer_token_is_required_when_set(stack: Stack, tmp_path: Path) -> None:
@@ -261,6 +282,9 @@ def test_memsvc_up_starts_the_gateway_in_front_of_its_worker(tmp_path: Path) -> 
 
 def test_metrics_count_requests_and_responses_carry_a_request_id(stack: Stack) -> None:
     stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
+    streamed = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+    assert len(list(streamed)) >= 2
     curl(stack.gateway.url, "/v1/completions", '{"model": "nope", "prompt": "x"}')
     exe = shutil.which("curl")
     assert exe is not None
@@ -275,7 +299,9 @@ def test_metrics_count_requests_and_responses_carry_a_request_id(stack: Stack) -
     assert samples.get(ok, 0) >= 1
     assert samples.get('memsvc_gateway_requests_total{code="404",endpoint="completions",model=""}', 0) >= 1
     assert samples.get('memsvc_gateway_completion_tokens_total{model="text-model"}', 0) >= 3
-    assert samples.get('memsvc_gateway_time_to_first_token_seconds_count{model="text-model"}', 0) >= 1
+    for part in ("time_to_first_token", "queue", "wake", "prefill"):
+        assert samples.get(f'memsvc_gateway_{part}_seconds_count{{model="text-model"}}', 0) >= 1, part
+    assert samples.get('memsvc_gateway_tokens_per_second_count{model="text-model"}', 0) >= 1
 
 
 @pytest.fixture
@@ -380,3 +406,136 @@ def test_a_client_that_leaves_a_plain_request_stops_its_generation(
              "the generation's blocks to be freed")  # fmt: skip
     scrape = subprocess.run([exe, "-s", f"{gw.url}/metrics"], capture_output=True, text=True, timeout=30).stdout
     assert 'memsvc_gateway_requests_total{code="499",endpoint="completions",model="alpha"} 1.0' in scrape, scrape
+
+
+def _manager_worker(stack: Stack) -> m.Worker:
+    worker: m.Worker = stack.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gw0"), timeout=10).worker
+    return worker
+
+
+def _idle_sleep_timeout(stack: Stack, seconds: float) -> None:
+    policy = m.Policy(idle_sleep_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
+    stack.manager.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=FieldMask(
+        paths=["idle_sleep_timeout"])), timeout=10)  # fmt: skip
+
+
+def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> None:
+    """Ollama's keep_alive: -1 keeps the model awake past the policy's idle timeout, 0 puts it to sleep
+    right after the response, unset leaves the policy in force; out of range is a 400 that changes
+    nothing."""
+    _idle_sleep_timeout(stack, 0.5)
+    try:
+        r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
+                                            extra_body={"keep_alive": "-1"})  # fmt: skip
+        assert r.usage is not None and r.usage.completion_tokens == 2
+        assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000
+        time.sleep(2.0)  # four policy timeouts
+        assert _manager_worker(stack).state == c.WORKER_STATE_AWAKE, "keep_alive -1 still let it idle-sleep"
+
+        with pytest.raises(openai.BadRequestError) as bad:
+            stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"keep_alive": "40d"})
+        assert bad.value.status_code == 400 and "keep_alive" in str(bad.value.body)
+        with pytest.raises(openai.BadRequestError) as bad:
+            stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                            extra_body={"keep_alive": "1000h"})  # fmt: skip
+        assert "keep_alive" in str(bad.value.body), bad.value.body
+        assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000, "a refused request changed it"
+        assert _manager_worker(stack).state == c.WORKER_STATE_AWAKE
+
+        stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
+                                             extra_body={"keep_alive": 0})  # fmt: skip
+        wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP,
+                 "keep_alive 0 to put the model to sleep after its response", timeout=10)  # fmt: skip
+
+        stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)  # wakes it
+        assert not _manager_worker(stack).HasField("keep_alive"), "a request without keep_alive restores the policy"
+        wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP,
+                 "the policy's idle timer", timeout=10)  # fmt: skip
+    finally:
+        _idle_sleep_timeout(stack, 0)
+        stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+        wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_AWAKE, "the wake")
+
+
+def test_requests_that_arrive_during_a_wake_join_it(stack: Stack) -> None:
+    """Twelve requests for a level-2 sleeper at once: one wake serves them all, each gets the greedy
+    tokens, and no request sees the wake as an error."""
+    want = stack.direct(prompt=PROMPT, max_new_tokens=6).text
+    stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=60)
+    wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP, "level 2")
+    watch = stack.manager.stub.WatchWorkers(m.WatchWorkersRequest(names=["workers/gw0"]), timeout=120)
+    states: list[int] = []
+
+    def follow() -> None:
+        with contextlib.suppress(grpc.RpcError):  # cancelled below
+            states.extend(int(e.worker.state) for e in watch)
+
+    watcher = threading.Thread(target=follow, daemon=True)
+    watcher.start()
+    results: list[str] = []
+    errors: list[BaseException] = []
+
+    def one(i: int) -> None:
+        try:
+            if i % 2:
+                s = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
+                                                    stream=True)  # fmt: skip
+                results.append("".join(ch.choices[0].text for ch in s if ch.choices))
+            else:
+                r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
+                results.append(r.choices[0].text)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=one, args=(i,)) for i in range(12)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=120)
+    watch.cancel()
+    watcher.join(timeout=10)
+    assert not errors, errors[:3]
+    assert results == [want] * 12
+    woke = [i for i in range(1, len(states)) if states[i] == c.WORKER_STATE_AWAKE and states[i - 1] != states[i]]
+    assert len(woke) == 1, f"one wake for all twelve, saw states {states}"
+    wait_for(stack.leases, lambda n: n == 0, "every lease to be released")
+
+
+def test_concurrent_streams_across_two_models_that_fit_one_at_a_time(
+    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
+) -> None:
+    """32 streaming clients, half per model, on a device whose budget fits one: the manager serves one
+    model's leases, then sleeps it to wake the other for the requests that queued; nobody errs."""
+    mp, workers, _ = two_models
+    gw = GatewayProcess(mp.address, ["--queue-timeout", "60"]).start()  # the fixture's 1 s queue is for 503s
+    try:
+        client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
+        want = {name: wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[3, 1, 4, 1, 5], max_new_tokens=8),
+                                       timeout=60).token_ids
+                for name, wp in zip(("alpha", "beta"), workers, strict=True)}  # fmt: skip
+        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
+        results: dict[str, list[int]] = {"alpha": [], "beta": []}
+        errors: list[BaseException] = []
+
+        def one(model: str) -> None:
+            try:
+                s = client.completions.create(model=model, prompt=[3, 1, 4, 1, 5], max_tokens=8, temperature=0,
+                                              stream=True, stream_options={"include_usage": True})  # fmt: skip
+                chunks = list(s)
+                assert chunks[-1].usage is not None
+                results[model].append(chunks[-1].usage.completion_tokens)
+            except BaseException as exc:  # noqa: BLE001 - reported below
+                errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=("alpha" if i % 2 else "beta",)) for i in range(32)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join(timeout=180)
+        assert not errors, errors[:3]
+        assert {k: len(v) for k, v in results.items()} == {"alpha": 16, "beta": 16}
+        assert all(n == len(want[k]) for k, v in results.items() for n in v), (results, want)
+        states = {_state_of(mp, name) for name in ("alpha", "beta")}
+        assert c.WORKER_STATE_ASLEEP in states, "the budget fits one: one of them sleeps"
+    finally:
+        gw.kill()

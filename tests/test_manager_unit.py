@@ -222,6 +222,50 @@ async def test_a_lease_expires_after_its_ttl_and_frees_the_worker_for_idle_sleep
     await settle(lambda: a.state == WorkerState.ASLEEP, "idle sleep after expiry")
 
 
+async def test_the_last_lease_to_end_sets_the_idle_timeout_by_its_keep_alive(env: Env) -> None:
+    """keep_alive (Ollama's): 0 sleeps at the next tick, negative never idle-sleeps, positive replaces
+    the policy's timeout; the last lease to end decides and a lease without one restores the policy."""
+    a = await env.worker("a")
+    await env.policy(idle_sleep_timeout=Duration(seconds=60))
+    forever, _ = await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=-1)
+    plain, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    env.manager.release(plain.lease_id)
+    assert env.rec("a").keep_alive is None, "a lease that is not the last to end decides nothing"
+    env.manager.release(forever.lease_id)
+    assert env.rec("a").keep_alive == -1 and env.rec("a").to_proto().keep_alive.ToSeconds() == -1
+    env.idle_for("a", 10 * 86400)
+    env.manager.tick()
+    await asyncio.sleep(0.05)
+    assert a.state == WorkerState.AWAKE and a.calls == [], "keep_alive -1 let the idle timer sleep it"
+
+    longer, _ = await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=600)
+    env.manager.release(longer.lease_id)
+    env.idle_for("a", 120)  # past the policy's 60 s, short of the lease's 600 s
+    env.manager.tick()
+    await asyncio.sleep(0.05)
+    assert a.state == WorkerState.AWAKE
+    env.idle_for("a", 500)
+    env.manager.tick()
+    await settle(lambda: a.state == WorkerState.ASLEEP, "the sleep after keep_alive 600 s")
+
+    now, _ = await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=0)  # wakes it
+    renewed, _ = await env.manager.acquire("a", 60, "t", now.lease_id, "", None, keep_alive=-1)
+    assert renewed.keep_alive == -1, "a renewal's keep_alive replaces the lease's"
+    renewed, _ = await env.manager.acquire("a", 60, "t", now.lease_id, "", None)
+    assert renewed.keep_alive == -1, "a renewal without keep_alive keeps it"
+    renewed.keep_alive = 0.0
+    env.manager.release(now.lease_id)
+    env.manager.tick()  # no idle time at all
+    await settle(lambda: a.state == WorkerState.ASLEEP, "the sleep right after keep_alive 0")
+
+    policy, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    env.manager.release(policy.lease_id)
+    assert env.rec("a").keep_alive is None and not env.rec("a").to_proto().HasField("keep_alive")
+    with pytest.raises(InvalidArgument, match="keep_alive"):
+        await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=31 * 86400)
+    assert env.rec("a").leases == {}
+
+
 async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> None:
     a = await env.worker("a")
     await a.crash()

@@ -193,7 +193,9 @@ def create_app(
     async def _completions(req: CompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
         gen = w.GenerateRequest(
-            max_new_tokens=_limit(req.max_tokens), sampling=_sampling(req), ignore_eos=req.ignore_eos,
+            max_new_tokens=_limit(req.max_tokens),
+            sampling=_sampling(req),
+            ignore_eos=req.ignore_eos,
             stop_at_context=True,
         )
         if isinstance(req.prompt, str):
@@ -211,7 +213,9 @@ def create_app(
     async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
         gen = w.GenerateRequest(
-            max_new_tokens=_limit(req.limit), sampling=_sampling(req), ignore_eos=req.ignore_eos,
+            max_new_tokens=_limit(req.limit),
+            sampling=_sampling(req),
+            ignore_eos=req.ignore_eos,
             stop_at_context=True,
         )
         gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
@@ -228,10 +232,15 @@ def create_app(
         stack = contextlib.AsyncExitStack()
         try:
             try:
-                lease = await stack.enter_async_context(backends.lease(worker, holder, acquire_timeout, queue_timeout))
+                granted = await stack.enter_async_context(
+                    backends.lease(worker, holder, acquire_timeout, queue_timeout, req.keep_alive_s)
+                )
             except grpc.RpcError as exc:
                 raise from_rpc(exc, "manager") from None
-            metrics.lease_wait.labels(req.model).observe(time.perf_counter() - t0)
+            leased = time.perf_counter()
+            metrics.queue.labels(req.model).observe(granted.queued_s)
+            metrics.wake.labels(req.model).observe(max(leased - t0 - granted.queued_s, 0.0))
+            lease = granted.response
             stub = backends.worker(lease.worker.address or worker.address)
             if not req.stream:
                 try:
@@ -240,7 +249,6 @@ def create_app(
                     raise from_rpc(exc, "worker") from None
                 finally:
                     await stack.aclose()  # the lease goes back before the answer does
-                metrics.first_token.labels(req.model).observe(time.perf_counter() - t0)
                 metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
                 stops = _StopText(req.stop_strings)
                 text = stops.feed(r.text) + stops.rest()
@@ -252,12 +260,15 @@ def create_app(
                 first = await call.read()  # errors before the first token are the response's status
             except grpc.RpcError as exc:
                 raise from_rpc(exc, "worker") from None
-            metrics.first_token.labels(req.model).observe(time.perf_counter() - t0)
+            first_at = time.perf_counter()
+            metrics.prefill.labels(req.model).observe(first_at - leased)
+            metrics.first_token.labels(req.model).observe(first_at - t0)
         except BaseException:
             await stack.aclose()
             raise
         closed = _Once(stack.aclose)
-        events = _stream(req, kind, first, call, closed, metrics.completion_tokens.labels(req.model).inc)
+        tally = _Tally(metrics, req.model, first_at)
+        events = _stream(req, kind, first, call, closed, tally)
         return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
 
     return app
@@ -315,6 +326,26 @@ async def _unless_client_left(request: Request, call: Awaitable[T]) -> T:
             raise GatewayError(499, "the client closed the request", code="client_closed_request")
 
 
+class _Tally:
+    """A streamed response's token count, and its decode rate once it ends (tokens after the first,
+    over the time since the first)."""
+
+    def __init__(self, metrics: GatewayMetrics, model: str, first_at: float) -> None:
+        self._tokens = metrics.completion_tokens.labels(model)
+        self._rate = metrics.decode_rate.labels(model)
+        self.first_at = first_at
+        self.count = 0
+
+    def add(self, n: int) -> None:
+        self.count += n
+        self._tokens.inc(n)
+
+    def done(self) -> None:
+        elapsed = time.perf_counter() - self.first_at
+        if self.count > 1 and elapsed > 0:
+            self._rate.observe((self.count - 1) / elapsed)
+
+
 class _Once:
     """An async cleanup that runs once, from the stream's end or the response's background task
     (which also runs when the client left before the stream started)."""
@@ -341,8 +372,7 @@ def _whole(kind: str, model: str, text: str, reason: str, prompt_tokens: int, co
 
 
 async def _stream(
-    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once,
-    count_tokens: Callable[[int], None],
+    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once, tally: _Tally
 ) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; the lease goes when it ends."""
     chat = kind == "chat.completion"
@@ -361,15 +391,14 @@ async def _stream(
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
     stops = _StopText(req.stop_strings)
-    completion = prompt_tokens = 0
+    prompt_tokens = 0
     finish: str | None = None
     try:
         if chat:
             yield event({"index": 0, "delta": {"role": "assistant", "content": ""}, "finish_reason": None})
         msg = first
         while msg is not grpc.aio.EOF and msg is not None:
-            completion += len(msg.token_ids)
-            count_tokens(len(msg.token_ids))
+            tally.add(len(msg.token_ids))
             out = stops.feed(msg.text)
             if out:
                 yield event(piece(out))
@@ -384,8 +413,9 @@ async def _stream(
         if tail:
             yield event(piece(tail))
         yield event(piece("", finish or "length"))
+        tally.done()
         if req.include_usage:
-            yield event(None, {"usage": usage(prompt_tokens, completion)})
+            yield event(None, {"usage": usage(prompt_tokens, tally.count)})
         yield "data: [DONE]\n\n"
     except grpc.RpcError as exc:
         err = from_rpc(exc, "worker")

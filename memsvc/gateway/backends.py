@@ -32,6 +32,15 @@ QUEUE_POLL_S = 0.25
 
 
 @dataclass(frozen=True)
+class Granted:
+    """A lease, and how long its request waited in the queue for room before the grant's own call
+    (which then woke the worker, evicting a neighbour if it had to)."""
+
+    response: m.AcquireWorkerResponse
+    queued_s: float
+
+
+@dataclass(frozen=True)
 class Served:
     """One worker serving a model, as the manager last saw it."""
 
@@ -97,18 +106,25 @@ class Backends:
         usable = [s for s in workers if s.state != c.WORKER_STATE_UNAVAILABLE] or workers
         return min(usable, key=lambda s: (s.state != c.WORKER_STATE_AWAKE, s.leases, s.name))
 
-    async def acquire(self, worker: Served, holder: str, timeout: float, queue_s: float) -> m.AcquireWorkerResponse:
+    async def acquire(
+        self, worker: Served, holder: str, timeout: float, queue_s: float, keep_alive_s: float | None = None
+    ) -> Granted:
         """A lease on ``worker``, which the manager wakes (making room on its device first). While the
         manager cannot make room (every other worker there is leased: RESOURCE_EXHAUSTED) the request
-        waits its turn, asking again, for up to ``queue_s``; then the refusal is the answer."""
+        waits its turn, asking again, for up to ``queue_s``; then the refusal is the answer.
+        ``keep_alive_s``: the lease's keep_alive (see AcquireWorkerRequest)."""
         loop = asyncio.get_running_loop()
-        give_up = loop.time() + queue_s
+        start = loop.time()
+        give_up = start + queue_s
         ttl = duration_pb2.Duration(seconds=LEASE_TTL_S)
         request = m.AcquireWorkerRequest(name=worker.name, ttl=ttl, holder=holder)
+        if keep_alive_s is not None:
+            request.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
         while True:
+            asked = loop.time()
             try:
                 r: m.AcquireWorkerResponse = await self.manager.AcquireWorker(request, timeout=timeout)
-                return r
+                return Granted(r, asked - start)
             except grpc.aio.AioRpcError as exc:
                 left = give_up - loop.time()
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
@@ -117,17 +133,18 @@ class Backends:
 
     @contextlib.asynccontextmanager
     async def lease(
-        self, worker: Served, holder: str, timeout: float, queue_s: float = 0.0
-    ) -> AsyncIterator[m.AcquireWorkerResponse]:
+        self, worker: Served, holder: str, timeout: float, queue_s: float = 0.0, keep_alive_s: float | None = None
+    ) -> AsyncIterator[Granted]:
         """Hold a lease on ``worker`` (see :meth:`acquire`) for the block; released however it ends."""
-        r = await self.acquire(worker, holder, timeout, queue_s)
+        granted = await self.acquire(worker, holder, timeout, queue_s, keep_alive_s)
         try:
-            yield r
+            yield granted
         finally:
             # shielded: a client that left cancels this task, and the lease must still go back now
-            release = self.manager.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=r.lease.lease_id), timeout=10)
+            lease_id = granted.response.lease.lease_id
+            release = self.manager.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
             with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
                 await asyncio.shield(release)
 
 
-__all__ = ["LEASE_TTL_S", "QUEUE_POLL_S", "STATE_LABEL", "Backends", "Served"]
+__all__ = ["LEASE_TTL_S", "QUEUE_POLL_S", "STATE_LABEL", "Backends", "Granted", "Served"]

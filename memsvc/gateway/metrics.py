@@ -19,16 +19,45 @@ class GatewayMetrics:
             "memsvc_gateway_requests", "Requests answered, by model, endpoint and HTTP status",
             ["model", "endpoint", "code"], registry=r,
         )  # fmt: skip
-        self.lease_wait = Histogram(
-            "memsvc_gateway_lease_wait_seconds", "From the request to its worker's lease: the queue and the wake",
-            ["model"], buckets=_LATENCY, registry=r,
+        self.queue = Histogram(
+            "memsvc_gateway_queue_seconds",
+            "Time to first token, part 1: waiting for room on the model's device (every neighbour leased)",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.wake = Histogram(
+            "memsvc_gateway_wake_seconds",
+            "Time to first token, part 2: the lease's own call (the wake and any eviction; near 0 when awake)",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.prefill = Histogram(
+            "memsvc_gateway_prefill_seconds",
+            "Time to first token, part 3: from the lease to the first token (the worker's queue and prefill)",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
         )
         self.first_token = Histogram(
-            "memsvc_gateway_time_to_first_token_seconds", "From the request to its first token (lease wait included)",
-            ["model"], buckets=_LATENCY, registry=r,
+            "memsvc_gateway_time_to_first_token_seconds",
+            "From the request to its first token: queue, wake and prefill",
+            ["model"],
+            buckets=_LATENCY,
+            registry=r,
+        )
+        self.decode_rate = Histogram(
+            "memsvc_gateway_tokens_per_second",
+            "Each streamed response's decode rate after its first token",
+            ["model"],
+            buckets=(1, 2, 5, 10, 20, 50, 100, 200, 500, 1000, 2000),
+            registry=r,
         )
         self.wakes = Counter(
-            "memsvc_gateway_wakes", "Requests that leased a worker which was not awake (the lease woke it)", ["model"],
+            "memsvc_gateway_wakes",
+            "Requests that leased a worker which was not awake (the lease woke it)",
+            ["model"],
             registry=r,
         )
         self.completion_tokens = Counter(

@@ -8,6 +8,7 @@ prompts in one request, ``logprobs``, tools.
 
 from __future__ import annotations
 
+import re
 import time
 import uuid
 from typing import Any, Literal
@@ -16,6 +17,27 @@ from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop``."""
+
+_UNIT_S = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|\u00b5s|ms|s|m|h)")
+
+
+def keep_alive_seconds(value: str | float | None) -> float | None:
+    """Ollama's ``keep_alive`` in seconds: a number of seconds, or a Go duration string (``"5m"``,
+    ``"1h30m"``, ``"-1"``, ``"0"``); 0 = sleep right after, negative = never idle-sleep."""
+    if value is None or isinstance(value, (int, float)):
+        return None if value is None else float(value)
+    text = value.strip()
+    sign = -1.0 if text.startswith("-") else 1.0
+    body = text.lstrip("+-")
+    try:
+        return sign * float(body)
+    except ValueError:
+        pass
+    parts = _DURATION.findall(body)
+    if not body or "".join(n + u for n, u in parts) != body:
+        raise ValueError(f"keep_alive {value!r} is neither seconds nor a duration such as '5m', '1h30m', '-1'")
+    return sign * sum(float(n) * _UNIT_S[u] for n, u in parts)
 
 
 class GatewayError(Exception):
@@ -54,6 +76,9 @@ class _Sampling(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extension: do not stop at the model's end-of-sequence tokens."""
+    keep_alive: str | float | None = None
+    """Ollama's extension: how long the model stays awake once idle after this request (a duration
+    or seconds; 0 = sleep right after, negative = never idle-sleep; unset: the manager's policy)."""
 
     @field_validator("n")
     @classmethod
@@ -69,6 +94,18 @@ class _Sampling(BaseModel):
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
         return stop
+
+    @field_validator("keep_alive")
+    @classmethod
+    def _keep_alive(cls, value: str | float | None) -> str | float | None:
+        seconds = keep_alive_seconds(value)
+        if seconds is not None and not -1e12 < seconds < 1e12:
+            raise ValueError("keep_alive is out of range")
+        return value
+
+    @property
+    def keep_alive_s(self) -> float | None:
+        return keep_alive_seconds(self.keep_alive)
 
     @field_validator("logprobs")
     @classmethod
@@ -162,6 +199,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "GatewayError", "StreamOptions", "new_id", "now",
-    "usage",
+    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "GatewayError", "StreamOptions", "keep_alive_seconds",
+    "new_id", "now", "usage",
 ]  # fmt: skip

@@ -139,9 +139,10 @@ class Manager:
         return await self.transitions.swap_blocks(name, request, deadline or NO_DEADLINE)
 
     async def acquire(
-        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline | None = None
-    ) -> tuple[Lease, WorkerRecord]:
-        return await self.leases.acquire(name, ttl, holder, lease_id, request_id, deadline or NO_DEADLINE)
+        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline | None = None,
+        keep_alive: float | None = None,
+    ) -> tuple[Lease, WorkerRecord]:  # fmt: skip
+        return await self.leases.acquire(name, ttl, holder, lease_id, request_id, deadline or NO_DEADLINE, keep_alive)
 
     def release(self, lease_id: str) -> WorkerRecord:
         return self.leases.release(lease_id)

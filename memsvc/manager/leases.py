@@ -14,7 +14,7 @@ import time
 import uuid
 
 from memsvc._deadline import Deadline
-from memsvc._limits import MAX_HOLDER_BYTES, MAX_LEASES, MAX_LEASES_PER_WORKER, check_length
+from memsvc._limits import MAX_HOLDER_BYTES, MAX_KEEP_ALIVE_S, MAX_LEASES, MAX_LEASES_PER_WORKER, check_length
 from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable
 from memsvc.manager.budgets import Budgets
@@ -28,6 +28,7 @@ from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")
+
 
 class Leases:
     def __init__(
@@ -74,21 +75,29 @@ class Leases:
         self._store.save_lease(StoredLease(lease.lease_id, lease.worker_id, lease.expire_time, lease.holder))
 
     async def acquire(
-        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline
-    ) -> tuple[Lease, WorkerRecord]:
+        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline,
+        keep_alive: float | None = None,
+    ) -> tuple[Lease, WorkerRecord]:  # fmt: skip
         ttl = self._ttl(ttl)
         check_length(holder, MAX_HOLDER_BYTES, "holder")
+        if keep_alive is not None and keep_alive > MAX_KEEP_ALIVE_S:
+            raise InvalidArgument(
+                f"keep_alive must be at most {MAX_KEEP_ALIVE_S:.0f} s (negative: no idle sleep)",
+                metadata={"field": "keep_alive", "max": f"{MAX_KEEP_ALIVE_S:.0f}s"},
+            )
         rec = self._registry.get(name)
         if lease_id:  # renewal
             lease = self.leases.get(lease_id)
             if lease is None or lease.worker_id != rec.worker_id:
                 raise NotFound(f"no lease {lease_id!r} on {rec.name}", metadata={"leaseId": lease_id})
             lease.expire_time = time.time() + ttl
+            if keep_alive is not None:
+                lease.keep_alive = keep_alive
             self._save(lease)
             return lease, rec
 
         async def grant(shared: Deadline) -> str:
-            return await self._grant(rec, ttl, holder, shared)
+            return await self._grant(rec, ttl, holder, shared, keep_alive)
 
         lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id, deadline)
         if lease_id not in self.leases:  # released or expired since: this retry asks for a new one
@@ -96,7 +105,9 @@ class Leases:
             lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id, deadline)
         return self.leases[lease_id], rec
 
-    async def _grant(self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline) -> str:
+    async def _grant(
+        self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline, keep_alive: float | None
+    ) -> str:
         self._registry.link(rec)
         if len(rec.leases) >= MAX_LEASES_PER_WORKER or len(self.leases) >= MAX_LEASES:
             on_worker = len(rec.leases) >= MAX_LEASES_PER_WORKER
@@ -106,7 +117,7 @@ class Leases:
                 else f"the manager holds {len(self.leases)} leases, its most; release some",
                 metadata={"maxLeases": str(MAX_LEASES_PER_WORKER if on_worker else MAX_LEASES)},
             )
-        lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder)  # TTL starts at the grant
+        lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder, keep_alive)  # TTL starts at the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
         self.leases[lease.lease_id] = lease
         try:
@@ -161,6 +172,7 @@ class Leases:
         rec.leases.pop(lease_id, None)
         if not rec.leases:
             rec.idle_since = time.time()  # a drain: the idle clock starts at the last release
+            rec.keep_alive = lease.keep_alive  # and the last lease to end says how long it may run
         if expired:
             self._metrics.leases_expired.inc()
             log.info("lease %s on %s expired", lease_id, rec.worker_id)

@@ -31,6 +31,9 @@ class Lease:
     worker_id: str
     expire_time: float
     holder: str
+    keep_alive: float | None = None
+    """Seconds the worker may stay idle and awake after this lease, if it is the last to end (negative:
+    no idle sleep); None: the policy's idle_sleep_timeout."""
 
     def to_proto(self) -> m.Lease:
         lease = m.Lease(lease_id=self.lease_id, worker=NAME_PREFIX + self.worker_id, holder=self.holder)
@@ -63,6 +66,8 @@ class WorkerRecord:
     """Clients' transition calls waiting for ``lock`` or holding it (see :meth:`exclusive`)."""
     next_idle_attempt: float = 0.0
     """After a failed idle sleep: the idle timers try again no earlier than this (wall clock)."""
+    keep_alive: float | None = None
+    """The keep_alive of the last lease to end: its tier-1 idle timeout until the next lease ends."""
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:
@@ -153,4 +158,6 @@ class WorkerRecord:
             w.last_seen_time.FromNanoseconds(int(self.last_seen * 1e9))
         if not self.leases:
             w.idle_since_time.FromNanoseconds(int(self.idle_start * 1e9))
+        if self.keep_alive is not None:
+            w.keep_alive.FromNanoseconds(int(self.keep_alive * 1e9))
         return w

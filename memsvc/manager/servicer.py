@@ -74,9 +74,10 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
     async def AcquireWorker(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
         if request.ttl.seconds < 0 or request.ttl.nanos < 0:
             raise InvalidArgument("ttl must not be negative")
+        keep_alive = request.keep_alive.ToNanoseconds() / 1e9 if request.HasField("keep_alive") else None
         lease, rec = await self.manager.acquire(
             request.name, request.ttl.ToNanoseconds() / 1e9, request.holder, request.lease_id, request.request_id,
-            caller_deadline(context),
+            caller_deadline(context), keep_alive,
         )  # fmt: skip
         return m.AcquireWorkerResponse(lease=lease.to_proto(), worker=rec.to_proto())
 

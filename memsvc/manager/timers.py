@@ -29,6 +29,14 @@ from memsvc.vocabulary import AWAKE_STATES, SleepLevel, WorkerState
 log = logging.getLogger("memsvc.manager")
 
 
+def _tier1_after(keep_alive: float | None, policy_timeout: float) -> float | None:
+    """Seconds of idleness before tier 1, or None for never: a lease's keep_alive (0 = at once,
+    negative = never) in place of the policy's timeout (0 = never)."""
+    if keep_alive is not None:
+        return keep_alive if keep_alive >= 0 else None
+    return policy_timeout or None
+
+
 class IdleTimers:
     PAUSE_S = 1.0
     """A gap between ticks longer than this (or 5 intervals) means the manager itself was paused."""
@@ -87,7 +95,8 @@ class IdleTimers:
                 continue
             p = self._policies.effective(rec.name)
             idle = now - rec.idle_start
-            if rec.state in AWAKE_STATES and p.idle_sleep_timeout and idle >= p.idle_sleep_timeout:
+            tier1 = _tier1_after(rec.keep_alive, p.idle_sleep_timeout)
+            if rec.state in AWAKE_STATES and tier1 is not None and idle >= tier1:
                 self._background.spawn(self._idle_sleep(rec, 1), f"idle sleep {rec.worker_id}")
             elif (
                 rec.state == WorkerState.ASLEEP
