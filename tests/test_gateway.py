@@ -333,13 +333,17 @@ def _state_of(mp: ManagerProcess, name: str) -> int:
     return int(mp.stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker.state)
 
 
+@pytest.mark.parametrize("headroom", [0, 6 << 20], ids=["evict-first", "evict-beside-the-wake"])
 def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
-    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
+    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess], headroom: int
 ) -> None:
     mp, _, gw = two_models
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
     assert sorted(x.id for x in client.models.list().data) == ["alpha", "beta"]
     mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
+    mp.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(device_swap_headroom_bytes=headroom),
+                                               update_mask=FieldMask(paths=["device_swap_headroom_bytes"])),
+                         timeout=10)  # fmt: skip
     answers: dict[str, list[int]] = {}
     for model in ("alpha", "beta", "alpha", "beta"):
         r = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=6, temperature=0)

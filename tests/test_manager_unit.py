@@ -41,6 +41,7 @@ class _Sizes(TypedDict, total=False):
 class _PolicyFields(TypedDict, total=False):
     device_budget_bytes: int
     host_budget_bytes: int
+    device_swap_headroom_bytes: int
     idle_sleep_timeout: Duration
     idle_deep_sleep_timeout: Duration
 
@@ -121,6 +122,65 @@ async def test_device_budget_refuses_when_every_neighbour_is_leased_and_keeps_th
     lease, _ = await env.manager.acquire("b", 60, "t", "", "", None)  # now a can be evicted
     # mypy keeps b.state narrowed to ASLEEP by the assert above, across the await that wakes b
     assert b.state == WorkerState.AWAKE  # type: ignore[comparison-overlap]
+    env.manager.release(lease.lease_id)
+
+
+async def _swap_pair(env: Env, headroom: int, device_total: int = 80 * GiB) -> tuple[InMemoryWorker, InMemoryWorker]:
+    """a asleep, b awake, a 4 GiB budget that fits one of them (2+1 GiB each), ``headroom`` over it;
+    b's next sleep held at its gate."""
+    a = await env.worker("a", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=device_total)
+    b = await env.worker("b", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=device_total)
+    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+    await env.policy(device_budget_bytes=4 * GiB, device_swap_headroom_bytes=headroom)
+    b.gate = asyncio.Event()
+    return a, b
+
+
+async def test_with_swap_headroom_the_wake_runs_while_its_eviction_is_still_sleeping(env: Env) -> None:
+    a, b = await _swap_pair(env, headroom=3 * GiB)
+    lease, _ = await asyncio.wait_for(env.manager.acquire("a", 60, "t", "", "", None), timeout=5)
+    assert a.state == WorkerState.AWAKE and a.calls == ["Sleep", "WakeUp"]
+    assert b.calls == ["Sleep"] and b.state == WorkerState.AWAKE, "b's sleep is still held, yet a is awake"
+    assert env.rec("b").lock.locked(), "the eviction holds b: no lease or timer acts on it meanwhile"
+    b.gate.set()
+    await settle(lambda: env.rec("b").state == WorkerState.ASLEEP and not env.rec("b").lock.locked(), "b's sleep")
+    assert env.manager.metrics.evictions._value.get() == 1
+    env.manager.release(lease.lease_id)
+
+
+@pytest.mark.parametrize(
+    ("headroom", "device_total", "why"),
+    [(0, 80 * GiB, "no headroom"), (2 * GiB - 1, 80 * GiB, "the headroom is short of the overlap"),
+     (3 * GiB, 2 * GiB, "the device's free memory does not hold both")],
+)  # fmt: skip
+async def test_without_room_for_both_the_eviction_ends_before_the_wake(
+    env: Env, headroom: int, device_total: int, why: str
+) -> None:
+    a, b = await _swap_pair(env, headroom, device_total)
+    acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
+    await settle(lambda: b.calls == ["Sleep"], "the eviction to start")
+    await asyncio.sleep(0.05)
+    assert not acquiring.done() and a.calls == ["Sleep"], f"{why}: the wake must wait for the eviction"
+    assert b.gate is not None
+    b.gate.set()
+    lease, _ = await asyncio.wait_for(acquiring, timeout=5)
+    assert a.state == WorkerState.AWAKE and b.state == WorkerState.ASLEEP
+    env.manager.release(lease.lease_id)
+
+
+async def test_an_overlapped_wake_that_finds_the_device_full_waits_for_its_eviction_and_tries_again(env: Env) -> None:
+    a, b = await _swap_pair(env, headroom=3 * GiB)
+    a.refuse = OutOfMemory("cuMemCreate failed: out of memory")  # the device was fuller than reported
+    acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
+    await settle(lambda: a.calls == ["Sleep", "WakeUp"], "the overlapped wake to be refused")
+    await asyncio.sleep(0.05)
+    assert not acquiring.done(), "it waits for the eviction instead of failing"
+    a.refuse = None
+    assert b.gate is not None
+    b.gate.set()
+    lease, _ = await asyncio.wait_for(acquiring, timeout=5)
+    assert a.calls == ["Sleep", "WakeUp", "WakeUp"] and a.state == WorkerState.AWAKE
+    assert b.state == WorkerState.ASLEEP
     env.manager.release(lease.lease_id)
 
 

@@ -1,7 +1,11 @@
 """Device and host budgets: room is made before it is needed.
 
 - device: before a worker wakes, the least recently used idle worker on the same device is put to
-  sleep until the waking one fits; RESOURCE_EXHAUSTED only when nothing can be freed.
+  sleep until the waking one fits; RESOURCE_EXHAUSTED only when nothing can be freed. With the
+  policy's ``device_swap_headroom_bytes``, the wake starts while that sleep is still running when
+  both fit in the budget plus the headroom and in the device's free memory: the neighbour's
+  device-to-host copy and the wake's host-to-device copy then run at once (PCIe is full duplex), and
+  a swap costs about one copy instead of two.
 - host: before a sleep offloads, the coldest sleeper on the host is demoted to level 2; a tier-1
   sleep that still does not fit sleeps at level 2 itself.
 
@@ -11,7 +15,10 @@ neighbour does not fail the wake it was making room for.
 
 from __future__ import annotations
 
+import asyncio
 import logging
+from collections.abc import Awaitable, Callable
+from typing import TypeVar
 
 from memsvc._deadline import Deadline
 from memsvc.errors import MemsvcError, OutOfMemory
@@ -24,6 +31,7 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.vocabulary import AWAKE_STATES, SleepLevel, WorkerState
 
 log = logging.getLogger("memsvc.manager")
+T = TypeVar("T")
 
 
 class Budgets:
@@ -32,26 +40,53 @@ class Budgets:
         self._policies = policies
         self._calls = calls
         self._metrics = metrics
+        self._evicting: set[asyncio.Task[None]] = set()
+        """Evictions running beside the wake they make room for (kept here so none is collected)."""
 
     def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
         return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
 
-    async def make_device_room(self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline) -> None:
-        """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget."""
+    async def wake_with_room(
+        self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline, wake: Callable[[], Awaitable[T]]
+    ) -> T:
+        """``wake()`` once ``rec`` waking ``tags`` fits its device budget (see :meth:`make_device_room`).
+        A wake that runs beside evictions and finds the device full after all (its free memory was
+        reported before someone else took it) waits for them and is tried once more: a failed wake
+        leaves the worker asleep with its backups, so the second try starts clean."""
+        evicting = await self.make_device_room(rec, tags, deadline)
+        try:
+            return await wake()
+        except OutOfMemory:
+            if not evicting:
+                raise
+            log.info("waking %s beside its evictions found the device full: waiting for them", rec.worker_id)
+            await asyncio.wait(evicting)
+            return await wake()
+
+    async def make_device_room(
+        self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline
+    ) -> list[asyncio.Task[None]]:
+        """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget. The
+        sleeps that may overlap the wake (``device_swap_headroom_bytes``) are left running, and
+        returned; the others have ended."""
         group = self._device_group(rec)
-        budget = self._policies.effective(rec.name).device_budget_bytes or min(
+        policy = self._policies.effective(rec.name)
+        budget = policy.device_budget_bytes or min(
             [r.device_total_bytes for r in [rec, *group] if r.device_total_bytes] or [0]
         )
+        evicting: list[asyncio.Task[None]] = []
         if not budget:
-            return
+            return evicting
         need = rec.wake_need_bytes(tags)
         if not need:
-            return  # nothing to map (the worker will say why the wake does not apply)
+            return evicting  # nothing to map (the worker will say why the wake does not apply)
         passed_over: set[str] = set()
+        going = 0  # bytes of the evictions left running: counted as free for the budget
         while True:
-            used = rec.mapped_bytes + sum(r.mapped_bytes for r in group)
+            now = rec.mapped_bytes + sum(r.mapped_bytes for r in group)
+            used = now - going
             if used + need <= budget:
-                return
+                return evicting
             idle = [
                 r
                 for r in group
@@ -69,6 +104,24 @@ class Budgets:
                     metadata={"budgetBytes": str(budget), "neededBytes": str(need), "usedBytes": str(used)},
                 )
             victim = min(idle, key=lambda r: r.idle_start)
+            passed_over.add(victim.worker_id)  # one try per victim, whichever way it goes
+            free = rec.status.device.free_bytes if rec.status is not None else 0
+            if (
+                policy.device_swap_headroom_bytes
+                and now + need <= budget + policy.device_swap_headroom_bytes
+                and (free >= need)
+            ):
+                await victim.lock.acquire()  # now, so that no lease or other sleep slips in before the task
+                if victim.leases or victim.state not in AWAKE_STATES or victim.in_transition:
+                    victim.lock.release()
+                    continue
+                log.info("making room for %s: putting %s to sleep beside the wake", rec.worker_id, victim.worker_id)
+                going += victim.mapped_bytes
+                task = asyncio.create_task(self._evict_locked(victim, deadline))
+                self._evicting.add(task)
+                task.add_done_callback(self._evicting.discard)
+                evicting.append(task)
+                continue
             log.info("making room for %s: putting %s to sleep", rec.worker_id, victim.worker_id)
             async with victim.lock:
                 if victim.leases or victim.state not in AWAKE_STATES:
@@ -79,9 +132,22 @@ class Budgets:
                     if deadline.passed():  # the caller's deadline, not the victim, is the answer
                         raise
                     log.warning("making room for %s: %s did not sleep: %s", rec.worker_id, victim.worker_id, exc)
-                    passed_over.add(victim.worker_id)
                     continue
                 self._metrics.evictions.inc()
+
+    async def _evict_locked(self, victim: WorkerRecord, deadline: Deadline) -> None:
+        """An eviction beside a wake; the caller took ``victim.lock``, released here. Its failure is
+        logged, not raised: the wake it made room for may already have finished (and if the device
+        then proves too full, that wake fails and is tried again once this has ended)."""
+        try:
+            await self.sleep_tier1(victim, deadline, "device budget (beside a wake)")
+            self._metrics.evictions.inc()
+        except MemsvcError as exc:
+            log.warning("an eviction beside a wake: %s did not sleep: %s", victim.worker_id, exc)
+        except Exception:
+            log.exception("an eviction beside a wake: %s", victim.worker_id)
+        finally:
+            victim.lock.release()
 
     async def make_host_room(self, rec: WorkerRecord, need: int, deadline: Deadline) -> bool:
         """Demote the coldest sleepers on ``rec``'s host to level 2 until ``need`` more bytes fit."""

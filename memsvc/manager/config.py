@@ -10,6 +10,7 @@ workers and timing. Example::
     idle_deep_sleep_timeout = 3600  # seconds idle -> tier 2 (level 2)
     device_budget_bytes = 0         # 0: the device's capacity
     host_budget_bytes = 0           # 0: unlimited
+    device_swap_headroom_bytes = 0  # over the budget while an eviction and its wake overlap; 0: never
     tag_actions = { weights = "offload", kv_cache = "discard" }
 
     [[workers]]                     # static workers, besides those that register themselves

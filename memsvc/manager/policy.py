@@ -21,7 +21,10 @@ from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
 
 log = logging.getLogger("memsvc.manager.policy")
 
-FIELDS = ("tag_actions", "idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes")
+FIELDS = (
+    "tag_actions", "idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes",
+    "device_swap_headroom_bytes",
+)  # fmt: skip
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 
 
@@ -39,6 +42,8 @@ class Policy:
     """Device bytes awake workers may map per device; 0 = the device's capacity."""
     host_budget_bytes: int = 0
     """Host bytes offloaded workers may hold per host; 0 = unlimited."""
+    device_swap_headroom_bytes: int = 0
+    """Device bytes above the budget a wake may use while its eviction still runs; 0 = none."""
 
     def to_fields(self) -> dict[str, Any]:
         """Every field, as the store keeps them (JSON: actions as their proto numbers)."""
@@ -51,7 +56,10 @@ class Policy:
         return replace(self, **fields)
 
     def to_proto(self) -> m.Policy:
-        p = m.Policy(device_budget_bytes=self.device_budget_bytes, host_budget_bytes=self.host_budget_bytes)
+        p = m.Policy(
+            device_budget_bytes=self.device_budget_bytes, host_budget_bytes=self.host_budget_bytes,
+            device_swap_headroom_bytes=self.device_swap_headroom_bytes,
+        )  # fmt: skip
         p.tag_actions.update({t: a.proto for t, a in self.tag_actions.items()})
         p.idle_sleep_timeout.FromNanoseconds(int(self.idle_sleep_timeout * 1e9))
         p.idle_deep_sleep_timeout.FromNanoseconds(int(self.idle_deep_sleep_timeout * 1e9))
@@ -106,7 +114,7 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
                 out[key] = {check_tag(str(t)): Action.parse(a, str(t)) for t, a in dict(value).items()}
             except InvalidArgument as exc:
                 raise InvalidArgument(f"config: {exc}") from None
-        elif key in ("idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes"):
+        elif key in FIELDS:
             kind = float if key.endswith("timeout") else int
             try:
                 out[key] = kind(value)

@@ -80,16 +80,15 @@ class Transitions:
         async def wake(shared: Deadline) -> c.TransitionStats:
             async with rec.exclusive():
                 self._registry.link(rec)  # before any neighbour is evicted for a forgotten worker
-                await self._budgets.make_device_room(rec, tags or None, shared)
-                t = await self._calls.wake(rec, tags, request_id, shared)
+                t = await self._budgets.wake_with_room(
+                    rec, tags or None, shared, lambda: self._calls.wake(rec, tags, request_id, shared)
+                )
                 rec.idle_since = time.time()
             return t
 
         return rec, await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)
 
-    async def swap_blocks(
-        self, name: str, request: w.SwapBlocksRequest, deadline: Deadline
-    ) -> w.SwapBlocksResponse:
+    async def swap_blocks(self, name: str, request: w.SwapBlocksRequest, deadline: Deadline) -> w.SwapBlocksResponse:
         return await self._calls.swap_blocks(self._registry.get(name), request, deadline)
 
 
