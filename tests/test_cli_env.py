@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import subprocess
 import sys
+from pathlib import Path
 
 import pytest
 
@@ -55,3 +56,23 @@ def test_numbers_from_the_environment_are_the_flags_defaults(monkeypatch: pytest
 def test_version() -> None:
     r = run(["--version"])
     assert r.returncode == 0 and r.stdout.strip().startswith("memsvc 0.")
+
+
+def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
+    """A config file or a model directory that is not there, or a model the decoder does not serve:
+    one line naming it, exit 2, no traceback (a traceback is for bugs)."""
+    root = tmp_path
+    unsupported = root / "gpt2"
+    unsupported.mkdir()
+    (unsupported / "config.json").write_text('{"model_type": "gpt2"}')
+    cases = [
+        (["manager", "--listen", "127.0.0.1:0", "--config", str(root / "missing.toml")], "missing.toml"),
+        (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--model", "/no/such/dir"], "/no/such/dir"),
+        (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--model", str(unsupported)], "gpt2"),
+    ]
+    for args, named in cases:
+        r = run(args)
+        assert r.returncode == 2, (args, r.returncode, r.stderr)
+        assert "Traceback" not in r.stderr, r.stderr
+        errors = [line for line in r.stderr.splitlines() if "error" in line]
+        assert len(errors) == 1 and named in errors[0] and errors[0].startswith("memsvc"), r.stderr

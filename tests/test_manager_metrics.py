@@ -76,6 +76,8 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     scrape = mgr.metrics()
     assert _sample(scrape, "memsvc_worker_state", worker=WID, state="awake") == 1.0
     assert (_sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") or 0) > 0
+    # the load at the worker's start (TransitionStats.kind "load") is counted once, from its first snapshot
+    assert _sample(scrape, "memsvc_worker_transitions_total", worker=WID, kind="load") == 1.0
 
     stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{WID}"), timeout=60)
     wait_state(stub, WID, c.WORKER_STATE_ASLEEP)

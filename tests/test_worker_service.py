@@ -284,6 +284,19 @@ def test_host_prepin_serves_the_first_sleep() -> None:
         assert "host prepin: " in wp.stderr_text(), "no prepin log line"
 
 
+def test_continuing_a_sequence_that_a_sleep_discarded_is_not_found(stub: Stub, info: Info) -> None:
+    """A level-1 sleep discards the KV cache and its sequences: continuing one (no prompt) is
+    NOT_FOUND naming it, not the INVALID_ARGUMENT of a new sequence without a prompt."""
+    generate_full(stub, [4, 5, 6], 2, sequence_id="kept-then-discarded")
+    sleep(stub)
+    wake(stub)
+    err = expect_error(lambda: generate(stub, [], 2, sequence_id="kept-then-discarded"), grpc.StatusCode.NOT_FOUND)
+    assert "kept-then-discarded" in err.details(), err.details()
+    found = error_info(err)
+    assert found is not None and dict(found.metadata) == {"sequenceId": "kept-then-discarded"}, found
+    expect_error(lambda: generate(stub, [], 2), grpc.StatusCode.INVALID_ARGUMENT)  # no id: a prompt is needed
+
+
 def test_reload_weights_keeps_tokens(stub: Stub, info: Info) -> None:
     r = stub.ReloadWeights(w.ReloadWeightsRequest(), timeout=CALL_TIMEOUT)
     assert r.transition.kind == "reload_weights"

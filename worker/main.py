@@ -8,6 +8,7 @@ import sys
 
 from memsvc._auth import Security
 from memsvc._serving import install_signal_handlers, start_server
+from memsvc.errors import MemsvcError
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.config import WorkerConfig
@@ -39,7 +40,11 @@ async def serve(
     install_signal_handlers(stop)
     try:
         await core.load()
-    except Exception:
+    except MemsvcError as exc:  # the user's model or flags (no such directory, a config it cannot serve)
+        print(f"memsvc worker: error: cannot load {config.model}: {exc}", file=sys.stderr, flush=True)
+        await srv.stop(0)
+        return 2
+    except Exception:  # a bug: its traceback is what a report needs
         log.exception("loading the model failed")
         await srv.stop(0)
         return 1

@@ -16,7 +16,7 @@ from memsvc.manager.watch import WatchEvent, WatchHub
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.vocabulary import BUSY_STATES, WorkerState
+from memsvc.vocabulary import BUSY_STATES, TransitionKind, WorkerState
 
 log = logging.getLogger("memsvc.manager")
 
@@ -56,6 +56,11 @@ class TelemetryIngest:
     async def on_telemetry(self, rec: WorkerRecord, msg: w.StreamTelemetryResponse) -> None:
         kind = msg.WhichOneof("event")
         if kind == "snapshot":
+            first = rec.status is None
+            if first and msg.snapshot.last_transition.kind == TransitionKind.LOAD:
+                # the model's load ended before the worker registered, so no transition event told of
+                # it: its first snapshot does, once per record (the counters start with the manager)
+                self.metrics.transition(rec.worker_id, msg.snapshot.last_transition)
             await self.set_status(rec, msg.snapshot, True, "telemetry")
         elif kind == "state_change":
             status = c.WorkerStatus()

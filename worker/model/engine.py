@@ -32,11 +32,11 @@ import numpy as np
 import torch
 
 from memsvc._limits import MAX_GENERATE_TOKENS
-from memsvc.errors import Cancelled, InvalidArgument, OutOfMemory, WrongState
+from memsvc.errors import Cancelled, InvalidArgument, NotFound, OutOfMemory, WrongState
 from memsvc.vocabulary import FinishReason
 from worker.model.decoder import HostStep
 from worker.model.generation import GenerationRequest, GenerationResult
-from worker.model.kv_cache import KvCache, Sequence
+from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
 from worker.model.sampling import Sampler
 
 DEFAULT_MAX_BATCH = 64
@@ -255,6 +255,12 @@ class Engine:
         sid = request.sequence_id
         existing = kv.sequences.get(sid) if sid is not None else None
         if existing is None and not req.prompt:
+            if sid is not None:  # no prompt: a continuation, of a sequence that is not here
+                raise NotFound(
+                    f"no sequence {sid!r}: never created here, freed, or discarded by a sleep that discarded "
+                    "the KV cache (send its tokens again as a prompt)",
+                    metadata={"sequenceId": sid},
+                )
             raise InvalidArgument("a new sequence needs a non-empty prompt")
         if existing is not None:
             if existing.handle in self.busy_sequences():
@@ -288,7 +294,7 @@ class Engine:
             self._waiting.popleft()
             return False
         if existing is None:
-            req.seq = kv.allocate_sequence(sid if sid is not None else f"tmp-{uuid.uuid4().hex}")
+            req.seq = kv.allocate_sequence(sid if sid is not None else f"{TEMPORARY_PREFIX}{uuid.uuid4().hex}")
             req.created = True
         else:
             req.seq = existing

@@ -35,6 +35,9 @@ def kv_block_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tup
     return (num_blocks, config.num_layers, 2, block_size, config.num_kv_heads, config.head_dim)
 
 
+TEMPORARY_PREFIX = "tmp-"
+"""The id prefix of the sequence a Generate without ``sequence_id`` reads into (freed at its end)."""
+
 class _BlockPool:
     """``num_blocks`` equal, contiguous blocks in one tensor."""
 
@@ -270,6 +273,12 @@ class KvCache:
         slots = self._owner[location][block_ids]
         return self._table.seq[slots[slots != _FREE]]  # type: ignore[no-any-return]
 
+    @staticmethod
+    def describe(seq_id: str) -> str:
+        """How an error names the sequence: a temporary one (a Generate without ``sequence_id``) is
+        the client's request, not an id it never sent."""
+        return "this request" if seq_id.startswith(TEMPORARY_PREFIX) else f"sequence {seq_id!r}"
+
     def ensure_capacity(self, seq_id: str, num_tokens: int) -> None:
         """Give the sequence device blocks for ``num_tokens`` positions in all (the lowest free ids).
 
@@ -284,7 +293,10 @@ class KvCache:
         owner = self._owner["device"]
         free = np.flatnonzero(owner == _FREE)
         if needed > len(free):
-            raise OutOfMemory(f"KV cache: sequence {seq_id!r} needs {needed} more device blocks, {len(free)} are free")
+            raise OutOfMemory(
+                f"KV cache: {self.describe(seq_id)} needs {needed} more device blocks, {len(free)} are free",
+                metadata={"neededBlocks": str(needed), "freeBlocks": str(len(free))},
+            )
         blocks = free[:needed]
         slots = self._table.take(needed, seq.handle)
         self._table.block[slots] = blocks
@@ -520,6 +532,7 @@ __all__ = [
     "Location",
     "PendingSwap",
     "Sequence",
+    "TEMPORARY_PREFIX",
     "kv_block_shape",
     "pairs_to_ids",
 ]
