@@ -369,7 +369,7 @@ def test_generate_rejects_bad_input_and_changes_nothing(alloc: MemoryAllocator) 
         ([True], 1, None, InvalidArgument),
         ("abc", 1, None, InvalidArgument),
         ([], 3, None, InvalidArgument),
-        ([], 3, "new", InvalidArgument),
+        ([], 3, "new", NotFound),  # no prompt: a continuation of a sequence that is not there
         ([1], -1, None, InvalidArgument),
         ([1], 1.5, None, InvalidArgument),
         ([1], runner.max_new_tokens_limit + 1, None, InvalidArgument),
