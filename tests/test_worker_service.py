@@ -548,7 +548,7 @@ def test_sequence_across_sleep_with_kv_action(stub: Stub, info: Info, kv_action:
     kv = status(stub).kv_cache
     if kv_action == "DISCARD":
         assert kv.sequence_count == 0 and kv.device_free_block_count == info.device_blocks
-        expect_error(lambda: generate(stub, [], n2, sequence_id="across"), grpc.StatusCode.INVALID_ARGUMENT)
+        expect_error(lambda: generate(stub, [], n2, sequence_id="across"), grpc.StatusCode.NOT_FOUND)
     else:
         assert kv.sequence_count == 1 and kv.device_free_block_count == info.device_blocks - held
         assert generate(stub, [], n2, sequence_id="across") == uninterrupted[n1:]
@@ -714,6 +714,7 @@ def _free_device(i: Info, b: list[int], n: int = 1) -> list[int]:
 
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
+NOT_FOUND = grpc.StatusCode.NOT_FOUND
 OUT, IN = c.SWAP_DIRECTION_DEVICE_TO_HOST, c.SWAP_DIRECTION_HOST_TO_DEVICE
 OFFLOAD, DISCARD = c.TAG_ACTION_OFFLOAD, c.TAG_ACTION_DISCARD
 
@@ -742,7 +743,7 @@ BAD_REQUESTS = [
     Bad("generate-max-new-huge", "awake", _gen(lambda i: [1, 2], 2**31 - 1), INVALID),
     Bad("generate-beyond-context", "awake", _gen(lambda i: [1, 2], 4096), INVALID),
     Bad("generate-empty-prompt-no-sequence", "awake", _gen(lambda i: [], 4), INVALID),
-    Bad("generate-empty-prompt-unknown-sequence", "awake", _gen(lambda i: [], 4, "never-seen"), INVALID),
+    Bad("generate-empty-prompt-unknown-sequence", "awake", _gen(lambda i: [], 4, "never-seen"), NOT_FOUND),
     Bad("generate-bad-token-on-sequence", "sequence", _gen(lambda i: [i.vocab], 4, SEQ), INVALID),
     Bad("generate-negative-max-on-sequence", "sequence", _gen(lambda i: [], -1, SEQ), INVALID),
     Bad("generate-beyond-context-on-sequence", "sequence", _gen(lambda i: [], 2040, SEQ), INVALID),
@@ -1119,8 +1120,8 @@ def test_health_serving_and_sigterm_drains() -> None:
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
-        (["--model", "/nonexistent/ckpt"], 1, "config.json does not exist"),
-        (["--model", "synthetic:no-such-preset"], 1, "unknown synthetic preset"),
+        (["--model", "/nonexistent/ckpt"], 2, "config.json does not exist"),  # the user's error: one line
+        (["--model", "synthetic:no-such-preset"], 2, "unknown synthetic preset"),
         (["--kv-blocks", "0"], 2, "--kv-blocks must be > 0"),
     ],
 )
