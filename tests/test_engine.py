@@ -512,8 +512,9 @@ def test_a_request_larger_than_the_pool_fails_at_once_and_changes_nothing(small_
     )
     info = error_info(err)
     assert info is not None and info.reason != "OVERLOADED", info
-    assert "the request needs 13" in err.details() and "tmp-" not in err.details(), (
-        "the error names the request, not an internal sequence id the client never sent: " + err.details()
+    details = str(err.details())
+    assert "the request needs 13" in details and "tmp-" not in details, (
+        "the error names the request, not an internal sequence id the client never sent: " + details
     )
     after = status(small_kv_stub)
     assert after.state == before.state == c.WORKER_STATE_AWAKE

@@ -142,6 +142,7 @@ async def test_with_swap_headroom_the_wake_runs_while_its_eviction_is_still_slee
     assert a.state == WorkerState.AWAKE and a.calls == ["Sleep", "WakeUp"]
     assert b.calls == ["Sleep"] and b.state == WorkerState.AWAKE, "b's sleep is still held, yet a is awake"
     assert env.rec("b").lock.locked(), "the eviction holds b: no lease or timer acts on it meanwhile"
+    assert b.gate is not None
     b.gate.set()
     await settle(lambda: env.rec("b").state == WorkerState.ASLEEP and not env.rec("b").lock.locked(), "b's sleep")
     assert env.manager.metrics.evictions._value.get() == 1

@@ -291,7 +291,7 @@ def test_continuing_a_sequence_that_a_sleep_discarded_is_not_found(stub: Stub, i
     sleep(stub)
     wake(stub)
     err = expect_error(lambda: generate(stub, [], 2, sequence_id="kept-then-discarded"), grpc.StatusCode.NOT_FOUND)
-    assert "kept-then-discarded" in err.details(), err.details()
+    assert "kept-then-discarded" in str(err.details()), err.details()
     found = error_info(err)
     assert found is not None and dict(found.metadata) == {"sequenceId": "kept-then-discarded"}, found
     expect_error(lambda: generate(stub, [], 2), grpc.StatusCode.INVALID_ARGUMENT)  # no id: a prompt is needed
