@@ -1,5 +1,5 @@
 # memsvc image: the manager, the worker (one per GPU) and the OpenAI gateway run from it.
-# Build stage: the same `make wheel` CI runs (native extension with its CUDA kernels, gRPC stubs).
+# Build stage: the same `make wheel` CI runs (native extension with its CUDA kernels; the gRPC stubs' wheel).
 ARG CUDA_VERSION=13.0.1
 FROM nvidia/cuda:${CUDA_VERSION}-devel-ubuntu24.04 AS build
 RUN apt-get update \
@@ -17,9 +17,10 @@ RUN apt-get update \
  && useradd --create-home --uid 10001 memsvc \
  && mkdir -p /var/lib/memsvc /models \
  && chown memsvc /var/lib/memsvc
+# Both wheels of `make wheel`: memsvc depends on memsvc-api (the stubs), which pip takes from the file named.
 COPY --from=build /src/dist/ /tmp/dist/
 RUN python3 -m venv /opt/memsvc \
- && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc-*.whl)[worker,gateway]" \
+ && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc_api-*.whl)" "$(ls /tmp/dist/memsvc-*.whl)[worker,gateway]" \
  && rm -rf /tmp/dist
 ENV PATH=/opt/memsvc/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \

@@ -16,22 +16,25 @@ $(VENV)/.deps: pyproject.toml
 build: $(VENV)/.deps
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
-# The image's build stage runs this same target.
+# The image's build stage runs this same target. Two wheels: memsvc (services, client, native
+# extension) and memsvc-api (api/: the generated stubs alone, pure Python), which memsvc depends on.
 wheel:
 	python3 -m venv .venv-build
 	.venv-build/bin/pip install -q --upgrade pip build
-	rm -rf build dist
+	rm -rf build dist api/build *.egg-info api/*.egg-info
 	.venv-build/bin/python -m build --wheel --outdir dist .
+	.venv-build/bin/python -m build --wheel --outdir dist api
+	rm -rf *.egg-info api/*.egg-info  # the wheels' metadata, not the editable install's
 
 up: build
 	$(VENV)/bin/memsvc up
 
 test: build wheel
-	$(PY) -m ruff check memsvc worker tests bench examples
+	$(PY) -m ruff check memsvc worker tests bench examples build_support api
 	$(PY) -m mypy
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf format --diff --exit-code
 	$(PY) -m pytest
 
 clean:
-	rm -rf build dist $(VENV) .venv-build worker/*.so *.egg-info memsvc/v1/*_pb2*
+	rm -rf build dist $(VENV) .venv-build worker/*.so *.egg-info api/build api/*.egg-info memsvc/v1/*_pb2*

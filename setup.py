@@ -1,10 +1,22 @@
-"""Build of the native extension ``worker._native``.
+"""Build of memsvc, and of its native extension ``worker._native``.
 
 The extension is plain C against the limited API (one abi3 build serves every CPython >= 3.11) and
 links neither libcuda, libcudart nor libtorch. When ``nvcc`` is found, native/kernels.cu is
 compiled to a fatbin that is embedded in the extension and loaded at run time with
 cuModuleLoadData; without it the build still succeeds and the ``kernel`` copy method and device
 checksums report themselves unavailable. ``MEMSVC_NVCC=0`` skips nvcc, ``MEMSVC_NVCC=/path`` picks one.
+
+The generated gRPC stubs (memsvc/v1) belong to the memsvc-api distribution (api/), so that a service
+wanting only them installs nothing compiled. A wheel of memsvc therefore leaves memsvc/v1 out and
+depends on memsvc-api of its own version: the two wheels share no file, and pip installs them side by
+side (memsvc/__init__.py comes from memsvc only; alone, memsvc-api's memsvc/ is a namespace package).
+Shipping memsvc/v1 in both instead would make two distributions own the same files, which pip
+neither detects nor survives (uninstalling either deletes the other's stubs).
+
+An editable install (``pip install -e .``) is the exception: it generates memsvc/v1 in the work tree
+and serves it from there with the rest of memsvc, so it neither needs nor may have memsvc-api
+installed (a memsvc/ folder in site-packages would be a namespace package that shadows the editable
+memsvc). build_support/memsvc_build.py, the build backend, tells this file which build it is.
 """
 
 from __future__ import annotations
@@ -12,16 +24,18 @@ from __future__ import annotations
 import os
 import shutil
 import subprocess
+import sys
 from pathlib import Path
 
 from setuptools import Extension, setup
 from setuptools.command.build_ext import build_ext
 from setuptools.command.build_py import build_py
 
-ROOT = Path(__file__).parent
+ROOT = Path(__file__).resolve().parent
+sys.path.insert(0, str(ROOT / "build_support"))
+import memsvc_build  # noqa: E402  (the build backend itself when run by it; shared with api/setup.py)
+
 NATIVE = ROOT / "native"
-PROTOS = ROOT / "protos"
-STUBS = ROOT / "memsvc" / "v1"
 GENCODE = [
     "-gencode=arch=compute_80,code=sm_80",
     "-gencode=arch=compute_90,code=sm_90",
@@ -65,38 +79,18 @@ class BuildNative(build_ext):
         super().build_extensions()
 
 
-def generate_stubs() -> None:
-    """protos/memsvc/v1/*.proto -> memsvc/v1/*_pb2.py(i), *_pb2_grpc.py(i), in the source tree.
-
-    The proto tree mirrors the package (-Iprotos), so generated imports are absolute
-    (``from memsvc.v1 import common_pb2``) with no rewriting.
-    """
-    import sys
-
-    import grpc_tools
-    from grpc_tools import protoc
-
-    protos = sorted(str(p) for p in (PROTOS / "memsvc" / "v1").glob("*.proto"))
-    wkt = str(Path(grpc_tools.__file__).parent / "_proto")
-    args = ["protoc", f"-I{PROTOS}", f"-I{wkt}", f"--python_out={ROOT}", f"--grpc_python_out={ROOT}"]
-    # Typed stubs from mypy-protobuf (a build requirement): enums as typed ValueTypes, messages and
-    # both the sync and the asyncio service stubs, so users' code and ours type-check against them.
-    for name, out in (("protoc-gen-mypy", "mypy_out"), ("protoc-gen-mypy_grpc", "mypy_grpc_out")):
-        plugin = shutil.which(name) or str(Path(sys.executable).parent / name)
-        if not os.access(plugin, os.X_OK):
-            raise RuntimeError(f"{name} not found: install mypy-protobuf (a build requirement)")
-        args += [f"--plugin={name}={plugin}", f"--{out}={ROOT}"]
-    if protoc.main([*args, *protos]) != 0:
-        raise RuntimeError("protoc failed on " + " ".join(protos))
-    for stub in STUBS.glob("*_pb2_grpc.py*"):  # files without services get empty gRPC modules
-        if "service" not in stub.name:
-            stub.unlink()
-
-
 class BuildPy(build_py):
     def run(self) -> None:
-        generate_stubs()
+        if self.editable_mode:  # a wheel leaves memsvc/v1 out (pyproject.toml): memsvc-api has it
+            memsvc_build.generate_stubs(ROOT)
         super().run()
+
+
+def dependencies() -> list[str]:
+    deps = [*memsvc_build.api_dependencies(), *memsvc_build.service_dependencies()]
+    if not memsvc_build.EDITABLE:
+        deps.append(f"{memsvc_build.API_DISTRIBUTION}=={memsvc_build.version()}")
+    return deps
 
 
 native = Extension(
@@ -109,6 +103,7 @@ native = Extension(
 )
 
 setup(
+    install_requires=dependencies(),
     ext_modules=[native],
     cmdclass={"build_ext": BuildNative, "build_py": BuildPy},
     options={"bdist_wheel": {"py_limited_api": "cp311"}},

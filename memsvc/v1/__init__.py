@@ -2,5 +2,6 @@
 
     from memsvc.v1 import memory_manager_service_pb2 as mgr, memory_manager_service_pb2_grpc as mgr_grpc
 
-Needs grpcio and protobuf only; importing it never loads torch or the native extension.
+Needs grpcio and protobuf only; importing it never loads torch or the native extension. Installed by
+the memsvc-api distribution (api/; memsvc depends on it), which holds this folder and nothing else.
 """
