@@ -99,6 +99,10 @@ def run(
         except subprocess.TimeoutExpired:
             p.kill()
     codes = [p.returncode for p in children]
+    names = ["manager", "worker", "gateway"]
+    for name, code in zip(names, codes, strict=False):
+        if code:
+            print(f"memsvc up: the {name} exited with {code}", file=sys.stderr, flush=True)
     return 0 if stopping and all(code == 0 for code in codes) else (next((c for c in codes if c), 1))
 
 

@@ -7,7 +7,7 @@ import logging
 import sys
 
 from memsvc._auth import Security
-from memsvc._serving import install_signal_handlers, start_server
+from memsvc._serving import ignore_stop_signals, install_signal_handlers, start_server
 from memsvc.errors import MemsvcError
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -75,4 +75,7 @@ def run(
     security: Security | None = None,
 ) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(config, listen, manager, advertise, security))
+    try:
+        return asyncio.run(serve(config, listen, manager, advertise, security))
+    finally:
+        ignore_stop_signals()

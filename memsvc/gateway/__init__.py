@@ -60,7 +60,12 @@ def run(
         if not server.started:
             raise SystemExit(f"memsvc gateway: could not serve on {listen}")
 
-    asyncio.run(serve())
+    from memsvc._serving import ignore_stop_signals
+
+    try:
+        asyncio.run(serve())
+    finally:
+        ignore_stop_signals()
     print("memsvc gateway stopped", flush=True)
     return 0
 

@@ -34,6 +34,10 @@ OnDown = Callable[[str], Awaitable[None]]
 """Called with a reason when the telemetry stream ends or fails."""
 
 
+STREAM_ENDED = "it ended its telemetry stream (stopping)"
+"""The reason a link goes down when the worker closed the stream itself, as a draining worker does:
+a stop, not a failure (an error status or a broken connection is the other kind)."""
+
 class WorkerLink(Protocol):
     """What the manager can do with one worker."""
 
@@ -136,7 +140,7 @@ class GrpcWorkerLink:
                 async for msg in self.stub.StreamTelemetry(request):
                     backoff = 0.2
                     await self._on_message(msg)
-                reason = "telemetry stream ended"
+                reason = STREAM_ENDED
             except grpc.aio.AioRpcError as err:
                 reason = f"{err.code().name}: {err.details()}"
             except asyncio.CancelledError:
@@ -161,4 +165,4 @@ def grpc_links(security: Security | None = None) -> LinkFactory:
     return make
 
 
-__all__ = ["GrpcWorkerLink", "LinkFactory", "OnDown", "OnMessage", "WorkerLink", "grpc_links"]
+__all__ = ["STREAM_ENDED", "GrpcWorkerLink", "LinkFactory", "OnDown", "OnMessage", "WorkerLink", "grpc_links"]

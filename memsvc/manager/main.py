@@ -8,7 +8,7 @@ import sys
 from typing import Any
 
 from memsvc._auth import Security
-from memsvc._serving import Server, install_signal_handlers, start_server
+from memsvc._serving import Server, ignore_stop_signals, install_signal_handlers, start_server
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
@@ -97,4 +97,7 @@ def run(
     security: Security | None = None,
 ) -> int:
     logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
-    return asyncio.run(serve(listen, db, config, metrics_listen, policy, security))
+    try:
+        return asyncio.run(serve(listen, db, config, metrics_listen, policy, security))
+    finally:
+        ignore_stop_signals()

@@ -10,6 +10,7 @@ from __future__ import annotations
 import logging
 import time
 
+from memsvc.manager.links import STREAM_ENDED
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.watch import WatchEvent, WatchHub
@@ -71,7 +72,8 @@ class TelemetryIngest:
                 # The worker sets the settled state as the last step of a transition (the one it runs
                 # at a time): the snapshot's transition_in_progress is stale from here on.
                 status.transition_in_progress = False
-            await self.set_status(rec, status, True, msg.state_change.reason, msg.time.ToNanoseconds())
+            reason = rec.cause or msg.state_change.reason  # the manager's cause, when it started this
+            await self.set_status(rec, status, True, reason, msg.time.ToNanoseconds())
         elif kind == "transition":
             self.metrics.transition(rec.worker_id, msg.transition)
             out = m.WatchWorkersResponse(worker=rec.to_proto())
@@ -79,8 +81,9 @@ class TelemetryIngest:
             self.publish(rec, out)
 
     async def on_down(self, rec: WorkerRecord, reason: str) -> None:
-        if rec.reachable:
-            log.warning("worker %s unavailable: %s", rec.worker_id, reason)
+        if rec.reachable:  # a worker that stops says so by ending its stream: no warning for that
+            level = logging.INFO if reason == STREAM_ENDED else logging.WARNING
+            log.log(level, "worker %s unavailable: %s", rec.worker_id, reason)
         await self.set_status(rec, None, False, reason)
 
     def publish(self, rec: WorkerRecord, msg: m.WatchWorkersResponse) -> None:
