@@ -12,7 +12,7 @@ import os
 import re
 import sys
 from collections.abc import Sequence
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
     from rich.table import Table
@@ -22,47 +22,72 @@ if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help st
 _UNITS = {
     "": 1,
     "b": 1,
-    "k": 1 << 10,
-    "kib": 1 << 10,
-    "m": 1 << 20,
-    "mib": 1 << 20,
-    "g": 1 << 30,
-    "gib": 1 << 30,
-    "t": 1 << 40,
-    "tib": 1 << 40,
-    "kb": 10**3,
-    "mb": 10**6,
-    "gb": 10**9,
-    "tb": 10**12,
+    **{f"{p}i": 1 << (10 * n) for n, p in enumerate("kmgt", 1)},
+    **{f"{p}ib": 1 << (10 * n) for n, p in enumerate("kmgt", 1)},
+    **{f"{p}b": 10 ** (3 * n) for n, p in enumerate("kmgt", 1)},
 }
+"""Size suffixes, in any case: ``Ki Mi Gi Ti`` and ``KiB MiB GiB TiB`` are powers of 1024 (as in
+Kubernetes quantities and IEC), ``kB MB GB TB`` powers of 1000. A bare ``k M G T`` is refused:
+Kubernetes reads ``8G`` as 8e9 bytes, most CLIs as 8 GiB, and a size must not depend on which."""
+
+
+class _EnvDefault(str):
+    """A flag's default as its MEMSVC_<NAME> variable gives it (or the built-in one), remembering the
+    variable's name so that ``--help`` can show it."""
+
+    variable: str
+
+    def __new__(cls, value: str, variable: str) -> _EnvDefault:
+        self = super().__new__(cls, value)
+        self.variable = variable
+        return self
 
 
 def env(name: str, default: str) -> str:
     """Every flag's default can come from MEMSVC_<FLAG> (containers are configured by environment)."""
-    return os.environ.get(f"MEMSVC_{name}", default)
+    return _EnvDefault(os.environ.get(f"MEMSVC_{name}", default), f"MEMSVC_{name}")
+
+
+class _HelpFormatter(argparse.HelpFormatter):
+    """``--help`` shows each flag's default (the one in force: its variable's value when set) and the
+    environment variable it reads."""
+
+    def _get_help_string(self, action: argparse.Action) -> str | None:
+        text = (action.help or "").removesuffix(" (default: %(default)s)")  # BooleanOptionalAction's own
+        if not action.option_strings or action.default is argparse.SUPPRESS or "%(default)" in text:
+            return text
+        variable = getattr(action.default, "variable", None)
+        if variable is None and action.default in (None, False):  # --json and the like: nothing to show
+            return text
+        if "(default:" in text and text.endswith(")"):  # the help says what the default means
+            return text[:-1] + (f"; ${variable})" if variable else ")")
+        shown = "%(default)s" if action.default not in (None, "") else "none"
+        return f"{text} (default: {shown}" + (f"; ${variable})" if variable else ")")
+
+
+class _Parser(argparse.ArgumentParser):
+    """Every command's parser, with :class:`_HelpFormatter`."""
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        kwargs.setdefault("formatter_class", _HelpFormatter)
+        super().__init__(*args, **kwargs)
 
 
 ENV_TRUE = frozenset({"1", "true", "yes", "on"})
 ENV_FALSE = frozenset({"0", "false", "no", "off"})
 
 
-class _OnOffDefault(str):
+class _OnOffDefault(_EnvDefault):
     """An on/off flag's default as MEMSVC_<NAME> spells it: kept a string until the command is known
     (:func:`_env_bools`), so a bad value is only that command's usage error."""
-
-    variable: str
-
-    def __new__(cls, value: str, variable: str) -> _OnOffDefault:
-        self = super().__new__(cls, value)
-        self.variable = variable
-        return self
 
 
 def _on_off(p: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:  # noqa: A002 - argparse's name
     """``--flag`` / ``--no-flag``, its default from MEMSVC_<FLAG>."""
     name = flag.removeprefix("--").replace("-", "_").upper()
     p.add_argument(
-        flag, action=argparse.BooleanOptionalAction, default=_OnOffDefault(env(name, default), name), help=help
+        flag, action=argparse.BooleanOptionalAction, default=_OnOffDefault(env(name, default), f"MEMSVC_{name}"),
+        help=help,
     )
 
 
@@ -74,16 +99,22 @@ def _env_bools(args: argparse.Namespace, parser: argparse.ArgumentParser) -> Non
             continue
         word = value.strip().lower()
         if word not in ENV_TRUE | ENV_FALSE:
-            parser.error(f"MEMSVC_{value.variable}={str(value)!r}: expected 1/0, true/false, yes/no or on/off")
+            parser.error(f"{value.variable}={str(value)!r}: expected 1/0, true/false, yes/no or on/off")
         setattr(args, dest, word in ENV_TRUE)
 
 
 def parse_bytes(text: str) -> int:
-    """``8GiB``, ``512MiB``, ``1.5G`` or a plain byte count."""
+    """``8GiB`` or ``8Gi`` (binary), ``8GB`` (decimal), or a plain byte count (see :data:`_UNITS`)."""
     m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 8GiB)")
-    return int(float(m.group(1)) * _UNITS[m.group(2).lower()])
+    unit = m.group(2).lower() if m else ""
+    if m and unit in ("k", "m", "g", "t"):
+        n, u = m.group(1), unit.upper()
+        raise argparse.ArgumentTypeError(
+            f"ambiguous size: {text!r}: write {n}{u}i or {n}{u}iB for powers of 1024, {n}{u}B for powers of 1000"
+        )
+    if not m or unit not in _UNITS:
+        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 8Gi, 8GiB, 16GB)")
+    return int(float(m.group(1)) * _UNITS[unit])
 
 
 def _prepin_size(text: str) -> int | str:
@@ -155,7 +186,10 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--model", default=env("MODEL", "synthetic:tiny"), help="HF-layout checkpoint dir or synthetic:<preset>"
     )
-    p.add_argument("--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"))
+    p.add_argument(
+        "--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"),
+        help="cuda, host (CPU memory: the allocator without a GPU), or auto: cuda when a GPU is present",
+    )  # fmt: skip
     p.add_argument("--device", type=int, default=env("DEVICE", "0"), help="CUDA device ordinal")
     p.add_argument("--worker-id", default=env("WORKER_ID", ""), help="registration name (default: <hostname>-<device>)")
     p.add_argument("--kv-blocks", type=int, default=env("KV_BLOCKS", "256"), help="device KV cache blocks")
@@ -206,13 +240,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "1",
         "transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
     )
-    p.add_argument("--seed", type=int, default=0, help="seed of synthetic weights")
+    p.add_argument("--seed", type=int, default=env("SEED", "0"), help="seed of synthetic weights")
     p.add_argument(
         "--served-model-name",
         default=env("SERVED_MODEL_NAME", ""),
         help="the name clients ask for the model by (default: the checkpoint directory's name, or the synthetic spec)",
     )
-    p.add_argument("--manager", default=env("MANAGER", "") or None, help="manager address to register with (host:port)")
+    p.add_argument("--manager", default=env("MANAGER", ""), help="manager address to register with (host:port)")
     p.add_argument(
         "--host-name",
         default=env("HOST_NAME", ""),
@@ -220,7 +254,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--advertise",
-        default=env("ADVERTISE", "") or None,
+        default=env("ADVERTISE", ""),
         help="address the manager should dial (default: the listen address)",
     )
     p.add_argument(
@@ -259,10 +293,10 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     p.add_argument("--db", default=env("DB", "memsvc-manager.db"), help="SQLite file: policies, registrations, leases")
     p.add_argument(
-        "--config", default=env("CONFIG", "") or None, help="TOML or YAML: default policy, static workers, timing"
+        "--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing"
     )
     p.add_argument(
-        "--metrics-listen", default=env("METRICS_LISTEN", "") or None, help="host:port of Prometheus /metrics"
+        "--metrics-listen", default=env("METRICS_LISTEN", ""), help="host:port of Prometheus /metrics"
     )
     _policy_flags(p)
     _server_auth_flags(p)
@@ -299,6 +333,10 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     for name, text in (("status", "list workers"), ("watch", "live table of workers")):
         p = sub.add_parser(name, help=text)
         p.add_argument("--manager", default=None, help="manager address (default $MEMSVC_MANAGER or 127.0.0.1:50051)")
+        if name == "status":
+            p.add_argument(
+                "--json", action="store_true", help="ListWorkers as JSON (the proto JSON mapping, .proto field names)"
+            )
         _client_auth_flags(p)
     p = sub.add_parser("sleep", help="put a worker to sleep")
     p.add_argument("worker")
@@ -341,12 +379,13 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
 def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") -> Table:
     from rich.table import Table
 
-    from memsvc.client import gib, state_name
+    from memsvc.client import human_bytes, state_name
     from memsvc.vocabulary import KV_CACHE, WEIGHTS
 
     table = Table(title=title)
-    for col in ("worker", "state", "address", "leases", "weights GiB", "kv GiB", "offloaded GiB", "device free GiB"):
-        table.add_column(col)
+    for col in ("worker", "state", "address", "leases", "weights", "kv cache", "offloaded", "device free"):
+        table.add_column(col, justify="right" if col in ("leases", "weights", "kv cache", "offloaded",
+                                                          "device free") else "left")  # fmt: skip
     for wk in workers:
         tags = {t.tag: t for t in wk.status.tags}
         off = sum(t.offloaded_bytes for t in wk.status.tags)
@@ -355,10 +394,10 @@ def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") ->
             state_name(wk.state),
             wk.address,
             str(wk.lease_count),
-            gib(tags[WEIGHTS].mapped_bytes) if WEIGHTS in tags else "-",
-            gib(tags[KV_CACHE].mapped_bytes) if KV_CACHE in tags else "-",
-            gib(off),
-            gib(wk.status.device.free_bytes),
+            human_bytes(tags[WEIGHTS].mapped_bytes) if WEIGHTS in tags else "-",
+            human_bytes(tags[KV_CACHE].mapped_bytes) if KV_CACHE in tags else "-",
+            human_bytes(off),
+            human_bytes(wk.status.device.free_bytes),
         )
     return table
 
@@ -372,7 +411,16 @@ def _ops(args: argparse.Namespace, security: object) -> int:
     console = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs get whole addresses
     try:
         with ManagerClient(args.manager, security=security) as client:  # type: ignore[arg-type]
-            if args.command == "status":
+            if args.command == "status" and args.json:
+                import json
+
+                from google.protobuf import json_format
+
+                from memsvc.v1 import memory_manager_service_pb2 as mm
+
+                listed = mm.ListWorkersResponse(workers=client.workers())
+                print(json.dumps(json_format.MessageToDict(listed, preserving_proto_field_name=True), indent=2))
+            elif args.command == "status":
                 console.print(_status_table(client.workers()))
             elif args.command in ("sleep", "wake"):
                 if args.command == "sleep":
@@ -442,9 +490,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Every command's flags. Defaults from MEMSVC_* variables stay strings here and are converted
     with the flag's own type when its command is parsed, so a bad variable is that command's usage
     error (one line, exit 2), never a crash of every command (``--help`` included)."""
-    parser = argparse.ArgumentParser(prog="memsvc", description="Sleep and wake LLM model workers.")
+    parser = _Parser(prog="memsvc", description="Sleep and wake LLM model workers.")
     parser.add_argument("--version", action="version", version=f"memsvc {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
     _worker_parser(sub)
     _manager_parser(sub)
     _gateway_parser(sub)
@@ -452,9 +500,16 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
+_UNSET_WHEN_EMPTY = ("manager", "advertise", "config", "metrics_listen")
+"""Flags whose empty default (no variable set, or set to "") means "none": None to the services."""
+
+
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     _env_bools(args, parser)
+    for dest, value in vars(args).items():
+        if isinstance(value, _EnvDefault):  # its variable was for --help: the services get plain values
+            setattr(args, dest, None if value == "" and dest in _UNSET_WHEN_EMPTY else str(value))
     return args
 
 
@@ -467,9 +522,38 @@ def _version() -> str:
         return "unknown (not installed)"
 
 
+EXTRAS: dict[str, tuple[str, tuple[str, ...]]] = {
+    "worker": ("worker", ("numpy", "torch", "safetensors", "tokenizers", "jinja2")),
+    "up": ("worker,gateway", ("numpy", "torch", "safetensors", "tokenizers", "jinja2", "fastapi", "uvicorn")),
+    "gateway": ("gateway", ("fastapi", "uvicorn")),
+}
+"""What each command imports beyond the stub-only install: the extra that brings it, and its modules."""
+
+
+def _require_extra(parser: argparse.ArgumentParser, command: str) -> None:
+    """A usage error naming the extra to install, instead of a ModuleNotFoundError from deep inside."""
+    import importlib.util
+
+    if command not in EXTRAS:
+        return
+    extra, modules = EXTRAS[command]
+    missing = []
+    for name in modules:
+        try:
+            found = importlib.util.find_spec(name) is not None
+        except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken package
+            found = False
+        if not found:
+            missing.append(name)
+    if missing:
+        parser.exit(2, f"memsvc {command}: error: this command needs the {extra!r} extra (missing: "
+                       f"{', '.join(missing)}): pip install 'memsvc[{extra}]'\n")  # fmt: skip
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
+    _require_extra(parser, args.command)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
 

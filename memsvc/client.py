@@ -97,5 +97,14 @@ def state_name(state: int) -> str:
     return WorkerState.of(state).label
 
 
-def gib(n: int) -> str:
-    return f"{n / (1 << 30):.2f}"
+def human_bytes(n: int) -> str:
+    """``n`` bytes in IEC units, three significant digits: ``0 B``, ``512 B``, ``6.00 MiB``, ``15.0 GiB``."""
+    if abs(n) < 1024:
+        return f"{n} B"
+    size = float(n)
+    for unit in ("KiB", "MiB", "GiB", "TiB"):
+        size /= 1024
+        if abs(size) < 1024 or unit == "TiB":
+            break
+    digits = 0 if abs(size) >= 100 else 1 if abs(size) >= 10 else 2
+    return f"{size:.{digits}f} {unit}"

@@ -5,6 +5,7 @@ on/off variables take 1/0, true/false, yes/no, on/off in any case and refuse any
 
 from __future__ import annotations
 
+import argparse
 import os
 import subprocess
 import sys
@@ -76,3 +77,58 @@ def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
         assert "Traceback" not in r.stderr, r.stderr
         errors = [line for line in r.stderr.splitlines() if "error" in line]
         assert len(errors) == 1 and named in errors[0] and errors[0].startswith("memsvc"), r.stderr
+
+
+@pytest.mark.parametrize(("command", "hidden", "extra"), [
+    ("worker", "numpy", "worker"), ("up", "torch", "worker,gateway"), ("gateway", "fastapi", "gateway"),
+])  # fmt: skip
+def test_a_command_without_its_extra_names_the_extra(command: str, hidden: str, extra: str) -> None:
+    """Without the worker (or gateway) extra, the command is a usage error saying what to install,
+    not a ModuleNotFoundError from deep inside."""
+    probe = f"import sys; sys.modules[{hidden!r}] = None\nfrom memsvc.cli import main\nsys.exit(main(sys.argv[1:]))"
+    r = subprocess.run([sys.executable, "-c", probe, command], capture_output=True, text=True, timeout=60)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and f"pip install 'memsvc[{extra}]'" in r.stderr and hidden in r.stderr
+
+
+def test_help_shows_each_flags_default_and_its_variable() -> None:
+    r = run(["worker", "--help"], MEMSVC_KV_BLOCKS="77", COLUMNS="400")
+    assert r.returncode == 0, r.stderr
+    flat = " ".join(r.stdout.split())
+    assert "--kv-blocks KV_BLOCKS device KV cache blocks (default: 77; $MEMSVC_KV_BLOCKS)" in flat, flat
+    # (the default in force: the variable's value)
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    for command, p in sub.choices.items():
+        text = p.format_help()
+        for action in p._actions:
+            variable = getattr(action.default, "variable", None)
+            if variable:
+                assert f"${variable})" in text, f"memsvc {command} --help does not name {variable}"
+
+
+def test_the_readme_flag_table_lists_every_worker_flag() -> None:
+    import re
+
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
+    listed = set(re.findall(r"`(--[a-z0-9-]+)`", section))
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    worker = sub.choices["worker"]
+    flags = {o for a in worker._actions for o in a.option_strings if o.startswith("--") and o != "--help"}
+    flags -= {o for o in flags if o.startswith("--no-")}  # the off spelling of an on/off flag
+    assert flags <= listed, f"worker flags missing from README's Configuration: {sorted(flags - listed)}"
+
+
+@pytest.mark.parametrize(("text", "size"), [
+    ("8Gi", 8 << 30), ("8GiB", 8 << 30), ("8gib", 8 << 30), ("8GB", 8 * 10**9), ("512MiB", 512 << 20),
+    ("1.5Gi", 3 << 29), ("64kB", 64_000), ("4096", 4096),
+])  # fmt: skip
+def test_sizes_binary_and_decimal_suffixes(text: str, size: int) -> None:
+    assert cli.parse_bytes(text) == size
+
+
+def test_a_bare_size_letter_is_refused_as_ambiguous() -> None:
+    r = run(["worker", "--backend", "host", "--host-capacity", "8G"])
+    assert r.returncode == 2 and "ambiguous size: '8G'" in r.stderr and "8Gi" in r.stderr and "8GB" in r.stderr, r

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import os
+import re
 import subprocess
 import sys
 from collections.abc import Iterator
@@ -41,6 +42,26 @@ def test_status_lists_every_worker_with_its_state(mgr: ManagerProcess) -> None:
     lines = {ln.split("│")[1].strip(): ln for ln in r.stdout.splitlines() if ln.count("│") > 2}
     assert "cli-a" in lines and "cli-b" in lines, r.stdout
     assert "awake" in lines["cli-a"] and get(mgr.stub, "cli-a").address in lines["cli-a"]
+
+
+def test_status_shows_memory_in_human_units_and_json_for_machines(mgr: ManagerProcess) -> None:
+    """The table's sizes carry their IEC unit (a tiny worker is not "0.00 GiB"); --json is the
+    ListWorkers response in the proto's JSON mapping, byte counts exact."""
+    import json
+
+    r = memsvc("status", "--manager", mgr.address)
+    assert r.returncode == 0, r.stderr
+    row = next(ln for ln in r.stdout.splitlines() if "cli-a" in ln)
+    assert re.search(r"\d(\.\d+)? (B|KiB|MiB|GiB)", row) and "0.00" not in row, row
+    r = memsvc("status", "--json", "--manager", mgr.address)
+    assert r.returncode == 0, r.stderr
+    listed = json.loads(r.stdout)
+    by_name = {x["name"]: x for x in listed["workers"]}
+    assert set(by_name) >= {"workers/cli-a", "workers/cli-b"}
+    a = get(mgr.stub, "cli-a")
+    assert by_name["workers/cli-a"]["state"] == "WORKER_STATE_AWAKE"
+    weights = next(t for t in by_name["workers/cli-a"]["status"]["tags"] if t["tag"] == "weights")
+    assert int(weights["mapped_bytes"]) == next(t.mapped_bytes for t in a.status.tags if t.tag == "weights")
 
 
 def test_status_reads_the_manager_address_from_the_environment(mgr: ManagerProcess) -> None:
