@@ -135,3 +135,28 @@ def test_operations_metrics_table_is_the_manager_metrics() -> None:
     assert documented == registered, (
         f"missing {sorted(registered - documented)}, extra {sorted(documented - registered)}"
     )
+
+
+def test_error_details_document_every_reason_and_metadata_key() -> None:
+    """docs/operations.md, "Error details": every ErrorInfo reason memsvc.errors defines and every
+    metadata key the services put in one (found in the sources) is in its table."""
+    import inspect
+
+    from memsvc import errors
+
+    root = Path(__file__).resolve().parent.parent
+    doc = (root / "docs" / "operations.md").read_text()
+    table = doc.split("## Error details", 1)[1].split("\n## ", 1)[0]
+    reasons = {cls.reason for _, cls in inspect.getmembers(errors, inspect.isclass)
+               if issubclass(cls, errors.MemsvcError) and cls is not errors.RelayedError}  # fmt: skip
+    missing = {r for r in reasons if f"| `{r}` |" not in table}
+    assert not missing, f"reasons missing from docs/operations.md's Error details: {sorted(missing)}"
+    keys: set[str] = set()
+    for path in [*root.glob("memsvc/**/*.py"), *root.glob("worker/**/*.py")]:
+        if "/v1/" in str(path):
+            continue
+        for found in re.finditer(r"metadata=\{([^}]*)\}", path.read_text(), re.S):
+            keys |= set(re.findall(r'"(\w+)":', found.group(1)))
+    keys.discard("format")  # safetensors' own file metadata (weights.py), not an ErrorInfo
+    undocumented = {k for k in keys if f"`{k}`" not in table}
+    assert not undocumented, f"ErrorInfo metadata keys missing from Error details: {sorted(undocumented)}"

@@ -199,7 +199,7 @@ def test_release_of_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> 
 
 
 @pytest.mark.parametrize(
-    "ttl", [_dur(-1), _dur(0, -1), _dur(-5, 0), _dur(25 * 3600)], ids=["-1s", "-1ns", "-5s", "over-max"]
+    "ttl", [_dur(-1), _dur(0, -1), _dur(-5, 0), _dur(25 * 3600), _dur(0)], ids=["-1s", "-1ns", "-5s", "over-max", "0s"]
 )
 def test_acquire_with_a_bad_ttl_is_invalid_argument(unchanged: ManagerProcess, ttl: Duration) -> None:
     req = m.AcquireWorkerRequest(name=REAL, ttl=ttl)
@@ -433,3 +433,28 @@ def test_a_default_change_cannot_make_a_workers_effective_policy_invalid(bare: M
     eff = stub.GetPolicy(m.GetPolicyRequest(name="workers/pol"), timeout=10).policy
     t1, t2 = eff.idle_sleep_timeout.ToNanoseconds(), eff.idle_deep_sleep_timeout.ToNanoseconds()
     assert not (t1 and t2 and t2 < t1), f"effective policy of workers/pol has T1={t1} ns > T2={t2} ns"
+
+
+def test_worker_names_follow_one_rule_and_not_found_has_one_wording(unchanged: ManagerProcess) -> None:
+    """``workers/{id}`` and the bare ``{id}`` name the same worker in every RPC; NOT_FOUND names it as
+    ``workers/{id}`` however it was spelled; a malformed name is INVALID_ARGUMENT everywhere."""
+    stub = unchanged.stub
+    assert stub.GetWorker(m.GetWorkerRequest(name="real"), timeout=10).worker.name == REAL
+    assert stub.GetWorker(m.GetWorkerRequest(name=REAL), timeout=10).worker.name == REAL
+    texts = set()
+    calls: list[Callable[[str], Any]] = [
+        lambda n: stub.GetWorker(m.GetWorkerRequest(name=n), timeout=10),
+        lambda n: stub.SleepWorker(m.SleepWorkerRequest(name=n), timeout=10),
+        lambda n: stub.AcquireWorker(m.AcquireWorkerRequest(name=n), timeout=10),
+        lambda n: next(iter(stub.WatchWorkers(m.WatchWorkersRequest(names=[n]), timeout=10))),
+    ]
+    for spelled in ("nope", "workers/nope"):
+        for call in calls:
+            err = _expect(grpc.StatusCode.NOT_FOUND, functools.partial(call, spelled))
+            texts.add(err.details())
+            info = error_info(err)
+            assert info is not None and info.metadata["name"] == "workers/nope", info
+    assert texts == {"no worker 'workers/nope'"}, texts
+    for bad in ("WORKERS/real", "workers/", "a/b"):
+        for call in (calls[0], calls[3]):
+            _expect(grpc.StatusCode.INVALID_ARGUMENT, functools.partial(call, bad))

@@ -10,6 +10,7 @@ calling ``tick()`` with idle clocks moved back, not by sleeping.
 from __future__ import annotations
 
 import asyncio
+import logging
 from collections.abc import AsyncIterator, Callable
 from pathlib import Path
 from typing import TypedDict, Unpack
@@ -354,9 +355,13 @@ async def test_a_silent_worker_is_marked_unavailable_and_its_link_restarted(env:
 
 async def test_a_retried_request_id_sleeps_once(env: Env) -> None:
     a = await env.worker("a")
-    _, t1 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
-    _, t2 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
-    assert t1 == t2 and a.calls == ["Sleep"]
+    first, t1 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
+    await env.manager.wake_worker("a", [], "", None)
+    again, t2 = await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "req-1", None)
+    assert t1 == t2 and a.calls == ["Sleep", "WakeUp"]
+    assert again == first and again.state == WorkerState.ASLEEP.proto, (
+        "a replay answers with the worker as the first call left it, not as it is now (awake)"
+    )
 
 
 async def test_a_worker_unreachable_past_forget_after_is_deregistered_unless_leased_or_configured(
@@ -589,3 +594,24 @@ async def test_a_call_past_its_deadline_waits_for_the_worker_to_say_how_it_ended
     assert gate.is_set(), "the manager held the worker until it reported no transition in progress"
     assert env.rec("a").state == WorkerState.ASLEEP and not env.rec("a").in_transition
     await opener
+
+
+async def test_a_worker_that_ends_its_telemetry_stream_is_logged_as_stopping_not_warned(
+    env: Env, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A draining worker closes its telemetry stream (STREAM_ENDED): the manager marks it unavailable
+    at INFO; a broken stream (an error status) is still a WARNING."""
+    from memsvc.manager.links import STREAM_ENDED
+    from memsvc.manager.telemetry import TelemetryIngest
+
+    await env.worker("a")
+    await env.worker("b")
+    ingest = TelemetryIngest(env.manager.metrics, env.manager.hub)
+    with caplog.at_level(logging.INFO, logger="memsvc.manager"):
+        await ingest.on_down(env.rec("a"), STREAM_ENDED)
+        await ingest.on_down(env.rec("b"), "UNAVAILABLE: connection reset")
+    levels = {r.getMessage(): r.levelno for r in caplog.records if "unavailable" in r.getMessage()}
+    assert levels == {
+        f"worker a unavailable: {STREAM_ENDED}": logging.INFO,
+        "worker b unavailable: UNAVAILABLE: connection reset": logging.WARNING,
+    }, levels

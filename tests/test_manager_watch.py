@@ -118,6 +118,18 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
                 assert e.worker.state == e.state_change.to_state
         trans = [e.transition.kind for e in events if e.WhichOneof("event") == "transition"]
         assert "sleep" in trans and "wake" in trans, "sleep and wake transitions are streamed too"
+        # A transition's event carries the memory it left: mapped weights after the wake, none after
+        # the sleep (not the figures from before it, which a state change alone would copy).
+        mapped = {e.transition.kind: sum(t.mapped_bytes for t in e.worker.status.tags if t.tag == "weights")
+                  for e in events if e.WhichOneof("event") == "transition"}  # fmt: skip
+        assert mapped["sleep"] == 0 and mapped["wake"] > 0, mapped
+        # Each change says what started it at the manager, every step of one transition alike.
+        reasons = {(e.state_change.from_state, e.state_change.to_state): e.state_change.reason
+                   for e in events if e.WhichOneof("event") == "state_change"}  # fmt: skip
+        assert reasons[(S.WORKER_STATE_AWAKE, S.WORKER_STATE_SLEEPING)] == "SleepWorker", reasons
+        assert reasons[(S.WORKER_STATE_SLEEPING, S.WORKER_STATE_ASLEEP)] == "SleepWorker", reasons
+        assert reasons[(S.WORKER_STATE_ASLEEP, S.WORKER_STATE_WAKING)] == "WakeWorker", reasons
+        assert reasons[(S.WORKER_STATE_WAKING, S.WORKER_STATE_AWAKE)] == "WakeWorker", reasons
     # Cancelling ended both streams from the client side, nothing else did.
     assert watch.error is not None and watch.error.code() == grpc.StatusCode.CANCELLED
 

@@ -1191,3 +1191,21 @@ def test_reload_weights_from_an_unreadable_checkpoint_changes_nothing(tmp_path: 
         assert "unchanged" in (err.value.details() or "")
         assert status(s).state == c.WORKER_STATE_AWAKE
         assert generate(s, PROMPT) == before
+
+
+def test_swap_blocks_needs_the_kv_cache_resident_not_the_worker_awake(stub: Stub, info: Info) -> None:
+    """The documented rule: asleep with kv_cache KEPT (weights offloaded), blocks still swap; with the
+    kv_cache discarded (level 1), SwapBlocks is FAILED_PRECONDITION until the wake."""
+    kept = generate_full(stub, [2, 7, 1, 8], 2, sequence_id="swap-while-asleep")
+    blocks = list(kept.block_ids)
+    host = sorted(range(status(stub).kv_cache.host_block_count))[: len(blocks)]
+    sleep(stub, c.SLEEP_LEVEL_UNSPECIFIED, tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_KEEP})
+    assert status(stub).state == c.WORKER_STATE_ASLEEP
+    swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(blocks, host, strict=True)))
+    swap(stub, c.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host, blocks, strict=True)))
+    wake(stub)
+    stub.FreeSequence(w.FreeSequenceRequest(sequence_id="swap-while-asleep"), timeout=CALL_TIMEOUT)
+    sleep(stub)  # level 1: kv_cache discarded
+    err = expect_error(lambda: swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 0)]), PRECONDITION)
+    assert "KV cache is asleep" in str(err.details()), err.details()
+    wake(stub)

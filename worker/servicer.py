@@ -287,13 +287,16 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                     continue
                 if event is CLOSED:
                     return
-                if event.kind == EventKind.ACTIVITY:  # traffic: a fresh snapshot carries last_activity_time
+                if event.kind in (EventKind.ACTIVITY, EventKind.TRANSITION):
+                    # traffic: a fresh snapshot carries last_activity_time; a transition: its memory
+                    # figures, before the event itself (a state change alone carries none of them)
                     seq += 1
                     snap = self.core.status()
                     yield w.StreamTelemetryResponse(
                         time=timestamp(snap.time), sequence_number=seq, snapshot=status_pb(snap)
                     )
-                    continue
+                    if event.kind == EventKind.ACTIVITY:
+                        continue
                 seq += 1
                 yield w.StreamTelemetryResponse(time=timestamp(event.time), sequence_number=seq, **event_pb(event))
         finally:

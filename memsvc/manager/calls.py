@@ -90,16 +90,18 @@ class WorkerCalls:
             tag_actions={t: a.proto for t, a in actions.items()},
             request_id=request_id,
         )
-        resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(req, timeout))
-        await self._ingest.set_status(rec, resp.status, True, why)
+        with rec.caused_by(why):
+            resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(req, timeout))
+            await self._ingest.set_status(rec, resp.status, True, why)
         return resp.transition
 
     async def wake(
-        self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: Deadline
+        self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: Deadline, why: str
     ) -> c.TransitionStats:
         req = w.WakeUpRequest(tags=tags, request_id=request_id)
-        resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.wake_up(req, timeout))
-        await self._ingest.set_status(rec, resp.status, True, "wake")
+        with rec.caused_by(why):
+            resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.wake_up(req, timeout))
+            await self._ingest.set_status(rec, resp.status, True, why)
         return resp.transition
 
     async def swap_blocks(

@@ -125,12 +125,12 @@ class Manager:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline | None = None,
-    ) -> tuple[WorkerRecord, c.TransitionStats]:
+    ) -> tuple[m.Worker, c.TransitionStats]:
         return await self.transitions.sleep_worker(name, level, tag_actions, request_id, deadline or NO_DEADLINE)
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: Deadline | None = None
-    ) -> tuple[WorkerRecord, c.TransitionStats]:
+    ) -> tuple[m.Worker, c.TransitionStats]:
         return await self.transitions.wake_worker(name, tags, request_id, deadline or NO_DEADLINE)
 
     async def swap_blocks(

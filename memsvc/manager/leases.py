@@ -157,8 +157,8 @@ class Leases:
                 continue
             async with rec.lock:
                 if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE) and not rec.in_transition:
-                    await self._budgets.wake_with_room(rec, None, deadline,
-                                                       lambda: self._calls.wake(rec, [], "", deadline))  # fmt: skip
+                    wake = lambda: self._calls.wake(rec, [], "", deadline, "AcquireWorker")  # noqa: E731
+                    await self._budgets.wake_with_room(rec, None, deadline, wake)
                     rec.idle_since = time.time()  # if the grant fails now, the idle clock counts from the wake
 
     def release(self, lease_id: str, expired: bool = False) -> WorkerRecord:

@@ -5,7 +5,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import time
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
 from memsvc._limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
@@ -18,10 +18,14 @@ NAME_PREFIX = "workers/"
 
 
 def worker_id_from_name(name: str) -> str:
-    """``workers/{id}`` or a bare id -> id (validated)."""
+    """The one rule for a worker's name in every request: ``workers/{id}`` (canonical, what responses
+    carry), or the bare ``{id}`` (what operators type); the prefix is lower case, an id has no ``/``."""
     wid = name[len(NAME_PREFIX) :] if name.startswith(NAME_PREFIX) else name
     if not wid or len(wid.encode()) > MAX_ID_BYTES or "/" in wid or not wid.isprintable():
-        raise InvalidArgument(f"bad worker name {name!r}: use workers/<id>", metadata={"name": name})
+        raise InvalidArgument(
+            f"bad worker name {name!r}: use workers/<id> or <id> (an id has no '/', at most {MAX_ID_BYTES} bytes)",
+            metadata={"name": name},
+        )
     return wid
 
 
@@ -68,6 +72,17 @@ class WorkerRecord:
     """After a failed idle sleep: the idle timers try again no earlier than this (wall clock)."""
     keep_alive: float | None = None
     """The keep_alive of the last lease to end: its tier-1 idle timeout until the next lease ends."""
+    cause: str = ""
+    """While the manager runs a transition on the worker: why (the RPC or timer that started it),
+    the reason its state changes carry instead of the worker's own RPC name."""
+
+    @contextlib.contextmanager
+    def caused_by(self, why: str) -> Iterator[None]:
+        self.cause = why
+        try:
+            yield
+        finally:
+            self.cause = ""
 
     @contextlib.asynccontextmanager
     async def exclusive(self) -> AsyncIterator[None]:

@@ -13,7 +13,7 @@ from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable, Wr
 from memsvc.manager.background import Background
 from memsvc.manager.links import LinkFactory, WorkerLink
 from memsvc.manager.policy import Policies
-from memsvc.manager.records import WorkerRecord, worker_id_from_name
+from memsvc.manager.records import NAME_PREFIX, WorkerRecord, worker_id_from_name
 from memsvc.manager.store import Store, StoredWorker
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.v1 import model_worker_service_pb2 as w
@@ -126,7 +126,8 @@ class Registry:
         wid = worker_id_from_name(name)
         rec = self.workers.get(wid)
         if rec is None:
-            raise NotFound(f"no worker {name!r}", metadata={"name": name})
+            canonical = NAME_PREFIX + wid  # one wording, however the caller spelled the name
+            raise NotFound(f"no worker {canonical!r}", metadata={"name": canonical})
         return rec
 
     def link(self, rec: WorkerRecord) -> WorkerLink:

@@ -43,14 +43,14 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         level = SleepLevel.parse(request.level)
         actions = actions_from_proto(request.tag_actions)
         deadline = caller_deadline(context)
-        rec, t = await self.manager.sleep_worker(request.name, level, actions, request.request_id, deadline)
-        return m.SleepWorkerResponse(worker=rec.to_proto(), transition=t)
+        worker, t = await self.manager.sleep_worker(request.name, level, actions, request.request_id, deadline)
+        return m.SleepWorkerResponse(worker=worker, transition=t)
 
     async def WakeWorker(self, request: m.WakeWorkerRequest, context: Any) -> m.WakeWorkerResponse:
-        rec, t = await self.manager.wake_worker(
+        worker, t = await self.manager.wake_worker(
             request.name, list(request.tags), request.request_id, caller_deadline(context)
         )
-        return m.WakeWorkerResponse(worker=rec.to_proto(), transition=t)
+        return m.WakeWorkerResponse(worker=worker, transition=t)
 
     async def SwapWorkerBlocks(self, request: m.SwapWorkerBlocksRequest, context: Any) -> m.SwapWorkerBlocksResponse:
         # The shape first, by field lengths alone: an oversized request costs no pass over its blocks.
@@ -73,7 +73,12 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
 
     async def AcquireWorker(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
         if request.ttl.seconds < 0 or request.ttl.nanos < 0:
-            raise InvalidArgument("ttl must not be negative")
+            raise InvalidArgument("ttl must not be negative", metadata={"field": "ttl"})
+        if request.HasField("ttl") and request.ttl.ToNanoseconds() == 0:
+            raise InvalidArgument(
+                "ttl 0 s would expire at once: leave ttl unset for the default, or give a positive one",
+                metadata={"field": "ttl"},
+            )
         keep_alive = request.keep_alive.ToNanoseconds() / 1e9 if request.HasField("keep_alive") else None
         lease, rec = await self.manager.acquire(
             request.name, request.ttl.ToNanoseconds() / 1e9, request.holder, request.lease_id, request.request_id,

@@ -17,6 +17,7 @@ from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import Action, SleepLevel, check_known_tags, plan_actions
 
@@ -35,14 +36,17 @@ class Transitions:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline,
-    ) -> tuple[WorkerRecord, c.TransitionStats]:
+    ) -> tuple[m.Worker, c.TransitionStats]:
+        """The worker as the sleep left it, and the transition. A retry with the same request_id gets
+        both as the first call returned them (not the worker's status of now)."""
         rec = self._registry.get(name)
         check_known_tags(tag_actions, rec.tag_names())  # before any neighbour is demoted
 
-        async def sleep(shared: Deadline) -> c.TransitionStats:
-            return await self._sleep(rec, level, tag_actions, request_id, shared)
+        async def sleep(shared: Deadline) -> tuple[m.Worker, c.TransitionStats]:
+            t = await self._sleep(rec, level, tag_actions, request_id, shared)
+            return rec.to_proto(), t
 
-        return rec, await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id, deadline)
+        return await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id, deadline)
 
     async def _sleep(
         self,
@@ -73,20 +77,21 @@ class Transitions:
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: Deadline
-    ) -> tuple[WorkerRecord, c.TransitionStats]:
+    ) -> tuple[m.Worker, c.TransitionStats]:
+        """The worker as the wake left it, and the transition (a retry gets the first call's both)."""
         rec = self._registry.get(name)
         check_known_tags(tags, rec.tag_names())  # before any neighbour is evicted
 
-        async def wake(shared: Deadline) -> c.TransitionStats:
+        async def wake(shared: Deadline) -> tuple[m.Worker, c.TransitionStats]:
             async with rec.exclusive():
                 self._registry.link(rec)  # before any neighbour is evicted for a forgotten worker
                 t = await self._budgets.wake_with_room(
-                    rec, tags or None, shared, lambda: self._calls.wake(rec, tags, request_id, shared)
+                    rec, tags or None, shared, lambda: self._calls.wake(rec, tags, request_id, shared, "WakeWorker")
                 )
                 rec.idle_since = time.time()
-            return t
+                return rec.to_proto(), t
 
-        return rec, await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)
+        return await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)
 
     async def swap_blocks(self, name: str, request: w.SwapBlocksRequest, deadline: Deadline) -> w.SwapBlocksResponse:
         return await self._calls.swap_blocks(self._registry.get(name), request, deadline)

@@ -233,7 +233,7 @@ class KvCache:
         try:
             return self._seqs[seq_id]
         except KeyError:
-            raise NotFound(f"no sequence {seq_id!r}") from None
+            raise NotFound(f"no sequence {seq_id!r}", metadata={"sequenceId": seq_id}) from None
 
     @property
     def max_sequences(self) -> int:
@@ -286,7 +286,10 @@ class KvCache:
         """
         seq = self.sequence(seq_id)
         if seq.location != "device":
-            raise WrongState(f"sequence {seq_id!r} is swapped out ({seq.location}); swap it in first")
+            raise WrongState(
+                f"sequence {seq_id!r} is swapped out ({seq.location}); swap it in first",
+                metadata={"sequenceId": seq_id, "location": seq.location},
+            )
         needed = -(-num_tokens // self.block_size) - len(seq._slots)
         if needed <= 0:
             return
@@ -411,7 +414,7 @@ class KvCache:
                 name = self._by_handle[int(running[0])].seq_id
                 raise WrongState(
                     f"{src_loc} blocks of sequence {name!r} are being read by a Generate; swap them when it ends",
-                    metadata={"sequence": name},
+                    metadata={"sequenceId": name},
                 )
         fence = self._alloc.copy_block_ids(
             self._pools[src_loc].tensor, self._pools[dst_loc].tensor, src, dst, method, wait=False

@@ -163,7 +163,7 @@ class ModelRunner:
             if seq.handle in self.engine.busy_sequences():
                 raise WrongState(
                     f"sequence {sequence_id!r} is being generated; free it when its Generate ends",
-                    metadata={"sequence": sequence_id},
+                    metadata={"sequenceId": sequence_id},
                 )
             self.kv_cache.free_sequence(sequence_id)
 
