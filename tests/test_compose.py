@@ -473,7 +473,9 @@ def test_the_auth_overlay_sets_only_variables_the_services_read() -> None:
 
     overlay = yaml.safe_load((REPO_ROOT / "compose.auth.yaml").read_text())
     base = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
-    assert set(overlay["services"]) <= set(base["services"])
+    assert set(overlay["services"]) == set(base["services"]), (
+        "every service gets the token and mTLS (a service left out would dial a TLS manager in plaintext)"
+    )
     read = {f"MEMSVC_{f.name.upper()}" for f in dataclasses.fields(Security)} | {
         "MEMSVC_TOKEN_FILE",
         "MEMSVC_ALLOWED_CLIENT",

@@ -458,3 +458,26 @@ def test_worker_names_follow_one_rule_and_not_found_has_one_wording(unchanged: M
     for bad in ("WORKERS/real", "workers/", "a/b"):
         for call in (calls[0], calls[3]):
             _expect(grpc.StatusCode.INVALID_ARGUMENT, functools.partial(call, bad))
+
+
+def test_a_workers_override_can_be_removed_and_it_follows_the_default_again(unchanged: ManagerProcess) -> None:
+    """An override of 0 shadowed the default for good; clear_fields removes it (also with "*"), and
+    a bad clear is INVALID_ARGUMENT that changes nothing."""
+    stub = unchanged.stub
+    default = stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    zero = m.Policy(idle_sleep_timeout=Duration(seconds=0))
+    mask = FieldMask(paths=["idle_sleep_timeout"])
+    got = stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask), timeout=10).policy
+    assert got.idle_sleep_timeout.ToSeconds() == 0 != default.idle_sleep_timeout.ToSeconds()
+    cleared = stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, clear_fields=["idle_sleep_timeout"]), timeout=10)
+    assert cleared.policy.idle_sleep_timeout == default.idle_sleep_timeout, "it follows the default again"
+    stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask), timeout=10)
+    everything = stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, clear_fields=["*"]), timeout=10).policy
+    assert everything == stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    for bad in (
+        m.UpdatePolicyRequest(clear_fields=["idle_sleep_timeout"]),  # the default has no overrides
+        m.UpdatePolicyRequest(name=REAL, clear_fields=["bogus"]),
+        m.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask, clear_fields=["idle_sleep_timeout"]),
+        m.UpdatePolicyRequest(name=REAL),  # neither a policy nor fields to clear
+    ):
+        _expect(grpc.StatusCode.INVALID_ARGUMENT, functools.partial(stub.UpdatePolicy, bad, timeout=10))

@@ -22,13 +22,14 @@ from typing import Any
 
 from memsvc._deadline import NO_DEADLINE, Deadline
 from memsvc._replay import ReplayCache
+from memsvc.errors import InvalidArgument
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.leases import Leases
 from memsvc.manager.links import LinkFactory, grpc_links
 from memsvc.manager.metrics import ManagerMetrics
-from memsvc.manager.policy import Policies, Policy, fields_from_proto
+from memsvc.manager.policy import FIELDS, Policies, Policy, fields_from_proto
 from memsvc.manager.records import Lease, WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
@@ -112,11 +113,23 @@ class Manager:
     def policy(self, rec: WorkerRecord | None) -> Policy:
         return self.policies.effective(rec.name if rec is not None else None)
 
-    def update_policy(self, name: str, p: m.Policy, paths: list[str]) -> Policy:
-        fields = fields_from_proto(p, paths)
+    def update_policy(self, name: str, p: m.Policy | None, paths: list[str], clear: Sequence[str] = ()) -> Policy:
+        """Change the default policy (no ``name``) or a worker's overrides; ``clear``: overrides to
+        remove (``*``: all), so those fields follow the default again."""
+        if clear and not name:
+            raise InvalidArgument("clear_fields applies to a worker's overrides; the default policy has none",
+                                  metadata={"field": "clear_fields"})  # fmt: skip
+        unknown = sorted(set(clear) - {*FIELDS, "*"})
+        if unknown:
+            raise InvalidArgument(f"unknown policy field(s) in clear_fields: {', '.join(unknown)}; known: "
+                                  f"{', '.join(FIELDS)} or *", metadata={"field": "clear_fields"})  # fmt: skip
+        fields = fields_from_proto(p, paths) if p is not None else {}
+        both = sorted(set(fields) & set(clear)) if "*" not in clear else sorted(fields)
+        if both:
+            raise InvalidArgument(f"{', '.join(both)}: both changed and cleared", metadata={"field": "clear_fields"})
         if not name:
             return self.policies.update_default(fields, [r.name for r in self.registry])
-        return self.policies.update_override(self.get(name).name, fields)
+        return self.policies.update_override(self.get(name).name, fields, clear)
 
     async def sleep_worker(
         self,

@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import logging
 import math
+from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
@@ -273,10 +274,12 @@ class Policies:
         self._overrides.pop(scope, None)
         self._unknown.pop(scope, None)
 
-    def update_override(self, scope: str, fields: dict[str, Any]) -> Policy:
-        """Change some of a worker's overrides; returns its new effective policy."""
+    def update_override(self, scope: str, fields: dict[str, Any], clear: Sequence[str] = ()) -> Policy:
+        """Change some of a worker's overrides and remove those named in ``clear`` (``*``: all);
+        returns its new effective policy."""
         stored = {k: (dict(v) if isinstance(v, dict) else v) for k, v in fields.items()}
-        override = {**self.overrides(scope), **stored}
+        kept = {} if "*" in clear else {k: v for k, v in self.overrides(scope).items() if k not in clear}
+        override = {**kept, **stored}
         new = check(self.default.with_fields(override))
         self._save(scope, override)
         self._overrides[scope] = override

@@ -94,9 +94,11 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         return m.GetPolicyResponse(policy=self.manager.policy(rec).to_proto())
 
     async def UpdatePolicy(self, request: m.UpdatePolicyRequest, context: Any) -> m.UpdatePolicyResponse:
-        if not request.HasField("policy"):
-            raise InvalidArgument("policy is required")
-        p = self.manager.update_policy(request.name, request.policy, list(request.update_mask.paths))
+        clear = list(request.clear_fields)
+        if not request.HasField("policy") and not clear:
+            raise InvalidArgument("policy is required (or clear_fields, to remove a worker's overrides)")
+        policy = request.policy if request.HasField("policy") else None
+        p = self.manager.update_policy(request.name, policy, list(request.update_mask.paths), clear)
         return m.UpdatePolicyResponse(policy=p.to_proto())
 
     async def WatchWorkers(
