@@ -13,6 +13,7 @@ from managerproc import Cluster, ManagerProcess, get, wait_for, wait_state
 from memsvc.manager.metrics import STATES
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
 
 WID = "metered"
 
@@ -87,6 +88,10 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     assert (_sample(scrape, "memsvc_worker_offloaded_bytes", worker=WID, tag="weights") or 0) > 0
     assert _sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") == 0
     assert (_sample(scrape, "memsvc_worker_transitions_total", worker=WID, kind="sleep") or 0) >= 1
+    assert (_sample(scrape, "memsvc_worker_transition_duration_seconds_count", worker=WID, kind="sleep") or 0) >= 1
+    assert not [k for k in scrape if k[0].endswith("_created")], "no *_created series"
+    build = [(dict(k[1]), v) for k, v in scrape.items() if k[0] == "memsvc_build_info"]
+    assert len(build) == 1 and build[0][1] == 1.0 and set(build[0][0]) == {"version", "python", "grpcio"}, build
 
     lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)),
                                timeout=60).lease  # fmt: skip
@@ -97,6 +102,15 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
                                 timeout=60).lease  # fmt: skip
     _agree(mgr, "two leases")
     assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 2
+    # A direct worker Sleep under the leases (the manager would refuse one): counted and logged
+    assert _counter(mgr, "memsvc_leased_worker_sleeps_total", worker=WID) == 0
+    wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
+    wait_state(stub, WID, c.WORKER_STATE_ASLEEP)
+    wait_for(lambda: _counter(mgr, "memsvc_leased_worker_sleeps_total", worker=WID), lambda n: n == 1, timeout=10,
+             what="the leased sleep to be counted")  # fmt: skip
+    assert "while 2 lease(s) hold it: not the manager's doing" in mgr.stderr_text()
+    wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+    wait_state(stub, WID, c.WORKER_STATE_AWAKE)
     for lease_id in (lease.lease_id, second.lease_id):
         stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
     _agree(mgr, "released")

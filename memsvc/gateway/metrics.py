@@ -8,6 +8,8 @@ from __future__ import annotations
 
 from prometheus_client import CollectorRegistry, Counter, Histogram
 
+from memsvc._metrics import build_info
+
 _LATENCY = (0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1.0, 2.5, 5.0, 10.0, 30.0, 60.0)
 
 
@@ -15,6 +17,7 @@ class GatewayMetrics:
     def __init__(self) -> None:
         self.registry = CollectorRegistry()
         r = self.registry
+        build_info(r)
         self.requests = Counter(
             "memsvc_gateway_requests", "Requests answered, by model, endpoint and HTTP status",
             ["model", "endpoint", "code"], registry=r,

@@ -26,6 +26,7 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
 from memsvc._auth import bearer_token
+from memsvc._metrics import build_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.vocabulary import WorkerState
 
@@ -56,7 +57,7 @@ class ManagerMetrics:
         self.duration = Histogram(
             "memsvc_worker_transition_duration_seconds",
             "Duration of transitions",
-            ["kind"],
+            ["worker", "kind"],
             buckets=(0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120),
             registry=r,
         )
@@ -69,6 +70,12 @@ class ManagerMetrics:
         self.demotions = Counter(
             "memsvc_host_demotions_total", "Sleepers demoted to level 2 to free host memory", registry=r
         )
+        build_info(r)
+        self.leased_sleeps = Counter(
+            "memsvc_leased_worker_sleeps_total",
+            "Leased workers put to sleep by a call the manager did not make (a direct worker Sleep): the lease "
+            "promised it awake", ["worker"], registry=r,
+        )  # fmt: skip
         self._tags: dict[str, set[str]] = {}
 
     def serve(self, listen: str, token: str = "") -> tuple[str, int]:
@@ -97,7 +104,7 @@ class ManagerMetrics:
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
-        for gauge in (self.up, self.device_free, self.leases):
+        for gauge in (self.up, self.device_free, self.leases, self.leased_sleeps):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)
         for s in STATES:
@@ -107,14 +114,14 @@ class ManagerMetrics:
             for per_tag in (self.mapped, self.offloaded, self.allocated):
                 with contextlib.suppress(KeyError):
                     per_tag.remove(worker_id, tag)
-        for counter in (self.transitions, self.moved):
+        for counter in (self.transitions, self.moved, self.duration):
             for labels in [key for key in counter._metrics if key[0] == worker_id]:
                 counter.remove(*labels)
 
     def transition(self, worker_id: str, t: c.TransitionStats) -> None:
         self.transitions.labels(worker_id, t.kind).inc()
         self.moved.labels(worker_id, t.kind).inc(t.moved_bytes)
-        self.duration.labels(t.kind).observe(t.duration.ToNanoseconds() / 1e9)
+        self.duration.labels(worker_id, t.kind).observe(t.duration.ToNanoseconds() / 1e9)
 
 
 # ---- the HTTP port ----

@@ -46,6 +46,12 @@ class TelemetryIngest:
         if reachable:
             rec.last_seen, rec.heard = time.time(), time.monotonic()
         new = rec.state
+        if new != old and new in (WorkerState.SLEEPING, WorkerState.ASLEEP) and rec.leases and not rec.cause:
+            # the manager never sleeps a leased worker: someone called the worker's Sleep directly
+            log.warning("worker %s is going to sleep (%s) while %d lease(s) hold it: not the manager's doing",
+                        rec.worker_id, reason, len(rec.leases))  # fmt: skip
+            if old not in (WorkerState.SLEEPING, WorkerState.ASLEEP):
+                self.metrics.leased_sleeps.labels(rec.worker_id).inc()
         if new != old:
             msg = m.WatchWorkersResponse(worker=rec.to_proto())
             msg.state_change.CopyFrom(c.StateChange(from_state=old.proto, to_state=new.proto, reason=reason))
