@@ -139,6 +139,17 @@ def _client_auth_flags(p: argparse.ArgumentParser) -> None:
     g.add_argument("--tls-client-key", default=env("TLS_CLIENT_KEY", ""), help="key of --tls-client-cert (PEM)")
 
 
+def _log_flags(p: argparse.ArgumentParser) -> None:
+    """How a service logs (memsvc._logging)."""
+    from memsvc._logging import FORMATS, LEVELS
+
+    p.add_argument("--log-level", choices=LEVELS, default=env("LOG_LEVEL", "info"), help="least severe level logged")
+    p.add_argument(
+        "--log-format", choices=FORMATS, default=env("LOG_FORMAT", "text"),
+        help="stderr as text lines, or one JSON object per line (time, level, logger, message, exception)",
+    )  # fmt: skip
+
+
 def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
     """Token and TLS of a server; the same settings configure its outgoing channels."""
     _client_auth_flags(p)
@@ -264,6 +275,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="seconds calls in flight get on SIGTERM before they are cancelled",
     )
     _server_auth_flags(p, worker=True)
+    _log_flags(p)
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -284,6 +296,7 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "(then 503 with Retry-After)",
     )
     _client_auth_flags(p)
+    _log_flags(p)
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -300,6 +313,7 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     )
     _policy_flags(p)
     _server_auth_flags(p)
+    _log_flags(p)
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
@@ -554,6 +568,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
     _require_extra(parser, args.command)
+    if args.command in ("manager", "worker", "gateway"):
+        from memsvc._logging import configure
+
+        configure(args.log_level, args.log_format)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
 

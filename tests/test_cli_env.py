@@ -132,3 +132,35 @@ def test_sizes_binary_and_decimal_suffixes(text: str, size: int) -> None:
 def test_a_bare_size_letter_is_refused_as_ambiguous() -> None:
     r = run(["worker", "--backend", "host", "--host-capacity", "8G"])
     assert r.returncode == 2 and "ambiguous size: '8G'" in r.stderr and "8Gi" in r.stderr and "8GB" in r.stderr, r
+
+
+@pytest.mark.parametrize("command", ["worker", "manager", "gateway"])
+def test_services_log_json_lines_at_the_level_asked(tmp_path: Path, command: str) -> None:
+    """--log-format json: every stderr line is one JSON object (time, level, logger, message);
+    --log-level warning drops the INFO lines. stdout keeps the listening line scripts wait for."""
+    import json
+    import signal
+    import time
+
+    extra = {"worker": ["--backend", "host", "--model", "synthetic:tiny"], "manager": ["--db", str(tmp_path / "m.db")],
+             "gateway": ["--manager", "127.0.0.1:1"]}[command]  # fmt: skip
+    for level, want_info in (("info", True), ("warning", False)):
+        argv = [*MEMSVC, command, "--listen", "127.0.0.1:0", "--log-format", "json", "--log-level", level, *extra]
+        proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+        try:
+            assert proc.stdout is not None
+            deadline = time.monotonic() + 60
+            line = ""
+            while "listening on" not in line and time.monotonic() < deadline:
+                line = proc.stdout.readline()
+                assert line or proc.poll() is None, "exited before listening"
+            time.sleep(1.0)  # let it log its start
+            proc.send_signal(signal.SIGTERM)
+            _, err = proc.communicate(timeout=60)
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+        records = [json.loads(x) for x in err.splitlines() if x.strip()]
+        assert all({"time", "level", "logger", "message"} <= set(r) for r in records), err
+        levels = {r["level"] for r in records}
+        assert ("info" in levels) == want_info, (level, levels, err)

@@ -330,13 +330,15 @@ class WorkerCore:
             self._sm.sleep_level = max(level, self._sm.sleep_level) if before == WorkerState.ASLEEP else level
             self._sm.set_state(WorkerState.ASLEEP, "Sleep")
             ctr = self._last_memory.counters
-            log.info(
-                "sleep: %d bytes offloaded in %.3f s (fresh host memory: faulting %.3f s, pinning %.3f s)",
-                moved,
-                seconds,
-                ctr["host_prefault_seconds"] - ctr0["host_prefault_seconds"],
-                ctr["host_register_seconds"] - ctr0["host_register_seconds"],
-            )
+            fault = ctr["host_prefault_seconds"] - ctr0["host_prefault_seconds"]
+            pin = ctr["host_register_seconds"] - ctr0["host_register_seconds"]
+            acted = ", ".join(f"{t} {a.name.lower()}" for t, a in sorted(todo.items()))
+            how = f"level {level}" if level else "tag actions"
+            if moved:
+                fresh = f" (fresh host memory: faulting {fault:.3f} s, pinning {pin:.3f} s)" if fault or pin else ""
+                log.info("sleep (%s: %s): %d bytes offloaded in %.3f s%s", how, acted, moved, seconds, fresh)
+            else:  # a sleep that only discards (level 2, or a demotion) moved nothing: say what it did
+                log.info("sleep (%s: %s): nothing offloaded, %.3f s", how, acted, seconds)
             return self._sm.finish(Transition(TransitionKind.SLEEP, moved, seconds))
         except BaseException as exc:
             # Native sleep is all-or-nothing except when an unmap fails midway: trust the pools.

@@ -74,7 +74,6 @@ def run(
     advertise: str | None = None,
     security: Security | None = None,
 ) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(config, listen, manager, advertise, security))
     finally:

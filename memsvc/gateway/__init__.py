@@ -29,7 +29,6 @@ def run(
     from memsvc.gateway.backends import Backends
 
     host, _, port = listen.rpartition(":")
-    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -41,7 +40,11 @@ def run(
     async def serve() -> None:
         backends = Backends(manager, security)
         app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout)
-        config = uvicorn.Config(app, host=host or "127.0.0.1", port=int(port), log_level="info", access_log=False)
+        # log_config=None: uvicorn's loggers go through the process's handler (memsvc._logging)
+        level = logging.getLevelName(logging.getLogger().level).lower()
+        config = uvicorn.Config(
+            app, host=host or "127.0.0.1", port=int(port), log_level=level, access_log=False, log_config=None
+        )
         server = Server(config)
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGTERM, signal.SIGINT):

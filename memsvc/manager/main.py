@@ -96,7 +96,6 @@ def run(
     policy: dict[str, Any],
     security: Security | None = None,
 ) -> int:
-    logging.basicConfig(level=logging.INFO, stream=sys.stderr, format="%(asctime)s %(levelname)s %(name)s: %(message)s")
     try:
         return asyncio.run(serve(listen, db, config, metrics_listen, policy, security))
     finally:

@@ -1,0 +1,42 @@
+"""How the services log: one handler on stderr, as text (the default) or as one JSON object per line
+(``--log-format json``, for log shippers), at ``--log-level``. Their stdout carries only the lines
+that say where they listen and when they are ready (``memsvc worker local0 listening on …``), which
+scripts and tests wait for."""
+
+from __future__ import annotations
+
+import json
+import logging
+import sys
+import time
+
+LEVELS = ("debug", "info", "warning", "error")
+FORMATS = ("text", "json")
+TEXT = "%(asctime)s %(levelname)s %(name)s: %(message)s"
+
+
+class JsonFormatter(logging.Formatter):
+    """``{"time", "level", "logger", "message"}`` (and ``"exception"`` with its traceback), one line."""
+
+    def format(self, record: logging.LogRecord) -> str:
+        out = {
+            "time": time.strftime("%Y-%m-%dT%H:%M:%S", time.gmtime(record.created)) + f".{int(record.msecs):03d}Z",
+            "level": record.levelname.lower(),
+            "logger": record.name,
+            "message": record.getMessage(),
+        }
+        if record.exc_info:
+            out["exception"] = self.formatException(record.exc_info)
+        return json.dumps(out, ensure_ascii=False)
+
+
+def configure(level: str = "info", fmt: str = "text") -> None:
+    """The process's logging, replacing whatever handlers the root logger had."""
+    handler = logging.StreamHandler(sys.stderr)
+    handler.setFormatter(JsonFormatter() if fmt == "json" else logging.Formatter(TEXT))
+    root = logging.getLogger()
+    root.handlers[:] = [handler]
+    root.setLevel(level.upper())
+
+
+__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "configure"]
