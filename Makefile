@@ -37,4 +37,4 @@ test: build wheel
 	$(PY) -m pytest
 
 clean:
-	rm -rf build dist $(VENV) .venv-build worker/*.so *.egg-info api/build api/*.egg-info memsvc/v1/*_pb2*
+	rm -rf build dist $(VENV) .venv-build worker/*.so *.egg-info api/build api/*.egg-info memsvc/v1/*_pb2* .memsvc

@@ -352,6 +352,15 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
                 "--json", action="store_true", help="ListWorkers as JSON (the proto JSON mapping, .proto field names)"
             )
         _client_auth_flags(p)
+    p = sub.add_parser("leases", help="list the live leases (an operator who lost a lease id finds it here)")
+    p.add_argument("--worker", default="", help="only this worker's")
+    p.add_argument("--json", action="store_true", help="ListLeases as JSON (the proto JSON mapping)")
+    p.add_argument("--manager", default=None)
+    _client_auth_flags(p)
+    p = sub.add_parser("release", help="end a lease now (ReleaseWorker)")
+    p.add_argument("lease_id")
+    p.add_argument("--manager", default=None)
+    _client_auth_flags(p)
     p = sub.add_parser("sleep", help="put a worker to sleep")
     p.add_argument("worker")
     p.add_argument("--level", type=int, choices=[1, 2], default=None, help="default: the policy's tag actions")
@@ -416,6 +425,21 @@ def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") ->
     return table
 
 
+def _lease_table(leases: Sequence[m.Lease]) -> Table:
+    import time
+
+    from rich.table import Table
+
+    table = Table(title="memsvc leases")
+    for col in ("lease", "worker", "holder", "expires in"):
+        table.add_column(col, justify="right" if col == "expires in" else "left", overflow="fold")
+    now = time.time()
+    for lease in leases:
+        left = lease.expire_time.ToNanoseconds() / 1e9 - now
+        table.add_row(lease.lease_id, lease.worker.removeprefix("workers/"), lease.holder, f"{max(left, 0):.0f} s")
+    return table
+
+
 def _ops(args: argparse.Namespace, security: object) -> int:
     from rich.console import Console
 
@@ -436,6 +460,22 @@ def _ops(args: argparse.Namespace, security: object) -> int:
                 print(json.dumps(json_format.MessageToDict(listed, preserving_proto_field_name=True), indent=2))
             elif args.command == "status":
                 console.print(_status_table(client.workers()))
+            elif args.command == "leases":
+                leases = client.leases(args.worker)
+                if args.json:
+                    import json
+
+                    from google.protobuf import json_format
+
+                    from memsvc.v1 import memory_manager_service_pb2 as mm
+
+                    page = mm.ListLeasesResponse(leases=leases)
+                    print(json.dumps(json_format.MessageToDict(page, preserving_proto_field_name=True), indent=2))
+                else:
+                    console.print(_lease_table(leases))
+            elif args.command == "release":
+                worker = client.release(args.lease_id)
+                console.print(f"released {args.lease_id}: {worker.name} holds {worker.lease_count} lease(s) now")
             elif args.command in ("sleep", "wake"):
                 if args.command == "sleep":
                     done = client.sleep(args.worker, args.level or 0)
@@ -606,7 +646,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.command == "health":
         return _health(args.address, args.service, args.timeout, _security(args, parser))
-    if args.command in ("status", "sleep", "wake", "watch"):
+    if args.command in ("status", "sleep", "wake", "watch", "leases", "release"):
         return _ops(args, _security(args, parser))
     if args.command == "worker":
         from worker.config import WorkerConfig

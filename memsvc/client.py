@@ -82,6 +82,18 @@ class ManagerClient:
             req.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
         return self._call("AcquireWorker", req, timeout).lease  # type: ignore[no-any-return]
 
+    def leases(self, worker: str = "") -> list[m.Lease]:
+        """Every live lease (of ``worker`` only, when given), following the pages."""
+        out: list[m.Lease] = []
+        token = ""
+        while True:
+            req = m.ListLeasesRequest(name=worker_name(worker) if worker else "", page_size=1000, page_token=token)
+            r = self._call("ListLeases", req)
+            out.extend(r.leases)
+            token = r.next_page_token
+            if not token:
+                return out
+
     def release(self, lease_id: str) -> m.Worker:
         return self._call("ReleaseWorker", m.ReleaseWorkerRequest(lease_id=lease_id)).worker  # type: ignore[no-any-return]
 

@@ -130,7 +130,7 @@ def test_operations_policy_table_names_every_policy_field() -> None:
 def test_operations_metrics_table_is_the_manager_metrics() -> None:
     registered = set()
     for fam in ManagerMetrics().registry.collect():
-        registered.add(fam.name + ("_total" if fam.type == "counter" else ""))
+        registered.add(fam.name + {"counter": "_total", "info": "_info"}.get(fam.type, ""))
     documented = set(re.findall(r"^\| `(memsvc_\w+)` \|", OPERATIONS_MD.read_text(), re.M))
     assert documented == registered, (
         f"missing {sorted(registered - documented)}, extra {sorted(documented - registered)}"

@@ -487,3 +487,13 @@ def test_the_auth_overlay_sets_only_variables_the_services_read() -> None:
             assert overlay["secrets"][secret]["file"].startswith("./certs/"), secret
     docs = (REPO_ROOT / "docs" / "operations.md").read_text()
     assert "compose.auth.yaml" in docs
+
+
+def test_make_clean_also_resets_the_state_of_make_up_and_the_readme_says_where_it_lives() -> None:
+    up_prereqs, up_recipe = make_rule("up")
+    _, clean = make_rule("clean")
+    state = ".memsvc"
+    assert any(f" {state}" in line.split("#")[0] for line in clean), clean
+    readme = (REPO_ROOT / "README.md").read_text()
+    assert f"`{state}/manager.db`" in readme and "make clean" in readme
+    assert any("memsvc up" in line for line in up_recipe), up_recipe  # the state dir is memsvc up's default

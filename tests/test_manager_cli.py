@@ -128,3 +128,34 @@ def test_commands_without_a_reachable_manager_fail_cleanly(tmp_path: Path) -> No
     r = memsvc("status", "--manager", "127.0.0.1:1")
     assert r.returncode == 1, r.stdout + r.stderr
     assert "UNAVAILABLE" in r.stdout and "Traceback" not in r.stdout + r.stderr
+
+
+def test_leases_lists_them_and_release_ends_one(mgr: ManagerProcess) -> None:
+    """An operator who lost a lease id finds it with `memsvc leases` and ends it with `memsvc release`
+    instead of waiting out its TTL; ListLeases pages and filters by worker."""
+    import json
+
+    held = [mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{w}", holder=f"ops-{w}",
+                                                          ttl=Duration(seconds=600)), timeout=60).lease
+            for w in ("cli-a", "cli-b")]  # fmt: skip
+    try:
+        r = memsvc("leases", "--manager", mgr.address)
+        assert r.returncode == 0, r.stderr
+        for lease in held:
+            assert lease.lease_id in r.stdout and lease.holder in r.stdout, r.stdout
+        r = memsvc("leases", "--worker", "cli-a", "--json", "--manager", mgr.address)
+        only_a = json.loads(r.stdout)["leases"]
+        assert [x["lease_id"] for x in only_a] == [held[0].lease_id], only_a
+        first = mgr.stub.ListLeases(m.ListLeasesRequest(page_size=1), timeout=10)
+        assert len(first.leases) == 1 and first.next_page_token
+        rest = mgr.stub.ListLeases(m.ListLeasesRequest(page_size=1, page_token=first.next_page_token), timeout=10)
+        assert {first.leases[0].lease_id, rest.leases[0].lease_id} == {x.lease_id for x in held}
+        assert not rest.next_page_token
+        r = memsvc("release", held[0].lease_id, "--manager", mgr.address)
+        assert r.returncode == 0 and "released" in r.stdout, r.stdout + r.stderr
+        assert get(mgr.stub, "cli-a").lease_count == 0
+        r = memsvc("release", held[0].lease_id, "--manager", mgr.address)
+        assert r.returncode == 1 and "NOT_FOUND" in r.stdout, r.stdout
+    finally:
+        for lease in held[1:]:
+            mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)

@@ -20,6 +20,7 @@ from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
+from memsvc.manager.paging import page_of
 from memsvc.manager.records import Lease, WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
@@ -178,6 +179,12 @@ class Leases:
             log.info("lease %s on %s expired", lease_id, rec.worker_id)
         self._ingest.update_metrics(rec)
         return rec
+
+    def page(self, name: str, page_size: int, page_token: str) -> tuple[list[Lease], str]:
+        """ListLeases: one page in lease-id order (of one worker's leases when ``name``)."""
+        pool = self._registry.get(name).leases if name else self.leases
+        ids, token = page_of(pool, page_size, page_token)
+        return [pool[i] for i in ids], token
 
     def expire(self, now: float) -> None:
         """Release every lease whose TTL has passed."""

@@ -3,15 +3,15 @@
 from __future__ import annotations
 
 import asyncio
-import base64
 import logging
 import time
 from collections.abc import Iterator
 
-from memsvc._limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_PAGE_SIZE, MAX_WORKERS, check_length
+from memsvc._limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_WORKERS, check_length
 from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable, WrongState
 from memsvc.manager.background import Background
 from memsvc.manager.links import LinkFactory, WorkerLink
+from memsvc.manager.paging import page_of
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import NAME_PREFIX, WorkerRecord, worker_id_from_name
 from memsvc.manager.store import Store, StoredWorker
@@ -20,7 +20,6 @@ from memsvc.v1 import model_worker_service_pb2 as w
 
 log = logging.getLogger("memsvc.manager")
 
-DEFAULT_PAGE_SIZE = 50
 
 
 class Registry:
@@ -141,20 +140,8 @@ class Registry:
 
     def page(self, page_size: int, page_token: str) -> tuple[list[WorkerRecord], str]:
         """ListWorkers: one page in worker-id order, and the token of the next ("" on the last)."""
-        if page_size < 0:
-            raise InvalidArgument("page_size must not be negative")
-        size = min(page_size or DEFAULT_PAGE_SIZE, MAX_PAGE_SIZE)
-        after = ""
-        if page_token:
-            try:
-                after = base64.b64decode(page_token.encode(), altchars=b"-_", validate=True).decode()
-                worker_id_from_name(after)
-            except (ValueError, UnicodeDecodeError, InvalidArgument):
-                raise InvalidArgument("bad page_token: pass next_page_token from a previous response") from None
-        ids = sorted(i for i in self.workers if i > after)
-        page = ids[:size]
-        token = base64.urlsafe_b64encode(page[-1].encode()).decode() if len(ids) > size else ""
-        return [self.workers[i] for i in page], token
+        ids, token = page_of(self.workers, page_size, page_token, worker_id_from_name)
+        return [self.workers[i] for i in ids], token
 
 
 __all__ = ["Registry"]

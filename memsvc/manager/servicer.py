@@ -89,6 +89,10 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
     async def ReleaseWorker(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:
         return m.ReleaseWorkerResponse(worker=self.manager.release(request.lease_id).to_proto())
 
+    async def ListLeases(self, request: m.ListLeasesRequest, context: Any) -> m.ListLeasesResponse:
+        page, token = self.manager.leases.page(request.name, request.page_size, request.page_token)
+        return m.ListLeasesResponse(leases=[x.to_proto() for x in page], next_page_token=token)
+
     async def GetPolicy(self, request: m.GetPolicyRequest, context: Any) -> m.GetPolicyResponse:
         rec = self.manager.get(request.name) if request.name else None
         return m.GetPolicyResponse(policy=self.manager.policy(rec).to_proto())
