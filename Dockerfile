@@ -25,7 +25,7 @@ RUN python3 -m venv /opt/memsvc \
 ENV PATH=/opt/memsvc/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \
     PYTHONUNBUFFERED=1
-USER memsvc
+USER 10001
 WORKDIR /home/memsvc
 EXPOSE 50051 50061 9400 8000
 ENTRYPOINT ["memsvc"]
