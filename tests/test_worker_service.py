@@ -626,6 +626,9 @@ def test_request_id_replays_sleep_and_wake(stub: Stub, info: Info) -> None:
     assert w2.transition == w1.transition
     assert w2.status.state == c.WORKER_STATE_AWAKE
     assert generate(stub, PROMPT) == info.reference
+    # Replayed after the worker moved on, the answer is still the first call's: the status it left.
+    r4 = sleep(stub, c.SLEEP_LEVEL_1, request_id="rid-sleep-1")
+    assert r4 == r1 and r4.status.state == c.WORKER_STATE_ASLEEP, "a replay reported the status of now (awake)"
 
 
 # ---------------------------------------------------------------------------------------------
