@@ -41,7 +41,7 @@ MAX_QUEUED_GENERATES = 256
 """Generate calls queued or running on one worker at once (the engine runs up to --max-batch of
 them in each step; the rest wait their turn)."""
 MAX_PAGE_SIZE = 1000
-"""Workers in one ListWorkers page."""
+"""Workers in one ListWorkers page, leases in one ListLeases page (default 50)."""
 MAX_LEASES_PER_WORKER = 1024
 """Leases held (or being granted) on one worker at once."""
 MAX_LEASES = 65536

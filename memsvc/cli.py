@@ -15,6 +15,7 @@ from collections.abc import Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
+    from google.protobuf.message import Message
     from rich.table import Table
 
     from memsvc.v1 import memory_manager_service_pb2 as m
@@ -86,7 +87,9 @@ def _on_off(p: argparse.ArgumentParser, flag: str, default: str, help: str) -> N
     """``--flag`` / ``--no-flag``, its default from MEMSVC_<FLAG>."""
     name = flag.removeprefix("--").replace("-", "_").upper()
     p.add_argument(
-        flag, action=argparse.BooleanOptionalAction, default=_OnOffDefault(env(name, default), f"MEMSVC_{name}"),
+        flag,
+        action=argparse.BooleanOptionalAction,
+        default=_OnOffDefault(env(name, default), f"MEMSVC_{name}"),
         help=help,
     )
 
@@ -204,9 +207,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument("--device", type=int, default=env("DEVICE", "0"), help="CUDA device ordinal")
     p.add_argument("--worker-id", default=env("WORKER_ID", ""), help="registration name (default: <hostname>-<device>)")
     p.add_argument("--kv-blocks", type=int, default=env("KV_BLOCKS", "256"), help="device KV cache blocks")
-    p.add_argument(
-        "--host-kv-blocks", type=int, default=env("HOST_KV_BLOCKS", "256"), help="host KV blocks (swap)"
-    )
+    p.add_argument("--host-kv-blocks", type=int, default=env("HOST_KV_BLOCKS", "256"), help="host KV blocks (swap)")
     p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
     p.add_argument(
         "--max-batch", type=int, default=env("MAX_BATCH", "64"), help="requests one engine step runs at most"
@@ -305,12 +306,8 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         "--listen", default=env("MANAGER_LISTEN", "127.0.0.1:50051"), help="host:port to serve on (0: any port)"
     )
     p.add_argument("--db", default=env("DB", "memsvc-manager.db"), help="SQLite file: policies, registrations, leases")
-    p.add_argument(
-        "--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing"
-    )
-    p.add_argument(
-        "--metrics-listen", default=env("METRICS_LISTEN", ""), help="host:port of Prometheus /metrics"
-    )
+    p.add_argument("--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing")
+    p.add_argument("--metrics-listen", default=env("METRICS_LISTEN", ""), help="host:port of Prometheus /metrics")
     _policy_flags(p)
     _server_auth_flags(p)
     _log_flags(p)
@@ -382,9 +379,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("--manager-listen", default="127.0.0.1:50051")
     p.add_argument("--worker-listen", default="127.0.0.1:50061")
     p.add_argument("--metrics-listen", default="127.0.0.1:9400")
-    p.add_argument(
-        "--gateway-listen", default="127.0.0.1:8000", help="the OpenAI-compatible HTTP gateway ('' : none)"
-    )
+    p.add_argument("--gateway-listen", default="127.0.0.1:8000", help="the OpenAI-compatible HTTP gateway ('' : none)")
     p.add_argument("--state-dir", default=".memsvc", help="where the manager keeps its database")
     p.add_argument("--model", default=None, help="default: synthetic:1b on a GPU, synthetic:small without")
     p.add_argument("--backend", choices=["auto", "cuda", "host"], default="auto")
@@ -425,6 +420,15 @@ def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") ->
     return table
 
 
+def _print_json(message: Message) -> None:
+    """``--json``: the message in the proto JSON mapping, with the .proto's field names."""
+    import json
+
+    from google.protobuf import json_format
+
+    print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True), indent=2))
+
+
 def _lease_table(leases: Sequence[m.Lease]) -> Table:
     import time
 
@@ -450,27 +454,17 @@ def _ops(args: argparse.Namespace, security: object) -> int:
     try:
         with ManagerClient(args.manager, security=security) as client:  # type: ignore[arg-type]
             if args.command == "status" and args.json:
-                import json
-
-                from google.protobuf import json_format
-
                 from memsvc.v1 import memory_manager_service_pb2 as mm
 
-                listed = mm.ListWorkersResponse(workers=client.workers())
-                print(json.dumps(json_format.MessageToDict(listed, preserving_proto_field_name=True), indent=2))
+                _print_json(mm.ListWorkersResponse(workers=client.workers()))
             elif args.command == "status":
                 console.print(_status_table(client.workers()))
             elif args.command == "leases":
                 leases = client.leases(args.worker)
                 if args.json:
-                    import json
-
-                    from google.protobuf import json_format
-
                     from memsvc.v1 import memory_manager_service_pb2 as mm
 
-                    page = mm.ListLeasesResponse(leases=leases)
-                    print(json.dumps(json_format.MessageToDict(page, preserving_proto_field_name=True), indent=2))
+                    _print_json(mm.ListLeasesResponse(leases=leases))
                 else:
                     console.print(_lease_table(leases))
             elif args.command == "release":

@@ -77,7 +77,8 @@ class ManagerClient:
         """A lease (waking the worker); ``keep_alive_s``: its idle time once this lease is the last to
         end (0: sleep at once, negative: no idle sleep; None: the policy's)."""
         req = m.AcquireWorkerRequest(name=worker_name(worker), holder=holder)
-        req.ttl.FromNanoseconds(int(ttl_s * 1e9))
+        if ttl_s > 0:  # 0: the manager's default (an explicit 0 s ttl is refused)
+            req.ttl.FromNanoseconds(int(ttl_s * 1e9))
         if keep_alive_s is not None:
             req.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
         return self._call("AcquireWorker", req, timeout).lease  # type: ignore[no-any-return]

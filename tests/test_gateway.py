@@ -353,6 +353,10 @@ def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
                  f"{other} to be put to sleep for {model}")  # fmt: skip
         answers.setdefault(model, []).append(r.usage.completion_tokens)
     assert answers == {"alpha": [6, 6], "beta": [6, 6]}
+    overlapped = mp.stderr_text().count("to sleep beside the wake")
+    assert (overlapped == 4) if headroom else (overlapped == 0), (
+        f"{overlapped} overlapped evictions, headroom {headroom}"
+    )
 
 
 def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
@@ -476,6 +480,7 @@ def test_requests_that_arrive_during_a_wake_join_it(stack: Stack) -> None:
 
     watcher = threading.Thread(target=follow, daemon=True)
     watcher.start()
+    wait_for(lambda: len(states), lambda n: n > 0, "the watch's snapshot (subscribed before the requests)")
     results: list[str] = []
     errors: list[BaseException] = []
 

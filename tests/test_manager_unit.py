@@ -139,15 +139,49 @@ async def _swap_pair(env: Env, headroom: int, device_total: int = 80 * GiB) -> t
 
 async def test_with_swap_headroom_the_wake_runs_while_its_eviction_is_still_sleeping(env: Env) -> None:
     a, b = await _swap_pair(env, headroom=3 * GiB)
-    lease, _ = await asyncio.wait_for(env.manager.acquire("a", 60, "t", "", "", None), timeout=5)
-    assert a.state == WorkerState.AWAKE and a.calls == ["Sleep", "WakeUp"]
+    acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
+    await settle(lambda: a.state == WorkerState.AWAKE, "a's wake, beside b's sleep")
+    assert a.calls == ["Sleep", "WakeUp"]
     assert b.calls == ["Sleep"] and b.state == WorkerState.AWAKE, "b's sleep is still held, yet a is awake"
     assert env.rec("b").lock.locked(), "the eviction holds b: no lease or timer acts on it meanwhile"
     assert b.gate is not None
-    b.gate.set()
-    await settle(lambda: env.rec("b").state == WorkerState.ASLEEP and not env.rec("b").lock.locked(), "b's sleep")
+    b.gate.set()  # the lease comes once the eviction it overlapped has ended (the budget holds again)
+    lease, _ = await asyncio.wait_for(acquiring, timeout=5)
+    assert env.rec("b").state == WorkerState.ASLEEP and not env.rec("b").lock.locked()
     assert env.manager.metrics.evictions._value.get() == 1
     env.manager.release(lease.lease_id)
+
+
+async def test_an_overlapped_eviction_that_fails_is_followed_by_one_that_restores_the_budget(env: Env) -> None:
+    """b refuses its overlapped sleep: a still wakes, then the manager evicts the next idle neighbour
+    (c) so that the awake workers fit the budget again, instead of staying over it."""
+    a, b = await _swap_pair(env, headroom=3 * GiB)
+    b.gate = None
+    c_ = await env.worker("c", weights_bytes=GiB // 2, kv_bytes=GiB // 2, device_total_bytes=80 * GiB)
+    env.idle_for("b", 100)  # b is the least recently used: the overlapped victim
+    b.refuse = WrongState("b will not sleep now")
+    await env.policy(device_budget_bytes=5 * GiB, device_swap_headroom_bytes=3 * GiB)
+    lease, _ = await asyncio.wait_for(env.manager.acquire("a", 60, "t", "", "", None), timeout=5)
+    assert a.state == WorkerState.AWAKE and b.state == WorkerState.AWAKE and set(b.calls) == {"Sleep"}
+    assert c_.state == WorkerState.ASLEEP, "the budget is restored by the next idle neighbour"
+    assert sum(env.rec(x).mapped_bytes for x in "abc") <= 5 * GiB + 2 * GiB  # b's 3 GiB + a's 3 GiB, c's gone
+    env.manager.release(lease.lease_id)
+
+
+async def test_the_overlap_counts_only_what_the_eviction_frees(env: Env) -> None:
+    """With kv_cache KEPT by the tier-1 actions, b's sleep frees 2 of its 3 GiB: b's 1 GiB and a's
+    3 GiB do not fit a 3.5 GiB budget, so the wake is refused, as when evicting first; counting all
+    of b's bytes as freed would have woken a over the budget."""
+    a, b = await _swap_pair(env, headroom=4 * GiB)
+    b.gate = None
+    keep_kv = m.Policy(device_budget_bytes=int(3.5 * GiB))
+    keep_kv.tag_actions.update({WEIGHTS: Action.OFFLOAD.proto, KV_CACHE: Action.KEEP.proto})
+    env.manager.update_policy("", keep_kv, ["tag_actions", "device_budget_bytes"])
+    with pytest.raises(OutOfMemory):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    assert a.state == WorkerState.ASLEEP, "a was not woken over the budget"
+    await settle(lambda: not env.rec("b").lock.locked(), "b's eviction to end")
+    assert sum(env.rec(x).mapped_bytes for x in "ab") <= int(3.5 * GiB)
 
 
 @pytest.mark.parametrize(
@@ -315,11 +349,25 @@ async def test_the_last_lease_to_end_sets_the_idle_timeout_by_its_keep_alive(env
     assert renewed.keep_alive == -1, "a renewal's keep_alive replaces the lease's"
     renewed, _ = await env.manager.acquire("a", 60, "t", now.lease_id, "", None)
     assert renewed.keep_alive == -1, "a renewal without keep_alive keeps it"
-    renewed.keep_alive = 0.0
+    await env.manager.acquire("a", 60, "t", now.lease_id, "", None, keep_alive=0)  # renewed to "at once"
     env.manager.release(now.lease_id)
     env.manager.tick()  # no idle time at all
     await settle(lambda: a.state == WorkerState.ASLEEP, "the sleep right after keep_alive 0")
 
+    assert env.rec("a").keep_alive is None, "the idle sleep it decided ended its idle period"
+    await env.manager.wake_worker("a", [], "", None)
+    once, _ = await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=0)
+    env.manager.release(once.lease_id)
+    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+    await env.manager.wake_worker("a", [], "", None)  # an operator's wake: the policy's idle period
+    assert env.rec("a").keep_alive is None
+    env.manager.tick()
+    await asyncio.sleep(0.05)
+    assert a.state == WorkerState.AWAKE, "a keep_alive 0 of an earlier lease put an operator's wake to sleep"
+
+    never, _ = await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=-1e15)
+    env.manager.release(never.lease_id)
+    assert env.rec("a").keep_alive == -1, "any negative keep_alive is 'never', inside Duration's range"
     policy, _ = await env.manager.acquire("a", 60, "t", "", "", None)
     env.manager.release(policy.lease_id)
     assert env.rec("a").keep_alive is None and not env.rec("a").to_proto().HasField("keep_alive")
@@ -530,9 +578,7 @@ async def test_leases_per_worker_are_bounded_and_a_renewal_always_succeeds(
     assert renewed.lease_id == first.lease_id
 
 
-async def test_calls_waiting_for_one_workers_transitions_are_bounded(
-    env: Env, monkeypatch: pytest.MonkeyPatch
-) -> None:
+async def test_calls_waiting_for_one_workers_transitions_are_bounded(env: Env, monkeypatch: pytest.MonkeyPatch) -> None:
     import memsvc.manager.records as records
 
     monkeypatch.setattr(records, "MAX_QUEUED_TRANSITIONS", 2)
@@ -615,3 +661,22 @@ async def test_a_worker_that_ends_its_telemetry_stream_is_logged_as_stopping_not
         f"worker a unavailable: {STREAM_ENDED}": logging.INFO,
         "worker b unavailable: UNAVAILABLE: connection reset": logging.WARNING,
     }, levels
+
+
+async def test_list_leases_leaves_out_a_lease_still_being_granted(env: Env) -> None:
+    """A lease whose wake still runs has no TTL yet (and no holder has it): ListLeases skips it
+    instead of failing on it."""
+    a = await env.worker("a")
+    held, _ = await env.manager.acquire("a", 60, "held", "", "", None)
+    b = await env.worker("b")
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    b.gate = asyncio.Event()
+    waking = asyncio.create_task(env.manager.acquire("b", 60, "pending", "", "", None))
+    await settle(lambda: b.calls == ["Sleep", "WakeUp"], "b's wake to start")
+    listed, token = env.manager.leases.page("", 0, "")
+    assert [x.lease_id for x in listed] == [held.lease_id] and token == ""
+    assert [x.to_proto().lease_id for x in listed] == [held.lease_id]
+    b.gate.set()
+    granted, _ = await waking
+    assert {x.lease_id for x in env.manager.leases.page("", 0, "")[0]} == {held.lease_id, granted.lease_id}
+    assert a.state == WorkerState.AWAKE

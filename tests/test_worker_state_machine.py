@@ -47,7 +47,7 @@ class Machine:
             self.runs += 1
             return Transition(TransitionKind.SLEEP, 1, 0.0)
 
-        return await self.sm.run("Sleep", request_id, lambda: None, lambda: job, deadline)
+        return await self.sm.run("Sleep", request_id, lambda: None, lambda: job, deadline, lambda t: t)
 
 
 @pytest_asyncio.fixture

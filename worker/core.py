@@ -277,13 +277,17 @@ class WorkerCore:
         self._check_tags(tag_actions, (WEIGHTS, KV_CACHE))
         return plan_actions(level, tag_actions)
 
+    def _answer(self, t: Transition) -> tuple[Transition, Status]:
+        """A transition RPC's result: the transition and the status it left (what a retry gets too)."""
+        return t, self.status()
+
     async def sleep(
         self,
         level: SleepLevel | None,
         tag_actions: Mapping[str, Action],
         request_id: str = "",
         deadline: Deadline = NO_DEADLINE,
-    ) -> Transition:
+    ) -> tuple[Transition, Status]:
         plan: dict[str, Action] = {}
 
         def validate() -> None:
@@ -309,7 +313,7 @@ class WorkerCore:
             reported_level = int(level) if level is not None and not tag_actions else 0
             return lambda: self._sleep(todo, reported_level)
 
-        return await self._sm.run("Sleep", request_id, validate, start, deadline)
+        return await self._sm.run("Sleep", request_id, validate, start, deadline, self._answer)
 
     def _sleep(self, todo: dict[str, Action], level: int) -> Transition:
         alloc = self._allocator()
@@ -348,7 +352,9 @@ class WorkerCore:
             raise
 
     # ---- wake ----
-    async def wake(self, tags: Sequence[str], request_id: str = "", deadline: Deadline = NO_DEADLINE) -> Transition:
+    async def wake(
+        self, tags: Sequence[str], request_id: str = "", deadline: Deadline = NO_DEADLINE
+    ) -> tuple[Transition, Status]:
         wanted: list[str] = []
         reload = False
 
@@ -366,7 +372,7 @@ class WorkerCore:
             reload = stats[WEIGHTS].state == TagState.DISCARDED if WEIGHTS in wanted else False
             return lambda: self._wake(wanted, reload)
 
-        return await self._sm.run("WakeUp", request_id, validate, start, deadline)
+        return await self._sm.run("WakeUp", request_id, validate, start, deadline, self._answer)
 
     def _wake(self, tags: list[str], reload: bool) -> Transition:
         alloc = self._allocator()
@@ -453,7 +459,7 @@ class WorkerCore:
     # ---- weights ----
     async def reload_weights(
         self, request_id: str = "", model_path: str = "", deadline: Deadline = NO_DEADLINE
-    ) -> Transition:
+    ) -> tuple[Transition, Status]:
         """The source's weights again, or ``model_path``'s: another checkpoint of exactly this model's
         configuration, which then is the source (see CheckpointSource's ``same_as``)."""
 
@@ -464,7 +470,7 @@ class WorkerCore:
         def validate() -> None:
             check_length(model_path, MAX_PATH_BYTES, "model_path")
 
-        return await self._sm.run("ReloadWeights", request_id, validate, start, deadline)
+        return await self._sm.run("ReloadWeights", request_id, validate, start, deadline, self._answer)
 
     def _reload(self, model_path: str) -> Transition:
         """Checked first (a source that cannot be read, or a checkpoint that does not fit, changes

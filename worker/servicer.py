@@ -4,10 +4,9 @@ mapped to status codes by memsvc._rpc_errors; nothing here decides policy."""
 from __future__ import annotations
 
 import asyncio
-import collections
 import functools
-from collections.abc import AsyncIterator, Callable
-from typing import TYPE_CHECKING, Any, TypeVar, cast
+from collections.abc import AsyncIterator
+from typing import TYPE_CHECKING, Any
 
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
@@ -23,11 +22,8 @@ from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from memsvc.vocabulary import CopyMethod, SleepLevel, actions_from_proto
 from worker.core import GenerateSlot, WorkerCore
 from worker.generate_messages import StreamedText, check_request, generation_request, response
-from worker.state_machine import WorkerStateMachine
 from worker.status import Status, Transition
 from worker.telemetry import CLOSED, Event, EventKind
-
-R = TypeVar("R")
 
 if TYPE_CHECKING:
     from worker.model.generation import GenerationRequest
@@ -161,33 +157,9 @@ def _release_when_encoded(slot: GenerateSlot, encoding: asyncio.Future[Generatio
         encoding.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
-class _FirstAnswers:
-    """What a transition's first call answered, by request_id: a retry that the state machine's replay
-    cache answers with the same transition gets the same response, the worker's status as that call
-    left it (not the status of now). Bounded like the replay cache; a transition run again (its
-    result was not kept) gets a fresh answer."""
-
-    def __init__(self, capacity: int) -> None:
-        self._capacity = capacity
-        self._kept: collections.OrderedDict[str, tuple[Transition, Any]] = collections.OrderedDict()
-
-    def answer(self, request_id: str, t: Transition, make: Callable[[], R]) -> R:
-        kept = self._kept.get(request_id) if request_id else None
-        if kept is not None and kept[0] is t:
-            return cast(R, kept[1])
-        response = make()
-        if request_id:
-            self._kept[request_id] = (t, response)
-            self._kept.move_to_end(request_id)
-            while len(self._kept) > self._capacity:
-                self._kept.popitem(last=False)
-        return response
-
-
 class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
-        self._answers = _FirstAnswers(WorkerStateMachine.REQUEST_CACHE)
 
     async def GetWorkerStatus(self, request: w.GetWorkerStatusRequest, context: Any) -> w.GetWorkerStatusResponse:
         return w.GetWorkerStatusResponse(status=status_pb(self.core.status()))
@@ -195,27 +167,16 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
     async def Sleep(self, request: w.SleepRequest, context: Any) -> w.SleepResponse:
         level = SleepLevel.parse(request.level)
         actions = actions_from_proto(request.tag_actions)
-        t = await self.core.sleep(level, actions, request.request_id, caller_deadline(context))
-        return self._answers.answer(
-            request.request_id,
-            t,
-            lambda: w.SleepResponse(status=status_pb(self.core.status()), transition=transition_pb(t)),
-        )
+        t, st = await self.core.sleep(level, actions, request.request_id, caller_deadline(context))
+        return w.SleepResponse(status=status_pb(st), transition=transition_pb(t))
 
     async def WakeUp(self, request: w.WakeUpRequest, context: Any) -> w.WakeUpResponse:
-        t = await self.core.wake(list(request.tags), request.request_id, caller_deadline(context))
-        return self._answers.answer(
-            request.request_id,
-            t,
-            lambda: w.WakeUpResponse(status=status_pb(self.core.status()), transition=transition_pb(t)),
-        )
+        t, st = await self.core.wake(list(request.tags), request.request_id, caller_deadline(context))
+        return w.WakeUpResponse(status=status_pb(st), transition=transition_pb(t))
 
     async def ReloadWeights(self, request: w.ReloadWeightsRequest, context: Any) -> w.ReloadWeightsResponse:
-        t = await self.core.reload_weights(request.request_id, request.model_path, caller_deadline(context))
-        return self._answers.answer(
-            request.request_id, t,
-            lambda: w.ReloadWeightsResponse(status=status_pb(self.core.status()), transition=transition_pb(t)),
-        )  # fmt: skip
+        t, st = await self.core.reload_weights(request.request_id, request.model_path, caller_deadline(context))
+        return w.ReloadWeightsResponse(status=status_pb(st), transition=transition_pb(t))
 
     async def SwapBlocks(self, request: w.SwapBlocksRequest, context: Any) -> w.SwapBlocksResponse:
         direction = {c.SWAP_DIRECTION_DEVICE_TO_HOST: "out", c.SWAP_DIRECTION_HOST_TO_DEVICE: "in"}.get(

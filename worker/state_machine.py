@@ -13,8 +13,9 @@ from __future__ import annotations
 import asyncio
 import threading
 from collections.abc import Callable, Collection
+from typing import TypeVar
 
-from memsvc._deadline import NO_DEADLINE, Deadline
+from memsvc._deadline import Deadline
 from memsvc._replay import ReplayCache
 from memsvc.errors import Cancelled, TransitionInProgress, WrongState
 from memsvc.vocabulary import TagState, WorkerState
@@ -24,6 +25,8 @@ from worker.telemetry import Event, EventKind, TelemetryHub
 
 Job = Callable[[], Transition]
 
+
+T = TypeVar("T")
 
 class WorkerStateMachine:
     REQUEST_CACHE = 512
@@ -73,9 +76,12 @@ class WorkerStateMachine:
         request_id: str,
         validate: Callable[[], None],
         plan: Callable[[], Job],
-        deadline: Deadline = NO_DEADLINE,
-    ) -> Transition:
-        """The path of every transition RPC.
+        deadline: Deadline,
+        answer: Callable[[Transition], T],
+    ) -> T:
+        """The path of every transition RPC; its result is ``answer(transition)``, taken on the event
+        loop as soon as the job ends (the worker's status then), so that a retry gets the first call's
+        answer whole, not a new status beside the old transition.
 
         A retried ``request_id`` shares the first call's result (memsvc/_replay.py); ``validate``
         checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken (from
@@ -88,7 +94,7 @@ class WorkerStateMachine:
         that had started when its callers left still finishes, and its result is kept for a retry.
         """
 
-        async def transition(shared: Deadline) -> Transition:
+        async def transition(shared: Deadline) -> T:
             validate()
             self.begin()
             try:
@@ -127,7 +133,7 @@ class WorkerStateMachine:
                 # retry with this request_id (the manager's, after it asked how the call ended) gets it.
                 result = await job_done
             assert result is not None, "a started job returns its transition"
-            return result
+            return answer(result)
 
         return await self.replay.run(request_id, method, transition, deadline=deadline)
 

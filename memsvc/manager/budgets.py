@@ -16,32 +16,41 @@ neighbour does not fail the wake it was making room for.
 from __future__ import annotations
 
 import asyncio
+import functools
 import logging
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from memsvc._deadline import Deadline
 from memsvc.errors import MemsvcError, OutOfMemory
+from memsvc.manager.background import Background
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.v1 import common_pb2 as c
-from memsvc.vocabulary import AWAKE_STATES, SleepLevel, WorkerState
+from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState
 
 log = logging.getLogger("memsvc.manager")
 T = TypeVar("T")
 
 
+def _unlock(rec: WorkerRecord, _task: object) -> None:
+    rec.lock.release()
+
+
 class Budgets:
-    def __init__(self, registry: Registry, policies: Policies, calls: WorkerCalls, metrics: ManagerMetrics) -> None:
+    def __init__(
+        self, registry: Registry, policies: Policies, calls: WorkerCalls, metrics: ManagerMetrics,
+        background: Background,
+    ) -> None:  # fmt: skip
         self._registry = registry
         self._policies = policies
         self._calls = calls
         self._metrics = metrics
-        self._evicting: set[asyncio.Task[None]] = set()
-        """Evictions running beside the wake they make room for (kept here so none is collected)."""
+        self._background = background
+        """Runs the evictions beside a wake (kept, logged if they fail, cancelled at close)."""
 
     def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
         return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
@@ -62,12 +71,26 @@ class Budgets:
             log.info("waking %s beside its evictions found the device full: waiting for them", rec.worker_id)
             await asyncio.wait(evicting)
             return await wake()
+        finally:
+            if evicting:  # each ends by itself; an eviction that failed leaves the budget exceeded:
+                await asyncio.wait(evicting)  # then idle neighbours go the usual way, now
+                await self._back_within_budget(rec, deadline)
+
+    async def _back_within_budget(self, rec: WorkerRecord, deadline: Deadline) -> None:
+        """After overlapped evictions: if one of them did not sleep, the awake workers exceed the budget
+        beyond the swap; put idle neighbours to sleep until they fit (or say why not, in the log)."""
+        try:
+            await self.make_device_room(rec, None, deadline, overlap=False, need=0)
+        except MemsvcError as exc:
+            log.warning("device of %s stays over its budget after an eviction failed: %s", rec.worker_id, exc)
 
     async def make_device_room(
-        self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline
-    ) -> list[asyncio.Task[None]]:
-        """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget. The
-        sleeps that may overlap the wake (``device_swap_headroom_bytes``) are left running, and
+        self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline, overlap: bool = True,
+        need: int | None = None,
+    ) -> list[asyncio.Task[None]]:  # fmt: skip
+        """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget (or,
+        with ``need``, until that many more bytes fit: 0, until what is awake fits). The sleeps that
+        may overlap the wake (``device_swap_headroom_bytes``, with ``overlap``) are left running, and
         returned; the others have ended."""
         group = self._device_group(rec)
         policy = self._policies.effective(rec.name)
@@ -77,9 +100,10 @@ class Budgets:
         evicting: list[asyncio.Task[None]] = []
         if not budget:
             return evicting
-        need = rec.wake_need_bytes(tags)
-        if not need:
-            return evicting  # nothing to map (the worker will say why the wake does not apply)
+        if need is None:
+            need = rec.wake_need_bytes(tags)
+            if not need:
+                return evicting  # nothing to map (the worker will say why the wake does not apply)
         passed_over: set[str] = set()
         going = 0  # bytes of the evictions left running: counted as free for the budget
         while True:
@@ -106,20 +130,16 @@ class Budgets:
             victim = min(idle, key=lambda r: r.idle_start)
             passed_over.add(victim.worker_id)  # one try per victim, whichever way it goes
             free = rec.status.device.free_bytes if rec.status is not None else 0
-            if (
-                policy.device_swap_headroom_bytes
-                and now + need <= budget + policy.device_swap_headroom_bytes
-                and (free >= need)
-            ):
+            headroom = policy.device_swap_headroom_bytes
+            if overlap and headroom and need and now + need <= budget + headroom and free >= need:
                 await victim.lock.acquire()  # now, so that no lease or other sleep slips in before the task
                 if victim.leases or victim.state not in AWAKE_STATES or victim.in_transition:
                     victim.lock.release()
                     continue
                 log.info("making room for %s: putting %s to sleep beside the wake", rec.worker_id, victim.worker_id)
-                going += victim.mapped_bytes
-                task = asyncio.create_task(self._evict_locked(victim, deadline))
-                self._evicting.add(task)
-                task.add_done_callback(self._evicting.discard)
+                going += victim.unmap_bytes(self.tier1_actions(victim))  # what its sleep frees (KEEP stays)
+                task = self._background.spawn(self._evict_locked(victim, deadline), f"evict {victim.worker_id}")
+                task.add_done_callback(functools.partial(_unlock, victim))  # also if cancelled unstarted
                 evicting.append(task)
                 continue
             log.info("making room for %s: putting %s to sleep", rec.worker_id, victim.worker_id)
@@ -136,18 +156,14 @@ class Budgets:
                 self._metrics.evictions.inc()
 
     async def _evict_locked(self, victim: WorkerRecord, deadline: Deadline) -> None:
-        """An eviction beside a wake; the caller took ``victim.lock``, released here. Its failure is
-        logged, not raised: the wake it made room for may already have finished (and if the device
-        then proves too full, that wake fails and is tried again once this has ended)."""
+        """An eviction beside a wake; the caller took ``victim.lock`` (the task's done-callback releases
+        it). A refusal is logged, not raised: the wake it made room for goes on, and
+        :meth:`wake_with_room` puts the budget right afterwards."""
         try:
             await self.sleep_tier1(victim, deadline, "device budget (beside a wake)")
             self._metrics.evictions.inc()
         except MemsvcError as exc:
             log.warning("an eviction beside a wake: %s did not sleep: %s", victim.worker_id, exc)
-        except Exception:
-            log.exception("an eviction beside a wake: %s", victim.worker_id)
-        finally:
-            victim.lock.release()
 
     async def make_host_room(self, rec: WorkerRecord, need: int, deadline: Deadline) -> bool:
         """Demote the coldest sleepers on ``rec``'s host to level 2 until ``need`` more bytes fit."""
@@ -188,14 +204,18 @@ class Budgets:
                         continue
                     self._metrics.demotions.inc()
 
+    def tier1_actions(self, rec: WorkerRecord) -> dict[str, Action]:
+        """The policy's tier-1 actions for ``rec``'s tags (the default policy speaks for every worker:
+        a tag this worker does not have is not its to act on)."""
+        tags = rec.tag_names()
+        return {t: a for t, a in self._policies.effective(rec.name).tag_actions.items() if not tags or t in tags}
+
     async def sleep_tier1(
         self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = ""
     ) -> c.TransitionStats:
         """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short.
         The caller holds ``rec.lock``."""
-        # The default policy speaks for every worker: a tag this worker does not have is not its to act on.
-        tags = rec.tag_names()
-        actions = {t: a for t, a in self._policies.effective(rec.name).tag_actions.items() if not tags or t in tags}
+        actions = self.tier1_actions(rec)
         if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
             return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
         log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)

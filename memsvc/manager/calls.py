@@ -146,7 +146,7 @@ class WorkerCalls:
             except MemsvcError as exc:
                 await self._ingest.set_status(rec, None, False, f"no answer after a call without one: {exc}")
                 return
-            await self._ingest.set_status(rec, status, True, "status after a call without an answer")
+            await self._ingest.set_status(rec, status, True, rec.cause or "status after a call without an answer")
             if not status.transition_in_progress:
                 return
             if time.monotonic() > give_up:

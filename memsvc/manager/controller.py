@@ -66,7 +66,7 @@ class Manager:
         self.registry = Registry(store, links or grpc_links(), ingest, self.background, self.policies)
         replay = ReplayCache(REQUEST_CACHE)
         self._calls = calls = WorkerCalls(self.registry, ingest, self.settings)
-        budgets = Budgets(self.registry, self.policies, calls, self.metrics)
+        budgets = Budgets(self.registry, self.policies, calls, self.metrics, self.background)
         self.transitions = Transitions(self.registry, calls, budgets, replay)
         self.leases = Leases(self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay)
         self.timers = IdleTimers(

@@ -10,6 +10,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
 import time
 import uuid
 
@@ -86,6 +87,8 @@ class Leases:
                 f"keep_alive must be at most {MAX_KEEP_ALIVE_S:.0f} s (negative: no idle sleep)",
                 metadata={"field": "keep_alive", "max": f"{MAX_KEEP_ALIVE_S:.0f}s"},
             )
+        if keep_alive is not None and keep_alive < 0:
+            keep_alive = -1.0  # "never": one value, inside every Duration's range
         rec = self._registry.get(name)
         if lease_id:  # renewal
             lease = self.leases.get(lease_id)
@@ -181,10 +184,12 @@ class Leases:
         return rec
 
     def page(self, name: str, page_size: int, page_token: str) -> tuple[list[Lease], str]:
-        """ListLeases: one page in lease-id order (of one worker's leases when ``name``)."""
+        """ListLeases: one page in lease-id order (of one worker's leases when ``name``). A lease still
+        being granted (its wake runs; no TTL yet) is not listed: no client holds it yet."""
         pool = self._registry.get(name).leases if name else self.leases
-        ids, token = page_of(pool, page_size, page_token)
-        return [pool[i] for i in ids], token
+        granted = {i: x for i, x in pool.items() if x.expire_time != math.inf}
+        ids, token = page_of(granted, page_size, page_token)
+        return [granted[i] for i in ids], token
 
     def expire(self, now: float) -> None:
         """Release every lease whose TTL has passed."""

@@ -38,6 +38,7 @@ STREAM_ENDED = "it ended its telemetry stream (stopping)"
 """The reason a link goes down when the worker closed the stream itself, as a draining worker does:
 a stop, not a failure (an error status or a broken connection is the other kind)."""
 
+
 class WorkerLink(Protocol):
     """What the manager can do with one worker."""
 

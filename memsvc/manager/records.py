@@ -78,6 +78,8 @@ class WorkerRecord:
 
     @contextlib.contextmanager
     def caused_by(self, why: str) -> Iterator[None]:
+        """``cause`` for the block. One slot is enough: every transition the manager runs on this
+        worker holds ``lock``, so two never overlap."""
         self.cause = why
         try:
             yield
@@ -149,6 +151,10 @@ class WorkerRecord:
         return sum(
             t.awake_bytes for t in self.tags() if t.state != TagState.AWAKE.proto and (tags is None or t.tag in tags)
         )
+
+    def unmap_bytes(self, actions: dict[str, Action]) -> int:
+        """Device bytes a sleep with ``actions`` would free (mapped tags it offloads or discards)."""
+        return sum(t.mapped_bytes for t in self.tags() if actions.get(t.tag, Action.KEEP) != Action.KEEP)
 
     def offload_need_bytes(self, actions: dict[str, Action]) -> int:
         """Host bytes a sleep with ``actions`` would add (awake tags that OFFLOAD)."""

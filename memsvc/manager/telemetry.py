@@ -17,7 +17,7 @@ from memsvc.manager.watch import WatchEvent, WatchHub
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.vocabulary import BUSY_STATES, TransitionKind, WorkerState
+from memsvc.vocabulary import AWAKE_STATES, BUSY_STATES, TransitionKind, WorkerState
 
 log = logging.getLogger("memsvc.manager")
 
@@ -46,12 +46,11 @@ class TelemetryIngest:
         if reachable:
             rec.last_seen, rec.heard = time.time(), time.monotonic()
         new = rec.state
-        if new != old and new in (WorkerState.SLEEPING, WorkerState.ASLEEP) and rec.leases and not rec.cause:
+        if old in AWAKE_STATES and new in (WorkerState.SLEEPING, WorkerState.ASLEEP) and rec.leases and not rec.cause:
             # the manager never sleeps a leased worker: someone called the worker's Sleep directly
             log.warning("worker %s is going to sleep (%s) while %d lease(s) hold it: not the manager's doing",
                         rec.worker_id, reason, len(rec.leases))  # fmt: skip
-            if old not in (WorkerState.SLEEPING, WorkerState.ASLEEP):
-                self.metrics.leased_sleeps.labels(rec.worker_id).inc()
+            self.metrics.leased_sleeps.labels(rec.worker_id).inc()
         if new != old:
             msg = m.WatchWorkersResponse(worker=rec.to_proto())
             msg.state_change.CopyFrom(c.StateChange(from_state=old.proto, to_state=new.proto, reason=reason))
@@ -68,7 +67,7 @@ class TelemetryIngest:
                 # the model's load ended before the worker registered, so no transition event told of
                 # it: its first snapshot does, once per record (the counters start with the manager)
                 self.metrics.transition(rec.worker_id, msg.snapshot.last_transition)
-            await self.set_status(rec, msg.snapshot, True, "telemetry")
+            await self.set_status(rec, msg.snapshot, True, rec.cause or "telemetry")
         elif kind == "state_change":
             status = c.WorkerStatus()
             if rec.status is not None:

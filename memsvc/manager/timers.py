@@ -143,6 +143,7 @@ class IdleTimers:
                     await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, "", NO_DEADLINE, "idle (tier 2)")
                 else:
                     return
+                rec.keep_alive = None  # the idle period it governed has ended in this sleep
                 self._metrics.idle_sleeps.labels(str(tier)).inc()
                 log.info("worker %s idle: tier %d sleep", rec.worker_id, tier)
             except MemsvcError as exc:  # the worker said no (busy, short of memory): try again later

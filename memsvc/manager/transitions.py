@@ -89,6 +89,7 @@ class Transitions:
                     rec, tags or None, shared, lambda: self._calls.wake(rec, tags, request_id, shared, "WakeWorker")
                 )
                 rec.idle_since = time.time()
+                rec.keep_alive = None  # an operator's wake starts an idle period of the policy's
                 return rec.to_proto(), t
 
         return await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)

@@ -38,6 +38,7 @@ def kv_block_shape(config: ModelConfig, num_blocks: int, block_size: int) -> tup
 TEMPORARY_PREFIX = "tmp-"
 """The id prefix of the sequence a Generate without ``sequence_id`` reads into (freed at its end)."""
 
+
 class _BlockPool:
     """``num_blocks`` equal, contiguous blocks in one tensor."""
 
