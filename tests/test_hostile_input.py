@@ -452,6 +452,7 @@ MANAGER_RPCS = {
     "SwapWorkerBlocks": m.SwapWorkerBlocksRequest, "AcquireWorker": m.AcquireWorkerRequest,
     "ReleaseWorker": m.ReleaseWorkerRequest, "GetPolicy": m.GetPolicyRequest, "UpdatePolicy": m.UpdatePolicyRequest,
     "WatchWorkers": m.WatchWorkersRequest, "DeregisterWorker": m.DeregisterWorkerRequest,
+    "ListLeases": m.ListLeasesRequest,
 }  # fmt: skip
 STATEFUL = {"Sleep", "WakeUp", "ReloadWeights", "SwapBlocks", "Generate", "FreeSequence", "SleepWorker",
             "WakeWorker", "AcquireWorker", "SwapWorkerBlocks"}  # fmt: skip

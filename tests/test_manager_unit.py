@@ -680,3 +680,27 @@ async def test_list_leases_leaves_out_a_lease_still_being_granted(env: Env) -> N
     granted, _ = await waking
     assert {x.lease_id for x in env.manager.leases.page("", 0, "")[0]} == {held.lease_id, granted.lease_id}
     assert a.state == WorkerState.AWAKE
+
+
+async def test_two_wakes_on_one_device_are_checked_one_at_a_time(env: Env) -> None:
+    """b's wake (evicting a) is still in flight, so the manager's records show nothing mapped for b yet:
+    c's acquire must wait for it rather than find room that b is about to take (both would end awake,
+    over a budget that fits one)."""
+    a = await env.worker("a", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=80 * GiB)
+    b = await env.worker("b", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=80 * GiB)
+    c_ = await env.worker("c", weights_bytes=2 * GiB, kv_bytes=GiB, device_total_bytes=80 * GiB)
+    for name in ("b", "c"):
+        await env.manager.sleep_worker(name, SleepLevel.LEVEL_1, {}, "", None)
+    await env.policy(device_budget_bytes=4 * GiB)
+    b.gate = asyncio.Event()
+    waking_b = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", None))
+    await settle(lambda: b.calls[-1:] == ["WakeUp"], "b's wake to start (a evicted)")
+    waking_c = asyncio.create_task(env.manager.acquire("c", 60, "t", "", "", None))
+    await asyncio.sleep(0.05)
+    assert not waking_c.done() and c_.calls == ["Sleep"], "c's wake did not wait for b's"
+    b.gate.set()
+    lease, _ = await waking_b
+    with pytest.raises(OutOfMemory):  # b is leased now: nothing on the device can make room for c
+        await waking_c
+    assert (a.state, b.state, c_.state) == (WorkerState.ASLEEP, WorkerState.AWAKE, WorkerState.ASLEEP)
+    env.manager.release(lease.lease_id)

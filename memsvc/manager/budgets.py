@@ -22,7 +22,7 @@ from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
 from memsvc._deadline import Deadline
-from memsvc.errors import MemsvcError, OutOfMemory
+from memsvc.errors import MemsvcError, OutOfMemory, Unavailable
 from memsvc.manager.background import Background
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
@@ -51,6 +51,8 @@ class Budgets:
         self._metrics = metrics
         self._background = background
         """Runs the evictions beside a wake (kept, logged if they fail, cancelled at close)."""
+        self._devices: dict[tuple[str, str, str], asyncio.Lock] = {}
+        """One per device: its wakes, with the room each makes, run one at a time."""
 
     def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
         return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
@@ -62,19 +64,33 @@ class Budgets:
         A wake that runs beside evictions and finds the device full after all (its free memory was
         reported before someone else took it) waits for them and is tried once more: a failed wake
         leaves the worker asleep with its backups, so the second try starts clean."""
-        evicting = await self.make_device_room(rec, tags, deadline)
+        device = self._devices.setdefault(rec.device_key, asyncio.Lock())
+        # One wake at a time per device: the budget counts what the workers there have mapped, and a
+        # neighbour's wake still in flight has mapped nothing yet as far as the manager knows, so two
+        # wakes checked at once could both fit and together exceed it.
+        left = deadline.remaining()
         try:
-            return await wake()
-        except OutOfMemory:
-            if not evicting:
-                raise
-            log.info("waking %s beside its evictions found the device full: waiting for them", rec.worker_id)
-            await asyncio.wait(evicting)
-            return await wake()
+            await asyncio.wait_for(device.acquire(), timeout=left)
+        except TimeoutError:
+            raise Unavailable(
+                f"worker {rec.worker_id}: another wake on its device did not end before the deadline"
+            ) from None
+        try:
+            evicting = await self.make_device_room(rec, tags, deadline)
+            try:
+                return await wake()
+            except OutOfMemory:
+                if not evicting:
+                    raise
+                log.info("waking %s beside its evictions found the device full: waiting for them", rec.worker_id)
+                await asyncio.wait(evicting)
+                return await wake()
+            finally:
+                if evicting:  # each ends by itself; an eviction that failed leaves the budget exceeded:
+                    await asyncio.wait(evicting)  # then idle neighbours go the usual way, now
+                    await self._back_within_budget(rec, deadline)
         finally:
-            if evicting:  # each ends by itself; an eviction that failed leaves the budget exceeded:
-                await asyncio.wait(evicting)  # then idle neighbours go the usual way, now
-                await self._back_within_budget(rec, deadline)
+            device.release()
 
     async def _back_within_budget(self, rec: WorkerRecord, deadline: Deadline) -> None:
         """After overlapped evictions: if one of them did not sleep, the awake workers exceed the budget
