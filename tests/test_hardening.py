@@ -102,7 +102,10 @@ def test_a_queued_worker_sleep_whose_caller_left_never_runs_and_frees_the_transi
         pool = busy_generates(wp.stub, 2)
         time.sleep(0.3)
         req = w.SleepRequest(level=c.SLEEP_LEVEL_1)
-        assert code_of(lambda: wp.stub.Sleep(req, timeout=0.3)) == grpc.StatusCode.DEADLINE_EXCEEDED
+        # the client's timer, or the worker's answer that the deadline passed before it could start
+        # (CANCELLED, docs/operations.md), whichever comes first on a loaded machine: it never ran
+        code = code_of(lambda: wp.stub.Sleep(req, timeout=0.3))
+        assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), code
         st = wait_for(lambda: worker_status(wp.stub), lambda s: not s.transition_in_progress, timeout=5,
                       what="the abandoned Sleep to let go of the lock while the Generates still run")  # fmt: skip
         assert st.state == c.WORKER_STATE_AWAKE
