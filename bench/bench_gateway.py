@@ -38,7 +38,6 @@ import argparse
 import datetime
 import importlib
 import json
-import math
 import os
 import random
 import re
@@ -62,6 +61,7 @@ import torch
 from google.protobuf.field_mask_pb2 import FieldMask
 
 from bench.bench_allocator import _device_info, _git_commit
+from bench.reference_8b import init_on_gpu
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
@@ -93,16 +93,7 @@ def write_checkpoint(root: Path, shape: str, device: str) -> dict[str, Any]:
     config = transformers.LlamaConfig(**SHAPES[shape], eos_token_id=None, bos_token_id=None, tie_word_embeddings=False)
     with torch.device(device):
         model = transformers.LlamaForCausalLM(config).to(torch.bfloat16).eval()
-    gen = torch.Generator(device=device).manual_seed(0)
-    with torch.no_grad():
-        for name, p in model.named_parameters():
-            noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
-            if name.endswith("norm.weight"):
-                p.copy_(1.0 + 0.1 * noise)
-            elif "embed_tokens" in name:
-                p.copy_(0.1 * noise)
-            else:
-                p.copy_(noise / math.sqrt(p.shape[1]))
+    init_on_gpu(model, seed=0, device=device)
     model.save_pretrained(root)
     del model
     if device == "cuda":

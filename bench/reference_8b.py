@@ -41,11 +41,12 @@ def config(transformers: Any) -> Any:
 
 
 @torch.no_grad()
-def init_on_gpu(model: Any, seed: int) -> None:
-    """tests/hf_models.py's scale, drawn on the GPU (8B normal draws on a CPU take minutes)."""
-    gen = torch.Generator(device="cuda").manual_seed(seed)
+def init_on_gpu(model: Any, seed: int, device: str = "cuda") -> None:
+    """tests/hf_models.py's scale, drawn on the GPU (8B normal draws on a CPU take minutes; ``device``
+    "cpu" is for the tiny shapes of a smoke run)."""
+    gen = torch.Generator(device=device).manual_seed(seed)
     for name, p in model.named_parameters():
-        noise = torch.randn(p.shape, generator=gen, device="cuda", dtype=torch.float32)
+        noise = torch.randn(p.shape, generator=gen, device=device, dtype=torch.float32)
         if name.endswith("norm.weight"):
             p.copy_(1.0 + 0.1 * noise)
         elif "embed_tokens" in name:

@@ -75,17 +75,18 @@ def from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str) -> GatewayEr
     return GatewayError(status, f"{where}: {details}", kind, code=code.name.lower(), retry_after=retry)
 
 
-def _sampling(req: CompletionRequest | ChatCompletionRequest) -> w.SamplingParams:
-    params = w.SamplingParams(temperature=req.temperature, top_p=req.top_p)
+def _generate_request(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> w.GenerateRequest:
+    """What both endpoints send the worker, before the prompt. OpenAI's max_tokens is an upper bound
+    (stop_at_context): unset, the most one Generate makes, so the model's context is what ends it."""
+    sampling = w.SamplingParams(temperature=req.temperature, top_p=req.top_p)
     if req.seed is not None:
-        params.seed = req.seed
-    return params
-
-
-def _limit(max_tokens: int | None) -> int:
-    """OpenAI's max_tokens, an upper bound (the requests say stop_at_context): unset, the most one
-    Generate makes, so the model's context is what ends it."""
-    return max_tokens if max_tokens is not None else MAX_GENERATE_TOKENS
+        sampling.seed = req.seed
+    return w.GenerateRequest(
+        max_new_tokens=max_tokens if max_tokens is not None else MAX_GENERATE_TOKENS,
+        sampling=sampling,
+        ignore_eos=req.ignore_eos,
+        stop_at_context=True,
+    )
 
 
 class _StopText:
@@ -192,12 +193,7 @@ def create_app(
 
     async def _completions(req: CompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
-        gen = w.GenerateRequest(
-            max_new_tokens=_limit(req.max_tokens),
-            sampling=_sampling(req),
-            ignore_eos=req.ignore_eos,
-            stop_at_context=True,
-        )
+        gen = _generate_request(req, req.max_tokens)
         if isinstance(req.prompt, str):
             gen.prompt = req.prompt
         elif req.prompt and isinstance(req.prompt[0], str):
@@ -212,12 +208,7 @@ def create_app(
 
     async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
         worker = await _worker_for(req.model)
-        gen = w.GenerateRequest(
-            max_new_tokens=_limit(req.limit),
-            sampling=_sampling(req),
-            ignore_eos=req.ignore_eos,
-            stop_at_context=True,
-        )
+        gen = _generate_request(req, req.limit)
         gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
         return await _respond(req, worker, gen, "chat.completion", request)
 
