@@ -704,3 +704,8 @@ async def test_two_wakes_on_one_device_are_checked_one_at_a_time(env: Env) -> No
         await waking_c
     assert (a.state, b.state, c_.state) == (WorkerState.ASLEEP, WorkerState.AWAKE, WorkerState.ASLEEP)
     env.manager.release(lease.lease_id)
+    import gc
+
+    del waking_b, waking_c  # the finished tasks (and the refusal's traceback) are the test's, not the manager's
+    gc.collect()
+    assert len(env.manager.transitions._budgets._devices) == 0, "a device's lock outlived its wakes"

@@ -18,6 +18,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
@@ -51,8 +52,10 @@ class Budgets:
         self._metrics = metrics
         self._background = background
         """Runs the evictions beside a wake (kept, logged if they fail, cancelled at close)."""
-        self._devices: dict[tuple[str, str, str], asyncio.Lock] = {}
-        """One per device: its wakes, with the room each makes, run one at a time."""
+        self._devices: weakref.WeakValueDictionary[tuple[str, str, str], asyncio.Lock] = weakref.WeakValueDictionary()
+        """One per device: its wakes, with the room each makes, run one at a time. Weak: a lock lives
+        while a wake holds or waits for it, so device keys that come and go (a host name is the
+        registering client's) leave nothing behind."""
 
     def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
         return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
@@ -64,7 +67,9 @@ class Budgets:
         A wake that runs beside evictions and finds the device full after all (its free memory was
         reported before someone else took it) waits for them and is tried once more: a failed wake
         leaves the worker asleep with its backups, so the second try starts clean."""
-        device = self._devices.setdefault(rec.device_key, asyncio.Lock())
+        device = self._devices.get(rec.device_key)
+        if device is None:
+            device = self._devices[rec.device_key] = asyncio.Lock()
         # One wake at a time per device: the budget counts what the workers there have mapped, and a
         # neighbour's wake still in flight has mapped nothing yet as far as the manager knows, so two
         # wakes checked at once could both fit and together exceed it.
