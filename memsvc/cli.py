@@ -252,6 +252,12 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "1",
         "transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
     )
+    p.add_argument(
+        "--offload-dir",
+        default=env("OFFLOAD_DIR", ""),
+        help="the disk tier: a directory for sleeping tags' backups (tag action offload_disk; the manager's host "
+        "budget moves sleepers there instead of discarding their weights); empty: none",
+    )
     p.add_argument("--seed", type=int, default=env("SEED", "0"), help="seed of synthetic weights")
     p.add_argument(
         "--served-model-name",
@@ -670,6 +676,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             host_name=args.host_name,
             served_model_name=args.served_model_name,
             huge_pages=args.huge_pages,
+            offload_dir=args.offload_dir,
             drain_seconds=args.drain_timeout,
         )
         security = _security(args, parser, server=True)

@@ -72,6 +72,9 @@ class Action(enum.IntEnum):
     """Drop; weights are reloaded from their source on wake, a KV cache comes back empty."""
     KEEP = c.TAG_ACTION_KEEP
     """Stay resident."""
+    OFFLOAD_DISK = c.TAG_ACTION_OFFLOAD_DISK
+    """Write to a file of the worker's disk tier (``--offload-dir``), restore byte for byte on wake;
+    given to an OFFLOADED tag, move its host copy to disk."""
 
     @property
     def label(self) -> str:
@@ -216,6 +219,7 @@ class TagState(_NamedProtoEnum):
     AWAKE = "awake"
     OFFLOADED = "offloaded"
     DISCARDED = "discarded"
+    ON_DISK = "on_disk"
 
     @classmethod
     def _prefix(cls) -> str:
@@ -224,6 +228,24 @@ class TagState(_NamedProtoEnum):
     @property
     def proto(self) -> c.TagState.ValueType:
         return c.TagState.ValueType(self._proto_number())
+
+
+_DEMOTIONS = frozenset(
+    {
+        (TagState.OFFLOADED, Action.DISCARD),
+        (TagState.OFFLOADED, Action.OFFLOAD_DISK),
+        (TagState.ON_DISK, Action.DISCARD),
+    }
+)
+
+
+def sleep_acts_on(state: TagState, action: Action) -> bool:
+    """Whether a Sleep with ``action`` changes a tag in ``state`` (the worker's rule, which the
+    in-memory worker follows too): an awake tag goes to sleep unless kept; a sleeper only moves
+    further down without waking (host to disk, or either to DISCARD: level 1 to level 2)."""
+    if action == Action.KEEP:
+        return False
+    return state == TagState.AWAKE or (state, action) in _DEMOTIONS
 
 
 class CopyMethod(_NamedProtoEnum):

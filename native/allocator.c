@@ -169,7 +169,8 @@ int msv_tag_stats_all(msv_allocator *a, msv_tag_stats *out, size_t cap, size_t *
     s->mapped_bytes = mapped_bytes(ar);
     s->layout_bytes = ar->frontier;
     s->allocated_bytes = ar->allocated;
-    s->offloaded_bytes = ar->offloaded;
+    s->offloaded_bytes = ar->state == MSV_TAG_OFFLOADED ? ar->offloaded : 0;
+    s->disk_bytes = ar->state == MSV_TAG_ON_DISK ? ar->offloaded : 0;
     s->discarded_bytes = ar->discarded;
     s->n_allocs = ar->n_allocs;
     s->n_extents = ar->n_ext;

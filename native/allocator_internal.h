@@ -35,8 +35,12 @@ typedef struct {
   size_t allocated, n_allocs, discarded;
   /* host backup while OFFLOADED */
   msv_hchunk *chunks;
-  msv_copy_item *pieces; /* dst = host, src = device */
+  msv_copy_item *pieces; /* dst = host (ON_DISK: the offset in the file), src = device */
   size_t n_pieces, offloaded;
+  /* the disk tier (disk.c): the backup's file while ON_DISK, and one a sleep wrote but has not yet
+   * committed (phase 1 writes, phase 2 commits, a failure closes it: nothing else changed) */
+  int disk_fd, pend_fd;
+  uint64_t disk_len, pend_len;
 } arena;
 
 /* A row of the allocation table (sorted by addr): a pool allocation or a host buffer. */
@@ -119,6 +123,29 @@ void arena_destroy(msv_allocator *a, arena *ar);
 int offload_arena(msv_allocator *a, int idx);
 size_t backup_in_extent(const arena *ar, const extent *x, size_t *pi, msv_copy_item *out);
 void drop_backup(msv_allocator *a, arena *ar);
+
+/* Where offload_arena and the disk tier put a tag's live bytes: the coalesced runs of its
+ * allocations, cut into pieces whose dst is an offset in [0, *total) of the backup, where chunk i of
+ * `chunk_bytes` starts at i * chunk_bytes (a piece never crosses a chunk). *data counts tensor
+ * bytes (the pieces also carry alignment padding). NULL pieces and *total 0 when nothing lives. */
+int plan_backup(msv_allocator *a, int idx, uint64_t chunk_bytes, msv_copy_item **pieces, size_t *n_pieces,
+                uint64_t *total, uint64_t *data);
+
+/* ---- disk.c: the disk tier (the caller holds mu) ---- */
+/* Phase 1 of a sleep to disk: write the tag's backup to a new file (pend_fd): from device memory
+ * through a few page-locked staging chunks when the tag is awake (the pieces are then planned here,
+ * dst = file offsets), or from its host chunks when it is OFFLOADED (a demotion). Nothing else
+ * changes; on failure the file is gone. */
+int disk_write(msv_allocator *a, int idx);
+/* Phase 2: the written file is the backup now (host chunks of a demotion go back to the pool). */
+void disk_commit(msv_allocator *a, arena *ar);
+/* Forget a pending file (a sleep failed). */
+void disk_abandon(arena *ar);
+/* Wake, once every extent of the ON_DISK tag is mapped: stream the file into device memory through
+ * staging chunks. On failure the file is intact (the tag stays ON_DISK). */
+int disk_restore(msv_allocator *a, arena *ar);
+/* Close the backup's file (restored, demoted, or destroyed); it was unlinked when made. */
+void disk_drop(msv_allocator *a, arena *ar);
 
 /* ---- checksums.c: the per-allocation sums of a backup ---- */
 int checksum_arena(msv_allocator *a, int idx, uint64_t **sums_out, size_t *n_out);

@@ -40,6 +40,7 @@ int get_arena(msv_allocator *a, const char *tag, int *idx, int *created) {
   }
   a->arenas = na;
   strcpy(ar->tag, tag);
+  ar->disk_fd = ar->pend_fd = -1;
   ar->va_size = a->cfg.arena_va_bytes;
   rc = a->b->reserve(a->b, ar->va_size, &ar->base);
   if (rc) {

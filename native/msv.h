@@ -144,8 +144,9 @@ void msv_hostpool_destroy(msv_hostpool *hp);
 /* ---- the allocator ---- */
 /* The proto's TagAction numbers (protos/memsvc/v1/common.proto; 0 is unspecified, never valid).
  * msv_sleep's known_action (sleep.c) is the one place that decides which codes exist. */
-enum { MSV_ACTION_OFFLOAD = 1, MSV_ACTION_DISCARD = 2, MSV_ACTION_KEEP = 3 };
-enum { MSV_TAG_AWAKE = 0, MSV_TAG_OFFLOADED = 1, MSV_TAG_DISCARDED = 2 };
+enum { MSV_ACTION_OFFLOAD = 1, MSV_ACTION_DISCARD = 2, MSV_ACTION_KEEP = 3, MSV_ACTION_OFFLOAD_DISK = 4 };
+/* ON_DISK: the tag's backup is in a file under the offload directory (disk.c), not in host memory. */
+enum { MSV_TAG_AWAKE = 0, MSV_TAG_OFFLOADED = 1, MSV_TAG_DISCARDED = 2, MSV_TAG_ON_DISK = 3 };
 
 typedef struct {
   char tag[64];
@@ -154,7 +155,8 @@ typedef struct {
   size_t mapped_bytes;     /* physical bytes mapped now */
   size_t layout_bytes;     /* bytes mapped while awake (restored on wake) */
   size_t allocated_bytes;  /* live allocation bytes */
-  size_t offloaded_bytes;  /* bytes held in host backups */
+  size_t offloaded_bytes;  /* bytes held in host backups (OFFLOADED) */
+  size_t disk_bytes;       /* bytes held in the offload file (ON_DISK) */
   size_t discarded_bytes;  /* bytes dropped by the last DISCARD, while asleep */
   size_t n_allocs;
   size_t n_extents;
@@ -169,6 +171,9 @@ typedef struct {
   size_t host_held_bytes, host_reserve_bytes;
   double host_prefault_seconds, host_register_seconds;
   double last_copy_validate_seconds, last_copy_seconds; /* the last copy_blocks: checks, then copy+sync */
+  uint64_t bytes_to_disk, bytes_from_disk; /* the disk tier: backups written, and read back on wake */
+  size_t disk_held_bytes;                  /* file bytes held now by ON_DISK tags */
+  double last_disk_write_seconds, last_disk_read_seconds;
 } msv_counters;
 
 typedef struct msv_allocator msv_allocator;
@@ -184,6 +189,7 @@ typedef struct {
   int checksum;            /* checksum offloaded data at sleep, verify on wake */
   int prefault_threads;
   int no_huge_pages;       /* do not ask for transparent huge pages for host chunks */
+  char offload_dir[4096];  /* the disk tier's directory; empty: no disk tier (OFFLOAD_DISK refused) */
 } msv_config;
 
 int msv_create(const msv_config *cfg, msv_allocator **out);

@@ -83,9 +83,8 @@ static void *produce(void *arg) { /* both stages on one thread: the fallback whe
   return NULL;
 }
 
-/* Copy every live byte of arena `idx` to host chunks. On failure nothing is kept. */
-int offload_arena(msv_allocator *a, int idx) {
-  arena *ar = a->arenas[idx];
+int plan_backup(msv_allocator *a, int idx, uint64_t chunk_bytes, msv_copy_item **pieces_out, size_t *n_out,
+                uint64_t *total_out, uint64_t *data_out) {
   /* runs: coalesced live allocations, in address order */
   msv_copy_item *runs = NULL;
   size_t n_runs = 0, cap_runs = 0;
@@ -106,10 +105,41 @@ int offload_arena(msv_allocator *a, int idx) {
     }
     total += e->rsize;
   }
+  *pieces_out = NULL, *n_out = 0, *total_out = total, *data_out = data;
   if (total == 0) {
     free(runs);
     return MSV_OK;
   }
+  size_t nchunks = (total + chunk_bytes - 1) / chunk_bytes;
+  msv_copy_item *pieces = malloc((n_runs + nchunks) * sizeof *pieces);
+  if (!pieces) {
+    free(runs);
+    return msv_fail(MSV_E_OOM, "out of host memory");
+  }
+  /* walk the runs, cutting one at each chunk boundary */
+  size_t n = 0;
+  uint64_t off = 0;
+  for (size_t r = 0; r < n_runs; r++) {
+    uint64_t done = 0;
+    while (done < runs[r].size) {
+      uint64_t room = chunk_bytes - off % chunk_bytes, left = runs[r].size - done, take = left < room ? left : room;
+      pieces[n++] = (msv_copy_item){off, runs[r].src + done, take};
+      off += take, done += take;
+    }
+  }
+  free(runs);
+  *pieces_out = pieces, *n_out = n;
+  return MSV_OK;
+}
+
+/* Copy every live byte of arena `idx` to host chunks. On failure nothing is kept. */
+int offload_arena(msv_allocator *a, int idx) {
+  arena *ar = a->arenas[idx];
+  msv_copy_item *pieces = NULL;
+  size_t n_pieces = 0;
+  uint64_t total = 0, data = 0;
+  int rc = plan_backup(a, idx, a->hp.chunk_bytes, &pieces, &n_pieces, &total, &data);
+  if (rc || total == 0) return rc;
   producer p;
   memset(&p, 0, sizeof p);
   p.hp = &a->hp;
@@ -118,9 +148,8 @@ int offload_arena(msv_allocator *a, int idx) {
   p.nchunks = (total + p.chunk_bytes - 1) / p.chunk_bytes;
   p.ready = calloc(p.nchunks, sizeof *p.ready);
   p.staged = calloc(p.nchunks, sizeof *p.staged);
-  msv_copy_item *pieces = malloc((n_runs + p.nchunks) * sizeof *pieces);
-  if (!p.ready || !p.staged || !pieces) {
-    free(p.ready), free(p.staged), free(pieces), free(runs);
+  if (!p.ready || !p.staged) {
+    free(p.ready), free(p.staged), free(pieces);
     return msv_fail(MSV_E_OOM, "out of host memory");
   }
   pthread_mutex_init(&p.mu, NULL);
@@ -131,9 +160,7 @@ int offload_arena(msv_allocator *a, int idx) {
   if (!faulting) produce(&p);
   else if (!pinning) pin_stage(&p);
 
-  size_t n_pieces = 0, run = 0;
-  uint64_t run_off = 0;
-  int rc = MSV_OK;
+  size_t pi = 0;
   for (size_t ci = 0; ci < p.nchunks && !rc; ci++) {
     pthread_mutex_lock(&p.mu);
     while (p.n_ready <= ci && !p.failed) pthread_cond_wait(&p.cv, &p.mu);
@@ -141,17 +168,10 @@ int offload_arena(msv_allocator *a, int idx) {
     pthread_mutex_unlock(&p.mu);
     if (rc) break;
     msv_hchunk *c = p.ready[ci];
-    uint64_t room = total - ci * p.chunk_bytes < p.chunk_bytes ? total - ci * p.chunk_bytes : p.chunk_bytes;
-    uint64_t used = 0;
-    size_t first = n_pieces;
-    while (used < room && run < n_runs) {
-      uint64_t left = runs[run].size - run_off, take = left < room - used ? left : room - used;
-      pieces[n_pieces++] = (msv_copy_item){(uint64_t)(uintptr_t)(c->ptr + used), runs[run].src + run_off, take};
-      used += take;
-      run_off += take;
-      if (run_off == runs[run].size) run++, run_off = 0;
-    }
-    rc = a->b->copy(a->b, &pieces[first], n_pieces - first, MSV_COPY_LOOP, 0);
+    uint64_t lo = ci * p.chunk_bytes, hi = lo + p.chunk_bytes;
+    size_t first = pi;
+    for (; pi < n_pieces && pieces[pi].dst < hi; pi++) pieces[pi].dst = (uint64_t)(uintptr_t)(c->ptr + (pieces[pi].dst - lo));
+    rc = a->b->copy(a->b, &pieces[first], pi - first, MSV_COPY_LOOP, 0);
   }
   if (!rc) rc = a->b->sync(a->b, 0);
   else a->b->sync(a->b, 0);
@@ -174,7 +194,7 @@ int offload_arena(msv_allocator *a, int idx) {
     if (p.staged[i]) msv_hostpool_put(&a->hp, p.staged[i]);
   pthread_mutex_destroy(&p.mu);
   pthread_cond_destroy(&p.cv);
-  free(p.ready), free(p.staged), free(runs);
+  free(p.ready), free(p.staged);
   if (rc) {
     free(pieces);
     return rc;
@@ -207,6 +227,8 @@ size_t backup_in_extent(const arena *ar, const extent *x, size_t *pi, msv_copy_i
  * which describe only that copy. */
 void drop_backup(msv_allocator *a, arena *ar) {
   clear_sums(a, ar);
+  disk_drop(a, ar);
+  disk_abandon(ar);
   while (ar->chunks) {
     msv_hchunk *c = ar->chunks;
     ar->chunks = c->next;

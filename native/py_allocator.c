@@ -7,14 +7,20 @@
 
 static int Allocator_init(AllocatorObject *self, PyObject *args, PyObject *kw) {
   static char *kwlist[] = {"backend", "device", "host_capacity", "granularity", "arena_va_bytes", "host_chunk_bytes",
-                           "host_reserve_bytes", "checksum", "prefault_threads", "huge_pages", NULL};
+                           "host_reserve_bytes", "checksum", "prefault_threads", "huge_pages", "offload_dir", NULL};
   msv_config c;
   memset(&c, 0, sizeof c);
   unsigned long long cap = 0, gran = 0, va = 0, chunk = 0, reserve = 0;
   int checksum = 0, huge_pages = 1;
-  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|KKKKKpip", kwlist, &c.backend, &c.device, &cap, &gran, &va, &chunk,
-                                   &reserve, &checksum, &c.prefault_threads, &huge_pages))
+  const char *offload_dir = "";
+  if (!PyArg_ParseTupleAndKeywords(args, kw, "ii|KKKKKpips", kwlist, &c.backend, &c.device, &cap, &gran, &va, &chunk,
+                                   &reserve, &checksum, &c.prefault_threads, &huge_pages, &offload_dir))
     return -1;
+  if (strlen(offload_dir) >= sizeof c.offload_dir) {
+    PyErr_SetString(g_err[MSV_E_INVALID], "offload_dir is too long");
+    return -1;
+  }
+  snprintf(c.offload_dir, sizeof c.offload_dir, "%s", offload_dir);
   if (c.backend != MSV_BACKEND_HOST && c.backend != MSV_BACKEND_CUDA) {
     PyErr_SetString(g_err[MSV_E_INVALID], "backend must be 0 (host) or 1 (cuda)");
     return -1;

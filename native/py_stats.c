@@ -5,7 +5,7 @@
 #include "py_internal.h"
 
 static const char *state_name(int s) {
-  return s == MSV_TAG_AWAKE ? "awake" : s == MSV_TAG_OFFLOADED ? "offloaded" : "discarded";
+  return s == MSV_TAG_AWAKE ? "awake" : s == MSV_TAG_OFFLOADED ? "offloaded" : s == MSV_TAG_ON_DISK ? "on_disk" : "discarded";
 }
 
 PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args) {
@@ -37,12 +37,13 @@ PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args) {
   if (n > cap) n = cap;
   PyObject *out = PyList_New(0);
   for (size_t i = 0; out && i < n; i++) {
-    PyObject *d = Py_BuildValue("{s:s,s:s,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tag", st[i].tag, "state",
+    PyObject *d = Py_BuildValue("{s:s,s:s,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tag", st[i].tag, "state",
                                 state_name(st[i].state), "base", (unsigned long long)st[i].base, "mapped_bytes",
                                 (unsigned long long)st[i].mapped_bytes, "layout_bytes",
                                 (unsigned long long)st[i].layout_bytes, "allocated_bytes",
                                 (unsigned long long)st[i].allocated_bytes, "offloaded_bytes",
-                                (unsigned long long)st[i].offloaded_bytes, "discarded_bytes",
+                                (unsigned long long)st[i].offloaded_bytes, "disk_bytes",
+                                (unsigned long long)st[i].disk_bytes, "discarded_bytes",
                                 (unsigned long long)st[i].discarded_bytes, "allocations",
                                 (unsigned long long)st[i].n_allocs, "extents", (unsigned long long)st[i].n_extents);
     if (!d || PyList_Append(out, d)) {
@@ -67,7 +68,8 @@ PyObject *Allocator_counters(AllocatorObject *self, PyObject *args) {
   Py_BEGIN_ALLOW_THREADS rc = msv_get_counters(a, &c, nonblocking);
   Py_END_ALLOW_THREADS msv_release(a);
   if (rc) return raise_last();
-  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d}", "bytes_offloaded",
+  return Py_BuildValue("{s:K,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:K,s:K,s:K,s:K,s:d,s:d,s:d,s:d,s:K,s:K,s:K,s:d,s:d}",
+                       "bytes_offloaded",
                        c.bytes_offloaded, "bytes_restored", c.bytes_restored, "bytes_verified", c.bytes_verified,
                        "sleeps", c.sleeps, "wakes", c.wakes, "last_sleep_seconds", c.last_sleep_seconds,
                        "last_wake_seconds", c.last_wake_seconds, "last_sleep_unmap_seconds",
@@ -77,7 +79,9 @@ PyObject *Allocator_counters(AllocatorObject *self, PyObject *args) {
                        "host_reserve_bytes", (unsigned long long)c.host_reserve_bytes, "host_prefault_seconds",
                        c.host_prefault_seconds, "host_register_seconds", c.host_register_seconds,
                        "last_copy_validate_seconds", c.last_copy_validate_seconds, "last_copy_seconds",
-                       c.last_copy_seconds);
+                       c.last_copy_seconds, "bytes_to_disk", c.bytes_to_disk, "bytes_from_disk", c.bytes_from_disk,
+                       "disk_held_bytes", (unsigned long long)c.disk_held_bytes, "last_disk_write_seconds",
+                       c.last_disk_write_seconds, "last_disk_read_seconds", c.last_disk_read_seconds);
 }
 
 PyObject *Allocator_mem_info(AllocatorObject *self, PyObject *unused) {

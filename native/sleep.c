@@ -11,6 +11,7 @@ static int known_action(int action) {
     case MSV_ACTION_KEEP:
     case MSV_ACTION_OFFLOAD:
     case MSV_ACTION_DISCARD:
+    case MSV_ACTION_OFFLOAD_DISK:
       return 1;
     default:
       return 0;
@@ -43,28 +44,40 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
         rc = msv_fail(MSV_E_INVALID, "tag '%s' named twice", tags[i]);
         goto out;
       }
-    /* An offloaded tag may be demoted to DISCARD (level 1 -> level 2: frees its host copy). */
+    /* A sleeper may be demoted: an offloaded tag to disk (frees its host copy, keeps its bytes),
+     * an offloaded or on-disk one to DISCARD (level 1 -> level 2: frees its copy). */
     int st = a->arenas[idx[i]]->state;
-    int demote = st == MSV_TAG_OFFLOADED && actions[i] == MSV_ACTION_DISCARD;
+    int demote = (st == MSV_TAG_OFFLOADED && (actions[i] == MSV_ACTION_DISCARD || actions[i] == MSV_ACTION_OFFLOAD_DISK)) ||
+                 (st == MSV_TAG_ON_DISK && actions[i] == MSV_ACTION_DISCARD);
     if (actions[i] != MSV_ACTION_KEEP && st != MSV_TAG_AWAKE && !demote) {
       rc = msv_fail(MSV_E_STATE, "tag '%s' is already asleep", tags[i]);
       goto out;
     }
+    if (actions[i] == MSV_ACTION_OFFLOAD_DISK && !a->cfg.offload_dir[0]) {
+      rc = msv_fail(MSV_E_STATE, "tag '%s': this worker has no disk tier: start it with an offload directory", tags[i]);
+      goto out;
+    }
   }
-  /* Phase 1: copy out everything to keep (device memory untouched until all copies succeed). */
+  /* Phase 1: copy out everything to keep (device memory untouched until all copies succeed); a
+   * demotion to disk writes its file, keeping the host copy until phase 2. */
   for (size_t i = 0; i < n && !rc; i++) {
-    if (actions[i] != MSV_ACTION_OFFLOAD) continue;
+    int to_host = actions[i] == MSV_ACTION_OFFLOAD, to_disk = actions[i] == MSV_ACTION_OFFLOAD_DISK;
+    if (!to_host && !to_disk) continue;
+    int awake = a->arenas[idx[i]]->state == MSV_TAG_AWAKE;
     size_t ns = 0;
-    if (a->cfg.checksum && (rc = checksum_arena(a, idx[i], &sums[i], &ns))) break;
-    rc = offload_arena(a, idx[i]);
+    if (awake && a->cfg.checksum && (rc = checksum_arena(a, idx[i], &sums[i], &ns))) break;
+    rc = to_host ? offload_arena(a, idx[i]) : disk_write(a, idx[i]);
   }
   /* No copy on the allocator's stream may still touch what phase 2 drops: the offloads above waited
    * for their own, but a block copy enqueued without waiting may be in flight (alone, for a sleep
    * that only discards). */
   if (!rc) rc = a->b->sync(a->b, 0);
   if (rc) {
-    for (size_t i = 0; i < n; i++)
-      if (actions[i] == MSV_ACTION_OFFLOAD) drop_backup(a, a->arenas[idx[i]]);
+    for (size_t i = 0; i < n; i++) {
+      arena *ar = a->arenas[idx[i]];
+      if (ar->state != MSV_TAG_AWAKE) disk_abandon(ar); /* a demotion: the host copy stays */
+      else if (actions[i] == MSV_ACTION_OFFLOAD || actions[i] == MSV_ACTION_OFFLOAD_DISK) drop_backup(a, ar);
+    }
     msv_hostpool_trim(&a->hp);
     goto out;
   }
@@ -73,7 +86,12 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
   for (size_t i = 0; i < n; i++) {
     if (actions[i] == MSV_ACTION_KEEP) continue;
     arena *ar = a->arenas[idx[i]];
-    if (ar->state == MSV_TAG_OFFLOADED) {
+    if (ar->state == MSV_TAG_OFFLOADED && actions[i] == MSV_ACTION_OFFLOAD_DISK) {
+      disk_commit(a, ar);
+      ar->state = MSV_TAG_ON_DISK;
+      continue;
+    }
+    if (ar->state != MSV_TAG_AWAKE) { /* a demotion to DISCARD */
       drop_backup(a, ar);
       ar->state = MSV_TAG_DISCARDED;
       ar->discarded = ar->allocated;
@@ -86,16 +104,19 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     /* Nothing dropped: the tag stays awake (its backup is released below). Anything dropped: it
      * is asleep, and wake maps back exactly the extents that are gone. */
     if (urc && mapped_bytes(ar) == ar->frontier) continue;
-    ar->state = actions[i] == MSV_ACTION_OFFLOAD ? MSV_TAG_OFFLOADED : MSV_TAG_DISCARDED;
+    int kept = actions[i] == MSV_ACTION_OFFLOAD || actions[i] == MSV_ACTION_OFFLOAD_DISK;
+    ar->state = actions[i] == MSV_ACTION_OFFLOAD ? MSV_TAG_OFFLOADED : kept ? MSV_TAG_ON_DISK : MSV_TAG_DISCARDED;
     ar->discarded = actions[i] == MSV_ACTION_DISCARD ? ar->allocated : 0;
-    if (actions[i] == MSV_ACTION_OFFLOAD) {
+    if (actions[i] == MSV_ACTION_OFFLOAD_DISK) disk_commit(a, ar);
+    if (kept) {
       a->ctr.bytes_offloaded += ar->offloaded;
       if (sums[i]) keep_sums(a, idx[i], sums[i]);
     }
   }
   for (size_t i = 0; i < n; i++) {
     arena *ar = a->arenas[idx[i]];
-    if (actions[i] == MSV_ACTION_OFFLOAD && ar->state == MSV_TAG_AWAKE) drop_backup(a, ar);
+    int kept = actions[i] == MSV_ACTION_OFFLOAD || actions[i] == MSV_ACTION_OFFLOAD_DISK;
+    if (kept && ar->state == MSV_TAG_AWAKE) drop_backup(a, ar);
   }
   msv_hostpool_trim_async(&a->hp);
   a->ctr.sleeps++;

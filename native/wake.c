@@ -119,6 +119,9 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
   double map_seconds = 0;
   for (size_t q = 0; q < k && !rc; q++) rc = wake_arena(a, a->arenas[idx[q]], &map_seconds);
   if (!rc) rc = a->b->sync(a->b, 0);
+  /* A tag on disk streams its file in once its extents are mapped (disk.c). */
+  for (size_t q = 0; q < k && !rc; q++)
+    if (a->arenas[idx[q]]->state == MSV_TAG_ON_DISK) rc = disk_restore(a, a->arenas[idx[q]]);
   if (rc) { /* a map or a copy failed: the backups are intact, so put the tags back to sleep */
     rc = back_to_sleep(a, idx, k, rc);
     goto out;
@@ -126,7 +129,7 @@ int msv_wake(msv_allocator *a, const char **tags, size_t n) {
   /* Phase 3: verify, then release backups. */
   for (size_t q = 0; q < k; q++) {
     arena *ar = a->arenas[idx[q]];
-    int was_offloaded = ar->state == MSV_TAG_OFFLOADED;
+    int was_offloaded = ar->state == MSV_TAG_OFFLOADED || ar->state == MSV_TAG_ON_DISK;
     if (was_offloaded && !rc) rc = verify_sums(a, idx[q]);
     if (was_offloaded) a->ctr.bytes_restored += ar->offloaded;
     drop_backup(a, ar);

@@ -42,12 +42,13 @@ class _DLPackCapsule:
 @type_check_only
 class _TagStats(TypedDict):
     tag: str
-    state: Literal["awake", "offloaded", "discarded"]
+    state: Literal["awake", "offloaded", "discarded", "on_disk"]
     base: int
     mapped_bytes: int
     layout_bytes: int
     allocated_bytes: int
     offloaded_bytes: int
+    disk_bytes: int
     discarded_bytes: int
     allocations: int
     extents: int
@@ -96,6 +97,7 @@ class Allocator:
         checksum: bool = False,
         prefault_threads: int = 0,
         huge_pages: bool = True,
+        offload_dir: str = "",
     ) -> None: ...
     def close(self) -> None: ...
     def alloc(self, tag: str, size: int, /) -> int: ...

@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import os
 import sys
 import threading
 from collections.abc import Iterable, Iterator, Mapping, Sequence
@@ -72,6 +73,9 @@ class AllocatorConfig:
     huge_pages: bool = True
     """Ask for transparent huge pages for host chunks: faster faults and pinning, but under the
     kernel's default THP defrag policy a fragmented host may compact memory on the fault path."""
+    offload_dir: str = ""
+    """The disk tier's directory (:attr:`Action.OFFLOAD_DISK`): sleeping tags' backups go to unlinked
+    files there, streamed through a few host chunks. Empty: no disk tier."""
 
 
 @dataclass(frozen=True)
@@ -83,6 +87,7 @@ class TagStats:
     mapped_bytes: int  #: physical device memory mapped now
     allocated_bytes: int  #: bytes of live allocations
     offloaded_bytes: int  #: bytes held in host memory while asleep
+    disk_bytes: int  #: bytes held in the disk tier's file while on disk
     discarded_bytes: int  #: bytes dropped by DISCARD, while asleep
     allocations: int
     layout_bytes: int  #: mapped bytes when awake
@@ -198,6 +203,10 @@ class MemoryAllocator:
             backend = "cuda" if _native.cuda_device_count() > 0 else "host"
         if config.device < 0:
             raise InvalidArgument(f"device must be >= 0, got {config.device}")
+        if config.offload_dir and not os.path.isdir(config.offload_dir):
+            raise InvalidArgument(f"offload directory {config.offload_dir} does not exist")
+        if config.offload_dir and not os.access(config.offload_dir, os.W_OK | os.X_OK):
+            raise InvalidArgument(f"offload directory {config.offload_dir} is not writable")
         self._native = _native.Allocator(
             _native.BACKEND_CUDA if backend == "cuda" else _native.BACKEND_HOST,
             config.device,
@@ -209,6 +218,7 @@ class MemoryAllocator:
             checksum=config.checksum,
             prefault_threads=config.prefault_threads,
             huge_pages=config.huge_pages,
+            offload_dir=os.path.abspath(config.offload_dir) if config.offload_dir else "",
         )
         info = self._native.info()
         self.backend: str = info["backend"]
@@ -487,6 +497,7 @@ class MemoryAllocator:
                 mapped_bytes=s["mapped_bytes"],
                 allocated_bytes=s["allocated_bytes"],
                 offloaded_bytes=s["offloaded_bytes"],
+                disk_bytes=s["disk_bytes"],
                 discarded_bytes=s["discarded_bytes"],
                 allocations=s["allocations"],
                 layout_bytes=s["layout_bytes"],

@@ -41,6 +41,9 @@ class WorkerConfig:
     """Host memory to page-lock in the background once the model is loaded, so the first sleep
     runs at line rate: a byte count, or ``"weights"`` for the size of the weights pool."""
     huge_pages: bool = True
+    offload_dir: str = ""
+    """The disk tier: a directory for sleeping tags' backups (tag action ``offload_disk``, and the
+    manager's host-budget demotion); empty: none."""
     seed: int = 0
     served_model_name: str = ""
     """The OpenAI-style model name clients use (see :meth:`resolved_served_model_name`)."""

@@ -38,6 +38,7 @@ from memsvc.vocabulary import (
     WorkerState,
     check_known_tags,
     plan_actions,
+    sleep_acts_on,
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
@@ -55,6 +56,11 @@ if TYPE_CHECKING:
     from worker.model.text import ModelText
 
 log = logging.getLogger("memsvc.worker")
+
+_KEEPS_BYTES = frozenset({Action.OFFLOAD, Action.OFFLOAD_DISK})
+"""Actions whose tag comes back byte for byte."""
+_SLEPT_AS = {TagState.OFFLOADED: Action.OFFLOAD, TagState.ON_DISK: Action.OFFLOAD_DISK}
+"""The action that puts a tag back where a failed wake found it (anything else: DISCARD)."""
 
 
 class WorkerCore:
@@ -137,6 +143,7 @@ class WorkerCore:
                     checksum=c.checksum,
                     host_reserve_bytes=c.host_reserve_bytes,
                     huge_pages=c.huge_pages,
+                    offload_dir=c.offload_dir,
                 )
             )
             source = parse_model_spec(c.model, seed=c.seed)
@@ -249,6 +256,7 @@ class WorkerCore:
             time.time(),
             self._last_activity,
             self._sm.in_progress,
+            self.config.offload_dir,
         )
 
     def kv_stats(self) -> KvStats | None:
@@ -296,15 +304,9 @@ class WorkerCore:
         def start() -> Job:
             self._sm.require(WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE, WorkerState.ASLEEP)
             tags = self._allocator().stats().tags
-            # Awake tags go to sleep; an offloaded tag asked to DISCARD is demoted (level 1 -> 2),
-            # which frees its host copy without waking it.
-            todo: dict[str, Action] = {
-                t: a
-                for t, a in plan.items()
-                if t in tags
-                and a != Action.KEEP
-                and (tags[t].state == TagState.AWAKE or (tags[t].state == TagState.OFFLOADED and a == Action.DISCARD))
-            }
+            # Awake tags go to sleep; a sleeper may be demoted without waking it: an offloaded tag to
+            # disk (frees its host copy, keeps its bytes) or, like one on disk, to DISCARD (level 2).
+            todo: dict[str, Action] = {t: a for t, a in plan.items() if t in tags and sleep_acts_on(tags[t].state, a)}
             if not todo:
                 raise WrongState(
                     f"worker is {self.state.label}: every named tag is already asleep or kept",
@@ -330,7 +332,7 @@ class WorkerCore:
                 self._host_release.settle()  # chunks a wake held and this sleep did not reuse
             self._last_memory = alloc.stats()
             tags = self._last_memory.tags
-            moved = sum(tags[t].offloaded_bytes for t, a in todo.items() if a == Action.OFFLOAD)
+            moved = sum(tags[t].offloaded_bytes + tags[t].disk_bytes for t, a in todo.items() if a in _KEEPS_BYTES)
             self._sm.sleep_level = max(level, self._sm.sleep_level) if before == WorkerState.ASLEEP else level
             self._sm.set_state(WorkerState.ASLEEP, "Sleep")
             ctr = self._last_memory.counters
@@ -397,9 +399,7 @@ class WorkerCore:
                     # The weights are mapped but hold nothing valid: every tag this wake woke goes back
                     # to how it slept (DISCARDED weights reload on the next WakeUp instead of serving
                     # garbage; an OFFLOADED tag is copied out again), so nothing has changed.
-                    alloc.sleep(
-                        {t: Action.OFFLOAD if before[t] == TagState.OFFLOADED else Action.DISCARD for t in tags}
-                    )
+                    alloc.sleep({t: _SLEPT_AS.get(before[t], Action.DISCARD) for t in tags})
                     if isinstance(exc, MemsvcError):
                         raise self._unreadable(exc, "the worker stays asleep as it was") from exc
                     raise

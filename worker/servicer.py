@@ -78,10 +78,11 @@ def status_pb(s: Status) -> c.WorkerStatus:
     mem = s.memory
     tags = []
     device = c.DeviceInfo(**s.device)
-    host_pinned = 0
+    host_pinned = disk = 0
     if mem is not None:
         device.total_bytes, device.free_bytes = mem.device_total_bytes, mem.device_free_bytes
         host_pinned = int(mem.counters.get("host_held_bytes", 0))
+        disk = int(mem.counters.get("disk_held_bytes", 0))
         for t in sorted(mem.tags.values(), key=lambda t: t.tag):
             tags.append(
                 c.TagMemory(
@@ -90,6 +91,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
                     mapped_bytes=t.mapped_bytes,
                     allocated_bytes=t.allocated_bytes,
                     offloaded_bytes=t.offloaded_bytes,
+                    disk_bytes=t.disk_bytes,
                     discarded_bytes=t.discarded_bytes,
                     allocation_count=t.allocations,
                     awake_bytes=t.layout_bytes,
@@ -121,6 +123,8 @@ def status_pb(s: Status) -> c.WorkerStatus:
         last_activity_time=timestamp(s.last_activity),
         sleep_level=SleepLevel.proto_of(s.sleep_level),
         transition_in_progress=s.transition_in_progress,
+        offload_dir=s.offload_dir,
+        disk_bytes=disk,
     )
 
 

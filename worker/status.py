@@ -61,6 +61,8 @@ class Status:
     last_activity: float
     transition_in_progress: bool = False
     """A transition holds the lock (it may still wait behind a Generate)."""
+    offload_dir: str = ""
+    """The disk tier's directory; empty without one."""
 
 
 __all__ = ["Generation", "Status", "Transition"]

@@ -187,7 +187,9 @@ class Budgets:
             log.warning("an eviction beside a wake: %s did not sleep: %s", victim.worker_id, exc)
 
     async def make_host_room(self, rec: WorkerRecord, need: int, deadline: Deadline) -> bool:
-        """Demote the coldest sleepers on ``rec``'s host to level 2 until ``need`` more bytes fit."""
+        """Demote the coldest sleepers on ``rec``'s host until ``need`` more bytes fit: to their disk
+        tier where they have one (their bytes are kept, so weights with no source to reload them from
+        survive), else to level 2."""
         budget = self._policies.effective(rec.name).host_budget_bytes
         if not budget or not need:
             return True
@@ -212,11 +214,13 @@ class Budgets:
             if not cold:
                 return False
             victim = min(cold, key=lambda r: r.idle_start)
-            log.info("host budget: demoting %s to level 2", victim.worker_id)
+            to_disk = victim.to_disk_actions() if victim.disk_tier else {}
+            log.info("host budget: demoting %s to %s", victim.worker_id, "disk" if to_disk else "level 2")
             async with victim.lock:
                 if victim.state == WorkerState.ASLEEP and not victim.leases:
+                    level = None if to_disk else SleepLevel.LEVEL_2
                     try:
-                        await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
+                        await self._calls.sleep(victim, level, to_disk, "", deadline, "host budget")
                     except MemsvcError as exc:
                         if deadline.passed():
                             raise
@@ -234,11 +238,15 @@ class Budgets:
     async def sleep_tier1(
         self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = ""
     ) -> c.TransitionStats:
-        """Sleep with the policy's tag actions, falling back to level 2 when host RAM is short.
-        The caller holds ``rec.lock``."""
+        """Sleep with the policy's tag actions; when host RAM is short, offload to the worker's disk
+        tier instead, or without one fall back to level 2. The caller holds ``rec.lock``."""
         actions = self.tier1_actions(rec)
         if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
             return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
+        if rec.disk_tier:
+            log.info("host budget: %s sleeps to its disk tier (no host room for its offload)", rec.worker_id)
+            to_disk = {t: Action.OFFLOAD_DISK if a == Action.OFFLOAD else a for t, a in actions.items()}
+            return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why + " (disk: host budget)")
         log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)
         return await self._calls.sleep(
             rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why + " (level 2: host budget)"

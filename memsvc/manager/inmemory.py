@@ -41,9 +41,13 @@ from memsvc.vocabulary import (
     actions_from_proto,
     check_known_tags,
     plan_actions,
+    sleep_acts_on,
 )
 
 R = TypeVar("R")
+
+_SLEEPS_TO = {Action.OFFLOAD: TagState.OFFLOADED, Action.OFFLOAD_DISK: TagState.ON_DISK}
+"""Where a kept tag's bytes go (every other action discards)."""
 
 
 @dataclass
@@ -64,8 +68,11 @@ class InMemoryWorker:
         device_total_bytes: int = 8 << 30,
         device_index: int = 0,
         address: str = "",
+        offload_dir: str = "",
     ) -> None:
         self.worker_id = worker_id
+        self.offload_dir = offload_dir
+        """Non-empty: the worker has a disk tier (OFFLOAD_DISK); nothing is written anywhere."""
         self.address = address or f"inmemory-{worker_id}:1"
         self.device_total_bytes = device_total_bytes
         self.device_index = device_index
@@ -95,6 +102,7 @@ class InMemoryWorker:
             state=self.state.proto,
             sleep_level=SleepLevel.proto_of(self.sleep_level),
             transition_in_progress=self._busy,
+            offload_dir=self.offload_dir,
         )
         mapped = 0
         for name, t in sorted(self.tags.items()):
@@ -107,6 +115,7 @@ class InMemoryWorker:
                     mapped_bytes=t.awake_bytes if awake else 0,
                     allocated_bytes=t.awake_bytes,
                     offloaded_bytes=t.awake_bytes if t.state == TagState.OFFLOADED else 0,
+                    disk_bytes=t.awake_bytes if t.state == TagState.ON_DISK else 0,
                     discarded_bytes=t.awake_bytes if t.state == TagState.DISCARDED else 0,
                     awake_bytes=t.awake_bytes,
                 )
@@ -194,22 +203,19 @@ class InMemoryWorker:
             todo = {
                 t: a
                 for t, a in plan_actions(level, explicit).items()
-                if t in self.tags
-                and a != Action.KEEP
-                and (
-                    self.tags[t].state == TagState.AWAKE
-                    or (self.tags[t].state == TagState.OFFLOADED and a == Action.DISCARD)
-                )
+                if t in self.tags and sleep_acts_on(self.tags[t].state, a)
             }
             if not todo:
                 raise WrongState(f"worker is {self.state.label}: every named tag is already asleep or kept")
             before = self.state
             await self._set_state(WorkerState.SLEEPING, "Sleep")
             moved = 0
+            if Action.OFFLOAD_DISK in todo.values() and not self.offload_dir:
+                raise WrongState("this worker has no disk tier: start it with an offload directory")
             for tag, action in todo.items():
                 t = self.tags[tag]
-                t.state = TagState.OFFLOADED if action == Action.OFFLOAD else TagState.DISCARDED
-                moved += t.awake_bytes if action == Action.OFFLOAD else 0
+                t.state = _SLEEPS_TO.get(action, TagState.DISCARDED)
+                moved += t.awake_bytes if action in _SLEEPS_TO else 0
             reported = int(level) if level is not None and not explicit else 0
             self.sleep_level = max(reported, self.sleep_level) if before == WorkerState.ASLEEP else reported
             await self._set_state(WorkerState.ASLEEP, "Sleep")

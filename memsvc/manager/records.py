@@ -144,7 +144,18 @@ class WorkerRecord:
 
     @property
     def offloaded_bytes(self) -> int:
+        """Host bytes the worker's offloaded tags hold (what a host budget counts; not its disk tier)."""
         return sum(t.offloaded_bytes for t in self.tags())
+
+    @property
+    def disk_tier(self) -> bool:
+        """The worker has a disk tier: its sleepers can move to disk and keep their bytes."""
+        return self.status is not None and bool(self.status.offload_dir)
+
+    def to_disk_actions(self) -> dict[str, Action]:
+        """The demotion that frees this sleeper's host RAM and keeps its bytes: every offloaded tag to
+        its disk tier."""
+        return {t.tag: Action.OFFLOAD_DISK for t in self.tags() if t.state == TagState.OFFLOADED.proto}
 
     def wake_need_bytes(self, tags: list[str] | None = None) -> int:
         """Device bytes a wake of ``tags`` (all sleeping tags when None) would map."""

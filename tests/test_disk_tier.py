@@ -1,0 +1,195 @@
+"""The disk tier: a sleeping tag's backup in a file under the offload directory (native/disk.c).
+
+Every test runs on the host backend and, where a GPU is present, on cuda: sleep to disk and wake
+give back every byte at the same addresses, across staging chunks and with holes between
+allocations; an offloaded tag moves to disk (the demotion that frees host RAM) and a tag on disk
+can be discarded; a corrupted file fails the wake's checksum; a full disk (a file-size limit in a
+child process, so nothing else in the test session is limited) fails the sleep and keeps the data
+where it was.
+"""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+import torch
+from _util import MiB, as_cpu_bytes, fill_random
+from conftest import AllocatorFactory
+
+from memsvc.errors import IntegrityError, InvalidArgument, WrongState
+from worker.allocator import Action, MemoryAllocator
+
+# Across several 4 MiB staging chunks, with odd sizes so the last chunk is partly filled.
+SIZES = [1, 4095, 3 * MiB + 7, 9 * MiB + 1, 257]
+
+
+def _fill(alloc: MemoryAllocator, gen: torch.Generator) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    out = []
+    for n in SIZES:
+        t = alloc.empty(n, torch.uint8, tag="weights")
+        out.append((t, fill_random(t, gen)))
+    return out
+
+
+def _intact(pairs: list[tuple[torch.Tensor, torch.Tensor]]) -> None:
+    for t, want in pairs:
+        assert torch.equal(as_cpu_bytes(t), want)
+
+
+def _offload_files(directory: Path) -> list[str]:
+    """This process's open files in ``directory`` (the tier's files are unlinked: /proc still shows them)."""
+    found = []
+    for fd in os.listdir("/proc/self/fd"):
+        try:
+            target = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            continue
+        if target.startswith(str(directory)):
+            found.append(fd)
+    return found
+
+
+@pytest.fixture
+def disk_alloc(backend: str, make_allocator: AllocatorFactory, tmp_path: Path) -> MemoryAllocator:
+    return make_allocator(backend, checksum=True, offload_dir=str(tmp_path))
+
+
+def test_sleep_to_disk_and_wake_restore_every_byte_at_the_same_addresses(
+    disk_alloc: MemoryAllocator, gen: torch.Generator, tmp_path: Path
+) -> None:
+    alloc = disk_alloc
+    pairs = _fill(alloc, gen)
+    hole = alloc.empty(2 * MiB, torch.uint8, tag="weights")  # freed while awake: a gap between allocations
+    del hole
+    addresses = [t.data_ptr() for t, _ in pairs]
+    data = sum(SIZES)
+
+    alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    s = alloc.stats()
+    tag = s.tags["weights"]
+    assert tag.state == "on_disk" and tag.mapped_bytes == 0
+    assert tag.disk_bytes == data and tag.offloaded_bytes == 0
+    assert s.counters["disk_held_bytes"] >= data and s.counters["bytes_to_disk"] == s.counters["disk_held_bytes"]
+    assert s.counters["host_held_bytes"] == 0 or alloc.config.host_reserve_bytes > 0  # only the ring, given back
+    assert os.listdir(tmp_path) == []  # unlinked: nothing is left behind if the process dies
+    assert len(_offload_files(tmp_path)) == 1
+
+    alloc.wake_up()
+    s = alloc.stats()
+    assert s.tags["weights"].state == "awake" and s.tags["weights"].disk_bytes == 0
+    assert [t.data_ptr() for t, _ in pairs] == addresses
+    _intact(pairs)
+    assert s.counters["bytes_verified"] == data
+    assert s.counters["disk_held_bytes"] == 0 and s.counters["bytes_from_disk"] == s.counters["bytes_to_disk"]
+    assert _offload_files(tmp_path) == []
+
+
+def test_an_offloaded_tag_moves_to_disk_and_a_tag_on_disk_can_be_discarded(
+    disk_alloc: MemoryAllocator, gen: torch.Generator, tmp_path: Path
+) -> None:
+    alloc = disk_alloc
+    pairs = _fill(alloc, gen)
+    kv = alloc.empty(3 * MiB, torch.uint8, tag="kv_cache")
+    alloc.sleep({"weights": Action.OFFLOAD, "kv_cache": Action.OFFLOAD})
+    assert alloc.stats().tags["weights"].offloaded_bytes == sum(SIZES)
+
+    alloc.sleep({"weights": Action.OFFLOAD_DISK})  # the demotion: host copy to disk, nothing woken
+    s = alloc.stats()
+    assert s.tags["weights"].state == "on_disk" and s.tags["weights"].offloaded_bytes == 0
+    assert s.tags["weights"].disk_bytes == sum(SIZES) and s.tags["weights"].mapped_bytes == 0
+    assert s.tags["kv_cache"].state == "offloaded"  # not named: where it was
+
+    alloc.wake_up(["weights"])
+    _intact(pairs)
+    alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    alloc.sleep({"weights": Action.DISCARD})  # level 2 from disk: the file goes
+    s = alloc.stats()
+    assert s.tags["weights"].state == "discarded" and s.counters["disk_held_bytes"] == 0
+    assert _offload_files(tmp_path) == []
+    with pytest.raises(WrongState, match="already asleep"):
+        alloc.sleep({"kv_cache": Action.KEEP, "weights": Action.OFFLOAD})
+    alloc.wake_up()
+    assert kv.data_ptr() == alloc.lookup(kv.data_ptr())[0]
+
+
+def test_a_corrupted_file_fails_the_wake_checksum(
+    disk_alloc: MemoryAllocator, gen: torch.Generator, tmp_path: Path
+) -> None:
+    alloc = disk_alloc
+    pairs = _fill(alloc, gen)
+    alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    (fd,) = _offload_files(tmp_path)
+    raw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # a second, buffered handle on the same file
+    try:
+        block = bytearray(os.pread(raw, 4096, 5 * MiB))
+        block[100] ^= 0x5A
+        os.pwrite(raw, bytes(block), 5 * MiB)
+        os.fsync(raw)
+    finally:
+        os.close(raw)
+    with pytest.raises(IntegrityError, match="failed its checksum") as err:
+        alloc.wake_up()
+    assert err.value.metadata["tag"] == "weights"
+    assert len(pairs) == len(SIZES)  # the tensors lived through the sleep
+
+
+def test_without_a_disk_tier_offload_disk_is_refused_and_changes_nothing(
+    backend: str, make_allocator: AllocatorFactory, gen: torch.Generator, tmp_path: Path
+) -> None:
+    alloc = make_allocator(backend)
+    pairs = _fill(alloc, gen)
+    with pytest.raises(WrongState, match="no disk tier"):
+        alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    assert alloc.stats().tags["weights"].state == "awake"
+    _intact(pairs)
+    with pytest.raises(InvalidArgument, match="does not exist"):
+        make_allocator(backend, offload_dir=str(tmp_path / "missing"))
+
+
+_DISK_FULL = textwrap.dedent(
+    """
+    import resource, sys, torch
+    from memsvc.errors import OutOfMemory
+    from worker.allocator import Action, AllocatorConfig, MemoryAllocator
+
+    MiB = 1 << 20
+    alloc = MemoryAllocator(AllocatorConfig(backend=sys.argv[1], host_capacity_bytes=256 * MiB,
+                                            host_chunk_bytes=4 * MiB, checksum=True, offload_dir=sys.argv[2]))
+    t = alloc.empty(10 * MiB, torch.uint8, tag="weights")
+    want = torch.randint(0, 256, (10 * MiB,), dtype=torch.uint8, generator=torch.Generator().manual_seed(7))
+    t.copy_(want)
+    # Files may grow to 6 MiB: the second staging chunk's write fails (EFBIG; Python ignores SIGXFSZ).
+    resource.setrlimit(resource.RLIMIT_FSIZE, (6 * MiB, resource.RLIM_INFINITY))
+    for action in ("sleep", "demote"):
+        if action == "demote":
+            alloc.sleep({"weights": Action.OFFLOAD})
+        try:
+            alloc.sleep({"weights": Action.OFFLOAD_DISK})
+        except OutOfMemory as e:
+            assert "is full" in str(e), e
+        else:
+            raise SystemExit(f"{action}: a full disk did not fail the sleep")
+        s = alloc.stats()
+        state = s.tags["weights"].state
+        assert state == ("awake" if action == "sleep" else "offloaded"), state
+        assert s.counters["disk_held_bytes"] == 0
+        if action == "demote":
+            # the host backend's device memory is a memfd, which the same limit would stop growing
+            resource.setrlimit(resource.RLIMIT_FSIZE, (resource.RLIM_INFINITY, resource.RLIM_INFINITY))
+            alloc.wake_up()
+        assert torch.equal(t.cpu(), want), action
+    print("ok")
+    """
+)
+
+
+def test_a_full_disk_fails_the_sleep_and_keeps_the_data_where_it_was(backend: str, tmp_path: Path) -> None:
+    run = subprocess.run(
+        [sys.executable, "-c", _DISK_FULL, backend, str(tmp_path)], capture_output=True, text=True, timeout=120
+    )
+    assert run.returncode == 0 and run.stdout.strip() == "ok", run.stdout + run.stderr
