@@ -7,6 +7,7 @@ budgets below fit exactly one awake worker (device) or one worker's offloaded we
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 from typing import TypedDict, Unpack
@@ -20,6 +21,7 @@ from managerproc import Cluster, get, mapped, name, offloaded, seconds, tags, vi
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import model_worker_service_pb2 as w
 
 
 @pytest.fixture
@@ -183,3 +185,37 @@ def test_device_budget_evicts_the_least_recently_used_idle_worker(cluster: Clust
     _settled(stub, "lru-a", c.WORKER_STATE_ASLEEP)
     assert get(stub, "lru-b").state == c.WORKER_STATE_AWAKE, "evicted more than needed, or not the LRU worker"
     assert get(stub, "lru-c").lease_count == 1
+
+
+def test_host_budget_moves_a_sleeper_with_a_disk_tier_to_disk_and_it_wakes_with_the_same_tokens(
+    cluster: Cluster, tmp_path: Path
+) -> None:
+    """The demotion of a worker whose weights have no checkpoint to reload them from (synthetic ones
+    from a seed here stand in for any): with --offload-dir it keeps every byte on disk instead of
+    discarding them, and greedy tokens after the wake are the ones before the sleep."""
+    mgr = cluster.manager()
+    stub = mgr.stub
+    offload = tmp_path / "offload"
+    offload.mkdir()
+    workers = cluster.workers_up(mgr, ["disk-a", "disk-b"], args=["--offload-dir", str(offload)])
+    prompt = w.GenerateRequest(prompt_token_ids=[5, 17, 3, 99], max_new_tokens=12)
+    before = workers[0].stub.Generate(prompt, timeout=60).token_ids
+    a = _settled(stub, "disk-a", c.WORKER_STATE_AWAKE)
+    assert a.status.offload_dir == str(offload)
+    weights = tags(a)["weights"].allocated_bytes
+    budget = weights + weights // 2
+    _update_default(stub, ["host_budget_bytes"], host_budget_bytes=budget)
+
+    stub.SleepWorker(m.SleepWorkerRequest(name="workers/disk-a"), timeout=60)
+    stub.SleepWorker(m.SleepWorkerRequest(name="workers/disk-b"), timeout=60)
+    a = wait_for(lambda: get(stub, "disk-a"), lambda wk: tags(wk)["weights"].state == c.TAG_STATE_ON_DISK,
+                 what="disk-a moved to disk")  # fmt: skip
+    assert tags(a)["weights"].disk_bytes == weights and offloaded(a) == 0
+    assert a.status.disk_bytes >= weights and a.status.sleep_level != c.SLEEP_LEVEL_2
+    assert os.listdir(offload) == []  # the tier's files are unlinked
+    b = _settled(stub, "disk-b", c.WORKER_STATE_ASLEEP)
+    assert tags(b)["weights"].state == c.TAG_STATE_OFFLOADED and offloaded(a) + offloaded(b) <= budget
+
+    woke = stub.WakeWorker(m.WakeWorkerRequest(name="workers/disk-a"), timeout=60)
+    assert woke.transition.verified_bytes == weights  # every byte checked against its sleep-time sum
+    assert workers[0].stub.Generate(prompt, timeout=60).token_ids == before

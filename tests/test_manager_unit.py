@@ -37,6 +37,7 @@ class _Sizes(TypedDict, total=False):
     weights_bytes: int
     kv_bytes: int
     device_total_bytes: int
+    offload_dir: str
 
 
 class _PolicyFields(TypedDict, total=False):
@@ -284,6 +285,35 @@ async def test_host_budget_with_no_one_to_demote_puts_a_tier_one_sleep_at_level_
     with pytest.raises(OutOfMemory):  # an explicit offload is refused instead, nothing changed
         await env.manager.sleep_worker("b", None, {WEIGHTS: Action.OFFLOAD}, "", None)
     assert b.state == WorkerState.AWAKE and b.calls == []
+
+
+async def test_host_budget_moves_a_sleeper_with_a_disk_tier_to_disk_and_keeps_its_bytes(env: Env) -> None:
+    cold = await env.worker("cold", weights_bytes=3 * GiB, offload_dir="/srv/offload")
+    plain = await env.worker("plain", weights_bytes=3 * GiB)
+    b = await env.worker("b", weights_bytes=3 * GiB)
+    await env.policy(host_budget_bytes=7 * GiB)
+    await env.manager.sleep_worker("cold", None, {}, "", None)
+    await env.manager.sleep_worker("plain", None, {}, "", None)
+    env.idle_for("cold", 1000)
+    await env.manager.sleep_worker("b", None, {}, "", None)  # 9 GiB would not fit: the coldest moves to disk
+    assert cold.tags[WEIGHTS].state == TagState.ON_DISK and cold.tags[KV_CACHE].state == TagState.DISCARDED
+    assert cold.sleep_level != SleepLevel.LEVEL_2 and cold.calls == ["Sleep", "Sleep"]
+    assert env.rec("cold").offloaded_bytes == 0  # the host budget counts host RAM, not the disk tier
+    assert plain.tags[WEIGHTS].state == TagState.OFFLOADED and b.tags[WEIGHTS].state == TagState.OFFLOADED
+    assert env.manager.metrics.demotions._value.get() == 1
+    await env.manager.wake_worker("cold", [], "", None)
+    assert cold.state == WorkerState.AWAKE
+
+
+async def test_a_tier_one_sleep_with_no_host_room_goes_to_the_disk_tier_instead_of_level_two(env: Env) -> None:
+    a = await env.worker("a", weights_bytes=3 * GiB, offload_dir="/srv/offload")
+    await env.policy(host_budget_bytes=2 * GiB)
+    await env.manager.sleep_worker("a", None, {}, "", None)
+    assert a.tags[WEIGHTS].state == TagState.ON_DISK and a.tags[KV_CACHE].state == TagState.DISCARDED
+    plain = await env.worker("plain", weights_bytes=3 * GiB)
+    with pytest.raises(WrongState, match="no disk tier"):  # asked for by name, without a disk tier
+        await env.manager.sleep_worker("plain", None, {WEIGHTS: Action.OFFLOAD_DISK}, "", None)
+    assert plain.state == WorkerState.AWAKE
 
 
 async def test_sleep_worker_is_refused_while_leased_and_acquire_waits_for_a_sleep_in_flight(env: Env) -> None:

@@ -207,11 +207,11 @@ class InMemoryWorker:
             }
             if not todo:
                 raise WrongState(f"worker is {self.state.label}: every named tag is already asleep or kept")
+            if Action.OFFLOAD_DISK in todo.values() and not self.offload_dir:
+                raise WrongState("this worker has no disk tier: start it with an offload directory")
             before = self.state
             await self._set_state(WorkerState.SLEEPING, "Sleep")
             moved = 0
-            if Action.OFFLOAD_DISK in todo.values() and not self.offload_dir:
-                raise WrongState("this worker has no disk tier: start it with an offload directory")
             for tag, action in todo.items():
                 t = self.tags[tag]
                 t.state = _SLEEPS_TO.get(action, TagState.DISCARDED)
