@@ -12,16 +12,13 @@ cheap to hold and re-reads its data on every :meth:`ModelSource.load_into`.
 from __future__ import annotations
 
 import abc
-import contextlib
 import dataclasses
 import json
 import os
-from collections.abc import Iterator, Mapping
+from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 from safetensors.torch import save_file
 
 from memsvc.errors import InvalidArgument, NotFound
@@ -29,9 +26,8 @@ from memsvc.vocabulary import WEIGHTS
 from worker.allocator import MemoryAllocator
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.generation import read_eos_token_ids
+from worker.model.loader import INDEX_FILE, LoadStats, StreamingLoader, read_layout
 from worker.model.text import ModelText
-
-INDEX_FILE = "model.safetensors.index.json"
 
 Weights = dict[str, torch.Tensor]
 
@@ -123,76 +119,28 @@ def fill_synthetic(weights: Mapping[str, torch.Tensor], config: ModelConfig, see
         t.normal_(0.0, std, generator=gen)
 
 
-@contextlib.contextmanager
-def _open(file: Path) -> Iterator[Any]:
-    """``safe_open`` with a damaged file reported as the caller's bad input, naming the file."""
-    try:
-        with safe_open(str(file), framework="pt") as f:
-            yield f
-    except SafetensorError as e:
-        raise InvalidArgument(f"{file}: cannot read safetensors file ({e})") from None
-
-
-def _shard_files(path: Path) -> dict[str, Path]:
-    """Which file holds each tensor: the index of a sharded checkpoint, else every *.safetensors file."""
-    index = path / INDEX_FILE
-    if index.is_file():
-        try:
-            weight_map = json.loads(index.read_text())["weight_map"]
-        except (ValueError, KeyError, TypeError) as e:
-            raise InvalidArgument(f"{index}: not a safetensors index ({e})") from None
-        return {str(name): path / str(file) for name, file in weight_map.items()}
-    files = sorted(path.glob("*.safetensors"))
-    if not files:
-        raise NotFound(f"{path}: no *.safetensors files")
-    where: dict[str, Path] = {}
-    for file in files:
-        with _open(file) as f:
-            for name in f.keys():  # noqa: SIM118 - safe_open handles are not iterable
-                where[name] = file
-    return where
-
-
 def check_checkpoint(path: str | os.PathLike[str], config: ModelConfig) -> dict[Path, list[str]]:
     """Which file holds which of the model's tensors, after checking every tensor is there with the
-    config's shape: reads the files' headers only, not their data."""
-    root = Path(path)
-    if not root.is_dir():
-        raise NotFound(f"checkpoint directory {root} does not exist")
-    expected = weight_shapes(config)
-    where = _shard_files(root)
-    missing = [name for name in expected if name not in where]
-    if missing:
-        more = f" and {len(missing) - 1} more" if len(missing) > 1 else ""
-        raise InvalidArgument(f"checkpoint {root}: missing tensor '{missing[0]}'{more}")
-    by_file: dict[Path, list[str]] = {}
-    for name in expected:
-        by_file.setdefault(where[name], []).append(name)
-    for file, names in by_file.items():
-        if not file.is_file():
-            raise NotFound(f"checkpoint {root}: shard {file.name} does not exist")
-        with _open(file) as f:
-            for name in names:
-                shape = tuple(f.get_slice(name).get_shape())
-                if shape != expected[name]:
-                    raise InvalidArgument(
-                        f"checkpoint {root}: tensor '{name}' has shape {shape}, the config needs {expected[name]}"
-                    )
-    return by_file
+    config's shape and every header involved is sound: reads the files' headers only, not their
+    data, with the very parse the load uses (worker/model/loader.py), so what passes here loads."""
+    return read_layout(path, weight_shapes(config)).by_file()
 
 
-@torch.no_grad()
-def load_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
+def load_checkpoint(
+    path: str | os.PathLike[str],
+    weights: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    loader: StreamingLoader | None = None,
+) -> LoadStats:
     """Copy a Hugging Face safetensors checkpoint into the existing weight tensors, in place.
 
-    Every tensor's presence and shape is checked before the first byte is copied, so a wrong or
-    incomplete checkpoint leaves the weights as they were. Tensors the model does not use (a saved
-    ``lm_head`` of a tied model, rotary buffers) are ignored; dtypes are converted to the config's.
+    Every header, tensor's presence and shape is checked before the first byte is copied, so a
+    wrong, damaged or truncated checkpoint leaves the weights as they were. Tensors the model does
+    not use (a saved ``lm_head`` of a tied model, rotary buffers) are ignored; dtypes are converted
+    to the config's. ``loader``: keep one across loads to keep its staging ring (a fresh one
+    allocates its ring for this call alone); see :class:`StreamingLoader`.
     """
-    for file, names in check_checkpoint(path, config).items():
-        with _open(file) as f:
-            for name in names:
-                weights[name].copy_(f.get_tensor(name))
+    return (loader or StreamingLoader()).load(path, weights, weight_shapes(config))
 
 
 def save_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], config: ModelConfig) -> None:
@@ -262,12 +210,28 @@ class SyntheticSource(ModelSource):
 class CheckpointSource(ModelSource):
     """A local Hugging Face checkpoint directory: ``config.json`` and ``*.safetensors``."""
 
-    def __init__(self, path: str | os.PathLike[str], same_as: ModelSource | None = None) -> None:
+    loader: StreamingLoader
+    """Reads the files into the weights; kept, with its staging ring, for every later load."""
+
+    def __init__(
+        self,
+        path: str | os.PathLike[str],
+        same_as: ModelSource | None = None,
+        loader: StreamingLoader | None = None,
+    ) -> None:
         """``same_as``: new weights for that model (ReloadWeights from another directory, the
         reinforcement-learning loop). The configuration must be exactly that model's and every
         tensor's shape is checked before a byte is copied; the tokenizer and EOS tokens stay that
-        model's (the vocabulary is the same by construction)."""
+        model's (the vocabulary is the same by construction), and so does the loader.
+
+        ``loader``: what reads the files. The source keeps it, and with it its staging ring, for
+        every later load (a level-2 wake reloads many times); give it the worker's allocator
+        (``StreamingLoader(alloc)``) so the ring is the allocator's fast page-locked memory. By
+        default a loader of its own, with torch's pinned memory for a CUDA destination."""
         self.path = Path(path)
+        if loader is None and isinstance(same_as, CheckpointSource):
+            loader = same_as.loader
+        self.loader = loader if loader is not None else StreamingLoader()
         self.name = str(self.path)
         self.config = read_config(self.path)
         if same_as is not None:
@@ -292,23 +256,25 @@ class CheckpointSource(ModelSource):
             )
 
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
-        load_checkpoint(self.path, weights, self.config)
+        self.loader.load(self.path, weights, weight_shapes(self.config))
 
     def check(self) -> None:
         check_checkpoint(self.path, self.config)
 
 
-def parse_model_spec(spec: str, seed: int = 0) -> ModelSource:
-    """``synthetic:<preset>`` or a checkpoint directory path."""
+def parse_model_spec(spec: str, seed: int = 0, loader: StreamingLoader | None = None) -> ModelSource:
+    """``synthetic:<preset>`` or a checkpoint directory path (read by ``loader``, see
+    :class:`CheckpointSource`)."""
     if not isinstance(spec, str) or not spec:
         raise InvalidArgument("model spec must be 'synthetic:<preset>' or a checkpoint directory")
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(spec[len(SYNTHETIC_PREFIX) :], seed)
-    return CheckpointSource(spec)
+    return CheckpointSource(spec, loader=loader)
 
 
 __all__ = [
     "FUSED_GROUPS",
+    "INDEX_FILE",
     "SYNTHETIC_PREFIX",
     "CheckpointSource",
     "ModelSource",
