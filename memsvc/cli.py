@@ -120,11 +120,16 @@ def parse_bytes(text: str) -> int:
     return int(float(m.group(1)) * _UNITS[unit])
 
 
+def _reserve_size(text: str) -> int | str:
+    """``--host-reserve``: ``auto`` or a size."""
+    return "auto" if text.strip().lower() == "auto" else parse_bytes(text)
+
+
 def _prepin_size(text: str) -> int | str:
-    """``--host-prepin``: ``weights`` or a size."""
+    """``--host-prepin``: ``auto``, ``weights`` or a size."""
     from memsvc.vocabulary import WEIGHTS
 
-    return WEIGHTS if text.strip().lower() == WEIGHTS else parse_bytes(text)
+    return WEIGHTS if text.strip().lower() == WEIGHTS else _reserve_size(text)
 
 
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
@@ -235,16 +240,18 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--host-reserve",
-        type=parse_bytes,
-        default=env("HOST_RESERVE", "0"),
-        help="page-locked host memory kept between sleeps (faster later sleeps)",
+        type=_reserve_size,
+        default=env("HOST_RESERVE", "auto"),
+        help="page-locked host memory kept between sleeps, so later sleeps skip pinning: a size, or 'auto' (the "
+        "weights pool, at most a quarter of host RAM, given back while the host is short; 0 on the host backend)",
     )
     p.add_argument(
         "--host-prepin",
         type=_prepin_size,
-        default=env("HOST_PREPIN", "0"),
+        default=env("HOST_PREPIN", "auto"),
         help="page-lock this much host memory right after the load, in the background, so the first sleep runs "
-        "at line rate: a size, or 'weights' for the weights pool (raises --host-reserve to it; held while awake)",
+        "at line rate: a size, 'weights' for the weights pool, or 'auto' (the automatic reserve's size); raises "
+        "the reserve to it; held while awake",
     )
     _on_off(
         p,

@@ -420,8 +420,8 @@ EXPECTED: dict[str, tuple[str, Any]] = {
     "MEMSVC_MODEL": ("model", str),
     "MEMSVC_KV_BLOCKS": ("kv_blocks", int),
     "MEMSVC_HOST_CAPACITY": ("host_capacity_bytes", parse_bytes),
-    "MEMSVC_HOST_RESERVE": ("host_reserve_bytes", parse_bytes),
-    "MEMSVC_HOST_PREPIN": ("host_prepin", lambda v: v if v == "weights" else parse_bytes(v)),
+    "MEMSVC_HOST_RESERVE": ("host_reserve_bytes", lambda v: v if v == "auto" else parse_bytes(v)),
+    "MEMSVC_HOST_PREPIN": ("host_prepin", lambda v: v if v in ("weights", "auto") else parse_bytes(v)),
     "MEMSVC_CHECKSUM": ("checksum", lambda v: v in ("1", "true")),
 }
 

@@ -87,6 +87,10 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     assert _sample(scrape, "memsvc_worker_state", worker=WID, state="asleep") == 1.0
     assert (_sample(scrape, "memsvc_worker_offloaded_bytes", worker=WID, tag="weights") or 0) > 0
     assert _sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") == 0
+    # the backup lives in page-locked host chunks, which the worker's status counts
+    pinned = _sample(scrape, "memsvc_worker_host_pinned_bytes", worker=WID) or 0
+    assert pinned >= (_sample(scrape, "memsvc_worker_offloaded_bytes", worker=WID, tag="weights") or 0) > 0
+    assert _sample(scrape, "memsvc_worker_disk_bytes", worker=WID) == 0
     assert (_sample(scrape, "memsvc_worker_transitions_total", worker=WID, kind="sleep") or 0) >= 1
     assert (_sample(scrape, "memsvc_worker_transition_duration_seconds_count", worker=WID, kind="sleep") or 0) >= 1
     assert not [k for k in scrape if k[0].endswith("_created")], "no *_created series"

@@ -7,7 +7,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memsvc.errors import InvalidArgument
-from memsvc.vocabulary import WEIGHTS
+from worker.host_memory import AUTO, parse_prepin, parse_reserve
 
 
 @dataclass(frozen=True)
@@ -36,10 +36,14 @@ class WorkerConfig:
     """Host backend only: size of the simulated device."""
     checksum: bool = True
     """Verify offloaded bytes on wake; a mismatch fails the wake with DATA_LOSS naming the allocation."""
-    host_reserve_bytes: int = 0
-    host_prepin: int | str = 0
+    host_reserve_bytes: int | str = AUTO
+    """Page-locked host memory kept between sleeps, so later sleeps skip pinning: a byte count, or
+    ``"auto"`` (worker/host_memory.py: the weights pool's size within a share of host RAM, given
+    back while the host is short; 0 on the host backend)."""
+    host_prepin: int | str = AUTO
     """Host memory to page-lock in the background once the model is loaded, so the first sleep
-    runs at line rate: a byte count, or ``"weights"`` for the size of the weights pool."""
+    runs at line rate: a byte count, ``"weights"`` for the size of the weights pool, or ``"auto"``
+    (the automatic reserve's size)."""
     huge_pages: bool = True
     offload_dir: str = ""
     """The disk tier: a directory for sleeping tags' backups (tag action ``offload_disk``, and the
@@ -54,9 +58,8 @@ class WorkerConfig:
     at its next step) and the worker exits."""
 
     def __post_init__(self) -> None:
-        prepin = self.host_prepin
-        if isinstance(prepin, bool) or not (prepin == WEIGHTS or (isinstance(prepin, int) and prepin >= 0)):
-            raise InvalidArgument(f"host_prepin must be a byte count >= 0 or '{WEIGHTS}', got {prepin!r}")
+        parse_reserve(self.host_reserve_bytes, "host_reserve_bytes")
+        parse_prepin(self.host_prepin)
         if not 0 <= self.drain_seconds <= 3600:
             raise InvalidArgument(f"drain_seconds must be in [0, 3600], got {self.drain_seconds}")
 

@@ -43,6 +43,7 @@ from memsvc.vocabulary import (
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
 from worker.device_thread import DeviceThread
+from worker.host_memory import AUTO, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
 from worker.state_machine import Job, WorkerStateMachine
 from worker.status import Generation, Status, Transition
@@ -84,6 +85,8 @@ class WorkerCore:
         self._host_release: HostRelease | None = None
         self._prepin: threading.Thread | None = None
         """Page-locks host memory after the load (``host_prepin``); the allocator outlives it."""
+        self._reserve_guard: HostReserveGuard | None = None
+        """Gives an automatic host reserve back while the host is short (worker/host_memory.py)."""
         self._device: dict[str, Any] = {}
         self._model_info: dict[str, Any] = {
             "source": config.model,
@@ -141,7 +144,7 @@ class WorkerCore:
                     device=c.device,
                     host_capacity_bytes=c.host_capacity_bytes,
                     checksum=c.checksum,
-                    host_reserve_bytes=c.host_reserve_bytes,
+                    host_reserve_bytes=c.host_reserve_bytes if isinstance(c.host_reserve_bytes, int) else 0,
                     huge_pages=c.huge_pages,
                     offload_dir=c.offload_dir,
                 )
@@ -173,22 +176,44 @@ class WorkerCore:
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0
             self._sm.finish(Transition(TransitionKind.LOAD, moved, time.perf_counter() - t0))
             self._sm.set_state(WorkerState.AWAKE, "model loaded")
-            self._start_prepin()
+            self._start_prepin(self._hold_host_memory())
         finally:
             self._sm.release()
 
-    def _start_prepin(self) -> None:
-        """Page-lock the configured host memory on a thread of its own: the worker serves meanwhile,
-        and a sleep that comes first takes the chunks ready so far and makes the rest itself."""
-        alloc, memory = self._allocator(), self._last_memory
+    def _hold_host_memory(self) -> int:
+        """Resolve ``auto`` (worker/host_memory.py): set the reserve, start its guard, and return the
+        bytes to pre-pin."""
+        alloc, memory, c = self._allocator(), self._last_memory, self.config
         assert memory is not None
-        want = self.config.host_prepin
-        if want == WEIGHTS:
-            tag = memory.tags.get(WEIGHTS)
-            want = tag.mapped_bytes if tag is not None else 0
-        if not isinstance(want, int) or want <= 0:
+        tag = memory.tags.get(WEIGHTS)
+        weights = tag.mapped_bytes if tag is not None else 0
+        auto = 0
+        if AUTO in (c.host_reserve_bytes, c.host_prepin) and alloc.backend == "cuda":
+            try:
+                auto = auto_reserve(weights, read_host_memory())
+            except (OSError, InvalidArgument) as exc:
+                log.warning("host memory unreadable, no automatic host reserve: %s", exc)
+        if c.host_reserve_bytes == AUTO and auto:
+            alloc.set_host_reserve(auto)
+            release = self._host_release
+            assert release is not None
+
+            def apply(nbytes: int) -> None:
+                self._device_thread.submit(release.set_base, nbytes)
+
+            self._reserve_guard = HostReserveGuard(auto, apply)
+            self._loop.call_soon_threadsafe(self._reserve_guard.start)
+        prepin = c.host_prepin
+        if prepin == AUTO:
+            return auto
+        return weights if prepin == WEIGHTS else int(prepin)
+
+    def _start_prepin(self, nbytes: int) -> None:
+        """Page-lock ``nbytes`` of host memory on a thread of its own: the worker serves meanwhile,
+        and a sleep that comes first takes the chunks ready so far and makes the rest itself."""
+        alloc = self._allocator()
+        if nbytes <= 0:
             return
-        nbytes = want
 
         def prepin() -> None:
             t0 = time.perf_counter()
@@ -218,6 +243,8 @@ class WorkerCore:
 
     async def close(self) -> None:
         """Finish queued device work, then release the model and the allocator."""
+        if self._reserve_guard is not None:
+            await self._reserve_guard.stop()
         await self._device_thread.run(self._close)
         self._device_thread.shutdown()
         self._swaps.shutdown()

@@ -61,6 +61,14 @@ class HostRelease:
         epoch = self._epoch
         self._loop.call_soon_threadsafe(self._loop.call_later, IDLE_S, self._tick, epoch)
 
+    def set_base(self, nbytes: int) -> None:
+        """On the device thread: the reserve to come back to is now ``nbytes`` (the automatic reserve
+        given back while the host is short, or taken again: worker/host_memory.py)."""
+        if self._target is not None:
+            self._target = nbytes
+        else:
+            self._alloc.set_host_reserve(nbytes)
+
     def settle(self) -> None:
         """After a sleep (device thread): the reserve is back where it was; free chunks beyond it go now."""
         if self._target is not None:

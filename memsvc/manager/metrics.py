@@ -47,6 +47,15 @@ class ManagerMetrics:
             "memsvc_worker_allocated_bytes", "Bytes of live tensors per tag", ["worker", "tag"], registry=r
         )
         self.device_free = Gauge("memsvc_worker_device_free_bytes", "Free device memory", ["worker"], registry=r)
+        self.host_pinned = Gauge(
+            "memsvc_worker_host_pinned_bytes",
+            "Page-locked host memory the worker holds: backups, staging and its host reserve",
+            ["worker"],
+            registry=r,
+        )
+        self.disk = Gauge(
+            "memsvc_worker_disk_bytes", "Bytes the worker's disk tier holds in files", ["worker"], registry=r
+        )
         self.leases = Gauge("memsvc_worker_leases", "Live leases on the worker", ["worker"], registry=r)
         self.transitions = Counter(
             "memsvc_worker_transitions_total", "Finished transitions", ["worker", "kind"], registry=r
@@ -94,6 +103,8 @@ class ManagerMetrics:
         if status is None:
             return
         self.device_free.labels(worker_id).set(status.device.free_bytes)
+        self.host_pinned.labels(worker_id).set(status.host_pinned_bytes)
+        self.disk.labels(worker_id).set(status.disk_bytes)
         seen = set()
         for t in status.tags:
             seen.add(t.tag)
@@ -104,7 +115,7 @@ class ManagerMetrics:
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
-        for gauge in (self.up, self.device_free, self.leases, self.leased_sleeps):
+        for gauge in (self.up, self.device_free, self.host_pinned, self.disk, self.leases, self.leased_sleeps):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)
         for s in STATES:

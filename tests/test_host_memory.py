@@ -1,0 +1,107 @@
+"""The default host reserve (worker/host_memory.py): how ``auto`` is sized, and the guard that gives
+it back while the host is short and takes it again once it has recovered, applied to a real
+host-backend allocator through the worker's HostRelease."""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from pathlib import Path
+
+import pytest
+from conftest import AllocatorFactory
+
+from memsvc.cli import build_parser
+from memsvc.errors import InvalidArgument
+from worker.config import WorkerConfig
+from worker.device_thread import DeviceThread
+from worker.host_memory import (
+    GiB,
+    HostMemory,
+    HostReserveGuard,
+    auto_reserve,
+    read_host_memory,
+    short_threshold,
+)
+from worker.host_release import HostRelease
+
+
+def test_meminfo_is_read_in_bytes(tmp_path: Path) -> None:
+    f = tmp_path / "meminfo"
+    f.write_text("MemTotal: 131072000 kB\nMemFree: 1 kB\nMemAvailable:   65536000 kB\nHugePages_Total: 0\n")
+    assert read_host_memory(f) == HostMemory(131072000 * 1024, 65536000 * 1024)
+    f.write_text("MemTotal: 5 kB\n")
+    with pytest.raises(InvalidArgument, match="MemAvailable"):
+        read_host_memory(f)
+    real = read_host_memory()
+    assert 0 < real.available <= real.total
+
+
+def test_auto_is_the_weights_within_a_quarter_of_the_host_and_none_when_it_would_leave_the_host_short() -> None:
+    assert short_threshold(128 * GiB) == int(12.8 * GiB) and short_threshold(8 * GiB) == 2 * GiB
+    roomy = HostMemory(128 * GiB, 100 * GiB)
+    assert auto_reserve(16 * GiB, roomy) == 16 * GiB
+    assert auto_reserve(60 * GiB, roomy) == 32 * GiB  # a quarter of the host at most
+    tight = HostMemory(128 * GiB, 20 * GiB)  # 20 - 16 < 12.8: holding it would leave the host short
+    assert auto_reserve(16 * GiB, tight) == 0
+    assert auto_reserve(4 * GiB, tight) == 4 * GiB
+
+
+def test_the_flags_take_auto_and_refuse_what_is_neither_a_size_nor_auto() -> None:
+    args = build_parser().parse_args(["worker"])
+    assert args.host_reserve == "auto" and args.host_prepin == "auto"
+    args = build_parser().parse_args(["worker", "--host-reserve", "1GiB", "--host-prepin", "weights"])
+    assert args.host_reserve == 1 << 30 and args.host_prepin == "weights"
+    assert WorkerConfig().host_reserve_bytes == "auto" and WorkerConfig().host_prepin == "auto"
+    for bad in ({"host_reserve_bytes": "weights"}, {"host_reserve_bytes": -1}, {"host_prepin": "some"}):
+        with pytest.raises(InvalidArgument):
+            WorkerConfig(**bad)  # type: ignore[arg-type]
+
+
+@pytest.mark.asyncio
+async def test_the_guard_gives_the_reserve_back_while_the_host_is_short_and_takes_it_again(
+    make_allocator: AllocatorFactory, caplog: pytest.LogCaptureFixture
+) -> None:
+    alloc = make_allocator("host")
+    loop = asyncio.get_running_loop()
+    device = DeviceThread(loop)
+    release = HostRelease(alloc, device, loop, lambda: 0.0)
+    reserve = 64 << 20
+    alloc.set_host_reserve(reserve)
+    readings = [HostMemory(64 * GiB, 40 * GiB)]
+    applied: list[int] = []
+
+    def apply(nbytes: int) -> None:
+        applied.append(nbytes)
+        device.submit(release.set_base, nbytes)
+
+    guard = HostReserveGuard(reserve, apply, read=lambda: readings[-1])
+    caplog.set_level(logging.INFO, "memsvc.worker")
+    try:
+        guard.check()
+        assert applied == [] and not guard.released  # room: nothing to do
+        readings.append(HostMemory(64 * GiB, 5 * GiB))  # below the threshold (6.4 GiB)
+        guard.check()
+        guard.check()
+        assert applied == [0] and guard.released
+        await device.run(lambda: None)
+        assert alloc.stats().counters["host_reserve_bytes"] == 0
+        assert "host memory short" in caplog.text
+        readings.append(HostMemory(64 * GiB, int(6.42 * GiB)))  # above the threshold, not by the reserve
+        guard.check()
+        assert applied == [0]
+        readings.append(HostMemory(64 * GiB, 30 * GiB))
+        guard.check()
+        assert applied == [0, reserve] and not guard.released
+        await device.run(lambda: None)
+        assert alloc.stats().counters["host_reserve_bytes"] == reserve
+        # while a wake holds its chunks, the new base is where the hold settles
+        await device.run(release.hold)
+        readings.append(HostMemory(64 * GiB, 1 * GiB))
+        guard.check()
+        await device.run(lambda: None)
+        await device.run(release.settle)
+        assert alloc.stats().counters["host_reserve_bytes"] == 0
+    finally:
+        await guard.stop()
+        device.shutdown()

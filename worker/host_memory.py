@@ -1,0 +1,155 @@
+"""The default host reserve: how much page-locked host memory a worker keeps, and giving it back
+when the host runs short.
+
+A sleep copies into page-locked host chunks. Fresh ones must be faulted and page-locked on the
+sleep's path, which on the H200 host made a default worker's first sleep of 16 GB take 3.9 s
+(4 GB/s) and its later ones 0.55 s, against 0.30 s once chunks are reused (docs/benchmarks.md). So
+by default (``auto``, on the cuda backend) a worker pre-pins the size of its weights pool in the
+background once loaded and keeps that much between sleeps: the first sleep and every later one run
+at line rate. The cost is host RAM held, locked, while the worker is awake (while it sleeps the
+same chunks hold its weights' backup): at most :data:`HOST_RAM_FRACTION` of the host's memory, none
+when the host is already short, and given back (the reserve drops to 0, free chunks are unpinned)
+whenever the host's available memory falls below :func:`short_threshold`, to come back once it
+recovers. ``status``'s ``host_pinned_bytes`` and the manager's
+``memsvc_worker_host_pinned_bytes`` show what is held. Explicit ``--host-reserve`` and
+``--host-prepin`` values are the operator's and are never changed. The host backend has nothing to
+page-lock (its copies are memcpy), so ``auto`` means 0 there.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+from memsvc.errors import InvalidArgument
+from memsvc.vocabulary import WEIGHTS
+
+log = logging.getLogger("memsvc.worker")
+
+AUTO = "auto"
+HOST_RAM_FRACTION = 0.25
+"""The most of the host's memory one worker's automatic reserve takes."""
+CHECK_S = 2.0
+"""How often the guard reads the host's available memory."""
+GiB = 1 << 30
+
+
+@dataclass(frozen=True)
+class HostMemory:
+    """``MemTotal`` and ``MemAvailable`` of ``/proc/meminfo``, in bytes."""
+
+    total: int
+    available: int
+
+
+def read_host_memory(path: str | Path = "/proc/meminfo") -> HostMemory:
+    fields: dict[str, int] = {}
+    for line in Path(path).read_text().splitlines():
+        key, _, rest = line.partition(":")
+        parts = rest.split()
+        if parts and parts[0].isdigit():
+            fields[key] = int(parts[0]) * (1024 if parts[1:2] == ["kB"] else 1)
+    if "MemTotal" not in fields or "MemAvailable" not in fields:
+        raise InvalidArgument(f"{path}: no MemTotal/MemAvailable")
+    return HostMemory(fields["MemTotal"], fields["MemAvailable"])
+
+
+def short_threshold(total: int) -> int:
+    """Available host memory below this is short: a tenth of it, at least 2 GiB (the page cache and
+    everything else on the host need room too)."""
+    return max(total // 10, 2 * GiB)
+
+
+def auto_reserve(weights_bytes: int, mem: HostMemory) -> int:
+    """The automatic reserve: the weights pool (what a level-1 sleep offloads), at most
+    :data:`HOST_RAM_FRACTION` of the host, and none if holding it would leave the host short."""
+    want = min(weights_bytes, int(mem.total * HOST_RAM_FRACTION))
+    return want if mem.available - want >= short_threshold(mem.total) else 0
+
+
+def parse_reserve(value: int | str, what: str) -> int | str:
+    """A byte count >= 0 or ``auto`` (what ``--host-reserve`` takes)."""
+    if value == AUTO or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise InvalidArgument(f"{what} must be a byte count >= 0 or '{AUTO}', got {value!r}")
+
+
+def parse_prepin(value: int | str) -> int | str:
+    """A byte count >= 0, ``weights`` (the weights pool) or ``auto`` (what ``--host-prepin`` takes)."""
+    if value in (WEIGHTS, AUTO) or (isinstance(value, int) and not isinstance(value, bool) and value >= 0):
+        return value
+    raise InvalidArgument(f"host_prepin must be a byte count >= 0, '{WEIGHTS}' or '{AUTO}', got {value!r}")
+
+
+class HostReserveGuard:
+    """Keeps an automatic reserve while the host has room and drops it while it is short (see the
+    module docstring). ``apply`` sets the reserve the allocator keeps (the worker passes
+    :meth:`~worker.host_release.HostRelease.set_base` run on its device thread)."""
+
+    def __init__(
+        self, reserve: int, apply: Callable[[int], None], read: Callable[[], HostMemory] = read_host_memory
+    ) -> None:
+        self.reserve = reserve
+        """The reserve while the host has room."""
+        self._apply = apply
+        self._read = read
+        self.released = False
+        """The reserve is given back for now (the host ran short)."""
+        self._task: asyncio.Task[None] | None = None
+
+    def check(self) -> None:
+        """One look at the host: give the reserve back if it is short, take it again once there is
+        room for it above the threshold (so one check's answer does not flip the next)."""
+        try:
+            mem = self._read()
+        except (OSError, InvalidArgument) as exc:
+            log.debug("host memory unreadable: %s", exc)
+            return
+        threshold = short_threshold(mem.total)
+        if not self.released and mem.available < threshold:
+            self.released = True
+            log.warning(
+                "host memory short (%.1f GiB available): host reserve of %.1f GiB given back; sleeps pin afresh",
+                mem.available / GiB,
+                self.reserve / GiB,
+            )
+            self._apply(0)
+        elif self.released and mem.available >= threshold + self.reserve:
+            self.released = False
+            log.info("host memory recovered (%.1f GiB available): host reserve back to %.1f GiB",
+                     mem.available / GiB, self.reserve / GiB)  # fmt: skip
+            self._apply(self.reserve)
+
+    def start(self) -> None:
+        """Check every :data:`CHECK_S` on the running loop until :meth:`stop`."""
+        if self.reserve > 0 and self._task is None:
+            self._task = asyncio.get_running_loop().create_task(self._run(), name="memsvc-host-reserve")
+
+    async def _run(self) -> None:
+        while True:
+            await asyncio.sleep(CHECK_S)
+            self.check()
+
+    async def stop(self) -> None:
+        if self._task is not None:
+            self._task.cancel()
+            with contextlib.suppress(asyncio.CancelledError):
+                await self._task
+            self._task = None
+
+
+__all__ = [
+    "AUTO",
+    "HOST_RAM_FRACTION",
+    "HostMemory",
+    "HostReserveGuard",
+    "auto_reserve",
+    "parse_prepin",
+    "parse_reserve",
+    "read_host_memory",
+    "short_threshold",
+]
