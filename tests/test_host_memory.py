@@ -55,7 +55,7 @@ def test_the_flags_take_auto_and_refuse_what_is_neither_a_size_nor_auto() -> Non
     assert WorkerConfig().host_reserve_bytes == "auto" and WorkerConfig().host_prepin == "auto"
     for bad in ({"host_reserve_bytes": "weights"}, {"host_reserve_bytes": -1}, {"host_prepin": "some"}):
         with pytest.raises(InvalidArgument):
-            WorkerConfig(**bad)  # type: ignore[arg-type]
+            WorkerConfig(**bad)
 
 
 @pytest.mark.asyncio
