@@ -285,14 +285,18 @@ class MemoryAllocator:
     def capture_graph(self, graph: torch.cuda.CUDAGraph, tag: str) -> Iterator[None]:
         """Capture ``graph`` with its memory (every tensor the captured work allocates) in ``tag``'s
         pool, so it sleeps with that tag and is mapped at the same addresses on wake: a graph captured
-        before a sleep replays after the wake. CUDA only."""
+        before a sleep replays after the wake. CUDA only.
+
+        The capture checks only this thread's CUDA calls (``thread_local``): a worker captures while
+        it serves, and its other threads' calls (a status's memory query, the host prepin's
+        registration) would otherwise invalidate the capture or fail themselves."""
         import torch
 
         check_tag(tag)
         if self.backend != "cuda":
             raise WrongState("CUDA graphs need the cuda backend")
         pool = self._mem_pool(tag)
-        with self._routed_to(tag), torch.cuda.graph(graph, pool=pool.id):
+        with self._routed_to(tag), torch.cuda.graph(graph, pool=pool.id, capture_error_mode="thread_local"):
             yield
 
     def _mem_pool(self, tag: str) -> Any:

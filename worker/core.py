@@ -132,10 +132,6 @@ class WorkerCore:
 
     def _load(self) -> None:
         try:
-            from worker.model.paged_attention import graphs_supported
-            from worker.model.runner import ModelRunner
-            from worker.model.weights import parse_model_spec
-
             c = self.config
             t0 = time.perf_counter()
             self.alloc = MemoryAllocator(
@@ -149,7 +145,16 @@ class WorkerCore:
                     offload_dir=c.offload_dir,
                 )
             )
-            source = parse_model_spec(c.model, seed=c.seed)
+            # After the allocator (its CUDA context made without the GIL): torch meanwhile imports on
+            # worker/main.py's thread, and these wait for what is left of it.
+            from worker.model.loader import StreamingLoader
+            from worker.model.paged_attention import graphs_supported
+            from worker.model.runner import ModelRunner
+            from worker.model.weights import parse_model_spec
+
+            # the loader keeps its staging ring for level-2 wakes and ReloadWeights (allocator memory:
+            # pre-faulted and page-locked by native/hostmem.c, counted in host_pinned_bytes)
+            source = parse_model_spec(c.model, seed=c.seed, loader=StreamingLoader(self.alloc))
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning("CUDA graphs off: they need Triton and a power-of-two head_dim; decoding eagerly")
@@ -163,6 +168,7 @@ class WorkerCore:
                 max_batch=c.max_batch,
                 max_step_tokens=c.max_step_tokens,
                 cuda_graphs=graphs,
+                defer_graph_capture=True,
             )
             self.runner.engine.on_work = self._schedule_step
             self._host_release = HostRelease(self.alloc, self._device_thread, self._loop, self.runner.engine.last_busy)
@@ -176,6 +182,12 @@ class WorkerCore:
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0
             self._sm.finish(Transition(TransitionKind.LOAD, moved, time.perf_counter() - t0))
             self._sm.set_state(WorkerState.AWAKE, "model loaded")
+            if self.runner.graphs is not None:  # serving now: the graphs are captured between steps
+                self.runner.capture_graphs_in_background(
+                    self._loop,
+                    self._device_thread.submit,
+                    lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
+                )
             self._start_prepin(self._hold_host_memory())
         finally:
             self._sm.release()

@@ -11,6 +11,7 @@ a model without a tokenizer refuses text with FAILED_PRECONDITION.
 from __future__ import annotations
 
 from collections.abc import Callable
+from typing import TYPE_CHECKING
 
 from google.protobuf import duration_pb2
 
@@ -28,8 +29,10 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import FinishReason
 from worker.model.generation import GenerationRequest
 from worker.model.sampling import SamplingParams
-from worker.model.text import ModelText, TextStream
 from worker.status import Generation
+
+if TYPE_CHECKING:  # the model's text comes with its load; the servicer must not wait for tokenizers and jinja2
+    from worker.model.text import ModelText, TextStream
 
 
 def check_request(request: w.GenerateRequest) -> SamplingParams:

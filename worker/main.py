@@ -1,10 +1,22 @@
-"""``memsvc worker``: serve one model on one device until SIGTERM, then drain and exit."""
+"""``memsvc worker``: serve one model on one device until SIGTERM, then drain and exit.
+
+Start-up order, for the time to serving: nothing this module imports loads torch (the model layer
+is imported on first use, see worker/model/__init__.py), so the server listens at once and answers
+health (NOT_SERVING) and GetWorkerStatus (LOADING) while the model loads. The model layer's imports
+(torch, Triton, safetensors, tokenizers: seconds on a GPU host) start on a thread of their own before
+the server does, and run while the load creates the allocator and its CUDA context, which the
+native layer does without holding the GIL.
+"""
 
 from __future__ import annotations
 
 import asyncio
+import importlib
+import importlib.util
 import logging
 import sys
+import threading
+import time
 
 from memsvc._auth import Security
 from memsvc._serving import ignore_stop_signals, install_signal_handlers, start_server
@@ -17,6 +29,34 @@ from worker.servicer import ModelWorkerServicer
 
 log = logging.getLogger("memsvc.worker")
 SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
+MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
+"""What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
+
+
+def import_model_layer(config: WorkerConfig) -> threading.Thread:
+    """Import the model layer (and Triton, where the worker may use it) on a thread, now.
+
+    The load imports the same modules and waits for this thread's imports where they are still
+    running (Python's per-module import locks), so a failure here changes nothing: the load's own
+    import raises it, with the message it always had.
+    """
+
+    def run() -> None:
+        t0 = time.perf_counter()
+        try:
+            for name in MODEL_LAYER:
+                importlib.import_module(name)
+            t1 = time.perf_counter()
+            log.info("model layer imported in %.2f s", t1 - t0)
+            if config.backend != "host" and importlib.util.find_spec("triton") is not None:
+                importlib.import_module("triton")  # last: the load does not wait for it, the first kernel launch does
+                log.info("triton imported in %.2f s", time.perf_counter() - t1)
+        except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
+            log.debug("importing the model layer failed; the load reports it", exc_info=True)
+
+    thread = threading.Thread(target=run, name="memsvc-import", daemon=True)
+    thread.start()
+    return thread
 
 
 async def serve(
@@ -26,7 +66,16 @@ async def serve(
     advertise: str | None = None,
     security: Security | None = None,
 ) -> int:
-    sec = security or Security()
+    importer = import_model_layer(config)
+    try:
+        return await _serve(config, listen, manager, advertise, security or Security())
+    finally:
+        # Not past interpreter exit (a worker that cannot listen or load exits at once): a daemon
+        # thread stopped inside torch's import while the interpreter tears torch down may crash it.
+        importer.join()
+
+
+async def _serve(config: WorkerConfig, listen: str, manager: str | None, advertise: str | None, sec: Security) -> int:
     loop = asyncio.get_running_loop()
     core = WorkerCore(config, loop)
     servicer = ModelWorkerServicer(core)

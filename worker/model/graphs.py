@@ -8,18 +8,31 @@ read a scratch KV block no sequence owns.
 
 Everything a graph owns (its input buffer, the activations its kernels write, its logits) is in the
 allocator's ``cuda_graphs`` tag. Its contents live only for one replay, so a sleep discards the tag
-and the wake maps it again at the same addresses: the graphs captured at start-up replay after every
+and the wake maps it again at the same addresses: a graph captured before a sleep replays after every
 wake without being captured again, which is the product's same-address promise kept by its own
 engine (tests/gpu/test_cuda_engine.py proves it token for token).
+
+Capturing every bucket of an 8B model takes seconds, so the worker does not wait for it before it
+serves: :class:`BackgroundCapture` captures the buckets after the load, one per job on the device
+thread while the engine is idle, and a step whose bucket is not captured yet decodes eagerly: the
+same kernels on the same rows, tested to give the same tokens (tests/gpu/test_background_capture.py).
+A capture reuses the pool's memory whatever the order; smallest first, the order here, may map a
+little more than largest first (what :meth:`DecodeGraphs.capture` does when it captures all at once).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping, Sequence
+import asyncio
+import contextlib
+import logging
+import threading
+import time
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 
 import torch
 
+from memsvc.errors import InvalidArgument, WrongState
 from memsvc.vocabulary import CUDA_GRAPHS
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
@@ -29,6 +42,15 @@ BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
 """Batch sizes captured (up to the engine's max_batch, which is captured too)."""
 _FIELDS = 5
 """Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length."""
+IDLE_S = 0.2
+"""A background capture waits until no step has run for this long: a request that arrives just
+after the worker is ready (a client waiting for it) is served first, not after a capture."""
+PATIENCE_S = 1.0
+"""A bucket that steps need is captured between two steps once it has waited this long, even if the
+engine never idles (a capture holds the device thread for a fraction of a second; eager decoding of
+a busy batch costs more than that in a few seconds)."""
+
+log = logging.getLogger("memsvc.worker")
 
 
 @dataclass
@@ -41,7 +63,8 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """Captured decode steps for every bucket up to ``max_batch``; :meth:`run` replays the smallest
+    """Decode steps captured for the buckets up to ``max_batch``: none at first; :meth:`capture`
+    captures every one, :meth:`capture_bucket` one. :meth:`run` replays the smallest captured bucket
     that holds a step's rows."""
 
     def __init__(
@@ -62,19 +85,55 @@ class DecodeGraphs:
         """Block-table columns: the most blocks one sequence can hold."""
         self.sizes = tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
         self._buckets: dict[int, _Bucket] = {}
+        self.failed: set[int] = set()
+        """Buckets whose capture raised: their steps decode eagerly, and nothing tries them again."""
         self.captures = 0
         self.replays = 0
+        self.capture_seconds = 0.0
+        """Time spent capturing so far (warm-ups included)."""
 
     @property
     def max_rows(self) -> int:
         return self.sizes[-1]
 
+    @property
+    def captured(self) -> tuple[int, ...]:
+        return tuple(sorted(self._buckets))
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        """Buckets neither captured nor failed, smallest first."""
+        return tuple(s for s in self.sizes if s not in self._buckets and s not in self.failed)
+
     def capture(self) -> None:
-        """Warm every bucket up, then capture it (largest first, so the smaller ones reuse its
-        memory in the shared pool)."""
-        for size in reversed(self.sizes):
+        """Capture every pending bucket now (largest first, so the smaller ones reuse its memory in
+        the shared pool)."""
+        for size in reversed(self.pending):
+            self.capture_bucket(size)
+
+    def capture_bucket(self, size: int) -> float:
+        """Warm bucket ``size`` up and capture it; the seconds it took. InvalidArgument unless it is
+        pending; a capture that raises marks the bucket failed (and raises)."""
+        if size not in self.pending:
+            raise InvalidArgument(f"batch bucket {size} is not pending; pending: {list(self.pending)}")
+        t0 = time.perf_counter()
+        try:
             self._buckets[size] = self._capture(size)
-            self.captures += 1
+        except BaseException:
+            self.failed.add(size)
+            raise
+        self.captures += 1
+        seconds = time.perf_counter() - t0
+        self.capture_seconds += seconds
+        return seconds
+
+    def bucket_for(self, rows: int) -> int:
+        """The bucket a step of ``rows`` decodes belongs to (the smallest that holds it)."""
+        return next(s for s in self.sizes if s >= rows)
+
+    def replayable(self, rows: int) -> int | None:
+        """The smallest captured bucket that holds ``rows`` decodes, or None (decode eagerly)."""
+        return next((s for s in self.captured if s >= rows), None)
 
     def _views(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
         fields = buf[: _FIELDS * size].view(_FIELDS, size)
@@ -118,9 +177,13 @@ class DecodeGraphs:
         return step.decode_only and 0 < step.decodes <= self.max_rows and step.decode_tables.shape[1] <= self.width
 
     def run(self, step: HostStep) -> torch.Tensor:
-        """The step's ``[rows, vocab]`` float32 logits (valid until the next replay of its bucket)."""
+        """The step's ``[rows, vocab]`` float32 logits (valid until the next replay of its bucket),
+        from the smallest captured bucket that holds it (see :meth:`replayable`)."""
         n = step.decodes
-        bucket = self._buckets[next(s for s in self.sizes if s >= n)]
+        size = self.replayable(n)
+        if size is None:
+            raise WrongState(f"no captured CUDA graph holds {n} decodes (captured: {list(self.captured)})")
+        bucket = self._buckets[size]
         host = bucket.host_buf
         tokens, positions, blocks, slots, lengths, tables = self._views(host, bucket.size)
         tokens[:n] = torch.from_numpy(step.token_ids)
@@ -138,4 +201,141 @@ class DecodeGraphs:
         return bucket.logits[:n]
 
 
-__all__ = ["BUCKETS", "DecodeGraphs"]
+class BackgroundCapture:
+    """Captures a model's pending decode graphs after its load, one bucket per job on the worker's
+    device thread, so that the worker serves (decoding eagerly) while they are made.
+
+    One bucket per job: a capture holds the device thread for a fraction of a second, and between
+    two jobs the engine's steps, a Sleep or a SwapBlocks run. The order: buckets that steps needed
+    (oldest need first), then the smallest (a single stream decodes in bucket 1). A capture waits
+    until the engine has been idle for :data:`IDLE_S`, or, for a bucket steps need, until it has
+    waited :data:`PATIENCE_S`.
+
+    A capture reads the weights and the KV cache and writes the ``cuda_graphs`` tag, so it must not
+    run while any of them sleeps, nor ahead of a transition already accepted (the Sleep would wait
+    for it): ``may_capture`` says when it may (the worker: awake, no transition pending), and the
+    ``capture`` callable raises WrongState where memory sleeps. Either way the capture stalls and
+    :meth:`poke` (each step that could replay a graph) resumes it. A bucket whose capture fails
+    otherwise is logged and left to eager decoding.
+
+    Threads: :meth:`want`, :meth:`poke` and :meth:`request` from any thread; the waiting happens on
+    ``loop`` (call_later), the capture in a job ``submit`` queues on the device thread.
+    """
+
+    def __init__(
+        self, sizes: Sequence[int], capture: Callable[[int], object], loop: asyncio.AbstractEventLoop,
+        submit: Callable[[Callable[[], None]], object], may_capture: Callable[[], bool],
+        last_busy: Callable[[], float],
+    ) -> None:  # fmt: skip
+        self._pending = sorted(sizes)
+        self._wanted: dict[int, float] = {}
+        """Pending buckets a step needed, and the monotonic time it first did."""
+        self._capture = capture
+        self._loop = loop
+        self._submit = submit
+        self._may_capture = may_capture
+        self._last_busy = last_busy
+        self._lock = threading.Lock()
+        self._scheduled = False
+        """A look is scheduled on the loop or a job is queued: at most one at a time."""
+        self.stalled = False
+        """The last job found capturing not allowed (asleep, a transition pending); :meth:`poke` resumes."""
+        self.captured: list[int] = []
+        """Buckets this captured, in order."""
+        self._all = len(self._pending)
+
+    @property
+    def pending(self) -> tuple[int, ...]:
+        with self._lock:
+            return tuple(self._pending)
+
+    def want(self, size: int) -> None:
+        """A step needed bucket ``size`` and decoded eagerly: capture it first."""
+        with self._lock:
+            if size not in self._pending or size in self._wanted:
+                return
+            self._wanted[size] = time.monotonic()
+        self.request()
+
+    def poke(self) -> None:
+        """A step ran that could replay a graph: resume a stalled capture (cheap when none is)."""
+        if self.stalled and self._pending:
+            self.request()
+
+    def request(self) -> None:
+        """Look at the next capture soon (any thread)."""
+        with contextlib.suppress(RuntimeError):  # the loop is closed: the worker is gone
+            self._loop.call_soon_threadsafe(self._look, False)
+
+    def _next(self) -> int | None:
+        if self._wanted:
+            return min(self._wanted, key=self._wanted.__getitem__)
+        return self._pending[0] if self._pending else None
+
+    def _wait(self, size: int) -> float:
+        """Seconds to wait before capturing ``size`` (0: now)."""
+        now = time.monotonic()
+        wait = IDLE_S - (now - self._last_busy())
+        if size in self._wanted:
+            wait = min(wait, PATIENCE_S - (now - self._wanted[size]))
+        return max(wait, 0.0)
+
+    def _look(self, timer: bool) -> None:
+        """On the loop: queue the next capture, or look again when it may run."""
+        with self._lock:
+            if self._scheduled and not timer:
+                return
+            self._scheduled = False
+            size = self._next()
+            if size is None:
+                return
+            wait = self._wait(size)
+            self._scheduled = True
+        if wait > 0:
+            self._loop.call_later(wait, self._look, True)
+            return
+        try:
+            self._submit(self._job)
+        except RuntimeError:  # the device thread is shut down
+            with self._lock:
+                self._scheduled = False
+
+    def _job(self) -> None:
+        """On the device thread: capture the next bucket if it still may run."""
+        more = False
+        try:
+            if not self._may_capture():
+                self.stalled = True
+                return
+            with self._lock:
+                size = self._next()
+                if size is None:
+                    return
+                if self._wait(size) > 0:  # a request came in while this was queued
+                    more = True
+                    return
+            try:
+                self._capture(size)
+            except WrongState as exc:  # memory asleep: the next step after a wake resumes it
+                log.debug("cuda graphs: batch %d not captured now: %s", size, exc)
+                self.stalled = True
+                return
+            except Exception as exc:  # noqa: BLE001 - the worker serves on; that bucket decodes eagerly
+                log.warning("cuda graphs: capturing batch %d failed (%s); its steps decode eagerly", size, exc)
+            else:
+                self.captured.append(size)
+            self.stalled = False
+            with self._lock:
+                self._pending.remove(size)
+                self._wanted.pop(size, None)
+                more = bool(self._pending)
+            if not more:
+                log.info("cuda graphs: %d of %d buckets captured in the background", len(self.captured), self._all)
+        finally:
+            with self._lock:
+                self._scheduled = False
+            if more:
+                self.request()
+
+
+__all__ = ["BUCKETS", "IDLE_S", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs"]

@@ -18,6 +18,7 @@ instead of gathering its blocks into a dense copy per layer. Two implementations
 
 from __future__ import annotations
 
+import importlib.util
 import math
 from typing import Any
 
@@ -134,14 +135,16 @@ def triton_supports(config: ModelConfig) -> bool:
 
 
 def graphs_supported(config: ModelConfig) -> bool:
-    """CUDA graphs capture the Triton kernel (the torch path's gather would need a worst-case buffer)."""
+    """CUDA graphs capture the Triton kernel (the torch path's gather would need a worst-case buffer).
+
+    Triton is looked up, not imported: its import (a fraction of a second on a GPU host) runs on
+    worker/main.py's import thread while the model loads, and the first kernel launch waits for it."""
     if not triton_supports(config):
         return False
     try:
-        import triton  # noqa: F401
-    except ImportError:
+        return importlib.util.find_spec("triton") is not None
+    except (ImportError, ValueError):  # a module set to None in sys.modules, or a broken package
         return False
-    return True
 
 
 __all__ = [

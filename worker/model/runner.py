@@ -8,7 +8,10 @@ cache was discarded and :meth:`ModelRunner.reload_weights` after the weights wer
 
 from __future__ import annotations
 
+import asyncio
+import logging
 import threading
+import time
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any, TypedDict
 
@@ -16,18 +19,19 @@ import torch
 
 from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.errors import InvalidArgument, WrongState
-from memsvc.vocabulary import KV_CACHE, WEIGHTS, CopyMethod, TagState
+from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
-from worker.model.graphs import DecodeGraphs
+from worker.model.graphs import BackgroundCapture, DecodeGraphs
 from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = MAX_GENERATE_TOKENS
+log = logging.getLogger("memsvc.worker")
 
 
 class ModelInfo(TypedDict):
@@ -46,6 +50,10 @@ class ModelInfo(TypedDict):
     has_tokenizer: bool
     has_chat_template: bool
     kv_cache: KvStats
+    cuda_graph_buckets: list[int]
+    """The decode step's batch-size buckets (empty: CUDA graphs off)."""
+    cuda_graphs_captured: list[int]
+    """The buckets captured so far (the others decode eagerly until they are)."""
 
 
 class ModelRunner:
@@ -69,14 +77,25 @@ class ModelRunner:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         cuda_graphs: bool = False,
+        defer_graph_capture: bool = False,
     ) -> None:
+        """``cuda_graphs``: capture the decode step for every batch bucket (cuda backend, Triton);
+        here, unless ``defer_graph_capture``: then none is captured yet, steps decode eagerly until
+        their bucket is, and the owner captures them (:meth:`capture_graph`,
+        :meth:`capture_graphs_in_background`)."""
+        t0 = time.perf_counter()
         self.alloc = alloc
         self.source = parse_model_spec(source) if isinstance(source, str) else source
         self.config: ModelConfig = self.source.config
         self.lock = threading.RLock()
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
+        t1 = time.perf_counter()
         self.source.load_into(self.weights)
+        t2 = time.perf_counter()
+        nbytes = self.config.param_bytes()
+        log.info("weights: %.2f GB from %s in %.2f s (%.1f GB/s)", nbytes / 1e9, self.source.name, t2 - t1,
+                 nbytes / (t2 - t1) / 1e9 if t2 > t1 else 0.0)  # fmt: skip
         self._rope = Rope.build(self.config, alloc.torch_device)
         self._kernels = kernels_for(alloc.torch_device, self.config)
         self._fused = fused_layers(self.weights, self.config)
@@ -86,6 +105,7 @@ class ModelRunner:
             lambda: self._check_awake(WEIGHTS, KV_CACHE), max_batch, max_step_tokens, max_new_tokens_limit,
         )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
+        self.background_capture: BackgroundCapture | None = None
         if cuda_graphs:
             if self._kernels is not TRITON_KERNELS:
                 raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
@@ -95,19 +115,70 @@ class ModelRunner:
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
                 scratch, max_batch, self._kernels, self._fused,
             )  # fmt: skip
-            self.graphs.capture()
+            if not defer_graph_capture:
+                self.graphs.capture()
+                graphs, seconds = len(self.graphs.sizes), self.graphs.capture_seconds
+                log.info("cuda graphs: %d buckets captured in %.2f s", graphs, seconds)
+        log.info("model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
+                 time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)  # fmt: skip
 
     @property
     def max_new_tokens_limit(self) -> int:
         return self.engine.max_new_tokens_limit
 
     def _run_step(self, step: HostStep) -> torch.Tensor:
-        """A step on the model: replayed from a CUDA graph when every row decodes and one fits."""
-        if self.graphs is not None and self.graphs.fits(step):
-            return self.graphs.run(step)
+        """A step on the model: replayed from a CUDA graph when every row decodes and a captured one
+        holds them (a background capture hears of a bucket a step needed)."""
+        graphs = self.graphs
+        if graphs is not None and graphs.fits(step):
+            background = self.background_capture
+            size = graphs.replayable(step.decodes)
+            if background is not None:
+                background.poke()
+                if size != (exact := graphs.bucket_for(step.decodes)):
+                    background.want(exact)
+            if size is not None:
+                return graphs.run(step)
         kv = self.kv_cache.device
         inputs = step.to_device(self.alloc.torch_device, kv.block_size)
         return forward_step(self.weights, self.config, self._rope, kv.with_scratch, inputs, self._kernels, self._fused)
+
+    # ---- CUDA graphs ----
+    def capture_graph(self, size: int) -> float:
+        """Capture the decode step of batch bucket ``size`` now, between steps; the seconds it took.
+
+        WrongState when CUDA graphs are off, or while the weights, the KV cache or the graphs' own
+        memory sleeps (a capture reads the first two and writes the third); InvalidArgument for a
+        bucket that is not pending (see :attr:`DecodeGraphs.pending`).
+        """
+        graphs = self.graphs
+        if graphs is None:
+            raise WrongState("CUDA graphs are off for this model")
+        with self.lock:
+            self._check_awake(WEIGHTS, KV_CACHE, CUDA_GRAPHS)
+            seconds = graphs.capture_bucket(size)
+        done, total = len(graphs.captured), len(graphs.sizes)
+        log.info("cuda graphs: batch %d captured in %.3f s (%d of %d buckets)", size, seconds, done, total)
+        return seconds
+
+    def capture_graphs_in_background(
+        self,
+        loop: asyncio.AbstractEventLoop,
+        submit: Callable[[Callable[[], None]], object],
+        may_capture: Callable[[], bool] = lambda: True,
+    ) -> BackgroundCapture:
+        """Capture the pending buckets one per ``submit`` job (the device thread's), while the engine
+        idles (see :class:`~worker.model.graphs.BackgroundCapture`), as long as ``may_capture`` says
+        so. Steps decode eagerly until their bucket is captured."""
+        if self.graphs is None:
+            raise WrongState("CUDA graphs are off for this model")
+        if self.background_capture is not None:
+            raise WrongState("the graphs are already captured in the background")
+        self.background_capture = BackgroundCapture(
+            self.graphs.pending, self.capture_graph, loop, submit, may_capture, self.engine.last_busy
+        )
+        self.background_capture.request()
+        return self.background_capture
 
     # ---- generation ----
     def generate(
@@ -211,6 +282,8 @@ class ModelRunner:
                 context_length=c.max_position_embeddings, eos_token_ids=list(self.source.eos_token_ids),
                 has_tokenizer=text is not None, has_chat_template=text is not None and text.has_chat_template,
                 kv_cache=self.kv_cache.stats(),
+                cuda_graph_buckets=list(self.graphs.sizes) if self.graphs is not None else [],
+                cuda_graphs_captured=list(self.graphs.captured) if self.graphs is not None else [],
             )  # fmt: skip
 
 

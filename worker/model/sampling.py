@@ -12,10 +12,12 @@ from __future__ import annotations
 import math
 import secrets
 from dataclasses import dataclass
-
-import torch
+from typing import TYPE_CHECKING
 
 from memsvc.errors import InvalidArgument
+
+if TYPE_CHECKING:  # imported where tokens are drawn: the servicer checks SamplingParams before torch is loaded
+    import torch
 
 MAX_TEMPERATURE = 100.0
 MAX_SEED = (1 << 64) - 1
@@ -57,6 +59,8 @@ GREEDY = SamplingParams()
 
 def filter_logits(logits: torch.Tensor, params: SamplingParams) -> torch.Tensor:
     """float32 ``[vocab]`` logits after temperature, top-k and top-p (removed tokens at -inf)."""
+    import torch
+
     x = logits.float()
     x = (x - x.max()) / params.temperature  # the same softmax, but a tiny temperature makes -inf, not inf - inf
     vocab = x.shape[-1]
@@ -79,6 +83,8 @@ class Sampler:
     """Picks the tokens of one request: argmax when greedy, else a draw from its own generator."""
 
     def __init__(self, params: SamplingParams, device: torch.device) -> None:
+        import torch
+
         self.params = params
         self._generator: torch.Generator | None = None
         if not params.greedy:
@@ -89,6 +95,8 @@ class Sampler:
         """The next token from float32 ``[vocab]`` logits."""
         if self._generator is None:
             return int(logits.argmax())
+        import torch
+
         probs = filter_logits(logits, self.params).softmax(dim=-1)
         return int(torch.multinomial(probs, 1, generator=self._generator))
 

@@ -1,0 +1,424 @@
+"""Start-up benchmark: ``memsvc worker`` spawned to serving and to its first token, beside
+transformers' ``from_pretrained`` of the same checkpoint, in one run.
+
+Why: a worker that is not running (a crash, a scale-up, a host reboot, a multiplexer that restarts
+processes) costs its start-up before the first request is served, and the baseline a user knows is
+transformers' ``from_pretrained`` onto the GPU. Issue 17's target: spawn to SERVING <= 2.5 s for an
+8B-shaped bf16 Llama checkpoint in the page cache, and ahead of ``from_pretrained`` in the same run.
+
+Per repeat, worker and transformers alternating (the same page cache for both):
+
+A. ``memsvc worker --model <dir>``, timed from the spawn (every stdout and stderr line is stamped as
+   it arrives): the ``listening on`` line (health answers NOT_SERVING, status LOADING from then on);
+   SERVING, from a ``grpc.health.v1`` Watch opened at the listening line (GetWorkerStatus must then
+   say AWAKE); the first token of a GenerateStream sent at SERVING (greedy, ``ignore_eos``); the
+   worker's own log lines (the model layer's imports, the weights' load, each CUDA-graph bucket's
+   capture, the last one); and once every graph is captured, the same request again, whose tokens
+   must equal the first's (decoded eagerly then, replayed from graphs now).
+B. A subprocess ``import torch, transformers; AutoModelForCausalLM.from_pretrained(dir,
+   dtype=torch.bfloat16, device_map="cuda")`` and one greedy token, timed from its spawn, with its own
+   split (import torch, import transformers, from_pretrained, first token).
+C. Once: a subprocess that only imports torch (and initialises CUDA), for the floor both pay.
+
+Then medians, the table, and pass/fail against the target. JSON out (``--out``), with date, device,
+commit (``MEMSVC_COMMIT`` or git) and the flags.
+
+    python -m bench.bench_startup --out startup.json                     # 8B on the GPU (writes the checkpoint)
+    python -m bench.bench_startup --model /ckpt/llama3-8b-bf16 --repeats 5 --out startup.json
+    python -m bench.bench_startup --shape tiny --backend host --repeats 1 --out s.json   # a CPU smoke run
+"""
+
+from __future__ import annotations
+
+import argparse
+import datetime
+import json
+import os
+import queue
+import random
+import re
+import shlex
+import shutil
+import signal
+import statistics
+import subprocess
+import sys
+import tempfile
+import threading
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+TARGET_SERVING_S = 2.5
+PROMPT_TOKENS = 40
+NEW_TOKENS = 16
+START_TIMEOUT_S = 300.0
+GRAPHS_TIMEOUT_S = 120.0
+MEMSVC = [sys.executable, "-m", "memsvc.cli"]
+
+_LISTENING = re.compile(r"^memsvc worker \S+ listening on (\S+)$")
+LOG_LINES: dict[str, re.Pattern[str]] = {
+    "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
+    "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
+    "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
+    "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
+    "ready": re.compile(r"^memsvc worker \S+ ready: "),
+    "first_graph": re.compile(r"cuda graphs: batch \d+ captured in (?P<s>[\d.]+) s \(1 of"),
+    "graphs_done": re.compile(r"cuda graphs: \d+ of \d+ buckets captured in the background"),
+}
+"""The worker's lines whose arrival (since the spawn) and stated seconds the bench reports."""
+_GRAPH = re.compile(r"cuda graphs: batch (?P<b>\d+) captured in (?P<s>[\d.]+) s")
+_GRAPHS_END = re.compile(r"buckets captured in the background|CUDA graphs off")
+"""The last capture, or the worker's warning that it decodes eagerly (a model the graphs do not suit)."""
+
+BASELINE = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+import transformers
+t2 = time.perf_counter()
+try:
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16, device_map=sys.argv[2])
+    how = "device_map"
+except ValueError as exc:  # device_map needs accelerate: load, then move (what a user without it does)
+    if "accelerate" not in str(exc):
+        raise
+    model = transformers.AutoModelForCausalLM.from_pretrained(sys.argv[1], dtype=torch.bfloat16).to(sys.argv[2])
+    how = "to(device), no accelerate"
+if sys.argv[2] == "cuda":
+    torch.cuda.synchronize()
+t3 = time.perf_counter()
+print("loaded", flush=True)
+ids = torch.tensor([json.loads(sys.argv[3])], device=sys.argv[2])
+with torch.no_grad():
+    model.generate(ids, max_new_tokens=1, do_sample=False, attention_mask=torch.ones_like(ids), pad_token_id=0)
+t4 = time.perf_counter()
+print("first token", flush=True)
+print(json.dumps({"import_torch_s": t1 - t0, "import_transformers_s": t2 - t1, "from_pretrained_s": t3 - t2,
+                  "generate_one_s": t4 - t3, "transformers": transformers.__version__, "how": how}), flush=True)
+"""
+"""transformers' path, timed inside (its own split) and from outside (the spawn to each line)."""
+
+IMPORT_TORCH = r"""
+import json, sys, time
+t0 = time.perf_counter()
+import torch
+t1 = time.perf_counter()
+if sys.argv[1] == "cuda":
+    torch.zeros(1, device="cuda")
+    torch.cuda.synchronize()
+print(json.dumps({"import_torch_s": t1 - t0, "cuda_init_s": time.perf_counter() - t1, "torch": torch.__version__}))
+"""
+
+
+class Spawned:
+    """A child process whose stdout and stderr lines are stamped with their arrival, in seconds since
+    the spawn (read on threads: a full pipe would stall the child)."""
+
+    def __init__(self, argv: Sequence[str], env: dict[str, str] | None = None) -> None:
+        self.argv = list(argv)
+        self.lines: list[tuple[float, str, str]] = []
+        """(seconds since the spawn, "out" or "err", line)."""
+        self._new: queue.Queue[tuple[float, str, str] | None] = queue.Queue()
+        self.t0 = time.perf_counter()
+        self.proc = subprocess.Popen(
+            self.argv, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True,
+            bufsize=1, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )  # fmt: skip
+        self._readers = [
+            threading.Thread(target=self._read, args=(self.proc.stdout, "out"), daemon=True),
+            threading.Thread(target=self._read, args=(self.proc.stderr, "err"), daemon=True),
+        ]
+        for t in self._readers:
+            t.start()
+
+    def _read(self, stream: Any, name: str) -> None:
+        for line in stream:
+            item = (time.perf_counter() - self.t0, name, line.rstrip("\n"))
+            self.lines.append(item)
+            self._new.put(item)
+        self._new.put(None)
+
+    def wait_for(self, pattern: re.Pattern[str], timeout: float) -> tuple[float, re.Match[str]]:
+        """The arrival time and match of the first line (so far or to come) matching ``pattern``."""
+        for at, _, line in list(self.lines):
+            if mt := pattern.search(line):
+                return at, mt
+        deadline = time.monotonic() + timeout
+        ended = 0
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise RuntimeError(f"no line matching {pattern.pattern!r} within {timeout:.0f} s\n{self.tail()}")
+            try:
+                item = self._new.get(timeout=min(left, 1.0))
+            except queue.Empty:
+                continue
+            if item is None:
+                ended += 1
+                if ended == len(self._readers):
+                    rc = self.proc.wait()
+                    raise RuntimeError(
+                        f"exited with code {rc} before a line matching {pattern.pattern!r}\n{self.tail()}"
+                    )
+                continue
+            if mt := pattern.search(item[2]):
+                return item[0], mt
+
+    def found(self, pattern: re.Pattern[str]) -> tuple[float, re.Match[str]] | None:
+        for at, _, line in list(self.lines):
+            if mt := pattern.search(line):
+                return at, mt
+        return None
+
+    def tail(self, n: int = 30) -> str:
+        return "\n".join(f"{at:8.3f} {name} {line}" for at, name, line in self.lines[-n:])
+
+    def stop(self, timeout: float = 60.0) -> int:
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)
+            try:
+                self.proc.wait(timeout=timeout)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait(timeout=timeout)
+        for t in self._readers:
+            t.join(timeout=10)
+        return self.proc.returncode
+
+
+def _generate_stream(
+    stub: w_grpc.ModelWorkerServiceStub, prompt: list[int], t0: float
+) -> tuple[float, float, list[int]]:
+    """(spawn to the first token, spawn to the end, the tokens) of one streamed greedy Generate."""
+    request = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    first = None
+    tokens: list[int] = []
+    for msg in stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=START_TIMEOUT_S):
+        if msg.token_ids and first is None:
+            first = time.perf_counter() - t0
+        tokens.extend(msg.token_ids)
+    if first is None or len(tokens) != NEW_TOKENS:
+        raise RuntimeError(f"the stream made {len(tokens)} tokens, not {NEW_TOKENS}")
+    return first, time.perf_counter() - t0, tokens
+
+
+def worker_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    """One ``memsvc worker`` start, timed from its spawn (see the module docstring, A)."""
+    argv = [*MEMSVC, "worker", "--model", model, "--backend", args.backend, "--listen", "127.0.0.1:0",
+            "--kv-blocks", str(args.kv_blocks), *shlex.split(args.worker_args)]  # fmt: skip
+    proc = Spawned(argv)
+    out: dict[str, Any] = {}
+    try:
+        out["listening_s"], mt = proc.wait_for(_LISTENING, START_TIMEOUT_S)
+        with grpc.insecure_channel(mt.group(1)) as channel:
+            health = health_pb2_grpc.HealthStub(channel)
+            for answer in health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=START_TIMEOUT_S):
+                if answer.status == health_pb2.HealthCheckResponse.SERVING:
+                    out["serving_s"] = time.perf_counter() - proc.t0
+                    break
+            stub = w_grpc.ModelWorkerServiceStub(channel)
+            status = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
+            if status.state != c.WORKER_STATE_AWAKE:
+                raise RuntimeError(f"SERVING, but the worker is {c.WorkerState.Name(status.state)}")
+            out["first_token_s"], out["generate_end_s"], tokens = _generate_stream(stub, prompt, proc.t0)
+            if args.backend == "cuda" and "--no-cuda-graphs" not in shlex.split(args.worker_args):
+                _, end = proc.wait_for(_GRAPHS_END, GRAPHS_TIMEOUT_S)
+                if "background" in end.group(0):
+                    _, _, again = _generate_stream(stub, prompt, proc.t0)
+                    out["tokens_equal_after_capture"] = again == tokens
+        for name, pattern in LOG_LINES.items():
+            hit = proc.found(pattern)
+            if hit is not None:
+                out[f"{name}_at_s"] = hit[0]
+                if "s" in pattern.groupindex:
+                    out[f"{name}_s"] = float(hit[1].group("s"))
+        captures = [(int(m["b"]), float(m["s"])) for _, _, line in proc.lines if (m := _GRAPH.search(line))]
+        out["graph_captures"] = [{"batch": b, "seconds": s} for b, s in captures]
+        out["graph_capture_s"] = sum(s for _, s in captures)
+    finally:
+        out["exit_code"] = proc.stop()
+    return out
+
+
+def baseline_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    """transformers' ``from_pretrained`` and one token in a fresh process (see the module docstring, B)."""
+    device = "cuda" if args.backend == "cuda" else "cpu"
+    proc = Spawned([sys.executable, "-c", BASELINE, model, device, json.dumps(prompt)])
+    try:
+        loaded, _ = proc.wait_for(re.compile(r"^loaded$"), START_TIMEOUT_S)
+        first, _ = proc.wait_for(re.compile(r"^first token$"), START_TIMEOUT_S)
+        _, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
+        return {"loaded_s": loaded, "first_token_s": first, **json.loads(mt.group(0))}
+    finally:
+        proc.stop()
+
+
+def import_torch_run(args: argparse.Namespace) -> dict[str, Any]:
+    proc = Spawned([sys.executable, "-c", IMPORT_TORCH, args.backend])
+    try:
+        done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
+        return {"process_s": done, **json.loads(mt.group(0))}
+    finally:
+        proc.stop()
+
+
+def write_checkpoint(root: Path, shape: str, backend: str) -> dict[str, Any]:
+    """bench/bench_gateway.py's checkpoint (random bf16 Llama weights, a word-level tokenizer), written
+    by a subprocess, so this process holds no CUDA context and no memory while the workers start."""
+    code = (
+        "import json, sys; from pathlib import Path; from bench.bench_gateway import write_checkpoint; "
+        "print(json.dumps(write_checkpoint(Path(sys.argv[1]), sys.argv[2], sys.argv[3])))"
+    )
+    device = "cuda" if backend == "cuda" else "cpu"
+    done = subprocess.run([sys.executable, "-c", code, str(root), shape, device], cwd=REPO_ROOT,
+                          capture_output=True, text=True, check=False)  # fmt: skip
+    if done.returncode != 0:
+        raise RuntimeError(f"writing the checkpoint failed:\n{done.stderr[-4000:]}")
+    result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
+    return result
+
+
+def _median(runs: list[dict[str, Any]], key: str) -> float | None:
+    xs = [r[key] for r in runs if isinstance(r.get(key), int | float)]
+    return statistics.median(xs) if xs else None
+
+
+def _git_commit() -> str:
+    try:
+        done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT)
+    except OSError:
+        return "unknown"
+    return done.stdout.strip() or "unknown"
+
+
+def _device() -> dict[str, Any]:
+    try:
+        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+                              capture_output=True, text=True, check=False)  # fmt: skip
+    except OSError:
+        return {"device": "cpu"}
+    return {"device": done.stdout.strip() or "cpu"}
+
+
+def run(args: argparse.Namespace) -> dict[str, Any]:
+    root = args.dir or Path(tempfile.mkdtemp(prefix="startbench-"))
+    res: dict[str, Any] = {
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
+        **_device(),
+        "flags": {k: str(v) for k, v in vars(args).items()},
+        "errors": {},
+    }
+    try:
+        model = str(args.model) if args.model else ""
+        if not model:
+            ckpt = root / f"llama3-{args.shape}-bf16"
+            res["checkpoint"] = write_checkpoint(ckpt, args.shape, args.backend)
+            model = str(ckpt)
+            print(f"[bench_startup] checkpoint: {res['checkpoint']}", flush=True)
+        res["model"] = model
+        vocab = json.loads((Path(model) / "config.json").read_text())["vocab_size"]
+        rng = random.Random(0)
+        prompt = [rng.randrange(1, vocab) for _ in range(PROMPT_TOKENS)]
+        res["import_torch"] = import_torch_run(args)
+        print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
+        for i in range(args.warmup):
+            print(f"[bench_startup] warm-up {i + 1}/{args.warmup} (not counted) ...", flush=True)
+            worker_run(model, args, prompt)
+        workers: list[dict[str, Any]] = []
+        baselines: list[dict[str, Any]] = []
+        for i in range(args.repeats):
+            workers.append(worker_run(model, args, prompt))
+            print(f"[bench_startup] worker {i + 1}: {json.dumps(workers[-1])}", flush=True)
+            if not args.no_baseline:
+                baselines.append(baseline_run(model, args, prompt))
+                print(f"[bench_startup] transformers {i + 1}: {json.dumps(baselines[-1])}", flush=True)
+        res["worker"] = {"runs": workers, **{
+            f"{k}_median": _median(workers, k)
+            for k in ("listening_s", "serving_s", "first_token_s", "weights_loaded_s", "model_layer_imported_at_s",
+                      "graphs_done_at_s", "graph_capture_s")
+        }}  # fmt: skip
+        res["transformers"] = {"runs": baselines, **{
+            f"{k}_median": _median(baselines, k)
+            for k in ("loaded_s", "first_token_s", "import_torch_s", "import_transformers_s", "from_pretrained_s")
+        }}  # fmt: skip
+    except Exception as exc:  # noqa: BLE001 - the run's JSON says what failed
+        res["errors"]["run"] = f"{type(exc).__name__}: {exc}"
+        print(res["errors"]["run"], file=sys.stderr, flush=True)
+    finally:
+        if args.dir is None:
+            shutil.rmtree(root, ignore_errors=True)
+    serving = res.get("worker", {}).get("serving_s_median")
+    theirs = res.get("transformers", {}).get("loaded_s_median")
+    res["targets"] = [
+        {"target": f"spawn to SERVING <= {TARGET_SERVING_S} s", "value_s": serving, "goal_s": TARGET_SERVING_S,
+         "passed": None if serving is None else serving <= TARGET_SERVING_S},
+        {"target": "spawn to SERVING before transformers' spawn to from_pretrained done", "value_s": serving,
+         "goal_s": theirs, "passed": None if serving is None or theirs is None else serving < theirs},
+        {"target": "the same tokens before and after the graphs are captured",
+         "passed": all(r.get("tokens_equal_after_capture", True) for r in res.get("worker", {}).get("runs", []))},
+    ]  # fmt: skip
+    return res
+
+
+def format_table(res: dict[str, Any]) -> str:
+    def ms(x: Any) -> str:
+        return f"{x * 1e3:8.0f} ms" if isinstance(x, int | float) else "       --"
+
+    wk, tf, it = res.get("worker", {}), res.get("transformers", {}), res.get("import_torch", {})
+    rows = [
+        ("worker: spawn -> listening", wk.get("listening_s_median")),
+        ("worker: spawn -> model layer imported", wk.get("model_layer_imported_at_s_median")),
+        ("worker: weights load (its log)", wk.get("weights_loaded_s_median")),
+        ("worker: spawn -> SERVING", wk.get("serving_s_median")),
+        ("worker: spawn -> first token", wk.get("first_token_s_median")),
+        ("worker: spawn -> all graphs captured", wk.get("graphs_done_at_s_median")),
+        ("worker: graph capture (sum of buckets)", wk.get("graph_capture_s_median")),
+        ("transformers: spawn -> from_pretrained done", tf.get("loaded_s_median")),
+        ("transformers: spawn -> first token", tf.get("first_token_s_median")),
+        ("transformers: import torch / transformers", None),
+        ("  import torch", tf.get("import_torch_s_median")),
+        ("  import transformers", tf.get("import_transformers_s_median")),
+        ("  from_pretrained", tf.get("from_pretrained_s_median")),
+        ("python -c 'import torch' (+ CUDA init)", it.get("process_s")),
+    ]
+    lines = [f"{label:45s} {ms(value)}" for label, value in rows if value is not None or label.startswith("worker")]
+    lines += [json.dumps(t) for t in res.get("targets", [])]
+    return "\n".join(lines)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--model", type=Path, default=None, help="a checkpoint directory (default: write one, --shape)")
+    ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="the checkpoint to write without --model")
+    ap.add_argument("--backend", default="cuda", choices=["cuda", "host"])
+    ap.add_argument("--repeats", type=int, default=3)
+    ap.add_argument("--warmup", type=int, default=1, help="worker starts before the measured ones (not counted)")
+    ap.add_argument("--kv-blocks", type=int, default=1024)
+    ap.add_argument("--worker-args", default="", help="extra flags for the worker")
+    ap.add_argument("--no-baseline", action="store_true", help="skip transformers' from_pretrained")
+    ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
+    ap.add_argument("--out", default="startup.json")
+    args = ap.parse_args(argv)
+    if args.repeats < 1 or args.warmup < 0:
+        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    res = run(args)
+    Path(args.out).write_text(json.dumps(res, indent=2, default=str) + "\n")
+    print(format_table(res))
+    print(f"wrote {args.out}")
+    return 1 if res["errors"] else 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

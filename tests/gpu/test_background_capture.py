@@ -1,0 +1,215 @@
+"""GPU-only proofs for the decode graphs captured after the load (worker/model/graphs.py): eager steps
+and graph replays give the same tokens, a bucket captured in the middle of a generation changes none
+of them, a capture is refused while the memory it touches sleeps, graphs captured before a sleep
+replay after the wake without being captured again, and a worker process serves before its graphs
+exist, sleeps and wakes while they are pending, and captures each bucket once."""
+
+from __future__ import annotations
+
+import asyncio
+import re
+import threading
+import time
+from collections.abc import Iterator
+from typing import TYPE_CHECKING
+
+import pytest
+
+from worker import _native
+
+pytestmark = [
+    pytest.mark.gpu,
+    pytest.mark.skipif(_native.cuda_device_count() == 0, reason="needs a CUDA device"),
+]
+
+if TYPE_CHECKING:
+    import torch
+else:
+    torch = pytest.importorskip("torch")
+
+from workerproc import WorkerProcess  # noqa: E402
+
+from memsvc.errors import InvalidArgument, WrongState  # noqa: E402
+from memsvc.v1 import common_pb2 as c  # noqa: E402
+from memsvc.v1 import model_worker_service_pb2 as w  # noqa: E402
+from memsvc.vocabulary import SleepLevel  # noqa: E402
+from worker.allocator import AllocatorConfig, MemoryAllocator  # noqa: E402
+from worker.device_thread import DeviceThread  # noqa: E402
+from worker.model.generation import GenerationRequest  # noqa: E402
+from worker.model.runner import ModelRunner  # noqa: E402
+from worker.model.sampling import SamplingParams  # noqa: E402
+
+Tokens = list[list[int]]
+
+
+@pytest.fixture(scope="module")
+def cuda_alloc() -> Iterator[MemoryAllocator]:
+    a = MemoryAllocator(AllocatorConfig(backend="cuda", host_chunk_bytes=64 << 20))
+    yield a
+    a.close()
+
+
+def _deferred(alloc: MemoryAllocator) -> ModelRunner:
+    runner = ModelRunner(
+        alloc, "synthetic:small", 512, 16, block_size=16, max_batch=8, cuda_graphs=True, defer_graph_capture=True
+    )
+    assert runner.graphs is not None and runner.graphs.captured == () and runner.graphs.pending == (1, 2, 4, 8)
+    return runner
+
+
+def _requests(vocab: int, n: int = 6) -> list[GenerationRequest]:
+    g = torch.Generator().manual_seed(11)
+    out = []
+    for i in range(n):
+        prompt = torch.randint(0, vocab, (5 + 9 * i,), generator=g).tolist()
+        sampling = SamplingParams(temperature=0.8, top_k=40, seed=50 + i) if i % 3 == 2 else SamplingParams()
+        out.append(GenerationRequest(prompt, 20 + i, sampling=sampling, ignore_eos=True))
+    return out
+
+
+def _alone_and_batched(runner: ModelRunner, requests: list[GenerationRequest]) -> tuple[Tokens, Tokens]:
+    alone = [runner.run(r).tokens for r in requests]
+    futures = [runner.engine.submit(r) for r in requests]  # one batch: every step decodes them together
+    while not all(f.done() for f in futures):
+        runner.engine.step()
+    return alone, [f.result().tokens for f in futures]
+
+
+def _sleep(alloc: MemoryAllocator, runner: ModelRunner, level: SleepLevel) -> None:
+    tags = alloc.stats().tags
+    alloc.sleep({t: a for t, a in level.actions.items() if t in tags})
+    runner.drop_kv()
+
+
+def _wake(alloc: MemoryAllocator, runner: ModelRunner, level: SleepLevel) -> None:
+    alloc.wake_up()
+    if level == SleepLevel.LEVEL_2:
+        runner.reload_weights()
+
+
+def test_eager_steps_and_graph_replays_give_the_same_tokens(cuda_alloc: MemoryAllocator) -> None:
+    runner = _deferred(cuda_alloc)
+    graphs = runner.graphs
+    assert graphs is not None
+    requests = _requests(runner.config.vocab_size)
+    eager_alone, eager_batched = _alone_and_batched(runner, requests)
+    assert graphs.replays == 0, "nothing is captured: every step decodes eagerly"
+    assert all(len(set(t)) > 3 for t in eager_alone), eager_alone
+    graphs.capture()
+    assert graphs.captured == (1, 2, 4, 8) and graphs.captures == 4
+    alone, batched = _alone_and_batched(runner, requests)
+    print(f"{graphs.replays} replays; capture {graphs.capture_seconds:.2f} s for 4 buckets")
+    assert graphs.replays > 0
+    assert alone == eager_alone and batched == eager_batched == eager_alone
+
+
+def test_a_bucket_captured_in_the_middle_of_a_generation_changes_no_token(cuda_alloc: MemoryAllocator) -> None:
+    runner = _deferred(cuda_alloc)
+    graphs = runner.graphs
+    assert graphs is not None
+    request = GenerationRequest(_requests(runner.config.vocab_size, 1)[0].prompt, 48, ignore_eos=True)
+    reference = runner.run(request).tokens
+    future = runner.engine.submit(request)
+    steps = 0
+    while not future.done():  # the worker's way: steps on one thread, a capture between two of them
+        runner.engine.step()
+        steps += 1
+        if steps == 10:
+            assert graphs.replays == 0
+            runner.capture_graph(1)
+    assert graphs.replays > 20, "the decodes after the capture replayed it"
+    assert future.result().tokens == reference
+
+
+def test_a_capture_waits_for_awake_memory_and_graphs_replay_after_a_wake_without_recapture(
+    cuda_alloc: MemoryAllocator,
+) -> None:
+    runner = _deferred(cuda_alloc)
+    graphs = runner.graphs
+    assert graphs is not None
+    runner.capture_graph(1)
+    runner.capture_graph(2)
+    with pytest.raises(InvalidArgument, match="not pending"):
+        runner.capture_graph(2)
+    requests = _requests(runner.config.vocab_size)
+    alone, batched = _alone_and_batched(runner, requests)
+    for level in (SleepLevel.LEVEL_1, SleepLevel.LEVEL_2):
+        _sleep(cuda_alloc, runner, level)
+        with pytest.raises(WrongState, match="asleep"):
+            runner.capture_graph(4)
+        assert graphs.pending == (4, 8) and graphs.captured == (1, 2)
+        _wake(cuda_alloc, runner, level)
+        replays = graphs.replays
+        assert _alone_and_batched(runner, requests) == (alone, batched), f"level {int(level)}"
+        assert graphs.replays > replays and graphs.captures == 2, "the graphs from before the sleep replayed"
+    runner.capture_graph(4)
+    runner.capture_graph(8)
+    assert graphs.pending == () and _alone_and_batched(runner, requests) == (alone, batched)
+
+
+def test_a_background_capture_makes_every_bucket_on_the_device_thread(cuda_alloc: MemoryAllocator) -> None:
+    runner = _deferred(cuda_alloc)
+    graphs = runner.graphs
+    assert graphs is not None
+    requests = _requests(runner.config.vocab_size)
+    eager = _alone_and_batched(runner, requests)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    device = DeviceThread(loop)
+    try:
+        background = runner.capture_graphs_in_background(loop, device.submit)
+        deadline = time.monotonic() + 120
+        while background.pending:
+            assert time.monotonic() < deadline, f"captured {background.captured} in 120 s"
+            time.sleep(0.05)
+        device.shutdown()  # the last job has ended
+        assert background.captured == [1, 2, 4, 8] and graphs.captured == (1, 2, 4, 8)
+        assert runner.info()["cuda_graphs_captured"] == [1, 2, 4, 8]
+        assert _alone_and_batched(runner, requests) == eager
+    finally:
+        device.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+_CAPTURED = re.compile(r"cuda graphs: batch (\d+) captured in ")
+_ALL = "buckets captured in the background"
+
+
+def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once() -> None:
+    args = ["--backend", "cuda", "--model", "synthetic:small", "--max-batch", "8", "--kv-blocks", "512"]
+    prompt = [7, 300, 12, 900, 45, 2000, 6, 31]
+    with WorkerProcess(args, ready_timeout=300) as wp:
+        assert _ALL not in wp.stderr_text(), "ready came after every capture"
+        status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+        assert status.state == c.WORKER_STATE_AWAKE
+
+        def generate() -> list[int]:
+            r = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True),
+                                 timeout=120)  # fmt: skip
+            return list(r.token_ids)
+
+        first = generate()
+        assert len(set(first)) > 3, first
+        pending = _ALL not in wp.stderr_text()
+        for level in (c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):  # the first while captures are still to come
+            assert wp.stub.Sleep(w.SleepRequest(level=level), timeout=120).status.state == c.WORKER_STATE_ASLEEP
+            assert wp.stub.WakeUp(w.WakeUpRequest(), timeout=300).status.state == c.WORKER_STATE_AWAKE
+            assert generate() == first
+        deadline = time.monotonic() + 120
+        while _ALL not in wp.stderr_text():
+            assert time.monotonic() < deadline, wp.failure("the graphs were not captured in 120 s")
+            time.sleep(0.1)
+        assert generate() == first
+        captured = sorted(int(b) for b in _CAPTURED.findall(wp.stderr_text()))
+        assert captured == [1, 2, 4, 8], wp.failure(f"captures: {captured}")
+        for level in (c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):
+            wp.stub.Sleep(w.SleepRequest(level=level), timeout=120)
+            wp.stub.WakeUp(w.WakeUpRequest(), timeout=300)
+            assert generate() == first
+        assert sorted(int(b) for b in _CAPTURED.findall(wp.stderr_text())) == captured, "a wake captured again"
+        print(f"captures pending at the first sleep: {pending}")
+        assert pending, "the first sleep came after every capture: this test did not test a pending one"
+        wp.stop()

@@ -1,0 +1,214 @@
+"""The worker's start-up path on the CPU: what it imports before it listens, the background capture
+of its CUDA graphs (the policy; the captures themselves are GPU-only, tests/gpu/test_background_capture.py),
+and a smoke run of bench/bench_startup.py."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from memsvc.errors import WrongState
+from worker.device_thread import DeviceThread
+from worker.model import graphs
+from worker.model.graphs import BackgroundCapture
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+
+NOT_BEFORE_LISTENING = (
+    "torch", "safetensors", "tokenizers", "jinja2", "transformers", "triton", "worker.model.runner",
+    "worker.model.weights", "worker.model.text", "memsvc.manager", "memsvc.gateway", "fastapi", "uvicorn",
+)  # fmt: skip
+"""What `memsvc worker` must not import before its server listens (it loads them while it answers LOADING)."""
+
+
+def test_the_worker_listens_before_the_model_layer_is_imported() -> None:
+    code = (
+        "import json, sys; import memsvc.cli, worker.main, worker.servicer, worker.core; "
+        f"print(json.dumps(sorted(m for m in {NOT_BEFORE_LISTENING!r} if m in sys.modules)))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == []
+
+
+def test_the_model_package_still_exports_its_names() -> None:
+    code = (
+        "import json, sys, worker.model as m; before = 'torch' in sys.modules; "
+        "names = [n for n in m.__all__ if getattr(m, n, None) is None]; "
+        "print(json.dumps([before, names, m.ModelRunner.__module__]))"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == [False, [], "worker.model.runner"]
+    import worker.model
+
+    with pytest.raises(AttributeError, match="no attribute 'Nope'"):
+        _ = worker.model.Nope
+
+
+# ---- the background capture's policy (a recording capture; the loop and device thread are real) ----
+class Rig:
+    """A BackgroundCapture over a real loop thread and DeviceThread, with a capture that records."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
+        self.device = DeviceThread(loop)
+        self.busy = False
+        self.allowed = True
+        self.last = time.monotonic() - 10
+        self.done: list[tuple[int, str]] = []
+        self.running = 0
+        self.most_at_once = 0
+        self.fail: dict[int, Exception] = {}
+        self.bg = BackgroundCapture(sizes, self.capture, loop, self.device.submit, lambda: self.allowed, self.last_busy)
+
+    def last_busy(self) -> float:
+        if self.busy:
+            self.last = time.monotonic()
+        return self.last
+
+    def capture(self, size: int) -> None:
+        self.running += 1
+        self.most_at_once = max(self.most_at_once, self.running)
+        try:
+            if size in self.fail:
+                raise self.fail.pop(size)
+            time.sleep(0.01)
+            self.done.append((size, threading.current_thread().name))
+        finally:
+            self.running -= 1
+
+    def sizes(self) -> list[int]:
+        return [s for s, _ in self.done]
+
+    def wait(self, until: Callable[[], bool], timeout: float = 10.0) -> None:
+        end = time.monotonic() + timeout
+        while not until():
+            assert time.monotonic() < end, f"timed out: captured {self.sizes()}, pending {self.bg.pending}"
+            time.sleep(0.005)
+
+
+@pytest.fixture
+def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
+    monkeypatch.setattr(graphs, "IDLE_S", 0.03)
+    monkeypatch.setattr(graphs, "PATIENCE_S", 0.3)
+    lp = asyncio.new_event_loop()
+    thread = threading.Thread(target=lp.run_forever, daemon=True)
+    thread.start()
+    yield lp
+    lp.call_soon_threadsafe(lp.stop)
+    thread.join(timeout=10)
+    lp.close()
+
+
+def test_every_bucket_is_captured_smallest_first_one_job_at_a_time_on_the_device_thread(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    rig = Rig(loop)
+    rig.bg.request()
+    rig.wait(lambda: not rig.bg.pending)
+    assert rig.sizes() == [1, 2, 4, 8] == rig.bg.captured
+    assert {name for _, name in rig.done} == {"memsvc-device_0"}
+    assert rig.most_at_once == 1
+    rig.bg.request()  # nothing pending: nothing more
+    time.sleep(0.1)
+    assert rig.sizes() == [1, 2, 4, 8]
+    rig.device.shutdown()
+
+
+def test_a_capture_waits_while_the_engine_works(loop: asyncio.AbstractEventLoop) -> None:
+    rig = Rig(loop)
+    rig.busy = True
+    rig.bg.request()
+    time.sleep(10 * graphs.IDLE_S)
+    assert rig.done == []
+    rig.busy = False
+    rig.wait(lambda: len(rig.done) == 4)
+    assert rig.sizes() == [1, 2, 4, 8]
+    rig.device.shutdown()
+
+
+def test_a_bucket_steps_need_is_captured_under_load_once_it_waited_its_patience(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    rig = Rig(loop)
+    rig.busy = True
+    t0 = time.monotonic()
+    rig.bg.want(4)
+    rig.bg.want(4)  # asked again by the next eager step: still the first need's clock
+    rig.wait(lambda: rig.sizes() == [4])
+    assert time.monotonic() - t0 >= graphs.PATIENCE_S
+    time.sleep(2 * graphs.PATIENCE_S)
+    assert rig.sizes() == [4], "buckets no step needs wait for an idle engine"
+    rig.bg.want(4)  # captured already: ignored
+    rig.busy = False
+    rig.wait(lambda: not rig.bg.pending)
+    assert rig.sizes() == [4, 1, 2, 8]
+    rig.device.shutdown()
+
+
+def test_capturing_stalls_while_it_may_not_run_and_a_step_resumes_it(loop: asyncio.AbstractEventLoop) -> None:
+    rig = Rig(loop)
+    rig.allowed = False  # asleep, or a transition pending
+    rig.bg.request()
+    rig.wait(lambda: rig.bg.stalled)
+    rig.allowed = True
+    time.sleep(10 * graphs.IDLE_S)
+    assert rig.done == [], "a stalled capture waits for a step"
+    rig.bg.poke()
+    rig.wait(lambda: not rig.bg.pending)
+    assert rig.sizes() == [1, 2, 4, 8] and not rig.bg.stalled
+    rig.device.shutdown()
+
+
+def test_memory_asleep_stalls_and_a_failed_capture_leaves_its_bucket_to_eager_decoding(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
+    rig = Rig(loop)
+    rig.fail = {1: WrongState("the 'cuda_graphs' memory is asleep"), 2: RuntimeError("out of memory")}
+    rig.bg.request()
+    rig.wait(lambda: rig.bg.stalled)
+    assert rig.done == [] and rig.bg.pending == (1, 2, 4, 8)
+    rig.bg.poke()
+    rig.wait(lambda: not rig.bg.pending)
+    assert rig.sizes() == [1, 4, 8] == rig.bg.captured
+    rig.device.shutdown()
+
+
+def test_a_shut_down_device_thread_ends_the_capture(loop: asyncio.AbstractEventLoop) -> None:
+    rig = Rig(loop)
+    rig.device.shutdown()
+    rig.bg.request()
+    time.sleep(10 * graphs.IDLE_S)
+    assert rig.done == [] and rig.bg.pending == (1, 2, 4, 8)
+    rig.bg.request()  # no error, no job: the worker is closing
+    time.sleep(5 * graphs.IDLE_S)
+    assert rig.done == []
+
+
+# ---- the benchmark's smoke run ----
+def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
+    from bench import bench_startup
+    from bench.bench_gateway import write_checkpoint
+
+    ckpt = tmp_path / "tiny"
+    write_checkpoint(ckpt, "tiny", "cpu")
+    out = tmp_path / "startup.json"
+    argv = ["--model", str(ckpt), "--backend", "host", "--repeats", "1", "--warmup", "0", "--kv-blocks", "64",
+            "--out", str(out)]  # fmt: skip
+    assert bench_startup.main(argv) == 0
+    res = json.loads(out.read_text())
+    assert res["errors"] == {} and res["commit"]
+    (run,) = res["worker"]["runs"]
+    assert 0 < run["listening_s"] < run["serving_s"] < run["first_token_s"] < run["generate_end_s"]
+    assert run["model_layer_imported_at_s"] <= run["serving_s"] and run["weights_loaded_s"] >= 0
+    assert run["exit_code"] == 0 and run["graph_captures"] == []  # the host backend has no graphs
+    (theirs,) = res["transformers"]["runs"]
+    assert 0 < theirs["loaded_s"] < theirs["first_token_s"] and theirs["from_pretrained_s"] > 0
+    assert res["import_torch"]["import_torch_s"] > 0
+    assert [t["passed"] for t in res["targets"]][2] is True
