@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import time
 from typing import TYPE_CHECKING
 
 import numpy as np
@@ -43,3 +44,15 @@ def busy_copy_stream(alloc: MemoryAllocator, mib: int = 512) -> tuple[torch.Tens
     host = alloc.host_empty((n, 4 << 20), torch.uint8)
     ids = np.arange(n, dtype=np.int64)
     return dev, host, alloc.copy_block_ids(dev, host, ids, ids, "batch", wait=False)
+
+
+def host_held_settles_at(alloc: MemoryAllocator, expected: int) -> int:
+    """host_held_bytes once the pool's reaper thread has trimmed it (wake releases chunks off its path).
+
+    Polls for at most 10 s: the value is what is asserted, never how long it took."""
+    deadline = time.monotonic() + 10.0
+    held = int(alloc.stats().counters["host_held_bytes"])
+    while held != expected and time.monotonic() < deadline:
+        time.sleep(0.005)
+        held = int(alloc.stats().counters["host_held_bytes"])
+    return held
