@@ -349,6 +349,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             for k in ("listening_s", "serving_s", "first_token_s", "weights_loaded_s", "model_layer_imported_at_s",
                       "graphs_done_at_s", "graph_capture_s")
         }}  # fmt: skip
+        if args.cold:
+            res["cold"] = cold_runs(model, args, prompt)
         res["transformers"] = {"runs": baselines, **{
             f"{k}_median": _median(baselines, k)
             for k in ("loaded_s", "first_token_s", "import_torch_s", "import_transformers_s", "from_pretrained_s")
@@ -368,8 +370,33 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
          "goal_s": theirs, "passed": None if serving is None or theirs is None else serving < theirs},
         {"target": "the same tokens before and after the graphs are captured",
          "passed": all(r.get("tokens_equal_after_capture", True) for r in res.get("worker", {}).get("runs", []))},
+        {"target": "cold: spawn to SERVING within 1.2x the shards' O_DIRECT read time",
+         "value": res.get("cold", {}).get("serving_vs_read_floor"), "goal": 1.2,
+         "passed": None if not res.get("cold", {}).get("serving_vs_read_floor")
+         else res["cold"]["serving_vs_read_floor"] <= 1.2},
     ]  # fmt: skip
     return res
+
+
+def cold_runs(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    """One worker start and one transformers start, each with the checkpoint's pages dropped first,
+    against the disk's O_DIRECT read time for the same files (bench/bench_tiers.py's probe)."""
+    from bench.bench_tiers import drop_cache, read_rate
+
+    shards = sorted(Path(model).glob("*.safetensors"))
+    drop_cache(shards)
+    floor = read_rate(shards)  # reads with O_DIRECT: the cache stays dropped
+    drop_cache(shards)
+    worker = worker_run(model, args, prompt)
+    print(f"[bench_startup] worker, cold: {json.dumps(worker)}", flush=True)
+    out: dict[str, Any] = {"read_floor": floor, "worker": worker}
+    if not args.no_baseline:
+        drop_cache(shards)
+        out["transformers"] = baseline_run(model, args, prompt)
+        print(f"[bench_startup] transformers, cold: {json.dumps(out['transformers'])}", flush=True)
+    serving = worker.get("serving_s")
+    out["serving_vs_read_floor"] = serving / floor["seconds"] if serving else None
+    return out
 
 
 def format_table(res: dict[str, Any]) -> str:
@@ -393,6 +420,13 @@ def format_table(res: dict[str, Any]) -> str:
         ("  from_pretrained", tf.get("from_pretrained_s_median")),
         ("python -c 'import torch' (+ CUDA init)", it.get("process_s")),
     ]
+    cold = res.get("cold", {})
+    if cold:
+        rows += [
+            ("cold: the shards' O_DIRECT read time", cold.get("read_floor", {}).get("seconds")),
+            ("cold: worker spawn -> SERVING", cold.get("worker", {}).get("serving_s")),
+            ("cold: transformers spawn -> from_pretrained done", cold.get("transformers", {}).get("loaded_s")),
+        ]
     lines = [f"{label:45s} {ms(value)}" for label, value in rows if value is not None or label.startswith("worker")]
     lines += [json.dumps(t) for t in res.get("targets", [])]
     return "\n".join(lines)
@@ -408,6 +442,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--worker-args", default="", help="extra flags for the worker")
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers' from_pretrained")
+    ap.add_argument("--cold", action="store_true", help="also one start of each with the page cache dropped")
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--out", default="startup.json")
     args = ap.parse_args(argv)

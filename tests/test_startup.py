@@ -200,7 +200,7 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     write_checkpoint(ckpt, "tiny", "cpu")
     out = tmp_path / "startup.json"
     argv = ["--model", str(ckpt), "--backend", "host", "--repeats", "1", "--warmup", "0", "--kv-blocks", "64",
-            "--out", str(out)]  # fmt: skip
+            "--cold", "--out", str(out)]  # fmt: skip
     assert bench_startup.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["errors"] == {} and res["commit"]
@@ -212,3 +212,6 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     assert 0 < theirs["loaded_s"] < theirs["first_token_s"] and theirs["from_pretrained_s"] > 0
     assert res["import_torch"]["import_torch_s"] > 0
     assert [t["passed"] for t in res["targets"]][2] is True
+    cold = res["cold"]
+    assert cold["read_floor"]["bytes"] > 0 and cold["worker"]["serving_s"] > 0 and cold["serving_vs_read_floor"] > 0
+    assert cold["transformers"]["loaded_s"] > 0

@@ -25,6 +25,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
+from worker.prefetch import CheckpointPrefetch
 from worker.servicer import ModelWorkerServicer
 
 log = logging.getLogger("memsvc.worker")
@@ -33,8 +34,10 @@ MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.page
 """What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
 
 
-def import_model_layer(config: WorkerConfig) -> threading.Thread:
-    """Import the model layer (and Triton, where the worker may use it) on a thread, now.
+def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None = None) -> threading.Thread:
+    """Import the model layer (and Triton, where the worker may use it) on a thread, now; the
+    checkpoint's read-ahead (``prefetch``) stops once the model layer is in, when the load's own reads
+    begin (worker/prefetch.py).
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
@@ -44,8 +47,12 @@ def import_model_layer(config: WorkerConfig) -> threading.Thread:
     def run() -> None:
         t0 = time.perf_counter()
         try:
-            for name in MODEL_LAYER:
-                importlib.import_module(name)
+            try:
+                for name in MODEL_LAYER:
+                    importlib.import_module(name)
+            finally:
+                if prefetch is not None:
+                    prefetch.stop()
             t1 = time.perf_counter()
             log.info("model layer imported in %.2f s", t1 - t0)
             if config.backend != "host" and importlib.util.find_spec("triton") is not None:
@@ -66,7 +73,7 @@ async def serve(
     advertise: str | None = None,
     security: Security | None = None,
 ) -> int:
-    importer = import_model_layer(config)
+    importer = import_model_layer(config, CheckpointPrefetch(config.model).start())
     try:
         return await _serve(config, listen, manager, advertise, security or Security())
     finally:

@@ -35,7 +35,6 @@ import ctypes
 import errno
 import itertools
 import json
-import mmap
 import os
 import queue
 import threading
@@ -49,6 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from memsvc.errors import InvalidArgument, NotFound
+from worker.page_cache import PageCache
 
 if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
@@ -457,55 +457,6 @@ class _Ring:
     slots: list[_Slot]
 
 
-_libc = ctypes.CDLL(None, use_errno=True)
-_libc.mmap.restype = ctypes.c_void_p
-_libc.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int, ctypes.c_long]
-_libc.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
-_libc.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.POINTER(ctypes.c_ubyte)]
-_MAP_FAILED = ctypes.c_void_p(-1).value
-_RESIDENT = bytes(i & 1 for i in range(256))
-"""mincore's vector: bit 0 of each byte says the page is resident; the other bits are reserved."""
-
-
-class _PageCache:
-    """Which pages of one file the page cache holds: ``mincore`` over a shared read-only mapping
-    that is never touched (no fault, no I/O). Python's ``mmap`` offers no address of a read-only
-    mapping, hence libc."""
-
-    def __init__(self, fd: int, size: int) -> None:
-        self.size = size
-        addr = _libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
-        self.addr: int | None = None if addr in (None, _MAP_FAILED) else int(addr)
-
-    def runs(self, offset: int, length: int) -> list[tuple[int, int, bool]]:
-        """``(start, stop, cached)`` runs covering ``[0, length)`` of the file from ``offset``,
-        split at page boundaries; all cached where the kernel will not say."""
-        page = mmap.PAGESIZE
-        if self.addr is None:
-            return [(0, length, True)]
-        first, last = offset // page, -(-(offset + length) // page)
-        vec = (ctypes.c_ubyte * (last - first))()
-        if _libc.mincore(self.addr + first * page, (last - first) * page, vec) != 0:
-            return [(0, length, True)]
-        flags = bytes(vec).translate(_RESIDENT)
-        runs: list[tuple[int, int, bool]] = []
-        i = 0
-        while i < len(flags):
-            cached = flags[i] == 1
-            j = flags.find(b"\x00" if cached else b"\x01", i)
-            j = len(flags) if j < 0 else j
-            start = max(0, (first + i) * page - offset)
-            stop = min(length, (first + j) * page - offset)
-            runs.append((start, stop, cached))
-            i = j
-        return runs
-
-    def close(self) -> None:
-        if self.addr is not None:
-            _libc.munmap(self.addr, self.size)
-            self.addr = None
-
-
 @dataclass
 class _File:
     """An open shard. ``direct`` starts as the io mode says and is switched off, for the rest of the
@@ -514,7 +465,7 @@ class _File:
     path: Path
     fd: int
     direct_fd: int | None
-    cache: _PageCache | None
+    cache: PageCache | None
     """Where to look up what the page cache holds (``io="auto"``)."""
     direct: bool = field(init=False)
 
@@ -669,7 +620,7 @@ class StreamingLoader:
                 path, f"it changed while being loaded: {size} bytes, its header was read at {header.file_bytes}"
             )
         direct = self._open_direct(path) if self.io != "buffered" else None
-        cache = _PageCache(fd, size) if self.io == "auto" and direct is not None else None
+        cache = PageCache(fd, size) if self.io == "auto" and direct is not None else None
         return _File(path, fd, direct, cache)
 
     @staticmethod
