@@ -18,6 +18,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Iterator
 from pathlib import Path
 
 from worker.page_cache import PageCache
@@ -25,7 +26,9 @@ from worker.page_cache import PageCache
 log = logging.getLogger("memsvc.worker")
 
 WINDOW = 8 << 20
-"""Bytes read per step (into one reused buffer); a window the page cache holds already is skipped."""
+"""Bytes read per step (into each reader's own buffer); a window the page cache holds is skipped."""
+THREADS = 8
+"""Readers (one per core below that)."""
 INDEX_FILE = "model.safetensors.index.json"
 
 
@@ -46,69 +49,89 @@ def shard_order(model: str) -> list[Path]:
 
 
 class CheckpointPrefetch:
-    """Reads ``model``'s shards ahead on a thread of its own until :meth:`stop`."""
+    """Reads ``model``'s shards ahead with :data:`THREADS` threads until :meth:`stop`: one reader
+    cannot keep a drive busy (1.0 GB/s on the H200 VM's disk against 1.8 GB/s for eight)."""
 
-    def __init__(self, model: str) -> None:
+    def __init__(self, model: str, threads: int = 0) -> None:
         self.files = shard_order(model)
+        self.threads = threads or min(THREADS, os.cpu_count() or 1)
         self.requested = 0
         """Bytes read ahead so far (windows the page cache held are not counted)."""
         self._stop = threading.Event()
-        self._thread: threading.Thread | None = None
-        self._buf = bytearray(WINDOW)
+        self._lock = threading.Lock()
+        self._windows: Iterator[tuple[int, PageCache, int, int]] = iter(())
+        self._threads: list[threading.Thread] = []
+        self._opened: list[tuple[int, PageCache]] = []
+        self._live = 0
+        """Readers still running; the last one closes the files."""
 
     def start(self) -> CheckpointPrefetch:
         if self.files:
-            self._thread = threading.Thread(target=self._run, name="memsvc-prefetch", daemon=True)
-            self._thread.start()
+            self._threads = [
+                threading.Thread(target=self._run, name="memsvc-prefetch", daemon=True) for _ in range(self.threads)
+            ]
+            self._live = len(self._threads)
+            self._windows = self._plan()
+            for t in self._threads:
+                t.start()
         return self
 
     def stop(self) -> None:
-        """No more read-ahead (the loader is about to read; what is queued still completes)."""
+        """No more read-ahead (the loader is about to read; reads under way finish)."""
         self._stop.set()
 
     def join(self, timeout: float | None = None) -> None:
-        if self._thread is not None:
-            self._thread.join(timeout)
+        for t in self._threads:
+            t.join(timeout)
 
-    def _read(self, fd: int, off: int, n: int) -> None:
-        """Read ``n`` bytes at ``off`` into the page cache. A real read, not ``WILLNEED``, whose
-        read-ahead the kernel cuts to a few MiB per call and which queues without waiting: this
-        keeps pace with the disk, so stopping it leaves nothing queued for the loader to wait behind."""
-        view = memoryview(self._buf)
-        while n > 0:
-            got = os.preadv(fd, [view[: min(n, len(view))]], off)
-            if got <= 0:
-                return
-            off += got
-            n -= got
-
-    def _run(self) -> None:
-        t0 = time.perf_counter()
+    def _plan(self) -> Iterator[tuple[int, PageCache, int, int]]:
+        """Every window of every shard, in the loader's order (taken under the lock)."""
         for file in self.files:
             try:
                 fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
             except OSError:
                 continue
-            try:
-                size = os.fstat(fd).st_size
-                cache = PageCache(fd, size)
+            size = os.fstat(fd).st_size
+            cache = PageCache(fd, size)
+            self._opened.append((fd, cache))
+            for off in range(0, size, WINDOW):
+                yield fd, cache, off, min(WINDOW, size - off)
+
+    def _run(self) -> None:
+        """One reader: the next window the page cache lacks, until none is left or the stop. A real
+        read, not ``WILLNEED``, whose read-ahead the kernel cuts to a few MiB per call and which
+        queues without waiting: reads keep pace with the disk, so stopping leaves nothing queued
+        for the loader to wait behind."""
+        t0 = time.perf_counter()
+        buf = memoryview(bytearray(WINDOW))
+        try:
+            while not self._stop.is_set():
+                with self._lock:
+                    window = next(self._windows, None)
+                if window is None:
+                    break
+                fd, cache, off, n = window
                 try:
-                    off = 0
-                    while off < size and not self._stop.is_set():
-                        n = min(WINDOW, size - off)
-                        if not all(cached for _, _, cached in cache.runs(off, n)):
-                            self._read(fd, off, n)
-                            self.requested += n
-                        off += n
-                finally:
+                    if all(cached for _, _, cached in cache.runs(off, n)):
+                        continue
+                    done = 0
+                    while done < n and (got := os.preadv(fd, [buf[: n - done]], off + done)) > 0:
+                        done += got
+                except OSError as exc:
+                    log.debug("read-ahead stopped: %s", exc)
+                    break
+                with self._lock:
+                    self.requested += done
+        finally:
+            with self._lock:
+                self._live -= 1
+                last_out = self._live == 0
+            if last_out:  # the files stay open until no reader is left
+                for fd, cache in self._opened:
                     cache.close()
-            except OSError as exc:
-                log.debug("prefetch of %s stopped: %s", file, exc)
-            finally:
-                os.close(fd)
-            if self._stop.is_set():
-                break
-        log.info("checkpoint read-ahead: %.2f GB read in %.2f s", self.requested / 1e9, time.perf_counter() - t0)
+                    os.close(fd)
+                log.info("checkpoint read-ahead: %.2f GB read in %.2f s", self.requested / 1e9,
+                         time.perf_counter() - t0)  # fmt: skip
 
 
-__all__ = ["WINDOW", "CheckpointPrefetch", "shard_order"]
+__all__ = ["THREADS", "WINDOW", "CheckpointPrefetch", "shard_order"]
