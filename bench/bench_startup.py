@@ -68,6 +68,7 @@ MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 _LISTENING = re.compile(r"^memsvc worker \S+ listening on (\S+)$")
 LOG_LINES: dict[str, re.Pattern[str]] = {
     "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
+    "read_ahead": re.compile(r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read in (?P<s>[\d.]+) s"),
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
@@ -241,8 +242,8 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[
             hit = proc.found(pattern)
             if hit is not None:
                 out[f"{name}_at_s"] = hit[0]
-                if "s" in pattern.groupindex:
-                    out[f"{name}_s"] = float(hit[1].group("s"))
+                for group in pattern.groupindex:
+                    out[f"{name}_{group}"] = float(hit[1].group(group))
         captures = [(int(m["b"]), float(m["s"])) for _, _, line in proc.lines if (m := _GRAPH.search(line))]
         out["graph_captures"] = [{"batch": b, "seconds": s} for b, s in captures]
         out["graph_capture_s"] = sum(s for _, s in captures)
