@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 
+from bench.bench_tiers import drop_cache
 from worker.page_cache import PageCache
 from worker.prefetch import CheckpointPrefetch, shard_order
 
@@ -30,15 +31,6 @@ def _resident(path: Path) -> float:
         os.close(fd)
 
 
-def _drop(path: Path) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        os.fsync(fd)
-        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-    finally:
-        os.close(fd)
-
-
 def test_the_shards_come_in_the_order_the_loader_reads_them(tmp_path: Path) -> None:
     for name in ("b.safetensors", "a.safetensors", "c.safetensors"):
         (tmp_path / name).write_bytes(b"x")
@@ -55,12 +47,13 @@ def test_the_shards_come_in_the_order_the_loader_reads_them(tmp_path: Path) -> N
 def test_a_dropped_checkpoint_is_in_the_page_cache_after_the_read_ahead(tmp_path: Path) -> None:
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(os.urandom(8 * MiB) * 3)
-    _drop(shard)
+    drop_cache([shard])
     if _resident(shard) > 0.5:
         pytest.skip("this file system keeps the pages (tmpfs?): nothing to read ahead")
     prefetch = CheckpointPrefetch(str(tmp_path)).start()
     prefetch.join(timeout=60)
-    assert prefetch.requested == 24 * MiB
+    # the kernel's own read-ahead behind one reader may fill a window before another reader gets to it
+    assert 0 < prefetch.requested <= 24 * MiB
     assert _resident(shard) == 1.0
     again = CheckpointPrefetch(str(tmp_path)).start()  # a warm page cache: every window is skipped
     again.join(timeout=60)

@@ -217,15 +217,20 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
     return b"".join(parts)
 
 
-def read_header(file: str | os.PathLike[str]) -> ShardHeader:
-    """Read and check one safetensors file's header (not its data)."""
-    path = Path(file)
+def _open_shard(path: Path) -> int:
+    """A read-only descriptor of a shard; a missing one is NOT_FOUND, an unreadable one damaged."""
     try:
-        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
     except FileNotFoundError:
         raise NotFound(f"{path} does not exist") from None
     except OSError as e:
         raise _damaged(path, e.strerror or str(e)) from None
+
+
+def read_header(file: str | os.PathLike[str]) -> ShardHeader:
+    """Read and check one safetensors file's header (not its data)."""
+    path = Path(file)
+    fd = _open_shard(path)
     try:
         size = os.fstat(fd).st_size
         head = _pread_exact(fd, 8, 0)
@@ -607,12 +612,7 @@ class StreamingLoader:
 
     def _open(self, header: ShardHeader) -> _File:
         path = header.file
-        try:
-            fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-        except FileNotFoundError:
-            raise NotFound(f"{path} does not exist") from None
-        except OSError as e:
-            raise _damaged(path, e.strerror or str(e)) from None
+        fd = _open_shard(path)
         size = os.fstat(fd).st_size
         if size != header.file_bytes:
             os.close(fd)
