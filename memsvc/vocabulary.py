@@ -230,6 +230,11 @@ class TagState(_NamedProtoEnum):
         return c.TagState.ValueType(self._proto_number())
 
 
+KEPT_IN: Mapping[Action, TagState] = MappingProxyType(
+    {Action.OFFLOAD: TagState.OFFLOADED, Action.OFFLOAD_DISK: TagState.ON_DISK}
+)
+"""The actions whose tag comes back byte for byte, and where its bytes wait meanwhile (every other
+non-KEEP action discards)."""
 _DEMOTIONS = frozenset(
     {
         (TagState.OFFLOADED, Action.DISCARD),

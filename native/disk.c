@@ -6,11 +6,14 @@
  * pool's chunk size at i * chunk_bytes), so a demotion writes an OFFLOADED tag's chunks as they are,
  * and a sleep or a wake streams the tag through a ring of a few page-locked staging chunks: the copy
  * engine fills (or drains) chunk i+1 while chunk i is written (or read) by several threads at once.
- * Host RAM is then the ring, never the tag. Files are made unlinked (O_TMPFILE, else created and
+ * Host RAM is then the ring, never the tag. The transition holds the allocator's lock throughout, as
+ * every sleep and wake does: for a disk tier that is seconds (7-12 s for 16 GB on the H200 VM's disk),
+ * during which an allocation or free on another thread waits. Files are made unlinked (O_TMPFILE, else created and
  * unlinked at once), so nothing is left on disk when the process ends however it ends, and read and
  * written with O_DIRECT where the file system allows it, so the tier neither fills the page cache nor
  * reads back a cached copy. Checksums (checksums.c) are taken from device memory at sleep and checked
- * on device memory after the wake, as for host backups: a bad byte on disk fails the wake. */
+ * on device memory after the wake, as for host backups, and with a disk tier always (sleep.c): a bad
+ * byte on disk fails the wake. */
 #define _GNU_SOURCE
 #include <errno.h>
 #include <fcntl.h>
@@ -245,11 +248,8 @@ int disk_write(msv_allocator *a, int idx) {
     }
     return rc;
   }
-  uint64_t total = pieces_total(ar);
-  if (ar->state == MSV_TAG_OFFLOADED) {
-    total = 0;
-    for (size_t i = 0; i < ar->n_pieces; i++) total += ar->pieces[i].size;
-  }
+  uint64_t total = 0; /* the pieces fill the backup's offsets without a gap */
+  for (size_t i = 0; i < ar->n_pieces; i++) total += ar->pieces[i].size;
   uint64_t cb = a->hp.chunk_bytes;
   ar->pend_fd = fd;
   ar->pend_len = total ? ((total - 1) / cb) * cb + chunk_io_len(total, cb, (total - 1) / cb) : 0;
@@ -347,7 +347,7 @@ int disk_restore(msv_allocator *a, arena *ar) {
                    PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
   int rc = MSV_OK;
   for (size_t ci = 0; ci < nchunks; ci++) left[ci] = chunk_pieces(&j, ci);
-  for (int s = 0; s < RING && !rc; s++) {
+  for (int s = 0; s < RING && (size_t)s < nchunks && !rc; s++) { /* a small tag takes fewer slots */
     msv_hchunk *c = NULL;
     if ((rc = ring_slot(a, &r, (size_t)s, &c))) break;
     j.slot[s] = c->ptr;

@@ -151,6 +151,16 @@ static PyObject *Allocator_set_host_reserve(AllocatorObject *self, PyObject *arg
   Py_RETURN_NONE;
 }
 
+/* cancel_prepin(): a prepin running on another thread stops before its next chunk, and none starts
+ * again (the worker gives an automatic host reserve back while the host is short) */
+static PyObject *Allocator_cancel_prepin(AllocatorObject *self, PyObject *unused) {
+  (void)unused;
+  msv_allocator *a = allocator_of(self);
+  if (!a) return NULL;
+  msv_host_prepin_cancel(a);
+  Py_RETURN_NONE;
+}
+
 /* prepin_host(nbytes): page-lock host chunks for the offload engine now, not on the first sleep */
 static PyObject *Allocator_prepin_host(AllocatorObject *self, PyObject *args) {
   long long n;
@@ -212,6 +222,8 @@ static PyMethodDef Allocator_methods[] = {
     {"has_method", (PyCFunction)Allocator_has_method, METH_VARARGS, "has_method(method) -> bool"},
     {"set_checksum", (PyCFunction)Allocator_set_checksum, METH_VARARGS, "set_checksum(on)"},
     {"set_host_reserve", (PyCFunction)Allocator_set_host_reserve, METH_VARARGS, "set_host_reserve(bytes)"},
+    {"cancel_prepin", (PyCFunction)Allocator_cancel_prepin, METH_NOARGS,
+     "cancel_prepin(): a running prepin stops before its next chunk; later ones do nothing"},
     {"prepin_host", (PyCFunction)Allocator_prepin_host, METH_VARARGS,
      "prepin_host(bytes): map, pre-fault and page-lock offload chunks now; raises the host reserve to bytes"},
     {"lookup", (PyCFunction)Allocator_lookup, METH_VARARGS, "lookup(addr, size=1) -> (base, tag)"},

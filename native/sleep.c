@@ -64,8 +64,11 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     int to_host = actions[i] == MSV_ACTION_OFFLOAD, to_disk = actions[i] == MSV_ACTION_OFFLOAD_DISK;
     if (!to_host && !to_disk) continue;
     int awake = a->arenas[idx[i]]->state == MSV_TAG_AWAKE;
+    /* With a disk tier every kept tag is summed, checksums on or off: a file is a copy nothing else
+     * checks, and a host copy may be demoted to one later. */
+    int sum = a->cfg.checksum || a->cfg.offload_dir[0];
     size_t ns = 0;
-    if (awake && a->cfg.checksum && (rc = checksum_arena(a, idx[i], &sums[i], &ns))) break;
+    if (awake && sum && (rc = checksum_arena(a, idx[i], &sums[i], &ns))) break;
     rc = to_host ? offload_arena(a, idx[i]) : disk_write(a, idx[i]);
   }
   /* No copy on the allocator's stream may still touch what phase 2 drops: the offloads above waited

@@ -21,7 +21,8 @@ import torch
 from _util import MiB, as_cpu_bytes, fill_random, host_held_settles_at
 from conftest import AllocatorFactory
 
-from memsvc.errors import IntegrityError, InvalidArgument, WrongState
+from memsvc.errors import BackendError, IntegrityError, InvalidArgument, OutOfMemory, WrongState
+from memsvc.vocabulary import TagState, sleep_acts_on
 from worker.allocator import Action, MemoryAllocator
 
 # Across several 4 MiB staging chunks, with odd sizes so the last chunk is partly filled.
@@ -132,25 +133,99 @@ def test_an_offloaded_tag_moves_to_disk_and_a_tag_on_disk_can_be_discarded(
     assert kv.data_ptr() == alloc.lookup(kv.data_ptr())[0]
 
 
-def test_a_corrupted_file_fails_the_wake_checksum(
+def _corrupt(directory: Path, offset: int) -> None:
+    """Flip a byte of the tier's (only) file through a second, buffered handle on it."""
+    (fd,) = _offload_files(directory)
+    raw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)
+    try:
+        block = bytearray(os.pread(raw, 4096, offset))
+        block[100] ^= 0x5A
+        os.pwrite(raw, bytes(block), offset)
+        os.fsync(raw)
+    finally:
+        os.close(raw)
+
+
+@pytest.mark.parametrize("checksum", [True, False], ids=["checksum", "checksums-off"])
+def test_a_corrupted_file_fails_the_wake_checksum_even_with_checksums_off(
+    backend: str, make_allocator: AllocatorFactory, gen: torch.Generator, tmp_path: Path, checksum: bool
+) -> None:
+    """A file is a copy nothing else checks: with a disk tier every kept tag is summed (sleep.c)."""
+    alloc = make_allocator(backend, checksum=checksum, offload_dir=str(tmp_path))
+    pairs = _fill(alloc, gen)
+    alloc.sleep({"weights": Action.OFFLOAD})  # summed at this sleep, so a later demotion is covered too
+    alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    _corrupt(tmp_path, 5 * MiB)
+    with pytest.raises(IntegrityError, match="failed its checksum") as err:
+        alloc.wake_up()
+    assert err.value.metadata["tag"] == "weights"
+    s = alloc.stats()  # awake with the bad bytes reported (the worker reloads weights from their source)
+    assert s.tags["weights"].state == "awake" and s.counters["disk_held_bytes"] == 0
+    assert _offload_files(tmp_path) == []
+    assert sum(not torch.equal(as_cpu_bytes(t), want) for t, want in pairs) == 1  # the one flipped byte's
+
+
+def test_a_wake_that_cannot_read_the_file_leaves_the_tag_on_disk(
     disk_alloc: MemoryAllocator, gen: torch.Generator, tmp_path: Path
 ) -> None:
     alloc = disk_alloc
     pairs = _fill(alloc, gen)
     alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    held = alloc.stats().counters["disk_held_bytes"]
     (fd,) = _offload_files(tmp_path)
-    raw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # a second, buffered handle on the same file
+    raw = os.open(f"/proc/self/fd/{fd}", os.O_RDWR)  # cut short under the worker
     try:
-        block = bytearray(os.pread(raw, 4096, 5 * MiB))
-        block[100] ^= 0x5A
-        os.pwrite(raw, bytes(block), 5 * MiB)
-        os.fsync(raw)
+        os.ftruncate(raw, 6 * MiB)
     finally:
         os.close(raw)
-    with pytest.raises(IntegrityError, match="failed its checksum") as err:
+    with pytest.raises(BackendError, match="reading a backup back"):
         alloc.wake_up()
-    assert err.value.metadata["tag"] == "weights"
-    assert len(pairs) == len(SIZES)  # the tensors lived through the sleep
+    s = alloc.stats()
+    assert s.tags["weights"].state == "on_disk" and s.tags["weights"].mapped_bytes == 0
+    assert s.counters["disk_held_bytes"] == held and len(_offload_files(tmp_path)) == 1
+    alloc.sleep({"weights": Action.DISCARD})  # what is lost can still be let go
+    assert alloc.stats().counters["disk_held_bytes"] == 0 and _offload_files(tmp_path) == []
+    alloc.wake_up()
+    assert [t.data_ptr() for t, _ in pairs] == [alloc.lookup(t.data_ptr())[0] for t, _ in pairs]
+
+
+def test_a_wake_without_device_room_leaves_the_tag_on_disk_and_a_later_one_restores_it(
+    make_allocator: AllocatorFactory, gen: torch.Generator, tmp_path: Path
+) -> None:
+    alloc = make_allocator("host", checksum=True, offload_dir=str(tmp_path))
+    pairs = _fill(alloc, gen)
+    alloc.sleep({"weights": Action.OFFLOAD_DISK})
+    filler = alloc.empty(int(alloc.stats().device_free_bytes) - MiB, torch.uint8, tag="other")
+    with pytest.raises(OutOfMemory):
+        alloc.wake_up(["weights"])
+    assert alloc.stats().tags["weights"].state == "on_disk"
+    del filler
+    alloc.wake_up(["weights"])
+    _intact(pairs)
+
+
+def test_the_native_sleep_and_the_vocabulary_agree_on_what_a_sleep_does_to_each_state(
+    make_allocator: AllocatorFactory, tmp_path: Path
+) -> None:
+    """vocabulary.sleep_acts_on is what the worker and the in-memory worker decide by; msv_sleep
+    (native/sleep.c) is what happens."""
+    alloc = make_allocator("host", offload_dir=str(tmp_path))
+    keep = alloc.empty(MiB, torch.uint8, tag="t")
+    put = {TagState.OFFLOADED: Action.OFFLOAD, TagState.ON_DISK: Action.OFFLOAD_DISK}
+    put[TagState.DISCARDED] = Action.DISCARD
+    for state in TagState:
+        for action in (Action.OFFLOAD, Action.OFFLOAD_DISK, Action.DISCARD):
+            if state != TagState.AWAKE:
+                alloc.sleep({"t": put[state]})
+            try:
+                alloc.sleep({"t": action})
+                acted = True
+            except WrongState:
+                acted = False
+            assert acted == sleep_acts_on(state, action), (state, action)
+            if alloc.stats().tags["t"].state != "awake":
+                alloc.wake_up(["t"])
+    assert keep.numel() == MiB
 
 
 def test_without_a_disk_tier_offload_disk_is_refused_and_changes_nothing(

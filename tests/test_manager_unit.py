@@ -316,6 +316,26 @@ async def test_a_tier_one_sleep_with_no_host_room_goes_to_the_disk_tier_instead_
     assert plain.state == WorkerState.AWAKE
 
 
+async def test_a_full_disk_falls_back_to_level_two_for_the_demotion_and_for_a_tier_one_sleep(env: Env) -> None:
+    cold = await env.worker("cold", weights_bytes=3 * GiB, offload_dir="/srv/offload")
+    b = await env.worker("b", weights_bytes=3 * GiB, offload_dir="/srv/offload")
+    await env.policy(host_budget_bytes=5 * GiB)
+    await env.manager.sleep_worker("cold", None, {}, "", None)
+    cold.disk_full = b.disk_full = True
+    await env.manager.sleep_worker("b", None, {}, "", None)  # no room: cold's move to disk fails, level 2
+    assert cold.tags[WEIGHTS].state == TagState.DISCARDED and cold.sleep_level == SleepLevel.LEVEL_2
+    assert cold.calls == ["Sleep", "Sleep", "Sleep"]  # tier 1, the refused move to disk, level 2
+    assert b.tags[WEIGHTS].state == TagState.OFFLOADED
+    assert env.manager.metrics.demotions._value.get() == 1
+    await env.policy(host_budget_bytes=2 * GiB)  # b demoted (level 2 again) and still no room for d's 3 GiB
+    d = await env.worker("d", weights_bytes=3 * GiB, offload_dir="/srv/offload")
+    d.disk_full = True
+    await env.manager.sleep_worker("d", None, {}, "", None)  # to its disk: refused; level 2
+    assert b.tags[WEIGHTS].state == TagState.DISCARDED and env.manager.metrics.demotions._value.get() == 2
+    assert d.tags[WEIGHTS].state == TagState.DISCARDED and d.sleep_level == SleepLevel.LEVEL_2
+    assert d.calls == ["Sleep", "Sleep"]
+
+
 async def test_sleep_worker_is_refused_while_leased_and_acquire_waits_for_a_sleep_in_flight(env: Env) -> None:
     a = await env.worker("a")
     lease, _ = await env.manager.acquire("a", 60, "t", "", "", None)

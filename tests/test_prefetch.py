@@ -32,13 +32,14 @@ def _resident(path: Path) -> float:
 
 
 def test_the_shards_come_in_the_order_the_loader_reads_them(tmp_path: Path) -> None:
+    """The loader plans its reads by path (worker/model/loader.py plan_reads), whatever the index's order."""
     for name in ("b.safetensors", "a.safetensors", "c.safetensors"):
         (tmp_path / name).write_bytes(b"x")
     assert shard_order(str(tmp_path)) == [tmp_path / n for n in ("a.safetensors", "b.safetensors", "c.safetensors")]
     weight_map = {"w1": "c.safetensors", "w2": "a.safetensors", "w3": "c.safetensors", "w4": "gone.safetensors"}
     index = {"weight_map": weight_map}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
-    assert shard_order(str(tmp_path)) == [tmp_path / "c.safetensors", tmp_path / "a.safetensors"]
+    assert shard_order(str(tmp_path)) == [tmp_path / "a.safetensors", tmp_path / "c.safetensors"]  # by path
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     assert shard_order(str(tmp_path)) == []  # the load reports a bad index; the read-ahead just does nothing
     assert shard_order("synthetic:tiny") == [] and shard_order(str(tmp_path / "missing")) == []

@@ -208,7 +208,8 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     assert 0 < run["listening_s"] < run["serving_s"] < run["first_token_s"] < run["generate_end_s"]
     assert run["model_layer_imported_at_s"] <= run["serving_s"] and run["weights_loaded_s"] >= 0
     assert run["exit_code"] == 0 and run["graph_captures"] == []  # the host backend has no graphs
-    assert run["read_ahead_gb"] >= 0 and run["read_ahead_at_s"] <= run["serving_s"]  # the read-ahead reported
+    # the checkpoint was just written, so the page cache holds it: the read-ahead finds it and reads nothing
+    assert run["read_ahead_gb"] == 0.0 and run["read_ahead_at_s"] <= run["serving_s"]
     (theirs,) = res["transformers"]["runs"]
     assert 0 < theirs["loaded_s"] < theirs["first_token_s"] and theirs["from_pretrained_s"] > 0
     assert res["import_torch"]["import_torch_s"] > 0

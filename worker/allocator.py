@@ -478,6 +478,11 @@ class MemoryAllocator:
             raise InvalidArgument(f"bytes to pre-pin must be < 2**63, got {nbytes}")
         self._native.prepin_host(nbytes)
 
+    def cancel_prepin(self) -> None:
+        """Stop a :meth:`prepin_host` running on another thread before its next chunk; later calls
+        pin nothing. What it pinned so far stays in the pool, kept up to the host reserve."""
+        self._native.cancel_prepin()
+
     def lookup(self, address: int, size: int = 1) -> tuple[int, str]:
         """The base address and tag of the allocation holding ``[address, address+size)``."""
         base, tag = self._native.lookup(address, size)

@@ -28,6 +28,7 @@ from memsvc.errors import (
 )
 from memsvc.vocabulary import (
     BUSY_STATES,
+    KEPT_IN,
     KV_CACHE,
     WEIGHTS,
     Action,
@@ -58,9 +59,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memsvc.worker")
 
-_KEEPS_BYTES = frozenset({Action.OFFLOAD, Action.OFFLOAD_DISK})
-"""Actions whose tag comes back byte for byte."""
-_SLEPT_AS = {TagState.OFFLOADED: Action.OFFLOAD, TagState.ON_DISK: Action.OFFLOAD_DISK}
+_SLEPT_AS = {state: action for action, state in KEPT_IN.items()}
 """The action that puts a tag back where a failed wake found it (anything else: DISCARD)."""
 
 
@@ -211,13 +210,18 @@ class WorkerCore:
             assert release is not None
 
             def apply(nbytes: int) -> None:
+                if nbytes == 0:
+                    alloc.cancel_prepin()  # a prepin still running would pin it all again
                 self._device_thread.submit(release.set_base, nbytes)
 
             self._reserve_guard = HostReserveGuard(auto, apply)
             self._loop.call_soon_threadsafe(self._reserve_guard.start)
         prepin = c.host_prepin
         if prepin == AUTO:
-            return auto
+            if alloc.backend != "cuda":
+                return 0  # nothing to page-lock (worker/host_memory.py)
+            # with an explicit reserve, no more than it keeps (a prepin raises the reserve to itself)
+            return auto if c.host_reserve_bytes == AUTO else min(weights, int(c.host_reserve_bytes))
         return weights if prepin == WEIGHTS else int(prepin)
 
     def _start_prepin(self, nbytes: int) -> None:
@@ -371,7 +375,7 @@ class WorkerCore:
                 self._host_release.settle()  # chunks a wake held and this sleep did not reuse
             self._last_memory = alloc.stats()
             tags = self._last_memory.tags
-            moved = sum(tags[t].offloaded_bytes + tags[t].disk_bytes for t, a in todo.items() if a in _KEEPS_BYTES)
+            moved = sum(tags[t].offloaded_bytes + tags[t].disk_bytes for t, a in todo.items() if a in KEPT_IN)
             self._sm.sleep_level = max(level, self._sm.sleep_level) if before == WorkerState.ASLEEP else level
             self._sm.set_state(WorkerState.ASLEEP, "Sleep")
             ctr = self._last_memory.counters

@@ -9,8 +9,9 @@ background once loaded and keeps that much between sleeps: the first sleep and e
 at line rate. The cost is host RAM held, locked, while the worker is awake (while it sleeps the
 same chunks hold its weights' backup): at most :data:`HOST_RAM_FRACTION` of the host's memory, none
 when the host is already short, and given back (the reserve drops to 0, free chunks are unpinned)
-whenever the host's available memory falls below :func:`short_threshold`, to come back once it
-recovers. ``status``'s ``host_pinned_bytes`` and the manager's
+whenever the host's available memory falls below :func:`short_threshold` (a prepin still running
+stops), to come back once it recovers: the reserve's size, not its chunks, which later sleeps pin
+afresh. ``status``'s ``host_pinned_bytes`` and the manager's
 ``memsvc_worker_host_pinned_bytes`` show what is held. Explicit ``--host-reserve`` and
 ``--host-prepin`` values are the operator's and are never changed. The host backend has nothing to
 page-lock (its copies are memcpy), so ``auto`` means 0 there.
@@ -100,6 +101,7 @@ class HostReserveGuard:
         self.released = False
         """The reserve is given back for now (the host ran short)."""
         self._task: asyncio.Task[None] | None = None
+        self._stopped = False
 
     def check(self) -> None:
         """One look at the host: give the reserve back if it is short, take it again once there is
@@ -117,16 +119,22 @@ class HostReserveGuard:
                 mem.available / GiB,
                 self.reserve / GiB,
             )
-            self._apply(0)
+            self._apply_safely(0)
         elif self.released and mem.available >= threshold + self.reserve:
             self.released = False
             log.info("host memory recovered (%.1f GiB available): host reserve back to %.1f GiB",
                      mem.available / GiB, self.reserve / GiB)  # fmt: skip
-            self._apply(self.reserve)
+            self._apply_safely(self.reserve)
+
+    def _apply_safely(self, nbytes: int) -> None:
+        try:
+            self._apply(nbytes)
+        except RuntimeError as exc:  # the worker is shutting down (its device thread is gone)
+            log.debug("host reserve not changed: %s", exc)
 
     def start(self) -> None:
         """Check every :data:`CHECK_S` on the running loop until :meth:`stop`."""
-        if self.reserve > 0 and self._task is None:
+        if self.reserve > 0 and self._task is None and not self._stopped:  # a stop may come first
             self._task = asyncio.get_running_loop().create_task(self._run(), name="memsvc-host-reserve")
 
     async def _run(self) -> None:
@@ -135,6 +143,7 @@ class HostReserveGuard:
             self.check()
 
     async def stop(self) -> None:
+        self._stopped = True
         if self._task is not None:
             self._task.cancel()
             with contextlib.suppress(asyncio.CancelledError):

@@ -6,7 +6,8 @@ disk). Nothing in the first needs the disk, so the worker reads the checkpoint's
 page cache (window by window, in the order the loader reads them) from its first moment until the
 import is done; the loader then finds those pages cached and reads only the rest from the disk
 (worker/model/loader.py reads resident pages buffered, the others with O_DIRECT). With a warm page
-cache every window is found resident (``mincore``) and skipped: no copy, no I/O.
+cache every window is found resident (``mincore``) and skipped: no copy, no I/O; where the kernel will
+not say (a file this process neither owns nor may write), every window is read.
 
 This module imports nothing heavy: it runs while torch is being imported.
 """
@@ -30,22 +31,24 @@ WINDOW = 8 << 20
 THREADS = 8
 """Readers (one per core below that)."""
 INDEX_FILE = "model.safetensors.index.json"
+"""A sharded checkpoint's map of tensor to file (the loader reads it too)."""
 
 
 def shard_order(model: str) -> list[Path]:
-    """The checkpoint's safetensors files in the order the loader reads them (the index's order of
-    first use, else sorted); none for a synthetic model or anything unreadable (the load reports it)."""
+    """The checkpoint's safetensors files in the order the loader reads them (by path: its
+    ``plan_reads``), those the index names or else every one; none for a synthetic model or
+    anything unreadable (the load reports it)."""
     root = Path(model)
     if not root.is_dir():
         return []
     index = root / INDEX_FILE
     try:
         if index.is_file():
-            files = dict.fromkeys(str(f) for f in json.loads(index.read_text())["weight_map"].values())
-            return [root / f for f in files if (root / f).is_file()]
+            files = {root / str(f) for f in json.loads(index.read_text())["weight_map"].values()}
+            return sorted((f for f in files if f.is_file()), key=str)
     except (OSError, ValueError, KeyError, TypeError, AttributeError):
         return []
-    return sorted(root.glob("*.safetensors"))
+    return sorted(root.glob("*.safetensors"), key=str)
 
 
 class CheckpointPrefetch:
@@ -112,7 +115,7 @@ class CheckpointPrefetch:
                     break
                 fd, cache, off, n = window
                 try:
-                    if all(cached for _, _, cached in cache.runs(off, n)):
+                    if cache.known and all(cached for _, _, cached in cache.runs(off, n)):
                         continue
                     done = 0
                     while done < n and (got := os.preadv(fd, [buf[: n - done]], off + done)) > 0:
@@ -134,4 +137,4 @@ class CheckpointPrefetch:
                          time.perf_counter() - t0)  # fmt: skip
 
 
-__all__ = ["THREADS", "WINDOW", "CheckpointPrefetch", "shard_order"]
+__all__ = ["INDEX_FILE", "THREADS", "WINDOW", "CheckpointPrefetch", "shard_order"]

@@ -187,9 +187,8 @@ class Budgets:
             log.warning("an eviction beside a wake: %s did not sleep: %s", victim.worker_id, exc)
 
     async def make_host_room(self, rec: WorkerRecord, need: int, deadline: Deadline) -> bool:
-        """Demote the coldest sleepers on ``rec``'s host until ``need`` more bytes fit: to their disk
-        tier where they have one (their bytes are kept, so weights with no source to reload them from
-        survive), else to level 2."""
+        """Demote the coldest sleepers on ``rec``'s host until ``need`` more bytes fit (see
+        :meth:`_demote`: to a disk tier, keeping the bytes, where the sleeper has one)."""
         budget = self._policies.effective(rec.name).host_budget_bytes
         if not budget or not need:
             return True
@@ -214,13 +213,10 @@ class Budgets:
             if not cold:
                 return False
             victim = min(cold, key=lambda r: r.idle_start)
-            to_disk = victim.to_disk_actions() if victim.disk_tier else {}
-            log.info("host budget: demoting %s to %s", victim.worker_id, "disk" if to_disk else "level 2")
             async with victim.lock:
                 if victim.state == WorkerState.ASLEEP and not victim.leases:
-                    level = None if to_disk else SleepLevel.LEVEL_2
                     try:
-                        await self._calls.sleep(victim, level, to_disk, "", deadline, "host budget")
+                        await self._demote(victim, deadline)
                     except MemsvcError as exc:
                         if deadline.passed():
                             raise
@@ -228,6 +224,22 @@ class Budgets:
                         passed_over.add(victim.worker_id)
                         continue
                     self._metrics.demotions.inc()
+
+    async def _demote(self, victim: WorkerRecord, deadline: Deadline) -> None:
+        """Free a sleeper's host RAM: to its disk tier where it has one, else (or when the disk
+        refuses: full, failing) to level 2. The caller holds ``victim.lock``."""
+        to_disk = victim.to_disk_actions() if victim.disk_tier else {}
+        if to_disk:
+            log.info("host budget: demoting %s to disk", victim.worker_id)
+            try:
+                await self._calls.sleep(victim, None, to_disk, "", deadline, "host budget")
+                return
+            except MemsvcError as exc:
+                if deadline.passed():
+                    raise
+                log.warning("host budget: %s could not move to disk (%s); level 2 instead", victim.worker_id, exc)
+        log.info("host budget: demoting %s to level 2", victim.worker_id)
+        await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
 
     def tier1_actions(self, rec: WorkerRecord) -> dict[str, Action]:
         """The policy's tier-1 actions for ``rec``'s tags (the default policy speaks for every worker:
@@ -246,7 +258,12 @@ class Budgets:
         if rec.disk_tier:
             log.info("host budget: %s sleeps to its disk tier (no host room for its offload)", rec.worker_id)
             to_disk = {t: Action.OFFLOAD_DISK if a == Action.OFFLOAD else a for t, a in actions.items()}
-            return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why + " (disk: host budget)")
+            try:
+                return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why + " (disk: host budget)")
+            except MemsvcError as exc:  # a full or failing disk: the worker is as it was
+                if deadline.passed():
+                    raise
+                log.warning("host budget: %s could not sleep to disk (%s); level 2 instead", rec.worker_id, exc)
         log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)
         return await self._calls.sleep(
             rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why + " (level 2: host budget)"

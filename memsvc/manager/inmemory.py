@@ -26,11 +26,20 @@ from dataclasses import dataclass
 from typing import Any, TypeVar
 
 from memsvc._replay import ReplayCache
-from memsvc.errors import InvalidArgument, MemsvcError, NotFound, TransitionInProgress, Unavailable, WrongState
+from memsvc.errors import (
+    InvalidArgument,
+    MemsvcError,
+    NotFound,
+    OutOfMemory,
+    TransitionInProgress,
+    Unavailable,
+    WrongState,
+)
 from memsvc.manager.links import OnDown, OnMessage, WorkerLink
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import (
+    KEPT_IN,
     KV_CACHE,
     WEIGHTS,
     Action,
@@ -45,9 +54,6 @@ from memsvc.vocabulary import (
 )
 
 R = TypeVar("R")
-
-_SLEEPS_TO = {Action.OFFLOAD: TagState.OFFLOADED, Action.OFFLOAD_DISK: TagState.ON_DISK}
-"""Where a kept tag's bytes go (every other action discards)."""
 
 
 @dataclass
@@ -73,6 +79,8 @@ class InMemoryWorker:
         self.worker_id = worker_id
         self.offload_dir = offload_dir
         """Non-empty: the worker has a disk tier (OFFLOAD_DISK); nothing is written anywhere."""
+        self.disk_full = False
+        """True: a sleep to disk fails as a worker's on a full disk (RESOURCE_EXHAUSTED, nothing changed)."""
         self.address = address or f"inmemory-{worker_id}:1"
         self.device_total_bytes = device_total_bytes
         self.device_index = device_index
@@ -209,13 +217,15 @@ class InMemoryWorker:
                 raise WrongState(f"worker is {self.state.label}: every named tag is already asleep or kept")
             if Action.OFFLOAD_DISK in todo.values() and not self.offload_dir:
                 raise WrongState("this worker has no disk tier: start it with an offload directory")
+            if Action.OFFLOAD_DISK in todo.values() and self.disk_full:
+                raise OutOfMemory(f"the offload directory {self.offload_dir} is full")
             before = self.state
             await self._set_state(WorkerState.SLEEPING, "Sleep")
             moved = 0
             for tag, action in todo.items():
                 t = self.tags[tag]
-                t.state = _SLEEPS_TO.get(action, TagState.DISCARDED)
-                moved += t.awake_bytes if action in _SLEEPS_TO else 0
+                t.state = KEPT_IN.get(action, TagState.DISCARDED)
+                moved += t.awake_bytes if action in KEPT_IN else 0
             reported = int(level) if level is not None and not explicit else 0
             self.sleep_level = max(reported, self.sleep_level) if before == WorkerState.ASLEEP else reported
             await self._set_state(WorkerState.ASLEEP, "Sleep")

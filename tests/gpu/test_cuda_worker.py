@@ -4,7 +4,8 @@ of its KV blocks out and back into different slots; sleep returns the device mem
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+import time
+from collections.abc import Callable, Iterator
 
 import numpy as np
 import pytest
@@ -129,3 +130,30 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
         rest = _generate(gpu_worker, 12, prompt=[], seq=sid)
         assert list(first[sid].token_ids) + list(rest.token_ids) == whole[sid], sid
         assert list(rest.block_ids)[:k] == device[sid]
+
+
+def _pinned_settles(wp: WorkerProcess, ok: Callable[[int], bool], timeout: float = 60.0) -> int:
+    """host_pinned_bytes once ``ok`` holds for it (the prepin runs in the background), or at the timeout."""
+    deadline = time.monotonic() + timeout
+    while True:
+        pinned = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.host_pinned_bytes
+        if ok(pinned) or time.monotonic() > deadline:
+            return pinned
+        time.sleep(0.05)
+
+
+def test_the_default_host_reserve_prepins_the_weights_and_an_explicit_zero_pins_none(
+    gpu_worker: WorkerProcess,
+) -> None:
+    """`auto` (the default, gpu_worker's) pre-pins the weights' size after the load and keeps it; an
+    explicit `--host-reserve 0` is the operator's: the default `--host-prepin auto` then pins nothing
+    (it pinned the weights' size and raised the reserve to it, before the fix)."""
+    weights = _tags(gpu_worker)["weights"].mapped_bytes
+    assert _pinned_settles(gpu_worker, lambda p: p >= weights) >= weights
+    args = ["--backend", "cuda", "--model", "synthetic:tiny", "--host-reserve", "0"]
+    with WorkerProcess(args, ready_timeout=300) as wp:
+        tiny = _tags(wp)["weights"].mapped_bytes
+        st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+        kv_pool = st.kv_cache.host_block_count * st.kv_cache.block_bytes
+        time.sleep(1.0)  # a prepin would have started by now
+        assert _pinned_settles(wp, lambda p: p >= tiny + kv_pool, timeout=2.0) < tiny + kv_pool

@@ -49,6 +49,7 @@ import torch
 
 from memsvc.errors import InvalidArgument, NotFound
 from worker.page_cache import PageCache
+from worker.prefetch import INDEX_FILE
 
 if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
@@ -60,16 +61,15 @@ is 512; 4096 also serves 4Kn disks)."""
 MAX_HEADER_BYTES = 100_000_000
 """The safetensors library's own limit on a header's size: anything longer is a damaged file."""
 DEFAULT_CHUNK_BYTES = 16 * MiB
+"""One staging chunk, one read: large enough that syscall and copy-launch costs vanish (an 8B model is
+~1000 reads), small enough that the ring for 16 threads is 512 MiB of host RAM."""
 DEFAULT_THREADS = 16
 """Reader threads at most (one per core below that). The H200 host (16 cores), 16.06 GB from the
 page cache into the GPU: 1 thread 6.0 GB/s, 4 threads 16.8, 8 threads 26.7, 16 threads 36.3 GB/s,
 with 16 MiB chunks (64 MiB: within 3 %; 4 MiB: 14-16 GB/s); bench_loader --sweep, 2026-12-01. The
 ring is then 32 chunks of 16 MiB: 512 MiB of page-locked host memory held while the worker lives."""
-"""One staging chunk, one read: large enough that syscall and copy-launch costs vanish (an 8B model is
-~1000 reads), small enough that a ring for 8 threads is 256 MiB of host RAM."""
 DEFAULT_MAX_GAP_BYTES = 1 * MiB
 """Bytes of unused tensors a read may carry between two needed ones rather than start a new read."""
-INDEX_FILE = "model.safetensors.index.json"
 
 IoMode = Literal["auto", "buffered", "direct"]
 """``auto``: what the page cache holds, then O_DIRECT for the rest (buffered where refused);
