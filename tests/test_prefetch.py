@@ -40,6 +40,9 @@ def test_the_shards_come_in_the_order_the_loader_reads_them(tmp_path: Path) -> N
     index = {"weight_map": weight_map}
     (tmp_path / "model.safetensors.index.json").write_text(json.dumps(index))
     assert shard_order(str(tmp_path)) == [tmp_path / "a.safetensors", tmp_path / "c.safetensors"]  # by path
+    escaping = {"weight_map": {"w1": "a.safetensors", "w2": "../outside.safetensors"}}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps(escaping))
+    assert shard_order(str(tmp_path)) == []  # the loader refuses it: nothing outside the directory is read
     (tmp_path / "model.safetensors.index.json").write_text("{not json")
     assert shard_order(str(tmp_path)) == []  # the load reports a bad index; the read-ahead just does nothing
     assert shard_order("synthetic:tiny") == [] and shard_order(str(tmp_path / "missing")) == []

@@ -14,7 +14,6 @@ This module imports nothing heavy: it runs while torch is being imported.
 
 from __future__ import annotations
 
-import json
 import logging
 import os
 import threading
@@ -22,6 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
+from memsvc.errors import InvalidArgument
+from worker.checkpoint_files import INDEX_FILE, read_weight_map
 from worker.page_cache import PageCache
 
 log = logging.getLogger("memsvc.worker")
@@ -30,24 +31,22 @@ WINDOW = 8 << 20
 """Bytes read per step (into each reader's own buffer); a window the page cache holds is skipped."""
 THREADS = 8
 """Readers (one per core below that)."""
-INDEX_FILE = "model.safetensors.index.json"
-"""A sharded checkpoint's map of tensor to file (the loader reads it too)."""
 
 
 def shard_order(model: str) -> list[Path]:
     """The checkpoint's safetensors files in the order the loader reads them (by path: its
-    ``plan_reads``), those the index names or else every one; none for a synthetic model or
-    anything unreadable (the load reports it)."""
+    ``plan_reads``), those the index names or else every one; none for a synthetic model or a bad
+    index (the load reports it)."""
     root = Path(model)
     if not root.is_dir():
         return []
     index = root / INDEX_FILE
-    try:
-        if index.is_file():
-            files = {root / str(f) for f in json.loads(index.read_text())["weight_map"].values()}
-            return sorted((f for f in files if f.is_file()), key=str)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
-        return []
+    if index.is_file():
+        try:
+            files = set(read_weight_map(root, index).values())
+        except InvalidArgument:
+            return []
+        return sorted((f for f in files if f.is_file()), key=str)
     return sorted(root.glob("*.safetensors"), key=str)
 
 
@@ -137,4 +136,4 @@ class CheckpointPrefetch:
                          time.perf_counter() - t0)  # fmt: skip
 
 
-__all__ = ["INDEX_FILE", "THREADS", "WINDOW", "CheckpointPrefetch", "shard_order"]
+__all__ = ["THREADS", "WINDOW", "CheckpointPrefetch", "shard_order"]

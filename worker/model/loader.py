@@ -48,8 +48,8 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from memsvc.errors import InvalidArgument, NotFound
+from worker.checkpoint_files import INDEX_FILE, read_weight_map
 from worker.page_cache import PageCache
-from worker.prefetch import INDEX_FILE
 
 if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
@@ -271,22 +271,6 @@ class CheckpointLayout:
         return out
 
 
-def _index(root: Path, index: Path) -> dict[str, Path]:
-    try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise InvalidArgument(f"{index}: not a safetensors index ({e})") from None
-    where: dict[str, Path] = {}
-    for name, file in weight_map.items():
-        rel = Path(file) if isinstance(file, str) else None
-        if rel is None or not file or rel.is_absolute() or ".." in rel.parts:
-            raise InvalidArgument(f"{index}: tensor '{name}' maps to {file!r}, not a file in the checkpoint directory")
-        where[str(name)] = root / rel
-    return where
-
-
 def read_layout(path: str | os.PathLike[str], shapes: Mapping[str, Sequence[int]]) -> CheckpointLayout:
     """Find and check every tensor of ``shapes`` in a Hugging Face checkpoint directory (the index of
     a sharded one, else every ``*.safetensors`` file): present, a dtype the loader reads, the shape
@@ -298,7 +282,7 @@ def read_layout(path: str | os.PathLike[str], shapes: Mapping[str, Sequence[int]
     files: dict[str, Path] = {}
     index = root / INDEX_FILE
     if index.is_file():
-        where = _index(root, index)
+        where = read_weight_map(root, index)
         missing = [name for name in shapes if name not in where]
         if not missing:
             for name in shapes:
