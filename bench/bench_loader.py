@@ -100,9 +100,10 @@ def read_once(files: Sequence[Path]) -> dict[str, float]:
     return {"bytes": total, "s": s, "GBps": total / s / GB}
 
 
-def drop_page_cache(files: Sequence[Path]) -> dict[str, Any]:
+def drop_page_cache(files: Sequence[Path], whole_cache: bool = True) -> dict[str, Any]:
     """Evict the files' pages: written back first (``sync``), then ``POSIX_FADV_DONTNEED`` on each,
-    and the whole page cache through ``/proc/sys/vm/drop_caches`` where this process may (root)."""
+    and with ``whole_cache`` the whole page cache through ``/proc/sys/vm/drop_caches`` where this
+    process may (root)."""
     os.sync()
     for file in files:
         fd = os.open(file, os.O_RDONLY)
@@ -110,6 +111,8 @@ def drop_page_cache(files: Sequence[Path]) -> dict[str, Any]:
             os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
         finally:
             os.close(fd)
+    if not whole_cache:
+        return {"fadvise_dontneed": True, "drop_caches": False}
     try:
         Path("/proc/sys/vm/drop_caches").write_text("1\n")
         dropped = True

@@ -333,9 +333,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         rng = random.Random(0)
         prompt = [rng.randrange(1, vocab) for _ in range(PROMPT_TOKENS)]
         # warm means warm: a cold start before (or another bench's O_DIRECT reads) leaves pages out
-        from bench.bench_tiers import warm_cache
+        from bench.bench_loader import read_once
 
-        warm_cache(sorted(Path(model).glob("*.safetensors")))
+        read_once(sorted(Path(model).glob("*.safetensors")))
         res["import_torch"] = import_torch_run(args)
         print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
         for i in range(args.warmup):
@@ -386,17 +386,17 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
 def cold_runs(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     """One worker start and one transformers start, each with the checkpoint's pages dropped first,
     against the disk's O_DIRECT read time for the same files (bench/bench_tiers.py's probe)."""
-    from bench.bench_tiers import drop_cache, read_rate
+    from bench.bench_loader import drop_page_cache
+    from bench.bench_tiers import read_floor
 
     shards = sorted(Path(model).glob("*.safetensors"))
-    drop_cache(shards)
-    floor = read_rate(shards)  # reads with O_DIRECT: the cache stays dropped
-    drop_cache(shards)
+    floor = read_floor(shards)  # reads with O_DIRECT: the cache stays dropped
+    drop_page_cache(shards, whole_cache=False)
     worker = worker_run(model, args, prompt)
     print(f"[bench_startup] worker, cold: {json.dumps(worker)}", flush=True)
     out: dict[str, Any] = {"read_floor": floor, "worker": worker}
     if not args.no_baseline:
-        drop_cache(shards)
+        drop_page_cache(shards, whole_cache=False)
         out["transformers"] = baseline_run(model, args, prompt)
         print(f"[bench_startup] transformers, cold: {json.dumps(out['transformers'])}", flush=True)
     serving = worker.get("serving_s")

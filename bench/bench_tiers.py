@@ -45,6 +45,7 @@ import grpc
 
 from bench.bench_allocator import _device_info, _git_commit
 from bench.bench_gateway import MEMSVC, Service, write_checkpoint
+from bench.bench_loader import direct_read_rate, drop_page_cache, read_once
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -62,69 +63,49 @@ def _aligned(n: int) -> mmap.mmap:
     return buf
 
 
-def disk_rate(path: Path, nbytes: int, write: bool) -> dict[str, Any]:
-    """O_DIRECT sequential write (or read) of ``nbytes`` at ``path``: 8 threads x 16 MiB requests."""
-    flags = (os.O_WRONLY | os.O_CREAT | os.O_TRUNC if write else os.O_RDONLY) | os.O_CLOEXEC
+def write_rate(path: Path, nbytes: int) -> dict[str, Any]:
+    """O_DIRECT sequential write of ``nbytes`` at ``path``: 8 threads x 16 MiB requests (buffered
+    with ``fdatasync`` where O_DIRECT is refused)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_TRUNC | os.O_CLOEXEC
     try:
         fd = os.open(path, flags | os.O_DIRECT, 0o600)
         direct = True
     except OSError:
         fd, direct = os.open(path, flags, 0o600), False
     bufs = [_aligned(IO_PIECE) for _ in range(IO_THREADS)]
-    pieces = list(range(0, nbytes, IO_PIECE))
-    nxt = iter(enumerate(pieces))
+    pieces = iter(range(0, nbytes, IO_PIECE))
     lock = threading.Lock()
 
     def worker(k: int) -> None:
         view = memoryview(bufs[k])
         while True:
             with lock:
-                item = next(nxt, None)
-            if item is None:
+                off = next(pieces, None)
+            if off is None:
                 return
-            _, off = item
             n = min(IO_PIECE, nbytes - off)
-            done = os.pwrite(fd, view[:n], off) if write else os.preadv(fd, [view[:n]], off)
+            done = os.pwrite(fd, view[:n], off)
             assert done == n, (done, n)
 
     t0 = time.perf_counter()
     with ThreadPoolExecutor(IO_THREADS) as pool:
         list(pool.map(worker, range(IO_THREADS)))
-    if write and not direct:
+    if not direct:
         os.fdatasync(fd)
     seconds = time.perf_counter() - t0
     os.close(fd)
     return {"bytes": nbytes, "seconds": seconds, "gbps": nbytes / seconds / 1e9, "o_direct": direct}
 
 
-def read_rate(files: list[Path]) -> dict[str, Any]:
-    """O_DIRECT read of every file in turn (the checkpoint's shards from disk, the cache bypassed)."""
-    total = secs = 0.0
-    direct = True
-    for f in files:
-        size = f.stat().st_size // 4096 * 4096
-        r = disk_rate(f, size, write=False)
-        total += r["bytes"]
-        secs += r["seconds"]
-        direct = direct and r["o_direct"]
-    return {"bytes": total, "seconds": secs, "gbps": total / secs / 1e9, "o_direct": direct}
-
-
-def drop_cache(files: list[Path]) -> None:
-    for f in files:
-        fd = os.open(f, os.O_RDONLY)
-        try:
-            os.fsync(fd)
-            os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
-        finally:
-            os.close(fd)
-
-
-def warm_cache(files: list[Path]) -> None:
-    for f in files:
-        with open(f, "rb") as fh:
-            while fh.read(64 << 20):
-                pass
+def read_floor(files: list[Path]) -> dict[str, Any]:
+    """The disk's read rate of ``files``, their pages dropped first: O_DIRECT with the tier's pattern
+    (bench_loader's probe, 8 threads x 16 MiB requests), or buffered where O_DIRECT is refused."""
+    drop_page_cache(files, whole_cache=False)
+    r = direct_read_rate(files, IO_THREADS, IO_PIECE)
+    if "error" in r:
+        r = {**read_once(files), "o_direct": False}
+        drop_page_cache(files, whole_cache=False)
+    return {"bytes": r["bytes"], "seconds": r["s"], "gbps": r["GBps"], "o_direct": r.get("o_direct", True)}
 
 
 def _t(resp: Any) -> dict[str, Any]:
@@ -156,7 +137,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
     shards = sorted(ckpt.glob("*.safetensors"))
     offload = work / "offload"
     offload.mkdir(exist_ok=True)
-    warm_cache(shards)
+    read_once(shards)
 
     argv = [*MEMSVC, "worker", "--backend", args.backend, "--model", str(ckpt), "--listen", "127.0.0.1:0",
             "--offload-dir", str(offload), *args.worker_args.split()]  # fmt: skip
@@ -193,10 +174,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
 
         level2: dict[str, Any] = {"sleep": sleep(level=c.SLEEP_LEVEL_2), "wake_warm": wake()}
         sleep(level=c.SLEEP_LEVEL_2)
-        drop_cache(shards)
+        drop_page_cache(shards, whole_cache=False)
         level2["wake_cold"] = wake()
         out["level2"] = level2
-        warm_cache(shards)
+        read_once(shards)
 
         to_disk = {"weights": c.TAG_ACTION_OFFLOAD_DISK, "kv_cache": c.TAG_ACTION_DISCARD}
         if any(t.tag == "cuda_graphs" for t in st.tags):
@@ -212,12 +193,10 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
 
     nbytes = out["weights_bytes"] // 4096 * 4096
     probe = offload / "rate-probe.bin"
-    floors = {"disk_write": disk_rate(probe, nbytes, write=True)}
-    drop_cache([probe])
-    floors["disk_read"] = disk_rate(probe, nbytes, write=False)
+    floors = {"disk_write": write_rate(probe, nbytes)}
+    floors["disk_read"] = read_floor([probe])
     probe.unlink()
-    drop_cache(shards)
-    floors["checkpoint_read"] = read_rate(shards)
+    floors["checkpoint_read"] = read_floor(shards)
     out["floors"] = floors
 
     later = out["level1"]["later"]

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from bench.bench_tiers import drop_cache
+from bench.bench_loader import drop_page_cache
 from worker.page_cache import PageCache
 from worker.prefetch import CheckpointPrefetch, shard_order
 
@@ -51,7 +51,7 @@ def test_the_shards_come_in_the_order_the_loader_reads_them(tmp_path: Path) -> N
 def test_a_dropped_checkpoint_is_in_the_page_cache_after_the_read_ahead(tmp_path: Path) -> None:
     shard = tmp_path / "model.safetensors"
     shard.write_bytes(os.urandom(8 * MiB) * 3)
-    drop_cache([shard])
+    drop_page_cache([shard], whole_cache=False)
     if _resident(shard) > 0.5:
         pytest.skip("this file system keeps the pages (tmpfs?): nothing to read ahead")
     prefetch = CheckpointPrefetch(str(tmp_path)).start()
