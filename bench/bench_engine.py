@@ -49,7 +49,6 @@ import math
 import os
 import random
 import shlex
-import signal
 import statistics
 import subprocess
 import sys
@@ -65,6 +64,7 @@ from typing import Any
 import grpc
 import torch
 
+from bench import processes
 from bench.bench_allocator import _device_info, _git_commit
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
@@ -304,16 +304,10 @@ class WorkerProcess:
 
     def stop(self) -> int | None:
         """SIGTERM, then wait (the worker drains its calls); kill only when it does not end."""
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=STOP_TIMEOUT_S)
+        rc = processes.stop(self.proc, STOP_TIMEOUT_S)
         if hasattr(self, "channel"):
             self.channel.close()
-        return self.proc.returncode
+        return rc
 
 
 def _request(prompt: list[int], new: int) -> w.GenerateRequest:

@@ -43,7 +43,6 @@ import random
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -60,6 +59,7 @@ import grpc
 import torch
 from google.protobuf.field_mask_pb2 import FieldMask
 
+from bench import processes
 from bench.bench_allocator import _device_info, _git_commit
 from bench.reference_8b import init_on_gpu
 from memsvc.v1 import common_pb2 as c
@@ -138,14 +138,7 @@ class Service:
         return "\n".join(lines)
 
     def stop(self, timeout: float = 60.0) -> int | None:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
-        return self.proc.returncode
+        return processes.stop(self.proc, timeout)
 
 
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]

@@ -39,7 +39,6 @@ import random
 import re
 import shlex
 import shutil
-import signal
 import statistics
 import subprocess
 import sys
@@ -53,6 +52,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from bench import processes
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -186,16 +186,10 @@ class Spawned:
         return "\n".join(f"{at:8.3f} {name} {line}" for at, name, line in self.lines[-n:])
 
     def stop(self, timeout: float = 60.0) -> int:
-        if self.proc.poll() is None:
-            self.proc.send_signal(signal.SIGTERM)
-            try:
-                self.proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                self.proc.kill()
-                self.proc.wait(timeout=timeout)
+        rc = processes.stop(self.proc, timeout)
         for t in self._readers:
             t.join(timeout=10)
-        return self.proc.returncode
+        return rc
 
 
 def _generate_stream(
