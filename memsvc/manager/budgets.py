@@ -226,20 +226,27 @@ class Budgets:
                     self._metrics.demotions.inc()
 
     async def _demote(self, victim: WorkerRecord, deadline: Deadline) -> None:
-        """Free a sleeper's host RAM: to its disk tier where it has one, else (or when the disk
-        refuses: full, failing) to level 2. The caller holds ``victim.lock``."""
+        """Free a sleeper's host RAM. The caller holds ``victim.lock``."""
         to_disk = victim.to_disk_actions() if victim.disk_tier else {}
+        await self._disk_else_level2(victim, to_disk, "", deadline, "host budget", "host budget")
+
+    async def _disk_else_level2(
+        self, rec: WorkerRecord, to_disk: dict[str, Action], request_id: str, deadline: Deadline,
+        why_disk: str, why_level2: str,
+    ) -> c.TransitionStats:  # fmt: skip
+        """Sleep with ``to_disk`` (tag actions onto the worker's disk tier: the bytes are kept), or
+        where there are none or the disk refuses (full, failing: the worker is as it was) at level 2.
+        The host budget's way to free host RAM; the caller holds ``rec.lock``."""
         if to_disk:
-            log.info("host budget: demoting %s to disk", victim.worker_id)
+            log.info("host budget: %s sleeps to its disk tier", rec.worker_id)
             try:
-                await self._calls.sleep(victim, None, to_disk, "", deadline, "host budget")
-                return
+                return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why_disk)
             except MemsvcError as exc:
                 if deadline.passed():
                     raise
-                log.warning("host budget: %s could not move to disk (%s); level 2 instead", victim.worker_id, exc)
-        log.info("host budget: demoting %s to level 2", victim.worker_id)
-        await self._calls.sleep(victim, SleepLevel.LEVEL_2, {}, "", deadline, "host budget")
+                log.warning("host budget: %s could not sleep to disk (%s); level 2 instead", rec.worker_id, exc)
+        log.info("host budget: %s sleeps at level 2", rec.worker_id)
+        return await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why_level2)
 
     def tier1_actions(self, rec: WorkerRecord) -> dict[str, Action]:
         """The policy's tier-1 actions for ``rec``'s tags (the default policy speaks for every worker:
@@ -255,19 +262,14 @@ class Budgets:
         actions = self.tier1_actions(rec)
         if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
             return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
+        log.info("host budget: no host room for %s's offload", rec.worker_id)
+        to_disk: dict[str, Action] = {}
         if rec.disk_tier:
-            log.info("host budget: %s sleeps to its disk tier (no host room for its offload)", rec.worker_id)
             to_disk = {t: Action.OFFLOAD_DISK if a == Action.OFFLOAD else a for t, a in actions.items()}
-            try:
-                return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why + " (disk: host budget)")
-            except MemsvcError as exc:  # a full or failing disk: the worker is as it was
-                if deadline.passed():
-                    raise
-                log.warning("host budget: %s could not sleep to disk (%s); level 2 instead", rec.worker_id, exc)
-        log.info("host budget: %s sleeps at level 2 (no host room for its offload)", rec.worker_id)
-        return await self._calls.sleep(
-            rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why + " (level 2: host budget)"
-        )
+        return await self._disk_else_level2(
+            rec, to_disk, request_id, deadline,
+            why + " (disk: host budget)", why + " (level 2: host budget)",
+        )  # fmt: skip
 
 
 __all__ = ["Budgets"]
