@@ -86,6 +86,10 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
             wait_for(functools.partial(wt.to_states, "workers/watched"),
                      lambda tos: _is_subsequence(cycle, tos), timeout=10,
                      what=f"state changes {_names(cycle)}")  # fmt: skip
+            # the worker reports a transition after its last state change: kill it only once that is in
+            wait_for(functools.partial(wt.of, "workers/watched"),
+                     lambda ev: "wake" in [e.transition.kind for e in ev if e.WhichOneof("event") == "transition"],
+                     timeout=10, what="the wake's transition event")  # fmt: skip
         wp.kill()
         wait_state(stub, "workers/watched", S.WORKER_STATE_UNAVAILABLE, timeout=10)
         for wt in (watch, named):
