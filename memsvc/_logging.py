@@ -9,6 +9,7 @@ import json
 import logging
 import sys
 import time
+from typing import TextIO
 
 LEVELS = ("debug", "info", "warning", "error")
 FORMATS = ("text", "json")
@@ -30,6 +31,17 @@ class JsonFormatter(logging.Formatter):
         return json.dumps(out, ensure_ascii=False)
 
 
+def announce(line: str, stream: TextIO | None = None) -> None:
+    """Write one of those lines (stdout unless ``stream``) in a single write, then flush.
+
+    ``memsvc up`` runs its services as child processes sharing one stdout; ``print`` writes the text
+    and its newline separately when the stream is unbuffered, so two services starting at once could
+    splice their lines together and hide them from whoever waits for them."""
+    out = sys.stdout if stream is None else stream
+    out.write(line + "\n")
+    out.flush()
+
+
 def configure(level: str = "info", fmt: str = "text") -> None:
     """The process's logging, replacing whatever handlers the root logger had."""
     handler = logging.StreamHandler(sys.stderr)
@@ -39,4 +51,4 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
-__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "configure"]
+__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "announce", "configure"]

@@ -18,6 +18,8 @@ import sys
 import time
 from pathlib import Path
 
+from memsvc._logging import announce
+
 
 def default_model() -> str:
     from worker._native import cuda_device_count
@@ -102,7 +104,7 @@ def run(
     names = ["manager", "worker", "gateway"]
     for name, code in zip(names, codes, strict=False):
         if code:
-            print(f"memsvc up: the {name} exited with {code}", file=sys.stderr, flush=True)
+            announce(f"memsvc up: the {name} exited with {code}", sys.stderr)
     return 0 if stopping and all(code == 0 for code in codes) else (next((c for c in codes if c), 1))
 
 

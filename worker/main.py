@@ -19,6 +19,7 @@ import threading
 import time
 
 from memsvc._auth import Security
+from memsvc._logging import announce
 from memsvc._serving import ignore_stop_signals, install_signal_handlers, start_server
 from memsvc.errors import MemsvcError
 from memsvc.v1 import model_worker_service_pb2 as w
@@ -91,13 +92,13 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     )
     await srv.set_serving(False)
     await srv.set_serving(False, SERVICE_NAME)
-    print(f"memsvc worker {core.worker_id} listening on {srv.address}", flush=True)
+    announce(f"memsvc worker {core.worker_id} listening on {srv.address}")
     stop = asyncio.Event()
     install_signal_handlers(stop)
     try:
         await core.load()
     except MemsvcError as exc:  # the user's model or flags (no such directory, a config it cannot serve)
-        print(f"memsvc worker: error: cannot load {config.model}: {exc}", file=sys.stderr, flush=True)
+        announce(f"memsvc worker: error: cannot load {config.model}: {exc}", sys.stderr)
         await srv.stop(0)
         return 2
     except Exception:  # a bug: its traceback is what a report needs
@@ -106,7 +107,7 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
         return 1
     await srv.set_serving(True)
     await srv.set_serving(True, SERVICE_NAME)
-    print(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}", flush=True)
+    announce(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}")
     background: list[asyncio.Task[None]] = []
     if manager:
         from worker.registration import keep_registered
@@ -119,7 +120,7 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     core.telemetry.close()  # end telemetry streams now; the drain waits only for real work
     await srv.stop(config.drain_seconds)  # then cancels what still runs: a Generate stops at its next step
     await core.close()
-    print(f"memsvc worker {core.worker_id} stopped", flush=True)
+    announce(f"memsvc worker {core.worker_id} stopped")
     return 0
 
 

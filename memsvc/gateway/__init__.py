@@ -25,6 +25,7 @@ def run(
 
     import uvicorn
 
+    from memsvc._logging import announce
     from memsvc.gateway.app import create_app
     from memsvc.gateway.backends import Backends
 
@@ -56,7 +57,7 @@ def run(
                 await asyncio.sleep(0.05)
             if server.started:
                 bound = server.servers[0].sockets[0].getsockname()
-                print(f"memsvc gateway listening on {bound[0]}:{bound[1]}", flush=True)
+                announce(f"memsvc gateway listening on {bound[0]}:{bound[1]}")
             await task
         finally:
             await backends.close()
@@ -69,7 +70,7 @@ def run(
         asyncio.run(serve())
     finally:
         ignore_stop_signals()
-    print("memsvc gateway stopped", flush=True)
+    announce("memsvc gateway stopped")
     return 0
 
 

@@ -8,6 +8,7 @@ import sys
 from typing import Any
 
 from memsvc._auth import Security
+from memsvc._logging import announce
 from memsvc._serving import Server, ignore_stop_signals, install_signal_handlers, start_server
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
@@ -55,7 +56,7 @@ async def serve(
         await srv.set_serving(True, SERVICE_NAME)
         if metrics_listen:
             host, port = _serve_metrics(manager, metrics_listen, sec.token)  # /metrics behind the token too
-            print(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics", flush=True)
+            announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
     except MemsvcError as exc:
         if srv is not None:
             await srv.stop(0)
@@ -63,7 +64,7 @@ async def serve(
             await manager.close()
         store.close()
         return _refuse(exc)
-    print(f"memsvc manager listening on {srv.address}", flush=True)
+    announce(f"memsvc manager listening on {srv.address}")
     stop = asyncio.Event()
     install_signal_handlers(stop)
     await stop.wait()
@@ -71,7 +72,7 @@ async def serve(
     await srv.stop(5.0)
     await manager.close()
     store.close()
-    print("memsvc manager stopped", flush=True)
+    announce("memsvc manager stopped")
     return 0
 
 
@@ -84,7 +85,7 @@ def _serve_metrics(manager: Manager, listen: str, token: str = "") -> tuple[str,
 
 
 def _refuse(exc: MemsvcError) -> int:
-    print(f"memsvc manager: error: {exc}", file=sys.stderr, flush=True)
+    announce(f"memsvc manager: error: {exc}", sys.stderr)
     return 2
 
 
