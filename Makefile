@@ -31,6 +31,7 @@ up: build
 
 test: build wheel
 	$(PY) -m ruff check memsvc worker tests bench examples build_support api
+	$(PY) -m ruff format --check memsvc worker tests bench examples build_support api
 	$(PY) -m mypy
 	$(VENV)/bin/buf lint
 	$(VENV)/bin/buf format --diff --exit-code

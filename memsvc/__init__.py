@@ -53,9 +53,20 @@ _EXPORTS = {
     "error_info": "memsvc._rpc_errors",
     **dict.fromkeys(
         [
-            "BackendError", "Cancelled", "IntegrityError", "InvalidArgument", "MemsvcError", "NotFound",
-            "OutOfMemory", "Overloaded", "PermissionDenied", "RelayedError", "TransitionInProgress",
-            "Unauthenticated", "Unavailable", "WrongState",
+            "BackendError",
+            "Cancelled",
+            "IntegrityError",
+            "InvalidArgument",
+            "MemsvcError",
+            "NotFound",
+            "OutOfMemory",
+            "Overloaded",
+            "PermissionDenied",
+            "RelayedError",
+            "TransitionInProgress",
+            "Unauthenticated",
+            "Unavailable",
+            "WrongState",
         ],
         "memsvc.errors",
     ),  # fmt: skip

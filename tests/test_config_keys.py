@@ -167,8 +167,11 @@ READ_CASES: dict[str, list[ReadCase]] = {
     "rms_norm_eps": [("qwen2", {"rms_norm_eps": 1e-5}, lambda c: c.rms_norm_eps == 1e-5)],
     "max_position_embeddings": [
         ("mistral", {"max_position_embeddings": 99}, lambda c: c.max_position_embeddings == 99),
-        ("llama", {"max_position_embeddings": 99, R + "original_max_position_embeddings": REMOVE},
-         scaling(original_max_position_embeddings=99)),
+        (
+            "llama",
+            {"max_position_embeddings": 99, R + "original_max_position_embeddings": REMOVE},
+            scaling(original_max_position_embeddings=99),
+        ),
     ],
     "tie_word_embeddings": [("qwen3", {"tie_word_embeddings": True}, lambda c: c.tie_word_embeddings)],
     "dtype": [
@@ -180,13 +183,19 @@ READ_CASES: dict[str, list[ReadCase]] = {
         ("llama", {"dtype": "bfloat16", "torch_dtype": "float16"}, "'dtype' and 'torch_dtype' disagree"),
     ],
     "rope_parameters": [
-        ("mistral", {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
-         scaling(rope_type="linear", factor=2.0)),
+        (
+            "mistral",
+            {"rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}},
+            scaling(rope_type="linear", factor=2.0),
+        ),
         ("mistral", {"rope_parameters": REMOVE}, lambda c: c.rope_theta == 10000.0),
     ],
     "rope_scaling": [
-        ("llama", {"rope_parameters": REMOVE, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 3}},
-         lambda c: c.rope_scaling is not None and c.rope_scaling.factor == 3.0 and c.rope_theta == 1e4),
+        (
+            "llama",
+            {"rope_parameters": REMOVE, "rope_theta": 1e4, "rope_scaling": {"type": "linear", "factor": 3}},
+            lambda c: c.rope_scaling is not None and c.rope_scaling.factor == 3.0 and c.rope_theta == 1e4,
+        ),
         ("llama", {"rope_scaling": {"rope_type": "linear", "factor": 3}}, "rope_parameters and rope_scaling disagree"),
     ],
     "rope_theta": [
@@ -194,8 +203,11 @@ READ_CASES: dict[str, list[ReadCase]] = {
         ("qwen2", {"rope_theta": 1234.0}, "rope_theta and rope_theta disagree"),
     ],
     "original_max_position_embeddings": [
-        ("llama", {R + "original_max_position_embeddings": REMOVE, "original_max_position_embeddings": 64},
-         scaling(original_max_position_embeddings=64)),
+        (
+            "llama",
+            {R + "original_max_position_embeddings": REMOVE, "original_max_position_embeddings": 64},
+            scaling(original_max_position_embeddings=64),
+        ),
         ("llama", {"original_max_position_embeddings": 64}, "original_max_position_embeddings .*disagree"),
     ],
     "attention_bias": [("llama", {"attention_bias": True}, _bias), ("qwen3", {"attention_bias": True}, _bias)],
@@ -207,8 +219,11 @@ READ_CASES: dict[str, list[ReadCase]] = {
     ],
     "use_sliding_window": [
         ("qwen2", WINDOW | {"max_window_layers": 1}, "layers 1..1 sliding-window layers"),
-        ("qwen3", WINDOW | {"max_window_layers": 0, "layer_types": ["full_attention"] * 2},
-         lambda c: c.sliding_window is None),  # explicit layer types win, as in transformers
+        (
+            "qwen3",
+            WINDOW | {"max_window_layers": 0, "layer_types": ["full_attention"] * 2},
+            lambda c: c.sliding_window is None,
+        ),  # explicit layer types win, as in transformers
     ],
     "max_window_layers": [
         ("qwen3", WINDOW | {"max_window_layers": 2}, lambda c: c.sliding_window is None),

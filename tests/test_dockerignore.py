@@ -24,14 +24,36 @@ def ignored(path: str) -> bool:
 
 
 def test_heavy_and_private_paths_stay_out() -> None:
-    for path in (".venv/bin/python", ".venv-build/lib/x", "models/llama/model.safetensors", "certs/manager.key",
-                 ".memsvc/manager.db", "build/lib/x", "dist/memsvc.whl", ".git/HEAD", "worker/_native.abi3.so",
-                 "api/build/lib/memsvc/v1/common_pb2.py", "api/memsvc_api.egg-info/PKG-INFO"):
+    for path in (
+        ".venv/bin/python",
+        ".venv-build/lib/x",
+        "models/llama/model.safetensors",
+        "certs/manager.key",
+        ".memsvc/manager.db",
+        "build/lib/x",
+        "dist/memsvc.whl",
+        ".git/HEAD",
+        "worker/_native.abi3.so",
+        "api/build/lib/memsvc/v1/common_pb2.py",
+        "api/memsvc_api.egg-info/PKG-INFO",
+    ):
         assert ignored(path), f"{path} would be sent to the build"
 
 
 def test_every_source_the_build_reads_is_sent() -> None:
-    for path in ("Makefile", "pyproject.toml", "setup.py", "README.md", "native/allocator.c",
-                 "protos/memsvc/v1/common.proto", "memsvc/cli.py", "worker/core.py", "memsvc/gateway/app.py",
-                 "build_support/memsvc_build.py", "api/pyproject.toml", "api/setup.py", "memsvc/v1/py.typed"):
+    for path in (
+        "Makefile",
+        "pyproject.toml",
+        "setup.py",
+        "README.md",
+        "native/allocator.c",
+        "protos/memsvc/v1/common.proto",
+        "memsvc/cli.py",
+        "worker/core.py",
+        "memsvc/gateway/app.py",
+        "build_support/memsvc_build.py",
+        "api/pyproject.toml",
+        "api/setup.py",
+        "memsvc/v1/py.typed",
+    ):
         assert (REPO / path).exists() and not ignored(path), f"{path} is needed by the build"

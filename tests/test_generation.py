@@ -223,7 +223,9 @@ def test_a_stream_sends_the_same_tokens_as_generate_and_ends_with_the_whole_answ
         assert msgs[-1].HasField("done") and not any(m.HasField("done") for m in msgs[:-1])
         done = msgs[-1].done
         assert (list(done.token_ids), done.finish_reason, done.completion_token_count) == (
-            list(whole.token_ids), c.FINISH_REASON_STOP, len(whole.token_ids)
+            list(whole.token_ids),
+            c.FINISH_REASON_STOP,
+            len(whole.token_ids),
         )
 
 

@@ -168,8 +168,8 @@ def test_generate_calls_beyond_the_queue_bound_are_refused_resource_exhausted() 
         assert {e.code() for e in refused if isinstance(e, grpc.RpcError)} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
         assert isinstance(refused[0], grpc.RpcError)
         info = error_info(refused[0])
-        assert info is not None and info.reason == "OVERLOADED" and info.metadata["maxQueued"] == str(
-            MAX_QUEUED_GENERATES
+        assert (
+            info is not None and info.reason == "OVERLOADED" and info.metadata["maxQueued"] == str(MAX_QUEUED_GENERATES)
         )
         for call in calls:  # the callers leave: every queued one is dropped, the running one stops
             call.cancel()

@@ -115,11 +115,17 @@ CASES = {
         Case(
             "llama-head_dim-bias",
             "LlamaConfig",
-            {"head_dim": 24, "attention_bias": True, "rope_parameters": {"rope_type": "linear", "factor": 2.0,
-                                                                         "rope_theta": 10000.0}},
+            {
+                "head_dim": 24,
+                "attention_bias": True,
+                "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
+            },
         ),  # fmt: skip
-        Case("qwen2", "Qwen2Config", {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6},
-                                      "tie_word_embeddings": True}),  # fmt: skip
+        Case(
+            "qwen2",
+            "Qwen2Config",
+            {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": True},
+        ),  # fmt: skip
         Case("qwen3", "Qwen3Config", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
         Case("mistral", "MistralConfig", {"sliding_window": 5}),
     ]

@@ -620,22 +620,30 @@ class LeaseMachine(RuleBasedStateMachine):
         s, ws = self.stub, self.env.worker.stub
         expected = {INVALID}
         calls: dict[str, Callable[[], object]] = {
-            "negative ttl": lambda: s.AcquireWorker(m.AcquireWorkerRequest(name=NAME, ttl=Duration(seconds=-1)),
-                                                    timeout=LONG_S),  # fmt: skip
-            "long holder": lambda: s.AcquireWorker(m.AcquireWorkerRequest(name=NAME, holder="h" * 300),
-                                                   timeout=LONG_S),  # fmt: skip
-            "long request_id": lambda: s.AcquireWorker(m.AcquireWorkerRequest(name=NAME, request_id="r" * 129),
-                                                       timeout=LONG_S),  # fmt: skip
-            "unknown lease": lambda: s.AcquireWorker(m.AcquireWorkerRequest(name=NAME, lease_id=uuid.uuid4().hex),
-                                                     timeout=LONG_S),  # fmt: skip
-            "level 7": lambda: s.SleepWorker(m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(7)),
-                                             timeout=LONG_S),  # fmt: skip
-            "unknown tag": lambda: s.SleepWorker(m.SleepWorkerRequest(name=NAME, tag_actions={"nope": OFFLOAD}),
-                                                 timeout=LONG_S),  # fmt: skip
-            "tag twice": lambda: s.WakeWorker(m.WakeWorkerRequest(name=NAME, tags=["weights", "weights"]),
-                                              timeout=LONG_S),  # fmt: skip
-            "too many tokens": lambda: ws.Generate(w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=4097),
-                                                   timeout=LONG_S),  # fmt: skip
+            "negative ttl": lambda: s.AcquireWorker(
+                m.AcquireWorkerRequest(name=NAME, ttl=Duration(seconds=-1)), timeout=LONG_S
+            ),  # fmt: skip
+            "long holder": lambda: s.AcquireWorker(
+                m.AcquireWorkerRequest(name=NAME, holder="h" * 300), timeout=LONG_S
+            ),  # fmt: skip
+            "long request_id": lambda: s.AcquireWorker(
+                m.AcquireWorkerRequest(name=NAME, request_id="r" * 129), timeout=LONG_S
+            ),  # fmt: skip
+            "unknown lease": lambda: s.AcquireWorker(
+                m.AcquireWorkerRequest(name=NAME, lease_id=uuid.uuid4().hex), timeout=LONG_S
+            ),  # fmt: skip
+            "level 7": lambda: s.SleepWorker(
+                m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(7)), timeout=LONG_S
+            ),  # fmt: skip
+            "unknown tag": lambda: s.SleepWorker(
+                m.SleepWorkerRequest(name=NAME, tag_actions={"nope": OFFLOAD}), timeout=LONG_S
+            ),  # fmt: skip
+            "tag twice": lambda: s.WakeWorker(
+                m.WakeWorkerRequest(name=NAME, tags=["weights", "weights"]), timeout=LONG_S
+            ),  # fmt: skip
+            "too many tokens": lambda: ws.Generate(
+                w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=4097), timeout=LONG_S
+            ),  # fmt: skip
         }
         if kind == "unknown lease":
             expected = {NOT_FOUND}  # (bad tags are INVALID_ARGUMENT whatever the state, leased or not)

@@ -28,6 +28,7 @@ Job = Callable[[], Transition]
 
 T = TypeVar("T")
 
+
 class WorkerStateMachine:
     REQUEST_CACHE = 512
     """Transition results kept for retries with the same request_id."""

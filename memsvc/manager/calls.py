@@ -32,7 +32,6 @@ log = logging.getLogger("memsvc.manager")
 R = TypeVar("R")
 
 
-
 def _in_doubt(exc: BaseException) -> bool:
     """The call ended without saying whether the worker ran it: no answer (the deadline passed, the
     connection broke, the caller left), CANCELLED, or UNKNOWN. Any other error is the worker's answer:

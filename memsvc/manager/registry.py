@@ -21,7 +21,6 @@ from memsvc.v1 import model_worker_service_pb2 as w
 log = logging.getLogger("memsvc.manager")
 
 
-
 class Registry:
     def __init__(
         self, store: Store, links: LinkFactory, ingest: TelemetryIngest, background: Background, policies: Policies

@@ -85,8 +85,11 @@ def test_triton_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
     for name, got, want in [
         ("rms_norm strided", triton_rms_norm(qs, w[:128], 1e-6), rms_norm(qs, w[:128], 1e-6)),
         ("rope strided", triton_rope(qs, cos, sin), apply_rope(qs, cos, sin)),
-        ("silu_mul strided", triton_silu_mul(gate_up[:, :14336], gate_up[:, 14336:]),
-         silu_mul(gate_up[:, :14336], gate_up[:, 14336:])),
+        (
+            "silu_mul strided",
+            triton_silu_mul(gate_up[:, :14336], gate_up[:, 14336:]),
+            silu_mul(gate_up[:, :14336], gate_up[:, 14336:]),
+        ),
         ("rms_norm", triton_rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)),
         ("rms_norm per head", triton_rms_norm(q, w[:128], 1e-6), rms_norm(q, w[:128], 1e-6)),
         ("rope", triton_rope(q, cos, sin), apply_rope(q, cos, sin)),

@@ -166,7 +166,9 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "attention_bias": {
         "llama": read("biases on q/k/v and o_proj"),
         "mistral": neutral(
-            (False, None), True, "Mistral has no projection biases: transformers ignores this key and drops the "
+            (False, None),
+            True,
+            "Mistral has no projection biases: transformers ignores this key and drops the "
             "bias tensors, so a checkpoint that has them is not the model its config describes",
         ),
         "qwen2": ignored("Qwen2 always has q/k/v biases and never an o_proj bias; transformers does not read this key"),
@@ -193,14 +195,16 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         "qwen3": read("first layer that slides when use_sliding_window is set"),
     },
     "layer_types": neutral(
-        _all_full_attention, ["full_attention", "sliding_attention"],
+        _all_full_attention,
+        ["full_attention", "sliding_attention"],
         "per-layer attention types other than full attention (sliding or chunked layers) are not implemented; "
         "Mistral's window comes from sliding_window",
     ),  # fmt: skip
     # numerics the decoder does not implement: accepted only where they change nothing
     "hidden_act": neutral(
-        ("silu", "swish"), "gelu", "the MLP is SwiGLU: only the silu activation (transformers also calls it swish)"
-        " is implemented",
+        ("silu", "swish"),
+        "gelu",
+        "the MLP is SwiGLU: only the silu activation (transformers also calls it swish) is implemented",
     ),
     "mlp_bias": neutral((False, None), True, "the MLP projections have no biases here"),
     "pretraining_tp": neutral(
