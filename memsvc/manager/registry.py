@@ -110,10 +110,11 @@ class Registry:
                 raise NotFound(f"worker {rec.worker_id} was deregistered meanwhile", metadata={"name": name})
             if rec.leases:
                 raise WrongState(f"worker {rec.worker_id} was leased meanwhile", metadata={"leaseCount": "1"})
-            del self.workers[rec.worker_id]
-            link = self.links.pop(rec.worker_id, None)
+            # the store first: a deletion it refuses (memsvc/manager/store.py) leaves the worker known
             self._store.delete_worker(rec.worker_id)
             self._policies.forget(rec.name)
+            del self.workers[rec.worker_id]
+            link = self.links.pop(rec.worker_id, None)
             self._ingest.forget(rec)
         if link is not None:
             await link.close()

@@ -1,7 +1,11 @@
 """What survives a manager restart, in one SQLite file: policies, worker registrations, leases.
 
 Memory state is not stored: it is re-learned from the workers, which are the truth about their
-own pools. Writes are small and rare, so they run inline on the event loop.
+own pools. Writes are small and rare, so they run inline on the event loop. A statement SQLite
+cannot run (the file locked by another process past the busy timeout, a full disk, a file system
+gone read-only) is :class:`~memsvc.errors.Unavailable` naming the file, not a bug's INTERNAL: a
+lease or a deregistration is written before it changes what the manager holds in memory, so one
+that fails here changes nothing and the client may retry it.
 
 The file is checked before anything is trusted or written: a file that is not SQLite, is truncated
 or fails ``PRAGMA quick_check``, or was written by a newer memsvc, is refused with one
@@ -22,7 +26,7 @@ from functools import cache
 from pathlib import Path
 from typing import Any, NoReturn
 
-from memsvc.errors import InvalidArgument
+from memsvc.errors import InvalidArgument, Unavailable
 
 log = logging.getLogger("memsvc.manager.store")
 
@@ -119,7 +123,13 @@ class Store:
 
     def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
         with self._lock:
-            return self._db.execute(sql, args).fetchall()
+            try:
+                return self._db.execute(sql, args).fetchall()
+            except sqlite3.OperationalError as exc:  # the file, not the statement (a bug stays INTERNAL)
+                raise Unavailable(
+                    f"manager database {self.path} failed ({exc}): try again",
+                    metadata={"path": str(self.path)},
+                ) from exc
 
     # policies
     def policy_fields(self, scope: str) -> object | None:

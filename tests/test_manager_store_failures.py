@@ -1,0 +1,146 @@
+"""A manager whose SQLite file cannot be written for a while keeps its leases and workers whole.
+
+The file is locked the way another process locks it (a second connection holding ``BEGIN
+IMMEDIATE``: an operator's ``sqlite3`` shell, a backup tool, a second manager started on the same
+``--db``); a full disk or a file system gone read-only fails the same statements. Every call that
+needs a write must then fail with UNAVAILABLE and change nothing, so it can be retried: before, a
+release popped the lease from the manager's table and then failed, leaving it on the worker for good
+(never expiring, unreleasable, the worker never sleeping and never deregistered), and an expiry that
+failed did the same and stopped the timers' tick.
+
+In process (as tests/test_manager_unit.py): a real Manager and a real SQLite file, in-memory workers.
+The store's busy timeout is cut from SQLite's 5 s to 0.1 s so that each refused write is quick.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import sqlite3
+from collections.abc import AsyncIterator, Callable, Iterator
+from pathlib import Path
+
+import pytest
+import pytest_asyncio
+from google.protobuf.duration_pb2 import Duration
+
+from memsvc.errors import NotFound, Unavailable, WrongState
+from memsvc.manager.controller import Manager
+from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
+from memsvc.manager.settings import ManagerSettings
+from memsvc.manager.store import Store
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.vocabulary import SleepLevel, WorkerState
+
+pytestmark = pytest.mark.asyncio
+
+
+class Env:
+    def __init__(self, manager: Manager, links: InMemoryLinks, db: Path) -> None:
+        self.manager = manager
+        self.links = links
+        self.db = db
+
+    async def worker(self, wid: str) -> InMemoryWorker:
+        wk = self.links.add(InMemoryWorker(wid))
+        await self.manager.register(wid, wk.address, "h1")
+        await settle(lambda: self.manager.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+        return wk
+
+    @contextlib.contextmanager
+    def locked(self) -> Iterator[None]:
+        """Another connection holds the file's write lock for the block."""
+        other = sqlite3.connect(self.db, isolation_level=None)
+        try:
+            other.execute("BEGIN IMMEDIATE")
+            yield
+            other.execute("ROLLBACK")
+        finally:
+            other.close()
+
+    def stored_leases(self) -> set[str]:
+        return {sl.lease_id for sl in self.manager.store.leases()}
+
+
+async def settle(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+    loop = asyncio.get_running_loop()
+    end = loop.time() + timeout
+    while not cond():
+        if loop.time() > end:
+            raise AssertionError(f"timed out waiting for {what}")
+        await asyncio.sleep(0.005)
+
+
+@pytest_asyncio.fixture
+async def env(tmp_path: Path) -> AsyncIterator[Env]:
+    db = tmp_path / "manager.db"
+    links = InMemoryLinks()
+    manager = Manager(Store(db), ManagerSettings(tick_interval=3600.0), links=links)  # the tests tick
+    manager.store._exec("PRAGMA busy_timeout = 100")
+    await manager.start()
+    yield Env(manager, links, db)
+    await manager.close()
+    manager.store.close()
+
+
+async def test_a_release_the_store_refuses_changes_nothing_and_can_be_retried(env: Env) -> None:
+    await env.worker("a")
+    lease, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    with env.locked(), pytest.raises(Unavailable, match="manager database"):
+        env.manager.release(lease.lease_id)
+    assert set(env.manager.leases.leases) == set(env.manager.get("a").leases) == {lease.lease_id}
+    assert env.stored_leases() == {lease.lease_id}
+    with pytest.raises(WrongState):  # still leased: still awake
+        await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+
+    env.manager.release(lease.lease_id)  # the retry
+    assert env.manager.get("a").leases == {} and env.stored_leases() == set()
+    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+    assert env.manager.get("a").state == WorkerState.ASLEEP
+
+
+async def test_an_expiry_the_store_refuses_waits_for_a_later_tick_and_the_timers_run_on(env: Env) -> None:
+    await env.worker("a")
+    b = await env.worker("b")
+    env.manager.update_policy("", m.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
+    lease, _ = await env.manager.acquire("a", 0.01, "t", "", "", None)
+    env.manager.get("b").idle_since -= 120  # b is due for its idle sleep
+    await asyncio.sleep(0.02)
+    with env.locked():
+        env.manager.tick()  # the expiry cannot be written; the idle timer still runs
+        await settle(lambda: b.state == WorkerState.ASLEEP, "b's idle sleep in the tick whose expiry failed")
+    assert set(env.manager.get("a").leases) == set(env.manager.leases.leases) == {lease.lease_id}
+    assert env.stored_leases() == {lease.lease_id}
+
+    env.manager.tick()
+    assert env.manager.get("a").leases == {} and env.manager.leases.leases == {}
+    assert env.stored_leases() == set()
+
+
+async def test_a_grant_or_renewal_the_store_refuses_leaves_no_lease_and_the_old_expiry(env: Env) -> None:
+    await env.worker("a")
+    with env.locked(), pytest.raises(Unavailable, match="manager database"):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    assert env.manager.get("a").leases == {} and env.manager.leases.leases == {}
+
+    lease, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    before = lease.expire_time
+    with env.locked(), pytest.raises(Unavailable, match="manager database"):
+        await env.manager.acquire("a", 3600, "t", lease.lease_id, "", None)
+    assert env.manager.leases.leases[lease.lease_id].expire_time == before
+    assert [sl.expire_time for sl in env.manager.store.leases()] == [before]
+
+
+async def test_a_deregistration_the_store_refuses_keeps_the_worker_and_can_be_retried(env: Env) -> None:
+    a = await env.worker("a")
+    with env.locked(), pytest.raises(Unavailable, match="manager database"):
+        await env.manager.deregister("a")
+    assert env.manager.get("a").state == WorkerState.AWAKE
+    assert [sw.worker_id for sw in env.manager.store.workers()] == ["a"]
+    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)  # its link still works
+    assert a.state == WorkerState.ASLEEP
+
+    await env.manager.deregister("a")
+    with pytest.raises(NotFound):
+        env.manager.get("a")
+    assert env.manager.store.workers() == []
