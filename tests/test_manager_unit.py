@@ -127,6 +127,27 @@ async def test_device_budget_refuses_when_every_neighbour_is_leased_and_keeps_th
     env.manager.release(lease.lease_id)
 
 
+async def test_a_wake_short_of_room_waits_for_a_neighbours_sleep_already_running(env: Env) -> None:
+    """The only neighbour that could make room is already going to sleep (its idle timer's sleep holds
+    it): the wake waits for that sleep and runs, instead of RESOURCE_EXHAUSTED for a room being made."""
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    await env.policy(idle_sleep_timeout=Duration(seconds=60))
+    a.gate = asyncio.Event()
+    env.idle_for("a", 120)
+    env.manager.tick()
+    await settle(lambda: a.calls == ["Sleep"], "a's idle sleep to reach the worker")
+    acquiring = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", Deadline.after(10.0)))
+    await asyncio.sleep(0.1)
+    assert not acquiring.done(), "the acquire did not wait for the sleep that makes its room"
+    a.gate.set()
+    lease, _ = await acquiring
+    assert a.state == WorkerState.ASLEEP and b.state == WorkerState.AWAKE
+    assert a.calls == ["Sleep"] and b.calls == ["Sleep", "WakeUp"]
+    env.manager.release(lease.lease_id)
+
+
 async def _swap_pair(env: Env, headroom: int, device_total: int = 80 * GiB) -> tuple[InMemoryWorker, InMemoryWorker]:
     """a asleep, b awake, a 4 GiB budget that fits one of them (2+1 GiB each), ``headroom`` over it;
     b's next sleep held at its gate."""

@@ -1,8 +1,9 @@
 """Device and host budgets: room is made before it is needed.
 
 - device: before a worker wakes, the least recently used idle worker on the same device is put to
-  sleep until the waking one fits; RESOURCE_EXHAUSTED only when nothing can be freed. With the
-  policy's ``device_swap_headroom_bytes``, the wake starts while that sleep is still running when
+  sleep until the waking one fits, and a neighbour's sleep already running is waited for;
+  RESOURCE_EXHAUSTED only when nothing can be freed. With the policy's
+  ``device_swap_headroom_bytes``, the wake starts while that sleep is still running when
   both fit in the budget plus the headroom and in the device's free memory: the neighbour's
   device-to-host copy and the wake's host-to-device copy then run at once (PCIe is full duplex), and
   a swap costs about one copy instead of two.
@@ -16,6 +17,7 @@ neighbour does not fail the wake it was making room for.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import functools
 import logging
 import weakref
@@ -39,6 +41,14 @@ T = TypeVar("T")
 
 def _unlock(rec: WorkerRecord, _task: object) -> None:
     rec.lock.release()
+
+
+async def _changed(rec: WorkerRecord, deadline: Deadline) -> None:
+    """Until ``rec``'s status next changes, at most a second or the deadline (the caller looks again)."""
+    left = deadline.remaining()
+    async with rec.changed:
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait_for(rec.changed.wait(), timeout=min(1.0, left) if left is not None else 1.0)
 
 
 class Budgets:
@@ -142,6 +152,19 @@ class Budgets:
                 and r.mapped_bytes > 0
                 and not r.lock.locked()
             ]
+            freeing = [
+                r
+                for r in group
+                if r.worker_id not in passed_over  # not an eviction of this wake's own: `going` counts those
+                and (r.sleeping or r.state == WorkerState.SLEEPING)
+                and r.mapped_bytes > 0
+            ]
+            if not idle and freeing and not deadline.passed():
+                # A sleep already running there (an idle timer's, an operator's) frees room: wait for it
+                # rather than refuse a wake that will fit once it ends. It needs no device lock, so it
+                # ends while this wake holds one.
+                await _changed(freeing[0], deadline)
+                continue
             if not idle:
                 raise OutOfMemory(
                     f"device budget of {budget} bytes: {rec.worker_id} needs {need} more, {used} in use, "

@@ -89,9 +89,13 @@ class WorkerCalls:
             tag_actions={t: a.proto for t, a in actions.items()},
             request_id=request_id,
         )
-        with rec.caused_by(why):
-            resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(req, timeout))
-            await self._ingest.set_status(rec, resp.status, True, why)
+        rec.sleeping = True
+        try:
+            with rec.caused_by(why):
+                resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(req, timeout))
+                await self._ingest.set_status(rec, resp.status, True, why)
+        finally:
+            rec.sleeping = False
         return resp.transition
 
     async def wake(

@@ -75,6 +75,9 @@ class WorkerRecord:
     cause: str = ""
     """While the manager runs a transition on the worker: why (the RPC or timer that started it),
     the reason its state changes carry instead of the worker's own RPC name."""
+    sleeping: bool = False
+    """A Sleep the manager sent is in flight (until its answer, or the settling after none, is
+    applied): a wake short of room on the device waits for what it frees instead of refusing."""
 
     @contextlib.contextmanager
     def caused_by(self, why: str) -> Iterator[None]:
