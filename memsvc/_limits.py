@@ -55,6 +55,14 @@ MAX_WATCHERS = 256
 MAX_TELEMETRY_SUBSCRIBERS = 64
 """StreamTelemetry streams a worker serves at once."""
 
+# ---- the gateway (HTTP) ----
+MAX_HTTP_BODY_BYTES = 8 << 20
+"""A request body the gateway reads: the largest prompt (MAX_PROMPT_BYTES) even if JSON escapes every
+character (``\\uXXXX``, six bytes each), with room for the rest of the request."""
+MAX_GATEWAY_REQUESTS = 1024
+"""Completions a gateway serves at once (queued for room, waking, or streaming); past it a 503 with
+Retry-After, before any lease is taken."""
+
 
 def check_length(value: str, limit: int, field: str) -> str:
     """``value`` if its UTF-8 form is at most ``limit`` bytes, else INVALID_ARGUMENT naming the field."""
@@ -69,9 +77,11 @@ def check_length(value: str, limit: int, field: str) -> str:
 __all__ = [
     "MAX_ADDRESS_BYTES",
     "MAX_CHAT_MESSAGES",
+    "MAX_GATEWAY_REQUESTS",
     "MAX_GENERATE_TOKENS",
     "MAX_HOLDER_BYTES",
     "MAX_HOST_BYTES",
+    "MAX_HTTP_BODY_BYTES",
     "MAX_ID_BYTES",
     "MAX_KEEP_ALIVE_S",
     "MAX_LEASES",

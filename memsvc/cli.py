@@ -293,6 +293,8 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from memsvc._limits import MAX_GATEWAY_REQUESTS
+
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a manager's workers")
     p.add_argument("--listen", default=env("GATEWAY_LISTEN", "127.0.0.1:8000"), help="host:port to serve HTTP on")
     p.add_argument("--manager", default=env("MANAGER", "127.0.0.1:50051"), help="the manager's address")
@@ -308,6 +310,12 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=env("QUEUE_TIMEOUT", "30"),
         help="seconds a request waits for room on its model's device while every other worker there is busy "
         "(then 503 with Retry-After)",
+    )
+    p.add_argument(
+        "--max-requests",
+        type=int,
+        default=env("GATEWAY_MAX_REQUESTS", str(MAX_GATEWAY_REQUESTS)),
+        help="completions served at once, streaming or queued for room (then 503 with Retry-After)",
     )
     _client_auth_flags(p)
     _log_flags(p)
@@ -631,7 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from memsvc.gateway import run as run_gateway
 
         security = _security(args, parser)
-        return run_gateway(args.listen, args.manager, security, args.wake_timeout, args.queue_timeout)  # type: ignore[arg-type]
+        limits = (args.wake_timeout, args.queue_timeout, args.max_requests)
+        return run_gateway(args.listen, args.manager, security, *limits)  # type: ignore[arg-type]
     if args.command == "up":
         from memsvc._up import run as run_up
 

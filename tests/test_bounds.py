@@ -52,6 +52,8 @@ def test_the_bounds_table_matches_the_limits() -> None:
         "leases on one worker, and in all": limits.MAX_LEASES_PER_WORKER,
         "`SleepWorker` / `WakeWorker` calls waiting for one worker": limits.MAX_QUEUED_TRANSITIONS,
         "`WatchWorkers` streams of a manager, `StreamTelemetry` streams of a worker": limits.MAX_WATCHERS,
+        "gateway request body": limits.MAX_HTTP_BODY_BYTES,
+        "completions a gateway serves at once (streaming, waking or queued for room)": limits.MAX_GATEWAY_REQUESTS,
     }
     assert limits.MAX_HOST_BYTES == limits.MAX_ADDRESS_BYTES, "one row documents both"
     for row, value in expect.items():

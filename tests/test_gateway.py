@@ -548,3 +548,166 @@ def test_concurrent_streams_across_two_models_that_fit_one_at_a_time(
         assert c.WORKER_STATE_ASLEEP in states, "the budget fits one: one of them sleeps"
     finally:
         gw.kill()
+
+
+def _asleep(stack: Stack) -> None:
+    if stack.state() != c.WORKER_STATE_ASLEEP:
+        stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
+    wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP, "the sleep")
+
+
+def _awake(stack: Stack) -> None:
+    if stack.state() != c.WORKER_STATE_AWAKE:
+        stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+    wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_AWAKE, "the wake")
+
+
+_CHAT = {"model": MODEL, "messages": MESSAGES}
+_PLAIN = {"model": MODEL, "prompt": "x"}
+
+
+@pytest.mark.parametrize(("path", "body", "param"), [
+    ("completions", {**_PLAIN, "max_tokens": 5000}, "max_tokens"),
+    ("chat/completions", {**_CHAT, "max_completion_tokens": 5000}, "max_completion_tokens"),
+    ("completions", {"model": MODEL, "prompt": [1 << 40]}, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1_000_000]}, "prompt"),
+    ("completions", {"model": MODEL, "prompt": [1] * 512}, "prompt"),
+    ("completions", {"model": MODEL, "prompt": ""}, "prompt"),
+    ("completions", {"model": MODEL, "prompt": "x" * ((1 << 20) + 1)}, "prompt"),
+    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 1025}, "messages"),
+    ("completions", {**_PLAIN, "temperature": "0.5"}, "temperature"),
+    ("completions", {**_PLAIN, "stream": "yes"}, "stream"),
+    ("completions", {"model": MODEL, "prompt": [True, 2]}, "prompt"),
+    ("completions", {**_PLAIN, "frequency_penalty": 1.5}, "frequency_penalty"),
+    ("completions", {**_PLAIN, "presence_penalty": 0.5}, "presence_penalty"),
+    ("completions", {**_PLAIN, "logit_bias": {"5": 100}}, "logit_bias"),
+    ("completions", {**_PLAIN, "best_of": 2}, "best_of"),
+    ("completions", {**_PLAIN, "suffix": "end"}, "suffix"),
+    ("chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+    ("chat/completions", {**_CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+], ids=["max-tokens", "max-completion-tokens", "token-past-int32", "token-past-vocab", "prompt-fills-context",
+        "empty-prompt", "prompt-bytes", "messages", "temperature-as-text", "stream-as-text", "bool-token",
+        "frequency-penalty", "presence-penalty", "logit-bias", "best-of", "suffix", "response-format",
+        "functions"])  # fmt: skip
+def test_bad_requests_are_refused_before_they_wake_a_sleeping_model(
+    stack: Stack, path: str, body: dict[str, Any], param: str
+) -> None:
+    """Bad input is refused by the gateway itself, naming the field, before it takes a lease: a request
+    that cannot be served does not wake the model (the worker's own checks only run once awake), and a
+    field the gateway would drop (a penalty, a bias, a response format) is refused, not ignored."""
+    import httpx
+
+    wait_for(stack.leases, lambda n: n == 0, "earlier leases to be released")
+    _asleep(stack)
+    try:
+        r = httpx.post(f"{stack.gateway.url}/v1/{path}", json=body, timeout=60)
+        assert r.status_code == 400, r.text
+        err = r.json()["error"]
+        assert err["type"] == "invalid_request_error" and err["message"], err
+        assert (err["param"] or "").split(".")[0] == param, err
+        assert stack.state() == c.WORKER_STATE_ASLEEP, "a refused request woke the model"
+        assert stack.leases() == 0
+    finally:
+        _awake(stack)
+
+
+def test_the_sdk_raises_bad_request_for_a_parameter_the_gateway_does_not_apply(stack: Stack) -> None:
+    with pytest.raises(openai.BadRequestError) as bad:
+        stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, presence_penalty=1.0)
+    assert "presence_penalty" in bad.value.message
+    neutral: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
+    ok = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
+                                              response_format={"type": "text"}, **neutral)  # fmt: skip
+    assert ok.usage is not None and ok.usage.completion_tokens == 2
+
+
+def test_top_k_reaches_the_worker(stack: Stack) -> None:
+    """vLLM's top_k: 1 at temperature 1 is greedy, so the text is the worker's greedy text (dropped,
+    the answer would be a random sample of this random model)."""
+    want = stack.direct(prompt=PROMPT, max_new_tokens=12, ignore_eos=True).text
+    for seed in (1, 2):
+        r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed,
+                                            extra_body={"top_k": 1, "ignore_eos": True})  # fmt: skip
+        assert r.choices[0].text == want
+
+
+def test_an_oversize_body_is_413_and_wakes_nothing(stack: Stack, tmp_path: Path) -> None:
+    """The body is bounded before it is read (Content-Length) and while it is read (chunked): a client
+    cannot make the gateway hold an unbounded body, and a sleeping model stays asleep."""
+    from memsvc._limits import MAX_HTTP_BODY_BYTES
+
+    exe = shutil.which("curl")
+    assert exe is not None
+    body = tmp_path / "body.json"
+    body.write_text(json.dumps({"model": MODEL, "prompt": "x" * MAX_HTTP_BODY_BYTES, "max_tokens": 1}))
+    wait_for(stack.leases, lambda n: n == 0, "earlier leases to be released")
+    _asleep(stack)
+    try:
+        for extra in ((), ("-H", "Transfer-Encoding: chunked")):
+            args = [exe, "-s", "-o", "-", "-w", "\n%{http_code}", f"{stack.gateway.url}/v1/completions",
+                    "-H", "Content-Type: application/json", *extra, "--data-binary", f"@{body}"]  # fmt: skip
+            out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
+            text, _, code = out.rpartition("\n")
+            assert code == "413", (extra, out[:300])
+            err = json.loads(text)["error"]
+            assert err["type"] == "invalid_request_error" and str(MAX_HTTP_BODY_BYTES) in err["message"], err
+        assert stack.state() == c.WORKER_STATE_ASLEEP
+        assert stack.leases() == 0
+    finally:
+        _awake(stack)
+
+
+def test_a_request_id_that_is_not_ascii_is_replaced_not_refused(stack: Stack) -> None:
+    """X-Request-Id names the lease's holder; a client's id the manager would refuse (128 latin-1
+    characters are 256 UTF-8 bytes, past the holder's bound with the gateway's prefix) is replaced."""
+    import httpx
+
+    r = httpx.post(f"{stack.gateway.url}/v1/completions", json={**_PLAIN, "max_tokens": 1},
+                   headers={b"X-Request-Id": ("\u00e9" * 128).encode("latin-1")}, timeout=60)  # fmt: skip
+    assert r.status_code == 200, r.text
+    assert r.headers["x-request-id"].isascii() and r.headers["x-request-id"].startswith("req-")
+
+
+def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
+    two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
+) -> None:
+    """Requests waiting for room on their model's device (every neighbour leased) are bounded
+    (--max-requests, streams and queued alike): past it a 503 with Retry-After at once. One whose
+    client leaves stops waiting: when room comes, nothing is woken and nothing evicted for the caller
+    who left, and its place is free again."""
+    import httpx
+
+    mp, _, _ = two_models
+    gw = GatewayProcess(mp.address, ["--queue-timeout", "60", "--max-requests", "2"]).start()
+    try:
+        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
+        held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+        exe = shutil.which("curl")
+        assert exe is not None
+        clients = [
+            subprocess.Popen([exe, "-s", "--max-time", "1", f"{gw.url}/v1/completions", "-H",
+                              "Content-Type: application/json", "-d",
+                              json.dumps({"model": "beta", "prompt": [1, 2], "max_tokens": 2, "stream": stream})])
+            for stream in (False, True)
+        ]  # fmt: skip
+        wait_for(lambda: httpx.post(f"{gw.url}/v1/completions", json={"model": "alpha", "prompt": [1], "max_tokens": 1},
+                                    timeout=30),
+                 lambda r: r.status_code == 503, "both clients to be queued")  # fmt: skip
+        busy = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "alpha", "messages": MESSAGES}, timeout=30)
+        assert busy.status_code == 503 and busy.headers.get("retry-after"), busy.text
+        assert busy.json()["error"]["code"] == "overloaded", busy.text
+        assert [p.wait(timeout=30) for p in clients] == [28, 28]  # curl: timed out, still queued
+        left = 'memsvc_gateway_requests_total{code="499",endpoint="completions",model="beta"} 2.0'
+
+        def scrape() -> str:
+            return subprocess.run([exe, "-s", f"{gw.url}/metrics"], capture_output=True, text=True, timeout=30).stdout
+
+        wait_for(scrape, lambda text: left in text, "the gateway to see both clients leave")
+        mp.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+        time.sleep(2.0)  # eight of the queue's polls
+        assert _state_of(mp, "beta") == c.WORKER_STATE_ASLEEP, "beta was woken for clients that had left"
+        assert _state_of(mp, "alpha") == c.WORKER_STATE_AWAKE, "alpha was evicted for clients that had left"
+        ok = httpx.post(f"{gw.url}/v1/completions", json={"model": "alpha", "prompt": [1], "max_tokens": 1}, timeout=30)
+        assert ok.status_code == 200, ok.text
+    finally:
+        gw.kill()

@@ -8,13 +8,15 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
+from memsvc._limits import MAX_GATEWAY_REQUESTS
+
 if TYPE_CHECKING:
     from memsvc._auth import Security
 
 
 def run(
     listen: str, manager: str, security: Security | None = None, acquire_timeout: float = 300.0,
-    queue_timeout: float = 30.0,
+    queue_timeout: float = 30.0, max_requests: int = MAX_GATEWAY_REQUESTS,
 ) -> int:  # fmt: skip
     """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM."""
     import asyncio
@@ -29,6 +31,8 @@ def run(
     from memsvc.gateway.app import create_app
     from memsvc.gateway.backends import Backends
 
+    if max_requests < 1:
+        raise SystemExit(f"memsvc gateway: --max-requests must be at least 1, got {max_requests}")
     host, _, port = listen.rpartition(":")
 
     class Server(uvicorn.Server):
@@ -40,7 +44,7 @@ def run(
 
     async def serve() -> None:
         backends = Backends(manager, security)
-        app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout)
+        app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout, max_requests)
         # log_config=None: uvicorn's loggers go through the process's handler (memsvc._logging)
         level = logging.getLevelName(logging.getLogger().level).lower()
         config = uvicorn.Config(

@@ -18,7 +18,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
@@ -27,9 +27,11 @@ from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, generate_latest
 from starlette.background import BackgroundTask
+from starlette.exceptions import HTTPException
+from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memsvc._limits import MAX_GENERATE_TOKENS
+from memsvc._limits import MAX_GATEWAY_REQUESTS, MAX_GENERATE_TOKENS, MAX_HTTP_BODY_BYTES, MAX_ID_BYTES
 from memsvc.gateway.backends import STATE_LABEL, Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
@@ -78,7 +80,7 @@ def from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str) -> GatewayEr
 def _generate_request(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> w.GenerateRequest:
     """What both endpoints send the worker, before the prompt. OpenAI's max_tokens is an upper bound
     (stop_at_context): unset, the most one Generate makes, so the model's context is what ends it."""
-    sampling = w.SamplingParams(temperature=req.temperature, top_p=req.top_p)
+    sampling = w.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0))
     if req.seed is not None:
         sampling.seed = req.seed
     return w.GenerateRequest(
@@ -87,6 +89,15 @@ def _generate_request(req: CompletionRequest | ChatCompletionRequest, max_tokens
         ignore_eos=req.ignore_eos,
         stop_at_context=True,
     )
+
+
+def _check_tokens(ids: list[int], worker: Served) -> None:
+    """Token ids the worker would refuse, refused before the lease would wake it for nothing."""
+    if worker.vocab_size and (bad := next((t for t in ids if t >= worker.vocab_size), None)) is not None:
+        raise GatewayError(400, f"prompt token {bad} is not a token id in [0, {worker.vocab_size})", param="prompt")
+    if worker.context_length and len(ids) >= worker.context_length:
+        raise GatewayError(400, f"the prompt is {len(ids)} tokens: no room for a new one in the model's context of "
+                                f"{worker.context_length}", param="prompt")  # fmt: skip
 
 
 class _StopText:
@@ -117,13 +128,39 @@ class _StopText:
 
 
 def create_app(
-    backends: Backends, token: str = "", acquire_timeout: float = 300.0, queue_timeout: float = 30.0
-) -> FastAPI:
+    backends: Backends, token: str = "", acquire_timeout: float = 300.0, queue_timeout: float = 30.0,
+    max_requests: int = MAX_GATEWAY_REQUESTS,
+) -> FastAPI:  # fmt: skip
     """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none);
-    ``queue_timeout``: how long a request waits for room on its model's device."""
+    ``queue_timeout``: how long a request waits for room on its model's device; ``max_requests``: the
+    completions served at once (each holds a connection, and a lease or a place in the queue)."""
     app = FastAPI(title="memsvc gateway", docs_url=None, redoc_url=None, openapi_url=None)
+    # a body is bounded while it is read (Starlette's limit, also for chunked bodies: its 413 comes
+    # through the HTTPException handler below) and, by a Content-Length past it, before (_Edge: the
+    # limit's own answer to that case is plain text, not OpenAI's error JSON)
+    app.add_middleware(RequestBodyLimitMiddleware, max_body_size=MAX_HTTP_BODY_BYTES)
     app.add_middleware(_Edge, token=token)
     metrics = GatewayMetrics()
+    in_flight = 0
+
+    @contextlib.contextmanager
+    def _slot() -> Iterator[None]:
+        nonlocal in_flight
+        if in_flight >= max_requests:
+            raise GatewayError(503, f"the gateway is serving its limit of {max_requests} requests", "server_error",
+                               code="overloaded", retry_after=RETRY_AFTER_S)  # fmt: skip
+        in_flight += 1
+        try:
+            yield
+        finally:
+            in_flight -= 1
+
+    @app.exception_handler(HTTPException)
+    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+        """Starlette's own refusals (413 body too large, 404 and 405 routes) in OpenAI's shape too."""
+        message = _TOO_LARGE if exc.status_code == 413 else exc.detail
+        return JSONResponse(GatewayError(exc.status_code, message).body(), status_code=exc.status_code,
+                            headers=exc.headers)  # fmt: skip
 
     @app.exception_handler(GatewayError)
     async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
@@ -199,6 +236,7 @@ def create_app(
         elif req.prompt and isinstance(req.prompt[0], str):
             gen.prompt = str(req.prompt[0])
         else:
+            _check_tokens([int(t) for t in req.prompt], worker)
             gen.prompt_token_ids.extend(int(t) for t in req.prompt)
         return await _respond(req, worker, gen, "text_completion", request)
 
@@ -218,14 +256,16 @@ def create_app(
     ) -> Response:  # fmt: skip
         holder = f"gateway {request.state.request_id}"
         t0 = time.perf_counter()
-        if worker.state != c.WORKER_STATE_AWAKE:
-            metrics.wakes.labels(req.model).inc()
         stack = contextlib.AsyncExitStack()
         try:
+            stack.enter_context(_slot())
+            if worker.state != c.WORKER_STATE_AWAKE:
+                metrics.wakes.labels(req.model).inc()
             try:
-                granted = await stack.enter_async_context(
-                    backends.lease(worker, holder, acquire_timeout, queue_timeout, req.keep_alive_s)
-                )
+                # raced with the client: one that leaves while queued or waking takes no lease (a lease
+                # granted as it left is in the stack, and goes back below)
+                leasing = backends.lease(worker, holder, acquire_timeout, queue_timeout, req.keep_alive_s)
+                granted = await _unless_client_left(request, stack.enter_async_context(leasing))
             except grpc.RpcError as exc:
                 raise from_rpc(exc, "manager") from None
             leased = time.perf_counter()
@@ -248,7 +288,8 @@ def create_app(
             call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
             stack.callback(call.cancel)
             try:
-                first = await call.read()  # errors before the first token are the response's status
+                # errors before the first token are the response's status
+                first = await _unless_client_left(request, call.read())
             except grpc.RpcError as exc:
                 raise from_rpc(exc, "worker") from None
             first_at = time.perf_counter()
@@ -265,10 +306,22 @@ def create_app(
     return app
 
 
+_TOO_LARGE = f"the request body is over {MAX_HTTP_BODY_BYTES} bytes"
+
+
+def _declared_size(headers: dict[str, str]) -> int:
+    """The body's Content-Length (0 when absent or unreadable: the read's own limit then applies)."""
+    try:
+        return int(headers.get("content-length", "0"))
+    except ValueError:
+        return 0
+
+
 class _Edge:
     """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a client's disconnect from
     the endpoints): every response carries ``X-Request-Id`` (the client's, or a new one) and gets one
-    log line; with a token, /v1 requires ``Authorization: Bearer <token>``."""
+    log line; with a token, /v1 requires ``Authorization: Bearer <token>``; a Content-Length past
+    MAX_HTTP_BODY_BYTES is a 413 before the body is read."""
 
     def __init__(self, app: ASGIApp, token: str = "") -> None:
         self.app = app
@@ -279,7 +332,11 @@ class _Edge:
             await self.app(scope, receive, send)
             return
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
-        rid = headers.get("x-request-id", "")[:128] or new_id("req")
+        sent_id = headers.get("x-request-id", "")[:MAX_ID_BYTES]
+        # the id names the lease's holder and goes back as a header: printable ASCII only, so it stays
+        # within MAX_ID_BYTES and the holder's bound (another is given in its place)
+        ok = sent_id.isascii() and sent_id.isprintable()
+        rid = sent_id if sent_id and ok else new_id("req")
         scope.setdefault("state", {})["request_id"] = rid
         status = 0
         t0 = time.perf_counter()
@@ -297,6 +354,8 @@ class _Edge:
             err = GatewayError(401, "missing or wrong bearer token", code="invalid_api_key")
             denied = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await denied(scope, receive, send_with_id)
+        elif _declared_size(headers) > MAX_HTTP_BODY_BYTES:
+            await JSONResponse(GatewayError(413, _TOO_LARGE).body(), status_code=413)(scope, receive, send_with_id)
         else:
             await self.app(scope, receive, send_with_id)
         log.info("%s %s %s %d %.1f ms", rid, scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3)

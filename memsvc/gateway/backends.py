@@ -48,6 +48,9 @@ class Served:
     address: str
     state: int
     leases: int
+    vocab_size: int = 0
+    """The model's, for the gateway's own check of token-id prompts (0: not reported)."""
+    context_length: int = 0
 
 
 STATE_LABEL: dict[int, str] = {
@@ -93,7 +96,7 @@ class Backends:
                 if not model.served_model_name:
                     continue
                 out.setdefault(model.served_model_name, []).append(
-                    Served(wk.name, wk.address, wk.state, wk.lease_count)
+                    Served(wk.name, wk.address, wk.state, wk.lease_count, model.vocab_size, model.context_length)
                 )
             token = r.next_page_token
             if not token:

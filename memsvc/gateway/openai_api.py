@@ -2,8 +2,13 @@
 
 Requests are pydantic models: a field of the wrong type or out of range is a 400 in OpenAI's error
 shape (``{"error": {"message", "type", "param", "code"}}``) naming the field, before anything
-reaches a worker. What memsvc does not do is refused by name, not ignored: ``n`` > 1, several
-prompts in one request, ``logprobs``, tools.
+reaches a worker. Strict: OpenAI refuses ``"temperature": "0.5"`` or ``"stream": "yes"``, and a
+lenient parse would turn ``[true]`` into a token id. The worker's own bounds (memsvc._limits) are
+checked here too, because the gateway takes a lease before the worker sees the request, and a
+request that can only be refused must not wake a sleeping model for nothing. What memsvc does not do
+is refused by name, not ignored (the answer would silently differ from the one asked for): ``n`` > 1,
+several prompts in one request, ``logprobs``, ``echo``, tools, penalties, ``logit_bias``,
+``best_of``, ``suffix``, a ``response_format`` other than text.
 """
 
 from __future__ import annotations
@@ -13,10 +18,24 @@ import time
 import uuid
 from typing import Any, Literal
 
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
+
+from memsvc._limits import MAX_CHAT_MESSAGES, MAX_GENERATE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop``."""
+TOKEN_ID_END = 1 << 31
+"""Token ids travel as int32 (GenerateRequest.prompt_token_ids)."""
+_STRICT = ConfigDict(extra="ignore", strict=True)
+
+
+def _refuse_unless(value: Any, info: ValidationInfo, *neutral: Any) -> Any:
+    """``value`` if it asks for nothing (unset, or one of ``neutral``), else the field is refused by
+    name: the gateway would otherwise answer as if it had not been sent."""
+    if value is not None and not any(value == n and type(value) is type(n) for n in neutral):
+        raise ValueError(f"{info.field_name} is not supported")
+    return value
+
 
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|\u00b5s|ms|s|m|h)")
@@ -56,17 +75,21 @@ class GatewayError(Exception):
 
 
 class StreamOptions(BaseModel):
+    model_config = _STRICT
+
     include_usage: bool = False
 
 
 class _Sampling(BaseModel):
     """The fields both endpoints share (OpenAI's defaults: temperature 1, top_p 1)."""
 
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     model: str = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
+    top_k: int = Field(0, ge=-1, lt=TOKEN_ID_END)
+    """vLLM's extension: keep only the k most likely tokens (0 or -1: all)."""
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
     n: int = Field(1, ge=1)
@@ -76,6 +99,10 @@ class _Sampling(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extension: do not stop at the model's end-of-sequence tokens."""
+    frequency_penalty: Any = None
+    presence_penalty: Any = None
+    logit_bias: Any = None
+    top_logprobs: Any = None
     keep_alive: str | float | None = None
     """Ollama's extension: how long the model stays awake once idle after this request (a duration
     or seconds; 0 = sleep right after, negative = never idle-sleep; unset: the manager's policy)."""
@@ -114,6 +141,21 @@ class _Sampling(BaseModel):
             raise ValueError("logprobs are not supported")
         return value
 
+    @field_validator("frequency_penalty", "presence_penalty")
+    @classmethod
+    def _no_penalty(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, 0, 0.0)
+
+    @field_validator("logit_bias")
+    @classmethod
+    def _no_bias(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, {})
+
+    @field_validator("top_logprobs")
+    @classmethod
+    def _no_top_logprobs(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, 0)
+
     @property
     def stop_strings(self) -> list[str]:
         return [self.stop] if isinstance(self.stop, str) else list(self.stop or [])
@@ -123,10 +165,18 @@ class _Sampling(BaseModel):
         return self.stream_options is not None and self.stream_options.include_usage
 
 
+def _text_fits(text: str, what: str) -> None:
+    size = len(text.encode())
+    if size > MAX_PROMPT_BYTES:
+        raise ValueError(f"{what} must be at most {MAX_PROMPT_BYTES} bytes, got {size}")
+
+
 class CompletionRequest(_Sampling):
     prompt: str | list[int] | list[str]
-    max_tokens: int | None = Field(16, ge=0)
+    max_tokens: int | None = Field(16, ge=0, le=MAX_GENERATE_TOKENS)
     echo: bool = False
+    best_of: Any = None
+    suffix: Any = None
 
     @field_validator("prompt")
     @classmethod
@@ -134,9 +184,28 @@ class CompletionRequest(_Sampling):
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], str):
             if len(prompt) != 1:
                 raise ValueError("one prompt per request (send several requests)")
-        elif isinstance(prompt, list) and not prompt:
+        elif isinstance(prompt, list):
+            if len(prompt) > MAX_PROMPT_TOKENS:
+                raise ValueError(f"at most {MAX_PROMPT_TOKENS} prompt tokens, got {len(prompt)}")
+            if any(not 0 <= t < TOKEN_ID_END for t in prompt):  # type: ignore[operator]
+                raise ValueError(f"token ids are in [0, {TOKEN_ID_END})")
+        text = prompt if isinstance(prompt, str) else prompt[0] if prompt and isinstance(prompt[0], str) else None
+        if not prompt or text == "":
+            # an empty text prompt is no prompt at all to the worker (proto3 sends "" as unset)
             raise ValueError("the prompt is empty")
+        if text is not None:
+            _text_fits(text, "the prompt")
         return prompt
+
+    @field_validator("best_of")
+    @classmethod
+    def _one_candidate(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, 1)
+
+    @field_validator("suffix")
+    @classmethod
+    def _no_suffix(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, "")
 
     @field_validator("echo")
     @classmethod
@@ -147,12 +216,14 @@ class CompletionRequest(_Sampling):
 
 
 class ContentPart(BaseModel):
+    model_config = _STRICT
+
     type: Literal["text"]
     text: str
 
 
 class ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = _STRICT
 
     role: str = Field(min_length=1)
     content: str | list[ContentPart] | None = ""
@@ -165,10 +236,20 @@ class ChatMessage(BaseModel):
 
 
 class ChatCompletionRequest(_Sampling):
-    messages: list[ChatMessage] = Field(min_length=1)
-    max_tokens: int | None = Field(None, ge=0)
-    max_completion_tokens: int | None = Field(None, ge=0)
+    messages: list[ChatMessage] = Field(min_length=1, max_length=MAX_CHAT_MESSAGES)
+    max_tokens: int | None = Field(None, ge=0, le=MAX_GENERATE_TOKENS)
+    max_completion_tokens: int | None = Field(None, ge=0, le=MAX_GENERATE_TOKENS)
     tools: Any = None
+    functions: Any = None
+    function_call: Any = None
+    tool_choice: Any = None
+    response_format: Any = None
+
+    @field_validator("messages")
+    @classmethod
+    def _messages_fit(cls, messages: list[ChatMessage]) -> list[ChatMessage]:
+        _text_fits("".join(m.text for m in messages), "the messages together")
+        return messages
 
     @field_validator("tools")
     @classmethod
@@ -176,6 +257,21 @@ class ChatCompletionRequest(_Sampling):
         if tools:
             raise ValueError("tools are not supported")
         return tools
+
+    @field_validator("functions")
+    @classmethod
+    def _no_functions(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, [])
+
+    @field_validator("function_call", "tool_choice")
+    @classmethod
+    def _no_call(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, "none")
+
+    @field_validator("response_format")
+    @classmethod
+    def _text_only(cls, value: Any, info: ValidationInfo) -> Any:
+        return _refuse_unless(value, info, {"type": "text"})
 
     @property
     def limit(self) -> int | None:
@@ -199,6 +295,6 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 __all__ = [
-    "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "GatewayError", "StreamOptions", "keep_alive_seconds",
-    "new_id", "now", "usage",
+    "TOKEN_ID_END", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "GatewayError", "StreamOptions",
+    "keep_alive_seconds", "new_id", "now", "usage",
 ]  # fmt: skip
