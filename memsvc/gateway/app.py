@@ -172,7 +172,9 @@ def create_app(
         first = exc.errors()[0] if exc.errors() else {}
         loc = [str(p) for p in first.get("loc", ()) if p != "body"]
         msg = str(first.get("msg", "invalid request"))
-        if first.get("type") == "json_invalid":
+        if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+            msg = str(first["ctx"]["error"])  # our validators' own words, without pydantic's "Value error, "
+        elif first.get("type") == "json_invalid":
             msg = "the request body is not valid JSON"
         return JSONResponse(GatewayError(400, msg, param=".".join(loc) or None).body(), status_code=400)
 
