@@ -17,11 +17,12 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import sqlite3
-from collections.abc import AsyncIterator, Callable, Iterator
+from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
 
 import pytest
 import pytest_asyncio
+from asyncwait import settle
 from google.protobuf.duration_pb2 import Duration
 
 from memsvc.errors import NotFound, Unavailable, WrongState
@@ -60,15 +61,6 @@ class Env:
 
     def stored_leases(self) -> set[str]:
         return {sl.lease_id for sl in self.manager.store.leases()}
-
-
-async def settle(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 @pytest_asyncio.fixture

@@ -11,12 +11,13 @@ from __future__ import annotations
 
 import asyncio
 import logging
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypedDict, Unpack
 
 import pytest
 import pytest_asyncio
+from asyncwait import settle
 from google.protobuf.duration_pb2 import Duration
 
 from memsvc._deadline import Deadline
@@ -73,16 +74,6 @@ class Env:
     async def policy(self, **fields: Unpack[_PolicyFields]) -> None:
         p = m.Policy(**fields)
         self.manager.update_policy("", p, list(fields))
-
-
-async def settle(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
-    """Let the manager's tasks run until ``cond()`` holds."""
-    loop = asyncio.get_running_loop()
-    end = loop.time() + timeout
-    while not cond():
-        if loop.time() > end:
-            raise AssertionError(f"timed out waiting for {what}")
-        await asyncio.sleep(0.005)
 
 
 @pytest_asyncio.fixture
