@@ -72,8 +72,13 @@ class Backends:
         self._manager_channel = aio_channel(manager_address, security)
         self.manager: m_grpc.MemoryManagerServiceAsyncStub = m_grpc.MemoryManagerServiceStub(self._manager_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, w_grpc.ModelWorkerServiceAsyncStub]] = {}
+        self._late: set[asyncio.Task[None]] = set()
+        """Releases of leases granted to callers that left (see :meth:`acquire`); at most one per
+        request the gateway serves."""
 
     async def close(self) -> None:
+        if self._late:
+            await asyncio.wait(set(self._late), timeout=10)
         for ch, _ in self._workers.values():
             await ch.close()
         await self._manager_channel.close()
@@ -115,7 +120,12 @@ class Backends:
         """A lease on ``worker``, which the manager wakes (making room on its device first). While the
         manager cannot make room (every other worker there is leased: RESOURCE_EXHAUSTED) the request
         waits its turn, asking again, for up to ``queue_s``; then the refusal is the answer.
-        ``keep_alive_s``: the lease's keep_alive (see AcquireWorkerRequest)."""
+        ``keep_alive_s``: the lease's keep_alive (see AcquireWorkerRequest).
+
+        A caller that leaves (this coroutine cancelled) stops the queueing at once, but never an
+        AcquireWorker in flight: the manager may have granted it already, with its answer on the
+        wire, and a cancelled call would lose the lease id and leave the lease to its TTL, holding
+        the model awake. The call finishes in the background and what it grants goes back."""
         loop = asyncio.get_running_loop()
         start = loop.time()
         give_up = start + queue_s
@@ -125,14 +135,37 @@ class Backends:
             request.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
         while True:
             asked = loop.time()
+            call = asyncio.ensure_future(self.manager.AcquireWorker(request, timeout=timeout))
             try:
-                r: m.AcquireWorkerResponse = await self.manager.AcquireWorker(request, timeout=timeout)
+                r: m.AcquireWorkerResponse = await asyncio.shield(call)
                 return Granted(r, asked - start)
+            except asyncio.CancelledError:
+                self._release_when_granted(call)
+                raise
             except grpc.aio.AioRpcError as exc:
                 left = give_up - loop.time()
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
                     raise
             await asyncio.sleep(min(QUEUE_POLL_S, left))
+
+    def _release_when_granted(self, call: asyncio.Future[m.AcquireWorkerResponse]) -> None:
+        async def release() -> None:
+            try:
+                r = await call
+            except grpc.RpcError:
+                return  # nothing was granted
+            await self._release(r.lease.lease_id)
+
+        task = asyncio.create_task(release())
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
+    async def _release(self, lease_id: str) -> None:
+        """Give ``lease_id`` back; shielded: a caller that left cancels its task, and the lease must
+        still go back now (a failure leaves it to its TTL)."""
+        release = self.manager.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
+        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
+            await asyncio.shield(release)
 
     @contextlib.asynccontextmanager
     async def lease(
@@ -143,11 +176,7 @@ class Backends:
         try:
             yield granted
         finally:
-            # shielded: a client that left cancels this task, and the lease must still go back now
-            lease_id = granted.response.lease.lease_id
-            release = self.manager.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
-            with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-                await asyncio.shield(release)
+            await self._release(granted.response.lease.lease_id)
 
 
 __all__ = ["LEASE_TTL_S", "QUEUE_POLL_S", "STATE_LABEL", "Backends", "Granted", "Served"]

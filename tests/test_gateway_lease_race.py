@@ -1,0 +1,88 @@
+"""A gateway request whose client leaves while its AcquireWorker is in flight must not leak the
+lease. The manager may already have granted it, with the answer still on its way: a gateway that
+cancelled the call then lost the lease id, and the lease held the model awake for its whole TTL
+(300 s: no idle sleep, no eviction for the other models on its device).
+
+The manager here is a gRPC server whose AcquireWorker grants at once and answers late, so the
+client's leaving falls into exactly that window; the gateway's side (memsvc.gateway.backends) is
+the real one, over a real channel."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from typing import Any
+
+import grpc
+import pytest
+
+from memsvc.gateway.backends import Backends, Served
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+
+ANSWER_DELAY_S = 0.5
+
+
+class LateAnswers:
+    """Grants every AcquireWorker at once and answers ANSWER_DELAY_S later; records releases."""
+
+    SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+
+    def __init__(self) -> None:
+        self.granted: list[str] = []
+        self.released: list[str] = []
+        self.grant = asyncio.Event()
+
+    async def acquire(self, request: m.AcquireWorkerRequest, context: object) -> m.AcquireWorkerResponse:
+        lease_id = f"lease-{len(self.granted)}"
+        self.granted.append(lease_id)
+        self.grant.set()
+        with contextlib.suppress(asyncio.CancelledError):  # the grant stands: its answer is lost
+            await asyncio.sleep(ANSWER_DELAY_S)
+        r = m.AcquireWorkerResponse()
+        r.lease.lease_id = lease_id
+        return r
+
+    async def release(self, request: m.ReleaseWorkerRequest, context: object) -> m.ReleaseWorkerResponse:
+        self.released.append(request.lease_id)
+        return m.ReleaseWorkerResponse()
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The two RPCs the gateway's lease uses, served under the manager's service name."""
+        rpcs: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "AcquireWorker": grpc.unary_unary_rpc_method_handler(
+                self.acquire, m.AcquireWorkerRequest.FromString, m.AcquireWorkerResponse.SerializeToString
+            ),
+            "ReleaseWorker": grpc.unary_unary_rpc_method_handler(
+                self.release, m.ReleaseWorkerRequest.FromString, m.ReleaseWorkerResponse.SerializeToString
+            ),
+        }
+        return grpc.method_handlers_generic_handler(self.SERVICE, rpcs)
+
+
+@pytest.mark.asyncio
+async def test_a_caller_that_leaves_mid_acquire_leaks_no_lease() -> None:
+    manager = LateAnswers()
+    server = grpc.aio.server()
+    server.add_generic_rpc_handlers((manager.handler(),))
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    backends = Backends(f"127.0.0.1:{port}")
+    try:
+        served = Served("workers/w0", "127.0.0.1:1", c.WORKER_STATE_ASLEEP, 0)
+        stack = contextlib.AsyncExitStack()
+        leasing = asyncio.ensure_future(stack.enter_async_context(backends.lease(served, "gateway req-1", 10.0)))
+        await asyncio.wait_for(manager.grant.wait(), 5)
+        leasing.cancel()  # the client left: granted, the answer not yet here
+        with pytest.raises(asyncio.CancelledError):
+            await leasing
+        await stack.aclose()
+        for _ in range(200):
+            if manager.released:
+                break
+            await asyncio.sleep(0.02)
+        assert manager.granted == ["lease-0"]
+        assert manager.released == ["lease-0"], "the lease granted to a caller that left was not released"
+    finally:
+        await backends.close()
+        await server.stop(0)
