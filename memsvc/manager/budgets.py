@@ -156,7 +156,7 @@ class Budgets:
                 r
                 for r in group
                 if r.worker_id not in passed_over  # not an eviction of this wake's own: `going` counts those
-                and (r.sleeping or r.state == WorkerState.SLEEPING)
+                and r.sleeping  # sent by this manager: its RPC timeout bounds the wait
                 and r.mapped_bytes > 0
             ]
             if not idle and freeing and not deadline.passed():
