@@ -80,7 +80,7 @@ def from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str) -> GatewayEr
 def _generate_request(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> w.GenerateRequest:
     """What both endpoints send the worker, before the prompt. OpenAI's max_tokens is an upper bound
     (stop_at_context): unset, the most one Generate makes, so the model's context is what ends it."""
-    sampling = w.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k, 0))
+    sampling = w.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k or 0, 0))
     if req.seed is not None:
         sampling.seed = req.seed
     return w.GenerateRequest(

@@ -88,7 +88,7 @@ class _Sampling(BaseModel):
     model: str = Field(min_length=1)
     temperature: float = Field(1.0, ge=0.0, le=2.0)
     top_p: float = Field(1.0, gt=0.0, le=1.0)
-    top_k: int = Field(0, ge=-1, lt=TOKEN_ID_END)
+    top_k: int | None = Field(None, ge=-1, lt=TOKEN_ID_END)
     """vLLM's extension: keep only the k most likely tokens (0 or -1: all)."""
     seed: int | None = Field(None, ge=0, lt=1 << 63)
     stop: str | list[str] | None = None
