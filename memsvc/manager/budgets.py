@@ -17,7 +17,6 @@ neighbour does not fail the wake it was making room for.
 from __future__ import annotations
 
 import asyncio
-import contextlib
 import functools
 import logging
 import weakref
@@ -41,14 +40,6 @@ T = TypeVar("T")
 
 def _unlock(rec: WorkerRecord, _task: object) -> None:
     rec.lock.release()
-
-
-async def _changed(rec: WorkerRecord, deadline: Deadline) -> None:
-    """Until ``rec``'s status next changes, at most a second or the deadline (the caller looks again)."""
-    left = deadline.remaining()
-    async with rec.changed:
-        with contextlib.suppress(TimeoutError):
-            await asyncio.wait_for(rec.changed.wait(), timeout=min(1.0, left) if left is not None else 1.0)
 
 
 class Budgets:
@@ -163,7 +154,7 @@ class Budgets:
                 # A sleep already running there (an idle timer's, an operator's) frees room: wait for it
                 # rather than refuse a wake that will fit once it ends. It needs no device lock, so it
                 # ends while this wake holds one.
-                await _changed(freeing[0], deadline)
+                await freeing[0].wait_changed(deadline)
                 continue
             if not idle:
                 raise OutOfMemory(

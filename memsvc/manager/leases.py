@@ -11,8 +11,6 @@ the manager holds, and a release or an expiry can be tried again.
 
 from __future__ import annotations
 
-import asyncio
-import contextlib
 import logging
 import math
 import time
@@ -161,10 +159,7 @@ class Leases:
                 # state: a lease is granted on the state it leaves, not on the one before it.
                 if deadline.passed():
                     raise Unavailable(f"worker {rec.worker_id} did not become ready before the deadline")
-                left = deadline.remaining()
-                async with rec.changed:
-                    with contextlib.suppress(TimeoutError):
-                        await asyncio.wait_for(rec.changed.wait(), timeout=min(left or 1.0, 1.0))
+                await rec.wait_changed(deadline)
                 continue
             async with rec.lock:
                 if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE) and not rec.in_transition:

@@ -8,6 +8,7 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
+from memsvc._deadline import Deadline
 from memsvc._limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
 from memsvc.errors import InvalidArgument, Overloaded
 from memsvc.v1 import common_pb2 as c
@@ -78,6 +79,14 @@ class WorkerRecord:
     sleeping: bool = False
     """A Sleep the manager sent is in flight (until its answer, or the settling after none, is
     applied): a wake short of room on the device waits for what it frees instead of refusing."""
+
+    async def wait_changed(self, deadline: Deadline) -> None:
+        """Until this worker's status next changes, at most a second or what is left of ``deadline``:
+        the caller looks again either way (a change may come without a notification it can see)."""
+        left = deadline.remaining()
+        async with self.changed:
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(self.changed.wait(), timeout=min(1.0, left) if left is not None else 1.0)
 
     @contextlib.contextmanager
     def caused_by(self, why: str) -> Iterator[None]:
