@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from memsvc._limits import MAX_CHAT_MESSAGES, MAX_GENERATE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS
+from memsvc._limits import MAX_CHAT_MESSAGES, MAX_GENERATE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, check_length
+from memsvc.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop``."""
@@ -166,9 +167,11 @@ class _Sampling(BaseModel):
 
 
 def _text_fits(text: str, what: str) -> None:
-    size = len(text.encode())
-    if size > MAX_PROMPT_BYTES:
-        raise ValueError(f"{what} must be at most {MAX_PROMPT_BYTES} bytes, got {size}")
+    """The worker's bound on a prompt's bytes (memsvc._limits.check_length), as a field error here."""
+    try:
+        check_length(text, MAX_PROMPT_BYTES, what)
+    except InvalidArgument as exc:
+        raise ValueError(str(exc)) from None
 
 
 class CompletionRequest(_Sampling):
