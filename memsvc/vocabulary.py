@@ -201,6 +201,22 @@ AWAKE_STATES = frozenset({WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE})
 BUSY_STATES = frozenset({WorkerState.LOADING, WorkerState.SLEEPING, WorkerState.WAKING})
 """States a transition passes through: no other transition or KV work starts until they end."""
 
+_WAKEFULNESS = {WorkerState.ASLEEP: 0, WorkerState.PARTIALLY_AWAKE: 1, WorkerState.AWAKE: 2}
+
+
+def passed_through(old: WorkerState, new: WorkerState) -> WorkerState | None:
+    """The transition state a worker went through between two settled states, when it changed from
+    ``old`` to ``new`` without being seen in between: SLEEPING on the way down, WAKING on the way up.
+
+    A worker only moves between settled states through one of those (its state machine has no
+    direct edge), but the manager hears of a transition twice, over the telemetry stream and in the
+    RPC's answer, on different connections: when the answer overtakes the stream, the stream's
+    "WAKING" arrives after "AWAKE" and is rightly dropped as stale. Watchers are promised every
+    change in order, so the manager reports the state the worker passed through itself."""
+    if old not in _WAKEFULNESS or new not in _WAKEFULNESS or old == new:
+        return None
+    return WorkerState.WAKING if _WAKEFULNESS[new] > _WAKEFULNESS[old] else WorkerState.SLEEPING
+
 
 class _NamedProtoEnum(enum.StrEnum):
     """A StrEnum whose members map by name onto a proto enum (``<PREFIX>_<MEMBER NAME>``)."""
@@ -344,5 +360,6 @@ __all__ = [
     "actions_from_proto",
     "check_known_tags",
     "check_tag",
+    "passed_through",
     "plan_actions",
 ]

@@ -14,6 +14,7 @@ from managerproc import Cluster, get, wait_for, wait_state
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.vocabulary import WorkerState
 
 S = c.WorkerState
 
@@ -160,7 +161,8 @@ def test_late_telemetry_never_moves_a_worker_backwards(cluster: Cluster) -> None
     finally:
         watch.cancel()
     tos = [to for _, to in watch.changes("workers/scripted")]
-    assert tos == [S.WORKER_STATE_AWAKE], f"state changes after the wake: {_names(tos)}"
+    # the late WAKING is dropped, yet the watch skips no state: the manager reports what the wake passed
+    assert tos == [S.WORKER_STATE_WAKING, S.WORKER_STATE_AWAKE], f"state changes after the wake: {_names(tos)}"
     assert states == [S.WORKER_STATE_AWAKE]
 
 
@@ -184,3 +186,55 @@ def test_watch_filters_by_name_and_reports_a_newly_registered_worker(cluster: Cl
     ghost = only_ghost.of("workers/ghost")[0]
     assert ghost.WhichOneof("event") == "snapshot"
     assert ghost.snapshot.state == S.WORKER_STATE_UNAVAILABLE
+
+
+@pytest.mark.asyncio
+async def test_a_watch_sees_the_state_a_worker_passed_through_when_the_answer_overtakes_the_stream() -> None:
+    """The manager hears of a wake twice: the worker's telemetry stream says WAKING, then AWAKE, and
+    the WakeUp answer says AWAKE, on another connection. When the answer comes first, the stream's
+    WAKING is older than what was applied and is dropped; a watcher still sees ASLEEP → WAKING →
+    AWAKE, never a jump (the run through real processes above meets this only when timing is
+    unlucky, so the order is forced here)."""
+    from memsvc.manager.metrics import ManagerMetrics
+    from memsvc.manager.records import WorkerRecord
+    from memsvc.manager.telemetry import TelemetryIngest
+    from memsvc.manager.watch import WatchHub
+    from memsvc.v1 import model_worker_service_pb2 as w
+
+    hub = WatchHub()
+    queue = hub.subscribe()
+    ingest = TelemetryIngest(ManagerMetrics(), hub)
+    rec = WorkerRecord("a", "127.0.0.1:1", "h1")
+
+    def status(state: c.WorkerState.ValueType, t_ns: int) -> c.WorkerStatus:
+        st = c.WorkerStatus(state=state)
+        st.update_time.FromNanoseconds(t_ns)
+        return st
+
+    def stream_change(
+        frm: c.WorkerState.ValueType, to: c.WorkerState.ValueType, t_ns: int
+    ) -> w.StreamTelemetryResponse:
+        msg = w.StreamTelemetryResponse(state_change=c.StateChange(from_state=frm, to_state=to, reason="WakeUp"))
+        msg.time.FromNanoseconds(t_ns)
+        return msg
+
+    await ingest.set_status(rec, status(S.WORKER_STATE_ASLEEP, 1_000), True, "telemetry")
+    await ingest.set_status(rec, status(S.WORKER_STATE_AWAKE, 3_000), True, "WakeWorker")  # the answer
+    await ingest.on_telemetry(rec, stream_change(S.WORKER_STATE_ASLEEP, S.WORKER_STATE_WAKING, 2_000))  # late
+    await ingest.on_telemetry(rec, stream_change(S.WORKER_STATE_WAKING, S.WORKER_STATE_AWAKE, 2_500))  # late
+    # and down again, the Sleep's answer first
+    await ingest.set_status(rec, status(S.WORKER_STATE_ASLEEP, 5_000), True, "SleepWorker")
+    await ingest.on_telemetry(rec, stream_change(S.WORKER_STATE_AWAKE, S.WORKER_STATE_SLEEPING, 4_000))
+
+    events = [queue.get_nowait().message for _ in range(queue.qsize())]
+    changes = [(e.state_change.from_state, e.state_change.to_state, e.worker.state) for e in events]
+    A, Z, WK, SL = S.WORKER_STATE_AWAKE, S.WORKER_STATE_ASLEEP, S.WORKER_STATE_WAKING, S.WORKER_STATE_SLEEPING
+    assert changes == [
+        (S.WORKER_STATE_UNAVAILABLE, Z, Z),  # a new record reads unavailable until the worker speaks
+        (Z, WK, WK),
+        (WK, A, A),
+        (A, SL, SL),
+        (SL, Z, Z),
+    ], [(S.Name(f), S.Name(t)) for f, t, _ in changes]
+    assert [e.state_change.reason for e in events[1:3]] == ["WakeWorker", "WakeWorker"]
+    assert rec.state == WorkerState.ASLEEP

@@ -2,11 +2,13 @@
 their records, and the changes fanned out to WatchWorkers and the metrics.
 
 Status is ordered by when it was true at the worker, not when it arrived: a telemetry snapshot that
-reaches the manager after a Sleep response never moves the worker's state backwards.
+reaches the manager after a Sleep response never moves the worker's state backwards. Watchers still
+see every state the worker passed through, in order (see ``vocabulary.passed_through``).
 """
 
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -17,7 +19,7 @@ from memsvc.manager.watch import WatchEvent, WatchHub
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.vocabulary import AWAKE_STATES, BUSY_STATES, TransitionKind, WorkerState
+from memsvc.vocabulary import AWAKE_STATES, BUSY_STATES, TransitionKind, WorkerState, passed_through
 
 log = logging.getLogger("memsvc.manager")
 
@@ -52,9 +54,14 @@ class TelemetryIngest:
                         rec.worker_id, reason, len(rec.leases))  # fmt: skip
             self.metrics.leased_sleeps.labels(rec.worker_id).inc()
         if new != old:
-            msg = m.WatchWorkersResponse(worker=rec.to_proto())
-            msg.state_change.CopyFrom(c.StateChange(from_state=old.proto, to_state=new.proto, reason=reason))
-            self.publish(rec, msg)
+            steps = [old, new]
+            if (between := passed_through(old, new)) is not None:
+                steps.insert(1, between)  # the answer overtook the stream's news of the transition's start
+            for frm, to in itertools.pairwise(steps):
+                msg = m.WatchWorkersResponse(worker=rec.to_proto())
+                msg.worker.state = to.proto
+                msg.state_change.CopyFrom(c.StateChange(from_state=frm.proto, to_state=to.proto, reason=reason))
+                self.publish(rec, msg)
         self.update_metrics(rec)
         async with rec.changed:
             rec.changed.notify_all()
