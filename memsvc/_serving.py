@@ -16,8 +16,9 @@ from __future__ import annotations
 import asyncio
 import logging
 import signal
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Coroutine, Iterable
 from dataclasses import dataclass
+from typing import Any, TypeVar
 
 import grpc
 from google.protobuf import descriptor, descriptor_pb2, descriptor_pool
@@ -30,6 +31,8 @@ from memsvc._rpc_errors import ErrorMappingInterceptor
 from memsvc.errors import InvalidArgument
 
 log = logging.getLogger("memsvc.serving")
+
+T = TypeVar("T")
 
 SERVER_OPTIONS = [
     ("grpc.keepalive_time_ms", 30_000),
@@ -189,6 +192,31 @@ async def start_server(
     await server.start()
     host = listen.rsplit(":", 1)[0]
     return Server(server, hs, f"{host}:{port}")
+
+
+def run_service(main: Coroutine[Any, Any, T]) -> T:
+    """Run a service's ``main`` to its end on a new event loop (``asyncio.run``), then ignore stop
+    signals for the rest of the exit (see :func:`ignore_stop_signals`).
+
+    grpc.aio shuts its runtime down as soon as its last server or channel is freed, closing the
+    socket through which its poller thread wakes the loop. When that happens while the loop still
+    runs (a service that returns early, with its server stopped and dropped), a wake-up the loop has
+    already queued reads the closed socket, and asyncio prints "Exception in callback
+    PollerCompletionQueue._handle_events ... Bad file descriptor" on the way out of a clean exit.
+    An idle channel, opened first and freed only once the loop has closed, holds the runtime open
+    for the loop's whole life; it never connects.
+    """
+    keep: list[grpc.aio.Channel] = []
+
+    async def hold_grpc_open() -> T:
+        keep.append(grpc.aio.insecure_channel("unix:memsvc-unused"))
+        return await main
+
+    try:
+        return asyncio.run(hold_grpc_open())
+    finally:
+        keep.clear()  # the loop is closed: grpc's shutdown has no loop left to race
+        ignore_stop_signals()
 
 
 def install_signal_handlers(stop: asyncio.Event) -> None:

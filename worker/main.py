@@ -20,7 +20,7 @@ import time
 
 from memsvc._auth import Security
 from memsvc._logging import announce
-from memsvc._serving import ignore_stop_signals, install_signal_handlers, start_server
+from memsvc._serving import install_signal_handlers, run_service, start_server
 from memsvc.errors import MemsvcError
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -131,7 +131,4 @@ def run(
     advertise: str | None = None,
     security: Security | None = None,
 ) -> int:
-    try:
-        return asyncio.run(serve(config, listen, manager, advertise, security))
-    finally:
-        ignore_stop_signals()
+    return run_service(serve(config, listen, manager, advertise, security))

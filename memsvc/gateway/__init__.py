@@ -68,12 +68,9 @@ def run(
         if not server.started:
             raise SystemExit(f"memsvc gateway: could not serve on {listen}")
 
-    from memsvc._serving import ignore_stop_signals
+    from memsvc._serving import run_service
 
-    try:
-        asyncio.run(serve())
-    finally:
-        ignore_stop_signals()
+    run_service(serve())
     announce("memsvc gateway stopped")
     return 0
 

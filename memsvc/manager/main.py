@@ -9,7 +9,7 @@ from typing import Any
 
 from memsvc._auth import Security
 from memsvc._logging import announce
-from memsvc._serving import Server, ignore_stop_signals, install_signal_handlers, start_server
+from memsvc._serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
@@ -97,7 +97,4 @@ def run(
     policy: dict[str, Any],
     security: Security | None = None,
 ) -> int:
-    try:
-        return asyncio.run(serve(listen, db, config, metrics_listen, policy, security))
-    finally:
-        ignore_stop_signals()
+    return run_service(serve(listen, db, config, metrics_listen, policy, security))
