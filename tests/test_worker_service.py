@@ -1026,9 +1026,20 @@ def round_trip(wp: WorkerProcess) -> None:
 
 
 def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grpc.Future[w.GenerateResponse]:
-    """A Generate that keeps the device thread busy for a while, received by the server on return."""
+    """A Generate that keeps the device thread busy for a while, running in the engine on return.
+
+    Received by the server is not enough: on a loaded machine a transition sent next can still reach
+    the device thread before the Generate is admitted there, and the Generate then finds the worker
+    asleep. Holding KV blocks means the engine has admitted it (a transition queued now waits for it).
+    """
     fut = wp.stub.Generate.future(w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=n), timeout=300)
     round_trip(wp)
+
+    def admitted() -> bool:
+        kv = status(wp.stub).kv_cache
+        return kv.device_free_block_count < kv.device_block_count or fut.done()
+
+    wait_for(admitted, "the long Generate to hold KV blocks")
     return fut
 
 
