@@ -11,7 +11,7 @@ import argparse
 import os
 import re
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
@@ -67,11 +67,27 @@ class _HelpFormatter(argparse.HelpFormatter):
 
 
 class _Parser(argparse.ArgumentParser):
-    """Every command's parser, with :class:`_HelpFormatter`."""
+    """Every command's parser, with :class:`_HelpFormatter`, and the one check of MEMSVC_* values."""
 
     def __init__(self, *args: Any, **kwargs: Any) -> None:
         kwargs.setdefault("formatter_class", _HelpFormatter)
         super().__init__(*args, **kwargs)
+
+    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
+        """argparse converts a string default with the flag's type, but names the flag, not the
+        variable the value came from, and never checks a default against the flag's choices. A flag
+        left at its MEMSVC_<NAME> default gets both here: a bad variable is one line naming it,
+        exit 2 (``MEMSVC_LOG_FORMAT=xml`` used to be ignored, ``MEMSVC_LOG_LEVEL=loud`` a traceback)."""
+        if not isinstance(arg_string, _EnvDefault) or isinstance(arg_string, _OnOffDefault):
+            return super()._get_value(action, arg_string)
+        shown = f"{arg_string.variable}={str(arg_string)!r}"
+        try:
+            value = super()._get_value(action, arg_string)
+        except argparse.ArgumentError as exc:
+            self.error(f"{shown}: {exc.message}")
+        if action.choices is not None and value not in action.choices:
+            self.error(f"{shown}: expected one of {', '.join(map(str, action.choices))}")
+        return value
 
 
 ENV_TRUE = frozenset({"1", "true", "yes", "on"})
@@ -118,6 +134,56 @@ def parse_bytes(text: str) -> int:
     if not m or unit not in _UNITS:
         raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 8Gi, 8GiB, 16GB)")
     return int(float(m.group(1)) * _UNITS[unit])
+
+
+def listen_address(text: str) -> str:
+    """``host:port`` to serve on (port 0: any free one), checked before anything starts: a typo is a
+    usage error naming the flag or its variable, not a traceback from the server library."""
+    host, sep, port = text.strip().rpartition(":")
+    if not sep or not host or not port.isdigit() or int(port) > 65535:
+        raise argparse.ArgumentTypeError(f"not a host:port address: {text!r}")
+    return text.strip()
+
+
+def _listen_or_none(text: str) -> str:
+    """A listen address, or '' for "do not serve this"."""
+    return "" if text.strip() == "" else listen_address(text)
+
+
+def _int_at_least(minimum: int) -> Callable[[str], int]:
+    """A flag's type: an integer >= ``minimum`` (a count of blocks or requests, a device ordinal)."""
+
+    def parse_int(text: str) -> int:
+        try:
+            value = int(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
+        if value < minimum:
+            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
+        return value
+
+    return parse_int
+
+
+def _seconds(text: str) -> float:
+    """A flag's type: a finite number of seconds >= 0."""
+    value = _seconds_or_unset(text)
+    if value is None:
+        raise argparse.ArgumentTypeError("not a number of seconds: ''")
+    return value
+
+
+def _seconds_or_unset(text: str) -> float | None:
+    """Seconds (not negative), or '' for "not set here" (the store's or config's value stands)."""
+    if text.strip() == "":
+        return None
+    try:
+        value = float(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
+    if not value >= 0 or value == float("inf"):
+        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
+    return value
 
 
 def _reserve_size(text: str) -> int | str:
@@ -200,7 +266,10 @@ def _security_kwargs(sec: object) -> dict[str, object]:
 def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("worker", help="serve one model on one device (ModelWorkerService)")
     p.add_argument(
-        "--listen", default=env("WORKER_LISTEN", "127.0.0.1:50061"), help="host:port to serve on (0: any port)"
+        "--listen",
+        type=listen_address,
+        default=env("WORKER_LISTEN", "127.0.0.1:50061"),
+        help="host:port to serve on (0: any port)",
     )
     p.add_argument(
         "--model", default=env("MODEL", "synthetic:tiny"), help="HF-layout checkpoint dir or synthetic:<preset>"
@@ -209,17 +278,22 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"),
         help="cuda, host (CPU memory: the allocator without a GPU), or auto: cuda when a GPU is present",
     )  # fmt: skip
-    p.add_argument("--device", type=int, default=env("DEVICE", "0"), help="CUDA device ordinal")
+    p.add_argument("--device", type=_int_at_least(0), default=env("DEVICE", "0"), help="CUDA device ordinal")
     p.add_argument("--worker-id", default=env("WORKER_ID", ""), help="registration name (default: <hostname>-<device>)")
-    p.add_argument("--kv-blocks", type=int, default=env("KV_BLOCKS", "256"), help="device KV cache blocks")
-    p.add_argument("--host-kv-blocks", type=int, default=env("HOST_KV_BLOCKS", "256"), help="host KV blocks (swap)")
-    p.add_argument("--block-size", type=int, default=16, help="tokens per KV block")
+    p.add_argument("--kv-blocks", type=_int_at_least(1), default=env("KV_BLOCKS", "256"), help="device KV cache blocks")
     p.add_argument(
-        "--max-batch", type=int, default=env("MAX_BATCH", "64"), help="requests one engine step runs at most"
+        "--host-kv-blocks", type=_int_at_least(1), default=env("HOST_KV_BLOCKS", "256"), help="host KV blocks (swap)"
+    )
+    p.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
+    p.add_argument(
+        "--max-batch",
+        type=_int_at_least(1),
+        default=env("MAX_BATCH", "64"),
+        help="requests one engine step runs at most",
     )
     p.add_argument(
         "--max-step-tokens",
-        type=int,
+        type=_int_at_least(1),
         default=env("MAX_STEP_TOKENS", "2048"),
         help="tokens one engine step feeds at most (long prompts are read in chunks)",
     )
@@ -284,7 +358,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--drain-timeout",
-        type=float,
+        type=_seconds,
         default=env("DRAIN_TIMEOUT", "30"),
         help="seconds calls in flight get on SIGTERM before they are cancelled",
     )
@@ -296,24 +370,29 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     from memsvc._limits import MAX_GATEWAY_REQUESTS
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a manager's workers")
-    p.add_argument("--listen", default=env("GATEWAY_LISTEN", "127.0.0.1:8000"), help="host:port to serve HTTP on")
+    p.add_argument(
+        "--listen",
+        type=listen_address,
+        default=env("GATEWAY_LISTEN", "127.0.0.1:8000"),
+        help="host:port to serve HTTP on",
+    )
     p.add_argument("--manager", default=env("MANAGER", "127.0.0.1:50051"), help="the manager's address")
     p.add_argument(
         "--wake-timeout",
-        type=float,
+        type=_seconds,
         default=env("WAKE_TIMEOUT", "300"),
         help="seconds a request waits for its model's worker to be leased (and woken)",
     )
     p.add_argument(
         "--queue-timeout",
-        type=float,
+        type=_seconds,
         default=env("QUEUE_TIMEOUT", "30"),
         help="seconds a request waits for room on its model's device while every other worker there is busy "
         "(then 503 with Retry-After)",
     )
     p.add_argument(
         "--max-requests",
-        type=int,
+        type=_int_at_least(1),
         default=env("GATEWAY_MAX_REQUESTS", str(MAX_GATEWAY_REQUESTS)),
         help="completions served at once, streaming or queued for room (then 503 with Retry-After)",
     )
@@ -324,41 +403,42 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     p = sub.add_parser("manager", help="serve MemoryManagerService")
     p.add_argument(
-        "--listen", default=env("MANAGER_LISTEN", "127.0.0.1:50051"), help="host:port to serve on (0: any port)"
+        "--listen",
+        type=listen_address,
+        default=env("MANAGER_LISTEN", "127.0.0.1:50051"),
+        help="host:port to serve on (0: any port)",
     )
     p.add_argument("--db", default=env("DB", "memsvc-manager.db"), help="SQLite file: policies, registrations, leases")
     p.add_argument("--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing")
-    p.add_argument("--metrics-listen", default=env("METRICS_LISTEN", ""), help="host:port of Prometheus /metrics")
+    p.add_argument(
+        "--metrics-listen",
+        type=_listen_or_none,
+        default=env("METRICS_LISTEN", ""),
+        help="host:port of Prometheus /metrics",
+    )
     _policy_flags(p)
     _server_auth_flags(p)
     _log_flags(p)
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
-    t1, t2 = env("IDLE_SLEEP_TIMEOUT", ""), env("IDLE_DEEP_SLEEP_TIMEOUT", "")
     p.add_argument(
         "--idle-sleep-timeout",
-        type=float,
-        default=float(t1) if t1 else None,
+        type=_seconds_or_unset,
+        default=env("IDLE_SLEEP_TIMEOUT", ""),
         help="seed: seconds idle before tier 1 (0: never)",
     )
     p.add_argument(
         "--idle-deep-sleep-timeout",
-        type=float,
-        default=float(t2) if t2 else None,
+        type=_seconds_or_unset,
+        default=env("IDLE_DEEP_SLEEP_TIMEOUT", ""),
         help="seed: seconds idle before tier 2, level 2 (0: never)",
     )
 
 
-def _policy_seed(args: argparse.Namespace, parser: argparse.ArgumentParser) -> dict[str, float]:
-    seed = {}
-    for name in ("idle_sleep_timeout", "idle_deep_sleep_timeout"):
-        value = getattr(args, name)
-        if value is not None:
-            if value < 0:
-                parser.error(f"--{name.replace('_', '-')} must not be negative")
-            seed[name] = value
-    return seed
+def _policy_seed(args: argparse.Namespace) -> dict[str, float]:
+    names = ("idle_sleep_timeout", "idle_deep_sleep_timeout")
+    return {name: value for name in names if (value := getattr(args, name)) is not None}
 
 
 def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -632,7 +712,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         security = _security(args, parser, server=True)
         return run_manager(
-            args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args, parser),
+            args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args),
             **_security_kwargs(security),  # type: ignore[arg-type]
         )  # fmt: skip
     if args.command == "gateway":
@@ -668,9 +748,6 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.config import WorkerConfig
         from worker.main import run
 
-        for name in ("kv_blocks", "host_kv_blocks", "block_size", "max_batch"):
-            if getattr(args, name) <= 0:
-                parser.error(f"--{name.replace('_', '-')} must be > 0")
         if args.max_step_tokens < args.max_batch:
             parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
         config = WorkerConfig(

@@ -35,6 +35,48 @@ def test_a_bad_variable_is_one_line_and_exit_2_and_help_still_works(var: str, va
     assert r.stderr.strip().splitlines()[-1].startswith("memsvc")
 
 
+def _variables_with_a_form() -> list[tuple[str, str]]:
+    """(command, variable) for every MEMSVC_* variable a service command reads whose value has a form
+    to check (a number, size, address, choice or on/off), found in the parser itself, so a flag added
+    later is covered without touching this list. Free-form strings (paths, names) have no form."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    found = []
+    for command in ("worker", "manager", "gateway"):
+        for action in sub.choices[command]._actions:
+            variable = getattr(action.default, "variable", None)
+            if variable and (
+                action.type is not None or action.choices is not None or "--no-" in str(action.option_strings)
+            ):
+                found.append((command, variable))
+    return found
+
+
+_FORMED = _variables_with_a_form()
+
+
+def test_the_table_of_checked_variables_is_the_whole_set() -> None:
+    """The ones the issue found (log format and level, listen addresses, idle timeouts) are among them."""
+    names = {v for _, v in _FORMED}
+    issue = {"MEMSVC_LOG_FORMAT", "MEMSVC_LOG_LEVEL", "MEMSVC_GATEWAY_LISTEN", "MEMSVC_IDLE_SLEEP_TIMEOUT"}
+    others = {"MEMSVC_MANAGER_LISTEN", "MEMSVC_WORKER_LISTEN", "MEMSVC_KV_BLOCKS", "MEMSVC_CHECKSUM", "MEMSVC_BACKEND"}
+    assert issue | others <= names, names
+    assert len(_FORMED) >= 25, _FORMED
+
+
+@pytest.mark.parametrize(("command", "variable"), _FORMED)
+def test_every_variable_with_a_bad_value_is_one_line_naming_it_and_exit_2(command: str, variable: str) -> None:
+    """MEMSVC_LOG_FORMAT=xml was ignored; MEMSVC_LOG_LEVEL=loud, MEMSVC_GATEWAY_LISTEN=nonsense and
+    MEMSVC_IDLE_SLEEP_TIMEOUT=abc were tracebacks with exit 1. Each is the command's usage error
+    now, naming the variable and its value, before anything starts."""
+    bad = "not-a-value!"
+    r = run([command], **{variable: bad})
+    assert r.returncode == 2, (variable, r.returncode, r.stderr[-2000:])
+    assert "Traceback" not in r.stderr, r.stderr
+    last = r.stderr.strip().splitlines()[-1]
+    assert last.startswith("memsvc") and variable in last and bad in last, r.stderr
+
+
 @pytest.mark.parametrize(("value", "expected"), [
     ("1", True), ("true", True), ("True", True), ("YES", True), ("on", True),
     ("0", False), ("false", False), ("No", False), ("off", False),

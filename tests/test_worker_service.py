@@ -1136,7 +1136,7 @@ def test_health_serving_and_sigterm_drains() -> None:
     [
         (["--model", "/nonexistent/ckpt"], 2, "config.json does not exist"),  # the user's error: one line
         (["--model", "synthetic:no-such-preset"], 2, "unknown synthetic preset"),
-        (["--kv-blocks", "0"], 2, "--kv-blocks must be > 0"),
+        (["--kv-blocks", "0"], 2, "argument --kv-blocks: must be an integer >= 1"),
     ],
 )
 def test_worker_that_cannot_start_exits_nonzero_and_says_why(args: list[str], code: int, says: str) -> None:
