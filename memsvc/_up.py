@@ -4,9 +4,10 @@ Where there is no GPU the worker uses the host backend and a small synthetic mod
 anywhere. All are child processes; SIGINT/SIGTERM stops them all, and if one dies the others are
 stopped too. The gateway dials the manager with the same auth settings (the MEMSVC_* variables).
 
-Auth (``--token-file``, ``--tls-cert/--tls-key``, ``--tls-ca``, ``--tls-client-ca``) reaches both
-children as their MEMSVC_* variables: they serve with the same token and certificate and dial each
-other with the same CA (the certificate needs a SAN for the listen host, e.g. 127.0.0.1).
+Auth (``--token-file``, ``--tls-cert/--tls-key``, ``--tls-ca``, ``--tls-client-ca``) and logging
+(``--log-level``, ``--log-format``) reach every child as its MEMSVC_* variables: they serve with the
+same token and certificate and dial each other with the same CA (the certificate needs a SAN for the
+listen host, e.g. 127.0.0.1).
 """
 
 from __future__ import annotations
@@ -36,11 +37,11 @@ def run(
     backend: str,
     idle_sleep_timeout: float,
     idle_deep_sleep_timeout: float,
-    auth_env: dict[str, str] | None = None,
+    child_vars: dict[str, str] | None = None,
     gateway_listen: str = "127.0.0.1:8000",
 ) -> int:
     Path(state_dir).mkdir(parents=True, exist_ok=True)
-    child_env = {**os.environ, **(auth_env or {})}
+    child_env = {**os.environ, **(child_vars or {})}
     exe = [sys.executable, "-m", "memsvc.cli"]
     manager = subprocess.Popen(
         [

@@ -441,10 +441,14 @@ def _policy_seed(args: argparse.Namespace) -> dict[str, float]:
     return {name: value for name in names if (value := getattr(args, name)) is not None}
 
 
+def _manager_flag(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--manager", default=None, help="manager address (default $MEMSVC_MANAGER or 127.0.0.1:50051)")
+
+
 def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
     for name, text in (("status", "list workers"), ("watch", "live table of workers")):
         p = sub.add_parser(name, help=text)
-        p.add_argument("--manager", default=None, help="manager address (default $MEMSVC_MANAGER or 127.0.0.1:50051)")
+        _manager_flag(p)
         if name == "status":
             p.add_argument(
                 "--json", action="store_true", help="ListWorkers as JSON (the proto JSON mapping, .proto field names)"
@@ -453,46 +457,83 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p = sub.add_parser("leases", help="list the live leases (an operator who lost a lease id finds it here)")
     p.add_argument("--worker", default="", help="only this worker's")
     p.add_argument("--json", action="store_true", help="ListLeases as JSON (the proto JSON mapping)")
-    p.add_argument("--manager", default=None)
+    _manager_flag(p)
     _client_auth_flags(p)
     p = sub.add_parser("release", help="end a lease now (ReleaseWorker)")
     p.add_argument("lease_id")
-    p.add_argument("--manager", default=None)
+    _manager_flag(p)
     _client_auth_flags(p)
     p = sub.add_parser("sleep", help="put a worker to sleep")
     p.add_argument("worker")
     p.add_argument("--level", type=int, choices=[1, 2], default=None, help="default: the policy's tag actions")
-    p.add_argument("--manager", default=None)
+    _manager_flag(p)
     _client_auth_flags(p)
     p = sub.add_parser("wake", help="wake a worker")
     p.add_argument("worker")
     p.add_argument("--tags", nargs="*", default=[], help="wake only these tags")
-    p.add_argument("--manager", default=None)
+    _manager_flag(p)
     _client_auth_flags(p)
     p = sub.add_parser(
         "health", help="grpc.health.v1 check, or an HTTP GET; exit 0 when SERVING or 2xx (container health checks)"
     )
     p.add_argument("address", help="host:port (gRPC), or an http:// URL (the gateway's /healthz)")
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
-    p.add_argument("--timeout", type=float, default=3.0)
+    p.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the answer")
     _client_auth_flags(p)
     p = sub.add_parser("up", help="run a manager, one worker and the OpenAI gateway on this machine")
-    p.add_argument("--manager-listen", default="127.0.0.1:50051")
-    p.add_argument("--worker-listen", default="127.0.0.1:50061")
-    p.add_argument("--metrics-listen", default="127.0.0.1:9400")
-    p.add_argument("--gateway-listen", default="127.0.0.1:8000", help="the OpenAI-compatible HTTP gateway ('' : none)")
+    p.add_argument(
+        "--manager-listen",
+        type=listen_address,
+        default="127.0.0.1:50051",
+        help="host:port the manager serves gRPC on (the worker and the gateway dial it there)",
+    )
+    p.add_argument(
+        "--worker-listen", type=listen_address, default="127.0.0.1:50061", help="host:port the worker serves gRPC on"
+    )
+    p.add_argument(
+        "--metrics-listen",
+        type=_listen_or_none,
+        default="127.0.0.1:9400",
+        help="host:port of the manager's Prometheus /metrics ('': none)",
+    )
+    p.add_argument(
+        "--gateway-listen",
+        type=_listen_or_none,
+        default="127.0.0.1:8000",
+        help="the OpenAI-compatible HTTP gateway ('': none)",
+    )
     p.add_argument("--state-dir", default=".memsvc", help="where the manager keeps its database")
     p.add_argument("--model", default=None, help="default: synthetic:1b on a GPU, synthetic:small without")
-    p.add_argument("--backend", choices=["auto", "cuda", "host"], default="auto")
-    p.add_argument("--idle-sleep-timeout", type=float, default=300.0)
-    p.add_argument("--idle-deep-sleep-timeout", type=float, default=3600.0)
+    p.add_argument(
+        "--backend",
+        choices=["auto", "cuda", "host"],
+        default="auto",
+        help="the worker's: cuda, host (CPU memory), or auto: cuda when a GPU is present",
+    )
+    p.add_argument(
+        "--idle-sleep-timeout",
+        type=_seconds,
+        default=300.0,
+        help="seconds idle before a worker sleeps (tier 1, level 1; 0: never)",
+    )
+    p.add_argument(
+        "--idle-deep-sleep-timeout",
+        type=_seconds,
+        default=3600.0,
+        help="seconds idle before a sleeper drops to level 2 (tier 2; 0: never)",
+    )
+    _log_flags(p)
     g = p.add_argument_group("auth (passed to both services; see memsvc manager --help)")
     g.add_argument("--token-file", default=None, help="bearer token file for both services and their channels")
     g.add_argument("--tls-cert", default=None, help="certificate (SAN 127.0.0.1) both services serve TLS with")
-    g.add_argument("--tls-key", default=None)
+    g.add_argument("--tls-key", default=None, help="key of --tls-cert (PEM)")
     g.add_argument("--tls-ca", default=None, help="CA the manager and the worker verify each other with")
-    g.add_argument("--tls-client-ca", default=None, help="require client certificates (mTLS; --tls-cert is then the "
-                   "client certificate too, so it needs the clientAuth usage)")  # fmt: skip
+    g.add_argument(
+        "--tls-client-ca",
+        default=None,
+        help="require client certificates (mTLS; --tls-cert is then the "
+        "client certificate too, so it needs the clientAuth usage)",
+    )
 
 
 def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") -> Table:
@@ -545,11 +586,23 @@ def _lease_table(leases: Sequence[m.Lease]) -> Table:
     return table
 
 
+def _already_there(command: str, tags: Sequence[str], worker: m.Worker) -> bool:
+    """A refused ``memsvc sleep``/``wake`` whose worker is already where it asked: asleep (with no
+    lease, which would be the refusal's reason), or awake, or every tag it named awake."""
+    from memsvc.vocabulary import TagState, WorkerState
+
+    state = WorkerState.of(worker.state)
+    if command == "sleep":
+        return state == WorkerState.ASLEEP and worker.lease_count == 0
+    awake = {t.tag for t in worker.status.tags if t.state == TagState.AWAKE.proto}
+    return state == WorkerState.AWAKE or (bool(tags) and set(tags) <= awake)
+
+
 def _ops(args: argparse.Namespace, security: object) -> int:
     from rich.console import Console
 
     from memsvc.client import ManagerClient, state_name
-    from memsvc.errors import MemsvcError
+    from memsvc.errors import MemsvcError, WrongState
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs get whole addresses
     try:
@@ -559,7 +612,11 @@ def _ops(args: argparse.Namespace, security: object) -> int:
 
                 _print_json(mm.ListWorkersResponse(workers=client.workers()))
             elif args.command == "status":
-                console.print(_status_table(client.workers()))
+                workers = client.workers()
+                if workers:
+                    console.print(_status_table(workers))
+                else:
+                    console.print(f"no workers are registered with the manager at {client.address}")
             elif args.command == "leases":
                 leases = client.leases(args.worker)
                 if args.json:
@@ -572,12 +629,21 @@ def _ops(args: argparse.Namespace, security: object) -> int:
                 worker = client.release(args.lease_id)
                 console.print(f"released {args.lease_id}: {worker.name} holds {worker.lease_count} lease(s) now")
             elif args.command in ("sleep", "wake"):
-                if args.command == "sleep":
-                    done = client.sleep(args.worker, args.level or 0)
-                    worker, t = done.worker, done.transition
-                else:
-                    woke = client.wake(args.worker, args.tags)
-                    worker, t = woke.worker, woke.transition
+                try:
+                    if args.command == "sleep":
+                        done = client.sleep(args.worker, args.level or 0)
+                        worker, t = done.worker, done.transition
+                    else:
+                        woke = client.wake(args.worker, args.tags)
+                        worker, t = woke.worker, woke.transition
+                except WrongState:
+                    # Refused because it is already there (the RPCs say FAILED_PRECONDITION): done, as
+                    # vLLM's /wake_up and Ollama's loads are; any other refusal stays an error.
+                    current = client.worker(args.worker)
+                    if not _already_there(args.command, getattr(args, "tags", []), current):
+                        raise
+                    console.print(f"{current.name}: already {state_name(current.state)}")
+                    return 0
                 console.print(
                     f"{worker.name}: {state_name(worker.state)} "
                     f"({t.moved_bytes} bytes in {t.duration.ToNanoseconds() / 1e9:.3f} s)"
@@ -734,9 +800,13 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.idle_sleep_timeout,
             args.idle_deep_sleep_timeout,
             {
-                f"MEMSVC_{name.upper()}": os.path.abspath(value)
-                for name in ("token_file", "tls_cert", "tls_key", "tls_ca", "tls_client_ca")
-                if (value := getattr(args, name))
+                **{
+                    f"MEMSVC_{name.upper()}": os.path.abspath(value)
+                    for name in ("token_file", "tls_cert", "tls_key", "tls_ca", "tls_client_ca")
+                    if (value := getattr(args, name))
+                },
+                "MEMSVC_LOG_LEVEL": args.log_level,
+                "MEMSVC_LOG_FORMAT": args.log_format,
             },
             args.gateway_listen,
         )

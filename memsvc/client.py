@@ -64,6 +64,9 @@ class ManagerClient:
             if not token:
                 return out
 
+    def worker(self, worker: str) -> m.Worker:
+        return self._call("GetWorker", m.GetWorkerRequest(name=worker_name(worker))).worker  # type: ignore[no-any-return]
+
     def sleep(self, worker: str, level: int = 0, timeout: float = 600.0) -> m.SleepWorkerResponse:
         return self._call("SleepWorker", m.SleepWorkerRequest(name=worker_name(worker), level=level), timeout)  # type: ignore[arg-type, no-any-return]
 

@@ -206,3 +206,19 @@ def test_services_log_json_lines_at_the_level_asked(tmp_path: Path, command: str
         assert all({"time", "level", "logger", "message"} <= set(r) for r in records), err
         levels = {r["level"] for r in records}
         assert ("info" in levels) == want_info, (level, levels, err)
+
+
+def test_every_flag_of_every_command_says_what_it_is_for() -> None:
+    """``memsvc up --help`` listed --manager-listen with no word of help, and others with it."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    silent = [
+        f"{command} {action.option_strings[0]}"
+        for command, p in sub.choices.items()
+        for action in p._actions
+        if action.option_strings
+        and action.help != argparse.SUPPRESS
+        and not (action.help or "").strip()
+        and not isinstance(action, argparse._HelpAction)
+    ]
+    assert silent == [], silent

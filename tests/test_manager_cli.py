@@ -100,7 +100,7 @@ def test_sleep_and_wake_change_the_state(mgr: ManagerProcess) -> None:
         (["sleep", "nobody"], "NOT_FOUND"),
         (["wake", "nobody"], "NOT_FOUND"),
         (["sleep", "a/b"], "INVALID_ARGUMENT"),
-        (["wake", "cli-a"], "FAILED_PRECONDITION"),  # already awake
+        (["wake", "cli-a", "--tags", "no-such-tag"], "INVALID_ARGUMENT"),
     ],
 )
 def test_a_refused_command_exits_1_with_the_status_and_changes_nothing(
@@ -111,6 +111,26 @@ def test_a_refused_command_exits_1_with_the_status_and_changes_nothing(
     assert r.returncode == 1, r.stdout + r.stderr
     assert code in r.stdout and "Traceback" not in r.stdout + r.stderr
     assert [get(mgr.stub, w).state for w in ("cli-a", "cli-b")] == before
+
+
+def test_sleep_and_wake_of_a_worker_already_there_are_done_not_errors(mgr: ManagerProcess) -> None:
+    """As vLLM's /wake_up and Ollama's loads are: the RPC still refuses (FAILED_PRECONDITION), the
+    command sees the worker is where it asked and exits 0 saying so, changing nothing."""
+    r = memsvc("wake", "cli-a", "--manager", mgr.address)
+    assert r.returncode == 0 and "workers/cli-a: already awake" in r.stdout, r.stdout + r.stderr
+    r = memsvc("wake", "cli-a", "--tags", "weights", "--manager", mgr.address)
+    assert r.returncode == 0 and "already awake" in r.stdout, r.stdout + r.stderr
+    assert memsvc("sleep", "cli-a", "--manager", mgr.address).returncode == 0
+    wait_state(mgr.stub, "cli-a", c.WORKER_STATE_ASLEEP)
+    try:
+        before = get(mgr.stub, "cli-a")
+        r = memsvc("sleep", "cli-a", "--manager", mgr.address)
+        assert r.returncode == 0 and "workers/cli-a: already asleep" in r.stdout, r.stdout + r.stderr
+        after = get(mgr.stub, "cli-a")
+        assert after.state == c.WORKER_STATE_ASLEEP and tags(after) == tags(before)
+    finally:
+        assert memsvc("wake", "cli-a", "--manager", mgr.address).returncode == 0
+        wait_state(mgr.stub, "cli-a", c.WORKER_STATE_AWAKE)
 
 
 def test_sleep_of_a_leased_worker_is_refused(mgr: ManagerProcess) -> None:
@@ -159,3 +179,15 @@ def test_leases_lists_them_and_release_ends_one(mgr: ManagerProcess) -> None:
     finally:
         for lease in held[1:]:
             mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+
+
+def test_status_of_a_manager_without_workers_says_so(tmp_path: Path) -> None:
+    """Not an empty table: one line a newcomer can read."""
+    cl = Cluster(tmp_path)
+    try:
+        alone = cl.manager()
+        r = memsvc("status", "--manager", alone.address)
+        assert r.returncode == 0, r.stdout + r.stderr
+        assert r.stdout.strip() == f"no workers are registered with the manager at {alone.address}", r.stdout
+    finally:
+        cl.close()

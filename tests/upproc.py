@@ -74,7 +74,9 @@ class Up:
 
     WORKER_ID = "local0"
 
-    def __init__(self, state_dir: Path, ports: Sequence[int], model: str = "synthetic:tiny") -> None:
+    def __init__(
+        self, state_dir: Path, ports: Sequence[int], model: str = "synthetic:tiny", extra: Sequence[str] = ()
+    ) -> None:
         manager_port, worker_port, metrics_port = ports
         self.manager_address = f"127.0.0.1:{manager_port}"
         self.worker_address = f"127.0.0.1:{worker_port}"
@@ -82,7 +84,7 @@ class Up:
         self.gateway_url = f"http://127.0.0.1:{free_port()}"
         argv = [*MEMSVC, "up", "--manager-listen", self.manager_address, "--worker-listen", self.worker_address,
                 "--metrics-listen", self.metrics_address, "--gateway-listen", self.gateway_url.removeprefix("http://"),
-                "--state-dir", str(state_dir), "--backend", "host", "--model", model]  # fmt: skip
+                "--state-dir", str(state_dir), "--backend", "host", "--model", model, *extra]  # fmt: skip
         self.proc = Proc(argv, name="memsvc up")
         self._channel: grpc.Channel | None = None
         self.stub: m_grpc.MemoryManagerServiceStub | None = None
