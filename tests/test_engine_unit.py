@@ -122,3 +122,36 @@ def test_stop_at_context_ends_at_the_models_length_instead_of_refusing(alloc: Me
     with pytest.raises(InvalidArgument, match="no room"):
         runner.run(GenerationRequest([7] * 2048, 5, stop_at_context=True))
     assert runner.kv_cache.stats()["device_free_blocks"] == 160
+
+
+def test_a_request_for_more_than_the_whole_pool_is_refused_naming_the_flag(alloc: MemoryAllocator) -> None:
+    """Prompt and max_new_tokens past every block of the pool (8 of 4 tokens): INVALID_ARGUMENT (the
+    gateway's 400) naming the limit and the flag that sets it, and nothing is taken."""
+    runner = ModelRunner(alloc, "synthetic:small", 8, 4, block_size=4)
+    with pytest.raises(InvalidArgument, match=r"the KV cache holds 32 .*--kv-blocks"):
+        runner.run(GenerationRequest([2] * 10, 30))  # feeds 39 tokens: 10 blocks
+    assert runner.kv_cache.stats()["device_free_blocks"] == 8 and not runner.kv_cache.sequences
+    assert len(runner.run(GenerationRequest([2] * 10, 23, ignore_eos=True)).tokens) == 23  # feeds 32: fits
+
+
+def test_up_to_max_new_tokens_ends_where_the_pool_ends(alloc: MemoryAllocator) -> None:
+    """The OpenAI client's default (max_tokens unset: the gateway asks for up to 4096) on a pool
+    smaller than that: blocks are taken as tokens are made, and the pool ends the generation with
+    LENGTH, the tokens those of an explicit request for exactly that many; alone or several at
+    once (they preempt each other and still get their alone tokens)."""
+    runner = ModelRunner(alloc, "synthetic:small", 8, 4, block_size=4)  # 32 tokens fed at most
+    prompt = [3, 1, 4, 1, 5, 9, 2, 6, 5, 3]
+    r = runner.run(GenerationRequest(prompt, 4096, ignore_eos=True, stop_at_context=True))
+    assert r.finish_reason == FinishReason.LENGTH and len(r.tokens) == 32 + 1 - len(prompt)
+    assert r.tokens == runner.run(GenerationRequest(prompt, len(r.tokens), ignore_eos=True)).tokens
+    assert runner.kv_cache.stats()["device_free_blocks"] == 8
+    reqs = [
+        GenerationRequest(q.prompt, 4096, sampling=q.sampling, ignore_eos=True, stop_at_context=True)
+        for q in requests(3, prompt_len=8)
+    ]
+    alone = [runner.run(q).tokens for q in reqs]
+    assert [len(t) for t in alone] == [33 - len(q.prompt) for q in reqs]
+    before = runner.engine.preemptions
+    assert concurrently(runner, reqs) == alone
+    assert runner.engine.preemptions > before, "three sequences of a whole pool each were meant to preempt"
+    assert runner.kv_cache.stats()["device_free_blocks"] == 8 and not runner.kv_cache.sequences

@@ -394,6 +394,33 @@ def test_without_max_tokens_a_chat_ends_at_the_models_context(stack: Stack) -> N
     wait_for(stack.leases, lambda n: n == 0, "the lease to be released")
 
 
+def test_without_max_tokens_a_chat_on_a_kv_pool_smaller_than_the_context_ends_at_the_pool(tmp_path: Path) -> None:
+    """What every OpenAI client sends by default, on a worker whose KV cache (4 blocks of 16 tokens)
+    holds less than the model's context (512): the gateway asks for up to 4096 tokens, and the
+    worker used to reserve them all at admission and answer 503 for ever. Blocks are taken as the
+    tokens are made, so the answer runs until the pool is full: finish_reason "length"."""
+    path, _ = text_model(tmp_path)
+    mp = ManagerProcess(tmp_path / "manager.db").start()
+    try:
+        args = ["--model", str(path), "--manager", mp.address, "--worker-id", "small-kv", "--kv-blocks", "4"]
+        with WorkerProcess(args) as wp:
+            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                     lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
+            gw = GatewayProcess(mp.address).start()
+            try:
+                client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
+                chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
+                                                      extra_body={"ignore_eos": True})  # fmt: skip
+                assert chat.choices[0].finish_reason == "length" and chat.usage is not None
+                assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 4 * 16 + 1  # the last is not fed
+                kv = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+                assert kv.device_free_block_count == kv.device_block_count == 4
+            finally:
+                gw.kill()
+    finally:
+        mp.kill()
+
+
 def test_a_client_that_leaves_a_plain_request_stops_its_generation(
     two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
 ) -> None:

@@ -11,7 +11,9 @@ takes them from the newest running request, which is preempted: its blocks go ba
 the head of the queue, and on resume it re-reads its tokens (recomputation; the sampler keeps its
 state, so a seeded request draws the same random numbers as if nothing happened, and gets the same
 tokens wherever the recomputed K/V round as the decoded ones did). A request that could not
-fit even alone fails at once with OutOfMemory; no request fails because others hold blocks.
+fit even alone fails at once: INVALID_ARGUMENT past the whole pool, OutOfMemory past what kept
+sequences leave of it; no request fails because running ones hold blocks. One that asks for "up to"
+(``stop_at_context``) ends where the context or the pool would end it, with finish reason LENGTH.
 
 Threads: :meth:`Engine.submit` may be called from any thread; :meth:`Engine.step` runs on one
 thread at a time (the worker's device thread, between its sleeps and swaps, so those happen at
@@ -275,14 +277,27 @@ class Engine:
                 raise InvalidArgument(
                     f"the sequence is {before} tokens: no room for a new one in the model's {self._max_position}"
                 )
-        req.limit = n
         total = before + n
         if total > self._max_position:
             raise InvalidArgument(f"sequence would reach {total} tokens; the model allows {self._max_position}")
-        fed = total - 1 if n else total  # the last generated token is not fed
+        # Blocks are taken as tokens are made (admission needs the prompt's, each decode grows by one),
+        # so only what could never be had is refused here: more than the pool, or than what kept
+        # sequences leave of it. The last generated token is never fed, so it needs no block.
         temporary = {r.seq.handle for r in (*self._running, *self._waiting) if r.seq and r.request.sequence_id is None}
         held = sum(kv.blocks_of(s) for s in kv.sequences.values() if s is not existing and s.handle not in temporary)
+        room = (kv.device.num_blocks - held) * kv.block_size  # tokens this sequence can ever feed
+        if request.stop_at_context and n and before + n - 1 > room:
+            n = max(room + 1 - before, 0)  # like the context: the pool ends it (LENGTH), not a refusal
+        req.limit = n
+        fed = before + n - 1 if n else before
         need = -(-fed // kv.block_size)
+        pool = kv.device.num_blocks * kv.block_size
+        if need > kv.device.num_blocks:
+            raise InvalidArgument(
+                f"the sequence would reach {before + n} tokens; the KV cache holds {pool} ({kv.device.num_blocks} "
+                f"blocks of {kv.block_size} tokens: the worker's --kv-blocks)",
+                metadata={"neededBlocks": str(need), "kvCacheTokens": str(pool)},
+            )
         if need > kv.device.num_blocks - held:
             raise OutOfMemory(
                 f"KV cache: the request needs {need} device blocks; {kv.device.num_blocks} exist and kept "
