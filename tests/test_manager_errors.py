@@ -227,7 +227,10 @@ def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(uncha
             m.SleepWorkerRequest(name=REAL, level=c.SLEEP_LEVEL_2),
             m.SleepWorkerRequest(name=REAL, tag_actions={"kv_cache": c.TAG_ACTION_DISCARD}),
         ):
-            _expect(Code.FAILED_PRECONDITION, functools.partial(stub.SleepWorker, sleep_req, timeout=30))
+            err = _expect(Code.FAILED_PRECONDITION, functools.partial(stub.SleepWorker, sleep_req, timeout=30))
+            info = error_info(err)
+            assert info is not None and info.reason == "WRONG_STATE", info
+            assert info.metadata["workerId"] == "real" and info.metadata["leaseCount"] == "1", info
             assert view(get(stub, REAL)) == leased
         # Renewing with the right lease id on the wrong worker is NOT_FOUND, and changes no lease.
         req = m.AcquireWorkerRequest(name=GHOST, ttl=_dur(30), lease_id=lease.lease_id)
@@ -261,7 +264,11 @@ def test_bad_sleep_request_is_invalid_argument(unchanged: ManagerProcess, req: m
 
 
 def test_waking_an_awake_worker_is_failed_precondition(unchanged: ManagerProcess) -> None:
-    _expect(Code.FAILED_PRECONDITION, lambda: unchanged.stub.WakeWorker(m.WakeWorkerRequest(name=REAL), timeout=30))
+    """The worker's own refusal, relayed, names the worker (a client acting on many tells which)."""
+    req = m.WakeWorkerRequest(name=REAL)
+    err = _expect(Code.FAILED_PRECONDITION, lambda: unchanged.stub.WakeWorker(req, timeout=30))
+    info = error_info(err)
+    assert info is not None and info.reason == "WRONG_STATE" and info.metadata["workerId"] == "real", info
 
 
 @pytest.mark.parametrize(

@@ -22,6 +22,13 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import Action, SleepLevel, check_known_tags, plan_actions
 
 
+def _name_worker(exc: WrongState, rec: WorkerRecord) -> None:
+    """A refused transition's ErrorInfo names the worker (``workerId``): a client that sleeps many
+    workers, or the CLI's "already asleep", tells from the detail alone which one was in that state,
+    whether the manager refused (a lease) or relayed the worker's own refusal."""
+    exc.metadata.setdefault("workerId", rec.worker_id)
+
+
 class Transitions:
     def __init__(self, registry: Registry, calls: WorkerCalls, budgets: Budgets, replay: ReplayCache) -> None:
         self._registry = registry
@@ -43,7 +50,11 @@ class Transitions:
         check_known_tags(tag_actions, rec.tag_names())  # before any neighbour is demoted
 
         async def sleep(shared: Deadline) -> tuple[m.Worker, c.TransitionStats]:
-            t = await self._sleep(rec, level, tag_actions, request_id, shared)
+            try:
+                t = await self._sleep(rec, level, tag_actions, request_id, shared)
+            except WrongState as exc:
+                _name_worker(exc, rec)
+                raise
             return rec.to_proto(), t
 
         return await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id, deadline)
@@ -85,9 +96,13 @@ class Transitions:
         async def wake(shared: Deadline) -> tuple[m.Worker, c.TransitionStats]:
             async with rec.exclusive():
                 self._registry.link(rec)  # before any neighbour is evicted for a forgotten worker
-                t = await self._budgets.wake_with_room(
-                    rec, tags or None, shared, lambda: self._calls.wake(rec, tags, request_id, shared, "WakeWorker")
-                )
+                try:
+                    t = await self._budgets.wake_with_room(
+                        rec, tags or None, shared, lambda: self._calls.wake(rec, tags, request_id, shared, "WakeWorker")
+                    )
+                except WrongState as exc:
+                    _name_worker(exc, rec)
+                    raise
                 rec.idle_since = time.time()
                 rec.keep_alive = None  # an operator's wake starts an idle period of the policy's
                 return rec.to_proto(), t
