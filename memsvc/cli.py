@@ -2,7 +2,8 @@
 
 memsvc up                      manager + one worker on this machine (embedded defaults)
 memsvc manager | worker        the two services
-memsvc status | sleep | wake | watch    operate a running manager (--manager or $MEMSVC_MANAGER)
+memsvc status | sleep | wake | watch | leases | release | deregister | prune
+                               operate a running manager (--manager or $MEMSVC_MANAGER)
 """
 
 from __future__ import annotations
@@ -16,8 +17,10 @@ from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
     from google.protobuf.message import Message
+    from rich.console import Console
     from rich.table import Table
 
+    from memsvc.client import ManagerClient
     from memsvc.v1 import memory_manager_service_pb2 as m
 
 _UNITS = {
@@ -184,6 +187,17 @@ def _seconds_or_unset(text: str) -> float | None:
     if not value >= 0 or value == float("inf"):
         raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
     return value
+
+
+_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
+
+
+def _duration(text: str) -> float:
+    """A flag's type: a span of time, ``90s``, ``10m``, ``2h``, ``1d`` or plain seconds (not negative)."""
+    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
+    if not m or m.group(2).lower() not in _DURATION_UNITS:
+        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 10m, 2h, 1d, or seconds)")
+    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
 
 
 def _reserve_size(text: str) -> int | str:
@@ -463,6 +477,25 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     p.add_argument("lease_id")
     _manager_flag(p)
     _client_auth_flags(p)
+    p = sub.add_parser(
+        "deregister",
+        help="forget a worker (DeregisterWorker): a stopped one's model stops being listed; refused while leased",
+    )
+    p.add_argument("worker", help="worker id (or workers/<id>)")
+    _manager_flag(p)
+    _client_auth_flags(p)
+    p = sub.add_parser("prune", help="deregister every unreachable worker (stale registrations of stopped workers)")
+    p.add_argument(
+        "--unavailable", action="store_true", help="the workers to prune: those UNAVAILABLE (required: says what goes)"
+    )
+    p.add_argument(
+        "--older-than",
+        type=_duration,
+        default=0.0,
+        help="only those not seen for this long: 90s, 10m, 2h, 1d (default: every unavailable one)",
+    )
+    _manager_flag(p)
+    _client_auth_flags(p)
     p = sub.add_parser("sleep", help="put a worker to sleep")
     p.add_argument("worker")
     p.add_argument("--level", type=int, choices=[1, 2], default=None, help="default: the policy's tag actions")
@@ -598,10 +631,43 @@ def _already_there(command: str, tags: Sequence[str], worker: m.Worker) -> bool:
     return state == WorkerState.AWAKE or (bool(tags) and set(tags) <= awake)
 
 
+def _prune(client: ManagerClient, older_than_s: float, console: Console) -> int:
+    """Deregister the UNAVAILABLE workers not seen for ``older_than_s``: a stopped worker stays
+    registered (its model listed, the gateway answering 503 for it) until someone forgets it.
+    Workers from the manager's config file are kept (they would come back with its next start);
+    a leased one is refused by the manager and reported: exit 1 if any was."""
+    import time
+
+    from memsvc.errors import MemsvcError
+    from memsvc.vocabulary import WorkerState
+
+    now, failed, pruned = time.time(), 0, 0
+    for wk in client.workers():
+        if WorkerState.of(wk.state) != WorkerState.UNAVAILABLE:
+            continue
+        unseen = now - wk.last_seen_time.ToNanoseconds() / 1e9
+        if unseen < older_than_s:
+            continue
+        if wk.configured:
+            console.print(f"kept {wk.name}: it is in the manager's config file")
+            continue
+        try:
+            client.deregister(wk.name)
+        except MemsvcError as exc:
+            console.print(f"[red]error[/red] ({exc.status_name}): {wk.name}: {exc}")
+            failed += 1
+            continue
+        console.print(f"deregistered {wk.name} (unavailable, last seen {unseen:.0f} s ago)")
+        pruned += 1
+    if not pruned and not failed:
+        console.print("nothing to prune: no unavailable worker" + (" that old" if older_than_s else ""))
+    return 1 if failed else 0
+
+
 def _ops(args: argparse.Namespace, security: object) -> int:
     from rich.console import Console
 
-    from memsvc.client import ManagerClient, state_name
+    from memsvc.client import ManagerClient, state_name, worker_name
     from memsvc.errors import MemsvcError, WrongState
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs get whole addresses
@@ -628,6 +694,11 @@ def _ops(args: argparse.Namespace, security: object) -> int:
             elif args.command == "release":
                 worker = client.release(args.lease_id)
                 console.print(f"released {args.lease_id}: {worker.name} holds {worker.lease_count} lease(s) now")
+            elif args.command == "deregister":
+                client.deregister(args.worker)
+                console.print(f"deregistered {worker_name(args.worker)}")
+            elif args.command == "prune":
+                return _prune(client, args.older_than, console)
             elif args.command in ("sleep", "wake"):
                 try:
                     if args.command == "sleep":
@@ -812,7 +883,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         )
     if args.command == "health":
         return _health(args.address, args.service, args.timeout, _security(args, parser))
-    if args.command in ("status", "sleep", "wake", "watch", "leases", "release"):
+    if args.command == "prune" and not args.unavailable:
+        parser.error("say what to prune: --unavailable (the workers the manager cannot reach)")
+    if args.command in ("status", "sleep", "wake", "watch", "leases", "release", "deregister", "prune"):
         return _ops(args, _security(args, parser))
     if args.command == "worker":
         from worker.config import WorkerConfig

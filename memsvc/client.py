@@ -101,6 +101,11 @@ class ManagerClient:
     def release(self, lease_id: str) -> m.Worker:
         return self._call("ReleaseWorker", m.ReleaseWorkerRequest(lease_id=lease_id)).worker  # type: ignore[no-any-return]
 
+    def deregister(self, worker: str) -> None:
+        """Forget a worker (DeregisterWorker): refused while it holds a lease; one that registers
+        again is known again."""
+        self._call("DeregisterWorker", m.DeregisterWorkerRequest(name=worker_name(worker)))
+
     def watch(self) -> Iterator[m.WatchWorkersResponse]:
         try:
             yield from self.stub.WatchWorkers(m.WatchWorkersRequest())

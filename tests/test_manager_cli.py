@@ -191,3 +191,43 @@ def test_status_of_a_manager_without_workers_says_so(tmp_path: Path) -> None:
         assert r.stdout.strip() == f"no workers are registered with the manager at {alone.address}", r.stdout
     finally:
         cl.close()
+
+
+def test_stale_registrations_of_stopped_workers_are_pruned_from_the_cli(tmp_path: Path) -> None:
+    """A stopped worker stays registered, UNAVAILABLE, forever (forget_after 0 = never), its model
+    listed by the gateway: `memsvc deregister` forgets one, `memsvc prune --unavailable` every
+    unreachable one (not seen for --older-than), and a reachable worker is left alone."""
+    cl = Cluster(tmp_path)
+    try:
+        mp = cl.manager()
+        gone_a, gone_b, alive = cl.workers_up(mp, ["gone-a", "gone-b", "alive"])
+        for wp in (gone_a, gone_b):
+            wp.kill()
+            wait_state(mp.stub, wp.worker_id, c.WORKER_STATE_UNAVAILABLE)
+        addr = ["--manager", mp.address]
+
+        def names() -> list[str]:
+            return [x.name for x in mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers]
+
+        assert names() == ["workers/alive", "workers/gone-a", "workers/gone-b"]
+        # bad input is a usage error and forgets nothing
+        for bad in (["prune"], ["prune", "--unavailable", "--older-than", "soon"], ["deregister"]):
+            r = memsvc(*bad, *addr)
+            assert r.returncode == 2 and "Traceback" not in r.stderr, r.stderr
+        r = memsvc("deregister", "nobody", *addr)
+        assert r.returncode == 1 and "NOT_FOUND" in r.stdout, r.stdout + r.stderr
+        r = memsvc("prune", "--unavailable", "--older-than", "1h", *addr)
+        assert r.returncode == 0 and "nothing to prune" in r.stdout, r.stdout + r.stderr
+        assert len(names()) == 3
+
+        r = memsvc("deregister", "gone-a", *addr)
+        assert r.returncode == 0 and "deregistered workers/gone-a" in r.stdout, r.stdout + r.stderr
+        assert names() == ["workers/alive", "workers/gone-b"]
+        r = memsvc("prune", "--unavailable", *addr)
+        assert r.returncode == 0 and "deregistered workers/gone-b" in r.stdout, r.stdout + r.stderr
+        assert "alive" not in r.stdout
+        assert names() == ["workers/alive"]
+        assert get(mp.stub, "alive").state == c.WORKER_STATE_AWAKE
+        assert alive.proc is not None and alive.proc.poll() is None
+    finally:
+        cl.close()
