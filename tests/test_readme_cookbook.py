@@ -4,12 +4,16 @@ services) and its CLI lines, in README order, against the pair it started.
 ``memsvc up`` is started as the README's ``make up`` does (``memsvc up``), with ``--backend host
 --model synthetic:tiny`` (no GPU here) and its state in tmp_path; it gets the README's ports
 (50051/50061/9400) when they are free, else free ports. Every command is then run exactly as written
-with only two substitutions: those addresses, and LEASE_ID by the lease id the preceding AcquireWorker
-line returned. Each line must exit 0 and have its effect, checked in grpcurl's JSON output and in the
-manager's view (GetWorker); the one documented exception is a streaming line cut off by
-``-max-time``, which ends with DeadlineExceeded (grpcurl exits 64 + the status code) after printing at
-least one message. A README line this file has no check for fails, so new cookbook lines cannot go
-untested. Finally ``memsvc up`` gets SIGINT (Ctrl-C) and must exit 0 after stopping both children.
+with one substitution: those addresses. Each line must exit 0 and have its effect, checked in grpcurl's
+JSON output and in the manager's view (GetWorker). A line runs in bash as written (``grpcurl`` the
+real binary and ``jq`` on PATH): ``LEASE_ID=$(grpcurl … AcquireWorker | jq -r .lease.lease_id)`` keeps
+the lease id in a shell variable that the later ReleaseWorker line reads, as a user's shell would, so
+the cookbook leaves no lease behind before it sleeps the worker directly, and its last UpdatePolicy
+puts the default policy back as it found it (the policy persists in the manager's database). The one
+documented exception is a streaming line cut off by ``-max-time``, which ends with DeadlineExceeded
+(grpcurl exits 64 + the status code) after printing at least one message. A README line this file
+has no check for fails, so new cookbook lines cannot go untested. Finally ``memsvc up`` gets SIGINT
+(Ctrl-C) and must exit 0 after stopping both children.
 
 Everything runs once, in a module fixture (the lines depend on each other); the tests then report
 on what each step did.
@@ -20,8 +24,10 @@ from __future__ import annotations
 import json
 import os
 import pty
+import re
 import select
 import shlex
+import shutil
 import signal
 import subprocess
 import time
@@ -34,6 +40,7 @@ from typing import Any
 import grpc
 import pytest
 from childproc import STOP_TIMEOUT
+from google.protobuf import json_format
 from prometheus_client.parser import text_string_to_metric_families
 from upproc import (
     MEMSVC,
@@ -71,8 +78,18 @@ KNOWN_BUGS: dict[str, str] = {}
 """README lines that fail today because of a reported bug: checked by their own strict-xfail test."""
 
 
+_CAPTURE = re.compile(r"(?P<var>[A-Z_]+)=\$\((?P<call>grpcurl .*?) \| jq -r (?P<path>\S+)\)")
+"""A cookbook line that keeps a field of grpcurl's answer in a shell variable (``LEASE_ID=$(…)``)."""
+
+
 def grpcurl_lines() -> list[str]:
-    return [line for line in readme_code_lines(README) if line.startswith("grpcurl ")]
+    return [line for line in readme_code_lines(README) if line.startswith("grpcurl ") or _CAPTURE.fullmatch(line)]
+
+
+def grpcurl_call(line: str) -> str:
+    """The grpcurl command of a cookbook line (inside ``$(…)`` for a capturing one)."""
+    m = _CAPTURE.fullmatch(line)
+    return m.group("call") if m else line
 
 
 def cli_lines() -> list[str]:
@@ -107,6 +124,12 @@ class Step:
 class Session:
     up: Up
     lease_id: str = ""
+    """The shell's $LEASE_ID: what the README's capturing AcquireWorker line put there."""
+    policy_before: bytes = b""
+    policy_after: bytes = b""
+    """The default policy before the first cookbook line and after the last one (serialized)."""
+    leases_at_direct_sleep: list[int] = field(default_factory=list)
+    """The manager's lease count on local0 whenever a line put the worker to sleep directly."""
     vocab_size: int = 0
     before_tags: dict[str, str] = field(default_factory=dict)
     """Tag states at the manager before the current line ran."""
@@ -227,12 +250,19 @@ def check_wake_worker(s: Session, step: Step, msgs: list[dict[str, Any]]) -> Non
 
 
 def check_acquire(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
-    (resp,) = msgs
     req = request_json(step.argv)
-    lease = resp["lease"]
+    if _CAPTURE.fullmatch(step.line):  # jq kept only the id, in $LEASE_ID: the manager holds the rest
+        assert not msgs and s.lease_id, f"$LEASE_ID is {s.lease_id!r}"
+        assert s.up.stub is not None
+        leases = s.up.stub.ListLeases(m.ListLeasesRequest(), timeout=10).leases
+        lease = json_format.MessageToDict(next(x for x in leases if x.lease_id == s.lease_id),
+                                          preserving_proto_field_name=True)  # fmt: skip
+    else:
+        (resp,) = msgs
+        lease = resp["lease"]
+        assert resp["worker"]["state"] == "WORKER_STATE_AWAKE"
+        s.lease_id = lease["lease_id"]
     assert lease["lease_id"] and lease["worker"] == WORKER and lease["holder"] == req.get("holder", "")
-    assert resp["worker"]["state"] == "WORKER_STATE_AWAKE"
-    s.lease_id = lease["lease_id"]
     wk = _manager(s)
     assert wk.lease_count == 1 and wk.state == c.WORKER_STATE_AWAKE
 
@@ -352,32 +382,31 @@ def check_key(argv: list[str]) -> tuple[str, str]:
 
 
 # ---- the session ----
-def substitute(line: str, s: Session) -> list[str]:
-    argv = shlex.split(line)
-    out = []
-    for arg in argv:
-        arg = arg.replace(README_MANAGER, s.up.manager_address).replace(README_WORKER, s.up.worker_address)
-        if "LEASE_ID" in arg:
-            assert s.lease_id, "LEASE_ID used before an AcquireWorker line returned a lease"
-            arg = arg.replace("LEASE_ID", s.lease_id)
-        out.append(arg)
-    return out
+def substitute(line: str, s: Session) -> str:
+    return line.replace(README_MANAGER, s.up.manager_address).replace(README_WORKER, s.up.worker_address)
 
 
-def run_grpcurl_line(s: Session, line: str, grpcurl: str) -> Step:
-    argv = substitute(line, s)
+def run_grpcurl_line(s: Session, line: str, tools: Path) -> Step:
+    """The line in bash, as a user's shell runs it (``$LEASE_ID`` carried from line to line)."""
+    argv = shlex.split(substitute(grpcurl_call(line), s))
     step = Step(line, argv)
-    key = check_key(shlex.split(line))
+    key = check_key(shlex.split(grpcurl_call(line)))
     check = CHECKS.get(key)
     if check is None:
         step.problems.append(f"no check for this README line ({key}): add one to CHECKS")
     s.before_tags = tag_states(_manager(s))
+    if key == ("worker", "Sleep"):
+        s.leases_at_direct_sleep.append(_manager(s).lease_count)
+    script = (f"set -o pipefail\nLEASE_ID={shlex.quote(s.lease_id)}\n{substitute(line, s)}\nrc=$?\n"
+              f'printf %s "$LEASE_ID" > {shlex.quote(str(tools / "LEASE_ID"))}\nexit $rc\n')  # fmt: skip
+    env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
     try:
-        r = run([grpcurl, *argv[1:]], timeout=LINE_TIMEOUT)
+        r = run(["bash", "-c", script], env=env, timeout=LINE_TIMEOUT)
     except subprocess.TimeoutExpired:
         step.problems.append(f"did not finish within {LINE_TIMEOUT:.0f} s")
         return step
     step.rc, step.stdout, step.stderr = r.returncode, r.stdout, r.stderr
+    s.lease_id = (tools / "LEASE_ID").read_text()
     streaming = "-max-time" in argv
     if streaming:
         # The README: "-max-time 3 ends the streaming calls after three seconds; grpcurl then exits
@@ -495,17 +524,30 @@ def scrape(address: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
             for fam in text_string_to_metric_families(text) for smp in fam.samples}  # fmt: skip
 
 
+def default_policy(up: Up) -> bytes:
+    assert up.stub is not None
+    return up.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy.SerializeToString(deterministic=True)
+
+
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
     lines = grpcurl_lines()
     assert lines, "the README has no grpcurl lines"
-    grpcurl = grpcurl_binary()
+    jq = shutil.which("jq")
+    if jq is None:
+        pytest.skip("the README's cookbook keeps the lease id with jq, and jq is not installed")
+    tools = tmp_path_factory.mktemp("tools")  # `grpcurl` and `jq` as the README's shell finds them
+    (tools / "grpcurl").symlink_to(grpcurl_binary())
+    (tools / "jq").symlink_to(jq)
     ports = pick_ports([int(a.rsplit(":", 1)[1]) for a in (README_MANAGER, README_WORKER, README_METRICS)])
     up = Up(tmp_path_factory.mktemp("memsvc-up") / ".memsvc", ports).start()
     s = Session(up)
     try:
+        assert up.stub is not None
+        s.policy_before = default_policy(up)
         for line in lines:
-            s.steps.append(run_grpcurl_line(s, line, grpcurl))
+            s.steps.append(run_grpcurl_line(s, line, tools))
+        s.policy_after = default_policy(up)
         for line in cli_lines():
             s.cli.append(run_cli_line(s, line))
         # the flag form of the same CLI (no $MEMSVC_MANAGER at all)
@@ -527,13 +569,24 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
 # ---- the tests ----
 def test_the_readme_has_a_cookbook_for_both_services_and_a_lease_round_trip() -> None:
     lines = grpcurl_lines()
-    keys = [check_key(shlex.split(line)) for line in lines]
+    keys = [check_key(shlex.split(grpcurl_call(line))) for line in lines]
     assert {who for who, _ in keys} == {"manager", "worker"}, (
         f"every line addresses {README_MANAGER} or {README_WORKER}"
     )
     acquire = next(i for i, k in enumerate(keys) if k == ("manager", "AcquireWorker"))
-    uses = [i for i, line in enumerate(lines) if "LEASE_ID" in line]
-    assert uses and all(i > acquire for i in uses), "LEASE_ID must come after the AcquireWorker line"
+    capture = _CAPTURE.fullmatch(lines[acquire])
+    assert capture and capture.group("var") == "LEASE_ID", "the AcquireWorker line keeps the id in $LEASE_ID"
+    release = next(i for i, k in enumerate(keys) if k == ("manager", "ReleaseWorker"))
+    assert release > acquire and "$LEASE_ID" in lines[release], "ReleaseWorker must use the $LEASE_ID kept"
+
+
+def test_the_cookbook_cleans_up_after_itself(session: Session) -> None:
+    """It used to leave its lease (a LEASE_ID placeholder) and then sleep the leased worker directly,
+    and its UpdatePolicy changed the user's default for good (the policy persists in the store)."""
+    assert session.leases_at_direct_sleep and set(session.leases_at_direct_sleep) == {0}, (
+        f"the worker was leased when the cookbook slept it directly: {session.leases_at_direct_sleep}"
+    )
+    assert session.policy_after == session.policy_before, "the cookbook must put the default policy back"
 
 
 def test_every_grpcurl_line_runs_as_written_and_has_its_effect(session: Session) -> None:
