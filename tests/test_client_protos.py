@@ -26,6 +26,7 @@ from memsvc.v1 import memory_manager_service_pb2 as m
 
 PROTOS = REPO_ROOT / "protos"
 GOOGLE_RPC = ["google/rpc/status.proto", "google/rpc/error_details.proto"]
+HEALTH = "grpc/health/v1/health.proto"
 MEMSVC = sorted(str(p.relative_to(PROTOS)) for p in (PROTOS / "memsvc" / "v1").glob("*.proto"))
 
 
@@ -48,14 +49,59 @@ def test_shipped_google_rpc_protos_keep_their_license() -> None:
 
 def test_the_protos_compile_together(tmp_path: Path) -> None:
     out = tmp_path / "all.binpb"
-    protoc("--include_imports", f"--descriptor_set_out={out}", f"--python_out={tmp_path}", *MEMSVC, *GOOGLE_RPC)
+    protoc("--include_imports", f"--descriptor_set_out={out}", f"--python_out={tmp_path}", *MEMSVC, *GOOGLE_RPC, HEALTH)
     fds = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes())
     files = {f.name: f for f in fds.file}
-    assert set(MEMSVC) | set(GOOGLE_RPC) <= set(files), sorted(files)
+    assert set(MEMSVC) | set(GOOGLE_RPC) | {HEALTH} <= set(files), sorted(files)
     assert {"Status"} <= {d.name for d in files["google/rpc/status.proto"].message_type}
     assert {"ErrorInfo"} <= {d.name for d in files["google/rpc/error_details.proto"].message_type}
     services = {f"{f.package}.{s.name}" for f in fds.file for s in f.service}
-    assert services == {"memsvc.v1.MemoryManagerService", "memsvc.v1.ModelWorkerService"}, services
+    assert services == {"memsvc.v1.MemoryManagerService", "memsvc.v1.ModelWorkerService", "grpc.health.v1.Health"}
+
+
+def test_the_shipped_health_proto_is_the_protocol_the_services_serve(tmp_path: Path) -> None:
+    """A client of another language builds its health checker from protos/ as it builds the rest: the
+    shipped file compiles to the descriptor grpcio-health-checking (what the servers run) carries,
+    message for message, field for field, method for method, option for option."""
+    from grpc_health.v1 import health_pb2
+
+    head = (PROTOS / HEALTH).read_text().splitlines()[:3]
+    assert head[0] == "// Copyright 2015 The gRPC Authors" and "Apache License" in head[2], head
+    out = tmp_path / "health.binpb"
+    protoc(f"--descriptor_set_out={out}", HEALTH)
+    (shipped,) = descriptor_pb2.FileDescriptorSet.FromString(out.read_bytes()).file
+    served = descriptor_pb2.FileDescriptorProto()
+    health_pb2.DESCRIPTOR.CopyToProto(served)
+    for fd in (shipped, served):
+        fd.ClearField("name")  # where each lives: protos/grpc/health/v1, grpc_health/v1 in the package
+        for msg in [*fd.message_type, *(n for t in fd.message_type for n in t.nested_type)]:
+            for fld in msg.field:
+                fld.ClearField("json_name")  # protoc writes the default lowerCamel name, CopyToProto does not
+    assert shipped == served
+
+
+def test_a_health_check_with_the_shipped_health_proto(manager: ManagerProcess, tmp_path: Path) -> None:
+    """Classes generated from protos/grpc/health (in a child interpreter, away from grpc_health's)
+    ask the real manager, as a probe in another language would."""
+    gen = tmp_path / "gen"
+    gen.mkdir()
+    protoc(f"--python_out={gen}", HEALTH)
+    check = (
+        "import importlib.util, sys; import grpc\n"  # the module by its path: grpc is grpcio's package
+        "spec = importlib.util.spec_from_file_location('shipped_health', sys.argv[1])\n"
+        "h = importlib.util.module_from_spec(spec); spec.loader.exec_module(h)\n"
+        "assert h.__file__ == sys.argv[1], h.__file__\n"
+        "call = grpc.insecure_channel(sys.argv[2]).unary_unary('/grpc.health.v1.Health/Check',\n"
+        "    request_serializer=h.HealthCheckRequest.SerializeToString,\n"
+        "    response_deserializer=h.HealthCheckResponse.FromString)\n"
+        "r = call(h.HealthCheckRequest(service='memsvc.v1.MemoryManagerService'), timeout=30)\n"
+        "print(h.HealthCheckResponse.ServingStatus.Name(r.status))\n"
+    )
+    module = gen / "grpc" / "health" / "v1" / "health_pb2.py"
+    r = subprocess.run([sys.executable, "-c", check, str(module), manager.address], capture_output=True, text=True,
+                       timeout=60, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 0, r.stderr
+    assert r.stdout.strip() == "SERVING"
 
 
 @pytest.fixture(scope="module")
