@@ -28,6 +28,7 @@ class BuildPy(build_py):  # type: ignore[misc]  # setuptools has no type informa
         for stale in (out / "memsvc" / "v1").glob("*_pb2*"):  # copied from the tree or left by an earlier build
             stale.unlink()
         memsvc_build.generate_stubs(out)
+        memsvc_build.generate_rpc_type_stubs(out)  # google-stubs/rpc: typed google.rpc for error decoding
 
 
 setup(

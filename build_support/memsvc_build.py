@@ -93,6 +93,40 @@ def generate_stubs(out: Path) -> None:
             stub.unlink()
 
 
+GOOGLE_RPC_TYPED = ("status", "error_details")
+"""The google.rpc modules a client decoding memsvc's error details imports (README, "From your own
+service"): googleapis-common-protos has .pyi files but no py.typed, so ``mypy --strict`` refuses to read
+them; memsvc-api ships stubs for these two."""
+
+
+def generate_rpc_type_stubs(out: Path) -> None:
+    """protos/google/rpc/{status,error_details}.proto -> out/google-stubs/rpc/*_pb2.pyi (mypy-protobuf).
+
+    A PEP 561 stub package beside types-protobuf's (which fills google-stubs/protobuf, no file in
+    common): with memsvc-api's typing extra, code that decodes a google.rpc.Status and its ErrorInfo
+    type-checks. Types only: the runtime modules stay googleapis-common-protos' own.
+    """
+    import tempfile
+
+    import grpc_tools
+    from grpc_tools import protoc
+
+    plugin = shutil.which("protoc-gen-mypy") or str(Path(sys.executable).parent / "protoc-gen-mypy")
+    if not os.access(plugin, os.X_OK):
+        raise RuntimeError("protoc-gen-mypy not found: install mypy-protobuf (a build requirement)")
+    wkt = str(Path(grpc_tools.__file__).parent / "_proto")
+    protos = [str(PROTOS / "google" / "rpc" / f"{name}.proto") for name in GOOGLE_RPC_TYPED]
+    with tempfile.TemporaryDirectory() as tmp:
+        args = ["protoc", f"-I{PROTOS}", f"-I{wkt}", f"--plugin=protoc-gen-mypy={plugin}", f"--mypy_out={tmp}"]
+        if protoc.main([*args, *protos]) != 0:
+            raise RuntimeError("protoc failed on " + " ".join(protos))
+        stubs = out / "google-stubs" / "rpc"
+        stubs.mkdir(parents=True, exist_ok=True)
+        for name in GOOGLE_RPC_TYPED:
+            shutil.copyfile(Path(tmp) / "google" / "rpc" / f"{name}_pb2.pyi", stubs / f"{name}_pb2.pyi")
+        (stubs / "__init__.pyi").write_text("")
+
+
 # ---- the PEP 517 backend: setuptools.build_meta, flagging the editable hooks ----
 EDITABLE = False
 """True while an editable hook runs; setup.py reads it (the hook runs setup.py in this process)."""

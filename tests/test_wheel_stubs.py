@@ -271,7 +271,8 @@ def test_the_api_wheel_is_the_stubs_alone(api_wheel: Path) -> None:
     assert api_wheel.name.endswith("-py3-none-any.whl"), f"{api_wheel.name}: not pure Python"
     names = set(zipfile.ZipFile(api_wheel).namelist())
     files = {n for n in names if ".dist-info/" not in n}
-    expected = {"memsvc/v1/__init__.py", "memsvc/v1/py.typed"}
+    expected = {"memsvc/v1/__init__.py", "memsvc/v1/py.typed", "google-stubs/rpc/__init__.pyi",
+                "google-stubs/rpc/status_pb2.pyi", "google-stubs/rpc/error_details_pb2.pyi"}  # fmt: skip
     for mod in expected_stub_modules():
         base = mod.replace(".", "/")
         expected |= {f"{base}.py", f"{base}.pyi"}
@@ -333,6 +334,7 @@ def test_client_code_passes_mypy_strict_with_the_typing_extra(api_venv: Venv, ap
     work = api_venv.root / "mypy"
     work.mkdir(exist_ok=True)
     (work / "client.py").write_text(CLIENT)
+    (work / "readme_errors.py").write_text(readme_error_decoding())
     (work / "wrong.py").write_text(WRONG)
     (work / "mypy.ini").write_text("[mypy]\n")
     env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
@@ -349,13 +351,39 @@ def test_client_code_passes_mypy_strict_with_the_typing_extra(api_venv: Venv, ap
         )
 
     pip_install(api_venv.python, [f"{api_wheel}[typing]"], pins([*API_RUNTIME, *API_TYPING]), cwd=api_venv.root)
-    r = mypy("client.py", "wrong.py")
+    r = mypy("client.py", "readme_errors.py", "wrong.py")
     errors = [line for line in r.stdout.splitlines() if ": error:" in line]
     assert not [e for e in errors if e.startswith("client.py")], r.stdout + r.stderr
+    # google.rpc typed too (memsvc-api's google-stubs/rpc): the README's error decoding was refused
+    # ("missing library stubs or py.typed marker") and its ErrorInfo was Any
+    assert not [e for e in errors if e.startswith("readme_errors.py")], r.stdout + r.stderr
     wrong = [e for e in errors if e.startswith("wrong.py")]
     assert any("Incompatible types in assignment" in e and '"str"' in e for e in wrong), r.stdout + r.stderr
     assert any("nmae" in e for e in wrong), r.stdout + r.stderr
     assert r.returncode == 1, r.stdout + r.stderr
+
+
+def readme_error_decoding() -> str:
+    """The README's Python block that decodes a refused call's ErrorInfo (its only one that does)."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "grpc-status-details-bin" in b]
+    return str(block)
+
+
+def test_the_readme_error_decoding_prints_what_a_real_manager_sends(tmp_path: Path) -> None:
+    """The README's snippet, run against a real manager's refusal, prints the ErrorInfo it sent."""
+    from managerproc import Cluster
+
+    cl = Cluster(tmp_path)
+    try:
+        mp = cl.manager()
+        call = f"sleep_worker(m_grpc.MemoryManagerServiceStub(grpc.insecure_channel({mp.address!r})), 'nobody')"
+        script = f"{readme_error_decoding()}\ntry:\n    {call}\nexcept grpc.RpcError:\n    pass\n"
+        r = run([sys.executable, "-c", script], timeout=120, cwd=tmp_path)
+        assert r.returncode == 0, r.stderr
+        assert r.stdout.strip() == "NOT_FOUND NOT_FOUND {'name': 'workers/nobody'}", r.stdout
+    finally:
+        cl.close()
 
 
 # ---- memsvc-api next to memsvc ----
