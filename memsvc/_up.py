@@ -92,6 +92,7 @@ def run(
     signal.signal(signal.SIGINT, stop)
     while not stopping and all(p.poll() is None for p in children):
         time.sleep(0.2)
+    ended = [p for p in children if p.poll() is not None]  # on their own: the cause, unless we are stopping
     for p in reversed(children):
         if p.poll() is None:
             p.send_signal(signal.SIGTERM)
@@ -101,12 +102,17 @@ def run(
             p.wait(timeout=max(0.1, deadline - time.monotonic()))
         except subprocess.TimeoutExpired:
             p.kill()
-    codes = [p.returncode for p in children]
     names = ["manager", "worker", "gateway"]
-    for name, code in zip(names, codes, strict=False):
-        if code:
-            announce(f"memsvc up: the {name} exited with {code}", sys.stderr)
-    return 0 if stopping and all(code == 0 for code in codes) else (next((c for c in codes if c), 1))
+    for name, p in zip(names, children, strict=False):
+        # One we stopped may die of the SIGTERM if it had not yet set up its handler: not a failure.
+        if p.returncode and (p in ended or p.returncode != -signal.SIGTERM):
+            announce(f"memsvc up: the {name} exited with {p.returncode}", sys.stderr)
+    if stopping and all(p.returncode in (0, -signal.SIGTERM) for p in children):
+        return 0
+    # The exit status of the child that ended first on its own: 2 for its usage error (a bad
+    # MEMSVC_* variable, one line naming it above), as the command itself would.
+    first = next((p.returncode for p in ended if p.returncode), None)
+    return first if first is not None and first > 0 else 1
 
 
 if __name__ == "__main__":

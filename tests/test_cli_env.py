@@ -121,6 +121,27 @@ def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
         assert len(errors) == 1 and named in errors[0] and errors[0].startswith("memsvc"), r.stderr
 
 
+@pytest.mark.parametrize(("variable", "child"), [
+    ("MEMSVC_LOG_LEVEL", "up"), ("MEMSVC_KV_BLOCKS", "worker"), ("MEMSVC_WAKE_TIMEOUT", "gateway"),
+])  # fmt: skip
+def test_memsvc_up_with_a_bad_variable_exits_2_naming_it(tmp_path: Path, variable: str, child: str) -> None:
+    """``memsvc up`` reads the logging variables itself, and its children read theirs: a child's usage
+    error was ``memsvc up``'s exit 241 beside "the manager exited with -15" (a sibling it had stopped
+    itself); now it is exit 2, the child's one line naming the variable, and no sibling blamed."""
+    bad = "not-a-value!"
+    args = ["up", "--backend", "host", "--model", "synthetic:tiny", "--state-dir", str(tmp_path / "state"),
+            "--manager-listen", "127.0.0.1:0", "--worker-listen", "127.0.0.1:0", "--metrics-listen", "",
+            "--gateway-listen", "127.0.0.1:0" if child == "gateway" else ""]  # fmt: skip
+    r = subprocess.run([*MEMSVC, *args], capture_output=True, text=True, timeout=180,
+                       env={**os.environ, variable: bad}, cwd=tmp_path)  # fmt: skip
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr
+    named = [line for line in r.stderr.splitlines() if variable in line]
+    assert len(named) == 1 and named[0].startswith(f"memsvc {child}: error:") and bad in named[0], r.stderr
+    blamed = [line for line in r.stderr.splitlines() if line.startswith("memsvc up: the ")]
+    assert blamed == ([] if child == "up" else [f"memsvc up: the {child} exited with 2"]), r.stderr
+
+
 @pytest.mark.parametrize(("command", "hidden", "extra"), [
     ("worker", "numpy", "worker"), ("up", "torch", "worker,gateway"), ("gateway", "fastapi", "gateway"),
 ])  # fmt: skip
