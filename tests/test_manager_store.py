@@ -17,19 +17,22 @@ import json
 import logging
 import math
 import os
+import re
 import sqlite3
 import subprocess
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
 import grpc
 import pytest
 from childproc import REPO_ROOT
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, seconds
 
-from memsvc.errors import InvalidArgument
+from memsvc.errors import InvalidArgument, Unavailable
 from memsvc.manager.policy import Policies, Policy
 from memsvc.manager.store import MIGRATIONS, SCHEMA_VERSION, Store, StoredLease, StoredWorker
 from memsvc.v1 import common_pb2 as c
@@ -453,3 +456,111 @@ def test_manager_on_unusable_stored_policies_starts_and_get_policy_answers(clust
     assert "workers/gpu0's policy override: dropping stored idle_sleep_timeout" in log
     assert "Traceback" not in log
     assert user_version(path) == SCHEMA_VERSION
+
+
+# ---- the file deleted or replaced under a running manager; rows it cannot read ----
+
+
+def test_a_write_to_a_deleted_or_replaced_file_is_refused_until_it_is_back(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    """SQLite writes on through its open descriptor after the path is gone: every call would succeed
+    and be lost at the next start. The store compares the path's inode with the open file's first."""
+    path = tmp_path / "m.db"
+    store = Store(path)
+    store.save_policy_fields("workers/a", {"idle_sleep_timeout": 60.0})
+    aside = tmp_path / "aside.db"
+    os.rename(path, aside)
+    writes: list[Callable[[], None]] = [
+        lambda: store.save_policy_fields("workers/a", {"idle_sleep_timeout": 1.0}),
+        lambda: store.save_lease(StoredLease("l1", "a", 4e9, "me")),
+        lambda: store.delete_worker("a"),
+    ]
+    refused = re.escape(f"manager database {path} was deleted while the manager runs")
+    for write in writes:
+        with pytest.raises(Unavailable, match=refused) as err:
+            write()
+        assert err.value.metadata["path"] == str(path)
+    errors = messages(caplog, logging.ERROR)
+    assert len(errors) == 1 and str(path) in errors[0], "one error line, not one per refused write"
+    assert store.policy_fields("workers/a") == {"idle_sleep_timeout": 60.0}, "reads go on; nothing was written"
+
+    os.rename(aside, path)  # put back: writes resume
+    store.save_policy_fields("workers/a", {"idle_sleep_timeout": 5.0})
+    assert "is back at its path" in caplog.text
+
+    copy = tmp_path / "copy.db"
+    copy.write_bytes(path.read_bytes())
+    os.replace(copy, path)  # a restore copied over it: another inode
+    with pytest.raises(Unavailable, match="was replaced by another file"):
+        store.save_policy_fields("workers/a", {"idle_sleep_timeout": 7.0})
+    store.close()
+
+
+def _bad_rows(path: Path) -> Path:
+    """A database memsvc wrote, then rows it would never write, added by hand."""
+    store = Store(path)
+    store.save_worker(StoredWorker("gpu0", "127.0.0.1:1", "h1", False, 1.5))
+    store.save_lease(StoredLease("good", "gpu0", 4e9, "me"))
+    store.close()
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("INSERT INTO leases VALUES ('text-expiry', 'gpu0', 'tomorrow', 'me')")
+    db.execute("INSERT INTO leases VALUES ('never', 'gpu0', 9e999, 'me')")  # infinity: a lease that never ends
+    db.execute("INSERT INTO leases VALUES ('blob-holder', 'gpu0', 4e9, x'00ff')")
+    db.execute("INSERT INTO workers VALUES ('gpu1', x'2a', 'h1', 0, 1.5)")
+    db.execute("INSERT INTO workers VALUES ('gpu2', '127.0.0.1:2', 'h1', 'yes', 1.5)")
+    db.execute("INSERT INTO workers VALUES ('gpu3', '127.0.0.1:3', 'h1', 0, 'noon')")
+    db.close()
+    return path
+
+
+def test_unreadable_lease_and_registration_rows_are_left_out_with_a_warning(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    path = _bad_rows(tmp_path / "m.db")
+    store = Store(path)
+    assert store.leases() == [StoredLease("good", "gpu0", 4e9, "me")]
+    assert store.workers() == [StoredWorker("gpu0", "127.0.0.1:1", "h1", False, 1.5)]
+    store.close()
+    warnings = messages(caplog)
+    assert len(warnings) == 6 and all(str(path) in w for w in warnings)
+    assert any("lease 'text-expiry'" in w and "expire_time is 'tomorrow'" in w for w in warnings)
+    assert any("registration 'gpu3'" in w and "registered_time is 'noon'" in w for w in warnings)
+    db = sqlite3.connect(path)
+    assert db.execute("SELECT count(*) FROM leases").fetchone()[0] == 4, "loading leaves the file as it is"
+    db.close()
+
+
+def test_manager_on_unreadable_rows_starts_and_keeps_the_rest(cluster: Cluster) -> None:
+    """A lease row with a text expire_time used to stop the manager with a traceback at start."""
+    path = _bad_rows(cluster.tmp_path / "m.db")
+    mgr = cluster.manager(db=path)
+    workers = mgr.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+    assert [w.name for w in workers] == ["workers/gpu0"] and workers[0].lease_count == 1
+    log = mgr.stderr_text()
+    assert "Traceback" not in log
+    assert "ignoring the stored lease 'text-expiry'" in log and "ignoring the stored registration 'gpu3'" in log
+
+
+def test_manager_whose_file_is_deleted_refuses_writes_with_unavailable(cluster: Cluster) -> None:
+    """Before, every call went on succeeding, and the lease and policy were gone after a restart."""
+    path = cluster.tmp_path / "m.db"
+    mgr = cluster.manager(db=path)
+    update = m.UpdatePolicyRequest(
+        policy=m.Policy(idle_sleep_timeout=Duration(seconds=120)), update_mask=FieldMask(paths=["idle_sleep_timeout"])
+    )
+    mgr.stub.UpdatePolicy(update, timeout=10)
+    path.unlink()
+    update.policy.idle_sleep_timeout.seconds = 30
+    for call in (
+        lambda: mgr.stub.UpdatePolicy(update, timeout=10),
+        lambda: mgr.stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="w1", address="127.0.0.1:1"), timeout=10),
+    ):
+        with pytest.raises(grpc.RpcError) as err:
+            call()
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
+        assert f"manager database {path} was deleted" in str(err.value.details())
+    policy = mgr.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    assert seconds(policy.idle_sleep_timeout) == 120, "the refused update changed nothing"
+    errors = [line for line in mgr.stderr_text().splitlines() if "ERROR" in line]
+    assert len(errors) == 1 and f"manager database {path} was deleted" in errors[0], errors

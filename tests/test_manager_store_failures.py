@@ -16,6 +16,8 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import logging
+import re
 import sqlite3
 from collections.abc import AsyncIterator, Iterator
 from pathlib import Path
@@ -136,3 +138,24 @@ async def test_a_deregistration_the_store_refuses_keeps_the_worker_and_can_be_re
     with pytest.raises(NotFound):
         env.manager.get("a")
     assert env.manager.store.workers() == []
+
+
+async def test_a_deleted_file_refuses_every_write_and_says_so_once(env: Env, caplog: pytest.LogCaptureFixture) -> None:
+    """A file deleted under the manager (memsvc/manager/store.py): grants, releases and policy updates
+    are UNAVAILABLE naming it and change nothing; an expiry that cannot be written waits as with a
+    locked file, and neither the store nor the timers log it again on every tick."""
+    await env.worker("a")
+    lease, _ = await env.manager.acquire("a", 0.01, "t", "", "", None)
+    env.db.unlink()
+    with pytest.raises(Unavailable, match=re.escape(f"manager database {env.db} was deleted")):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    with pytest.raises(Unavailable, match="was deleted"):
+        env.manager.update_policy("", m.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
+    assert env.manager.policy(None).idle_sleep_timeout == 0
+    await asyncio.sleep(0.02)
+    caplog.clear()
+    for _ in range(5):
+        env.manager.tick()
+    assert set(env.manager.get("a").leases) == {lease.lease_id}, "the expiry could not be written: it waits"
+    said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
+    assert len(said) == 1 and "expired leases stay" in said[0], said

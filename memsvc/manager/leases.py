@@ -55,6 +55,8 @@ class Leases:
         self._metrics = metrics
         self._replay = replay
         self.leases: dict[str, Lease] = {}
+        self._expiry_refused = ""
+        """The store's last refusal of an expiry, logged once until an expiry is written again."""
 
     def restore(self) -> None:
         """Take back the stored leases of known workers that have not expired; drop the rest."""
@@ -202,8 +204,11 @@ class Leases:
             try:
                 self.release(lease.lease_id, expired=True)
             except MemsvcError as exc:
-                log.warning("expired leases stay until the store can release them: %s", exc)
+                if str(exc) != self._expiry_refused:  # once per cause, not once per tick
+                    log.warning("expired leases stay until the store can release them: %s", exc)
+                    self._expiry_refused = str(exc)
                 return
+            self._expiry_refused = ""
 
 
 __all__ = ["Leases"]

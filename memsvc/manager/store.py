@@ -7,6 +7,13 @@ gone read-only) is :class:`~memsvc.errors.Unavailable` naming the file, not a bu
 lease or a deregistration is written before it changes what the manager holds in memory, so one
 that fails here changes nothing and the client may retry it.
 
+The file must stay the one the manager opened. SQLite keeps writing to its open descriptor after the
+path was deleted or replaced (an operator's ``rm``, a restore copied over it, a volume remounted), so
+every call would still succeed and all of it would be gone at the next start. Before each write the
+path's device and inode are compared with the open file's; while they differ the write is refused
+with :class:`~memsvc.errors.Unavailable` naming the file (and one error line in the log), and
+writes resume once the file is back at its path.
+
 The file is checked before anything is trusted or written: a file that is not SQLite, is truncated
 or fails ``PRAGMA quick_check``, or was written by a newer memsvc, is refused with one
 :class:`~memsvc.errors.InvalidArgument` that names the file and what to do, because a manager that
@@ -19,6 +26,8 @@ from __future__ import annotations
 
 import json
 import logging
+import math
+import os
 import sqlite3
 import threading
 from dataclasses import dataclass
@@ -110,6 +119,10 @@ class Store:
             if isinstance(exc, sqlite3.Error):
                 raise _sqlite_unusable(self.path, exc) from exc
             raise
+        self._identity = _identity(self.path)
+        """The device and inode of the file opened, which the path must still name for a write."""
+        self._lost = ""
+        """Why writes are refused now (the path no longer names the open file), or "" while it does."""
         if was_empty and fresh:
             log.warning(
                 "manager database %s was an empty file (0 bytes): starting with no worker registrations, leases "
@@ -121,8 +134,10 @@ class Store:
         with self._lock:
             self._db.close()
 
-    def _exec(self, sql: str, args: tuple[Any, ...] = ()) -> list[tuple[Any, ...]]:
+    def _exec(self, sql: str, args: tuple[Any, ...] = (), write: bool = False) -> list[tuple[Any, ...]]:
         with self._lock:
+            if write:
+                self._check_same_file()
             try:
                 return self._db.execute(sql, args).fetchall()
             except sqlite3.OperationalError as exc:  # the file, not the statement (a bug stays INTERNAL)
@@ -130,6 +145,30 @@ class Store:
                     f"manager database {self.path} failed ({exc}): try again",
                     metadata={"path": str(self.path)},
                 ) from exc
+
+    def _check_same_file(self) -> None:
+        """Unavailable unless the path still names the file this store has open (see the module).
+        The first refusal is logged as an error, once until the file is back."""
+        try:
+            now = _identity(self.path)
+            why = "" if now == self._identity else "was replaced by another file"
+        except FileNotFoundError:
+            why = "was deleted"
+        except OSError as exc:
+            why = f"cannot be checked ({exc.strerror or exc})"
+        if not why:
+            if self._lost:
+                log.warning("manager database %s is back at its path: writes resume", self.path)
+                self._lost = ""
+            return
+        message = (
+            f"manager database {self.path} {why} while the manager runs: nothing more is written to it, "
+            "as it would be lost at the next start; put the file back, or restart the manager"
+        )
+        if self._lost != why:
+            log.error("%s", message)
+            self._lost = why
+        raise Unavailable(message, metadata={"path": str(self.path)})
 
     # policies
     def policy_fields(self, scope: str) -> object | None:
@@ -143,40 +182,88 @@ class Store:
         return {scope: _decode(text) for scope, text in self._exec("SELECT scope, fields FROM policies")}
 
     def save_policy_fields(self, scope: str, fields: dict[str, Any]) -> None:
-        self._exec("INSERT OR REPLACE INTO policies (scope, fields) VALUES (?, ?)", (scope, json.dumps(fields)))
+        self._exec(
+            "INSERT OR REPLACE INTO policies (scope, fields) VALUES (?, ?)", (scope, json.dumps(fields)), write=True
+        )
 
     def delete_policy(self, scope: str) -> None:
-        self._exec("DELETE FROM policies WHERE scope = ?", (scope,))
+        self._exec("DELETE FROM policies WHERE scope = ?", (scope,), write=True)
 
     # workers
     def workers(self) -> list[StoredWorker]:
+        """The stored registrations; a row no registration could have written (a hand edit, another
+        program) is left out with a warning, and left in the file."""
         rows = self._exec(
             "SELECT worker_id, address, host, configured, registered_time FROM workers ORDER BY worker_id"
         )
-        return [StoredWorker(r[0], r[1], r[2], bool(r[3]), r[4]) for r in rows]
+        out = []
+        for r in rows:
+            why = _bad_text(r, ("worker_id", "address", "host")) or _bad_number(r[4], "registered_time")
+            if not why and (isinstance(r[3], bool) or r[3] not in (0, 1)):
+                why = f"configured is {r[3]!r:.100}, not 0 or 1"
+            if why:
+                self._unreadable("registration", r[0], why, "the worker is known again when it registers")
+                continue
+            out.append(StoredWorker(r[0], r[1], r[2], bool(r[3]), float(r[4])))
+        return out
 
     def save_worker(self, w: StoredWorker) -> None:
         self._exec(
             "INSERT OR REPLACE INTO workers (worker_id, address, host, configured, registered_time) VALUES (?,?,?,?,?)",
             (w.worker_id, w.address, w.host, int(w.configured), w.registered_time),
+            write=True,
         )
 
     def delete_worker(self, worker_id: str) -> None:
-        self._exec("DELETE FROM workers WHERE worker_id = ?", (worker_id,))
+        self._exec("DELETE FROM workers WHERE worker_id = ?", (worker_id,), write=True)
 
     # leases
     def leases(self) -> list[StoredLease]:
+        """The stored leases; a row no grant could have written is left out with a warning (and left
+        in the file): its holder's renewal or release gets NOT_FOUND."""
         rows = self._exec("SELECT lease_id, worker_id, expire_time, holder FROM leases")
-        return [StoredLease(*r) for r in rows]
+        out = []
+        for r in rows:
+            why = _bad_text(r, ("lease_id", "worker_id", None, "holder")) or _bad_number(r[2], "expire_time")
+            if why:
+                self._unreadable("lease", r[0], why, "it is not restored")
+                continue
+            out.append(StoredLease(r[0], r[1], float(r[2]), r[3]))
+        return out
+
+    def _unreadable(self, what: str, key: object, why: str, outcome: str) -> None:
+        log.warning("manager database %s: ignoring the stored %s %.100r (%s): %s", self.path, what, key, why, outcome)
 
     def save_lease(self, lease: StoredLease) -> None:
         self._exec(
             "INSERT OR REPLACE INTO leases (lease_id, worker_id, expire_time, holder) VALUES (?,?,?,?)",
             (lease.lease_id, lease.worker_id, lease.expire_time, lease.holder),
+            write=True,
         )
 
     def delete_lease(self, lease_id: str) -> None:
-        self._exec("DELETE FROM leases WHERE lease_id = ?", (lease_id,))
+        self._exec("DELETE FROM leases WHERE lease_id = ?", (lease_id,), write=True)
+
+
+def _identity(path: Path) -> tuple[int, int]:
+    st = os.stat(path)
+    return st.st_dev, st.st_ino
+
+
+def _bad_text(row: tuple[Any, ...], names: tuple[str | None, ...]) -> str:
+    """Why a stored row's text columns (``names``, None for a column checked elsewhere) are not
+    what memsvc writes (a non-empty string), or ""."""
+    for value, name in zip(row, names, strict=False):
+        if name is not None and (not isinstance(value, str) or not value):
+            return f"{name} is {value!r:.100}, not a non-empty string"
+    return ""
+
+
+def _bad_number(value: object, name: str) -> str:
+    """Why a stored time is not one (memsvc writes finite seconds since the epoch), or ""."""
+    if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
+        return f"{name} is {value!r:.100}, not a number of seconds"
+    return ""
 
 
 # ---- opening: check, then migrate, then switch to WAL ----
