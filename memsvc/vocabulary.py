@@ -151,11 +151,43 @@ LEVEL_ACTIONS: Mapping[SleepLevel, Mapping[str, Action]] = MappingProxyType(
 """What each sleep level does per tag; explicit tag actions override it."""
 
 
+WAKES_WITH: Mapping[str, tuple[str, ...]] = MappingProxyType({KV_CACHE: (CUDA_GRAPHS,)})
+"""Tags a wake of the key wakes too, when they sleep. The decode graphs read the KV cache and hold only
+scratch between replays (both levels discard them), so vLLM's partial wake, ``weights`` and then
+``kv_cache``, ends with the worker AWAKE and serving rather than PARTIALLY_AWAKE for want of a tag no
+client thinks of."""
+
+
+def wake_set(tags: Iterable[str], asleep: Collection[str]) -> list[str]:
+    """The tags a WakeUp naming ``tags`` wakes: those, and their :data:`WAKES_WITH` companions among
+    ``asleep`` (the worker's rule, which the in-memory worker and the manager's budget follow too)."""
+    out = list(tags)
+    for tag in list(out):
+        out += [t for t in WAKES_WITH.get(tag, ()) if t in asleep and t not in out]
+    return out
+
+
 def plan_actions(level: SleepLevel | None, tag_actions: Mapping[str, Action]) -> dict[str, Action]:
     """Actions per tag for a sleep: the level's table, overridden by explicit tag actions."""
     plan = dict(level.actions) if level is not None else {}
     plan.update(tag_actions)
     return plan
+
+
+UNNAMED_TAG_ACTION = Action.OFFLOAD
+"""A policy's action for a tag it does not name and no level names either (an embedder's own pool):
+its bytes come back on wake, since losing data is the one thing a default must never do."""
+
+
+def policy_actions(tags: Iterable[str], named: Mapping[str, Action]) -> dict[str, Action]:
+    """A policy's tier-1 actions for a worker with ``tags``: every one of them, so that an idle sleep
+    leaves nothing mapped the policy forgot (``cuda_graphs`` beside a policy of weights and kv_cache).
+    A tag the policy names gets its action; one it does not, its level-1 action (DISCARD for the
+    rebuildable ``kv_cache`` and ``cuda_graphs``), else :data:`UNNAMED_TAG_ACTION`. Names the worker
+    does not have are left out: the default policy speaks for every worker, and a tag another
+    worker has is not this one's to act on."""
+    level1 = LEVEL_ACTIONS[SleepLevel.LEVEL_1]
+    return {t: named.get(t, level1.get(t, UNNAMED_TAG_ACTION)) for t in tags}
 
 
 def actions_from_proto(tag_actions: Mapping[str, int]) -> dict[str, Action]:
@@ -354,6 +386,8 @@ __all__ = [
     "CopyMethod",
     "FinishReason",
     "SleepLevel",
+    "UNNAMED_TAG_ACTION",
+    "WAKES_WITH",
     "TagState",
     "TransitionKind",
     "WorkerState",
@@ -362,4 +396,6 @@ __all__ = [
     "check_tag",
     "passed_through",
     "plan_actions",
+    "policy_actions",
+    "wake_set",
 ]

@@ -178,3 +178,29 @@ def test_a_worker_serving_generate_is_not_idle(cluster: Cluster) -> None:
         assert len(_generate(wp)) == NEW_TOKENS
         assert get(mgr.stub, "busy").state == c.WORKER_STATE_AWAKE
         time.sleep(0.1)
+
+
+def test_the_idle_sleep_covers_every_tag_of_the_worker_whatever_the_policy_names(cluster: Cluster) -> None:
+    """A policy naming only tags this worker does not have used to make every idle sleep an empty
+    Sleep (INVALID_ARGUMENT, retried every 5 s, never asleep); one naming some of its tags left the
+    others mapped. Tier 1 acts on every tag the worker has: the policy's action where it names the
+    tag, else the tag's level-1 action (memsvc.vocabulary.policy_actions); other names are ignored."""
+    mgr = cluster.manager()
+    stub = mgr.stub
+    (wp,) = cluster.workers_up(mgr, ["cover"])
+    lease = _acquire(stub, "cover", ttl=60).lease
+    mask = FieldMask(paths=["idle_sleep_timeout", "tag_actions"])
+    only_other = m.Policy(idle_sleep_timeout=_duration(T1), tag_actions={"lora": c.TAG_ACTION_DISCARD})
+    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=only_other, update_mask=mask), timeout=10)
+    stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    wait_for(lambda: get(stub, "cover"), _is_tier1, timeout=T1 + 15, what="tier 1 with a policy naming only 'lora'")
+    assert "idle sleep of" not in mgr.stderr_text(), "the idle sleep failed first"
+
+    lease = _acquire(stub, "cover", ttl=60).lease  # wakes it
+    only_weights = m.Policy(idle_sleep_timeout=_duration(T1), tag_actions={"weights": c.TAG_ACTION_OFFLOAD})
+    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=only_weights, update_mask=mask), timeout=10)
+    stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    wk = wait_for(lambda: get(stub, "cover"), _is_tier1, timeout=T1 + 15, what="tier 1 discarding the unnamed kv_cache")
+    assert tags(wk)["kv_cache"].mapped_bytes == 0
+    assert _acquire(stub, "cover", ttl=60).worker.state == c.WORKER_STATE_AWAKE
+    assert len(_generate(wp)) == NEW_TOKENS

@@ -244,6 +244,13 @@ class MemoryAllocator:
             return torch.empty(dims, dtype=dtype, device=self.torch_device)
         return from_dlpack(self._native.tensor(tag, nbytes, list(dims), code, bits))
 
+    def register_tag(self, tag: str) -> None:
+        """Make ``tag`` one of this allocator's tags now, holding nothing (its memory comes later):
+        a tag's pool is made by its first allocation, and a client shown a worker's tags must not see
+        the set change under it (a Sleep naming the tag refused as unknown, then accepted)."""
+        check_tag(tag)
+        self._native.free(self._native.alloc(tag, 1))  # the free gives the mapping back at once
+
     def host_empty(self, shape: Sequence[int] | int, dtype: torch.dtype) -> torch.Tensor:
         """An uninitialised page-locked CPU tensor the device can copy to and from (host KV pool)."""
         import torch

@@ -28,6 +28,7 @@ from memsvc.errors import (
 )
 from memsvc.vocabulary import (
     BUSY_STATES,
+    CUDA_GRAPHS,
     KEPT_IN,
     KV_CACHE,
     WEIGHTS,
@@ -40,6 +41,7 @@ from memsvc.vocabulary import (
     check_known_tags,
     plan_actions,
     sleep_acts_on,
+    wake_set,
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
@@ -169,6 +171,10 @@ class WorkerCore:
                 cuda_graphs=graphs,
                 defer_graph_capture=True,
             )
+            if self.runner.graphs is not None and CUDA_GRAPHS not in self.alloc.stats().tags:
+                # captured in the background, once serving: the tag exists (empty) from the start, so
+                # a Sleep or WakeUp naming it does not depend on how far the capture got
+                self.alloc.register_tag(CUDA_GRAPHS)
             self.runner.engine.on_work = self._schedule_step
             self._host_release = HostRelease(self.alloc, self._device_thread, self._loop, self.runner.engine.last_busy)
             self.runner.engine.admission_checks.insert(0, lambda: self._sm.require(WorkerState.AWAKE))
@@ -413,7 +419,8 @@ class WorkerCore:
             for tag in tags:
                 if stats[tag].state == TagState.AWAKE:
                     raise WrongState(f"tag {tag!r} is not asleep", metadata={"tag": tag})
-            wanted.extend(list(tags) or [t for t, s in stats.items() if s.state != TagState.AWAKE])
+            asleep = [t for t, s in stats.items() if s.state != TagState.AWAKE]
+            wanted.extend(wake_set(tags, asleep) if tags else asleep)
             reload = stats[WEIGHTS].state == TagState.DISCARDED if WEIGHTS in wanted else False
             return lambda: self._wake(wanted, reload)
 

@@ -32,7 +32,7 @@ from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.v1 import common_pb2 as c
-from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState
+from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState, policy_actions
 
 log = logging.getLogger("memsvc.manager")
 T = TypeVar("T")
@@ -263,10 +263,11 @@ class Budgets:
         return await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why_level2)
 
     def tier1_actions(self, rec: WorkerRecord) -> dict[str, Action]:
-        """The policy's tier-1 actions for ``rec``'s tags (the default policy speaks for every worker:
-        a tag this worker does not have is not its to act on)."""
+        """The policy's tier-1 actions for every tag ``rec`` has (vocabulary.policy_actions); before
+        its first status, the policy's own."""
+        named = self._policies.effective(rec.name).tag_actions
         tags = rec.tag_names()
-        return {t: a for t, a in self._policies.effective(rec.name).tag_actions.items() if not tags or t in tags}
+        return policy_actions(sorted(tags), named) if tags else dict(named)
 
     async def sleep_tier1(
         self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = ""

@@ -39,6 +39,7 @@ from memsvc.manager.links import OnDown, OnMessage, WorkerLink
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import (
+    CUDA_GRAPHS,
     KEPT_IN,
     KV_CACHE,
     WEIGHTS,
@@ -51,6 +52,7 @@ from memsvc.vocabulary import (
     check_known_tags,
     plan_actions,
     sleep_acts_on,
+    wake_set,
 )
 
 R = TypeVar("R")
@@ -75,7 +77,9 @@ class InMemoryWorker:
         device_index: int = 0,
         address: str = "",
         offload_dir: str = "",
+        graphs_bytes: int = 0,
     ) -> None:
+        """``graphs_bytes``: a ``cuda_graphs`` tag of that size, as a cuda worker's decode graphs have."""
         self.worker_id = worker_id
         self.offload_dir = offload_dir
         """Non-empty: the worker has a disk tier (OFFLOAD_DISK); nothing is written anywhere."""
@@ -85,6 +89,8 @@ class InMemoryWorker:
         self.device_total_bytes = device_total_bytes
         self.device_index = device_index
         self.tags: dict[str, _Tag] = {WEIGHTS: _Tag(weights_bytes), KV_CACHE: _Tag(kv_bytes)}
+        if graphs_bytes:
+            self.tags[CUDA_GRAPHS] = _Tag(graphs_bytes)
         self.state = WorkerState.AWAKE
         self.sleep_level = 0
         self.up = True
@@ -243,7 +249,8 @@ class InMemoryWorker:
                     raise WrongState(f"tag {tag!r} is not asleep")
             await self._set_state(WorkerState.WAKING, "WakeUp")
             moved = 0
-            for tag in tags or [t for t, v in self.tags.items() if v.state != TagState.AWAKE]:
+            asleep = [t for t, v in self.tags.items() if v.state != TagState.AWAKE]
+            for tag in wake_set(tags, asleep) if tags else asleep:
                 moved += self.tags[tag].awake_bytes
                 self.tags[tag].state = TagState.AWAKE
             if all(t.state == TagState.AWAKE for t in self.tags.values()):

@@ -13,7 +13,7 @@ from memsvc._limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
 from memsvc.errors import InvalidArgument, Overloaded
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.vocabulary import BUSY_STATES, Action, TagState, WorkerState
+from memsvc.vocabulary import BUSY_STATES, Action, TagState, WorkerState, wake_set
 
 NAME_PREFIX = "workers/"
 
@@ -170,10 +170,11 @@ class WorkerRecord:
         return {t.tag: Action.OFFLOAD_DISK for t in self.tags() if t.state == TagState.OFFLOADED.proto}
 
     def wake_need_bytes(self, tags: list[str] | None = None) -> int:
-        """Device bytes a wake of ``tags`` (all sleeping tags when None) would map."""
-        return sum(
-            t.awake_bytes for t in self.tags() if t.state != TagState.AWAKE.proto and (tags is None or t.tag in tags)
-        )
+        """Device bytes a wake of ``tags`` (all sleeping tags when None; with the tags each wakes too,
+        vocabulary.wake_set) would map."""
+        asleep = [t for t in self.tags() if t.state != TagState.AWAKE.proto]
+        woken = set(wake_set(tags, [t.tag for t in asleep])) if tags is not None else None
+        return sum(t.awake_bytes for t in asleep if woken is None or t.tag in woken)
 
     def unmap_bytes(self, actions: dict[str, Action]) -> int:
         """Device bytes a sleep with ``actions`` would free (mapped tags it offloads or discards)."""

@@ -42,6 +42,22 @@ def _generate(wp: WorkerProcess, n: int = 24, prompt: list[int] = PROMPT, seq: s
     return wp.stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, sequence_id=seq), timeout=120)
 
 
+def test_cuda_graphs_is_a_tag_from_the_start_and_wakes_with_kv_cache(gpu_worker: WorkerProcess) -> None:
+    """First in the module, so it sees the worker as soon as it serves (its graphs captured in the
+    background): the cuda_graphs tag is listed already, a Sleep naming it is accepted, and vLLM's
+    partial wake (weights, then kv_cache) ends AWAKE, serving the same tokens."""
+    assert "cuda_graphs" in _tags(gpu_worker), "the tag must not appear only once a graph is captured"
+    before = list(_generate(gpu_worker).token_ids)
+    actions = {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD, "cuda_graphs": c.TAG_ACTION_DISCARD}
+    r = gpu_worker.stub.Sleep(w.SleepRequest(tag_actions=actions), timeout=120)
+    assert {t.tag: t.state for t in r.status.tags}["cuda_graphs"] == c.TAG_STATE_DISCARDED
+    woke = gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=120)
+    assert woke.status.state == c.WORKER_STATE_PARTIALLY_AWAKE
+    woke = gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["kv_cache"]), timeout=120)
+    assert woke.status.state == c.WORKER_STATE_AWAKE, "cuda_graphs wakes with kv_cache"
+    assert list(_generate(gpu_worker).token_ids) == before
+
+
 def test_level1_and_level2_keep_tokens_and_return_memory(gpu_worker: WorkerProcess) -> None:
     before = list(_generate(gpu_worker).token_ids)
     assert len(set(before)) > 3, f"degenerate synthetic model: {before}"
