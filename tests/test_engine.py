@@ -498,8 +498,8 @@ def test_requests_wait_for_kv_blocks_instead_of_failing(small_kv_stub: Stub, voc
 
 def test_a_request_larger_than_the_pool_fails_at_once_and_changes_nothing(small_kv_stub: Stub, vocab: int) -> None:
     """100 prompt + 100 new tokens need 13 blocks; the pool has 8. Waiting cannot help: the request
-    fails at once with RESOURCE_EXHAUSTED (not OVERLOADED, whose meaning is "retry later"), and the
-    worker is as it was and serves the next request."""
+    fails at once with INVALID_ARGUMENT naming the pool's size (not OVERLOADED, whose meaning is
+    "retry later"), and the worker is as it was and serves the next request."""
     rng = random.Random(5)
     fits = request(random_prompt(rng, vocab, 30), 20)
     want = generate(small_kv_stub, fits)
@@ -508,12 +508,12 @@ def test_a_request_larger_than_the_pool_fails_at_once_and_changes_nothing(small_
     err = expect_error(
         "a Generate needing 13 blocks of 8",
         lambda: small_kv_stub.Generate(too_big, timeout=FAST_TIMEOUT),
-        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INVALID_ARGUMENT,
     )
     info = error_info(err)
-    assert info is not None and info.reason != "OVERLOADED", info
+    assert info is not None and info.metadata["neededBlocks"] == "13", info
     details = str(err.details())
-    assert "the request needs 13" in details and "tmp-" not in details, (
+    assert "the KV cache holds 128" in details and "tmp-" not in details, (
         "the error names the request, not an internal sequence id the client never sent: " + details
     )
     after = status(small_kv_stub)
