@@ -177,6 +177,41 @@ def test_stop_strings_cut_the_text_at_the_first_stop(stack: Stack) -> None:
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == full[: full.find(stop)]
 
 
+def test_a_stop_string_ends_the_generation_and_usage_counts_what_was_returned(stack: Stack) -> None:
+    """Streamed usage said prompt_tokens 0 whenever a stop string hit, and a whole answer counted the
+    tokens the worker kept making after the stop (60 for a 6-token answer). Usage is now the worker's
+    prompt count and the tokens up to the one that completed the stop, and the worker stops there."""
+    ref = list(stack.worker.stub.GenerateStream(
+        w.GenerateStreamRequest(request=w.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True)),
+        timeout=60,
+    ))  # fmt: skip
+    pieces = [(len(x.token_ids), x.text) for x in ref if x.token_ids]
+    prompt_tokens = ref[-1].done.prompt_token_count
+    full = "".join(t for _, t in pieces)
+    assert len(full) > 8 and prompt_tokens > 0, full
+    stop = full[4:7]
+    text, count = "", 0
+    for n, piece in pieces:  # the tokens until the text holds the stop
+        text, count = text + piece, count + n
+        if stop in text:
+            break
+    assert count < 60, "the stop must come well before max_tokens"
+    extra = {"ignore_eos": True}
+    whole = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop],
+                                            extra_body=extra)  # fmt: skip
+    assert whole.choices[0].text == full[: full.find(stop)] and whole.choices[0].finish_reason == "stop"
+    assert whole.usage is not None
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, count)
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
+                                                  stop=[stop], stream=True, stream_options={"include_usage": True},
+                                                  extra_body=extra))  # fmt: skip
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full[: full.find(stop)]
+    streamed = chunks[-1].usage
+    assert streamed is not None and (streamed.prompt_tokens, streamed.completion_tokens) == (prompt_tokens, count)
+    wait_for(stack.leases, lambda n: n == 0, "the leases to be released")
+    wait_for(stack.kv, lambda kv: kv.device_free_block_count == kv.device_block_count, "the KV blocks back")
+
+
 def curl(url: str, path: str, body: str | None, headers: tuple[str, ...] = ()) -> tuple[int, dict[str, Any]]:
     exe = shutil.which("curl")
     if exe is None:

@@ -240,6 +240,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         # runs before this generator's first await returns, so it never is cancelled unstarted.
         task = asyncio.ensure_future(self.core.generate(spec, made, slot))
         getter: asyncio.Future[int] | None = None
+        prompt_tokens = len(spec.prompt)  # told with the first message, then 0 (unset)
         try:
             while not (task.done() and tokens.empty()):
                 getter = asyncio.ensure_future(tokens.get())
@@ -250,7 +251,10 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                 batch = [getter.result()]
                 while not tokens.empty():
                     batch.append(tokens.get_nowait())
-                yield w.GenerateStreamResponse(token_ids=batch, text="".join(streamed.push(t) for t in batch))
+                yield w.GenerateStreamResponse(
+                    token_ids=batch, text="".join(streamed.push(t) for t in batch), prompt_token_count=prompt_tokens
+                )
+                prompt_tokens = 0
             done = response(task.result(), request.request.sequence_id, text)
             yield w.GenerateStreamResponse(text=streamed.finish(done.text), done=done)
         finally:

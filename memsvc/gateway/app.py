@@ -277,16 +277,14 @@ def create_app(
             stub = backends.worker(lease.worker.address or worker.address)
             if not req.stream:
                 try:
-                    r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
+                    whole = _until_stop(stub, gen, req.stop_strings)
+                    text, reason, prompt_tokens, tokens = await _unless_client_left(request, whole)
                 except grpc.RpcError as exc:
                     raise from_rpc(exc, "worker") from None
                 finally:
                     await stack.aclose()  # the lease goes back before the answer does
-                metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
-                stops = _StopText(req.stop_strings)
-                text = stops.feed(r.text) + stops.rest()
-                reason = "stop" if stops.hit or r.finish_reason == c.FINISH_REASON_STOP else "length"
-                return JSONResponse(_whole(kind, req.model, text, reason, r.prompt_token_count, len(r.token_ids)))
+                metrics.completion_tokens.labels(req.model).inc(tokens)
+                return JSONResponse(_whole(kind, req.model, text, reason, prompt_tokens, tokens))
             call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
             stack.callback(call.cancel)
             try:
@@ -361,6 +359,34 @@ class _Edge:
         else:
             await self.app(scope, receive, send_with_id)
         log.info("%s %s %s %d %.1f ms", rid, scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3)
+
+
+async def _until_stop(stub: Any, gen: w.GenerateRequest, stop_strings: list[str]) -> tuple[str, str, int, int]:
+    """A whole answer: its text, finish reason, prompt and completion token counts. Without stop
+    strings, one Generate. With them, a stream read until the first stop string appears and then
+    cancelled, so the worker stops there instead of generating to max_tokens (and the usage counts
+    the tokens up to the one that completed the stop, not past it)."""
+    if not stop_strings:
+        r = await stub.Generate(gen, timeout=GENERATE_TIMEOUT_S)
+        reason = "stop" if r.finish_reason == c.FINISH_REASON_STOP else "length"
+        return r.text, reason, r.prompt_token_count, len(r.token_ids)
+    stops = _StopText(stop_strings)
+    call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
+    text, prompt_tokens, tokens, reason = "", 0, 0, "length"
+    try:
+        while (msg := await call.read()) is not grpc.aio.EOF:
+            tokens += len(msg.token_ids)
+            prompt_tokens = msg.prompt_token_count or prompt_tokens
+            text += stops.feed(msg.text)
+            if msg.HasField("done"):
+                prompt_tokens = msg.done.prompt_token_count
+                reason = "stop" if msg.done.finish_reason == c.FINISH_REASON_STOP else "length"
+            if stops.hit:
+                reason = "stop"
+                break
+    finally:
+        call.cancel()  # a no-op once the stream has ended
+    return text + stops.rest(), reason, prompt_tokens, tokens
 
 
 async def _unless_client_left(request: Request, call: Awaitable[T]) -> T:
@@ -451,6 +477,7 @@ async def _stream(
         msg = first
         while msg is not grpc.aio.EOF and msg is not None:
             tally.add(len(msg.token_ids))
+            prompt_tokens = msg.prompt_token_count or prompt_tokens  # the first message tells it
             out = stops.feed(msg.text)
             if out:
                 yield event(piece(out))
@@ -459,6 +486,7 @@ async def _stream(
                 finish = "stop" if msg.done.finish_reason == c.FINISH_REASON_STOP else "length"
             if stops.hit:
                 finish = "stop"
+                call.cancel()  # the worker stops at its next step, not at max_tokens
                 break
             msg = await call.read()
         tail = stops.rest()
