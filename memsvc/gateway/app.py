@@ -212,8 +212,18 @@ def create_app(
 
     async def _worker_for(model: str) -> Served:
         workers = (await _models()).get(model)
+        if not workers and backends.unknown_unavailable:
+            # a worker that stopped before this manager heard its model (it restarted since) may be
+            # the one: "does not exist" would be wrong until it is back or pruned (memsvc prune)
+            raise GatewayError(503, f"the model {model!r} is not served by any reachable worker; "
+                                    f"{backends.unknown_unavailable} registered worker(s) are unavailable",
+                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
         if not workers:
             raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        if all(s.state == c.WORKER_STATE_UNAVAILABLE for s in workers):
+            raise GatewayError(503, f"the model {model!r} is registered but its worker is unavailable "
+                                    f"({', '.join(s.name for s in workers)})",
+                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
         return Backends.pick(workers)
 
     @app.post("/v1/completions", response_model=None)

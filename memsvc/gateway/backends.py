@@ -72,6 +72,8 @@ class Backends:
         self._manager_channel = aio_channel(manager_address, security)
         self.manager: m_grpc.MemoryManagerServiceAsyncStub = m_grpc.MemoryManagerServiceStub(self._manager_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, w_grpc.ModelWorkerServiceAsyncStub]] = {}
+        self.unknown_unavailable = 0
+        """Unavailable workers whose model the last :meth:`models` could not tell."""
         self._late: set[asyncio.Task[None]] = set()
         """Releases of leases granted to callers that left (see :meth:`acquire`); at most one per
         request the gateway serves."""
@@ -90,8 +92,11 @@ class Backends:
         return self._workers[address][1]
 
     async def models(self, timeout: float = 10.0) -> dict[str, list[Served]]:
-        """Every served model name and its workers (workers that report no model are left out)."""
+        """Every served model name and its workers. Workers that report no model are left out, but
+        the unavailable ones among them (registered, not heard from since the manager started) are
+        counted in :attr:`unknown_unavailable`: one of them may serve any model asked for."""
         out: dict[str, list[Served]] = {}
+        unknown = 0
         token = ""
         while True:
             page = m.ListWorkersRequest(page_size=LIST_PAGE, page_token=token)
@@ -99,12 +104,14 @@ class Backends:
             for wk in r.workers:
                 model = wk.status.model
                 if not model.served_model_name:
+                    unknown += wk.state == c.WORKER_STATE_UNAVAILABLE
                     continue
                 out.setdefault(model.served_model_name, []).append(
                     Served(wk.name, wk.address, wk.state, wk.lease_count, model.vocab_size, model.context_length)
                 )
             token = r.next_page_token
             if not token:
+                self.unknown_unavailable = unknown
                 return out
 
     @staticmethod
