@@ -505,10 +505,11 @@ def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> 
         with pytest.raises(openai.BadRequestError) as bad:
             stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"keep_alive": "40d"})
         assert bad.value.status_code == 400 and "keep_alive" in str(bad.value.body)
-        with pytest.raises(openai.BadRequestError) as bad:
-            stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
-                                            extra_body={"keep_alive": "1000h"})  # fmt: skip
-        assert "keep_alive" in str(bad.value.body), bad.value.body
+        for typo in ("1000h", "--5", "+-5", "-+5s"):  # one sign at most: "--5" was read as -5, "+-5" as +5
+            with pytest.raises(openai.BadRequestError) as bad:
+                stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
+                                                extra_body={"keep_alive": typo})  # fmt: skip
+            assert "keep_alive" in str(bad.value.body), (typo, bad.value.body)
         assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000, "a refused request changed it"
         assert _manager_worker(stack).state == c.WORKER_STATE_AWAKE
 

@@ -39,6 +39,7 @@ def _refuse_unless(value: Any, info: ValidationInfo, *neutral: Any) -> Any:
 
 
 _UNIT_S = {"ns": 1e-9, "us": 1e-6, "\u00b5s": 1e-6, "ms": 1e-3, "s": 1.0, "m": 60.0, "h": 3600.0}
+_NUMBER = re.compile(r"[0-9]*\.?[0-9]+([eE][+-]?[0-9]+)?")
 _DURATION = re.compile(r"([0-9]*\.?[0-9]+)(ns|us|\u00b5s|ms|s|m|h)")
 
 
@@ -49,11 +50,10 @@ def keep_alive_seconds(value: str | float | None) -> float | None:
         return None if value is None else float(value)
     text = value.strip()
     sign = -1.0 if text.startswith("-") else 1.0
-    body = text.lstrip("+-")
-    try:
+    # one sign at most: "--5" and "+-5" are typos, not -5 and +5 (float() would take the second sign)
+    body = text[1:] if text.startswith(("+", "-")) else text
+    if _NUMBER.fullmatch(body):
         return sign * float(body)
-    except ValueError:
-        pass
     parts = _DURATION.findall(body)
     if not body or "".join(n + u for n, u in parts) != body:
         raise ValueError(f"keep_alive {value!r} is neither seconds nor a duration such as '5m', '1h30m', '-1'")
