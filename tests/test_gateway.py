@@ -288,6 +288,19 @@ def test_the_bearer_token_is_required_when_set(stack: Stack, tmp_path: Path) -> 
         assert code == 401 and err["error"]["code"] == "invalid_api_key"
         code, _ = curl(gw.url, "/v1/models", None, ("Authorization: Bearer wrong",))
         assert code == 401
+        # two Authorization headers: neither counts (the last used to win)
+        code, err = curl(gw.url, "/v1/models", None, ("Authorization: Bearer wrong", "Authorization: Bearer s3cret"))
+        assert code == 400 and "more than one Authorization" in err["error"]["message"], err
+        # /metrics is behind the token too, as the manager's is
+        import urllib.error
+        import urllib.request
+
+        with pytest.raises(urllib.error.HTTPError) as denied:
+            urllib.request.urlopen(f"{gw.url}/metrics", timeout=30)
+        assert denied.value.code == 401
+        authed = urllib.request.Request(f"{gw.url}/metrics", headers={"Authorization": "Bearer s3cret"})
+        with urllib.request.urlopen(authed, timeout=30) as r:
+            assert r.status == 200 and b"memsvc_gateway" in r.read()
         # the gateway dials the manager with the same token; this manager has none and ignores it
         client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="s3cret", max_retries=0, timeout=30)
         assert [x.id for x in client.models.list().data] == [MODEL]

@@ -330,7 +330,8 @@ def _declared_size(headers: dict[str, str]) -> int:
 class _Edge:
     """Plain ASGI middleware (Starlette's BaseHTTPMiddleware would hide a client's disconnect from
     the endpoints): every response carries ``X-Request-Id`` (the client's, or a new one) and gets one
-    log line; with a token, /v1 requires ``Authorization: Bearer <token>``; a Content-Length past
+    log line; with a token, /v1 and /metrics require ``Authorization: Bearer <token>``; a request with
+    two Authorization headers is a 400 (whichever counted would be a guess); a Content-Length past
     MAX_HTTP_BODY_BYTES is a 413 before the body is read."""
 
     def __init__(self, app: ASGIApp, token: str = "") -> None:
@@ -360,7 +361,12 @@ class _Edge:
 
         path = str(scope.get("path", ""))
         sent = headers.get("authorization", "").encode()
-        if self.token and path.startswith("/v1/") and not hmac.compare_digest(sent, f"Bearer {self.token}".encode()):
+        authorizations = sum(k.lower() == b"authorization" for k, _ in scope.get("headers", []))
+        guarded = path.startswith("/v1/") or path == "/metrics"  # as the manager's /metrics is
+        if authorizations > 1:  # which one counts would be the server's guess: none does
+            err = GatewayError(400, "more than one Authorization header", param=None, code="invalid_request")
+            await JSONResponse(err.body(), status_code=400)(scope, receive, send_with_id)
+        elif self.token and guarded and not hmac.compare_digest(sent, f"Bearer {self.token}".encode()):
             err = GatewayError(401, "missing or wrong bearer token", code="invalid_api_key")
             denied = JSONResponse(err.body(), status_code=401, headers={"WWW-Authenticate": "Bearer"})
             await denied(scope, receive, send_with_id)
