@@ -4,14 +4,13 @@ that has not heard from the worker since (its registration is kept, its model un
 
 from __future__ import annotations
 
-import time
-from collections.abc import Callable
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from gatewayproc import GatewayProcess
 from managerproc import ManagerProcess
+from test_gateway import wait_for
 from upproc import free_port
 from workerproc import WorkerProcess
 
@@ -19,18 +18,7 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 
 openai = pytest.importorskip("openai")
-T = TypeVar("T")
 MODEL = "synthetic:tiny"
-
-
-def wait_for(get: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = get()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; last: {value!r}"
-        time.sleep(0.05)
 
 
 def answer(client: Any) -> tuple[int, str, str | None]:
@@ -50,7 +38,9 @@ def test_a_stopped_workers_model_is_unavailable_not_missing(tmp_path: Path) -> N
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
     try:
         workers = lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers  # noqa: E731
-        wait_for(workers, lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")
+        wait_for(
+            workers, lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration", timeout=60
+        )
         assert answer(client)[0] == 200
         wp.kill()
         wait_for(workers, lambda ws: ws[0].state == c.WORKER_STATE_UNAVAILABLE, "the worker unavailable")
@@ -59,8 +49,9 @@ def test_a_stopped_workers_model_is_unavailable_not_missing(tmp_path: Path) -> N
         # a manager that restarts keeps the registration but not the model it never heard since
         mp.kill()
         mp = ManagerProcess(tmp_path / "manager.db", listen=listen).start()
-        wait_for(lambda: answer(client)[0], lambda s: s == 503, "the gateway to reach the new manager")
-        status, message, retry = answer(client)
+        # (503 too while the gateway cannot reach the manager: wait for the new manager's answer)
+        status, message, retry = wait_for(lambda: answer(client), lambda a: "registered worker" in a[1],
+                                          "the gateway to reach the new manager", timeout=90)  # fmt: skip
         assert (status, retry) == (503, "2") and MODEL in message and "1 registered worker" in message, message
         # once the stale registration is pruned, the model does not exist
         mp.stub.DeregisterWorker(m.DeregisterWorkerRequest(name="workers/gone"), timeout=10)
