@@ -381,7 +381,6 @@ class WorkerCore:
                 self._host_release.settle()  # chunks a wake held and this sleep did not reuse
             self._last_memory = alloc.stats()
             tags = self._last_memory.tags
-            self._park_reserve()
             moved = sum(tags[t].offloaded_bytes + tags[t].disk_bytes for t, a in todo.items() if a in KEPT_IN)
             self._sm.sleep_level = max(level, self._sm.sleep_level) if before == WorkerState.ASLEEP else level
             self._sm.set_state(WorkerState.ASLEEP, "Sleep")
@@ -470,23 +469,12 @@ class WorkerCore:
             verified = int(ctr["bytes_verified"] - ctr0["bytes_verified"])
             if self._host_release is not None:
                 self._host_release.release_when_idle()
-                self._start_prepin(self._host_release.unpark())  # the reserve parked by the sleep
             return self._sm.finish(Transition(TransitionKind.WAKE, moved, seconds, verified))
         except BaseException as exc:
             if self._host_release is not None:
                 self._host_release.settle()
             self._settle(f"WakeUp failed: {exc}")
-            self._park_reserve()
             raise
-
-    def _park_reserve(self) -> None:
-        """With no tag awake, the host reserve waits for the wake, not for a sleep: give it back
-        (worker/host_release.py) so a sleeper on disk or at level 2 holds no host RAM it cannot use."""
-        memory = self._last_memory
-        if self._host_release is None or memory is None:
-            return
-        if all(t.state != TagState.AWAKE for t in memory.tags.values()):
-            self._host_release.park()
 
     def _check_source(self, outcome: str) -> None:
         """Before a reload (a level-2 wake, ReloadWeights) copies a byte: refuse if the weights' source
