@@ -165,7 +165,7 @@ def test_config_reads_transformers5_keys_like_the_legacy_ones() -> None:
         ({"rope_scaling": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"rope_scaling": None, "rope_parameters": {"rope_type": "yarn", "factor": 4.0}}, "yarn"),
         ({"mlp_bias": True}, "mlp_bias"),
-        ({"num_key_value_heads": 5}, "multiple of num_kv_heads"),
+        ({"num_key_value_heads": 5}, "multiple of 'num_key_value_heads'"),
     ],
 )
 def test_config_rejects_what_the_decoder_cannot_run(change: dict[str, Any], message: str) -> None:

@@ -1134,7 +1134,7 @@ def test_health_serving_and_sigterm_drains() -> None:
 @pytest.mark.parametrize(
     ("args", "code", "says"),
     [
-        (["--model", "/nonexistent/ckpt"], 2, "config.json does not exist"),  # the user's error: one line
+        (["--model", "/nonexistent/ckpt"], 2, "checkpoint directory does not exist"),  # the user's error: one line
         (["--model", "synthetic:no-such-preset"], 2, "unknown synthetic preset"),
         (["--kv-blocks", "0"], 2, "argument --kv-blocks: must be an integer >= 1"),
     ],

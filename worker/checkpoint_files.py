@@ -6,23 +6,101 @@ read-ahead runs while torch is being imported."""
 from __future__ import annotations
 
 import json
+import os
+import stat
 from pathlib import Path
+from typing import Any
 
-from memsvc.errors import InvalidArgument
+from memsvc.errors import InvalidArgument, NotFound
 
 INDEX_FILE = "model.safetensors.index.json"
 """A sharded checkpoint's map of tensor name to file."""
+CONFIG_FILE = "config.json"
+MAX_JSON_BYTES = 64 << 20
+"""A checkpoint's JSON files (config, index, generation config) at most: an index of a 400B model is
+a few MiB; more is not a checkpoint, and the whole file is read into memory."""
+MAX_JSON_DEPTH = 32
+"""Nesting of those files at most (a real config nests 3 deep): a file nested 100,000 deep made
+``json.loads`` raise RecursionError, a traceback instead of a refusal."""
+
+
+def open_regular(path: Path) -> int:
+    """A read-only descriptor of ``path``, refused by name unless it is a regular file.
+
+    A FIFO, a device or a socket in a checkpoint directory would block the first read for ever (a
+    FIFO without a writer blocks the open itself); O_NONBLOCK makes the open return at once, and
+    the type is taken from the descriptor opened, not the path, so a symlink cannot swap it in
+    between. For a regular file O_NONBLOCK changes nothing and is cleared anyway."""
+    try:
+        fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_NONBLOCK)
+    except FileNotFoundError:
+        raise NotFound(f"{path} does not exist") from None
+    except OSError as e:
+        raise InvalidArgument(f"{path}: cannot open ({e.strerror or e})") from None
+    try:
+        mode = os.fstat(fd).st_mode
+        if not stat.S_ISREG(mode):
+            what = "a directory" if stat.S_ISDIR(mode) else "a FIFO" if stat.S_ISFIFO(mode) else "a special file"
+            raise InvalidArgument(f"{path} is not a regular file ({what}): a checkpoint's files must be")
+        os.set_blocking(fd, True)
+    except BaseException:
+        os.close(fd)
+        raise
+    return fd
+
+
+def _depth(value: Any) -> int:
+    """How deep ``value`` nests, without recursion (its own depth is the bound)."""
+    deepest, todo = 0, [(value, 1)]
+    while todo:
+        item, depth = todo.pop()
+        if isinstance(item, dict | list):
+            deepest = max(deepest, depth)
+            if depth > MAX_JSON_DEPTH:
+                break
+            todo.extend((v, depth + 1) for v in (item.values() if isinstance(item, dict) else item))
+    return deepest
+
+
+def read_json(file: Path) -> Any:
+    """One JSON file of a checkpoint, bounded: a regular file (:func:`open_regular`) of at most
+    :data:`MAX_JSON_BYTES`, valid JSON nested at most :data:`MAX_JSON_DEPTH` deep; INVALID_ARGUMENT
+    naming the file otherwise, NOT_FOUND when it is missing."""
+    fd = open_regular(file)
+    try:
+        with os.fdopen(fd, "rb", closefd=False) as f:
+            raw = f.read(MAX_JSON_BYTES + 1)
+    except OSError as e:
+        raise InvalidArgument(f"{file}: cannot read ({e.strerror or e})") from None
+    finally:
+        os.close(fd)
+    if len(raw) > MAX_JSON_BYTES:
+        raise InvalidArgument(f"{file}: larger than {MAX_JSON_BYTES} bytes, the most a checkpoint's JSON file may be")
+    try:
+        doc = json.loads(raw)
+    except RecursionError:
+        doc, deep = None, True
+    except ValueError as e:  # UnicodeDecodeError too
+        raise InvalidArgument(f"{file}: not valid JSON ({e})") from None
+    else:
+        deep = _depth(doc) > MAX_JSON_DEPTH
+    if deep:
+        raise InvalidArgument(
+            f"{file}: JSON nested deeper than {MAX_JSON_DEPTH} levels, the most a checkpoint's may be"
+        )
+    return doc
 
 
 def read_weight_map(root: Path, index: Path) -> dict[str, Path]:
     """The index's tensor -> file map, each file inside ``root``; INVALID_ARGUMENT for an index that
     is not one, or that names a file outside the directory (absolute, or through ``..``)."""
     try:
-        weight_map = json.loads(index.read_text())["weight_map"]
-        if not isinstance(weight_map, dict):
-            raise TypeError("weight_map is not an object")
-    except (ValueError, KeyError, TypeError, OSError) as e:
-        raise InvalidArgument(f"{index}: not a safetensors index ({e})") from None
+        doc = read_json(index)
+    except InvalidArgument as e:
+        raise InvalidArgument(f"not a safetensors index: {e}") from None
+    weight_map = doc.get("weight_map") if isinstance(doc, dict) else None
+    if not isinstance(weight_map, dict):
+        raise InvalidArgument(f"{index}: not a safetensors index (no 'weight_map' object)")
     where: dict[str, Path] = {}
     for name, file in weight_map.items():
         rel = Path(file) if isinstance(file, str) else None
@@ -32,4 +110,12 @@ def read_weight_map(root: Path, index: Path) -> dict[str, Path]:
     return where
 
 
-__all__ = ["INDEX_FILE", "read_weight_map"]
+__all__ = [
+    "CONFIG_FILE",
+    "INDEX_FILE",
+    "MAX_JSON_BYTES",
+    "MAX_JSON_DEPTH",
+    "open_regular",
+    "read_json",
+    "read_weight_map",
+]

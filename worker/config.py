@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import os
 import socket
 from dataclasses import dataclass
 from pathlib import Path
 
-from memsvc.errors import InvalidArgument
+from memsvc.errors import InvalidArgument, NotFound
+from worker.checkpoint_files import CONFIG_FILE
 from worker.host_memory import AUTO, parse_prepin, parse_reserve
 
 
@@ -62,6 +64,33 @@ class WorkerConfig:
         parse_prepin(self.host_prepin)
         if not 0 <= self.drain_seconds <= 3600:
             raise InvalidArgument(f"drain_seconds must be in [0, 3600], got {self.drain_seconds}")
+
+    def check_paths(self) -> None:
+        """The flags that name files, checked before the worker listens (cheap: a few ``stat`` calls,
+        no torch): ``--offload-dir`` an existing, writable directory, ``--model`` a directory with a
+        ``config.json`` that is a regular file. A script waiting for "listening on" then never sees a
+        worker that exits 2 over a flag a moment later; what needs the model layer (the config's
+        values, the shards) is the load's, while the worker answers LOADING."""
+        if self.offload_dir:
+            where = Path(self.offload_dir)
+            if not where.exists():
+                raise InvalidArgument(f"--offload-dir {self.offload_dir} does not exist")
+            if not where.is_dir():
+                raise InvalidArgument(f"--offload-dir {self.offload_dir} is not a directory")
+            if not os.access(where, os.W_OK | os.X_OK):
+                raise InvalidArgument(f"--offload-dir {self.offload_dir} is not writable")
+        if self.model.startswith("synthetic:"):
+            return
+        root = Path(self.model)
+        if not root.exists():
+            raise NotFound(f"--model {self.model}: checkpoint directory does not exist")
+        if not root.is_dir():
+            raise InvalidArgument(f"--model {self.model} is not a directory (a checkpoint is one)")
+        config = root / CONFIG_FILE
+        if not config.exists():
+            raise NotFound(f"--model {self.model}: no {CONFIG_FILE} in the checkpoint directory")
+        if not config.is_file():
+            raise InvalidArgument(f"--model {self.model}: {CONFIG_FILE} is not a regular file")
 
     def resolved_served_model_name(self) -> str:
         """The name clients ask for the model by: ``served_model_name``, else the checkpoint

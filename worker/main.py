@@ -74,6 +74,11 @@ async def serve(
     advertise: str | None = None,
     security: Security | None = None,
 ) -> int:
+    try:
+        config.check_paths()  # before anything starts: "listening on" means the flags were accepted
+    except MemsvcError as exc:
+        announce(f"memsvc worker: error: {exc}", sys.stderr)
+        return 2
     importer = import_model_layer(config, CheckpointPrefetch(config.model).start())
     try:
         return await _serve(config, listen, manager, advertise, security or Security())

@@ -21,8 +21,8 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-from memsvc.errors import InvalidArgument
-from worker.checkpoint_files import INDEX_FILE, read_weight_map
+from memsvc.errors import InvalidArgument, MemsvcError
+from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
 from worker.page_cache import PageCache
 
 log = logging.getLogger("memsvc.worker")
@@ -90,8 +90,8 @@ class CheckpointPrefetch:
         """Every window of every shard, in the loader's order (taken under the lock)."""
         for file in self.files:
             try:
-                fd = os.open(file, os.O_RDONLY | os.O_CLOEXEC)
-            except OSError:
+                fd = open_regular(file)  # not a FIFO: its open would block (the load refuses it by name)
+            except MemsvcError:
                 continue
             size = os.fstat(fd).st_size
             cache = PageCache(fd, size)

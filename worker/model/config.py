@@ -59,6 +59,29 @@ DTYPES: dict[str, torch.dtype] = {
     "float16": torch.float16,
 }
 
+INT32_MAX = 2**31 - 1
+"""The largest proto int32: ModelInfo carries vocab_size, layer_count, context_length and the EOS ids
+as int32, so a value past it loaded and then failed every GetWorkerStatus with INTERNAL."""
+
+BOUNDS: dict[str, tuple[int, int]] = {
+    "vocab_size": (1, 1 << 22),
+    "hidden_size": (1, 1 << 16),
+    "intermediate_size": (1, 1 << 18),
+    "num_hidden_layers": (1, 1024),
+    "num_attention_heads": (1, 1024),
+    "num_key_value_heads": (1, 1024),
+    "head_dim": (2, 1024),
+    "max_position_embeddings": (1, 1 << 24),
+    "original_max_position_embeddings": (1, 1 << 24),
+    "sliding_window": (1, 1 << 24),
+    "max_window_layers": (0, INT32_MAX),
+}
+"""The range every integer key of ``config.json`` must lie in (by its name, also inside
+``rope_parameters``): positive where a zero divides or sizes nothing, and a few times the largest
+published model's value at most (vocab 262144, hidden 16384, MLP 53248, 126 layers, 128 heads,
+head_dim 256, a 10M context), all within :data:`INT32_MAX`. A value past them is a damaged or
+hostile file, refused by name before anything is sized from it."""
+
 _DEFAULT_THETA = 10000.0
 """transformers' ``RotaryEmbeddingConfigMixin.default_theta``: the base when a config names none."""
 
@@ -435,9 +458,30 @@ class ModelConfig:
         head_dim = get("head_dim")
         if head_dim is None:
             if hidden % num_heads:
-                raise InvalidArgument("config.json: hidden_size is not a multiple of num_attention_heads")
+                raise InvalidArgument(
+                    f"config.json: 'hidden_size' ({hidden}) must be a multiple of 'num_attention_heads' ({num_heads})"
+                    " when there is no 'head_dim'",
+                    metadata={"key": "hidden_size"},
+                )
             head_dim = hidden // num_heads
-        num_kv_heads = get("num_key_value_heads")
+        head_dim = _int(head_dim, "head_dim")
+        if head_dim % 2:
+            raise InvalidArgument(
+                f"config.json: 'head_dim' ({head_dim}) must be even (RoPE rotates pairs)", metadata={"key": "head_dim"}
+            )
+        kv = get("num_key_value_heads")
+        num_kv_heads = _int(num_heads if kv is None else kv, "num_key_value_heads")
+        if num_heads % num_kv_heads:
+            raise InvalidArgument(
+                f"config.json: 'num_attention_heads' ({num_heads}) must be a multiple of 'num_key_value_heads'"
+                f" ({num_kv_heads})",
+                metadata={"key": "num_key_value_heads"},
+            )
+        eps = _float(get("rms_norm_eps"), "rms_norm_eps")
+        if not 0 < eps < 1:
+            raise InvalidArgument(
+                f"config.json: 'rms_norm_eps' must be in (0, 1), got {eps}", metadata={"key": "rms_norm_eps"}
+            )
         max_pos = _int(get("max_position_embeddings"), "max_position_embeddings")
         theta, scaling = _rope(hf, family, max_pos)
         if family in ("llama", "qwen3"):
@@ -451,10 +495,10 @@ class ModelConfig:
             intermediate_size=_int(need("intermediate_size"), "intermediate_size"),
             num_layers=num_layers,
             num_heads=num_heads,
-            num_kv_heads=_int(num_heads if num_kv_heads is None else num_kv_heads, "num_key_value_heads"),
-            head_dim=_int(head_dim, "head_dim"),
+            num_kv_heads=num_kv_heads,
+            head_dim=head_dim,
             rope_theta=theta,
-            rms_norm_eps=_float(get("rms_norm_eps"), "rms_norm_eps"),
+            rms_norm_eps=eps,
             max_position_embeddings=max_pos,
             tie_word_embeddings=_bool(hf.get("tie_word_embeddings") or False, "tie_word_embeddings"),
             attention_bias=attention_bias,
@@ -545,14 +589,23 @@ def _family(hf: Mapping[str, Any]) -> Family:
 
 
 def _int(value: Any, key: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int | float) or value != int(value):
-        raise InvalidArgument(f"config.json: '{key}' must be an integer, got {value!r}")
+    """An integer key, within its :data:`BOUNDS` (found by the key's last name), named when refused."""
+    lo, hi = BOUNDS.get(key.rsplit(".", 1)[-1], (-INT32_MAX, INT32_MAX))
+    number = isinstance(value, int | float) and not isinstance(value, bool) and math.isfinite(value)
+    if not number or value != int(value) or not lo <= value <= hi:
+        shown = repr(value) if len(repr(value)) <= 40 else repr(value)[:40] + "..."
+        raise InvalidArgument(
+            f"config.json: '{key}' must be an integer in [{lo}, {hi}], got {shown}", metadata={"key": key}
+        )
     return int(value)
 
 
-def _float(value: Any, key: str) -> float:
+def _float(value: Any, key: str, positive: bool = False) -> float:
+    """A number key (finite; ``positive``: > 0, for what divides or scales), named when refused."""
     if isinstance(value, bool) or not isinstance(value, int | float) or not math.isfinite(value):
-        raise InvalidArgument(f"config.json: '{key}' must be a number, got {value!r}")
+        raise InvalidArgument(f"config.json: '{key}' must be a number, got {value!r}", metadata={"key": key})
+    if positive and not value > 0:
+        raise InvalidArgument(f"config.json: '{key}' must be > 0, got {value!r}", metadata={"key": key})
     return float(value)
 
 
@@ -617,7 +670,7 @@ def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, R
             )
         return theta, None
     if kind == "linear":
-        return theta, RopeScaling("linear", _float(need("factor"), f"{where}.factor"))
+        return theta, RopeScaling("linear", _float(need("factor"), f"{where}.factor", positive=True))
     if kind == "llama3":
         original = _agreed(
             hf.get("original_max_position_embeddings"), raw.get("original_max_position_embeddings"),
@@ -625,9 +678,9 @@ def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, R
         )  # fmt: skip
         scaling = RopeScaling(
             "llama3",
-            _float(need("factor"), f"{where}.factor"),
-            low_freq_factor=_float(need("low_freq_factor"), f"{where}.low_freq_factor"),
-            high_freq_factor=_float(need("high_freq_factor"), f"{where}.high_freq_factor"),
+            _float(need("factor"), f"{where}.factor", positive=True),
+            low_freq_factor=_float(need("low_freq_factor"), f"{where}.low_freq_factor", positive=True),
+            high_freq_factor=_float(need("high_freq_factor"), f"{where}.high_freq_factor", positive=True),
             original_max_position_embeddings=_int(
                 max_pos if original is None else original, f"{where}.original_max_position_embeddings"
             ),
@@ -727,10 +780,12 @@ PRESETS: dict[str, ModelConfig] = {
 
 __all__ = [
     "ARCHITECTURES",
+    "BOUNDS",
     "CONFIG_KEYS",
     "DTYPES",
     "FAMILIES",
     "FAMILY_DEFAULTS",
+    "INT32_MAX",
     "MODEL_TYPES",
     "PRESETS",
     "ROPE_PREFIX",

@@ -9,7 +9,6 @@ when that file has one (transformers' ``generate`` uses it), else ``config.json`
 
 from __future__ import annotations
 
-import json
 from collections.abc import Iterable
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -17,6 +16,8 @@ from typing import Any
 
 from memsvc.errors import InvalidArgument
 from memsvc.vocabulary import FinishReason
+from worker.checkpoint_files import read_json
+from worker.model.config import INT32_MAX
 from worker.model.sampling import GREEDY, SamplingParams
 
 GENERATION_CONFIG = "generation_config.json"
@@ -58,12 +59,9 @@ def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
     root = Path(path)
     for name in (GENERATION_CONFIG, "config.json"):
         file = root / name
-        if not file.is_file():
+        if not file.exists():
             continue
-        try:
-            raw = json.loads(file.read_text())
-        except ValueError as exc:
-            raise InvalidArgument(f"{file}: not valid JSON ({exc})") from None
+        raw = read_json(file)
         if isinstance(raw, dict) and raw.get("eos_token_id") is not None:
             return _token_ids(raw["eos_token_id"], file)
     return ()
@@ -71,8 +69,10 @@ def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:
 
 def _token_ids(value: Any, file: Path) -> tuple[int, ...]:
     values = value if isinstance(value, list) else [value]
-    if not all(isinstance(v, int) and not isinstance(v, bool) and v >= 0 for v in values):
-        raise InvalidArgument(f"{file}: eos_token_id must be a token id or a list of them, got {value!r}")
+    if not all(isinstance(v, int) and not isinstance(v, bool) and 0 <= v <= INT32_MAX for v in values):
+        raise InvalidArgument(
+            f"{file}: eos_token_id must be a token id (0 to {INT32_MAX}) or a list of them, got {value!r}"
+        )
     return tuple(sorted(set(values)))
 
 

@@ -48,7 +48,7 @@ from typing import TYPE_CHECKING, Any, Literal
 import torch
 
 from memsvc.errors import InvalidArgument, NotFound
-from worker.checkpoint_files import INDEX_FILE, read_weight_map
+from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
 from worker.page_cache import PageCache
 
 if TYPE_CHECKING:
@@ -218,13 +218,9 @@ def _pread_exact(fd: int, n: int, offset: int) -> bytes:
 
 
 def _open_shard(path: Path) -> int:
-    """A read-only descriptor of a shard; a missing one is NOT_FOUND, an unreadable one damaged."""
-    try:
-        return os.open(path, os.O_RDONLY | os.O_CLOEXEC)
-    except FileNotFoundError:
-        raise NotFound(f"{path} does not exist") from None
-    except OSError as e:
-        raise _damaged(path, e.strerror or str(e)) from None
+    """A read-only descriptor of a shard; a missing one is NOT_FOUND, one that is not a regular file
+    (a FIFO would block the load for ever) or cannot be opened is INVALID_ARGUMENT naming it."""
+    return open_regular(path)
 
 
 def read_header(file: str | os.PathLike[str]) -> ShardHeader:

@@ -21,9 +21,10 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from memsvc.errors import InvalidArgument, NotFound
+from memsvc.errors import InvalidArgument
 from memsvc.vocabulary import WEIGHTS
 from worker.allocator import MemoryAllocator
+from worker.checkpoint_files import CONFIG_FILE, read_json
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.generation import read_eos_token_ids
 from worker.model.loader import INDEX_FILE, LoadStats, StreamingLoader, read_layout
@@ -155,14 +156,7 @@ def save_checkpoint(path: str | os.PathLike[str], weights: Mapping[str, torch.Te
 
 def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     """The :class:`ModelConfig` of a checkpoint directory's ``config.json``."""
-    file = Path(path) / "config.json"
-    if not file.is_file():
-        raise NotFound(f"{file} does not exist")
-    try:
-        raw = json.loads(file.read_text())
-    except ValueError as e:
-        raise InvalidArgument(f"{file}: not valid JSON ({e})") from None
-    return ModelConfig.from_hf(raw)
+    return ModelConfig.from_hf(read_json(Path(path) / CONFIG_FILE))
 
 
 SYNTHETIC_PREFIX = "synthetic:"
