@@ -35,6 +35,10 @@ MAX_PROMPT_BYTES = 1 << 20
 MAX_CHAT_MESSAGES = 1024
 MAX_STOP_TOKENS = 64
 """stop_token_ids of one Generate."""
+MAX_STOP_STRINGS = 16
+"""Stop strings of one Generate (the OpenAI API allows 4; vLLM's clients send more)."""
+MAX_STOP_STRING_BYTES = 1024
+"""One stop string (UTF-8 bytes): each is matched against the text after every token."""
 MAX_GENERATE_TOKENS = 4096
 """max_new_tokens of one Generate (the model's context length may allow fewer)."""
 MAX_QUEUED_GENERATES = 256
@@ -93,6 +97,8 @@ __all__ = [
     "MAX_PROMPT_TOKENS",
     "MAX_QUEUED_GENERATES",
     "MAX_QUEUED_TRANSITIONS",
+    "MAX_STOP_STRINGS",
+    "MAX_STOP_STRING_BYTES",
     "MAX_STOP_TOKENS",
     "MAX_SWAP_PAIRS",
     "MAX_TELEMETRY_SUBSCRIBERS",

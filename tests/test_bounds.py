@@ -44,6 +44,7 @@ def test_the_bounds_table_matches_the_limits() -> None:
         "a text `prompt`, or the chat `messages` together": limits.MAX_PROMPT_BYTES,
         "chat `messages` of one `Generate`": limits.MAX_CHAT_MESSAGES,
         "`stop_token_ids` of one `Generate`": limits.MAX_STOP_TOKENS,
+        "`stop` strings of one `Generate`": limits.MAX_STOP_STRINGS,
         "`model_path` of `ReloadWeights`": limits.MAX_PATH_BYTES,
         "`max_new_tokens` of one `Generate`": limits.MAX_GENERATE_TOKENS,
         "`Generate` calls queued or running on one worker": limits.MAX_QUEUED_GENERATES,
@@ -63,3 +64,4 @@ def test_the_bounds_table_matches_the_limits() -> None:
     assert rows["leases on one worker, and in all"].endswith(f", {limits.MAX_LEASES}")
     streams = rows["`WatchWorkers` streams of a manager, `StreamTelemetry` streams of a worker"]
     assert streams.endswith(f", {limits.MAX_TELEMETRY_SUBSCRIBERS}")
+    assert rows["`stop` strings of one `Generate`"].endswith(f"(each 1-{limits.MAX_STOP_STRING_BYTES} bytes)")

@@ -46,8 +46,8 @@ def wait_for(get: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: 
 
 
 class Stack:
-    def __init__(self, manager: ManagerProcess, worker: WorkerProcess, gateway: GatewayProcess) -> None:
-        self.manager, self.worker, self.gateway = manager, worker, gateway
+    def __init__(self, manager: ManagerProcess, worker: WorkerProcess, gateway: GatewayProcess, model: Path) -> None:
+        self.manager, self.worker, self.gateway, self.model = manager, worker, gateway, model
         self.client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def state(self) -> int:
@@ -76,7 +76,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
                      lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
             gw = GatewayProcess(mp.address).start()
             try:
-                yield Stack(mp, wp, gw)
+                yield Stack(mp, wp, gw, path)
             finally:
                 gw.kill()
     finally:
@@ -179,35 +179,44 @@ def test_stop_strings_cut_the_text_at_the_first_stop(stack: Stack) -> None:
 
 def test_a_stop_string_ends_the_generation_and_usage_counts_what_was_returned(stack: Stack) -> None:
     """Streamed usage said prompt_tokens 0 whenever a stop string hit, and a whole answer counted the
-    tokens the worker kept making after the stop (60 for a 6-token answer). Usage is now the worker's
-    prompt count and the tokens up to the one that completed the stop, and the worker stops there."""
-    ref = list(stack.worker.stub.GenerateStream(
-        w.GenerateStreamRequest(request=w.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True)),
-        timeout=60,
-    ))  # fmt: skip
-    pieces = [(len(x.token_ids), x.text) for x in ref if x.token_ids]
-    prompt_tokens = ref[-1].done.prompt_token_count
-    full = "".join(t for _, t in pieces)
-    assert len(full) > 8 and prompt_tokens > 0, full
+    tokens the worker kept making after the stop (60 for a 6-token answer). The worker now ends the
+    generation at the token that completes the stop string: the answer is the text before it and
+    usage counts exactly the tokens up to that one, streamed or not, through the gateway or not. The
+    reference is the tokenizer itself: the shortest run of the unstopped answer's tokens whose text
+    holds the stop."""
+    tokenizers = pytest.importorskip("tokenizers")
+    tok = tokenizers.Tokenizer.from_file(str(stack.model / "tokenizer.json"))
+    ref = stack.direct(prompt=PROMPT, max_new_tokens=60, ignore_eos=True)
+    full = tok.decode(list(ref.token_ids), skip_special_tokens=True)
+    assert len(full) > 8 and ref.prompt_token_count > 0 and full == ref.text, full
     stop = full[4:7]
-    text, count = "", 0
-    for n, piece in pieces:  # the tokens until the text holds the stop
-        text, count = text + piece, count + n
-        if stop in text:
-            break
+    count = next(k for k in range(1, 61) if stop in tok.decode(list(ref.token_ids[:k]), skip_special_tokens=True))
     assert count < 60, "the stop must come well before max_tokens"
+    answer = full[: full.find(stop)]
+
+    direct = stack.direct(prompt=PROMPT, max_new_tokens=60, ignore_eos=True, stop=["never in it", stop])
+    assert (list(direct.token_ids), direct.text, direct.matched_stop) == (list(ref.token_ids[:count]), answer, stop)
+    assert direct.finish_reason == c.FINISH_REASON_STOP and direct.completion_token_count == count
+    msgs = list(stack.worker.stub.GenerateStream(
+        w.GenerateStreamRequest(request=w.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True,
+                                                          stop=[stop])), timeout=60))  # fmt: skip
+    assert "".join(x.text for x in msgs) == answer and msgs[-1].done.matched_stop == stop
+    assert [t for x in msgs for t in x.token_ids] == list(ref.token_ids[:count])
+
     extra = {"ignore_eos": True}
     whole = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop],
                                             extra_body=extra)  # fmt: skip
-    assert whole.choices[0].text == full[: full.find(stop)] and whole.choices[0].finish_reason == "stop"
+    assert whole.choices[0].text == answer and whole.choices[0].finish_reason == "stop"
     assert whole.usage is not None
-    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (prompt_tokens, count)
+    assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (ref.prompt_token_count, count)
     chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
                                                   stop=[stop], stream=True, stream_options={"include_usage": True},
                                                   extra_body=extra))  # fmt: skip
-    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == full[: full.find(stop)]
+    assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == answer
+    assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
     streamed = chunks[-1].usage
-    assert streamed is not None and (streamed.prompt_tokens, streamed.completion_tokens) == (prompt_tokens, count)
+    assert streamed is not None
+    assert (streamed.prompt_tokens, streamed.completion_tokens) == (ref.prompt_token_count, count)
     wait_for(stack.leases, lambda n: n == 0, "the leases to be released")
     wait_for(stack.kv, lambda kv: kv.device_free_block_count == kv.device_block_count, "the KV blocks back")
 
@@ -661,10 +670,11 @@ _PLAIN = {"model": MODEL, "prompt": "x"}
     ("completions", {**_PLAIN, "suffix": "end"}, "suffix"),
     ("chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
     ("chat/completions", {**_CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+    ("completions", {**_PLAIN, "stop": ["x" * 1025]}, "stop"),
 ], ids=["max-tokens", "max-completion-tokens", "token-past-int32", "token-past-vocab", "prompt-fills-context",
         "empty-prompt", "prompt-bytes", "messages", "temperature-as-text", "stream-as-text", "bool-token",
         "frequency-penalty", "presence-penalty", "logit-bias", "best-of", "suffix", "response-format",
-        "functions"])  # fmt: skip
+        "functions", "stop-bytes"])  # fmt: skip
 def test_bad_requests_are_refused_before_they_wake_a_sleeping_model(
     stack: Stack, path: str, body: dict[str, Any], param: str
 ) -> None:

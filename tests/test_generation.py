@@ -9,6 +9,7 @@ from the network.
 
 from __future__ import annotations
 
+import functools
 import json
 import math
 from collections.abc import Iterator
@@ -21,6 +22,7 @@ import torch
 from hf_models import init_weights
 from workerproc import WorkerProcess
 
+from memsvc._limits import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -349,7 +351,34 @@ def test_text_is_refused_by_a_model_without_a_tokenizer_and_bad_prompts_change_n
         assert code_of(lambda: wp.stub.Generate(two, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
         big = w.GenerateRequest(prompt="x" * ((1 << 20) + 1), max_new_tokens=2)
         assert code_of(lambda: wp.stub.Generate(big, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
+        stops = w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=2, stop=["x"])
+        assert code_of(lambda: wp.stub.Generate(stops, timeout=10)) == grpc.StatusCode.FAILED_PRECONDITION
+        for bad in ([""], ["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_STRING_BYTES + 1)]):
+            refused = w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=2, stop=bad)
+            assert code_of(functools.partial(wp.stub.Generate, refused, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
         assert wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.sequence_count == 0
+
+
+def test_stop_strings_end_a_kept_sequence_at_the_token_that_completes_them(
+    text_worker: tuple[WorkerProcess, Any],
+) -> None:
+    """The engine ends a request at the token whose text completes a stop string (not a step later):
+    a kept sequence holds exactly the tokens returned, and its continuation is what the whole answer
+    without the stop would have said next."""
+    wp, ref = text_worker
+    full = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=40, ignore_eos=True)
+    text = ref.decode(list(full.token_ids), skip_special_tokens=True)
+    stop = text[6:9]
+    count = next(k for k in range(1, 41) if stop in ref.decode(list(full.token_ids[:k]), skip_special_tokens=True))
+    kept = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=40, ignore_eos=True, stop=[stop],
+               sequence_id="stopped")  # fmt: skip
+    try:
+        assert list(kept.token_ids) == list(full.token_ids[:count]) and kept.matched_stop == stop
+        assert kept.text == text[: text.find(stop)] and kept.finish_reason == c.FINISH_REASON_STOP
+        more = gen(wp.stub, sequence_id="stopped", max_new_tokens=3, ignore_eos=True)
+        assert list(more.token_ids) == list(full.token_ids[count : count + 3])
+    finally:
+        wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="stopped"), timeout=10)
 
 
 # ---- new weights in place ----

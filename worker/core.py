@@ -633,7 +633,12 @@ class WorkerCore:
             raise
         self._note_activity()
         return Generation(
-            result.tokens, result.block_ids, time.perf_counter() - t0, result.finish_reason, result.prompt_tokens
+            result.tokens,
+            result.block_ids,
+            time.perf_counter() - t0,
+            result.finish_reason,
+            result.prompt_tokens,
+            result.matched_stop,
         )
 
     def _generate_done(self) -> None:

@@ -10,7 +10,7 @@ a model without a tokenizer refuses text with FAILED_PRECONDITION.
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING
 
 from google.protobuf import duration_pb2
@@ -21,6 +21,8 @@ from memsvc._limits import (
     MAX_ID_BYTES,
     MAX_PROMPT_BYTES,
     MAX_PROMPT_TOKENS,
+    MAX_STOP_STRING_BYTES,
+    MAX_STOP_STRINGS,
     MAX_STOP_TOKENS,
     check_length,
 )
@@ -30,6 +32,7 @@ from memsvc.vocabulary import FinishReason
 from worker.model.generation import GenerationRequest
 from worker.model.sampling import SamplingParams
 from worker.status import Generation
+from worker.stop_strings import HeldText, cut_at_stop
 
 if TYPE_CHECKING:  # the model's text comes with its load; the servicer must not wait for tokenizers and jinja2
     from worker.model.text import ModelText, TextStream
@@ -44,6 +47,12 @@ def check_request(request: w.GenerateRequest) -> SamplingParams:
     check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id")
     if len(request.stop_token_ids) > MAX_STOP_TOKENS:
         raise InvalidArgument(f"at most {MAX_STOP_TOKENS} stop_token_ids", metadata={"field": "stop_token_ids"})
+    if len(request.stop) > MAX_STOP_STRINGS:
+        raise InvalidArgument(f"at most {MAX_STOP_STRINGS} stop strings", metadata={"field": "stop"})
+    for stop in request.stop:
+        if not stop:
+            raise InvalidArgument("a stop string must not be empty", metadata={"field": "stop"})
+        check_length(stop, MAX_STOP_STRING_BYTES, "stop")
     forms = [name for name in ("prompt_token_ids", "prompt", "messages") if _given(request, name)]
     if len(forms) > 1:
         raise InvalidArgument(f"give the prompt in one form, not as {' and as '.join(forms)}")
@@ -71,6 +80,8 @@ def generation_request(
     """The request (already checked: ``sampling`` is what :func:`check_request` returned) with its
     prompt encoded; ``text()`` is the model's text side (it raises for a model without one).
     Encoding a long prompt takes a while: the servicer runs this on a thread."""
+    if request.stop:
+        text()  # stop strings are matched against the text: FAILED_PRECONDITION without a tokenizer
     if request.prompt:
         prompt = text().encode(request.prompt)
     elif request.messages:
@@ -87,6 +98,7 @@ def generation_request(
         stop_token_ids=frozenset(request.stop_token_ids),
         ignore_eos=request.ignore_eos,
         stop_at_context=request.stop_at_context,
+        stop_strings=tuple(request.stop),
     )
 
 
@@ -96,13 +108,15 @@ def _given(request: w.GenerateRequest, field: str) -> bool:
 
 
 def completion(g: Generation) -> list[int]:
-    """The tokens whose text a client reads: without the stop token that ended the generation."""
-    return g.tokens[:-1] if g.finish_reason == FinishReason.STOP else g.tokens
+    """The tokens whose text a client reads: without the stop token that ended the generation (a
+    stop string's last token stays: its text may begin before the stop string)."""
+    return g.tokens[:-1] if g.finish_reason == FinishReason.STOP and not g.matched_stop else g.tokens
 
 
 def response(g: Generation, sequence_id: str, text: ModelText | None) -> w.GenerateResponse:
     d = duration_pb2.Duration()
     d.FromNanoseconds(int(g.seconds * 1e9))
+    whole = text.decode(completion(g)) if text is not None else ""
     return w.GenerateResponse(
         token_ids=g.tokens,
         sequence_id=sequence_id,
@@ -111,33 +125,33 @@ def response(g: Generation, sequence_id: str, text: ModelText | None) -> w.Gener
         finish_reason=g.finish_reason.proto,
         prompt_token_count=g.prompt_tokens,
         completion_token_count=len(g.tokens),
-        text=text.decode(completion(g)) if text is not None else "",
+        text=cut_at_stop(whole, [g.matched_stop]) if g.matched_stop else whole,
+        matched_stop=g.matched_stop,
     )
 
 
 class StreamedText:
     """The text of a stream's tokens as they come. A stop token ends the generation, so its text is
-    left out at once (as :func:`completion` leaves it out of the whole)."""
+    left out at once (as :func:`completion` leaves it out of the whole); text that may be the start
+    of one of the request's stop strings is held back until the next token tells (worker/stop_strings.py)."""
 
-    def __init__(self, text: ModelText | None, stops: frozenset[int]) -> None:
+    def __init__(self, text: ModelText | None, stops: frozenset[int], stop_strings: Sequence[str] = ()) -> None:
         self._stream: TextStream | None = text.stream() if text is not None else None
         self._stops = stops
-        self._sent = 0
-        """Characters of text sent so far."""
+        self._held = HeldText(stop_strings)
 
     def push(self, token: int) -> str:
-        """The text this token completes ("" for a stop token, or one that only starts a character)."""
+        """The text this token lets the stream send ("" for a stop token, one that only starts a
+        character, or one whose text may begin a stop string)."""
         if self._stream is None or token in self._stops:
             return ""
-        piece = self._stream.step(token)
-        self._sent += len(piece)
-        return piece
+        return self._held.feed(self._stream.step(token))
 
     def finish(self, whole: str) -> str:
-        """What the stream still holds back at the end: bytes that never completed a character (a
-        model can emit such bytes), which the whole text decodes as U+FFFD. The pieces and this add up
-        to ``whole``."""
-        return whole[self._sent :]
+        """What the stream still holds back at the end: text held for a stop string that never came,
+        and bytes that never completed a character (a model can emit such bytes), which the whole
+        text decodes as U+FFFD. The pieces and this add up to ``whole``."""
+        return whole[self._held.sent :]
 
 
 __all__ = ["StreamedText", "check_request", "completion", "generation_request", "response"]

@@ -226,7 +226,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         spec, slot = await self._prepare(request.request)
         try:
             text = self.core.text_or_none()
-            streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()))
+            streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()), spec.stop_strings)
         except BaseException:
             slot.release()
             raise

@@ -42,6 +42,8 @@ class Generation:
     finish_reason: FinishReason
     prompt_tokens: int
     """Tokens the call fed as its prompt."""
+    matched_stop: str = ""
+    """The request's stop string that ended it (empty: none did)."""
 
 
 @dataclass(frozen=True)

@@ -88,6 +88,7 @@ def _generate_request(req: CompletionRequest | ChatCompletionRequest, max_tokens
         sampling=sampling,
         ignore_eos=req.ignore_eos,
         stop_at_context=True,
+        stop=req.stop_strings,  # the worker ends the generation at the token that completes one
     )
 
 
@@ -98,33 +99,6 @@ def _check_tokens(ids: list[int], worker: Served) -> None:
     if worker.context_length and len(ids) >= worker.context_length:
         raise GatewayError(400, f"the prompt is {len(ids)} tokens: no room for a new one in the model's context of "
                                 f"{worker.context_length}", param="prompt")  # fmt: skip
-
-
-class _StopText:
-    """Text-level ``stop`` strings over a stream of text pieces: what may be sent so far, held back
-    while it could still be the start of a stop string."""
-
-    def __init__(self, stops: list[str]) -> None:
-        self.stops = stops
-        self.text = ""
-        self.sent = 0
-        self.hit = False
-
-    def feed(self, piece: str) -> str:
-        self.text += piece
-        if self.stops:
-            cut = min((i for i in (self.text.find(s, max(self.sent - len(s) + 1, 0)) for s in self.stops) if i >= 0),
-                      default=-1)  # fmt: skip
-            if cut >= 0:
-                self.text, self.hit = self.text[:cut], True
-        hold = 0 if self.hit else max((len(s) - 1 for s in self.stops), default=0)
-        end = max(len(self.text) - hold, self.sent)
-        out, self.sent = self.text[self.sent : end], end
-        return out
-
-    def rest(self) -> str:
-        out, self.sent = self.text[self.sent :], len(self.text)
-        return out
 
 
 def create_app(
@@ -287,14 +261,13 @@ def create_app(
             stub = backends.worker(lease.worker.address or worker.address)
             if not req.stream:
                 try:
-                    whole = _until_stop(stub, gen, req.stop_strings)
-                    text, reason, prompt_tokens, tokens = await _unless_client_left(request, whole)
+                    r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
                 except grpc.RpcError as exc:
                     raise from_rpc(exc, "worker") from None
                 finally:
                     await stack.aclose()  # the lease goes back before the answer does
-                metrics.completion_tokens.labels(req.model).inc(tokens)
-                return JSONResponse(_whole(kind, req.model, text, reason, prompt_tokens, tokens))
+                metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
+                return JSONResponse(_whole(kind, req.model, r))
             call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
             stack.callback(call.cancel)
             try:
@@ -377,34 +350,6 @@ class _Edge:
         log.info("%s %s %s %d %.1f ms", rid, scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3)
 
 
-async def _until_stop(stub: Any, gen: w.GenerateRequest, stop_strings: list[str]) -> tuple[str, str, int, int]:
-    """A whole answer: its text, finish reason, prompt and completion token counts. Without stop
-    strings, one Generate. With them, a stream read until the first stop string appears and then
-    cancelled, so the worker stops there instead of generating to max_tokens (and the usage counts
-    the tokens up to the one that completed the stop, not past it)."""
-    if not stop_strings:
-        r = await stub.Generate(gen, timeout=GENERATE_TIMEOUT_S)
-        reason = "stop" if r.finish_reason == c.FINISH_REASON_STOP else "length"
-        return r.text, reason, r.prompt_token_count, len(r.token_ids)
-    stops = _StopText(stop_strings)
-    call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
-    text, prompt_tokens, tokens, reason = "", 0, 0, "length"
-    try:
-        while (msg := await call.read()) is not grpc.aio.EOF:
-            tokens += len(msg.token_ids)
-            prompt_tokens = msg.prompt_token_count or prompt_tokens
-            text += stops.feed(msg.text)
-            if msg.HasField("done"):
-                prompt_tokens = msg.done.prompt_token_count
-                reason = "stop" if msg.done.finish_reason == c.FINISH_REASON_STOP else "length"
-            if stops.hit:
-                reason = "stop"
-                break
-    finally:
-        call.cancel()  # a no-op once the stream has ended
-    return text + stops.rest(), reason, prompt_tokens, tokens
-
-
 async def _unless_client_left(request: Request, call: Awaitable[T]) -> T:
     """``call``'s result, unless the client disconnects first: then the call is cancelled (the worker
     stops the generation at its next step and frees its blocks) and the answer is a 499."""
@@ -453,16 +398,21 @@ class _Once:
             await fn()
 
 
-def _whole(kind: str, model: str, text: str, reason: str, prompt_tokens: int, completion_tokens: int) -> dict[str, Any]:
+def _reason(r: w.GenerateResponse) -> str:
+    """OpenAI's finish_reason: "stop" for an EOS, a stop token or a stop string, else "length"."""
+    return "stop" if r.finish_reason == c.FINISH_REASON_STOP else "length"
+
+
+def _whole(kind: str, model: str, r: w.GenerateResponse) -> dict[str, Any]:
     if kind == "chat.completion":
-        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": text}}
+        choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": r.text}}
         rid = new_id("chatcmpl")
     else:
-        choice = {"index": 0, "text": text, "logprobs": None}
+        choice = {"index": 0, "text": r.text, "logprobs": None}
         rid = new_id("cmpl")
-    choice["finish_reason"] = reason
+    choice["finish_reason"] = _reason(r)
     return {"id": rid, "object": kind, "created": now(), "model": model, "choices": [choice],
-            "usage": usage(prompt_tokens, completion_tokens)}  # fmt: skip
+            "usage": usage(r.prompt_token_count, len(r.token_ids))}  # fmt: skip
 
 
 async def _stream(
@@ -484,7 +434,6 @@ async def _stream(
             return {"index": 0, "delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
         return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
 
-    stops = _StopText(req.stop_strings)
     prompt_tokens = 0
     finish: str | None = None
     try:
@@ -494,20 +443,12 @@ async def _stream(
         while msg is not grpc.aio.EOF and msg is not None:
             tally.add(len(msg.token_ids))
             prompt_tokens = msg.prompt_token_count or prompt_tokens  # the first message tells it
-            out = stops.feed(msg.text)
-            if out:
-                yield event(piece(out))
+            if msg.text:
+                yield event(piece(msg.text))
             if msg.HasField("done"):
                 prompt_tokens = msg.done.prompt_token_count
-                finish = "stop" if msg.done.finish_reason == c.FINISH_REASON_STOP else "length"
-            if stops.hit:
-                finish = "stop"
-                call.cancel()  # the worker stops at its next step, not at max_tokens
-                break
+                finish = _reason(msg.done)
             msg = await call.read()
-        tail = stops.rest()
-        if tail:
-            yield event(piece(tail))
         yield event(piece("", finish or "length"))
         tally.done()
         if req.include_usage:

@@ -20,7 +20,14 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from memsvc._limits import MAX_CHAT_MESSAGES, MAX_GENERATE_TOKENS, MAX_PROMPT_BYTES, MAX_PROMPT_TOKENS, check_length
+from memsvc._limits import (
+    MAX_CHAT_MESSAGES,
+    MAX_GENERATE_TOKENS,
+    MAX_PROMPT_BYTES,
+    MAX_PROMPT_TOKENS,
+    MAX_STOP_STRING_BYTES,
+    check_length,
+)
 from memsvc.errors import InvalidArgument
 
 MAX_STOP_STRINGS = 4
@@ -121,6 +128,9 @@ class _Sampling(BaseModel):
         stops = [stop] if isinstance(stop, str) else stop or []
         if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
             raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+        for s in stops:
+            if len(s.encode()) > MAX_STOP_STRING_BYTES:
+                raise ValueError(f"each stop string must be at most {MAX_STOP_STRING_BYTES} bytes")
         return stop
 
     @field_validator("keep_alive")

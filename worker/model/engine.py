@@ -29,6 +29,7 @@ import time
 import uuid
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import numpy as np
 import torch
@@ -40,6 +41,10 @@ from worker.model.decoder import HostStep
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
 from worker.model.sampling import Sampler
+from worker.stop_strings import StopMatcher
+
+if TYPE_CHECKING:
+    from worker.model.text import ModelText
 
 DEFAULT_MAX_BATCH = 64
 """Requests in one step at most (the largest CUDA-graph bucket)."""
@@ -69,6 +74,8 @@ class _Request:
     limit: int = 0
     """Tokens it may generate: ``max_new_tokens``, or fewer where the context ends it first."""
     out: list[int] = field(default_factory=list)
+    stop_text: StopMatcher | None = None
+    """The request's stop strings over its text (None: it has none)."""
 
     @property
     def seq_id(self) -> str:
@@ -97,6 +104,7 @@ class Engine:
         max_position: int,
         eos_token_ids: Callable[[], tuple[int, ...]],
         check_ready: Callable[[], None],
+        text: Callable[[], ModelText | None] = lambda: None,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
         max_new_tokens_limit: int = MAX_GENERATE_TOKENS,
@@ -113,6 +121,7 @@ class Engine:
         self._vocab = vocab_size
         self._max_position = max_position
         self._eos = eos_token_ids
+        self._text = text
         self.admission_checks: list[Callable[[], None]] = [check_ready]
         """Asked as a request is admitted (the model's memory awake; the worker adds its state)."""
         self.max_batch = max_batch
@@ -151,8 +160,14 @@ class Engine:
         stepping thread; ``should_stop`` is asked before every step (yes: it ends with Cancelled).
         InvalidArgument is raised here, at once; every other error settles the future."""
         prompt = self.check(request)
+        stop_text = None
+        if request.stop_strings:
+            text = self._text()
+            if text is None:
+                raise WrongState("stop strings need the model's tokenizer (tokenizer.json): this model has none")
+            stop_text = StopMatcher(text.stream().step, request.stop_strings)
         fut: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
-        req = _Request(request, prompt, request.stop_set(self._eos()), should_stop, on_token, fut)
+        req = _Request(request, prompt, request.stop_set(self._eos()), should_stop, on_token, fut, stop_text=stop_text)
         with self._incoming_lock:
             self._incoming.append(req)
         if self.on_work is not None:
@@ -424,7 +439,7 @@ class Engine:
         req.out.append(token)
         if req.on_token is not None:
             req.on_token(token)
-        if token in req.stops:
+        if token in req.stops or (req.stop_text is not None and req.stop_text.push(token)):
             self._finish(req, FinishReason.STOP)
         elif len(req.out) >= req.limit:
             self._finish(req, FinishReason.LENGTH)
@@ -444,7 +459,8 @@ class Engine:
             if reason == FinishReason.STOP:  # blocks it did not reach go back
                 kv.shrink(seq.seq_id, max(req.kept[2], -(-seq.num_cached // kv.block_size)))
             blocks = seq.block_ids
-        req.future.set_result(GenerationResult(req.out, reason, len(req.prompt), blocks))
+        matched = req.stop_text.matched if req.stop_text is not None else ""
+        req.future.set_result(GenerationResult(req.out, reason, len(req.prompt), blocks, matched))
 
     def _fail(self, req: _Request, exc: BaseException) -> None:
         """End a request with ``exc`` and keep nothing: a sequence it created is freed, one it

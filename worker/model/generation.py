@@ -37,6 +37,8 @@ class GenerationRequest:
     ignore_eos: bool = False
     stop_at_context: bool = False
     """``max_new_tokens`` is an upper bound: end at the model's context length instead of refusing."""
+    stop_strings: tuple[str, ...] = ()
+    """End once the generated text holds one of these (worker/stop_strings.py)."""
 
     def stop_set(self, eos_token_ids: Iterable[int]) -> frozenset[int]:
         """Every token that ends this request."""
@@ -52,6 +54,8 @@ class GenerationResult:
     """Tokens this call fed as its prompt."""
     block_ids: list[int] = field(default_factory=list)
     """A kept sequence's KV blocks after the call (empty for a temporary one)."""
+    matched_stop: str = ""
+    """The stop string that ended it (finish reason STOP); empty when none did."""
 
 
 def read_eos_token_ids(path: str | Path) -> tuple[int, ...]:

@@ -102,7 +102,8 @@ class ModelRunner:
         self.engine = Engine(
             self.kv_cache, self._run_step, alloc.torch_device, self.config.vocab_size,
             self.config.max_position_embeddings, lambda: self.source.eos_token_ids,
-            lambda: self._check_awake(WEIGHTS, KV_CACHE), max_batch, max_step_tokens, max_new_tokens_limit,
+            lambda: self._check_awake(WEIGHTS, KV_CACHE), lambda: self.source.text, max_batch, max_step_tokens,
+            max_new_tokens_limit,
         )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         self.background_capture: BackgroundCapture | None = None
