@@ -176,6 +176,22 @@ def _seconds(text: str) -> float:
     return value
 
 
+def _seconds_up_to_an_hour(text: str) -> float:
+    """A flag's type: seconds in [0, 3600] (a drain or a read bound longer than that is a typo)."""
+    value = _seconds(text)
+    if value > 3600:
+        raise argparse.ArgumentTypeError(f"must be at most 3600 seconds, got {text!r}")
+    return value
+
+
+def _some_seconds_up_to_an_hour(text: str) -> float:
+    """A flag's type: seconds in (0, 3600]."""
+    value = _seconds_up_to_an_hour(text)
+    if value == 0:
+        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
+    return value
+
+
 def _seconds_or_unset(text: str) -> float | None:
     """Seconds (not negative), or '' for "not set here" (the store's or config's value stands)."""
     if text.strip() == "":
@@ -372,9 +388,15 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--drain-timeout",
-        type=_seconds,
+        type=_seconds_up_to_an_hour,
         default=env("DRAIN_TIMEOUT", "30"),
         help="seconds calls in flight get on SIGTERM before they are cancelled",
+    )
+    p.add_argument(
+        "--read-timeout",
+        type=_some_seconds_up_to_an_hour,
+        default=env("READ_TIMEOUT", "60"),
+        help="seconds a checkpoint load may read nothing before it fails (a hung network mount)",
     )
     _server_auth_flags(p, worker=True)
     _log_flags(p)
@@ -914,6 +936,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             huge_pages=args.huge_pages,
             offload_dir=args.offload_dir,
             drain_seconds=args.drain_timeout,
+            read_timeout=args.read_timeout,
         )
         security = _security(args, parser, server=True)
         return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]

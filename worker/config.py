@@ -57,13 +57,18 @@ class WorkerConfig:
     """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
     drain_seconds: float = 30.0
     """On SIGTERM, calls in flight get this long to finish; then they are cancelled (a Generate stops
-    at its next step) and the worker exits."""
+    at its next step) and the worker exits, within :data:`~worker.main.EXIT_GRACE_S` more at most."""
+    read_timeout: float = 60.0
+    """A checkpoint load (start-up, level-2 wake, ReloadWeights) whose reads make no progress this
+    long fails (worker/model/loader.py: a hung network mount)."""
 
     def __post_init__(self) -> None:
         parse_reserve(self.host_reserve_bytes, "host_reserve_bytes")
         parse_prepin(self.host_prepin)
         if not 0 <= self.drain_seconds <= 3600:
             raise InvalidArgument(f"drain_seconds must be in [0, 3600], got {self.drain_seconds}")
+        if not 0 < self.read_timeout <= 3600:
+            raise InvalidArgument(f"read_timeout must be in (0, 3600], got {self.read_timeout}")
 
     def check_paths(self) -> None:
         """The flags that name files, checked before the worker listens (cheap: a few ``stat`` calls,

@@ -56,6 +56,7 @@ from worker.telemetry import Event, EventKind, TelemetryHub
 if TYPE_CHECKING:
     from worker.model.generation import GenerationRequest
     from worker.model.kv_cache import KvStats, PendingSwap  # imports torch: only where a model is loaded
+    from worker.model.loader import StreamingLoader
     from worker.model.runner import ModelRunner
     from worker.model.text import ModelText
 
@@ -88,6 +89,9 @@ class WorkerCore:
         """Page-locks host memory after the load (``host_prepin``); the allocator outlives it."""
         self._reserve_guard: HostReserveGuard | None = None
         """Gives an automatic host reserve back while the host is short (worker/host_memory.py)."""
+        self._loader: StreamingLoader | None = None
+        """Reads the checkpoint at the load, a level-2 wake and ReloadWeights (cancelled at the stop)."""
+        self._loads_cancelled = False
         self._device: dict[str, Any] = {}
         self._model_info: dict[str, Any] = {
             "source": config.model,
@@ -155,7 +159,10 @@ class WorkerCore:
 
             # the loader keeps its staging ring for level-2 wakes and ReloadWeights (allocator memory:
             # pre-faulted and page-locked by native/hostmem.c, counted in host_pinned_bytes)
-            source = parse_model_spec(c.model, seed=c.seed, loader=StreamingLoader(self.alloc))
+            self._loader = StreamingLoader(self.alloc, stall_s=c.read_timeout)
+            if self._loads_cancelled:
+                self._loader.cancel()
+            source = parse_model_spec(c.model, seed=c.seed, loader=self._loader)
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning("CUDA graphs off: they need Triton and a power-of-two head_dim; decoding eagerly")
@@ -262,6 +269,13 @@ class WorkerCore:
             p = torch.cuda.get_device_properties(alloc.device)
             return {"backend": "cuda", "index": alloc.device, "name": p.name, "uuid": str(getattr(p, "uuid", ""))}
         return {"backend": "host", "index": alloc.device, "name": "host memory", "uuid": ""}
+
+    def cancel_loads(self) -> None:
+        """End the checkpoint read running now (the load, a level-2 wake, ReloadWeights) and refuse
+        later ones: the worker is stopping (any thread)."""
+        self._loads_cancelled = True
+        if self._loader is not None:
+            self._loader.cancel()
 
     async def close(self) -> None:
         """Finish queued device work, then release the model and the allocator."""
@@ -531,7 +545,10 @@ class WorkerCore:
         if model_path:
             from worker.model.weights import CheckpointSource
 
-            source = CheckpointSource(model_path, same_as=runner.source)
+            # reads its config and headers: bounded as the load is (a directory on a hung mount)
+            loader = runner.source.loader if isinstance(runner.source, CheckpointSource) else self._loader
+            assert loader is not None, "the worker made its loader at the load"
+            source = loader.bounded(model_path, lambda: CheckpointSource(model_path, same_as=runner.source))
         else:
             self._check_source("the weights are unchanged")
             source = None

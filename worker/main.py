@@ -14,6 +14,7 @@ import asyncio
 import importlib
 import importlib.util
 import logging
+import os
 import sys
 import threading
 import time
@@ -30,6 +31,10 @@ from worker.prefetch import CheckpointPrefetch
 from worker.servicer import ModelWorkerServicer
 
 log = logging.getLogger("memsvc.worker")
+EXIT_GRACE_S = 10.0
+"""After SIGTERM the worker exits within its drain (``--drain-timeout``) plus this: device work that
+never returns (a read of a hung network mount: a thread inside it cannot be stopped) would otherwise
+hold the exit for ever, so the process then exits without it (exit code 1, one error line)."""
 SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
 """What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
@@ -100,8 +105,22 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     announce(f"memsvc worker {core.worker_id} listening on {srv.address}")
     stop = asyncio.Event()
     install_signal_handlers(stop)
+    load = asyncio.ensure_future(core.load())
+    stopping = asyncio.ensure_future(stop.wait())
+    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    if not load.done():  # stopped while loading: the load stops at its next read (or is left behind)
+        _exit_by(EXIT_GRACE_S)
+        log.info("stopping while the model loads")
+        core.cancel_loads()
+        await asyncio.wait({load}, timeout=EXIT_GRACE_S)
+        if load.done() and not load.cancelled():
+            load.exception()  # retrieved: it ended because it was cancelled
+        await srv.stop(0)
+        announce(f"memsvc worker {core.worker_id} stopped")
+        return 0
+    stopping.cancel()
     try:
-        await core.load()
+        load.result()
     except MemsvcError as exc:  # the user's model or flags (no such directory, a config it cannot serve)
         announce(f"memsvc worker: error: cannot load {config.model}: {exc}", sys.stderr)
         await srv.stop(0)
@@ -119,14 +138,29 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
 
         background.append(asyncio.create_task(keep_registered(core, advertise or srv.address, manager, sec)))
     await stop.wait()
+    _exit_by(config.drain_seconds + EXIT_GRACE_S)
     log.info("draining: finishing in-flight calls (up to %.0f s)", config.drain_seconds)
     for task in background:
         task.cancel()
     core.telemetry.close()  # end telemetry streams now; the drain waits only for real work
     await srv.stop(config.drain_seconds)  # then cancels what still runs: a Generate stops at its next step
+    core.cancel_loads()  # a reload or a level-2 wake still reading stops at its next read
     await core.close()
     announce(f"memsvc worker {core.worker_id} stopped")
     return 0
+
+
+def _exit_by(seconds: float) -> None:
+    """Exit the process ``seconds`` from now if it has not exited by then (see :data:`EXIT_GRACE_S`)."""
+
+    def force() -> None:
+        msg = f"memsvc worker: error: still running {seconds:.0f} s after the stop signal (device work that does"
+        announce(f"{msg} not return, e.g. a read of a hung mount); exiting without it", sys.stderr)
+        os._exit(1)
+
+    timer = threading.Timer(seconds, force)
+    timer.daemon = True  # the process's normal exit does not wait for it
+    timer.start()
 
 
 def run(

@@ -39,21 +39,21 @@ import os
 import queue
 import threading
 import time
-from collections.abc import Mapping, Sequence
-from concurrent.futures import ThreadPoolExecutor
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 
 import torch
 
-from memsvc.errors import InvalidArgument, NotFound
+from memsvc.errors import Cancelled, InvalidArgument, NotFound, Unavailable
 from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
 from worker.page_cache import PageCache
 
 if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
 
+T = TypeVar("T")
 MiB = 1 << 20
 ALIGN = 4096
 """O_DIRECT alignment of file offsets, lengths and buffer addresses (the common logical block size
@@ -70,6 +70,12 @@ with 16 MiB chunks (64 MiB: within 3 %; 4 MiB: 14-16 GB/s); bench_loader --sweep
 ring is then 32 chunks of 16 MiB: 512 MiB of page-locked host memory held while the worker lives."""
 DEFAULT_MAX_GAP_BYTES = 1 * MiB
 """Bytes of unused tensors a read may carry between two needed ones rather than start a new read."""
+DEFAULT_STALL_S = 60.0
+"""A load whose reads make no progress this long fails (Unavailable): a checkpoint on a network mount
+that hangs would otherwise keep the worker in its transition for ever. A slow disk still progresses:
+one 16 MiB read at 1 MB/s takes 16 s."""
+_POLL_S = 0.05
+"""How often a load waiting for its threads looks at the clock and at :meth:`StreamingLoader.cancel`."""
 
 IoMode = Literal["auto", "buffered", "direct"]
 """``auto``: what the page cache holds, then O_DIRECT for the rest (buffered where refused);
@@ -474,13 +480,46 @@ class _Job:
     free: queue.SimpleQueue[_Slot]
     stream: Any
     stop: threading.Event = field(default_factory=threading.Event)
+    progress: int = 0
+    """Bytes of the reads done so far (the stall watch looks at it: one read is one chunk, 16 MiB by
+    default; a lost update between readers only delays it)."""
+    reading: dict[int, Path] = field(default_factory=dict)
+    """The file each reader thread is reading now (what a stall names)."""
     _next: itertools.count[int] = field(default_factory=itertools.count)
     _lock: threading.Lock = field(default_factory=threading.Lock)
+    _scattering: int = 0
+    _abandoned: bool = False
+    _idle: threading.Condition = field(init=False)
+
+    def __post_init__(self) -> None:
+        self._idle = threading.Condition(self._lock)
 
     def take(self) -> Read | None:
         with self._lock:
             i = next(self._next)
         return self.reads[i] if i < len(self.reads) and not self.stop.is_set() else None
+
+    def begin_scatter(self) -> bool:
+        """False once the load was abandoned: a read that returns after that copies nothing (the
+        weights may be unmapped by then)."""
+        with self._lock:
+            if self._abandoned:
+                return False
+            self._scattering += 1
+            return True
+
+    def end_scatter(self) -> None:
+        with self._lock:
+            self._scattering -= 1
+            self._idle.notify_all()
+
+    def abandon(self) -> None:
+        """Stop every reader, and wait for the copies being enqueued now: none is enqueued after."""
+        self.stop.set()
+        with self._lock:
+            self._abandoned = True
+            while self._scattering:
+                self._idle.wait()
 
 
 class StreamingLoader:
@@ -505,7 +544,15 @@ class StreamingLoader:
 
     ``threads``: reader threads (default ``min(16, cpu_count)``); ``chunk_bytes``: one read (a
     multiple of 4096); ``buffers``: ring slots (default ``2 * threads``, at least ``threads``) -
-    the spare slots are what lets reads run ahead of the device copies; ``io``: see :data:`IoMode`.
+    the spare slots are what lets reads run ahead of the device copies; ``io``: see :data:`IoMode`;
+    ``stall_s``: see :data:`DEFAULT_STALL_S`.
+
+    Bounded: every read of a file (headers, data) runs on a daemon thread the load waits for, so a
+    read that never returns fails the load after ``stall_s`` without progress, and :meth:`cancel`
+    ends it at once, instead of holding the caller (the worker's device thread) for ever. A thread
+    left inside such a read cannot be stopped: until it returns, the next load is refused
+    (Unavailable) rather than leave more threads behind, and the staging ring it may still write
+    into is not used again.
     """
 
     def __init__(
@@ -517,6 +564,7 @@ class StreamingLoader:
         buffers: int | None = None,
         io: IoMode = "auto",
         max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
+        stall_s: float = DEFAULT_STALL_S,
     ) -> None:
         threads = min(DEFAULT_THREADS, os.cpu_count() or 1) if threads is None else threads
         if not _is_int(threads) or threads < 1:
@@ -530,6 +578,8 @@ class StreamingLoader:
             raise InvalidArgument(f"loader io must be one of {', '.join(IO_MODES)}, got {io!r}")
         if not _is_int(max_gap_bytes) or max_gap_bytes < 0:
             raise InvalidArgument(f"loader max gap must be >= 0 bytes, got {max_gap_bytes!r}")
+        if not stall_s > 0:
+            raise InvalidArgument(f"loader stall bound must be > 0 s, got {stall_s!r}")
         self.allocator = allocator
         self.threads = threads
         self.chunk_bytes = chunk_bytes
@@ -538,8 +588,12 @@ class StreamingLoader:
         self.max_gap_bytes = max_gap_bytes
         self.last_stats: LoadStats | None = None
         self._ring: _Ring | None = None
+        self.stall_s = float(stall_s)
         self._streams: dict[int, Any] = {}
         self._lock = threading.Lock()
+        self._cancelled = threading.Event()
+        self._stuck: list[tuple[threading.Thread, str]] = []
+        """Threads an abandoned load left inside a read, and what they read."""
 
     @property
     def staging_bytes(self) -> int:
@@ -551,6 +605,77 @@ class StreamingLoader:
         """Give the staging ring back (the next load allocates it again)."""
         with self._lock:
             self._ring = None
+
+    def cancel(self) -> None:
+        """End the load running now (Cancelled, within :data:`_POLL_S` of a read returning or not) and
+        refuse every later one: for a worker that is stopping."""
+        self._cancelled.set()
+
+    def check(self, path: str | os.PathLike[str], shapes: Mapping[str, Sequence[int]]) -> CheckpointLayout:
+        """:func:`read_layout` (the headers, every needed tensor checked), bounded as a load is."""
+        if self._cancelled.is_set():
+            raise Cancelled("the load was cancelled: the worker is stopping")
+        self._check_stuck()
+        return self.bounded(str(path), lambda: read_layout(path, shapes))
+
+    # ---- bounded waits ----
+    def _check_stuck(self) -> None:
+        """Unavailable while a thread of an abandoned load is still inside its read."""
+        self._stuck = [(t, what) for t, what in self._stuck if t.is_alive()]
+        if self._stuck:
+            raise Unavailable(
+                f"a read of {self._stuck[0][1]} by an earlier load has not returned (a hung mount?); "
+                "no load can start until it does",
+                metadata={"path": self._stuck[0][1]},
+            )
+
+    def _interrupted(self, what: str, last_progress: float) -> BaseException | None:
+        """Why a wait must end now: cancelled, or ``stall_s`` since ``last_progress`` (monotonic)."""
+        if self._cancelled.is_set():
+            return Cancelled("the load was cancelled: the worker is stopping")
+        if time.monotonic() - last_progress > self.stall_s:
+            return Unavailable(
+                f"reading {what}: no progress for {self.stall_s:g} s (a hung mount?); the load stopped",
+                metadata={"path": what},
+            )
+        return None
+
+    def bounded(self, what: str, fn: Callable[[], T], undo: Callable[[T], None] = lambda _: None) -> T:
+        """``fn()`` on a daemon thread, waited for at most ``stall_s`` (or until :meth:`cancel`).
+        ``fn`` only reads (headers, files opened, a tensor into host memory): abandoned, its thread
+        is left to return whenever it does, and ``undo`` is given what it made then."""
+        out: list[tuple[bool, Any]] = []
+        lock = threading.Lock()
+        gone = False
+
+        def run() -> None:
+            try:
+                result: tuple[bool, Any] = (True, fn())
+            except BaseException as e:  # noqa: BLE001 - handed to the waiting thread
+                result = (False, e)
+            with lock:
+                if not gone:
+                    out.append(result)
+                    return
+            if result[0]:
+                undo(result[1])
+
+        thread = threading.Thread(target=run, name="ckpt-open", daemon=True)
+        thread.start()
+        start = time.monotonic()
+        while True:
+            thread.join(_POLL_S)
+            with lock:
+                if out:
+                    ok, value = out[0]
+                    if ok:
+                        return cast(T, value)
+                    raise value
+                stop = self._interrupted(what, start)
+                if stop is not None:
+                    gone = True
+                    self._stuck.append((thread, what))
+                    raise stop
 
     # ---- the ring ----
     def _ring_for(self, pinned: bool) -> _Ring:
@@ -602,6 +727,16 @@ class StreamingLoader:
         direct = self._open_direct(path) if self.io != "buffered" else None
         cache = PageCache(fd, size) if self.io == "auto" and direct is not None else None
         return _File(path, fd, direct, cache)
+
+    def _open_all(self, layout: CheckpointLayout, names: list[str]) -> dict[Path, _File]:
+        files: dict[Path, _File] = {}
+        try:
+            for file in dict.fromkeys(layout.files[n] for n in names):
+                files[file] = self._open(layout.headers[file])
+        except BaseException:
+            self._close(files)
+            raise
+        return files
 
     @staticmethod
     def _close(files: Mapping[Path, _File]) -> None:
@@ -667,7 +802,7 @@ class StreamingLoader:
         """
         with self._lock:
             t0 = time.perf_counter()
-            layout = read_layout(path, shapes)
+            layout = self.check(path, shapes)
             stats = LoadStats(tensors=len(layout.tensors))
             targets: dict[str, torch.Tensor] = {}
             slow: list[str] = []
@@ -698,8 +833,7 @@ class StreamingLoader:
             reads = plan_reads(spans, self.chunk_bytes, self.max_gap_bytes)
             files: dict[Path, _File] = {}
             try:
-                for file in dict.fromkeys(layout.files[n] for n in [*targets, *slow]):
-                    files[file] = self._open(layout.headers[file])
+                files = self.bounded(str(layout.root), lambda: self._open_all(layout, [*targets, *slow]), self._close)
                 stream = self._stream(cuda_device) if cuda_device is not None else None
                 if reads:
                     ring = self._ring_for(pinned=cuda_device is not None)
@@ -721,23 +855,44 @@ class StreamingLoader:
         for slot in ring.slots:
             slot.pending = False
             job.free.put(slot)
-        threads = min(self.threads, len(job.reads))
-        stats.threads = threads
+        count = min(self.threads, len(job.reads))
+        stats.threads = count
         errors: list[BaseException] = []
+        done: list[LoadStats] = []
+        # daemon threads, not a pool: a reader stuck in a read must not hold the load (or the
+        # process's exit, which joins a pool's threads) for ever
+        threads = [
+            threading.Thread(target=self._reader, args=(job, errors, done), name="ckpt-read", daemon=True)
+            for _ in range(count)
+        ]
         try:
-            with ThreadPoolExecutor(threads, thread_name_prefix="ckpt-read") as pool:
-                futures = [pool.submit(self._reader, job, errors) for _ in range(threads)]
-                for fut in futures:
-                    stats.add_io(fut.result())
+            for t in threads:
+                t.start()
+            seen, last = -1, time.monotonic()
+            while alive := [t for t in threads if t.is_alive()]:
+                alive[0].join(_POLL_S)
+                if job.progress != seen:
+                    seen, last = job.progress, time.monotonic()
+                reading = next(iter(dict(job.reading).values()), None)  # a copy: readers change it
+                stop = self._interrupted(str(reading or "the checkpoint"), last)
+                if stop is not None:
+                    job.abandon()
+                    where = dict(job.reading)
+                    self._stuck += [(t, str(where.get(t.ident or 0, "the checkpoint"))) for t in threads]
+                    self._ring = None  # a stuck read may still write into it
+                    raise stop
         finally:
             if job.stream is not None:
                 job.stream.synchronize()  # the copies in flight, also after a failure
+        for local in done:
+            stats.add_io(local)
         if errors:
             raise errors[0]
 
     @torch.no_grad()  # grad mode is per thread: a Parameter destination must not record the copies
-    def _reader(self, job: _Job, errors: list[BaseException]) -> LoadStats:
+    def _reader(self, job: _Job, errors: list[BaseException], done: list[LoadStats]) -> None:
         local = LoadStats()
+        me = threading.get_ident()
         try:
             while (rd := job.take()) is not None:
                 slot = job.free.get()
@@ -745,14 +900,22 @@ class StreamingLoader:
                     if slot.pending:
                         slot.event.synchronize()  # its last copies are done: the chunk may be refilled
                         slot.pending = False
+                    job.reading[me] = rd.file
                     self._read(job.files[rd.file], slot.view, rd.offset, rd.need, local)
-                    self._scatter(job, slot, rd)
+                    del job.reading[me]
+                    job.progress += rd.need
+                    if not job.begin_scatter():
+                        return
+                    try:
+                        self._scatter(job, slot, rd)
+                    finally:
+                        job.end_scatter()
                 finally:
                     job.free.put(slot)
         except BaseException as e:
             errors.append(e)
             job.stop.set()
-        return local
+        done.append(local)
 
     @staticmethod
     def _scatter(job: _Job, slot: _Slot, rd: Read) -> None:
@@ -779,15 +942,21 @@ class StreamingLoader:
         dtype = entry.torch_dtype
         assert dtype is not None, "read_layout refuses dtypes it cannot load"
         raw = torch.empty(entry.nbytes, dtype=torch.uint8)
-        view = _buffer_at(raw.data_ptr(), entry.nbytes)
-        got = 0
-        while got < entry.nbytes:
-            n = os.preadv(f.fd, [view[got:]], entry.start + got)
-            if n <= 0:
-                raise _damaged(
-                    f.path, f"the file ended at byte {entry.start + got}, before the {entry.end} its header promises"
-                )
-            got += n
+
+        def read() -> int:
+            view = _buffer_at(raw.data_ptr(), entry.nbytes)
+            got = 0
+            while got < entry.nbytes:
+                n = os.preadv(f.fd, [view[got:]], entry.start + got)
+                if n <= 0:
+                    raise _damaged(
+                        f.path,
+                        f"the file ended at byte {entry.start + got}, before the {entry.end} its header promises",
+                    )
+                got += n
+            return got
+
+        got = self.bounded(str(f.path), read)
         stats.read_bytes += got
         stats.buffered_bytes += got
         src = raw.view(dtype).reshape(entry.shape)
@@ -802,6 +971,7 @@ class StreamingLoader:
 __all__ = [
     "ALIGN",
     "DEFAULT_CHUNK_BYTES",
+    "DEFAULT_STALL_S",
     "DTYPES",
     "INDEX_FILE",
     "IO_MODES",

@@ -1,0 +1,258 @@
+"""A checkpoint read that never returns (issue 25 item 4: a shard on a network mount that hangs) no
+longer wedges the worker: the loader's reads run on threads it waits for with a bound (``stall_s``,
+the worker's ``--read-timeout``), so the load fails naming the file, and a stop cancels it at once;
+SIGTERM ends a worker whose load hangs. A hung read is simulated by holding ``os.preadv`` on the
+checkpoint's files while a gate is closed: in this process for the loader, through a
+``sitecustomize`` module on the worker process's path for the real command."""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import pytest
+import torch
+from childproc import Proc
+from safetensors.torch import save_file
+from workerproc import WorkerProcess
+
+from memsvc.errors import Cancelled, Unavailable
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.main import EXIT_GRACE_S
+from worker.model import PRESETS, allocate_weights, fill_synthetic, save_checkpoint
+from worker.model.loader import StreamingLoader
+
+WAIT_S = 60.0
+"""How long a test waits for a condition (a busy 2-core machine is slow, never this slow)."""
+
+
+def eventually(ok: Callable[[], bool], what: str, timeout: float = WAIT_S) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.02)
+
+
+# ---- the loader, in process ----
+class Gate:
+    """``os.preadv`` of files under ``root`` waits while the gate is closed (a hung mount)."""
+
+    def __init__(self, root: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+        self.root = str(root)
+        self.open = threading.Event()
+        self.waiting = 0
+        real = os.preadv
+
+        def preadv(fd: int, buffers: Any, offset: int, *rest: Any) -> int:
+            try:
+                path = os.readlink(f"/proc/self/fd/{fd}")
+            except OSError:
+                path = ""
+            if path.startswith(self.root):
+                self.waiting += 1
+                self.open.wait()
+            return real(fd, buffers, offset, *rest)
+
+        monkeypatch.setattr(os, "preadv", preadv)
+
+
+@pytest.fixture
+def checkpoint(tmp_path: Path) -> Iterator[tuple[Path, dict[str, torch.Tensor]]]:
+    g = torch.Generator().manual_seed(0)
+    tensors = {f"t{i}": torch.randn(64, 256, generator=g) for i in range(8)}  # 8 x 64 KiB
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    yield tmp_path, tensors
+
+
+def _load(loader: StreamingLoader, root: Path, tensors: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    dst = {n: torch.zeros_like(t) for n, t in tensors.items()}
+    loader.load(root, dst, {n: t.shape for n, t in tensors.items()})
+    return dst
+
+
+def test_a_read_that_never_returns_fails_the_load_after_the_bound_and_blocks_loads_until_it_returns(
+    checkpoint: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, tensors = checkpoint
+    gate = Gate(root, monkeypatch)
+    loader = StreamingLoader(threads=2, chunk_bytes=64 << 10, stall_s=0.5)
+    t0 = time.monotonic()
+    with pytest.raises(Unavailable, match="no progress for 0.5 s") as err:
+        _load(loader, root, tensors)
+    assert str(root / "model.safetensors") in str(err.value)
+    assert time.monotonic() - t0 < WAIT_S
+    with pytest.raises(Unavailable, match="has not returned"):
+        _load(loader, root, tensors)  # the stuck readers are still inside their reads
+    gate.open.set()  # the mount recovers: once those reads return, loads work again
+
+    def loads() -> bool:
+        try:
+            got = _load(loader, root, tensors)
+        except Unavailable:
+            return False
+        assert all(torch.equal(got[n], tensors[n]) for n in tensors)
+        return True
+
+    eventually(loads, "a load after the hung reads returned")
+
+
+def test_cancel_ends_a_load_stuck_in_a_read_at_once(
+    checkpoint: tuple[Path, dict[str, torch.Tensor]], monkeypatch: pytest.MonkeyPatch
+) -> None:
+    root, tensors = checkpoint
+    gate = Gate(root, monkeypatch)
+    loader = StreamingLoader(threads=2, chunk_bytes=64 << 10, stall_s=3600)
+    outcome: list[BaseException] = []
+
+    def load() -> None:
+        try:
+            _load(loader, root, tensors)
+        except BaseException as exc:  # noqa: BLE001 - what the test looks at
+            outcome.append(exc)
+
+    thread = threading.Thread(target=load)
+    thread.start()
+    try:
+        eventually(lambda: gate.waiting > 0, "a read to hang")
+        loader.cancel()
+        thread.join(WAIT_S)
+        assert not thread.is_alive() and len(outcome) == 1 and isinstance(outcome[0], Cancelled), outcome
+        with pytest.raises(Cancelled):
+            loader.check(root, {n: t.shape for n, t in tensors.items()})  # and every later one
+    finally:
+        gate.open.set()
+        thread.join(WAIT_S)
+
+
+# ---- the worker process ----
+SITECUSTOMIZE = """
+import os, time
+_real = os.preadv
+
+def _preadv(fd, buffers, offset, *rest):
+    root = os.environ.get("TEST_HANG_UNDER", "")
+    if root:
+        try:
+            path = os.readlink(f"/proc/self/fd/{fd}")
+        except OSError:
+            path = ""
+        gate = os.path.join(root, "HANG")
+        if path.startswith(root) and os.path.exists(gate):
+            open(os.path.join(os.environ["TEST_HANG_SEEN"], "hung"), "w").close()
+            while os.path.exists(gate):
+                time.sleep(0.02)
+    return _real(fd, buffers, offset, *rest)
+
+os.preadv = _preadv
+"""
+
+
+def tiny_checkpoint(root: Path, seed: int) -> Path:
+    """``synthetic:tiny``'s config with seeded weights, saved as a checkpoint directory."""
+    config = PRESETS["tiny"]
+    alloc = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=64 << 20))
+    try:
+        weights = allocate_weights(config, alloc)
+        fill_synthetic(weights, config, seed=seed)
+        save_checkpoint(root, weights, config)
+    finally:
+        del weights
+        alloc.close()
+    return root
+
+
+class HungMount:
+    """A checkpoint directory whose data reads hang in a worker process while ``HANG`` exists in it."""
+
+    def __init__(self, tmp: Path, name: str) -> None:
+        self.root = tiny_checkpoint(tmp / name, seed=7)
+        self.site = tmp / f"site-{name}"
+        self.site.mkdir()
+        (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
+        self.seen = tmp / f"seen-{name}"
+        self.seen.mkdir()
+
+    def hang(self) -> None:
+        (self.root / "HANG").touch()
+
+    def recover(self) -> None:
+        (self.root / "HANG").unlink()
+
+    @property
+    def hung(self) -> bool:
+        return (self.seen / "hung").exists()
+
+    def env(self) -> dict[str, str]:
+        path = os.pathsep.join(p for p in (str(self.site), os.environ.get("PYTHONPATH", "")) if p)
+        return {"PYTHONPATH": path, "TEST_HANG_UNDER": str(self.root), "TEST_HANG_SEEN": str(self.seen)}
+
+
+def test_a_worker_whose_checkpoint_read_hangs_at_start_exits_2_naming_it(tmp_path: Path) -> None:
+    mount = HungMount(tmp_path, "ckpt")
+    mount.hang()
+    wp = WorkerProcess(["--model", str(mount.root), "--read-timeout", "1"], env=mount.env())
+    try:
+        Proc.start(wp)  # not WorkerProcess.start: no 'ready' is coming
+        rc = wp.wait(WAIT_S + 30)
+    finally:
+        wp.kill()
+    assert rc == 2, wp.failure(f"exit code {rc}")
+    err = wp.stderr_text()
+    assert "no progress for 1 s" in err and str(mount.root) in err and "Traceback" not in err, err[-3000:]
+    assert mount.hung
+
+
+def test_sigterm_stops_a_worker_whose_load_hangs(tmp_path: Path) -> None:
+    mount = HungMount(tmp_path, "ckpt")
+    mount.hang()
+    wp = WorkerProcess(["--model", str(mount.root)], env=mount.env())  # the default 60 s bound
+    try:
+        Proc.start(wp)  # not WorkerProcess.start: no 'ready' is coming
+        eventually(lambda: mount.hung, "the load's read to hang")
+        t0 = time.monotonic()
+        rc = wp.signal_and_wait(signal.SIGTERM, EXIT_GRACE_S + 30)
+        took = time.monotonic() - t0
+    finally:
+        wp.kill()
+        mount.recover()
+    assert rc == 0, wp.failure(f"exit code {rc}")
+    assert took < EXIT_GRACE_S + 20, took
+    assert any(line.endswith(" stopped") for line in wp.lines), wp.lines
+
+
+def test_reload_weights_from_a_hung_mount_fails_after_the_bound_and_the_worker_recovers(tmp_path: Path) -> None:
+    mount = HungMount(tmp_path, "other")
+    served = tiny_checkpoint(tmp_path / "served", seed=7)
+    with WorkerProcess(["--model", str(served), "--read-timeout", "1"], env=mount.env()) as wp:
+        prompt = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
+        before = list(wp.stub.Generate(prompt, timeout=WAIT_S).token_ids)
+        mount.hang()
+        with pytest.raises(grpc.RpcError) as err:
+            wp.stub.ReloadWeights(w.ReloadWeightsRequest(model_path=str(mount.root)), timeout=WAIT_S)
+        assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
+        assert "no progress for 1 s" in (err.value.details() or ""), err.value.details()
+        status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=WAIT_S).status
+        assert not status.transition_in_progress
+        mount.recover()  # the mount comes back: the stuck read returns, the weights reload on wake
+
+        def woke() -> bool:
+            try:
+                wp.stub.WakeUp(w.WakeUpRequest(), timeout=WAIT_S)
+            except grpc.RpcError as exc:
+                assert "has not returned" in (exc.details() or ""), exc.details()
+                return False
+            return True
+
+        eventually(woke, "a wake once the hung read returned")
+        state = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=WAIT_S).status.state
+        assert state == c.WORKER_STATE_AWAKE
+        assert list(wp.stub.Generate(prompt, timeout=WAIT_S).token_ids) == before
+        wp.stop()
