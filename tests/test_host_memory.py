@@ -6,13 +6,18 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 from conftest import AllocatorFactory
+from workerproc import WorkerProcess
 
 from memsvc.cli import build_parser
 from memsvc.errors import InvalidArgument
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
 from worker.config import WorkerConfig
 from worker.device_thread import DeviceThread
 from worker.host_memory import (
@@ -105,3 +110,35 @@ async def test_the_guard_gives_the_reserve_back_while_the_host_is_short_and_take
     finally:
         await guard.stop()
         device.shutdown()
+
+
+def _pinned(wp: WorkerProcess) -> int:
+    return int(wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.host_pinned_bytes)
+
+
+def _pinned_until(wp: WorkerProcess, ok: Callable[[int], bool], what: str, timeout: float = 30.0) -> int:
+    deadline = time.monotonic() + timeout
+    while True:
+        got = _pinned(wp)
+        if ok(got):
+            return got
+        if time.monotonic() > deadline:
+            pytest.fail(f"timed out waiting for host_pinned_bytes {what}; last {got}")
+        time.sleep(0.05)
+
+
+def test_a_sleeper_on_disk_or_at_level_2_gives_its_reserve_back_and_takes_it_again_on_wake(tmp_path: Path) -> None:
+    """Before, an 8B worker asleep with its weights on disk still held its 17 GB reserve: demoting
+    sleepers to disk freed no host RAM for anyone. Now a sleep that leaves no tag awake gives the
+    reserve back, and the wake takes it again in the background (worker/host_release.py)."""
+    reserve = 32 << 20
+    args = ["--model", "synthetic:tiny", "--host-capacity", "64MiB", "--offload-dir", str(tmp_path),
+            "--host-reserve", str(reserve), "--host-prepin", str(reserve)]  # fmt: skip
+    with WorkerProcess(args) as wp:
+        awake = _pinned_until(wp, lambda n: n >= reserve, "to hold the pre-pinned reserve")
+        to_disk = {"weights": c.TAG_ACTION_OFFLOAD_DISK, "kv_cache": c.TAG_ACTION_DISCARD}
+        for sleep in (w.SleepRequest(tag_actions=to_disk), w.SleepRequest(level=c.SLEEP_LEVEL_2)):
+            wp.stub.Sleep(sleep, timeout=60)
+            _pinned_until(wp, lambda n: n <= awake - reserve, f"to drop by the reserve after {sleep}")
+            wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+            _pinned_until(wp, lambda n: n >= awake, "to come back after the wake")

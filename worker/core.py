@@ -46,7 +46,7 @@ from memsvc.vocabulary import (
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
 from worker.device_thread import DeviceThread
-from worker.host_memory import AUTO, HostReserveGuard, auto_reserve, read_host_memory
+from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
 from worker.state_machine import Job, WorkerStateMachine
 from worker.status import Generation, Status, Transition
@@ -85,8 +85,9 @@ class WorkerCore:
         self.alloc: MemoryAllocator | None = None
         self.runner: ModelRunner | None = None
         self._host_release: HostRelease | None = None
-        self._prepin: threading.Thread | None = None
-        """Page-locks host memory after the load (``host_prepin``); the allocator outlives it."""
+        self._prepin: BackgroundPrepin | None = None
+        """Page-locks host memory after the load (``host_prepin``) and after a wake that takes back a
+        parked reserve; the allocator outlives it."""
         self._reserve_guard: HostReserveGuard | None = None
         """Gives an automatic host reserve back while the host is short (worker/host_memory.py)."""
         self._loader: StreamingLoader | None = None
@@ -200,7 +201,8 @@ class WorkerCore:
                     self._device_thread.submit,
                     lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
                 )
-            self._start_prepin(self._hold_host_memory())
+            self._prepin = BackgroundPrepin(self.alloc)
+            self._prepin.request(self._hold_host_memory())
         finally:
             self._sm.release()
 
@@ -237,30 +239,6 @@ class WorkerCore:
             return auto if c.host_reserve_bytes == AUTO else min(weights, int(c.host_reserve_bytes))
         return weights if prepin == WEIGHTS else int(prepin)
 
-    def _start_prepin(self, nbytes: int) -> None:
-        """Page-lock ``nbytes`` of host memory on a thread of its own: the worker serves meanwhile,
-        and a sleep that comes first takes the chunks ready so far and makes the rest itself."""
-        alloc = self._allocator()
-        if nbytes <= 0:
-            return
-
-        def prepin() -> None:
-            t0 = time.perf_counter()
-            try:
-                alloc.prepin_host(nbytes)
-            except MemsvcError as exc:
-                log.warning("host prepin of %.2f GiB stopped: %s", nbytes / 2**30, exc)
-                return
-            dt = time.perf_counter() - t0
-            log.info("host prepin: %.2f GiB page-locked in %.2f s (%.1f GB/s)", nbytes / 2**30, dt, nbytes / dt / 1e9)
-
-        self._prepin = threading.Thread(target=prepin, name="memsvc-prepin", daemon=True)
-        try:
-            self._prepin.start()
-        except RuntimeError as exc:  # no thread to be had: the worker runs, the first sleep pins
-            log.warning("host prepin not started: %s", exc)
-            self._prepin = None
-
     def _describe_device(self) -> dict[str, Any]:
         alloc = self._allocator()
         if alloc.backend == "cuda":
@@ -289,14 +267,14 @@ class WorkerCore:
         if self.runner is not None:
             self.runner.engine.fail_all(Unavailable("the worker is shutting down"))
         self.runner = None
+        if self._prepin is not None:
+            self._prepin.stop()
         if self.alloc is not None:
             self.alloc.close()  # also stops a prepin before its next chunk
             self.alloc = None
-        if self._prepin is not None:
-            # Not past interpreter exit: it may be inside the driver (cuMemHostRegister).
-            self._prepin.join(timeout=self.PREPIN_JOIN_S)
-            if self._prepin.is_alive():
-                log.warning("host prepin still running after %.0f s; exiting anyway", self.PREPIN_JOIN_S)
+        # Not past interpreter exit: it may be inside the driver (cuMemHostRegister).
+        if self._prepin is not None and not self._prepin.join(self.PREPIN_JOIN_S):
+            log.warning("host prepin still running after %.0f s; exiting anyway", self.PREPIN_JOIN_S)
 
     # ---- status ----
     def status(self) -> Status:
@@ -395,6 +373,7 @@ class WorkerCore:
                 self._host_release.settle()  # chunks a wake held and this sleep did not reuse
             self._last_memory = alloc.stats()
             tags = self._last_memory.tags
+            self._park_reserve()
             moved = sum(tags[t].offloaded_bytes + tags[t].disk_bytes for t, a in todo.items() if a in KEPT_IN)
             self._sm.sleep_level = max(level, self._sm.sleep_level) if before == WorkerState.ASLEEP else level
             self._sm.set_state(WorkerState.ASLEEP, "Sleep")
@@ -483,12 +462,24 @@ class WorkerCore:
             verified = int(ctr["bytes_verified"] - ctr0["bytes_verified"])
             if self._host_release is not None:
                 self._host_release.release_when_idle()
+                if self._prepin is not None:
+                    self._prepin.request(self._host_release.unpark())  # the reserve parked by the sleep
             return self._sm.finish(Transition(TransitionKind.WAKE, moved, seconds, verified))
         except BaseException as exc:
             if self._host_release is not None:
                 self._host_release.settle()
             self._settle(f"WakeUp failed: {exc}")
+            self._park_reserve()
             raise
+
+    def _park_reserve(self) -> None:
+        """With no tag awake, the host reserve waits for the wake, not for a sleep: give it back
+        (worker/host_release.py) so a sleeper on disk or at level 2 holds no host RAM it cannot use."""
+        memory = self._last_memory
+        if self._host_release is None or memory is None:
+            return
+        if all(t.state != TagState.AWAKE for t in memory.tags.values()):
+            self._host_release.park()
 
     def _check_source(self, outcome: str) -> None:
         """Before a reload (a level-2 wake, ReloadWeights) copies a byte: refuse if the weights' source

@@ -22,12 +22,19 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import queue
+import threading
+import time
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
-from memsvc.errors import InvalidArgument
+from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.vocabulary import WEIGHTS
+
+if TYPE_CHECKING:
+    from worker.allocator import MemoryAllocator
 
 log = logging.getLogger("memsvc.worker")
 
@@ -151,7 +158,51 @@ class HostReserveGuard:
             self._task = None
 
 
+class BackgroundPrepin:
+    """The worker's one thread that page-locks host memory in the background: after the load, and
+    after a wake that takes back a reserve the sleep gave up (worker/host_release.py). The worker
+    serves meanwhile; a sleep that comes first takes the chunks ready so far and makes the rest
+    itself. One thread for the worker's life, idle on a queue between requests, so sleeps and wakes
+    do not change the process's thread count (the leak checks count threads)."""
+
+    def __init__(self, alloc: MemoryAllocator) -> None:
+        self._alloc = alloc
+        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._stopped = False
+        self._thread = threading.Thread(target=self._run, name="memsvc-prepin", daemon=True)
+        self._thread.start()
+
+    def request(self, nbytes: int) -> None:
+        """Page-lock ``nbytes`` more when the thread gets to it (0: nothing)."""
+        if nbytes > 0:
+            self._queue.put(nbytes)
+
+    def stop(self) -> None:
+        """Take no more requests: the prepin running now is the last (the allocator's close stops it
+        at its next chunk)."""
+        self._stopped = True
+        self._queue.put(None)
+
+    def join(self, timeout: float) -> bool:
+        """After :meth:`stop`: False when the thread did not end within ``timeout`` (it may be
+        inside the driver)."""
+        self._thread.join(timeout)
+        return not self._thread.is_alive()
+
+    def _run(self) -> None:
+        while (nbytes := self._queue.get()) is not None and not self._stopped:
+            t0 = time.perf_counter()
+            try:
+                self._alloc.prepin_host(nbytes)
+            except MemsvcError as exc:
+                log.warning("host prepin of %.2f GiB stopped: %s", nbytes / GiB, exc)
+                continue
+            dt = time.perf_counter() - t0
+            log.info("host prepin: %.2f GiB page-locked in %.2f s (%.1f GB/s)", nbytes / GiB, dt, nbytes / dt / 1e9)
+
+
 __all__ = [
+    "BackgroundPrepin",
     "AUTO",
     "HOST_RAM_FRACTION",
     "HostMemory",

@@ -7,6 +7,12 @@ cost 0.41 s instead of 0.04 s (docs/benchmarks.md). So the worker holds the chun
 (a raised host reserve) and gives them back once no Generate has run for :data:`IDLE_S`, one chunk
 per device-thread job, so a request that arrives meanwhile waits for at most one chunk. A sleep
 before that reuses the chunks (its first copies need no fresh pinning), then trims what it left.
+
+A worker asleep with nothing awake (level 2, weights on its disk tier, or level 1 with the chunks
+holding the backup) has no sleep ahead that the reserve could speed up, only a wake: so the reserve is
+given back while it sleeps (:meth:`HostRelease.park`: host RAM for its neighbours, which the
+manager's host budget cannot see held) and taken again after the wake (:meth:`HostRelease.unpark`:
+its size, and the bytes the worker pre-pins again in the background, as after its load).
 """
 
 from __future__ import annotations
@@ -43,6 +49,8 @@ class HostRelease:
         self._reserve: int | None = None
         """The lowered reserve while chunks are being given back."""
         self._epoch = 0
+        self._parked: int | None = None
+        """The reserve given back while the worker sleeps with nothing awake (see the module)."""
 
     @property
     def holding(self) -> bool:
@@ -51,7 +59,8 @@ class HostRelease:
     def hold(self) -> None:
         """Before a wake (device thread): keep every chunk the wake frees."""
         if self._target is None:
-            self._target = int(self._alloc.stats().counters["host_reserve_bytes"])
+            parked = self._parked
+            self._target = int(self._alloc.stats().counters["host_reserve_bytes"]) if parked is None else parked
         self._epoch += 1
         self._reserve = None
         self._alloc.set_host_reserve(_HOLD)
@@ -66,8 +75,25 @@ class HostRelease:
         given back while the host is short, or taken again: worker/host_memory.py)."""
         if self._target is not None:
             self._target = nbytes
+        elif self._parked is not None:
+            self._parked = nbytes
         else:
             self._alloc.set_host_reserve(nbytes)
+
+    def park(self) -> None:
+        """After a sleep that left no tag awake (device thread, after :meth:`settle`): give the
+        reserve's free chunks back until :meth:`unpark`."""
+        if self._parked is None:
+            self._parked = int(self._alloc.stats().counters["host_reserve_bytes"])
+        self._alloc.set_host_reserve(0)
+
+    def unpark(self) -> int:
+        """After a wake (device thread, after :meth:`hold`, which already aims at the parked reserve):
+        the bytes given back (0 when none were), for the worker to pre-pin again."""
+        parked, self._parked = self._parked, None
+        if parked is not None and self._target is None:
+            self._alloc.set_host_reserve(parked)
+        return parked or 0
 
     def settle(self) -> None:
         """After a sleep (device thread): the reserve is back where it was; free chunks beyond it go now."""
