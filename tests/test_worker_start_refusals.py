@@ -157,6 +157,17 @@ def test_a_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> N
     assert "config.json: JSON nested deeper than 32 levels" in line, line
 
 
+def test_a_tokenizer_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> None:
+    """tokenizer_config.json is read with the same bounds as config.json (it was a plain json.loads)."""
+    from test_generation import text_model
+
+    path, _ = text_model(tmp_path)
+    depth = 100_000
+    (path / "tokenizer_config.json").write_text('{"a": ' + "[" * depth + "]" * depth + "}")
+    line = refused(worker("--model", str(path)))
+    assert "tokenizer_config.json: JSON nested deeper than 32 levels" in line, line
+
+
 # ---- item 4 (the up-front check): a shard that is not a regular file ----
 def write_checkpoint(path: Path, seed: int) -> None:
     """A Hugging Face-layout checkpoint of the tiny preset with seeded weights."""

@@ -30,6 +30,7 @@ from tokenizers import Tokenizer
 from tokenizers.decoders import DecodeStream
 
 from memsvc.errors import InvalidArgument, WrongState
+from worker.checkpoint_files import read_json
 
 TOKENIZER_FILE = "tokenizer.json"
 TOKENIZER_CONFIG = "tokenizer_config.json"
@@ -154,12 +155,9 @@ class TextStream:
 
 
 def _read_json(file: Path) -> dict[str, Any]:
-    if not file.is_file():
+    if not file.exists():
         return {}
-    try:
-        raw = json.loads(file.read_text())
-    except ValueError as exc:
-        raise InvalidArgument(f"{file}: not valid JSON ({exc})") from None
+    raw = read_json(file)  # bounded: size, depth, a regular file
     if not isinstance(raw, dict):
         raise InvalidArgument(f"{file}: expected a JSON object")
     return raw
