@@ -66,6 +66,19 @@ character (``\\uXXXX``, six bytes each), with room for the rest of the request."
 MAX_GATEWAY_REQUESTS = 1024
 """Completions a gateway serves at once (queued for room, waking, or streaming); past it a 503 with
 Retry-After, before any lease is taken."""
+MAX_GATEWAY_CONNECTIONS = 4096
+"""HTTP connections a gateway holds at once, at most (``--max-connections``; fewer when the open-files
+limit leaves less room: memsvc.gateway.connections); past it a new one is answered 503 and closed."""
+MAX_HTTP_HEAD_BYTES = 16 << 10
+"""A request's line and headers together (h11's own default, named here); past it a 400."""
+GATEWAY_HEADER_TIMEOUT_S = 10.0
+"""Seconds a connection has to send a complete request head, from its start or its previous response
+(``--header-timeout``); then it is closed."""
+GATEWAY_BODY_TIMEOUT_S = 30.0
+"""Seconds a request's body has to arrive in full, from its head (``--body-timeout``); then a 408."""
+GATEWAY_IDLE_TIMEOUT_S = 5
+"""Seconds a keep-alive connection may sit idle after a response (``--idle-timeout``, uvicorn's own
+``timeout_keep_alive`` and default)."""
 
 
 def check_length(value: str, limit: int, field: str) -> str:
@@ -79,13 +92,18 @@ def check_length(value: str, limit: int, field: str) -> str:
 
 
 __all__ = [
+    "GATEWAY_BODY_TIMEOUT_S",
+    "GATEWAY_HEADER_TIMEOUT_S",
+    "GATEWAY_IDLE_TIMEOUT_S",
     "MAX_ADDRESS_BYTES",
     "MAX_CHAT_MESSAGES",
+    "MAX_GATEWAY_CONNECTIONS",
     "MAX_GATEWAY_REQUESTS",
     "MAX_GENERATE_TOKENS",
     "MAX_HOLDER_BYTES",
     "MAX_HOST_BYTES",
     "MAX_HTTP_BODY_BYTES",
+    "MAX_HTTP_HEAD_BYTES",
     "MAX_ID_BYTES",
     "MAX_KEEP_ALIVE_S",
     "MAX_LEASES",

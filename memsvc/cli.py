@@ -192,6 +192,11 @@ def _some_seconds_up_to_an_hour(text: str) -> float:
     return value
 
 
+def _count_or_auto(text: str) -> int | None:
+    """A flag's type: an integer >= 1, or ``auto`` (None: the program sizes it)."""
+    return None if text.strip().lower() == "auto" else _int_at_least(1)(text)
+
+
 def _seconds_or_unset(text: str) -> float | None:
     """Seconds (not negative), or '' for "not set here" (the store's or config's value stands)."""
     if text.strip() == "":
@@ -403,7 +408,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from memsvc._limits import MAX_GATEWAY_REQUESTS
+    from memsvc._limits import (
+        GATEWAY_BODY_TIMEOUT_S,
+        GATEWAY_HEADER_TIMEOUT_S,
+        GATEWAY_IDLE_TIMEOUT_S,
+        MAX_GATEWAY_CONNECTIONS,
+        MAX_GATEWAY_REQUESTS,
+    )
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a manager's workers")
     p.add_argument(
@@ -431,6 +442,34 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         type=_int_at_least(1),
         default=env("GATEWAY_MAX_REQUESTS", str(MAX_GATEWAY_REQUESTS)),
         help="completions served at once, streaming or queued for room (then 503 with Retry-After)",
+    )
+    p.add_argument(
+        "--max-connections",
+        type=_count_or_auto,
+        default=env("GATEWAY_MAX_CONNECTIONS", "auto"),
+        help="HTTP connections held at once; past it a new one gets 503 with Retry-After and is closed (auto: what "
+        f"the open-files limit, raised to its hard limit at start, leaves room for, at most {MAX_GATEWAY_CONNECTIONS})",
+    )
+    p.add_argument(
+        "--header-timeout",
+        type=_some_seconds_up_to_an_hour,
+        default=env("GATEWAY_HEADER_TIMEOUT", f"{GATEWAY_HEADER_TIMEOUT_S:g}"),
+        help="seconds a connection has to send a whole request head, from its start or its previous response; "
+        "then it is closed (a 408 first when a head was begun)",
+    )
+    p.add_argument(
+        "--body-timeout",
+        type=_some_seconds_up_to_an_hour,
+        default=env("GATEWAY_BODY_TIMEOUT", f"{GATEWAY_BODY_TIMEOUT_S:g}"),
+        help="seconds a request's body has to arrive in full, from its head; then 408 and the connection is "
+        "closed, before any lease is taken",
+    )
+    p.add_argument(
+        "--idle-timeout",
+        type=_int_at_least(1),
+        default=env("GATEWAY_IDLE_TIMEOUT", str(GATEWAY_IDLE_TIMEOUT_S)),
+        help="whole seconds a keep-alive connection may sit idle after a response before it is closed "
+        "(--header-timeout bounds it too)",
     )
     _client_auth_flags(p)
     _log_flags(p)
@@ -879,7 +918,11 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         security = _security(args, parser)
         limits = (args.wake_timeout, args.queue_timeout, args.max_requests)
-        return run_gateway(args.listen, args.manager, security, *limits)  # type: ignore[arg-type]
+        return run_gateway(
+            args.listen, args.manager, security, *limits,  # type: ignore[arg-type]
+            header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
+            max_connections=args.max_connections,
+        )  # fmt: skip
     if args.command == "up":
         from memsvc._up import run as run_up
 

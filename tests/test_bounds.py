@@ -7,6 +7,7 @@ import re
 from upproc import REPO_ROOT
 
 from memsvc import _limits as limits
+from memsvc.gateway.connections import connection_bound
 from memsvc.manager.controller import REQUEST_CACHE as MANAGER_REPLAY
 from memsvc.manager.settings import ManagerSettings
 from worker.state_machine import WorkerStateMachine
@@ -55,6 +56,12 @@ def test_the_bounds_table_matches_the_limits() -> None:
         "`WatchWorkers` streams of a manager, `StreamTelemetry` streams of a worker": limits.MAX_WATCHERS,
         "gateway request body": limits.MAX_HTTP_BODY_BYTES,
         "completions a gateway serves at once (streaming, waking or queued for room)": limits.MAX_GATEWAY_REQUESTS,
+        "connections a gateway holds open": limits.MAX_GATEWAY_CONNECTIONS,
+        "a gateway request's head (request line and headers)": limits.MAX_HTTP_HEAD_BYTES,
+        "time for a gateway request's head to arrive, from the connection's start or its previous response": int(
+            limits.GATEWAY_HEADER_TIMEOUT_S
+        ),
+        "time for a gateway request's body to arrive, from its head": int(limits.GATEWAY_BODY_TIMEOUT_S),
     }
     assert limits.MAX_HOST_BYTES == limits.MAX_ADDRESS_BYTES, "one row documents both"
     for row, value in expect.items():
@@ -65,3 +72,4 @@ def test_the_bounds_table_matches_the_limits() -> None:
     streams = rows["`WatchWorkers` streams of a manager, `StreamTelemetry` streams of a worker"]
     assert streams.endswith(f", {limits.MAX_TELEMETRY_SUBSCRIBERS}")
     assert rows["`stop` strings of one `Generate`"].endswith(f"(each 1-{limits.MAX_STOP_STRING_BYTES} bytes)")
+    assert f"{connection_bound(1024)} under 1024" in rows["connections a gateway holds open"]

@@ -8,7 +8,13 @@ from __future__ import annotations
 
 from typing import TYPE_CHECKING
 
-from memsvc._limits import MAX_GATEWAY_REQUESTS
+from memsvc._limits import (
+    GATEWAY_BODY_TIMEOUT_S,
+    GATEWAY_HEADER_TIMEOUT_S,
+    GATEWAY_IDLE_TIMEOUT_S,
+    MAX_GATEWAY_REQUESTS,
+    MAX_HTTP_HEAD_BYTES,
+)
 
 if TYPE_CHECKING:
     from memsvc._auth import Security
@@ -16,9 +22,14 @@ if TYPE_CHECKING:
 
 def run(
     listen: str, manager: str, security: Security | None = None, acquire_timeout: float = 300.0,
-    queue_timeout: float = 30.0, max_requests: int = MAX_GATEWAY_REQUESTS,
+    queue_timeout: float = 30.0, max_requests: int = MAX_GATEWAY_REQUESTS, *,
+    header_timeout: float = GATEWAY_HEADER_TIMEOUT_S, body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
+    idle_timeout: int = GATEWAY_IDLE_TIMEOUT_S, max_connections: int | None = None,
 ) -> int:  # fmt: skip
-    """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM."""
+    """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM.
+
+    ``max_connections`` None: as many as the open-files limit leaves room for, at most
+    MAX_GATEWAY_CONNECTIONS (memsvc.gateway.connections.connection_bound)."""
     import asyncio
     import contextlib
     import logging
@@ -30,10 +41,26 @@ def run(
     from memsvc._logging import announce
     from memsvc.gateway.app import create_app
     from memsvc.gateway.backends import Backends
+    from memsvc.gateway.connections import (
+        BoundedH11,
+        accept_batch,
+        connection_bound,
+        quiet_accept_errors,
+        raise_fd_limit,
+    )
 
     if max_requests < 1:
         raise SystemExit(f"memsvc gateway: --max-requests must be at least 1, got {max_requests}")
     host, _, port = listen.rpartition(":")
+    log = logging.getLogger("memsvc.gateway")
+    fd_limit = raise_fd_limit()
+    room = connection_bound(fd_limit)
+    if max_connections is not None and max_connections > room:
+        log.warning("--max-connections %d is more than the open-files limit of %d leaves room for (%d): past it, "
+                    "accepts fail (logged once per 10 s) and new connections wait unanswered", max_connections,
+                    fd_limit, room)  # fmt: skip
+    bound = room if max_connections is None else max_connections
+    log.info("serving at most %d connections (open-files limit %d)", bound, fd_limit)
 
     class Server(uvicorn.Server):
         @contextlib.contextmanager
@@ -44,14 +71,18 @@ def run(
 
     async def serve() -> None:
         backends = Backends(manager, security)
-        app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout, max_requests)
+        app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout, max_requests,
+                         body_timeout)  # fmt: skip
         # log_config=None: uvicorn's loggers go through the process's handler (memsvc._logging)
         level = logging.getLevelName(logging.getLogger().level).lower()
         config = uvicorn.Config(
-            app, host=host or "127.0.0.1", port=int(port), log_level=level, access_log=False, log_config=None
-        )
+            app, host=host or "127.0.0.1", port=int(port), log_level=level, access_log=False, log_config=None,
+            http=BoundedH11.configured(header_timeout, bound), timeout_keep_alive=idle_timeout,
+            h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES, backlog=accept_batch(fd_limit),
+        )  # fmt: skip
         server = Server(config)
         loop = asyncio.get_running_loop()
+        quiet_accept_errors(loop)
         for sig in (signal.SIGTERM, signal.SIGINT):
             loop.add_signal_handler(sig, lambda: setattr(server, "should_exit", True))
 
@@ -60,8 +91,8 @@ def run(
             while not server.started and not task.done():
                 await asyncio.sleep(0.05)
             if server.started:
-                bound = server.servers[0].sockets[0].getsockname()
-                announce(f"memsvc gateway listening on {bound[0]}:{bound[1]}")
+                address = server.servers[0].sockets[0].getsockname()
+                announce(f"memsvc gateway listening on {address[0]}:{address[1]}")
             await task
         finally:
             await backends.close()

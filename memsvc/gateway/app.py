@@ -31,7 +31,13 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memsvc._limits import MAX_GATEWAY_REQUESTS, MAX_GENERATE_TOKENS, MAX_HTTP_BODY_BYTES, MAX_ID_BYTES
+from memsvc._limits import (
+    GATEWAY_BODY_TIMEOUT_S,
+    MAX_GATEWAY_REQUESTS,
+    MAX_GENERATE_TOKENS,
+    MAX_HTTP_BODY_BYTES,
+    MAX_ID_BYTES,
+)
 from memsvc.gateway.backends import STATE_LABEL, Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
@@ -103,17 +109,18 @@ def _check_tokens(ids: list[int], worker: Served) -> None:
 
 def create_app(
     backends: Backends, token: str = "", acquire_timeout: float = 300.0, queue_timeout: float = 30.0,
-    max_requests: int = MAX_GATEWAY_REQUESTS,
+    max_requests: int = MAX_GATEWAY_REQUESTS, body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
 ) -> FastAPI:  # fmt: skip
     """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none);
     ``queue_timeout``: how long a request waits for room on its model's device; ``max_requests``: the
-    completions served at once (each holds a connection, and a lease or a place in the queue)."""
+    completions served at once (each holds a connection, and a lease or a place in the queue);
+    ``body_timeout``: how long a request's body may take to arrive, from its head (then a 408)."""
     app = FastAPI(title="memsvc gateway", docs_url=None, redoc_url=None, openapi_url=None)
     # a body is bounded while it is read (Starlette's limit, also for chunked bodies: its 413 comes
     # through the HTTPException handler below) and, by a Content-Length past it, before (_Edge: the
     # limit's own answer to that case is plain text, not OpenAI's error JSON)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=MAX_HTTP_BODY_BYTES)
-    app.add_middleware(_Edge, token=token)
+    app.add_middleware(_Edge, token=token, body_timeout=body_timeout)
     metrics = GatewayMetrics()
     in_flight = 0
 
@@ -305,16 +312,19 @@ class _Edge:
     the endpoints): every response carries ``X-Request-Id`` (the client's, or a new one) and gets one
     log line; with a token, /v1 and /metrics require ``Authorization: Bearer <token>``; a request with
     two Authorization headers is a 400 (whichever counted would be a guess); a Content-Length past
-    MAX_HTTP_BODY_BYTES is a 413 before the body is read."""
+    MAX_HTTP_BODY_BYTES is a 413 before the body is read; a body that has not arrived in full
+    ``body_timeout`` seconds after the head is a 408 (:func:`_body_in_time`)."""
 
-    def __init__(self, app: ASGIApp, token: str = "") -> None:
+    def __init__(self, app: ASGIApp, token: str = "", body_timeout: float = GATEWAY_BODY_TIMEOUT_S) -> None:
         self.app = app
         self.token = token
+        self.body_timeout = body_timeout
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http":
             await self.app(scope, receive, send)
             return
+        receive = _body_in_time(receive, self.body_timeout)
         headers = {k.decode("latin-1").lower(): v.decode("latin-1") for k, v in scope.get("headers", [])}
         sent_id = headers.get("x-request-id", "")[:MAX_ID_BYTES]
         # the id names the lease's holder and goes back as a header: printable ASCII only, so it stays
@@ -348,6 +358,33 @@ class _Edge:
         else:
             await self.app(scope, receive, send_with_id)
         log.info("%s %s %s %d %.1f ms", rid, scope.get("method", ""), path, status, (time.perf_counter() - t0) * 1e3)
+
+
+def _body_in_time(receive: Receive, timeout: float) -> Receive:
+    """``receive``, with the body's time bound: the request's body must have arrived in full
+    ``timeout`` seconds after its head, else the read raises a 408 (Starlette's HTTPException, which
+    FastAPI passes on from the body's read and the app answers in OpenAI's shape, as the body
+    limit's 413) that closes the connection. A route reads its body before it does anything else,
+    so a late one never starts its work (no lease, no wake). A trickle of bytes does not extend the
+    bound (a read timeout between chunks would: slowloris sends a byte at a time); the reads after
+    the body (a disconnect's) are not bounded."""
+    deadline = asyncio.get_running_loop().time() + timeout
+    done = False
+
+    async def receive_in_time() -> Message:
+        nonlocal done
+        if done:
+            return await receive()
+        try:
+            async with asyncio.timeout_at(deadline):
+                message = await receive()
+        except TimeoutError:
+            raise HTTPException(408, f"the request body did not arrive within {timeout:g} s",
+                                headers={"Connection": "close"}) from None  # fmt: skip
+        done = message["type"] != "http.request" or not message.get("more_body", False)
+        return message
+
+    return receive_in_time
 
 
 async def _unless_client_left(request: Request, call: Awaitable[T]) -> T:
