@@ -45,7 +45,7 @@ from memsvc.vocabulary import (
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
-from worker.device_thread import DeviceThread
+from worker.device_thread import DeviceThread, LoopPost
 from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
 from worker.state_machine import Job, WorkerStateMachine
@@ -79,6 +79,8 @@ class WorkerCore:
         self.telemetry = TelemetryHub(loop)
         self._loop = loop
         self._device_thread = DeviceThread(loop)
+        self.post = LoopPost(loop)
+        """What a stream's per-token callback runs through (worker/device_thread.py's LoopPost)."""
         self._sm = WorkerStateMachine(self.telemetry, self._device_thread, self._drain)
         self._swaps = SwapPipeline(self._device_thread, self._begin_swap, self._sm.finish)
         self._last_memory: AllocatorStats | None = None

@@ -70,6 +70,34 @@ class Ticket:
             return True
 
 
+class LoopPost:
+    """Calls from the device thread to run on the event loop, many for one wake-up of the loop.
+
+    A step of 64 streams makes 64 tokens; ``call_soon_threadsafe`` for each would wake the loop (a
+    write to its self-pipe, a pass of the loop, the GIL handed over) 64 times per step. Posted calls
+    queue here and the first one of a batch schedules a single flush, which runs every call queued
+    by the time it runs: one wake-up per step, or fewer when the loop is slower than the steps."""
+
+    def __init__(self, loop: asyncio.AbstractEventLoop) -> None:
+        self._loop = loop
+        self._lock = threading.Lock()
+        self._calls: list[tuple[Callable[[Any], object], Any]] = []
+
+    def __call__(self, fn: Callable[[T], object], arg: T) -> None:
+        """Run ``fn(arg)`` on the loop soon, after the calls posted before it (any thread)."""
+        with self._lock:
+            first = not self._calls
+            self._calls.append((fn, arg))
+        if first:
+            self._loop.call_soon_threadsafe(self._flush)
+
+    def _flush(self) -> None:
+        with self._lock:
+            calls, self._calls = self._calls, []
+        for fn, arg in calls:
+            fn(arg)
+
+
 def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
     """Complete a loop future with another thread's result (call through ``call_soon_threadsafe``)."""
     if fut.done():
@@ -80,4 +108,4 @@ def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | 
         fut.set_result(value)  # type: ignore[arg-type]
 
 
-__all__ = ["DeviceThread", "Ticket", "settle_future"]
+__all__ = ["DeviceThread", "LoopPost", "Ticket", "settle_future"]

@@ -230,36 +230,38 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         except BaseException:
             slot.release()
             raise
-        tokens: asyncio.Queue[int] = asyncio.Queue()
-        loop = asyncio.get_running_loop()
+        tokens: asyncio.Queue[int | None] = asyncio.Queue()
+        post = self.core.post
 
-        def made(token: int) -> None:  # on the device thread
-            loop.call_soon_threadsafe(tokens.put_nowait, token)
+        def made(token: int) -> None:  # on the device thread: a step's tokens reach the loop together
+            post(tokens.put_nowait, token)
 
         # From here the task owns the slot: its first step (which hands the slot to the device job)
         # runs before this generator's first await returns, so it never is cancelled unstarted.
         task = asyncio.ensure_future(self.core.generate(spec, made, slot))
-        getter: asyncio.Future[int] | None = None
+        # the end comes through the same queue, after every token (the engine posts a token before
+        # its request's future settles, and the settling reaches the loop after the post)
+        task.add_done_callback(lambda _: post(tokens.put_nowait, None))
         prompt_tokens = len(spec.prompt)  # told with the first message, then 0 (unset)
         try:
-            while not (task.done() and tokens.empty()):
-                getter = asyncio.ensure_future(tokens.get())
-                await asyncio.wait({getter, task}, return_when=asyncio.FIRST_COMPLETED)
-                if not getter.done():
-                    getter.cancel()
-                    continue
-                batch = [getter.result()]
+            while (first := await tokens.get()) is not None:
+                batch = [first]
+                end = False
                 while not tokens.empty():
-                    batch.append(tokens.get_nowait())
+                    token = tokens.get_nowait()
+                    if token is None:
+                        end = True
+                        break
+                    batch.append(token)
                 yield w.GenerateStreamResponse(
                     token_ids=batch, text="".join(streamed.push(t) for t in batch), prompt_token_count=prompt_tokens
                 )
                 prompt_tokens = 0
+                if end:
+                    break
             done = response(task.result(), request.request.sequence_id, text)
             yield w.GenerateStreamResponse(text=streamed.finish(done.text), done=done)
         finally:
-            if getter is not None and not getter.done():
-                getter.cancel()
             if not task.done():  # the client left: the generation stops at its next step
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
