@@ -68,10 +68,14 @@ def test_preempted_requests_resume_with_their_alone_tokens(alloc: MemoryAllocato
     assert runner.kv_cache.stats()["device_free_blocks"] == 16 and not runner.kv_cache.sequences
 
 
-def test_long_prompts_are_read_in_chunks_beside_the_decodes(alloc: MemoryAllocator) -> None:
+@pytest.mark.parametrize("paged", [False, True], ids=["spans", "paged-rows"])
+def test_long_prompts_are_read_in_chunks_beside_the_decodes(alloc: MemoryAllocator, paged: bool) -> None:
+    """Prompt chunks as spans (the host backend's way) or as rows through the block tables (CUDA's,
+    tests/test_reference.py checks it against transformers): each request's tokens are its alone ones."""
     runner = ModelRunner(alloc, "synthetic:small", 128, 4, block_size=8, max_batch=4, max_step_tokens=16)
     reqs = requests(3, prompt_len=50, new=12)
     alone = [runner.run(r).tokens for r in reqs]
+    runner.engine.paged_rows = paged
     steps = runner.engine.steps
     one = runner.run(reqs[0])
     assert one.tokens == alone[0]

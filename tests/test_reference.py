@@ -57,7 +57,8 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
-from worker.model.decoder import Rope, forward
+from worker.model.decoder import DecodeRows, Rope, StepInputs, forward, forward_step
+from worker.model.kernels import TORCH_KERNELS
 from worker.model.weights import read_config
 
 PROMPT = [3, 17, 101, 42, 7, 250, 19, 88]
@@ -329,6 +330,50 @@ def test_decoder_matches_transformers(zoo: Zoo, alloc: MemoryAllocator, case: st
     """``alloc`` is conftest's: the host backend everywhere, and a ``gpu``-marked cuda variant (skipped
     without a device) that compares against transformers running on the GPU."""
     _compare_in_process(zoo, alloc, case, fmt, dtype)
+
+
+def _paged_logits(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.Tensor:
+    """Logits at every position of ``tokens`` fed as the engine feeds a prompt when it plans paged
+    rows (as on CUDA): ``chunk`` rows a step, every row attending through the sequence's one block
+    table up to its own position (the decode kernel's causal limit), a later chunk over the K/V the
+    earlier ones cached."""
+    kv, config, device = runner.kv_cache, runner.config, runner.alloc.torch_device
+    rope = Rope.build(config, device)
+    kernels = runner._kernels if runner._kernels.decode_attention is not None else TORCH_KERNELS
+    kv.allocate_sequence("paged")
+    try:
+        kv.ensure_capacity("paged", len(tokens))
+        table = torch.tensor([kv.sequence("paged").block_ids], dtype=torch.int64, device=device)
+        out = []
+        for start in range(0, len(tokens), chunk):
+            ids = tokens[start : start + chunk]
+            pos = torch.arange(start, start + len(ids), device=device)
+            step = StepInputs(
+                token_ids=torch.tensor(ids, device=device), positions=pos, write_blocks=table[0, pos // BLOCK_SIZE],
+                write_slots=pos % BLOCK_SIZE,
+                decode=DecodeRows(len(ids), table, pos + 1, torch.zeros(len(ids), dtype=torch.int64, device=device)),
+            )  # fmt: skip
+            out.append(forward_step(runner.weights, config, rope, kv.device.tensor, step, kernels))
+        return torch.cat(out).float().cpu()
+    finally:
+        kv.free_sequence("paged")
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_prompt_rows_through_the_block_tables_match_transformers(zoo: Zoo, alloc: MemoryAllocator, case: str) -> None:
+    """The engine's paged rows (how CUDA feeds prompt chunks, so that a mixed step is one launch per
+    layer and a graph can hold it): logits within the tolerance of transformers' at every position, in
+    one chunk and in chunks of 3; greedy tokens through the engine planning that way, with a step
+    budget that splits the prompt, equal to transformers'."""
+    device = alloc.torch_device.type
+    ref = zoo.reference(case, "float32", device)
+    runner = runner_for(alloc, ref.dirs["transformers5"])
+    for chunk in (len(ref.sequence), 3):
+        errors = relative_errors(_paged_logits(runner, ref.sequence, chunk), ref.logits)
+        assert float(errors.max()) <= TOLERANCE["float32"], (chunk, errors.tolist())
+    runner.engine.paged_rows = True
+    runner.engine.max_step_tokens = 5
+    assert runner.generate(PROMPT, NEW) == ref.tokens
 
 
 # ---- numerics, through the worker's RPC ----

@@ -104,13 +104,18 @@ class SeqSpan:
 
 @dataclass(frozen=True)
 class DecodeRows:
-    """The step's leading one-token rows, attended through the block table by a kernel."""
+    """The step's leading rows that attend through a block table by a kernel: one-token decodes, and
+    (where the engine plans paged rows) every row of a prompt chunk too, each with its own length."""
 
     count: int
     tables: torch.Tensor
-    """``[count, width]`` int64 block ids; row ``i`` covers ``lengths[i]`` positions."""
+    """``[count, width]`` int64 block ids, row ``i``'s table (or, with ``table_rows``, one table per
+    sequence of the step); a row covers ``lengths[i]`` positions."""
     lengths: torch.Tensor
-    """``[count]`` int64: positions each row attends to (its own included)."""
+    """``[count]`` int64: positions each row attends to (its own included: its causal limit)."""
+    table_rows: torch.Tensor | None = None
+    """``[count]`` int64: the row of ``tables`` each row reads (None: row ``i`` reads row ``i``), so a
+    prompt chunk's rows share their sequence's table instead of a copy each."""
 
 
 @dataclass(frozen=True)
@@ -148,10 +153,15 @@ class HostStep:
     """(row, start, length, block table or None) of each prompt chunk."""
     last_rows: np.ndarray
     """Rows whose logits the step returns."""
+    row_tables: np.ndarray | None = None
+    """Paged rows (see :meth:`decodes`): ``[rows]`` int64, the row of ``decode_tables`` each row reads;
+    None: one table per row, the leading ``decode_tables.shape[0]`` rows."""
 
     @property
     def decodes(self) -> int:
-        return int(self.decode_tables.shape[0])
+        """Rows read through the block tables (the leading ones): the decodes, or, for a step the
+        engine planned as paged rows, every row (a prompt chunk's rows each up to its own position)."""
+        return int(self.decode_tables.shape[0]) if self.row_tables is None else len(self.row_tables)
 
     @property
     def decode_only(self) -> bool:
@@ -163,7 +173,8 @@ class HostStep:
 
         decode = None
         if self.decodes:
-            decode = DecodeRows(self.decodes, t(self.decode_tables), t(self.positions[: self.decodes] + 1))
+            rows = None if self.row_tables is None else t(self.row_tables)
+            decode = DecodeRows(self.decodes, t(self.decode_tables), t(self.positions[: self.decodes] + 1), rows)
         return StepInputs(
             token_ids=t(self.token_ids), positions=t(self.positions), write_blocks=t(self.write_blocks),
             write_slots=t(self.positions % block_size),

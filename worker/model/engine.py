@@ -126,6 +126,9 @@ class Engine:
         """Asked as a request is admitted (the model's memory awake; the worker adds its state)."""
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
+        self.paged_rows = False
+        """Plan prompt chunks as rows read through the block tables (see :meth:`_plan`): the model
+        runner says so where its attention kernel takes them (CUDA, Triton)."""
         self.max_new_tokens_limit = max_new_tokens_limit
         self._incoming: collections.deque[_Request] = collections.deque()
         self._incoming_lock = threading.Lock()
@@ -339,10 +342,15 @@ class Engine:
         """Give each decoding request the block its next position needs, preempting the newest
         running requests when the pool is out of blocks (their prompts' blocks were taken at admission)."""
         kv = self.kv_cache
+        room = kv.block_size
         for req in list(self._running):
             seq = req.seq
-            if req not in self._running or seq is None or len(seq.tokens) - seq.num_cached != 1:
-                continue  # preempted for an earlier one, or still reading its prompt
+            if seq is None or len(seq.tokens) - seq.num_cached != 1:
+                continue  # still reading its prompt
+            if seq.num_cached < kv.blocks_of(seq) * room:
+                continue  # its last block has room for the position (the common case: no call below)
+            if req not in self._running:
+                continue  # preempted for an earlier one
             while True:
                 try:
                     kv.ensure_capacity(seq.seq_id, seq.num_cached + 1)
@@ -365,7 +373,12 @@ class Engine:
 
     def _plan(self) -> tuple[HostStep, list[tuple[_Request, int]], list[_Request]]:
         """The step's rows, decodes first, then prompt chunks within the token budget; how many
-        tokens each request feeds; the requests whose last row ends a read (they get a token)."""
+        tokens each request feeds; the requests whose last row ends a read (they get a token).
+
+        With :attr:`paged_rows` every row attends through the block tables (one table per sequence,
+        ``row_tables`` naming each row's): a step of decodes and prompt chunks is then one kernel
+        launch per layer and fits a CUDA graph. Otherwise a chunk is a span whose attention runs per
+        sequence (the host backend's way, whose torch kernel would gather a table per row)."""
         kv = self.kv_cache
         bs = kv.block_size
         decodes = [r for r in self._running if r.pending == 1]
@@ -376,41 +389,42 @@ class Engine:
                 take = min(req.pending, budget)
                 chunks.append((req, take))
                 budget -= take
-        tables = [kv.block_array(r.seq_id) for r in decodes]
-        table = np.zeros((len(decodes), max((len(t) for t in tables), default=0)), np.int64)
-        for i, t in enumerate(tables):
+        d = len(decodes)
+        seqs = [r.seq for r in decodes] + [r.seq for r, _ in chunks]
+        tables = [kv.block_array(s.seq_id) for s in seqs]  # type: ignore[union-attr]
+        width = max(((len(t) for t in tables) if self.paged_rows else (len(t) for t in tables[:d])), default=0)
+        table = np.zeros((len(seqs) if self.paged_rows else d, width), np.int64)
+        for i, t in enumerate(tables[: len(table)]):
             table[i, : len(t)] = t
-        tokens: list[int] = []
-        positions: list[np.ndarray] = []
-        blocks: list[np.ndarray] = []
-        for req, t in zip(decodes, tables, strict=True):
-            seq = req.seq
-            assert seq is not None
-            tokens.append(seq.tokens[-1])
-            positions.append(np.array([seq.num_cached], np.int64))
-            blocks.append(t[[seq.num_cached // bs]])
+        positions = [np.fromiter((s.num_cached for s in seqs[:d]), np.int64, d)]  # type: ignore[union-attr]
+        tokens = [np.fromiter((s.tokens[-1] for s in seqs[:d]), np.int64, d)]  # type: ignore[union-attr]
+        blocks = [np.fromiter((t[p // bs] for t, p in zip(tables, positions[0].tolist(), strict=False)), np.int64, d)]
+        row_tables = [np.arange(d, dtype=np.int64)]
         spans: list[tuple[int, int, int, np.ndarray | None]] = []
-        last_rows = list(range(len(decodes)))
+        last_rows = list(range(d))
         ends = list(decodes)
-        row = len(decodes)
-        for req, take in chunks:
+        row = d
+        for i, (req, take) in enumerate(chunks, start=d):
             seq = req.seq
             assert seq is not None
             start = seq.num_cached
-            table_row = kv.block_array(seq.seq_id)
-            tokens.extend(seq.tokens[start : start + take])
+            tokens.append(np.asarray(seq.tokens[start : start + take], np.int64))
             pos = np.arange(start, start + take, dtype=np.int64)
             positions.append(pos)
-            blocks.append(table_row[pos // bs])
-            spans.append((row, start, take, table_row if start else None))
+            blocks.append(tables[i][pos // bs])
+            if self.paged_rows:
+                row_tables.append(np.full(take, i, np.int64))
+            else:
+                spans.append((row, start, take, tables[i] if start else None))
             row += take
             if start + take == len(seq.tokens):
                 last_rows.append(row - 1)
                 ends.append(req)
         step = HostStep(
-            token_ids=np.asarray(tokens, np.int64), positions=np.concatenate(positions),
+            token_ids=np.concatenate(tokens), positions=np.concatenate(positions),
             write_blocks=np.concatenate(blocks), decode_tables=table, spans=tuple(spans),
             last_rows=np.asarray(last_rows, np.int64),
+            row_tables=np.concatenate(row_tables) if self.paged_rows else None,
         )  # fmt: skip
         return step, [(r, 1) for r in decodes] + chunks, ends
 

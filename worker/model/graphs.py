@@ -1,4 +1,4 @@
-"""The decode step captured in CUDA graphs, one per batch-size bucket, replayed with new inputs.
+"""The model step captured in CUDA graphs, one per row-count bucket, replayed with new inputs.
 
 An eager decode step of an 8B model launches ~600 kernels from Python; at a few microseconds each
 that, not the GPU, sets the pace. A graph launches them all at once. Each bucket's graph reads its
@@ -38,10 +38,16 @@ from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256)
-"""Batch sizes captured (up to the engine's max_batch, which is captured too)."""
-_FIELDS = 5
-"""Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length."""
+BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
+"""Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``:
+the engine's max_batch for decodes alone; with paged rows, up to :data:`MIXED_ROWS` for steps that mix
+decodes and a prompt chunk, whose launches would otherwise cost more than their kernels run)."""
+MIXED_ROWS = 512
+"""The most rows a mixed step is captured for: past it a step's kernels run longer than its launches
+take (an 8B model's 512-row step is ~10 ms of matrix work), so eager launching costs nothing."""
+_FIELDS = 6
+"""Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length,
+the row's table."""
 IDLE_S = 0.2
 """A background capture waits until no step has run for this long: a request that arrives just
 after the worker is ready (a client waiting for it) is served first, not after a capture."""
@@ -63,14 +69,17 @@ class _Bucket:
 
 
 class DecodeGraphs:
-    """Decode steps captured for the buckets up to ``max_batch``: none at first; :meth:`capture`
-    captures every one, :meth:`capture_bucket` one. :meth:`run` replays the smallest captured bucket
-    that holds a step's rows."""
+    """Steps captured for the row buckets up to ``max_rows`` (default ``max_batch``): none at first;
+    :meth:`capture` captures every one, :meth:`capture_bucket` one. :meth:`run` replays the smallest
+    captured bucket that holds a step's rows. A step's rows all attend through the block tables: its
+    decodes, and with the engine's paged rows its prompt chunk's rows too. A bucket of ``size`` rows
+    holds the tables of up to ``min(size, max_batch)`` sequences and returns that many rows' logits
+    (the rows that end a read: one per sequence at most)."""
 
     def __init__(
         self, alloc: MemoryAllocator, weights: Mapping[str, torch.Tensor], config: ModelConfig, rope: Rope,
         kv: torch.Tensor, scratch_block: int, max_batch: int, kernels: Kernels,
-        fused: Sequence[FusedLayer] | None = None,
+        fused: Sequence[FusedLayer] | None = None, max_rows: int | None = None,
     ) -> None:  # fmt: skip
         self._alloc = alloc
         self._weights = weights
@@ -83,7 +92,9 @@ class DecodeGraphs:
         self.scratch = scratch_block
         self.width = min(-(-config.max_position_embeddings // self.block_size), scratch_block)
         """Block-table columns: the most blocks one sequence can hold."""
-        self.sizes = tuple(sorted({b for b in BUCKETS if b < max_batch} | {max_batch}))
+        rows = max_batch if max_rows is None else max(max_rows, max_batch)
+        self.max_batch = max_batch
+        self.sizes = tuple(sorted({b for b in BUCKETS if b < rows} | {max_batch, rows}))
         self._buckets: dict[int, _Bucket] = {}
         self.failed: set[int] = set()
         """Buckets whose capture raised: their steps decode eagerly, and nothing tries them again."""
@@ -135,32 +146,50 @@ class DecodeGraphs:
         """The smallest captured bucket that holds ``rows`` decodes, or None (decode eagerly)."""
         return next((s for s in self.captured if s >= rows), None)
 
-    def _views(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-        fields = buf[: _FIELDS * size].view(_FIELDS, size)
-        return (*fields.unbind(0), buf[_FIELDS * size :].view(size, self.width))
+    def outputs(self, size: int) -> int:
+        """Sequences (tables, logits rows) a bucket of ``size`` rows holds."""
+        return min(size, self.max_batch)
 
-    def _pad(self, host: torch.Tensor, size: int, rows: int) -> None:
-        """Rows ``rows..size`` (and every row when first filled): a one-position read of the scratch block."""
-        tokens, positions, blocks, slots, lengths, tables = self._views(host, size)
+    def _numel(self, size: int) -> int:
+        out = self.outputs(size)
+        return size * _FIELDS + (out + 1) * self.width + out
+
+    def _views(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
+        """token, position, write block, write slot, length, table row (``[size]`` each), the tables
+        (``[outputs + 1, width]``: the last one is the padding rows', on the scratch block) and the
+        rows whose logits come out (``[outputs]``)."""
+        out = self.outputs(size)
+        fields = buf[: _FIELDS * size].view(_FIELDS, size)
+        end = _FIELDS * size + (out + 1) * self.width
+        tables = buf[_FIELDS * size : end].view(out + 1, self.width)
+        return (*fields.unbind(0), tables, buf[end : end + out])
+
+    def _pad(self, host: torch.Tensor, size: int, rows: int, seqs: int, outs: int) -> None:
+        """Rows ``rows..size`` (and every row when first filled): a one-position read of the scratch
+        block; tables past ``seqs`` cleared, logits rows past ``outs`` from row 0."""
+        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(host, size)
+        out = self.outputs(size)
         tokens[rows:] = 0
         positions[rows:] = 0
         blocks[rows:] = self.scratch
         slots[rows:] = 0
         lengths[rows:] = 1
-        tables[rows:] = 0
-        tables[rows:, 0] = self.scratch
+        table_rows[rows:] = out
+        tables[seqs:] = 0
+        tables[out, 0] = self.scratch
+        last[outs:] = 0
 
     def _capture(self, size: int) -> _Bucket:
         alloc = self._alloc
-        numel = size * (_FIELDS + self.width)
+        numel = self._numel(size)
         device_buf = alloc.empty((numel,), torch.int64, CUDA_GRAPHS)
         host_buf = torch.empty((numel,), dtype=torch.int64, pin_memory=True)
-        self._pad(host_buf, size, 0)
+        self._pad(host_buf, size, 0, 0, 0)
         device_buf.copy_(host_buf)
-        tokens, positions, blocks, slots, lengths, tables = self._views(device_buf, size)
+        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(device_buf, size)
         inputs = StepInputs(
             token_ids=tokens, positions=positions, write_blocks=blocks, write_slots=slots,
-            decode=DecodeRows(size, tables, lengths),
+            decode=DecodeRows(size, tables, lengths, table_rows), last_rows=last,
         )  # fmt: skip
         stream = torch.cuda.Stream(alloc.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         stream.wait_stream(torch.cuda.current_stream(alloc.device))
@@ -174,31 +203,43 @@ class DecodeGraphs:
         return _Bucket(size, graph, device_buf, host_buf, logits)
 
     def fits(self, step: HostStep) -> bool:
-        return step.decode_only and 0 < step.decodes <= self.max_rows and step.decode_tables.shape[1] <= self.width
+        """Every row of the step attends through the tables (no spans), and a bucket can hold it."""
+        n = step.decodes
+        return (
+            step.decode_only and 0 < n <= self.max_rows and step.decode_tables.shape[1] <= self.width
+            and step.decode_tables.shape[0] <= self.outputs(self.bucket_for(n))
+            and len(step.last_rows) <= self.outputs(self.bucket_for(n))
+        )  # fmt: skip
 
     def run(self, step: HostStep) -> torch.Tensor:
-        """The step's ``[rows, vocab]`` float32 logits (valid until the next replay of its bucket),
-        from the smallest captured bucket that holds it (see :meth:`replayable`)."""
+        """The step's ``[len(last_rows), vocab]`` float32 logits (valid until the next replay of its
+        bucket), from the smallest captured bucket that holds it (see :meth:`replayable`)."""
         n = step.decodes
         size = self.replayable(n)
         if size is None:
-            raise WrongState(f"no captured CUDA graph holds {n} decodes (captured: {list(self.captured)})")
+            raise WrongState(f"no captured CUDA graph holds {n} rows (captured: {list(self.captured)})")
         bucket = self._buckets[size]
         host = bucket.host_buf
-        tokens, positions, blocks, slots, lengths, tables = self._views(host, bucket.size)
+        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(host, bucket.size)
         tokens[:n] = torch.from_numpy(step.token_ids)
         positions[:n] = torch.from_numpy(step.positions)
         blocks[:n] = torch.from_numpy(step.write_blocks)
         slots[:n] = positions[:n] % self.block_size
         lengths[:n] = positions[:n] + 1
-        width = step.decode_tables.shape[1]
-        tables[:n, :width] = torch.from_numpy(step.decode_tables)
-        tables[:n, width:] = 0
-        self._pad(host, bucket.size, n)
+        if step.row_tables is None:
+            table_rows[:n] = torch.arange(n)
+        else:
+            table_rows[:n] = torch.from_numpy(step.row_tables)
+        seqs, width = step.decode_tables.shape
+        tables[:seqs, :width] = torch.from_numpy(step.decode_tables)
+        tables[:seqs, width:] = 0
+        m = len(step.last_rows)
+        last[:m] = torch.from_numpy(step.last_rows)
+        self._pad(host, bucket.size, n, seqs, m)
         bucket.device_buf.copy_(host, non_blocking=True)  # the step's argmax waits for the replay, so for this
         bucket.graph.replay()
         self.replays += 1
-        return bucket.logits[:n]
+        return bucket.logits[:m]
 
 
 class BackgroundCapture:
@@ -338,4 +379,4 @@ class BackgroundCapture:
                 self.request()
 
 
-__all__ = ["BUCKETS", "IDLE_S", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs"]
+__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs"]

@@ -1,9 +1,12 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (a Triton kernel's parameters take no annotations: Triton reads them as type hints)
-"""Decode attention through the block table: one query per sequence over its cached K/V blocks.
+"""Decode attention through the block table: one query row over its sequence's cached K/V blocks.
 
 The engine's decode rows attend here, so a step of 64 sequences reads each sequence's K/V in place
-instead of gathering its blocks into a dense copy per layer. Two implementations, one meaning:
+instead of gathering its blocks into a dense copy per layer. On CUDA a prompt chunk's rows attend here
+too, each over its sequence's positions up to its own (the causal mask is the row's length, and the
+chunk's K/V are written before any row attends), so a step that mixes decodes and prefill is one
+launch per layer and a CUDA graph can capture it. Two implementations, one meaning:
 
 - :func:`torch_paged_decode`: plain torch (a gather, a mask, scaled_dot_product_attention). The host
   backend runs it, so CI tests the engine's scheduling with the same semantics; it is also the
@@ -37,7 +40,8 @@ def torch_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, w
     kv_heads, head_dim]``) through ``rows.tables``; returns ``[n, heads, head_dim]``."""
     n, nh, hd = q.shape
     block_size, nkv = layer.shape[2], layer.shape[3]
-    cached = layer[rows.tables]  # [n, width, 2, block_size, kv_heads, head_dim]
+    tables = rows.tables if rows.table_rows is None else rows.tables[rows.table_rows]
+    cached = layer[tables]  # [n, width, 2, block_size, kv_heads, head_dim]
     span = cached.shape[1] * block_size
     keys = cached[:, :, 0].reshape(n, span, nkv, hd).repeat_interleave(nh // nkv, dim=2)
     values = cached[:, :, 1].reshape(n, span, nkv, hd).repeat_interleave(nh // nkv, dim=2)
@@ -62,14 +66,17 @@ def _build_kernel() -> Any:
 
     @triton.jit
     def paged_decode_kernel(  # noqa: PLR0913
-        Q, KV, TABLES, LENGTHS, OUT, scale,
+        Q, KV, TABLES, LENGTHS, ROWS, OUT, scale,
         q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
+        KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, SHARED_TABLES: tl.constexpr,
     ) -> None:  # fmt: skip
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         length = tl.load(LENGTHS + s)
+        table = s
+        if SHARED_TABLES:  # the rows of a prompt chunk read their sequence's one table
+            table = tl.load(ROWS + s)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
         heads = kvh * GROUP + g
@@ -84,7 +91,7 @@ def _build_kernel() -> Any:
         for t0 in range((first // KEYS) * KEYS, length, KEYS):
             t = t0 + tl.arange(0, KEYS)
             valid = (t < length) & (t >= first)
-            block = tl.load(TABLES + s * table_row + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
+            block = tl.load(TABLES + table * table_row + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
             base = block * kv_block + (t % BLOCK_SIZE) * kv_slot + kvh * kv_head
             k = tl.load(KV + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
             v = tl.load(KV + kv_half + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
@@ -118,12 +125,14 @@ def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, 
     nkv = layer.shape[3]
     group = nh // nkv
     out = torch.empty_like(q)
+    shared = rows.table_rows is not None
     _kernel[(n, nkv)](
-        q, layer, rows.tables, rows.lengths, out, 1.0 / math.sqrt(hd),
+        q, layer, rows.tables, rows.lengths, rows.table_rows if shared else rows.lengths, out, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3),
         rows.tables.stride(0), out.stride(0), out.stride(1),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), BLOCK_SIZE=layer.shape[2], HEAD_DIM=hd,
         KEYS=KEYS_PER_TILE, WINDOW=window or 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        SHARED_TABLES=shared,
     )  # fmt: skip
     return out
 

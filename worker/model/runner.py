@@ -25,7 +25,7 @@ from worker.model.config import ModelConfig
 from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
-from worker.model.graphs import BackgroundCapture, DecodeGraphs
+from worker.model.graphs import MIXED_ROWS, BackgroundCapture, DecodeGraphs
 from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
@@ -105,6 +105,9 @@ class ModelRunner:
             lambda: self._check_awake(WEIGHTS, KV_CACHE), lambda: self.source.text, max_batch, max_step_tokens,
             max_new_tokens_limit,
         )  # fmt: skip
+        # Where the Triton kernel attends, a prompt chunk's rows attend through the block tables as
+        # decodes do: a mixed step is one launch per layer and its graph can be captured.
+        self.engine.paged_rows = self._kernels is TRITON_KERNELS
         self.graphs: DecodeGraphs | None = None
         self.background_capture: BackgroundCapture | None = None
         if cuda_graphs:
@@ -114,7 +117,7 @@ class ModelRunner:
             assert scratch is not None, "a KV cache for graphs has its scratch block"
             self.graphs = DecodeGraphs(
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                scratch, max_batch, self._kernels, self._fused,
+                scratch, max_batch, self._kernels, self._fused, min(max_step_tokens, max(MIXED_ROWS, max_batch)),
             )  # fmt: skip
             if not defer_graph_capture:
                 self.graphs.capture()
