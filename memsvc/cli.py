@@ -197,6 +197,15 @@ def _count_or_auto(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else _int_at_least(1)(text)
 
 
+def _lease_ttl(text: str) -> float:
+    """A flag's type: a gateway lease's TTL, seconds in [1, 3600] (it is renewed every third of it:
+    shorter would flood the manager with renewals, longer hold a dead gateway's workers awake)."""
+    value = _seconds_up_to_an_hour(text)
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
+    return value
+
+
 def _seconds_or_unset(text: str) -> float | None:
     """Seconds (not negative), or '' for "not set here" (the store's or config's value stands)."""
     if text.strip() == "":
@@ -436,6 +445,13 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=env("QUEUE_TIMEOUT", "30"),
         help="seconds a request waits for room on its model's device while every other worker there is busy "
         "(then 503 with Retry-After)",
+    )
+    p.add_argument(
+        "--lease-ttl",
+        type=_lease_ttl,
+        default=env("GATEWAY_LEASE_TTL", "30"),
+        help="seconds each request's lease lasts at the manager, renewed every third of it while the request "
+        "runs; what a gateway that dies leaves its workers held awake for",
     )
     p.add_argument(
         "--max-requests",
@@ -921,7 +937,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         return run_gateway(
             args.listen, args.manager, security, *limits,  # type: ignore[arg-type]
             header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
-            max_connections=args.max_connections,
+            max_connections=args.max_connections, lease_ttl=args.lease_ttl,
         )  # fmt: skip
     if args.command == "up":
         from memsvc._up import run as run_up

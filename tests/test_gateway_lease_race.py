@@ -1,7 +1,7 @@
 """A gateway request whose client leaves while its AcquireWorker is in flight must not leak the
 lease. The manager may already have granted it, with the answer still on its way: a gateway that
 cancelled the call then lost the lease id, and the lease held the model awake for its whole TTL
-(300 s: no idle sleep, no eviction for the other models on its device).
+(no idle sleep, no eviction for the other models on its device).
 
 The manager here is a gRPC server whose AcquireWorker grants at once and answers late, so the
 client's leaving falls into exactly that window; the gateway's side (memsvc.gateway.backends) is

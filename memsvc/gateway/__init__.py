@@ -25,6 +25,7 @@ def run(
     queue_timeout: float = 30.0, max_requests: int = MAX_GATEWAY_REQUESTS, *,
     header_timeout: float = GATEWAY_HEADER_TIMEOUT_S, body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
     idle_timeout: int = GATEWAY_IDLE_TIMEOUT_S, max_connections: int | None = None,
+    lease_ttl: float | None = None,
 ) -> int:  # fmt: skip
     """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM.
 
@@ -70,7 +71,7 @@ def run(
             yield
 
     async def serve() -> None:
-        backends = Backends(manager, security)
+        backends = Backends(manager, security, lease_ttl)
         app = create_app(backends, security.token if security else "", acquire_timeout, queue_timeout, max_requests,
                          body_timeout)  # fmt: skip
         # log_config=None: uvicorn's loggers go through the process's handler (memsvc._logging)

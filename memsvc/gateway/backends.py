@@ -11,11 +11,12 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+import logging
+from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
+from typing import Any
 
 import grpc
-from google.protobuf import duration_pb2
 
 from memsvc._auth import Security, aio_channel
 from memsvc.v1 import common_pb2 as c
@@ -23,9 +24,35 @@ from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
-LEASE_TTL_S = 300
-"""A request's lease: renewed by nobody, so it must outlast the longest response (the gateway
-releases it at the end; the TTL only matters when the gateway itself dies)."""
+LEASE_TTL_S = 30.0
+"""A request's lease (``--lease-ttl``), renewed every RENEWALS_PER_TTL-th of it while the request runs:
+a gateway that dies holds its workers awake this long at most, a release the manager could not take
+is retried this long at most, and a manager down longer than this loses the lease (the response goes
+on, straight from the worker, but nothing then keeps the worker from idle sleep or eviction)."""
+RENEWALS_PER_TTL = 3
+"""Renewals per TTL: one that fails is tried again at the next, two more before the lease expires."""
+RELEASE_RETRY_S = (0.5, 5.0)
+"""A release the manager could not take is tried again after the first, doubling up to the second."""
+RELEASE_TIMEOUT_S = 10.0
+LAST_RELEASE_TIMEOUT_S = 2.0
+"""A release still being retried when the gateway stops gets one last attempt this long."""
+RETRY_RELEASE = frozenset(
+    {
+        grpc.StatusCode.UNAVAILABLE,  # the manager down, restarting or unreachable
+        grpc.StatusCode.DEADLINE_EXCEEDED,  # slow: should the attempt have landed, the next is NOT_FOUND
+        grpc.StatusCode.CANCELLED,  # the manager stopping mid-call
+        grpc.StatusCode.ABORTED,
+        grpc.StatusCode.RESOURCE_EXHAUSTED,
+        grpc.StatusCode.INTERNAL,  # its store failing, say
+        grpc.StatusCode.UNKNOWN,
+    }
+)
+"""Release failures worth another attempt. NOT_FOUND is done (the lease is gone: expired, released by
+an operator, or released by an attempt whose answer was lost); the rest (INVALID_ARGUMENT,
+PERMISSION_DENIED, UNAUTHENTICATED, ...) would fail again the same way: the lease is left to expire."""
+MANAGER_RECONNECT_MAX_MS = 5000
+"""The manager channel's longest pause between reconnects (gRPC's own is 120 s): a restarted manager
+gets the releases it missed, and the requests, within seconds."""
 LIST_PAGE = 1000
 QUEUE_POLL_S = 0.25
 """How often a queued request asks the manager again for room."""
@@ -63,24 +90,50 @@ STATE_LABEL: dict[int, str] = {
     c.WORKER_STATE_UNAVAILABLE: "unavailable",
 }
 
+log = logging.getLogger("memsvc.gateway")
+
+
+@dataclass
+class _Held:
+    """A lease the gateway took, and the loop time by which the manager drops it at the latest unless
+    it is renewed (every renewal attempt moves it: one whose answer was lost may have landed)."""
+
+    lease_id: str
+    worker: str
+    expires: float
+
 
 class Backends:
     """gRPC channels to the manager and to the workers it names (one per address, kept)."""
 
-    def __init__(self, manager_address: str, security: Security | None = None) -> None:
+    def __init__(
+        self, manager_address: str, security: Security | None = None, lease_ttl_s: float | None = None
+    ) -> None:
         self._security = security
-        self._manager_channel = aio_channel(manager_address, security)
+        self.lease_ttl_s = LEASE_TTL_S if lease_ttl_s is None else lease_ttl_s
+        options = [("grpc.max_reconnect_backoff_ms", MANAGER_RECONNECT_MAX_MS)]
+        self._manager_channel = aio_channel(manager_address, security, options)
         self.manager: m_grpc.MemoryManagerServiceAsyncStub = m_grpc.MemoryManagerServiceStub(self._manager_channel)
         self._workers: dict[str, tuple[grpc.aio.Channel, w_grpc.ModelWorkerServiceAsyncStub]] = {}
         self.unknown_unavailable = 0
         """Unavailable workers whose model the last :meth:`models` could not tell."""
         self._late: set[asyncio.Task[None]] = set()
-        """Releases of leases granted to callers that left (see :meth:`acquire`); at most one per
-        request the gateway serves."""
+        """Releases running in the background: those of leases granted to callers that left (see
+        :meth:`acquire`) and those being retried (:meth:`_give_back`); at most one per lease the
+        gateway took, each for the lease's TTL at most."""
+        self._renewals: set[asyncio.Task[None]] = set()
+        self._closing = asyncio.Event()
 
     async def close(self) -> None:
+        """Stop renewing; give the releases still being retried one last short attempt, and those in
+        flight time to land (10 s at most)."""
+        self._closing.set()
+        for task in self._renewals:
+            task.cancel()
         if self._late:
-            await asyncio.wait(set(self._late), timeout=10)
+            await asyncio.wait(set(self._late), timeout=RELEASE_TIMEOUT_S)
+        for task in self._late:
+            task.cancel()
         for ch, _ in self._workers.values():
             await ch.close()
         await self._manager_channel.close()
@@ -136,10 +189,7 @@ class Backends:
         loop = asyncio.get_running_loop()
         start = loop.time()
         give_up = start + queue_s
-        ttl = duration_pb2.Duration(seconds=LEASE_TTL_S)
-        request = m.AcquireWorkerRequest(name=worker.name, ttl=ttl, holder=holder)
-        if keep_alive_s is not None:
-            request.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
+        request = self._acquire_request(worker.name, holder, keep_alive_s)
         while True:
             asked = loop.time()
             call = asyncio.ensure_future(self.manager.AcquireWorker(request, timeout=timeout))
@@ -155,35 +205,147 @@ class Backends:
                     raise
             await asyncio.sleep(min(QUEUE_POLL_S, left))
 
+    def _acquire_request(
+        self, name: str, holder: str, keep_alive_s: float | None, lease_id: str = ""
+    ) -> m.AcquireWorkerRequest:
+        """A grant (or, with ``lease_id``, a renewal) of a lease for :attr:`lease_ttl_s`. A renewal
+        sends the grant's keep_alive again: the same value, which a restarted manager (which keeps
+        keep_alive in memory only) gets back that way."""
+        request = m.AcquireWorkerRequest(name=name, holder=holder, lease_id=lease_id)
+        request.ttl.FromNanoseconds(round(self.lease_ttl_s * 1e9))
+        if keep_alive_s is not None:
+            request.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
+        return request
+
+    def _held(self, lease_id: str, worker: str) -> _Held:
+        """``lease_id``, granted or renewed just now (its expiry is counted from after the answer)."""
+        return _Held(lease_id, worker, asyncio.get_running_loop().time() + self.lease_ttl_s)
+
+    def _background(self, release: Coroutine[Any, Any, None]) -> None:
+        task = asyncio.create_task(release)
+        self._late.add(task)
+        task.add_done_callback(self._late.discard)
+
     def _release_when_granted(self, call: asyncio.Future[m.AcquireWorkerResponse]) -> None:
         async def release() -> None:
             try:
                 r = await call
             except grpc.RpcError:
                 return  # nothing was granted
-            await self._release(r.lease.lease_id)
+            await self._give_back(self._held(r.lease.lease_id, r.worker.name))
 
-        task = asyncio.create_task(release())
-        self._late.add(task)
-        task.add_done_callback(self._late.discard)
+        self._background(release())
 
-    async def _release(self, lease_id: str) -> None:
-        """Give ``lease_id`` back; shielded: a caller that left cancels its task, and the lease must
-        still go back now (a failure leaves it to its TTL)."""
-        release = self.manager.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
-        with contextlib.suppress(grpc.RpcError, asyncio.CancelledError):
-            await asyncio.shield(release)
+    async def _renew(self, held: _Held, request: m.AcquireWorkerRequest) -> None:
+        """Renew ``held`` every RENEWALS_PER_TTL-th of its TTL until cancelled (when it is released).
+        A renewal that fails is tried again at the next tick (logged once per run of failures). One
+        answered NOT_FOUND means the lease is gone (it expired while the manager was down for longer
+        than the TTL, or an operator released it): logged, and the request goes on without it; a new
+        lease is not taken, since its response comes straight from the worker, and a grant could wait
+        in the queue or wake a worker the manager has put to sleep meanwhile."""
+        loop = asyncio.get_running_loop()
+        every = self.lease_ttl_s / RENEWALS_PER_TTL
+        failing = ""
+        next_at = loop.time() + every
+        while True:
+            await asyncio.sleep(max(next_at - loop.time(), 0.0))
+            next_at = loop.time() + every
+            try:
+                await self.manager.AcquireWorker(request, timeout=every)
+            except grpc.aio.AioRpcError as exc:
+                why = f"{exc.code().name}: {exc.details()}"
+                if exc.code() == grpc.StatusCode.NOT_FOUND:
+                    log.warning("lease %s on %s is gone (%s): its request goes on without one", held.lease_id,
+                                held.worker, why)  # fmt: skip
+                    return
+                if not failing:
+                    log.warning("renewing lease %s on %s failed (%s): trying again every %.3g s until it expires",
+                                held.lease_id, held.worker, why, every)  # fmt: skip
+                failing = why
+                continue
+            finally:
+                held.expires = loop.time() + self.lease_ttl_s
+            if failing:
+                log.info("lease %s on %s renewed again", held.lease_id, held.worker)
+                failing = ""
+
+    async def _release(self, held: _Held) -> None:
+        """Give ``held`` back, waiting for the first attempt only (a plain response's lease goes back
+        before its answer does). The attempts run in a task of their own (:meth:`_give_back`): a caller
+        that left cancels its task, and the lease must still go back."""
+        tried = asyncio.Event()
+        self._background(self._give_back(held, tried))
+        with contextlib.suppress(asyncio.CancelledError):
+            await tried.wait()
+
+    async def _give_back(self, held: _Held, tried: asyncio.Event | None = None) -> None:
+        """ReleaseWorker for ``held`` until it lands. A failure in RETRY_RELEASE (the manager down or
+        restarting) is tried again after RELEASE_RETRY_S, doubling, until the release lands, is
+        answered NOT_FOUND, or the lease's expiry has passed (the manager drops it then anyway; a
+        restarted one restores only the leases that have not expired); when the gateway stops, after
+        one last short attempt. Logged when it first fails and once at the end, not per attempt: a
+        lease the manager restored from its store would otherwise hold its worker awake for its TTL
+        (no idle sleep, no eviction)."""
+        loop = asyncio.get_running_loop()
+        request = m.ReleaseWorkerRequest(lease_id=held.lease_id)
+        pause, failed = RELEASE_RETRY_S[0], ""
+        while True:
+            last = self._closing.is_set()
+            try:
+                await self.manager.ReleaseWorker(request, timeout=LAST_RELEASE_TIMEOUT_S if last else RELEASE_TIMEOUT_S)
+                code, why = grpc.StatusCode.OK, ""
+            except grpc.aio.AioRpcError as exc:
+                code, why = exc.code(), f"{exc.code().name}: {exc.details()}"
+            finally:
+                if tried is not None:
+                    tried.set()
+            if code in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND):
+                if failed:
+                    log.info("lease %s on %s released, after %s", held.lease_id, held.worker, failed)
+                return
+            left = held.expires - loop.time()
+            if code not in RETRY_RELEASE or last:
+                log.warning("releasing lease %s on %s failed (%s): it holds the worker until it expires in %.0f s",
+                            held.lease_id, held.worker, why, max(left, 0.0))  # fmt: skip
+                return
+            if not failed:
+                log.warning("releasing lease %s on %s failed (%s): trying again until it lands or expires in %.0f s",
+                            held.lease_id, held.worker, why, max(left, 0.0))  # fmt: skip
+            failed = why
+            with contextlib.suppress(TimeoutError):  # the gateway's close cuts the pause short
+                await asyncio.wait_for(self._closing.wait(), max(min(pause, left), 0.0))
+            pause = min(pause * 2, RELEASE_RETRY_S[1])
+            if loop.time() >= held.expires and not self._closing.is_set():
+                log.info("lease %s on %s expired before the manager took its release (%s)", held.lease_id,
+                         held.worker, failed)  # fmt: skip
+                return
 
     @contextlib.asynccontextmanager
     async def lease(
         self, worker: Served, holder: str, timeout: float, queue_s: float = 0.0, keep_alive_s: float | None = None
     ) -> AsyncIterator[Granted]:
-        """Hold a lease on ``worker`` (see :meth:`acquire`) for the block; released however it ends."""
+        """Hold a lease on ``worker`` (see :meth:`acquire`) for the block, renewed while it runs
+        (:meth:`_renew`); released however it ends (:meth:`_release`)."""
         granted = await self.acquire(worker, holder, timeout, queue_s, keep_alive_s)
+        held = self._held(granted.response.lease.lease_id, worker.name)
+        renew = self._acquire_request(worker.name, holder, keep_alive_s, held.lease_id)
+        renewing = asyncio.create_task(self._renew(held, renew))
+        self._renewals.add(renewing)
+        renewing.add_done_callback(self._renewals.discard)
         try:
             yield granted
         finally:
-            await self._release(granted.response.lease.lease_id)
+            renewing.cancel()
+            await self._release(held)
 
 
-__all__ = ["LEASE_TTL_S", "QUEUE_POLL_S", "STATE_LABEL", "Backends", "Granted", "Served"]
+__all__ = [
+    "LEASE_TTL_S",
+    "QUEUE_POLL_S",
+    "RELEASE_RETRY_S",
+    "RENEWALS_PER_TTL",
+    "STATE_LABEL",
+    "Backends",
+    "Granted",
+    "Served",
+]
