@@ -9,9 +9,11 @@ length (fresh ids for every request, so no cache can help) with a fixed number o
 processes (each an asyncio loop with its share of the C slots), so the client is not what is
 measured. A first pass at the largest C warms every shape (graphs, kernels) before anything counts.
 
-Per (path, shape, C): output tok/s (output tokens over the wall time from the first request sent to
-the last one ended), TTFT, ITL (the gap between two streamed messages, as vllm's bench counts it),
-TPOT ((latency - TTFT) / (output tokens - 1)), p50 and p99, and the requests refused or failed.
+Paths: ``worker`` (GenerateStream), ``unary`` (Generate: TTFT is the whole answer's latency) and
+``gateway`` (streamed completions through the OpenAI SDK). Per (path, shape, C): output tok/s
+(output tokens over the wall time from the first request sent to the last one ended), TTFT, ITL (the
+gap between two streamed messages, as vllm's bench counts it), TPOT ((latency - TTFT) / (output
+tokens - 1)), p50 and p99, and the requests refused or failed.
 
 The limit of the hardware for a shape (cuda only), as docs/benchmarks.md derives it: the requests
 run in waves of C; a wave costs its prefill (2 x parameters x C x input tokens at ``--tflops``) and
@@ -103,6 +105,19 @@ async def _worker_request(stub: Any, w: Any, prompt: list[int], shape: Shape) ->
     return rec
 
 
+async def _unary_request(stub: Any, w: Any, prompt: list[int], shape: Shape) -> Record:
+    """A unary Generate: its first token is its whole answer (TTFT = latency, no ITL)."""
+    req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=shape.output_tokens, ignore_eos=True)
+    rec = Record(sent=time.time())
+    try:
+        r = await stub.Generate(req, timeout=600)
+        rec.tokens = len(r.token_ids)
+    except Exception as exc:  # noqa: BLE001 - counted, the run goes on
+        rec.error = type(exc).__name__ + ": " + str(exc)[:200]
+    rec.end = rec.first = time.time()
+    return rec
+
+
 async def _gateway_request(client: Any, model: str, prompt: list[int], shape: Shape) -> Record:
     rec = Record(sent=time.time())
     last = 0.0
@@ -130,7 +145,7 @@ async def _gateway_request(client: Any, model: str, prompt: list[int], shape: Sh
 
 async def _client_loop(path: str, target: str, model: str, prompts: list[list[int]], shape: Shape, slots: int,
                        start: float) -> list[Record]:  # fmt: skip
-    if path == "worker":
+    if path in ("worker", "unary"):
         import grpc
 
         from memsvc.v1 import model_worker_service_pb2 as w
@@ -138,9 +153,10 @@ async def _client_loop(path: str, target: str, model: str, prompts: list[list[in
 
         channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
         stub = w_grpc.ModelWorkerServiceStub(channel)
+        request = _worker_request if path == "worker" else _unary_request
 
         async def one(p: list[int]) -> Record:
-            return await _worker_request(stub, w, p, shape)
+            return await request(stub, w, p, shape)
     else:
         import openai
 
@@ -158,10 +174,10 @@ async def _client_loop(path: str, target: str, model: str, prompts: list[list[in
 
     await asyncio.sleep(max(start - time.time(), 0))
     await asyncio.gather(*(slot() for _ in range(slots)))
-    if path == "worker":
-        await channel.close()
-    else:
+    if path == "gateway":
         await client.close()
+    else:
+        await channel.close()
     return out
 
 
@@ -198,7 +214,7 @@ def summarize(records: list[Record], shape: Shape, concurrency: int) -> dict[str
     wall = max(r.end for r in records) - min(r.sent for r in records) if records else 0.0
     ttft = [r.first - r.sent for r in ok]
     itl = [g for r in ok for g in r.gaps]
-    tpot = [(r.end - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1]
+    tpot = [(r.end - r.first) / (r.tokens - 1) for r in ok if r.tokens > 1 and r.end > r.first]
     out = sum(r.tokens for r in ok)
 
     def ms(xs: Sequence[float], q: float) -> float | None:
@@ -252,7 +268,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--concurrency", default="1,16,64,128,256")
     ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4 C, 16))")
     ap.add_argument("--clients", type=int, default=8, help="client processes")
-    ap.add_argument("--paths", default="worker,gateway")
+    ap.add_argument(
+        "--paths", default="worker,unary,gateway", help="worker (GenerateStream), unary (Generate), gateway"
+    )
     ap.add_argument("--kv-blocks", type=int, default=8192)
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--worker-args", default="", help="more worker flags")
@@ -287,7 +305,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                           str(args.max_batch), *shlex.split(args.worker_args)],
                          r" listening on (\S+)", "worker")  # fmt: skip
             services.append(wk)
-            targets = {"worker": wk.address}
+            targets = {"worker": wk.address, "unary": wk.address}
             if "gateway" in paths:
                 gw = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
                              r"gateway listening on (\S+)", "gateway")  # fmt: skip
