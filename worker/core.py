@@ -185,6 +185,10 @@ class WorkerCore:
                 # captured in the background, once serving: the tag exists (empty) from the start, so
                 # a Sleep or WakeUp naming it does not depend on how far the capture got
                 self.alloc.register_tag(CUDA_GRAPHS)
+            if self.runner.graphs is not None:  # the first request must not pay for compiling kernels
+                log.info(
+                    "warm-up: kernels compiled and the one-sequence decode captured in %.2f s", self.runner.warm_up()
+                )
             self.runner.engine.on_work = self._schedule_step
             self._host_release = HostRelease(self.alloc, self._device_thread, self._loop, self.runner.engine.last_busy)
             self.runner.engine.admission_checks.insert(0, lambda: self._sm.require(WorkerState.AWAKE))
