@@ -186,14 +186,14 @@ def _client(args: tuple[str, str, str, list[list[int]], Shape, int, float]) -> l
 
 
 def run_level(path: str, target: str, model: str, shape: Shape, concurrency: int, requests: int, clients: int,
-              vocab: int, seed: int) -> dict[str, Any]:  # fmt: skip
+              vocab: int, seed: int, start_delay: float = START_S) -> dict[str, Any]:  # fmt: skip
     """``requests`` requests of ``shape`` at most ``concurrency`` at a time, from ``clients`` processes."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(shape.input_tokens)] for _ in range(requests)]
     procs = max(min(clients, concurrency), 1)
     slots = [concurrency // procs + (1 if k < concurrency % procs else 0) for k in range(procs)]
     share = [prompts[k::procs] for k in range(procs)]
-    start = time.time() + START_S
+    start = time.time() + start_delay
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(procs) as pool:
         jobs = [(path, target, model, share[k], shape, slots[k], start) for k in range(procs)]
@@ -274,6 +274,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=8192)
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--worker-args", default="", help="more worker flags")
+    ap.add_argument("--start-delay", type=float, default=START_S, help="seconds client processes get to start")
     ap.add_argument("--tflops", type=float, default=TFLOPS)
     ap.add_argument("--hbm", type=float, default=HBM)
     ap.add_argument("--out", default="")
@@ -312,17 +313,21 @@ def main(argv: Sequence[str] | None = None) -> int:
                 services.append(gw)
                 targets["gateway"] = gw.address
             _wait_ready(wk.address)
+            result["first_request"] = first_requests(wk.address, facts["vocab"])
+            print(f"first request after ready: {result['first_request']}", flush=True)
             for path in paths:
                 _wait_model(path, targets[path])
             top = max(levels)
             for shape in shapes:  # warm every shape: graphs and kernels of each batch size
                 for path in paths[:1]:
-                    run_level(path, targets[path], "bench", shape, top, top, args.clients, facts["vocab"], 1)
+                    run_level(path, targets[path], "bench", shape, top, top, args.clients, facts["vocab"], 1,
+                              args.start_delay)  # fmt: skip
             for shape in shapes:
                 for path in paths:
                     for c in levels:
                         n = args.requests or max(4 * c, 16)
-                        row = run_level(path, targets[path], "bench", shape, c, n, args.clients, facts["vocab"], c)
+                        row = run_level(path, targets[path], "bench", shape, c, n, args.clients, facts["vocab"], c,
+                                        args.start_delay)  # fmt: skip
                         row.update(path=path, shape=shape.name)
                         if args.backend == "cuda":
                             lim = hardware_limit(facts["params"], facts["weight_bytes"], facts["kv_bytes_per_token"],
@@ -338,6 +343,28 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.out:
         Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     return 0
+
+
+def first_requests(address: str, vocab: int, n: int = 3) -> dict[str, Any]:
+    """The worker's first Generate after it reports AWAKE against the ones after it (40 prompt tokens,
+    16 new, one at a time): what the first user pays for what the worker still builds."""
+    import grpc
+
+    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+    rng = random.Random(99)
+    times = []
+    with grpc.insecure_channel(address) as ch:
+        stub = w_grpc.ModelWorkerServiceStub(ch)
+        for _ in range(n):
+            req = w.GenerateRequest(prompt_token_ids=[rng.randrange(1, vocab) for _ in range(40)], max_new_tokens=16,
+                                    ignore_eos=True)  # fmt: skip
+            t0 = time.perf_counter()
+            stub.Generate(req, timeout=600)
+            times.append(time.perf_counter() - t0)
+    later = min(times[1:])
+    return {"first_s": round(times[0], 4), "later_s": round(later, 4), "ratio": round(times[0] / later, 2)}
 
 
 def _wait_ready(address: str, timeout: float = 600.0) -> None:
