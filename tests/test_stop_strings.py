@@ -11,7 +11,7 @@ from worker.stop_strings import HeldText, StopMatcher, cut_at_stop, find_stop
 
 ALPHABET = "abc"
 texts = st.text(ALPHABET, max_size=30)
-stops = st.lists(st.text(ALPHABET, min_size=1, max_size=4), min_size=1, max_size=3)
+stops = st.lists(st.text(ALPHABET, min_size=1, max_size=8), min_size=1, max_size=3)
 cuts = st.lists(st.integers(0, 30), max_size=10)
 
 
@@ -72,3 +72,14 @@ def test_text_that_may_begin_a_stop_waits_for_the_next_piece() -> None:
     assert held.feed("P and more") == "" and held.stopped
     assert held.feed("after") == ""
     assert held.sent == len("hello STArt ")
+
+
+def test_a_long_stop_that_begins_the_answer_is_found_across_pieces() -> None:
+    """The tail kept between pieces was cut short while the text was shorter than the longest stop:
+    a stop spanning several pieces from the answer's start was missed."""
+    pieces = ["ab", "cd", "ef", "gh"]
+    matcher = StopMatcher(lambda i: pieces[i], ["abcdef"])
+    assert [matcher.push(i) for i in range(3)] == [False, False, True] and matcher.matched == "abcdef"
+    chat = ["OK", ".", "\n", "User", ":"]
+    matcher = StopMatcher(lambda i: chat[i], ["\nUser:"])
+    assert [matcher.push(i) for i in range(5)] == [False, False, False, False, True]

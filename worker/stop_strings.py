@@ -33,7 +33,9 @@ class StopMatcher:
     """A request's stop strings over its text, one token at a time (on the engine's thread).
 
     Keeps only the tail of the text a stop string could still start in (the longest one's length
-    less one), so its memory does not grow with the answer.
+    less one), so its memory does not grow with the answer. It runs on the engine's thread, for the
+    requests that have stop strings only: a search of at most 16 strings of 1 KiB over that tail
+    and the token's text, per token.
     """
 
     def __init__(self, step: Callable[[int], str], stops: Sequence[str]) -> None:
@@ -55,7 +57,7 @@ class StopMatcher:
         if hit is not None:
             self.matched = hit[1]
             return True
-        self._tail = text[len(text) - self._keep :] if self._keep else ""
+        self._tail = text[-self._keep :] if self._keep else ""
         return False
 
 

@@ -30,7 +30,7 @@ from memsvc._limits import (
 )
 from memsvc.errors import InvalidArgument
 
-MAX_STOP_STRINGS = 4
+OPENAI_MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop``."""
 TOKEN_ID_END = 1 << 31
 """Token ids travel as int32 (GenerateRequest.prompt_token_ids)."""
@@ -126,8 +126,8 @@ class _Sampling(BaseModel):
     @classmethod
     def _stops(cls, stop: str | list[str] | None) -> str | list[str] | None:
         stops = [stop] if isinstance(stop, str) else stop or []
-        if len(stops) > MAX_STOP_STRINGS or any(not s for s in stops):
-            raise ValueError(f"stop takes up to {MAX_STOP_STRINGS} non-empty strings")
+        if len(stops) > OPENAI_MAX_STOP_STRINGS or any(not s for s in stops):
+            raise ValueError(f"stop takes up to {OPENAI_MAX_STOP_STRINGS} non-empty strings")
         for s in stops:
             if len(s.encode()) > MAX_STOP_STRING_BYTES:
                 raise ValueError(f"each stop string must be at most {MAX_STOP_STRING_BYTES} bytes")
