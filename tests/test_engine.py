@@ -714,6 +714,7 @@ def test_max_batch_bounds_the_batch_and_the_rest_wait(vocab: int) -> None:
             while not all(s.finished_at is not None for s in streams):
                 status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
                 seen.add(status.kv_cache.sequence_count)
+                time.sleep(0.01)  # the worker needs the cores more than this loop does
             assert max(seen) == 2, f"sequences held at once: {sorted(seen)}"
             for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
                 assert s.result() == want, f"stream {i} differs from its alone tokens"

@@ -118,12 +118,12 @@ def test_a_release_the_manager_missed_lands_once_it_is_back(tmp_path: Path, stre
         assert len(s.log("releasing lease")) == 1, s.gateway.stderr_text()[-4000:]
         s.restart_manager()  # it restores the lease from its store
         wait_for(s.lease_count, lambda n: n == 0, what="the retried release to reach the restarted manager", timeout=45)
-        wait_for(lambda: s.log("released, after UNAVAILABLE"), lambda lines: len(lines) == 1, what="its log line")
+        wait_for(lambda: s.log("released, after"), lambda lines: len(lines) == 1, what="its log line")
         assert len(s.log("releasing lease")) == 1, "logged once, not per attempt"
 
 
 def test_a_stream_longer_than_the_lease_ttl_keeps_its_lease_renewed(tmp_path: Path) -> None:
-    ttl = 5.0  # renewed every 1.7 s: a loaded machine stalls a process's loop for 2 s at times
+    ttl = 10.0  # renewed every 3.3 s: a loaded machine stalls a process's loop for 2 s at times
     with stack(tmp_path, lease_ttl=ttl) as s, ThreadPoolExecutor(1) as pool:
         answer = pool.submit(request, s.gateway.url, True, 100)
         wait_for(s.lease_count, lambda n: n == 1, what="the stream's lease")

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import threading
 import time
 from collections.abc import Callable
 from pathlib import Path
@@ -21,6 +22,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from worker.config import WorkerConfig
 from worker.device_thread import DeviceThread
 from worker.host_memory import (
+    BackgroundPrepin,
     GiB,
     HostMemory,
     HostReserveGuard,
@@ -142,3 +144,38 @@ def test_a_sleeper_on_disk_or_at_level_2_gives_its_reserve_back_and_takes_it_aga
             _pinned_until(wp, lambda n: n <= awake - reserve, f"to drop by the reserve after {sleep}")
             wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
             _pinned_until(wp, lambda n: n >= awake, "to come back after the wake")
+
+
+class _SlowPrepin:
+    """An allocator's prepin that waits for the test: where a sleep comes in the middle of it."""
+
+    def __init__(self) -> None:
+        self.started = threading.Event()
+        self.go = threading.Event()
+        self.calls: list[int] = []
+
+    def prepin_host(self, nbytes: int) -> None:
+        self.calls.append(nbytes)
+        self.started.set()
+        assert self.go.wait(30)
+
+
+def test_a_prepin_the_reserve_was_given_back_during_gives_back_what_it_pinned_and_queued_ones_skip() -> None:
+    """A wake queues the re-pin of a reserve its sleep gave back; a sleep with nothing awake that
+    comes before the prepin ends gives the reserve back again: the running prepin's chunks are given
+    back when it ends (``unwanted``), and one still queued does not start (review of 4bdfc4b)."""
+    alloc = _SlowPrepin()
+    prepin = BackgroundPrepin(alloc)  # type: ignore[arg-type]  # only prepin_host is used
+    parked = threading.Event()
+    given_back = threading.Event()
+    try:
+        prepin.request(1 << 20, lambda: not parked.is_set(), given_back.set)
+        prepin.request(2 << 20, lambda: not parked.is_set(), given_back.set)
+        assert alloc.started.wait(30)
+        parked.set()  # the sleep parks the reserve while the first prepin runs
+        alloc.go.set()
+        assert given_back.wait(30)
+    finally:
+        prepin.stop()
+        assert prepin.join(30)
+    assert alloc.calls == [1 << 20], "the queued prepin ran after the reserve was given back"

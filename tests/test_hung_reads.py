@@ -172,8 +172,8 @@ def tiny_checkpoint(root: Path, seed: int) -> Path:
 class HungMount:
     """A checkpoint directory whose data reads hang in a worker process while ``HANG`` exists in it."""
 
-    def __init__(self, tmp: Path, name: str) -> None:
-        self.root = tiny_checkpoint(tmp / name, seed=7)
+    def __init__(self, tmp: Path, name: str, seed: int = 7) -> None:
+        self.root = tiny_checkpoint(tmp / name, seed=seed)
         self.site = tmp / f"site-{name}"
         self.site.mkdir()
         (self.site / "sitecustomize.py").write_text(SITECUSTOMIZE)
@@ -228,31 +228,45 @@ def test_sigterm_stops_a_worker_whose_load_hangs(tmp_path: Path) -> None:
     assert any(line.endswith(" stopped") for line in wp.lines), wp.lines
 
 
-def test_reload_weights_from_a_hung_mount_fails_after_the_bound_and_the_worker_recovers(tmp_path: Path) -> None:
-    mount = HungMount(tmp_path, "other")
+def test_reload_weights_from_a_hung_mount_fails_after_the_bound_and_changes_nothing(tmp_path: Path) -> None:
+    """A ReloadWeights whose reads hang from the start fails after --read-timeout having written
+    nothing: the worker serves its weights on (it used to discard them), its own checkpoint still
+    reloads at a level-2 wake, a second ReloadWeights from the hung mount is refused at once naming
+    the read still stuck, and once the mount recovers the reload goes through."""
+    mount = HungMount(tmp_path, "other", seed=8)
     served = tiny_checkpoint(tmp_path / "served", seed=7)
-    with WorkerProcess(["--model", str(served), "--read-timeout", "1"], env=mount.env()) as wp:
+    reload = w.ReloadWeightsRequest(model_path=str(mount.root))
+    with WorkerProcess(["--model", str(served), "--read-timeout", "5"], env=mount.env()) as wp:
         prompt = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
-        before = list(wp.stub.Generate(prompt, timeout=WAIT_S).token_ids)
+
+        def generate() -> list[int]:
+            return list(wp.stub.Generate(prompt, timeout=WAIT_S).token_ids)
+
+        before = generate()
         mount.hang()
         with pytest.raises(grpc.RpcError) as err:
-            wp.stub.ReloadWeights(w.ReloadWeightsRequest(model_path=str(mount.root)), timeout=WAIT_S)
+            wp.stub.ReloadWeights(reload, timeout=WAIT_S)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
-        assert "no progress for 1 s" in (err.value.details() or ""), err.value.details()
+        assert "no progress for 5 s" in (err.value.details() or "") and "unchanged" in (err.value.details() or "")
         status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=WAIT_S).status
-        assert not status.transition_in_progress
-        mount.recover()  # the mount comes back: the stuck read returns, the weights reload on wake
+        assert status.state == c.WORKER_STATE_AWAKE and not status.transition_in_progress
+        assert generate() == before
+        wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=WAIT_S)
+        wp.stub.WakeUp(w.WakeUpRequest(), timeout=WAIT_S)  # its own checkpoint, on a mount that works
+        assert generate() == before
+        with pytest.raises(grpc.RpcError) as err:
+            wp.stub.ReloadWeights(reload, timeout=WAIT_S)
+        assert "has not returned" in (err.value.details() or ""), err.value.details()
+        mount.recover()  # the mount comes back: once the stuck read returns, the reload goes through
 
-        def woke() -> bool:
+        def reloaded() -> bool:
             try:
-                wp.stub.WakeUp(w.WakeUpRequest(), timeout=WAIT_S)
+                wp.stub.ReloadWeights(reload, timeout=WAIT_S)
             except grpc.RpcError as exc:
                 assert "has not returned" in (exc.details() or ""), exc.details()
                 return False
             return True
 
-        eventually(woke, "a wake once the hung read returned")
-        state = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=WAIT_S).status.state
-        assert state == c.WORKER_STATE_AWAKE
-        assert list(wp.stub.Generate(prompt, timeout=WAIT_S).token_ids) == before
+        eventually(reloaded, "a reload once the hung read returned")
+        assert generate() != before, "the other checkpoint's weights serve now"
         wp.stop()

@@ -201,7 +201,7 @@ def test_o_direct_refused_falls_back_to_buffered_reads(alloc: MemoryAllocator, t
     """A file system that refuses O_DIRECT (EINVAL on open, like some overlay file systems)."""
 
     class NoDirect(StreamingLoader):
-        def _open_direct(self, path: Path) -> int | None:
+        def _open_direct(self, fd: int) -> int | None:
             return None
 
     tensors = _tensors()

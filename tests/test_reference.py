@@ -371,7 +371,7 @@ def test_prompt_rows_through_the_block_tables_match_transformers(zoo: Zoo, alloc
     for chunk in (len(ref.sequence), 3):
         errors = relative_errors(_paged_logits(runner, ref.sequence, chunk), ref.logits)
         assert float(errors.max()) <= TOLERANCE["float32"], (chunk, errors.tolist())
-    runner.engine.paged_rows = True
+    runner.engine.paged_rows = 1 << 30
     runner.engine.max_step_tokens = 5
     assert runner.generate(PROMPT, NEW) == ref.tokens
 

@@ -9,6 +9,7 @@ SwapBlocks goes through the :class:`~worker.swaps.SwapPipeline`.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
 import threading
 import time
@@ -18,6 +19,7 @@ from typing import TYPE_CHECKING, Any
 from memsvc._deadline import NO_DEADLINE, Deadline
 from memsvc._limits import MAX_PATH_BYTES, MAX_QUEUED_GENERATES, check_length
 from memsvc.errors import (
+    Cancelled,
     IntegrityError,
     InvalidArgument,
     MemsvcError,
@@ -69,8 +71,9 @@ _SLEPT_AS = {state: action for action, state in KEPT_IN.items()}
 class WorkerCore:
     MAX_QUEUED_GENERATES = MAX_QUEUED_GENERATES
     """Generate calls queued or running at once; more are refused with RESOURCE_EXHAUSTED (Overloaded)."""
-    PREPIN_JOIN_S = 30.0
-    """How long close waits for a prepin to stop (it stops at its next chunk: well under a second)."""
+    PREPIN_JOIN_S = 5.0
+    """How long close waits for a prepin to stop (it stops at its next chunk: well under a second);
+    within worker/main.py's grace after the drain."""
     ACTIVITY_PUBLISH_S = 0.2
 
     def __init__(self, config: WorkerConfig, loop: asyncio.AbstractEventLoop) -> None:
@@ -165,7 +168,9 @@ class WorkerCore:
             self._loader = StreamingLoader(self.alloc, stall_s=c.read_timeout)
             if self._loads_cancelled:
                 self._loader.cancel()
-            source = parse_model_spec(c.model, seed=c.seed, loader=self._loader)
+            loader = self._loader
+            # config, tokenizer and generation config: read bounded as the shards are (a hung mount)
+            source = loader.bounded(c.model, lambda: parse_model_spec(c.model, seed=c.seed, loader=loader))
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning("CUDA graphs off: they need Triton and a power-of-two head_dim; decoding eagerly")
@@ -208,7 +213,7 @@ class WorkerCore:
                     lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
                 )
             self._prepin = BackgroundPrepin(self.alloc)
-            self._prepin.request(self._hold_host_memory())
+            self._prepin.request(self._hold_host_memory(), self._unparked, self._repark)
         finally:
             self._sm.release()
 
@@ -468,8 +473,8 @@ class WorkerCore:
             verified = int(ctr["bytes_verified"] - ctr0["bytes_verified"])
             if self._host_release is not None:
                 self._host_release.release_when_idle()
-                if self._prepin is not None:
-                    self._prepin.request(self._host_release.unpark())  # the reserve parked by the sleep
+                if self._prepin is not None:  # the reserve parked by the sleep, unless a sleep parks it again
+                    self._prepin.request(self._host_release.unpark(), self._unparked, self._repark)
             return self._sm.finish(Transition(TransitionKind.WAKE, moved, seconds, verified))
         except BaseException as exc:
             if self._host_release is not None:
@@ -477,6 +482,17 @@ class WorkerCore:
             self._settle(f"WakeUp failed: {exc}")
             self._park_reserve()
             raise
+
+    def _unparked(self) -> bool:
+        return self._host_release is None or not self._host_release.parked
+
+    def _repark(self) -> None:
+        """A prepin that ended while the worker sleeps with its reserve given back: give back what it
+        pinned too (on the device thread, where the reserve is changed)."""
+        release = self._host_release
+        if release is not None:
+            with contextlib.suppress(RuntimeError):  # shut down: the allocator's close frees it all
+                self._device_thread.submit(lambda: release.park() if release.parked else None)
 
     def _park_reserve(self) -> None:
         """With no tag awake, the host reserve waits for the wake, not for a sleep: give it back
@@ -536,16 +552,22 @@ class WorkerCore:
     def _reload(self, model_path: str) -> Transition:
         """Checked first (a source that cannot be read, or a checkpoint that does not fit, changes
         nothing). A copy that fails midway leaves a mix of old and new weights: they are discarded, so
-        no Generate serves them, and the error says so; the next WakeUp reloads them."""
+        no Generate serves them, and the error says so; the next WakeUp reloads them. A load that
+        fails before it wrote a byte (a read that hung from the start) leaves them serving."""
         t0 = time.perf_counter()
         runner = self._model()
+        loader = self._loader
+        assert loader is not None, "the worker made its loader at the load"
         if model_path:
             from worker.model.weights import CheckpointSource
 
             # reads its config and headers: bounded as the load is (a directory on a hung mount)
-            loader = runner.source.loader if isinstance(runner.source, CheckpointSource) else self._loader
-            assert loader is not None, "the worker made its loader at the load"
-            source = loader.bounded(model_path, lambda: CheckpointSource(model_path, same_as=runner.source))
+            try:
+                source = loader.bounded(
+                    model_path, lambda: CheckpointSource(model_path, same_as=runner.source), root=model_path
+                )
+            except (Unavailable, Cancelled) as exc:
+                raise self._unreadable(exc, "the weights are unchanged") from exc
         else:
             self._check_source("the weights are unchanged")
             source = None
@@ -554,6 +576,8 @@ class WorkerCore:
             if source is not None:
                 self._model_info = {**self._model_info, "source": source.name}
         except BaseException as exc:
+            if isinstance(exc, MemsvcError) and not loader.touched:  # nothing was written: they still serve
+                raise self._unreadable(exc, "the weights are unchanged") from exc
             self._allocator().sleep({WEIGHTS: Action.DISCARD})
             self._settle(f"ReloadWeights failed: {exc}")
             if isinstance(exc, MemsvcError):

@@ -9,11 +9,13 @@ from __future__ import annotations
 
 import asyncio
 import concurrent.futures
+import logging
 import threading
 from collections.abc import Callable
 from typing import Any, TypeVar
 
 T = TypeVar("T")
+log = logging.getLogger("memsvc.worker")
 
 
 class DeviceThread:
@@ -95,7 +97,10 @@ class LoopPost:
         with self._lock:
             calls, self._calls = self._calls, []
         for fn, arg in calls:
-            fn(arg)
+            try:
+                fn(arg)
+            except Exception:  # one call's failure must not drop the others (another stream's end)
+                log.exception("a call posted to the event loop failed")
 
 
 def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:

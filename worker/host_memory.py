@@ -167,15 +167,19 @@ class BackgroundPrepin:
 
     def __init__(self, alloc: MemoryAllocator) -> None:
         self._alloc = alloc
-        self._queue: queue.SimpleQueue[int | None] = queue.SimpleQueue()
+        self._queue: queue.SimpleQueue[tuple[int, Callable[[], bool], Callable[[], None]] | None] = queue.SimpleQueue()
         self._stopped = False
         self._thread = threading.Thread(target=self._run, name="memsvc-prepin", daemon=True)
         self._thread.start()
 
-    def request(self, nbytes: int) -> None:
-        """Page-lock ``nbytes`` more when the thread gets to it (0: nothing)."""
+    def request(
+        self, nbytes: int, wanted: Callable[[], bool] = lambda: True, unwanted: Callable[[], None] = lambda: None
+    ) -> None:
+        """Page-lock ``nbytes`` more when the thread gets to it (0: nothing), if ``wanted()`` still
+        says so then; when it no longer does once the prepin ended (the worker gave its reserve back
+        meanwhile: a sleep with nothing awake), ``unwanted()`` is called to give back what it pinned."""
         if nbytes > 0:
-            self._queue.put(nbytes)
+            self._queue.put((nbytes, wanted, unwanted))
 
     def stop(self) -> None:
         """Take no more requests: the prepin running now is the last (the allocator's close stops it
@@ -190,13 +194,19 @@ class BackgroundPrepin:
         return not self._thread.is_alive()
 
     def _run(self) -> None:
-        while (nbytes := self._queue.get()) is not None and not self._stopped:
+        while (item := self._queue.get()) is not None and not self._stopped:
+            nbytes, wanted, unwanted = item
+            if not wanted():
+                continue
             t0 = time.perf_counter()
             try:
                 self._alloc.prepin_host(nbytes)
             except MemsvcError as exc:
                 log.warning("host prepin of %.2f GiB stopped: %s", nbytes / GiB, exc)
                 continue
+            finally:
+                if not wanted():
+                    unwanted()
             dt = time.perf_counter() - t0
             log.info("host prepin: %.2f GiB page-locked in %.2f s (%.1f GB/s)", nbytes / GiB, dt, nbytes / dt / 1e9)
 

@@ -53,6 +53,11 @@ class HostRelease:
         """The reserve given back while the worker sleeps with nothing awake (see the module)."""
 
     @property
+    def parked(self) -> bool:
+        """The reserve is given back while the worker sleeps with nothing awake."""
+        return self._parked is not None
+
+    @property
     def holding(self) -> bool:
         return self._target is not None
 

@@ -112,9 +112,11 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
         _exit_by(EXIT_GRACE_S)
         log.info("stopping while the model loads")
         core.cancel_loads()
-        await asyncio.wait({load}, timeout=EXIT_GRACE_S)
-        if load.done() and not load.cancelled():
-            load.exception()  # retrieved: it ended because it was cancelled
+        await asyncio.wait({load}, timeout=EXIT_GRACE_S / 2)
+        if load.done():  # (it may have ended loaded, in the race with the stop): release what it made
+            if not load.cancelled():
+                load.exception()  # retrieved: a failure is the cancellation's
+            await asyncio.wait({asyncio.ensure_future(core.close())}, timeout=EXIT_GRACE_S / 4)
         await srv.stop(0)
         announce(f"memsvc worker {core.worker_id} stopped")
         return 0

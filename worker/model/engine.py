@@ -126,9 +126,10 @@ class Engine:
         """Asked as a request is admitted (the model's memory awake; the worker adds its state)."""
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
-        self.paged_rows = False
-        """Plan prompt chunks as rows read through the block tables (see :meth:`_plan`): the model
-        runner says so where its attention kernel takes them (CUDA, Triton)."""
+        self.paged_rows = 0
+        """Plan a step of at most this many rows as rows read through the block tables (see
+        :meth:`_plan`; 0: never): the model runner sets it where its attention kernel takes them
+        (CUDA, Triton), to the most rows its CUDA graphs hold."""
         self.max_new_tokens_limit = max_new_tokens_limit
         self._incoming: collections.deque[_Request] = collections.deque()
         self._incoming_lock = threading.Lock()
@@ -375,10 +376,12 @@ class Engine:
         """The step's rows, decodes first, then prompt chunks within the token budget; how many
         tokens each request feeds; the requests whose last row ends a read (they get a token).
 
-        With :attr:`paged_rows` every row attends through the block tables (one table per sequence,
-        ``row_tables`` naming each row's): a step of decodes and prompt chunks is then one kernel
-        launch per layer and fits a CUDA graph. Otherwise a chunk is a span whose attention runs per
-        sequence (the host backend's way, whose torch kernel would gather a table per row)."""
+        With at most :attr:`paged_rows` rows every row attends through the block tables (one table
+        per sequence, ``row_tables`` naming each row's): a step of decodes and prompt chunks is then
+        one kernel launch per layer and fits a CUDA graph. Otherwise a chunk is a span whose attention
+        runs per sequence: the host backend's way (its torch kernel would gather a table per row), and
+        a long chunk's (the decode kernel reads a row's whole prefix for every row, where a span's
+        flash attention reads it once per tile of rows; past a graph's rows its launches cost little)."""
         kv = self.kv_cache
         bs = kv.block_size
         decodes = [r for r in self._running if r.pending == 1]
@@ -390,10 +393,11 @@ class Engine:
                 chunks.append((req, take))
                 budget -= take
         d = len(decodes)
+        paged = 0 < d + sum(take for _, take in chunks) <= self.paged_rows
         seqs = [r.seq for r in decodes] + [r.seq for r, _ in chunks]
         tables = [kv.block_array(s.seq_id) for s in seqs]  # type: ignore[union-attr]
-        width = max(((len(t) for t in tables) if self.paged_rows else (len(t) for t in tables[:d])), default=0)
-        table = np.zeros((len(seqs) if self.paged_rows else d, width), np.int64)
+        width = max(((len(t) for t in tables) if paged else (len(t) for t in tables[:d])), default=0)
+        table = np.zeros((len(seqs) if paged else d, width), np.int64)
         for i, t in enumerate(tables[: len(table)]):
             table[i, : len(t)] = t
         positions = [np.fromiter((s.num_cached for s in seqs[:d]), np.int64, d)]  # type: ignore[union-attr]
@@ -412,7 +416,7 @@ class Engine:
             pos = np.arange(start, start + take, dtype=np.int64)
             positions.append(pos)
             blocks.append(tables[i][pos // bs])
-            if self.paged_rows:
+            if paged:
                 row_tables.append(np.full(take, i, np.int64))
             else:
                 spans.append((row, start, take, tables[i] if start else None))
@@ -424,7 +428,7 @@ class Engine:
             token_ids=np.concatenate(tokens), positions=np.concatenate(positions),
             write_blocks=np.concatenate(blocks), decode_tables=table, spans=tuple(spans),
             last_rows=np.asarray(last_rows, np.int64),
-            row_tables=np.concatenate(row_tables) if self.paged_rows else None,
+            row_tables=np.concatenate(row_tables) if paged else None,
         )  # fmt: skip
         return step, [(r, 1) for r in decodes] + chunks, ends
 

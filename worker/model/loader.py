@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import ctypes
 import errno
+import functools
 import itertools
 import json
 import os
@@ -76,6 +77,9 @@ that hangs would otherwise keep the worker in its transition for ever. A slow di
 one 16 MiB read at 1 MB/s takes 16 s."""
 _POLL_S = 0.05
 """How often a load waiting for its threads looks at the clock and at :meth:`StreamingLoader.cancel`."""
+MAX_STUCK_THREADS = 64
+"""Threads left inside reads that never returned, at most: past it every load is refused (each
+hung load leaves its readers behind; a bound, not a leak per request)."""
 
 IoMode = Literal["auto", "buffered", "direct"]
 """``auto``: what the page cache holds, then O_DIRECT for the rest (buffered where refused);
@@ -479,6 +483,8 @@ class _Job:
     """Each fast-path tensor as a flat uint8 view."""
     free: queue.SimpleQueue[_Slot]
     stream: Any
+    root: str = ""
+    """The checkpoint directory (what a reader left stuck blocks)."""
     stop: threading.Event = field(default_factory=threading.Event)
     progress: int = 0
     """Bytes of the reads done so far (the stall watch looks at it: one read is one chunk, 16 MiB by
@@ -592,8 +598,10 @@ class StreamingLoader:
         self._streams: dict[int, Any] = {}
         self._lock = threading.Lock()
         self._cancelled = threading.Event()
-        self._stuck: list[tuple[threading.Thread, str]] = []
-        """Threads an abandoned load left inside a read, and what they read."""
+        self._stuck: list[tuple[threading.Thread, str, str]] = []
+        """Threads an abandoned load left inside a read: the thread, the file, the checkpoint."""
+        self.touched = False
+        """The last load wrote into its destination (False: a load that failed left it as it was)."""
 
     @property
     def staging_bytes(self) -> int:
@@ -615,18 +623,21 @@ class StreamingLoader:
         """:func:`read_layout` (the headers, every needed tensor checked), bounded as a load is."""
         if self._cancelled.is_set():
             raise Cancelled("the load was cancelled: the worker is stopping")
-        self._check_stuck()
-        return self.bounded(str(path), lambda: read_layout(path, shapes))
+        self._check_stuck(str(path))
+        return self.bounded(str(path), lambda: read_layout(path, shapes), root=str(path))
 
     # ---- bounded waits ----
-    def _check_stuck(self) -> None:
-        """Unavailable while a thread of an abandoned load is still inside its read."""
-        self._stuck = [(t, what) for t, what in self._stuck if t.is_alive()]
-        if self._stuck:
+    def _check_stuck(self, root: str) -> None:
+        """Unavailable while a thread an abandoned load of this checkpoint left is still inside its
+        read (another checkpoint, on a mount that works, still loads), or while too many are."""
+        self._stuck = [entry for entry in self._stuck if entry[0].is_alive()]
+        same = [file for _, file, where in self._stuck if where == root]
+        if same or len(self._stuck) >= MAX_STUCK_THREADS:
+            file = same[0] if same else self._stuck[0][1]
+            until = "this checkpoint cannot load until it does" if same else "no load can start until it does"
             raise Unavailable(
-                f"a read of {self._stuck[0][1]} by an earlier load has not returned (a hung mount?); "
-                "no load can start until it does",
-                metadata={"path": self._stuck[0][1]},
+                f"a read of {file} by an earlier load has not returned (a hung mount?); {until}",
+                metadata={"path": file},
             )
 
     def _interrupted(self, what: str, last_progress: float) -> BaseException | None:
@@ -640,10 +651,11 @@ class StreamingLoader:
             )
         return None
 
-    def bounded(self, what: str, fn: Callable[[], T], undo: Callable[[T], None] = lambda _: None) -> T:
+    def bounded(self, what: str, fn: Callable[[], T], undo: Callable[[T], None] = lambda _: None, root: str = "") -> T:
         """``fn()`` on a daemon thread, waited for at most ``stall_s`` (or until :meth:`cancel`).
         ``fn`` only reads (headers, files opened, a tensor into host memory): abandoned, its thread
-        is left to return whenever it does, and ``undo`` is given what it made then."""
+        is left to return whenever it does, and ``undo`` is given what it made then. ``root``: the
+        checkpoint it reads (what a stuck thread blocks), ``what`` by default."""
         out: list[tuple[bool, Any]] = []
         lock = threading.Lock()
         gone = False
@@ -660,7 +672,7 @@ class StreamingLoader:
             if result[0]:
                 undo(result[1])
 
-        thread = threading.Thread(target=run, name="ckpt-open", daemon=True)
+        thread = threading.Thread(target=run, name=f"ckpt-read {what}"[:60], daemon=True)
         thread.start()
         start = time.monotonic()
         while True:
@@ -674,7 +686,7 @@ class StreamingLoader:
                 stop = self._interrupted(what, start)
                 if stop is not None:
                     gone = True
-                    self._stuck.append((thread, what))
+                    self._stuck.append((thread, what, root or what))
                     raise stop
 
     # ---- the ring ----
@@ -708,10 +720,11 @@ class StreamingLoader:
         return self._streams[index]
 
     # ---- files ----
-    def _open_direct(self, path: Path) -> int | None:
-        """An O_DIRECT descriptor, or None where the file system refuses it."""
+    def _open_direct(self, fd: int) -> int | None:
+        """An O_DIRECT descriptor of the file ``fd`` is open on (the one checked to be a regular file,
+        not the path again, which could have been swapped since), or None where it is refused."""
         try:
-            return os.open(path, os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
+            return os.open(f"/proc/self/fd/{fd}", os.O_RDONLY | os.O_CLOEXEC | os.O_DIRECT)
         except OSError:
             return None
 
@@ -724,7 +737,7 @@ class StreamingLoader:
             raise _damaged(
                 path, f"it changed while being loaded: {size} bytes, its header was read at {header.file_bytes}"
             )
-        direct = self._open_direct(path) if self.io != "buffered" else None
+        direct = self._open_direct(fd) if self.io != "buffered" else None
         cache = PageCache(fd, size) if self.io == "auto" and direct is not None else None
         return _File(path, fd, direct, cache)
 
@@ -802,6 +815,7 @@ class StreamingLoader:
         """
         with self._lock:
             t0 = time.perf_counter()
+            self.touched = False
             layout = self.check(path, shapes)
             stats = LoadStats(tensors=len(layout.tensors))
             targets: dict[str, torch.Tensor] = {}
@@ -833,13 +847,17 @@ class StreamingLoader:
             reads = plan_reads(spans, self.chunk_bytes, self.max_gap_bytes)
             files: dict[Path, _File] = {}
             try:
-                files = self.bounded(str(layout.root), lambda: self._open_all(layout, [*targets, *slow]), self._close)
+                files = self.bounded(
+                    str(layout.root), lambda: self._open_all(layout, [*targets, *slow]), self._close, str(path)
+                )
                 stream = self._stream(cuda_device) if cuda_device is not None else None
                 if reads:
                     ring = self._ring_for(pinned=cuda_device is not None)
-                    self._run(_Job(reads, files, targets, queue.SimpleQueue(), stream), ring, stats)
+                    self._run(_Job(reads, files, targets, queue.SimpleQueue(), stream, root=str(path)), ring, stats)
                 for name in slow:
-                    self._convert(files[layout.files[name]], layout.tensors[name], weights[name], stream, stats)
+                    self._convert(
+                        files[layout.files[name]], layout.tensors[name], weights[name], stream, stats, str(path)
+                    )
             finally:
                 self._close(files)
             stats.converted = len(slow)
@@ -877,8 +895,8 @@ class StreamingLoader:
                 stop = self._interrupted(str(reading or "the checkpoint"), last)
                 if stop is not None:
                     job.abandon()
-                    where = dict(job.reading)
-                    self._stuck += [(t, str(where.get(t.ident or 0, "the checkpoint"))) for t in threads]
+                    where = dict(job.reading)  # the readers inside a read (the others end at once)
+                    self._stuck += [(t, str(where[t.ident]), job.root) for t in threads if t.ident in where]
                     self._ring = None  # a stuck read may still write into it
                     raise stop
         finally:
@@ -900,12 +918,15 @@ class StreamingLoader:
                     if slot.pending:
                         slot.event.synchronize()  # its last copies are done: the chunk may be refilled
                         slot.pending = False
+                    if job.stop.is_set():  # abandoned or failed while it waited: its files may be closed
+                        return
                     job.reading[me] = rd.file
                     self._read(job.files[rd.file], slot.view, rd.offset, rd.need, local)
                     del job.reading[me]
                     job.progress += rd.need
                     if not job.begin_scatter():
                         return
+                    self.touched = True
                     try:
                         self._scatter(job, slot, rd)
                     finally:
@@ -937,29 +958,33 @@ class StreamingLoader:
             slot.pending = True
 
     @torch.no_grad()
-    def _convert(self, f: _File, entry: TensorEntry, dst: torch.Tensor, stream: Any, stats: LoadStats) -> None:
-        """The slow path: the whole tensor read into plain memory, then ``copy_`` converts it."""
+    def _convert(
+        self, f: _File, entry: TensorEntry, dst: torch.Tensor, stream: Any, stats: LoadStats, root: str
+    ) -> None:
+        """The slow path: the whole tensor read into plain memory (one bounded read per chunk, so a
+        slow disk progresses where a hung one stops), then ``copy_`` converts it."""
         dtype = entry.torch_dtype
         assert dtype is not None, "read_layout refuses dtypes it cannot load"
         raw = torch.empty(entry.nbytes, dtype=torch.uint8)
+        view = _buffer_at(raw.data_ptr(), entry.nbytes)
 
-        def read() -> int:
-            view = _buffer_at(raw.data_ptr(), entry.nbytes)
-            got = 0
-            while got < entry.nbytes:
-                n = os.preadv(f.fd, [view[got:]], entry.start + got)
+        def read(start: int, stop: int) -> int:
+            got = start
+            while got < stop:
+                n = os.preadv(f.fd, [view[got:stop]], entry.start + got)
                 if n <= 0:
-                    raise _damaged(
-                        f.path,
-                        f"the file ended at byte {entry.start + got}, before the {entry.end} its header promises",
-                    )
+                    end = f"the file ended at byte {entry.start + got}, before the {entry.end} its header promises"
+                    raise _damaged(f.path, end)
                 got += n
-            return got
+            return got - start
 
-        got = self.bounded(str(f.path), read)
-        stats.read_bytes += got
-        stats.buffered_bytes += got
+        for start in range(0, entry.nbytes, self.chunk_bytes):
+            stop = min(start + self.chunk_bytes, entry.nbytes)
+            got = self.bounded(str(f.path), functools.partial(read, start, stop), root=root)
+            stats.read_bytes += got
+            stats.buffered_bytes += got
         src = raw.view(dtype).reshape(entry.shape)
+        self.touched = True
         if dst.is_cuda:
             with torch.cuda.stream(stream):
                 dst.copy_(src)

@@ -105,9 +105,6 @@ class ModelRunner:
             lambda: self._check_awake(WEIGHTS, KV_CACHE), lambda: self.source.text, max_batch, max_step_tokens,
             max_new_tokens_limit,
         )  # fmt: skip
-        # Where the Triton kernel attends, a prompt chunk's rows attend through the block tables as
-        # decodes do: a mixed step is one launch per layer and its graph can be captured.
-        self.engine.paged_rows = self._kernels is TRITON_KERNELS
         self.graphs: DecodeGraphs | None = None
         self.background_capture: BackgroundCapture | None = None
         if cuda_graphs:
@@ -123,6 +120,10 @@ class ModelRunner:
                 self.graphs.capture()
                 graphs, seconds = len(self.graphs.sizes), self.graphs.capture_seconds
                 log.info("cuda graphs: %d buckets captured in %.2f s", graphs, seconds)
+        # Where the Triton kernel attends, a step's prompt chunk rows attend through the block tables
+        # as decodes do, up to the rows a graph holds: a mixed step is one launch per layer, replayed.
+        if self._kernels is TRITON_KERNELS:
+            self.engine.paged_rows = self.graphs.max_rows if self.graphs is not None else MIXED_ROWS
         log.info("model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
                  time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)  # fmt: skip
 
