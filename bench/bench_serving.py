@@ -266,7 +266,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--backend", default="cuda")
     ap.add_argument("--shapes", default="40x64,512x128", help="input x output tokens, comma-separated")
     ap.add_argument("--concurrency", default="1,16,64,128,256")
-    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(4 C, 16))")
+    ap.add_argument("--requests", type=int, default=0, help="requests per level (default: max(waves x C, 16))")
+    ap.add_argument("--waves", type=int, default=4, help="requests per level in units of C (unless --requests)")
     ap.add_argument("--clients", type=int, default=8, help="client processes")
     ap.add_argument(
         "--paths", default="worker,unary,gateway", help="worker (GenerateStream), unary (Generate), gateway"
@@ -325,7 +326,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             for shape in shapes:
                 for path in paths:
                     for c in levels:
-                        n = args.requests or max(4 * c, 16)
+                        n = args.requests or max(args.waves * c, 16)
                         row = run_level(path, targets[path], "bench", shape, c, n, args.clients, facts["vocab"], c,
                                         args.start_delay)  # fmt: skip
                         row.update(path=path, shape=shape.name)
