@@ -22,6 +22,10 @@ MAX_HOLDER_BYTES = 256
 MAX_PATH_BYTES = 4096
 """A filesystem path a client names (ReloadWeights' model_path)."""
 
+INT32_MAX = 2**31 - 1
+"""The largest proto int32: token ids, counts and the model's sizes travel as int32 (ModelInfo,
+GenerateRequest), so a value past it loaded and then failed every GetWorkerStatus with INTERNAL."""
+
 # ---- counts ----
 MAX_WORKERS = 4096
 """Worker records a manager keeps (registered and configured)."""
@@ -92,6 +96,7 @@ def check_length(value: str, limit: int, field: str) -> str:
 
 
 __all__ = [
+    "INT32_MAX",
     "GATEWAY_BODY_TIMEOUT_S",
     "GATEWAY_HEADER_TIMEOUT_S",
     "GATEWAY_IDLE_TIMEOUT_S",

@@ -32,6 +32,7 @@ from typing import Any, Literal
 
 import torch
 
+from memsvc._limits import INT32_MAX
 from memsvc.errors import InvalidArgument
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3"]
@@ -58,10 +59,6 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
-
-INT32_MAX = 2**31 - 1
-"""The largest proto int32: ModelInfo carries vocab_size, layer_count, context_length and the EOS ids
-as int32, so a value past it loaded and then failed every GetWorkerStatus with INTERNAL."""
 
 BOUNDS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),
@@ -785,7 +782,6 @@ __all__ = [
     "DTYPES",
     "FAMILIES",
     "FAMILY_DEFAULTS",
-    "INT32_MAX",
     "MODEL_TYPES",
     "PRESETS",
     "ROPE_PREFIX",
