@@ -50,12 +50,9 @@ def cuda_alloc() -> Iterator[MemoryAllocator]:
 
 
 def _deferred(alloc: MemoryAllocator) -> ModelRunner:
-    # max_step_tokens 8: no step has more than 8 rows, so the buckets are 1, 2, 4 and 8 (mixed steps of
-    # decodes and a prompt chunk replay them too; tests/gpu/test_cuda_engine.py covers larger ones)
     runner = ModelRunner(
-        alloc, "synthetic:small", 512, 16, block_size=16, max_batch=8, max_step_tokens=8, cuda_graphs=True,
-        defer_graph_capture=True,
-    )  # fmt: skip
+        alloc, "synthetic:small", 512, 16, block_size=16, max_batch=8, cuda_graphs=True, defer_graph_capture=True
+    )
     assert runner.graphs is not None and runner.graphs.captured == () and runner.graphs.pending == (1, 2, 4, 8)
     return runner
 
@@ -182,8 +179,7 @@ _ALL = "buckets captured in the background"
 
 
 def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once() -> None:
-    args = ["--backend", "cuda", "--model", "synthetic:small", "--max-batch", "8", "--max-step-tokens", "8",
-            "--kv-blocks", "512"]  # fmt: skip
+    args = ["--backend", "cuda", "--model", "synthetic:small", "--max-batch", "8", "--kv-blocks", "512"]
     prompt = [7, 300, 12, 900, 45, 2000, 6, 31]
     with WorkerProcess(args, ready_timeout=300) as wp:
         assert _ALL not in wp.stderr_text(), "ready came after every capture"

@@ -39,12 +39,13 @@ from worker.model.config import ModelConfig
 from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
-"""Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``:
-the engine's max_batch for decodes alone; with paged rows, up to :data:`MIXED_ROWS` for steps that mix
-decodes and a prompt chunk, whose launches would otherwise cost more than their kernels run)."""
+"""Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``,
+by default the engine's max_batch: decodes alone)."""
 MIXED_ROWS = 512
-"""The most rows a mixed step is captured for: past it a step's kernels run longer than its launches
-take (an 8B model's 512-row step is ~10 ms of matrix work), so eager launching costs nothing."""
+"""The most rows a step that mixes decodes and a prompt chunk is planned as paged rows for (the
+engine's ``paged_rows``): past it a chunk's flash-attention span reads its prefix once per tile of
+rows where the decode kernel reads it once per row, and the step's kernels run longer than its
+launches take (an 8B model's 512-row step is ~10 ms of matrix work)."""
 _FIELDS = 6
 """Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length,
 the row's table."""
@@ -203,12 +204,14 @@ class DecodeGraphs:
         return _Bucket(size, graph, device_buf, host_buf, logits)
 
     def fits(self, step: HostStep) -> bool:
-        """Every row of the step attends through the tables (no spans), and a bucket can hold it."""
+        """Every row of the step is a decode (a paged prompt chunk's rows would fit a bucket too, but
+        are kept eager: a graph's 16-bit products over its padded rows round differently from the
+        eager step's, and a request's tokens then changed with the moment its bucket was captured,
+        tests/gpu/test_background_capture.py), and a bucket can hold it."""
         n = step.decodes
         return (
             step.decode_only and 0 < n <= self.max_rows and step.decode_tables.shape[1] <= self.width
-            and step.decode_tables.shape[0] <= self.outputs(self.bucket_for(n))
-            and len(step.last_rows) <= self.outputs(self.bucket_for(n))
+            and len(step.last_rows) == n and step.decode_tables.shape[0] <= self.outputs(self.bucket_for(n))
         )  # fmt: skip
 
     def run(self, step: HostStep) -> torch.Tensor:

@@ -114,16 +114,16 @@ class ModelRunner:
             assert scratch is not None, "a KV cache for graphs has its scratch block"
             self.graphs = DecodeGraphs(
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                scratch, max_batch, self._kernels, self._fused, min(max_step_tokens, max(MIXED_ROWS, max_batch)),
+                scratch, max_batch, self._kernels, self._fused,
             )  # fmt: skip
             if not defer_graph_capture:
                 self.graphs.capture()
                 graphs, seconds = len(self.graphs.sizes), self.graphs.capture_seconds
                 log.info("cuda graphs: %d buckets captured in %.2f s", graphs, seconds)
         # Where the Triton kernel attends, a step's prompt chunk rows attend through the block tables
-        # as decodes do, up to the rows a graph holds: a mixed step is one launch per layer, replayed.
+        # as decodes do (up to MIXED_ROWS rows): a step that mixes them is one launch per layer.
         if self._kernels is TRITON_KERNELS:
-            self.engine.paged_rows = self.graphs.max_rows if self.graphs is not None else MIXED_ROWS
+            self.engine.paged_rows = MIXED_ROWS
         log.info("model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
                  time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)  # fmt: skip
 
