@@ -66,6 +66,37 @@ def sample(pid: int | str = "self") -> dict[str, int]:
     return {"fds": fds, "threads": threads, "rss_kib": rss, "maps": maps}
 
 
+def quiet(stub: Any, timeout: float = 10.0, still: float = 0.75) -> None:
+    """Wait until the worker's page-locked host memory has not changed for ``still`` seconds: a sleep
+    with nothing awake gives the host reserve back and the wake pins it again in the background, and
+    the chunks a wake freed are given back once it has been idle for 0.5 s (worker/host_release.py);
+    until then its RSS is off by up to the reserve, which is no leak. Bounded: a worker that never
+    settles is sampled as it is, and a leak shows in every sample."""
+    from memsvc.v1 import model_worker_service_pb2 as w
+
+    deadline = time.monotonic() + timeout
+    last, since = -1, time.monotonic()
+    while time.monotonic() < deadline:
+        held = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status.host_pinned_bytes
+        if held != last:
+            last, since = held, time.monotonic()
+        elif time.monotonic() - since >= still:
+            return
+        time.sleep(0.05)
+
+
+def settled(pid: int, readings: int = 10, interval: float = 0.02) -> dict[str, int]:
+    """A :func:`sample` without the process's short-lived threads: the reading with the fewest threads
+    of ``readings`` taken ``interval`` apart. A wake that takes back a host reserve its sleep gave up
+    pins it again on the worker's prepin thread, whose native helper thread lives for a chunk's
+    pinning (milliseconds); a thread that leaked is in every reading."""
+    got = [sample(pid)]
+    for _ in range(readings - 1):
+        time.sleep(interval)
+        got.append(sample(pid))
+    return min(got, key=lambda x: x["threads"])
+
+
 def slope(xs: Sequence[float], ys: Sequence[float]) -> float:
     """Theil-Sen slope of ys over xs: the median of the slopes between every two samples (0 with
     fewer than two distinct xs). A leak raises every pair's slope; a one-off spike, such as a
@@ -119,7 +150,7 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
         pid = wp.proc.pid
         stub = wp.stub
         stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30)
-        samples.append({"cycle": 0, **sample(pid)})
+        samples.append({"cycle": 0, **settled(pid)})
         for i in range(1, cycles + 1):
             level = c.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else c.SLEEP_LEVEL_1
             stub.Sleep(w.SleepRequest(level=level), timeout=60)
@@ -129,7 +160,8 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
             else:
                 stub.WakeUp(w.WakeUpRequest(), timeout=60)
             if i % sample_every == 0 or i == cycles:
-                samples.append({"cycle": i, **sample(pid)})
+                quiet(stub)
+                samples.append({"cycle": i, **settled(pid)})
         st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
         final_state = st.state == c.WORKER_STATE_AWAKE
         wp.stop()

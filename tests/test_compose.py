@@ -390,7 +390,8 @@ def capture_worker(config, listen, manager=None, advertise=None):
     print(json.dumps({**dataclasses.asdict(config), "listen": listen, "manager": manager, "advertise": advertise}))
     return 0
 
-def capture_gateway(listen, manager, security=None, acquire_timeout=None, queue_timeout=None, max_requests=None):
+def capture_gateway(listen, manager, security=None, acquire_timeout=None, queue_timeout=None, max_requests=None,
+                    **limits):
     print(json.dumps({"listen": listen, "manager": manager, "wake_timeout": acquire_timeout,
                       "queue_timeout": queue_timeout}))
     return 0
