@@ -705,7 +705,7 @@ def test_max_batch_bounds_the_batch_and_the_rest_wait(vocab: int) -> None:
     of the streams depends on how fast it reads them), two do at some point, and all six finish
     with their alone tokens."""
     rng = random.Random(11)
-    requests = [request(random_prompt(rng, vocab, rng.randint(5, 40)), 200) for _ in range(6)]
+    requests = [request(random_prompt(rng, vocab, rng.randint(5, 40)), 100) for _ in range(6)]
     with WorkerProcess([*worker_args(KV_BLOCKS), "--max-batch", "2"]) as wp:
         expected = alone(wp.stub, requests)
         streams = [Streamed(wp.stub, r) for r in requests]

@@ -494,8 +494,19 @@ def run_watch(s: Session, step: Step) -> Step:
         if b"local0" not in out:
             step.problems.append("watch never showed local0")
         proc.send_signal(signal.SIGINT)
+        # read on while it exits, as a terminal does: a full pty blocks the table's last redraws, and
+        # the exit waits for them (it failed this way on a loaded machine)
+        deadline = time.monotonic() + STOP_TIMEOUT
+        while proc.poll() is None and time.monotonic() < deadline:
+            ready, _, _ = select.select([master], [], [], 0.2)
+            if ready:
+                try:
+                    chunk = os.read(master, 65536)
+                except OSError:  # the other side closed: it is exiting
+                    chunk = b""
+                out += chunk
         try:
-            step.rc = proc.wait(timeout=STOP_TIMEOUT)
+            step.rc = proc.wait(timeout=1)
         except subprocess.TimeoutExpired:
             step.problems.append("watch did not exit after Ctrl-C")
         if step.rc != 0:
