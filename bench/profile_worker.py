@@ -66,7 +66,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--path", default="worker", choices=("worker", "unary"))
     ap.add_argument("--shape", default="40x64")
     ap.add_argument("--concurrency", type=int, default=256)
-    ap.add_argument("--seconds", type=float, default=15.0)
+    ap.add_argument("--seconds", type=int, default=15, help="py-spy takes whole seconds")
     ap.add_argument("--kv-blocks", type=int, default=8192)
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--worker-args", default="")
@@ -83,7 +83,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = args.concurrency
         bench_serving.run_level(args.path, wk.address, "", shape, c, c, 8, vocab, 1)  # warm every bucket
         raw = Path(args.out).with_suffix(".raw")
-        spy = subprocess.Popen([args.py_spy, "record", "--pid", str(wk.proc.pid), "--duration", str(args.seconds),
+        spy = subprocess.Popen([args.py_spy, "record", "--pid", str(wk.proc.pid), "--duration", str(int(args.seconds)),
                                 "--format", "raw", "--output", str(raw), "--threads", "--nonblocking"],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
         time.sleep(1.0)  # py-spy attached
