@@ -82,6 +82,15 @@ class Record:
     gaps: list[float] = field(default_factory=list)
     error: str = ""
 
+    def arrived(self, last: float) -> float:
+        """A streamed message came: the first token's time, or one more gap since ``last``; now."""
+        now = time.time()
+        if not self.first:
+            self.first = now
+        else:
+            self.gaps.append(now - last)
+        return now
+
 
 # ---- the clients (each in a process of its own) ----
 async def _worker_request(stub: Any, w: Any, prompt: list[int], shape: Shape) -> Record:
@@ -92,12 +101,7 @@ async def _worker_request(stub: Any, w: Any, prompt: list[int], shape: Shape) ->
         async for msg in stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=600):
             if not msg.token_ids:
                 continue
-            now = time.time()
-            if not rec.first:
-                rec.first = now
-            else:
-                rec.gaps.append(now - last)
-            last = now
+            last = rec.arrived(last)
             rec.tokens += len(msg.token_ids)
     except Exception as exc:  # noqa: BLE001 - counted, the run goes on
         rec.error = type(exc).__name__ + ": " + str(exc)[:200]
@@ -131,12 +135,7 @@ async def _gateway_request(client: Any, model: str, prompt: list[int], shape: Sh
                 rec.tokens = chunk.usage.completion_tokens
             if not (chunk.choices and chunk.choices[0].text):
                 continue
-            now = time.time()
-            if not rec.first:
-                rec.first = now
-            else:
-                rec.gaps.append(now - last)
-            last = now
+            last = rec.arrived(last)
     except Exception as exc:  # noqa: BLE001 - counted, the run goes on
         rec.error = type(exc).__name__ + ": " + str(exc)[:200]
     rec.end = time.time()

@@ -7,8 +7,12 @@ import re
 import signal
 import sys
 from collections.abc import Sequence
+from typing import Any
 
+import grpc
 from childproc import Proc, ProcError
+
+from memsvc.v1 import memory_manager_service_pb2 as m
 
 _LISTENING = re.compile(r"^memsvc gateway listening on (?P<address>\S+)$")
 READY_TIMEOUT = 60.0
@@ -41,3 +45,29 @@ class GatewayProcess(Proc):
             return self.signal_and_wait(signal.SIGTERM)
         except ProcError as exc:
             raise AssertionError(str(exc)) from None
+
+
+class LeaseManagerDouble:
+    """An in-process stand-in for the manager's two lease RPCs (AcquireWorker, ReleaseWorker), for
+    the gateway's lease code against answers a real manager gives only by chance; a subclass says
+    what each answers."""
+
+    SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+
+    async def acquire(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
+        raise NotImplementedError
+
+    async def release(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:
+        raise NotImplementedError
+
+    def handler(self) -> grpc.GenericRpcHandler:
+        """The two RPCs the gateway's lease uses, served under the manager's service name."""
+        rpcs: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "AcquireWorker": grpc.unary_unary_rpc_method_handler(
+                self.acquire, m.AcquireWorkerRequest.FromString, m.AcquireWorkerResponse.SerializeToString
+            ),
+            "ReleaseWorker": grpc.unary_unary_rpc_method_handler(
+                self.release, m.ReleaseWorkerRequest.FromString, m.ReleaseWorkerResponse.SerializeToString
+            ),
+        }
+        return grpc.method_handlers_generic_handler(self.SERVICE, rpcs)

@@ -11,10 +11,10 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from typing import Any
 
 import grpc
 import pytest
+from gatewayproc import LeaseManagerDouble
 
 from memsvc.gateway.backends import Backends, Served
 from memsvc.v1 import common_pb2 as c
@@ -23,10 +23,8 @@ from memsvc.v1 import memory_manager_service_pb2 as m
 ANSWER_DELAY_S = 0.5
 
 
-class LateAnswers:
+class LateAnswers(LeaseManagerDouble):
     """Grants every AcquireWorker at once and answers ANSWER_DELAY_S later; records releases."""
-
-    SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 
     def __init__(self) -> None:
         self.granted: list[str] = []
@@ -46,18 +44,6 @@ class LateAnswers:
     async def release(self, request: m.ReleaseWorkerRequest, context: object) -> m.ReleaseWorkerResponse:
         self.released.append(request.lease_id)
         return m.ReleaseWorkerResponse()
-
-    def handler(self) -> grpc.GenericRpcHandler:
-        """The two RPCs the gateway's lease uses, served under the manager's service name."""
-        rpcs: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "AcquireWorker": grpc.unary_unary_rpc_method_handler(
-                self.acquire, m.AcquireWorkerRequest.FromString, m.AcquireWorkerResponse.SerializeToString
-            ),
-            "ReleaseWorker": grpc.unary_unary_rpc_method_handler(
-                self.release, m.ReleaseWorkerRequest.FromString, m.ReleaseWorkerResponse.SerializeToString
-            ),
-        }
-        return grpc.method_handlers_generic_handler(self.SERVICE, rpcs)
 
 
 @pytest.mark.asyncio

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-from gatewayproc import GatewayProcess
+from gatewayproc import GatewayProcess, LeaseManagerDouble
 from managerproc import ManagerProcess, seconds, wait_for
 from upproc import free_port
 from workerproc import WorkerProcess
@@ -150,10 +150,8 @@ def test_a_stream_longer_than_the_lease_ttl_keeps_its_lease_renewed(tmp_path: Pa
         assert not s.log("is gone") and not s.log("renewing lease"), s.gateway.stderr_text()[-4000:]
 
 
-class Refuses:
+class Refuses(LeaseManagerDouble):
     """A manager whose AcquireWorker grants at once and whose ReleaseWorker always fails with ``code``."""
-
-    SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 
     def __init__(self, code: grpc.StatusCode) -> None:
         self.code = code
@@ -168,17 +166,6 @@ class Refuses:
         self.releases += 1
         await context.abort(self.code, "refused")
         raise AssertionError("abort returned")
-
-    def handler(self) -> grpc.GenericRpcHandler:
-        rpcs: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
-            "AcquireWorker": grpc.unary_unary_rpc_method_handler(
-                self.acquire, m.AcquireWorkerRequest.FromString, m.AcquireWorkerResponse.SerializeToString
-            ),
-            "ReleaseWorker": grpc.unary_unary_rpc_method_handler(
-                self.release, m.ReleaseWorkerRequest.FromString, m.ReleaseWorkerResponse.SerializeToString
-            ),
-        }
-        return grpc.method_handlers_generic_handler(self.SERVICE, rpcs)
 
 
 @pytest.mark.asyncio

@@ -20,32 +20,20 @@ import socket
 import subprocess
 import sys
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import TypeVar
 
 import pytest
 from gatewayproc import GatewayProcess
 from managerproc import Cluster
+from test_gateway import wait_for
 from upproc import free_port
 
 from memsvc.gateway.connections import accept_batch, connection_bound
 
-T = TypeVar("T")
-
 MODEL = "synthetic:tiny"
 WAIT_S = 30.0
 """The longest a test waits for what a bound of a second or a few must bring (a loaded 2-core machine)."""
-
-
-def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = WAIT_S) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = probe()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; last: {value!r}"
-        time.sleep(0.05)
 
 
 @pytest.fixture
