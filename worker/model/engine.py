@@ -129,7 +129,7 @@ class Engine:
         self.paged_rows = 0
         """Plan a step of at most this many rows as rows read through the block tables (see
         :meth:`_plan`; 0: never): the model runner sets it where its attention kernel takes them
-        (CUDA, Triton), to the most rows its CUDA graphs hold."""
+        (CUDA, Triton; worker/model/graphs.py's MIXED_ROWS)."""
         self.max_new_tokens_limit = max_new_tokens_limit
         self._incoming: collections.deque[_Request] = collections.deque()
         self._incoming_lock = threading.Lock()
@@ -378,10 +378,10 @@ class Engine:
 
         With at most :attr:`paged_rows` rows every row attends through the block tables (one table
         per sequence, ``row_tables`` naming each row's): a step of decodes and prompt chunks is then
-        one kernel launch per layer and fits a CUDA graph. Otherwise a chunk is a span whose attention
-        runs per sequence: the host backend's way (its torch kernel would gather a table per row), and
-        a long chunk's (the decode kernel reads a row's whole prefix for every row, where a span's
-        flash attention reads it once per tile of rows; past a graph's rows its launches cost little)."""
+        one attention launch per layer, where each chunk was a few of its own. Otherwise a chunk is a
+        span whose attention runs per sequence: the host backend's way (its torch kernel would gather
+        a table per row), and a long chunk's (the decode kernel reads a row's whole prefix for every
+        row, where a span's flash attention reads it once per tile of rows)."""
         kv = self.kv_cache
         bs = kv.block_size
         decodes = [r for r in self._running if r.pending == 1]
