@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import signal
 import sys
 from collections.abc import Callable, Sequence
 from typing import TYPE_CHECKING, Any
@@ -800,10 +801,16 @@ def _ops(args: argparse.Namespace, security: object) -> int:
                 from rich.live import Live
 
                 latest: dict[str, m.Worker] = {}
-                with Live(_status_table([]), console=console, refresh_per_second=4) as live:
-                    for event in client.watch():
-                        latest[event.worker.name] = event.worker
-                        live.update(_status_table(list(latest.values())))
+                stream = client.watch()
+                # Ctrl-C ends the stream, so the loop below ends and the table closes as it should
+                previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())
+                try:
+                    with Live(_status_table([]), console=console, refresh_per_second=4) as live:
+                        for event in stream:
+                            latest[event.worker.name] = event.worker
+                            live.update(_status_table(list(latest.values())))
+                finally:
+                    signal.signal(signal.SIGINT, previous)
     except MemsvcError as exc:
         console.print(f"[red]error[/red] ({exc.status_name}): {exc}")
         return 1

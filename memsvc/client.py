@@ -106,9 +106,26 @@ class ManagerClient:
         again is known again."""
         self._call("DeregisterWorker", m.DeregisterWorkerRequest(name=worker_name(worker)))
 
-    def watch(self) -> Iterator[m.WatchWorkersResponse]:
+    def watch(self) -> WatchStream:
+        """WatchWorkers as an iterator of its messages, which :meth:`WatchStream.cancel` ends."""
+        return WatchStream(self.stub.WatchWorkers(m.WatchWorkersRequest()))
+
+
+class WatchStream:
+    """A WatchWorkers stream: iterate for its messages; :meth:`cancel` (from any thread, or a signal
+    handler) ends the iteration cleanly, and the CLI's Ctrl-C does that rather than raise
+    KeyboardInterrupt wherever the main thread happens to be (inside a lock of the live table, a
+    loaded machine showed, the exit then waited for ever)."""
+
+    def __init__(self, call: Any) -> None:
+        self._call = call
+
+    def cancel(self) -> None:
+        self._call.cancel()
+
+    def __iter__(self) -> Iterator[m.WatchWorkersResponse]:
         try:
-            yield from self.stub.WatchWorkers(m.WatchWorkersRequest())
+            yield from self._call
         except grpc.RpcError as err:
             if err.code() != grpc.StatusCode.CANCELLED:
                 raise from_rpc_error(err) from None

@@ -4,7 +4,7 @@ stream sends exactly the answer, never a character of the stop, however the text
 
 from __future__ import annotations
 
-from hypothesis import given
+from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from worker.stop_strings import HeldText, StopMatcher, cut_at_stop, find_stop
@@ -13,6 +13,8 @@ ALPHABET = "abc"
 texts = st.text(ALPHABET, max_size=30)
 stops = st.lists(st.text(ALPHABET, min_size=1, max_size=8), min_size=1, max_size=3)
 cuts = st.lists(st.integers(0, 30), max_size=10)
+PROPERTY = settings(deadline=None)
+"""No per-example deadline: on a loaded machine a pure function may take 200 ms once, which is no bug."""
 
 
 def pieces_of(text: str, at: list[int]) -> list[str]:
@@ -25,6 +27,7 @@ def first_stop(text: str, ss: list[str]) -> int:
     return min(found) if found else -1
 
 
+@PROPERTY
 @given(texts, stops)
 def test_the_cut_is_before_the_earliest_stop(text: str, ss: list[str]) -> None:
     i = first_stop(text, ss)
@@ -36,6 +39,7 @@ def test_the_cut_is_before_the_earliest_stop(text: str, ss: list[str]) -> None:
         assert all(len(s) <= len(hit[1]) for s in ss if text.startswith(s, i)), "the longest at one index wins"
 
 
+@PROPERTY
 @given(texts, stops, cuts)
 def test_the_matcher_stops_at_the_piece_that_completes_a_stop(text: str, ss: list[str], at: list[int]) -> None:
     pieces = pieces_of(text, at)
@@ -51,11 +55,22 @@ def test_the_matcher_stops_at_the_piece_that_completes_a_stop(text: str, ss: lis
         assert matcher.push(0), "once stopped it stays stopped"
 
 
+def answer_of(pieces: list[str], ss: list[str]) -> str:
+    """What a generation made of these pieces answers: it ends with the first piece after which the
+    text holds a stop string (overlapping stops may complete later ones no more), cut before it."""
+    for i in range(len(pieces)):
+        seen = "".join(pieces[: i + 1])
+        if find_stop(seen, ss) is not None:
+            return cut_at_stop(seen, ss)
+    return "".join(pieces)
+
+
+@PROPERTY
 @given(texts, stops, cuts)
 def test_a_stream_sends_the_answer_and_nothing_of_the_stop(text: str, ss: list[str], at: list[int]) -> None:
     held = HeldText(ss)
     sent = ""
-    answer = cut_at_stop(text, ss)
+    answer = answer_of(pieces_of(text, at), ss)
     for piece in pieces_of(text, at):
         sent += held.feed(piece)
         assert answer.startswith(sent), "sent text the answer does not have"

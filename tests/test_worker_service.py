@@ -115,11 +115,13 @@ def blocks_for(num_tokens: int, new_tokens: int) -> int:
 
 
 def settle(stub: Stub) -> c.WorkerStatus:
-    """Status once no transition runs (the state is neither SLEEPING nor WAKING)."""
+    """Status once no transition runs: the state is neither SLEEPING nor WAKING, and the transition
+    that set it has ended (it sets ASLEEP or AWAKE a moment before it lets the next one start)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     while True:
         st = status(stub)
-        if st.state not in (c.WORKER_STATE_SLEEPING, c.WORKER_STATE_WAKING, c.WORKER_STATE_LOADING):
+        busy = st.state in (c.WORKER_STATE_SLEEPING, c.WORKER_STATE_WAKING, c.WORKER_STATE_LOADING)
+        if not busy and not st.transition_in_progress:
             return st
         assert time.monotonic() < deadline, f"worker stuck in {state_name(st.state)}"
         time.sleep(0.02)
