@@ -167,3 +167,37 @@ def test_graphs_captured_before_a_sleep_replay_after_the_wake(cuda_alloc: Memory
         assert after == before, f"level {int(level)}"
         assert runner.graphs.replays > replays and runner.graphs.captures == captured
     assert cuda_alloc.stats().tags[WEIGHTS].mapped_bytes > 0
+
+
+def _compiled_variants() -> int:
+    """Kernels Triton has compiled so far, over every Triton kernel the model runs (a JITFunction
+    keeps one compiled variant per specialisation of its arguments, per device)."""
+    from worker.model import kernels, paged_attention
+
+    jitted = [paged_attention._kernel, *kernels._compiled.values()]
+    return sum(len(cache[0]) for fn in jitted if fn is not None for cache in fn.device_caches.values())
+
+
+def test_nothing_compiles_after_the_warm_up(cuda_alloc: MemoryAllocator) -> None:
+    """Ready means ready: after ModelRunner.warm_up, requests of any prompt length, alone and batched,
+    eager and replayed, launch only kernels already compiled (a compile after ready cost the first
+    request of a new prompt length about a second on the H200)."""
+    from worker.model import kernels, paged_attention
+
+    paged_attention._kernel = None  # fresh JITFunctions: what earlier tests compiled does not count
+    kernels._compiled.clear()
+    runner = ModelRunner(
+        cuda_alloc, "synthetic:small", 512, 16, block_size=16, max_batch=16, cuda_graphs=True, defer_graph_capture=True
+    )
+    runner.warm_up()
+    after_warm_up = _compiled_variants()
+    assert after_warm_up > 0
+    g = torch.Generator().manual_seed(11)
+    vocab = runner.config.vocab_size
+    lengths = [1, 2, 15, 16, 17, 40, 100, 255, 256, 300]
+    requests = [
+        GenerationRequest(torch.randint(0, vocab, (n,), generator=g).tolist(), 3, ignore_eos=True) for n in lengths
+    ]
+    alone, batched = _alone_and_batched(runner, requests)
+    assert batched == alone
+    assert _compiled_variants() == after_warm_up, "a kernel compiled after the warm-up"

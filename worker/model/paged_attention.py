@@ -64,7 +64,10 @@ def _build_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    @triton.jit
+    # The block tables' row stride is the step's widest table in blocks: Triton would compile a
+    # variant for 1 and one for multiples of 16, so the first request whose prompt spans another
+    # number of blocks than the warm-up's paid a compile (about a second) after ready.
+    @triton.jit(do_not_specialize=["table_row"])
     def paged_decode_kernel(  # noqa: PLR0913
         Q, KV, TABLES, LENGTHS, ROWS, OUT, scale,
         q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head,
