@@ -337,6 +337,8 @@ def main(argv: Sequence[str] | None = None) -> int:
                             row["fraction_of_limit"] = round(row["output_tok_s"] / lim["output_tok_s"], 3)
                         result["results"].append(row)
                         print(_line(row), flush=True)
+                        if args.out:  # each row as it comes: a run cut short by its time limit keeps them
+                            Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
         finally:
             for s in reversed(services):
                 s.stop()

@@ -51,4 +51,11 @@ def configure(level: str = "info", fmt: str = "text") -> None:
     root.setLevel(level.upper())
 
 
-__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "announce", "configure"]
+def current_logging() -> tuple[str, str]:
+    """(level, format) of this process's logging, for a child process to log the same way."""
+    root = logging.getLogger()
+    json_lines = any(isinstance(h.formatter, JsonFormatter) for h in root.handlers)
+    return logging.getLevelName(root.level).lower(), "json" if json_lines else "text"
+
+
+__all__ = ["FORMATS", "LEVELS", "JsonFormatter", "announce", "configure", "current_logging"]

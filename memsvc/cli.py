@@ -309,6 +309,8 @@ def _security_kwargs(sec: object) -> dict[str, object]:
 
 
 def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from memsvc.vocabulary import RPC_FRONTS
+
     p = sub.add_parser("worker", help="serve one model on one device (ModelWorkerService)")
     p.add_argument(
         "--listen",
@@ -412,6 +414,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         type=_some_seconds_up_to_an_hour,
         default=env("READ_TIMEOUT", "60"),
         help="seconds a checkpoint load may read nothing before it fails (a hung network mount)",
+    )
+    p.add_argument(
+        "--rpc-front",
+        choices=RPC_FRONTS,
+        default=env("RPC_FRONT", "inline"),
+        help="where the gRPC server runs: inline, in the worker's process, or process, in a child process of its "
+        "own, so that streaming many answers takes no host time from the model's steps",
     )
     _server_auth_flags(p, worker=True)
     _log_flags(p)
@@ -1003,6 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             offload_dir=args.offload_dir,
             drain_seconds=args.drain_timeout,
             read_timeout=args.read_timeout,
+            rpc_front=args.rpc_front,
         )
         security = _security(args, parser, server=True)
         return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]

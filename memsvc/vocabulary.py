@@ -228,6 +228,10 @@ class WorkerState(enum.IntEnum):
         return c.WorkerState.ValueType(self.value)
 
 
+RPC_FRONTS = ("inline", "process")
+"""Where a worker's public gRPC server runs (``memsvc worker --rpc-front``): in its own process, or in
+a child process of its own (worker/rpc_front.py)."""
+
 AWAKE_STATES = frozenset({WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE})
 """States in which some tag is resident: an idle timer may put the worker to sleep."""
 BUSY_STATES = frozenset({WorkerState.LOADING, WorkerState.SLEEPING, WorkerState.WAKING})
@@ -377,6 +381,7 @@ def _choices(cls: type[enum.Enum]) -> str:
 __all__ = [
     "AWAKE_STATES",
     "BUSY_STATES",
+    "RPC_FRONTS",
     "CUDA_GRAPHS",
     "KV_CACHE",
     "LEVEL_ACTIONS",

@@ -8,6 +8,7 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memsvc.errors import InvalidArgument, NotFound
+from memsvc.vocabulary import RPC_FRONTS
 from worker.checkpoint_files import CONFIG_FILE
 from worker.host_memory import AUTO, parse_prepin, parse_reserve
 
@@ -58,6 +59,10 @@ class WorkerConfig:
     drain_seconds: float = 30.0
     """On SIGTERM, calls in flight get this long to finish; then they are cancelled (a Generate stops
     at its next step) and the worker exits, within :data:`~worker.main.EXIT_GRACE_S` more at most."""
+    rpc_front: str = "inline"
+    """Where the public gRPC server runs: ``inline``, in the worker's process, or ``process``, in a
+    child process of its own (worker/rpc_front.py), so that writing the streams' messages takes no
+    host time from the device loop."""
     read_timeout: float = 60.0
     """A checkpoint load (start-up, level-2 wake, ReloadWeights) whose reads make no progress this
     long fails (worker/model/loader.py: a hung network mount)."""
@@ -67,6 +72,8 @@ class WorkerConfig:
         parse_prepin(self.host_prepin)
         if not 0 <= self.drain_seconds <= 3600:
             raise InvalidArgument(f"drain_seconds must be in [0, 3600], got {self.drain_seconds}")
+        if self.rpc_front not in RPC_FRONTS:
+            raise InvalidArgument(f"rpc_front must be one of {', '.join(RPC_FRONTS)}, got {self.rpc_front!r}")
         if not 0 < self.read_timeout <= 3600:
             raise InvalidArgument(f"read_timeout must be in (0, 3600], got {self.read_timeout}")
 

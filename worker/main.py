@@ -11,24 +11,32 @@ native layer does without holding the GIL.
 from __future__ import annotations
 
 import asyncio
+import dataclasses
 import importlib
 import importlib.util
 import logging
 import os
+import shutil
 import sys
+import tempfile
 import threading
 import time
+from collections.abc import Callable
+
+import grpc
 
 from memsvc._auth import Security
-from memsvc._logging import announce
-from memsvc._serving import install_signal_handlers, run_service, start_server
-from memsvc.errors import MemsvcError
+from memsvc._logging import announce, current_logging
+from memsvc._serving import Server, install_signal_handlers, run_service, start_server
+from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.prefetch import CheckpointPrefetch
+from worker.rpc_front import FrontConfig, FrontProcess
 from worker.servicer import ModelWorkerServicer
+from worker.token_mux import TokenMux
 
 log = logging.getLogger("memsvc.worker")
 EXIT_GRACE_S = 10.0
@@ -97,14 +105,73 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     loop = asyncio.get_running_loop()
     core = WorkerCore(config, loop)
     servicer = ModelWorkerServicer(core)
-    srv = await start_server(
-        listen, [lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)], [SERVICE_NAME], security=sec
-    )
+    sockets = tempfile.mkdtemp(prefix="memsvc-worker-") if config.rpc_front == "process" else ""
+    try:
+        try:
+            srv, front, address = await _listen(servicer, config, listen, sec, sockets)
+        except InvalidArgument as exc:  # the address is taken or malformed: the user's, not a bug
+            announce(f"memsvc worker: error: {exc}", sys.stderr)
+            return 2
+        return await _run(core, srv, front, address, config, manager, advertise, sec)
+    finally:
+        if sockets:
+            shutil.rmtree(sockets, ignore_errors=True)
+
+
+async def _listen(
+    servicer: ModelWorkerServicer, config: WorkerConfig, listen: str, sec: Security, sockets: str
+) -> tuple[Server, FrontProcess | None, str]:
+    """The servers: this process's on ``listen``, or, with the RPC front in a process of its own
+    (``sockets`` its socket's directory), this one's on a unix socket and the front's on ``listen``.
+    The servers and the address clients dial."""
+    register: list[Callable[[grpc.aio.Server], None]] = [
+        lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)
+    ]
+    if not sockets:
+        srv = await start_server(listen, register, [SERVICE_NAME], security=sec)
+        return srv, None, srv.address
+    inner = f"unix:{sockets}/device.sock"
+    srv = await start_server(inner, [*register, TokenMux(servicer).register], [SERVICE_NAME])
+    try:
+        front = await FrontProcess.start(
+            FrontConfig(listen, inner, config.drain_seconds, dataclasses.asdict(sec), *current_logging())
+        )
+    except BaseException:
+        await srv.stop(0)
+        raise
+    return srv, front, front.address
+
+
+async def _run(
+    core: WorkerCore,
+    srv: Server,
+    front: FrontProcess | None,
+    address: str,
+    config: WorkerConfig,
+    manager: str | None,
+    advertise: str | None,
+    sec: Security,
+) -> int:
+    async def stop_servers(grace: float) -> None:
+        if front is not None:  # first: its calls in flight are served here until they end
+            await front.stop(grace)
+        await srv.stop(grace)
+
     await srv.set_serving(False)
     await srv.set_serving(False, SERVICE_NAME)
-    announce(f"memsvc worker {core.worker_id} listening on {srv.address}")
+    announce(f"memsvc worker {core.worker_id} listening on {address}")
     stop = asyncio.Event()
     install_signal_handlers(stop)
+    front_lost: list[int] = []
+    if front is not None:
+
+        def lost(exited: asyncio.Future[int]) -> None:
+            if not stop.is_set():
+                log.error("the RPC front exited (code %s) while serving; stopping", exited.result())
+                front_lost.append(1)
+                stop.set()
+
+        asyncio.ensure_future(front.wait()).add_done_callback(lost)
     load = asyncio.ensure_future(core.load())
     stopping = asyncio.ensure_future(stop.wait())
     await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
@@ -117,19 +184,19 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
             if not load.cancelled():
                 load.exception()  # retrieved: a failure is the cancellation's
             await asyncio.wait({asyncio.ensure_future(core.close())}, timeout=EXIT_GRACE_S / 4)
-        await srv.stop(0)
+        await stop_servers(0)
         announce(f"memsvc worker {core.worker_id} stopped")
-        return 0
+        return 1 if front_lost else 0
     stopping.cancel()
     try:
         load.result()
     except MemsvcError as exc:  # the user's model or flags (no such directory, a config it cannot serve)
         announce(f"memsvc worker: error: cannot load {config.model}: {exc}", sys.stderr)
-        await srv.stop(0)
+        await stop_servers(0)
         return 2
     except Exception:  # a bug: its traceback is what a report needs
         log.exception("loading the model failed")
-        await srv.stop(0)
+        await stop_servers(0)
         return 1
     await srv.set_serving(True)
     await srv.set_serving(True, SERVICE_NAME)
@@ -138,18 +205,18 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     if manager:
         from worker.registration import keep_registered
 
-        background.append(asyncio.create_task(keep_registered(core, advertise or srv.address, manager, sec)))
+        background.append(asyncio.create_task(keep_registered(core, advertise or address, manager, sec)))
     await stop.wait()
     _exit_by(config.drain_seconds + EXIT_GRACE_S)
     log.info("draining: finishing in-flight calls (up to %.0f s)", config.drain_seconds)
     for task in background:
         task.cancel()
     core.telemetry.close()  # end telemetry streams now; the drain waits only for real work
-    await srv.stop(config.drain_seconds)  # then cancels what still runs: a Generate stops at its next step
+    await stop_servers(config.drain_seconds)  # then cancels what still runs: a Generate stops at its next step
     core.cancel_loads()  # a reload or a level-2 wake still reading stops at its next read
     await core.close()
     announce(f"memsvc worker {core.worker_id} stopped")
-    return 0
+    return 1 if front_lost else 0
 
 
 def _exit_by(seconds: float) -> None:

@@ -198,7 +198,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             kv_cache=kv_pb(self.core.kv_stats()),
         )
 
-    async def _prepare(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
+    async def prepare(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
         """The request checked (INVALID_ARGUMENT whatever the state), a place in the Generate bound,
         then the prompt encoded on a thread (a 1 MiB prompt or a long chat must not stall status and
         telemetry on the loop). The place is held until the encoding ends, even for a caller who left."""
@@ -215,7 +215,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             raise
 
     async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
-        spec, slot = await self._prepare(request)
+        spec, slot = await self.prepare(request)
         g = await self.core.generate(spec, slot=slot)
         return response(g, request.sequence_id, self.core.text_or_none())
 
@@ -223,7 +223,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         self, request: w.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[w.GenerateStreamResponse]:
         """Generate, a message per token as it is made (several, when they come faster than they go)."""
-        spec, slot = await self._prepare(request.request)
+        spec, slot = await self.prepare(request.request)
         try:
             text = self.core.text_or_none()
             streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()), spec.stop_strings)

@@ -1,0 +1,218 @@
+"""``memsvc worker --rpc-front process``: the public gRPC server in a child process (worker/rpc_front.py)
+gives the same answers as the worker's own (``inline``), and its life is the worker's.
+
+Real workers on the host backend: the same requests to one of each, compared message for message
+(tokens, text, ends, statuses with their ErrorInfo); a stream whose client leaves gives its blocks
+back; SIGTERM drains a stream in flight through the front, then both processes are gone; a killed
+worker takes its front along, and a lost front stops the worker.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import socket
+import subprocess
+import sys
+import threading
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from managerproc import wait_for
+from workerproc import WorkerProcess
+
+from memsvc._rpc_errors import error_info
+from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+
+PROCESS = ["--rpc-front", "process"]
+
+
+def _front_pid(worker: WorkerProcess) -> int:
+    """The front: the worker's one child process running worker.rpc_front."""
+    assert worker.proc is not None
+    children = Path(f"/proc/{worker.proc.pid}/task/{worker.proc.pid}/children").read_text().split()
+    fronts = [int(p) for p in children if b"worker.rpc_front" in Path(f"/proc/{p}/cmdline").read_bytes()]
+    assert len(fronts) == 1, children
+    return fronts[0]
+
+
+def _gone(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return True
+    # a zombie until its parent reaps it (the worker, or init once the worker is gone) counts as gone
+    return Path(f"/proc/{pid}/stat").read_text().split()[2] == "Z"
+
+
+@pytest.fixture(scope="module")
+def fronts() -> Iterator[dict[str, WorkerProcess]]:
+    """One worker of each kind, same model and seed."""
+    with WorkerProcess(["--seed", "5"]) as inline, WorkerProcess(["--seed", "5", *PROCESS]) as process:
+        yield {"inline": inline, "process": process}
+
+
+def _requests() -> list[w.GenerateRequest]:
+    return [
+        w.GenerateRequest(prompt_token_ids=[1, 2, 3, 4], max_new_tokens=40, ignore_eos=True),
+        w.GenerateRequest(
+            prompt_token_ids=list(range(5, 60)),
+            max_new_tokens=25,
+            sampling=w.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7),
+        ),
+        w.GenerateRequest(prompt_token_ids=[9, 8, 7], max_new_tokens=30, stop_token_ids=[3, 11, 17], ignore_eos=True),
+    ]
+
+
+Answer = tuple[list[int], str, w.GenerateResponse]
+
+
+def _stream(stub: w_grpc.ModelWorkerServiceStub, request: w.GenerateRequest) -> Answer:
+    messages = list(stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=60))
+    assert messages[-1].HasField("done") and not any(m.HasField("done") for m in messages[:-1])
+    assert messages[0].prompt_token_count == len(request.prompt_token_ids)
+    assert all(m.prompt_token_count == 0 for m in messages[1:])
+    done = messages[-1].done
+    done.ClearField("duration")
+    return [t for m in messages for t in m.token_ids], "".join(m.text for m in messages), done
+
+
+def test_streams_and_unary_answers_are_the_same_through_either_front(fronts: dict[str, WorkerProcess]) -> None:
+    for request in _requests():
+        answers = {}
+        for kind, worker in fronts.items():
+            tokens, text, done = _stream(worker.stub, request)
+            unary = worker.stub.Generate(request, timeout=60)
+            unary.ClearField("duration")
+            assert tokens == list(done.token_ids) == list(unary.token_ids), kind
+            assert text == done.text == unary.text, kind
+            assert done == unary, kind
+            answers[kind] = (tokens, text, done)
+        assert answers["inline"] == answers["process"]
+        assert len(answers["process"][0]) > 0
+
+
+def _status(call: object) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
+    assert isinstance(call, grpc.RpcError)
+    info = error_info(call)
+    assert info is not None, call
+    return call.code(), call.details() or "", info.reason, dict(info.metadata)
+
+
+def test_errors_keep_their_status_and_error_info(fronts: dict[str, WorkerProcess]) -> None:
+    bad_token = w.GenerateRequest(prompt_token_ids=[10**9], max_new_tokens=3)
+    two_forms = w.GenerateRequest(prompt_token_ids=[1], prompt="hi", max_new_tokens=3)
+    got: dict[str, list[tuple[grpc.StatusCode, str, str, dict[str, str]]]] = {}
+    for kind, worker in fronts.items():
+        out = []
+        for request in (bad_token, two_forms):
+            with pytest.raises(grpc.RpcError) as streamed:
+                list(worker.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=30))
+            out.append(_status(streamed.value))
+        with pytest.raises(grpc.RpcError) as sleep:
+            worker.stub.Sleep(w.SleepRequest(level=7), timeout=30)  # type: ignore[arg-type]
+        out.append(_status(sleep.value))
+        with pytest.raises(grpc.RpcError) as free:
+            worker.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="never-made"), timeout=30)
+        out.append(_status(free.value))
+        got[kind] = out
+    assert got["inline"] == got["process"]
+    assert [code for code, *_ in got["process"]] == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.NOT_FOUND]
+
+
+def test_a_client_that_leaves_mid_stream_gives_its_blocks_back(fronts: dict[str, WorkerProcess]) -> None:
+    worker = fronts["process"]
+    total = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.device_block_count
+    long = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2000, ignore_eos=True)
+    channel = worker.new_channel()
+    try:
+        call = w_grpc.ModelWorkerServiceStub(channel).GenerateStream(w.GenerateStreamRequest(request=long), timeout=120)
+        first = next(call)
+        assert first.token_ids
+        held = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.device_free_block_count
+        assert held < total
+        call.cancel()
+    finally:
+        channel.close()
+
+    def freed() -> bool:
+        kv = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache
+        return kv.device_free_block_count == total and kv.sequence_count == 0
+
+    wait_for(freed, bool, timeout=60, what="the blocks of the stream whose client left")
+    tokens, _, _ = _stream(worker.stub, _requests()[0])
+    assert len(tokens) == 40
+
+
+def test_status_telemetry_and_health_pass_through(fronts: dict[str, WorkerProcess]) -> None:
+    from grpc_health.v1 import health_pb2
+
+    worker = fronts["process"]
+    status = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
+    assert status.worker_id == worker.worker_id and status.model.vocab_size > 0
+    telemetry = worker.stub.StreamTelemetry(w.StreamTelemetryRequest(), timeout=30)
+    first = next(telemetry)
+    assert first.snapshot.worker_id == worker.worker_id
+    telemetry.cancel()
+    for service in ("", "memsvc.v1.ModelWorkerService"):
+        answer = worker.health.Check(health_pb2.HealthCheckRequest(service=service), timeout=30)
+        assert answer.status == health_pb2.HealthCheckResponse.SERVING
+
+
+def test_sigterm_drains_a_stream_through_the_front_then_both_exit() -> None:
+    with WorkerProcess(PROCESS) as worker:
+        front = _front_pid(worker)
+        request = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=600, ignore_eos=True)
+        stream = worker.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=120)
+        first = next(stream)
+        result: dict[str, object] = {}
+
+        def read() -> None:
+            try:
+                rest = list(stream)
+                result["tokens"] = len(first.token_ids) + sum(len(m.token_ids) for m in rest)
+                result["done"] = rest[-1].HasField("done")
+            except grpc.RpcError as exc:
+                result["error"] = exc
+
+        reader = threading.Thread(target=read)
+        reader.start()
+        worker.terminate()  # the drain lets the stream end
+        reader.join(timeout=120)
+        assert result == {"tokens": 600, "done": True}
+        assert worker.wait(timeout=60) == 0
+        assert "stopped" in worker.lines[-1]
+        wait_for(lambda: _gone(front), bool, timeout=30, what="the front's exit")
+
+
+def test_a_killed_worker_takes_its_front_along() -> None:
+    with WorkerProcess(PROCESS) as worker:
+        front = _front_pid(worker)
+        worker.kill()
+        wait_for(lambda: _gone(front), bool, timeout=30, what="the front's exit after the worker's")
+
+
+def test_a_lost_front_stops_the_worker() -> None:
+    with WorkerProcess(PROCESS) as worker:
+        os.kill(_front_pid(worker), signal.SIGKILL)
+        assert worker.wait(timeout=60) == 1
+        assert "the RPC front exited" in worker.stderr_text()
+
+
+@pytest.mark.parametrize("front", ["inline", "process"])
+def test_a_taken_port_is_a_usage_error(front: str) -> None:
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        r = subprocess.run(
+            [sys.executable, "-m", "memsvc.cli", "worker", "--backend", "host", "--listen", f"127.0.0.1:{port}",
+             "--rpc-front", front],
+            capture_output=True, text=True, timeout=120,
+        )  # fmt: skip
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr
+    assert f"cannot listen on '127.0.0.1:{port}'" in r.stderr, r.stderr

@@ -1,0 +1,329 @@
+"""The worker's RPC front in a process of its own (``memsvc worker --rpc-front process``).
+
+Python runs one thread at a time per process: a gRPC server writing a message per token for each of
+256 streams holds the GIL for much of every engine step, and the device loop, which shares it, steps
+that much slower. Here the public server (the port, TLS, the token, health and reflection) runs in
+a child process; the device process keeps the allocator, the model, the engine and the servicer,
+serving them on a unix socket in a directory only its user can enter.
+
+- Every method but GenerateStream passes through as bytes: the same request reaches the same
+  servicer, with the caller's deadline, and its status (code, message, ErrorInfo) comes back as it
+  was; a caller who leaves cancels the inner call.
+- GenerateStream goes through worker/token_mux.py: one stream to the device process carries every
+  stream's tokens, a frame per step; this process builds and writes the per-stream messages.
+- Health mirrors the device process's; the stop is the device process's to order (SIGTERM, or its
+  end closing this process's stdin): this server then drains for the worker's drain time and exits.
+
+:class:`FrontProcess` starts and stops it from the device process.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import signal
+import sys
+from collections.abc import AsyncIterator, Callable
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from memsvc._auth import Security
+from memsvc._logging import configure
+from memsvc._rpc_errors import Context
+from memsvc._serving import SERVER_OPTIONS, Server, run_service, start_server
+from memsvc.errors import InvalidArgument, Unavailable
+from memsvc.v1 import model_worker_service_pb2 as w
+from worker import token_mux
+from worker.token_mux import Frame
+
+log = logging.getLogger("memsvc.worker.front")
+
+SERVICE = w.DESCRIPTOR.services_by_name["ModelWorkerService"]
+START_TIMEOUT_S = 60.0
+"""How long the device process waits for the front to listen (its imports: a second or two)."""
+STOP_MARGIN_S = 5.0
+"""After the drain, how long the device process waits for the front to exit before killing it."""
+
+
+class DeviceStreams:
+    """This process's side of the token mux: opens streams, hands each its frames' parts."""
+
+    def __init__(self, channel: grpc.aio.Channel) -> None:
+        self._channel = channel
+        self._queues: dict[int, asyncio.Queue[Any]] = {}
+        self._next = 0
+        self._call: Any = None
+        self._outgoing: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
+        self._tasks: list[asyncio.Task[None]] = []
+
+    def _connect(self) -> None:
+        if self._call is not None:
+            return
+        open_mux = self._channel.stream_stream(
+            token_mux.METHOD, request_serializer=token_mux.dumps, response_deserializer=token_mux.loads
+        )
+        self._call = open_mux(self._send())
+        self._tasks.append(asyncio.ensure_future(self._receive(self._call)))
+
+    async def _send(self) -> AsyncIterator[tuple[Any, ...]]:
+        while True:
+            yield await self._outgoing.get()
+
+    async def _receive(self, call: Any) -> None:
+        try:
+            async for frame in call:
+                self._dispatch(frame)
+        except grpc.aio.AioRpcError as exc:
+            log.error("the device process's token stream ended: %s", exc.details())
+        finally:
+            self._call = None
+            gone = token_mux.failure(Unavailable("the worker's device process is not answering"))
+            for queue in self._queues.values():
+                queue.put_nowait((None, gone))
+            self._queues.clear()
+
+    def _dispatch(self, frame: Frame) -> None:
+        tokens, ends = frame
+        for sid, ids, text, prompt_tokens in tokens:
+            queue = self._queues.get(sid)
+            if queue is not None:
+                queue.put_nowait((ids, text, prompt_tokens))
+        for sid, last, failed in ends:
+            queue = self._queues.pop(sid, None)
+            if queue is not None:
+                queue.put_nowait((last, failed))
+
+    def open(self, raw: bytes) -> tuple[int, asyncio.Queue[Any]]:
+        """Start a stream: its id, and the queue its token batches, then its end, arrive on."""
+        self._connect()
+        self._next += 1
+        queue: asyncio.Queue[Any] = asyncio.Queue()
+        self._queues[self._next] = queue
+        self._outgoing.put_nowait(("open", self._next, raw))
+        return self._next, queue
+
+    def cancel(self, sid: int) -> None:
+        """The caller left: the device stops the stream at its next step."""
+        if self._queues.pop(sid, None) is not None:
+            self._outgoing.put_nowait(("cancel", sid))
+
+    def close(self) -> None:
+        if self._call is not None:
+            self._call.cancel()
+        for task in self._tasks:
+            task.cancel()
+
+
+async def _fail(context: Context, failed: token_mux.Failure) -> None:
+    code, details, trailing = failed
+    await context.abort(code, details, trailing)
+
+
+class Proxy:
+    """The ModelWorkerService's methods, served here for the device process."""
+
+    def __init__(self, channel: grpc.aio.Channel, streams: DeviceStreams) -> None:
+        self._channel = channel
+        self._streams = streams
+
+    def register(self, server: grpc.aio.Server) -> None:
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
+        for method in SERVICE.methods:
+            path = f"/{SERVICE.full_name}/{method.name}"
+            if method.name == "GenerateStream":
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._generate_stream)
+            elif method.server_streaming:
+                handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._pass_stream(path))
+            else:
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(self._pass_unary(path))
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE.full_name, handlers),))
+
+    def _pass_unary(self, path: str) -> Callable[[bytes, Context], Any]:
+        call: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = self._channel.unary_unary(path)
+
+        async def unary(raw: bytes, context: Context) -> bytes:
+            try:
+                out: bytes = await call(raw, timeout=context.time_remaining())
+                return out
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
+                raise  # (abort raises)
+
+        return unary
+
+    def _pass_stream(self, path: str) -> Callable[[bytes, Context], AsyncIterator[bytes]]:
+        open_call: grpc.aio.UnaryStreamMultiCallable[bytes, bytes] = self._channel.unary_stream(path)
+
+        async def stream(raw: bytes, context: Context) -> AsyncIterator[bytes]:
+            call = open_call(raw, timeout=context.time_remaining())
+            try:
+                async for message in call:
+                    yield message
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
+            finally:
+                call.cancel()
+
+        return stream
+
+    async def _generate_stream(self, raw: bytes, context: Context) -> AsyncIterator[bytes]:
+        sid, queue = self._streams.open(raw)
+        ended = False
+        try:
+            while True:
+                item = await queue.get()
+                if len(item) == 2:  # noqa: PLR2004 - (last message, failure): the end
+                    ended = True
+                    last, failed = item
+                    if failed is not None:
+                        await _fail(context, failed)
+                    yield last
+                    return
+                ids, text, prompt_tokens = item
+                ids, pieces = list(ids), [text]
+                end = None
+                while not queue.empty():  # the client reads slower than steps come: one message for all
+                    more = queue.get_nowait()
+                    if len(more) == 2:  # noqa: PLR2004
+                        end = more
+                        break
+                    ids.extend(more[0])
+                    pieces.append(more[1])
+                message = w.GenerateStreamResponse(
+                    token_ids=ids, text="".join(pieces), prompt_token_count=prompt_tokens
+                )
+                yield message.SerializeToString()
+                if end is not None:
+                    ended = True
+                    if end[1] is not None:
+                        await _fail(context, end[1])
+                    yield end[0]
+                    return
+        finally:
+            if not ended:
+                self._streams.cancel(sid)
+
+
+async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
+    """This server's health is the device process's (NOT_SERVING while the model loads)."""
+    stub = health_pb2_grpc.HealthStub(channel)
+    name = SERVICE.full_name
+    while True:
+        try:
+            async for answer in stub.Watch(health_pb2.HealthCheckRequest(service=name)):
+                serving = answer.status == health_pb2.HealthCheckResponse.SERVING
+                await srv.set_serving(serving)
+                await srv.set_serving(serving, name)
+        except grpc.aio.AioRpcError:
+            await srv.set_serving(False)
+            await srv.set_serving(False, name)
+        await asyncio.sleep(0.5)  # the device process restarts its server only as it stops: retry calmly
+
+
+async def serve(listen: str, device: str, security: Security, drain: float) -> int:
+    """Serve until stopped; the first line on stdout says where (or why not), as JSON."""
+    channel = grpc.aio.insecure_channel(device, options=SERVER_OPTIONS)
+    streams = DeviceStreams(channel)
+    try:
+        srv = await start_server(listen, [Proxy(channel, streams).register], [SERVICE.full_name], security=security)
+    except InvalidArgument as exc:
+        print(json.dumps({"error": str(exc)}), flush=True)
+        return 2
+    await srv.set_serving(False)
+    await srv.set_serving(False, SERVICE.full_name)
+    print(json.dumps({"address": srv.address}), flush=True)
+    loop = asyncio.get_running_loop()
+    stop = asyncio.Event()
+    loop.add_signal_handler(signal.SIGTERM, stop.set)
+    loop.add_signal_handler(signal.SIGINT, lambda: None)  # a terminal's Ctrl-C: the device process orders the stop
+    # the device process holds this stdin open: its end (however it ended) ends this process too
+    await loop.connect_read_pipe(lambda: _EndOfInput(stop), sys.stdin)
+    health = asyncio.ensure_future(_mirror_health(channel, srv))
+    await stop.wait()
+    health.cancel()
+    await srv.set_serving(False)
+    await srv.stop(drain)
+    streams.close()
+    await channel.close()
+    return 0
+
+
+class _EndOfInput(asyncio.Protocol):
+    def __init__(self, stop: asyncio.Event) -> None:
+        self._stop = stop
+
+    def connection_lost(self, exc: Exception | None) -> None:
+        self._stop.set()
+
+
+@dataclasses.dataclass(frozen=True)
+class FrontConfig:
+    """What the device process tells the front, as one JSON line on its stdin."""
+
+    listen: str
+    device: str
+    drain: float
+    security: dict[str, Any]
+    """memsvc._auth.Security's fields (JSON: its tuple of allowed clients is a list)."""
+    log_level: str = "info"
+    log_format: str = "text"
+
+
+class FrontProcess:
+    """The front as the device process sees it: started, watched, stopped."""
+
+    def __init__(self, process: asyncio.subprocess.Process, address: str) -> None:
+        self._process = process
+        self.address = address
+
+    @classmethod
+    async def start(cls, config: FrontConfig) -> FrontProcess:
+        """Start it and wait until it listens; InvalidArgument when it cannot (the address taken)."""
+        process = await asyncio.create_subprocess_exec(
+            sys.executable, "-m", "worker.rpc_front", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+        )
+        assert process.stdin is not None and process.stdout is not None
+        process.stdin.write(json.dumps(dataclasses.asdict(config)).encode() + b"\n")
+        try:
+            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+            answer = json.loads(line) if line else {"error": f"the RPC front exited ({await process.wait()})"}
+        except (TimeoutError, ValueError) as exc:
+            answer = {"error": f"the RPC front did not start: {exc!r}"}
+        if "address" not in answer:
+            with contextlib.suppress(ProcessLookupError):
+                process.kill()
+            await process.wait()
+            raise InvalidArgument(str(answer.get("error", answer)))
+        return cls(process, str(answer["address"]))
+
+    async def wait(self) -> int:
+        return await self._process.wait()
+
+    async def stop(self, drain: float) -> None:
+        """SIGTERM: it drains for ``drain`` seconds, then exits (killed if it has not by then)."""
+        with contextlib.suppress(ProcessLookupError):
+            self._process.send_signal(signal.SIGTERM)
+        try:
+            await asyncio.wait_for(self._process.wait(), drain + STOP_MARGIN_S)
+        except TimeoutError:
+            log.error("the RPC front did not exit %.0f s after the stop; killing it", drain + STOP_MARGIN_S)
+            with contextlib.suppress(ProcessLookupError):
+                self._process.kill()
+            await self._process.wait()
+
+
+def main() -> int:
+    config = FrontConfig(**json.loads(sys.stdin.readline()))
+    configure(config.log_level, config.log_format)
+    fields = dict(config.security)
+    fields["allowed_clients"] = tuple(fields.get("allowed_clients", ()))
+    return run_service(serve(config.listen, config.device, Security(**fields), config.drain))
+
+
+if __name__ == "__main__":
+    sys.exit(main())
