@@ -214,6 +214,17 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             slot.release()
             raise
 
+    async def prepare_stream(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot, StreamedText]:
+        """:meth:`prepare`, and the stream's text (what each token lets it send); the slot is the
+        caller's once this returns."""
+        spec, slot = await self.prepare(request)
+        try:
+            text = self.core.text_or_none()
+            return spec, slot, StreamedText(text, spec.stop_set(self.core.eos_token_ids()), spec.stop_strings)
+        except BaseException:
+            slot.release()
+            raise
+
     async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
         spec, slot = await self.prepare(request)
         g = await self.core.generate(spec, slot=slot)
@@ -223,13 +234,8 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         self, request: w.GenerateStreamRequest, context: Context
     ) -> AsyncIterator[w.GenerateStreamResponse]:
         """Generate, a message per token as it is made (several, when they come faster than they go)."""
-        spec, slot = await self.prepare(request.request)
-        try:
-            text = self.core.text_or_none()
-            streamed = StreamedText(text, spec.stop_set(self.core.eos_token_ids()), spec.stop_strings)
-        except BaseException:
-            slot.release()
-            raise
+        spec, slot, streamed = await self.prepare_stream(request.request)
+        text = self.core.text_or_none()
         tokens: asyncio.Queue[int | None] = asyncio.Queue()
         post = self.core.post
 

@@ -30,9 +30,10 @@ from google.protobuf.message import DecodeError
 from memsvc._rpc_errors import Context, to_status
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.v1 import model_worker_service_pb2 as w
-from worker.generate_messages import StreamedText, response
+from worker.generate_messages import response
 
 if TYPE_CHECKING:
+    from worker.generate_messages import StreamedText
     from worker.model.text import ModelText
     from worker.servicer import ModelWorkerServicer
     from worker.status import Generation
@@ -148,13 +149,8 @@ class _Link:
                 request = w.GenerateStreamRequest.FromString(raw)
             except DecodeError as exc:
                 raise InvalidArgument(f"the request body is not a valid message: {exc}") from exc
-            spec, slot = await self._servicer.prepare(request.request)
-            try:
-                text = self._core.text_or_none()
-                streamed = StreamedText(text, spec.stop_set(self._core.eos_token_ids()), spec.stop_strings)
-            except BaseException:
-                slot.release()
-                raise
+            spec, slot, streamed = await self._servicer.prepare_stream(request.request)
+            text = self._core.text_or_none()
             self._streams[sid] = _Stream(streamed, len(spec.prompt), request.request.sequence_id, text)
             post = self._core.post
 
