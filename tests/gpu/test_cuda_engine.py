@@ -169,13 +169,19 @@ def test_graphs_captured_before_a_sleep_replay_after_the_wake(cuda_alloc: Memory
     assert cuda_alloc.stats().tags[WEIGHTS].mapped_bytes > 0
 
 
-def _compiled_variants() -> int:
-    """Kernels Triton has compiled so far, over every Triton kernel the model runs (a JITFunction
+def _compiled_variants() -> set[str]:
+    """The variants Triton has compiled so far, over every Triton kernel the model runs (a JITFunction
     keeps one compiled variant per specialisation of its arguments, per device)."""
     from worker.model import kernels, paged_attention
 
-    jitted = [paged_attention._kernel, *kernels._compiled.values()]
-    return sum(len(cache[0]) for fn in jitted if fn is not None for cache in fn.device_caches.values())
+    jitted = {"paged": paged_attention._kernel, **kernels._compiled}
+    return {
+        f"{name}: {key}"
+        for name, fn in jitted.items()
+        if fn is not None
+        for cache in fn.device_caches.values()
+        for key in cache[0]
+    }
 
 
 def test_nothing_compiles_after_the_warm_up(cuda_alloc: MemoryAllocator) -> None:
@@ -191,7 +197,7 @@ def test_nothing_compiles_after_the_warm_up(cuda_alloc: MemoryAllocator) -> None
     )
     runner.warm_up()
     after_warm_up = _compiled_variants()
-    assert after_warm_up > 0
+    assert after_warm_up
     g = torch.Generator().manual_seed(11)
     vocab = runner.config.vocab_size
     lengths = [1, 2, 15, 16, 17, 40, 100, 255, 256, 300]
@@ -200,4 +206,4 @@ def test_nothing_compiles_after_the_warm_up(cuda_alloc: MemoryAllocator) -> None
     ]
     alone, batched = _alone_and_batched(runner, requests)
     assert batched == alone
-    assert _compiled_variants() == after_warm_up, "a kernel compiled after the warm-up"
+    assert _compiled_variants() - after_warm_up == set(), "compiled after the warm-up"

@@ -64,21 +64,22 @@ def _build_kernel() -> Any:
     import triton
     import triton.language as tl
 
-    # The block tables' row stride is the step's widest table in blocks: Triton would compile a
-    # variant for 1 and one for multiples of 16, so the first request whose prompt spans another
-    # number of blocks than the warm-up's paid a compile (about a second) after ready.
-    @triton.jit(do_not_specialize=["table_row"])
+    # Neither the block tables' row stride (the step's widest table, in blocks) nor whether the rows
+    # share tables is a compile-time value: Triton would compile a variant for a stride of 1, one for
+    # multiples of 16, one for steps of paged rows and one for longer steps, so the first request after
+    # ready whose step differed from the warm-up's in any of them paid a compile (about a second).
+    @triton.jit(do_not_specialize=["table_row", "shared_tables"])
     def paged_decode_kernel(  # noqa: PLR0913
         Q, KV, TABLES, LENGTHS, ROWS, OUT, scale,
-        q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head,
+        q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head, shared_tables,
         GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr, SHARED_TABLES: tl.constexpr,
+        KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
     ) -> None:  # fmt: skip
         s = tl.program_id(0)
         kvh = tl.program_id(1)
         length = tl.load(LENGTHS + s)
-        table = s
-        if SHARED_TABLES:  # the rows of a prompt chunk read their sequence's one table
+        table = s.to(tl.int64)
+        if shared_tables != 0:  # the rows of a prompt chunk read their sequence's one table
             table = tl.load(ROWS + s)
         g = tl.arange(0, GROUP_PAD)
         d = tl.arange(0, HEAD_DIM)
@@ -132,10 +133,9 @@ def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, 
     _kernel[(n, nkv)](
         q, layer, rows.tables, rows.lengths, rows.table_rows if shared else rows.lengths, out, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3),
-        rows.tables.stride(0), out.stride(0), out.stride(1),
+        rows.tables.stride(0), out.stride(0), out.stride(1), int(shared),
         GROUP=group, GROUP_PAD=max(16, next_pow2(group)), BLOCK_SIZE=layer.shape[2], HEAD_DIM=hd,
         KEYS=KEYS_PER_TILE, WINDOW=window or 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
-        SHARED_TABLES=shared,
     )  # fmt: skip
     return out
 
