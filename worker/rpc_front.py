@@ -59,7 +59,7 @@ class DeviceStreams:
         self._next = 0
         self._call: Any = None
         self._outgoing: asyncio.Queue[tuple[Any, ...]] = asyncio.Queue()
-        self._tasks: list[asyncio.Task[None]] = []
+        self._receiver: asyncio.Task[None] | None = None
 
     def _connect(self) -> None:
         if self._call is not None:
@@ -68,7 +68,7 @@ class DeviceStreams:
             token_mux.METHOD, request_serializer=token_mux.dumps, response_deserializer=token_mux.loads
         )
         self._call = open_mux(self._send())
-        self._tasks.append(asyncio.ensure_future(self._receive(self._call)))
+        self._receiver = asyncio.ensure_future(self._receive(self._call))
 
     async def _send(self) -> AsyncIterator[tuple[Any, ...]]:
         while True:
@@ -115,8 +115,8 @@ class DeviceStreams:
     def close(self) -> None:
         if self._call is not None:
             self._call.cancel()
-        for task in self._tasks:
-            task.cancel()
+        if self._receiver is not None:
+            self._receiver.cancel()
 
 
 async def _fail(context: Context, failed: token_mux.Failure) -> None:
@@ -175,38 +175,31 @@ class Proxy:
         sid, queue = self._streams.open(raw)
         ended = False
         try:
-            while True:
-                item = await queue.get()
-                if len(item) == 2:  # noqa: PLR2004 - (last message, failure): the end
-                    ended = True
-                    last, failed = item
-                    if failed is not None:
-                        await _fail(context, failed)
-                    yield last
-                    return
-                ids, text, prompt_tokens = item
-                ids, pieces = list(ids), [text]
-                end = None
-                while not queue.empty():  # the client reads slower than steps come: one message for all
-                    more = queue.get_nowait()
-                    if len(more) == 2:  # noqa: PLR2004
-                        end = more
-                        break
-                    ids.extend(more[0])
-                    pieces.append(more[1])
-                message = w.GenerateStreamResponse(
-                    token_ids=ids, text="".join(pieces), prompt_token_count=prompt_tokens
-                )
-                yield message.SerializeToString()
-                if end is not None:
-                    ended = True
-                    if end[1] is not None:
-                        await _fail(context, end[1])
-                    yield end[0]
-                    return
+            while not ended:
+                items = [await queue.get()]
+                while not _is_end(items[-1]) and not queue.empty():  # the client reads slower than steps come
+                    items.append(queue.get_nowait())
+                ended = _is_end(items[-1])
+                batches = items[:-1] if ended else items
+                if batches:  # one message for every batch that came meanwhile
+                    message = w.GenerateStreamResponse(
+                        token_ids=[t for ids, _, _ in batches for t in ids],
+                        text="".join(text for _, text, _ in batches),
+                        prompt_token_count=batches[0][2],
+                    )
+                    yield message.SerializeToString()
+            last, failed = items[-1]
+            if failed is not None:
+                await _fail(context, failed)
+            yield last
         finally:
             if not ended:
                 self._streams.cancel(sid)
+
+
+def _is_end(item: tuple[Any, ...]) -> bool:
+    """A stream's queue holds (token ids, text, prompt_token_count) batches, then (last message, failure)."""
+    return len(item) == 2  # noqa: PLR2004
 
 
 async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
