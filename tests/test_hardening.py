@@ -68,10 +68,24 @@ def worker_status(stub: w_grpc.ModelWorkerServiceStub) -> c.WorkerStatus:
 
 
 def busy_generates(stub: w_grpc.ModelWorkerServiceStub, count: int, tokens: int = LONG) -> ThreadPoolExecutor:
-    """``count`` long Generate calls in flight (queued on the device thread one after another)."""
+    """``count`` long Generate streams, each already running in the engine when this returns (its first
+    token came): a Generate still on its way when a Sleep arrives is refused instead of being waited for."""
     pool = ThreadPoolExecutor(count)
-    for _ in range(count):
-        pool.submit(stub.Generate, w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens), timeout=300)
+    started = [threading.Event() for _ in range(count)]
+    req = w.GenerateStreamRequest(request=w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens))
+
+    def run(first: threading.Event) -> None:
+        try:
+            for _ in stub.GenerateStream(req, timeout=300):
+                first.set()
+        finally:
+            first.set()  # ended before its first token too: the check below says so
+
+    calls = [pool.submit(run, ev) for ev in started]
+    for ev in started:
+        wait_for(ev.is_set, bool, what="a busy Generate's first token")
+    early = [f.exception() for f in calls if f.done()]
+    assert not early, f"a busy Generate ended at once: {early}"
     return pool
 
 
@@ -81,8 +95,7 @@ def busy_generates(stub: w_grpc.ModelWorkerServiceStub, count: int, tokens: int 
 def test_a_sleep_whose_caller_gave_up_behind_a_generate_never_breaks_a_lease_granted_after(cluster: Cluster) -> None:
     mgr = cluster.manager()
     (wp,) = cluster.workers_up(mgr, ["leased"])
-    pool = busy_generates(wp.stub, 3)  # ~6 s of device work queued
-    wait_for(lambda: worker_status(wp.stub).last_activity_time.seconds > 0, bool, what="the Generates to start")
+    pool = busy_generates(wp.stub, 3)  # seconds of device work running
     sleep = m.SleepWorkerRequest(name=name("leased"), level=c.SLEEP_LEVEL_1)
     assert code_of(lambda: mgr.stub.SleepWorker(sleep, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
     lease = mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name=name("leased"), holder="after"), timeout=60)
@@ -100,7 +113,6 @@ def test_a_sleep_whose_caller_gave_up_behind_a_generate_never_breaks_a_lease_gra
 def test_a_queued_worker_sleep_whose_caller_left_never_runs_and_frees_the_transition_lock() -> None:
     with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
         pool = busy_generates(wp.stub, 2)
-        time.sleep(0.3)
         req = w.SleepRequest(level=c.SLEEP_LEVEL_1)
         # the client's timer, or the worker's answer that the deadline passed before it could start
         # (CANCELLED, docs/operations.md), whichever comes first on a loaded machine: it never ran
@@ -182,8 +194,7 @@ def test_generate_calls_beyond_the_queue_bound_are_refused_resource_exhausted() 
 def test_sigterm_cancels_what_still_runs_after_the_drain_time() -> None:
     wp = WorkerProcess(["--model", "synthetic:small", "--drain-timeout", "2"]).start()
     try:
-        pool = busy_generates(wp.stub, 10)  # ~90 s of queued work
-        time.sleep(0.5)
+        pool = busy_generates(wp.stub, 10)  # far more work than the drain time
         t0 = time.monotonic()
         assert wp.proc is not None
         wp.proc.send_signal(signal.SIGTERM)
@@ -213,7 +224,6 @@ def test_concurrent_acquires_with_one_request_id_grant_one_lease(cluster: Cluste
 def test_concurrent_worker_sleeps_with_one_request_id_share_the_first_result() -> None:
     with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
         pool = busy_generates(wp.stub, 1)  # the first Sleep queues behind it, the retries arrive meanwhile
-        time.sleep(0.2)
         req = w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id="sleep-1")
         with ThreadPoolExecutor(4) as sleeps:
             answers = list(sleeps.map(lambda _: wp.stub.Sleep(req, timeout=60), range(4)))
