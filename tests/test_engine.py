@@ -695,6 +695,45 @@ def test_a_second_generate_continuing_a_generating_sequence_is_refused(
     assert kv_empty(free_sequence(stub, seq))
 
 
+def test_a_swap_and_a_free_run_between_the_steps_of_a_running_generation(
+    stub: Stub, vocab: int, leftovers: Leftovers
+) -> None:
+    """The device loop runs SwapBlocks and FreeSequence as commands between two engine steps: while a
+    long stream runs, another kept sequence is swapped out and back in to other device blocks and a
+    third is freed, each answered before the stream ends. The stream gives its alone tokens and the
+    swapped sequence continues exactly as if it had never moved."""
+    rng = random.Random(11)
+    prompt, other, long_prompt = (random_prompt(rng, vocab, n) for n in (20, 12, 9))
+    (want,) = continued_alone(stub, "engine-beside-ref", prompt, [10])
+    (want_long,) = alone(stub, [request(long_prompt, LONG)])
+
+    seq = leftovers.keep(stub, "engine-beside")
+    blocks = keep_prompt(stub, seq, prompt)
+    spare = leftovers.keep(stub, "engine-beside-freed")
+    keep_prompt(stub, spare, other)
+    gen = leftovers.stream(stub, request(long_prompt, LONG))
+    gen.wait_tokens(5)
+
+    host = list(range(len(blocks)))
+    out = stub.SwapBlocks(
+        w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=blocks, dst_blocks=host),
+        timeout=FAST_TIMEOUT,
+    )
+    assert out.kv_cache.host_free_block_count == out.kv_cache.host_block_count - len(blocks)
+    free_sequence(stub, spare)
+    top = status(stub).kv_cache.device_block_count - 1  # blocks go out lowest first: the top ones are free
+    back = list(range(top, top - len(blocks), -1))
+    stub.SwapBlocks(
+        w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=back),
+        timeout=FAST_TIMEOUT,
+    )
+    assert not gen.finished, "the swaps and the free were answered only after the generation ended"
+
+    assert gen.result() == want_long, "the running generation's tokens changed"
+    assert generate(stub, request([], 10, seq)) == want, "the swapped sequence does not continue as before"
+    assert kv_empty(free_sequence(stub, seq))
+
+
 # ---------------------------------------------------------------------------------------------
 # 8: --max-batch
 

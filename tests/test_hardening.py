@@ -37,7 +37,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
 LONG = 2000
-"""Tokens of a Generate that keeps synthetic:tiny's device thread busy for ~2 s on this host."""
+"""Tokens of a Generate that keeps synthetic:tiny's device loop busy for ~2 s on this host."""
 
 
 @pytest.fixture

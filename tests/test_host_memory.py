@@ -20,7 +20,7 @@ from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker.config import WorkerConfig
-from worker.device_thread import DeviceThread
+from worker.device_loop import DeviceLoop
 from worker.host_memory import (
     BackgroundPrepin,
     GiB,
@@ -71,7 +71,7 @@ async def test_the_guard_gives_the_reserve_back_while_the_host_is_short_and_take
 ) -> None:
     alloc = make_allocator("host")
     loop = asyncio.get_running_loop()
-    device = DeviceThread(loop)
+    device = DeviceLoop(loop)
     release = HostRelease(alloc, device, loop, lambda: 0.0)
     reserve = 64 << 20
     alloc.set_host_reserve(reserve)

@@ -16,7 +16,7 @@ from pathlib import Path
 import pytest
 
 from memsvc.errors import WrongState
-from worker.device_thread import DeviceThread
+from worker.device_loop import THREAD_NAME, DeviceLoop
 from worker.model import graphs
 from worker.model.graphs import BackgroundCapture
 
@@ -52,12 +52,12 @@ def test_the_model_package_still_exports_its_names() -> None:
         _ = worker.model.Nope
 
 
-# ---- the background capture's policy (a recording capture; the loop and device thread are real) ----
+# ---- the background capture's policy (a recording capture; the loop and device loop are real) ----
 class Rig:
     """A BackgroundCapture over a real loop thread and DeviceThread, with a capture that records."""
 
     def __init__(self, loop: asyncio.AbstractEventLoop, sizes: tuple[int, ...] = (1, 2, 4, 8)) -> None:
-        self.device = DeviceThread(loop)
+        self.device = DeviceLoop(loop)
         self.busy = False
         self.allowed = True
         self.last = time.monotonic() - 10
@@ -113,7 +113,7 @@ def test_every_bucket_is_captured_smallest_first_one_job_at_a_time_on_the_device
     rig.bg.request()
     rig.wait(lambda: not rig.bg.pending)
     assert rig.sizes() == [1, 2, 4, 8] == rig.bg.captured
-    assert {name for _, name in rig.done} == {"memsvc-device_0"}
+    assert {name for _, name in rig.done} == {THREAD_NAME}
     assert rig.most_at_once == 1
     rig.bg.request()  # nothing pending: nothing more
     time.sleep(0.1)

@@ -13,7 +13,7 @@ no earlier example used). The rules:
   answered again without running;
 - Generate on the worker itself: a few tokens, checked against tokens computed at the start (greedy
   decoding is deterministic), and a long one in the background whose short deadline cancels it, so
-  later steps meet a busy device thread (transitions queued behind it, or abandoned before they start);
+  later steps meet a busy device loop (transitions queued behind it, or abandoned before they start);
 - SleepWorker racing AcquireWorker (sent together, maybe behind a busy Generate, maybe with a second
   caller of the same fresh request_id and a long deadline): either may wait for the other on the
   manager's lock, the wake or the sleep may wait behind the Generate, a caller may leave midway;
@@ -87,7 +87,7 @@ FEW = 6
 REF_PROMPT = (3, 1, 4, 1, 5, 9, 2, 6)
 REF_TOKENS = 16
 LONG_TOKENS = 2000
-"""A Generate that keeps the device thread busy far past its short deadline: it is cancelled."""
+"""A Generate that keeps the device loop busy far past its short deadline: it is cancelled."""
 MAX_BACKGROUND = 2
 
 OK = grpc.StatusCode.OK
@@ -474,7 +474,7 @@ class LeaseMachine(RuleBasedStateMachine):
           sleep_first=st.booleans(), busy=st.one_of(st.none(), SHORT), twin=st.booleans())  # fmt: skip
     def acquire_racing_a_sleep(self, level: int, sleep_deadline: float, acquire_deadline: float, sleep_first: bool,
                                busy: float | None, twin: bool) -> None:  # fmt: skip
-        """SleepWorker and AcquireWorker at once, maybe behind a Generate that keeps the device thread busy
+        """SleepWorker and AcquireWorker at once, maybe behind a Generate that keeps the device loop busy
         (``busy``: its deadline), so that either may wait for the other on the worker's lock and the wake
         or the sleep may wait behind the Generate. Whichever wins, a granted lease finds the worker awake
         (the invariant), and a call whose deadline passed keeps nothing. With ``twin``, a second caller
@@ -715,7 +715,7 @@ def test_a_retry_sharing_a_call_is_not_bounded_by_the_first_callers_deadline(env
     works to the latest waiting caller's deadline, and a worker call sent under an earlier one is sent
     again with the same request_id once the manager knows how it ended."""
     stub = env.manager.stub
-    # The device thread is busy until the first caller's deadline has passed (then cancelled below). Its
+    # The device loop is busy until the first caller's deadline has passed (then cancelled below). Its
     # first token proves the engine runs it: a Generate still on its way when the sleep arrives is refused
     # (a transition is pending), and the sleep, then the acquire's wake, would end at once.
     busy = env.worker.stub.GenerateStream(

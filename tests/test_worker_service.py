@@ -958,7 +958,7 @@ def check_consistent_after_cancel(s: Stub, reference: list[int]) -> None:
     st = settle(s)
     assert st.state in (c.WORKER_STATE_AWAKE, c.WORKER_STATE_ASLEEP), state_name(st.state)
     if st.state == c.WORKER_STATE_AWAKE:
-        # A barrier through the device thread: any job queued before it has finished afterwards.
+        # A barrier through the device loop: any job queued before it has finished afterwards.
         try:
             generate(s, [1, 2, 3], 1)
         except grpc.RpcError as e:
@@ -985,7 +985,7 @@ def check_consistent_after_cancel(s: Stub, reference: list[int]) -> None:
 
 @pytest.fixture
 def small_worker() -> Iterator[WorkerProcess]:
-    """A worker on synthetic:small: long enough generations to have a job running on the device thread."""
+    """A worker on synthetic:small: long enough generations to have a job running on the device loop."""
     with WorkerProcess(["--model", "synthetic:small", "--seed", str(SEED)]) as wp:
         yield wp
         wp.stop()
@@ -1028,10 +1028,10 @@ def round_trip(wp: WorkerProcess) -> None:
 
 
 def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grpc.Future[w.GenerateResponse]:
-    """A Generate that keeps the device thread busy for a while, running in the engine on return.
+    """A Generate that keeps the device loop busy for a while, running in the engine on return.
 
     Received by the server is not enough: on a loaded machine a transition sent next can still reach
-    the device thread before the Generate is admitted there, and the Generate then finds the worker
+    the device loop before the Generate is admitted there, and the Generate then finds the worker
     asleep. Holding KV blocks means the engine has admitted it (a transition queued now waits for it).
     """
     fut = wp.stub.Generate.future(w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=n), timeout=300)
@@ -1047,7 +1047,7 @@ def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grp
 
 @pytest.mark.parametrize("rpc", ["Sleep", "ReloadWeights"])
 def test_cancelling_transition_queued_behind_generate(small_worker: WorkerProcess, rpc: str) -> None:
-    """A transition that waits for the device thread (a Generate runs there) is cancelled by its client.
+    """A transition that waits for the device loop (a Generate runs there) is cancelled by its client.
 
     Set-up, each step checked through the API rather than by timing: (1) a long Generate reached the
     server first; (2) the transition was accepted and holds the transition lock (a WakeUp probe is

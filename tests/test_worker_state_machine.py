@@ -1,8 +1,8 @@
-"""The worker's device-thread paths on a real device thread: the one transition path
+"""The worker's device-loop paths on a real device loop: the one transition path
 (worker/state_machine.py), the swap pipeline's queue (worker/swaps.py), shared deadlines.
 
 Through a real worker process these orders are hard to pin down (test_hardening.py covers the
-cancellation of a queued Sleep that way); here the device thread is held by a job the test controls,
+cancellation of a queued Sleep that way); here the device loop is held by a job the test controls,
 so a transition can be made to wait for exactly as long as a test needs.
 """
 
@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import asyncio
 import threading
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from typing import Any
 
 import pytest
@@ -19,7 +19,7 @@ import pytest_asyncio
 from memsvc._deadline import NO_DEADLINE, Deadline, SharedDeadline
 from memsvc.errors import Cancelled, Overloaded, TransitionInProgress
 from memsvc.vocabulary import CopyMethod, TransitionKind, WorkerState
-from worker.device_thread import DeviceThread
+from worker.device_loop import DeviceLoop
 from worker.state_machine import WorkerStateMachine
 from worker.status import Transition
 from worker.swaps import SwapPipeline
@@ -31,13 +31,13 @@ pytestmark = pytest.mark.asyncio
 class Machine:
     def __init__(self) -> None:
         loop = asyncio.get_running_loop()
-        self.device = DeviceThread(loop)
+        self.device = DeviceLoop(loop)
         self.sm = WorkerStateMachine(TelemetryHub(loop), self.device)
         self.sm.state = WorkerState.AWAKE
         self.runs = 0
 
     def hold_device(self) -> threading.Event:
-        """Occupy the device thread until the returned event is set (a long Generate, say)."""
+        """Occupy the device loop until the returned event is set (a long Generate, say)."""
         release = threading.Event()
         self.device.submit(release.wait)
         return release
@@ -108,10 +108,83 @@ async def test_a_caller_leaving_a_queued_job_frees_the_lock_at_once(machine: Mac
     call.cancel()
     with pytest.raises(asyncio.CancelledError):
         await call
-    assert not machine.sm.in_progress  # before the device thread is free again
+    assert not machine.sm.in_progress  # before the device loop is free again
     release.set()
     await machine.sleep()
     assert machine.runs == 1  # the abandoned job never ran; the new one did
+
+
+class GatedWork:
+    """What the device loop steps: ``steps`` engine steps, each waiting for the test's go-ahead, so a
+    test knows exactly how many ran when it looks."""
+
+    def __init__(self, steps: int) -> None:
+        self.left = steps
+        self.ran = 0
+        self.go = threading.Semaphore(0)
+
+    @property
+    def has_work(self) -> bool:
+        return self.left > 0
+
+    def step(self) -> bool:
+        assert self.go.acquire(timeout=30), "a step waited 30 s for the test"
+        self.left -= 1
+        self.ran += 1
+        return self.has_work
+
+    def finish(self) -> None:
+        """No more work: the step waiting now ends and the loop idles."""
+        self.left = 0
+        self.go.release()
+
+
+async def until(cond: Callable[[], bool], what: str) -> None:
+    for _ in range(6000):
+        if cond():
+            return
+        await asyncio.sleep(0.005)
+    raise AssertionError(f"30 s without {what}")
+
+
+async def test_a_transition_waits_for_the_engines_requests_and_commands_behind_it_wait_too(
+    machine: Machine,
+) -> None:
+    """A Sleep queued while the engine has requests runs only once they end (the loop steps
+    meanwhile); a command queued behind it runs after it, not between the steps."""
+    work = GatedWork(3)
+    machine.device.serve(work)
+    order: list[str] = []
+    call = asyncio.ensure_future(machine.sleep())
+    await until(lambda: machine.sm.in_progress, "the Sleep queued")  # the lock is taken as it is queued
+    behind = machine.device.submit(order.append, "behind")
+    for _ in range(2):
+        work.go.release()
+    await until(lambda: work.ran >= 2, "two steps")
+    assert machine.runs == 0 and not behind.done() and machine.sm.in_progress
+    work.go.release()  # the last step: the engine is idle, the Sleep runs, then the command behind it
+    await call
+    await asyncio.wrap_future(behind)
+    assert (work.ran, machine.runs, order) == (3, 1, ["behind"])
+
+
+async def test_a_transition_whose_caller_left_while_the_steps_ran_never_runs(machine: Machine) -> None:
+    """A caller that leaves while its Sleep waits for the engine's requests frees the lock at once;
+    the Sleep never runs, and the commands behind it stop waiting for the steps."""
+    work = GatedWork(1000)
+    machine.device.serve(work)
+    call = asyncio.ensure_future(machine.sleep())
+    await until(lambda: machine.sm.in_progress, "the Sleep queued")
+    behind = machine.device.submit(lambda: work.left)
+    work.go.release()
+    call.cancel()
+    with pytest.raises(asyncio.CancelledError):
+        await call
+    assert not machine.sm.in_progress
+    work.go.release()  # one more step: the loop sees the caller gone and ends the command
+    left = await asyncio.wait_for(asyncio.wrap_future(behind), 30)
+    assert machine.runs == 0 and left > 900, "the abandoned Sleep ran, or waited for every step"
+    work.finish()
 
 
 async def test_a_shut_down_device_thread_does_not_leak_the_lock(machine: Machine) -> None:

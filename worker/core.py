@@ -1,7 +1,7 @@
 """The worker's domain object: one model, its memory pools, and what each transition does to them.
 
 The servicer calls this; this calls the allocator and the model runner. Every piece of device work
-runs on the :class:`~worker.device_thread.DeviceThread`; every transition takes the path of
+is a command of the :class:`~worker.device_loop.DeviceLoop`; every transition takes the path of
 :meth:`~worker.state_machine.WorkerStateMachine.run` (replay, input check, lock, state check, job);
 SwapBlocks goes through the :class:`~worker.swaps.SwapPipeline`.
 """
@@ -9,6 +9,7 @@ SwapBlocks goes through the :class:`~worker.swaps.SwapPipeline`.
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
 import contextlib
 import logging
 import threading
@@ -47,7 +48,7 @@ from memsvc.vocabulary import (
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
-from worker.device_thread import DeviceThread, LoopPost
+from worker.device_loop import DeviceLoop, LoopPost
 from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
 from worker.state_machine import Job, WorkerStateMachine
@@ -56,7 +57,7 @@ from worker.swaps import SwapPipeline
 from worker.telemetry import Event, EventKind, TelemetryHub
 
 if TYPE_CHECKING:
-    from worker.model.generation import GenerationRequest
+    from worker.model.generation import GenerationRequest, GenerationResult
     from worker.model.kv_cache import KvStats, PendingSwap  # imports torch: only where a model is loaded
     from worker.model.loader import StreamingLoader
     from worker.model.runner import ModelRunner
@@ -81,11 +82,11 @@ class WorkerCore:
         self.worker_id = config.resolved_worker_id()
         self.telemetry = TelemetryHub(loop)
         self._loop = loop
-        self._device_thread = DeviceThread(loop)
+        self._device_loop = DeviceLoop(loop)
         self.post = LoopPost(loop)
-        """What a stream's per-token callback runs through (worker/device_thread.py's LoopPost)."""
-        self._sm = WorkerStateMachine(self.telemetry, self._device_thread, self._drain)
-        self._swaps = SwapPipeline(self._device_thread, self._begin_swap, self._sm.finish)
+        """What a stream's per-token callback runs through (worker/device_loop.py's LoopPost)."""
+        self._sm = WorkerStateMachine(self.telemetry, self._device_loop)
+        self._swaps = SwapPipeline(self._device_loop, self._begin_swap, self._sm.finish)
         self._last_memory: AllocatorStats | None = None
         self.alloc: MemoryAllocator | None = None
         self.runner: ModelRunner | None = None
@@ -109,10 +110,6 @@ class WorkerCore:
         self._generate_lock = threading.Lock()
         self._generates = 0
         """Generate calls queued or running (bounded by MAX_QUEUED_GENERATES)."""
-        self._step_lock = threading.Lock()
-        self._step_queued = False
-        """An engine step is queued on the device thread (one at a time, so other device work
-        queued meanwhile runs between two steps)."""
 
     def _note_activity(self) -> None:
         """Traffic resets the manager's idle clock; tell telemetry subscribers soon, not at the next
@@ -139,7 +136,7 @@ class WorkerCore:
     async def load(self) -> None:
         """Create the allocator and load the model (state LOADING -> AWAKE)."""
         self._sm.begin_blocking()
-        await self._device_thread.run(self._load)
+        await self._device_loop.run(self._load)
 
     def _load(self) -> None:
         try:
@@ -194,9 +191,7 @@ class WorkerCore:
                 log.info(
                     "warm-up: kernels compiled and the one-sequence decode captured in %.2f s", self.runner.warm_up()
                 )
-            self.runner.engine.on_work = self._schedule_step
-            self._host_release = HostRelease(self.alloc, self._device_thread, self._loop, self.runner.engine.last_busy)
-            self.runner.engine.admission_checks.insert(0, lambda: self._sm.require(WorkerState.AWAKE))
+            self._host_release = HostRelease(self.alloc, self._device_loop, self._loop, self.runner.engine.last_busy)
             self._device = self._describe_device()
             info: dict[str, Any] = dict(self.runner.info())
             info.pop("kv_cache", None)
@@ -206,10 +201,11 @@ class WorkerCore:
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0
             self._sm.finish(Transition(TransitionKind.LOAD, moved, time.perf_counter() - t0))
             self._sm.set_state(WorkerState.AWAKE, "model loaded")
+            self._device_loop.serve(self.runner.engine)
             if self.runner.graphs is not None:  # serving now: the graphs are captured between steps
                 self.runner.capture_graphs_in_background(
                     self._loop,
-                    self._device_thread.submit,
+                    self._device_loop.submit,
                     lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
                 )
             self._prepin = BackgroundPrepin(self.alloc)
@@ -238,7 +234,7 @@ class WorkerCore:
             def apply(nbytes: int) -> None:
                 if nbytes == 0:
                     alloc.cancel_prepin()  # a prepin still running would pin it all again
-                self._device_thread.submit(release.set_base, nbytes)
+                self._device_loop.submit(release.set_base, nbytes)
 
             self._reserve_guard = HostReserveGuard(auto, apply)
             self._loop.call_soon_threadsafe(self._reserve_guard.start)
@@ -270,11 +266,12 @@ class WorkerCore:
         """Finish queued device work, then release the model and the allocator."""
         if self._reserve_guard is not None:
             await self._reserve_guard.stop()
-        await self._device_thread.run(self._close)
-        self._device_thread.shutdown()
+        await self._device_loop.run(self._close)
+        self._device_loop.shutdown()
         self._swaps.shutdown()
 
     def _close(self) -> None:
+        self._device_loop.serve(None)
         if self.runner is not None:
             self.runner.engine.fail_all(Unavailable("the worker is shutting down"))
         self.runner = None
@@ -488,11 +485,11 @@ class WorkerCore:
 
     def _repark(self) -> None:
         """A prepin that ended while the worker sleeps with its reserve given back: give back what it
-        pinned too (on the device thread, where the reserve is changed)."""
+        pinned too (on the device loop, where the reserve is changed)."""
         release = self._host_release
         if release is not None:
             with contextlib.suppress(RuntimeError):  # shut down: the allocator's close frees it all
-                self._device_thread.submit(lambda: release.park() if release.parked else None)
+                self._device_loop.submit(lambda: release.park() if release.parked else None)
 
     def _park_reserve(self) -> None:
         """With no tag awake, the host reserve waits for the wake, not for a sleep: give it back
@@ -598,7 +595,7 @@ class WorkerCore:
         return await self._swaps.swap(direction, src, dst, method)
 
     def _begin_swap(self, direction: str, src: Any, dst: Any, method: CopyMethod) -> PendingSwap:
-        """On the device thread: the state again (a Sleep may have run since), then check and enqueue."""
+        """On the device loop: the state again (a Sleep may have run since), then check and enqueue."""
         self._check_kv_awake()
         pending = self._model().begin_swap(direction, src, dst, method)  # type: ignore[arg-type]
         self._note_activity()
@@ -619,7 +616,7 @@ class WorkerCore:
         if not sequence_id:
             raise InvalidArgument("sequence_id is required")
         self._require_settled()
-        await self._device_thread.run(lambda: self._model().free_sequence(sequence_id))
+        await self._device_loop.run(lambda: self._model().free_sequence(sequence_id))
         self._note_activity()
 
     def reserve_generate(self) -> GenerateSlot:
@@ -649,22 +646,32 @@ class WorkerCore:
         slot: GenerateSlot | None = None,
     ) -> Generation:
         """Run Generate in the engine's batch, for as long as its caller waits; ``on_token`` sees each
-        token as it is made (on the device thread). ``slot`` (from :meth:`reserve_generate`, taken here
+        token as it is made (on the device loop). ``slot`` (from :meth:`reserve_generate`, taken here
         when not given) is released when the request ends in the engine.
 
-        A caller that leaves (cancelled, deadline passed) stops its request before the engine's next
-        step; it keeps nothing (see ModelRunner.run).
+        The request is admitted by a command of the device loop, in order with the transitions: one
+        that comes after a Sleep's command meets the sleeping worker (FAILED_PRECONDITION). A caller
+        that leaves (cancelled, deadline passed) stops its request before the engine's next step; it
+        keeps nothing (see ModelRunner.run).
         """
         slot = slot or self.reserve_generate()
         stop = threading.Event()
         t0 = time.perf_counter()
-        try:
+
+        def admit() -> concurrent.futures.Future[GenerationResult]:
+            self._sm.require(WorkerState.AWAKE)
             future = self._model().engine.submit(request, stop.is_set, on_token)
+            future.add_done_callback(lambda _: slot.release())
+            return future
+
+        try:
+            admitted = self._device_loop.submit(admit)
         except BaseException:
             slot.release()
             raise
-        future.add_done_callback(lambda _: slot.release())
+        admitted.add_done_callback(lambda f: slot.release() if f.cancelled() or f.exception() is not None else None)
         try:
+            future = await asyncio.shield(asyncio.wrap_future(admitted))
             result = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             stop.set()  # the engine drops it at its next step (the slot goes when it has)
@@ -682,40 +689,6 @@ class WorkerCore:
     def _generate_done(self) -> None:
         with self._generate_lock:
             self._generates -= 1
-
-    def _schedule_step(self) -> None:
-        """Queue one engine step on the device thread unless one is queued (any thread)."""
-        with self._step_lock:
-            if self._step_queued:
-                return
-            self._step_queued = True
-        try:
-            self._device_thread.submit(self._step)
-        except RuntimeError:  # the device thread is shut down: _close failed what was left
-            with self._step_lock:
-                self._step_queued = False
-
-    def _step(self) -> None:
-        """On the device thread: one engine step, then the next queued behind whatever device work
-        arrived meanwhile (a swap, a free, a transition's drain): those run at step boundaries."""
-        with self._step_lock:
-            self._step_queued = False
-        runner = self.runner
-        if runner is None:
-            return
-        try:
-            more = runner.engine.step()
-        except BaseException:
-            log.exception("engine step failed")
-            more = runner.engine.has_work
-        if more:
-            self._schedule_step()
-
-    def _drain(self, until: Callable[[], bool]) -> None:
-        """Before a transition starts (on the device thread): let every accepted Generate end, unless
-        ``until`` says the transition's callers left first."""
-        if self.runner is not None:
-            self.runner.engine.drain(until)
 
     def text_or_none(self) -> ModelText | None:
         return self._model().source.text

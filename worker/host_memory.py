@@ -96,7 +96,7 @@ def parse_prepin(value: int | str) -> int | str:
 class HostReserveGuard:
     """Keeps an automatic reserve while the host has room and drops it while it is short (see the
     module docstring). ``apply`` sets the reserve the allocator keeps (the worker passes
-    :meth:`~worker.host_release.HostRelease.set_base` run on its device thread)."""
+    :meth:`~worker.host_release.HostRelease.set_base` run on its device loop)."""
 
     def __init__(
         self, reserve: int, apply: Callable[[int], None], read: Callable[[], HostMemory] = read_host_memory
@@ -136,7 +136,7 @@ class HostReserveGuard:
     def _apply_safely(self, nbytes: int) -> None:
         try:
             self._apply(nbytes)
-        except RuntimeError as exc:  # the worker is shutting down (its device thread is gone)
+        except RuntimeError as exc:  # the worker is shutting down (its device loop is gone)
             log.debug("host reserve not changed: %s", exc)
 
     def start(self) -> None:

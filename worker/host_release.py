@@ -5,7 +5,7 @@ at once on a thread of its own. On the H200 that takes ~0.4 s for 16 GB, and whi
 unregisters memory the first request's kernel launches wait for it: the first Generate after a wake
 cost 0.41 s instead of 0.04 s (docs/benchmarks.md). So the worker holds the chunks through the wake
 (a raised host reserve) and gives them back once no Generate has run for :data:`IDLE_S`, one chunk
-per device-thread job, so a request that arrives meanwhile waits for at most one chunk. A sleep
+per device-loop job, so a request that arrives meanwhile waits for at most one chunk. A sleep
 before that reuses the chunks (its first copies need no fresh pinning), then trims what it left.
 
 A worker asleep with nothing awake (level 2, weights on its disk tier, or level 1 with the chunks
@@ -23,12 +23,12 @@ import time
 from collections.abc import Callable
 
 from worker.allocator import MemoryAllocator
-from worker.device_thread import DeviceThread
+from worker.device_loop import DeviceLoop
 
 IDLE_S = 0.5
 """No Generate for this long: give a chunk back."""
 STEP_BYTES = 256 << 20
-"""Bytes given back per device-thread job (the host pool's default chunk)."""
+"""Bytes given back per device-loop job (the host pool's default chunk)."""
 _HOLD = 1 << 62
 
 
@@ -36,7 +36,7 @@ class HostRelease:
     """The wake-time hold of host chunks and their release when idle (see the module docstring)."""
 
     def __init__(
-        self, alloc: MemoryAllocator, device: DeviceThread, loop: asyncio.AbstractEventLoop,
+        self, alloc: MemoryAllocator, device: DeviceLoop, loop: asyncio.AbstractEventLoop,
         last_busy: Callable[[], float],
     ) -> None:  # fmt: skip
         self._alloc = alloc
@@ -62,7 +62,7 @@ class HostRelease:
         return self._target is not None
 
     def hold(self) -> None:
-        """Before a wake (device thread): keep every chunk the wake frees."""
+        """Before a wake (device loop): keep every chunk the wake frees."""
         if self._target is None:
             parked = self._parked
             self._target = int(self._alloc.stats().counters["host_reserve_bytes"]) if parked is None else parked
@@ -71,12 +71,12 @@ class HostRelease:
         self._alloc.set_host_reserve(_HOLD)
 
     def release_when_idle(self) -> None:
-        """After the wake (device thread): start giving chunks back once the worker is idle."""
+        """After the wake (device loop): start giving chunks back once the worker is idle."""
         epoch = self._epoch
         self._loop.call_soon_threadsafe(self._loop.call_later, IDLE_S, self._tick, epoch)
 
     def set_base(self, nbytes: int) -> None:
-        """On the device thread: the reserve to come back to is now ``nbytes`` (the automatic reserve
+        """On the device loop: the reserve to come back to is now ``nbytes`` (the automatic reserve
         given back while the host is short, or taken again: worker/host_memory.py)."""
         if self._target is not None:
             self._target = nbytes
@@ -86,14 +86,14 @@ class HostRelease:
             self._alloc.set_host_reserve(nbytes)
 
     def park(self) -> None:
-        """After a sleep that left no tag awake (device thread, after :meth:`settle`): give the
+        """After a sleep that left no tag awake (device loop, after :meth:`settle`): give the
         reserve's free chunks back until :meth:`unpark`."""
         if self._parked is None:
             self._parked = int(self._alloc.stats().counters["host_reserve_bytes"])
         self._alloc.set_host_reserve(0)
 
     def unpark(self) -> int:
-        """After a wake (device thread, after :meth:`hold`, which already aims at the parked reserve):
+        """After a wake (device loop, after :meth:`hold`, which already aims at the parked reserve):
         the bytes given back (0 when none were), for the worker to pre-pin again."""
         parked, self._parked = self._parked, None
         if parked is not None and self._target is None:
@@ -101,7 +101,7 @@ class HostRelease:
         return parked or 0
 
     def settle(self) -> None:
-        """After a sleep (device thread): the reserve is back where it was; free chunks beyond it go now."""
+        """After a sleep (device loop): the reserve is back where it was; free chunks beyond it go now."""
         if self._target is not None:
             target, self._target, self._reserve = self._target, None, None
             self._epoch += 1
@@ -119,7 +119,7 @@ class HostRelease:
             self._device.submit(self._release_one, epoch)
 
     def _release_one(self, epoch: int) -> None:
-        """On the device thread: lower the reserve by a chunk (the allocator trims to it)."""
+        """On the device loop: lower the reserve by a chunk (the allocator trims to it)."""
         if epoch != self._epoch or self._target is None:
             return
         if time.monotonic() - self._last_busy() < IDLE_S:  # a request came in while this was queued

@@ -239,7 +239,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         tokens: asyncio.Queue[int | None] = asyncio.Queue()
         post = self.core.post
 
-        def made(token: int) -> None:  # on the device thread: a step's tokens reach the loop together
+        def made(token: int) -> None:  # on the device loop: a step's tokens reach the loop together
             post(tokens.put_nowait, token)
 
         # From here the task owns the slot: its first step (which hands the slot to the device job)

@@ -1,7 +1,7 @@
 """The worker's transition state machine: its state, sleep level and last transition, the lock that
 lets one transition run at a time, and the one path every transition RPC takes.
 
-A transition's bookkeeping (state, lock, events) happens on the device thread inside the job itself:
+A transition's bookkeeping (state, lock, events) happens on the device loop inside the job itself:
 a client that cancels mid-Sleep leaves the job to finish, and the worker ends in a consistent state
 rather than in the one the cancelled coroutine last saw. A job whose callers all left *before it
 started* (it waited behind a long Generate, say), or whose callers' deadline passed by then, never
@@ -19,7 +19,7 @@ from memsvc._deadline import Deadline
 from memsvc._replay import ReplayCache
 from memsvc.errors import Cancelled, TransitionInProgress, WrongState
 from memsvc.vocabulary import TagState, WorkerState
-from worker.device_thread import DeviceThread, Ticket
+from worker.device_loop import DeviceLoop, Ticket
 from worker.status import Transition
 from worker.telemetry import Event, EventKind, TelemetryHub
 
@@ -33,21 +33,13 @@ class WorkerStateMachine:
     REQUEST_CACHE = 512
     """Transition results kept for retries with the same request_id."""
 
-    def __init__(
-        self,
-        telemetry: TelemetryHub,
-        device: DeviceThread,
-        drain: Callable[[Callable[[], bool]], None] = lambda until: None,
-    ) -> None:
+    def __init__(self, telemetry: TelemetryHub, device: DeviceLoop) -> None:
         self.state = WorkerState.LOADING
         self.sleep_level = 0
         """Level of the last Sleep while not AWAKE (0 after an explicit tag map, or awake)."""
         self.last: Transition | None = None
         self._telemetry = telemetry
         self._device = device
-        self._drain = drain
-        """Run on the device thread before a job starts: the Generate calls accepted so far end first
-        (or it gives up when its argument says the callers left; the job then does not start)."""
         self._busy = threading.Lock()
         self.replay = ReplayCache(self.REQUEST_CACHE)
 
@@ -86,10 +78,10 @@ class WorkerStateMachine:
 
         A retried ``request_id`` shares the first call's result (memsvc/_replay.py); ``validate``
         checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken (from
-        then on no Generate is accepted); ``plan`` checks the state and returns the job, which runs on
-        the device thread once the Generate calls accepted before it have ended (the drain). The lock is released
-        when the job ends, at once if ``plan`` refuses, and at once if every caller leaves while the
-        job still waits for the device thread (then it never runs). A job whose callers' deadline
+        then on no Generate is accepted); ``plan`` checks the state and returns the job, a command of
+        the device loop that runs once the Generate calls admitted before it have ended. The lock is
+        released when the job ends, at once if ``plan`` refuses, and at once if every caller leaves
+        while the job still waits for the device loop (then it never runs). A job whose callers' deadline
         (``deadline``, or a retry's later one) passed while it waited does not start either (CANCELLED,
         nothing changed): the cancellation of a caller that timed out may not have arrived yet. A job
         that had started when its callers left still finishes, and its result is kept for a retry.
@@ -109,7 +101,6 @@ class WorkerStateMachine:
                 if not ticket.start():
                     return None  # abandoned while queued: the lock went with it
                 try:
-                    self._drain(shared.passed)  # no Generate is accepted meanwhile, so this ends
                     if shared.passed():
                         raise Cancelled(
                             f"{method}: its callers' deadline passed before it could start; nothing changed",
@@ -119,10 +110,11 @@ class WorkerStateMachine:
                 finally:
                     self.release()
 
-            try:
-                job_done = self._device.queue(locked)
+            try:  # no Generate is admitted while the lock is held, so the wait for an idle engine ends
+                queued = self._device.submit_when_idle(locked, lambda: ticket.abandoned or shared.passed())
+                job_done = asyncio.wrap_future(queued, loop=self._device.loop)
             except BaseException:
-                self.release()  # the device thread is shut down: the job never runs
+                self.release()  # the device loop is shut down: the job never runs
                 raise
             try:
                 result = await asyncio.shield(job_done)

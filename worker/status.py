@@ -1,6 +1,6 @@
 """The worker's value types: what a transition moved, what Generate made, and a status snapshot.
 
-Plain frozen values, built on the device thread and read anywhere (the servicer turns them into
+Plain frozen values, built on the device loop and read anywhere (the servicer turns them into
 protos, telemetry carries them), so nothing here refers to the allocator or the model.
 """
 

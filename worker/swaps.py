@@ -1,10 +1,10 @@
 """SwapBlocks pipelining: the next swap is checked and enqueued while the one before it copies.
 
-Calls are begun on the device thread in the order they arrive (so their copies run in that order on
+Calls are begun on the device loop in the order they arrive (so their copies run in that order on
 one stream). With another call queued behind, a waiter thread waits for this copy while the device
-thread begins the next; alone, the device thread waits itself (one thread fewer on the way).
+thread begins the next; alone, the device loop waits itself (one thread fewer on the way).
 Whichever waits settles the caller's future: one wake-up of the event loop per call. A call whose
-caller left before the device thread began it never runs.
+caller left before the device loop began it never runs.
 """
 
 from __future__ import annotations
@@ -16,28 +16,28 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memsvc.vocabulary import CopyMethod, TransitionKind
-from worker.device_thread import DeviceThread, Ticket, settle_future
+from worker.device_loop import DeviceLoop, Ticket, settle_future
 from worker.status import Transition
 
 if TYPE_CHECKING:
     from worker.model.kv_cache import PendingSwap  # imports torch: only where a model is loaded
 
 BeginSwap = Callable[[str, Any, Any, CopyMethod], "PendingSwap"]
-"""Check a swap and enqueue its copy (on the device thread): direction, src ids, dst ids, method."""
+"""Check a swap and enqueue its copy (on the device loop): direction, src ids, dst ids, method."""
 
 
 class SwapPipeline:
     COPY_WAITERS = 4
     """Threads that wait for SwapBlocks copies to finish: swaps in flight beyond this wait in turn."""
 
-    def __init__(self, device: DeviceThread, begin: BeginSwap, finish: Callable[[Transition], Transition]) -> None:
+    def __init__(self, device: DeviceLoop, begin: BeginSwap, finish: Callable[[Transition], Transition]) -> None:
         self._device = device
         self._begin = begin
         self._finish = finish
         self._submitted = 0
-        """Calls sent to the device thread (written on the event loop only)."""
+        """Calls sent to the device loop (written on the event loop only)."""
         self._started = 0
-        """Calls the device thread has begun (written on the device thread only)."""
+        """Calls the device loop has begun (written on the device loop only)."""
         self._waiters = concurrent.futures.ThreadPoolExecutor(self.COPY_WAITERS, thread_name_prefix="memsvc-copywait")
 
     async def swap(self, direction: str, src: Any, dst: Any, method: CopyMethod) -> Transition:

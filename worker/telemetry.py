@@ -1,6 +1,6 @@
 """Fan-out of worker events to StreamTelemetry subscribers.
 
-Transitions run on the device thread; subscribers live on the event loop. ``publish`` may be called
+Transitions run on the device loop; subscribers live on the event loop. ``publish`` may be called
 from any thread and hands the event to each subscriber's bounded queue on the loop, dropping the
 oldest event for a subscriber that does not keep up (a slow client must not stall a transition).
 """

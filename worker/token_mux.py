@@ -154,7 +154,7 @@ class _Link:
             self._streams[sid] = _Stream(streamed, len(spec.prompt), request.request.sequence_id, text)
             post = self._core.post
 
-            def made(token: int) -> None:  # on the device thread: a step's tokens reach the loop together
+            def made(token: int) -> None:  # on the device loop: a step's tokens reach the loop together
                 post(self._token, (sid, token))
 
             outcome: Generation | BaseException = await self._core.generate(spec, made, slot)
@@ -166,7 +166,7 @@ class _Link:
                 log.error("unexpected error in GenerateStream", exc_info=exc)
             outcome = exc
         self._tasks.pop(sid, None)
-        # through the same post as the tokens, so after every one of them (worker/device_thread.py)
+        # through the same post as the tokens, so after every one of them (worker/device_loop.py)
         self._core.post(self._end, (sid, outcome))
 
     def _token(self, item: tuple[int, int]) -> None:

@@ -34,7 +34,7 @@ from memsvc.v1 import common_pb2 as c  # noqa: E402
 from memsvc.v1 import model_worker_service_pb2 as w  # noqa: E402
 from memsvc.vocabulary import SleepLevel  # noqa: E402
 from worker.allocator import AllocatorConfig, MemoryAllocator  # noqa: E402
-from worker.device_thread import DeviceThread  # noqa: E402
+from worker.device_loop import DeviceLoop  # noqa: E402
 from worker.model.generation import GenerationRequest  # noqa: E402
 from worker.model.runner import ModelRunner  # noqa: E402
 from worker.model.sampling import SamplingParams  # noqa: E402
@@ -156,7 +156,7 @@ def test_a_background_capture_makes_every_bucket_on_the_device_thread(cuda_alloc
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
-    device = DeviceThread(loop)
+    device = DeviceLoop(loop)
     try:
         background = runner.capture_graphs_in_background(loop, device.submit)
         deadline = time.monotonic() + 120

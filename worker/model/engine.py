@@ -15,16 +15,16 @@ fit even alone fails at once: INVALID_ARGUMENT past the whole pool, OutOfMemory 
 sequences leave of it; no request fails because running ones hold blocks. One that asks for "up to"
 (``stop_at_context``) ends where the context or the pool would end it, with finish reason LENGTH.
 
-Threads: :meth:`Engine.submit` may be called from any thread; :meth:`Engine.step` runs on one
-thread at a time (the worker's device thread, between its sleeps and swaps, so those happen at
-step boundaries). A request whose caller left is dropped at the next step and keeps nothing.
+Threads: the engine is used from one thread at a time: the worker's device loop
+(worker/device_loop.py), which admits requests and runs transitions and swaps as commands between
+steps, or a caller holding the model runner's lock. A request whose caller left is dropped at the
+next step and keeps nothing.
 """
 
 from __future__ import annotations
 
 import collections
 import concurrent.futures
-import threading
 import time
 import uuid
 from collections.abc import Callable
@@ -122,8 +122,8 @@ class Engine:
         self._max_position = max_position
         self._eos = eos_token_ids
         self._text = text
-        self.admission_checks: list[Callable[[], None]] = [check_ready]
-        """Asked as a request is admitted (the model's memory awake; the worker adds its state)."""
+        self._check_ready = check_ready
+        """Asked as a request is admitted (the model's memory awake)."""
         self.max_batch = max_batch
         self.max_step_tokens = max_step_tokens
         self.paged_rows = 0
@@ -131,12 +131,8 @@ class Engine:
         :meth:`_plan`; 0: never): the model runner sets it where its attention kernel takes them
         (CUDA, Triton; worker/model/graphs.py's MIXED_ROWS)."""
         self.max_new_tokens_limit = max_new_tokens_limit
-        self._incoming: collections.deque[_Request] = collections.deque()
-        self._incoming_lock = threading.Lock()
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
-        self.on_work: Callable[[], None] | None = None
-        """Called (from the submitting thread) when a request arrives: the owner schedules a step."""
         self.steps = 0
         self.preemptions = 0
         self._last_step = time.monotonic()
@@ -160,8 +156,8 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> concurrent.futures.Future[GenerationResult]:
-        """Queue a request; its future settles when it ends. ``on_token`` sees each token on the
-        stepping thread; ``should_stop`` is asked before every step (yes: it ends with Cancelled).
+        """Queue a request (on the stepping thread); its future settles when it ends. ``on_token`` sees
+        each token; ``should_stop`` is asked before every step (yes: it ends with Cancelled).
         InvalidArgument is raised here, at once; every other error settles the future."""
         prompt = self.check(request)
         stop_text = None
@@ -172,15 +168,12 @@ class Engine:
             stop_text = StopMatcher(text.stream().step, request.stop_strings)
         fut: concurrent.futures.Future[GenerationResult] = concurrent.futures.Future()
         req = _Request(request, prompt, request.stop_set(self._eos()), should_stop, on_token, fut, stop_text=stop_text)
-        with self._incoming_lock:
-            self._incoming.append(req)
-        if self.on_work is not None:
-            self.on_work()
+        self._waiting.append(req)
         return fut
 
     @property
     def has_work(self) -> bool:
-        return bool(self._incoming or self._waiting or self._running)
+        return bool(self._waiting or self._running)
 
     @property
     def running(self) -> int:
@@ -188,7 +181,7 @@ class Engine:
 
     @property
     def queued(self) -> int:
-        return len(self._incoming) + len(self._waiting)
+        return len(self._waiting)
 
     def last_busy(self) -> float:
         """Monotonic time the engine last worked: now while requests wait or run, else its last step."""
@@ -205,10 +198,7 @@ class Engine:
 
     def fail_all(self, exc: BaseException) -> None:
         """End every request with ``exc`` (the worker is closing)."""
-        with self._incoming_lock:
-            incoming = list(self._incoming)
-            self._incoming.clear()
-        for req in (*incoming, *self._waiting, *self._running):
+        for req in (*self._waiting, *self._running):
             self._fail(req, exc)
         self._waiting.clear()
         self._running.clear()
@@ -216,9 +206,6 @@ class Engine:
     # ---- the step ----
     def step(self) -> bool:
         """Admit, preempt if blocks ran out, run one model step, hand out tokens; True while work remains."""
-        with self._incoming_lock:
-            self._waiting.extend(self._incoming)
-            self._incoming.clear()
         self._drop_leavers()
         self._admit()
         self._grow()
@@ -270,8 +257,7 @@ class Engine:
     def _bind(self, req: _Request) -> bool:
         """Check the request against the state and attach its sequence; False when it is already
         done (a temporary sequence with nothing to generate). Raises what the request gets."""
-        for check in self.admission_checks:
-            check()
+        self._check_ready()
         request, kv = req.request, self.kv_cache
         sid = request.sequence_id
         existing = kv.sequences.get(sid) if sid is not None else None

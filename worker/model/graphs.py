@@ -54,7 +54,7 @@ IDLE_S = 0.2
 after the worker is ready (a client waiting for it) is served first, not after a capture."""
 PATIENCE_S = 1.0
 """A bucket that steps need is captured between two steps once it has waited this long, even if the
-engine never idles (a capture holds the device thread for a fraction of a second; eager decoding of
+engine never idles (a capture holds the device loop for a fraction of a second; eager decoding of
 a busy batch costs more than that in a few seconds)."""
 
 log = logging.getLogger("memsvc.worker")
@@ -247,9 +247,9 @@ class DecodeGraphs:
 
 class BackgroundCapture:
     """Captures a model's pending decode graphs after its load, one bucket per job on the worker's
-    device thread, so that the worker serves (decoding eagerly) while they are made.
+    device loop, so that the worker serves (decoding eagerly) while they are made.
 
-    One bucket per job: a capture holds the device thread for a fraction of a second, and between
+    One bucket per job: a capture holds the device loop for a fraction of a second, and between
     two jobs the engine's steps, a Sleep or a SwapBlocks run. The order: buckets that steps needed
     (oldest need first), then the smallest (a single stream decodes in bucket 1). A capture waits
     until the engine has been idle for :data:`IDLE_S`, or, for a bucket steps need, until it has
@@ -263,7 +263,7 @@ class BackgroundCapture:
     otherwise is logged and left to eager decoding.
 
     Threads: :meth:`want`, :meth:`poke` and :meth:`request` from any thread; the waiting happens on
-    ``loop`` (call_later), the capture in a job ``submit`` queues on the device thread.
+    ``loop`` (call_later), the capture in a job ``submit`` queues on the device loop.
     """
 
     def __init__(
@@ -340,12 +340,12 @@ class BackgroundCapture:
             return
         try:
             self._submit(self._job)
-        except RuntimeError:  # the device thread is shut down
+        except RuntimeError:  # the device loop is shut down
             with self._lock:
                 self._scheduled = False
 
     def _job(self) -> None:
-        """On the device thread: capture the next bucket if it still may run."""
+        """On the device loop: capture the next bucket if it still may run."""
         more = False
         try:
             if not self._may_capture():

@@ -555,7 +555,7 @@ class StreamingLoader:
 
     Bounded: every read of a file (headers, data) runs on a daemon thread the load waits for, so a
     read that never returns fails the load after ``stall_s`` without progress, and :meth:`cancel`
-    ends it at once, instead of holding the caller (the worker's device thread) for ever. A thread
+    ends it at once, instead of holding the caller (the worker's device loop) for ever. A thread
     left inside such a read cannot be stopped: until it returns, the next load is refused
     (Unavailable) rather than leave more threads behind, and the staging ring it may still write
     into is not used again.

@@ -60,10 +60,10 @@ class ModelRunner:
     """One model on one device: its weights, its paged KV cache and the engine that batches its
     requests (worker/model/engine.py).
 
-    ``lock`` serialises steps, swaps and the sleep hooks for callers on several threads (tests,
-    embedders). The worker needs no lock around sleep and wake: it calls the runner, ``alloc.sleep``
-    and ``alloc.wake_up`` from its one device thread only (worker/device_thread.py), so no step can
-    read a range while it is being unmapped.
+    ``lock`` serialises submissions, steps, swaps and the sleep hooks for callers on several threads
+    (tests, embedders). The worker needs no lock around sleep and wake: it calls the runner,
+    ``alloc.sleep`` and ``alloc.wake_up`` from its device loop only (worker/device_loop.py), so no
+    step can read a range while it is being unmapped.
     """
 
     def __init__(
@@ -185,7 +185,7 @@ class ModelRunner:
         submit: Callable[[Callable[[], None]], object],
         may_capture: Callable[[], bool] = lambda: True,
     ) -> BackgroundCapture:
-        """Capture the pending buckets one per ``submit`` job (the device thread's), while the engine
+        """Capture the pending buckets one per ``submit`` job (the device loop's), while the engine
         idles (see :class:`~worker.model.graphs.BackgroundCapture`), as long as ``may_capture`` says
         so. Steps decode eagerly until their bucket is captured."""
         if self.graphs is None:
@@ -232,10 +232,12 @@ class ModelRunner:
         out or being generated, memory asleep), OutOfMemory (more KV blocks than the pool has beside
         the kept sequences, or too many sequences kept), Cancelled.
         """
-        future = self.engine.submit(request, should_stop, on_token)
         with self.lock:
-            while not future.done():
-                self.engine.step()
+            future = self.engine.submit(request, should_stop, on_token)
+        while not future.done():
+            with self.lock:  # one step at a time: another thread's request joins between two
+                if not future.done():
+                    self.engine.step()
         return future.result()
 
     def _check_awake(self, *tags: str) -> None:
