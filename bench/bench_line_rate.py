@@ -310,13 +310,13 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
 
 
 def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
-    """KvCache.swap_ids in process (the worker's device-thread path without gRPC) on pools of 65536
+    """KvCache.swap_ids in process (the worker's device-loop path without gRPC) on pools of 65536
     4 KiB blocks: 8192 and 32768 random blocks owned by sequences of 128 blocks (every moved block's
     table entry changes hands), against a bare copy_block_ids of as many other random blocks (fresh
     ids each time), the same copy repeated on one set of ids (``copy_repeat``: does a set that fits
     the device's L2 cache copy faster?), the C ownership passes (kv_check + kv_move) alone on arrays
     of the same sizes, and swaps begun back to back with begin_swap, waited for at the end
-    (``pipelined``: what the device thread sustains when it never waits for a copy)."""
+    (``pipelined``: what the device loop sustains when it never waits for a copy)."""
     from worker import _native
     from worker.model.config import PRESETS
     from worker.model.kv_cache import KvCache

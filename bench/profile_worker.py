@@ -5,7 +5,7 @@ Why: issue 26's targets are missed where host work, not the GPU, sets the pace; 
 engine's Python, the gRPC front, the GIL between them) is a question for a profiler, not a guess.
 py-spy (a wheel carried to the GPU machine) reads the process from outside, so the worker runs as
 users run it. Each sample counts once for every function on its stack (inclusive) and once for the
-function at its top (self); samples are taken on every thread (the device thread and the event loop
+function at its top (self); samples are taken on every thread (the device loop and the event loop
 show apart) and idle ones are left out.
 
     python -m bench.profile_worker --model /tmp/ck8b --path worker --concurrency 256 --out prof.json
