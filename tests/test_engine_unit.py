@@ -13,6 +13,8 @@ import torch
 from memsvc.errors import InvalidArgument, OutOfMemory
 from memsvc.vocabulary import FinishReason
 from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.model.decoder import HostStep
+from worker.model.engine import SHORT_PREFIX
 from worker.model.generation import GenerationRequest
 from worker.model.runner import ModelRunner
 from worker.model.sampling import SamplingParams
@@ -81,6 +83,33 @@ def test_long_prompts_are_read_in_chunks_beside_the_decodes(alloc: MemoryAllocat
     assert one.tokens == alone[0]
     assert runner.engine.steps - steps >= 50 // 16 + 12, "a 50-token prompt takes several 16-token steps"
     assert concurrently(runner, reqs) == alone
+
+
+def test_a_burst_of_short_prompts_is_one_paged_step_and_a_long_prompt_is_a_span(alloc: MemoryAllocator) -> None:
+    """Past ``paged_rows`` a step is still planned as paged rows while its rows' prefixes are short
+    (engine.SHORT_PREFIX): twelve new short prompts are one step that attends through the block
+    tables, not twelve spans of their own launches; a long prompt's chunk, whose rows would each read a
+    long prefix, is a span. Either way every request gets its alone tokens."""
+    runner = ModelRunner(alloc, "synthetic:small", 256, 4, block_size=8, max_batch=16, max_step_tokens=1024)
+    short, (long,) = requests(12, prompt_len=10, new=4), requests(1, prompt_len=2 * SHORT_PREFIX + 100, new=4)
+    alone = [runner.run(r).tokens for r in [*short, long]]
+    runner.engine.paged_rows = 8
+    plans: list[tuple[int, bool]] = []
+    run_step = runner.engine._run_step
+
+    def record(step: HostStep) -> torch.Tensor:
+        plans.append((len(step.token_ids), step.row_tables is not None))
+        return run_step(step)
+
+    runner.engine._run_step = record
+    futures = [runner.engine.submit(r) for r in short]  # one thread: all of them meet the first step
+    while not all(f.done() for f in futures):
+        runner.engine.step()
+    assert [f.result().tokens for f in futures] == alone[:-1]
+    assert plans[0] == (sum(len(r.prompt) for r in short), True), plans[:3]
+    plans.clear()
+    assert runner.run(long).tokens == alone[-1]
+    assert plans[0] == (len(long.prompt), False), plans[:3]
 
 
 def test_a_request_larger_than_the_pool_beside_kept_sequences_fails_at_once(alloc: MemoryAllocator) -> None:

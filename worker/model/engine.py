@@ -50,6 +50,11 @@ DEFAULT_MAX_BATCH = 64
 """Requests in one step at most (the largest CUDA-graph bucket)."""
 DEFAULT_MAX_STEP_TOKENS = 2048
 """Tokens one step feeds at most: the decodes, then prompt chunks up to this budget."""
+SHORT_PREFIX = 256
+"""A step of more than ``paged_rows`` rows is still planned as paged rows while its rows read, on
+average, prefixes no longer than this (in tokens): every paged row reads its own prefix, where a span
+reads it once; but each span costs its own handful of launches per layer, so the 51 forty-token
+prompts of a burst of new requests would be 51 x layers x ~10 launches as spans."""
 
 
 @dataclass(eq=False)
@@ -362,12 +367,13 @@ class Engine:
         """The step's rows, decodes first, then prompt chunks within the token budget; how many
         tokens each request feeds; the requests whose last row ends a read (they get a token).
 
-        With at most :attr:`paged_rows` rows every row attends through the block tables (one table
-        per sequence, ``row_tables`` naming each row's): a step of decodes and prompt chunks is then
-        one attention launch per layer, where each chunk was a few of its own. Otherwise a chunk is a
-        span whose attention runs per sequence: the host backend's way (its torch kernel would gather
-        a table per row), and a long chunk's (the decode kernel reads a row's whole prefix for every
-        row, where a span's flash attention reads it once per tile of rows)."""
+        With at most :attr:`paged_rows` rows, or more rows whose prefixes are short (see
+        :data:`SHORT_PREFIX`), every row attends through the block tables (one table per sequence,
+        ``row_tables`` naming each row's): a step of decodes and prompt chunks is then one attention
+        launch per layer, where each chunk was a few of its own. Otherwise a chunk is a span whose
+        attention runs per sequence: the host backend's way (its torch kernel would gather a table per
+        row; ``paged_rows`` is 0 there), and a long chunk's (the decode kernel reads a row's whole
+        prefix for every row, where a span's flash attention reads it once per tile of rows)."""
         kv = self.kv_cache
         bs = kv.block_size
         decodes = [r for r in self._running if r.pending == 1]
@@ -379,7 +385,10 @@ class Engine:
                 chunks.append((req, take))
                 budget -= take
         d = len(decodes)
-        paged = 0 < d + sum(take for _, take in chunks) <= self.paged_rows
+        rows = d + sum(take for _, take in chunks)
+        paged = 0 < rows <= self.paged_rows or (
+            self.paged_rows > 0 and _prefix_reads(decodes, chunks) <= rows * SHORT_PREFIX
+        )
         seqs = [r.seq for r in decodes] + [r.seq for r, _ in chunks]
         tables = [kv.block_array(s.seq_id) for s in seqs]  # type: ignore[union-attr]
         width = max(((len(t) for t in tables) if paged else (len(t) for t in tables[:d])), default=0)
@@ -488,6 +497,18 @@ class Engine:
         req.future.set_exception(exc)
 
 
+def _prefix_reads(decodes: list[_Request], chunks: list[tuple[_Request, int]]) -> int:
+    """Positions the step's rows read as paged rows: each row its sequence's prefix up to itself."""
+    reads = 0
+    for req in decodes:
+        assert req.seq is not None
+        reads += req.seq.num_cached + 1
+    for req, take in chunks:
+        assert req.seq is not None
+        reads += take * req.seq.num_cached + take * (take + 1) // 2
+    return reads
+
+
 def check_tokens(ids: object, vocab: int, what: str = "prompt_token_ids") -> list[int]:
     """A list of token ids in ``[0, vocab)``, or INVALID_ARGUMENT naming the first bad one."""
     if isinstance(ids, str | bytes) or not hasattr(ids, "__iter__"):
@@ -499,4 +520,4 @@ def check_tokens(ids: object, vocab: int, what: str = "prompt_token_ids") -> lis
     return tokens
 
 
-__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_STEP_TOKENS", "Engine", "check_tokens"]
+__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_STEP_TOKENS", "SHORT_PREFIX", "Engine", "check_tokens"]
