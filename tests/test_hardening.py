@@ -68,22 +68,14 @@ def worker_status(stub: w_grpc.ModelWorkerServiceStub) -> c.WorkerStatus:
 
 
 def busy_generates(stub: w_grpc.ModelWorkerServiceStub, count: int, tokens: int = LONG) -> ThreadPoolExecutor:
-    """``count`` long Generate streams, each already running in the engine when this returns (its first
-    token came): a Generate still on its way when a Sleep arrives is refused instead of being waited for."""
+    """``count`` long Generate calls, each already admitted by the engine when this returns (its
+    sequence exists): a Generate still on its way when a Sleep arrives is refused instead of waited for."""
+    base = worker_status(stub).kv_cache.sequence_count
     pool = ThreadPoolExecutor(count)
-    started = [threading.Event() for _ in range(count)]
-    req = w.GenerateStreamRequest(request=w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens))
-
-    def run(first: threading.Event) -> None:
-        try:
-            for _ in stub.GenerateStream(req, timeout=300):
-                first.set()
-        finally:
-            first.set()  # ended before its first token too: the check below says so
-
-    calls = [pool.submit(run, ev) for ev in started]
-    for ev in started:
-        wait_for(ev.is_set, bool, what="a busy Generate's first token")
+    req = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens)
+    calls = [pool.submit(stub.Generate, req, timeout=300) for _ in range(count)]
+    wait_for(lambda: worker_status(stub).kv_cache.sequence_count, lambda n: n >= base + count or any(
+        f.done() for f in calls), what="the busy Generates to be admitted")  # fmt: skip
     early = [f.exception() for f in calls if f.done()]
     assert not early, f"a busy Generate ended at once: {early}"
     return pool
@@ -98,7 +90,8 @@ def test_a_sleep_whose_caller_gave_up_behind_a_generate_never_breaks_a_lease_gra
     pool = busy_generates(wp.stub, 3)  # seconds of device work running
     sleep = m.SleepWorkerRequest(name=name("leased"), level=c.SLEEP_LEVEL_1)
     assert code_of(lambda: mgr.stub.SleepWorker(sleep, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
-    lease = mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name=name("leased"), holder="after"), timeout=60)
+    after = m.AcquireWorkerRequest(name=name("leased"), holder="after", ttl=Duration(seconds=600))
+    lease = mgr.stub.AcquireWorker(after, timeout=60)  # the TTL outlasts the Generates on a loaded machine
     assert lease.worker.state == c.WORKER_STATE_AWAKE
     pool.shutdown(wait=True)  # the Generates are done: a queued Sleep would run now
     time.sleep(1.0)

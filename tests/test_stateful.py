@@ -716,13 +716,14 @@ def test_a_retry_sharing_a_call_is_not_bounded_by_the_first_callers_deadline(env
     again with the same request_id once the manager knows how it ended."""
     stub = env.manager.stub
     # The device loop is busy until the first caller's deadline has passed (then cancelled below). Its
-    # first token proves the engine runs it: a Generate still on its way when the sleep arrives is refused
-    # (a transition is pending), and the sleep, then the acquire's wake, would end at once.
-    busy = env.worker.stub.GenerateStream(
-        w.GenerateStreamRequest(request=w.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS)),
-        timeout=LONG_S,
+    # sequence proves the engine admitted it: a Generate still on its way when the sleep arrives is
+    # refused (a transition is pending), and the sleep, then the acquire's wake, would end at once.
+    busy = env.worker.stub.Generate.future(
+        w.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS), timeout=LONG_S
     )
-    assert next(busy).token_ids, "the busy Generate streamed nothing"
+    wait_for(lambda: env.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+             lambda kv: kv.sequence_count > 0 or busy.done(), what="the Generate to be admitted")  # fmt: skip
+    assert not busy.done(), f"the busy Generate ended at once: {busy.exception()}"
     first: grpc.Future[Any]
     retry: grpc.Future[Any]
     sleep: grpc.Future[m.SleepWorkerResponse] | None = None
