@@ -196,11 +196,6 @@ class Engine:
         """Handles of the sequences requests are generating (SwapBlocks and FreeSequence refuse them)."""
         return {r.seq.handle for r in (*self._running, *self._waiting) if r.seq is not None}
 
-    def drain(self, until: Callable[[], bool] = lambda: False) -> None:
-        """Step until every request has ended (before a sleep or a reload), or ``until`` says stop."""
-        while self.has_work and not until():
-            self.step()
-
     def fail_all(self, exc: BaseException) -> None:
         """End every request with ``exc`` (the worker is closing)."""
         for req in (*self._waiting, *self._running):
