@@ -40,7 +40,7 @@ from memsvc.vocabulary import FinishReason
 from worker.model.decoder import HostStep
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
-from worker.model.sampling import Sampler
+from worker.model.sampling import Sampler, pick_tokens
 from worker.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
@@ -434,10 +434,8 @@ class Engine:
         for req, n in fed:
             assert req.seq is not None
             req.seq.num_cached += n
-        greedy: list[int] = logits.argmax(dim=-1).tolist()
-        for i, req in enumerate(ends):
-            assert req.sampler is not None
-            token = greedy[i] if req.request.sampling.greedy else req.sampler(logits[i])
+        tokens = pick_tokens(logits, [req.sampler for req in ends])  # type: ignore[misc]  # bound at admission
+        for req, token in zip(ends, tokens, strict=True):
             self._deliver(req, token)
 
     def _deliver(self, req: _Request, token: int) -> None:
