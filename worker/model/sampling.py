@@ -87,7 +87,8 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     if any(p.top_p < 1.0 for p in params):
         # transformers' rule: sort ascending, drop the tokens whose cumulative probability is at most
         # 1 - top_p, always keep the most likely one (a row without top-p: a limit nothing is under).
-        sorted_x, order = torch.sort(x, dim=-1, descending=False)
+        # stable: tied logits (common in bf16) keep their order, whatever algorithm a shape gets
+        sorted_x, order = torch.sort(x, dim=-1, descending=False, stable=True)
         cumulative = sorted_x.softmax(dim=-1).cumsum(dim=-1)
         drop_sorted = cumulative <= column([1.0 - p.top_p if p.top_p < 1.0 else -1.0 for p in params])
         drop_sorted[:, -1] = False
