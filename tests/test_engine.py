@@ -232,14 +232,17 @@ class Streamed:
     when it ended (``time.monotonic()`` at the last message, or at the error). Streams given the same
     ``cond`` share it, so a test can wait for a condition over all of them."""
 
-    def __init__(self, stub: Stub, req: w.GenerateRequest, cond: threading.Condition | None = None) -> None:
+    def __init__(
+        self, stub: Stub, req: w.GenerateRequest, cond: threading.Condition | None = None, timeout: float = CALL_TIMEOUT
+    ) -> None:
         self.request = req
+        self.timeout = timeout
         self.cond = cond or threading.Condition()
         self.tokens: list[int] = []
         self.done: w.GenerateResponse | None = None
         self.error: grpc.RpcError | None = None
         self.finished_at: float | None = None
-        self.call = stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=CALL_TIMEOUT)
+        self.call = stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=timeout)
         self._thread = threading.Thread(target=self._read, name="stream-reader", daemon=True)
         self._thread.start()
 
@@ -273,7 +276,7 @@ class Streamed:
         assert got >= n, f"the stream sent {got} tokens, not {n} (ended: {self.finished}, error: {error})"
 
     def join(self) -> None:
-        self._thread.join(CALL_TIMEOUT + WAIT_TIMEOUT)
+        self._thread.join(self.timeout + WAIT_TIMEOUT)
         assert not self._thread.is_alive(), "the stream did not end within its deadline"
 
     def result(self) -> list[int]:
@@ -747,7 +750,8 @@ def test_max_batch_bounds_the_batch_and_the_rest_wait(vocab: int) -> None:
     requests = [request(random_prompt(rng, vocab, rng.randint(5, 40)), 100) for _ in range(6)]
     with WorkerProcess([*worker_args(KV_BLOCKS), "--max-batch", "2"]) as wp:
         expected = alone(wp.stub, requests)
-        streams = [Streamed(wp.stub, r) for r in requests]
+        # the last stream waits for four others to end: its deadline is not the test's subject
+        streams = [Streamed(wp.stub, r, timeout=10 * CALL_TIMEOUT) for r in requests]
         seen: set[int] = set()
         try:
             while not all(s.finished_at is not None for s in streams):
