@@ -418,9 +418,10 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     p.add_argument(
         "--rpc-front",
         choices=RPC_FRONTS,
-        default=env("RPC_FRONT", "inline"),
-        help="where the gRPC server runs: inline, in the worker's process, or process, in a child process of its "
-        "own, so that streaming many answers takes no host time from the model's steps",
+        default=env("RPC_FRONT", "process"),
+        help="where the gRPC server runs: process (the default), in a child process of its own, so that streaming "
+        "many answers takes no host time from the model's steps, or inline, in the worker's process (one process "
+        "fewer; a single stream's tokens arrive a few percent sooner)",
     )
     _server_auth_flags(p, worker=True)
     _log_flags(p)

@@ -51,7 +51,10 @@ def _gone(pid: int) -> bool:
 @pytest.fixture(scope="module")
 def fronts() -> Iterator[dict[str, WorkerProcess]]:
     """One worker of each kind, same model and seed."""
-    with WorkerProcess(["--seed", "5"]) as inline, WorkerProcess(["--seed", "5", *PROCESS]) as process:
+    with (
+        WorkerProcess(["--seed", "5", "--rpc-front", "inline"]) as inline,
+        WorkerProcess(["--seed", "5", *PROCESS]) as process,
+    ):
         yield {"inline": inline, "process": process}
 
 

@@ -59,7 +59,7 @@ class WorkerConfig:
     drain_seconds: float = 30.0
     """On SIGTERM, calls in flight get this long to finish; then they are cancelled (a Generate stops
     at its next step) and the worker exits, within :data:`~worker.main.EXIT_GRACE_S` more at most."""
-    rpc_front: str = "inline"
+    rpc_front: str = "process"
     """Where the public gRPC server runs: ``inline``, in the worker's process, or ``process``, in a
     child process of its own (worker/rpc_front.py), so that writing the streams' messages takes no
     host time from the device loop."""
