@@ -1,0 +1,114 @@
+"""The engine's host time per step, without the model: what a step costs the device loop in Python
+and numpy (planning, the KV blocks, picking and handing out the tokens) at 1, 64 and 256 rows.
+
+Why: issue 26 item 3 asks for host cost per step that does not grow with per-sequence Python. On the
+GPU that cost sits between two steps of the device (the device idles through it) and is hard to see
+apart from the device's own time; here the engine runs on the host backend with its forward replaced
+by a constant logits tensor, so every millisecond measured is the engine's host work, the same code
+the GPU worker runs. The model is ``synthetic:tiny`` (its vocabulary of 512 keeps the argmax small);
+torch runs one thread, so the numbers do not depend on how busy the other cores are.
+
+Each row count: that many 40-token prompts decoding 200 tokens with ``ignore_eos``; the steps after
+every prompt was read are timed (median and p90, ms per step, and per row).
+
+    python -m bench.bench_step_host --out step_host.json [--rows 1,64,256] [--steps 150]
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import platform
+import statistics
+import subprocess
+import time
+from collections.abc import Sequence
+from pathlib import Path
+from typing import Any
+
+PROMPT = 40
+
+
+def measure(rows: int, steps: int) -> dict[str, Any]:
+    import torch
+
+    from worker.allocator import AllocatorConfig, MemoryAllocator
+    from worker.model.decoder import HostStep
+    from worker.model.generation import GenerationRequest
+    from worker.model.runner import ModelRunner
+
+    alloc = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=1 << 30))
+    try:
+        blocks = rows * ((PROMPT + steps + 16) // 16 + 1)
+        runner = ModelRunner(
+            alloc, "synthetic:tiny", blocks, 4, block_size=16, max_batch=rows, max_step_tokens=max(2048, rows * PROMPT)
+        )
+        engine = runner.engine
+        logits = torch.zeros(rows, runner.config.vocab_size)
+
+        def no_model(step: HostStep) -> torch.Tensor:
+            return logits[: len(step.last_rows)]
+
+        engine._run_step = no_model  # the forward out of the picture: only host work is left
+        futures = [
+            engine.submit(GenerationRequest([(7 * i + j) % 500 + 1 for j in range(PROMPT)], steps + 8, ignore_eos=True))
+            for i in range(rows)
+        ]
+        while any(r.pending > 1 for r in engine._running) or engine.queued:  # every prompt read
+            engine.step()
+        times = []
+        for _ in range(steps):
+            t0 = time.perf_counter()
+            engine.step()
+            times.append(time.perf_counter() - t0)
+        for f in futures:
+            f.cancel()
+        engine.fail_all(RuntimeError("bench over"))
+        times.sort()
+        median, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+        return {
+            "rows": rows,
+            "steps": steps,
+            "step_ms_median": round(median * 1e3, 4),
+            "step_ms_p90": round(p90 * 1e3, 4),
+            "per_row_us_median": round(median * 1e6 / rows, 3),
+        }
+    finally:
+        alloc.close()
+
+
+def run(rows: Sequence[int], steps: int) -> dict[str, Any]:
+    import torch
+
+    torch.set_num_threads(1)
+    try:
+        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
+    except OSError:
+        commit = ""
+    return {
+        "what": "engine host time per step, forward replaced by constant logits (bench/bench_step_host.py)",
+        "date": time.strftime("%Y-%m-%d"),
+        "commit": commit,
+        "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__},
+        "levels": [measure(n, steps) for n in rows],
+    }
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--out", default="bench_step_host.json")
+    ap.add_argument("--rows", default="1,64,256", help="row counts, comma-separated")
+    ap.add_argument("--steps", type=int, default=150, help="decode steps timed per row count")
+    args = ap.parse_args(argv)
+    result = run([int(x) for x in args.rows.split(",")], args.steps)
+    Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
+    for level in result["levels"]:
+        print(
+            f"{level['rows']:>4} rows: {level['step_ms_median']:.3f} ms per step (p90 {level['step_ms_p90']:.3f}), "
+            f"{level['per_row_us_median']:.2f} us per row"
+        )
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
