@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import array
 import contextlib
+import gc
 import os
 import sys
 import threading
@@ -296,15 +297,24 @@ class MemoryAllocator:
 
         The capture checks only this thread's CUDA calls (``thread_local``): a worker captures while
         it serves, and its other threads' calls (a status's memory query, the host prepin's
-        registration) would otherwise invalidate the capture or fail themselves."""
+        registration) would otherwise invalidate the capture or fail themselves. Python's cyclic
+        garbage collector is off meanwhile: a collection that a capture's own allocations set off
+        would run finalizers on this thread (a graph, a pool, an event of objects long gone), and a
+        CUDA call inside the capture invalidates it."""
         import torch
 
         check_tag(tag)
         if self.backend != "cuda":
             raise WrongState("CUDA graphs need the cuda backend")
         pool = self._mem_pool(tag)
-        with self._routed_to(tag), torch.cuda.graph(graph, pool=pool.id, capture_error_mode="thread_local"):
-            yield
+        collecting = gc.isenabled()
+        gc.disable()
+        try:
+            with self._routed_to(tag), torch.cuda.graph(graph, pool=pool.id, capture_error_mode="thread_local"):
+                yield
+        finally:
+            if collecting:
+                gc.enable()
 
     def _mem_pool(self, tag: str) -> Any:
         """torch's MemPool for ``tag`` (one per tag, so a cached torch segment never mixes tags), its
