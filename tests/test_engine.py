@@ -698,6 +698,11 @@ def test_a_second_generate_continuing_a_generating_sequence_is_refused(
     assert kv_empty(free_sequence(stub, seq))
 
 
+BESIDE = 600
+"""New tokens of the generation five calls are answered beside (a loaded machine answers each in a few
+of its steps)."""
+
+
 def test_a_swap_and_a_free_run_between_the_steps_of_a_running_generation(
     stub: Stub, vocab: int, leftovers: Leftovers
 ) -> None:
@@ -708,13 +713,13 @@ def test_a_swap_and_a_free_run_between_the_steps_of_a_running_generation(
     rng = random.Random(11)
     prompt, other, long_prompt = (random_prompt(rng, vocab, n) for n in (20, 12, 9))
     (want,) = continued_alone(stub, "engine-beside-ref", prompt, [10])
-    (want_long,) = alone(stub, [request(long_prompt, LONG)])
+    (want_long,) = alone(stub, [request(long_prompt, BESIDE)])
 
     seq = leftovers.keep(stub, "engine-beside")
     blocks = keep_prompt(stub, seq, prompt)
     spare = leftovers.keep(stub, "engine-beside-freed")
     keep_prompt(stub, spare, other)
-    gen = leftovers.stream(stub, request(long_prompt, LONG))
+    gen = leftovers.stream(stub, request(long_prompt, BESIDE))
     gen.wait_tokens(5)
 
     host = list(range(len(blocks)))
