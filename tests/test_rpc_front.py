@@ -9,6 +9,8 @@ worker takes its front along, and a lost front stops the worker.
 
 from __future__ import annotations
 
+import dataclasses
+import json
 import os
 import signal
 import socket
@@ -23,9 +25,11 @@ import pytest
 from managerproc import wait_for
 from workerproc import WorkerProcess
 
+from memsvc._auth import Security
 from memsvc._rpc_errors import error_info
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from worker.rpc_front import FrontConfig
 
 PROCESS = ["--rpc-front", "process"]
 
@@ -219,3 +223,20 @@ def test_a_taken_port_is_a_usage_error(front: str) -> None:
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert f"cannot listen on '127.0.0.1:{port}'" in r.stderr, r.stderr
+
+
+def test_a_front_whose_worker_left_before_it_listened_exits_quietly(tmp_path: Path) -> None:
+    """A worker stopped while its front starts (``memsvc up`` stopping everything because a sibling
+    failed) is gone before the front says where it listens: the front then stops at once, exit 0, no
+    traceback (a BrokenPipeError one was printed). The read end of its stdout is closed before it can
+    write, so the pipe is broken whatever the timing."""
+    config = FrontConfig("127.0.0.1:0", f"unix:{tmp_path / 'no-device.sock'}", 0.0, dataclasses.asdict(Security()))
+    read, write = os.pipe()
+    os.close(read)
+    try:
+        r = subprocess.run([sys.executable, "-m", "worker.rpc_front"], input=json.dumps(dataclasses.asdict(config)),
+                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+    finally:
+        os.close(write)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr

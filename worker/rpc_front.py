@@ -24,6 +24,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import os
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -225,11 +226,15 @@ async def serve(listen: str, device: str, security: Security, drain: float) -> i
     try:
         srv = await start_server(listen, [Proxy(channel, streams).register], [SERVICE.full_name], security=security)
     except InvalidArgument as exc:
-        print(json.dumps({"error": str(exc)}), flush=True)
+        _tell({"error": str(exc)})
         return 2
     await srv.set_serving(False)
     await srv.set_serving(False, SERVICE.full_name)
-    print(json.dumps({"address": srv.address}), flush=True)
+    if not _tell({"address": srv.address}):  # the device process stopped while this one started
+        await srv.stop(0)
+        streams.close()
+        await channel.close()
+        return 0
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
@@ -244,6 +249,16 @@ async def serve(listen: str, device: str, security: Security, drain: float) -> i
     streams.close()
     await channel.close()
     return 0
+
+
+def _tell(line: dict[str, Any]) -> bool:
+    """One JSON line to the device process; False when it has gone (it closed its end of the pipe)."""
+    try:
+        print(json.dumps(line), flush=True)
+    except BrokenPipeError:
+        os.dup2(os.open(os.devnull, os.O_WRONLY), sys.stdout.fileno())  # nor at exit: nobody reads it
+        return False
+    return True
 
 
 class _EndOfInput(asyncio.Protocol):
