@@ -69,10 +69,6 @@ class DeviceLoop:
         says its callers stopped waiting (asked between steps; ``fn`` runs then too, to end itself)."""
         return self._put(_Command(fn, concurrent.futures.Future(), idle=True, until=until))
 
-    def queue(self, fn: Callable[[], T]) -> asyncio.Future[T]:
-        """Queue ``fn``: the event loop's future of its result (await it shielded)."""
-        return asyncio.wrap_future(self.submit(fn), loop=self.loop)
-
     async def run(self, fn: Callable[[], T]) -> T:
         """Run ``fn`` on the device loop and return its result.
 
@@ -80,7 +76,7 @@ class DeviceLoop:
         command settles its own bookkeeping; a caller that must keep a queued command from starting
         races it with a :class:`Ticket`.
         """
-        return await asyncio.shield(self.queue(fn))
+        return await asyncio.shield(asyncio.wrap_future(self.submit(fn), loop=self.loop))
 
     def serve(self, engine: Steps | None) -> None:
         """Step ``engine`` whenever it has requests (None: no engine, the model is gone)."""

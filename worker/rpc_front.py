@@ -230,13 +230,10 @@ async def serve(listen: str, device: str, security: Security, drain: float) -> i
         return 2
     await srv.set_serving(False)
     await srv.set_serving(False, SERVICE.full_name)
-    if not _tell({"address": srv.address}):  # the device process stopped while this one started
-        await srv.stop(0)
-        streams.close()
-        await channel.close()
-        return 0
     loop = asyncio.get_running_loop()
     stop = asyncio.Event()
+    if not _tell({"address": srv.address}):  # the device process stopped while this one started
+        stop.set()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # a terminal's Ctrl-C: the device process orders the stop
     # the device process holds this stdin open: its end (however it ended) ends this process too
