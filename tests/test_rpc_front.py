@@ -240,3 +240,11 @@ def test_a_front_whose_worker_left_before_it_listened_exits_quietly(tmp_path: Pa
         os.close(write)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr and "Exception ignored" not in r.stderr, r.stderr
+
+
+def test_a_front_whose_worker_left_before_it_sent_the_configuration_exits_quietly() -> None:
+    """The earlier window of the same race: the worker is gone before it wrote the front's one line
+    of configuration (its stdin ends at once); the front exits 0 without a traceback."""
+    r = subprocess.run([sys.executable, "-m", "worker.rpc_front"], input="", capture_output=True, text=True, timeout=60)
+    assert r.returncode == 0, r.stderr
+    assert "Traceback" not in r.stderr, r.stderr

@@ -323,7 +323,10 @@ class FrontProcess:
 
 
 def main() -> int:
-    config = FrontConfig(**json.loads(sys.stdin.readline()))
+    line = sys.stdin.readline()
+    if not line:  # the device process stopped before it could say what to serve: nothing to do
+        return 0
+    config = FrontConfig(**json.loads(line))
     configure(config.log_level, config.log_format)
     fields = dict(config.security)
     fields["allowed_clients"] = tuple(fields.get("allowed_clients", ()))
