@@ -9,6 +9,7 @@ worker takes its front along, and a lost front stops the worker.
 
 from __future__ import annotations
 
+import asyncio
 import dataclasses
 import json
 import os
@@ -22,14 +23,16 @@ from pathlib import Path
 
 import grpc
 import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from managerproc import wait_for
 from workerproc import WorkerProcess
 
 from memsvc._auth import Security
 from memsvc._rpc_errors import error_info
+from memsvc._serving import start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
-from worker.rpc_front import FrontConfig
+from worker.rpc_front import SERVICE, FrontConfig, FrontProcess
 
 PROCESS = ["--rpc-front", "process"]
 
@@ -248,3 +251,40 @@ def test_a_front_whose_worker_left_before_it_sent_the_configuration_exits_quietl
     r = subprocess.run([sys.executable, "-m", "worker.rpc_front"], input="", capture_output=True, text=True, timeout=60)
     assert r.returncode == 0, r.stderr
     assert "Traceback" not in r.stderr, r.stderr
+
+
+def test_the_front_says_it_serves_once_its_own_health_answers_serving(tmp_path: Path) -> None:
+    """The worker says "ready" when its front tells it that it serves (worker/main.py), so a client
+    that checks the front's health on the word finds SERVING. It found NOT_SERVING once in ~25 loaded
+    runs of test_worker_service's health test, when "ready" followed the device process's own health
+    and the front mirrored it a moment later. Here a real front before a device-side server whose
+    health is set by hand: NOT_SERVING mirrored and not told; SERVING told only once the front's own
+    Check answers it."""
+
+    async def scenario() -> None:
+        device = f"unix:{tmp_path / 'device.sock'}"
+        inner = await start_server(device, [], [SERVICE.full_name])
+        for name in ("", SERVICE.full_name):
+            await inner.set_serving(False, name)
+        front = await FrontProcess.start(FrontConfig("127.0.0.1:0", device, 0.0, dataclasses.asdict(Security())))
+        told = asyncio.ensure_future(front.serving())
+        try:
+            async with grpc.aio.insecure_channel(front.address) as channel:
+                health = health_pb2_grpc.HealthStub(channel)
+                watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE.full_name))
+                first = await watch.read()  # the front's own state before the device process's is mirrored
+                assert first.status == health_pb2.HealthCheckResponse.NOT_SERVING
+                assert not told.done(), "NOT_SERVING is not told"
+                for name in ("", SERVICE.full_name):
+                    await inner.set_serving(True, name)
+                assert await asyncio.wait_for(told, 60)
+                for name in ("", SERVICE.full_name):
+                    answer = await health.Check(health_pb2.HealthCheckRequest(service=name), timeout=30)
+                    assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
+                watch.cancel()
+        finally:
+            told.cancel()
+            await front.stop(0)
+            await inner.stop(0)
+
+    asyncio.run(scenario())

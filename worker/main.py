@@ -200,7 +200,16 @@ async def _run(
         return 1
     await srv.set_serving(True)
     await srv.set_serving(True, SERVICE_NAME)
-    announce(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}")
+    ready = True
+    if front is not None:  # "ready" once clients' health checks say SERVING: the front mirrors it a moment later
+        mirrored = asyncio.ensure_future(front.serving())
+        stopping = asyncio.ensure_future(stop.wait())
+        await asyncio.wait({mirrored, stopping}, return_when=asyncio.FIRST_COMPLETED)
+        stopping.cancel()
+        mirrored.cancel()
+        ready = mirrored.done() and not mirrored.cancelled() and mirrored.result()  # False: the front exited
+    if ready and not stop.is_set():
+        announce(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}")
     background: list[asyncio.Task[None]] = []
     if manager:
         from worker.registration import keep_registered

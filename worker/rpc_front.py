@@ -204,18 +204,27 @@ def _is_end(item: tuple[Any, ...]) -> bool:
 
 
 async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
-    """This server's health is the device process's (NOT_SERVING while the model loads)."""
+    """This server's health is the device process's (NOT_SERVING while the model loads); each change,
+    once this server answers with it, is told to the device process (which says "ready" only then:
+    a client that checks health on the word must find SERVING)."""
     stub = health_pb2_grpc.HealthStub(channel)
     name = SERVICE.full_name
+    told = False
+
+    async def mirror(serving: bool) -> None:
+        nonlocal told
+        await srv.set_serving(serving)
+        await srv.set_serving(serving, name)
+        if serving != told:
+            told = serving
+            _tell({"serving": serving})
+
     while True:
         try:
             async for answer in stub.Watch(health_pb2.HealthCheckRequest(service=name)):
-                serving = answer.status == health_pb2.HealthCheckResponse.SERVING
-                await srv.set_serving(serving)
-                await srv.set_serving(serving, name)
+                await mirror(answer.status == health_pb2.HealthCheckResponse.SERVING)
         except grpc.aio.AioRpcError:
-            await srv.set_serving(False)
-            await srv.set_serving(False, name)
+            await mirror(False)
         await asyncio.sleep(0.5)  # the device process restarts its server only as it stops: retry calmly
 
 
@@ -305,6 +314,16 @@ class FrontProcess:
             await process.wait()
             raise InvalidArgument(str(answer.get("error", answer)))
         return cls(process, str(answer["address"]))
+
+    async def serving(self) -> bool:
+        """Wait until the front answers health checks with SERVING (it mirrors the device process's
+        health); False if it exited first."""
+        assert self._process.stdout is not None
+        while line := await self._process.stdout.readline():
+            with contextlib.suppress(ValueError):
+                if json.loads(line).get("serving") is True:
+                    return True
+        return False
 
     async def wait(self) -> int:
         return await self._process.wait()
