@@ -198,18 +198,24 @@ def test_sigterm_drains_a_stream_through_the_front_then_both_exit() -> None:
         wait_for(lambda: _gone(front), bool, timeout=30, what="the front's exit")
 
 
-def test_a_killed_worker_takes_its_front_along() -> None:
-    with WorkerProcess(PROCESS) as worker:
+def test_a_killed_worker_takes_its_front_along_and_leaves_no_socket_directory(tmp_path: Path) -> None:
+    """SIGKILL leaves the worker no time to remove its socket's directory (one per start: the suite's
+    killed workers left hundreds in /tmp); its front, which outlives it briefly, removes it."""
+    with WorkerProcess(PROCESS, env={"TMPDIR": str(tmp_path)}) as worker:
+        (sockets,) = tmp_path.glob("memsvc-worker-*")
+        assert (sockets / "device.sock").is_socket()
         front = _front_pid(worker)
         worker.kill()
         wait_for(lambda: _gone(front), bool, timeout=30, what="the front's exit after the worker's")
+    assert not sockets.exists()
 
 
-def test_a_lost_front_stops_the_worker() -> None:
-    with WorkerProcess(PROCESS) as worker:
+def test_a_lost_front_stops_the_worker(tmp_path: Path) -> None:
+    with WorkerProcess(PROCESS, env={"TMPDIR": str(tmp_path)}) as worker:
         os.kill(_front_pid(worker), signal.SIGKILL)
         assert worker.wait(timeout=60) == 1
         assert "the RPC front exited" in worker.stderr_text()
+    assert list(tmp_path.glob("memsvc-worker-*")) == [], "the worker removed its socket's directory"
 
 
 @pytest.mark.parametrize("front", ["inline", "process"])

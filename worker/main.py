@@ -134,7 +134,7 @@ async def _listen(
     srv = await start_server(inner, [*register, TokenMux(servicer).register], [SERVICE_NAME])
     try:
         front = await FrontProcess.start(
-            FrontConfig(listen, inner, config.drain_seconds, dataclasses.asdict(sec), *current_logging())
+            FrontConfig(listen, inner, config.drain_seconds, dataclasses.asdict(sec), *current_logging(), sockets)
         )
     except BaseException:
         await srv.stop(0)

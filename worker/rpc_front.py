@@ -25,6 +25,7 @@ import dataclasses
 import json
 import logging
 import os
+import shutil
 import signal
 import sys
 from collections.abc import AsyncIterator, Callable
@@ -228,8 +229,10 @@ async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
         await asyncio.sleep(0.5)  # the device process restarts its server only as it stops: retry calmly
 
 
-async def serve(listen: str, device: str, security: Security, drain: float) -> int:
-    """Serve until stopped; the first line on stdout says where (or why not), as JSON."""
+async def serve(listen: str, device: str, security: Security, drain: float, socket_dir: str = "") -> int:
+    """Serve until stopped; the first line on stdout says where (or why not), as JSON. ``socket_dir``:
+    the device process's socket directory, removed here if that process ended without (see
+    :class:`FrontConfig`)."""
     channel = grpc.aio.insecure_channel(device, options=SERVER_OPTIONS)
     streams = DeviceStreams(channel)
     try:
@@ -246,7 +249,8 @@ async def serve(listen: str, device: str, security: Security, drain: float) -> i
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # a terminal's Ctrl-C: the device process orders the stop
     # the device process holds this stdin open: its end (however it ended) ends this process too
-    await loop.connect_read_pipe(lambda: _EndOfInput(stop), sys.stdin)
+    ended = _EndOfInput(stop)
+    await loop.connect_read_pipe(lambda: ended, sys.stdin)
     health = asyncio.ensure_future(_mirror_health(channel, srv))
     await stop.wait()
     health.cancel()
@@ -254,6 +258,8 @@ async def serve(listen: str, device: str, security: Security, drain: float) -> i
     await srv.stop(drain)
     streams.close()
     await channel.close()
+    if socket_dir and ended.ended and os.getppid() != ended.parent:  # the device process is gone (killed)
+        shutil.rmtree(socket_dir, ignore_errors=True)
     return 0
 
 
@@ -270,8 +276,11 @@ def _tell(line: dict[str, Any]) -> bool:
 class _EndOfInput(asyncio.Protocol):
     def __init__(self, stop: asyncio.Event) -> None:
         self._stop = stop
+        self.parent = os.getppid()
+        self.ended = False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
         self._stop.set()
 
 
@@ -286,6 +295,9 @@ class FrontConfig:
     """memsvc._auth.Security's fields (JSON: its tuple of allowed clients is a list)."""
     log_level: str = "info"
     log_format: str = "text"
+    socket_dir: str = ""
+    """The directory the device process made for its socket: it removes it as it exits, but a device
+    process killed (SIGKILL, the OOM killer) cannot, and the front, which outlives it briefly, does."""
 
 
 class FrontProcess:
@@ -349,7 +361,7 @@ def main() -> int:
     configure(config.log_level, config.log_format)
     fields = dict(config.security)
     fields["allowed_clients"] = tuple(fields.get("allowed_clients", ()))
-    return run_service(serve(config.listen, config.device, Security(**fields), config.drain))
+    return run_service(serve(config.listen, config.device, Security(**fields), config.drain, config.socket_dir))
 
 
 if __name__ == "__main__":
