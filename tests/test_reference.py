@@ -50,14 +50,18 @@ from typing import Any
 import pytest
 import torch
 import transformers
+from conftest import AllocatorFactory
 from hf_models import init_weights
 from workerproc import WorkerProcess
 
+from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
+from worker import _native
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
 from worker.model.decoder import DecodeRows, Rope, StepInputs, forward, forward_step
+from worker.model.generation import GenerationRequest
 from worker.model.kernels import TORCH_KERNELS
 from worker.model.weights import read_config
 
@@ -374,6 +378,39 @@ def test_prompt_rows_through_the_block_tables_match_transformers(zoo: Zoo, alloc
     runner.engine.paged_rows = 1 << 30
     runner.engine.max_step_tokens = 5
     assert runner.generate(PROMPT, NEW) == ref.tokens
+
+
+@pytest.mark.gpu
+@pytest.mark.parametrize("case", CASES)
+def test_steps_replayed_from_cuda_graphs_match_transformers(
+    zoo: Zoo, make_allocator: AllocatorFactory, case: str
+) -> None:  # fmt: skip
+    """The engine with CUDA graphs, in float32: greedy tokens equal transformers' for a request whose
+    prompt is read in chunks of 3 rows and decoded alone, and for one whose prompt is read in chunks
+    beside the first one's decodes (steps that mix decode and prompt rows): whichever of those steps
+    replay a graph (decodes; steps with prompt rows where a bucket holds them) compute what
+    transformers computes."""
+    if _native.cuda_device_count() == 0:
+        pytest.skip("needs a CUDA device")
+    ref = zoo.reference(case, "float32", "cuda")
+    try:
+        runner = ModelRunner(
+            make_allocator("cuda"), str(ref.dirs["transformers5"]), num_device_blocks=32, num_host_blocks=0,
+            block_size=BLOCK_SIZE, max_batch=2, max_step_tokens=3, cuda_graphs=True,
+        )  # fmt: skip
+    except InvalidArgument as exc:
+        assert "head_dim" in str(exc), exc
+        pytest.skip(f"{case}: {exc}")
+    engine = runner.engine
+    first = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
+    for _ in range(5):  # its 8-token prompt in 3 steps, then decodes
+        engine.step()
+    second = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
+    while engine.step():
+        pass
+    assert runner.graphs is not None and runner.graphs.replays > NEW
+    assert first.result().tokens == ref.tokens
+    assert second.result().tokens == ref.tokens
 
 
 # ---- numerics, through the worker's RPC ----
