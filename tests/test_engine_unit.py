@@ -188,3 +188,15 @@ def test_up_to_max_new_tokens_ends_where_the_pool_ends(alloc: MemoryAllocator) -
     assert concurrently(runner, reqs) == alone
     assert runner.engine.preemptions > before, "three sequences of a whole pool each were meant to preempt"
     assert runner.kv_cache.stats()["device_free_blocks"] == 8 and not runner.kv_cache.sequences
+
+
+def test_cuda_graphs_where_they_cannot_run_are_refused_before_anything_is_allocated() -> None:
+    """The host backend has no CUDA graphs: the runner says so before it allocates its KV cache or
+    loads a byte of weights (it refused only after both, and a caller holding the error held them)."""
+    a = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=64 << 20))
+    try:
+        with pytest.raises(InvalidArgument, match="CUDA graphs need the cuda backend"):
+            ModelRunner(a, "synthetic:tiny", 16, 4, cuda_graphs=True)
+        assert sum(t.allocated_bytes for t in a.stats().tags.values()) == 0
+    finally:
+        a.close()

@@ -88,6 +88,9 @@ class ModelRunner:
         self.source = parse_model_spec(source) if isinstance(source, str) else source
         self.config: ModelConfig = self.source.config
         self.lock = threading.RLock()
+        self._kernels = kernels_for(alloc.torch_device, self.config)
+        if cuda_graphs and self._kernels is not TRITON_KERNELS:  # before any allocation: a refusal leaves nothing
+            raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
@@ -97,7 +100,6 @@ class ModelRunner:
         log.info("weights: %.2f GB from %s in %.2f s (%.1f GB/s)", nbytes / 1e9, self.source.name, t2 - t1,
                  nbytes / (t2 - t1) / 1e9 if t2 > t1 else 0.0)  # fmt: skip
         self._rope = Rope.build(self.config, alloc.torch_device)
-        self._kernels = kernels_for(alloc.torch_device, self.config)
         self._fused = fused_layers(self.weights, self.config)
         self.engine = Engine(
             self.kv_cache, self._run_step, alloc.torch_device, self.config.vocab_size,
@@ -108,8 +110,6 @@ class ModelRunner:
         self.graphs: DecodeGraphs | None = None
         self.background_capture: BackgroundCapture | None = None
         if cuda_graphs:
-            if self._kernels is not TRITON_KERNELS:
-                raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
             scratch = self.kv_cache.device.scratch_block
             assert scratch is not None, "a KV cache for graphs has its scratch block"
             self.graphs = DecodeGraphs(
