@@ -26,12 +26,14 @@ from __future__ import annotations
 import argparse
 import concurrent.futures
 import json
+import os
 import statistics
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
+
+from bench.bench_allocator import _git_commit
 
 if TYPE_CHECKING:
     import torch
@@ -190,14 +192,10 @@ def run(preset: str, rows: Sequence[int], steps: int, bandwidth: float, loops: S
         serving = [closed_loop(runner, c) for c in loops]
     finally:
         alloc.close()
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "what": "a decode step's time on the device and around it (bench/bench_step_device.py)",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": commit,
+        "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
         "device": torch.cuda.get_device_name(),
         "torch": torch.__version__,
         "preset": preset,

@@ -18,13 +18,15 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import platform
 import statistics
-import subprocess
 import time
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
+
+from bench.bench_allocator import _git_commit
 
 PROMPT = 40
 
@@ -81,14 +83,10 @@ def run(rows: Sequence[int], steps: int) -> dict[str, Any]:
     import torch
 
     torch.set_num_threads(1)
-    try:
-        commit = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True).stdout.strip()
-    except OSError:
-        commit = ""
     return {
         "what": "engine host time per step, forward replaced by constant logits (bench/bench_step_host.py)",
         "date": time.strftime("%Y-%m-%d"),
-        "commit": commit,
+        "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
         "host": {"machine": platform.machine(), "python": platform.python_version(), "torch": torch.__version__},
         "levels": [measure(n, steps) for n in rows],
     }
