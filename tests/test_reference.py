@@ -54,7 +54,6 @@ from conftest import AllocatorFactory
 from hf_models import init_weights
 from workerproc import WorkerProcess
 
-from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker import _native
@@ -63,6 +62,7 @@ from worker.model import ModelConfig, ModelRunner
 from worker.model.decoder import DecodeRows, Rope, StepInputs, forward, forward_step
 from worker.model.generation import GenerationRequest
 from worker.model.kernels import TORCH_KERNELS
+from worker.model.paged_attention import graphs_supported
 from worker.model.weights import read_config
 
 PROMPT = [3, 17, 101, 42, 7, 250, 19, 88]
@@ -387,20 +387,19 @@ def test_steps_replayed_from_cuda_graphs_match_transformers(
 ) -> None:  # fmt: skip
     """The engine with CUDA graphs, in float32: greedy tokens equal transformers' for a request whose
     prompt is read in chunks of 3 rows and decoded alone, and for one whose prompt is read in chunks
-    beside the first one's decodes (steps that mix decode and prompt rows): whichever of those steps
-    replay a graph (decodes; steps with prompt rows where a bucket holds them) compute what
-    transformers computes."""
+    beside the first one's decodes. The decode steps replay graphs (steps with prompt rows run
+    eagerly: worker/model/graphs.py's DecodeGraphs.fits), so both ways of running a step, in turn
+    within one request, are held to transformers."""
     if _native.cuda_device_count() == 0:
         pytest.skip("needs a CUDA device")
+    dirs = zoo.dirs(case, "float32")
+    if not graphs_supported(read_config(dirs["transformers5"])):  # before anything is built for it
+        pytest.skip(f"{case}: no CUDA graphs for this model here (they need Triton and a power-of-two head_dim)")
     ref = zoo.reference(case, "float32", "cuda")
-    try:
-        runner = ModelRunner(
-            make_allocator("cuda"), str(ref.dirs["transformers5"]), num_device_blocks=32, num_host_blocks=0,
-            block_size=BLOCK_SIZE, max_batch=2, max_step_tokens=3, cuda_graphs=True,
-        )  # fmt: skip
-    except InvalidArgument as exc:
-        assert "head_dim" in str(exc), exc
-        pytest.skip(f"{case}: {exc}")
+    runner = ModelRunner(
+        make_allocator("cuda"), str(dirs["transformers5"]), num_device_blocks=32, num_host_blocks=0,
+        block_size=BLOCK_SIZE, max_batch=2, max_step_tokens=3, cuda_graphs=True,
+    )  # fmt: skip
     engine = runner.engine
     first = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
     for _ in range(5):  # its 8-token prompt in 3 steps, then decodes
@@ -408,7 +407,7 @@ def test_steps_replayed_from_cuda_graphs_match_transformers(
     second = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
     while engine.step():
         pass
-    assert runner.graphs is not None and runner.graphs.replays > NEW
+    assert runner.graphs is not None and runner.graphs.replays >= NEW // 2
     assert first.result().tokens == ref.tokens
     assert second.result().tokens == ref.tokens
 

@@ -13,10 +13,12 @@ import asyncio
 import dataclasses
 import json
 import os
+import shutil
 import signal
 import socket
 import subprocess
 import sys
+import tempfile
 import threading
 from collections.abc import Iterator
 from pathlib import Path
@@ -198,11 +200,20 @@ def test_sigterm_drains_a_stream_through_the_front_then_both_exit() -> None:
         wait_for(lambda: _gone(front), bool, timeout=30, what="the front's exit")
 
 
-def test_a_killed_worker_takes_its_front_along_and_leaves_no_socket_directory(tmp_path: Path) -> None:
+@pytest.fixture
+def short_tmp() -> Iterator[Path]:
+    """A TMPDIR of its own for a worker, short: a unix socket's path has at most 107 bytes, and a
+    worker's socket is <TMPDIR>/memsvc-worker-XXXXXXXX/device.sock."""
+    path = Path(tempfile.mkdtemp(prefix="ms", dir="/tmp"))
+    yield path
+    shutil.rmtree(path, ignore_errors=True)
+
+
+def test_a_killed_worker_takes_its_front_along_and_leaves_no_socket_directory(short_tmp: Path) -> None:
     """SIGKILL leaves the worker no time to remove its socket's directory (one per start: the suite's
     killed workers left hundreds in /tmp); its front, which outlives it briefly, removes it."""
-    with WorkerProcess(PROCESS, env={"TMPDIR": str(tmp_path)}) as worker:
-        (sockets,) = tmp_path.glob("memsvc-worker-*")
+    with WorkerProcess(PROCESS, env={"TMPDIR": str(short_tmp)}) as worker:
+        (sockets,) = short_tmp.glob("memsvc-worker-*")
         assert (sockets / "device.sock").is_socket()
         front = _front_pid(worker)
         worker.kill()
@@ -210,12 +221,12 @@ def test_a_killed_worker_takes_its_front_along_and_leaves_no_socket_directory(tm
     assert not sockets.exists()
 
 
-def test_a_lost_front_stops_the_worker(tmp_path: Path) -> None:
-    with WorkerProcess(PROCESS, env={"TMPDIR": str(tmp_path)}) as worker:
+def test_a_lost_front_stops_the_worker(short_tmp: Path) -> None:
+    with WorkerProcess(PROCESS, env={"TMPDIR": str(short_tmp)}) as worker:
         os.kill(_front_pid(worker), signal.SIGKILL)
         assert worker.wait(timeout=60) == 1
         assert "the RPC front exited" in worker.stderr_text()
-    assert list(tmp_path.glob("memsvc-worker-*")) == [], "the worker removed its socket's directory"
+    assert list(short_tmp.glob("memsvc-worker-*")) == [], "the worker removed its socket's directory"
 
 
 @pytest.mark.parametrize("front", ["inline", "process"])
@@ -272,9 +283,11 @@ def test_the_front_says_it_serves_once_its_own_health_answers_serving(tmp_path: 
         inner = await start_server(device, [], [SERVICE.full_name])
         for name in ("", SERVICE.full_name):
             await inner.set_serving(False, name)
-        front = await FrontProcess.start(FrontConfig("127.0.0.1:0", device, 0.0, dataclasses.asdict(Security())))
-        told = asyncio.ensure_future(front.serving())
+        front: FrontProcess | None = None
+        told: asyncio.Future[bool] | None = None
         try:
+            front = await FrontProcess.start(FrontConfig("127.0.0.1:0", device, 0.0, dataclasses.asdict(Security())))
+            told = asyncio.ensure_future(front.serving())
             async with grpc.aio.insecure_channel(front.address) as channel:
                 health = health_pb2_grpc.HealthStub(channel)
                 watch = health.Watch(health_pb2.HealthCheckRequest(service=SERVICE.full_name))
@@ -289,8 +302,10 @@ def test_the_front_says_it_serves_once_its_own_health_answers_serving(tmp_path: 
                     assert answer.status == health_pb2.HealthCheckResponse.SERVING, name
                 watch.cancel()
         finally:
-            told.cancel()
-            await front.stop(0)
+            if told is not None:
+                told.cancel()
+            if front is not None:
+                await front.stop(0)
             await inner.stop(0)
 
     asyncio.run(scenario())

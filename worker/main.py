@@ -43,6 +43,8 @@ EXIT_GRACE_S = 10.0
 """After SIGTERM the worker exits within its drain (``--drain-timeout``) plus this: device work that
 never returns (a read of a hung network mount: a thread inside it cannot be stopped) would otherwise
 hold the exit for ever, so the process then exits without it (exit code 1, one error line)."""
+FRONT_WAIT_LOG_S = 30.0
+"""While the worker waits for its RPC front to say it serves (a moment, normally), a warning this often."""
 SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
 """What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
@@ -134,7 +136,9 @@ async def _listen(
     srv = await start_server(inner, [*register, TokenMux(servicer).register], [SERVICE_NAME])
     try:
         front = await FrontProcess.start(
-            FrontConfig(listen, inner, config.drain_seconds, dataclasses.asdict(sec), *current_logging(), sockets)
+            FrontConfig(
+                listen, inner, config.drain_seconds, dataclasses.asdict(sec), *current_logging(), sockets, os.getpid()
+            )
         )
     except BaseException:
         await srv.stop(0)
@@ -200,21 +204,13 @@ async def _run(
         return 1
     await srv.set_serving(True)
     await srv.set_serving(True, SERVICE_NAME)
-    ready = True
-    if front is not None:  # "ready" once clients' health checks say SERVING: the front mirrors it a moment later
-        mirrored = asyncio.ensure_future(front.serving())
-        stopping = asyncio.ensure_future(stop.wait())
-        await asyncio.wait({mirrored, stopping}, return_when=asyncio.FIRST_COMPLETED)
-        stopping.cancel()
-        mirrored.cancel()
-        ready = mirrored.done() and not mirrored.cancelled() and mirrored.result()  # False: the front exited
-    if ready and not stop.is_set():
-        announce(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}")
     background: list[asyncio.Task[None]] = []
-    if manager:
-        from worker.registration import keep_registered
+    if front is None or await _front_serving(front, stop):
+        announce(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}")
+        if manager:
+            from worker.registration import keep_registered
 
-        background.append(asyncio.create_task(keep_registered(core, advertise or address, manager, sec)))
+            background.append(asyncio.create_task(keep_registered(core, advertise or address, manager, sec)))
     await stop.wait()
     _exit_by(config.drain_seconds + EXIT_GRACE_S)
     log.info("draining: finishing in-flight calls (up to %.0f s)", config.drain_seconds)
@@ -226,6 +222,23 @@ async def _run(
     await core.close()
     announce(f"memsvc worker {core.worker_id} stopped")
     return 1 if front_lost else 0
+
+
+async def _front_serving(front: FrontProcess, stop: asyncio.Event) -> bool:
+    """Wait until the RPC front answers health checks with SERVING (it mirrors this process's health a
+    moment after this process sets it): True then; False if the stop came first or the front exited
+    (its end stops this process too). Logged every :data:`FRONT_WAIT_LOG_S` while it waits."""
+    mirrored = asyncio.ensure_future(front.serving())
+    stopping = asyncio.ensure_future(stop.wait())
+    try:
+        while not mirrored.done() and not stopping.done():
+            await asyncio.wait({mirrored, stopping}, timeout=FRONT_WAIT_LOG_S, return_when=asyncio.FIRST_COMPLETED)
+            if not mirrored.done() and not stopping.done():
+                log.warning("the RPC front has not said it serves yet; waiting for it")
+    finally:
+        stopping.cancel()
+        mirrored.cancel()
+    return mirrored.done() and not mirrored.cancelled() and mirrored.result() and not stop.is_set()
 
 
 def _exit_by(seconds: float) -> None:

@@ -11,8 +11,10 @@ serving them on a unix socket in a directory only its user can enter.
   was; a caller who leaves cancels the inner call.
 - GenerateStream goes through worker/token_mux.py: one stream to the device process carries every
   stream's tokens, a frame per step; this process builds and writes the per-stream messages.
-- Health mirrors the device process's; the stop is the device process's to order (SIGTERM, or its
-  end closing this process's stdin): this server then drains for the worker's drain time and exits.
+- Health mirrors the device process's; the first time this server answers SERVING it says so on its
+  stdout (the device process says "ready" only then). The stop is the device process's to order
+  (SIGTERM, or its end closing this process's stdin): this server then drains for the worker's drain
+  time and exits, and removes the device process's socket directory if that process was killed.
 
 :class:`FrontProcess` starts and stops it from the device process.
 """
@@ -205,9 +207,10 @@ def _is_end(item: tuple[Any, ...]) -> bool:
 
 
 async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
-    """This server's health is the device process's (NOT_SERVING while the model loads); each change,
-    once this server answers with it, is told to the device process (which says "ready" only then:
-    a client that checks health on the word must find SERVING)."""
+    """This server's health is the device process's (NOT_SERVING while the model loads). The first
+    SERVING, once this server answers with it, is told to the device process, which says "ready" only
+    then: a client that checks health on the word finds SERVING. Only the first: nothing reads this
+    process's stdout after that, and a pipe nobody reads would fill and block this process."""
     stub = health_pb2_grpc.HealthStub(channel)
     name = SERVICE.full_name
     told = False
@@ -216,9 +219,9 @@ async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
         nonlocal told
         await srv.set_serving(serving)
         await srv.set_serving(serving, name)
-        if serving != told:
-            told = serving
-            _tell({"serving": serving})
+        if serving and not told:
+            told = True
+            _tell({"serving": True})
 
     while True:
         try:
@@ -229,10 +232,10 @@ async def _mirror_health(channel: grpc.aio.Channel, srv: Server) -> None:
         await asyncio.sleep(0.5)  # the device process restarts its server only as it stops: retry calmly
 
 
-async def serve(listen: str, device: str, security: Security, drain: float, socket_dir: str = "") -> int:
-    """Serve until stopped; the first line on stdout says where (or why not), as JSON. ``socket_dir``:
-    the device process's socket directory, removed here if that process ended without (see
-    :class:`FrontConfig`)."""
+async def serve(config: FrontConfig, security: Security) -> int:
+    """Serve until stopped. On stdout, as JSON lines: where this server listens (or why it cannot),
+    then, once, that it answers SERVING (see :func:`_mirror_health`)."""
+    listen, device, drain = config.listen, config.device, config.drain
     channel = grpc.aio.insecure_channel(device, options=SERVER_OPTIONS)
     streams = DeviceStreams(channel)
     try:
@@ -249,8 +252,7 @@ async def serve(listen: str, device: str, security: Security, drain: float, sock
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # a terminal's Ctrl-C: the device process orders the stop
     # the device process holds this stdin open: its end (however it ended) ends this process too
-    ended = _EndOfInput(stop)
-    await loop.connect_read_pipe(lambda: ended, sys.stdin)
+    await loop.connect_read_pipe(lambda: _EndOfInput(stop), sys.stdin)
     health = asyncio.ensure_future(_mirror_health(channel, srv))
     await stop.wait()
     health.cancel()
@@ -258,8 +260,8 @@ async def serve(listen: str, device: str, security: Security, drain: float, sock
     await srv.stop(drain)
     streams.close()
     await channel.close()
-    if socket_dir and ended.ended and os.getppid() != ended.parent:  # the device process is gone (killed)
-        shutil.rmtree(socket_dir, ignore_errors=True)
+    if config.socket_dir and os.getppid() != config.device_pid:  # the device process is gone: it was killed
+        shutil.rmtree(config.socket_dir, ignore_errors=True)
     return 0
 
 
@@ -276,11 +278,8 @@ def _tell(line: dict[str, Any]) -> bool:
 class _EndOfInput(asyncio.Protocol):
     def __init__(self, stop: asyncio.Event) -> None:
         self._stop = stop
-        self.parent = os.getppid()
-        self.ended = False
 
     def connection_lost(self, exc: Exception | None) -> None:
-        self.ended = True
         self._stop.set()
 
 
@@ -298,6 +297,9 @@ class FrontConfig:
     socket_dir: str = ""
     """The directory the device process made for its socket: it removes it as it exits, but a device
     process killed (SIGKILL, the OOM killer) cannot, and the front, which outlives it briefly, does."""
+    device_pid: int = 0
+    """The device process: once this process's parent is another (it was re-parented: the device
+    process died, at whatever moment of this one's life), the socket directory is the front's to remove."""
 
 
 class FrontProcess:
@@ -330,10 +332,11 @@ class FrontProcess:
     async def serving(self) -> bool:
         """Wait until the front answers health checks with SERVING (it mirrors the device process's
         health); False if it exited first."""
-        assert self._process.stdout is not None
+        assert self._process.stdout is not None  # read here and in start only, never at once
         while line := await self._process.stdout.readline():
             with contextlib.suppress(ValueError):
-                if json.loads(line).get("serving") is True:
+                told = json.loads(line)
+                if isinstance(told, dict) and told.get("serving") is True:
                     return True
         return False
 
@@ -361,7 +364,7 @@ def main() -> int:
     configure(config.log_level, config.log_format)
     fields = dict(config.security)
     fields["allowed_clients"] = tuple(fields.get("allowed_clients", ()))
-    return run_service(serve(config.listen, config.device, Security(**fields), config.drain, config.socket_dir))
+    return run_service(serve(config, Security(**fields)))
 
 
 if __name__ == "__main__":
