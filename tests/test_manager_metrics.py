@@ -67,6 +67,14 @@ def _counter(mgr: ManagerProcess, metric: str, **labels: str) -> float:
     return _sample(mgr.metrics(), metric, **labels) or 0.0
 
 
+def _counted(mgr: ManagerProcess, kind: str) -> None:
+    """Wait until a finished transition of ``kind`` is counted: its own event follows the new state on the
+    worker's telemetry stream, so a scrape between the two shows the state and not yet the count (a
+    fresh-clone run on a loaded machine did)."""
+    wait_for(lambda: _counter(mgr, "memsvc_worker_transitions_total", worker=WID, kind=kind), lambda n: n >= 1,
+             timeout=10, what=f"a {kind} transition to be counted")  # fmt: skip
+
+
 def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cluster) -> None:
     mgr = cluster.manager(metrics=True)
     assert mgr.metrics_url.startswith("http://127.0.0.1:") and mgr.metrics_url.endswith("/metrics")
@@ -83,6 +91,7 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{WID}"), timeout=60)
     wait_state(stub, WID, c.WORKER_STATE_ASLEEP)
     _agree(mgr, "asleep")
+    _counted(mgr, "sleep")
     scrape = mgr.metrics()
     assert _sample(scrape, "memsvc_worker_state", worker=WID, state="asleep") == 1.0
     assert (_sample(scrape, "memsvc_worker_offloaded_bytes", worker=WID, tag="weights") or 0) > 0
@@ -119,7 +128,7 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
         stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10)
     _agree(mgr, "released")
     assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 0
-    assert (_counter(mgr, "memsvc_worker_transitions_total", worker=WID, kind="wake")) >= 1
+    _counted(mgr, "wake")
 
     # Level 2: nothing offloaded any more.
     stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{WID}", level=c.SLEEP_LEVEL_2), timeout=60)
