@@ -34,6 +34,7 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from bench.bench_allocator import _git_commit
+from bench.bench_step_host import decoding, p90, timed_steps
 
 if TYPE_CHECKING:
     import torch
@@ -53,7 +54,6 @@ def measure(runner: ModelRunner, rows: int, steps: int, bandwidth: float, profil
     import torch
 
     from worker.model.decoder import HostStep
-    from worker.model.generation import GenerationRequest
 
     engine = runner.engine
     run_step = engine._run_step
@@ -70,54 +70,40 @@ def measure(runner: ModelRunner, rows: int, steps: int, bandwidth: float, profil
         return out
 
     engine._run_step = timed
+    vocab = runner.config.vocab_size
+    prompts = [[(7919 * i + 13 * j) % vocab for j in range(PROMPT)] for i in range(rows)]
     try:
-        vocab = runner.config.vocab_size
-        futures = [
-            engine.submit(GenerationRequest([(7919 * i + 13 * j) % vocab for j in range(PROMPT)], steps * 2 + 32,
-                                            ignore_eos=True))
-            for i in range(rows)
-        ]  # fmt: skip
-        while any(r.pending > 1 for r in engine._running) or engine.queued:
-            engine.step()
-        for _ in range(5):  # a bucket's first replays
-            engine.step()
-        torch.cuda.synchronize()
-        marks.clear()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        torch.cuda.synchronize()
-        device = [b.elapsed_time(e) for b, e in marks]
-        step = last[0]
-        graphs = runner.graphs
-        assert graphs is not None and graphs.bucket_for(step.decodes) in graphs.captured, "not a replayed step"
-        begin, end = _event(), _event()
-        begin.record()
-        for _ in range(steps):
-            graphs.run(step)
-        end.record()
-        torch.cuda.synchronize()
-        replay = begin.elapsed_time(end) / steps
-        table = ""
-        if profile:
-            from torch.profiler import ProfilerActivity
-            from torch.profiler import profile as torch_profile
+        with decoding(engine, prompts, steps * 2 + 32):
+            timed_steps(engine, 5)  # a bucket's first replays
+            torch.cuda.synchronize()
+            marks.clear()
+            times = timed_steps(engine, steps)
+            torch.cuda.synchronize()
+            device = [b.elapsed_time(e) for b, e in marks]
+            step = last[0]
+            graphs = runner.graphs
+            assert graphs is not None and graphs.bucket_for(step.decodes) in graphs.captured, "not a replayed step"
+            begin, end = _event(), _event()
+            begin.record()
+            for _ in range(steps):
+                graphs.run(step)
+            end.record()
+            torch.cuda.synchronize()
+            replay = begin.elapsed_time(end) / steps
+            table = ""
+            if profile:
+                from torch.profiler import ProfilerActivity
+                from torch.profiler import profile as torch_profile
 
-            with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
-                for _ in range(5):
-                    engine.step()
-                torch.cuda.synchronize()
-            averages = prof.key_averages()
-            table = (
-                averages.table(sort_by="self_device_time_total", row_limit=14)
-                + "\n"
-                + averages.table(sort_by="self_cpu_time_total", row_limit=14)
-            )
-        for f in futures:
-            f.cancel()
-        engine.fail_all(RuntimeError("bench over"))
+                with torch_profile(activities=[ProfilerActivity.CPU, ProfilerActivity.CUDA]) as prof:
+                    timed_steps(engine, 5)
+                    torch.cuda.synchronize()
+                averages = prof.key_averages()
+                table = (
+                    averages.table(sort_by="self_device_time_total", row_limit=14)
+                    + "\n"
+                    + averages.table(sort_by="self_cpu_time_total", row_limit=14)
+                )
     finally:
         engine._run_step = run_step
     weights_ms = runner.config.param_bytes() / (bandwidth * 1e9) * 1e3
@@ -125,7 +111,7 @@ def measure(runner: ModelRunner, rows: int, steps: int, bandwidth: float, profil
         "rows": rows,
         "steps": steps,
         "step_ms_median": round(statistics.median(times) * 1e3, 3),
-        "step_ms_p90": round(sorted(times)[int(0.9 * (len(times) - 1))] * 1e3, 3),
+        "step_ms_p90": round(p90(times) * 1e3, 3),
         "device_ms_median": round(statistics.median(device), 3),
         "replay_ms": round(replay, 3),
         "weights_ms": round(weights_ms, 3),

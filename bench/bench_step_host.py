@@ -17,18 +17,53 @@ every prompt was read are timed (median and p90, ms per step, and per row).
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import platform
 import statistics
 import time
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from bench.bench_allocator import _git_commit
 
+if TYPE_CHECKING:
+    from worker.model.engine import Engine
+
 PROMPT = 40
+
+
+@contextlib.contextmanager
+def decoding(engine: Engine, prompts: Sequence[list[int]], new: int) -> Iterator[None]:
+    """Inside: one request per prompt (``new`` tokens, ``ignore_eos``), every prompt read, so that each
+    step from here decodes one row per request; on the way out the requests end (the step benches')."""
+    from worker.model.generation import GenerationRequest
+
+    futures = [engine.submit(GenerationRequest(list(p), new, ignore_eos=True)) for p in prompts]
+    try:
+        while any(r.pending > 1 for r in engine._running) or engine.queued:
+            engine.step()
+        yield
+    finally:
+        for f in futures:
+            f.cancel()
+        engine.fail_all(RuntimeError("bench over"))
+
+
+def timed_steps(engine: Engine, steps: int) -> list[float]:
+    """Seconds of each of ``steps`` engine steps, in order."""
+    times = []
+    for _ in range(steps):
+        t0 = time.perf_counter()
+        engine.step()
+        times.append(time.perf_counter() - t0)
+    return times
+
+
+def p90(values: Sequence[float]) -> float:
+    return sorted(values)[int(0.9 * (len(values) - 1))]
 
 
 def measure(rows: int, steps: int) -> dict[str, Any]:
@@ -36,7 +71,6 @@ def measure(rows: int, steps: int) -> dict[str, Any]:
 
     from worker.allocator import AllocatorConfig, MemoryAllocator
     from worker.model.decoder import HostStep
-    from worker.model.generation import GenerationRequest
     from worker.model.runner import ModelRunner
 
     alloc = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=1 << 30))
@@ -52,27 +86,15 @@ def measure(rows: int, steps: int) -> dict[str, Any]:
             return logits[: len(step.last_rows)]
 
         engine._run_step = no_model  # the forward out of the picture: only host work is left
-        futures = [
-            engine.submit(GenerationRequest([(7 * i + j) % 500 + 1 for j in range(PROMPT)], steps + 8, ignore_eos=True))
-            for i in range(rows)
-        ]
-        while any(r.pending > 1 for r in engine._running) or engine.queued:  # every prompt read
-            engine.step()
-        times = []
-        for _ in range(steps):
-            t0 = time.perf_counter()
-            engine.step()
-            times.append(time.perf_counter() - t0)
-        for f in futures:
-            f.cancel()
-        engine.fail_all(RuntimeError("bench over"))
-        times.sort()
-        median, p90 = statistics.median(times), times[int(0.9 * (len(times) - 1))]
+        prompts = [[(7 * i + j) % 500 + 1 for j in range(PROMPT)] for i in range(rows)]
+        with decoding(engine, prompts, steps + 8):
+            times = timed_steps(engine, steps)
+        median = statistics.median(times)
         return {
             "rows": rows,
             "steps": steps,
             "step_ms_median": round(median * 1e3, 4),
-            "step_ms_p90": round(p90 * 1e3, 4),
+            "step_ms_p90": round(p90(times) * 1e3, 4),
             "per_row_us_median": round(median * 1e6 / rows, 3),
         }
     finally:
