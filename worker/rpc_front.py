@@ -30,6 +30,7 @@ import os
 import shutil
 import signal
 import sys
+import time
 from collections.abc import AsyncIterator, Callable
 from typing import Any
 
@@ -45,6 +46,8 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from worker import token_mux
 from worker.token_mux import Frame
 
+PARENT_EXIT_S = 30.0
+"""How long a front whose input ended waits to see its parent gone before it removes the socket directory."""
 log = logging.getLogger("memsvc.worker.front")
 
 SERVICE = w.DESCRIPTOR.services_by_name["ModelWorkerService"]
@@ -252,7 +255,8 @@ async def serve(config: FrontConfig, security: Security) -> int:
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # a terminal's Ctrl-C: the device process orders the stop
     # the device process holds this stdin open: its end (however it ended) ends this process too
-    await loop.connect_read_pipe(lambda: _EndOfInput(stop), sys.stdin)
+    ended = _EndOfInput(stop)
+    await loop.connect_read_pipe(lambda: ended, sys.stdin)
     health = asyncio.ensure_future(_mirror_health(channel, srv))
     await stop.wait()
     health.cancel()
@@ -260,9 +264,20 @@ async def serve(config: FrontConfig, security: Security) -> int:
     await srv.stop(drain)
     streams.close()
     await channel.close()
-    if config.socket_dir and os.getppid() != config.device_pid:  # the device process is gone: it was killed
-        shutil.rmtree(config.socket_dir, ignore_errors=True)
+    if config.socket_dir and ended.ended:  # stdin ended: the device process is going without the stop it orders
+        await _remove_when_parent_gone(config.socket_dir, config.device_pid)
     return 0
+
+
+async def _remove_when_parent_gone(socket_dir: str, device_pid: int) -> None:
+    """Remove the device process's socket directory once this process is re-parented: the dying device
+    process closes this stdin before the kernel hands its children on, so right after the end of input
+    the parent may still be the device process; waited for up to :data:`PARENT_EXIT_S`."""
+    deadline = time.monotonic() + PARENT_EXIT_S
+    while os.getppid() == device_pid and time.monotonic() < deadline:
+        await asyncio.sleep(0.01)
+    if os.getppid() != device_pid:
+        shutil.rmtree(socket_dir, ignore_errors=True)
 
 
 def _tell(line: dict[str, Any]) -> bool:
@@ -278,8 +293,10 @@ def _tell(line: dict[str, Any]) -> bool:
 class _EndOfInput(asyncio.Protocol):
     def __init__(self, stop: asyncio.Event) -> None:
         self._stop = stop
+        self.ended = False
 
     def connection_lost(self, exc: Exception | None) -> None:
+        self.ended = True
         self._stop.set()
 
 
