@@ -4,9 +4,10 @@ bench_serving's clients load it at one concurrency, and the hottest functions co
 Why: issue 26's targets are missed where host work, not the GPU, sets the pace; which host work (the
 engine's Python, the gRPC front, the GIL between them) is a question for a profiler, not a guess.
 py-spy (a wheel carried to the GPU machine) reads the process from outside, so the worker runs as
-users run it. Each sample counts once for every function on its stack (inclusive) and once for the
-function at its top (self); samples are taken on every thread (the device loop and the event loop
-show apart) and idle ones are left out.
+users run it, and its RPC front (a child process) with it. Each sample counts once for every
+function on its stack (inclusive) and once for the function at its top (self); samples are taken on
+every thread of both processes (the device loop, the event loops, gRPC's own) and idle ones are left
+out, so a thread's samples over the rate times the seconds is how busy it was.
 
     python -m bench.profile_worker --model /tmp/ck8b --path worker --concurrency 256 --out prof.json
 """
@@ -29,8 +30,8 @@ from bench import bench_serving
 
 
 def summarize(raw: str, top: int = 25) -> dict[str, Any]:
-    """py-spy's raw (collapsed) output: per thread, the functions with the most samples, self and
-    inclusive."""
+    """py-spy's raw (collapsed) output: per thread (of each process, with ``--subprocesses``), the
+    functions with the most samples, self and inclusive."""
     by_thread: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     selfs: dict[str, collections.Counter[str]] = collections.defaultdict(collections.Counter)
     totals: collections.Counter[str] = collections.Counter()
@@ -38,9 +39,12 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
         stack, _, count = line.rpartition(" ")
         if not stack or not count.isdigit():
             continue
-        frames = stack.split(";")
-        thread = frames[0] if frames[0].startswith("thread") else "process"
-        funcs = [f for f in frames[1:] if f] if frames[0].startswith("thread") else frames
+        frames = [f for f in stack.split(";") if f]
+        labels = []  # with --subprocesses a stack starts with its process, with --threads its thread
+        while frames and frames[0].startswith(("process ", "thread ")):
+            labels.append(frames.pop(0))
+        thread = " ".join(labels) or "process"
+        funcs = frames
         n = int(count)
         totals[thread] += n
         for f in dict.fromkeys(funcs):
@@ -84,7 +88,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         bench_serving.run_level(args.path, wk.address, "", shape, c, c, 8, vocab, 1)  # warm every bucket
         raw = Path(args.out).with_suffix(".raw")
         spy = subprocess.Popen([args.py_spy, "record", "--pid", str(wk.proc.pid), "--duration", str(int(args.seconds)),
-                                "--format", "raw", "--output", str(raw), "--threads", "--nonblocking"],
+                                "--format", "raw", "--output", str(raw), "--threads", "--nonblocking",
+                                "--subprocesses"],  # the RPC front is the worker's child
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
         time.sleep(1.0)  # py-spy attached
         row = bench_serving.run_level(args.path, wk.address, "", shape, c, 8 * c, 8, vocab, 2)

@@ -96,7 +96,6 @@ class Rig:
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
     monkeypatch.setattr(graphs, "IDLE_S", 0.03)
-    monkeypatch.setattr(graphs, "PATIENCE_S", 0.3)
     lp = asyncio.new_event_loop()
     thread = threading.Thread(target=lp.run_forever, daemon=True)
     thread.start()
@@ -133,22 +132,16 @@ def test_a_capture_waits_while_the_engine_works(loop: asyncio.AbstractEventLoop)
     rig.device.shutdown()
 
 
-def test_a_bucket_steps_need_is_captured_under_load_once_it_waited_its_patience(
-    loop: asyncio.AbstractEventLoop,
-) -> None:
+def test_a_bucket_a_step_captured_itself_is_not_captured_again(loop: asyncio.AbstractEventLoop) -> None:
     rig = Rig(loop)
     rig.busy = True
-    t0 = time.monotonic()
-    rig.bg.want(4)
-    rig.bg.want(4)  # asked again by the next eager step: still the first need's clock
-    rig.wait(lambda: rig.sizes() == [4])
-    assert time.monotonic() - t0 >= graphs.PATIENCE_S
-    time.sleep(2 * graphs.PATIENCE_S)
-    assert rig.sizes() == [4], "buckets no step needs wait for an idle engine"
-    rig.bg.want(4)  # captured already: ignored
+    rig.bg.request()
+    rig.bg.taken(4)  # a step needed it and captured it first
+    rig.bg.taken(4)  # again (or a bucket no longer pending): nothing
+    assert rig.bg.pending == (1, 2, 8)
     rig.busy = False
     rig.wait(lambda: not rig.bg.pending)
-    assert rig.sizes() == [4, 1, 2, 8]
+    assert rig.sizes() == [1, 2, 8] == rig.bg.captured
     rig.device.shutdown()
 
 

@@ -1,8 +1,10 @@
-"""GPU-only proofs for the decode graphs captured after the load (worker/model/graphs.py): eager steps
-and graph replays give the same tokens, a bucket captured in the middle of a generation changes none
-of them, a capture is refused while the memory it touches sleeps, graphs captured before a sleep
-replay after the wake without being captured again, and a worker process serves before its graphs
-exist, sleeps and wakes while they are pending, and captures each bucket once."""
+"""GPU-only proofs for the step graphs (worker/model/graphs.py) captured after the load: a step whose
+bucket is not captured yet captures it first (decodes, and prompt chunks read beside them), and gets
+the tokens of buckets captured beforehand; a bucket whose capture failed runs eagerly on its padded
+rows; a capture is refused while the memory it touches sleeps; graphs captured before a sleep replay
+after the wake without being captured again; a background capture makes every bucket on the device
+thread; a worker process serves before its graphs exist, sleeps and wakes while they are pending,
+and captures each bucket once."""
 
 from __future__ import annotations
 
@@ -50,9 +52,10 @@ def cuda_alloc() -> Iterator[MemoryAllocator]:
 
 
 def _deferred(alloc: MemoryAllocator) -> ModelRunner:
-    runner = ModelRunner(
-        alloc, "synthetic:small", 512, 16, block_size=16, max_batch=8, cuda_graphs=True, defer_graph_capture=True
-    )
+    runner = ModelRunner(  # steps of 8 rows at most: a prompt is read in chunks beside the decodes, as paged rows
+        alloc, "synthetic:small", 512, 16, block_size=16, max_batch=8, max_step_tokens=8, cuda_graphs=True,
+        defer_graph_capture=True,
+    )  # fmt: skip
     assert runner.graphs is not None and runner.graphs.captured == () and runner.graphs.pending == (1, 2, 4, 8)
     return runner
 
@@ -87,38 +90,36 @@ def _wake(alloc: MemoryAllocator, runner: ModelRunner, level: SleepLevel) -> Non
         runner.reload_weights()
 
 
-def test_eager_steps_and_graph_replays_give_the_same_tokens(cuda_alloc: MemoryAllocator) -> None:
+def test_steps_capture_their_own_buckets_and_get_the_tokens_of_buckets_captured_beforehand(
+    cuda_alloc: MemoryAllocator,
+) -> None:
     runner = _deferred(cuda_alloc)
     graphs = runner.graphs
     assert graphs is not None
     requests = _requests(runner.config.vocab_size)
-    eager_alone, eager_batched = _alone_and_batched(runner, requests)
-    assert graphs.replays == 0, "nothing is captured: every step decodes eagerly"
-    assert all(len(set(t)) > 3 for t in eager_alone), eager_alone
-    graphs.capture()
-    assert graphs.captured == (1, 2, 4, 8) and graphs.captures == 4
-    alone, batched = _alone_and_batched(runner, requests)
-    print(f"{graphs.replays} replays; capture {graphs.capture_seconds:.2f} s for 4 buckets")
-    assert graphs.replays > 0
-    assert alone == eager_alone and batched == eager_batched == eager_alone
+    alone, batched = _alone_and_batched(runner, requests)  # each step's bucket captured by the step that first needs it
+    assert graphs.eager_steps == 0 and 8 in graphs.captured and graphs.captures == len(graphs.captured)
+    assert all(len(set(t)) > 3 for t in alone), alone
+    ahead = _deferred(cuda_alloc)
+    assert ahead.graphs is not None
+    ahead.graphs.capture()  # every bucket before the first step
+    assert ahead.graphs.captured == (1, 2, 4, 8) and ahead.graphs.captures == 4
+    print(f"{graphs.replays} replays; capture {ahead.graphs.capture_seconds:.2f} s for 4 buckets")
+    assert _alone_and_batched(ahead, requests) == (alone, batched)
+    assert batched == alone
+    assert ahead.graphs.eager_steps == 0 and ahead.graphs.captures == 4
 
 
-def test_a_bucket_captured_in_the_middle_of_a_generation_changes_no_token(cuda_alloc: MemoryAllocator) -> None:
+def test_a_bucket_whose_capture_failed_runs_its_steps_eagerly_on_the_padded_rows(cuda_alloc: MemoryAllocator) -> None:
     runner = _deferred(cuda_alloc)
     graphs = runner.graphs
     assert graphs is not None
+    graphs.failed.add(1)  # as a capture that raised leaves it: not pending, never tried again
     request = GenerationRequest(_requests(runner.config.vocab_size, 1)[0].prompt, 48, ignore_eos=True)
-    reference = runner.run(request).tokens
-    future = runner.engine.submit(request)
-    steps = 0
-    while not future.done():  # the worker's way: steps on one thread, a capture between two of them
-        runner.engine.step()
-        steps += 1
-        if steps == 10:
-            assert graphs.replays == 0
-            runner.capture_graph(1)
-    assert graphs.replays > 20, "the decodes after the capture replayed it"
-    assert future.result().tokens == reference
+    tokens = runner.run(request).tokens
+    assert len(tokens) == 48 and len(set(tokens)) > 3, tokens
+    assert graphs.eager_steps >= 47 and 1 not in graphs.captured, "every decode ran eagerly"
+    assert graphs.captured == (8,), "the prompt's step captured its own bucket"
 
 
 def test_a_capture_waits_for_awake_memory_and_graphs_replay_after_a_wake_without_recapture(
@@ -131,20 +132,24 @@ def test_a_capture_waits_for_awake_memory_and_graphs_replay_after_a_wake_without
     runner.capture_graph(2)
     with pytest.raises(InvalidArgument, match="not pending"):
         runner.capture_graph(2)
-    requests = _requests(runner.config.vocab_size)
-    alone, batched = _alone_and_batched(runner, requests)
     for level in (SleepLevel.LEVEL_1, SleepLevel.LEVEL_2):
         _sleep(cuda_alloc, runner, level)
         with pytest.raises(WrongState, match="asleep"):
             runner.capture_graph(4)
-        assert graphs.pending == (4, 8) and graphs.captured == (1, 2)
+        _wake(cuda_alloc, runner, level)
+    assert graphs.pending == (4, 8) and graphs.captured == (1, 2), "a sleep neither captures nor loses a bucket"
+    requests = _requests(runner.config.vocab_size)
+    alone, batched = _alone_and_batched(runner, requests)  # the steps capture what they need of 4 and 8
+    captured = graphs.captured
+    assert 8 in captured and graphs.captures == len(captured)
+    for level in (SleepLevel.LEVEL_1, SleepLevel.LEVEL_2):
+        _sleep(cuda_alloc, runner, level)
         _wake(cuda_alloc, runner, level)
         replays = graphs.replays
         assert _alone_and_batched(runner, requests) == (alone, batched), f"level {int(level)}"
-        assert graphs.replays > replays and graphs.captures == 2, "the graphs from before the sleep replayed"
-    runner.capture_graph(4)
-    runner.capture_graph(8)
-    assert graphs.pending == () and _alone_and_batched(runner, requests) == (alone, batched)
+        assert graphs.replays > replays, "the graphs from before the sleep replayed"
+        assert graphs.captured == captured and graphs.captures == len(captured), "nothing captured again"
+    assert graphs.eager_steps == 0
 
 
 def test_a_background_capture_makes_every_bucket_on_the_device_thread(cuda_alloc: MemoryAllocator) -> None:
@@ -152,7 +157,6 @@ def test_a_background_capture_makes_every_bucket_on_the_device_thread(cuda_alloc
     graphs = runner.graphs
     assert graphs is not None
     requests = _requests(runner.config.vocab_size)
-    eager = _alone_and_batched(runner, requests)
     loop = asyncio.new_event_loop()
     thread = threading.Thread(target=loop.run_forever, daemon=True)
     thread.start()
@@ -166,7 +170,8 @@ def test_a_background_capture_makes_every_bucket_on_the_device_thread(cuda_alloc
         device.shutdown()  # the last job has ended
         assert background.captured == [1, 2, 4, 8] and graphs.captured == (1, 2, 4, 8)
         assert runner.info()["cuda_graphs_captured"] == [1, 2, 4, 8]
-        assert _alone_and_batched(runner, requests) == eager
+        assert _alone_and_batched(runner, requests) == _alone_and_batched(_deferred(cuda_alloc), requests)
+        assert graphs.captures == 4 and graphs.eager_steps == 0
     finally:
         device.shutdown()
         loop.call_soon_threadsafe(loop.stop)
@@ -179,7 +184,8 @@ _ALL = "buckets captured in the background"
 
 
 def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once() -> None:
-    args = ["--backend", "cuda", "--model", "synthetic:small", "--max-batch", "8", "--kv-blocks", "512"]
+    args = ["--backend", "cuda", "--model", "synthetic:small", "--max-batch", "8", "--max-step-tokens", "8",
+            "--kv-blocks", "512"]  # fmt: skip
     prompt = [7, 300, 12, 900, 45, 2000, 6, 31]
     with WorkerProcess(args, ready_timeout=300) as wp:
         assert _ALL not in wp.stderr_text(), "ready came after every capture"

@@ -1,10 +1,12 @@
 """The model step captured in CUDA graphs, one per row-count bucket, replayed with new inputs.
 
-An eager decode step of an 8B model launches ~600 kernels from Python; at a few microseconds each
-that, not the GPU, sets the pace. A graph launches them all at once. Each bucket's graph reads its
-inputs from one int64 buffer it owns (tokens, positions, write slots, lengths, block tables), which a
-step fills with a single host-to-device copy; smaller batches are padded with rows that write and
-read a scratch KV block no sequence owns.
+An eager step of an 8B model launches ~600 kernels from Python; at a few microseconds each that, not
+the GPU, sets the pace. A graph launches them all at once. A step goes through the graphs when every
+row attends through the block tables: its decodes, and the rows of prompt chunks the engine planned
+as paged rows (a burst of short prompts arriving beside a running batch). Each bucket's graph reads
+its inputs from one int64 buffer it owns (tokens, positions, write slots, lengths, block tables),
+which a step fills with a single host-to-device copy; smaller steps are padded with rows that write
+and read a scratch KV block no sequence owns.
 
 Everything a graph owns (its input buffer, the activations its kernels write, its logits) is in the
 allocator's ``cuda_graphs`` tag. Its contents live only for one replay, so a sleep discards the tag
@@ -14,8 +16,12 @@ engine (tests/gpu/test_cuda_engine.py proves it token for token).
 
 Capturing every bucket of an 8B model takes seconds, so the worker does not wait for it before it
 serves: :class:`BackgroundCapture` captures the buckets after the load, one per job on the device
-thread while the engine is idle, and a step whose bucket is not captured yet decodes eagerly: the
-same kernels on the same rows, tested to give the same tokens (tests/gpu/test_background_capture.py).
+thread while the engine is idle, and a step whose bucket is not captured yet captures it first (the
+model runner's ``_run_step``). A step never runs eagerly where its bucket could replay: an eager step
+and a replay of the same padded rows do not round alike (a request's bf16 greedy tokens differed,
+tests/gpu/test_background_capture.py at `fab6168` and again at its successor), so a request's tokens
+would change with the moment its bucket was captured. Only a bucket whose capture failed runs eagerly,
+on the same padded rows.
 A capture reuses the pool's memory whatever the order; smallest first, the order here, may map a
 little more than largest first (what :meth:`DecodeGraphs.capture` does when it captures all at once).
 """
@@ -39,23 +45,20 @@ from worker.model.config import ModelConfig
 from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
-"""Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``,
-by default the engine's max_batch: decodes alone)."""
+"""Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``:
+by default the engine's max_batch, decodes alone; the model runner's, up to :data:`MIXED_ROWS`, takes
+the steps that mix decodes and prompt chunks as well)."""
 MIXED_ROWS = 512
-"""The most rows a step that mixes decodes and a prompt chunk is planned as paged rows for (the
-engine's ``paged_rows``): past it a chunk's flash-attention span reads its prefix once per tile of
-rows where the decode kernel reads it once per row, and the step's kernels run longer than its
-launches take (an 8B model's 512-row step is ~10 ms of matrix work)."""
+"""The most rows a step that mixes decodes and prompt chunks is captured for and planned as paged rows
+for (the engine's ``paged_rows``): past it a chunk's flash-attention span reads its prefix once per
+tile of rows where the decode kernel reads it once per row, and the step's kernels run longer than
+its launches take (an 8B model's 512-row step is ~10 ms of matrix work)."""
 _FIELDS = 6
 """Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length,
 the row's table."""
 IDLE_S = 0.2
 """A background capture waits until no step has run for this long: a request that arrives just
 after the worker is ready (a client waiting for it) is served first, not after a capture."""
-PATIENCE_S = 1.0
-"""A bucket that steps need is captured between two steps once it has waited this long, even if the
-engine never idles (a capture holds the device loop for a fraction of a second; eager decoding of
-a busy batch costs more than that in a few seconds)."""
 
 log = logging.getLogger("memsvc.worker")
 
@@ -67,6 +70,10 @@ class _Bucket:
     device_buf: torch.Tensor
     host_buf: torch.Tensor
     logits: torch.Tensor
+    copied: torch.cuda.Event
+    """Recorded after each copy of ``host_buf`` to the device: a step that returns no token (a prompt
+    chunk that does not end its read) does not wait for its replay, so the next step of the bucket
+    waits for this before it writes the host buffer the queued copy still reads."""
 
 
 class DecodeGraphs:
@@ -101,6 +108,8 @@ class DecodeGraphs:
         """Buckets whose capture raised: their steps decode eagerly, and nothing tries them again."""
         self.captures = 0
         self.replays = 0
+        self.eager_steps = 0
+        """Steps run eagerly on their bucket's padded rows (the bucket not captured yet, or failed)."""
         self.capture_seconds = 0.0
         """Time spent capturing so far (warm-ups included)."""
 
@@ -140,12 +149,8 @@ class DecodeGraphs:
         return seconds
 
     def bucket_for(self, rows: int) -> int:
-        """The bucket a step of ``rows`` decodes belongs to (the smallest that holds it)."""
+        """The bucket a step of ``rows`` paged rows belongs to (the smallest that holds it)."""
         return next(s for s in self.sizes if s >= rows)
-
-    def replayable(self, rows: int) -> int | None:
-        """The smallest captured bucket that holds ``rows`` decodes, or None (decode eagerly)."""
-        return next((s for s in self.captured if s >= rows), None)
 
     def outputs(self, size: int) -> int:
         """Sequences (tables, logits rows) a bucket of ``size`` rows holds."""
@@ -180,6 +185,14 @@ class DecodeGraphs:
         tables[out, 0] = self.scratch
         last[outs:] = 0
 
+    def _inputs(self, buf: torch.Tensor, size: int) -> StepInputs:
+        """The model's inputs as views of a bucket's device buffer."""
+        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(buf, size)
+        return StepInputs(
+            token_ids=tokens, positions=positions, write_blocks=blocks, write_slots=slots,
+            decode=DecodeRows(size, tables, lengths, table_rows), last_rows=last,
+        )  # fmt: skip
+
     def _capture(self, size: int) -> _Bucket:
         alloc = self._alloc
         numel = self._numel(size)
@@ -187,11 +200,7 @@ class DecodeGraphs:
         host_buf = torch.empty((numel,), dtype=torch.int64, pin_memory=True)
         self._pad(host_buf, size, 0, 0, 0)
         device_buf.copy_(host_buf)
-        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(device_buf, size)
-        inputs = StepInputs(
-            token_ids=tokens, positions=positions, write_blocks=blocks, write_slots=slots,
-            decode=DecodeRows(size, tables, lengths, table_rows), last_rows=last,
-        )  # fmt: skip
+        inputs = self._inputs(device_buf, size)
         stream = torch.cuda.Stream(alloc.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         stream.wait_stream(torch.cuda.current_stream(alloc.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -201,29 +210,48 @@ class DecodeGraphs:
         graph = torch.cuda.CUDAGraph()
         with alloc.capture_graph(graph, CUDA_GRAPHS):
             logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
-        return _Bucket(size, graph, device_buf, host_buf, logits)
+        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        return _Bucket(size, graph, device_buf, host_buf, logits, copied)
 
     def fits(self, step: HostStep) -> bool:
-        """Every row of the step is a decode (a paged prompt chunk's rows would fit a bucket too, but
-        are kept eager: a graph's 16-bit products over its padded rows round differently from the
-        eager step's, and a request's tokens then changed with the moment its bucket was captured,
-        tests/gpu/test_background_capture.py), and a bucket can hold it."""
+        """Every row of the step attends through the block tables (its decodes, and a paged prompt
+        chunk's rows: no spans) and a bucket can hold it."""
         n = step.decodes
-        return (
-            step.decode_only and 0 < n <= self.max_rows and step.decode_tables.shape[1] <= self.width
-            and len(step.last_rows) == n and step.decode_tables.shape[0] <= self.outputs(self.bucket_for(n))
-        )  # fmt: skip
+        if not (step.decode_only and 0 < n <= self.max_rows and step.decode_tables.shape[1] <= self.width):
+            return False
+        out = self.outputs(self.bucket_for(n))
+        return step.decode_tables.shape[0] <= out and len(step.last_rows) <= out
 
     def run(self, step: HostStep) -> torch.Tensor:
-        """The step's ``[len(last_rows), vocab]`` float32 logits (valid until the next replay of its
-        bucket), from the smallest captured bucket that holds it (see :meth:`replayable`)."""
+        """The step's ``[len(last_rows), vocab]`` float32 logits (valid until the next step), computed
+        over the rows of its bucket (:meth:`bucket_for`): replayed where the bucket is captured, else
+        (its capture failed, or the caller could not capture it) launched eagerly on the same padded
+        rows. Always its own bucket's rows: a 16-bit product's rounding may depend on the row count it
+        runs at."""
         n = step.decodes
-        size = self.replayable(n)
-        if size is None:
-            raise WrongState(f"no captured CUDA graph holds {n} rows (captured: {list(self.captured)})")
-        bucket = self._buckets[size]
-        host = bucket.host_buf
-        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(host, bucket.size)
+        size = self.bucket_for(n)
+        bucket = self._buckets.get(size)
+        if bucket is None:
+            host = torch.empty((self._numel(size),), dtype=torch.int64)
+            m = self._fill(host, size, step)
+            buf = host.to(self._kv.device)
+            logits = forward_step(
+                self._weights, self._config, self._rope, self._kv, self._inputs(buf, size), self._kernels, self._fused
+            )
+            self.eager_steps += 1
+            return logits[:m]
+        bucket.copied.synchronize()  # the previous step's copy from the host buffer has run
+        m = self._fill(bucket.host_buf, size, step)
+        bucket.device_buf.copy_(bucket.host_buf, non_blocking=True)
+        bucket.copied.record()
+        bucket.graph.replay()
+        self.replays += 1
+        return bucket.logits[:m]
+
+    def _fill(self, host: torch.Tensor, size: int, step: HostStep) -> int:
+        """Write the step's rows into a bucket's input buffer, padding the rest; the logits rows it returns."""
+        n = step.decodes
+        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(host, size)
         tokens[:n] = torch.from_numpy(step.token_ids)
         positions[:n] = torch.from_numpy(step.positions)
         blocks[:n] = torch.from_numpy(step.write_blocks)
@@ -238,31 +266,27 @@ class DecodeGraphs:
         tables[:seqs, width:] = 0
         m = len(step.last_rows)
         last[:m] = torch.from_numpy(step.last_rows)
-        self._pad(host, bucket.size, n, seqs, m)
-        bucket.device_buf.copy_(host, non_blocking=True)  # the step's argmax waits for the replay, so for this
-        bucket.graph.replay()
-        self.replays += 1
-        return bucket.logits[:m]
+        self._pad(host, size, n, seqs, m)
+        return m
 
 
 class BackgroundCapture:
-    """Captures a model's pending decode graphs after its load, one bucket per job on the worker's
-    device loop, so that the worker serves (decoding eagerly) while they are made.
+    """Captures a model's pending step graphs after its load, one bucket per job on the worker's
+    device loop, while the engine idles, so that few steps have to capture their own bucket first.
 
     One bucket per job: a capture holds the device loop for a fraction of a second, and between
-    two jobs the engine's steps, a Sleep or a SwapBlocks run. The order: buckets that steps needed
-    (oldest need first), then the smallest (a single stream decodes in bucket 1). A capture waits
-    until the engine has been idle for :data:`IDLE_S`, or, for a bucket steps need, until it has
-    waited :data:`PATIENCE_S`.
+    two jobs the engine's steps, a Sleep or a SwapBlocks run. The order: the smallest first (a single
+    stream decodes in bucket 1). A capture waits until the engine has been idle for :data:`IDLE_S`;
+    a bucket a step captured itself (:meth:`taken`) is not captured again.
 
     A capture reads the weights and the KV cache and writes the ``cuda_graphs`` tag, so it must not
     run while any of them sleeps, nor ahead of a transition already accepted (the Sleep would wait
     for it): ``may_capture`` says when it may (the worker: awake, no transition pending), and the
     ``capture`` callable raises WrongState where memory sleeps. Either way the capture stalls and
     :meth:`poke` (each step that could replay a graph) resumes it. A bucket whose capture fails
-    otherwise is logged and left to eager decoding.
+    otherwise is logged and left to eager steps.
 
-    Threads: :meth:`want`, :meth:`poke` and :meth:`request` from any thread; the waiting happens on
+    Threads: :meth:`taken`, :meth:`poke` and :meth:`request` from any thread; the waiting happens on
     ``loop`` (call_later), the capture in a job ``submit`` queues on the device loop.
     """
 
@@ -272,8 +296,6 @@ class BackgroundCapture:
         last_busy: Callable[[], float],
     ) -> None:  # fmt: skip
         self._pending = sorted(sizes)
-        self._wanted: dict[int, float] = {}
-        """Pending buckets a step needed, and the monotonic time it first did."""
         self._capture = capture
         self._loop = loop
         self._submit = submit
@@ -293,13 +315,11 @@ class BackgroundCapture:
         with self._lock:
             return tuple(self._pending)
 
-    def want(self, size: int) -> None:
-        """A step needed bucket ``size`` and decoded eagerly: capture it first."""
+    def taken(self, size: int) -> None:
+        """A step captured bucket ``size`` itself (or its capture failed there): not this one's any more."""
         with self._lock:
-            if size not in self._pending or size in self._wanted:
-                return
-            self._wanted[size] = time.monotonic()
-        self.request()
+            if size in self._pending:
+                self._pending.remove(size)
 
     def poke(self) -> None:
         """A step ran that could replay a graph: resume a stalled capture (cheap when none is)."""
@@ -312,17 +332,11 @@ class BackgroundCapture:
             self._loop.call_soon_threadsafe(self._look, False)
 
     def _next(self) -> int | None:
-        if self._wanted:
-            return min(self._wanted, key=self._wanted.__getitem__)
         return self._pending[0] if self._pending else None
 
-    def _wait(self, size: int) -> float:
-        """Seconds to wait before capturing ``size`` (0: now)."""
-        now = time.monotonic()
-        wait = IDLE_S - (now - self._last_busy())
-        if size in self._wanted:
-            wait = min(wait, PATIENCE_S - (now - self._wanted[size]))
-        return max(wait, 0.0)
+    def _wait(self) -> float:
+        """Seconds to wait before the next capture (0: now)."""
+        return max(IDLE_S - (time.monotonic() - self._last_busy()), 0.0)
 
     def _look(self, timer: bool) -> None:
         """On the loop: queue the next capture, or look again when it may run."""
@@ -333,7 +347,7 @@ class BackgroundCapture:
             size = self._next()
             if size is None:
                 return
-            wait = self._wait(size)
+            wait = self._wait()
             self._scheduled = True
         if wait > 0:
             self._loop.call_later(wait, self._look, True)
@@ -355,7 +369,7 @@ class BackgroundCapture:
                 size = self._next()
                 if size is None:
                     return
-                if self._wait(size) > 0:  # a request came in while this was queued
+                if self._wait() > 0:  # a request came in while this was queued
                     more = True
                     return
             try:
@@ -364,14 +378,14 @@ class BackgroundCapture:
                 log.debug("cuda graphs: batch %d not captured now: %s", size, exc)
                 self.stalled = True
                 return
-            except Exception as exc:  # noqa: BLE001 - the worker serves on; that bucket decodes eagerly
-                log.warning("cuda graphs: capturing batch %d failed (%s); its steps decode eagerly", size, exc)
+            except Exception as exc:  # noqa: BLE001 - the worker serves on; that bucket's steps run eagerly
+                log.warning("cuda graphs: capturing batch %d failed (%s); its steps run eagerly", size, exc)
             else:
                 self.captured.append(size)
             self.stalled = False
             with self._lock:
-                self._pending.remove(size)
-                self._wanted.pop(size, None)
+                if size in self._pending:
+                    self._pending.remove(size)
                 more = bool(self._pending)
             if not more:
                 log.info("cuda graphs: %d of %d buckets captured in the background", len(self.captured), self._all)
@@ -382,4 +396,4 @@ class BackgroundCapture:
                 self.request()
 
 
-__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs"]
+__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "BackgroundCapture", "DecodeGraphs"]

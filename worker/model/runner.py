@@ -51,9 +51,9 @@ class ModelInfo(TypedDict):
     has_chat_template: bool
     kv_cache: KvStats
     cuda_graph_buckets: list[int]
-    """The decode step's batch-size buckets (empty: CUDA graphs off)."""
+    """The step graphs' row-count buckets (empty: CUDA graphs off)."""
     cuda_graphs_captured: list[int]
-    """The buckets captured so far (the others decode eagerly until they are)."""
+    """The buckets captured so far (a step needing another captures it first)."""
 
 
 class ModelRunner:
@@ -79,10 +79,10 @@ class ModelRunner:
         cuda_graphs: bool = False,
         defer_graph_capture: bool = False,
     ) -> None:
-        """``cuda_graphs``: capture the decode step for every batch bucket (cuda backend, Triton);
-        here, unless ``defer_graph_capture``: then none is captured yet, steps decode eagerly until
-        their bucket is, and the owner captures them (:meth:`capture_graph`,
-        :meth:`capture_graphs_in_background`)."""
+        """``cuda_graphs``: capture the step for every row-count bucket (cuda backend, Triton); here,
+        unless ``defer_graph_capture``: then none is captured yet, the owner captures them
+        (:meth:`capture_graph`, :meth:`capture_graphs_in_background`), and a step whose bucket is
+        not captured yet captures it first."""
         t0 = time.perf_counter()
         self.alloc = alloc
         self.source = parse_model_spec(source) if isinstance(source, str) else source
@@ -114,16 +114,17 @@ class ModelRunner:
             assert scratch is not None, "a KV cache for graphs has its scratch block"
             self.graphs = DecodeGraphs(
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                scratch, max_batch, self._kernels, self._fused,
+                scratch, max_batch, self._kernels, self._fused, min(max_step_tokens, max(MIXED_ROWS, max_batch)),
             )  # fmt: skip
             if not defer_graph_capture:
                 self.graphs.capture()
                 graphs, seconds = len(self.graphs.sizes), self.graphs.capture_seconds
                 log.info("cuda graphs: %d buckets captured in %.2f s", graphs, seconds)
         # Where the Triton kernel attends, a step's prompt chunk rows attend through the block tables
-        # as decodes do (up to MIXED_ROWS rows): a step that mixes them is one launch per layer.
+        # as decodes do, up to the rows a graph holds: a step that mixes them is one launch per layer,
+        # replayed (an 8B model's eager step of a few hundred rows took twice its replay's time).
         if self._kernels is TRITON_KERNELS:
-            self.engine.paged_rows = MIXED_ROWS
+            self.engine.paged_rows = self.graphs.max_rows if self.graphs is not None else MIXED_ROWS
         log.info("model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
                  time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)  # fmt: skip
 
@@ -132,18 +133,23 @@ class ModelRunner:
         return self.engine.max_new_tokens_limit
 
     def _run_step(self, step: HostStep) -> torch.Tensor:
-        """A step on the model: replayed from a CUDA graph when every row decodes and a captured one
-        holds them (a background capture hears of a bucket a step needed)."""
+        """A step on the model: replayed from its bucket's graph when every row attends through the
+        block tables and a bucket holds them (a bucket not captured yet is captured first, see
+        worker/model/graphs.py), else eagerly."""
         graphs = self.graphs
         if graphs is not None and graphs.fits(step):
             background = self.background_capture
-            size = graphs.replayable(step.decodes)
             if background is not None:
                 background.poke()
-                if size != (exact := graphs.bucket_for(step.decodes)):
-                    background.want(exact)
-            if size is not None:
-                return graphs.run(step)
+            size = graphs.bucket_for(step.decodes)
+            if size in graphs.pending:
+                try:
+                    self.capture_graph(size)
+                except Exception as exc:  # noqa: BLE001 - the step runs eagerly on the bucket's rows; it fails if that fails
+                    log.warning("cuda graphs: capturing batch %d for a step failed (%s); it runs eagerly", size, exc)
+                if background is not None and size not in graphs.pending:  # captured, or failed for good
+                    background.taken(size)
+            return graphs.run(step)
         kv = self.kv_cache.device
         inputs = step.to_device(self.alloc.torch_device, kv.block_size)
         return forward_step(self.weights, self.config, self._rope, kv.with_scratch, inputs, self._kernels, self._fused)
