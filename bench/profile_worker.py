@@ -4,10 +4,11 @@ bench_serving's clients load it at one concurrency, and the hottest functions co
 Why: issue 26's targets are missed where host work, not the GPU, sets the pace; which host work (the
 engine's Python, the gRPC front, the GIL between them) is a question for a profiler, not a guess.
 py-spy (a wheel carried to the GPU machine) reads the process from outside, so the worker runs as
-users run it, and its RPC front (a child process) with it. Each sample counts once for every
-function on its stack (inclusive) and once for the function at its top (self); samples are taken on
-every thread of both processes (the device loop, the event loops, gRPC's own) and idle ones are left
-out, so a thread's samples over the rate times the seconds is how busy it was.
+users run it. Each sample counts once for every function on its stack (inclusive) and once for the
+function at its top (self); samples are taken on every thread (the device loop and the event loop
+show apart) and idle ones are left out. A thread waiting for the GIL counts as idle there, so the
+CPU seconds of every thread of the worker and of its RPC front (read from /proc around the same
+load) say which thread is the busy one; ``--gil`` samples only the thread that holds the GIL.
 
     python -m bench.profile_worker --model /tmp/ck8b --path worker --concurrency 256 --out prof.json
 """
@@ -17,6 +18,7 @@ from __future__ import annotations
 import argparse
 import collections
 import json
+import os
 import shlex
 import shutil
 import subprocess
@@ -61,6 +63,44 @@ def summarize(raw: str, top: int = 25) -> dict[str, Any]:
     }
 
 
+def family(pid: int) -> list[int]:
+    """``pid`` and its descendants (the worker's RPC front is its child), from /proc."""
+    parents: dict[int, int] = {}
+    for stat in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            text = stat.read_text()
+        except OSError:
+            continue
+        parents[int(stat.parent.name)] = int(text[text.rindex(")") + 2 :].split()[1])
+    found = [pid]
+    for p in found:  # grows as children are found
+        found += [child for child, parent in parents.items() if parent == p]
+    return found
+
+
+def thread_cpu(pids: Sequence[int]) -> dict[str, float]:
+    """CPU seconds (user + system) so far of every thread of ``pids``, keyed ``pid/tid name``: the
+    threads' own clocks, which a sampling profiler's idle filter cannot hide (a thread waiting for the
+    GIL looks idle to py-spy; the thread holding it does not)."""
+    tick = os.sysconf("SC_CLK_TCK")
+    out: dict[str, float] = {}
+    for pid in pids:
+        for task in Path(f"/proc/{pid}/task").glob("*"):
+            try:
+                stat, name = (task / "stat").read_text(), (task / "comm").read_text().strip()
+            except OSError:
+                continue
+            fields = stat[stat.rindex(")") + 2 :].split()
+            out[f"{pid}/{task.name} {name}"] = (int(fields[11]) + int(fields[12])) / tick
+    return out
+
+
+def busy_threads(before: dict[str, float], after: dict[str, float], seconds: float) -> list[tuple[str, float]]:
+    """Each thread's CPU seconds per second between the two readings, busiest first."""
+    rates = {t: round((after[t] - before.get(t, 0.0)) / seconds, 3) for t in after}
+    return sorted(((t, r) for t, r in rates.items() if r > 0), key=lambda tr: -tr[1])
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     from bench.bench_gateway import MEMSVC, Service
 
@@ -75,6 +115,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--worker-args", default="")
     ap.add_argument("--py-spy", default=shutil.which("py-spy") or "py-spy")
+    ap.add_argument("--gil", action="store_true", help="py-spy samples only the thread holding the GIL")
     ap.add_argument("--out", required=True)
     args = ap.parse_args(argv)
     shape = bench_serving.Shape.parse(args.shape)
@@ -89,15 +130,20 @@ def main(argv: Sequence[str] | None = None) -> int:
         raw = Path(args.out).with_suffix(".raw")
         spy = subprocess.Popen([args.py_spy, "record", "--pid", str(wk.proc.pid), "--duration", str(int(args.seconds)),
                                 "--format", "raw", "--output", str(raw), "--threads", "--nonblocking",
-                                "--subprocesses"],  # the RPC front is the worker's child
+                                *(["--gil"] if args.gil else [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
         time.sleep(1.0)  # py-spy attached
+        pids = family(wk.proc.pid)  # the device process and its RPC front
+        before, t0 = thread_cpu(pids), time.monotonic()
         row = bench_serving.run_level(args.path, wk.address, "", shape, c, 8 * c, 8, vocab, 2)
+        busy = busy_threads(before, thread_cpu(pids), time.monotonic() - t0)
         _, err = spy.communicate(timeout=args.seconds + 120)
         profile = summarize(raw.read_text()) if raw.exists() else {}
-        out = {"level": row, "py_spy_rc": spy.returncode, "py_spy_stderr": err[-2000:], "profile": profile}
+        out = {"level": row, "busy_threads": busy, "py_spy_rc": spy.returncode, "py_spy_stderr": err[-2000:],
+               "profile": profile}  # fmt: skip
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print(json.dumps(row))
+        print("busiest threads (CPU seconds per second of the level):", busy[:10])
         for thread, t in profile.items():
             print(f"{thread}: {t['samples']} samples; self: {t['self'][:8]}")
     finally:
