@@ -63,17 +63,91 @@ after the worker is ready (a client waiting for it) is served first, not after a
 log = logging.getLogger("memsvc.worker")
 
 
+class StepBuffer:
+    """A bucket's inputs in one int64 buffer, laid out as its graph reads them: token, position,
+    write block, write slot, length, table row (``[size]`` each), the block tables (``[outputs + 1,
+    width]``: the last is the padding rows', on the scratch block) and the rows whose logits come out
+    (``[outputs]``). Filled row by row on the host, copied to the device in one piece.
+
+    A fill clears only what the previous fill wrote past its own tables (:attr:`written`): the
+    tables are most of the buffer (257 x 512 entries in the 256-row bucket of an 8B model with 16-
+    token blocks), and clearing them whole each step made a step's host work follow the bucket's
+    size, not the step's (and large enough for torch to wake its CPU thread pool every step)."""
+
+    def __init__(self, buf: torch.Tensor, size: int, outputs: int, width: int, scratch: int, block_size: int) -> None:
+        self.buf = buf
+        self.size = size
+        self.outputs = outputs
+        self.width = width
+        self.scratch = scratch
+        self.block_size = block_size
+        self.written = (0, 0)
+        """Table rows and columns the last fill wrote (the buffer holds zeros past them)."""
+        fields = buf[: _FIELDS * size].view(_FIELDS, size)
+        end = _FIELDS * size + (outputs + 1) * width
+        self.tokens, self.positions, self.blocks, self.slots, self.lengths, self.table_rows = fields.unbind(0)
+        self.tables = buf[_FIELDS * size : end].view(outputs + 1, width)
+        self.last = buf[end : end + outputs]
+
+    @staticmethod
+    def numel(size: int, outputs: int, width: int) -> int:
+        return size * _FIELDS + (outputs + 1) * width + outputs
+
+    def clear(self) -> None:
+        """Every row padding, every table empty but the padding rows' (the state before a first fill)."""
+        self.buf.zero_()
+        self._pad(0, 0)
+        self.written = (0, 0)
+
+    def fill(self, step: HostStep) -> int:
+        """Write the step's rows, padding the rest; the logits rows it returns."""
+        n = step.decodes
+        self.tokens[:n] = torch.from_numpy(step.token_ids)
+        self.positions[:n] = torch.from_numpy(step.positions)
+        self.blocks[:n] = torch.from_numpy(step.write_blocks)
+        self.slots[:n] = self.positions[:n] % self.block_size
+        self.lengths[:n] = self.positions[:n] + 1
+        if step.row_tables is None:
+            self.table_rows[:n] = torch.arange(n)
+        else:
+            self.table_rows[:n] = torch.from_numpy(step.row_tables)
+        seqs, width = step.decode_tables.shape
+        tables = self.tables
+        tables[:seqs, :width] = torch.from_numpy(step.decode_tables)
+        old_seqs, old_width = self.written
+        tables[seqs:old_seqs, :old_width] = 0  # rows the last fill used and this one does not
+        tables[: min(seqs, old_seqs), width:old_width] = 0  # and columns
+        self.written = (seqs, width)
+        m = len(step.last_rows)
+        self.last[:m] = torch.from_numpy(step.last_rows)
+        self._pad(n, m)
+        return m
+
+    def _pad(self, rows: int, outs: int) -> None:
+        """Rows ``rows..size``: a one-position read of the scratch block; logits rows past ``outs``
+        from row 0."""
+        self.tokens[rows:] = 0
+        self.positions[rows:] = 0
+        self.blocks[rows:] = self.scratch
+        self.slots[rows:] = 0
+        self.lengths[rows:] = 1
+        self.table_rows[rows:] = self.outputs
+        self.tables[self.outputs, 0] = self.scratch
+        self.last[outs:] = 0
+
+
 @dataclass
 class _Bucket:
     size: int
     graph: torch.cuda.CUDAGraph
     device_buf: torch.Tensor
-    host_buf: torch.Tensor
+    host: StepBuffer
+    """The pinned host side of ``device_buf``."""
     logits: torch.Tensor
     copied: torch.cuda.Event
-    """Recorded after each copy of ``host_buf`` to the device: a step that returns no token (a prompt
-    chunk that does not end its read) does not wait for its replay, so the next step of the bucket
-    waits for this before it writes the host buffer the queued copy still reads."""
+    """Recorded after each copy of the host buffer to the device: a step that returns no token (a
+    prompt chunk that does not end its read) does not wait for its replay, so the next step of the
+    bucket waits for this before it writes the host buffer the queued copy still reads."""
 
 
 class DecodeGraphs:
@@ -156,51 +230,28 @@ class DecodeGraphs:
         """Sequences (tables, logits rows) a bucket of ``size`` rows holds."""
         return min(size, self.max_batch)
 
+    def _buffer(self, size: int, buf: torch.Tensor) -> StepBuffer:
+        return StepBuffer(buf, size, self.outputs(size), self.width, self.scratch, self.block_size)
+
     def _numel(self, size: int) -> int:
-        out = self.outputs(size)
-        return size * _FIELDS + (out + 1) * self.width + out
+        return StepBuffer.numel(size, self.outputs(size), self.width)
 
-    def _views(self, buf: torch.Tensor, size: int) -> tuple[torch.Tensor, ...]:
-        """token, position, write block, write slot, length, table row (``[size]`` each), the tables
-        (``[outputs + 1, width]``: the last one is the padding rows', on the scratch block) and the
-        rows whose logits come out (``[outputs]``)."""
-        out = self.outputs(size)
-        fields = buf[: _FIELDS * size].view(_FIELDS, size)
-        end = _FIELDS * size + (out + 1) * self.width
-        tables = buf[_FIELDS * size : end].view(out + 1, self.width)
-        return (*fields.unbind(0), tables, buf[end : end + out])
-
-    def _pad(self, host: torch.Tensor, size: int, rows: int, seqs: int, outs: int) -> None:
-        """Rows ``rows..size`` (and every row when first filled): a one-position read of the scratch
-        block; tables past ``seqs`` cleared, logits rows past ``outs`` from row 0."""
-        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(host, size)
-        out = self.outputs(size)
-        tokens[rows:] = 0
-        positions[rows:] = 0
-        blocks[rows:] = self.scratch
-        slots[rows:] = 0
-        lengths[rows:] = 1
-        table_rows[rows:] = out
-        tables[seqs:] = 0
-        tables[out, 0] = self.scratch
-        last[outs:] = 0
-
-    def _inputs(self, buf: torch.Tensor, size: int) -> StepInputs:
-        """The model's inputs as views of a bucket's device buffer."""
-        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(buf, size)
+    @staticmethod
+    def _inputs(buf: StepBuffer) -> StepInputs:
+        """The model's inputs as views of a bucket's buffer (on the device)."""
         return StepInputs(
-            token_ids=tokens, positions=positions, write_blocks=blocks, write_slots=slots,
-            decode=DecodeRows(size, tables, lengths, table_rows), last_rows=last,
+            token_ids=buf.tokens, positions=buf.positions, write_blocks=buf.blocks, write_slots=buf.slots,
+            decode=DecodeRows(buf.size, buf.tables, buf.lengths, buf.table_rows), last_rows=buf.last,
         )  # fmt: skip
 
     def _capture(self, size: int) -> _Bucket:
         alloc = self._alloc
         numel = self._numel(size)
         device_buf = alloc.empty((numel,), torch.int64, CUDA_GRAPHS)
-        host_buf = torch.empty((numel,), dtype=torch.int64, pin_memory=True)
-        self._pad(host_buf, size, 0, 0, 0)
-        device_buf.copy_(host_buf)
-        inputs = self._inputs(device_buf, size)
+        host = self._buffer(size, torch.empty((numel,), dtype=torch.int64, pin_memory=True))
+        host.clear()
+        device_buf.copy_(host.buf)
+        inputs = self._inputs(self._buffer(size, device_buf))
         stream = torch.cuda.Stream(alloc.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         stream.wait_stream(torch.cuda.current_stream(alloc.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
@@ -211,7 +262,7 @@ class DecodeGraphs:
         with alloc.capture_graph(graph, CUDA_GRAPHS):
             logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
         copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        return _Bucket(size, graph, device_buf, host_buf, logits, copied)
+        return _Bucket(size, graph, device_buf, host, logits, copied)
 
     def fits(self, step: HostStep) -> bool:
         """Every row of the step attends through the block tables (its decodes, and a paged prompt
@@ -232,42 +283,20 @@ class DecodeGraphs:
         size = self.bucket_for(n)
         bucket = self._buckets.get(size)
         if bucket is None:
-            host = torch.empty((self._numel(size),), dtype=torch.int64)
-            m = self._fill(host, size, step)
-            buf = host.to(self._kv.device)
-            logits = forward_step(
-                self._weights, self._config, self._rope, self._kv, self._inputs(buf, size), self._kernels, self._fused
-            )
+            host = self._buffer(size, torch.empty((self._numel(size),), dtype=torch.int64))
+            host.clear()
+            m = host.fill(step)
+            inputs = self._inputs(self._buffer(size, host.buf.to(self._kv.device)))
+            logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
             self.eager_steps += 1
             return logits[:m]
         bucket.copied.synchronize()  # the previous step's copy from the host buffer has run
-        m = self._fill(bucket.host_buf, size, step)
-        bucket.device_buf.copy_(bucket.host_buf, non_blocking=True)
+        m = bucket.host.fill(step)
+        bucket.device_buf.copy_(bucket.host.buf, non_blocking=True)
         bucket.copied.record()
         bucket.graph.replay()
         self.replays += 1
         return bucket.logits[:m]
-
-    def _fill(self, host: torch.Tensor, size: int, step: HostStep) -> int:
-        """Write the step's rows into a bucket's input buffer, padding the rest; the logits rows it returns."""
-        n = step.decodes
-        tokens, positions, blocks, slots, lengths, table_rows, tables, last = self._views(host, size)
-        tokens[:n] = torch.from_numpy(step.token_ids)
-        positions[:n] = torch.from_numpy(step.positions)
-        blocks[:n] = torch.from_numpy(step.write_blocks)
-        slots[:n] = positions[:n] % self.block_size
-        lengths[:n] = positions[:n] + 1
-        if step.row_tables is None:
-            table_rows[:n] = torch.arange(n)
-        else:
-            table_rows[:n] = torch.from_numpy(step.row_tables)
-        seqs, width = step.decode_tables.shape
-        tables[:seqs, :width] = torch.from_numpy(step.decode_tables)
-        tables[:seqs, width:] = 0
-        m = len(step.last_rows)
-        last[:m] = torch.from_numpy(step.last_rows)
-        self._pad(host, size, n, seqs, m)
-        return m
 
 
 class BackgroundCapture:
@@ -396,4 +425,4 @@ class BackgroundCapture:
                 self.request()
 
 
-__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "BackgroundCapture", "DecodeGraphs"]
+__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]
