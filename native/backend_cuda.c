@@ -480,6 +480,15 @@ static int c_fence_wait(msv_backend *b, uint64_t fence) {
 }
 
 /* Dropped unwaited: the driver frees the event once it fires. */
+static int c_new_stream(msv_backend *b, uint64_t *out) {
+  CUstream s;
+  int rc = bind(b);
+  if (rc) return rc;
+  CK(D.StreamCreate(&s, CU_STREAM_NON_BLOCKING), "cuStreamCreate");
+  *out = (uint64_t)(uintptr_t)s;
+  return MSV_OK;
+}
+
 static void c_fence_release(msv_backend *b, uint64_t fence) {
   if (bind(b) == MSV_OK) D.EventDestroy((CUevent)(uintptr_t)fence);
 }
@@ -602,6 +611,7 @@ int msv_backend_cuda_create(int device, msv_backend **out) {
   b->fence = c_fence;
   b->fence_wait = c_fence_wait;
   b->fence_release = c_fence_release;
+  b->new_stream = c_new_stream;
   b->checksum = c_checksum;
   b->has_method = c_has_method;
   b->destroy = c_destroy;

@@ -123,6 +123,10 @@ static int h_fence(msv_backend *b, uint64_t stream, uint64_t *out) {
   *out = 0;
   return MSV_OK;
 }
+static int h_new_stream(msv_backend *b, uint64_t *out) {
+  (void)b, (void)out;
+  return msv_fail(MSV_E_UNAVAILABLE, "the host backend has no device streams");
+}
 static int h_fence_wait(msv_backend *b, uint64_t fence) {
   (void)b, (void)fence;
   return MSV_OK;
@@ -178,6 +182,7 @@ int msv_backend_host_create(int device, size_t capacity, size_t granularity, msv
   b->sync = h_sync;
   b->quiesce = h_quiesce;
   b->fence = h_fence;
+  b->new_stream = h_new_stream;
   b->fence_wait = h_fence_wait;
   b->fence_release = h_fence_release;
   b->checksum = h_checksum;

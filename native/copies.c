@@ -205,3 +205,5 @@ void msv_fence_release(msv_allocator *a, uint64_t fence) {
 }
 
 int msv_copies_wait(msv_allocator *a) { return a->b->sync(a->b, 0); }
+
+int msv_new_stream(msv_allocator *a, uint64_t *out) { return a->b->new_stream(a->b, out); }

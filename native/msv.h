@@ -78,6 +78,8 @@ struct msv_backend {
   int (*fence)(msv_backend *, uint64_t stream, uint64_t *out);
   int (*fence_wait)(msv_backend *, uint64_t fence);
   void (*fence_release)(msv_backend *, uint64_t fence);
+  /* a stream of the caller's own (non-blocking, never destroyed; see msv_new_stream) */
+  int (*new_stream)(msv_backend *, uint64_t *out);
   /* per-slot checksums of resident memory; out[slot] is summed into (caller zeroes it) */
   int (*checksum)(msv_backend *, const msv_sum_item *items, size_t n, uint64_t *out, size_t nslots);
   int (*has_method)(msv_backend *, int method);
@@ -238,6 +240,11 @@ int msv_fence_wait(msv_allocator *a, uint64_t fence);
 void msv_fence_release(msv_allocator *a, uint64_t fence);
 /* Wait for every copy enqueued on the allocator's own stream. */
 int msv_copies_wait(msv_allocator *a);
+/* A new device stream, shared with no one and never destroyed (MSV_E_UNAVAILABLE on the host backend).
+ * For CUDA-graph captures: torch keys the cuBLAS workspace a capture embeds by its stream's handle and
+ * frees it when any graph captured on that stream is destroyed, so graphs that must outlive others'
+ * need a stream of their own, and a destroyed stream's handle could be given out again. */
+int msv_new_stream(msv_allocator *a, uint64_t *out);
 
 /* Find the live allocation holding [addr, addr+size): its base and tag; MSV_E_NOT_FOUND if none. */
 int msv_lookup(msv_allocator *a, uint64_t addr, size_t size, uint64_t *base, char *tag, size_t tag_cap);

@@ -220,6 +220,7 @@ static PyMethodDef Allocator_methods[] = {
      "copy_block_ids(src_base, dst_base, block_bytes, src_ids, dst_ids, method, stream, wait=True) -> None | Fence"},
     {"copies_wait", (PyCFunction)Allocator_copies_wait, METH_NOARGS, "wait for every copy on the allocator's stream"},
     {"has_method", (PyCFunction)Allocator_has_method, METH_VARARGS, "has_method(method) -> bool"},
+    {"new_stream", (PyCFunction)Allocator_new_stream, METH_NOARGS, "a device stream of the caller's own, never destroyed"},
     {"set_checksum", (PyCFunction)Allocator_set_checksum, METH_VARARGS, "set_checksum(on)"},
     {"set_host_reserve", (PyCFunction)Allocator_set_host_reserve, METH_VARARGS, "set_host_reserve(bytes)"},
     {"cancel_prepin", (PyCFunction)Allocator_cancel_prepin, METH_NOARGS,

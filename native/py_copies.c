@@ -86,6 +86,16 @@ PyObject *Allocator_copies_wait(AllocatorObject *self, PyObject *unused) {
   Py_RETURN_NONE;
 }
 
+/* new_stream(): a device stream of the caller's own (msv_new_stream), as its handle */
+PyObject *Allocator_new_stream(AllocatorObject *self, PyObject *unused) {
+  (void)unused;
+  msv_allocator *a = allocator_of(self);
+  if (!a) return NULL;
+  uint64_t s = 0;
+  if (msv_new_stream(a, &s)) return raise_last();
+  return PyLong_FromUnsignedLongLong(s);
+}
+
 PyObject *Allocator_has_method(AllocatorObject *self, PyObject *args) {
   int m;
   if (!PyArg_ParseTuple(args, "i", &m)) return NULL;

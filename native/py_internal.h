@@ -57,6 +57,7 @@ PyObject *Allocator_copy_blocks(AllocatorObject *self, PyObject *args);
 PyObject *Allocator_copy_block_ids(AllocatorObject *self, PyObject *args);
 PyObject *Allocator_copies_wait(AllocatorObject *self, PyObject *unused);
 PyObject *Allocator_has_method(AllocatorObject *self, PyObject *args);
+PyObject *Allocator_new_stream(AllocatorObject *self, PyObject *unused);
 
 /* ---- py_fence.c: the Fence type, a copy in flight ---- */
 typedef struct FenceObject FenceObject;

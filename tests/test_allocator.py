@@ -21,6 +21,7 @@ from memsvc.errors import (
     InvalidArgument,
     NotFound,
     OutOfMemory,
+    Unavailable,
     WrongState,
 )
 from worker import _native
@@ -1203,3 +1204,9 @@ def test_checksums_from_before_a_demotion_are_not_verified_later(host_alloc: Mem
     host_alloc.sleep({"w": "offload"})
     host_alloc.wake_up()  # must not compare against the sum of the discarded copy
     assert int(t.min()) == 2 and int(t.max()) == 2
+
+
+def test_the_host_backend_has_no_device_stream_to_give(host_alloc: MemoryAllocator) -> None:
+    with pytest.raises(Unavailable, match="no device streams"):
+        host_alloc.new_stream()
+    assert host_alloc.stats().tags == {}, "nothing was made"

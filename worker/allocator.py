@@ -289,8 +289,21 @@ class MemoryAllocator:
         with self._routed_to(tag), torch.cuda.use_mem_pool(pool, device=self.device):
             yield
 
+    def new_stream(self) -> torch.cuda.Stream:
+        """A CUDA stream shared with no one and never destroyed, to capture graphs on: torch keeps the
+        cuBLAS workspace a capture embeds per stream handle and frees it when any graph captured on
+        that stream is destroyed (torch's ``CUDAGraph.reset``), so graphs captured on its shared
+        default capture stream (or a stream from its pool) lose their workspace when another
+        runner's graphs go: wrong tokens, or an illegal address. Unavailable on the host backend."""
+        import torch
+
+        handle = self._native.new_stream()
+        return torch.cuda.ExternalStream(handle, device=self.torch_device)  # type: ignore[no-untyped-call]  # unannotated
+
     @contextlib.contextmanager
-    def capture_graph(self, graph: torch.cuda.CUDAGraph, tag: str) -> Iterator[None]:
+    def capture_graph(
+        self, graph: torch.cuda.CUDAGraph, tag: str, stream: torch.cuda.Stream | None = None
+    ) -> Iterator[None]:
         """Capture ``graph`` with its memory (every tensor the captured work allocates) in ``tag``'s
         pool, so it sleeps with that tag and is mapped at the same addresses on wake: a graph captured
         before a sleep replays after the wake. CUDA only.
@@ -310,7 +323,10 @@ class MemoryAllocator:
         collecting = gc.isenabled()
         gc.disable()
         try:
-            with self._routed_to(tag), torch.cuda.graph(graph, pool=pool.id, capture_error_mode="thread_local"):
+            with (
+                self._routed_to(tag),
+                torch.cuda.graph(graph, pool=pool.id, stream=stream, capture_error_mode="thread_local"),
+            ):
                 yield
         finally:
             if collecting:

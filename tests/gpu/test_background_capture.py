@@ -9,6 +9,7 @@ and captures each bucket once."""
 from __future__ import annotations
 
 import asyncio
+import gc
 import re
 import threading
 import time
@@ -108,6 +109,30 @@ def test_steps_capture_their_own_buckets_and_get_the_tokens_of_buckets_captured_
     assert _alone_and_batched(ahead, requests) == (alone, batched)
     assert batched == alone
     assert ahead.graphs.eager_steps == 0 and ahead.graphs.captures == 4
+
+
+def test_a_runner_whose_graphs_are_gone_takes_nothing_from_another_runners_graphs(
+    cuda_alloc: MemoryAllocator,
+) -> None:
+    """Each model captures on a stream of its own (MemoryAllocator.new_stream). torch frees the cuBLAS
+    workspace a capture embeds once any graph captured on the same stream is destroyed; on a shared
+    capture stream the first runner's end freed the workspace the second one's graphs replay with,
+    and the third one's capture could then take that memory."""
+    first, second = _deferred(cuda_alloc), _deferred(cuda_alloc)
+    requests = _requests(second.config.vocab_size)
+    assert first.graphs is not None and second.graphs is not None
+    first.graphs.capture()
+    second.graphs.capture()
+    before = _alone_and_batched(second, requests)
+    assert before[0] == before[1] and all(len(set(t)) > 3 for t in before[0]), before
+    del first
+    gc.collect()  # its graphs are reset
+    third = _deferred(cuda_alloc)
+    assert third.graphs is not None
+    third.graphs.capture()  # into the pool's memory the first one's graphs gave back
+    assert _alone_and_batched(second, requests) == before
+    assert _alone_and_batched(third, requests) == before
+    assert second.graphs.eager_steps == third.graphs.eager_steps == 0
 
 
 def test_a_bucket_whose_capture_failed_runs_its_steps_eagerly_on_the_padded_rows(cuda_alloc: MemoryAllocator) -> None:

@@ -186,6 +186,8 @@ class DecodeGraphs:
         """Steps run eagerly on their bucket's padded rows (the bucket not captured yet, or failed)."""
         self.capture_seconds = 0.0
         """Time spent capturing so far (warm-ups included)."""
+        self._stream: torch.cuda.Stream | None = None
+        """Every bucket is captured on this stream, this model's own (MemoryAllocator.new_stream)."""
 
     @property
     def max_rows(self) -> int:
@@ -259,7 +261,9 @@ class DecodeGraphs:
                 forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
         torch.cuda.current_stream(alloc.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
-        with alloc.capture_graph(graph, CUDA_GRAPHS):
+        if self._stream is None:
+            self._stream = alloc.new_stream()
+        with alloc.capture_graph(graph, CUDA_GRAPHS, self._stream):
             logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
         copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return _Bucket(size, graph, device_buf, host, logits, copied)
