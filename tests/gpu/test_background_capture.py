@@ -111,6 +111,16 @@ def test_steps_capture_their_own_buckets_and_get_the_tokens_of_buckets_captured_
     assert ahead.graphs.eager_steps == 0 and ahead.graphs.captures == 4
 
 
+def test_eager_steps_on_a_buckets_padded_rows_give_the_tokens_of_its_replays(cuda_alloc: MemoryAllocator) -> None:
+    replayed, eager = _deferred(cuda_alloc), _deferred(cuda_alloc)
+    assert replayed.graphs is not None and eager.graphs is not None
+    replayed.graphs.capture()
+    eager.graphs.failed.update(eager.graphs.sizes)  # as failed captures leave them: every step eager
+    requests = _requests(eager.config.vocab_size)
+    assert _alone_and_batched(eager, requests) == _alone_and_batched(replayed, requests)
+    assert eager.graphs.replays == 0 < eager.graphs.eager_steps and replayed.graphs.eager_steps == 0
+
+
 def test_a_runner_whose_graphs_are_gone_takes_nothing_from_another_runners_graphs(
     cuda_alloc: MemoryAllocator,
 ) -> None:
