@@ -12,7 +12,8 @@ in one process, on the engine the worker runs (``ModelRunner``, CUDA graphs, ``s
 - ``replay_ms``: the same step's graph replayed back to back, the host never waited on: the device's
   time alone (the floor ``step_ms`` could reach if host work overlapped the device's);
 - ``weights_ms``: the bandwidth floor, the weights' bytes at ``--bandwidth`` GB/s;
-- a torch-profiler table of a few steps at 64 rows (the kernels' device time, the host's calls);
+- a torch-profiler table of a few steps at each row count of ``--profile-rows`` (64 by default): the
+  kernels' device time, the host's calls;
 - the serving bench's 40/64 shape as a closed loop on the engine alone (``--concurrency``): C
   requests in flight, a new one submitted as one ends, output tokens per second, and the steps split
   into graph replays and eager steps (steps that read prompt chunks) with the time each kind took.
@@ -100,7 +101,7 @@ def measure(runner: ModelRunner, rows: int, steps: int, bandwidth: float, profil
                     torch.cuda.synchronize()
                 averages = prof.key_averages()
                 table = (
-                    averages.table(sort_by="self_device_time_total", row_limit=14)
+                    averages.table(sort_by="self_device_time_total", row_limit=20)
                     + "\n"
                     + averages.table(sort_by="self_cpu_time_total", row_limit=14)
                 )
@@ -161,7 +162,14 @@ def closed_loop(runner: ModelRunner, concurrency: int, output: int = 64, waves: 
     }
 
 
-def run(preset: str, rows: Sequence[int], steps: int, bandwidth: float, loops: Sequence[int]) -> dict[str, Any]:
+def run(
+    preset: str,
+    rows: Sequence[int],
+    steps: int,
+    bandwidth: float,
+    loops: Sequence[int],
+    profiled: Sequence[int] = (64,),
+) -> dict[str, Any]:
     import torch
 
     from worker.allocator import AllocatorConfig, MemoryAllocator
@@ -172,7 +180,7 @@ def run(preset: str, rows: Sequence[int], steps: int, bandwidth: float, loops: S
         blocks = max([*rows, *loops]) * ((PROMPT + 2 * steps + 64) // 16 + 2) + 64
         batch = max([*rows, *loops])
         runner = ModelRunner(alloc, f"synthetic:{preset}", blocks, 0, max_batch=batch, cuda_graphs=True)
-        levels = [measure(runner, n, steps, bandwidth, profile=n == 64) for n in rows]
+        levels = [measure(runner, n, steps, bandwidth, profile=n in profiled) for n in rows]
         if loops:
             closed_loop(runner, max(loops), waves=1)  # warm: every prompt-chunk shape compiled
         serving = [closed_loop(runner, c) for c in loops]
@@ -199,10 +207,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--rows", default="1,64,256", help="row counts, comma-separated")
     ap.add_argument("--steps", type=int, default=60, help="decode steps timed per row count")
     ap.add_argument("--concurrency", default="64,256", help="closed-loop concurrencies (empty: none)")
+    ap.add_argument("--profile-rows", default="64", help="row counts profiled (torch's profiler), comma-separated")
     ap.add_argument("--bandwidth", type=float, default=4800.0, help="the card's memory bandwidth, GB/s (H200: 4800)")
     args = ap.parse_args(argv)
     loops = [int(x) for x in args.concurrency.split(",") if x]
-    result = run(args.preset, [int(x) for x in args.rows.split(",") if x], args.steps, args.bandwidth, loops)
+    profiled = [int(x) for x in args.profile_rows.split(",") if x]
+    result = run(args.preset, [int(x) for x in args.rows.split(",") if x], args.steps, args.bandwidth, loops, profiled)
     Path(args.out).write_text(json.dumps(result, indent=1) + "\n")
     print(f"graphs: buckets {result['graph_buckets']} captured in {result['graph_capture_s']} s")
     for level in result["levels"]:

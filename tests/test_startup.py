@@ -65,6 +65,8 @@ class Rig:
         self.running = 0
         self.most_at_once = 0
         self.fail: dict[int, Exception] = {}
+        self.first_at = 0.0
+        """When the first capture started (monotonic)."""
         self.bg = BackgroundCapture(sizes, self.capture, loop, self.device.submit, lambda: self.allowed, self.last_busy)
 
     def last_busy(self) -> float:
@@ -78,6 +80,7 @@ class Rig:
         try:
             if size in self.fail:
                 raise self.fail.pop(size)
+            self.first_at = self.first_at or time.monotonic()
             time.sleep(0.01)
             self.done.append((size, threading.current_thread().name))
         finally:
@@ -96,6 +99,7 @@ class Rig:
 @pytest.fixture
 def loop(monkeypatch: pytest.MonkeyPatch) -> Iterator[asyncio.AbstractEventLoop]:
     monkeypatch.setattr(graphs, "IDLE_S", 0.03)
+    monkeypatch.setattr(graphs, "PATIENCE_S", 0.3)
     lp = asyncio.new_event_loop()
     thread = threading.Thread(target=lp.run_forever, daemon=True)
     thread.start()
@@ -132,16 +136,36 @@ def test_a_capture_waits_while_the_engine_works(loop: asyncio.AbstractEventLoop)
     rig.device.shutdown()
 
 
-def test_a_bucket_a_step_captured_itself_is_not_captured_again(loop: asyncio.AbstractEventLoop) -> None:
+def test_a_bucket_steps_need_is_captured_under_load_once_it_waited_its_patience(
+    loop: asyncio.AbstractEventLoop,
+) -> None:
     rig = Rig(loop)
     rig.busy = True
-    rig.bg.request()
-    rig.bg.taken(4)  # a step needed it and captured it first
-    rig.bg.taken(4)  # again (or a bucket no longer pending): nothing
-    assert rig.bg.pending == (1, 2, 8)
+    t0 = time.monotonic()
+    rig.bg.want(4)
+    rig.bg.want(4)  # asked again by the next eager step: still the first need's clock
+    rig.wait(lambda: rig.sizes() == [4])
+    assert time.monotonic() - t0 >= graphs.PATIENCE_S
+    rig.bg.want(2)
+    rig.wait(lambda: rig.sizes() == [4, 2])
+    assert rig.bg.pending == (1, 8), "buckets no step needs wait for an idle engine"
+    rig.bg.want(4)  # captured already: ignored
     rig.busy = False
     rig.wait(lambda: not rig.bg.pending)
-    assert rig.sizes() == [1, 2, 8] == rig.bg.captured
+    assert rig.sizes() == [4, 2, 1, 8] == rig.bg.captured
+    rig.device.shutdown()
+
+
+def test_no_capture_starts_until_the_worker_was_ready_for_a_while(
+    loop: asyncio.AbstractEventLoop, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(graphs, "IDLE_S", 0.5)
+    t0 = time.monotonic()
+    rig = Rig(loop)  # the engine has been idle for 10 s: only the set-up time holds the first capture
+    rig.bg.request()
+    rig.wait(lambda: not rig.bg.pending)
+    assert rig.sizes() == [1, 2, 4, 8]
+    assert rig.first_at - t0 >= graphs.IDLE_S, "a capture started before the worker was ready for IDLE_S"
     rig.device.shutdown()
 
 

@@ -1,10 +1,11 @@
 """GPU-only proofs for the step graphs (worker/model/graphs.py) captured after the load: a step whose
 bucket is not captured yet captures it first (decodes, and prompt chunks read beside them), and gets
-the tokens of buckets captured beforehand; a bucket whose capture failed runs eagerly on its padded
-rows; a capture is refused while the memory it touches sleeps; graphs captured before a sleep replay
-after the wake without being captured again; a background capture makes every bucket on the device
-thread; a worker process serves before its graphs exist, sleeps and wakes while they are pending,
-and captures each bucket once."""
+the tokens of buckets captured beforehand; beside a background capture it runs eagerly on the
+bucket's padded rows, with the same tokens, and its bucket is captured first; a bucket whose capture
+failed runs eagerly on its padded rows; a capture is refused while the memory it touches sleeps;
+graphs captured before a sleep replay after the wake without being captured again; a background
+capture makes every bucket on the device thread; a worker process serves before its graphs exist,
+sleeps and wakes while they are pending, and captures each bucket once."""
 
 from __future__ import annotations
 
@@ -207,6 +208,43 @@ def test_a_background_capture_makes_every_bucket_on_the_device_thread(cuda_alloc
         assert runner.info()["cuda_graphs_captured"] == [1, 2, 4, 8]
         assert _alone_and_batched(runner, requests) == _alone_and_batched(_deferred(cuda_alloc), requests)
         assert graphs.captures == 4 and graphs.eager_steps == 0
+    finally:
+        device.shutdown()
+        loop.call_soon_threadsafe(loop.stop)
+        thread.join(timeout=10)
+        loop.close()
+
+
+def test_beside_a_background_capture_steps_run_eagerly_and_their_buckets_are_captured_first(
+    cuda_alloc: MemoryAllocator,
+) -> None:
+    runner, ahead = _deferred(cuda_alloc), _deferred(cuda_alloc)
+    graphs = runner.graphs
+    assert graphs is not None and ahead.graphs is not None
+    ahead.graphs.capture()
+    requests = _requests(runner.config.vocab_size)
+    expected = _alone_and_batched(ahead, requests)
+    loop = asyncio.new_event_loop()
+    thread = threading.Thread(target=loop.run_forever, daemon=True)
+    thread.start()
+    device = DeviceLoop(loop)
+    allowed = threading.Event()
+    try:  # captures held back (as while a transition is pending) while this thread steps the engine
+        background = runner.capture_graphs_in_background(loop, device.submit, allowed.is_set)
+        assert _alone_and_batched(runner, requests) == expected
+        assert graphs.replays == 0 < graphs.eager_steps and graphs.captures == 0 and background.captured == []
+        allowed.set()
+        background.poke()
+        deadline = time.monotonic() + 120
+        while background.pending:
+            assert time.monotonic() < deadline, f"captured {background.captured} in 120 s"
+            time.sleep(0.05)
+        device.shutdown()
+        # the first step read a 5-token prompt (bucket 8), then decoded alone (bucket 1): needed first
+        assert background.captured[:2] == [8, 1] and sorted(background.captured) == [1, 2, 4, 8]
+        eager = graphs.eager_steps
+        assert _alone_and_batched(runner, requests) == expected
+        assert graphs.eager_steps == eager and graphs.replays > 0
     finally:
         device.shutdown()
         loop.call_soon_threadsafe(loop.stop)

@@ -16,12 +16,14 @@ engine (tests/gpu/test_cuda_engine.py proves it token for token).
 
 Capturing every bucket of an 8B model takes seconds, so the worker does not wait for it before it
 serves: :class:`BackgroundCapture` captures the buckets after the load, one per job on the device
-thread while the engine is idle, and a step whose bucket is not captured yet captures it first (the
-model runner's ``_run_step``). A step never runs eagerly where its bucket could replay: an eager step
-and a replay of the same padded rows do not round alike (a request's bf16 greedy tokens differed,
-tests/gpu/test_background_capture.py at `fab6168` and again at its successor), so a request's tokens
-would change with the moment its bucket was captured. Only a bucket whose capture failed runs eagerly,
-on the same padded rows.
+thread while the engine is idle, and a step whose bucket is not captured yet runs eagerly on the
+bucket's padded rows while the background capture takes that bucket first (within
+:data:`PATIENCE_S`, even under load). An eager step on a bucket's padded rows gives the tokens of the
+bucket's replay (tests/gpu/test_background_capture.py), so a request's tokens do not depend on the
+moment its bucket was captured. (At `fab6168` they did differ: graphs were then captured on torch's
+shared capture stream, and destroying any graph captured there freed the cuBLAS workspace the others
+replay with; each model now captures on a stream of its own.) A model runner used alone, with no
+background capture, captures a step's bucket first.
 A capture reuses the pool's memory whatever the order; smallest first, the order here, may map a
 little more than largest first (what :meth:`DecodeGraphs.capture` does when it captures all at once).
 """
@@ -57,8 +59,13 @@ _FIELDS = 6
 """Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length,
 the row's table."""
 IDLE_S = 0.2
-"""A background capture waits until no step has run for this long: a request that arrives just
-after the worker is ready (a client waiting for it) is served first, not after a capture."""
+"""A background capture waits until no step has run for this long, and starts no sooner than this
+after it was set up (the worker's ready): a request that arrives just after the worker is ready (a
+client waiting for it) is served first, not after a capture."""
+PATIENCE_S = 1.0
+"""A bucket that steps need is captured between two steps once it has waited this long, even if the
+engine never idles (a capture holds the device loop for a fraction of a second; eager steps of a busy
+batch cost more than that within a few seconds)."""
 
 log = logging.getLogger("memsvc.worker")
 
@@ -280,9 +287,8 @@ class DecodeGraphs:
     def run(self, step: HostStep) -> torch.Tensor:
         """The step's ``[len(last_rows), vocab]`` float32 logits (valid until the next step), computed
         over the rows of its bucket (:meth:`bucket_for`): replayed where the bucket is captured, else
-        (its capture failed, or the caller could not capture it) launched eagerly on the same padded
-        rows. Always its own bucket's rows: a 16-bit product's rounding may depend on the row count it
-        runs at."""
+        (not captured yet, or its capture failed) launched eagerly on the same padded rows. Always
+        its own bucket's rows: a 16-bit product's rounding may depend on the row count it runs at."""
         n = step.decodes
         size = self.bucket_for(n)
         bucket = self._buckets.get(size)
@@ -308,9 +314,10 @@ class BackgroundCapture:
     device loop, while the engine idles, so that few steps have to capture their own bucket first.
 
     One bucket per job: a capture holds the device loop for a fraction of a second, and between
-    two jobs the engine's steps, a Sleep or a SwapBlocks run. The order: the smallest first (a single
-    stream decodes in bucket 1). A capture waits until the engine has been idle for :data:`IDLE_S`;
-    a bucket a step captured itself (:meth:`taken`) is not captured again.
+    two jobs the engine's steps, a Sleep or a SwapBlocks run. The order: buckets that steps needed
+    (:meth:`want`, oldest need first), then the smallest (a single stream decodes in bucket 1). A
+    capture waits until the engine has been idle for :data:`IDLE_S`, or, for a bucket steps need,
+    until it has waited :data:`PATIENCE_S`.
 
     A capture reads the weights and the KV cache and writes the ``cuda_graphs`` tag, so it must not
     run while any of them sleeps, nor ahead of a transition already accepted (the Sleep would wait
@@ -319,7 +326,7 @@ class BackgroundCapture:
     :meth:`poke` (each step that could replay a graph) resumes it. A bucket whose capture fails
     otherwise is logged and left to eager steps.
 
-    Threads: :meth:`taken`, :meth:`poke` and :meth:`request` from any thread; the waiting happens on
+    Threads: :meth:`want`, :meth:`poke` and :meth:`request` from any thread; the waiting happens on
     ``loop`` (call_later), the capture in a job ``submit`` queues on the device loop.
     """
 
@@ -329,6 +336,9 @@ class BackgroundCapture:
         last_busy: Callable[[], float],
     ) -> None:  # fmt: skip
         self._pending = sorted(sizes)
+        self._wanted: dict[int, float] = {}
+        """Pending buckets a step needed, and the monotonic time it first did."""
+        self._started = time.monotonic()
         self._capture = capture
         self._loop = loop
         self._submit = submit
@@ -348,11 +358,13 @@ class BackgroundCapture:
         with self._lock:
             return tuple(self._pending)
 
-    def taken(self, size: int) -> None:
-        """A step captured bucket ``size`` itself (or its capture failed there): not this one's any more."""
+    def want(self, size: int) -> None:
+        """A step needed bucket ``size`` and ran eagerly: capture it first (any thread)."""
         with self._lock:
-            if size in self._pending:
-                self._pending.remove(size)
+            if size not in self._pending or size in self._wanted:
+                return
+            self._wanted[size] = time.monotonic()
+        self.request()
 
     def poke(self) -> None:
         """A step ran that could replay a graph: resume a stalled capture (cheap when none is)."""
@@ -365,11 +377,17 @@ class BackgroundCapture:
             self._loop.call_soon_threadsafe(self._look, False)
 
     def _next(self) -> int | None:
+        if self._wanted:
+            return min(self._wanted, key=self._wanted.__getitem__)
         return self._pending[0] if self._pending else None
 
-    def _wait(self) -> float:
-        """Seconds to wait before the next capture (0: now)."""
-        return max(IDLE_S - (time.monotonic() - self._last_busy()), 0.0)
+    def _wait(self, size: int) -> float:
+        """Seconds to wait before capturing ``size`` (0: now)."""
+        now = time.monotonic()
+        wait = IDLE_S - (now - max(self._last_busy(), self._started))
+        if size in self._wanted:
+            wait = min(wait, PATIENCE_S - (now - self._wanted[size]))
+        return max(wait, 0.0)
 
     def _look(self, timer: bool) -> None:
         """On the loop: queue the next capture, or look again when it may run."""
@@ -380,7 +398,7 @@ class BackgroundCapture:
             size = self._next()
             if size is None:
                 return
-            wait = self._wait()
+            wait = self._wait(size)
             self._scheduled = True
         if wait > 0:
             self._loop.call_later(wait, self._look, True)
@@ -402,7 +420,7 @@ class BackgroundCapture:
                 size = self._next()
                 if size is None:
                     return
-                if self._wait() > 0:  # a request came in while this was queued
+                if self._wait(size) > 0:  # a request came in while this was queued
                     more = True
                     return
             try:
@@ -419,6 +437,7 @@ class BackgroundCapture:
             with self._lock:
                 if size in self._pending:
                     self._pending.remove(size)
+                self._wanted.pop(size, None)
                 more = bool(self._pending)
             if not more:
                 log.info("cuda graphs: %d of %d buckets captured in the background", len(self.captured), self._all)
@@ -429,4 +448,4 @@ class BackgroundCapture:
                 self.request()
 
 
-__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]
+__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]

@@ -134,21 +134,22 @@ class ModelRunner:
 
     def _run_step(self, step: HostStep) -> torch.Tensor:
         """A step on the model: replayed from its bucket's graph when every row attends through the
-        block tables and a bucket holds them (a bucket not captured yet is captured first, see
-        worker/model/graphs.py), else eagerly."""
+        block tables and a bucket holds them, else eagerly. A bucket not captured yet runs the step
+        eagerly on its padded rows while the background capture takes it first, or, with no
+        background capture, is captured first (worker/model/graphs.py)."""
         graphs = self.graphs
         if graphs is not None and graphs.fits(step):
             background = self.background_capture
+            size = graphs.bucket_for(step.decodes)
             if background is not None:
                 background.poke()
-            size = graphs.bucket_for(step.decodes)
-            if size in graphs.pending:
+                if size in graphs.pending:
+                    background.want(size)
+            elif size in graphs.pending:
                 try:
                     self.capture_graph(size)
                 except Exception as exc:  # noqa: BLE001 - the step runs eagerly on the bucket's rows; it fails if that fails
                     log.warning("cuda graphs: capturing batch %d for a step failed (%s); it runs eagerly", size, exc)
-                if background is not None and size not in graphs.pending:  # captured, or failed for good
-                    background.taken(size)
             return graphs.run(step)
         kv = self.kv_cache.device
         inputs = step.to_device(self.alloc.torch_device, kv.block_size)
@@ -193,7 +194,7 @@ class ModelRunner:
     ) -> BackgroundCapture:
         """Capture the pending buckets one per ``submit`` job (the device loop's), while the engine
         idles (see :class:`~worker.model.graphs.BackgroundCapture`), as long as ``may_capture`` says
-        so. Steps decode eagerly until their bucket is captured."""
+        so. Steps run eagerly on their bucket's padded rows until it is captured."""
         if self.graphs is None:
             raise WrongState("CUDA graphs are off for this model")
         if self.background_capture is not None:
