@@ -19,6 +19,7 @@ from memsvc.cli import build_parser
 from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
+from worker import host_memory
 from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop
 from worker.host_memory import (
@@ -179,3 +180,56 @@ def test_a_prepin_the_reserve_was_given_back_during_gives_back_what_it_pinned_an
         prepin.stop()
         assert prepin.join(30)
     assert alloc.calls == [1 << 20], "the queued prepin ran after the reserve was given back"
+
+
+class _Pieces:
+    """An allocator's prepin that records each call; the call ``busy_at`` (1-based) marks the worker
+    busy, as a request arriving during it would."""
+
+    def __init__(self, busy: threading.Event, busy_at: int = 0) -> None:
+        self.calls: list[int] = []
+        self.busy = busy
+        self.busy_at = busy_at
+
+    def prepin_host(self, nbytes: int) -> None:
+        self.calls.append(nbytes)
+        if len(self.calls) == self.busy_at:
+            self.busy.set()
+
+
+def test_the_prepin_pins_a_piece_at_a_time_and_only_while_no_generate_runs(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Page-locking holds up the steps beside it (an 8B model's first request after ready: 0.54 s
+    instead of 0.11 s while its weights' size was pinned at once), so the prepin waits for the worker
+    to idle and pins STEP_BYTES at a time, pausing when a request comes."""
+    monkeypatch.setattr(host_memory, "IDLE_S", 0.05)
+    piece = host_memory.STEP_BYTES
+    busy = threading.Event()
+    last = [time.monotonic()]
+
+    def last_busy() -> float:
+        if busy.is_set():
+            last[0] = time.monotonic()
+        return last[0]
+
+    busy.set()  # requests are running when the load ends
+    alloc = _Pieces(busy, busy_at=2)
+    prepin = BackgroundPrepin(alloc, last_busy)  # type: ignore[arg-type]  # only prepin_host is used
+    try:
+        prepin.request(3 * piece + (piece >> 1))
+        time.sleep(20 * host_memory.IDLE_S)
+        assert alloc.calls == [], "it pinned while Generates ran"
+        busy.clear()
+        end = time.monotonic() + 30
+        while len(alloc.calls) < 2:  # the second piece marks the worker busy again
+            assert time.monotonic() < end, alloc.calls
+            time.sleep(0.01)
+        time.sleep(20 * host_memory.IDLE_S)
+        assert alloc.calls == [piece, 2 * piece], "it went on while a request ran"
+        busy.clear()
+        while len(alloc.calls) < 4:
+            assert time.monotonic() < end, alloc.calls
+            time.sleep(0.01)
+    finally:
+        prepin.stop()
+        assert prepin.join(30)
+    assert alloc.calls == [piece, 2 * piece, 3 * piece, 3 * piece + (piece >> 1)], "each call: the total so far"

@@ -208,7 +208,7 @@ class WorkerCore:
                     self._device_loop.submit,
                     lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
                 )
-            self._prepin = BackgroundPrepin(self.alloc)
+            self._prepin = BackgroundPrepin(self.alloc, self.runner.engine.last_busy)
             self._prepin.request(self._hold_host_memory(), self._unparked, self._repark)
         finally:
             self._sm.release()

@@ -5,16 +5,16 @@ A sleep copies into page-locked host chunks. Fresh ones must be faulted and page
 sleep's path, which on the H200 host made a default worker's first sleep of 16 GB take 3.9 s
 (4 GB/s) and its later ones 0.55 s, against 0.30 s once chunks are reused (docs/benchmarks.md). So
 by default (``auto``, on the cuda backend) a worker pre-pins the size of its weights pool in the
-background once loaded and keeps that much between sleeps: the first sleep and every later one run
-at line rate. The cost is host RAM held, locked, while the worker is awake (while it sleeps the
-same chunks hold its weights' backup): at most :data:`HOST_RAM_FRACTION` of the host's memory, none
-when the host is already short, and given back (the reserve drops to 0, free chunks are unpinned)
-whenever the host's available memory falls below :func:`short_threshold` (a prepin still running
-stops), to come back once it recovers: the reserve's size, not its chunks, which later sleeps pin
-afresh. ``status``'s ``host_pinned_bytes`` and the manager's
-``memsvc_worker_host_pinned_bytes`` show what is held. Explicit ``--host-reserve`` and
-``--host-prepin`` values are the operator's and are never changed. The host backend has nothing to
-page-lock (its copies are memcpy), so ``auto`` means 0 there.
+background once loaded, while no request runs (:class:`BackgroundPrepin`), and keeps that much
+between sleeps: the first sleep and every later one run at line rate. The cost is host RAM held,
+locked, while the worker is awake (while it sleeps the same chunks hold its weights' backup): at
+most :data:`HOST_RAM_FRACTION` of the host's memory, none when the host is already short, and given
+back (the reserve drops to 0, free chunks are unpinned) whenever the host's available memory falls
+below :func:`short_threshold` (a prepin still running stops), to come back once it recovers: the
+reserve's size, not its chunks, which later sleeps pin afresh. ``status``'s ``host_pinned_bytes``
+and the manager's ``memsvc_worker_host_pinned_bytes`` show what is held. Explicit
+``--host-reserve`` and ``--host-prepin`` values are the operator's and are never changed. The host
+backend has nothing to page-lock (its copies are memcpy), so ``auto`` means 0 there.
 """
 
 from __future__ import annotations
@@ -37,6 +37,12 @@ if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
 
 log = logging.getLogger("memsvc.worker")
+
+IDLE_S = 0.5
+"""No Generate for this long: the worker is idle, and page-locks host memory or gives it back, a
+piece at a time (page-locking and unlocking hold up the kernel launches and copies beside them)."""
+STEP_BYTES = 256 << 20
+"""Bytes page-locked or given back per piece (the host pool's default chunk)."""
 
 AUTO = "auto"
 HOST_RAM_FRACTION = 0.25
@@ -163,28 +169,35 @@ class BackgroundPrepin:
     after a wake that takes back a reserve the sleep gave up (worker/host_release.py). The worker
     serves meanwhile; a sleep that comes first takes the chunks ready so far and makes the rest
     itself. One thread for the worker's life, idle on a queue between requests, so sleeps and wakes
-    do not change the process's thread count (the leak checks count threads)."""
+    do not change the process's thread count (the leak checks count threads).
 
-    def __init__(self, alloc: MemoryAllocator) -> None:
+    It pins :data:`STEP_BYTES` at a time, each piece only once no Generate has
+    run for :data:`IDLE_S`: page-locking holds up the kernel launches and copies
+    of the steps beside it (an 8B model's first request after ready took 0.54 s instead of 0.11 s
+    while its 16 GB were pinned at once, docs/benchmarks.md), so a request that comes meanwhile
+    waits for one piece at most, and a worker under load pins nothing until it idles."""
+
+    def __init__(self, alloc: MemoryAllocator, last_busy: Callable[[], float] = lambda: 0.0) -> None:
         self._alloc = alloc
+        self._last_busy = last_busy
         self._queue: queue.SimpleQueue[tuple[int, Callable[[], bool], Callable[[], None]] | None] = queue.SimpleQueue()
-        self._stopped = False
+        self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._run, name="memsvc-prepin", daemon=True)
         self._thread.start()
 
     def request(
         self, nbytes: int, wanted: Callable[[], bool] = lambda: True, unwanted: Callable[[], None] = lambda: None
     ) -> None:
-        """Page-lock ``nbytes`` more when the thread gets to it (0: nothing), if ``wanted()`` still
-        says so then; when it no longer does once the prepin ended (the worker gave its reserve back
+        """Page-lock ``nbytes`` more when the thread gets to it (0: nothing), as long as ``wanted()``
+        says so; when it no longer does once the prepin ended (the worker gave its reserve back
         meanwhile: a sleep with nothing awake), ``unwanted()`` is called to give back what it pinned."""
         if nbytes > 0:
             self._queue.put((nbytes, wanted, unwanted))
 
     def stop(self) -> None:
-        """Take no more requests: the prepin running now is the last (the allocator's close stops it
+        """Take no more requests: the piece running now is the last (the allocator's close stops it
         at its next chunk)."""
-        self._stopped = True
+        self._stopped.set()
         self._queue.put(None)
 
     def join(self, timeout: float) -> bool:
@@ -193,27 +206,37 @@ class BackgroundPrepin:
         self._thread.join(timeout)
         return not self._thread.is_alive()
 
+    def _idle(self) -> bool:
+        """Wait until no Generate has run for IDLE_S; False once stopped."""
+        while (wait := IDLE_S - (time.monotonic() - self._last_busy())) > 0:
+            if self._stopped.wait(wait):
+                return False
+        return not self._stopped.is_set()
+
     def _run(self) -> None:
-        while (item := self._queue.get()) is not None and not self._stopped:
+        while (item := self._queue.get()) is not None and not self._stopped.is_set():
             nbytes, wanted, unwanted = item
-            if not wanted():
-                continue
             t0 = time.perf_counter()
+            done = 0
             try:
-                self._alloc.prepin_host(nbytes)
+                while done < nbytes and self._idle() and wanted():
+                    done = min(done + STEP_BYTES, nbytes)
+                    self._alloc.prepin_host(done)  # until `done` bytes of free chunks are ready
             except MemsvcError as exc:
                 log.warning("host prepin of %.2f GiB stopped: %s", nbytes / GiB, exc)
                 continue
             finally:
-                if not wanted():
+                if done and not wanted():
                     unwanted()
             dt = time.perf_counter() - t0
-            log.info("host prepin: %.2f GiB page-locked in %.2f s (%.1f GB/s)", nbytes / GiB, dt, nbytes / dt / 1e9)
+            log.info("host prepin: %.2f of %.2f GiB page-locked in %.2f s", done / GiB, nbytes / GiB, dt)
 
 
 __all__ = [
     "BackgroundPrepin",
     "AUTO",
+    "IDLE_S",
+    "STEP_BYTES",
     "HOST_RAM_FRACTION",
     "HostMemory",
     "HostReserveGuard",

@@ -4,9 +4,11 @@ A wake leaves the sleep's page-locked host chunks free; the allocator used to un
 at once on a thread of its own. On the H200 that takes ~0.4 s for 16 GB, and while the driver
 unregisters memory the first request's kernel launches wait for it: the first Generate after a wake
 cost 0.41 s instead of 0.04 s (docs/benchmarks.md). So the worker holds the chunks through the wake
-(a raised host reserve) and gives them back once no Generate has run for :data:`IDLE_S`, one chunk
-per device-loop job, so a request that arrives meanwhile waits for at most one chunk. A sleep
-before that reuses the chunks (its first copies need no fresh pinning), then trims what it left.
+(a raised host reserve) and gives them back once no Generate has run for
+:data:`~worker.host_memory.IDLE_S`, one chunk per device-loop job, so a request that arrives
+meanwhile waits for at most one chunk. A sleep before that reuses the chunks (its first copies need
+no fresh pinning), then trims what it left. The prepin that pins them again after such a wake works
+the same way (:class:`~worker.host_memory.BackgroundPrepin`).
 
 A worker asleep with nothing awake (level 2, weights on its disk tier, or level 1 with the chunks
 holding the backup) has no sleep ahead that the reserve could speed up, only a wake: so the reserve is
@@ -24,11 +26,8 @@ from collections.abc import Callable
 
 from worker.allocator import MemoryAllocator
 from worker.device_loop import DeviceLoop
+from worker.host_memory import IDLE_S, STEP_BYTES
 
-IDLE_S = 0.5
-"""No Generate for this long: give a chunk back."""
-STEP_BYTES = 256 << 20
-"""Bytes given back per device-loop job (the host pool's default chunk)."""
 _HOLD = 1 << 62
 
 
@@ -135,4 +134,4 @@ class HostRelease:
         self._loop.call_soon_threadsafe(self._tick, epoch)
 
 
-__all__ = ["IDLE_S", "STEP_BYTES", "HostRelease"]
+__all__ = ["HostRelease"]
