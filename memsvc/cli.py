@@ -340,9 +340,10 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     p.add_argument(
         "--max-step-tokens",
-        type=_int_at_least(1),
-        default=env("MAX_STEP_TOKENS", "2048"),
-        help="tokens one engine step feeds at most (long prompts are read in chunks)",
+        type=_count_or_auto,
+        default=env("MAX_STEP_TOKENS", "auto"),
+        help="tokens one engine step feeds at most (long prompts are read in chunks); auto: 512 or --max-batch, "
+        "whichever is more (a step of up to 512 rows replays a CUDA graph)",
     )
     _on_off(
         p,
@@ -989,7 +990,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from worker.config import WorkerConfig
         from worker.main import run
 
-        if args.max_step_tokens < args.max_batch:
+        if args.max_step_tokens is not None and args.max_step_tokens < args.max_batch:
             parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
         config = WorkerConfig(
             model=args.model,

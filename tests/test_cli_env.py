@@ -112,7 +112,9 @@ def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
         (["manager", "--listen", "127.0.0.1:0", "--config", str(root / "missing.toml")], "missing.toml"),
         (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--model", "/no/such/dir"], "/no/such/dir"),
         (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--model", str(unsupported)], "gpt2"),
-    ]
+        (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--max-batch", "8", "--max-step-tokens", "4"],
+         "--max-step-tokens"),
+    ]  # fmt: skip
     for args, named in cases:
         r = run(args)
         assert r.returncode == 2, (args, r.returncode, r.stderr)

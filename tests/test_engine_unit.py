@@ -10,11 +10,12 @@ from collections.abc import Iterator
 import pytest
 import torch
 
+from memsvc.cli import build_parser
 from memsvc.errors import InvalidArgument, OutOfMemory
 from memsvc.vocabulary import FinishReason
 from worker.allocator import AllocatorConfig, MemoryAllocator
 from worker.model.decoder import HostStep
-from worker.model.engine import SHORT_PREFIX
+from worker.model.engine import DEFAULT_MAX_STEP_TOKENS, SHORT_PREFIX
 from worker.model.generation import GenerationRequest
 from worker.model.runner import ModelRunner
 from worker.model.sampling import SamplingParams
@@ -68,6 +69,21 @@ def test_preempted_requests_resume_with_their_alone_tokens(alloc: MemoryAllocato
     assert concurrently(runner, reqs) == alone
     assert runner.engine.preemptions > before, "the pool was meant to run out"
     assert runner.kv_cache.stats()["device_free_blocks"] == 16 and not runner.kv_cache.sequences
+
+
+def test_a_steps_token_budget_is_512_or_max_batch_whichever_is_more_unless_given(alloc: MemoryAllocator) -> None:
+    """512 rows is the most a mixed step replays from a CUDA graph (engine.DEFAULT_MAX_STEP_TOKENS
+    says why); a larger max_batch needs a budget of at least one token per running request."""
+    assert DEFAULT_MAX_STEP_TOKENS == 512
+    sizes = [(8, None, 512), (600, None, 600), (4, 16, 16)]
+    for max_batch, given, budget in sizes:
+        runner = ModelRunner(alloc, "synthetic:tiny", 16, 4, max_batch=max_batch, max_step_tokens=given)
+        assert runner.engine.max_step_tokens == budget, (max_batch, given)
+    with pytest.raises(InvalidArgument, match=r"max_step_tokens must be an integer >= max_batch \(8\), got 4"):
+        ModelRunner(alloc, "synthetic:tiny", 16, 4, max_batch=8, max_step_tokens=4)
+    assert build_parser().parse_args(["worker"]).max_step_tokens is None
+    assert build_parser().parse_args(["worker", "--max-step-tokens", "auto"]).max_step_tokens is None
+    assert build_parser().parse_args(["worker", "--max-step-tokens", "300"]).max_step_tokens == 300
 
 
 @pytest.mark.parametrize("paged", [False, True], ids=["spans", "paged-rows"])

@@ -31,8 +31,9 @@ class WorkerConfig:
     """Tokens per KV block."""
     max_batch: int = 64
     """Requests one engine step runs at most; more wait their turn (worker/model/engine.py)."""
-    max_step_tokens: int = 2048
-    """Tokens one step feeds at most: long prompts are read in chunks of what is left."""
+    max_step_tokens: int | None = None
+    """Tokens one step feeds at most: long prompts are read in chunks of what is left. None: 512 or
+    max_batch, whichever is more (worker/model/engine.py's DEFAULT_MAX_STEP_TOKENS says why)."""
     cuda_graphs: bool = True
     """Capture the decode step in CUDA graphs (cuda backend with Triton; ignored on host)."""
     host_capacity_bytes: int = 8 << 30

@@ -23,7 +23,7 @@ from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, CopyMethod, TagSta
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
-from worker.model.engine import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS, Engine, check_tokens
+from worker.model.engine import DEFAULT_MAX_BATCH, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.graphs import MIXED_ROWS, BackgroundCapture, DecodeGraphs
 from worker.model.kernels import TRITON_KERNELS, kernels_for
@@ -75,7 +75,7 @@ class ModelRunner:
         block_size: int = 16,
         max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS,
         max_batch: int = DEFAULT_MAX_BATCH,
-        max_step_tokens: int = DEFAULT_MAX_STEP_TOKENS,
+        max_step_tokens: int | None = None,
         cuda_graphs: bool = False,
         defer_graph_capture: bool = False,
     ) -> None:
@@ -112,9 +112,10 @@ class ModelRunner:
         if cuda_graphs:
             scratch = self.kv_cache.device.scratch_block
             assert scratch is not None, "a KV cache for graphs has its scratch block"
+            rows = min(self.engine.max_step_tokens, max(MIXED_ROWS, max_batch))
             self.graphs = DecodeGraphs(
                 alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                scratch, max_batch, self._kernels, self._fused, min(max_step_tokens, max(MIXED_ROWS, max_batch)),
+                scratch, max_batch, self._kernels, self._fused, rows,
             )  # fmt: skip
             if not defer_graph_capture:
                 self.graphs.capture()
