@@ -171,11 +171,11 @@ class BackgroundPrepin:
     itself. One thread for the worker's life, idle on a queue between requests, so sleeps and wakes
     do not change the process's thread count (the leak checks count threads).
 
-    It pins :data:`STEP_BYTES` at a time, each piece only once no Generate has
-    run for :data:`IDLE_S`: page-locking holds up the kernel launches and copies
-    of the steps beside it (an 8B model's first request after ready took 0.54 s instead of 0.11 s
-    while its 16 GB were pinned at once, docs/benchmarks.md), so a request that comes meanwhile
-    waits for one piece at most, and a worker under load pins nothing until it idles."""
+    It pins :data:`STEP_BYTES` at a time, each piece only once no Generate has run for
+    :data:`IDLE_S`: page-locking holds up the kernel launches and copies of the steps beside it (an
+    8B model's first request after ready took 0.54 s instead of 0.11 s while its 16 GB were pinned
+    at once, docs/benchmarks.md), so a request that comes meanwhile waits for one piece at most, and
+    a worker under load pins nothing until it idles."""
 
     def __init__(self, alloc: MemoryAllocator, last_busy: Callable[[], float] = lambda: 0.0) -> None:
         self._alloc = alloc
