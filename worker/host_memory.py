@@ -44,6 +44,13 @@ piece at a time (page-locking and unlocking hold up the kernel launches and copi
 STEP_BYTES = 256 << 20
 """Bytes page-locked or given back per piece (the host pool's default chunk)."""
 
+
+def until_idle(last_busy: Callable[[], float]) -> float:
+    """Seconds until no Generate will have run for :data:`IDLE_S` (0 or less: the worker is idle);
+    ``last_busy`` is the engine's."""
+    return IDLE_S - (time.monotonic() - last_busy())
+
+
 AUTO = "auto"
 HOST_RAM_FRACTION = 0.25
 """The most of the host's memory one worker's automatic reserve takes."""
@@ -208,7 +215,7 @@ class BackgroundPrepin:
 
     def _idle(self) -> bool:
         """Wait until no Generate has run for IDLE_S; False once stopped."""
-        while (wait := IDLE_S - (time.monotonic() - self._last_busy())) > 0:
+        while (wait := until_idle(self._last_busy)) > 0:
             if self._stopped.wait(wait):
                 return False
         return not self._stopped.is_set()
@@ -237,6 +244,7 @@ __all__ = [
     "AUTO",
     "IDLE_S",
     "STEP_BYTES",
+    "until_idle",
     "HOST_RAM_FRACTION",
     "HostMemory",
     "HostReserveGuard",

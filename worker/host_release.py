@@ -21,12 +21,11 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-import time
 from collections.abc import Callable
 
 from worker.allocator import MemoryAllocator
 from worker.device_loop import DeviceLoop
-from worker.host_memory import IDLE_S, STEP_BYTES
+from worker.host_memory import IDLE_S, STEP_BYTES, until_idle
 
 _HOLD = 1 << 62
 
@@ -110,7 +109,7 @@ class HostRelease:
         """On the loop: queue one chunk's release if the worker is still idle, else look again later."""
         if epoch != self._epoch or self._target is None:
             return
-        wait = IDLE_S - (time.monotonic() - self._last_busy())
+        wait = until_idle(self._last_busy)
         if wait > 0:
             self._loop.call_later(wait, self._tick, epoch)
             return
@@ -121,7 +120,7 @@ class HostRelease:
         """On the device loop: lower the reserve by a chunk (the allocator trims to it)."""
         if epoch != self._epoch or self._target is None:
             return
-        if time.monotonic() - self._last_busy() < IDLE_S:  # a request came in while this was queued
+        if until_idle(self._last_busy) > 0:  # a request came in while this was queued
             self._loop.call_soon_threadsafe(self._tick, epoch)
             return
         if self._reserve is None:  # start from every chunk held; free ones go once the reserve is below them
