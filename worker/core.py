@@ -665,7 +665,7 @@ class WorkerCore:
             return future
 
         try:
-            admitted = self._device_loop.submit(admit)
+            admitted = self._device_loop.admit(admit)
         except BaseException:
             slot.release()
             raise

@@ -6,6 +6,10 @@ the loop runs its steps. So device work is serialised without a lock around the 
 reads memory a sleep is unmapping: the sleep is a command, and commands run between steps), the
 event loop stays free for status and telemetry, and the engine is touched by this thread alone.
 
+The engine queues each step on the device before it reads the tokens of the one before; every
+command but an admission first waits for the step in flight (:meth:`Engine.land`), so a command never
+touches memory a queued step still reads or writes.
+
 A command may ask for an idle engine (a transition: the Generate calls accepted before it end
 first). It then waits at the head of the queue while the loop steps, and every command behind it
 waits too; it gives up waiting as soon as its own ``until`` says so (its callers left) and then runs
@@ -37,6 +41,8 @@ class Steps(Protocol):
 
     def step(self) -> bool: ...
 
+    def land(self) -> None: ...
+
 
 @dataclass(eq=False)
 class _Command:
@@ -44,6 +50,8 @@ class _Command:
     future: concurrent.futures.Future[Any]
     idle: bool = False
     """Run only once the engine has no requests (or ``until`` says stop waiting)."""
+    lands: bool = True
+    """Wait for the engine's step in flight first (see :meth:`DeviceLoop.admit`)."""
     until: Callable[[], bool] = lambda: False
 
 
@@ -63,6 +71,12 @@ class DeviceLoop:
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
         """Queue ``fn(*args)``; its future settles when it has run. RuntimeError once shut down."""
         return self._put(_Command(lambda: fn(*args), concurrent.futures.Future()))
+
+    def admit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
+        """Queue ``fn``, which only hands the engine a request: unlike every other command it runs
+        while the engine's last step is still in flight on the device (worker/model/engine.py), so
+        requests arriving under load do not stall the pipeline of steps."""
+        return self._put(_Command(fn, concurrent.futures.Future(), lands=False))
 
     def submit_when_idle(self, fn: Callable[[], T], until: Callable[[], bool]) -> concurrent.futures.Future[T]:
         """Queue ``fn`` to run once every Generate admitted before it has ended, or once ``until``
@@ -120,6 +134,11 @@ class DeviceLoop:
     def _main(self) -> None:
         while (item := self._next()) is not None:
             if isinstance(item, _Command):
+                if item.lands and self._engine is not None:
+                    try:
+                        self._engine.land()  # a command may touch memory the step in flight uses
+                    except Exception:  # the engine failed the step's requests itself
+                        log.exception("engine step failed")
                 if item.future.set_running_or_notify_cancel():
                     try:
                         item.future.set_result(item.fn())

@@ -156,6 +156,11 @@ class HostStep:
     row_tables: np.ndarray | None = None
     """Paged rows (see :meth:`decodes`): ``[rows]`` int64, the row of ``decode_tables`` each row reads;
     None: one table per row, the leading ``decode_tables.shape[0]`` rows."""
+    device_tokens: torch.Tensor | None = None
+    """``[k]`` int64 on the model's device: the tokens of rows ``0..k``, which the step before this
+    one made and whose copy to the host has not been read yet (``token_ids`` holds placeholders
+    there): whoever copies the inputs to the device writes these over them, after the copy and in
+    the device's order, so the step runs right behind the one it follows (worker/model/engine.py)."""
 
     @property
     def decodes(self) -> int:
@@ -167,16 +172,29 @@ class HostStep:
     def decode_only(self) -> bool:
         return not self.spans
 
+    def fed(self, token_ids: torch.Tensor) -> torch.Tensor:
+        """``token_ids`` (the step's row tokens, on the device) with :attr:`device_tokens` written over
+        their placeholders."""
+        if self.device_tokens is not None:
+            token_ids[: len(self.device_tokens)].copy_(self.device_tokens)
+        return token_ids
+
     def to_device(self, device: torch.device, block_size: int) -> StepInputs:
+        """The model's inputs on ``device``. On CUDA each array goes through pinned memory without a
+        wait: a plain copy from pageable memory waits for the device to finish everything queued, and
+        the engine queues a step while the one before it still runs."""
+        pinned = device.type == "cuda"
+
         def t(a: np.ndarray) -> torch.Tensor:
-            return torch.from_numpy(a).to(device)
+            host = torch.from_numpy(a)
+            return host.pin_memory().to(device, non_blocking=True) if pinned else host.to(device)
 
         decode = None
         if self.decodes:
             rows = None if self.row_tables is None else t(self.row_tables)
             decode = DecodeRows(self.decodes, t(self.decode_tables), t(self.positions[: self.decodes] + 1), rows)
         return StepInputs(
-            token_ids=t(self.token_ids), positions=t(self.positions), write_blocks=t(self.write_blocks),
+            token_ids=self.fed(t(self.token_ids)), positions=t(self.positions), write_blocks=t(self.write_blocks),
             write_slots=t(self.positions % block_size),
             spans=tuple(SeqSpan(r, s, n, None if b is None else t(b)) for r, s, n, b in self.spans),
             decode=decode, last_rows=t(self.last_rows),

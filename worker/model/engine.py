@@ -15,6 +15,15 @@ fit even alone fails at once: INVALID_ARGUMENT past the whole pool, OutOfMemory 
 sequences leave of it; no request fails because running ones hold blocks. One that asks for "up to"
 (``stop_at_context``) ends where the context or the pool would end it, with finish reason LENGTH.
 
+A step is queued on the device before the tokens of the step before it are read: the host plans and
+launches step t+1 while the device runs step t, and only then waits for t's tokens and hands them
+out, so the device never idles while the host plans. Each row that continues a request whose token
+the device has not handed back yet reads that token on the device (HostStep.device_tokens). The cost:
+a request that stops on a stop token or stop string at t has a row in t+1 computed for nothing (its
+K/V lands past the positions it keeps); a request that ends by its length gets no such row. Anything
+else that touches the device (a swap, a sleep, a capture, freeing a sequence) first waits for the
+step in flight (:meth:`Engine.land`): the worker's device loop does that before each of its commands.
+
 Threads: the engine is used from one thread at a time: the worker's device loop
 (worker/device_loop.py), which admits requests and runs transitions and swaps as commands between
 steps, or a caller holding the model runner's lock. A request whose caller left is dropped at the
@@ -25,6 +34,8 @@ from __future__ import annotations
 
 import collections
 import concurrent.futures
+import contextlib
+import dataclasses
 import time
 import uuid
 from collections.abc import Callable
@@ -40,7 +51,7 @@ from memsvc.vocabulary import FinishReason
 from worker.model.decoder import HostStep
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
-from worker.model.sampling import Sampler, pick_tokens
+from worker.model.sampling import Sampler, sample_tokens, to_device
 from worker.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
@@ -86,6 +97,9 @@ class _Request:
     out: list[int] = field(default_factory=list)
     stop_text: StopMatcher | None = None
     """The request's stop strings over its text (None: it has none)."""
+    flying: int = 0
+    """Its tokens the device made, or is making, that are not handed out yet (steps in flight that
+    end a read of it: at most two, for a moment, while a step is queued behind the one in flight)."""
 
     @property
     def seq_id(self) -> str:
@@ -100,6 +114,45 @@ class _Request:
 
     def left(self) -> bool:
         return self.should_stop is not None and self.should_stop()
+
+    @property
+    def continues(self) -> bool:
+        """It decodes next while its last token is still on the device: one in flight, fed, and not
+        its last by its length (a stop token or string is only seen when the token is handed out)."""
+        return self.flying == 1 and self.pending == 0 and len(self.out) + 1 < self.limit
+
+
+@dataclass(eq=False)
+class _Flight:
+    """A step queued on the device whose tokens are not read yet."""
+
+    ends: list[_Request]
+    """The requests whose rows end a read, in the order of ``tokens``."""
+    fed: list[_Request]
+    """Every request with rows in it."""
+    tokens: torch.Tensor
+    """``[len(ends)]`` int64 on the device: the step's sampled tokens."""
+    host: torch.Tensor
+    """Their copy on the host (pinned, on CUDA), valid once ``done`` has happened."""
+    done: torch.cuda.Event | None
+    """Recorded after the copy to ``host`` (None off CUDA: the copy happened before it returned)."""
+
+    @classmethod
+    def launch(cls, ends: list[_Request], fed: list[_Request], tokens: torch.Tensor) -> _Flight:
+        """The flight of a step just queued: its tokens' copy to the host queued behind it."""
+        if tokens.device.type != "cuda":
+            return cls(ends, fed, tokens, tokens, None)
+        host = torch.empty(tokens.shape, dtype=tokens.dtype, pin_memory=True)
+        host.copy_(tokens, non_blocking=True)
+        done = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        done.record()
+        return cls(ends, fed, tokens, host, done)
+
+    def read(self) -> list[int]:
+        """The tokens, once the step has run (waits for it)."""
+        if self.done is not None:
+            self.done.synchronize()
+        return [int(t) for t in self.host.tolist()]
 
 
 class Engine:
@@ -145,6 +198,8 @@ class Engine:
         self.max_new_tokens_limit = max_new_tokens_limit
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
+        self._flight: _Flight | None = None
+        """The step queued on the device whose tokens are not handed out yet (see the module docstring)."""
         self.steps = 0
         self.preemptions = 0
         self._last_step = time.monotonic()
@@ -185,7 +240,12 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running)
+        return bool(self._waiting or self._running or self._flight)
+
+    @property
+    def in_flight(self) -> bool:
+        """A step is queued on the device whose tokens are not handed out yet."""
+        return self._flight is not None
 
     @property
     def running(self) -> int:
@@ -204,7 +264,11 @@ class Engine:
         return {r.seq.handle for r in (*self._running, *self._waiting) if r.seq is not None}
 
     def fail_all(self, exc: BaseException) -> None:
-        """End every request with ``exc`` (the worker is closing)."""
+        """End every request with ``exc`` (the worker is closing), once the step in flight has run."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            with contextlib.suppress(Exception):  # the device failed: nothing of it is handed out anyway
+                flight.read()
         for req in (*self._waiting, *self._running):
             self._fail(req, exc)
         self._waiting.clear()
@@ -212,23 +276,45 @@ class Engine:
 
     # ---- the step ----
     def step(self) -> bool:
-        """Admit, preempt if blocks ran out, run one model step, hand out tokens; True while work remains."""
+        """Admit, preempt if blocks ran out, queue one model step on the device, then hand out the
+        tokens of the step queued before it; True while work remains."""
         self._drop_leavers()
         self._admit()
-        self._grow()
-        if self._running:
-            batch = list(self._running)
-            try:
-                self._forward()
-            except BaseException as exc:  # the batch's requests end with the step's error, the worker serves on
-                for req in batch:
-                    self._fail(req, exc)
-                self._running.clear()
-                if not isinstance(exc, Exception):
-                    raise
-            self.steps += 1
-            self._last_step = time.monotonic()
+        try:
+            self._grow()
+            before, self._flight = self._flight, None
+            if self._running:
+                self._flight = self._launch(before)
+            if before is not None:
+                self._hand_out(before)
+            flight = self._flight
+            if flight is not None and all(r.future.done() for r in flight.fed):
+                self.land()  # every request in it ended: it is work for nothing, nobody waits for it
+        except BaseException as exc:
+            self._fail_running(exc)
+            if not isinstance(exc, Exception):
+                raise
+        self._last_step = time.monotonic()
         return self.has_work
+
+    def land(self) -> None:
+        """Wait for the step in flight and hand out its tokens (no-op when none is): before anything
+        else touches the device memory a step reads or writes. Its error ends the running requests
+        (and is raised)."""
+        flight, self._flight = self._flight, None
+        if flight is not None:
+            try:
+                self._hand_out(flight)
+            except BaseException as exc:
+                self._fail_running(exc)
+                raise
+
+    def _fail_running(self, exc: BaseException) -> None:
+        """A step failed: the batch's requests end with its error (the worker serves on)."""
+        self._flight = None
+        for req in list(self._running):
+            self._fail(req, exc)
+        self._running.clear()
 
     def _drop_leavers(self) -> None:
         for queue in (self._waiting, self._running):
@@ -339,8 +425,8 @@ class Engine:
         room = kv.block_size
         for req in list(self._running):
             seq = req.seq
-            if seq is None or len(seq.tokens) - seq.num_cached != 1:
-                continue  # still reading its prompt
+            if seq is None or not (req.pending == 1 or req.continues):
+                continue  # still reading its prompt, or its last token is in flight
             if seq.num_cached < kv.blocks_of(seq) * room:
                 continue  # its last block has room for the position (the common case: no call below)
             if req not in self._running:
@@ -350,6 +436,10 @@ class Engine:
                     kv.ensure_capacity(seq.seq_id, seq.num_cached + 1)
                     break
                 except OutOfMemory:
+                    if self._flight is not None:  # preempt only with every token handed out
+                        self.land()
+                        self._grow()
+                        return
                     victim = self._running[-1]
                     self._preempt(victim)
                     if victim is req:
@@ -365,9 +455,11 @@ class Engine:
         self.preemptions += 1
         self._waiting.appendleft(req)
 
-    def _plan(self) -> tuple[HostStep, list[tuple[_Request, int]], list[_Request]]:
+    def _plan(self, before: _Flight | None) -> tuple[HostStep, list[tuple[_Request, int]], list[_Request], list[int]]:
         """The step's rows, decodes first, then prompt chunks within the token budget; how many
-        tokens each request feeds; the requests whose last row ends a read (they get a token).
+        tokens each request feeds; the requests whose last row ends a read (they get a token); and
+        for the leading decodes, whose tokens ``before`` (the step in flight) makes, the index of
+        each one's token among its tokens.
 
         With at most :attr:`paged_rows` rows, or more rows whose prefixes are short (see
         :data:`SHORT_PREFIX`), every row attends through the block tables (one table per sequence,
@@ -378,7 +470,12 @@ class Engine:
         prefix for every row, where a span's flash attention reads it once per tile of rows)."""
         kv = self.kv_cache
         bs = kv.block_size
-        decodes = [r for r in self._running if r.pending == 1]
+        running = set(self._running)
+        fed: list[int] = []
+        if before is not None:
+            fed = [i for i, r in enumerate(before.ends) if r in running and r.continues]
+        decodes = [before.ends[i] for i in fed] if before is not None else []
+        decodes += [r for r in self._running if r.pending == 1]
         budget = self.max_step_tokens - len(decodes)
         chunks: list[tuple[_Request, int]] = []
         for req in self._running:
@@ -398,7 +495,8 @@ class Engine:
         for i, t in enumerate(tables[: len(table)]):
             table[i, : len(t)] = t
         positions = [np.fromiter((s.num_cached for s in seqs[:d]), np.int64, d)]  # type: ignore[union-attr]
-        tokens = [np.fromiter((s.tokens[-1] for s in seqs[:d]), np.int64, d)]  # type: ignore[union-attr]
+        k = len(fed)  # the first k decodes' tokens are on the device: placeholders here
+        tokens = [np.fromiter((0 if i < k else s.tokens[-1] for i, s in enumerate(seqs[:d])), np.int64, d)]  # type: ignore[union-attr]
         blocks = [np.fromiter((t[p // bs] for t, p in zip(tables, positions[0].tolist(), strict=False)), np.int64, d)]
         row_tables = [np.arange(d, dtype=np.int64)]
         spans: list[tuple[int, int, int, np.ndarray | None]] = []
@@ -427,12 +525,21 @@ class Engine:
             last_rows=np.asarray(last_rows, np.int64),
             row_tables=np.concatenate(row_tables) if paged else None,
         )  # fmt: skip
-        return step, [(r, 1) for r in decodes] + chunks, ends
+        return step, [(r, 1) for r in decodes] + chunks, ends, fed
 
-    def _forward(self) -> None:
-        """One model step over the running batch; sample and deliver the token of each request
-        whose row ends a read."""
-        step, fed, ends = self._plan()
+    def _launch(self, before: _Flight | None) -> _Flight | None:
+        """Queue one model step over the running batch and the sampling of the token of each request
+        whose row ends a read; the rows that continue ``before``'s requests read its tokens on the
+        device. None when no request has a row to feed (each one's last token is in ``before``)."""
+        step, fed, ends, index = self._plan(before)
+        if not fed:
+            return None
+        if index:
+            assert before is not None
+            src = before.tokens
+            if index != list(range(len(index))):  # a request of it left or ends: pick the others'
+                src = src.index_select(0, to_device(index, torch.int64, src.device))
+            step = dataclasses.replace(step, device_tokens=src[: len(index)])
         # swaps begun between steps may still copy: wait for them only if they touch this step's blocks
         if self.kv_cache.copies_in_flight:
             spans = [b for _, _, _, b in step.spans if b is not None]
@@ -441,9 +548,18 @@ class Engine:
         for req, n in fed:
             assert req.seq is not None
             req.seq.num_cached += n
-        tokens = pick_tokens(logits, [req.sampler for req in ends])  # type: ignore[misc]  # bound at admission
-        for req, token in zip(ends, tokens, strict=True):
-            self._deliver(req, token)
+        for req in ends:
+            req.flying += 1
+        self.steps += 1
+        tokens = sample_tokens(logits, [req.sampler for req in ends])  # type: ignore[misc]  # bound at admission
+        return _Flight.launch(ends, [req for req, _ in fed], tokens)
+
+    def _hand_out(self, flight: _Flight) -> None:
+        """Wait for ``flight``'s tokens and deliver each to its request, unless it ended meanwhile."""
+        for req, token in zip(flight.ends, flight.read(), strict=True):
+            req.flying -= 1
+            if not req.future.done():
+                self._deliver(req, token)
 
     def _deliver(self, req: _Request, token: int) -> None:
         seq = req.seq
@@ -460,6 +576,9 @@ class Engine:
     def _finish(self, req: _Request, reason: FinishReason) -> None:
         if req in self._running:
             self._running.remove(req)
+        if req.flying:  # the step in flight feeds its last token: a row for nothing, uncounted
+            assert req.seq is not None
+            req.seq.num_cached -= req.flying
         if req.left():  # left during the last step: nothing kept
             self._fail(req, Cancelled("generation stopped: the caller left"))
             return

@@ -148,13 +148,17 @@ class _Bucket:
     size: int
     graph: torch.cuda.CUDAGraph
     device_buf: torch.Tensor
-    host: StepBuffer
-    """The pinned host side of ``device_buf``."""
+    tokens: torch.Tensor
+    """The row tokens in ``device_buf`` (what a step's ``device_tokens`` are written over)."""
+    hosts: tuple[StepBuffer, StepBuffer]
+    """Two pinned host sides of ``device_buf``, filled in turn: the engine fills a step while the
+    step before it, maybe of the same bucket, waits to run, and its copy still reads its buffer."""
     logits: torch.Tensor
-    copied: torch.cuda.Event
-    """Recorded after each copy of the host buffer to the device: a step that returns no token (a
-    prompt chunk that does not end its read) does not wait for its replay, so the next step of the
-    bucket waits for this before it writes the host buffer the queued copy still reads."""
+    copied: tuple[torch.cuda.Event, torch.cuda.Event]
+    """Each recorded after each copy of its host buffer to the device: a step waits for it before it
+    writes that buffer again (the copy queued two steps before may not have run yet)."""
+    turn: int = 0
+    """The host buffer the next step fills."""
 
 
 class DecodeGraphs:
@@ -257,9 +261,10 @@ class DecodeGraphs:
         alloc = self._alloc
         numel = self._numel(size)
         device_buf = alloc.empty((numel,), torch.int64, CUDA_GRAPHS)
-        host = self._buffer(size, torch.empty((numel,), dtype=torch.int64, pin_memory=True))
-        host.clear()
-        device_buf.copy_(host.buf)
+        hosts = tuple(self._buffer(size, torch.empty((numel,), dtype=torch.int64, pin_memory=True)) for _ in "ab")
+        for host in hosts:
+            host.clear()
+        device_buf.copy_(hosts[0].buf)
         inputs = self._inputs(self._buffer(size, device_buf))
         stream = torch.cuda.Stream(alloc.device)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         stream.wait_stream(torch.cuda.current_stream(alloc.device))
@@ -272,8 +277,8 @@ class DecodeGraphs:
             self._stream = alloc.new_stream()
         with alloc.capture_graph(graph, CUDA_GRAPHS, self._stream):
             logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
-        copied = torch.cuda.Event()  # type: ignore[no-untyped-call]  # torch leaves it unannotated
-        return _Bucket(size, graph, device_buf, host, logits, copied)
+        copied = (torch.cuda.Event(), torch.cuda.Event())  # type: ignore[no-untyped-call]  # torch leaves it unannotated
+        return _Bucket(size, graph, device_buf, inputs.token_ids, (hosts[0], hosts[1]), logits, copied)
 
     def fits(self, step: HostStep) -> bool:
         """Every row of the step attends through the block tables (its decodes, and a paged prompt
@@ -292,18 +297,23 @@ class DecodeGraphs:
         n = step.decodes
         size = self.bucket_for(n)
         bucket = self._buckets.get(size)
-        if bucket is None:
-            host = self._buffer(size, torch.empty((self._numel(size),), dtype=torch.int64))
+        if bucket is None:  # pinned, so the copy does not wait for the step queued before it
+            host = self._buffer(size, torch.empty((self._numel(size),), dtype=torch.int64, pin_memory=True))
             host.clear()
             m = host.fill(step)
-            inputs = self._inputs(self._buffer(size, host.buf.to(self._kv.device)))
+            inputs = self._inputs(self._buffer(size, host.buf.to(self._kv.device, non_blocking=True)))
+            step.fed(inputs.token_ids)
             logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
             self.eager_steps += 1
             return logits[:m]
-        bucket.copied.synchronize()  # the previous step's copy from the host buffer has run
-        m = bucket.host.fill(step)
-        bucket.device_buf.copy_(bucket.host.buf, non_blocking=True)
-        bucket.copied.record()
+        turn = bucket.turn
+        bucket.turn ^= 1
+        host, copied = bucket.hosts[turn], bucket.copied[turn]
+        copied.synchronize()  # the copy from this host buffer two steps ago has run
+        m = host.fill(step)
+        bucket.device_buf.copy_(host.buf, non_blocking=True)
+        copied.record()
+        step.fed(bucket.tokens)
         bucket.graph.replay()
         self.replays += 1
         return bucket.logits[:m]

@@ -61,7 +61,8 @@ class ModelRunner:
     requests (worker/model/engine.py).
 
     ``lock`` serialises submissions, steps, swaps and the sleep hooks for callers on several threads
-    (tests, embedders). The worker needs no lock around sleep and wake: it calls the runner,
+    (tests, embedders); each of those that touches device memory first waits for the engine's step in
+    flight (:meth:`Engine.land`). Call ``engine.land()`` under the lock before a sleep. The worker needs no lock around sleep and wake: it calls the runner,
     ``alloc.sleep`` and ``alloc.wake_up`` from its device loop only (worker/device_loop.py), so no
     step can read a range while it is being unmapped.
     """
@@ -181,6 +182,7 @@ class ModelRunner:
         if graphs is None:
             raise WrongState("CUDA graphs are off for this model")
         with self.lock:
+            self.engine.land()
             self._check_awake(WEIGHTS, KV_CACHE, CUDA_GRAPHS)
             seconds = graphs.capture_bucket(size)
         done, total = len(graphs.captured), len(graphs.sizes)
@@ -258,6 +260,7 @@ class ModelRunner:
     # ---- sequences and swaps ----
     def free_sequence(self, sequence_id: str) -> None:
         with self.lock:
+            self.engine.land()
             seq = self.kv_cache.sequence(sequence_id)
             if seq.handle in self.engine.busy_sequences():
                 raise WrongState(
@@ -269,6 +272,7 @@ class ModelRunner:
     def swap(self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto") -> int:
         """:meth:`KvCache.swap` under the runner's lock; the bytes moved."""
         with self.lock:
+            self.engine.land()
             return self.kv_cache.swap(direction, pairs, method, self.engine.busy_sequences())
 
     def begin_swap(
@@ -278,6 +282,7 @@ class ModelRunner:
         next swap is checked and enqueued while this one copies. Generation waits for every swap
         begun before it."""
         with self.lock:
+            self.engine.land()
             return self.kv_cache.begin_swap(direction, src_ids, dst_ids, method, self.engine.busy_sequences())
 
     # ---- sleep hooks ----
@@ -286,6 +291,7 @@ class ModelRunner:
         wake), or from ``source``, which then is the model's source (ReloadWeights from another
         directory; see CheckpointSource's ``same_as``)."""
         with self.lock:
+            self.engine.land()
             self._check_awake(WEIGHTS)
             (source or self.source).load_into(self.weights)
             if source is not None:
@@ -298,6 +304,7 @@ class ModelRunner:
         to the host pool kept their data and stay.
         """
         with self.lock:
+            self.engine.land()
             return self.kv_cache.drop_device()
 
     def info(self) -> ModelInfo:

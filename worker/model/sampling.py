@@ -74,14 +74,14 @@ def filter_rows(logits: torch.Tensor, params: Sequence[SamplingParams]) -> torch
     device, vocab = x.device, x.shape[-1]
 
     def column(values: list[float]) -> torch.Tensor:
-        return torch.tensor(values, dtype=torch.float32, device=device)[:, None]
+        return to_device(values, torch.float32, device)[:, None]
 
     # the same softmax, but a tiny temperature makes -inf, not inf - inf
     x = (x - x.max(dim=-1, keepdim=True).values) / column([p.temperature for p in params])
     ks = [p.top_k if 0 < p.top_k < vocab else 0 for p in params]
     if any(ks):
         top = torch.topk(x, max(ks), dim=-1).values
-        kth = top.gather(-1, torch.tensor([max(k - 1, 0) for k in ks], device=device)[:, None])
+        kth = top.gather(-1, to_device([max(k - 1, 0) for k in ks], torch.int64, device)[:, None])
         kth = torch.where(column([1.0 if k else 0.0 for k in ks]) > 0, kth, -math.inf)
         x = x.masked_fill(x < kth, -math.inf)
     if any(p.top_p < 1.0 for p in params):
@@ -126,24 +126,40 @@ class Sampler:
         return pick_tokens(logits[None], [self])[0]
 
 
+def to_device(values: list[float] | list[int], dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A small host list as a tensor on ``device`` without waiting for the device: on CUDA through
+    pinned memory (a copy from pageable memory first waits for all the work queued on the stream,
+    and the engine queues a step's sampling while the step before it still runs)."""
+    import torch
+
+    host = torch.tensor(values, dtype=dtype)
+    return host.pin_memory().to(device, non_blocking=True) if device.type == "cuda" else host.to(device)
+
+
 def pick_tokens(logits: torch.Tensor, samplers: Sequence[Sampler]) -> list[int]:
-    """One token per row of float32 ``[rows, vocab]`` logits, row ``i`` picked by ``samplers[i]``:
-    the argmax for a greedy row; a sampled row is filtered (:func:`filter_rows`, all of them together)
-    and draws from its distribution with one number of its own generator (the inverse of its
-    cumulative distribution). The step's tokens reach the host in one copy, whatever the mix: drawing
-    row by row waited for the device once per sampled row."""
+    """:func:`sample_tokens` on the host."""
+    return [int(t) for t in sample_tokens(logits, samplers).tolist()]
+
+
+def sample_tokens(logits: torch.Tensor, samplers: Sequence[Sampler]) -> torch.Tensor:
+    """One token per row of float32 ``[rows, vocab]`` logits, row ``i`` picked by ``samplers[i]``, as
+    an int64 ``[rows]`` tensor on the logits' device, queued there without a wait: the argmax for a
+    greedy row; a sampled row is filtered (:func:`filter_rows`, all of them together) and draws from
+    its distribution with one number of its own generator (the inverse of its cumulative
+    distribution). The step's tokens reach the host in one copy, whatever the mix: drawing row by row
+    waited for the device once per sampled row."""
     import torch
 
     tokens = logits.argmax(dim=-1)
     rows = [i for i, s in enumerate(samplers) if not s.greedy]
     if rows:
-        index = torch.tensor(rows, device=logits.device)
+        index = to_device(rows, torch.int64, logits.device)
         probs = filter_rows(logits.index_select(0, index), [samplers[i].params for i in rows]).softmax(dim=-1)
         cdf = probs.cumsum(dim=-1)
         u = torch.cat([samplers[i].uniform() for i in rows])
         drawn = torch.searchsorted(cdf, (u * cdf[:, -1])[:, None], right=True)[:, 0]
         tokens = tokens.index_copy(0, index, drawn.clamp_(max=logits.shape[-1] - 1))
-    return [int(t) for t in tokens.tolist()]
+    return tokens
 
 
 __all__ = [
@@ -155,4 +171,6 @@ __all__ = [
     "filter_logits",
     "filter_rows",
     "pick_tokens",
+    "sample_tokens",
+    "to_device",
 ]
