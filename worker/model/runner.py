@@ -62,9 +62,9 @@ class ModelRunner:
 
     ``lock`` serialises submissions, steps, swaps and the sleep hooks for callers on several threads
     (tests, embedders); each of those that touches device memory first waits for the engine's step in
-    flight (:meth:`Engine.land`). Call ``engine.land()`` under the lock before a sleep. The worker needs no lock around sleep and wake: it calls the runner,
-    ``alloc.sleep`` and ``alloc.wake_up`` from its device loop only (worker/device_loop.py), so no
-    step can read a range while it is being unmapped.
+    flight (:meth:`Engine.land`). The worker needs no lock around sleep and wake: it calls the runner,
+    ``alloc.sleep`` and ``alloc.wake_up`` from its device loop only (worker/device_loop.py), which
+    lands the step in flight before each, so no step can read a range while it is being unmapped.
     """
 
     def __init__(
