@@ -200,18 +200,21 @@ class WorkerCore:
             tags = self._last_memory.tags
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0
             self._sm.finish(Transition(TransitionKind.LOAD, moved, time.perf_counter() - t0))
-            self._sm.set_state(WorkerState.AWAKE, "model loaded")
             self._device_loop.serve(self.runner.engine)
-            if self.runner.graphs is not None:  # serving now: the graphs are captured between steps
-                self.runner.capture_graphs_in_background(
-                    self._loop,
-                    self._device_loop.submit,
-                    lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
-                )
             self._prepin = BackgroundPrepin(self.alloc, self.runner.engine.last_busy)
             self._prepin.request(self._hold_host_memory(), self._unparked, self._repark)
         finally:
             self._sm.release()
+        # AWAKE only now, with the load's lock released: a client that sees it (a status poll, the
+        # watch) and sends a Generate at once must not meet the load still holding the lock
+        # ("a transition is pending"), which it did on a loaded machine while the lines above ran
+        self._sm.set_state(WorkerState.AWAKE, "model loaded")
+        if self.runner.graphs is not None:  # serving now: the graphs are captured between steps
+            self.runner.capture_graphs_in_background(
+                self._loop,
+                self._device_loop.submit,
+                lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
+            )
 
     def _hold_host_memory(self) -> int:
         """Resolve ``auto`` (worker/host_memory.py): set the reserve, start its guard, and return the
