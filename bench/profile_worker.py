@@ -11,6 +11,9 @@ CPU seconds of every thread of the worker and of its RPC front (read from /proc 
 load) say which thread is the busy one; ``--gil`` samples only the thread that holds the GIL.
 
     python -m bench.profile_worker --model /tmp/ck8b --path worker --concurrency 256 --out prof.json
+
+``--path gateway`` samples the gateway instead (with a manager and the worker behind it, as
+bench_serving runs them), and reads the CPU seconds of the gateway's threads beside the worker's.
 """
 
 from __future__ import annotations
@@ -107,7 +110,10 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", required=True, help="a checkpoint directory (bench_gateway's)")
     ap.add_argument("--backend", default="cuda")
-    ap.add_argument("--path", default="worker", choices=("worker", "unary"))
+    ap.add_argument(
+        "--path", default="worker", choices=("worker", "unary", "gateway"),
+        help="gateway: a manager, the worker and the gateway; py-spy samples the gateway",
+    )  # fmt: skip
     ap.add_argument("--shape", default="40x64")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--seconds", type=int, default=15, help="py-spy takes whole seconds")
@@ -120,22 +126,41 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     shape = bench_serving.Shape.parse(args.shape)
     vocab = bench_serving._model_facts(Path(args.model))["vocab"]
-    wk = Service([*MEMSVC, "worker", "--backend", args.backend, "--model", args.model, "--listen", "127.0.0.1:0",
-                  "--kv-blocks", str(args.kv_blocks), "--max-batch", str(args.max_batch),
-                  *shlex.split(args.worker_args)], r" listening on (\S+)", "worker")  # fmt: skip
+    services: list[Service] = []
     try:
+        registration: list[str] = []
+        if args.path == "gateway":  # the gateway finds the worker through a manager, as users run it
+            tmp = Path(args.out).with_suffix(".manager.db")
+            tmp.unlink(missing_ok=True)
+            mgr = Service([*MEMSVC, "manager", "--listen", "127.0.0.1:0", "--db", str(tmp),
+                           "--idle-sleep-timeout", "0", "--idle-deep-sleep-timeout", "0"],
+                          r"manager listening on (\S+)", "manager")  # fmt: skip
+            services.append(mgr)
+            registration = ["--served-model-name", "bench", "--worker-id", "bench", "--manager", mgr.address]
+        wk = Service([*MEMSVC, "worker", "--backend", args.backend, "--model", args.model, "--listen", "127.0.0.1:0",
+                      "--kv-blocks", str(args.kv_blocks), "--max-batch", str(args.max_batch), *registration,
+                      *shlex.split(args.worker_args)], r" listening on (\S+)", "worker")  # fmt: skip
+        services.append(wk)
+        target, model, sampled = wk.address, "", wk
+        if args.path == "gateway":
+            sampled = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
+                              r"gateway listening on (\S+)", "gateway")  # fmt: skip
+            services.append(sampled)
+            target, model = sampled.address, "bench"
         bench_serving._wait_ready(wk.address)
+        bench_serving._wait_model(args.path, target)
         c = args.concurrency
-        bench_serving.run_level(args.path, wk.address, "", shape, c, c, 8, vocab, 1)  # warm every bucket
+        bench_serving.run_level(args.path, target, model, shape, c, c, 8, vocab, 1)  # warm every bucket
         raw = Path(args.out).with_suffix(".raw")
-        spy = subprocess.Popen([args.py_spy, "record", "--pid", str(wk.proc.pid), "--duration", str(int(args.seconds)),
+        spy = subprocess.Popen([args.py_spy, "record", "--pid", str(sampled.proc.pid),
+                                "--duration", str(int(args.seconds)),
                                 "--format", "raw", "--output", str(raw), "--threads", "--nonblocking",
                                 *(["--gil"] if args.gil else [])],
                                stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
         time.sleep(1.0)  # py-spy attached
-        pids = family(wk.proc.pid)  # the device process and its RPC front
+        pids = family(wk.proc.pid) + (family(sampled.proc.pid) if sampled is not wk else [])
         before, t0 = thread_cpu(pids), time.monotonic()
-        row = bench_serving.run_level(args.path, wk.address, "", shape, c, 8 * c, 8, vocab, 2)
+        row = bench_serving.run_level(args.path, target, model, shape, c, 8 * c, 8, vocab, 2)
         busy = busy_threads(before, thread_cpu(pids), time.monotonic() - t0)
         _, err = spy.communicate(timeout=args.seconds + 120)
         profile = summarize(raw.read_text()) if raw.exists() else {}
@@ -147,7 +172,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         for thread, t in profile.items():
             print(f"{thread}: {t['samples']} samples; self: {t['self'][:8]}")
     finally:
-        wk.stop()
+        for service in reversed(services):
+            service.stop()
     return 0
 
 
