@@ -133,6 +133,9 @@ class GatedWork:
         self.ran += 1
         return self.has_work
 
+    def land(self) -> None:
+        """Nothing is queued on a device here: no step is ever in flight between two."""
+
     def finish(self) -> None:
         """No more work: the step waiting now ends and the loop idles."""
         self.left = 0
