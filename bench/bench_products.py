@@ -6,7 +6,9 @@ roofline at the card's 4.8 TB/s says 3.35 ms. Whether the products can get much 
 ones to rewrite) needs two facts the profile does not give: the rate the card streams memory at in
 practice (a plain sum and a copy of 8 GB), and each product's own rate, alone, at 1, 64 and 256
 rows (``torch.nn.functional.linear``, bf16, cuBLAS: what the engine calls). Each product runs as
-many times as the model has layers, cycling through 8 weight copies so no weight is read from L2.
+many times as the model has layers, cycling through 8 weight copies so no weight is read from L2,
+captured in a CUDA graph as the engine's step is (``*_tb_s``), and launched one by one from the host
+(``*_tb_s_launched``: what a profile outside a graph would see).
 
     python -m bench.bench_products --out products.json [--rows 1,64,256]
 """
@@ -32,18 +34,28 @@ SHAPES = {  # (out, in) of an 8B Llama 3's products; qkv and gate_up as the engi
 COPIES = 8
 
 
-def seconds(fn: Callable[[], object], n: int) -> float:
-    """Mean seconds of ``fn`` over ``n`` calls queued back to back (CUDA events), after a warm-up."""
+def seconds(fn: Callable[[], object], n: int, graph: bool = False) -> float:
+    """Mean seconds of ``fn`` over ``n`` calls queued back to back (CUDA events), after a warm-up;
+    with ``graph``, of ``fn`` captured once in a CUDA graph and replayed, as the engine's step runs
+    its products (a small product's launch costs about what its read does, outside a graph)."""
     import torch
 
     for _ in range(3):
         fn()
     torch.cuda.synchronize()
+    run = fn
+    if graph:
+        captured = torch.cuda.CUDAGraph()
+        with torch.cuda.graph(captured):
+            fn()
+        run = captured.replay
+        run()
+    torch.cuda.synchronize()
     begin = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]  # torch leaves it unannotated
     end = torch.cuda.Event(enable_timing=True)  # type: ignore[no-untyped-call]
     begin.record()
     for _ in range(n):
-        fn()
+        run()
     end.record()
     torch.cuda.synchronize()
     return float(begin.elapsed_time(end)) / n / 1e3
@@ -76,10 +88,11 @@ def products(rows: int) -> dict[str, Any]:
             for i in range(reps):
                 F.linear(a, weights[i % len(weights)])
 
-        s = seconds(run, 20)
         nbytes = reps * n * k * 2
+        s = seconds(run, 20, graph=True)
         row[f"{name}_ms"] = round(s * 1e3, 3)
         row[f"{name}_tb_s"] = round(nbytes / s / 1e12, 3)
+        row[f"{name}_tb_s_launched"] = round(nbytes / seconds(run, 20) / 1e12, 3)  # each launch from the host
         total_bytes += nbytes
         total_s += s
     row["all_ms"] = round(total_s * 1e3, 3)
