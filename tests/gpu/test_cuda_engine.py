@@ -26,9 +26,15 @@ else:
 
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, SleepLevel  # noqa: E402
 from worker.allocator import AllocatorConfig, MemoryAllocator  # noqa: E402
-from worker.model.decoder import DecodeRows, apply_rope, rms_norm, silu_mul  # noqa: E402
+from worker.model.decoder import DecodeRows, add_rms_norm, apply_rope, rms_norm, rope_store, silu_mul  # noqa: E402
 from worker.model.generation import GenerationRequest  # noqa: E402
-from worker.model.kernels import triton_rms_norm, triton_rope, triton_silu_mul  # noqa: E402
+from worker.model.kernels import (  # noqa: E402
+    triton_add_rms_norm,
+    triton_rms_norm,
+    triton_rope,
+    triton_rope_store,
+    triton_silu_mul,
+)
 from worker.model.paged_attention import torch_paged_decode, triton_paged_decode  # noqa: E402
 from worker.model.runner import ModelRunner  # noqa: E402
 from worker.model.sampling import SamplingParams  # noqa: E402
@@ -102,6 +108,45 @@ def test_triton_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
         assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * scale
         if dtype != torch.float32 and not name.startswith("rope"):
             assert same > 0.99
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
+def test_fused_kernels_give_what_their_parts_give(dtype: torch.dtype) -> None:
+    """The residual add fused with its RMSNorm, and the keys' rotation fused with the K/V writes:
+    the sum exactly torch's, the norm within the unfused kernel's bounds, the rotated keys and every
+    slot of the pool exactly what the unfused Triton rotation and torch's indexed writes give."""
+    g = torch.Generator(device="cuda").manual_seed(5)
+
+    def rand(*shape: int) -> torch.Tensor:
+        return torch.randn(*shape, device="cuda", generator=g).to(dtype)
+
+    x, delta, w = rand(37, 4096), rand(37, 4096), rand(4096)
+    total, normed = triton_add_rms_norm(x, delta, w, 1e-5)
+    want_total, want_normed = add_rms_norm(x, delta, w, 1e-5)
+    assert torch.equal(total, want_total)
+    assert torch.equal(normed, triton_rms_norm(want_total, w, 1e-5))
+    err = (normed.float() - want_normed.float()).abs().max().item()
+    assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * want_normed.float().abs().max().item()
+
+    heads, kv_heads, hd, block_size, blocks = 32, 8, 128, 16, 8
+    qkv = rand(37, (heads + 2 * kv_heads) * hd)  # a fused product: k and v are strided column slices
+    k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(37, kv_heads, hd)
+    v = qkv[:, (heads + kv_heads) * hd :].view(37, kv_heads, hd)
+    cos, sin = rand(37, 1, hd), rand(37, 1, hd)
+    where = torch.randperm(blocks * block_size, device="cuda", generator=g)[:37]  # one slot per row
+    write_blocks, write_slots = where // block_size, where % block_size
+    pool = torch.zeros(blocks, 3, 2, block_size, kv_heads, hd, dtype=dtype, device="cuda")  # 3 layers
+    layer = pool[:, 1]
+    rotated = triton_rope_store(k, v, cos, sin, layer, write_blocks, write_slots)
+    want_pool = torch.zeros_like(pool)
+    want_pool[:, 1][write_blocks, 0, write_slots] = triton_rope(k, cos, sin)
+    want_pool[:, 1][write_blocks, 1, write_slots] = v
+    assert torch.equal(rotated, triton_rope(k, cos, sin))
+    assert torch.equal(pool, want_pool)  # the other layers and slots untouched
+    torch_pool = torch.zeros_like(pool)
+    torch_rotated = rope_store(k, v, cos, sin, torch_pool[:, 1], write_blocks, write_slots)
+    err = (rotated.float() - torch_rotated.float()).abs().max().item()
+    assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * torch_rotated.float().abs().max().item()
 
 
 def _alone_and_batched(runner: ModelRunner, requests: list[GenerationRequest]) -> tuple[Tokens, Tokens]:

@@ -210,17 +210,50 @@ def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return F.silu(gate) * up
 
 
+def add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """The residual stream after adding a sublayer's output, and its RMSNorm (the next sublayer's
+    input): ``x + delta`` rounded to the model dtype, then :func:`rms_norm` of that."""
+    s = x + delta
+    return s, rms_norm(s, weight, eps)
+
+
+def rope_store(
+    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
+    blocks: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """Rotate the step's keys (:func:`apply_rope`) and write them and the values into their slots
+    of one layer's K/V pool (``[blocks, 2, block_size, kv_heads, head_dim]``); the rotated keys."""
+    k = apply_rope(k, cos, sin)
+    layer[blocks, 0, slots] = k
+    layer[blocks, 1, slots] = v
+    return k
+
+
+AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
+"""``(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))`` (:func:`add_rms_norm`)."""
+RopeStore = Callable[
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+]
+"""``(k, v, cos, sin, layer, blocks, slots) -> rotated k``, k and v written to the layer (:func:`rope_store`)."""
+
+
 @dataclass(frozen=True)
 class Kernels:
     """The step's element-wise operations and decode attention: these torch functions everywhere, or
     on CUDA the Triton kernels of worker/model/kernels.py, which do the same arithmetic (the same
     float32 intermediates, rounded to the model dtype at the same points) in one launch each instead
-    of up to seven; a decode step is bound by launches, not bytes."""
+    of up to seven; a decode step is bound by launches, not bytes. ``add_rms_norm`` and
+    ``rope_store`` are two of them fused (a residual add with the norm after it; the keys' rotation
+    with the K/V writes), so a set's ``rope`` and ``rope_store`` must rotate alike."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
     rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_mul
     decode_attention: DecodeKernel | None = None
+    add_rms_norm: AddNorm = add_rms_norm
+    rope_store: RopeStore = rope_store
 
 
 @dataclass(frozen=True)
@@ -322,9 +355,9 @@ def forward_step(
     norm, rope_ = kernels.rms_norm, kernels.rope
 
     x = F.embedding(step.token_ids, weights["model.embed_tokens.weight"])
+    h = norm(x, weights["model.layers.0.input_layernorm.weight"], eps)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
-        h = norm(x, weights[p + "input_layernorm.weight"], eps)
         a = p + "self_attn."
         f = fused[i] if fused is not None else None
         if f is not None:
@@ -337,20 +370,17 @@ def forward_step(
             v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
             q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
-        q, k = rope_(q, cos, sin), rope_(k, cos, sin)
-
+        q = rope_(q, cos, sin)
         layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
-        layer[step.write_blocks, 0, step.write_slots] = k
-        layer[step.write_blocks, 1, step.write_slots] = v
+        k = kernels.rope_store(k, v, cos, sin, layer, step.write_blocks, step.write_slots)
         parts = []
         if decode is not None:
             assert decode_attention is not None
             parts.append(decode_attention(q[: decode.count], layer, decode, config.sliding_window).reshape(-1, nh * hd))
         parts.extend(_span_attention(q, k, v, layer, span, config) for span in step.spans)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        x = x + F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
-
-        h = norm(x, weights[p + "post_attention_layernorm.weight"], eps)
+        attended = F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
+        x, h = kernels.add_rms_norm(x, attended, weights[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
         if f is not None:
             gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
@@ -358,7 +388,11 @@ def forward_step(
         else:
             gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
         act = kernels.silu_mul(gate, up)
-        x = x + F.linear(act, weights[m + "down_proj.weight"])
+        down = F.linear(act, weights[m + "down_proj.weight"])
+        if i + 1 < config.num_layers:  # the next layer's input norm, with the add
+            x, h = kernels.add_rms_norm(x, down, weights[f"model.layers.{i + 1}.input_layernorm.weight"], eps)
+        else:
+            x = x + down
 
     if step.last_rows is not None:
         x = x[step.last_rows]
@@ -409,5 +443,6 @@ def forward(
 
 __all__ = [
     "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope",
-    "forward", "forward_step", "fused_layers", "rms_norm", "silu_mul", "single_sequence_step",
+    "add_rms_norm", "forward", "forward_step", "fused_layers", "rms_norm", "rope_store", "silu_mul",
+    "single_sequence_step",
 ]  # fmt: skip

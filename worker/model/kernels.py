@@ -9,7 +9,10 @@ do each operation in one launch with worker/model/decoder.py's arithmetic: float
 transformers computes in float32, rounded to the model dtype at the same points (RMSNorm, SiLU-mul:
 the torch path's bf16 results in all but a few elements), except RoPE, which rounds its
 multiply-add once where torch rounds each of its three operations (one rounding step apart in about
-a quarter of the elements, never more). tests/gpu/test_cuda_engine.py measures both.
+a quarter of the elements, never more). Two fuse a pair of steps, for launches and a round trip of
+the intermediate through memory: the residual add with the RMSNorm after it (the sum rounded where
+torch rounds it), and the keys' rotation with the writes of the keys and values into their cache
+slots (RoPE's arithmetic above). tests/gpu/test_cuda_engine.py measures them all.
 """
 
 from __future__ import annotations
@@ -67,7 +70,49 @@ def _build() -> dict[str, Any]:
         y = (act.to(tl.float32) * u.to(tl.float32)).to(Y.dtype.element_ty)
         tl.store(Y + row * n_cols + cols, y, mask=inside)
 
-    return {"rms_norm": rms_norm_kernel, "rope": rope_kernel, "silu_mul": silu_mul_kernel}
+    @triton.jit
+    def add_rms_norm_kernel(X, D, S, W, Y, n_cols, eps, BLOCK: tl.constexpr):
+        row = tl.program_id(0).to(tl.int64)
+        cols = tl.arange(0, BLOCK)
+        inside = cols < n_cols
+        x = tl.load(X + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        d = tl.load(D + row * n_cols + cols, mask=inside, other=0.0).to(tl.float32)
+        s = (x + d).to(S.dtype.element_ty)  # torch's add: in float32, rounded once
+        tl.store(S + row * n_cols + cols, s, mask=inside)
+        s32 = s.to(tl.float32)
+        scale = tl.rsqrt(tl.sum(s32 * s32, 0) / n_cols + eps)
+        normed = (s32 * scale).to(Y.dtype.element_ty)
+        w = tl.load(W + cols, mask=inside, other=0.0)
+        y = (w.to(tl.float32) * normed.to(tl.float32)).to(Y.dtype.element_ty)
+        tl.store(Y + row * n_cols + cols, y, mask=inside)
+
+    @triton.jit
+    def rope_store_kernel(
+        K, V, COS, SIN, KR, CACHE, BLOCKS, SLOTS, heads, k_token, k_head, v_token, v_head,
+        c_block, c_kind, c_slot, c_head, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+    ):  # fmt: skip
+        row = tl.program_id(0).to(tl.int64)
+        token = row // heads
+        head = row % heads
+        d = tl.arange(0, HEAD_DIM)
+        src = K + token * k_token + head * k_head
+        x = tl.load(src + d)
+        partner = tl.load(src + (d + HALF) % HEAD_DIM)
+        rotated = tl.where(d < HALF, -partner, partner)
+        c = tl.load(COS + token * HEAD_DIM + d).to(tl.float32)
+        s = tl.load(SIN + token * HEAD_DIM + d).to(tl.float32)
+        y = (x.to(tl.float32) * c + rotated.to(tl.float32) * s).to(KR.dtype.element_ty)  # as rope_kernel
+        tl.store(KR + row * HEAD_DIM + d, y)
+        block = tl.load(BLOCKS + token).to(tl.int64)
+        slot = tl.load(SLOTS + token).to(tl.int64)
+        dst = CACHE + block * c_block + slot * c_slot + head * c_head
+        tl.store(dst + d, y)
+        tl.store(dst + c_kind + d, tl.load(V + token * v_token + head * v_head + d))
+
+    return {
+        "rms_norm": rms_norm_kernel, "rope": rope_kernel, "silu_mul": silu_mul_kernel,
+        "add_rms_norm": add_rms_norm_kernel, "rope_store": rope_store_kernel,
+    }  # fmt: skip
 
 
 def _kernel(name: str) -> Any:
@@ -118,7 +163,45 @@ def triton_silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     return y
 
 
-TRITON_KERNELS = Kernels(triton_rms_norm, triton_rope, triton_silu_mul, triton_paged_decode)
+def triton_add_rms_norm(
+    x: torch.Tensor, delta: torch.Tensor, weight: torch.Tensor, eps: float
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """:func:`worker.model.decoder.add_rms_norm` of contiguous ``[tokens, hidden]`` rows in one launch
+    (a residual add and the norm after it were two, and the sum's round trip through memory)."""
+    if not (x.is_contiguous() and delta.is_contiguous()) or x.shape != delta.shape or x.dim() != 2:
+        raise ValueError("x and delta must be contiguous [tokens, hidden] of one shape")
+    rows, n_cols = x.shape
+    s = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
+    if rows:
+        _kernel("add_rms_norm")[(rows,)](x, delta, s, weight, y, n_cols, eps, BLOCK=next_pow2(n_cols))
+    return s, y
+
+
+def triton_rope_store(
+    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
+    blocks: torch.Tensor, slots: torch.Tensor,
+) -> torch.Tensor:  # fmt: skip
+    """:func:`worker.model.decoder.rope_store` in one launch: :func:`triton_rope`'s rotation of the
+    keys, written with the values straight into their slots (two indexed writes per layer before)."""
+    assert cos.is_contiguous() and sin.is_contiguous()
+    rows, heads, k_token, k_head = _rows(k)
+    _, _, v_token, v_head = _rows(v)
+    if layer.stride(-1) != 1 or v.shape != k.shape:
+        raise ValueError("the K/V pool's last dimension must be contiguous, and k and v of one shape")
+    hd = k.shape[-1]
+    out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if rows:
+        _kernel("rope_store")[(rows,)](
+            k, v, cos, sin, out, layer, blocks, slots, heads, k_token, k_head, v_token, v_head,
+            layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3), HALF=hd // 2, HEAD_DIM=hd,
+        )  # fmt: skip
+    return out
+
+
+TRITON_KERNELS = Kernels(
+    triton_rms_norm, triton_rope, triton_silu_mul, triton_paged_decode, triton_add_rms_norm, triton_rope_store
+)
 TORCH_KERNELS = Kernels(decode_attention=torch_paged_decode)
 
 
@@ -127,4 +210,13 @@ def kernels_for(device: torch.device, config: ModelConfig) -> Kernels:
     return TRITON_KERNELS if device.type == "cuda" and graphs_supported(config) else TORCH_KERNELS
 
 
-__all__ = ["TORCH_KERNELS", "TRITON_KERNELS", "kernels_for", "triton_rms_norm", "triton_rope", "triton_silu_mul"]
+__all__ = [
+    "TORCH_KERNELS",
+    "TRITON_KERNELS",
+    "kernels_for",
+    "triton_add_rms_norm",
+    "triton_rms_norm",
+    "triton_rope",
+    "triton_rope_store",
+    "triton_silu_mul",
+]
