@@ -219,7 +219,9 @@ def test_concurrent_worker_sleeps_with_one_request_id_share_the_first_result() -
         pool = busy_generates(wp.stub, 1)  # the first Sleep queues behind it, the retries arrive meanwhile
         req = w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id="sleep-1")
         with ThreadPoolExecutor(4) as sleeps:
-            answers = list(sleeps.map(lambda _: wp.stub.Sleep(req, timeout=60), range(4)))
+            # as long as the Generate's own deadline: the Sleeps wait for it, and on a loaded 2-core
+            # machine its 2,000 tokens took over 60 s (DEADLINE_EXCEEDED in a run beside two others)
+            answers = list(sleeps.map(lambda _: wp.stub.Sleep(req, timeout=300), range(4)))
         pool.shutdown(wait=True)
         assert len({a.transition.SerializeToString() for a in answers}) == 1
         assert worker_status(wp.stub).last_transition.kind == "sleep"
