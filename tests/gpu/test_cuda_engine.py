@@ -31,7 +31,6 @@ from worker.model.generation import GenerationRequest  # noqa: E402
 from worker.model.kernels import (  # noqa: E402
     triton_add_rms_norm,
     triton_rms_norm,
-    triton_rope,
     triton_rope_store,
     triton_silu_mul,
 )
@@ -70,6 +69,42 @@ def test_triton_kernel_matches_the_torch_path(
     assert err < tol
 
 
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+    (32, 8, 128, 16, None), (8, 8, 64, 16, None), (16, 2, 64, 8, 37), (4, 2, 16, 4, None),
+])  # fmt: skip
+def test_triton_kernel_matches_the_torch_path_on_paged_rows(
+    dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, window: int | None
+) -> None:
+    """A step as a graph bucket holds it: decodes, prompt chunks (rows sharing a table, read in tiles
+    of rows), a one-row chunk, and padding rows on one table; tiles that straddle chunks and decodes."""
+    g = torch.Generator(device="cuda").manual_seed(heads * 7 + head_dim)
+    blocks = 400
+    layer = torch.randn(blocks, 2, block_size, kv_heads, head_dim, device="cuda", generator=g).to(dtype)
+    # (kind, start, rows): a decode of a sequence of `start` tokens, a chunk of `rows` rows at start..,
+    # or padding rows (one table, each reading one position)
+    layout = [("d", 5, 1), ("d", 70, 1), ("p", 0, 40), ("p", 30, 9), ("d", 1, 1), ("p", 200, 1), ("d", 300, 1)]
+    layout += [("d", 17 + i, 1) for i in range(37)] + [("p", 100, 130), ("p", 0, 3), ("pad", 0, 11)]
+    width = math.ceil(600 / block_size)
+    tables: list[torch.Tensor] = []
+    row_tables: list[int] = []
+    lengths: list[int] = []
+    for kind, start, n in layout:
+        tables.append(torch.randperm(blocks, device="cuda", generator=g)[:width])
+        row_tables += [len(tables) - 1] * n
+        lengths += [start if kind == "d" else 1 if kind == "pad" else start + j + 1 for j in range(n)]
+    q = torch.randn(len(lengths), heads, head_dim, device="cuda", generator=g).to(dtype)
+    rows = DecodeRows(
+        len(lengths), torch.stack(tables), torch.tensor(lengths, device="cuda"), torch.tensor(row_tables, device="cuda")
+    )
+    want = torch_paged_decode(q.float(), layer.float(), rows, window)
+    got = triton_paged_decode(q, layer, rows, window).float()
+    tol = 1e-5 if dtype == torch.float32 else 2e-2
+    err = (got - want).abs().max().item()
+    print(f"{dtype} heads {heads}/{kv_heads} head_dim {head_dim} window {window}: {len(q)} rows, max |err| {err:.2e}")
+    assert err < tol
+
+
 Tokens = list[list[int]]
 
 
@@ -88,9 +123,13 @@ def test_triton_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
     gate, up = rand(37, 14336), rand(37, 14336)
     qkv, gate_up = rand(37, 32 * 128 + 2 * 8 * 128), rand(37, 2 * 14336)  # fused products: strided halves
     qs = qkv[:, : 32 * 128].view(37, 32, 128)
+    ks, vs = qkv[:, 32 * 128 : 40 * 128].view(37, 8, 128), qkv[:, 40 * 128 :].view(37, 8, 128)
+    pool, slots = torch.zeros(4, 2, 16, 8, 128, dtype=dtype, device="cuda"), torch.arange(37, device="cuda")
+    q_turned, k_turned = triton_rope_store(qs, ks, vs, cos, sin, pool, slots // 16, slots % 16)
     for name, got, want in [
         ("rms_norm strided", triton_rms_norm(qs, w[:128], 1e-6), rms_norm(qs, w[:128], 1e-6)),
-        ("rope strided", triton_rope(qs, cos, sin), apply_rope(qs, cos, sin)),
+        ("rope strided q", q_turned, apply_rope(qs, cos, sin)),
+        ("rope strided k", k_turned, apply_rope(ks, cos, sin)),
         (
             "silu_mul strided",
             triton_silu_mul(gate_up[:, :14336], gate_up[:, 14336:]),
@@ -98,7 +137,6 @@ def test_triton_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
         ),
         ("rms_norm", triton_rms_norm(x, w, 1e-5), rms_norm(x, w, 1e-5)),
         ("rms_norm per head", triton_rms_norm(q, w[:128], 1e-6), rms_norm(q, w[:128], 1e-6)),
-        ("rope", triton_rope(q, cos, sin), apply_rope(q, cos, sin)),
         ("silu_mul", triton_silu_mul(gate, up), silu_mul(gate, up)),
     ]:
         err = (got.float() - want.float()).abs().max().item()
@@ -112,9 +150,10 @@ def test_triton_elementwise_kernels_match_torch(dtype: torch.dtype) -> None:
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16])
 def test_fused_kernels_give_what_their_parts_give(dtype: torch.dtype) -> None:
-    """The residual add fused with its RMSNorm, and the keys' rotation fused with the K/V writes:
-    the sum exactly torch's, the norm within the unfused kernel's bounds, the rotated keys and every
-    slot of the pool exactly what the unfused Triton rotation and torch's indexed writes give."""
+    """The residual add fused with its RMSNorm, and the queries' and keys' rotation fused with the K/V
+    writes: the sum exactly torch's, the norm within the unfused kernel's bounds, the rotation RoPE's
+    float32 arithmetic rounded once, and every slot of the pool what torch's indexed writes of the
+    rotated keys and the values give."""
     g = torch.Generator(device="cuda").manual_seed(5)
 
     def rand(*shape: int) -> torch.Tensor:
@@ -129,7 +168,8 @@ def test_fused_kernels_give_what_their_parts_give(dtype: torch.dtype) -> None:
     assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * want_normed.float().abs().max().item()
 
     heads, kv_heads, hd, block_size, blocks = 32, 8, 128, 16, 8
-    qkv = rand(37, (heads + 2 * kv_heads) * hd)  # a fused product: k and v are strided column slices
+    qkv = rand(37, (heads + 2 * kv_heads) * hd)  # a fused product: q, k and v are strided column slices
+    q = qkv[:, : heads * hd].view(37, heads, hd)
     k = qkv[:, heads * hd : (heads + kv_heads) * hd].view(37, kv_heads, hd)
     v = qkv[:, (heads + kv_heads) * hd :].view(37, kv_heads, hd)
     cos, sin = rand(37, 1, hd), rand(37, 1, hd)
@@ -137,16 +177,25 @@ def test_fused_kernels_give_what_their_parts_give(dtype: torch.dtype) -> None:
     write_blocks, write_slots = where // block_size, where % block_size
     pool = torch.zeros(blocks, 3, 2, block_size, kv_heads, hd, dtype=dtype, device="cuda")  # 3 layers
     layer = pool[:, 1]
-    rotated = triton_rope_store(k, v, cos, sin, layer, write_blocks, write_slots)
+    q_turned, k_turned = triton_rope_store(q, k, v, cos, sin, layer, write_blocks, write_slots)
     want_pool = torch.zeros_like(pool)
-    want_pool[:, 1][write_blocks, 0, write_slots] = triton_rope(k, cos, sin)
+    want_pool[:, 1][write_blocks, 0, write_slots] = k_turned
     want_pool[:, 1][write_blocks, 1, write_slots] = v
-    assert torch.equal(rotated, triton_rope(k, cos, sin))
-    assert torch.equal(pool, want_pool)  # the other layers and slots untouched
+    assert torch.equal(pool, want_pool)  # the rotated keys and the values, the other layers and slots untouched
+    # RoPE rounded once: float32 arithmetic, one rounding to the dtype (one float32 step apart where it fuses)
+    for x, got in ((q, q_turned), (k, k_turned)):
+        half = hd // 2
+        turned = torch.cat((-x[..., half:], x[..., :half]), dim=-1).float()
+        once = (x.float() * cos.float() + turned * sin.float()).to(dtype)
+        step = 2e-6 if dtype == torch.float32 else 2.0**-7
+        assert (got.float() - once.float()).abs().max().item() <= step * once.float().abs().max().item()
+        if dtype != torch.float32:
+            assert (got == once).float().mean().item() > 0.99
     torch_pool = torch.zeros_like(pool)
-    torch_rotated = rope_store(k, v, cos, sin, torch_pool[:, 1], write_blocks, write_slots)
-    err = (rotated.float() - torch_rotated.float()).abs().max().item()
-    assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * torch_rotated.float().abs().max().item()
+    torch_q, torch_k = rope_store(q, k, v, cos, sin, torch_pool[:, 1], write_blocks, write_slots)
+    for got, want in ((q_turned, torch_q), (k_turned, torch_k)):
+        err = (got.float() - want.float()).abs().max().item()
+        assert err <= (2e-6 if dtype == torch.float32 else 2.0**-6) * want.float().abs().max().item()
 
 
 def _alone_and_batched(runner: ModelRunner, requests: list[GenerationRequest]) -> tuple[Tokens, Tokens]:
@@ -217,25 +266,21 @@ def test_graphs_captured_before_a_sleep_replay_after_the_wake(cuda_alloc: Memory
 def _compiled_variants() -> set[str]:
     """The variants Triton has compiled so far, over every Triton kernel the model runs (a JITFunction
     keeps one compiled variant per specialisation of its arguments, per device)."""
-    from worker.model import kernels, paged_attention
+    from worker.model import kernels, paged_kernel
 
-    jitted = {"paged": paged_attention._kernel, **kernels._compiled}
-    return {
-        f"{name}: {key}"
-        for name, fn in jitted.items()
-        if fn is not None
-        for cache in fn.device_caches.values()
-        for key in cache[0]
-    }
+    jitted = {"rows": paged_kernel.paged_decode_kernel, "tiles": paged_kernel.paged_tile_kernel, **kernels._compiled}
+    return {f"{name}: {key}" for name, fn in jitted.items() for cache in fn.device_caches.values() for key in cache[0]}
 
 
 def test_nothing_compiles_after_the_warm_up(cuda_alloc: MemoryAllocator) -> None:
     """Ready means ready: after ModelRunner.warm_up, requests of any prompt length, alone and batched,
     eager and replayed, launch only kernels already compiled (a compile after ready cost the first
     request of a new prompt length about a second on the H200)."""
-    from worker.model import kernels, paged_attention
+    from worker.model import kernels, paged_kernel
 
-    paged_attention._kernel = None  # fresh JITFunctions: what earlier tests compiled does not count
+    # what earlier tests compiled does not count: fresh JITFunctions, empty caches of the module-level ones
+    paged_kernel.paged_decode_kernel.device_caches.clear()
+    paged_kernel.paged_tile_kernel.device_caches.clear()
     kernels._compiled.clear()
     runner = ModelRunner(
         cuda_alloc, "synthetic:small", 512, 16, block_size=16, max_batch=16, cuda_graphs=True, defer_graph_capture=True

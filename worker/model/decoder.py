@@ -220,23 +220,26 @@ def add_rms_norm(
 
 
 def rope_store(
-    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
     blocks: torch.Tensor, slots: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """Rotate the step's keys (:func:`apply_rope`) and write them and the values into their slots
-    of one layer's K/V pool (``[blocks, 2, block_size, kv_heads, head_dim]``); the rotated keys."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """Rotate the step's queries and keys (:func:`apply_rope`) and write the keys and the values into
+    their slots of one layer's K/V pool (``[blocks, 2, block_size, kv_heads, head_dim]``); the rotated
+    queries and keys."""
     k = apply_rope(k, cos, sin)
     layer[blocks, 0, slots] = k
     layer[blocks, 1, slots] = v
-    return k
+    return apply_rope(q, cos, sin), k
 
 
 AddNorm = Callable[[torch.Tensor, torch.Tensor, torch.Tensor, float], tuple[torch.Tensor, torch.Tensor]]
 """``(x, delta, weight, eps) -> (x + delta, rms_norm(x + delta))`` (:func:`add_rms_norm`)."""
 RopeStore = Callable[
-    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor
+    [torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor, torch.Tensor],
+    tuple[torch.Tensor, torch.Tensor],
 ]
-"""``(k, v, cos, sin, layer, blocks, slots) -> rotated k``, k and v written to the layer (:func:`rope_store`)."""
+"""``(q, k, v, cos, sin, layer, blocks, slots) -> (rotated q, rotated k)``, k and v written to the layer
+(:func:`rope_store`)."""
 
 
 @dataclass(frozen=True)
@@ -245,11 +248,10 @@ class Kernels:
     on CUDA the Triton kernels of worker/model/kernels.py, which do the same arithmetic (the same
     float32 intermediates, rounded to the model dtype at the same points) in one launch each instead
     of up to seven; a decode step is bound by launches, not bytes. ``add_rms_norm`` and
-    ``rope_store`` are two of them fused (a residual add with the norm after it; the keys' rotation
-    with the K/V writes), so a set's ``rope`` and ``rope_store`` must rotate alike."""
+    ``rope_store`` are steps fused (a residual add with the norm after it; the queries' and keys'
+    rotation with the K/V writes)."""
 
     rms_norm: Callable[[torch.Tensor, torch.Tensor, float], torch.Tensor] = rms_norm
-    rope: Callable[[torch.Tensor, torch.Tensor, torch.Tensor], torch.Tensor] = apply_rope
     silu_mul: Callable[[torch.Tensor, torch.Tensor], torch.Tensor] = silu_mul
     decode_attention: DecodeKernel | None = None
     add_rms_norm: AddNorm = add_rms_norm
@@ -352,7 +354,7 @@ def forward_step(
     decode_attention = kernels.decode_attention
     if decode is not None and decode_attention is None:
         raise ValueError("decode rows need a decode kernel")
-    norm, rope_ = kernels.rms_norm, kernels.rope
+    norm = kernels.rms_norm
 
     x = F.embedding(step.token_ids, weights["model.embed_tokens.weight"])
     h = norm(x, weights["model.layers.0.input_layernorm.weight"], eps)
@@ -370,9 +372,8 @@ def forward_step(
             v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
         if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
             q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
-        q = rope_(q, cos, sin)
         layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
-        k = kernels.rope_store(k, v, cos, sin, layer, step.write_blocks, step.write_slots)
+        q, k = kernels.rope_store(q, k, v, cos, sin, layer, step.write_blocks, step.write_slots)
         parts = []
         if decode is not None:
             assert decode_attention is not None

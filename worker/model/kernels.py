@@ -11,8 +11,8 @@ the torch path's bf16 results in all but a few elements), except RoPE, which rou
 multiply-add once where torch rounds each of its three operations (one rounding step apart in about
 a quarter of the elements, never more). Two fuse a pair of steps, for launches and a round trip of
 the intermediate through memory: the residual add with the RMSNorm after it (the sum rounded where
-torch rounds it), and the keys' rotation with the writes of the keys and values into their cache
-slots (RoPE's arithmetic above). tests/gpu/test_cuda_engine.py measures them all.
+torch rounds it), and the queries' and keys' rotation with the writes of the keys and values into
+their cache slots (RoPE's arithmetic above). tests/gpu/test_cuda_engine.py measures them all.
 """
 
 from __future__ import annotations
@@ -46,20 +46,6 @@ def _build() -> dict[str, Any]:
         tl.store(Y + row * n_cols + cols, y, mask=inside)
 
     @triton.jit
-    def rope_kernel(X, COS, SIN, Y, heads, x_token, x_head, HALF: tl.constexpr, HEAD_DIM: tl.constexpr):
-        row = tl.program_id(0).to(tl.int64)
-        token = row // heads
-        d = tl.arange(0, HEAD_DIM)
-        src = X + token * x_token + (row % heads) * x_head
-        x = tl.load(src + d)
-        partner = tl.load(src + (d + HALF) % HEAD_DIM)
-        rotated = tl.where(d < HALF, -partner, partner)
-        c = tl.load(COS + token * HEAD_DIM + d).to(tl.float32)
-        s = tl.load(SIN + token * HEAD_DIM + d).to(tl.float32)
-        y = x.to(tl.float32) * c + rotated.to(tl.float32) * s  # rounded once (torch: after each op)
-        tl.store(Y + row * HEAD_DIM + d, y.to(Y.dtype.element_ty))
-
-    @triton.jit
     def silu_mul_kernel(G, U, Y, g_row, u_row, n_cols, BLOCK: tl.constexpr):
         row = tl.program_id(0).to(tl.int64)
         cols = tl.program_id(1) * BLOCK + tl.arange(0, BLOCK)
@@ -88,29 +74,39 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def rope_store_kernel(
-        K, V, COS, SIN, KR, CACHE, BLOCKS, SLOTS, heads, k_token, k_head, v_token, v_head,
-        c_block, c_kind, c_slot, c_head, HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
+        Q, K, V, COS, SIN, QR, KR, CACHE, BLOCKS, SLOTS, q_token, q_head, k_token, k_head, v_token, v_head,
+        c_block, c_kind, c_slot, c_head, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS: tl.constexpr,
+        HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
     ):  # fmt: skip
-        row = tl.program_id(0).to(tl.int64)
-        token = row // heads
-        head = row % heads
+        token = tl.program_id(0).to(tl.int64)
+        h = tl.arange(0, HEADS)  # the query heads, then the key heads, then padding
         d = tl.arange(0, HEAD_DIM)
-        src = K + token * k_token + head * k_head
-        x = tl.load(src + d)
-        partner = tl.load(src + (d + HALF) % HEAD_DIM)
-        rotated = tl.where(d < HALF, -partner, partner)
+        is_q = h < Q_HEADS
+        kh = h - Q_HEADS
+        is_k = (kh >= 0) & (kh < KV_HEADS)
+        turned = (d + HALF) % HEAD_DIM
+        q_src = Q + token * q_token + h[:, None] * q_head
+        k_src = K + token * k_token + kh[:, None] * k_head
+        x = tl.where(is_q[:, None], tl.load(q_src + d[None, :], mask=is_q[:, None], other=0.0),
+                     tl.load(k_src + d[None, :], mask=is_k[:, None], other=0.0))  # fmt: skip
+        partner = tl.where(is_q[:, None], tl.load(q_src + turned[None, :], mask=is_q[:, None], other=0.0),
+                           tl.load(k_src + turned[None, :], mask=is_k[:, None], other=0.0))  # fmt: skip
+        rotated = tl.where(d[None, :] < HALF, -partner, partner)
         c = tl.load(COS + token * HEAD_DIM + d).to(tl.float32)
         s = tl.load(SIN + token * HEAD_DIM + d).to(tl.float32)
-        y = (x.to(tl.float32) * c + rotated.to(tl.float32) * s).to(KR.dtype.element_ty)  # as rope_kernel
-        tl.store(KR + row * HEAD_DIM + d, y)
+        # rounded once (torch: after each of its three operations)
+        y = (x.to(tl.float32) * c[None, :] + rotated.to(tl.float32) * s[None, :]).to(QR.dtype.element_ty)
+        tl.store(QR + token * Q_HEADS * HEAD_DIM + h[:, None] * HEAD_DIM + d[None, :], y, mask=is_q[:, None])
+        tl.store(KR + token * KV_HEADS * HEAD_DIM + kh[:, None] * HEAD_DIM + d[None, :], y, mask=is_k[:, None])
         block = tl.load(BLOCKS + token).to(tl.int64)
         slot = tl.load(SLOTS + token).to(tl.int64)
-        dst = CACHE + block * c_block + slot * c_slot + head * c_head
-        tl.store(dst + d, y)
-        tl.store(dst + c_kind + d, tl.load(V + token * v_token + head * v_head + d))
+        dst = CACHE + block * c_block + slot * c_slot + kh[:, None] * c_head + d[None, :]
+        tl.store(dst, y, mask=is_k[:, None])
+        value = tl.load(V + token * v_token + kh[:, None] * v_head + d[None, :], mask=is_k[:, None], other=0.0)
+        tl.store(dst + c_kind, value, mask=is_k[:, None])
 
     return {
-        "rms_norm": rms_norm_kernel, "rope": rope_kernel, "silu_mul": silu_mul_kernel,
+        "rms_norm": rms_norm_kernel, "silu_mul": silu_mul_kernel,
         "add_rms_norm": add_rms_norm_kernel, "rope_store": rope_store_kernel,
     }  # fmt: skip
 
@@ -137,17 +133,6 @@ def triton_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.
     y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
     if rows:
         _kernel("rms_norm")[(rows,)](x, weight, y, heads, x_token, x_head, n_cols, eps, BLOCK=next_pow2(n_cols))
-    return y
-
-
-def triton_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """:func:`worker.model.decoder.apply_rope` of ``[n, heads, head_dim]`` with ``[n, 1, head_dim]`` tables."""
-    assert cos.is_contiguous() and sin.is_contiguous()
-    rows, heads, x_token, x_head = _rows(x)
-    hd = x.shape[-1]
-    y = torch.empty(x.shape, dtype=x.dtype, device=x.device)
-    if rows:
-        _kernel("rope")[(rows,)](x, cos, sin, y, heads, x_token, x_head, HALF=hd // 2, HEAD_DIM=hd)
     return y
 
 
@@ -179,29 +164,31 @@ def triton_add_rms_norm(
 
 
 def triton_rope_store(
-    k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
     blocks: torch.Tensor, slots: torch.Tensor,
-) -> torch.Tensor:  # fmt: skip
-    """:func:`worker.model.decoder.rope_store` in one launch: :func:`triton_rope`'s rotation of the
-    keys, written with the values straight into their slots (two indexed writes per layer before)."""
+) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    """:func:`worker.model.decoder.rope_store` in one launch, one program per token: the queries and
+    keys rotated, the keys written with the values straight into their slots (three launches and
+    two indexed writes per layer before)."""
     assert cos.is_contiguous() and sin.is_contiguous()
-    rows, heads, k_token, k_head = _rows(k)
+    _, q_heads, q_token, q_head = _rows(q)
+    _, kv_heads, k_token, k_head = _rows(k)
     _, _, v_token, v_head = _rows(v)
-    if layer.stride(-1) != 1 or v.shape != k.shape:
-        raise ValueError("the K/V pool's last dimension must be contiguous, and k and v of one shape")
-    hd = k.shape[-1]
-    out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
-    if rows:
-        _kernel("rope_store")[(rows,)](
-            k, v, cos, sin, out, layer, blocks, slots, heads, k_token, k_head, v_token, v_head,
-            layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3), HALF=hd // 2, HEAD_DIM=hd,
+    if layer.stride(-1) != 1 or v.shape != k.shape or q.dim() != 3 or q.shape[::2] != k.shape[::2]:
+        raise ValueError("the K/V pool's last dimension must be contiguous, k and v of one shape, q of k's tokens")
+    tokens, hd = k.shape[0], k.shape[-1]
+    q_out = torch.empty(q.shape, dtype=q.dtype, device=q.device)
+    k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
+    if tokens:
+        _kernel("rope_store")[(tokens,)](
+            q, k, v, cos, sin, q_out, k_out, layer, blocks, slots, q_token, q_head, k_token, k_head, v_token, v_head,
+            layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3), Q_HEADS=q_heads, KV_HEADS=kv_heads,
+            HEADS=next_pow2(q_heads + kv_heads), HALF=hd // 2, HEAD_DIM=hd,
         )  # fmt: skip
-    return out
+    return q_out, k_out
 
 
-TRITON_KERNELS = Kernels(
-    triton_rms_norm, triton_rope, triton_silu_mul, triton_paged_decode, triton_add_rms_norm, triton_rope_store
-)
+TRITON_KERNELS = Kernels(triton_rms_norm, triton_silu_mul, triton_paged_decode, triton_add_rms_norm, triton_rope_store)
 TORCH_KERNELS = Kernels(decode_attention=torch_paged_decode)
 
 
@@ -216,7 +203,6 @@ __all__ = [
     "kernels_for",
     "triton_add_rms_norm",
     "triton_rms_norm",
-    "triton_rope",
     "triton_rope_store",
     "triton_silu_mul",
 ]

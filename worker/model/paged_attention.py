@@ -33,6 +33,11 @@ from worker.model.decoder import DecodeRows
 
 KEYS_PER_TILE = 64
 """Keys each kernel iteration scores (spanning 64 / block_size blocks)."""
+TILE_LINES = 64
+"""Query lines (rows x query heads of one KV head) of a prompt chunk's tile, scored as one product."""
+TILE_WARPS = 4
+"""The tile kernel's warps: 4 beat 8 on the H200 (22 vs 35 us for a 448-row chunk beside 64 decodes),
+though its 64 x head_dim float32 accumulator then spills a few registers."""
 
 
 def torch_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None) -> torch.Tensor:
@@ -56,62 +61,14 @@ def torch_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, w
     return out[:, :, 0, :]
 
 
-_kernel: Any = None
+_kernels: tuple[Any, Any] | None = None
 
 
-def _build_kernel() -> Any:
+def _build_kernels() -> tuple[Any, Any]:
     """Compile-on-first-use: Triton is imported only where a CUDA device serves the model."""
-    import triton
-    import triton.language as tl
+    from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
 
-    # Neither the block tables' row stride (the step's widest table, in blocks) nor whether the rows
-    # share tables is a compile-time value: Triton would compile a variant for a stride of 1, one for
-    # multiples of 16, one for steps of paged rows and one for longer steps, so the first request after
-    # ready whose step differed from the warm-up's in any of them paid a compile (about a second).
-    @triton.jit(do_not_specialize=["table_row", "shared_tables"])
-    def paged_decode_kernel(  # noqa: PLR0913
-        Q, KV, TABLES, LENGTHS, ROWS, OUT, scale,
-        q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head, shared_tables,
-        GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-        KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-    ) -> None:  # fmt: skip
-        s = tl.program_id(0)
-        kvh = tl.program_id(1)
-        length = tl.load(LENGTHS + s)
-        table = s.to(tl.int64)
-        if shared_tables != 0:  # the rows of a prompt chunk read their sequence's one table
-            table = tl.load(ROWS + s)
-        g = tl.arange(0, GROUP_PAD)
-        d = tl.arange(0, HEAD_DIM)
-        heads = kvh * GROUP + g
-        rows = g < GROUP
-        q = tl.load(Q + s * q_row + heads[:, None] * q_head + d[None, :], mask=rows[:, None], other=0.0)
-        m_i = tl.full([GROUP_PAD], float("-inf"), tl.float32)
-        l_i = tl.zeros([GROUP_PAD], tl.float32)
-        acc = tl.zeros([GROUP_PAD, HEAD_DIM], tl.float32)
-        first = 0
-        if WINDOW > 0:
-            first = tl.maximum(length - WINDOW, 0)
-        for t0 in range((first // KEYS) * KEYS, length, KEYS):
-            t = t0 + tl.arange(0, KEYS)
-            valid = (t < length) & (t >= first)
-            block = tl.load(TABLES + table * table_row + t // BLOCK_SIZE, mask=valid, other=0).to(tl.int64)
-            base = block * kv_block + (t % BLOCK_SIZE) * kv_slot + kvh * kv_head
-            k = tl.load(KV + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            v = tl.load(KV + kv_half + base[:, None] + d[None, :], mask=valid[:, None], other=0.0)
-            qk = tl.dot(q, tl.trans(k), input_precision=PRECISION)
-            qk = tl.where(valid[None, :], qk * scale, float("-inf"))
-            m_new = tl.maximum(m_i, tl.max(qk, 1))
-            p = tl.exp(qk - m_new[:, None])
-            alpha = tl.exp(m_i - m_new)
-            l_i = l_i * alpha + tl.sum(p, 1)
-            acc = acc * alpha[:, None] + tl.dot(p.to(v.dtype), v, input_precision=PRECISION)
-            m_i = m_new
-        out = acc / l_i[:, None]
-        dst = OUT + s * out_row + heads[:, None] * out_head + d[None, :]
-        tl.store(dst, out.to(OUT.dtype.element_ty), mask=rows[:, None])
-
-    return paged_decode_kernel
+    return paged_decode_kernel, paged_tile_kernel
 
 
 def next_pow2(n: int) -> int:
@@ -120,23 +77,37 @@ def next_pow2(n: int) -> int:
 
 
 def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None) -> torch.Tensor:
-    """:func:`torch_paged_decode`'s result, computed by the Triton kernel (float32 accumulation; a
-    float32 model's products in IEEE precision, not TF32)."""
-    global _kernel
-    if _kernel is None:
-        _kernel = _build_kernel()
+    """:func:`torch_paged_decode`'s result, computed by the Triton kernels (float32 accumulation; a
+    float32 model's products in IEEE precision, not TF32). Rows that name their tables (a graph's, a
+    paged step's) and share one with a neighbour row (a prompt chunk's) are read in tiles of rows by
+    a second kernel, which reads a chunk's keys once per tile instead of once per row."""
+    global _kernels
+    if _kernels is None:
+        _kernels = _build_kernels()
+    row_kernel, tile_kernel = _kernels
     n, nh, hd = q.shape
     nkv = layer.shape[3]
     group = nh // nkv
     out = torch.empty_like(q)
     shared = rows.table_rows is not None
-    _kernel[(n, nkv)](
+    tiled = shared and n > 1
+    common = (
         q, layer, rows.tables, rows.lengths, rows.table_rows if shared else rows.lengths, out, 1.0 / math.sqrt(hd),
         q.stride(0), q.stride(1), layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3),
-        rows.tables.stride(0), out.stride(0), out.stride(1), int(shared),
-        GROUP=group, GROUP_PAD=max(16, next_pow2(group)), BLOCK_SIZE=layer.shape[2], HEAD_DIM=hd,
-        KEYS=KEYS_PER_TILE, WINDOW=window or 0, PRECISION="ieee" if q.dtype == torch.float32 else "tf32",
+        rows.tables.stride(0), out.stride(0), out.stride(1), n,
     )  # fmt: skip
+    shapes = {"BLOCK_SIZE": layer.shape[2], "HEAD_DIM": hd, "KEYS": KEYS_PER_TILE, "WINDOW": window or 0}
+    precision = "ieee" if q.dtype == torch.float32 else "tf32"
+    if tiled:
+        line_group = next_pow2(group)
+        tile_rows = max(1, TILE_LINES // line_group)
+        tile_kernel[(-(-n // tile_rows), nkv)](
+            *common, GROUP=group, LINE_GROUP=line_group, TILE_ROWS=tile_rows, TILE_PAD=tile_rows * line_group,
+            **shapes, PRECISION=precision, num_warps=TILE_WARPS,
+        )  # fmt: skip
+    row_kernel[(n, nkv)](
+        *common, int(tiled), GROUP=group, GROUP_PAD=max(16, next_pow2(group)), **shapes, PRECISION=precision
+    )
     return out
 
 
