@@ -277,9 +277,6 @@ class DecodeGraphs:
             self._stream = alloc.new_stream()
         with alloc.capture_graph(graph, CUDA_GRAPHS, self._stream):
             logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
-        # A graph's first launch also uploads it to the device; here, on the padding rows (the scratch
-        # block), not in the first step that replays it.
-        graph.replay()
         copied = (torch.cuda.Event(), torch.cuda.Event())  # type: ignore[no-untyped-call]  # torch leaves it unannotated
         return _Bucket(size, graph, device_buf, inputs.token_ids, (hosts[0], hosts[1]), logits, copied)
 
