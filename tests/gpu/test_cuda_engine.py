@@ -46,10 +46,25 @@ def cuda_alloc() -> Iterator[MemoryAllocator]:
     a.close()
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
+ATTENTION_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
     (32, 8, 128, 16, None), (8, 8, 64, 16, None), (16, 2, 64, 8, 37), (4, 2, 16, 4, None),
 ])  # fmt: skip
+"""(query heads, KV heads, head_dim, block size, sliding window) the paged kernels are checked at."""
+
+
+def _matches_torch(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None) -> None:
+    """The Triton kernels' result within the dtype's tolerance of the torch path's in float32."""
+    want = torch_paged_decode(q.float(), layer.float(), rows, window)
+    got = triton_paged_decode(q, layer, rows, window).float()
+    tol = 1e-5 if q.dtype == torch.float32 else 2e-2
+    err = (got - want).abs().max().item()
+    nh, nkv, hd = q.shape[1], layer.shape[3], q.shape[2]
+    print(f"{q.dtype} heads {nh}/{nkv} head_dim {hd} window {window}: {len(q)} rows, max |err| {err:.2e}")
+    assert err < tol
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+@ATTENTION_SHAPES
 def test_triton_kernel_matches_the_torch_path(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, window: int | None
 ) -> None:
@@ -60,19 +75,11 @@ def test_triton_kernel_matches_the_torch_path(
     width = math.ceil(1000 / block_size)
     tables = torch.stack([torch.randperm(blocks, device="cuda", generator=g)[:width] for _ in range(len(lengths))])
     q = torch.randn(len(lengths), heads, head_dim, device="cuda", generator=g).to(dtype)
-    rows = DecodeRows(len(lengths), tables, lengths)
-    want = torch_paged_decode(q.float(), layer.float(), rows, window)
-    got = triton_paged_decode(q, layer, rows, window).float()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    err = (got - want).abs().max().item()
-    print(f"{dtype} heads {heads}/{kv_heads} head_dim {head_dim} window {window}: max |err| {err:.2e}")
-    assert err < tol
+    _matches_torch(q, layer, DecodeRows(len(lengths), tables, lengths), window)
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
-@pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
-    (32, 8, 128, 16, None), (8, 8, 64, 16, None), (16, 2, 64, 8, 37), (4, 2, 16, 4, None),
-])  # fmt: skip
+@ATTENTION_SHAPES
 def test_triton_kernel_matches_the_torch_path_on_paged_rows(
     dtype: torch.dtype, heads: int, kv_heads: int, head_dim: int, block_size: int, window: int | None
 ) -> None:
@@ -97,12 +104,7 @@ def test_triton_kernel_matches_the_torch_path_on_paged_rows(
     rows = DecodeRows(
         len(lengths), torch.stack(tables), torch.tensor(lengths, device="cuda"), torch.tensor(row_tables, device="cuda")
     )
-    want = torch_paged_decode(q.float(), layer.float(), rows, window)
-    got = triton_paged_decode(q, layer, rows, window).float()
-    tol = 1e-5 if dtype == torch.float32 else 2e-2
-    err = (got - want).abs().max().item()
-    print(f"{dtype} heads {heads}/{kv_heads} head_dim {head_dim} window {window}: {len(q)} rows, max |err| {err:.2e}")
-    assert err < tol
+    _matches_torch(q, layer, rows, window)
 
 
 Tokens = list[list[int]]
