@@ -1,9 +1,9 @@
 # mypy: disable-error-code="no-untyped-def,untyped-decorator"
 # (a Triton kernel's parameters take no annotations: Triton reads them as type hints)
-"""The Triton kernel of worker/model/paged_attention.py, in a module of its own: it imports Triton,
-which only a CUDA host that serves a model needs, and :func:`paged_attention.triton_paged_decode`
-imports it on first use. (At module level because a kernel calls a helper ``@triton.jit`` function
-by its global name.)"""
+"""The Triton kernels of worker/model/paged_attention.py (one row per program; a tile of a prompt
+chunk's rows per program), in a module of their own: it imports Triton, which only a CUDA host that
+serves a model needs, and :func:`paged_attention.triton_paged_decode` imports it on first use. (At
+module level because a kernel calls its helper ``@triton.jit`` functions by their global names.)"""
 
 from __future__ import annotations
 
