@@ -10,7 +10,8 @@ processes (each an asyncio loop with its share of the C slots), so the client is
 measured. A first pass at the largest C warms every shape (graphs, kernels) before anything counts.
 
 Paths: ``worker`` (GenerateStream), ``unary`` (Generate: TTFT is the whole answer's latency) and
-``gateway`` (streamed completions through the OpenAI SDK). Per (path, shape, C): output tok/s
+``gateway`` (streamed completions through the OpenAI SDK; the gateway runs ``--gateway-processes``
+processes, 4 by default: one writes about 10,000 streamed tokens a second). Per (path, shape, C): output tok/s
 (output tokens over the wall time from the first request sent to the last one ended), TTFT, ITL (the
 gap between two streamed messages, as vllm's bench counts it), TPOT ((latency - TTFT) / (output
 tokens - 1)), p50 and p99, and the requests refused or failed.
@@ -274,6 +275,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--kv-blocks", type=int, default=8192)
     ap.add_argument("--max-batch", type=int, default=256)
     ap.add_argument("--worker-args", default="", help="more worker flags")
+    ap.add_argument("--gateway-processes", type=int, default=4, help="the gateway's --processes")
     ap.add_argument("--start-delay", type=float, default=START_S, help="seconds client processes get to start")
     ap.add_argument("--tflops", type=float, default=TFLOPS)
     ap.add_argument("--hbm", type=float, default=HBM)
@@ -285,7 +287,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     result: dict[str, Any] = {
         "bench": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "commit": _git_commit(), "argv": sys.argv[1:], "device": _device_info() if args.backend == "cuda" else "host",
-        "results": [],
+        "gateway_processes": args.gateway_processes, "results": [],
     }  # fmt: skip
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
@@ -308,7 +310,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             services.append(wk)
             targets = {"worker": wk.address, "unary": wk.address}
             if "gateway" in paths:
-                gw = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
+                gw = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address,
+                              "--processes", str(args.gateway_processes)],
                              r"gateway listening on (\S+)", "gateway")  # fmt: skip
                 services.append(gw)
                 targets["gateway"] = gw.address

@@ -116,6 +116,11 @@ class Proc:
         )  # fmt: skip
 
     @property
+    def pid(self) -> int:
+        assert self.proc is not None, f"{self.name} was never started"
+        return self.proc.pid
+
+    @property
     def running(self) -> bool:
         return self.proc is not None and self.proc.poll() is None
 

@@ -15,7 +15,8 @@ def test_bench_serving_smoke(tmp_path: Path) -> None:
     out = tmp_path / "serving.json"
     rc = bench_serving.main([
         "--shape", "tiny", "--backend", "host", "--shapes", "8x6", "--concurrency", "1,4", "--requests", "6",
-        "--clients", "2", "--kv-blocks", "64", "--max-batch", "8", "--start-delay", "3", "--out", str(out),
+        "--clients", "2", "--kv-blocks", "64", "--max-batch", "8", "--start-delay", "3", "--gateway-processes", "2",
+        "--out", str(out),
     ])  # fmt: skip
     r = json.loads(out.read_text())
     assert rc == 0 and r["first_request"]["first_s"] > 0

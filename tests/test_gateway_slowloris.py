@@ -261,7 +261,7 @@ def test_accepts_that_fail_for_want_of_files_are_one_log_line_not_one_each(
 
 @pytest.mark.parametrize(("flag", "value"), [
     ("--header-timeout", "0"), ("--header-timeout", "3601"), ("--body-timeout", "-1"), ("--body-timeout", "soon"),
-    ("--idle-timeout", "0"), ("--max-connections", "0"), ("--max-connections", "lots"),
+    ("--idle-timeout", "0"), ("--max-connections", "0"), ("--max-connections", "lots"), ("--processes", "0"),
 ])  # fmt: skip
 def test_a_bad_bound_is_a_usage_error(flag: str, value: str) -> None:
     r = subprocess.run([sys.executable, "-m", "memsvc.cli", "gateway", flag, value], capture_output=True, text=True,

@@ -1,12 +1,17 @@
 """The gateway's Prometheus metrics (``GET /metrics``), in a registry of its own.
 
 The ``model`` label takes only names some worker serves (a request for an unknown model counts as
-``""``), so a client cannot grow the series without bound.
+``""``), so a client cannot grow the series without bound. Under ``--processes`` (Prometheus'
+multiprocess mode: ``PROMETHEUS_MULTIPROC_DIR`` set by the supervisor) each process writes its
+values to that directory and :meth:`GatewayMetrics.exposition` sums every process's.
 """
 
 from __future__ import annotations
 
-from prometheus_client import CollectorRegistry, Counter, Histogram
+import os
+
+from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.multiprocess import MultiProcessCollector
 
 from memsvc._metrics import build_info
 
@@ -66,6 +71,16 @@ class GatewayMetrics:
         self.completion_tokens = Counter(
             "memsvc_gateway_completion_tokens", "Tokens generated for the gateway's clients", ["model"], registry=r
         )
+
+    def exposition(self) -> bytes:
+        """``GET /metrics``: this process's registry, or under ``--processes`` every process's values
+        summed (build info, which multiprocess mode cannot share, is the same in each)."""
+        if not os.environ.get("PROMETHEUS_MULTIPROC_DIR"):
+            return generate_latest(self.registry)
+        registry = CollectorRegistry()
+        build_info(registry)
+        MultiProcessCollector(registry)  # type: ignore[no-untyped-call]
+        return generate_latest(registry)
 
 
 __all__ = ["GatewayMetrics"]

@@ -1,0 +1,183 @@
+"""``memsvc gateway --processes 2`` with real processes: a manager, a worker serving a tiny text model
+(host backend) and the gateway's supervisor with its two children on one port, driven by the
+``openai`` SDK. Every request gets the worker's own greedy tokens whichever child serves it;
+``/metrics`` counts every child's requests; SIGTERM drains a stream in flight and stops every
+child; a child that dies stops the gateway (exit 1, the port closed); a supervisor killed outright
+takes its children with it."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import socket
+import threading
+import urllib.request
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+from gatewayproc import GatewayProcess
+from managerproc import ManagerProcess
+from test_gateway import MODEL, PROMPT, wait_for
+from test_generation import text_model
+from workerproc import WorkerProcess
+
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
+
+openai = pytest.importorskip("openai")
+
+
+class Host:
+    def __init__(self, manager: ManagerProcess, worker: WorkerProcess) -> None:
+        self.manager, self.worker = manager, worker
+
+    def leases(self) -> int:
+        r = self.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gp0"), timeout=10)
+        return int(r.worker.lease_count)
+
+    def gateway(self) -> GatewayProcess:
+        return GatewayProcess(self.manager.address, ["--processes", "2"]).start()
+
+
+@pytest.fixture(scope="module")
+def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
+    root = tmp_path_factory.mktemp("gateway-processes")
+    path, _ = text_model(root)
+    mp = ManagerProcess(root / "manager.db", ["--idle-sleep-timeout", "0"]).start()
+    try:
+        with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", "gp0"]) as wp:
+            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                     lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
+            yield Host(mp, wp)
+    finally:
+        mp.kill()
+
+
+def children(pid: int) -> list[int]:
+    """The live child processes of ``pid`` (Linux: /proc/PID/task/*/children)."""
+    out: list[int] = []
+    for task in Path(f"/proc/{pid}/task").iterdir():
+        out += [int(x) for x in (task / "children").read_text().split()]
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+    except FileNotFoundError:
+        return False
+    return state != "Z"
+
+
+def sockets_of(pid: int) -> set[str]:
+    """The sockets a process holds open, as /proc names them (``socket:[inode]``)."""
+    out = set()
+    for fd in Path(f"/proc/{pid}/fd").iterdir():
+        try:
+            target = os.readlink(fd)
+        except FileNotFoundError:
+            continue
+        if target.startswith("socket:"):
+            out.add(target)
+    return out
+
+
+def metric(url: str, name: str) -> float:
+    """The sum of one metric's samples, from a fresh connection (any child may answer it)."""
+    with urllib.request.urlopen(f"{url}/metrics", timeout=10) as r:
+        text = r.read().decode()
+    return sum(float(x) for x in re.findall(rf"^{name}(?:{{[^}}]*}})? (\S+)$", text, re.MULTILINE))
+
+
+def refused(url: str) -> bool:
+    host, port = url.removeprefix("http://").rsplit(":", 1)
+    try:
+        socket.create_connection((host, int(port)), timeout=5).close()
+    except ConnectionRefusedError:
+        return True
+    return False
+
+
+def test_every_child_serves_the_port_and_metrics_count_them_all(host: Host) -> None:
+    gw = host.gateway()
+    try:
+        kids = children(gw.pid)
+        assert len(kids) == 2, kids
+        shared = sockets_of(kids[0]) & sockets_of(kids[1])
+        assert shared, "both children hold the one listening socket"
+        want = host.worker.stub.Generate(w.GenerateRequest(prompt=PROMPT, max_new_tokens=8), timeout=60)
+        texts: list[str] = []
+        errors: list[BaseException] = []
+
+        def one(streamed: bool) -> None:
+            # a client of its own: a connection of its own, which either child may take
+            with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+                try:
+                    if streamed:
+                        s = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
+                                                      stream=True)  # fmt: skip
+                        texts.append("".join(ch.choices[0].text for ch in s if ch.choices))
+                    else:
+                        r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
+                        texts.append(r.choices[0].text)
+                except BaseException as exc:  # noqa: BLE001 - reported below
+                    errors.append(exc)
+
+        threads = [threading.Thread(target=one, args=(k % 2 == 0,)) for k in range(12)]
+        for t in threads:
+            t.start()
+        for t in threads:
+            t.join()
+        assert not errors, errors
+        assert texts == [want.text] * 12
+        for _ in range(6):
+            assert metric(gw.url, "memsvc_gateway_requests_total") == 12
+            assert metric(gw.url, "memsvc_gateway_completion_tokens_total") == 12 * len(want.token_ids)
+        wait_for(host.leases, lambda n: n == 0, "every lease back")
+    finally:
+        assert gw.stop() == 0
+    assert not any(alive(k) for k in kids), "every child stopped with the supervisor"
+    assert refused(gw.url)
+
+
+def test_sigterm_lets_a_stream_in_flight_finish_and_stops_every_child(host: Host) -> None:
+    gw = host.gateway()
+    try:
+        kids = children(gw.pid)
+        want = host.worker.stub.Generate(w.GenerateRequest(prompt=PROMPT, max_new_tokens=64, ignore_eos=True),
+                                         timeout=60)  # fmt: skip
+        with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
+            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
+                                               extra_body={"ignore_eos": True})  # fmt: skip
+            chunks = iter(stream)
+            first = next(chunks)
+            assert gw.proc is not None
+            gw.proc.send_signal(signal.SIGTERM)
+            text = first.choices[0].text + "".join(ch.choices[0].text for ch in chunks if ch.choices)
+        assert text == want.text, "the stream in flight ended whole"
+        assert gw.wait(30) == 0
+    finally:
+        gw.kill()
+    assert not any(alive(k) for k in kids)
+    wait_for(host.leases, lambda n: n == 0, "the stream's lease back")
+
+
+def test_a_child_that_dies_stops_the_gateway(host: Host) -> None:
+    gw = host.gateway()
+    kids = children(gw.pid)
+    os.kill(kids[0], signal.SIGKILL)
+    assert gw.wait(30) == 1
+    assert "exited with -9: stopping the others" in gw.stderr_text()
+    wait_for(lambda: [k for k in kids if alive(k)], lambda left: not left, "the other child to stop")
+    assert refused(gw.url)
+
+
+def test_a_supervisor_killed_outright_takes_its_children_with_it(host: Host) -> None:
+    gw = host.gateway()
+    kids = children(gw.pid)
+    gw.kill()
+    # re-parented, each child sees its stdin end and stops
+    wait_for(lambda: [k for k in kids if alive(k)], lambda left: not left, "the children to stop")
+    wait_for(lambda: refused(gw.url), bool, "the port to close")
