@@ -233,3 +233,30 @@ def test_the_prepin_pins_a_piece_at_a_time_and_only_while_no_generate_runs(monke
         prepin.stop()
         assert prepin.join(30)
     assert alloc.calls == [piece, 2 * piece, 3 * piece, 3 * piece + (piece >> 1)], "each call: the total so far"
+
+
+def test_the_prepin_starts_no_sooner_than_idle_s_after_it_was_asked(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The request a client sends as soon as the worker is ready (or awake again) must not meet a
+    piece being page-locked: a worker idle since long before still waits IDLE_S from the ask."""
+    monkeypatch.setattr(host_memory, "IDLE_S", 0.2)
+    alloc = _Pieces(threading.Event())
+    pinned_at: list[float] = []
+    record = alloc.prepin_host
+
+    def timed(nbytes: int) -> None:
+        pinned_at.append(time.monotonic())
+        record(nbytes)
+
+    alloc.prepin_host = timed  # type: ignore[method-assign]
+    prepin = BackgroundPrepin(alloc, lambda: time.monotonic() - 100.0)  # type: ignore[arg-type]  # only prepin_host
+    try:
+        asked = time.monotonic()
+        prepin.request(host_memory.STEP_BYTES)
+        end = time.monotonic() + 30
+        while not pinned_at:
+            assert time.monotonic() < end, "it never pinned"
+            time.sleep(0.01)
+    finally:
+        prepin.stop()
+        assert prepin.join(30)
+    assert pinned_at[0] - asked >= 0.2, "it pinned before IDLE_S had passed since it was asked"
