@@ -65,22 +65,28 @@ class Stack:
         return self.worker.stub.Generate(w.GenerateRequest(**fields), timeout=60)
 
 
-@pytest.fixture(scope="module")
-def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
-    root = tmp_path_factory.mktemp("gateway")
+@contextlib.contextmanager
+def text_model_served(root: Path, worker_id: str) -> Iterator[tuple[ManagerProcess, WorkerProcess, Path]]:
+    """A manager and a worker serving :func:`text_model` as MODEL (registered), in ``root``."""
     path, _ = text_model(root)
     mp = ManagerProcess(root / "manager.db", ["--idle-sleep-timeout", "0"]).start()
     try:
-        with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", "gw0"]) as wp:
+        with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", worker_id]) as wp:
             wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
                      lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
-            gw = GatewayProcess(mp.address).start()
-            try:
-                yield Stack(mp, wp, gw, path)
-            finally:
-                gw.kill()
+            yield mp, wp, path
     finally:
         mp.kill()
+
+
+@pytest.fixture(scope="module")
+def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
+    with text_model_served(tmp_path_factory.mktemp("gateway"), "gw0") as (mp, wp, path):
+        gw = GatewayProcess(mp.address).start()
+        try:
+            yield Stack(mp, wp, gw, path)
+        finally:
+            gw.kill()
 
 
 PROMPT = "the quick brown fox"

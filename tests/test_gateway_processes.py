@@ -19,8 +19,7 @@ from pathlib import Path
 import pytest
 from gatewayproc import GatewayProcess
 from managerproc import ManagerProcess
-from test_gateway import MODEL, PROMPT, wait_for
-from test_generation import text_model
+from test_gateway import MODEL, PROMPT, text_model_served, wait_for
 from workerproc import WorkerProcess
 
 from memsvc.v1 import memory_manager_service_pb2 as m
@@ -43,16 +42,8 @@ class Host:
 
 @pytest.fixture(scope="module")
 def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
-    root = tmp_path_factory.mktemp("gateway-processes")
-    path, _ = text_model(root)
-    mp = ManagerProcess(root / "manager.db", ["--idle-sleep-timeout", "0"]).start()
-    try:
-        with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", "gp0"]) as wp:
-            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                     lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
-            yield Host(mp, wp)
-    finally:
-        mp.kill()
+    with text_model_served(tmp_path_factory.mktemp("gateway-processes"), "gp0") as (mp, wp, _):
+        yield Host(mp, wp)
 
 
 def children(pid: int) -> list[int]:
