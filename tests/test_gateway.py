@@ -98,6 +98,13 @@ def test_models_list_the_served_model_with_its_state(stack: Stack) -> None:
     ids = [x.id for x in models.data]
     assert ids == [MODEL]
     assert models.data[0].model_extra is not None and models.data[0].model_extra["state"] == "awake"
+    stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
+    try:
+        # the state as the vocabulary spells it (WorkerState.label), once the manager heard of the sleep
+        wait_for(lambda: stack.client.models.list().data[0].model_extra, lambda x: x is not None and
+                 x["state"] == "asleep", "the model listed as 'asleep'")  # fmt: skip
+    finally:
+        stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
 
 
 @pytest.mark.parametrize("sleep", [None, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2], ids=["awake", "level1", "level2"])

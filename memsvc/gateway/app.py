@@ -22,7 +22,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
 from typing import Any, TypeVar
 
 import grpc
-from fastapi import FastAPI, Request
+from fastapi import APIRouter, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST
@@ -38,7 +38,7 @@ from memsvc._limits import (
     MAX_HTTP_BODY_BYTES,
     MAX_ID_BYTES,
 )
-from memsvc.gateway.backends import STATE_LABEL, Backends, Served
+from memsvc.gateway.backends import Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
     ChatCompletionRequest,
@@ -50,6 +50,7 @@ from memsvc.gateway.openai_api import (
 )
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.gateway")
 T = TypeVar("T")
@@ -107,6 +108,55 @@ def _check_tokens(ids: list[int], worker: Served) -> None:
                                 f"{worker.context_length}", param="prompt")  # fmt: skip
 
 
+class Gateway:
+    """What the routes share (``app.state.gateway``): the backends, the metrics, the waits and the
+    bound on completions served at once."""
+
+    def __init__(
+        self, backends: Backends, acquire_timeout: float, queue_timeout: float, max_requests: int
+    ) -> None:  # fmt: skip
+        self.backends = backends
+        self.metrics = GatewayMetrics()
+        self.acquire_timeout = acquire_timeout
+        self.queue_timeout = queue_timeout
+        self.max_requests = max_requests
+        self.in_flight = 0
+
+    @contextlib.contextmanager
+    def slot(self) -> Iterator[None]:
+        """One of the ``max_requests`` completions served at once, or a 503."""
+        if self.in_flight >= self.max_requests:
+            raise GatewayError(503, f"the gateway is serving its limit of {self.max_requests} requests",
+                               "server_error", code="overloaded", retry_after=RETRY_AFTER_S)  # fmt: skip
+        self.in_flight += 1
+        try:
+            yield
+        finally:
+            self.in_flight -= 1
+
+    async def models(self) -> dict[str, list[Served]]:
+        try:
+            return await self.backends.models()
+        except grpc.RpcError as exc:
+            raise from_rpc(exc, "manager") from None
+
+    async def worker_for(self, model: str) -> Served:
+        workers = (await self.models()).get(model)
+        if not workers and self.backends.unknown_unavailable:
+            # a worker that stopped before this manager heard its model (it restarted since) may be
+            # the one: "does not exist" would be wrong until it is back or pruned (memsvc prune)
+            raise GatewayError(503, f"the model {model!r} is not served by any reachable worker; "
+                                    f"{self.backends.unknown_unavailable} registered worker(s) are unavailable",
+                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
+        if not workers:
+            raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
+        if all(s.state == c.WORKER_STATE_UNAVAILABLE for s in workers):
+            raise GatewayError(503, f"the model {model!r} is registered but its worker is unavailable "
+                                    f"({', '.join(s.name for s in workers)})",
+                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
+        return Backends.pick(workers)
+
+
 def create_app(
     backends: Backends, token: str = "", acquire_timeout: float = 300.0, queue_timeout: float = 30.0,
     max_requests: int = MAX_GATEWAY_REQUESTS, body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
@@ -121,179 +171,168 @@ def create_app(
     # limit's own answer to that case is plain text, not OpenAI's error JSON)
     app.add_middleware(RequestBodyLimitMiddleware, max_body_size=MAX_HTTP_BODY_BYTES)
     app.add_middleware(_Edge, token=token, body_timeout=body_timeout)
-    metrics = GatewayMetrics()
-    in_flight = 0
+    app.add_exception_handler(HTTPException, _http_error)  # type: ignore[arg-type]  # Starlette types it loosely
+    app.add_exception_handler(GatewayError, _gateway_error)  # type: ignore[arg-type]
+    app.add_exception_handler(RequestValidationError, _invalid)  # type: ignore[arg-type]
+    app.state.gateway = Gateway(backends, acquire_timeout, queue_timeout, max_requests)
+    app.include_router(routes)
+    return app
 
-    @contextlib.contextmanager
-    def _slot() -> Iterator[None]:
-        nonlocal in_flight
-        if in_flight >= max_requests:
-            raise GatewayError(503, f"the gateway is serving its limit of {max_requests} requests", "server_error",
-                               code="overloaded", retry_after=RETRY_AFTER_S)  # fmt: skip
-        in_flight += 1
+
+def _gateway(request: Request) -> Gateway:
+    gateway: Gateway = request.app.state.gateway
+    return gateway
+
+
+async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
+    """Starlette's own refusals (413 body too large, 404 and 405 routes) in OpenAI's shape too."""
+    message = _TOO_LARGE if exc.status_code == 413 else exc.detail
+    return JSONResponse(GatewayError(exc.status_code, message).body(), status_code=exc.status_code,
+                        headers=exc.headers)  # fmt: skip
+
+
+async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
+    headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after else None
+    return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
+
+
+async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
+    first = exc.errors()[0] if exc.errors() else {}
+    loc = [str(p) for p in first.get("loc", ()) if p != "body"]
+    msg = str(first.get("msg", "invalid request"))
+    if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
+        msg = str(first["ctx"]["error"])  # our validators' own words, without pydantic's "Value error, "
+    elif first.get("type") == "json_invalid":
+        msg = "the request body is not valid JSON"
+    return JSONResponse(GatewayError(400, msg, param=".".join(loc) or None).body(), status_code=400)
+
+
+routes = APIRouter()
+
+
+@routes.get("/metrics")
+async def prometheus(request: Request) -> Response:
+    return Response(_gateway(request).metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
+
+
+@routes.get("/healthz")
+async def healthz() -> dict[str, str]:
+    return {"status": "ok"}
+
+
+@routes.get("/readyz")
+async def readyz(request: Request) -> JSONResponse:
+    try:
+        await _gateway(request).backends.models(timeout=3)
+    except grpc.RpcError as exc:
+        return JSONResponse({"status": "manager unreachable", "detail": str(exc)}, status_code=503)
+    return JSONResponse({"status": "ok"})
+
+
+@routes.get("/v1/models")
+async def list_models(request: Request) -> dict[str, Any]:
+    models = await _gateway(request).models()
+    data = [
+        {"id": name, "object": "model", "created": 0, "owned_by": "memsvc",
+         "state": WorkerState.of(Backends.pick(ws).state).label}
+        for name, ws in sorted(models.items())
+    ]  # fmt: skip
+    return {"object": "list", "data": data}
+
+
+@routes.post("/v1/completions", response_model=None)
+async def completions(req: CompletionRequest, request: Request) -> Response:
+    return await _counted(_gateway(request), req.model, "completions", _completions(req, request))
+
+
+@routes.post("/v1/chat/completions", response_model=None)
+async def chat(req: ChatCompletionRequest, request: Request) -> Response:
+    return await _counted(_gateway(request), req.model, "chat_completions", _chat(req, request))
+
+
+async def _counted(gateway: Gateway, model: str, endpoint: str, answer: Awaitable[Response]) -> Response:
+    try:
+        response = await answer
+    except GatewayError as exc:
+        label = model if exc.code != "model_not_found" else ""
+        gateway.metrics.requests.labels(label, endpoint, str(exc.status)).inc()
+        raise
+    gateway.metrics.requests.labels(model, endpoint, str(response.status_code)).inc()
+    return response
+
+
+async def _completions(req: CompletionRequest, request: Request) -> Response:
+    worker = await _gateway(request).worker_for(req.model)
+    gen = _generate_request(req, req.max_tokens)
+    if isinstance(req.prompt, str):
+        gen.prompt = req.prompt
+    elif req.prompt and isinstance(req.prompt[0], str):
+        gen.prompt = str(req.prompt[0])
+    else:
+        _check_tokens([int(t) for t in req.prompt], worker)
+        gen.prompt_token_ids.extend(int(t) for t in req.prompt)
+    return await _respond(req, worker, gen, "text_completion", request)
+
+
+async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
+    worker = await _gateway(request).worker_for(req.model)
+    gen = _generate_request(req, req.limit)
+    gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
+    return await _respond(req, worker, gen, "chat.completion", request)
+
+
+async def _respond(
+    req: CompletionRequest | ChatCompletionRequest, worker: Served, gen: w.GenerateRequest, kind: str,
+    request: Request,
+) -> Response:  # fmt: skip
+    """The worker's answer: whole, or streamed as server-sent events; the lease goes back when it ends."""
+    gateway = _gateway(request)
+    backends, metrics = gateway.backends, gateway.metrics
+    holder = f"gateway {request.state.request_id}"
+    t0 = time.perf_counter()
+    stack = contextlib.AsyncExitStack()
+    try:
+        stack.enter_context(gateway.slot())
+        if worker.state != c.WORKER_STATE_AWAKE:
+            metrics.wakes.labels(req.model).inc()
         try:
-            yield
-        finally:
-            in_flight -= 1
-
-    @app.exception_handler(HTTPException)
-    async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
-        """Starlette's own refusals (413 body too large, 404 and 405 routes) in OpenAI's shape too."""
-        message = _TOO_LARGE if exc.status_code == 413 else exc.detail
-        return JSONResponse(GatewayError(exc.status_code, message).body(), status_code=exc.status_code,
-                            headers=exc.headers)  # fmt: skip
-
-    @app.exception_handler(GatewayError)
-    async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
-        headers = {"Retry-After": str(int(exc.retry_after))} if exc.retry_after else None
-        return JSONResponse(exc.body(), status_code=exc.status, headers=headers)
-
-    @app.exception_handler(RequestValidationError)
-    async def _invalid(_request: Request, exc: RequestValidationError) -> JSONResponse:
-        first = exc.errors()[0] if exc.errors() else {}
-        loc = [str(p) for p in first.get("loc", ()) if p != "body"]
-        msg = str(first.get("msg", "invalid request"))
-        if first.get("type") == "value_error" and "error" in first.get("ctx", {}):
-            msg = str(first["ctx"]["error"])  # our validators' own words, without pydantic's "Value error, "
-        elif first.get("type") == "json_invalid":
-            msg = "the request body is not valid JSON"
-        return JSONResponse(GatewayError(400, msg, param=".".join(loc) or None).body(), status_code=400)
-
-    @app.get("/metrics")
-    async def prometheus() -> Response:
-        return Response(metrics.exposition(), media_type=CONTENT_TYPE_LATEST)
-
-    @app.get("/healthz")
-    async def healthz() -> dict[str, str]:
-        return {"status": "ok"}
-
-    @app.get("/readyz")
-    async def readyz() -> JSONResponse:
-        try:
-            await backends.models(timeout=3)
-        except grpc.RpcError as exc:
-            return JSONResponse({"status": "manager unreachable", "detail": str(exc)}, status_code=503)
-        return JSONResponse({"status": "ok"})
-
-    @app.get("/v1/models")
-    async def list_models() -> dict[str, Any]:
-        models = await _models()
-        data = [
-            {"id": name, "object": "model", "created": 0, "owned_by": "memsvc",
-             "state": STATE_LABEL.get(Backends.pick(ws).state, "unknown")}
-            for name, ws in sorted(models.items())
-        ]  # fmt: skip
-        return {"object": "list", "data": data}
-
-    async def _models() -> dict[str, list[Served]]:
-        try:
-            return await backends.models()
+            # raced with the client: one that leaves while queued or waking takes no lease (a lease
+            # granted as it left is in the stack, and goes back below)
+            leasing = backends.lease(worker, holder, gateway.acquire_timeout, gateway.queue_timeout, req.keep_alive_s)
+            granted = await _unless_client_left(request, stack.enter_async_context(leasing))
         except grpc.RpcError as exc:
             raise from_rpc(exc, "manager") from None
-
-    async def _worker_for(model: str) -> Served:
-        workers = (await _models()).get(model)
-        if not workers and backends.unknown_unavailable:
-            # a worker that stopped before this manager heard its model (it restarted since) may be
-            # the one: "does not exist" would be wrong until it is back or pruned (memsvc prune)
-            raise GatewayError(503, f"the model {model!r} is not served by any reachable worker; "
-                                    f"{backends.unknown_unavailable} registered worker(s) are unavailable",
-                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
-        if not workers:
-            raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
-        if all(s.state == c.WORKER_STATE_UNAVAILABLE for s in workers):
-            raise GatewayError(503, f"the model {model!r} is registered but its worker is unavailable "
-                                    f"({', '.join(s.name for s in workers)})",
-                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
-        return Backends.pick(workers)
-
-    @app.post("/v1/completions", response_model=None)
-    async def completions(req: CompletionRequest, request: Request) -> Response:
-        return await _counted(req.model, "completions", _completions(req, request))
-
-    async def _counted(model: str, endpoint: str, answer: Awaitable[Response]) -> Response:
-        try:
-            response = await answer
-        except GatewayError as exc:
-            label = model if exc.code != "model_not_found" else ""
-            metrics.requests.labels(label, endpoint, str(exc.status)).inc()
-            raise
-        metrics.requests.labels(model, endpoint, str(response.status_code)).inc()
-        return response
-
-    async def _completions(req: CompletionRequest, request: Request) -> Response:
-        worker = await _worker_for(req.model)
-        gen = _generate_request(req, req.max_tokens)
-        if isinstance(req.prompt, str):
-            gen.prompt = req.prompt
-        elif req.prompt and isinstance(req.prompt[0], str):
-            gen.prompt = str(req.prompt[0])
-        else:
-            _check_tokens([int(t) for t in req.prompt], worker)
-            gen.prompt_token_ids.extend(int(t) for t in req.prompt)
-        return await _respond(req, worker, gen, "text_completion", request)
-
-    @app.post("/v1/chat/completions", response_model=None)
-    async def chat(req: ChatCompletionRequest, request: Request) -> Response:
-        return await _counted(req.model, "chat_completions", _chat(req, request))
-
-    async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
-        worker = await _worker_for(req.model)
-        gen = _generate_request(req, req.limit)
-        gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
-        return await _respond(req, worker, gen, "chat.completion", request)
-
-    async def _respond(
-        req: CompletionRequest | ChatCompletionRequest, worker: Served, gen: w.GenerateRequest, kind: str,
-        request: Request,
-    ) -> Response:  # fmt: skip
-        holder = f"gateway {request.state.request_id}"
-        t0 = time.perf_counter()
-        stack = contextlib.AsyncExitStack()
-        try:
-            stack.enter_context(_slot())
-            if worker.state != c.WORKER_STATE_AWAKE:
-                metrics.wakes.labels(req.model).inc()
+        leased = time.perf_counter()
+        metrics.queue.labels(req.model).observe(granted.queued_s)
+        metrics.wake.labels(req.model).observe(max(leased - t0 - granted.queued_s, 0.0))
+        lease = granted.response
+        stub = backends.worker(lease.worker.address or worker.address)
+        if not req.stream:
             try:
-                # raced with the client: one that leaves while queued or waking takes no lease (a lease
-                # granted as it left is in the stack, and goes back below)
-                leasing = backends.lease(worker, holder, acquire_timeout, queue_timeout, req.keep_alive_s)
-                granted = await _unless_client_left(request, stack.enter_async_context(leasing))
-            except grpc.RpcError as exc:
-                raise from_rpc(exc, "manager") from None
-            leased = time.perf_counter()
-            metrics.queue.labels(req.model).observe(granted.queued_s)
-            metrics.wake.labels(req.model).observe(max(leased - t0 - granted.queued_s, 0.0))
-            lease = granted.response
-            stub = backends.worker(lease.worker.address or worker.address)
-            if not req.stream:
-                try:
-                    r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
-                except grpc.RpcError as exc:
-                    raise from_rpc(exc, "worker") from None
-                finally:
-                    await stack.aclose()  # the lease goes back before the answer does
-                metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
-                return JSONResponse(_whole(kind, req.model, r))
-            call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
-            stack.callback(call.cancel)
-            try:
-                # errors before the first token are the response's status
-                first = await _unless_client_left(request, call.read())
+                r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
             except grpc.RpcError as exc:
                 raise from_rpc(exc, "worker") from None
-            first_at = time.perf_counter()
-            metrics.prefill.labels(req.model).observe(first_at - leased)
-            metrics.first_token.labels(req.model).observe(first_at - t0)
-        except BaseException:
-            await stack.aclose()
-            raise
-        closed = _Once(stack.aclose)
-        tally = _Tally(metrics, req.model, first_at)
-        events = _stream(req, kind, first, call, closed, tally)
-        return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
-
-    return app
+            finally:
+                await stack.aclose()  # the lease goes back before the answer does
+            metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
+            return JSONResponse(_whole(kind, req.model, r))
+        call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
+        stack.callback(call.cancel)
+        try:
+            # errors before the first token are the response's status
+            first = await _unless_client_left(request, call.read())
+        except grpc.RpcError as exc:
+            raise from_rpc(exc, "worker") from None
+        first_at = time.perf_counter()
+        metrics.prefill.labels(req.model).observe(first_at - leased)
+        metrics.first_token.labels(req.model).observe(first_at - t0)
+    except BaseException:
+        await stack.aclose()
+        raise
+    closed = _Once(stack.aclose)
+    tally = _Tally(metrics, req.model, first_at)
+    events = _stream(req, kind, first, call, closed, tally)
+    return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
 
 
 _TOO_LARGE = f"the request body is over {MAX_HTTP_BODY_BYTES} bytes"
@@ -498,4 +537,4 @@ async def _stream(
         await closed()
 
 
-__all__ = ["create_app", "from_rpc"]
+__all__ = ["Gateway", "create_app", "from_rpc", "routes"]

@@ -80,16 +80,6 @@ class Served:
     context_length: int = 0
 
 
-STATE_LABEL: dict[int, str] = {
-    c.WORKER_STATE_AWAKE: "awake",
-    c.WORKER_STATE_PARTIALLY_AWAKE: "partially awake",
-    c.WORKER_STATE_ASLEEP: "asleep",
-    c.WORKER_STATE_SLEEPING: "sleeping",
-    c.WORKER_STATE_WAKING: "waking",
-    c.WORKER_STATE_LOADING: "loading",
-    c.WORKER_STATE_UNAVAILABLE: "unavailable",
-}
-
 log = logging.getLogger("memsvc.gateway")
 
 
@@ -344,7 +334,6 @@ __all__ = [
     "QUEUE_POLL_S",
     "RELEASE_RETRY_S",
     "RENEWALS_PER_TTL",
-    "STATE_LABEL",
     "Backends",
     "Granted",
     "Served",
