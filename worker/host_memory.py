@@ -184,7 +184,7 @@ class BackgroundPrepin:
     at once, docs/benchmarks.md), so a request that comes meanwhile waits for one piece at most, and
     a worker under load pins nothing until it idles. Nor does it start sooner than IDLE_S after it
     was asked: the request a client sends as soon as the worker is ready (or awake again) runs
-    before any piece, not behind one (about 25 ms on the H200)."""
+    before any piece, not behind one."""
 
     def __init__(self, alloc: MemoryAllocator, last_busy: Callable[[], float] = lambda: 0.0) -> None:
         self._alloc = alloc
