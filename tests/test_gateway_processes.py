@@ -7,6 +7,7 @@ takes its children with it."""
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -47,10 +48,16 @@ def host(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Host]:
 
 
 def children(pid: int) -> list[int]:
-    """The live child processes of ``pid`` (Linux: /proc/PID/task/*/children)."""
+    """The live child processes of ``pid`` (their parent, from each /proc/PID/stat)."""
     out: list[int] = []
-    for task in Path(f"/proc/{pid}/task").iterdir():
-        out += [int(x) for x in (task / "children").read_text().split()]
+    for entry in Path("/proc").iterdir():
+        if entry.name.isdigit():
+            try:
+                fields = (entry / "stat").read_text().rsplit(")", 1)[1].split()
+            except (FileNotFoundError, ProcessLookupError, IndexError):
+                continue
+            if int(fields[1]) == pid and fields[0] != "Z":
+                out.append(int(entry.name))
     return out
 
 
@@ -62,17 +69,22 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def sockets_of(pid: int) -> set[str]:
-    """The sockets a process holds open, as /proc names them (``socket:[inode]``)."""
-    out = set()
+def listening_ports(pid: int) -> set[int]:
+    """The TCP ports a process listens on: its sockets' inodes (/proc/PID/fd) matched with the
+    listening entries of /proc/PID/net/tcp and tcp6."""
+    inodes = set()
     for fd in Path(f"/proc/{pid}/fd").iterdir():
-        try:
+        with contextlib.suppress(FileNotFoundError):
             target = os.readlink(fd)
-        except FileNotFoundError:
-            continue
-        if target.startswith("socket:"):
-            out.add(target)
-    return out
+            if target.startswith("socket:["):
+                inodes.add(target[len("socket:[") : -1])
+    ports = set()
+    for table in ("tcp", "tcp6"):
+        for line in Path(f"/proc/{pid}/net/{table}").read_text().splitlines()[1:]:
+            fields = line.split()
+            if fields[3] == "0A" and fields[9] in inodes:  # 0A: LISTEN
+                ports.add(int(fields[1].rsplit(":", 1)[1], 16))
+    return ports
 
 
 def metric(url: str, name: str) -> float:
@@ -96,8 +108,9 @@ def test_every_child_serves_the_port_and_metrics_count_them_all(host: Host) -> N
     try:
         kids = children(gw.pid)
         assert len(kids) == 2, kids
-        shared = sockets_of(kids[0]) & sockets_of(kids[1])
-        assert shared, "both children hold the one listening socket"
+        port = int(gw.url.rsplit(":", 1)[1])
+        assert [listening_ports(k) for k in kids] == [{port}, {port}], "each child listens on the port"
+        assert listening_ports(gw.pid) == set(), "the supervisor only holds the port"
         want = host.worker.stub.Generate(w.GenerateRequest(prompt=PROMPT, max_new_tokens=8), timeout=60)
         texts: list[str] = []
         errors: list[BaseException] = []
@@ -158,17 +171,31 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_stops_every_child(host: Host
 def test_a_child_that_dies_stops_the_gateway(host: Host) -> None:
     gw = host.gateway()
     kids = children(gw.pid)
-    os.kill(kids[0], signal.SIGKILL)
-    assert gw.wait(30) == 1
-    assert "exited with -9: stopping the others" in gw.stderr_text()
-    wait_for(lambda: [k for k in kids if alive(k)], lambda left: not left, "the other child to stop")
-    assert refused(gw.url)
+    try:
+        os.kill(kids[0], signal.SIGKILL)
+        assert gw.wait(30) == 1
+        assert "exited with -9: stopping the others" in gw.stderr_text()
+        wait_for(lambda: [k for k in kids if alive(k)], lambda left: not left, "the other child to stop")
+        assert refused(gw.url)
+    finally:
+        _kill_all(gw, kids)
 
 
 def test_a_supervisor_killed_outright_takes_its_children_with_it(host: Host) -> None:
     gw = host.gateway()
     kids = children(gw.pid)
+    try:
+        gw.kill()
+        # re-parented, each child sees its stdin end and stops
+        wait_for(lambda: [k for k in kids if alive(k)], lambda left: not left, "the children to stop")
+        wait_for(lambda: refused(gw.url), bool, "the port to close")
+    finally:
+        _kill_all(gw, kids)
+
+
+def _kill_all(gw: GatewayProcess, kids: list[int]) -> None:
+    """Whatever a failed test left running goes, so the next test's gateway starts clean."""
     gw.kill()
-    # re-parented, each child sees its stdin end and stops
-    wait_for(lambda: [k for k in kids if alive(k)], lambda left: not left, "the children to stop")
-    wait_for(lambda: refused(gw.url), bool, "the port to close")
+    for kid in kids:
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(kid, signal.SIGKILL)

@@ -69,9 +69,15 @@ def run(
 
         code = supervise(settings, processes)
     else:
-        code = run_service(serve(settings, listening=lambda at: announce(f"memsvc gateway listening on {at}")))
+        code = run_service(serve(settings, listening=lambda where: announce(f"memsvc gateway listening on {where}")))
     announce("memsvc gateway stopped")
     return code
+
+
+def at(sockname: tuple[str, int] | tuple[str, int, int, int]) -> str:
+    """A bound socket's host:port as the "listening on" line says it ([host]:port for IPv6)."""
+    host, port = sockname[0], sockname[1]
+    return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
 
 async def serve(settings: Settings, listening: Callable[[str], None], sock: socket.socket | None = None) -> int:
@@ -136,8 +142,7 @@ async def serve(settings: Settings, listening: Callable[[str], None], sock: sock
         while not server.started and not task.done():
             await asyncio.sleep(0.05)
         if server.started:
-            address = server.servers[0].sockets[0].getsockname()
-            listening(f"{address[0]}:{address[1]}")
+            listening(at(server.servers[0].sockets[0].getsockname()))
         await task
     finally:
         await backends.close()
@@ -146,4 +151,4 @@ async def serve(settings: Settings, listening: Callable[[str], None], sock: sock
     return 0
 
 
-__all__ = ["Settings", "run", "serve"]
+__all__ = ["Settings", "at", "run", "serve"]

@@ -3,18 +3,20 @@ event loop can write.
 
 One gateway process writes every token of every stream it serves through Python (the worker's
 message read, the server-sent event built and written): on the H200 its one event loop tops out near
-10,000 streamed tokens a second, below what one worker produces at 256 concurrent streams. Here a
-supervisor binds the port once and starts N children that accept on that one listening socket (the
-kernel hands each new connection to one of them), as vLLM's ``--api-server-count`` and uvicorn's
-``--workers`` do. Each child is a whole gateway (memsvc.gateway.serve) with leases of its own at the
-manager; ``--max-requests`` and ``--max-connections`` are shared out among them, and ``/metrics``
-from any child counts all of them (Prometheus' multiprocess mode, one directory the supervisor makes
-and removes).
+10,000 streamed tokens a second, below what one worker produces at 256 concurrent streams. Here N
+children serve one port, as vLLM's ``--api-server-count`` and uvicorn's ``--workers`` do: the
+supervisor reserves the port (bound with ``SO_REUSEPORT``, never listening), and each child listens
+on a socket of its own bound to it, so the kernel spreads new connections evenly over the children
+(one shared listening socket would let whichever child woke first take a whole burst). Each child is
+a whole gateway (memsvc.gateway.serve) with leases of its own at the manager; ``--max-requests``
+and an explicit ``--max-connections`` are shared out among them, and ``/metrics`` from any child
+counts all of them (Prometheus' multiprocess mode, one directory the supervisor makes and removes).
 
 The supervisor's life is theirs: SIGTERM or SIGINT to it stops every child (each drains its streams
-as a single gateway does) and it exits 0 once all have; a child that exits by itself stops the rest
-and the supervisor exits 1, so whatever runs the gateway restarts all of it. A supervisor that dies
-without a word (SIGKILL) ends its children too: each holds its stdin open, and its end stops them.
+as a single gateway does, refusing new connections meanwhile) and it exits 0 once all have; a child
+that exits by itself stops the rest and the supervisor exits 1, so whatever runs the gateway
+restarts all of it. A supervisor that dies without a word (SIGKILL) ends its children too: each
+holds its stdin open, and its end stops them (after their drain).
 """
 
 from __future__ import annotations
@@ -34,7 +36,7 @@ import tempfile
 from typing import Any
 
 from memsvc._logging import announce, configure, current_logging
-from memsvc.gateway import Settings, serve
+from memsvc.gateway import Settings, at, serve
 
 log = logging.getLogger("memsvc.gateway")
 
@@ -47,19 +49,29 @@ def share(total: int, processes: int) -> int:
     return max(math.ceil(total / processes), 1)
 
 
-def _bind(listen: str, backlog: int) -> socket.socket:
+def _address(listen: str) -> tuple[int, Any]:
+    """``listen``'s (family, sockaddr); a name that does not resolve is a clean exit."""
     host, _, port = listen.rpartition(":")
-    host = host.strip("[]") or "127.0.0.1"
-    family, kind, proto, _, address = socket.getaddrinfo(host, int(port), type=socket.SOCK_STREAM,
-                                                         flags=socket.AI_PASSIVE)[0]  # fmt: skip
-    sock = socket.socket(family, kind, proto)
+    try:
+        found = socket.getaddrinfo(host.strip("[]") or "127.0.0.1", int(port), type=socket.SOCK_STREAM,
+                                   flags=socket.AI_PASSIVE)  # fmt: skip
+    except (OSError, ValueError) as exc:
+        raise SystemExit(f"memsvc gateway: could not serve on {listen}: {exc}") from None
+    family, _, _, _, address = found[0]
+    return int(family), address
+
+
+def bind_shared(family: int, address: Any) -> socket.socket:
+    """A socket bound to ``address`` that other sockets of this user may bind too (``SO_REUSEPORT``):
+    the kernel spreads a port's new connections over those of them that listen."""
+    sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
+        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
-        sock.listen(backlog)
-    except OSError as exc:
+    except OSError:
         sock.close()
-        raise SystemExit(f"memsvc gateway: could not serve on {listen}: {exc.strerror}") from None
+        raise
     return sock
 
 
@@ -67,19 +79,22 @@ def supervise(settings: Settings, processes: int) -> int:
     """Serve ``settings`` from ``processes`` child processes until SIGTERM/SIGINT; 0 when every child
     stopped cleanly on that signal."""
     from memsvc._serving import ignore_stop_signals
-    from memsvc.gateway.connections import accept_batch, raise_fd_limit
 
-    sock = _bind(settings.listen, accept_batch(raise_fd_limit()))
+    family, address = _address(settings.listen)
+    try:
+        reserved = bind_shared(family, address)  # holds the port (port 0: picks it) for the children
+    except OSError as exc:
+        raise SystemExit(f"memsvc gateway: could not serve on {settings.listen}: {exc.strerror}") from None
     metrics_dir = tempfile.mkdtemp(prefix="memsvc-gateway-metrics-")
     try:
-        return asyncio.run(_supervise(settings, processes, sock, metrics_dir))
+        return asyncio.run(_supervise(settings, processes, family, reserved.getsockname(), metrics_dir))
     finally:
-        sock.close()
-        shutil.rmtree(metrics_dir, ignore_errors=True)
         ignore_stop_signals()
+        reserved.close()
+        shutil.rmtree(metrics_dir, ignore_errors=True)
 
 
-async def _supervise(settings: Settings, n: int, sock: socket.socket, metrics_dir: str) -> int:
+async def _supervise(settings: Settings, n: int, family: int, address: Any, metrics_dir: str) -> int:
     stop = asyncio.Event()
     loop = asyncio.get_running_loop()
     for sig in (signal.SIGTERM, signal.SIGINT):
@@ -89,31 +104,40 @@ async def _supervise(settings: Settings, n: int, sock: socket.socket, metrics_di
         max_connections=None if settings.max_connections is None else share(settings.max_connections, n),
     )  # fmt: skip
     level, fmt = current_logging()
-    told = json.dumps({"settings": _to_json(part), "fd": sock.fileno(), "log_level": level, "log_format": fmt})
+    told = json.dumps({"settings": _to_json(part), "family": family, "address": list(address), "log_level": level,
+                       "log_format": fmt})  # fmt: skip
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     children: list[asyncio.subprocess.Process] = []
     try:
         for _ in range(n):
             child = await asyncio.create_subprocess_exec(
                 sys.executable, "-m", "memsvc.gateway.processes", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, pass_fds=(sock.fileno(),), env=env,
+                stdout=asyncio.subprocess.PIPE, env=env,
             )  # fmt: skip
             children.append(child)
             assert child.stdin is not None
             child.stdin.write(told.encode() + b"\n")
-        started = await _all_listening(children, stop)
-        if started:
-            host, port = sock.getsockname()[:2]
-            log.info("%d gateway processes serve the port: %s", n, " ".join(str(c.pid) for c in children))
-            announce(f"memsvc gateway listening on {host}:{port}")
-            exits = [asyncio.ensure_future(child.wait()) for child in children]
-            stopped = asyncio.ensure_future(stop.wait())
-            await asyncio.wait([stopped, *exits], return_when=asyncio.FIRST_COMPLETED)
-            stopped.cancel()
-            for child in children:
-                if child.returncode is not None and not stop.is_set():
-                    log.error("gateway process %d exited with %d: stopping the others", child.pid, child.returncode)
-        return await _stop_all(children, clean=stop.is_set())
+        if not await _all_listening(children, stop):
+            for child in children:  # none serves anyone yet: no drain to wait for
+                with contextlib.suppress(ProcessLookupError):
+                    child.kill()
+            await asyncio.gather(*(child.wait() for child in children))
+            return 0 if stop.is_set() else 1
+        log.info("%d gateway processes serve the port: %s", n, " ".join(str(c.pid) for c in children))
+        announce(f"memsvc gateway listening on {at(address)}")
+        exits = [asyncio.ensure_future(child.wait()) for child in children]
+        stopped = asyncio.ensure_future(stop.wait())
+        await asyncio.wait([stopped, *exits], return_when=asyncio.FIRST_COMPLETED)
+        stopped.cancel()
+        for child in children:
+            if child.returncode is not None and not stop.is_set():
+                log.error("gateway process %d exited with %d: stopping the others", child.pid, child.returncode)
+        for child in children:  # each drains its streams, as a single gateway does
+            if child.returncode is None:
+                with contextlib.suppress(ProcessLookupError):
+                    child.send_signal(signal.SIGTERM)
+        codes = await asyncio.gather(*exits)
+        return 0 if stop.is_set() and not any(codes) else 1
     except BaseException:
         for child in children:
             with contextlib.suppress(ProcessLookupError):
@@ -121,16 +145,23 @@ async def _supervise(settings: Settings, n: int, sock: socket.socket, metrics_di
         raise
 
 
-async def _all_listening(children: list[asyncio.subprocess.Process], stop: asyncio.Event) -> bool:
-    """True once each child says it listens; False if one exits first, stays silent past
-    START_TIMEOUT_S, or a stop signal comes meanwhile."""
+class _StartFailed(Exception):
+    """A child exited, or said something else, before it said it listens."""
 
-    async def listening(child: asyncio.subprocess.Process) -> bool:
+
+async def _all_listening(children: list[asyncio.subprocess.Process], stop: asyncio.Event) -> bool:
+    """True once each child says it listens; False as soon as one fails to, if they stay silent past
+    START_TIMEOUT_S, or if a stop signal comes meanwhile."""
+
+    async def listening(child: asyncio.subprocess.Process) -> None:
         assert child.stdout is not None
         line = await child.stdout.readline()
-        with contextlib.suppress(ValueError):
-            return bool(json.loads(line).get("listening"))
-        return False
+        try:
+            told = json.loads(line)
+        except ValueError:
+            told = None
+        if not (isinstance(told, dict) and told.get("listening") is True):
+            raise _StartFailed(f"gateway process {child.pid} did not start (it said {line[:200]!r})")
 
     waits = asyncio.gather(*(listening(c) for c in children))
     stopped = asyncio.ensure_future(stop.wait())
@@ -141,19 +172,15 @@ async def _all_listening(children: list[asyncio.subprocess.Process], stop: async
         stopped.cancel()
     if waits not in done:
         waits.cancel()
+        with contextlib.suppress(asyncio.CancelledError, _StartFailed):
+            await waits
         if not stop.is_set():
             log.error("the gateway's processes did not all start listening within %.0f s", START_TIMEOUT_S)
         return False
-    return all(waits.result())
-
-
-async def _stop_all(children: list[asyncio.subprocess.Process], clean: bool) -> int:
-    for child in children:
-        if child.returncode is None:
-            with contextlib.suppress(ProcessLookupError):
-                child.send_signal(signal.SIGTERM)
-    codes = [await child.wait() for child in children]
-    return 0 if clean and not any(codes) else 1
+    if (failed := waits.exception()) is not None:
+        log.error("%s", failed)
+        return False
+    return True
 
 
 def _to_json(settings: Settings) -> dict[str, Any]:
@@ -174,8 +201,8 @@ def _from_json(fields: dict[str, Any]) -> Settings:
 
 
 async def _child(settings: Settings, sock: socket.socket) -> int:
-    """One child: the gateway on the supervisor's socket, stopped by SIGTERM/SIGINT or by the end of
-    its stdin (the supervisor has gone)."""
+    """One child: the gateway on its own socket of the shared port, stopped by SIGTERM/SIGINT or by
+    the end of its stdin (the supervisor has gone)."""
     loop = asyncio.get_running_loop()
 
     class Ended(asyncio.Protocol):
@@ -200,7 +227,11 @@ def main() -> int:
     configure(told["log_level"], told["log_format"])
     from memsvc._serving import run_service
 
-    sock = socket.socket(fileno=told["fd"])
+    try:
+        sock = bind_shared(told["family"], tuple(told["address"]))
+    except OSError as exc:
+        _tell({"error": f"could not bind {told['address']}: {exc.strerror}"})
+        return 1
     return run_service(_child(_from_json(told["settings"]), sock))
 
 
