@@ -82,8 +82,9 @@ def at(sockname: tuple[str, int] | tuple[str, int, int, int]) -> str:
 
 async def serve(settings: Settings, listening: Callable[[str], None], sock: socket.socket | None = None) -> int:
     """One gateway process until SIGINT/SIGTERM (or ``should_exit`` set on its server by the caller's
-    own means); ``listening`` is told the bound host:port once it accepts connections. ``sock``: a
-    listening socket to accept on (shared with other processes) instead of binding ``settings.listen``."""
+    own means); ``listening`` is told the bound host:port once it accepts connections. ``sock``: a socket
+    already bound to the port (one of the ``--processes`` children's, memsvc/gateway/processes.py) to
+    listen on instead of binding ``settings.listen``."""
     import asyncio
     import contextlib
     import logging

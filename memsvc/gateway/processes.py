@@ -104,8 +104,8 @@ async def _supervise(settings: Settings, n: int, family: int, address: Any, metr
         max_connections=None if settings.max_connections is None else share(settings.max_connections, n),
     )  # fmt: skip
     level, fmt = current_logging()
-    told = json.dumps({"settings": _to_json(part), "family": family, "address": list(address), "log_level": level,
-                       "log_format": fmt})  # fmt: skip
+    told = json.dumps({"settings": dataclasses.asdict(part), "family": family, "address": list(address),
+                       "log_level": level, "log_format": fmt})  # fmt: skip
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     children: list[asyncio.subprocess.Process] = []
     try:
@@ -181,13 +181,6 @@ async def _all_listening(children: list[asyncio.subprocess.Process], stop: async
         log.error("%s", failed)
         return False
     return True
-
-
-def _to_json(settings: Settings) -> dict[str, Any]:
-    fields = dataclasses.asdict(settings)
-    if settings.security is not None:
-        fields["security"] = dataclasses.asdict(settings.security)
-    return fields
 
 
 def _from_json(fields: dict[str, Any]) -> Settings:
