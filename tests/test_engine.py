@@ -774,3 +774,110 @@ def test_max_batch_bounds_the_batch_and_the_rest_wait(vocab: int) -> None:
             for s in streams:
                 s.cancel()
         wp.stop()
+
+
+# ---------------------------------------------------------------------------------------------
+# 8: a Sleep that pauses the batch (the manager's turns between busy workers)
+
+
+def pause(stub: Stub) -> c.WorkerStatus:
+    """Sleep at level 1 (the KV cache discarded) pausing whatever runs; the status it answers."""
+    r = stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1, pause_generations=True), timeout=CALL_TIMEOUT)
+    assert r.status.state == c.WORKER_STATE_ASLEEP
+    return r.status
+
+
+def test_a_pausing_sleep_keeps_streams_open_and_they_go_on_with_their_alone_tokens(
+    stub: Stub, vocab: int, leftovers: Leftovers
+) -> None:
+    """Three greedy 200-token streams and a seeded sampled one run; after each has sent 3 tokens a
+    level-1 Sleep with pause_generations returns without waiting for them: the worker is asleep
+    with every unfinished stream paused (its count in the status), their KV blocks in the host pool
+    (the device pool's were discarded), and a Generate is refused. After WakeUp every stream ends
+    with exactly its alone tokens, no token was read again (the status' count), and the KV cache
+    ends empty."""
+    rng = random.Random(12)
+    sampled = w.SamplingParams(temperature=0.8, top_p=0.9, seed=21)
+    requests = [request(random_prompt(rng, vocab, n), 200) for n in (8, 23, 41)]
+    requests.append(request(random_prompt(rng, vocab, 17), 200, sampling=sampled))
+    late = request(random_prompt(rng, vocab, 6), 8)
+    *expected, late_alone = alone(stub, [*requests, late])
+    recomputed = status(stub).kv_cache.recomputed_tokens
+
+    cond = threading.Condition()
+    streams = [leftovers.stream(stub, r, cond) for r in requests]
+    for s in streams:
+        s.wait_tokens(3)
+    asleep = pause(stub)
+    with cond:
+        unfinished = [s for s in streams if not s.finished]
+        counts = [len(s.tokens) for s in streams]
+    assert unfinished, "set-up: every stream ended before the Sleep came"
+    assert asleep.paused_generations == len(unfinished), asleep
+    kv = asleep.kv_cache
+    assert kv.host_free_block_count < kv.host_block_count, f"no paused KV block in the host pool: {kv}"
+    expect_error("a Generate while paused", lambda: stub.Generate(late, timeout=CALL_TIMEOUT),
+                 grpc.StatusCode.FAILED_PRECONDITION)  # fmt: skip
+    with cond:
+        assert [len(s.tokens) for s in streams] == counts, "a paused stream sent tokens while the worker slept"
+
+    woke = stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT).status
+    assert woke.state == c.WORKER_STATE_AWAKE and woke.paused_generations == 0
+    for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
+        assert s.result() == want, f"stream {i} differs from its alone tokens after the pause"
+    assert status(stub).kv_cache.recomputed_tokens == recomputed, "a paused request read its tokens again"
+    assert kv_empty(wait_kv_empty(stub))
+    assert generate(stub, late) == late_alone
+
+
+def test_a_stream_cancelled_while_paused_gives_its_host_blocks_back(
+    stub: Stub, vocab: int, leftovers: Leftovers
+) -> None:
+    """Two streams are paused by a Sleep; one is cancelled while the worker sleeps: its host blocks
+    come back at once (no step runs to notice it), the other goes on after WakeUp with its alone
+    tokens, and the KV cache ends empty."""
+    rng = random.Random(13)
+    keep_req, drop_req = (request(random_prompt(rng, vocab, n), 200) for n in (30, 50))
+    (keep_alone,) = alone(stub, [keep_req])
+    keep, drop = leftovers.stream(stub, keep_req), leftovers.stream(stub, drop_req)
+    keep.wait_tokens(2)
+    drop.wait_tokens(2)
+    kv = pause(stub).kv_cache
+    held = kv.host_block_count - kv.host_free_block_count
+    assert held and not drop.finished and not keep.finished, f"set-up: nothing paused: {kv}"
+
+    drop.cancel()
+    deadline = time.monotonic() + FREE_TIMEOUT
+    while (now := status(stub).kv_cache).host_free_block_count <= kv.host_free_block_count:
+        assert time.monotonic() < deadline, f"the cancelled stream's host blocks were not given back: {now}"
+        time.sleep(0.01)
+    assert status(stub).paused_generations == 1
+
+    stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+    assert keep.result() == keep_alone
+    assert kv_empty(wait_kv_empty(stub))
+
+
+def test_a_pause_the_host_pool_cannot_hold_reads_the_tokens_again(vocab: int) -> None:
+    """A worker whose host pool holds 2 blocks: of three streams paused, those that do not fit read
+    their tokens again after the wake (the status counts them), and every stream still ends with
+    its alone tokens."""
+    rng = random.Random(14)
+    requests = [request(random_prompt(rng, vocab, n), 120) for n in (40, 45, 50)]
+    with WorkerProcess([*worker_args(KV_BLOCKS), "--host-kv-blocks", "2"]) as wp:
+        expected = alone(wp.stub, requests)
+        streams = [Streamed(wp.stub, r) for r in requests]
+        try:
+            for s in streams:
+                s.wait_tokens(2)
+            paused = pause(wp.stub)
+            assert paused.paused_generations >= 2, f"set-up: {paused.paused_generations} streams paused"
+            wp.stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+            for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
+                assert s.result() == want, f"stream {i} differs from its alone tokens"
+            assert status(wp.stub).kv_cache.recomputed_tokens >= 40, "no paused request read its tokens again"
+            assert kv_empty(wait_kv_empty(wp.stub))
+        finally:
+            for s in streams:
+                s.cancel()
+        wp.stop()

@@ -90,7 +90,10 @@ def test_device_budget_puts_the_lru_idle_worker_to_sleep_and_refuses_when_nothin
     assert b.lease_count == 1 and a.lease_count == 0
     assert mapped(a) + mapped(b) <= budget
 
-    # B holds a lease: nothing on the device can be freed, so waking A is refused, and nothing changes.
+    # B holds a lease and is pinned (a time_slice of 0: it never gives up its turn, see
+    # test_turns.py): nothing on the device can be freed, so waking A is refused, and nothing changes.
+    pin = m.UpdatePolicyRequest(name="workers/dev-b", policy=m.Policy(), update_mask=FieldMask(paths=["time_slice"]))
+    assert stub.UpdatePolicy(pin, timeout=10).policy.time_slice.ToNanoseconds() == 0
     before_a, before_b = view(a), view(b)
     for call, req in (
         ("AcquireWorker", m.AcquireWorkerRequest(name="workers/dev-a", ttl=Duration(seconds=60))),
@@ -101,6 +104,9 @@ def test_device_budget_puts_the_lru_idle_worker_to_sleep_and_refuses_when_nothin
         assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED, f"{call}: {err.value.details()}"
         assert view(get(stub, "dev-a")) == before_a, f"{call} changed the worker it could not wake"
         assert view(get(stub, "dev-b")) == before_b, f"{call} changed the leased worker"
+
+    unpin = m.UpdatePolicyRequest(name="workers/dev-b", clear_fields=["time_slice"])
+    stub.UpdatePolicy(unpin, timeout=10)
 
     # After B's release the roles swap: acquiring A puts B (now the idle one) to sleep.
     stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_b.lease.lease_id), timeout=10)

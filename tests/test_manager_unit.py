@@ -47,6 +47,7 @@ class _PolicyFields(TypedDict, total=False):
     device_swap_headroom_bytes: int
     idle_sleep_timeout: Duration
     idle_deep_sleep_timeout: Duration
+    time_slice: Duration
 
 
 class Env:
@@ -102,9 +103,13 @@ async def test_device_budget_evicts_the_least_recently_used_idle_worker(env: Env
     env.manager.release(lease.lease_id)
 
 
-async def test_device_budget_refuses_when_every_neighbour_is_leased_and_keeps_the_sleeper_asleep(env: Env) -> None:
+async def test_device_budget_refuses_when_every_neighbour_is_leased_and_pinned_and_keeps_the_sleeper_asleep(
+    env: Env,
+) -> None:
+    """A leased neighbour whose time_slice is 0 never gives up its turn: the wake is refused."""
     await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
     b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    env.manager.update_policy("a", m.Policy(), ["time_slice"])
     await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
     held, _ = await env.manager.acquire("a", 60, "holder", "", "", None)
     with pytest.raises(OutOfMemory):
@@ -116,6 +121,29 @@ async def test_device_budget_refuses_when_every_neighbour_is_leased_and_keeps_th
     # mypy keeps b.state narrowed to ASLEEP by the assert above, across the await that wakes b
     assert b.state == WorkerState.AWAKE  # type: ignore[comparison-overlap]
     env.manager.release(lease.lease_id)
+
+
+async def test_busy_workers_on_a_full_device_take_turns_and_keep_their_leases(env: Env) -> None:
+    """a is leased (busy) and awake since before b was wanted: a lease on b pauses a at once (a Sleep
+    that pauses its generations; a keeps its lease, asleep) and wakes b. a is then owed a turn: once
+    b's slice is over, the manager itself wakes a again, pausing b (whose lease stays too). Each
+    gave up one turn, and nothing was refused."""
+    a = await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.policy(time_slice=Duration(nanos=200_000_000))
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    held_a, _ = await env.manager.acquire("a", 60, "holder", "", "", None)
+    held_b, _ = await env.manager.acquire("b", 60, "t", "", "", None)
+    assert (env.rec("a").state, env.rec("b").state) == (WorkerState.ASLEEP, WorkerState.AWAKE)
+    assert a.pausing_sleeps == 1 and env.rec("a").leases.keys() == {held_a.lease_id}
+    await settle(lambda: a.state == WorkerState.AWAKE, "a woken again for its lease, on its next turn")
+    assert b.pausing_sleeps == 1 and b.state == WorkerState.ASLEEP
+    assert env.rec("b").leases.keys() == {held_b.lease_id}
+    assert (env.rec("a").turns_yielded, env.rec("b").turns_yielded) == (1, 1)
+    env.manager.release(held_a.lease_id)
+    await settle(lambda: b.state == WorkerState.AWAKE, "b woken for its lease once a went idle")
+    assert a.state == WorkerState.ASLEEP and a.pausing_sleeps == 1, "an idle neighbour is evicted, not paused"
+    env.manager.release(held_b.lease_id)
 
 
 async def test_a_wake_short_of_room_waits_for_a_neighbours_sleep_already_running(env: Env) -> None:
@@ -755,6 +783,7 @@ async def test_two_wakes_on_one_device_are_checked_one_at_a_time(env: Env) -> No
     for name in ("b", "c"):
         await env.manager.sleep_worker(name, SleepLevel.LEVEL_1, {}, "", None)
     await env.policy(device_budget_bytes=4 * GiB)
+    env.manager.update_policy("b", m.Policy(), ["time_slice"])  # pinned: leased, it keeps its turn
     b.gate = asyncio.Event()
     waking_b = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", None))
     await settle(lambda: b.calls[-1:] == ["WakeUp"], "b's wake to start (a evicted)")

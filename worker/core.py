@@ -309,7 +309,14 @@ class WorkerCore:
             self._last_activity,
             self._sm.in_progress,
             self.config.offload_dir,
+            self.runner.engine.paused_requests if self.runner is not None else 0,
+            self.recomputed_tokens,
         )
+
+    @property
+    def recomputed_tokens(self) -> int:
+        """Tokens the engine read again because their request lost its KV blocks."""
+        return self.runner.engine.recomputed_tokens if self.runner is not None else 0
 
     def kv_stats(self) -> KvStats | None:
         """Block counts of the KV cache alone (None before the load): what SwapBlocks and
@@ -347,7 +354,10 @@ class WorkerCore:
         tag_actions: Mapping[str, Action],
         request_id: str = "",
         deadline: Deadline = NO_DEADLINE,
+        pause: bool = False,
     ) -> tuple[Transition, Status]:
+        """Sleep once the Generate calls running end, or with ``pause`` at the next step: they are
+        paused (worker/model/engine.py's Engine.pause) and go on after the next whole wake."""
         plan: dict[str, Action] = {}
 
         def validate() -> None:
@@ -365,17 +375,20 @@ class WorkerCore:
                     metadata={"state": self.state.name},
                 )
             reported_level = int(level) if level is not None and not tag_actions else 0
-            return lambda: self._sleep(todo, reported_level)
+            return lambda: self._sleep(todo, reported_level, pause)
 
-        return await self._sm.run("Sleep", request_id, validate, start, deadline, self._answer)
+        return await self._sm.run("Sleep", request_id, validate, start, deadline, self._answer, idle=not pause)
 
-    def _sleep(self, todo: dict[str, Action], level: int) -> Transition:
+    def _sleep(self, todo: dict[str, Action], level: int, pause: bool = False) -> Transition:
         alloc = self._allocator()
         before = self.state
+        engine = self.runner.engine if self.runner is not None else None
         try:
             self._sm.set_state(WorkerState.SLEEPING, "Sleep")
             t0 = time.perf_counter()
             ctr0 = alloc.stats().counters
+            if pause and engine is not None and (paused := engine.pause()):
+                log.info("sleep: %d generations paused until the next wake", paused)
             alloc.sleep(todo)
             if todo.get(KV_CACHE) == Action.DISCARD and self.runner is not None:
                 self.runner.drop_kv()
@@ -404,6 +417,8 @@ class WorkerCore:
             if self._pool_states().get(KV_CACHE) == TagState.DISCARDED and self.runner is not None:
                 self.runner.drop_kv()
             self._settle(f"Sleep failed: {exc}")
+            if self.state == WorkerState.AWAKE:
+                self._resume_paused()  # nothing slept: the paused requests go on at once
             raise
 
     # ---- wake ----
@@ -467,6 +482,7 @@ class WorkerCore:
             self._last_activity = time.time()
             if not asleep:
                 self._sm.sleep_level = 0
+                self._resume_paused()
                 self._sm.set_state(WorkerState.AWAKE, "WakeUp")
             else:
                 self._sm.set_state(WorkerState.PARTIALLY_AWAKE, "WakeUp")
@@ -482,6 +498,19 @@ class WorkerCore:
             self._settle(f"WakeUp failed: {exc}")
             self._park_reserve()
             raise
+
+    def _resume_paused(self) -> None:
+        """Every tag is awake: the requests a Sleep paused go on (their KV blocks come back first). A
+        resume that fails ends them with its error; the worker serves on."""
+        engine = self.runner.engine if self.runner is not None else None
+        if engine is None or not engine.paused:
+            return
+        try:
+            engine.resume()
+        except Exception as exc:
+            log.exception("resuming the paused generations failed: they end")
+            engine.fail_all(exc)
+            engine.paused = False
 
     def _unparked(self) -> bool:
         return self._host_release is None or not self._host_release.parked
@@ -678,6 +707,10 @@ class WorkerCore:
             result = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             stop.set()  # the engine drops it at its next step (the slot goes when it has)
+            engine = self._model().engine
+            if engine.paused:  # no step runs while paused: its host blocks go back now
+                with contextlib.suppress(RuntimeError):  # the device loop is shut down: nothing to free
+                    self._device_loop.submit(engine.drop_leavers)
             raise
         self._note_activity()
         return Generation(

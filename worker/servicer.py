@@ -116,7 +116,7 @@ def status_pb(s: Status) -> c.WorkerStatus:
             served_model_name=str(m.get("served_model_name", "")),
         ),
         tags=tags,
-        kv_cache=kv_pb(s.kv_cache),
+        kv_cache=kv_pb(s.kv_cache, s.recomputed_tokens),
         last_transition=transition_pb(s.last_transition),
         host_pinned_bytes=host_pinned,
         update_time=timestamp(s.time),
@@ -125,11 +125,13 @@ def status_pb(s: Status) -> c.WorkerStatus:
         transition_in_progress=s.transition_in_progress,
         offload_dir=s.offload_dir,
         disk_bytes=disk,
+        paused_generations=s.paused_generations,
     )
 
 
-def kv_pb(kv: KvStats | None) -> c.KvCacheInfo:
-    """KvCacheInfo from :meth:`KvCache.stats` (empty before the model is loaded)."""
+def kv_pb(kv: KvStats | None, recomputed_tokens: int = 0) -> c.KvCacheInfo:
+    """KvCacheInfo from :meth:`KvCache.stats` and the engine's count of tokens read again (empty
+    before the model is loaded)."""
     if kv is None:
         return c.KvCacheInfo()
     return c.KvCacheInfo(
@@ -140,6 +142,7 @@ def kv_pb(kv: KvStats | None) -> c.KvCacheInfo:
         host_block_count=kv["host_blocks"],
         host_free_block_count=kv["host_free_blocks"],
         sequence_count=kv["sequences"],
+        recomputed_tokens=recomputed_tokens,
     )
 
 
@@ -171,7 +174,9 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
     async def Sleep(self, request: w.SleepRequest, context: Any) -> w.SleepResponse:
         level = SleepLevel.parse(request.level)
         actions = actions_from_proto(request.tag_actions)
-        t, st = await self.core.sleep(level, actions, request.request_id, caller_deadline(context))
+        t, st = await self.core.sleep(
+            level, actions, request.request_id, caller_deadline(context), request.pause_generations
+        )
         return w.SleepResponse(status=status_pb(st), transition=transition_pb(t))
 
     async def WakeUp(self, request: w.WakeUpRequest, context: Any) -> w.WakeUpResponse:
@@ -195,7 +200,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             moved_bytes=t.moved_bytes,
             duration=duration(t.seconds),
             gigabytes_per_second=t.gigabytes_per_second,
-            kv_cache=kv_pb(self.core.kv_stats()),
+            kv_cache=kv_pb(self.core.kv_stats(), self.core.recomputed_tokens),
         )
 
     async def prepare(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
@@ -274,7 +279,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
 
     async def FreeSequence(self, request: w.FreeSequenceRequest, context: Any) -> w.FreeSequenceResponse:
         await self.core.free_sequence(check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id"))
-        return w.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats()))
+        return w.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats(), self.core.recomputed_tokens))
 
     async def StreamTelemetry(
         self, request: w.StreamTelemetryRequest, context: Context

@@ -71,6 +71,7 @@ class WorkerStateMachine:
         plan: Callable[[], Job],
         deadline: Deadline,
         answer: Callable[[Transition], T],
+        idle: bool = True,
     ) -> T:
         """The path of every transition RPC; its result is ``answer(transition)``, taken on the event
         loop as soon as the job ends (the worker's status then), so that a retry gets the first call's
@@ -79,7 +80,8 @@ class WorkerStateMachine:
         A retried ``request_id`` shares the first call's result (memsvc/_replay.py); ``validate``
         checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken (from
         then on no Generate is accepted); ``plan`` checks the state and returns the job, a command of
-        the device loop that runs once the Generate calls admitted before it have ended. The lock is
+        the device loop that runs once the Generate calls admitted before it have ended (without
+        ``idle``: at the next step boundary, for a Sleep that pauses them). The lock is
         released when the job ends, at once if ``plan`` refuses, and at once if every caller leaves
         while the job still waits for the device loop (then it never runs). A job whose callers' deadline
         (``deadline``, or a retry's later one) passed while it waited does not start either (CANCELLED,
@@ -111,7 +113,8 @@ class WorkerStateMachine:
                     self.release()
 
             try:  # no Generate is admitted while the lock is held, so the wait for an idle engine ends
-                queued = self._device.submit_when_idle(locked, lambda: ticket.abandoned or shared.passed())
+                until = lambda: ticket.abandoned or shared.passed()  # noqa: E731
+                queued = self._device.submit_when_idle(locked, until) if idle else self._device.submit(locked)
                 job_done = asyncio.wrap_future(queued, loop=self._device.loop)
             except BaseException:
                 self.release()  # the device loop is shut down: the job never runs

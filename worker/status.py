@@ -65,6 +65,10 @@ class Status:
     """A transition holds the lock (it may still wait behind a Generate)."""
     offload_dir: str = ""
     """The disk tier's directory; empty without one."""
+    paused_generations: int = 0
+    """Generate calls a Sleep paused, waiting for the next whole wake."""
+    recomputed_tokens: int = 0
+    """Tokens read again because their request lost its KV blocks, since the worker started."""
 
 
 __all__ = ["Generation", "Status", "Transition"]

@@ -12,6 +12,9 @@
 
 A victim whose own sleep fails (it went down, or refused) is passed over for the next one: one bad
 neighbour does not fail the wake it was making room for.
+
+Where no neighbour is idle, a busy one whose turn is over gives the device up, its requests paused
+(memsvc/manager/turns.py); RESOURCE_EXHAUSTED then only when every busy neighbour is pinned.
 """
 
 from __future__ import annotations
@@ -19,6 +22,7 @@ from __future__ import annotations
 import asyncio
 import functools
 import logging
+import time
 import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
@@ -31,6 +35,7 @@ from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
+from memsvc.manager.turns import Turns
 from memsvc.v1 import common_pb2 as c
 from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState, policy_actions
 
@@ -45,9 +50,10 @@ def _unlock(rec: WorkerRecord, _task: object) -> None:
 class Budgets:
     def __init__(
         self, registry: Registry, policies: Policies, calls: WorkerCalls, metrics: ManagerMetrics,
-        background: Background,
+        background: Background, turns: Turns,
     ) -> None:  # fmt: skip
         self._registry = registry
+        self._turns = turns
         self._policies = policies
         self._calls = calls
         self._metrics = metrics
@@ -84,17 +90,19 @@ class Budgets:
         try:
             evicting = await self.make_device_room(rec, tags, deadline)
             try:
-                return await wake()
+                woke = await wake()
             except OutOfMemory:
                 if not evicting:
                     raise
                 log.info("waking %s beside its evictions found the device full: waiting for them", rec.worker_id)
                 await asyncio.wait(evicting)
-                return await wake()
+                woke = await wake()
             finally:
                 if evicting:  # each ends by itself; an eviction that failed leaves the budget exceeded:
                     await asyncio.wait(evicting)  # then idle neighbours go the usual way, now
                     await self._back_within_budget(rec, deadline)
+            self._turns.woke(rec)
+            return woke
         finally:
             device.release()
 
@@ -102,17 +110,18 @@ class Budgets:
         """After overlapped evictions: if one of them did not sleep, the awake workers exceed the budget
         beyond the swap; put idle neighbours to sleep until they fit (or say why not, in the log)."""
         try:
-            await self.make_device_room(rec, None, deadline, overlap=False, need=0)
+            await self.make_device_room(rec, None, deadline, overlap=False, need=0, turns=False)
         except MemsvcError as exc:
             log.warning("device of %s stays over its budget after an eviction failed: %s", rec.worker_id, exc)
 
     async def make_device_room(
         self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline, overlap: bool = True,
-        need: int | None = None,
+        need: int | None = None, turns: bool = True,
     ) -> list[asyncio.Task[None]]:  # fmt: skip
         """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget (or,
-        with ``need``, until that many more bytes fit: 0, until what is awake fits). The sleeps that
-        may overlap the wake (``device_swap_headroom_bytes``, with ``overlap``) are left running, and
+        with ``need``, until that many more bytes fit: 0, until what is awake fits); with ``turns``,
+        where none is idle, busy ones whose turn is over (:meth:`_take_turn`). The sleeps that may
+        overlap the wake (``device_swap_headroom_bytes``, with ``overlap``) are left running, and
         returned; the others have ended."""
         group = self._device_group(rec)
         policy = self._policies.effective(rec.name)
@@ -156,6 +165,16 @@ class Budgets:
                 # ends while this wake holds one.
                 await freeing[0].wait_changed(deadline)
                 continue
+            busy = self._turns.busy(group, passed_over) if turns and not idle and not evicting else []
+            if busy:
+                victim = await self._turns.next_over(busy, deadline)
+                if victim is None:
+                    if deadline.passed():
+                        raise Unavailable(f"worker {rec.worker_id}: no turn on its device ended before the deadline")
+                    continue  # a lease ended: look again
+                passed_over.add(victim.worker_id)
+                await self._take_turn(victim, rec, deadline)
+                continue
             if not idle:
                 raise OutOfMemory(
                     f"device budget of {budget} bytes: {rec.worker_id} needs {need} more, {used} in use, "
@@ -189,6 +208,26 @@ class Budgets:
                     log.warning("making room for %s: %s did not sleep: %s", rec.worker_id, victim.worker_id, exc)
                     continue
                 self._metrics.evictions.inc()
+
+    async def _take_turn(self, victim: WorkerRecord, rec: WorkerRecord, deadline: Deadline) -> None:
+        """``victim``'s turn is over and ``rec`` waits for its device: pause its requests and put it to
+        sleep (the policy's tier-1 actions); its leases stay, and it is owed the next turn. A refusal is
+        logged and the victim passed over."""
+        async with victim.lock:
+            if not victim.leases or victim.state not in AWAKE_STATES or victim.in_transition:
+                return  # it went idle or to sleep meanwhile: the caller looks again
+            log.info("turns: %s (awake %.1f s, %d leases) pauses and sleeps so %s can wake", victim.worker_id,
+                     time.time() - victim.turn_start if victim.turn_start else float("inf"), len(victim.leases),
+                     rec.worker_id)  # fmt: skip
+            try:
+                await self.sleep_tier1(victim, deadline, f"turn (for {rec.worker_id})", pause=True)
+            except MemsvcError as exc:
+                if deadline.passed():
+                    raise
+                log.warning("turns: %s did not give up its turn: %s", victim.worker_id, exc)
+                return
+            self._metrics.turns.labels(victim.worker_id).inc()
+            self._turns.yielded(victim)
 
     async def _evict_locked(self, victim: WorkerRecord, deadline: Deadline) -> None:
         """An eviction beside a wake; the caller took ``victim.lock`` (the task's done-callback releases
@@ -246,7 +285,7 @@ class Budgets:
 
     async def _disk_else_level2(
         self, rec: WorkerRecord, to_disk: dict[str, Action], request_id: str, deadline: Deadline,
-        why_disk: str, why_level2: str,
+        why_disk: str, why_level2: str, pause: bool = False,
     ) -> c.TransitionStats:  # fmt: skip
         """Sleep with ``to_disk`` (tag actions onto the worker's disk tier: the bytes are kept), or
         where there are none or the disk refuses (full, failing: the worker is as it was) at level 2.
@@ -254,13 +293,13 @@ class Budgets:
         if to_disk:
             log.info("host budget: %s sleeps to its disk tier", rec.worker_id)
             try:
-                return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why_disk)
+                return await self._calls.sleep(rec, None, to_disk, request_id, deadline, why_disk, pause)
             except MemsvcError as exc:
                 if deadline.passed():
                     raise
                 log.warning("host budget: %s could not sleep to disk (%s); level 2 instead", rec.worker_id, exc)
         log.info("host budget: %s sleeps at level 2", rec.worker_id)
-        return await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why_level2)
+        return await self._calls.sleep(rec, SleepLevel.LEVEL_2, {}, request_id, deadline, why_level2, pause)
 
     def tier1_actions(self, rec: WorkerRecord) -> dict[str, Action]:
         """The policy's tier-1 actions for every tag ``rec`` has (vocabulary.policy_actions); before
@@ -270,20 +309,21 @@ class Budgets:
         return policy_actions(sorted(tags), named) if tags else dict(named)
 
     async def sleep_tier1(
-        self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = ""
+        self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = "", pause: bool = False
     ) -> c.TransitionStats:
         """Sleep with the policy's tag actions; when host RAM is short, offload to the worker's disk
-        tier instead, or without one fall back to level 2. The caller holds ``rec.lock``."""
+        tier instead, or without one fall back to level 2. ``pause``: its running requests pause
+        instead of being waited for. The caller holds ``rec.lock``."""
         actions = self.tier1_actions(rec)
         if await self.make_host_room(rec, rec.offload_need_bytes(actions), deadline):
-            return await self._calls.sleep(rec, None, actions, request_id, deadline, why)
+            return await self._calls.sleep(rec, None, actions, request_id, deadline, why, pause)
         log.info("host budget: no host room for %s's offload", rec.worker_id)
         to_disk: dict[str, Action] = {}
         if rec.disk_tier:
             to_disk = {t: Action.OFFLOAD_DISK if a == Action.OFFLOAD else a for t, a in actions.items()}
         return await self._disk_else_level2(
             rec, to_disk, request_id, deadline,
-            why + " (disk: host budget)", why + " (level 2: host budget)",
+            why + " (disk: host budget)", why + " (level 2: host budget)", pause,
         )  # fmt: skip
 
 

@@ -83,11 +83,13 @@ class WorkerCalls:
         request_id: str,
         deadline: Deadline,
         why: str,
+        pause: bool = False,
     ) -> c.TransitionStats:
         req = w.SleepRequest(
             level=level.proto if level is not None else c.SLEEP_LEVEL_UNSPECIFIED,
             tag_actions={t: a.proto for t, a in actions.items()},
             request_id=request_id,
+            pause_generations=pause,
         )
         rec.sleeping = True
         try:

@@ -7,6 +7,7 @@ wake, and that call them.
 - :mod:`~memsvc.manager.policy`: default and per-worker tag policy;
 - :mod:`~memsvc.manager.transitions`: SleepWorker, WakeWorker, SwapWorkerBlocks;
 - :mod:`~memsvc.manager.budgets`: device and host budgets, LRU eviction and demotion;
+- :mod:`~memsvc.manager.turns`: busy workers that share a device take turns on it;
 - :mod:`~memsvc.manager.leases`: AcquireWorker and ReleaseWorker;
 - :mod:`~memsvc.manager.timers`: lease expiry, silent workers, tiered idle sleep.
 
@@ -37,6 +38,7 @@ from memsvc.manager.store import Store, StoredWorker
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.manager.timers import IdleTimers
 from memsvc.manager.transitions import Transitions
+from memsvc.manager.turns import Turns
 from memsvc.manager.watch import WatchHub
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
@@ -66,9 +68,10 @@ class Manager:
         self.registry = Registry(store, links or grpc_links(), ingest, self.background, self.policies)
         replay = ReplayCache(REQUEST_CACHE)
         self._calls = calls = WorkerCalls(self.registry, ingest, self.settings)
-        budgets = Budgets(self.registry, self.policies, calls, self.metrics, self.background)
+        turns = Turns(self.policies, self.background)
+        budgets = Budgets(self.registry, self.policies, calls, self.metrics, self.background, turns)
         self.transitions = Transitions(self.registry, calls, budgets, replay)
-        self.leases = Leases(self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay)
+        self.leases = Leases(self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay, turns)
         self.timers = IdleTimers(
             self.registry, self.policies, self.leases, budgets, calls, ingest, self.settings, self.metrics,
             self.background,

@@ -98,6 +98,8 @@ class InMemoryWorker:
         self.gate: asyncio.Event | None = None
         """When set to an unset Event, transitions wait on it (a slow sleep or wake, held open)."""
         self.calls: list[str] = []
+        self.pausing_sleeps = 0
+        """Sleeps that asked to pause the running generations (a turn given up; this double runs none)."""
         """Every transition call received, in order (``Sleep``, ``WakeUp``, ``SwapBlocks``)."""
         self.refuse: MemsvcError | None = None
         """When set, transitions fail with it and change nothing (a worker that says no)."""
@@ -212,6 +214,7 @@ class InMemoryWorker:
             raise InvalidArgument("give a sleep level or tag actions")
         check_known_tags(explicit, self.tags)
         async with self._transition("Sleep"):
+            self.pausing_sleeps += request.pause_generations
             if self.state not in (WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE, WorkerState.ASLEEP):
                 raise WrongState(f"worker is {self.state.label}")
             todo = {

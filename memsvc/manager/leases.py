@@ -29,6 +29,7 @@ from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store import Store, StoredLease
 from memsvc.manager.telemetry import TelemetryIngest
+from memsvc.manager.turns import Turns
 from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")
@@ -45,8 +46,11 @@ class Leases:
         ingest: TelemetryIngest,
         metrics: ManagerMetrics,
         replay: ReplayCache,
+        turns: Turns,
     ) -> None:
         self._registry = registry
+        self._turns = turns
+        turns.wake_owed = self._ensure_awake
         self._store = store
         self._settings = settings
         self._calls = calls
@@ -145,6 +149,20 @@ class Leases:
         return lease.lease_id
 
     async def _ensure_awake(self, rec: WorkerRecord, deadline: Deadline) -> None:
+        """Return once ``rec`` is awake, waking it (with room on its device) where it sleeps; while it
+        is not awake the wait counts among its ``waiting`` acquires."""
+        if rec.state == WorkerState.AWAKE and not rec.in_transition and not rec.lock.locked():
+            return
+        started = time.time()
+        rec.waiting.append(started)
+        self._ingest.update_metrics(rec)
+        try:
+            await self._wait_awake(rec, deadline)
+        finally:
+            rec.waiting.remove(started)
+            self._ingest.update_metrics(rec)
+
+    async def _wait_awake(self, rec: WorkerRecord, deadline: Deadline) -> None:
         while True:
             state = rec.state
             if state == WorkerState.UNAVAILABLE:
@@ -182,6 +200,7 @@ class Leases:
         if not rec.leases:
             rec.idle_since = time.time()  # a drain: the idle clock starts at the last release
             rec.keep_alive = lease.keep_alive  # and the last lease to end says how long it may run
+            self._turns.lease_ended()
         if expired:
             self._metrics.leases_expired.inc()
             log.info("lease %s on %s expired", lease_id, rec.worker_id)

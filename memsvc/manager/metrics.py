@@ -85,6 +85,19 @@ class ManagerMetrics:
             "Leased workers put to sleep by a call the manager did not make (a direct worker Sleep): the lease "
             "promised it awake", ["worker"], registry=r,
         )  # fmt: skip
+        self.turns = Counter(
+            "memsvc_turns_yielded_total",
+            "Turns a busy worker gave up: its requests paused and it slept so another could wake on its device",
+            ["worker"], registry=r,
+        )  # fmt: skip
+        self.waiting = Gauge(
+            "memsvc_worker_waiting_acquires", "AcquireWorker calls waiting for the worker to wake", ["worker"],
+            registry=r,
+        )  # fmt: skip
+        self.paused = Gauge(
+            "memsvc_worker_paused_generations", "Generate calls paused on the worker until its next wake", ["worker"],
+            registry=r,
+        )  # fmt: skip
         self._tags: dict[str, set[str]] = {}
 
     def serve(self, listen: str, token: str = "") -> tuple[str, int]:
@@ -93,9 +106,11 @@ class ManagerMetrics:
         return serve_http(listen, http_app(self.registry, token))
 
     def update_worker(
-        self, worker_id: str, reachable: bool, state: WorkerState, status: c.WorkerStatus | None, leases: int
-    ) -> None:
+        self, worker_id: str, reachable: bool, state: WorkerState, status: c.WorkerStatus | None, leases: int,
+        waiting: int = 0,
+    ) -> None:  # fmt: skip
         self.up.labels(worker_id).set(1 if reachable else 0)
+        self.waiting.labels(worker_id).set(waiting)
         current = state.label if state != WorkerState.UNSPECIFIED else ""
         for s in STATES:
             self.state.labels(worker_id, s).set(1 if s == current else 0)
@@ -105,6 +120,7 @@ class ManagerMetrics:
         self.device_free.labels(worker_id).set(status.device.free_bytes)
         self.host_pinned.labels(worker_id).set(status.host_pinned_bytes)
         self.disk.labels(worker_id).set(status.disk_bytes)
+        self.paused.labels(worker_id).set(status.paused_generations)
         seen = set()
         for t in status.tags:
             seen.add(t.tag)
@@ -115,7 +131,10 @@ class ManagerMetrics:
 
     def forget_worker(self, worker_id: str) -> None:
         """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
-        for gauge in (self.up, self.device_free, self.host_pinned, self.disk, self.leases, self.leased_sleeps):
+        for gauge in (
+            self.up, self.device_free, self.host_pinned, self.disk, self.leases, self.leased_sleeps, self.turns,
+            self.waiting, self.paused,
+        ):  # fmt: skip
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)
         for s in STATES:

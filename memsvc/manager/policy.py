@@ -24,9 +24,14 @@ log = logging.getLogger("memsvc.manager.policy")
 
 FIELDS = (
     "tag_actions", "idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes",
-    "device_swap_headroom_bytes",
+    "device_swap_headroom_bytes", "time_slice",
 )  # fmt: skip
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
+DEFAULT_TIME_SLICE_S = 2.0
+"""A busy worker's turn when another waits for its device. Against a swap of an 8B model on the H200
+(about 0.3 s each way, overlapped: docs/benchmarks.md) the swaps take about a seventh of two busy
+models' time, and a request for a sleeping model waits at most a slice and a swap."""
+_DURATIONS = ("idle_sleep_timeout", "idle_deep_sleep_timeout", "time_slice")
 
 
 @dataclass(frozen=True)
@@ -45,6 +50,9 @@ class Policy:
     """Host bytes offloaded workers may hold per host; 0 = unlimited."""
     device_swap_headroom_bytes: int = 0
     """Device bytes above the budget a wake may use while its eviction still runs; 0 = none."""
+    time_slice: float = DEFAULT_TIME_SLICE_S
+    """Seconds a busy worker keeps its device, from its wake, once another waits to wake there
+    (memsvc/manager/turns.py); 0 = until its leases end."""
 
     def to_fields(self) -> dict[str, Any]:
         """Every field, as the store keeps them (JSON: actions as their proto numbers)."""
@@ -64,6 +72,7 @@ class Policy:
         p.tag_actions.update({t: a.proto for t, a in self.tag_actions.items()})
         p.idle_sleep_timeout.FromNanoseconds(int(self.idle_sleep_timeout * 1e9))
         p.idle_deep_sleep_timeout.FromNanoseconds(int(self.idle_deep_sleep_timeout * 1e9))
+        p.time_slice.FromNanoseconds(int(self.time_slice * 1e9))
         return p
 
 
@@ -83,7 +92,7 @@ def fields_from_proto(p: m.Policy, paths: list[str]) -> dict[str, Any]:
                     metadata={"field": f, "maxTags": str(MAX_POLICY_TAGS)},
                 )
             out[f] = {check_tag(tag): Action.from_proto(act, tag) for tag, act in p.tag_actions.items()}
-        elif f in ("idle_sleep_timeout", "idle_deep_sleep_timeout"):
+        elif f in _DURATIONS:
             d = getattr(p, f)
             if d.seconds < 0 or d.nanos < 0:
                 raise InvalidArgument(f"{f} must not be negative", metadata={"field": f})
@@ -116,7 +125,7 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"config: {exc}") from None
         elif key in FIELDS:
-            kind = float if key.endswith("timeout") else int
+            kind = float if key in _DURATIONS else int
             try:
                 out[key] = kind(value)
             except (TypeError, ValueError):
@@ -126,9 +135,6 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
         if isinstance(out[key], int | float) and out[key] < 0:
             raise InvalidArgument(f"config: {key} must not be negative")
     return out
-
-
-_TIMEOUTS = ("idle_sleep_timeout", "idle_deep_sleep_timeout")
 
 
 def _stored_as_proto(name: str, value: object) -> m.Policy:
@@ -144,7 +150,7 @@ def _stored_as_proto(name: str, value: object) -> m.Policy:
             raise TypeError(f"{value!r:.100} is not a map of tag to action number")
         for tag, action in value.items():
             p.tag_actions[tag] = action
-    elif name in _TIMEOUTS:
+    elif name in _DURATIONS:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{value!r:.100} is not a number of seconds")
         if not math.isfinite(value):

@@ -79,6 +79,13 @@ class WorkerRecord:
     sleeping: bool = False
     """A Sleep the manager sent is in flight (until its answer, or the settling after none, is
     applied): a wake short of room on the device waits for what it frees instead of refusing."""
+    turn_start: float = 0.0
+    """Wall-clock time the manager last woke it: its turn on the device runs from here (0: awake
+    since before the manager woke it, a turn long over; see memsvc/manager/turns.py)."""
+    waiting: list[float] = field(default_factory=list)
+    """When each AcquireWorker now waiting for it to wake began to wait."""
+    turns_yielded: int = 0
+    """Turns it gave up: paused and put to sleep so another worker could wake on its device."""
 
     async def wait_changed(self, deadline: Deadline) -> None:
         """Until this worker's status next changes, at most a second or what is left of ``deadline``:
@@ -205,4 +212,7 @@ class WorkerRecord:
             w.idle_since_time.FromNanoseconds(int(self.idle_start * 1e9))
         if self.keep_alive is not None:
             w.keep_alive.FromNanoseconds(int(self.keep_alive * 1e9))
+        w.waiting_acquires, w.turns_yielded = len(self.waiting), self.turns_yielded
+        if self.waiting:
+            w.waiting_since_time.FromNanoseconds(int(min(self.waiting) * 1e9))
         return w

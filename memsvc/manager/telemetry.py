@@ -118,7 +118,9 @@ class TelemetryIngest:
         self.publish(rec, msg)
 
     def update_metrics(self, rec: WorkerRecord) -> None:
-        self.metrics.update_worker(rec.worker_id, rec.reachable, rec.state, rec.status, len(rec.leases))
+        self.metrics.update_worker(
+            rec.worker_id, rec.reachable, rec.state, rec.status, len(rec.leases), len(rec.waiting)
+        )
 
 
 __all__ = ["TelemetryIngest"]

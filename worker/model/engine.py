@@ -15,6 +15,12 @@ fit even alone fails at once: INVALID_ARGUMENT past the whole pool, OutOfMemory 
 sequences leave of it; no request fails because running ones hold blocks. One that asks for "up to"
 (``stop_at_context``) ends where the context or the pool would end it, with finish reason LENGTH.
 
+A sleep may *pause* the requests instead of waiting for them to end (:meth:`Engine.pause`, the
+manager's turns between busy workers): between two steps each one's KV blocks move to the host pool
+in one batched copy, and after the wake they come back (:meth:`Engine.resume`) and the request goes
+on where it stopped, its prompt not read again. One the host pool has no room for is preempted as
+above instead. While paused, the engine runs no step.
+
 A step is queued on the device before the tokens of the step before it are read: the host plans and
 launches step t+1 while the device runs step t, and only then waits for t's tokens and hands them
 out, so the device never idles while the host plans. Each row that continues a request whose token
@@ -202,6 +208,10 @@ class Engine:
         """The step queued on the device whose tokens are not handed out yet (see the module docstring)."""
         self.steps = 0
         self.preemptions = 0
+        self.recomputed_tokens = 0
+        """Tokens read again because their request lost its KV blocks (preemptions)."""
+        self.paused = False
+        """Between :meth:`pause` and :meth:`resume`: no step runs."""
         self._last_step = time.monotonic()
 
     # ---- requests ----
@@ -240,7 +250,8 @@ class Engine:
 
     @property
     def has_work(self) -> bool:
-        return bool(self._waiting or self._running or self._flight)
+        """A step would do something: requests wait or run (and are not paused), or a step is in flight."""
+        return bool(self._flight) or (not self.paused and bool(self._waiting or self._running))
 
     @property
     def in_flight(self) -> bool:
@@ -254,6 +265,54 @@ class Engine:
     @property
     def queued(self) -> int:
         return len(self._waiting)
+
+    @property
+    def paused_requests(self) -> int:
+        """Requests waiting for :meth:`resume` (0 unless paused)."""
+        return len(self._waiting) if self.paused else 0
+
+    def pause(self) -> int:
+        """Stop stepping until :meth:`resume`, for a sleep (the step in flight has landed): every request
+        leaves the batch and waits, the running ones first in their order, and the KV blocks of each
+        one that holds some move to the host pool in one batched copy (:meth:`KvCache.park`); one the
+        host pool has no room for gives its blocks back and reads its tokens again on resume (a
+        preemption). Requests whose callers left end now. Returns how many requests are paused."""
+        assert self._flight is None, "pause after the step in flight has landed"
+        self.drop_leavers()
+        requests = [*self._running, *self._waiting]
+        self._running.clear()
+        self._waiting = collections.deque(requests)
+        kv = self.kv_cache
+        holding = [r for r in requests if r.seq is not None and kv.blocks_of(r.seq)]
+        stayed = set(kv.park(r.seq_id for r in holding))
+        for req in holding:
+            if req.seq_id in stayed:
+                self._drop_cache(req)
+        self.paused = bool(requests)
+        return len(requests)
+
+    def resume(self) -> None:
+        """After the wake that ends a pause: the paused requests' blocks come back from the host pool
+        in one batched copy (one that finds no room on the device reads its tokens again) and the
+        requests step on, in their order."""
+        if not self.paused:
+            return
+        self.paused = False
+        self.drop_leavers()
+        kv = self.kv_cache
+        parked = [r for r in self._waiting if r.seq is not None and r.seq.location != "device"]
+        for seq_id in kv.unpark(r.seq_id for r in parked):
+            req = next(r for r in parked if r.seq_id == seq_id)
+            self._drop_cache(req)
+
+    def _drop_cache(self, req: _Request) -> None:
+        """Give the request's blocks back (either pool): it reads its tokens again when it runs."""
+        assert req.seq is not None
+        self.kv_cache.shrink(req.seq_id, 0)
+        self.recomputed_tokens += req.seq.num_cached
+        req.seq.num_cached = 0
+        req.preempted = True
+        self.preemptions += 1
 
     def last_busy(self) -> float:
         """Monotonic time the engine last worked: now while requests wait or run, else its last step."""
@@ -278,7 +337,7 @@ class Engine:
     def step(self) -> bool:
         """Admit, preempt if blocks ran out, queue one model step on the device, then hand out the
         tokens of the step queued before it; True while work remains."""
-        self._drop_leavers()
+        self.drop_leavers()
         self._admit()
         try:
             self._grow()
@@ -316,7 +375,8 @@ class Engine:
             self._fail(req, exc)
         self._running.clear()
 
-    def _drop_leavers(self) -> None:
+    def drop_leavers(self) -> None:
+        """End the requests whose callers left (at every step; while paused, when one leaves)."""
         for queue in (self._waiting, self._running):
             for req in [r for r in queue if r.left()]:
                 queue.remove(req)
@@ -447,12 +507,8 @@ class Engine:
 
     def _preempt(self, req: _Request) -> None:
         """Take a running request's blocks back; it waits at the head of the queue and re-reads its tokens."""
-        assert req.seq is not None
         self._running.remove(req)
-        self.kv_cache.shrink(req.seq_id, 0)
-        req.seq.num_cached = 0
-        req.preempted = True
-        self.preemptions += 1
+        self._drop_cache(req)
         self._waiting.appendleft(req)
 
     def _plan(self, before: _Flight | None) -> tuple[HostStep, list[tuple[_Request, int]], list[_Request], list[int]]:

@@ -424,6 +424,35 @@ class KvCache:
         self._copying.append(src if src_loc == "device" else dst)
         return PendingSwap(len(src) * self.block_bytes, fence)
 
+    def park(self, seq_ids: Iterable[str]) -> list[str]:
+        """Move these sequences' device blocks to free host blocks in one batched copy (whole
+        sequences, in order, while the host pool has room) and wait for it; return the ids that
+        stayed on the device for want of room. For a pause: the device pool is about to sleep."""
+        return self._relocate(seq_ids, "out")
+
+    def unpark(self, seq_ids: Iterable[str]) -> list[str]:
+        """:meth:`park`'s way back after the wake: these sequences' host blocks to free device
+        blocks; return the ids that stayed on the host for want of room."""
+        return self._relocate(seq_ids, "in")
+
+    def _relocate(self, seq_ids: Iterable[str], direction: SwapDirection) -> list[str]:
+        src_loc, dst_loc = _locations(direction)
+        free = np.flatnonzero(self._owner[dst_loc] == _FREE)
+        moving: list[np.ndarray] = []
+        left: list[str] = []
+        used = 0
+        for seq_id in seq_ids:
+            slots = self.sequence(seq_id)._slots
+            blocks = self._table.block[slots][self._table.host[slots] == (src_loc == "host")]
+            if used + len(blocks) > len(free):
+                left.append(seq_id)
+                continue
+            moving.append(blocks)
+            used += len(blocks)
+        if used:
+            self.swap_ids(direction, np.concatenate(moving), free[:used])
+        return left
+
     def wait_copies(self) -> None:
         """Wait for every swap begun so far (before work that reads the blocks on another stream)."""
         self._alloc.copies_wait()
