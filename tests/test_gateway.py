@@ -432,7 +432,12 @@ def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
 def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
     two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
 ) -> None:
+    """alpha is leased and pinned (a time_slice of 0: it never gives up its turn; tests/test_turns.py
+    has the turns a busy model takes otherwise), so beta cannot get room: its request waits out the
+    gateway's 1 s queue and gets 503 with Retry-After."""
     mp, _, gw = two_models
+    pin = m.UpdatePolicyRequest(name="workers/alpha", policy=m.Policy(), update_mask=FieldMask(paths=["time_slice"]))
+    mp.stub.UpdatePolicy(pin, timeout=10)
     mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
     held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
     try:
@@ -778,7 +783,7 @@ def test_a_request_id_that_is_not_ascii_is_replaced_not_refused(stack: Stack) ->
 def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
     two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
 ) -> None:
-    """Requests waiting for room on their model's device (every neighbour leased) are bounded
+    """Requests waiting for room on their model's device (every neighbour leased and pinned) are bounded
     (--max-requests, streams and queued alike): past it a 503 with Retry-After at once. One whose
     client leaves stops waiting: when room comes, nothing is woken and nothing evicted for the caller
     who left, and its place is free again."""
@@ -787,6 +792,8 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
     mp, _, _ = two_models
     gw = GatewayProcess(mp.address, ["--queue-timeout", "60", "--max-requests", "2"]).start()
     try:
+        pin = m.UpdatePolicyRequest(name="workers/alpha", policy=m.Policy(), update_mask=FieldMask(paths=["time_slice"]))
+        mp.stub.UpdatePolicy(pin, timeout=10)  # a time_slice of 0: leased, it never gives up its turn
         mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
         held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
         exe = shutil.which("curl")

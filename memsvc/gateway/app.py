@@ -38,6 +38,7 @@ from memsvc._limits import (
     MAX_HTTP_BODY_BYTES,
     MAX_ID_BYTES,
 )
+from memsvc._rpc_errors import error_info
 from memsvc.gateway.backends import Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
@@ -295,34 +296,48 @@ async def _respond(
         stack.enter_context(gateway.slot())
         if worker.state != c.WORKER_STATE_AWAKE:
             metrics.wakes.labels(req.model).inc()
-        try:
-            # raced with the client: one that leaves while queued or waking takes no lease (a lease
-            # granted as it left is in the stack, and goes back below)
-            leasing = backends.lease(worker, holder, gateway.acquire_timeout, gateway.queue_timeout, req.keep_alive_s)
-            granted = await _unless_client_left(request, stack.enter_async_context(leasing))
-        except grpc.RpcError as exc:
-            raise from_rpc(exc, "manager") from None
-        leased = time.perf_counter()
-        metrics.queue.labels(req.model).observe(granted.queued_s)
-        metrics.wake.labels(req.model).observe(max(leased - t0 - granted.queued_s, 0.0))
-        lease = granted.response
-        stub = backends.worker(lease.worker.address or worker.address)
-        if not req.stream:
+        for attempt in range(TURN_RETRIES + 1):
+            leased_stack = contextlib.AsyncExitStack()  # this attempt's lease, and its call
             try:
-                r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
+                # raced with the client: one that leaves while queued or waking takes no lease (a
+                # lease granted as it left is in the stack, and goes back below)
+                leasing = backends.lease(worker, holder, gateway.acquire_timeout, gateway.queue_timeout,
+                                         req.keep_alive_s)  # fmt: skip
+                granted = await _unless_client_left(request, leased_stack.enter_async_context(leasing))
             except grpc.RpcError as exc:
-                raise from_rpc(exc, "worker") from None
-            finally:
+                await leased_stack.aclose()
+                raise from_rpc(exc, "manager") from None
+            except BaseException:
+                await leased_stack.aclose()
+                raise
+            await stack.enter_async_context(leased_stack)
+            leased = time.perf_counter()
+            metrics.queue.labels(req.model).observe(granted.queued_s)
+            metrics.wake.labels(req.model).observe(max(leased - t0 - granted.queued_s, 0.0))
+            lease = granted.response
+            stub = backends.worker(lease.worker.address or worker.address)
+            if not req.stream:
+                try:
+                    r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
+                except grpc.RpcError as exc:
+                    if attempt < TURN_RETRIES and _turn_ended(exc):
+                        await leased_stack.aclose()
+                        continue
+                    raise from_rpc(exc, "worker") from None
                 await stack.aclose()  # the lease goes back before the answer does
-            metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
-            return JSONResponse(_whole(kind, req.model, r))
-        call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
-        stack.callback(call.cancel)
-        try:
-            # errors before the first token are the response's status
-            first = await _unless_client_left(request, call.read())
-        except grpc.RpcError as exc:
-            raise from_rpc(exc, "worker") from None
+                metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
+                return JSONResponse(_whole(kind, req.model, r))
+            call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
+            leased_stack.callback(call.cancel)
+            try:
+                # errors before the first token are the response's status
+                first = await _unless_client_left(request, call.read())
+                break
+            except grpc.RpcError as exc:
+                if attempt < TURN_RETRIES and _turn_ended(exc):
+                    await leased_stack.aclose()
+                    continue
+                raise from_rpc(exc, "worker") from None
         first_at = time.perf_counter()
         metrics.prefill.labels(req.model).observe(first_at - leased)
         metrics.first_token.labels(req.model).observe(first_at - t0)
@@ -333,6 +348,21 @@ async def _respond(
     tally = _Tally(metrics, req.model, first_at)
     events = _stream(req, kind, first, call, closed, tally)
     return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
+
+
+TURN_RETRIES = 3
+"""Times a request whose worker went to sleep between its lease and its Generate (a turn given to
+another worker on its device ended just then: memsvc/manager/turns.py) takes a new lease and tries
+again; the lease waits for the worker's next turn."""
+
+
+def _turn_ended(exc: grpc.RpcError) -> bool:
+    """The worker refused the Generate for its state (asleep, or a Sleep pending), not for the
+    request: FAILED_PRECONDITION whose ErrorInfo names the worker's state."""
+    if not isinstance(exc, grpc.aio.AioRpcError) or exc.code() != grpc.StatusCode.FAILED_PRECONDITION:
+        return False
+    info = error_info(exc)
+    return info is not None and "state" in info.metadata
 
 
 _TOO_LARGE = f"the request body is over {MAX_HTTP_BODY_BYTES} bytes"

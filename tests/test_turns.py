@@ -1,0 +1,215 @@
+"""Two busy models on a device whose budget fits one take turns (memsvc/manager/turns.py).
+
+The starvation this replaces: a worker that is never idle was never evicted, so a request for the
+other model waited its whole queue timeout and got 503 while the busy one served on. Here:
+
+- a request for the sleeping model is served while the awake one stays busy: the busy one's
+  running streams pause (their KV cache in its host pool, their streams open, their lease held),
+  and it is woken again for them on its next turn; each stream then ends with exactly the tokens it
+  makes alone, and its prompt is not read again;
+- under steady streamed load from clients of both models, every request is served (none refused,
+  none failed), both models take turns, each request waits for its model at most a bounded time, and
+  no lease or KV block is left behind.
+
+Real processes: a manager (SQLite), two ``memsvc worker`` processes on the host backend
+(``synthetic:tiny``), a gateway, and the OpenAI SDK. Conditions are awaited, never sleeps.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any, TypeVar
+
+import pytest
+from gatewayproc import GatewayProcess
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
+from managerproc import ManagerProcess
+from workerproc import WorkerProcess
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import model_worker_service_pb2 as w
+
+openai = pytest.importorskip("openai")
+
+T = TypeVar("T")
+MODELS = ("alpha", "beta")
+SLICE_S = 0.3
+WAIT_BOUND_S = 30.0
+"""A generous bound on one request's wait for its model (slice and swaps are well under a second
+here; the bound is what the starvation broke: there a request waited out its queue timeout)."""
+CALL_TIMEOUT = 60.0
+
+
+def wait_for(get: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 60.0) -> T:
+    deadline = time.monotonic() + timeout
+    while True:
+        value = get()
+        if ok(value):
+            return value
+        assert time.monotonic() < deadline, f"timed out waiting for {what}: last {value!r}"
+        time.sleep(0.02)
+
+
+class Pair:
+    """A manager, two workers of one simulated device whose budget fits one awake, a gateway."""
+
+    def __init__(self, mp: ManagerProcess, workers: dict[str, WorkerProcess], gw: GatewayProcess) -> None:
+        self.manager, self.workers, self.gateway = mp, workers, gw
+        self.client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def worker(self, name: str) -> m.Worker:
+        return self.manager.stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
+
+    def status(self, name: str) -> c.WorkerStatus:
+        return self.workers[name].stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+
+    def alone(self, name: str, prompt: list[int], n: int) -> list[int]:
+        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, ignore_eos=True)
+        return list(self.workers[name].stub.Generate(req, timeout=CALL_TIMEOUT).token_ids)
+
+    def clean(self) -> None:
+        """No lease, no paused request, no KV block held, on either worker."""
+        for name in MODELS:
+            wait_for(lambda n=name: self.worker(n).lease_count, lambda k: k == 0, f"{name}'s leases to end")  # type: ignore[misc]
+            st = self.status(name)
+            assert st.paused_generations == 0, st
+            kv = st.kv_cache
+            assert kv.sequence_count == 0 and kv.host_free_block_count == kv.host_block_count, kv
+            if st.state == c.WORKER_STATE_AWAKE:
+                assert kv.device_free_block_count == kv.device_block_count, kv
+
+
+@pytest.fixture
+def pair(tmp_path: Path) -> Iterator[Pair]:
+    mp = ManagerProcess(tmp_path / "manager.db", ["--idle-sleep-timeout", "0"], metrics=True).start()
+    workers: dict[str, WorkerProcess] = {}
+    gw: GatewayProcess | None = None
+    try:
+        for name in MODELS:
+            flags = ["--model", "synthetic:tiny", "--seed", "3", "--manager", mp.address, "--worker-id", name,
+                     "--served-model-name", name]  # fmt: skip
+            workers[name] = WorkerProcess(flags).start()
+        listed = wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                          lambda ws: len([x for x in ws if x.status.tags]) == 2, "both registrations")  # fmt: skip
+        need = max(sum(t.mapped_bytes for t in x.status.tags) for x in listed)
+        policy = m.Policy(device_budget_bytes=need + need // 2, time_slice=Duration(nanos=int(SLICE_S * 1e9)))
+        mask = FieldMask(paths=["device_budget_bytes", "time_slice"])
+        mp.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
+        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=CALL_TIMEOUT)  # both load awake
+        gw = GatewayProcess(mp.address, ["--queue-timeout", "5"]).start()
+        yield Pair(mp, workers, gw)
+    finally:
+        if gw is not None:
+            gw.kill()
+        for wp in workers.values():
+            wp.kill()
+        mp.kill()
+
+
+def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_its_streams_pause(
+    pair: Pair,
+) -> None:
+    """alpha is busy: a lease held and three long streams running on it. A request for sleeping beta
+    through the gateway is answered in full (it used to wait out the queue timeout: 503) while alpha's
+    streams are unfinished, so alpha slept for it with them paused. alpha is then woken again for its
+    lease, and each stream ends with exactly its alone tokens, none read again; alpha gave up one
+    turn; nothing is left held."""
+    rng_prompts = [[(7 * i + 3 * j) % 512 for j in range(n)] for i, n in enumerate((9, 30, 51))]
+    length = 1000  # three of them and their prompts fit the device pool: no preemption
+    expected = [pair.alone("alpha", p, length) for p in rng_prompts]
+    recomputed = pair.status("alpha").kv_cache.recomputed_tokens
+    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+
+    streams: list[dict[str, Any]] = []
+
+    def read(prompt: list[int], out: dict[str, Any]) -> None:
+        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=length, ignore_eos=True)
+        try:
+            for msg in pair.workers["alpha"].stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=120):
+                out["tokens"].extend(msg.token_ids)
+                if msg.HasField("done"):
+                    out["done"] = list(msg.done.token_ids)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            out["error"] = exc
+
+    threads = []
+    for p in rng_prompts:
+        out: dict[str, Any] = {"tokens": [], "done": None, "error": None}
+        streams.append(out)
+        threads.append(threading.Thread(target=read, args=(p, out), daemon=True))
+        threads[-1].start()
+    for out in streams:
+        wait_for(lambda o=out: len(o["tokens"]), lambda n: n >= 3, "alpha's streams to start")  # type: ignore[misc]
+
+    t0 = time.monotonic()
+    r = pair.client.completions.create(model="beta", prompt=[1, 2, 3, 4], max_tokens=8, temperature=0)
+    waited = time.monotonic() - t0
+    unfinished = [i for i, o in enumerate(streams) if o["done"] is None]
+    assert r.usage is not None and r.usage.completion_tokens == 8
+    assert waited < WAIT_BOUND_S, f"beta's request took {waited:.1f} s"
+    assert unfinished, "set-up: alpha's streams all ended before beta's request was answered"
+
+    for t in threads:
+        t.join(timeout=120)
+        assert not t.is_alive(), "an alpha stream did not end"
+    for i, (out, want) in enumerate(zip(streams, expected, strict=True)):
+        assert out["error"] is None, f"stream {i}: {out['error']}"
+        assert out["done"] == want and out["tokens"] == want, f"stream {i} (paused: {i in unfinished}) changed"
+    assert pair.status("alpha").kv_cache.recomputed_tokens == recomputed, "a paused stream read its tokens again"
+    assert pair.worker("alpha").turns_yielded == 1
+    assert pair.worker("alpha").lease_count == 1, "the lease held through the turn"
+    turns = pair.manager.metrics()[("memsvc_turns_yielded_total", frozenset({("worker", "alpha")}))]
+    assert turns == 1
+    pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+    pair.clean()
+
+
+def test_two_models_under_steady_streamed_load_take_turns_and_serve_everything(pair: Pair) -> None:
+    """Three streaming clients per model, each sending requests back to back, and a lease held on alpha
+    throughout (alpha is never idle, as under traffic that never pauses): every request is answered in
+    full (none refused by the gateway's 5 s queue, none failed), each waited for its first token less
+    than the bound, alpha gave up turns for beta, and nothing is left held."""
+    rounds, clients, tokens = 4, 3, 96
+    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    errors: list[BaseException] = []
+    waits: dict[str, list[float]] = {name: [] for name in MODELS}
+    lock = threading.Lock()
+
+    def client(model: str, k: int) -> None:
+        try:
+            for i in range(rounds):
+                t0 = time.monotonic()
+                s = pair.client.completions.create(
+                    model=model, prompt=[k + 1, i + 2, 3], max_tokens=tokens, temperature=0, stream=True,
+                    stream_options={"include_usage": True},
+                )  # fmt: skip
+                first: float | None = None
+                chunks = []
+                for chunk in s:
+                    first = first or time.monotonic()
+                    chunks.append(chunk)
+                assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == tokens
+                with lock:
+                    waits[model].append((first or time.monotonic()) - t0)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            with lock:
+                errors.append(exc)
+
+    threads = [threading.Thread(target=client, args=(m_, k), daemon=True) for m_ in MODELS for k in range(clients)]
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join(timeout=300)
+        assert not t.is_alive(), "a client did not end"
+    assert not errors, errors[:3]
+    assert {k: len(v) for k, v in waits.items()} == {name: rounds * clients for name in MODELS}
+    worst = max(max(v) for v in waits.values())
+    assert worst < WAIT_BOUND_S, f"a request waited {worst:.1f} s for its first token"
+    assert pair.worker("alpha").turns_yielded >= 1, "beta was served without alpha giving up a turn"
+    pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+    pair.clean()
