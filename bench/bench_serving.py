@@ -144,7 +144,9 @@ async def _gateway_request(client: Any, model: str, prompt: list[int], shape: Sh
 
 
 async def _client_loop(path: str, target: str, model: str, prompts: list[list[int]], shape: Shape, slots: int,
-                       start: float) -> list[Record]:  # fmt: skip
+                       start: float, rate: float = 0.0) -> list[Record]:  # fmt: skip
+    """The requests of ``prompts``: ``slots`` at a time, each sent as one ends (closed loop), or with
+    ``rate`` (requests a second), sent at random (Poisson) times whatever is in flight (open loop)."""
     if path in ("worker", "unary"):
         import grpc
 
@@ -172,8 +174,18 @@ async def _client_loop(path: str, target: str, model: str, prompts: list[list[in
         while todo:
             out.append(await one(todo.pop()))
 
+    async def arrivals() -> None:
+        rng = random.Random(start)
+        sent: list[asyncio.Task[Record]] = []
+        due = time.time()
+        while todo:
+            sent.append(asyncio.create_task(one(todo.pop())))
+            due += rng.expovariate(rate)
+            await asyncio.sleep(max(due - time.time(), 0))
+        out.extend(await asyncio.gather(*sent))
+
     await asyncio.sleep(max(start - time.time(), 0))
-    await asyncio.gather(*(slot() for _ in range(slots)))
+    await (arrivals() if rate > 0 else asyncio.gather(*(slot() for _ in range(slots))))
     if path == "gateway":
         await client.close()
     else:
@@ -181,13 +193,21 @@ async def _client_loop(path: str, target: str, model: str, prompts: list[list[in
     return out
 
 
-def _client(args: tuple[str, str, str, list[list[int]], Shape, int, float]) -> list[dict[str, Any]]:
+def _client(args: tuple[str, str, str, list[list[int]], Shape, int, float, float]) -> list[dict[str, Any]]:
     return [asdict(r) for r in asyncio.run(_client_loop(*args))]
 
 
 def run_level(path: str, target: str, model: str, shape: Shape, concurrency: int, requests: int, clients: int,
               vocab: int, seed: int, start_delay: float = START_S) -> dict[str, Any]:  # fmt: skip
     """``requests`` requests of ``shape`` at most ``concurrency`` at a time, from ``clients`` processes."""
+    records = run_records(path, target, model, shape, concurrency, requests, clients, vocab, seed, start_delay)
+    return summarize(records, shape, concurrency)
+
+
+def run_records(path: str, target: str, model: str, shape: Shape, concurrency: int, requests: int, clients: int,
+                vocab: int, seed: int, start_delay: float = START_S, rate: float = 0.0) -> list[Record]:  # fmt: skip
+    """:func:`run_level`'s requests as each client saw them; with ``rate`` (requests a second, all the
+    processes together), sent at that rate whatever is in flight instead of ``concurrency`` at a time."""
     rng = random.Random(seed)
     prompts = [[rng.randrange(1, vocab) for _ in range(shape.input_tokens)] for _ in range(requests)]
     procs = max(min(clients, concurrency), 1)
@@ -196,9 +216,8 @@ def run_level(path: str, target: str, model: str, shape: Shape, concurrency: int
     start = time.time() + start_delay
     ctx = multiprocessing.get_context("spawn")
     with ctx.Pool(procs) as pool:
-        jobs = [(path, target, model, share[k], shape, slots[k], start) for k in range(procs)]
-        records = [Record(**r) for part in pool.map(_client, jobs) for r in part]
-    return summarize(records, shape, concurrency)
+        jobs = [(path, target, model, share[k], shape, slots[k], start, rate / procs) for k in range(procs)]
+        return [Record(**r) for part in pool.map(_client, jobs) for r in part]
 
 
 def _pct(xs: Sequence[float], q: float) -> float | None:
@@ -225,7 +244,8 @@ def summarize(records: list[Record], shape: Shape, concurrency: int) -> dict[str
         "concurrency": concurrency, "requests": len(records), "completed": len(ok), "failed": len(failed),
         "errors": sorted({r.error or f"{r.tokens} tokens" for r in failed})[:5],
         "wall_s": round(wall, 3), "output_tok_s": round(out / wall, 1) if wall else 0.0,
-        "ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99), "itl_p50_ms": ms(itl, 0.5),
+        "ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99), "ttft_max_ms": ms(ttft, 1.0),
+        "itl_p50_ms": ms(itl, 0.5),
         "itl_p99_ms": ms(itl, 0.99), "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99),
     }  # fmt: skip
 
@@ -388,7 +408,8 @@ def _wait_ready(address: str, timeout: float = 600.0) -> None:
             time.sleep(0.1)
 
 
-def _wait_model(path: str, target: str, timeout: float = 120.0) -> None:
+def _wait_model(path: str, target: str, timeout: float = 120.0, model: str = "bench") -> None:
+    """Until the gateway at ``target`` lists ``model`` (nothing to wait for on the other paths)."""
     if path != "gateway":
         return
     import urllib.request
@@ -397,7 +418,7 @@ def _wait_model(path: str, target: str, timeout: float = 120.0) -> None:
     while True:
         try:
             with urllib.request.urlopen(f"http://{target}/v1/models", timeout=10) as resp:
-                if "bench" in resp.read().decode():
+                if f'"{model}"' in resp.read().decode():
                     return
         except OSError:
             pass

@@ -673,9 +673,11 @@ def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") ->
     from memsvc.vocabulary import KV_CACHE, WEIGHTS
 
     table = Table(title=title)
-    for col in ("worker", "state", "address", "leases", "weights", "kv cache", "offloaded", "device free"):
-        table.add_column(col, justify="right" if col in ("leases", "weights", "kv cache", "offloaded",
-                                                          "device free") else "left")  # fmt: skip
+    # waiting: AcquireWorker calls waiting for it to wake; paused: its Generate calls paused by a turn
+    # given up (memsvc/manager/turns.py); turns: the turns it gave up
+    left = ("worker", "state", "address")
+    for col in (*left, "leases", "waiting", "paused", "turns", "weights", "kv cache", "offloaded", "device free"):
+        table.add_column(col, justify="left" if col in left else "right")
     for wk in workers:
         tags = {t.tag: t for t in wk.status.tags}
         off = sum(t.offloaded_bytes for t in wk.status.tags)
@@ -684,6 +686,9 @@ def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") ->
             state_name(wk.state),
             wk.address,
             str(wk.lease_count),
+            str(wk.waiting_acquires),
+            str(wk.status.paused_generations),
+            str(wk.turns_yielded),
             human_bytes(tags[WEIGHTS].mapped_bytes) if WEIGHTS in tags else "-",
             human_bytes(tags[KV_CACHE].mapped_bytes) if KV_CACHE in tags else "-",
             human_bytes(off),

@@ -792,8 +792,9 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
     mp, _, _ = two_models
     gw = GatewayProcess(mp.address, ["--queue-timeout", "60", "--max-requests", "2"]).start()
     try:
-        pin = m.UpdatePolicyRequest(name="workers/alpha", policy=m.Policy(), update_mask=FieldMask(paths=["time_slice"]))
-        mp.stub.UpdatePolicy(pin, timeout=10)  # a time_slice of 0: leased, it never gives up its turn
+        mask = FieldMask(paths=["time_slice"])  # a time_slice of 0: leased, alpha never gives up its turn
+        pin = m.UpdatePolicyRequest(name="workers/alpha", policy=m.Policy(), update_mask=mask)
+        mp.stub.UpdatePolicy(pin, timeout=10)
         mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
         held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
         exe = shutil.which("curl")

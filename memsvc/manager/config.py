@@ -11,6 +11,7 @@ workers and timing. Example::
     device_budget_bytes = 0         # 0: the device's capacity
     host_budget_bytes = 0           # 0: unlimited
     device_swap_headroom_bytes = 0  # over the budget while an eviction and its wake overlap; 0: never
+    time_slice = 2.0                # seconds a busy worker keeps its device once another waits; 0: pinned
     tag_actions = { weights = "offload", kv_cache = "discard" }
 
     [[workers]]                     # static workers, besides those that register themselves

@@ -148,6 +148,13 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
         assert list(rest.block_ids)[:k] == device[sid]
 
 
+def _wait_until(ok: Callable[[], bool], what: str, timeout: float = 60.0) -> None:
+    deadline = time.monotonic() + timeout
+    while not ok():
+        assert time.monotonic() < deadline, f"timed out waiting for {what}"
+        time.sleep(0.005)
+
+
 def _pinned_settles(wp: WorkerProcess, ok: Callable[[int], bool], timeout: float = 60.0) -> int:
     """host_pinned_bytes once ``ok`` holds for it (the prepin runs in the background), or at the timeout."""
     deadline = time.monotonic() + timeout
@@ -173,3 +180,47 @@ def test_the_default_host_reserve_prepins_the_weights_and_an_explicit_zero_pins_
         kv_pool = st.kv_cache.host_block_count * st.kv_cache.block_bytes
         time.sleep(1.0)  # a prepin would have started by now
         assert _pinned_settles(wp, lambda p: p >= tiny + kv_pool, timeout=2.0) < tiny + kv_pool
+
+
+def test_a_pausing_sleep_keeps_streams_and_they_go_on_with_their_alone_tokens(gpu_worker: WorkerProcess) -> None:
+    """Three greedy 400-token streams (CUDA graphs replaying) are paused by a level-1 Sleep with
+    pause_generations: their KV blocks go to the host pool while the device's are discarded. After a
+    wake in two parts (weights, then kv_cache: they go on only once every tag is awake) each stream
+    ends with exactly its alone tokens, none read again, and the KV cache ends empty."""
+    import threading
+
+    prompts = [[(PROMPT[i % len(PROMPT)] + 97 * i * j) % 128000 for j in range(8 + 9 * i)] for i in range(3)]
+    reqs = [w.GenerateRequest(prompt_token_ids=p, max_new_tokens=400, ignore_eos=True) for p in prompts]
+    alone = [list(gpu_worker.stub.Generate(r, timeout=120).token_ids) for r in reqs]
+    status = gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    recomputed = status.kv_cache.recomputed_tokens
+    got: list[list[int]] = [[] for _ in reqs]
+    errors: list[BaseException] = []
+
+    def read(i: int) -> None:
+        try:
+            for msg in gpu_worker.stub.GenerateStream(w.GenerateStreamRequest(request=reqs[i]), timeout=300):
+                got[i].extend(msg.token_ids)
+        except BaseException as exc:  # noqa: BLE001 - reported below
+            errors.append(exc)
+
+    threads = [threading.Thread(target=read, args=(i,), daemon=True) for i in range(len(reqs))]
+    for t in threads:
+        t.start()
+    _wait_until(lambda: all(len(g) >= 5 for g in got), "the streams to start")
+    slept = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1, pause_generations=True), timeout=120)
+    paused = slept.status.paused_generations
+    assert slept.status.state == c.WORKER_STATE_ASLEEP and paused >= 1, slept.status
+    assert slept.status.kv_cache.host_free_block_count < slept.status.kv_cache.host_block_count
+    gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=120)
+    assert gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.paused_generations == paused
+    gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["kv_cache"]), timeout=120)
+    for t in threads:
+        t.join(timeout=300)
+    assert not errors, errors
+    assert got == alone, "a paused stream changed"
+    after = gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    assert after.kv_cache.recomputed_tokens == recomputed and after.paused_generations == 0
+    kv = after.kv_cache
+    assert kv.device_free_block_count == kv.device_block_count and kv.host_free_block_count == kv.host_block_count
+    print(f"paused {paused} streams mid-generation; all resumed with their alone tokens")
