@@ -89,6 +89,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     mp = ManagerProcess(tmp_path / "manager.db", ["--idle-sleep-timeout", "0"], metrics=True).start()
     workers: dict[str, WorkerProcess] = {}
     gw: GatewayProcess | None = None
+    p: Pair | None = None
     try:
         for name in MODELS:
             flags = ["--model", "synthetic:tiny", "--seed", "3", "--manager", mp.address, "--worker-id", name,
@@ -102,13 +103,57 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
         mp.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
         mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=CALL_TIMEOUT)  # both load awake
         gw = GatewayProcess(mp.address, ["--queue-timeout", "5"]).start()
-        yield Pair(mp, workers, gw)
+        p = Pair(mp, workers, gw)
+        yield p
     finally:
         if gw is not None:
             gw.kill()
         for wp in workers.values():
             wp.kill()
         mp.kill()
+        if p is not None:
+            p.manager.kill()  # a test may have started another
+
+
+class Streams:
+    """Long greedy GenerateStreams on one worker, each read on a thread of its own."""
+
+    LENGTH = 1000
+    """New tokens of each: three of them and their prompts fit the device pool (no preemption)."""
+
+    def __init__(self, pair: Pair, name: str, n: int = 3) -> None:
+        self.prompts = [[(7 * i + 3 * j) % 512 for j in range(9 + 21 * i)] for i in range(n)]
+        self.expected = [pair.alone(name, p, self.LENGTH) for p in self.prompts]
+        self.out: list[dict[str, Any]] = [{"tokens": [], "done": None, "error": None} for _ in self.prompts]
+        stub = pair.workers[name].stub
+        self.threads = [threading.Thread(target=self._read, args=(stub, p, o), daemon=True)
+                        for p, o in zip(self.prompts, self.out, strict=True)]  # fmt: skip
+        for t in self.threads:
+            t.start()
+        for o in self.out:
+            wait_for(lambda o=o: len(o["tokens"]), lambda k: k >= 3, f"{name}'s streams to start")  # type: ignore[misc]
+
+    def _read(self, stub: Any, prompt: list[int], out: dict[str, Any]) -> None:
+        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=self.LENGTH, ignore_eos=True)
+        try:
+            for msg in stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=120):
+                out["tokens"].extend(msg.token_ids)
+                if msg.HasField("done"):
+                    out["done"] = list(msg.done.token_ids)
+        except BaseException as exc:  # noqa: BLE001 - reported by check()
+            out["error"] = exc
+
+    def unfinished(self) -> list[int]:
+        return [i for i, o in enumerate(self.out) if o["done"] is None]
+
+    def check(self, paused: list[int]) -> None:
+        """Every stream ended with exactly its alone tokens."""
+        for t in self.threads:
+            t.join(timeout=120)
+            assert not t.is_alive(), "a stream did not end"
+        for i, (o, want) in enumerate(zip(self.out, self.expected, strict=True)):
+            assert o["error"] is None, f"stream {i}: {o['error']}"
+            assert o["done"] == want and o["tokens"] == want, f"stream {i} (paused: {i in paused}) changed"
 
 
 def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_its_streams_pause(
@@ -119,53 +164,45 @@ def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_
     streams are unfinished, so alpha slept for it with them paused. alpha is then woken again for its
     lease, and each stream ends with exactly its alone tokens, none read again; alpha gave up one
     turn; nothing is left held."""
-    rng_prompts = [[(7 * i + 3 * j) % 512 for j in range(n)] for i, n in enumerate((9, 30, 51))]
-    length = 1000  # three of them and their prompts fit the device pool: no preemption
-    expected = [pair.alone("alpha", p, length) for p in rng_prompts]
     recomputed = pair.status("alpha").kv_cache.recomputed_tokens
     held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
-
-    streams: list[dict[str, Any]] = []
-
-    def read(prompt: list[int], out: dict[str, Any]) -> None:
-        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=length, ignore_eos=True)
-        try:
-            for msg in pair.workers["alpha"].stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=120):
-                out["tokens"].extend(msg.token_ids)
-                if msg.HasField("done"):
-                    out["done"] = list(msg.done.token_ids)
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            out["error"] = exc
-
-    threads = []
-    for p in rng_prompts:
-        out: dict[str, Any] = {"tokens": [], "done": None, "error": None}
-        streams.append(out)
-        threads.append(threading.Thread(target=read, args=(p, out), daemon=True))
-        threads[-1].start()
-    for out in streams:
-        wait_for(lambda o=out: len(o["tokens"]), lambda n: n >= 3, "alpha's streams to start")  # type: ignore[misc]
+    streams = Streams(pair, "alpha")
 
     t0 = time.monotonic()
     r = pair.client.completions.create(model="beta", prompt=[1, 2, 3, 4], max_tokens=8, temperature=0)
     waited = time.monotonic() - t0
-    unfinished = [i for i, o in enumerate(streams) if o["done"] is None]
+    paused = streams.unfinished()
     assert r.usage is not None and r.usage.completion_tokens == 8
     assert waited < WAIT_BOUND_S, f"beta's request took {waited:.1f} s"
-    assert unfinished, "set-up: alpha's streams all ended before beta's request was answered"
+    assert paused, "set-up: alpha's streams all ended before beta's request was answered"
 
-    for t in threads:
-        t.join(timeout=120)
-        assert not t.is_alive(), "an alpha stream did not end"
-    for i, (out, want) in enumerate(zip(streams, expected, strict=True)):
-        assert out["error"] is None, f"stream {i}: {out['error']}"
-        assert out["done"] == want and out["tokens"] == want, f"stream {i} (paused: {i in unfinished}) changed"
+    streams.check(paused)
     assert pair.status("alpha").kv_cache.recomputed_tokens == recomputed, "a paused stream read its tokens again"
     assert pair.worker("alpha").turns_yielded == 1
     assert pair.worker("alpha").lease_count == 1, "the lease held through the turn"
     turns = pair.manager.metrics()[("memsvc_turns_yielded_total", frozenset({("worker", "alpha")}))]
     assert turns == 1
     pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+    pair.clean()
+
+
+def test_streams_paused_by_a_turn_go_on_after_the_manager_restarts(pair: Pair) -> None:
+    """alpha's streams are paused for beta (leased by the test), and the manager is killed (SIGKILL)
+    while alpha sleeps: the manager started again on the same database finds alpha asleep with
+    requests paused on it, gives it its turn (beta, still leased, pauses in turn), and alpha's streams
+    end with their alone tokens. Leases restored from the database are released as usual."""
+    held_a = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    streams = Streams(pair, "alpha")
+    held_b = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="test"), timeout=60)
+    paused = pair.status("alpha").paused_generations
+    assert paused >= 1 and streams.unfinished(), f"set-up: nothing paused on alpha ({paused})"
+
+    pair.manager.kill()
+    pair.manager = ManagerProcess(pair.manager.db, ["--idle-sleep-timeout", "0"], metrics=True).start()
+    streams.check(streams.unfinished())
+    assert pair.status("alpha").paused_generations == 0
+    for held in (held_a, held_b):
+        pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
     pair.clean()
 
 

@@ -68,13 +68,13 @@ class Manager:
         self.registry = Registry(store, links or grpc_links(), ingest, self.background, self.policies)
         replay = ReplayCache(REQUEST_CACHE)
         self._calls = calls = WorkerCalls(self.registry, ingest, self.settings)
-        turns = Turns(self.policies, self.background)
+        turns = Turns(self.registry, self.policies, self.background)
         budgets = Budgets(self.registry, self.policies, calls, self.metrics, self.background, turns)
         self.transitions = Transitions(self.registry, calls, budgets, replay)
         self.leases = Leases(self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay, turns)
         self.timers = IdleTimers(
             self.registry, self.policies, self.leases, budgets, calls, ingest, self.settings, self.metrics,
-            self.background,
+            self.background, turns,
         )  # fmt: skip
         self._static = list(static_workers)
         self._ticker: asyncio.Task[None] | None = None

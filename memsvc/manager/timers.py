@@ -24,6 +24,7 @@ from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.telemetry import TelemetryIngest
+from memsvc.manager.turns import Turns
 from memsvc.vocabulary import AWAKE_STATES, SleepLevel, WorkerState
 
 log = logging.getLogger("memsvc.manager")
@@ -52,8 +53,10 @@ class IdleTimers:
         settings: ManagerSettings,
         metrics: ManagerMetrics,
         background: Background,
+        turns: Turns,
     ) -> None:
         self._registry = registry
+        self._turns = turns
         self._policies = policies
         self._leases = leases
         self._budgets = budgets
@@ -88,6 +91,8 @@ class IdleTimers:
             elif self._forgotten(rec):
                 log.info("worker %s unreachable for %.0f s: forgetting it", rec.worker_id, silent)
                 self._background.spawn(self._registry.deregister(rec.name), f"forget {rec.worker_id}")
+            elif rec.reachable and not rec.in_transition:
+                self._turns.owe(rec)  # asleep with requests paused on it: a turn is due (after a restart too)
         for rec in self._registry:
             if not rec.reachable or rec.leases or rec.lock.locked() or rec.in_transition:
                 continue

@@ -11,9 +11,10 @@ timeout. With them:
   ``pause_generations``, so its running requests pause between two steps with their KV cache in the
   worker's host block pool, their streams open and their leases held. While no busy neighbour's turn
   is over, the wake waits for the first to end, or for a lease to end (a neighbour may be idle then).
-- A worker that gave up its turn with leases held is owed one: a task of the manager's wakes it
-  again the way an AcquireWorker would (waiting for room the same way), so its paused requests go on
-  without any client asking. New requests for it queue meanwhile at AcquireWorker.
+- A worker that gave up its turn with leases held, or that reports paused requests while asleep (a
+  manager that restarted finds it so), is owed one: a task of the manager's wakes it again the way
+  an AcquireWorker would (waiting for room the same way), so its paused requests go on without any
+  client asking. New requests for it queue meanwhile at AcquireWorker.
 - Wakes on one device run one at a time in the order they asked (Budgets' device lock is fair), so
   turns go round.
 
@@ -33,7 +34,8 @@ from memsvc.errors import MemsvcError
 from memsvc.manager.background import Background
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
-from memsvc.vocabulary import AWAKE_STATES, WorkerState
+from memsvc.manager.registry import Registry
+from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")
 
@@ -49,13 +51,16 @@ class Turns:
     """Whose turn on a device is over, the wait for the next to end, and the wakes owed to workers
     that gave theirs up (see the module docstring)."""
 
-    def __init__(self, policies: Policies, background: Background) -> None:
+    def __init__(self, registry: Registry, policies: Policies, background: Background) -> None:
+        self._registry = registry
         self._policies = policies
         self._background = background
         self.wake_owed: WakeOwed | None = None
         """Wakes a worker for its leases (Leases' way of waking for an AcquireWorker); set by the
         manager once the leases exist."""
         self._owed: dict[str, asyncio.Task[None]] = {}
+        self._yielded: set[str] = set()
+        """Workers that gave up their turn and have not been woken since."""
         self._lease_ended = asyncio.Event()
         """Set (and replaced) when a lease ends: a busy neighbour may be idle now."""
 
@@ -63,14 +68,17 @@ class Turns:
         return self._policies.effective(rec.name).time_slice
 
     def busy(self, group: list[WorkerRecord], passed_over: set[str]) -> list[WorkerRecord]:
-        """Neighbours that could give up their turn: awake, leased, not pinned, holding memory."""
+        """Neighbours that could give up their turn: awake, leased, not pinned, holding memory. Not one
+        whose lock is held: a partial wake holds it while it waits for the device (the caller holds
+        that), and the others who hold it end by themselves."""
         return [
             r
             for r in group
             if r.worker_id not in passed_over
             and r.leases
-            and r.state in AWAKE_STATES
+            and r.state == WorkerState.AWAKE
             and not r.in_transition
+            and not r.lock.locked()
             and r.mapped_bytes > 0
             and self.time_slice(r) > 0
         ]
@@ -103,23 +111,36 @@ class Turns:
     def woke(self, rec: WorkerRecord) -> None:
         """The manager woke ``rec``: its turn starts now."""
         rec.turn_start = time.time()
+        self._yielded.discard(rec.worker_id)
 
     def yielded(self, rec: WorkerRecord) -> None:
-        """``rec`` gave up its turn (its requests paused, asleep): while leases hold it, wake it
-        again on its next turn."""
+        """``rec`` gave up its turn (its requests paused, asleep): wake it again on its next turn."""
         rec.turns_yielded += 1
-        if rec.worker_id in self._owed or not rec.leases:
+        self._yielded.add(rec.worker_id)
+        self.owe(rec)
+
+    def owe(self, rec: WorkerRecord) -> None:
+        """If ``rec`` is owed a turn (see :meth:`_owed_one`), make sure a task wakes it (the manager's
+        tick asks for every worker: paused requests outlive a manager restart)."""
+        if rec.worker_id in self._owed or not self._owed_one(rec):
             return
         task = self._background.spawn(self._wake_owed(rec), f"owed turn of {rec.worker_id}")
         self._owed[rec.worker_id] = task
         task.add_done_callback(lambda _: self._owed.pop(rec.worker_id, None))
 
+    def _owed_one(self, rec: WorkerRecord) -> bool:
+        """Still registered, not awake, and either requests are paused on it, or it gave up its turn
+        and leases hold it. (A leased worker put to sleep by someone else's direct Sleep is not owed
+        one: the manager counts and logs that, and leaves it to whoever did it.)"""
+        if self._registry.workers.get(rec.worker_id) is not rec or rec.state == WorkerState.AWAKE:
+            return False
+        paused = rec.status is not None and rec.status.paused_generations > 0
+        return paused or (rec.worker_id in self._yielded and bool(rec.leases))
+
     async def _wake_owed(self, rec: WorkerRecord) -> None:
-        """Wake ``rec`` for the leases it holds; done once it is awake, or holds none."""
+        """Wake ``rec`` while it is owed a turn; done once it is awake, or owed none."""
         assert self.wake_owed is not None, "the manager sets wake_owed"
-        while rec.leases:
-            if rec.state == WorkerState.AWAKE and not rec.in_transition:
-                return
+        while self._owed_one(rec):
             try:
                 await self.wake_owed(rec, Deadline.after(OWED_WAKE_S))
                 return
