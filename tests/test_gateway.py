@@ -107,6 +107,15 @@ def test_models_list_the_served_model_with_its_state(stack: Stack) -> None:
         stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
 
 
+def test_one_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(stack: Stack) -> None:
+    """GET /v1/models/{id} through the SDK: the served model's card; one nobody serves: 404 naming it."""
+    card = stack.client.models.retrieve(MODEL)
+    assert card.id == MODEL and card.model_extra is not None and card.model_extra["state"] == "awake"
+    with pytest.raises(openai.NotFoundError) as err:
+        stack.client.models.retrieve("org/no-such-model")
+    assert "'org/no-such-model' does not exist" in str(err.value)
+
+
 @pytest.mark.parametrize("sleep", [None, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2], ids=["awake", "level1", "level2"])
 def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(stack: Stack, sleep: int | None) -> None:
     want = stack.direct(prompt=PROMPT, max_new_tokens=12, ignore_eos=False)
@@ -274,6 +283,7 @@ def test_bad_requests_get_openai_errors_and_change_nothing(
 
 def test_health_and_readiness(stack: Stack) -> None:
     assert curl(stack.gateway.url, "/healthz", None) == (200, {"status": "ok"})
+    assert curl(stack.gateway.url, "/health", None) == (200, {"status": "ok"})  # vLLM's and SGLang's spelling
     assert curl(stack.gateway.url, "/readyz", None)[0] == 200
 
 

@@ -17,17 +17,18 @@ Real processes: a manager (SQLite), two ``memsvc worker`` processes on the host 
 
 from __future__ import annotations
 
+import functools
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import pytest
 from gatewayproc import GatewayProcess
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
-from managerproc import ManagerProcess
+from managerproc import ManagerProcess, wait_for
 from workerproc import WorkerProcess
 
 from memsvc.v1 import common_pb2 as c
@@ -36,23 +37,12 @@ from memsvc.v1 import model_worker_service_pb2 as w
 
 openai = pytest.importorskip("openai")
 
-T = TypeVar("T")
 MODELS = ("alpha", "beta")
 SLICE_S = 0.3
 WAIT_BOUND_S = 30.0
 """A generous bound on one request's wait for its model (slice and swaps are well under a second
 here; the bound is what the starvation broke: there a request waited out its queue timeout)."""
 CALL_TIMEOUT = 60.0
-
-
-def wait_for(get: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 60.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = get()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}: last {value!r}"
-        time.sleep(0.02)
 
 
 class Pair:
@@ -75,7 +65,8 @@ class Pair:
     def clean(self) -> None:
         """No lease, no paused request, no KV block held, on either worker."""
         for name in MODELS:
-            wait_for(lambda n=name: self.worker(n).lease_count, lambda k: k == 0, f"{name}'s leases to end")  # type: ignore[misc]
+            leases = functools.partial(lambda n: self.worker(n).lease_count, name)
+            wait_for(leases, lambda k: k == 0, what=f"{name}'s leases to end", timeout=60)
             st = self.status(name)
             assert st.paused_generations == 0, st
             kv = st.kv_cache
@@ -96,7 +87,7 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
                      "--served-model-name", name]  # fmt: skip
             workers[name] = WorkerProcess(flags).start()
         listed = wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                          lambda ws: len([x for x in ws if x.status.tags]) == 2, "both registrations")  # fmt: skip
+                          lambda ws: len([x for x in ws if x.status.tags]) == 2, what="both registrations")  # fmt: skip
         need = max(sum(t.mapped_bytes for t in x.status.tags) for x in listed)
         policy = m.Policy(device_budget_bytes=need + need // 2, time_slice=Duration(nanos=int(SLICE_S * 1e9)))
         mask = FieldMask(paths=["device_budget_bytes", "time_slice"])
@@ -131,7 +122,7 @@ class Streams:
         for t in self.threads:
             t.start()
         for o in self.out:
-            wait_for(lambda o=o: len(o["tokens"]), lambda k: k >= 3, f"{name}'s streams to start")  # type: ignore[misc]
+            wait_for(lambda o=o: len(o["tokens"]), lambda k: k >= 3, what=f"{name}'s streams to start", timeout=60)  # type: ignore[misc]
 
     def _read(self, stub: Any, prompt: list[int], out: dict[str, Any]) -> None:
         req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=self.LENGTH, ignore_eos=True)

@@ -217,6 +217,7 @@ async def prometheus(request: Request) -> Response:
 
 
 @routes.get("/healthz")
+@routes.get("/health")  # as vLLM, SGLang and llama-swap spell it
 async def healthz() -> dict[str, str]:
     return {"status": "ok"}
 
@@ -230,15 +231,23 @@ async def readyz(request: Request) -> JSONResponse:
     return JSONResponse({"status": "ok"})
 
 
+def _model_card(name: str, workers: list[Served]) -> dict[str, Any]:
+    """A model as /v1/models lists it; ``state``: its best worker's (memsvc's own field)."""
+    return {"id": name, "object": "model", "created": 0, "owned_by": "memsvc",
+            "state": WorkerState.of(Backends.pick(workers).state).label}  # fmt: skip
+
+
 @routes.get("/v1/models")
 async def list_models(request: Request) -> dict[str, Any]:
     models = await _gateway(request).models()
-    data = [
-        {"id": name, "object": "model", "created": 0, "owned_by": "memsvc",
-         "state": WorkerState.of(Backends.pick(ws).state).label}
-        for name, ws in sorted(models.items())
-    ]  # fmt: skip
-    return {"object": "list", "data": data}
+    return {"object": "list", "data": [_model_card(name, ws) for name, ws in sorted(models.items())]}
+
+
+@routes.get("/v1/models/{model:path}")
+async def get_model(model: str, request: Request) -> dict[str, Any]:
+    """One model (a served name may hold a "/", as hub ids do); 404 naming it when none serves it,
+    503 when its workers are all unavailable."""
+    return _model_card(model, [await _gateway(request).worker_for(model)])
 
 
 @routes.post("/v1/completions", response_model=None)
