@@ -858,6 +858,27 @@ def test_a_stream_cancelled_while_paused_gives_its_host_blocks_back(
     assert kv_empty(wait_kv_empty(stub))
 
 
+def test_a_kept_sequence_whose_continuation_ends_while_paused_is_on_the_device_again_after_the_wake(
+    stub: Stub, vocab: int, leftovers: Leftovers
+) -> None:
+    """A 200-token continuation of a kept sequence is paused (the sequence's blocks go to the host
+    pool) and cancelled while the worker sleeps: after the wake the kept sequence is back on the
+    device as it was before the call, and continuing it gives what continuing it alone gives."""
+    rng = random.Random(15)
+    prompt = random_prompt(rng, vocab, 20)
+    (want,) = continued_alone(stub, "kept-ref", prompt, [8])
+    sid = leftovers.keep(stub, "kept-paused")
+    keep_prompt(stub, sid, prompt)
+    stream = leftovers.stream(stub, request([], 200, sid))
+    stream.wait_tokens(2)
+    assert pause(stub).paused_generations == 1 and not stream.finished
+    stream.cancel()
+    stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+    assert generate(stub, request([], 8, sid)) == want, "the kept sequence changed, or stayed on the host"
+    free_sequence(stub, sid)
+    assert kv_empty(wait_kv_empty(stub))
+
+
 def test_a_pause_the_host_pool_cannot_hold_reads_the_tokens_again(vocab: int) -> None:
     """A worker whose host pool holds 2 blocks: of three streams paused, those that do not fit read
     their tokens again after the wake (the status counts them), and every stream still ends with
@@ -881,3 +902,23 @@ def test_a_pause_the_host_pool_cannot_hold_reads_the_tokens_again(vocab: int) ->
             for s in streams:
                 s.cancel()
         wp.stop()
+
+
+def test_a_worker_stopped_while_paused_ends_the_paused_streams_at_once(vocab: int) -> None:
+    """SIGTERM to a worker whose streams a Sleep paused: no wake will come, so they end at once with
+    UNAVAILABLE instead of holding the drain (120 s here) open, and the worker exits 0."""
+    rng = random.Random(16)
+    with WorkerProcess([*worker_args(KV_BLOCKS), "--drain-timeout", "120"]) as wp:
+        streams = [Streamed(wp.stub, request(random_prompt(rng, vocab, 12), 400)) for _ in range(2)]
+        try:
+            for s in streams:
+                s.wait_tokens(2)
+            assert pause(wp.stub).paused_generations == 2
+            wp.terminate()
+            for s in streams:
+                s.join()
+                assert s.error is not None and s.error.code() == grpc.StatusCode.UNAVAILABLE, s.error
+            wp.stop(timeout=60)  # exit code 0, well inside the drain
+        finally:
+            for s in streams:
+                s.cancel()

@@ -10,7 +10,9 @@ calling ``tick()`` with idle clocks moved back, not by sleeping.
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import logging
+import time
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypedDict, Unpack
@@ -21,7 +23,7 @@ from asyncwait import settle
 from google.protobuf.duration_pb2 import Duration
 
 from memsvc._deadline import Deadline
-from memsvc.errors import InvalidArgument, NotFound, OutOfMemory, Overloaded, Unavailable, WrongState
+from memsvc.errors import InvalidArgument, MemsvcError, NotFound, OutOfMemory, Overloaded, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.records import WorkerRecord
@@ -144,6 +146,33 @@ async def test_busy_workers_on_a_full_device_take_turns_and_keep_their_leases(en
     await settle(lambda: b.state == WorkerState.AWAKE, "b woken for its lease once a went idle")
     assert a.state == WorkerState.ASLEEP and a.pausing_sleeps == 1, "an idle neighbour is evicted, not paused"
     env.manager.release(held_b.lease_id)
+
+
+async def test_a_wake_waiting_for_a_turn_does_not_deadlock_with_an_operators_wake_of_the_busy_worker(
+    env: Env,
+) -> None:
+    """b's lease waits for a's turn (a leased, just woken) while holding the device's wake lock; an
+    operator's WakeWorker of a takes a's lock and waits for that device lock. When a's turn ends, b's
+    wake must not wait for a's lock (it would for ever): it looks again instead, and both calls end."""
+    await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
+    await env.policy(time_slice=Duration(nanos=200_000_000))
+    await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
+    held, _ = await env.manager.acquire("a", 60, "holder", "", "", None)
+    env.rec("a").turn_start = time.time()  # a's turn has just begun
+    waking_b = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", None))
+    await settle(lambda: len(env.rec("b").waiting) == 1, "b's lease to wait for a's turn")
+    operator = asyncio.create_task(env.manager.wake_worker("a", [], "", None))
+    done, _ = await asyncio.wait({waking_b, operator}, timeout=30)
+    assert done == {waking_b, operator}, "a wake waiting for a turn and an operator's wake deadlocked"
+    with contextlib.suppress(MemsvcError):  # refused (a is awake) or answered: either way it ended
+        operator.result()
+    if waking_b.exception() is None:
+        lease, _ = waking_b.result()
+        env.manager.release(lease.lease_id)
+    else:  # a's lock was taken when its turn ended: b's wake was refused, not stuck
+        assert isinstance(waking_b.exception(), OutOfMemory), waking_b.exception()
+    env.manager.release(held.lease_id)
 
 
 async def test_a_wake_short_of_room_waits_for_a_neighbours_sleep_already_running(env: Env) -> None:

@@ -332,9 +332,12 @@ class WorkerCore:
         return {t: s.state for t, s in self._allocator().stats().tags.items()}
 
     def _settle(self, reason: str) -> None:
-        """After a failed transition, the state is whatever the pools say, not what it was before."""
+        """After a failed transition, the state is whatever the pools say, not what it was before; if
+        that is awake, requests a Sleep paused go on (they would wait for a wake that never comes)."""
         self._last_memory = self._allocator().stats()
         self._sm.settle([s.state for s in self._last_memory.tags.values()], reason)
+        if self.state == WorkerState.AWAKE:
+            self._resume_paused()
 
     # ---- sleep ----
     def plan_sleep(self, level: SleepLevel | None, tag_actions: Mapping[str, Action]) -> dict[str, Action]:
@@ -416,9 +419,7 @@ class WorkerCore:
             # Native sleep is all-or-nothing except when an unmap fails midway: trust the pools.
             if self._pool_states().get(KV_CACHE) == TagState.DISCARDED and self.runner is not None:
                 self.runner.drop_kv()
-            self._settle(f"Sleep failed: {exc}")
-            if self.state == WorkerState.AWAKE:
-                self._resume_paused()  # nothing slept: the paused requests go on at once
+            self._settle(f"Sleep failed: {exc}")  # nothing slept: the paused requests go on at once
             raise
 
     # ---- wake ----
@@ -511,6 +512,17 @@ class WorkerCore:
             log.exception("resuming the paused generations failed: they end")
             engine.fail_all(exc)
             engine.paused = False
+
+    async def end_paused(self) -> None:
+        """The worker is stopping: requests a Sleep paused end now (UNAVAILABLE) rather than hold the
+        drain for a wake that will not come."""
+        engine = self.runner.engine if self.runner is not None else None
+        if engine is None or not engine.paused:
+            return
+        gone = Unavailable("the worker is stopping; this request was paused (its model slept for another)")
+        with contextlib.suppress(RuntimeError):  # the device loop is shut down: nothing to end
+            if n := await self._device_loop.run(lambda: engine.end_paused(gone)):
+                log.info("stopping: %d paused generations ended", n)
 
     def _unparked(self) -> bool:
         return self._host_release is None or not self._host_release.parked
@@ -707,8 +719,8 @@ class WorkerCore:
             result = await asyncio.shield(asyncio.wrap_future(future))
         except asyncio.CancelledError:
             stop.set()  # the engine drops it at its next step (the slot goes when it has)
-            engine = self._model().engine
-            if engine.paused:  # no step runs while paused: its host blocks go back now
+            engine = self.runner.engine if self.runner is not None else None
+            if engine is not None and engine.paused:  # no step runs while paused: its host blocks go back now
                 with contextlib.suppress(RuntimeError):  # the device loop is shut down: nothing to free
                     self._device_loop.submit(engine.drop_leavers)
             raise

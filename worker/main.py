@@ -217,6 +217,7 @@ async def _run(
     for task in background:
         task.cancel()
     core.telemetry.close()  # end telemetry streams now; the drain waits only for real work
+    await core.end_paused()  # paused requests would wait the whole drain for a wake
     await stop_servers(config.drain_seconds)  # then cancels what still runs: a Generate stops at its next step
     core.cancel_loads()  # a reload or a level-2 wake still reading stops at its next read
     await core.close()

@@ -14,7 +14,8 @@ A victim whose own sleep fails (it went down, or refused) is passed over for the
 neighbour does not fail the wake it was making room for.
 
 Where no neighbour is idle, a busy one whose turn is over gives the device up, its requests paused
-(memsvc/manager/turns.py); RESOURCE_EXHAUSTED then only when every busy neighbour is pinned.
+(memsvc/manager/turns.py); RESOURCE_EXHAUSTED then only when no busy neighbour can (every one pinned,
+or in a transition of its own).
 """
 
 from __future__ import annotations
@@ -172,7 +173,12 @@ class Budgets:
                     if deadline.passed():
                         raise Unavailable(f"worker {rec.worker_id}: no turn on its device ended before the deadline")
                     continue  # a lease ended: look again
-                passed_over.add(victim.worker_id)
+                if not self._turns.busy([victim], passed_over):
+                    # It changed while this wake waited: idle now (evicted the usual way), asleep, or
+                    # locked (a transition runs on it, or a wake of it waits for this device: taking
+                    # its lock now could wait for ever). Look at the device again.
+                    continue
+                passed_over.add(victim.worker_id)  # one try, whichever way it goes
                 await self._take_turn(victim, rec, deadline)
                 continue
             if not idle:
@@ -212,10 +218,8 @@ class Budgets:
     async def _take_turn(self, victim: WorkerRecord, rec: WorkerRecord, deadline: Deadline) -> None:
         """``victim``'s turn is over and ``rec`` waits for its device: pause its requests and put it to
         sleep (the policy's tier-1 actions); its leases stay, and it is owed the next turn. A refusal is
-        logged and the victim passed over."""
+        logged and the victim passed over. The caller checked, with no wait since, that its lock is free."""
         async with victim.lock:
-            if not victim.leases or victim.state not in AWAKE_STATES or victim.in_transition:
-                return  # it went idle or to sleep meanwhile: the caller looks again
             log.info("turns: %s (awake %.1f s, %d leases) pauses and sleeps so %s can wake", victim.worker_id,
                      time.time() - victim.turn_start if victim.turn_start else float("inf"), len(victim.leases),
                      rec.worker_id)  # fmt: skip

@@ -1,5 +1,6 @@
-"""Leases: AcquireWorker wakes on demand and waits until the worker is ready; a leased worker is
-never put to sleep; its idle clock starts at the last release (a drain, not a refusal).
+"""Leases: AcquireWorker wakes on demand and waits until the worker is ready; a leased worker is not
+put to sleep (except for another worker's turn on its device: memsvc/manager/turns.py, which pauses
+its requests and wakes it again); its idle clock starts at the last release (a drain, not a refusal).
 
 A lease is recorded on the worker *before* the wake starts, so no timer or budget eviction can put
 it to sleep between the wake and the grant; its TTL starts at the grant.

@@ -41,8 +41,9 @@ log = logging.getLogger("memsvc.manager")
 
 OWED_WAKE_S = 120.0
 """How long one try to wake a worker owed a turn may wait for room (then it is tried again)."""
-OWED_RETRY_S = 1.0
-"""The pause before trying again after a wake for an owed turn failed."""
+OWED_RETRY_S = (1.0, 30.0)
+"""The pause before trying again after a wake for an owed turn failed: the first, doubling up to the
+second (a wake that keeps failing must not take a busy neighbour's turn every second)."""
 
 WakeOwed = Callable[[WorkerRecord, Deadline], Awaitable[None]]
 
@@ -140,13 +141,15 @@ class Turns:
     async def _wake_owed(self, rec: WorkerRecord) -> None:
         """Wake ``rec`` while it is owed a turn; done once it is awake, or owed none."""
         assert self.wake_owed is not None, "the manager sets wake_owed"
+        pause = OWED_RETRY_S[0]
         while self._owed_one(rec):
             try:
                 await self.wake_owed(rec, Deadline.after(OWED_WAKE_S))
                 return
             except MemsvcError as exc:
-                log.warning("the turn owed to %s did not start: %s; trying again", rec.worker_id, exc)
-                await asyncio.sleep(OWED_RETRY_S)
+                log.warning("the turn owed to %s did not start: %s; trying again in %.0f s", rec.worker_id, exc, pause)
+                await asyncio.sleep(pause)
+                pause = min(pause * 2, OWED_RETRY_S[1])
 
 
 __all__ = ["OWED_RETRY_S", "OWED_WAKE_S", "Turns"]

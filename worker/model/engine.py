@@ -42,6 +42,7 @@ import collections
 import concurrent.futures
 import contextlib
 import dataclasses
+import logging
 import time
 import uuid
 from collections.abc import Callable
@@ -62,6 +63,8 @@ from worker.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
     from worker.model.text import ModelText
+
+log = logging.getLogger("memsvc.worker")
 
 DEFAULT_MAX_BATCH = 64
 """Requests in one step at most (the largest CUDA-graph bucket)."""
@@ -212,6 +215,9 @@ class Engine:
         """Tokens read again because their request lost its KV blocks (preemptions)."""
         self.paused = False
         """Between :meth:`pause` and :meth:`resume`: no step runs."""
+        self._parked: list[str] = []
+        """The sequences :meth:`pause` moved to the host pool, for :meth:`resume` to bring back (a kept
+        one whose request ended meanwhile too)."""
         self._last_step = time.monotonic()
 
     # ---- requests ----
@@ -288,6 +294,7 @@ class Engine:
         for req in holding:
             if req.seq_id in stayed:
                 self._drop_cache(req)
+        self._parked = [r.seq_id for r in holding if r.seq_id not in stayed]
         self.paused = bool(requests)
         return len(requests)
 
@@ -300,10 +307,23 @@ class Engine:
         self.paused = False
         self.drop_leavers()
         kv = self.kv_cache
-        parked = [r for r in self._waiting if r.seq is not None and r.seq.location != "device"]
-        for seq_id in kv.unpark(r.seq_id for r in parked):
-            req = next(r for r in parked if r.seq_id == seq_id)
-            self._drop_cache(req)
+        parked, self._parked = self._parked, []
+        back = [i for i in parked if i in kv.sequences and kv.sequence(i).location != "device"]
+        stayed = set(kv.unpark(back))
+        for req in self._waiting:
+            if req.seq is not None and req.seq_id in stayed:
+                self._drop_cache(req)
+        if stayed - {r.seq_id for r in self._waiting if r.seq is not None}:
+            log.warning("kept sequences stay swapped out to the host pool: no room on the device for them")
+
+    def end_paused(self, exc: BaseException) -> int:
+        """End every paused request with ``exc`` (the worker is stopping: no wake will come); how many."""
+        if not self.paused:
+            return 0
+        n = len(self._waiting)
+        self.fail_all(exc)
+        self.paused, self._parked = False, []
+        return n
 
     def _drop_cache(self, req: _Request) -> None:
         """Give the request's blocks back (either pool): it reads its tokens again when it runs."""
