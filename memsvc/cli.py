@@ -319,7 +319,9 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         help="host:port to serve on (0: any port)",
     )
     p.add_argument(
-        "--model", default=env("MODEL", "synthetic:tiny"), help="HF-layout checkpoint dir or synthetic:<preset>"
+        "--model",
+        default=env("MODEL", "synthetic:tiny"),
+        help="HF-layout checkpoint dir, Hugging Face Hub id (org/name[@revision]), or synthetic:<preset>",
     )
     p.add_argument(
         "--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"),
@@ -633,7 +635,11 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help="the OpenAI-compatible HTTP gateway ('': none)",
     )
     p.add_argument("--state-dir", default=".memsvc", help="where the manager keeps its database")
-    p.add_argument("--model", default=None, help="default: synthetic:1b on a GPU, synthetic:small without")
+    p.add_argument(
+        "--model",
+        default=None,
+        help="checkpoint dir or Hub id (default: synthetic:1b on a GPU, synthetic:small without)",
+    )
     p.add_argument(
         "--backend",
         choices=["auto", "cuda", "host"],

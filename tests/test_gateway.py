@@ -188,6 +188,48 @@ def test_a_client_that_leaves_mid_stream_releases_its_lease(stack: Stack) -> Non
     )
 
 
+def test_return_token_ids_puts_each_chunks_tokens_in_its_choice(stack: Stack) -> None:
+    """vLLM's return_token_ids on a model with text: every streamed chunk's choice has ``token_ids``,
+    which add up to what the worker answers alone; a whole answer's choice has them all."""
+    prompt = [5, 7, 9]
+    want = list(stack.direct(prompt_token_ids=prompt, max_new_tokens=12, ignore_eos=True).token_ids)
+    extra = {"return_token_ids": True, "ignore_eos": True}
+    chunks = list(stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
+                                                  stream=True, extra_body=extra))  # fmt: skip
+    got = [t for ch in chunks for choice in ch.choices for t in (choice.model_extra or {}).get("token_ids", [])]
+    assert got == want
+    whole = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
+    assert (whole.choices[0].model_extra or {})["token_ids"] == want
+
+
+def test_a_model_without_a_tokenizer_streams_token_ids(tmp_path: Path) -> None:
+    """A checkpoint with no tokenizer.json: text is empty, so each streamed chunk carries its token ids
+    instead (without asking), adding up to the worker's own answer, and a stream no longer sends
+    nothing until its end."""
+    from test_generation import save, tiny_llama
+
+    path = save(tiny_llama(), tmp_path / "ids-only")
+    mp = ManagerProcess(tmp_path / "manager.db", ["--idle-sleep-timeout", "0"]).start()
+    try:
+        with WorkerProcess(["--model", str(path), "--manager", mp.address]) as wp:
+            served = lambda ws: any(x.status.model.served_model_name == "ids-only" for x in ws)  # noqa: E731
+            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers, served, "registration")
+            alone = w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=10, ignore_eos=True)
+            want = list(wp.stub.Generate(alone, timeout=60).token_ids)
+            gw = GatewayProcess(mp.address).start()
+            try:
+                client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
+                chunks = list(client.completions.create(model="ids-only", prompt=[1, 2], max_tokens=10, temperature=0,
+                                                        stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+            finally:
+                gw.kill()
+    finally:
+        mp.kill()
+    with_ids = [(ch.choices[0].model_extra or {}).get("token_ids") for ch in chunks if ch.choices]
+    assert len([x for x in with_ids if x]) >= 2, "the stream sent its tokens in one piece"
+    assert [t for x in with_ids if x for t in x] == want
+
+
 def test_stop_strings_cut_the_text_at_the_first_stop(stack: Stack) -> None:
     full = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0).choices[0].text
     assert len(full) > 4

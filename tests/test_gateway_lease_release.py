@@ -81,8 +81,7 @@ def stack(tmp_path: Path, lease_ttl: float) -> Iterator[Stack]:
 
 
 def request(url: str, stream: bool, max_tokens: int) -> tuple[int, list[str]]:
-    """A completion through the gateway, read to the end of its body: its status and its SSE data
-    lines (synthetic:tiny has no tokenizer: a stream's one event with text is its last)."""
+    """A completion through the gateway, read to the end of its body: its status and its SSE data lines."""
     body = {"model": MODEL, "prompt": [1, 2, 3], "max_tokens": max_tokens, "ignore_eos": True, "stream": stream}
     with httpx.Client(base_url=url, timeout=240) as http, http.stream("POST", "/v1/completions", json=body) as r:
         return r.status_code, [line for line in r.iter_lines() if line.startswith("data: ")]

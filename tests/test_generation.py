@@ -345,8 +345,10 @@ def test_streamed_text_never_splits_a_character(tmp_path: Path) -> None:
     assert "".join(pieces) + streamed.finish(sample) == sample
 
 
-def test_text_is_refused_by_a_model_without_a_tokenizer_and_bad_prompts_change_nothing() -> None:
-    with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
+def test_text_is_refused_by_a_model_without_a_tokenizer_and_bad_prompts_change_nothing(tmp_path: Path) -> None:
+    """A checkpoint directory without tokenizer.json serves token ids only (synthetic models have text)."""
+    path = save(tiny_llama(), tmp_path / "ids-only")
+    with WorkerProcess(["--model", str(path)]) as wp:
         assert code_of(lambda: gen(wp.stub, prompt="hello", max_new_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
         chat = [w.ChatMessage(role="user", content="hi")]
         assert code_of(lambda: gen(wp.stub, messages=chat, max_new_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
@@ -414,3 +416,38 @@ def test_reload_weights_from_another_checkpoint_serves_its_tokens_and_a_mismatch
         wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=60)  # a level-2 wake reloads b, not a
         wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_b
+
+
+def test_synthetic_models_have_a_tokenizer_over_their_whole_vocabulary() -> None:
+    """Each preset's made tokenizer: exactly the preset's vocabulary, any text round-trips (bytes
+    first), every id decodes, and the chat template writes role lines and the assistant's turn."""
+    from worker.model.config import PRESETS
+    from worker.model.synthetic_text import synthetic_text
+
+    sample = "Hello, wörld! the quick brown fox\n\t€ 🦊"
+    for preset, config in PRESETS.items():
+        text = synthetic_text(config.vocab_size)
+        assert text is not None and text.vocab_size == config.vocab_size, preset
+        assert text.decode(text.encode(sample)) == sample, preset
+        assert all(isinstance(text.decode([i]), str) for i in range(0, config.vocab_size, 97))
+        assert text.render_chat([{"role": "user", "content": "hi"}]) == "user: hi\nassistant:"
+
+
+def test_a_synthetic_model_takes_and_gives_text_chat_and_stop_strings() -> None:
+    """The default model of ``memsvc up`` (synthetic:small): a text prompt and a chat are encoded with
+    its made tokenizer, the answer has text, and a stop string cut from that text ends a second run
+    there, the text up to it returned."""
+    with WorkerProcess(["--model", "synthetic:small"]) as wp:
+        info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=60).status.model
+        assert info.has_tokenizer and info.has_chat_template
+        r = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=24)
+        assert r.text and len(r.token_ids) == 24
+        chat = gen(wp.stub, messages=[w.ChatMessage(role="user", content="hi")], max_new_tokens=8)
+        from worker.model.synthetic_text import synthetic_text
+
+        made = synthetic_text(info.vocab_size)
+        assert made is not None
+        assert chat.text and chat.prompt_token_count == len(made.encode_chat([{"role": "user", "content": "hi"}]))
+        stop = r.text[len(r.text) // 2 :][:3]
+        cut = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=24, stop=[stop])
+        assert cut.finish_reason == c.FINISH_REASON_STOP and r.text.startswith(cut.text) and stop not in cut.text

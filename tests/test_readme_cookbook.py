@@ -30,6 +30,7 @@ import shlex
 import shutil
 import signal
 import subprocess
+import sys
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
@@ -138,6 +139,8 @@ class Session:
     metrics: dict[tuple[str, frozenset[tuple[str, str]]], float] = field(default_factory=dict)
     up_exit: int | None = None
     up_output: str = ""
+    openai_snippet: subprocess.CompletedProcess[str] | None = None
+    """The README's OpenAI Python block, run against the gateway ``memsvc up`` started."""
 
 
 def request_json(argv: list[str]) -> dict[str, Any]:
@@ -540,6 +543,17 @@ def default_policy(up: Up) -> bytes:
     return up.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy.SerializeToString(deterministic=True)
 
 
+README_GATEWAY = "http://127.0.0.1:8000"
+
+
+def run_openai_snippet(gateway_url: str) -> subprocess.CompletedProcess[str]:
+    """The README's Python block that uses the OpenAI SDK, as written but for the gateway's address."""
+    blocks = re.findall(r"```python\n(.*?)```", (REPO_ROOT / "README.md").read_text(), re.S)
+    (block,) = [b for b in blocks if "from openai import OpenAI" in b]
+    assert README_GATEWAY in block, "the snippet no longer names the gateway's default address"
+    return run([sys.executable, "-c", block.replace(README_GATEWAY, gateway_url)], timeout=LINE_TIMEOUT)
+
+
 @pytest.fixture(scope="module")
 def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
     lines = grpcurl_lines()
@@ -569,6 +583,7 @@ def session(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Session]:
             flag.problems.append("status --manager did not list local0")
         s.cli.append(flag)
         s.metrics = scrape(up.metrics_address)
+        s.openai_snippet = run_openai_snippet(up.gateway_url)  # after the scrape: its lease is not the cookbook's
         up.close_channel()
         s.up_exit = up.proc.signal_and_wait(signal.SIGINT)  # Ctrl-C
         s.up_output = "\n".join(up.proc.lines)
@@ -612,6 +627,14 @@ def test_cli_lines_operate_the_running_pair(session: Session) -> None:
         assert any(f"memsvc {sub}" in line for line in ran), f"the README has no `memsvc {sub}` line"
     bad = [st for st in session.cli if st.problems]
     assert not bad, "\n\n".join(st.report() for st in bad)
+
+
+def test_the_openai_snippet_prints_the_default_models_text(session: Session) -> None:
+    """Run as written against ``memsvc up``'s gateway (its synthetic model, which has a tokenizer and
+    a chat template), the README's OpenAI block prints text."""
+    r = session.openai_snippet
+    assert r is not None and r.returncode == 0, r
+    assert r.stdout.strip(), f"no text printed: {r.stdout!r} {r.stderr!r}"
 
 
 def test_metrics_endpoint_reports_the_worker(session: Session) -> None:

@@ -11,6 +11,7 @@ from memsvc.errors import InvalidArgument, NotFound
 from memsvc.vocabulary import RPC_FRONTS
 from worker.checkpoint_files import CONFIG_FILE
 from worker.host_memory import AUTO, parse_prepin, parse_reserve
+from worker.model.hub import is_hub_id
 
 
 @dataclass(frozen=True)
@@ -95,6 +96,8 @@ class WorkerConfig:
         if self.model.startswith("synthetic:"):
             return
         root = Path(self.model)
+        if not root.exists() and is_hub_id(self.model):
+            return  # a Hub id: resolved (downloaded if need be) by the load, worker/model/hub.py
         if not root.exists():
             raise NotFound(f"--model {self.model}: checkpoint directory does not exist")
         if not root.is_dir():
@@ -106,12 +109,14 @@ class WorkerConfig:
             raise InvalidArgument(f"--model {self.model}: {CONFIG_FILE} is not a regular file")
 
     def resolved_served_model_name(self) -> str:
-        """The name clients ask for the model by: ``served_model_name``, else the checkpoint
-        directory's name, else the synthetic spec."""
+        """The name clients ask for the model by: ``served_model_name``, else the synthetic spec, else
+        the Hub id (without ``@revision``), else the checkpoint directory's name."""
         if self.served_model_name:
             return self.served_model_name
         if self.model.startswith("synthetic:"):
             return self.model
+        if not Path(self.model).exists() and is_hub_id(self.model):
+            return self.model.partition("@")[0]
         return Path(self.model).resolve().name or self.model
 
     def resolved_worker_id(self) -> str:

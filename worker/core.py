@@ -155,10 +155,11 @@ class WorkerCore:
             )
             # After the allocator (its CUDA context made without the GIL): torch meanwhile imports on
             # worker/main.py's thread, and these wait for what is left of it.
+            from worker.model import hub
             from worker.model.loader import StreamingLoader
             from worker.model.paged_attention import graphs_supported
             from worker.model.runner import ModelRunner
-            from worker.model.weights import parse_model_spec
+            from worker.model.weights import SYNTHETIC_PREFIX, parse_model_spec
 
             # the loader keeps its staging ring for level-2 wakes and ReloadWeights (allocator memory:
             # pre-faulted and page-locked by native/hostmem.c, counted in host_pinned_bytes)
@@ -166,8 +167,13 @@ class WorkerCore:
             if self._loads_cancelled:
                 self._loader.cancel()
             loader = self._loader
+            # a Hub id: its snapshot, downloaded into the Hub's cache unless there (not bounded: a
+            # download is long and shows its own progress; the Hub's client has its own timeouts)
+            spec = c.model if c.model.startswith(SYNTHETIC_PREFIX) else str(hub.resolve(c.model))
+            if spec != c.model:
+                log.info("model %s: %s", c.model, spec)
             # config, tokenizer and generation config: read bounded as the shards are (a hung mount)
-            source = loader.bounded(c.model, lambda: parse_model_spec(c.model, seed=c.seed, loader=loader))
+            source = loader.bounded(c.model, lambda: parse_model_spec(spec, seed=c.seed, loader=loader, name=c.model))
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning("CUDA graphs off: they need Triton and a power-of-two head_dim; decoding eagerly")

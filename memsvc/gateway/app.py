@@ -18,7 +18,7 @@ import hmac
 import json
 import logging
 import time
-from collections.abc import AsyncIterator, Awaitable, Callable, Iterator
+from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
 
 import grpc
@@ -299,6 +299,7 @@ async def _respond(
     gateway = _gateway(request)
     backends, metrics = gateway.backends, gateway.metrics
     holder = f"gateway {request.state.request_id}"
+    ids = req.return_token_ids if req.return_token_ids is not None else not worker.has_tokenizer
     t0 = time.perf_counter()
     stack = contextlib.AsyncExitStack()
     try:
@@ -335,7 +336,7 @@ async def _respond(
                     raise from_rpc(exc, "worker") from None
                 await stack.aclose()  # the lease goes back before the answer does
                 metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
-                return JSONResponse(_whole(kind, req.model, r))
+                return JSONResponse(_whole(kind, req.model, r, ids))
             call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
             leased_stack.callback(call.cancel)
             try:
@@ -355,7 +356,7 @@ async def _respond(
         raise
     closed = _Once(stack.aclose)
     tally = _Tally(metrics, req.model, first_at)
-    events = _stream(req, kind, first, call, closed, tally)
+    events = _stream(req, kind, first, call, closed, tally, ids)
     return StreamingResponse(events, media_type="text/event-stream", background=BackgroundTask(closed))
 
 
@@ -518,7 +519,8 @@ def _reason(r: w.GenerateResponse) -> str:
     return "stop" if r.finish_reason == c.FINISH_REASON_STOP else "length"
 
 
-def _whole(kind: str, model: str, r: w.GenerateResponse) -> dict[str, Any]:
+def _whole(kind: str, model: str, r: w.GenerateResponse, ids: bool = False) -> dict[str, Any]:
+    """The whole answer; with ``ids``, its choice carries ``token_ids`` (see ``return_token_ids``)."""
     if kind == "chat.completion":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": r.text}}
         rid = new_id("chatcmpl")
@@ -526,14 +528,18 @@ def _whole(kind: str, model: str, r: w.GenerateResponse) -> dict[str, Any]:
         choice = {"index": 0, "text": r.text, "logprobs": None}
         rid = new_id("cmpl")
     choice["finish_reason"] = _reason(r)
+    if ids:
+        choice["token_ids"] = list(r.token_ids)
     return {"id": rid, "object": kind, "created": now(), "model": model, "choices": [choice],
             "usage": usage(r.prompt_token_count, len(r.token_ids))}  # fmt: skip
 
 
 async def _stream(
-    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once, tally: _Tally
-) -> AsyncIterator[str]:
-    """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; the lease goes when it ends."""
+    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once, tally: _Tally,
+    ids: bool = False,
+) -> AsyncIterator[str]:  # fmt: skip
+    """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; the lease goes when it ends.
+    With ``ids`` every message of the worker's is a chunk whose choice carries its ``token_ids``."""
     chat = kind == "chat.completion"
     rid, created, model = new_id("chatcmpl" if chat else "cmpl"), now(), req.model
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
@@ -544,10 +550,14 @@ async def _stream(
         body.update(extra or {})
         return f"data: {json.dumps(body)}\n\n"
 
-    def piece(text: str, reason: str | None = None) -> dict[str, Any]:
+    def piece(text: str, reason: str | None = None, tokens: Sequence[int] = ()) -> dict[str, Any]:
         if chat:
-            return {"index": 0, "delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
-        return {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+            choice = {"index": 0, "delta": {"content": text} if text or reason is None else {}, "finish_reason": reason}
+        else:
+            choice = {"index": 0, "text": text, "logprobs": None, "finish_reason": reason}
+        if ids and reason is None:
+            choice["token_ids"] = list(tokens)
+        return choice
 
     prompt_tokens = 0
     finish: str | None = None
@@ -558,8 +568,8 @@ async def _stream(
         while msg is not grpc.aio.EOF and msg is not None:
             tally.add(len(msg.token_ids))
             prompt_tokens = msg.prompt_token_count or prompt_tokens  # the first message tells it
-            if msg.text:
-                yield event(piece(msg.text))
+            if msg.text or (ids and msg.token_ids):
+                yield event(piece(msg.text, tokens=msg.token_ids))
             if msg.HasField("done"):
                 prompt_tokens = msg.done.prompt_token_count
                 finish = _reason(msg.done)

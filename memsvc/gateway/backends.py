@@ -78,6 +78,8 @@ class Served:
     vocab_size: int = 0
     """The model's, for the gateway's own check of token-id prompts (0: not reported)."""
     context_length: int = 0
+    has_tokenizer: bool = True
+    """Its answers carry text (without a tokenizer they carry token ids only)."""
 
 
 log = logging.getLogger("memsvc.gateway")
@@ -150,7 +152,15 @@ class Backends:
                     unknown += wk.state == c.WORKER_STATE_UNAVAILABLE
                     continue
                 out.setdefault(model.served_model_name, []).append(
-                    Served(wk.name, wk.address, wk.state, wk.lease_count, model.vocab_size, model.context_length)
+                    Served(
+                        wk.name,
+                        wk.address,
+                        wk.state,
+                        wk.lease_count,
+                        model.vocab_size,
+                        model.context_length,
+                        model.has_tokenizer,
+                    )
                 )
             token = r.next_page_token
             if not token:

@@ -107,6 +107,10 @@ class _Sampling(BaseModel):
     user: str | None = None
     ignore_eos: bool = False
     """vLLM's extension: do not stop at the model's end-of-sequence tokens."""
+    return_token_ids: bool | None = None
+    """vLLM's extension: each choice (and each streamed chunk's) carries ``token_ids``, the tokens it
+    holds. Unset: on for a model without a tokenizer, whose text is empty (a stream would otherwise
+    send nothing until it ends)."""
     frequency_penalty: Any = None
     presence_penalty: Any = None
     logit_bias: Any = None

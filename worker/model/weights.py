@@ -28,6 +28,7 @@ from worker.checkpoint_files import CONFIG_FILE, read_json
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.generation import read_eos_token_ids
 from worker.model.loader import INDEX_FILE, LoadStats, StreamingLoader, read_layout
+from worker.model.synthetic_text import synthetic_text
 from worker.model.text import ModelText
 
 Weights = dict[str, torch.Tensor]
@@ -171,7 +172,8 @@ class ModelSource(abc.ABC):
     eos_token_ids: tuple[int, ...] = ()
     """Tokens that end a generation (worker/model/generation.py); none for synthetic models."""
     text: ModelText | None = None
-    """The model's tokenizer and chat template, when its directory has them."""
+    """The model's tokenizer and chat template, when its directory has them (a synthetic model's are
+    made for it)."""
 
     @abc.abstractmethod
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
@@ -185,7 +187,8 @@ class ModelSource(abc.ABC):
 
 
 class SyntheticSource(ModelSource):
-    """Seeded random weights in a preset's shapes (:data:`PRESETS`), for tests and benchmarks."""
+    """Seeded random weights in a preset's shapes (:data:`PRESETS`), for tests and benchmarks, with a
+    tokenizer and a chat template made for the preset's vocabulary (worker/model/synthetic_text.py)."""
 
     def __init__(self, preset: str, seed: int = 0) -> None:
         if preset not in PRESETS:
@@ -193,6 +196,7 @@ class SyntheticSource(ModelSource):
         self.name = SYNTHETIC_PREFIX + preset
         self.config = PRESETS[preset]
         self.seed = seed
+        self.text = synthetic_text(self.config.vocab_size)
 
     def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
         fill_synthetic(weights, self.config, self.seed)
@@ -257,14 +261,19 @@ class CheckpointSource(ModelSource):
         self.loader.check(self.path, weight_shapes(self.config))
 
 
-def parse_model_spec(spec: str, seed: int = 0, loader: StreamingLoader | None = None) -> ModelSource:
+def parse_model_spec(
+    spec: str, seed: int = 0, loader: StreamingLoader | None = None, name: str | None = None
+) -> ModelSource:
     """``synthetic:<preset>`` or a checkpoint directory path (read by ``loader``, see
-    :class:`CheckpointSource`)."""
+    :class:`CheckpointSource`); ``name``: how to name a checkpoint instead of its path (the Hub id
+    its snapshot was resolved from, worker/model/hub.py)."""
     if not isinstance(spec, str) or not spec:
         raise InvalidArgument("model spec must be 'synthetic:<preset>' or a checkpoint directory")
     if spec.startswith(SYNTHETIC_PREFIX):
         return SyntheticSource(spec[len(SYNTHETIC_PREFIX) :], seed)
-    return CheckpointSource(spec, loader=loader)
+    source = CheckpointSource(spec, loader=loader)
+    source.name = name or source.name
+    return source
 
 
 __all__ = [

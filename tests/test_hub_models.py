@@ -1,0 +1,63 @@
+"""Models by Hugging Face Hub id, with no network (worker/model/hub.py): a worker started with
+``--model acme/text-model`` and ``HF_HUB_OFFLINE=1`` serves the snapshot a Hub cache holds in the
+Hub's documented layout (``models--acme--text-model/snapshots/<commit>/``, ``refs/main`` naming the
+commit), under the Hub id as its name, with the same tokens and text as the checkpoint directory it
+came from; an id the cache does not hold is refused at start with one line that says what was tried."""
+
+from __future__ import annotations
+
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+from test_generation import text_model
+from workerproc import WorkerProcess
+
+from memsvc.v1 import model_worker_service_pb2 as w
+
+COMMIT = "0123456789abcdef0123456789abcdef01234567"
+REPO = "acme/text-model"
+
+
+def hub_cache(root: Path, repo: str, checkpoint: Path) -> Path:
+    """A Hub cache (``HF_HOME``) holding ``checkpoint`` as the main revision of ``repo``."""
+    org, name = repo.split("/")
+    entry = root / "hub" / f"models--{org}--{name}"
+    shutil.copytree(checkpoint, entry / "snapshots" / COMMIT)
+    (entry / "refs").mkdir()
+    (entry / "refs" / "main").write_text(COMMIT)
+    return root
+
+
+def offline(home: Path) -> dict[str, str]:
+    return {"HF_HOME": str(home), "HF_HUB_OFFLINE": "1"}
+
+
+def test_a_hub_id_in_the_cache_serves_what_its_checkpoint_directory_serves(tmp_path: Path) -> None:
+    path, _ = text_model(tmp_path)
+    home = hub_cache(tmp_path / "hf", REPO, path)
+    req = w.GenerateRequest(prompt="the quick brown fox", max_new_tokens=12)
+    with WorkerProcess(["--model", str(path)]) as wp:
+        want = wp.stub.Generate(req, timeout=60)
+    with WorkerProcess(["--model", REPO], env=offline(home)) as wp:
+        st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=60).status
+        assert (st.model.source, st.model.served_model_name) == (REPO, REPO)
+        assert st.model.has_tokenizer and st.model.has_chat_template
+        got = wp.stub.Generate(req, timeout=60)
+    assert (list(got.token_ids), got.text) == (list(want.token_ids), want.text)
+
+
+def test_an_id_the_cache_lacks_is_refused_at_start_saying_what_was_tried(tmp_path: Path) -> None:
+    home = tmp_path / "hf"
+    home.mkdir()
+    argv = [sys.executable, "-m", "memsvc.cli", "worker", "--backend", "host", "--listen", "127.0.0.1:0",
+            "--model", "acme/absent"]  # fmt: skip
+    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
+                       env={**os.environ, **offline(home)})  # fmt: skip
+    assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
+    assert "Traceback" not in r.stderr, r.stderr[-3000:]
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1, r.stderr[-3000:]
+    assert "'acme/absent' is not a directory here" in errors[0] and "not in the Hub cache" in errors[0], errors
