@@ -636,6 +636,13 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.add_argument("--state-dir", default=".memsvc", help="where the manager keeps its database")
     p.add_argument(
+        "--config",
+        default=None,
+        help="a host file (TOML or YAML) of models to serve, one worker each, with the policy and the "
+        "manager's and gateway's addresses (docs/operations.md, 'One host, many models'); the flags above "
+        "and --model, --backend and the idle timeouts are then the file's to say",
+    )
+    p.add_argument(
         "--model",
         default=None,
         help="checkpoint dir or Hub id (default: synthetic:1b on a GPU, synthetic:small without)",
@@ -701,6 +708,19 @@ def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") ->
             human_bytes(wk.status.device.free_bytes),
         )
     return table
+
+
+def _up_child_vars(args: argparse.Namespace) -> dict[str, str]:
+    """``memsvc up``'s auth and logging flags as the MEMSVC_* variables of every child."""
+    return {
+        **{
+            f"MEMSVC_{name.upper()}": os.path.abspath(value)
+            for name in ("token_file", "tls_cert", "tls_key", "tls_ca", "tls_client_ca")
+            if (value := getattr(args, name))
+        },
+        "MEMSVC_LOG_LEVEL": args.log_level,
+        "MEMSVC_LOG_FORMAT": args.log_format,
+    }
 
 
 def _print_json(message: Message) -> None:
@@ -976,6 +996,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
             max_connections=args.max_connections, lease_ttl=args.lease_ttl, processes=args.processes,
         )  # fmt: skip
+    if args.command == "up" and args.config:
+        from memsvc._host import run_host
+
+        return run_host(args.config, _up_child_vars(args))
     if args.command == "up":
         from memsvc._up import run as run_up
 
@@ -988,15 +1012,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.backend,
             args.idle_sleep_timeout,
             args.idle_deep_sleep_timeout,
-            {
-                **{
-                    f"MEMSVC_{name.upper()}": os.path.abspath(value)
-                    for name in ("token_file", "tls_cert", "tls_key", "tls_ca", "tls_client_ca")
-                    if (value := getattr(args, name))
-                },
-                "MEMSVC_LOG_LEVEL": args.log_level,
-                "MEMSVC_LOG_FORMAT": args.log_format,
-            },
+            _up_child_vars(args),
             args.gateway_listen,
         )
     if args.command == "health":

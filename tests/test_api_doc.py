@@ -110,6 +110,22 @@ def test_operations_config_examples_load(tmp_path: Path) -> None:
         ]
 
 
+def test_operations_host_file_example_loads(tmp_path: Path) -> None:
+    """The "One host, many models" example is a host file ``memsvc up --config`` takes as written."""
+    from memsvc._host import load_host_config
+
+    (block,) = code_blocks("toml host")
+    path = tmp_path / "host.toml"
+    path.write_text(block)
+    cfg = load_host_config(path)
+    assert [(x.worker_id, x.model, x.name) for x in cfg.models] == [
+        ("Qwen-Qwen2.5-0.5B-Instruct", "Qwen/Qwen2.5-0.5B-Instruct", ""),
+        ("llama", "/models/Llama-3.1-8B-Instruct", "llama"),
+    ]
+    assert cfg.models[1].args == ("--kv-blocks", "4096") and cfg.models[1].policy == {"time_slice": 5.0}
+    assert cfg.policy["time_slice"] == 2.0 and cfg.policy["idle_deep_sleep_timeout"] == 3600.0
+
+
 def test_operations_toml_example_documents_every_setting(tmp_path: Path) -> None:
     (toml,) = code_blocks("toml")
     keys = set(re.findall(r"^(\w+)\s*=", toml, re.M))

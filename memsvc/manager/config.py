@@ -42,15 +42,15 @@ class ManagerConfig:
     workers: list[StoredWorker] = field(default_factory=list)
 
 
-def load_config(path: str | Path | None) -> ManagerConfig:
-    if path is None:
-        return ManagerConfig()
+def read_config_file(path: str | Path) -> dict[str, Any]:
+    """A config file's tables: TOML, or YAML when the name ends in .yaml or .yml (this file's and
+    ``memsvc up --config``'s, memsvc/_host.py)."""
     p = Path(path)
     try:
         text = p.read_text()
     except OSError as exc:
         raise InvalidArgument(f"cannot read config {p}: {exc}") from exc
-    raw: dict[str, Any]
+    raw: object
     if p.suffix in (".yaml", ".yml"):
         import yaml
 
@@ -64,7 +64,15 @@ def load_config(path: str | Path | None) -> ManagerConfig:
         except tomllib.TOMLDecodeError as exc:
             raise InvalidArgument(f"config {p}: {exc}") from exc
     if not isinstance(raw, dict):
-        raise InvalidArgument(f"config {p}: expected tables [manager], [policy], [[workers]], got {type(raw).__name__}")
+        raise InvalidArgument(f"config {p}: expected tables, got {type(raw).__name__}")
+    return raw
+
+
+def load_config(path: str | Path | None) -> ManagerConfig:
+    if path is None:
+        return ManagerConfig()
+    p = Path(path)
+    raw = read_config_file(p)
     unknown = set(raw) - {"manager", "policy", "workers"}
     if unknown:
         raise InvalidArgument(f"config {p}: unknown section(s) {sorted(unknown)}")

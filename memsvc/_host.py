@@ -1,0 +1,410 @@
+"""``memsvc up --config host.toml``: a host's models in one file, as llama-swap's config and Ollama's
+model list are. The file names the models (a checkpoint directory, a Hugging Face Hub id or
+``synthetic:<preset>``, each with its served name, device and worker flags), the manager's default
+policy and per-model overrides; ``memsvc up`` starts the manager, one worker per model and the OpenAI
+gateway, and then:
+
+- loads the models of one device one at a time, each put to sleep (the policy's tier-1 actions) before
+  the next one there loads, the last left awake: a device need not hold them all at once, and a
+  request wakes the one it wants (a fraction of a second), putting another to sleep if the budget
+  needs it;
+- restarts a worker that dies (after 1 s, doubling to 30 s while it keeps dying young);
+- on SIGHUP reads the file again: workers of models that are gone stop, new ones start, changed ones
+  restart, the others are not touched, and the policy is applied again (a file that does not load is
+  logged and changes nothing);
+- on SIGINT or SIGTERM stops them all (gateway, workers, manager) and exits 0;
+- stops them all and exits 1 if the manager or the gateway dies.
+
+The policy is applied with UpdatePolicy at every start and reload, so the file wins over what an
+earlier run stored. Models on one device share its budget as always: with ``device_budget_bytes``
+set so that one fits, they take turns (docs/operations.md, "Turns").
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from memsvc._logging import announce
+from memsvc.errors import InvalidArgument, MemsvcError
+
+RESTART_S = (1.0, 30.0)
+"""A dead worker's restart delay: the first, doubling up to the second while it keeps dying young."""
+YOUNG_S = 60.0
+"""A worker that ran this long before it died is restarted after the first delay again."""
+READY_S = 60.0
+"""How long the manager may take to answer after it starts."""
+LOAD_S = 900.0
+"""How long a model may take to load (a Hub download included) before the next on its device starts anyway."""
+STOP_S = 40.0
+"""How long the children get to stop after SIGTERM, before SIGKILL."""
+
+_SECTIONS = {"manager", "gateway", "policy", "models"}
+_MANAGER_KEYS = {"listen": "127.0.0.1:50051", "metrics_listen": "127.0.0.1:9400", "state_dir": ".memsvc"}
+_GATEWAY_KEYS = {"listen": "127.0.0.1:8000", "processes": 1}
+_MODEL_KEYS = {"model", "name", "id", "device", "backend", "args", "policy"}
+_DEFAULT_POLICY = {"idle_sleep_timeout": 300.0, "idle_deep_sleep_timeout": 3600.0}
+"""What ``memsvc up`` seeds without a file, under the file's ``[policy]``."""
+
+
+@dataclass(frozen=True)
+class ModelEntry:
+    """One ``[[models]]`` entry: one worker."""
+
+    worker_id: str
+    """``id``, else made from ``name`` or ``model`` (characters other than letters, digits, ``.``, ``_``
+    and ``-`` become ``-``)."""
+    model: str
+    name: str = ""
+    """The served name (``--served-model-name``); empty: the worker's default for the model."""
+    device: int = 0
+    backend: str = "auto"
+    args: tuple[str, ...] = ()
+    """More ``memsvc worker`` flags."""
+    policy: Mapping[str, Any] = field(default_factory=dict)
+    """This worker's policy overrides (the manager's policy fields)."""
+
+    def argv(self, manager: str) -> list[str]:
+        out = [sys.executable, "-m", "memsvc.cli", "worker", "--listen", "127.0.0.1:0", "--manager", manager,
+               "--worker-id", self.worker_id, "--model", self.model, "--device", str(self.device),
+               "--backend", self.backend]  # fmt: skip
+        if self.name:
+            out += ["--served-model-name", self.name]
+        return out + list(self.args)
+
+
+@dataclass(frozen=True)
+class HostConfig:
+    manager_listen: str = _MANAGER_KEYS["listen"]
+    metrics_listen: str = _MANAGER_KEYS["metrics_listen"]
+    state_dir: str = _MANAGER_KEYS["state_dir"]
+    gateway_listen: str = str(_GATEWAY_KEYS["listen"])
+    gateway_processes: int = 1
+    policy: Mapping[str, Any] = field(default_factory=dict)
+    """The manager's default policy fields (memsvc/manager/policy.py), ``memsvc up``'s idle timers under them."""
+    models: tuple[ModelEntry, ...] = ()
+
+
+def _worker_id(text: str) -> str:
+    return re.sub(r"[^A-Za-z0-9._-]", "-", text).strip("-")[:128] or "model"
+
+
+def _policy(raw: object, where: str) -> dict[str, Any]:
+    from memsvc.manager.policy import fields_from_config
+
+    if not isinstance(raw, dict):
+        raise InvalidArgument(f"{where} must be a table of policy fields")
+    try:
+        return fields_from_config(raw)
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {str(exc).removeprefix('config: ')}") from None
+
+
+def _table(raw: dict[str, Any], name: str, keys: Mapping[str, Any], where: str) -> dict[str, Any]:
+    table = raw.get(name, {})
+    if not isinstance(table, dict):
+        raise InvalidArgument(f"{where}: [{name}] must be a table")
+    unknown = sorted(set(table) - set(keys))
+    if unknown:
+        raise InvalidArgument(f"{where}: unknown [{name}] key(s) {unknown}; known: {sorted(keys)}")
+    return {**keys, **table}
+
+
+def _model(entry: object, i: int, where: str) -> ModelEntry:
+    at = f"{where}: models[{i}]"
+    if not isinstance(entry, dict):
+        raise InvalidArgument(f"{at} must be a table")
+    unknown = sorted(set(entry) - _MODEL_KEYS)
+    if unknown:
+        raise InvalidArgument(f"{at}: unknown key(s) {unknown}; known: {sorted(_MODEL_KEYS)}")
+    model = entry.get("model")
+    if not isinstance(model, str) or not model:
+        raise InvalidArgument(f"{at}.model: a checkpoint directory, a Hub id or synthetic:<preset> is required")
+    name = entry.get("name", "")
+    device = entry.get("device", 0)
+    backend = entry.get("backend", "auto")
+    args = entry.get("args", [])
+    if not isinstance(name, str):
+        raise InvalidArgument(f"{at}.name must be a string")
+    if isinstance(device, bool) or not isinstance(device, int) or device < 0:
+        raise InvalidArgument(f"{at}.device must be an integer >= 0")
+    if backend not in ("auto", "cuda", "host"):
+        raise InvalidArgument(f"{at}.backend must be auto, cuda or host")
+    if not isinstance(args, list) or not all(isinstance(a, str) for a in args):
+        raise InvalidArgument(f"{at}.args must be a list of strings (more memsvc worker flags)")
+    wid = entry.get("id") or _worker_id(name or model)
+    if not isinstance(wid, str) or wid != _worker_id(wid):
+        raise InvalidArgument(f"{at}.id must be letters, digits, '.', '_' and '-'")
+    policy = _policy(entry.get("policy", {}), f"{at}.policy")
+    return ModelEntry(wid, model, name, device, backend, tuple(args), policy)
+
+
+def load_host_config(path: str | Path) -> HostConfig:
+    """The file (TOML, or YAML by its suffix), checked: an unknown table or key, or a value of the wrong
+    kind, is one error naming it."""
+    from memsvc.manager.config import read_config_file
+
+    where = str(path)
+    raw = read_config_file(path)
+    unknown = sorted(set(raw) - _SECTIONS)
+    if unknown:
+        raise InvalidArgument(f"{where}: unknown table(s) {unknown}; known: {sorted(_SECTIONS)}")
+    mgr = _table(raw, "manager", _MANAGER_KEYS, where)
+    gw = _table(raw, "gateway", _GATEWAY_KEYS, where)
+    for key, value in [*(("manager." + k, v) for k, v in mgr.items()), ("gateway.listen", gw["listen"])]:
+        if not isinstance(value, str):
+            raise InvalidArgument(f"{where}: {key} must be a string")
+    procs = gw["processes"]
+    if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
+        raise InvalidArgument(f"{where}: gateway.processes must be an integer >= 1")
+    entries = raw.get("models", [])
+    if not isinstance(entries, list) or not entries:
+        raise InvalidArgument(f"{where}: list the models to serve in [[models]] entries (model = ...)")
+    models = tuple(_model(e, i, where) for i, e in enumerate(entries))
+    seen: set[str] = set()
+    for m in models:
+        if m.worker_id in seen:
+            raise InvalidArgument(f"{where}: two models have the worker id {m.worker_id!r}: give one an id")
+        seen.add(m.worker_id)
+    policy = {**_DEFAULT_POLICY, **_policy(raw.get("policy", {}), f"{where}: [policy]")}
+    return HostConfig(mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models)
+
+
+@dataclass
+class _Worker:
+    entry: ModelEntry
+    proc: subprocess.Popen[bytes] | None = None
+    started: float = 0.0
+    delay: float = RESTART_S[0]
+    restart_at: float = 0.0
+    policy_applied: bool = False
+
+
+class Host:
+    """The children of one ``memsvc up --config`` and what keeps them running (see the module)."""
+
+    def __init__(self, path: str | Path, config: HostConfig, env: Mapping[str, str]) -> None:
+        self.path = Path(path)
+        self.config = config
+        self.env = dict(env)
+        self.manager: subprocess.Popen[bytes] | None = None
+        self.gateway: subprocess.Popen[bytes] | None = None
+        self.workers: dict[str, _Worker] = {}
+        self._stopping = False
+        self._reload = False
+        self._client: Any = None
+
+    # ---- signals ----
+    def _stop(self, _signum: int, _frame: object) -> None:
+        self._stopping = True
+
+    def _hup(self, _signum: int, _frame: object) -> None:
+        self._reload = True
+
+    # ---- children ----
+    def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
+        return subprocess.Popen(argv, env=self.env)
+
+    def _start_worker(self, w: _Worker) -> None:
+        w.proc = self._spawn(w.entry.argv(self.config.manager_listen))
+        w.started, w.policy_applied = time.monotonic(), not w.entry.policy
+
+    def _stop_procs(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
+        for p in procs:
+            if p.poll() is None:
+                p.send_signal(signal.SIGTERM)
+        deadline = time.monotonic() + STOP_S
+        for p in procs:
+            try:
+                p.wait(timeout=max(0.1, deadline - time.monotonic()))
+            except subprocess.TimeoutExpired:
+                p.kill()
+                p.wait()
+
+    def _manager_client(self) -> Any:
+        from memsvc.client import ManagerClient
+
+        if self._client is None:
+            self._client = ManagerClient(self.config.manager_listen)
+        return self._client
+
+    def _update_policy(self, name: str, fields: Mapping[str, Any]) -> None:
+        """UpdatePolicy of the default (``name`` empty) or of one worker, with exactly ``fields``."""
+        from google.protobuf.field_mask_pb2 import FieldMask
+
+        from memsvc.manager.policy import Policy
+        from memsvc.v1 import memory_manager_service_pb2 as m
+
+        request = m.UpdatePolicyRequest(name=name, policy=Policy().with_fields(dict(fields)).to_proto(),
+                                        update_mask=FieldMask(paths=sorted(fields)))  # fmt: skip
+        self._manager_client().stub.UpdatePolicy(request, timeout=10)
+
+    def _apply_default_policy(self) -> None:
+        import grpc
+
+        deadline = time.monotonic() + READY_S
+        while True:
+            try:
+                self._update_policy("", self.config.policy)
+                return
+            except grpc.RpcError as exc:
+                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
+                    raise
+            if self.manager is not None and self.manager.poll() is not None:
+                raise InvalidArgument(f"the manager exited with {self.manager.returncode} at start")
+            time.sleep(0.1)
+
+    def _apply_overrides(self) -> None:
+        """Each worker's policy overrides, once it has registered (the manager keeps overrides per
+        known worker)."""
+        import grpc
+
+        for w in self.workers.values():
+            if w.policy_applied:
+                continue
+            try:
+                self._update_policy(f"workers/{w.entry.worker_id}", w.entry.policy)
+                w.policy_applied = True
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    announce(f"memsvc up: the policy of {w.entry.worker_id}: {exc.details()}", sys.stderr)
+                    w.policy_applied = True  # refused: said once, not every tick
+
+    # ---- reload ----
+    def _reload_config(self) -> None:
+        try:
+            new = load_host_config(self.path)
+        except MemsvcError as exc:
+            announce(f"memsvc up: {self.path} not reloaded: {exc}", sys.stderr)
+            return
+        keep = {k: getattr(new, k) for k in ("manager_listen", "metrics_listen", "state_dir", "gateway_listen",
+                                             "gateway_processes")}  # fmt: skip
+        if keep != {k: getattr(self.config, k) for k in keep}:
+            announce("memsvc up: [manager] and [gateway] changes apply at the next start", sys.stderr)
+        self.config = dataclasses.replace(self.config, policy=new.policy)
+        self._apply_default_policy()
+        wanted = {e.worker_id: e for e in new.models}
+        gone = [w for wid, w in self.workers.items() if wanted.get(wid) != w.entry]
+        self._stop_procs([w.proc for w in gone if w.proc is not None])
+        for w in gone:
+            del self.workers[w.entry.worker_id]
+            if w.entry.worker_id not in wanted:  # gone from the file: gone from the manager's list too
+                try:
+                    self._manager_client().deregister(w.entry.worker_id)
+                except MemsvcError as exc:
+                    announce(f"memsvc up: {w.entry.worker_id} stopped but not deregistered: {exc}", sys.stderr)
+        for wid, entry in wanted.items():
+            if wid not in self.workers:
+                self.workers[wid] = _Worker(entry)
+                self._start_worker(self.workers[wid])
+        self.config = dataclasses.replace(self.config, models=new.models)
+        announce(f"memsvc up: {self.path} reloaded: {len(self.workers)} model(s), {len(gone)} stopped or restarted")
+
+    # ---- the loop ----
+    def run(self) -> int:
+        cfg = self.config
+        Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
+        exe = [sys.executable, "-m", "memsvc.cli"]
+        signal.signal(signal.SIGTERM, self._stop)
+        signal.signal(signal.SIGINT, self._stop)
+        signal.signal(signal.SIGHUP, self._hup)
+        db = str(Path(cfg.state_dir) / "manager.db")
+        self.manager = self._spawn(
+            [*exe, "manager", "--listen", cfg.manager_listen, "--db", db, "--metrics-listen", cfg.metrics_listen]
+        )
+        try:
+            self._apply_default_policy()
+            for i, entry in enumerate(cfg.models):
+                self.workers[entry.worker_id] = w = _Worker(entry)
+                self._start_worker(w)
+                if any((e.backend, e.device) == (entry.backend, entry.device) for e in cfg.models[i + 1 :]):
+                    self._loaded_then_asleep(w)
+            if cfg.gateway_listen:
+                self.gateway = self._spawn([*exe, "gateway", "--listen", cfg.gateway_listen, "--manager",
+                                            cfg.manager_listen, "--processes", str(cfg.gateway_processes)])  # fmt: skip
+            return self._supervise()
+        except MemsvcError as exc:
+            announce(f"memsvc up: {exc}", sys.stderr)
+            return 1
+        finally:
+            workers = [w.proc for w in self.workers.values() if w.proc is not None]
+            self._stop_procs([p for p in (self.gateway, *workers, self.manager) if p is not None])
+            if self._client is not None:
+                self._client.close()
+
+    def _loaded_then_asleep(self, w: _Worker) -> None:
+        """Wait until ``w`` has loaded (registered awake; at most :data:`LOAD_S`), then put it to sleep,
+        so that the next model on its device loads with room. A worker that fails its load is left to
+        the supervision loop (restarted)."""
+        import grpc
+
+        from memsvc.v1 import common_pb2 as c
+        from memsvc.v1 import memory_manager_service_pb2 as m
+
+        name = f"workers/{w.entry.worker_id}"
+        client = self._manager_client()
+        deadline = time.monotonic() + LOAD_S
+        while not self._stopping and time.monotonic() < deadline and w.proc is not None and w.proc.poll() is None:
+            try:
+                state = client.stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker.state
+                if state == c.WORKER_STATE_AWAKE:
+                    client.stub.SleepWorker(m.SleepWorkerRequest(name=name), timeout=600)
+                    return
+            except grpc.RpcError as exc:
+                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                    announce(f"memsvc up: {w.entry.worker_id} not put to sleep after its load: {exc.details()}",
+                             sys.stderr)  # fmt: skip
+                    return
+            time.sleep(0.2)
+
+    def _supervise(self) -> int:
+        while not self._stopping:
+            if self._reload:
+                self._reload = False
+                self._reload_config()
+            for name, p in (("manager", self.manager), ("gateway", self.gateway)):
+                if p is not None and p.poll() is not None:
+                    announce(f"memsvc up: the {name} exited with {p.returncode}: stopping", sys.stderr)
+                    return 1
+            now = time.monotonic()
+            for w in self.workers.values():
+                self._tend(w, now)
+            self._apply_overrides()
+            time.sleep(0.2)
+        return 0
+
+    def _tend(self, w: _Worker, now: float) -> None:
+        """Restart ``w`` if it died (after its delay)."""
+        if w.proc is not None and w.proc.poll() is not None:
+            lived = now - w.started
+            w.delay = RESTART_S[0] if lived >= YOUNG_S else w.delay
+            announce(f"memsvc up: worker {w.entry.worker_id} exited with {w.proc.returncode} after {lived:.0f} s; "
+                     f"restarting it in {w.delay:.0f} s", sys.stderr)  # fmt: skip
+            w.proc, w.restart_at = None, now + w.delay
+            w.delay = min(w.delay * 2, RESTART_S[1])
+        if w.proc is None and now >= w.restart_at:
+            self._start_worker(w)
+
+
+def run_host(path: str, child_vars: Mapping[str, str] | None = None) -> int:
+    """``memsvc up --config PATH``: 2 for a file that does not load (one line naming what is wrong)."""
+    try:
+        config = load_host_config(path)
+    except MemsvcError as exc:
+        announce(f"memsvc up: error: {exc}", sys.stderr)
+        return 2
+    env = {**os.environ, **(child_vars or {})}
+    os.environ.update(child_vars or {})  # this process's own calls to the manager use the same auth
+    return Host(path, config, env).run()
+
+
+__all__ = ["HostConfig", "ModelEntry", "load_host_config", "run_host"]

@@ -1,0 +1,170 @@
+"""``memsvc up --config host.toml``: a host's models from one file (memsvc/_host.py), run as a user
+runs it, with three host-backend models on one simulated device that holds one awake model at a time:
+
+- all three are listed by the gateway's /v1/models, and a request for each gets text through the
+  OpenAI SDK, each wake putting the one awake before it to sleep;
+- a worker killed outright (SIGKILL) is started again and serves again;
+- SIGHUP reads the file again: a model taken out of it stops and leaves the manager's list, a model
+  put in starts and serves, the others are not restarted;
+- Ctrl-C (SIGINT) stops every child and exits 0;
+- a file that does not load is one error line naming what is wrong, exit 2.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+from childproc import Proc
+from upproc import free_port, wait_for
+
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+
+openai = pytest.importorskip("openai")
+
+MODELS = ("alpha", "beta", "gamma")
+
+
+def host_file(path: Path, manager: str, gateway: str, names: tuple[str, ...]) -> Path:
+    """Each model a tiny synthetic one on a 6 MiB simulated device (one awake fits), named as given."""
+    entries = "".join(
+        f'[[models]]\nmodel = "synthetic:tiny"\nname = "{n}"\nbackend = "host"\nargs = ["--host-capacity", "6MiB"]\n\n'
+        for n in names
+    )
+    path.write_text(
+        f'[manager]\nlisten = "{manager}"\nmetrics_listen = ""\nstate_dir = "{path.parent / "state"}"\n\n'
+        f'[gateway]\nlisten = "{gateway}"\n\n[policy]\nidle_sleep_timeout = 0\n\n{entries}'
+    )
+    return path
+
+
+def worker_pid(parent: int, worker_id: str) -> int | None:
+    """The pid of ``memsvc up``'s child worker ``worker_id`` (from /proc), or None."""
+    for entry in Path("/proc").iterdir():
+        if not entry.name.isdigit():
+            continue
+        try:
+            stat = (entry / "stat").read_text()
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except OSError:
+            continue
+        ppid = int(stat.rsplit(")", 1)[1].split()[1])
+        if ppid == parent and b"worker" in argv and worker_id.encode() in argv:
+            return int(entry.name)
+    return None
+
+
+class Host:
+    def __init__(self, tmp: Path, names: tuple[str, ...] = MODELS) -> None:
+        self.manager, self.gateway = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+        self.file = host_file(tmp / "host.toml", self.manager, self.gateway, names)
+        self.proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(self.file)], name="memsvc up",
+                         new_session=False)  # fmt: skip
+        self.channel = grpc.insecure_channel(self.manager)
+        self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
+        self.client = openai.OpenAI(base_url=f"http://{self.gateway}/v1", api_key="unused", max_retries=0, timeout=120)
+
+    def workers(self) -> dict[str, m.Worker]:
+        return {
+            w.name.removeprefix("workers/"): w
+            for w in self.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+        }
+
+    def listed(self) -> list[str]:
+        """The gateway's model ids ([] while it does not answer yet)."""
+        try:
+            return sorted(x.id for x in self.client.models.list().data)
+        except (openai.APIConnectionError, openai.InternalServerError):
+            return []
+
+    def text(self, model: str) -> str:
+        r = self.client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
+                                                max_tokens=8, temperature=0)  # fmt: skip
+        return str(r.choices[0].message.content)
+
+
+@pytest.fixture
+def host(tmp_path: Path) -> Iterator[Host]:
+    h = Host(tmp_path)
+    h.proc.start()
+    try:
+        yield h
+    finally:
+        h.channel.close()
+        h.proc.kill()
+
+
+def awake(h: Host) -> list[str]:
+    return sorted(n for n, w in h.workers().items() if w.state == c.WORKER_STATE_AWAKE)
+
+
+def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_stop(host: Host) -> None:
+    h = host
+    wait_for(lambda: h.listed(), lambda ids: ids == list(MODELS), what="the three models listed", timeout=120)
+    for model in (*MODELS, "alpha"):
+        assert h.text(model), f"{model} answered no text"
+        wait_for(lambda: awake(h), lambda names, model=model: names == [model],  # type: ignore[misc]
+                 what=f"{model} awake and only it (the device holds one)")  # fmt: skip
+
+    # a worker killed outright is started again, and serves again
+    assert h.proc.proc is not None
+    pid = worker_pid(h.proc.proc.pid, "beta")
+    assert pid is not None, "no worker process for beta"
+    os.kill(pid, signal.SIGKILL)
+    wait_for(lambda: worker_pid(h.proc.proc.pid, "beta"), lambda p: p not in (None, pid),  # type: ignore[union-attr]
+             what="beta's worker started again")  # fmt: skip
+    wait_for(lambda: h.workers()["beta"].state, lambda s: s in (c.WORKER_STATE_AWAKE, c.WORKER_STATE_ASLEEP),
+             what="beta registered again")  # fmt: skip
+    assert h.text("beta")
+    assert "worker beta exited with -9" in h.proc.stderr_text()
+
+    # SIGHUP: gamma out, delta in, alpha and beta untouched
+    alpha = worker_pid(h.proc.proc.pid, "alpha")
+    host_file(h.file, h.manager, h.gateway, ("alpha", "beta", "delta"))
+    h.proc.proc.send_signal(signal.SIGHUP)
+    wait_for(lambda: h.listed(), lambda ids: ids == ["alpha", "beta", "delta"], what="the reloaded list", timeout=120)
+    assert "gamma" not in h.workers(), "a model taken out of the file is left in the manager's list"
+    assert worker_pid(h.proc.proc.pid, "gamma") is None
+    assert worker_pid(h.proc.proc.pid, "alpha") == alpha, "an unchanged model was restarted"
+    assert h.text("delta")
+
+    # Ctrl-C stops everything
+    children = [p for n in ("alpha", "beta", "delta") if (p := worker_pid(h.proc.proc.pid, n)) is not None]
+    assert h.proc.signal_and_wait(signal.SIGINT) == 0
+    assert all(not Path(f"/proc/{p}").exists() for p in children), "a worker outlived memsvc up"
+
+
+def test_a_host_file_that_does_not_load_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
+    bad = tmp_path / "host.toml"
+    bad.write_text('[[models]]\nmodel = "synthetic:tiny"\ndevcie = 1\n')
+    r = subprocess.run([sys.executable, "-m", "memsvc.cli", "up", "--config", str(bad)], capture_output=True,
+                       text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+    assert r.returncode == 2, (r.returncode, r.stderr)
+    errors = [line for line in r.stderr.splitlines() if "error" in line]
+    assert len(errors) == 1 and "models[0]: unknown key(s) ['devcie']" in errors[0], r.stderr
+
+
+def test_the_readmes_host_file_loads_as_written(tmp_path: Path) -> None:
+    import re
+
+    from upproc import REPO_ROOT
+
+    from memsvc._host import load_host_config
+
+    (block,) = re.findall(r"^```toml\n(.*?)^```", (REPO_ROOT / "README.md").read_text(), re.S | re.M)
+    path = tmp_path / "host.toml"
+    path.write_text(block)
+    cfg = load_host_config(path)
+    assert [(x.model, x.name) for x in cfg.models] == [
+        ("Qwen/Qwen2.5-0.5B-Instruct", ""),
+        ("/models/Llama-3.1-8B-Instruct", "llama"),
+    ]
+    assert cfg.policy["device_budget_bytes"] == 20_000_000_000
