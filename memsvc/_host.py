@@ -35,7 +35,7 @@ from pathlib import Path
 from typing import Any
 
 from memsvc._logging import announce
-from memsvc.errors import InvalidArgument, MemsvcError
+from memsvc.errors import InvalidArgument, MemsvcError, Unavailable
 
 RESTART_S = (1.0, 30.0)
 """A dead worker's restart delay: the first, doubling up to the second while it keeps dying young."""
@@ -148,6 +148,17 @@ def _model(entry: object, i: int, where: str) -> ModelEntry:
     return ModelEntry(wid, model, name, device, backend, tuple(args), policy)
 
 
+def _checked(fields: Mapping[str, Any], where: str) -> None:
+    """The manager's cross-field rules (memsvc/manager/policy.py's check) on a policy, here, before it
+    is sent: one the manager would refuse is the file's error, not a failed start."""
+    from memsvc.manager.policy import Policy, check
+
+    try:
+        check(Policy().with_fields(dict(fields)))
+    except InvalidArgument as exc:
+        raise InvalidArgument(f"{where}: {exc}") from None
+
+
 def load_host_config(path: str | Path) -> HostConfig:
     """The file (TOML, or YAML by its suffix), checked: an unknown table or key, or a value of the wrong
     kind, is one error naming it."""
@@ -175,7 +186,13 @@ def load_host_config(path: str | Path) -> HostConfig:
         if m.worker_id in seen:
             raise InvalidArgument(f"{where}: two models have the worker id {m.worker_id!r}: give one an id")
         seen.add(m.worker_id)
-    policy = {**_DEFAULT_POLICY, **_policy(raw.get("policy", {}), f"{where}: [policy]")}
+    named = _policy(raw.get("policy", {}), f"{where}: [policy]")
+    policy = {**_DEFAULT_POLICY, **named}
+    if "idle_deep_sleep_timeout" not in named and policy["idle_sleep_timeout"] > policy["idle_deep_sleep_timeout"]:
+        policy["idle_deep_sleep_timeout"] = 0.0  # memsvc up's tier 2 would come before the file's tier 1
+    _checked(policy, f"{where}: [policy]")
+    for m in models:
+        _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
     return HostConfig(mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models)
 
 
@@ -187,6 +204,8 @@ class _Worker:
     delay: float = RESTART_S[0]
     restart_at: float = 0.0
     policy_applied: bool = False
+    refused: bool = False
+    """It exited 2 (its flags or model refused): not restarted until the file changes."""
 
 
 class Host:
@@ -216,7 +235,7 @@ class Host:
 
     def _start_worker(self, w: _Worker) -> None:
         w.proc = self._spawn(w.entry.argv(self.config.manager_listen))
-        w.started, w.policy_applied = time.monotonic(), not w.entry.policy
+        w.started, w.policy_applied = time.monotonic(), False
 
     def _stop_procs(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
         for p in procs:
@@ -238,30 +257,52 @@ class Host:
         return self._client
 
     def _update_policy(self, name: str, fields: Mapping[str, Any]) -> None:
-        """UpdatePolicy of the default (``name`` empty) or of one worker, with exactly ``fields``."""
+        """The file's policy, wholly: the default (``name`` empty) becomes the built-in policy with
+        ``fields``; a worker's overrides become exactly ``fields`` (earlier ones cleared first). A
+        refusal is a MemsvcError."""
+        import grpc
         from google.protobuf.field_mask_pb2 import FieldMask
 
+        from memsvc._rpc_errors import from_rpc_error
         from memsvc.manager.policy import Policy
         from memsvc.v1 import memory_manager_service_pb2 as m
 
-        request = m.UpdatePolicyRequest(name=name, policy=Policy().with_fields(dict(fields)).to_proto(),
-                                        update_mask=FieldMask(paths=sorted(fields)))  # fmt: skip
-        self._manager_client().stub.UpdatePolicy(request, timeout=10)
+        proto = Policy().with_fields(dict(fields)).to_proto()
+        if name:
+            requests = [m.UpdatePolicyRequest(name=name, clear_fields=["*"])]
+            if fields:
+                requests.append(
+                    m.UpdatePolicyRequest(name=name, policy=proto, update_mask=FieldMask(paths=sorted(fields)))
+                )
+        else:
+            requests = [m.UpdatePolicyRequest(policy=proto)]  # no mask: every field, the file's or the built-in
+        for request in requests:
+            try:
+                self._manager_client().stub.UpdatePolicy(request, timeout=10)
+            except grpc.RpcError as exc:
+                if exc.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND):
+                    raise  # not up or not registered yet: the caller tries again
+                raise from_rpc_error(exc) from None
 
     def _apply_default_policy(self) -> None:
+        """The file's default policy, once the manager answers (at most :data:`READY_S`)."""
         import grpc
 
         deadline = time.monotonic() + READY_S
-        while True:
+        while not self._stopping:
             try:
                 self._update_policy("", self.config.policy)
                 return
             except grpc.RpcError as exc:
-                if exc.code() != grpc.StatusCode.UNAVAILABLE or time.monotonic() > deadline:
-                    raise
-            if self.manager is not None and self.manager.poll() is not None:
-                raise InvalidArgument(f"the manager exited with {self.manager.returncode} at start")
+                if time.monotonic() > deadline:
+                    where = self.config.manager_listen
+                    raise Unavailable(f"the manager at {where} did not answer: {exc.details()}") from None
+            self._manager_alive()
             time.sleep(0.1)
+
+    def _manager_alive(self) -> None:
+        if self.manager is not None and self.manager.poll() is not None and not self._stopping:
+            raise Unavailable(f"the manager exited with {self.manager.returncode}")
 
     def _apply_overrides(self) -> None:
         """Each worker's policy overrides, once it has registered (the manager keeps overrides per
@@ -274,10 +315,11 @@ class Host:
             try:
                 self._update_policy(f"workers/{w.entry.worker_id}", w.entry.policy)
                 w.policy_applied = True
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                    announce(f"memsvc up: the policy of {w.entry.worker_id}: {exc.details()}", sys.stderr)
-                    w.policy_applied = True  # refused: said once, not every tick
+            except grpc.RpcError:
+                pass  # not registered yet (or the manager is busy): the next tick tries again
+            except MemsvcError as exc:
+                announce(f"memsvc up: the policy of {w.entry.worker_id}: {exc}", sys.stderr)
+                w.policy_applied = True  # refused: said once, not every tick
 
     # ---- reload ----
     def _reload_config(self) -> None:
@@ -290,8 +332,12 @@ class Host:
                                              "gateway_processes")}  # fmt: skip
         if keep != {k: getattr(self.config, k) for k in keep}:
             announce("memsvc up: [manager] and [gateway] changes apply at the next start", sys.stderr)
+        try:
+            self._update_policy("", new.policy)
+        except Exception as exc:  # noqa: BLE001 - a refusal, or the manager not answering: nothing changes
+            announce(f"memsvc up: {self.path} not reloaded: its policy: {exc}", sys.stderr)
+            return
         self.config = dataclasses.replace(self.config, policy=new.policy)
-        self._apply_default_policy()
         wanted = {e.worker_id: e for e in new.models}
         gone = [w for wid, w in self.workers.items() if wanted.get(wid) != w.entry]
         self._stop_procs([w.proc for w in gone if w.proc is not None])
@@ -324,15 +370,21 @@ class Host:
         try:
             self._apply_default_policy()
             for i, entry in enumerate(cfg.models):
+                if self._stopping:
+                    return 0
                 self.workers[entry.worker_id] = w = _Worker(entry)
                 self._start_worker(w)
-                if any((e.backend, e.device) == (entry.backend, entry.device) for e in cfg.models[i + 1 :]):
+                if any(e.device == entry.device for e in cfg.models[i + 1 :]):
                     self._loaded_then_asleep(w)
+            if self._stopping:
+                return 0
             if cfg.gateway_listen:
                 self.gateway = self._spawn([*exe, "gateway", "--listen", cfg.gateway_listen, "--manager",
                                             cfg.manager_listen, "--processes", str(cfg.gateway_processes)])  # fmt: skip
             return self._supervise()
         except MemsvcError as exc:
+            if self._stopping:
+                return 0
             announce(f"memsvc up: {exc}", sys.stderr)
             return 1
         finally:
@@ -354,10 +406,13 @@ class Host:
         client = self._manager_client()
         deadline = time.monotonic() + LOAD_S
         while not self._stopping and time.monotonic() < deadline and w.proc is not None and w.proc.poll() is None:
+            self._manager_alive()
             try:
                 state = client.stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker.state
+                if state == c.WORKER_STATE_ASLEEP:
+                    return  # asleep already (a policy, or an earlier run's state)
                 if state == c.WORKER_STATE_AWAKE:
-                    client.stub.SleepWorker(m.SleepWorkerRequest(name=name), timeout=600)
+                    client.stub.SleepWorker(m.SleepWorkerRequest(name=name), timeout=120)
                     return
             except grpc.RpcError as exc:
                 if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
@@ -372,7 +427,7 @@ class Host:
                 self._reload = False
                 self._reload_config()
             for name, p in (("manager", self.manager), ("gateway", self.gateway)):
-                if p is not None and p.poll() is not None:
+                if p is not None and p.poll() is not None and not self._stopping:
                     announce(f"memsvc up: the {name} exited with {p.returncode}: stopping", sys.stderr)
                     return 1
             now = time.monotonic()
@@ -384,7 +439,14 @@ class Host:
 
     def _tend(self, w: _Worker, now: float) -> None:
         """Restart ``w`` if it died (after its delay)."""
+        if w.refused:
+            return
         if w.proc is not None and w.proc.poll() is not None:
+            if w.proc.returncode == 2:  # a usage error: the same flags would be refused again
+                announce(f"memsvc up: worker {w.entry.worker_id} refused its start (exit 2, the line above says "
+                         "why): not restarted; fix the file and send SIGHUP", sys.stderr)  # fmt: skip
+                w.refused = True
+                return
             lived = now - w.started
             w.delay = RESTART_S[0] if lived >= YOUNG_S else w.delay
             announce(f"memsvc up: worker {w.entry.worker_id} exited with {w.proc.returncode} after {lived:.0f} s; "

@@ -41,6 +41,9 @@ SERVER_OPTIONS = [
     ("grpc.keepalive_permit_without_calls", 1),
     ("grpc.max_receive_message_length", 64 << 20),
     ("grpc.max_send_message_length", 64 << 20),
+    # gRPC sets SO_REUSEPORT by default: a second server then binds a port one already serves, and
+    # the kernel splits the connections between them; a taken port must be an error instead
+    ("grpc.so_reuseport", 0),
 ]
 
 

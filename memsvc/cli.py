@@ -999,6 +999,9 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command == "up" and args.config:
         from memsvc._host import run_host
 
+        if args.model is not None:
+            parser.error("up: --config names the models; leave --model out (or use it without --config)")
+
         return run_host(args.config, _up_child_vars(args))
     if args.command == "up":
         from memsvc._up import run as run_up

@@ -66,8 +66,8 @@ class Host:
     def __init__(self, tmp: Path, names: tuple[str, ...] = MODELS) -> None:
         self.manager, self.gateway = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
         self.file = host_file(tmp / "host.toml", self.manager, self.gateway, names)
-        self.proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(self.file)], name="memsvc up",
-                         new_session=False)  # fmt: skip
+        # a session of its own: kill() at the end takes the children with it, whatever the test left
+        self.proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(self.file)], name="memsvc up")
         self.channel = grpc.insecure_channel(self.manager)
         self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
         self.client = openai.OpenAI(base_url=f"http://{self.gateway}/v1", api_key="unused", max_retries=0, timeout=120)
@@ -168,3 +168,53 @@ def test_the_readmes_host_file_loads_as_written(tmp_path: Path) -> None:
         ("/models/Llama-3.1-8B-Instruct", "llama"),
     ]
     assert cfg.policy["device_budget_bytes"] == 20_000_000_000
+
+
+def test_the_files_policy_is_checked_as_the_manager_would(tmp_path: Path) -> None:
+    """A tier-1 timeout past memsvc up's own tier-2 default (3600 s) drops that default (it would
+    come first); a file that itself orders the tiers wrongly is its own error, before anything starts."""
+    from memsvc._host import load_host_config
+    from memsvc.errors import InvalidArgument
+
+    path = tmp_path / "host.toml"
+    path.write_text('[policy]\nidle_sleep_timeout = 7200\n\n[[models]]\nmodel = "synthetic:tiny"\n')
+    assert load_host_config(path).policy["idle_deep_sleep_timeout"] == 0.0
+    path.write_text(
+        '[policy]\nidle_sleep_timeout = 7200\nidle_deep_sleep_timeout = 60\n\n[[models]]\nmodel = "synthetic:tiny"\n'
+    )
+    with pytest.raises(InvalidArgument, match=r"\[policy\]: idle_deep_sleep_timeout must be at least"):
+        load_host_config(path)
+
+
+def test_ctrl_c_while_it_starts_stops_everything_and_exits_0(tmp_path: Path) -> None:
+    h = Host(tmp_path)
+    h.proc.start()
+    try:
+        assert h.proc.proc is not None
+        wait_for(lambda: worker_pid(h.proc.proc.pid, "alpha"), lambda p: p is not None,  # type: ignore[union-attr]
+                 what="the first worker to start")  # fmt: skip
+        assert h.proc.signal_and_wait(signal.SIGINT) == 0, h.proc.stderr_text()[-3000:]
+    finally:
+        h.channel.close()
+        h.proc.kill()
+
+
+def test_a_worker_that_refuses_its_start_is_not_restarted(tmp_path: Path) -> None:
+    """A model the Hub cache does not hold, offline: its worker exits 2 at start, and memsvc up says so
+    once and does not start it again (the same flags would be refused again); Ctrl-C still exits 0."""
+    manager, gateway = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
+    file = tmp_path / "host.toml"
+    models = '[[models]]\nmodel = "acme/absent"\nbackend = "host"\n'
+    file.write_text(f'[manager]\nlisten = "{manager}"\nmetrics_listen = ""\nstate_dir = "{tmp_path / "state"}"\n\n'
+                    f'[gateway]\nlisten = "{gateway}"\n\n{models}')  # fmt: skip
+    env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
+    proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(file)], env=env, name="memsvc up")
+    proc.start()
+    try:
+        wait_for(proc.stderr_text, lambda t: "refused its start" in t, what="the refusal to be reported")
+        assert proc.proc is not None and proc.proc.poll() is None, "memsvc up stopped with the worker"
+        assert proc.signal_and_wait(signal.SIGINT) == 0
+        assert proc.stderr_text().count("acme-absent refused its start") == 1
+        assert "not in the Hub cache" in proc.stderr_text()
+    finally:
+        proc.kill()

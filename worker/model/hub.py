@@ -18,10 +18,13 @@ from pathlib import Path
 from memsvc.errors import InvalidArgument, NotFound
 
 FILES = [
-    "config.json", "generation_config.json", "*.safetensors", "model.safetensors.index.json", "tokenizer.json",
+    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json", "tokenizer.json",
     "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
 ]  # fmt: skip
-"""What a snapshot download fetches (``allow_patterns``): what the loader and ModelText read."""
+"""What a snapshot download fetches (``allow_patterns``): what the loader and ModelText read. The
+weights as transformers names them (``model.safetensors``, ``model-00001-of-00004.safetensors``), at
+the top: a repository that also ships ``consolidated.safetensors`` or copies in a subfolder would
+otherwise be downloaded twice."""
 
 _HUB_ID = re.compile(r"^(?![.~])[A-Za-z0-9][\w.-]*(/[\w.-]+)?(@[\w./-]+)?$")
 """``name``, ``org/name``, either with ``@revision`` (a branch, a tag or a commit)."""
