@@ -32,10 +32,13 @@ import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from memsvc._logging import announce
 from memsvc.errors import InvalidArgument, MemsvcError, Unavailable
+
+if TYPE_CHECKING:
+    from memsvc.client import ManagerClient
 
 RESTART_S = (1.0, 30.0)
 """A dead worker's restart delay: the first, doubling up to the second while it keeps dying young."""
@@ -220,7 +223,7 @@ class Host:
         self.workers: dict[str, _Worker] = {}
         self._stopping = False
         self._reload = False
-        self._client: Any = None
+        self._client: ManagerClient | None = None
 
     # ---- signals ----
     def _stop(self, _signum: int, _frame: object) -> None:
@@ -249,7 +252,7 @@ class Host:
                 p.kill()
                 p.wait()
 
-    def _manager_client(self) -> Any:
+    def _manager_client(self) -> ManagerClient:
         from memsvc.client import ManagerClient
 
         if self._client is None:
