@@ -29,12 +29,13 @@ import signal
 import subprocess
 import sys
 import time
-from collections.abc import Mapping, Sequence
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from memsvc._logging import announce
+from memsvc._up import MEMSVC, stop_children
 from memsvc.errors import InvalidArgument, MemsvcError, Unavailable
 
 if TYPE_CHECKING:
@@ -48,8 +49,6 @@ READY_S = 60.0
 """How long the manager may take to answer after it starts."""
 LOAD_S = 900.0
 """How long a model may take to load (a Hub download included) before the next on its device starts anyway."""
-STOP_S = 40.0
-"""How long the children get to stop after SIGTERM, before SIGKILL."""
 
 _SECTIONS = {"manager", "gateway", "policy", "models"}
 _MANAGER_KEYS = {"listen": "127.0.0.1:50051", "metrics_listen": "127.0.0.1:9400", "state_dir": ".memsvc"}
@@ -77,7 +76,7 @@ class ModelEntry:
     """This worker's policy overrides (the manager's policy fields)."""
 
     def argv(self, manager: str) -> list[str]:
-        out = [sys.executable, "-m", "memsvc.cli", "worker", "--listen", "127.0.0.1:0", "--manager", manager,
+        out = [*MEMSVC, "worker", "--listen", "127.0.0.1:0", "--manager", manager,
                "--worker-id", self.worker_id, "--model", self.model, "--device", str(self.device),
                "--backend", self.backend]  # fmt: skip
         if self.name:
@@ -240,18 +239,6 @@ class Host:
         w.proc = self._spawn(w.entry.argv(self.config.manager_listen))
         w.started, w.policy_applied = time.monotonic(), False
 
-    def _stop_procs(self, procs: Sequence[subprocess.Popen[bytes]]) -> None:
-        for p in procs:
-            if p.poll() is None:
-                p.send_signal(signal.SIGTERM)
-        deadline = time.monotonic() + STOP_S
-        for p in procs:
-            try:
-                p.wait(timeout=max(0.1, deadline - time.monotonic()))
-            except subprocess.TimeoutExpired:
-                p.kill()
-                p.wait()
-
     def _manager_client(self) -> ManagerClient:
         from memsvc.client import ManagerClient
 
@@ -343,7 +330,7 @@ class Host:
         self.config = dataclasses.replace(self.config, policy=new.policy)
         wanted = {e.worker_id: e for e in new.models}
         gone = [w for wid, w in self.workers.items() if wanted.get(wid) != w.entry]
-        self._stop_procs([w.proc for w in gone if w.proc is not None])
+        stop_children([w.proc for w in gone if w.proc is not None])
         for w in gone:
             del self.workers[w.entry.worker_id]
             if w.entry.worker_id not in wanted:  # gone from the file: gone from the manager's list too
@@ -362,7 +349,7 @@ class Host:
     def run(self) -> int:
         cfg = self.config
         Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
-        exe = [sys.executable, "-m", "memsvc.cli"]
+        exe = MEMSVC
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGHUP, self._hup)
@@ -392,7 +379,7 @@ class Host:
             return 1
         finally:
             workers = [w.proc for w in self.workers.values() if w.proc is not None]
-            self._stop_procs([p for p in (self.gateway, *workers, self.manager) if p is not None])
+            stop_children([p for p in (self.gateway, *workers, self.manager) if p is not None])
             if self._client is not None:
                 self._client.close()
 

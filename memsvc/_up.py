@@ -17,9 +17,31 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from pathlib import Path
+from typing import Any
 
 from memsvc._logging import announce
+
+MEMSVC = [sys.executable, "-m", "memsvc.cli"]
+"""How ``memsvc up`` starts its children: this interpreter, memsvc's command line."""
+STOP_S = 40.0
+"""How long the children get to stop after SIGTERM, before SIGKILL."""
+
+
+def stop_children(procs: Sequence[subprocess.Popen[Any]], timeout: float = STOP_S) -> None:
+    """SIGTERM to each of ``procs`` that still runs, in order; then wait for them all, ``timeout`` in
+    all; SIGKILL (and reap) those left."""
+    for p in procs:
+        if p.poll() is None:
+            p.send_signal(signal.SIGTERM)
+    deadline = time.monotonic() + timeout
+    for p in procs:
+        try:
+            p.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except subprocess.TimeoutExpired:
+            p.kill()
+            p.wait()
 
 
 def default_model() -> str:
@@ -42,7 +64,7 @@ def run(
 ) -> int:
     Path(state_dir).mkdir(parents=True, exist_ok=True)
     child_env = {**os.environ, **(child_vars or {})}
-    exe = [sys.executable, "-m", "memsvc.cli"]
+    exe = MEMSVC
     manager = subprocess.Popen(
         [
             *exe,
@@ -93,15 +115,7 @@ def run(
     while not stopping and all(p.poll() is None for p in children):
         time.sleep(0.2)
     ended = [p for p in children if p.poll() is not None]  # on their own: the cause, unless we are stopping
-    for p in reversed(children):
-        if p.poll() is None:
-            p.send_signal(signal.SIGTERM)
-    deadline = time.monotonic() + 40
-    for p in reversed(children):
-        try:
-            p.wait(timeout=max(0.1, deadline - time.monotonic()))
-        except subprocess.TimeoutExpired:
-            p.kill()
+    stop_children(children[::-1])
     names = ["manager", "worker", "gateway"]
     for name, p in zip(names, children, strict=False):
         # One we stopped may die of the SIGTERM if it had not yet set up its handler: not a failure.

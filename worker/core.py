@@ -513,11 +513,10 @@ class WorkerCore:
         if engine is None or not engine.paused:
             return
         try:
-            engine.resume()
+            engine.resume()  # no longer paused from its first line, whatever follows
         except Exception as exc:
             log.exception("resuming the paused generations failed: they end")
             engine.fail_all(exc)
-            engine.paused = False
 
     async def end_paused(self) -> None:
         """The worker is stopping: requests a Sleep paused end now (UNAVAILABLE) rather than hold the

@@ -98,9 +98,9 @@ class InMemoryWorker:
         self.gate: asyncio.Event | None = None
         """When set to an unset Event, transitions wait on it (a slow sleep or wake, held open)."""
         self.calls: list[str] = []
+        """Every transition call received, in order (``Sleep``, ``WakeUp``, ``SwapBlocks``)."""
         self.pausing_sleeps = 0
         """Sleeps that asked to pause the running generations (a turn given up; this double runs none)."""
-        """Every transition call received, in order (``Sleep``, ``WakeUp``, ``SwapBlocks``)."""
         self.refuse: MemsvcError | None = None
         """When set, transitions fail with it and change nothing (a worker that says no)."""
         self._busy = False
