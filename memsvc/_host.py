@@ -36,7 +36,7 @@ from typing import TYPE_CHECKING, Any
 
 from memsvc._logging import announce
 from memsvc._up import MEMSVC, stop_children
-from memsvc.errors import InvalidArgument, MemsvcError, Unavailable
+from memsvc.errors import InvalidArgument, MemsvcError, NotFound, Unavailable, WrongState
 
 if TYPE_CHECKING:
     from memsvc.client import ManagerClient
@@ -223,6 +223,8 @@ class Host:
         self._stopping = False
         self._reload = False
         self._client: ManagerClient | None = None
+        self._leaving: set[str] = set()
+        """Models taken out of the file whose workers the manager has not deregistered yet."""
 
     # ---- signals ----
     def _stop(self, _signum: int, _frame: object) -> None:
@@ -334,16 +336,30 @@ class Host:
         for w in gone:
             del self.workers[w.entry.worker_id]
             if w.entry.worker_id not in wanted:  # gone from the file: gone from the manager's list too
-                try:
-                    self._manager_client().deregister(w.entry.worker_id)
-                except MemsvcError as exc:
-                    announce(f"memsvc up: {w.entry.worker_id} stopped but not deregistered: {exc}", sys.stderr)
+                self._leaving.add(w.entry.worker_id)
+        self._leaving -= set(wanted)
+        self._deregister_leaving()
         for wid, entry in wanted.items():
             if wid not in self.workers:
                 self.workers[wid] = _Worker(entry)
                 self._start_worker(self.workers[wid])
         self.config = dataclasses.replace(self.config, models=new.models)
         announce(f"memsvc up: {self.path} reloaded: {len(self.workers)} model(s), {len(gone)} stopped or restarted")
+
+    def _deregister_leaving(self) -> None:
+        """Deregister the workers of models taken out of the file. One still leased (a request that
+        was running when it stopped; the gateway releases it as the stream ends, or its TTL does) is
+        tried again at every tick until the manager takes it."""
+        for wid in sorted(self._leaving):
+            try:
+                self._manager_client().deregister(wid)
+            except (WrongState, Unavailable):
+                continue  # still leased, or the manager busy: the next tick tries again
+            except NotFound:
+                pass
+            except MemsvcError as exc:
+                announce(f"memsvc up: {wid} stopped but not deregistered: {exc}", sys.stderr)
+            self._leaving.discard(wid)
 
     # ---- the loop ----
     def run(self) -> int:
@@ -424,6 +440,8 @@ class Host:
             for w in self.workers.values():
                 self._tend(w, now)
             self._apply_overrides()
+            if self._leaving:
+                self._deregister_leaving()
             time.sleep(0.2)
         return 0
 

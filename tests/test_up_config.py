@@ -3,9 +3,10 @@ runs it, with three host-backend models on one simulated device that holds one a
 
 - all three are listed by the gateway's /v1/models, and a request for each gets text through the
   OpenAI SDK, each wake putting the one awake before it to sleep;
-- a worker killed outright (SIGKILL) is started again and serves again;
-- SIGHUP reads the file again: a model taken out of it stops and leaves the manager's list, a model
-  put in starts and serves, the others are not restarted;
+- a worker killed outright (SIGKILL) is started again and serves again, and the manager puts one of
+  the two then awake to sleep (the device holds one);
+- SIGHUP reads the file again: a model taken out of it stops and leaves the manager's list (once the
+  lease a client held on it ends), a model put in starts and serves, the others are not restarted;
 - Ctrl-C (SIGINT) stops every child and exits 0;
 - a file that does not load is one error line naming what is wrong, exit 2.
 """
@@ -123,15 +124,22 @@ def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_sto
              what="beta's worker started again")  # fmt: skip
     wait_for(lambda: h.workers()["beta"].state, lambda s: s in (c.WORKER_STATE_AWAKE, c.WORKER_STATE_ASLEEP),
              what="beta registered again")  # fmt: skip
+    # it loaded awake beside the one awake before: the manager puts the least recently used to sleep
+    wait_for(lambda: awake(h), lambda names: len(names) <= 1, what="the device within its budget once beta is back")
     assert h.text("beta")
     assert "worker beta exited with -9" in h.proc.stderr_text()
 
-    # SIGHUP: gamma out, delta in, alpha and beta untouched
+    # SIGHUP: gamma out (while a client holds a lease on it), delta in, alpha and beta untouched
     alpha = worker_pid(h.proc.proc.pid, "alpha")
+    lease = h.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/gamma", holder="test"), timeout=60).lease
     host_file(h.file, h.manager, h.gateway, ("alpha", "beta", "delta"))
     h.proc.proc.send_signal(signal.SIGHUP)
-    wait_for(lambda: h.listed(), lambda ids: ids == ["alpha", "beta", "delta"], what="the reloaded list", timeout=120)
-    assert "gamma" not in h.workers(), "a model taken out of the file is left in the manager's list"
+    wait_for(lambda: h.listed(), lambda ids: "delta" in ids, what="delta listed after the reload", timeout=120)
+    assert worker_pid(h.proc.proc.pid, "gamma") is None
+    assert "gamma" in h.workers(), "a leased worker was deregistered under its lease"
+    h.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    wait_for(lambda: h.workers(), lambda ws: "gamma" not in ws, what="gamma deregistered once its lease ended")
+    assert h.listed() == ["alpha", "beta", "delta"]
     assert worker_pid(h.proc.proc.pid, "gamma") is None
     assert worker_pid(h.proc.proc.pid, "alpha") == alpha, "an unchanged model was restarted"
     assert h.text("delta")
