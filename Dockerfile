@@ -15,8 +15,8 @@ RUN apt-get update \
  && apt-get install -y --no-install-recommends python3 python3-venv \
  && rm -rf /var/lib/apt/lists/* \
  && useradd --create-home --uid 10001 memsvc \
- && mkdir -p /var/lib/memsvc /models \
- && chown memsvc /var/lib/memsvc
+ && mkdir -p /var/lib/memsvc /var/cache/huggingface /models \
+ && chown memsvc /var/lib/memsvc /var/cache/huggingface
 # Both wheels of `make wheel`: memsvc depends on memsvc-api (the stubs), which pip takes from the file named.
 COPY --from=build /src/dist/ /tmp/dist/
 RUN python3 -m venv /opt/memsvc \
