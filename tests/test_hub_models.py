@@ -61,3 +61,46 @@ def test_an_id_the_cache_lacks_is_refused_at_start_saying_what_was_tried(tmp_pat
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1, r.stderr[-3000:]
     assert "'acme/absent' is not a directory here" in errors[0] and "not in the Hub cache" in errors[0], errors
+
+
+def test_a_load_on_a_terminal_draws_a_progress_bar_and_a_piped_one_does_not(tmp_path: Path) -> None:
+    """stderr a terminal (memsvc up in a shell): a bar of the bytes read, up to 100%. Piped (a log
+    file, a supervisor): no bar, only the log line after the load."""
+    import fcntl
+    import pty
+    import select
+    import struct
+    import termios
+
+    path, _ = text_model(tmp_path)
+    argv = [sys.executable, "-m", "memsvc.cli", "worker", "--backend", "host", "--listen", "127.0.0.1:0",
+            "--model", str(path)]  # fmt: skip
+    main, side = pty.openpty()
+    fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size
+    proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=side)
+    os.close(side)
+    seen = b""
+    try:
+        while b"model: built" not in seen and proc.poll() is None:  # the log line after the load
+            ready, _, _ = select.select([main], [], [], 60)
+            assert ready, f"nothing on the terminal for 60 s: {seen[-2000:]!r}"
+            try:
+                seen += os.read(main, 65536)
+            except OSError:  # the worker exited: the terminal's other side is gone
+                break
+    finally:
+        proc.terminate()
+        proc.wait(timeout=60)
+        os.close(main)
+    text = seen.decode(errors="replace")
+    assert f"loading {path}" in text and "100%" in text, text[-2000:]
+
+    r = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE)
+    assert r.stderr is not None
+    piped = b""
+    while b"model: built" not in piped and (line := r.stderr.readline()):
+        piped += line
+    r.terminate()
+    r.wait(timeout=60)
+    r.stderr.close()
+    assert b"model: built" in piped and b"loading " not in piped and b"100%" not in piped, piped[-2000:]

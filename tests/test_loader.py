@@ -262,6 +262,27 @@ def test_unused_tensors_are_ignored_and_non_contiguous_destinations_written(tmp_
     assert stats.read_bytes < 64 * 64 * 4 + ALIGN * 4, "the unused tensor was not read"
 
 
+def test_progress_counts_up_to_what_the_load_reads_fast_path_and_converted(
+    alloc: MemoryAllocator, tmp_path: Path
+) -> None:
+    tensors = _tensors()
+    tensors["converted"] = torch.randn(300, 301, generator=torch.Generator().manual_seed(3)).to(torch.float16)
+    _save_sharded(tmp_path, tensors)
+    dst = _destinations(alloc, tensors)
+    dst["converted"] = torch.zeros(300, 301, dtype=torch.float32)  # another dtype: the slow path
+    seen: list[tuple[int, int]] = []
+    stats = StreamingLoader(threads=3, chunk_bytes=CHUNK).load(
+        tmp_path, dst, _shapes(tensors), lambda d, t: seen.append((d, t))
+    )
+    assert stats.converted == 1
+    (total,) = {t for _, t in seen}
+    done = [d for d, _ in seen]
+    assert done == sorted(done) and done[-1] == total, "counts up, and ends at the whole"
+    assert len(done) >= 2, "the converted tensor is one step after the reads"
+    in_files = sum(t.numel() * t.element_size() for t in tensors.values())
+    assert in_files <= total <= stats.read_bytes, "the bytes read: the tensors' in the files, plus alignment"
+
+
 def test_model_checkpoint_through_the_source_keeps_the_ring(alloc: MemoryAllocator, tmp_path: Path) -> None:
     config = PRESETS["tiny"]
     src = allocate_weights(config, alloc)

@@ -75,6 +75,8 @@ DEFAULT_STALL_S = 60.0
 """A load whose reads make no progress this long fails (Unavailable): a checkpoint on a network mount
 that hangs would otherwise keep the worker in its transition for ever. A slow disk still progresses:
 one 16 MiB read at 1 MB/s takes 16 s."""
+Progress = Callable[[int, int], None]
+"""Told (bytes done, bytes in all) as a load goes: a progress bar (worker/model/progress.py)."""
 _POLL_S = 0.05
 """How often a load waiting for its threads looks at the clock and at :meth:`StreamingLoader.cancel`."""
 MAX_STUCK_THREADS = 64
@@ -801,9 +803,12 @@ class StreamingLoader:
 
     # ---- the load ----
     def load(
-        self, path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]]
-    ) -> LoadStats:
+        self, path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]],
+        progress: Progress | None = None,
+    ) -> LoadStats:  # fmt: skip
         """Copy the checkpoint's tensors named in ``shapes`` into ``weights``' tensors, in place.
+        ``progress(done, total)``: bytes read so far of what the load reads, called from this thread
+        as the reads go (every few tens of milliseconds) and once at the end with ``done == total``.
 
         Everything is validated before the first byte is copied (every header, every needed tensor's
         presence, dtype and shape, every destination), so a wrong, damaged or truncated checkpoint
@@ -845,6 +850,8 @@ class StreamingLoader:
                     slow.append(name)
             spans = [(layout.files[n], layout.tensors[n].start, layout.tensors[n].end, n) for n in targets]
             reads = plan_reads(spans, self.chunk_bytes, self.max_gap_bytes)
+            fast = sum(rd.need for rd in reads)
+            total = fast + sum(layout.tensors[n].nbytes for n in slow)
             files: dict[Path, _File] = {}
             try:
                 files = self.bounded(
@@ -853,11 +860,18 @@ class StreamingLoader:
                 stream = self._stream(cuda_device) if cuda_device is not None else None
                 if reads:
                     ring = self._ring_for(pinned=cuda_device is not None)
-                    self._run(_Job(reads, files, targets, queue.SimpleQueue(), stream, root=str(path)), ring, stats)
+                    job = _Job(reads, files, targets, queue.SimpleQueue(), stream, root=str(path))
+                    self._run(job, ring, stats, (lambda done: progress(done, total)) if progress else None)
+                done = fast
+                if progress is not None:
+                    progress(done, total)  # the reads are done (a poll may have missed the last of them)
                 for name in slow:
                     self._convert(
                         files[layout.files[name]], layout.tensors[name], weights[name], stream, stats, str(path)
                     )
+                    done += layout.tensors[name].nbytes
+                    if progress is not None:
+                        progress(done, total)
             finally:
                 self._close(files)
             stats.converted = len(slow)
@@ -865,8 +879,9 @@ class StreamingLoader:
             self.last_stats = stats
             return stats
 
-    def _run(self, job: _Job, ring: _Ring, stats: LoadStats) -> None:
-        """The reader threads over ``job.reads``; returns once every copy has completed."""
+    def _run(self, job: _Job, ring: _Ring, stats: LoadStats, progress: Callable[[int], None] | None = None) -> None:
+        """The reader threads over ``job.reads``; returns once every copy has completed. ``progress``:
+        told the bytes read so far at every poll."""
         if job.stream is not None:
             # work already queued on the caller's stream may still read the old weights
             job.stream.wait_stream(torch.cuda.current_stream(job.stream.device))
@@ -891,6 +906,8 @@ class StreamingLoader:
                 alive[0].join(_POLL_S)
                 if job.progress != seen:
                     seen, last = job.progress, time.monotonic()
+                    if progress is not None:
+                        progress(seen)
                 reading = next(iter(dict(job.reading).values()), None)  # a copy: readers change it
                 stop = self._interrupted(str(reading or "the checkpoint"), last)
                 if stop is not None:
@@ -1004,6 +1021,7 @@ __all__ = [
     "IoMode",
     "LoadStats",
     "Piece",
+    "Progress",
     "Read",
     "ShardHeader",
     "StreamingLoader",

@@ -26,6 +26,7 @@ from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import DEFAULT_MAX_BATCH, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.graphs import MIXED_ROWS, BackgroundCapture, DecodeGraphs
+from worker.model.progress import load_bar
 from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
@@ -95,7 +96,8 @@ class ModelRunner:
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
-        self.source.load_into(self.weights)
+        with load_bar(f"loading {self.source.name}") as progress:
+            self.source.load_into(self.weights, progress)
         t2 = time.perf_counter()
         nbytes = self.config.param_bytes()
         log.info("weights: %.2f GB from %s in %.2f s (%.1f GB/s)", nbytes / 1e9, self.source.name, t2 - t1,

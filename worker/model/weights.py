@@ -27,7 +27,7 @@ from worker.allocator import MemoryAllocator
 from worker.checkpoint_files import CONFIG_FILE, read_json
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.generation import read_eos_token_ids
-from worker.model.loader import INDEX_FILE, LoadStats, StreamingLoader, read_layout
+from worker.model.loader import INDEX_FILE, LoadStats, Progress, StreamingLoader, read_layout
 from worker.model.synthetic_text import synthetic_text
 from worker.model.text import ModelText
 
@@ -176,8 +176,9 @@ class ModelSource(abc.ABC):
     made for it)."""
 
     @abc.abstractmethod
-    def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
-        """Write every weight in place; tensors keep their addresses."""
+    def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
+        """Write every weight in place; tensors keep their addresses. ``progress``: told the bytes
+        read as the load goes (a checkpoint's; made weights have nothing to read)."""
 
     @abc.abstractmethod
     def check(self) -> None:
@@ -198,7 +199,7 @@ class SyntheticSource(ModelSource):
         self.seed = seed
         self.text = synthetic_text(self.config.vocab_size)
 
-    def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
+    def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
         fill_synthetic(weights, self.config, self.seed)
 
     def check(self) -> None:
@@ -253,8 +254,8 @@ class CheckpointSource(ModelSource):
                 f"{self.path}: the tokenizer has {self.text.vocab_size} tokens, the model only {self.config.vocab_size}"
             )
 
-    def load_into(self, weights: Mapping[str, torch.Tensor]) -> None:
-        self.loader.load(self.path, weights, weight_shapes(self.config))
+    def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
+        self.loader.load(self.path, weights, weight_shapes(self.config), progress)
 
     def check(self) -> None:
         """:func:`check_checkpoint`, through the loader: bounded as its loads are (a hung mount)."""
