@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import math
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -39,12 +40,14 @@ CONFIG_CLASSES: dict[Family, Any] = {
     "mistral": transformers.MistralConfig,
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
+    "phi3": transformers.Phi3Config,
 }
 MODEL_CLASSES: dict[Family, Any] = {
     "llama": transformers.LlamaForCausalLM,
     "mistral": transformers.MistralForCausalLM,
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
+    "phi3": transformers.Phi3ForCausalLM,
 }
 DIMS = {
     "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -54,11 +57,16 @@ LLAMA3 = {
     "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
 }  # fmt: skip
+LONGROPE = {
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0],
+    "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
+}  # fmt: skip
+"""Phi-3's LongRoPE over 6 of head_dim 8's dimensions."""
 
 
 def base(family: Family) -> dict[str, Any]:
-    """A small config.json of ``family`` as transformers 5 writes it (llama with llama3 RoPE, so the
-    RoPE sub-keys have something to act on)."""
+    """A small config.json of ``family`` as transformers 5 writes it (llama with llama3 RoPE and phi3
+    with LongRoPE, so the RoPE sub-keys have something to act on)."""
     hf = ModelConfig(
         family=family, vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=8, max_position_embeddings=128, attention_bias=family == "qwen2",
@@ -66,6 +74,9 @@ def base(family: Family) -> dict[str, Any]:
     ).to_hf()  # fmt: skip
     if family == "llama":
         hf["rope_parameters"] = dict(LLAMA3)
+    if family == "phi3":
+        hf["rope_parameters"] = dict(LONGROPE)
+        hf["original_max_position_embeddings"] = LONGROPE["original_max_position_embeddings"]
     return hf
 
 
@@ -258,6 +269,30 @@ READ_CASES: dict[str, list[ReadCase]] = {
     ],
     R + "original_max_position_embeddings": [
         ("llama", {R + "original_max_position_embeddings": 16}, scaling(original_max_position_embeddings=16)),
+        ("phi3", {R + "original_max_position_embeddings": REMOVE}, scaling(original_max_position_embeddings=32)),
+        ("phi3", {R + "original_max_position_embeddings": 64}, "original_max_position_embeddings .*disagree"),
+    ],
+    "partial_rotary_factor": [
+        ("phi3", {R + "partial_rotary_factor": REMOVE, "partial_rotary_factor": 0.75}, lambda c: c.rotary_dim == 6),
+        ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor .*disagree"),
+    ],
+    R + "partial_rotary_factor": [
+        ("phi3", {R + "partial_rotary_factor": 0.75}, lambda c: c.partial_rotary_factor == 0.75 and c.rotary_dim == 6),
+        ("phi3", {R + "partial_rotary_factor": 1.5}, "must be in \\(0, 1\\]"),
+    ],
+    R + "short_factor": [
+        ("phi3", {R + "short_factor": [1.0, 1.0, 3.0]}, scaling(short_factor=(1.0, 1.0, 3.0))),
+        ("phi3", {R + "short_factor": [1.0]}, "3 short and long factors"),
+        ("phi3", {R + "short_factor": REMOVE}, "short_factor must be a list"),
+    ],
+    R + "long_factor": [
+        ("phi3", {R + "long_factor": [3.0, 3.0, 3.0]}, scaling(long_factor=(3.0, 3.0, 3.0))),
+        ("phi3", {R + "long_factor": "long"}, "long_factor must be a list"),
+    ],
+    R + "attention_factor": [
+        ("phi3", {R + "attention_factor": 1.5}, scaling(attention_factor=1.5)),
+        # by default from max_position_embeddings / original: 128 / 32
+        ("phi3", {R + "attention_factor": REMOVE}, scaling(attention_factor=math.sqrt(1 + math.log(4) / math.log(32)))),
     ],
 }
 
@@ -325,14 +360,20 @@ def test_refusal_names_the_key_and_the_family() -> None:
 def _variants(family: Family) -> list[Any]:
     """Configs of ``family`` exercising each option this decoder reads (RoPE types, windows, biases)."""
     cls = CONFIG_CLASSES[family]
-    out = [cls(), cls(**DIMS), cls(**DIMS, rope_parameters=dict(LLAMA3)),
-           cls(**DIMS, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})]  # fmt: skip
+    out = [cls(), cls(**DIMS)]
+    if family != "phi3":  # Phi-3's config takes the default RoPE or LongRoPE only
+        out += [cls(**DIMS, rope_parameters=dict(LLAMA3)),
+                cls(**DIMS, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})]  # fmt: skip
     if family in ("qwen2", "qwen3"):
         out.append(cls(**DIMS, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     if family == "mistral":
         out.append(cls(**DIMS, sliding_window=None))
     if family in ("llama", "qwen3"):
         out.append(cls(**DIMS, attention_bias=True))
+    if family == "phi3":
+        out.append(cls(**DIMS, rope_parameters=dict(LONGROPE), partial_rotary_factor=0.75, sliding_window=16))
+        su = {"type": "su", "short_factor": [1.0] * 4, "long_factor": [2.0] * 4, "original_max_position_embeddings": 32}
+        out.append(cls(**DIMS, rope_scaling=su))  # the old name transformers reads as longrope
     return out
 
 
@@ -347,7 +388,8 @@ def test_every_key_transformers_writes_is_in_the_table(family: Family, tmp_path:
         written = json.loads((tmp_path / f"config{i}" / "config.json").read_text())
         keys |= set(written)
         rope_keys |= {ROPE_PREFIX + k for k in written.get("rope_parameters") or {}}
-    MODEL_CLASSES[family](cls(**DIMS)).save_pretrained(tmp_path / "model")  # adds architectures and dtype
+    pad = {"pad_token_id": None} if family == "phi3" else {}  # Phi-3's default pad id is past DIMS' vocabulary
+    MODEL_CLASSES[family](cls(**DIMS, **pad)).save_pretrained(tmp_path / "model")  # adds architectures and dtype
     keys |= set(json.loads((tmp_path / "model" / "config.json").read_text()))
     keys |= {"rope_theta", "rope_scaling", "torch_dtype"}  # the legacy spellings
     missing = sorted(k for k in keys | rope_keys if key_rule(k, family) is None)
@@ -372,4 +414,4 @@ def test_family_defaults_are_transformers_defaults(family: Family) -> None:
     assert ours_cfg.num_kv_heads == ref.num_key_value_heads
     assert ours_cfg.head_dim == (getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
     assert ours_cfg.rms_norm_eps == ref.rms_norm_eps and ours_cfg.rope_theta == ref.rope_parameters["rope_theta"]
-    assert ours_cfg.sliding_window == (ref.sliding_window if family == "mistral" else None)
+    assert ours_cfg.sliding_window == (ref.sliding_window if family in ("mistral", "phi3") else None)

@@ -3,11 +3,13 @@
 Each case is a model transformers builds and saves with ``save_pretrained``: Llama with llama3 RoPE
 scaling (untied and tied embeddings), Llama with ``head_dim`` apart from hidden/heads (with attention
 biases on q/k/v/o and linear RoPE scaling), Qwen2 (q/k/v biases, theta 1e6, tied), Qwen3 (q/k norms,
-``head_dim`` 32 over hidden/heads 16, theta 1e6) and Mistral (a sliding window of 5 over a 32-token
-sequence, so the window cuts in from the sixth token on). Each is saved in float32, bfloat16 and
-float16, and each of those twice: as transformers 5 writes it (``rope_parameters``, ``dtype``) and
-rewritten in the legacy keys (top-level ``rope_theta`` + ``rope_scaling``, ``torch_dtype``), which
-transformers itself must load to the same config.
+``head_dim`` 32 over hidden/heads 16, theta 1e6), Mistral (a sliding window of 5 over a 32-token
+sequence, so the window cuts in from the sixth token on) and Phi-3 (checkpoint-fused qkv_proj and
+gate_up_proj; a window of 5 with RoPE over half of each head; LongRoPE over three quarters of it with
+a pretraining context of 20 that generation passes, tied embeddings, see PHI3_LONGROPE). Each is saved
+in float32, bfloat16 and float16, and each of those twice: as transformers 5 writes it
+(``rope_parameters``, ``dtype``) and rewritten in the legacy keys (top-level ``rope_theta`` +
+``rope_scaling``, ``torch_dtype``), which transformers itself must load to the same config.
 
 Weights are drawn here, not by transformers' init (0.02 everywhere makes every greedy token the
 same, which would prove nothing): matrices normal(0, 1/sqrt(fan_in)), so each layer moves the residual
@@ -60,7 +62,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from worker import _native
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
-from worker.model.decoder import DecodeRows, Rope, StepInputs, forward, forward_step
+from worker.model.decoder import DecodeRows, Rope, StepInputs, forward, forward_step, rope_long
 from worker.model.generation import GenerationRequest
 from worker.model.kernels import TORCH_KERNELS
 from worker.model.paged_attention import graphs_supported
@@ -99,6 +101,9 @@ class Case:
     name: str
     config_class: str
     options: dict[str, Any] = field(default_factory=dict)
+    generate: bool = True
+    """The reference's greedy tokens from transformers' ``generate``; False: from one forward over the
+    whole sequence per token (see PHI3_LONGROPE)."""
 
 
 BASE = {
@@ -112,6 +117,18 @@ LLAMA3 = {
 }  # fmt: skip
 """A pretraining context of 16 positions: every one of head_dim 16's frequencies is then scaled or
 blended, so a decoder that ignored the scaling would be far off."""
+
+PHI3_LONGROPE = {
+    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+    "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0],
+}  # fmt: skip
+"""Phi-3's LongRoPE over 12 of head_dim 16's dimensions (partial_rotary_factor 0.75), with a pretraining
+context of 20: PROMPT is read with the short factors, and generation passes 20 positions, where the
+sequence is read again with the long ones (transformers' Phi-3 drops its cache there to recompute).
+transformers 5.17's ``generate`` then feeds the crossing token alone, without its context (its
+``prepare_inputs_for_generation`` drops the cache while ``generate`` slices the input to the new
+token), so the reference's tokens for this case come from one forward over the whole sequence per
+token, which is what that recompute intends, and what the decoder computes."""
 
 CASES = {
     case.name: case
@@ -134,6 +151,18 @@ CASES = {
         ),  # fmt: skip
         Case("qwen3", "Qwen3Config", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
         Case("mistral", "MistralConfig", {"sliding_window": 5}),
+        Case("phi3-window-partial", "Phi3Config", {"sliding_window": 5, "partial_rotary_factor": 0.5}),
+        Case(
+            "phi3-longrope",
+            "Phi3Config",
+            {
+                "partial_rotary_factor": 0.75,
+                "original_max_position_embeddings": 20,
+                "rope_parameters": PHI3_LONGROPE,
+                "tie_word_embeddings": True,
+            },
+            generate=False,
+        ),  # fmt: skip
     ]
 }
 RPC_SUBSET = [
@@ -143,6 +172,7 @@ RPC_SUBSET = [
     ("qwen3", "transformers5", "float32"),
     ("llama-head_dim-bias", "legacy", "float32"),
     ("qwen3", "transformers5", "bfloat16"),
+    ("phi3-longrope", "transformers5", "float32"),
 ]
 
 
@@ -155,6 +185,8 @@ def to_legacy(src: Path, dst: Path) -> None:
     hf = json.loads((src / "config.json").read_text())
     rope = hf.pop("rope_parameters")
     hf["rope_theta"] = rope.pop("rope_theta")
+    if hf["model_type"] == "phi3" and "partial_rotary_factor" in rope:  # at the top level in the old files
+        hf["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
     hf["rope_scaling"] = None if rope["rope_type"] == "default" else rope
     hf["torch_dtype"] = hf.pop("dtype")
     (dst / "config.json").write_text(json.dumps(hf, indent=2))
@@ -173,6 +205,10 @@ class Reference:
     logits: torch.Tensor
     """``[len(sequence), vocab]`` float32 logits of one transformers forward over ``sequence``."""
     inv_freq: torch.Tensor
+    """After the forward over ``sequence`` (LongRoPE: the long factors', ``sequence`` being past the
+    original context)."""
+    original_inv_freq: torch.Tensor
+    """LongRoPE: the short factors' (else the same)."""
     attention_scaling: float
 
 
@@ -211,16 +247,23 @@ class Zoo:
                 do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
             )
             with torch.inference_mode():
-                out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_config)
-                tokens = out[0, len(PROMPT) :].tolist()
+                if CASES[case].generate:
+                    out = model.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen_config)
+                    tokens = out[0, len(PROMPT) :].tolist()
+                else:
+                    grown = list(PROMPT)
+                    for _ in range(NEW):
+                        grown.append(int(model(torch.tensor([grown], device=device)).logits[0, -1].argmax()))
+                    tokens = grown[len(PROMPT) :]
                 assert len(tokens) == NEW
                 sequence = PROMPT + (tokens if dtype == "float32" else self.reference(case, "float32", device).tokens)
                 sequence = sequence[:-1]
                 logits = model(torch.tensor([sequence], device=device)).logits[0].float().cpu()
             rotary = model.model.rotary_emb
             self._refs[key] = Reference(
-                dirs, tokens, sequence, logits, rotary.inv_freq.detach().float().cpu(), float(rotary.attention_scaling)
-            )
+                dirs, tokens, sequence, logits, rotary.inv_freq.detach().float().cpu(),
+                rotary.original_inv_freq.detach().float().cpu(), float(rotary.attention_scaling),
+            )  # fmt: skip
         return self._refs[key]
 
 
@@ -236,14 +279,18 @@ def runner_for(alloc: MemoryAllocator, path: Path) -> ModelRunner:
 
 def our_logits(runner: ModelRunner, tokens: list[int]) -> torch.Tensor:
     """Logits at every position of ``tokens`` the way generation computes them: the prompt as one
-    prefill, then one token at a time against the paged cache."""
+    prefill, then one token at a time against the paged cache. LongRoPE past its original context: in
+    one call, as the reference's forward (every row then takes the long factors; the engine's way
+    there, reading the sequence again once it passes the context, is held to transformers by the
+    greedy tokens)."""
     kv, config = runner.kv_cache, runner.config
     rope = Rope.build(config, runner.alloc.torch_device)
     kv.allocate_sequence("teacher-forced")
     try:
         kv.ensure_capacity("teacher-forced", len(tokens))
         blocks, pool = kv.sequence("teacher-forced").block_ids, kv.device.tensor
-        n = len(PROMPT)
+        after = config.long_rope_after
+        n = len(tokens) if after is not None and len(tokens) > after else len(PROMPT)
         steps = [forward(runner.weights, config, rope, pool, blocks, tokens[:n], 0, all_logits=True)]
         steps += [
             forward(runner.weights, config, rope, pool, blocks, tokens[i : i + 1], i, all_logits=True)
@@ -280,7 +327,7 @@ def test_both_formats_are_one_config_here_and_in_transformers(zoo: Zoo, case: st
     assert config.head_dim == spec.options.get("head_dim", 16)
     assert config.tie_word_embeddings == spec.options.get("tie_word_embeddings", False)
     assert config.attention_bias == (case in ("qwen2", "llama-head_dim-bias"))
-    assert (config.rope_scaling is not None) == case.startswith("llama")
+    assert (config.rope_scaling is not None) == (case.startswith("llama") or case == "phi3-longrope")
     assert config.sliding_window == spec.options.get("sliding_window")
 
 
@@ -307,8 +354,12 @@ def _compare_in_process(zoo: Zoo, alloc: MemoryAllocator, case: str, fmt: str, d
     runner = runner_for(alloc, ref.dirs[fmt])
     assert runner.config.dtype == dtype
     rope = Rope.build(runner.config, alloc.torch_device)
-    assert ref.attention_scaling == 1.0
-    assert torch.equal(rope.inv_freq.cpu(), ref.inv_freq), "RoPE frequencies differ from transformers'"
+    assert rope.attention_scaling == ref.attention_scaling
+    assert torch.equal(rope.inv_freq.cpu(), ref.original_inv_freq), "RoPE frequencies differ from transformers'"
+    if rope.long_inv_freq is not None:
+        assert torch.equal(rope.long_inv_freq.cpu(), ref.inv_freq), "LongRoPE's long frequencies differ"
+    else:
+        assert torch.equal(rope.inv_freq.cpu(), ref.inv_freq)
 
     tokens = runner.generate(PROMPT, NEW)
     ours = our_logits(runner, ref.sequence)
@@ -357,6 +408,7 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.T
                 token_ids=torch.tensor(ids, device=device), positions=pos, write_blocks=table[0, pos // BLOCK_SIZE],
                 write_slots=pos % BLOCK_SIZE,
                 decode=DecodeRows(len(ids), table, pos + 1, torch.zeros(len(ids), dtype=torch.int64, device=device)),
+                rope_long=rope_long(config.long_rope_after, pos, len(tokens)),  # the reference's one call
             )  # fmt: skip
             out.append(forward_step(runner.weights, config, rope, kv.device.tensor, step, kernels))
         return torch.cat(out).float().cpu()

@@ -35,9 +35,9 @@ import torch
 from memsvc._limits import INT32_MAX
 from memsvc.errors import InvalidArgument
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3"]
 
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3")
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
 """The decoder families implemented here, in the order messages list them."""
 
 ARCHITECTURES: dict[str, Family] = {
@@ -45,14 +45,16 @@ ARCHITECTURES: dict[str, Family] = {
     "MistralForCausalLM": "mistral",
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
+    "Phi3ForCausalLM": "phi3",
 }
 """``config.json`` ``architectures`` entry -> family (a model's ``save_pretrained`` writes it)."""
 _FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
 MODEL_TYPES: dict[str, Family] = {family: family for family in FAMILIES}
 """``config.json`` ``model_type`` -> family (every ``save_pretrained`` writes it; equal to the family name)."""
 
-ROPE_TYPES = ("default", "linear", "llama3")
-"""RoPE variants the decoder computes exactly as transformers does (worker/model/decoder.py's Rope)."""
+ROPE_TYPES = ("default", "linear", "llama3", "longrope")
+"""RoPE variants the decoder computes exactly as transformers does (worker/model/decoder.py's Rope);
+longrope is Phi-3's alone."""
 
 DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
@@ -95,6 +97,10 @@ FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
     "qwen3": {
         "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
         "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+    },
+    "phi3": {
+        "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
+        "sliding_window": None, "original_max_position_embeddings": 4096,
     },
 }  # fmt: skip
 """What transformers 5.17's config classes use for a key the file omits (None: derived — key/value heads
@@ -158,6 +164,23 @@ ROPE_PREFIX = "rope_parameters."
 """Keys inside ``rope_parameters`` (or the legacy ``rope_scaling``) are named with this prefix in the table."""
 
 _ROPE_ONLY_REFUSED = "read only by RoPE types the decoder refuses (yarn, longrope); default, linear, llama3 ignore it"
+_PHI3_LONGROPE = "LongRoPE (Phi-3): "
+
+
+def _longrope_only(why: str) -> dict[Family, KeyRule]:
+    """A key LongRoPE reads: Phi-3 reads it, the other families' RoPE types ignore it."""
+    rules: dict[Family, KeyRule] = {f: ignored(_ROPE_ONLY_REFUSED) for f in FAMILIES}
+    rules["phi3"] = read(_PHI3_LONGROPE + why)
+    return rules
+
+
+def _partial_rotary() -> dict[Family, KeyRule]:
+    """Phi-3 rotates the first ``head_dim * partial_rotary_factor`` of each head; the others all of it."""
+    whole = neutral((1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)")
+    rules: dict[Family, KeyRule] = {f: whole for f in FAMILIES}
+    rules["phi3"] = read("the fraction of each head RoPE rotates (Phi-4-mini: 0.75); the rest passes through")
+    return rules
+
 
 CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     # which model
@@ -181,7 +204,8 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "rope_scaling": read("RoPE scaling (legacy; transformers prefers it to rope_parameters, so both must agree)"),
     "rope_theta": read("RoPE base (legacy top level; must agree with rope_parameters.rope_theta)"),
     "original_max_position_embeddings": read(
-        "llama3 RoPE's original context at the top level (transformers prefers it to the one in rope_parameters)"
+        "llama3 and longrope's original context at the top level (transformers prefers it to the one in "
+        "rope_parameters)"
     ),
     "attention_bias": {
         "llama": read("biases on q/k/v and o_proj"),
@@ -193,12 +217,14 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         ),
         "qwen2": ignored("Qwen2 always has q/k/v biases and never an o_proj bias; transformers does not read this key"),
         "qwen3": read("biases on q/k/v and o_proj"),
+        "phi3": ignored("Phi-3 has no projection biases; transformers does not read this key"),
     },
     "sliding_window": {
         "llama": neutral((None,), 4096, "Llama attends to every earlier position; no sliding window is implemented"),
         "mistral": read("a query attends to the most recent sliding_window positions, in every layer"),
         "qwen2": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
         "qwen3": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
+        "phi3": read("a query attends to the most recent sliding_window positions, in every layer"),
     },
     "use_sliding_window": {
         "llama": neutral((False, None), True, "Llama has no sliding-window layers"),
@@ -207,10 +233,14 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         ),
         "qwen2": read("turns layers from max_window_layers on into sliding-window layers (refused: not implemented)"),
         "qwen3": read("turns layers from max_window_layers on into sliding-window layers (refused: not implemented)"),
+        "phi3": neutral(
+            (False, None), True, "Phi-3's window is sliding_window itself; this Qwen switch is not Phi-3's"
+        ),
     },
     "max_window_layers": {
         "llama": ignored("only Qwen reads it"),
         "mistral": ignored("only Qwen reads it"),
+        "phi3": ignored("only Qwen reads it"),
         "qwen2": read("first layer that slides when use_sliding_window is set"),
         "qwen3": read("first layer that slides when use_sliding_window is set"),
     },
@@ -230,9 +260,7 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "pretraining_tp": neutral(
         (1, None), 2, "tensor-parallel slicing of the projections at pretraining is not reproduced"
     ),
-    "partial_rotary_factor": neutral(
-        (1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)"
-    ),
+    "partial_rotary_factor": _partial_rotary(),
     "attn_logit_softcapping": neutral((None,), 50.0, "attention-score soft-capping is not implemented"),
     "final_logit_softcapping": neutral((None,), 30.0, "output-logit soft-capping is not implemented"),
     "query_pre_attn_scalar": neutral((None,), 256, "attention scales scores by 1/sqrt(head_dim) only"),
@@ -261,24 +289,27 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "pad_token_id": ignored("padding row of the embedding only matters for training; no padding is fed here"),
     "initializer_range": ignored("initialisation of untrained weights"),
     "attention_dropout": ignored("dropout is off at inference"),
+    "resid_pdrop": ignored("dropout is off at inference"),
+    "embd_pdrop": ignored("dropout is off at inference"),
     # inside rope_parameters / rope_scaling
-    ROPE_PREFIX + "rope_type": read("default, linear or llama3 (others are refused)"),
+    ROPE_PREFIX + "rope_type": read("default, linear or llama3; longrope for Phi-3 (others are refused)"),
     ROPE_PREFIX + "type": read("legacy spelling of rope_type (must agree with it)"),
     ROPE_PREFIX + "rope_theta": read("RoPE base"),
-    ROPE_PREFIX + "factor": read("linear and llama3 scaling factor; with the default type it must be absent or 1"),
+    ROPE_PREFIX + "factor": read(
+        "linear and llama3 scaling factor, what longrope's attention factor derives from; with the default type it "
+        "must be absent or 1"
+    ),
     ROPE_PREFIX + "low_freq_factor": read("llama3 (other types ignore it, as transformers does)"),
     ROPE_PREFIX + "high_freq_factor": read("llama3 (other types ignore it, as transformers does)"),
     ROPE_PREFIX + "original_max_position_embeddings": read(
-        "llama3's pretraining context (other types ignore it, as transformers does)"
+        "llama3's and longrope's pretraining context (other types ignore it, as transformers does)"
     ),
-    ROPE_PREFIX + "partial_rotary_factor": neutral(
-        (1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)"
-    ),
-    ROPE_PREFIX + "attention_factor": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "partial_rotary_factor": _partial_rotary(),
+    ROPE_PREFIX + "attention_factor": _longrope_only("scales cos and sin (default from factor)"),
     ROPE_PREFIX + "beta_fast": ignored(_ROPE_ONLY_REFUSED),
     ROPE_PREFIX + "beta_slow": ignored(_ROPE_ONLY_REFUSED),
-    ROPE_PREFIX + "short_factor": ignored(_ROPE_ONLY_REFUSED),
-    ROPE_PREFIX + "long_factor": ignored(_ROPE_ONLY_REFUSED),
+    ROPE_PREFIX + "short_factor": _longrope_only("frequency divisors up to the original context"),
+    ROPE_PREFIX + "long_factor": _longrope_only("frequency divisors past the original context"),
     ROPE_PREFIX + "mscale": ignored(_ROPE_ONLY_REFUSED),
     ROPE_PREFIX + "mscale_all_dim": ignored(_ROPE_ONLY_REFUSED),
     ROPE_PREFIX + "truncate": ignored(_ROPE_ONLY_REFUSED),
@@ -309,26 +340,39 @@ def _check_neutral(raw: Mapping[str, Any], family: Family, prefix: str, where: s
 # ---- the value ----
 @dataclass(frozen=True)
 class RopeScaling:
-    """Llama 3.1+ style frequency scaling (``rope_type`` "llama3") or plain "linear" scaling.
+    """Llama 3.1+ style frequency scaling (``rope_type`` "llama3"), plain "linear" scaling, or Phi-3's
+    "longrope".
 
     Llama-3.2 checkpoints ship with "llama3" scaling; it changes the rotary frequencies at every
     position, so ignoring it would silently change every logit.
+
+    LongRoPE divides each frequency by its own factor: ``short_factor`` while a sequence is within
+    ``original_max_position_embeddings``, ``long_factor`` past it, and scales cos and sin by
+    ``attention_factor``. Which set a row uses follows transformers' rule for the call that computes
+    it: the long set once the sequence the call reads (its prompt, or its prefix up to the token)
+    is longer than the original context (worker/model/decoder.py's ``rope_long``).
     """
 
-    rope_type: Literal["linear", "llama3"]
+    rope_type: Literal["linear", "llama3", "longrope"]
     factor: float
     low_freq_factor: float = 1.0
     """llama3 only."""
     high_freq_factor: float = 4.0
     """llama3 only."""
     original_max_position_embeddings: int = 8192
-    """llama3 only: the context length the unscaled frequencies were trained for (parsing takes it from
-    the config, falling back to ``max_position_embeddings`` as transformers does)."""
+    """llama3 and longrope: the context length the unscaled frequencies were trained for (parsing
+    takes it from the config, falling back to ``max_position_embeddings`` as transformers does)."""
+    short_factor: tuple[float, ...] = ()
+    """longrope only: one divisor per rotated frequency."""
+    long_factor: tuple[float, ...] = ()
+    """longrope only."""
+    attention_factor: float = 1.0
+    """longrope only: cos and sin are multiplied by it."""
 
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and numerics of a Llama / Mistral / Qwen2 / Qwen3 decoder."""
+    """Dimensions and numerics of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 decoder."""
 
     family: Family
     """Which Hugging Face architecture the weights follow (names, biases, q/k norms)."""
@@ -355,7 +399,9 @@ class ModelConfig:
     """Weights, activations and KV cache dtype: float32, bfloat16 or float16."""
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
-    """Mistral: a query attends to at most this many most recent positions (None: all)."""
+    """Mistral and Phi-3: a query attends to at most this many most recent positions (None: all)."""
+    partial_rotary_factor: float = 1.0
+    """Phi-3: RoPE rotates the first :attr:`rotary_dim` of each head, the rest passes through."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -377,11 +423,27 @@ class ModelConfig:
             raise InvalidArgument(f"model config: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
             raise InvalidArgument("model config: rope_theta and rms_norm_eps must be > 0")
-        if self.sliding_window is not None and (self.family != "mistral" or self.sliding_window <= 0):
+        if self.sliding_window is not None and (self.family not in ("mistral", "phi3") or self.sliding_window <= 0):
             raise InvalidArgument(
-                f"model config: sliding_window must be a positive integer on mistral only, got {self.sliding_window}"
-                f" on {self.family}"
+                "model config: sliding_window must be a positive integer on mistral and phi3 only, got "
+                f"{self.sliding_window} on {self.family}"
             )
+        if self.partial_rotary_factor != 1.0 and self.family != "phi3":
+            raise InvalidArgument("model config: a partial_rotary_factor other than 1 is phi3's only")
+        if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
+            raise InvalidArgument(
+                f"model config: partial_rotary_factor {self.partial_rotary_factor} of head_dim {self.head_dim} must "
+                "rotate an even number of dimensions, at least 2"
+            )
+        s = self.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            if self.family != "phi3":
+                raise InvalidArgument("model config: longrope RoPE is phi3's only")
+            if not len(s.short_factor) == len(s.long_factor) == self.rotary_dim // 2:
+                raise InvalidArgument(
+                    f"model config: longrope needs {self.rotary_dim // 2} short and long factors (rotary_dim / 2), "
+                    f"got {len(s.short_factor)} and {len(s.long_factor)}"
+                )
         # The Hugging Face architectures fix these; a config that disagrees would not round-trip through to_hf.
         if self.family == "qwen2" and not self.attention_bias:
             raise InvalidArgument("model config: qwen2 always has q/k/v biases (attention_bias=True)")
@@ -399,6 +461,23 @@ class ModelConfig:
         """Whether o_proj carries a bias: Llama and Qwen3 put ``attention_bias`` on all four
         projections; Qwen2 has q/k/v biases only."""
         return self.attention_bias and self.family in ("llama", "qwen3")
+
+    @property
+    def rotary_dim(self) -> int:
+        """Dimensions of each head RoPE rotates (transformers: ``int(head_dim * partial_rotary_factor)``)."""
+        return int(self.head_dim * self.partial_rotary_factor)
+
+    @property
+    def long_rope_after(self) -> int | None:
+        """LongRoPE's original context: a row whose call reads more positions than this uses the long
+        factors (None: not LongRoPE)."""
+        s = self.rope_scaling
+        return s.original_max_position_embeddings if s is not None and s.rope_type == "longrope" else None
+
+    @property
+    def fused_checkpoint(self) -> bool:
+        """Phi-3's checkpoints hold q/k/v as one ``qkv_proj`` and gate/up as one ``gate_up_proj``."""
+        return self.family == "phi3"
 
     @property
     def qk_norm(self) -> bool:
@@ -481,6 +560,7 @@ class ModelConfig:
             )
         max_pos = _int(get("max_position_embeddings"), "max_position_embeddings")
         theta, scaling = _rope(hf, family, max_pos)
+        partial = _partial_rotary_factor(hf, family)
         if family in ("llama", "qwen3"):
             attention_bias = _bool(hf.get("attention_bias") or False, "attention_bias")
         else:
@@ -502,15 +582,24 @@ class ModelConfig:
             dtype=_dtype(hf),
             rope_scaling=scaling,
             sliding_window=_sliding_window(hf, family, num_layers),
+            partial_rotary_factor=partial,
         )
 
     def to_hf(self, legacy: bool = False) -> dict[str, Any]:
         """A ``config.json`` dict that :meth:`from_hf` reads back to this config (test checkpoints):
         as transformers 5 writes it, or with ``legacy`` in the old key names."""
         rope: dict[str, Any] = {"rope_type": "default", "rope_theta": self.rope_theta}
+        if self.family == "phi3":
+            rope["partial_rotary_factor"] = self.partial_rotary_factor
         if self.rope_scaling is not None:
             s = self.rope_scaling
             rope.update(rope_type=s.rope_type, factor=s.factor)
+            if s.rope_type == "longrope":
+                rope.update(
+                    short_factor=list(s.short_factor), long_factor=list(s.long_factor),
+                    attention_factor=s.attention_factor,
+                    original_max_position_embeddings=s.original_max_position_embeddings,
+                )  # fmt: skip
             if s.rope_type == "llama3":
                 rope.update(
                     low_freq_factor=s.low_freq_factor,
@@ -534,8 +623,10 @@ class ModelConfig:
         }
         if self.family in ("llama", "qwen3"):
             hf["attention_bias"] = self.attention_bias
-        if self.family == "mistral":
+        if self.family in ("mistral", "phi3"):
             hf["sliding_window"] = self.sliding_window
+        if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope":
+            hf["original_max_position_embeddings"] = self.rope_scaling.original_max_position_embeddings
         if self.family in ("qwen2", "qwen3"):
             hf.update(use_sliding_window=False, sliding_window=None)
         if legacy:
@@ -648,6 +739,8 @@ def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, R
     _check_neutral(raw, family, ROPE_PREFIX, where + ".")
 
     kind = _agreed(raw.get("rope_type"), raw.get("type"), f"{where}.rope_type and {where}.type") or "default"
+    if family == "phi3" and kind in ("su", "yarn"):
+        kind = "longrope"  # what transformers' Phi-3 config makes of the old names
     theta = _agreed(raw.get("rope_theta"), hf.get("rope_theta"), f"{where}.rope_theta and rope_theta")
     theta = _DEFAULT_THETA if theta is None else _float(theta, "rope_theta")
     if theta <= 0:
@@ -685,11 +778,60 @@ def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, R
         if scaling.high_freq_factor == scaling.low_freq_factor:
             raise InvalidArgument(f"config.json: {where}: llama3 needs high_freq_factor != low_freq_factor")
         return theta, scaling
+    if kind == "longrope" and family == "phi3":
+        return theta, _longrope(hf, raw, where, max_pos)
     raise InvalidArgument(
         f"config.json: RoPE type {kind!r} ({where}) is not implemented; this decoder implements "
         f"{', '.join(ROPE_TYPES)}",
         metadata={"key": ROPE_PREFIX + "rope_type"},
     )
+
+
+def _longrope(hf: Mapping[str, Any], raw: Mapping[str, Any], where: str, max_pos: int) -> RopeScaling:
+    """Phi-3's LongRoPE as transformers 5.17 computes it (``_compute_longrope_parameters``): the
+    original context is the config's top-level one (the class default, 4096, when the file has none;
+    transformers prefers it to the one in the RoPE dict, so the two must agree), ``factor`` defaults
+    to max_position_embeddings / original, ``attention_factor`` to sqrt(1 + ln(factor) / ln(original))
+    (1 for a factor of at most 1)."""
+    top = hf.get("original_max_position_embeddings", FAMILY_DEFAULTS["phi3"]["original_max_position_embeddings"])
+    original = _int(
+        _agreed(top, raw.get("original_max_position_embeddings"),
+                f"original_max_position_embeddings and {where}.original_max_position_embeddings"),
+        "original_max_position_embeddings",
+    )  # fmt: skip
+    factors = {}
+    for name in ("short_factor", "long_factor"):
+        value = raw.get(name)
+        if not isinstance(value, list) or not value:
+            raise InvalidArgument(f"config.json: {where}.{name} must be a list of numbers for longrope, got {value!r}")
+        factors[name] = tuple(_float(v, f"{where}.{name}", positive=True) for v in value)
+    factor = raw.get("factor")
+    factor = max_pos / original if factor is None else _float(factor, f"{where}.factor", positive=True)
+    attention = raw.get("attention_factor")
+    if attention is None:
+        attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+    attention = _float(attention, f"{where}.attention_factor", positive=True)
+    return RopeScaling(
+        "longrope", factor, original_max_position_embeddings=original, short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"], attention_factor=attention,
+    )  # fmt: skip
+
+
+def _partial_rotary_factor(hf: Mapping[str, Any], family: Family) -> float:
+    """Phi-3's fraction of each head that RoPE rotates: in the RoPE dict (transformers 5) or at the top
+    level (older files; transformers takes it from there when the dict has none); 1 elsewhere (the
+    table holds the others to 1)."""
+    if family != "phi3":
+        return 1.0
+    rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
+    value = _agreed(hf.get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
+                    "partial_rotary_factor and rope_parameters.partial_rotary_factor")  # fmt: skip
+    if value is None:
+        return 1.0
+    factor = _float(value, "partial_rotary_factor", positive=True)
+    if factor > 1:
+        raise InvalidArgument(f"config.json: partial_rotary_factor must be in (0, 1], got {factor}")
+    return factor
 
 
 def _sliding_window(hf: Mapping[str, Any], family: Family, num_layers: int) -> int | None:
@@ -706,7 +848,7 @@ def _sliding_window(hf: Mapping[str, Any], family: Family, num_layers: int) -> i
         )
     defaults = FAMILY_DEFAULTS[family]
     window = hf["sliding_window"] if "sliding_window" in hf else defaults.get("sliding_window")  # null: no window
-    if family == "mistral":
+    if family in ("mistral", "phi3"):
         if window is None:
             return None
         window = _int(window, "sliding_window")

@@ -2,10 +2,11 @@
 
 No ``nn.Module``: the weights are pool tensors the allocator owns, and keeping the computation a
 function of (weights, config, cache blocks) means nothing here holds a tensor that could go stale
-across sleep and wake. Numerics follow transformers' Llama, Mistral, Qwen2 and Qwen3 operation for
-operation (RMSNorm in float32 then scaled in the model dtype, rotate-half RoPE with float32 cos/sin
-cast to the model dtype, Qwen3's per-head q/k norm before RoPE, the same bias placement) so real
-checkpoints produce their reference tokens; tests/test_reference.py checks it against transformers.
+across sleep and wake. Numerics follow transformers' Llama, Mistral, Qwen2, Qwen3 and Phi-3
+operation for operation (RMSNorm in float32 then scaled in the model dtype, rotate-half RoPE with
+float32 cos/sin cast to the model dtype, Qwen3's per-head q/k norm before RoPE, the same bias
+placement, Phi-3's partial rotary and LongRoPE) so real checkpoints produce their reference tokens;
+tests/test_reference.py checks it against transformers.
 """
 
 from __future__ import annotations
@@ -13,6 +14,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -33,13 +35,24 @@ class Rope:
     """Rotary position embedding frequencies for one config, on one device."""
 
     inv_freq: torch.Tensor
-    """``[head_dim // 2]`` float32 angular frequencies, RoPE scaling applied."""
+    """``[rotary_dim // 2]`` float32 angular frequencies, RoPE scaling applied (LongRoPE: the short
+    factors')."""
+    long_inv_freq: torch.Tensor | None = None
+    """LongRoPE: the long factors' frequencies, for the rows :func:`rope_long` marks."""
+    attention_scaling: float = 1.0
+    """cos and sin are multiplied by it (LongRoPE's attention factor)."""
 
     @classmethod
     def build(cls, config: ModelConfig, device: torch.device) -> Rope:
-        d = config.head_dim
-        inv = 1.0 / (config.rope_theta ** (torch.arange(0, d, 2, dtype=torch.int64).float() / d))
+        d = config.rotary_dim
+        exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
         s = config.rope_scaling
+        if s is not None and s.rope_type == "longrope":
+            # transformers' order: 1 / (factor * base ** (i / d)), each factor a float32
+            short, long = (torch.tensor(f, dtype=torch.float32) for f in (s.short_factor, s.long_factor))
+            powers = config.rope_theta**exponents
+            return cls((1.0 / (short * powers)).to(device), (1.0 / (long * powers)).to(device), s.attention_factor)
+        inv = 1.0 / (config.rope_theta**exponents)
         if s is not None and s.rope_type == "linear":
             inv = inv / s.factor
         elif s is not None and s.rope_type == "llama3":
@@ -54,16 +67,43 @@ class Rope:
             inv = torch.where(medium, blended, scaled)
         return cls(inv.to(device))
 
-    def cos_sin(self, positions: torch.Tensor, dtype: torch.dtype) -> tuple[torch.Tensor, torch.Tensor]:
-        """``[n, 1, head_dim]`` cos and sin for the positions, broadcasting over heads."""
-        freqs = positions.float()[:, None] * self.inv_freq[None, :]
+    def cos_sin(
+        self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None
+    ) -> tuple[torch.Tensor, torch.Tensor]:
+        """``[n, 1, rotary_dim]`` cos and sin for the positions, broadcasting over heads. ``long``:
+        ``[n]`` bool, the rows that take LongRoPE's long frequencies (None: none)."""
+        pos = positions.float()[:, None]
+        freqs = pos * self.inv_freq[None, :]
+        if self.long_inv_freq is not None and long is not None:
+            freqs = torch.where(long[:, None], pos * self.long_inv_freq[None, :], freqs)
         emb = torch.cat((freqs, freqs), dim=-1)[:, None, :]
-        return emb.cos().to(dtype), emb.sin().to(dtype)
+        cos, sin = emb.cos(), emb.sin()
+        if self.attention_scaling != 1.0:
+            cos, sin = cos * self.attention_scaling, sin * self.attention_scaling
+        return cos.to(dtype), sin.to(dtype)
+
+
+def rope_long(after: int | None, positions: torch.Tensor | np.ndarray, extent: torch.Tensor | np.ndarray | int) -> Any:
+    """LongRoPE's choice per row, as transformers makes it for the call that computes the row: the
+    long frequencies where that call reads more positions than the original context ``after``
+    (:attr:`ModelConfig.long_rope_after`; None: not LongRoPE, and then neither is the answer).
+    ``extent``: per row (or for all), the length of its sequence when the row is computed — the whole
+    prompt for a prompt row (transformers reads a prompt in one call, whatever chunks the engine cuts
+    it into). A sequence that grows past ``after`` is read again whole with the long ones
+    (worker/model/engine.py), as transformers' Phi-3 drops its cache there."""
+    if after is None:
+        return None
+    return (positions + 1 > after) | (extent > after)
 
 
 def apply_rope(x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor) -> torch.Tensor:
-    """Rotate ``[n, heads, head_dim]`` by position (Hugging Face's rotate-half layout)."""
-    half = x.shape[-1] // 2
+    """Rotate ``[n, heads, head_dim]`` by position (Hugging Face's rotate-half layout). With cos and
+    sin narrower than the head (Phi-3's partial rotary), the first dimensions rotate and the rest
+    pass through."""
+    r = cos.shape[-1]
+    if r < x.shape[-1]:
+        return torch.cat((apply_rope(x[..., :r], cos, sin), x[..., r:]), dim=-1)
+    half = r // 2
     rotated = torch.cat((-x[..., half:], x[..., :half]), dim=-1)
     return x * cos + rotated * sin
 
@@ -135,6 +175,8 @@ class StepInputs:
     decode: DecodeRows | None = None
     last_rows: torch.Tensor | None = None
     """Rows whose logits are returned (None: every row)."""
+    rope_long: torch.Tensor | None = None
+    """``[rows]`` bool: LongRoPE's long frequencies (:func:`rope_long`); None: not LongRoPE."""
 
 
 @dataclass(frozen=True)
@@ -156,6 +198,9 @@ class HostStep:
     row_tables: np.ndarray | None = None
     """Paged rows (see :meth:`decodes`): ``[rows]`` int64, the row of ``decode_tables`` each row reads;
     None: one table per row, the leading ``decode_tables.shape[0]`` rows."""
+    rope_long: np.ndarray | None = None
+    """``[rows]`` bool: LongRoPE's long frequencies (:func:`rope_long`); None: not LongRoPE (a CUDA
+    graph's buffer has no room for it: LongRoPE models run eagerly, worker/model/paged_attention.py)."""
     device_tokens: torch.Tensor | None = None
     """``[k]`` int64 on the model's device: the tokens of rows ``0..k``, which the step before this
     one made and whose copy to the host has not been read yet (``token_ids`` holds placeholders
@@ -198,6 +243,7 @@ class HostStep:
             write_slots=t(self.positions % block_size),
             spans=tuple(SeqSpan(r, s, n, None if b is None else t(b)) for r, s, n, b in self.spans),
             decode=decode, last_rows=t(self.last_rows),
+            rope_long=None if self.rope_long is None else t(self.rope_long),
         )  # fmt: skip
 
 
@@ -283,9 +329,20 @@ def _joined(weights: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.
     return first.as_strided((sum(p.shape[0] for p in parts if p is not None), *first.shape[1:]), first.stride())
 
 
+def checkpoint_fused(weights: Mapping[str, torch.Tensor], config: ModelConfig, i: int) -> FusedLayer | None:
+    """Layer ``i``'s projections where the checkpoint itself fuses them (Phi-3); None elsewhere."""
+    if not config.fused_checkpoint:
+        return None
+    a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    return FusedLayer(weights[a + "qkv_proj.weight"], None, weights[m + "gate_up_proj.weight"])
+
+
 def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tuple[FusedLayer, ...] | None:
     """Every layer's fused projections, or None unless the weights were allocated fused (by
-    worker/model/weights.py's allocate_weights): then one product replaces three, and one two."""
+    worker/model/weights.py's allocate_weights) or the checkpoint fuses them: then one product
+    replaces three, and one two."""
+    if config.fused_checkpoint:
+        return tuple(checkpoint_fused(weights, config, i) for i in range(config.num_layers))  # type: ignore[misc]
     out = []
     for i in range(config.num_layers):
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
@@ -349,7 +406,7 @@ def forward_step(
     dtype, eps = config.torch_dtype, config.rms_norm_eps
     n = step.token_ids.shape[0]
     nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
-    cos, sin = rope.cos_sin(step.positions, dtype)
+    cos, sin = rope.cos_sin(step.positions, dtype, step.rope_long)
     decode = step.decode
     decode_attention = kernels.decode_attention
     if decode is not None and decode_attention is None:
@@ -361,7 +418,7 @@ def forward_step(
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         a = p + "self_attn."
-        f = fused[i] if fused is not None else None
+        f = fused[i] if fused is not None else checkpoint_fused(weights, config, i)
         if f is not None:
             qkv, qw, kw = F.linear(h, f.qkv, f.qkv_bias), nh * hd, nkv * hd
             q, k = qkv[:, :qw].view(n, nh, hd), qkv[:, qw : qw + kw].view(n, nkv, hd)
@@ -404,12 +461,14 @@ def forward_step(
 
 def single_sequence_step(
     block_ids: Sequence[int], token_ids: Sequence[int], start_pos: int, block_size: int, device: torch.device,
-    all_logits: bool = False,
+    all_logits: bool = False, config: ModelConfig | None = None,
 ) -> StepInputs:  # fmt: skip
-    """The step that feeds ``token_ids`` at ``start_pos..`` of one sequence with this block table."""
+    """The step that feeds ``token_ids`` at ``start_pos..`` of one sequence with this block table, as
+    one call (LongRoPE, with ``config``: its rows choose their frequencies as one transformers call's)."""
     n = len(token_ids)
     positions = torch.arange(start_pos, start_pos + n, device=device)
     table = torch.tensor(list(block_ids), dtype=torch.long, device=device)
+    long = rope_long(config.long_rope_after, positions, start_pos + n) if config is not None else None
     return StepInputs(
         token_ids=torch.tensor(list(token_ids), dtype=torch.long, device=device),
         positions=positions,
@@ -417,6 +476,7 @@ def single_sequence_step(
         write_slots=positions % block_size,
         spans=(SeqSpan(0, start_pos, n, table),),
         last_rows=None if all_logits else torch.tensor([n - 1], device=device),
+        rope_long=long,
     )
 
 
@@ -437,13 +497,14 @@ def forward(
     logits of the last token, or ``[n, vocab]`` with ``all_logits``. The engine batches steps of
     many sequences with :func:`forward_step`; this is one sequence's (tests, references).
     """
-    step = single_sequence_step(block_ids, token_ids, start_pos, kv.shape[3], kv.device, all_logits)
+    step = single_sequence_step(block_ids, token_ids, start_pos, kv.shape[3], kv.device, all_logits, config)
     logits = forward_step(weights, config, rope, kv, step)
     return logits if all_logits else logits[0]
 
 
 __all__ = [
     "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope",
-    "add_rms_norm", "forward", "forward_step", "fused_layers", "rms_norm", "rope_store", "silu_mul",
+    "add_rms_norm", "checkpoint_fused", "forward", "forward_step", "fused_layers", "rms_norm", "rope_long",
+    "rope_store", "silu_mul",
     "single_sequence_step",
 ]  # fmt: skip

@@ -55,7 +55,7 @@ import torch
 from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.errors import Cancelled, InvalidArgument, NotFound, OutOfMemory, WrongState
 from memsvc.vocabulary import FinishReason
-from worker.model.decoder import HostStep
+from worker.model.decoder import HostStep, rope_long
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
 from worker.model.sampling import Sampler, sample_tokens, to_device
@@ -104,6 +104,9 @@ class _Request:
     limit: int = 0
     """Tokens it may generate: ``max_new_tokens``, or fewer where the context ends it first."""
     out: list[int] = field(default_factory=list)
+    short_rope: bool = False
+    """LongRoPE: its sequence's cached rows were computed with the short frequencies (while it was
+    within the original context); it is read again, whole, once its next rows take the long ones."""
     stop_text: StopMatcher | None = None
     """The request's stop strings over its text (None: it has none)."""
     flying: int = 0
@@ -180,7 +183,10 @@ class Engine:
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int | None = None,
         max_new_tokens_limit: int = MAX_GENERATE_TOKENS,
+        long_rope_after: int | None = None,
     ) -> None:
+        """``long_rope_after``: a LongRoPE model's original context (ModelConfig.long_rope_after):
+        each step then says which rows take the long frequencies (decoder.rope_long)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidArgument(f"max_batch must be an integer >= 1, got {max_batch!r}")
         if max_step_tokens is None:
@@ -205,6 +211,7 @@ class Engine:
         :meth:`_plan`; 0: never): the model runner sets it where its attention kernel takes them
         (CUDA, Triton; worker/model/graphs.py's MIXED_ROWS)."""
         self.max_new_tokens_limit = max_new_tokens_limit
+        self._long_rope_after = long_rope_after
         self._waiting: collections.deque[_Request] = collections.deque()
         self._running: list[_Request] = []
         self._flight: _Flight | None = None
@@ -331,6 +338,7 @@ class Engine:
         self.kv_cache.shrink(req.seq_id, 0)
         self.recomputed_tokens += req.seq.num_cached
         req.seq.num_cached = 0
+        req.short_rope = False
         req.preempted = True
         self.preemptions += 1
 
@@ -360,6 +368,8 @@ class Engine:
         self.drop_leavers()
         self._admit()
         try:
+            if self._long_rope_after is not None:
+                self._reread_for_long_rope()
             self._grow()
             before, self._flight = self._flight, None
             if self._running:
@@ -375,6 +385,31 @@ class Engine:
                 raise
         self._last_step = time.monotonic()
         return self.has_work
+
+    def _reread_for_long_rope(self) -> None:
+        """LongRoPE, as transformers' Phi-3 generates: a sequence whose next rows pass the original
+        context while its cached rows were computed within it is read again from its first token, in
+        one call with the long frequencies (transformers drops the cache there and recomputes), so
+        that every row of a sequence past the original context is a long one. The step in flight is
+        landed first: the reread needs every token on the host."""
+        after = self._long_rope_after
+        assert after is not None
+        for req in list(self._running):
+            seq = req.seq
+            if seq is None or not req.short_rope or max(seq.num_cached + 1, len(seq.tokens)) <= after:
+                continue
+            if req.flying:
+                self.land()  # its last token is still on the device
+                if req not in self._running or req.seq is None:
+                    continue  # it ended with that token
+            try:
+                self.kv_cache.ensure_capacity(seq.seq_id, len(seq.tokens))  # its next position's block too
+            except OutOfMemory:
+                self._preempt(req)  # it reads everything again from the queue, once there is room
+                continue
+            seq.num_cached, req.short_rope = 0, False
+            log.debug("longrope: %s passes the original context (%d): read again with the long frequencies",
+                      req.seq_id, after)  # fmt: skip
 
     def land(self) -> None:
         """Wait for the step in flight and hand out its tokens (no-op when none is): before anything
@@ -492,6 +527,8 @@ class Engine:
         else:
             req.seq = existing
             req.kept = (len(existing.tokens), existing.num_cached, kv.blocks_of(existing))
+        after = self._long_rope_after
+        req.short_rope = after is not None and 0 < req.seq.num_cached <= after  # a kept prefix, read short
         req.seq.tokens.extend(req.prompt)
         if req.seq.num_cached == len(req.seq.tokens):  # every token read: read the last again for its logits
             req.seq.num_cached -= 1
@@ -595,11 +632,19 @@ class Engine:
             if start + take == len(seq.tokens):
                 last_rows.append(row - 1)
                 ends.append(req)
+        all_positions = np.concatenate(positions)
+        long = None
+        planned = [(r, 1) for r in decodes] + chunks
+        if self._long_rope_after is not None and planned:
+            lengths = np.repeat([len(r.seq.tokens) for r, _ in planned], [n for _, n in planned])  # type: ignore[union-attr]
+            long = rope_long(self._long_rope_after, all_positions, lengths)
+            for (req, _), marks in zip(planned, np.split(long, np.cumsum([n for _, n in planned])[:-1]), strict=True):
+                req.short_rope = req.short_rope or not marks.all()
         step = HostStep(
-            token_ids=np.concatenate(tokens), positions=np.concatenate(positions),
+            token_ids=np.concatenate(tokens), positions=all_positions,
             write_blocks=np.concatenate(blocks), decode_tables=table, spans=tuple(spans),
             last_rows=np.asarray(last_rows, np.int64),
-            row_tables=np.concatenate(row_tables) if paged else None,
+            row_tables=np.concatenate(row_tables) if paged else None, rope_long=long,
         )  # fmt: skip
         return step, [(r, 1) for r in decodes] + chunks, ends, fed
 

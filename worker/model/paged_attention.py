@@ -117,9 +117,11 @@ def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, 
 
 
 def triton_supports(config: ModelConfig) -> bool:
-    """The kernel's shape rules: a power-of-two head_dim of at least 16 (a tile dimension)."""
+    """The Triton set's rules: a power-of-two head_dim of at least 16 (a tile dimension), RoPE over the
+    whole head (its fused rotation rotates all of it; Phi-3's partial rotary runs the torch one), and
+    no per-row choice of RoPE frequencies (a CUDA graph's step buffer has no field for LongRoPE's)."""
     hd = config.head_dim
-    return hd >= 16 and hd & (hd - 1) == 0
+    return hd >= 16 and hd & (hd - 1) == 0 and config.rotary_dim == hd and config.long_rope_after is None
 
 
 def graphs_supported(config: ModelConfig) -> bool:

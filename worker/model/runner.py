@@ -26,9 +26,9 @@ from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import DEFAULT_MAX_BATCH, Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.graphs import MIXED_ROWS, BackgroundCapture, DecodeGraphs
-from worker.model.progress import load_bar
 from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
+from worker.model.progress import load_bar
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = MAX_GENERATE_TOKENS
@@ -108,7 +108,7 @@ class ModelRunner:
             self.kv_cache, self._run_step, alloc.torch_device, self.config.vocab_size,
             self.config.max_position_embeddings, lambda: self.source.eos_token_ids,
             lambda: self._check_awake(WEIGHTS, KV_CACHE), lambda: self.source.text, max_batch, max_step_tokens,
-            max_new_tokens_limit,
+            max_new_tokens_limit, self.config.long_rope_after,
         )  # fmt: skip
         self.graphs: DecodeGraphs | None = None
         self.background_capture: BackgroundCapture | None = None

@@ -41,9 +41,12 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
         shapes[p + "input_layernorm.weight"] = (h,)
-        shapes[p + "self_attn.q_proj.weight"] = (q, h)
-        shapes[p + "self_attn.k_proj.weight"] = (kv, h)
-        shapes[p + "self_attn.v_proj.weight"] = (kv, h)
+        if config.fused_checkpoint:  # Phi-3: [q; k; v] rows in one tensor
+            shapes[p + "self_attn.qkv_proj.weight"] = (q + 2 * kv, h)
+        else:
+            shapes[p + "self_attn.q_proj.weight"] = (q, h)
+            shapes[p + "self_attn.k_proj.weight"] = (kv, h)
+            shapes[p + "self_attn.v_proj.weight"] = (kv, h)
         if config.attention_bias:
             shapes[p + "self_attn.q_proj.bias"] = (q,)
             shapes[p + "self_attn.k_proj.bias"] = (kv,)
@@ -55,8 +58,11 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
-        shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
-        shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
+        if config.fused_checkpoint:  # Phi-3: [gate; up] rows in one tensor
+            shapes[p + "mlp.gate_up_proj.weight"] = (2 * config.intermediate_size, h)
+        else:
+            shapes[p + "mlp.gate_proj.weight"] = (config.intermediate_size, h)
+            shapes[p + "mlp.up_proj.weight"] = (config.intermediate_size, h)
         shapes[p + "mlp.down_proj.weight"] = (h, config.intermediate_size)
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
@@ -66,7 +72,8 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
 
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
 """Per layer, the projections that read the same input: their matrices are row blocks of one pool
-tensor, so the decoder runs each group as one matrix product (worker/model/decoder.py)."""
+tensor, so the decoder runs each group as one matrix product (worker/model/decoder.py). A checkpoint
+that stores them fused (Phi-3's ``qkv_proj`` and ``gate_up_proj``) is one tensor each already."""
 
 
 def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
