@@ -433,6 +433,30 @@ def test_prompt_rows_through_the_block_tables_match_transformers(zoo: Zoo, alloc
     assert runner.generate(PROMPT, NEW) == ref.tokens
 
 
+def test_longrope_sequences_in_a_batch_pass_the_context_as_they_do_alone(zoo: Zoo, alloc: MemoryAllocator) -> None:
+    """Phi-3's LongRoPE under batching: a request that passes the original context mid-generation is
+    read again there while others decode and read prompts beside it (in chunks of a 5-token step
+    budget), and a prompt already past the context is read with the long factors from its first
+    chunk; each one's greedy tokens are transformers'."""
+    ref = zoo.reference("phi3-longrope", "float32", alloc.torch_device.type)
+    runner = ModelRunner(alloc, str(ref.dirs["transformers5"]), num_device_blocks=48, num_host_blocks=0,
+                         block_size=BLOCK_SIZE, max_batch=3, max_step_tokens=5)  # fmt: skip
+    after = runner.config.long_rope_after
+    assert after is not None and len(PROMPT) < after < len(PROMPT) + NEW
+    engine = runner.engine
+    first = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
+    for _ in range(6):
+        engine.step()
+    second = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
+    past = PROMPT + ref.tokens[:14]  # 22 tokens: past the context of 20 from the start
+    third = engine.submit(GenerationRequest(past, NEW - 14, ignore_eos=True))
+    while engine.step():
+        pass
+    assert first.result().tokens == ref.tokens
+    assert second.result().tokens == ref.tokens
+    assert third.result().tokens == ref.tokens[14:]
+
+
 @pytest.mark.gpu
 @pytest.mark.parametrize("case", CASES)
 def test_steps_replayed_from_cuda_graphs_match_transformers(
