@@ -28,10 +28,14 @@ from worker.model.config import (
     CONFIG_KEYS,
     FAMILIES,
     FAMILY_DEFAULTS,
+    GEMMA3_THETA,
+    LAYER_TYPES,
+    MODEL_TYPES,
     ROPE_PREFIX,
     Family,
     KeyRule,
     ModelConfig,
+    RopeScaling,
     key_rule,
 )
 
@@ -41,6 +45,7 @@ CONFIG_CLASSES: dict[Family, Any] = {
     "qwen2": transformers.Qwen2Config,
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
+    "gemma3": transformers.Gemma3TextConfig,
 }
 MODEL_CLASSES: dict[Family, Any] = {
     "llama": transformers.LlamaForCausalLM,
@@ -48,6 +53,7 @@ MODEL_CLASSES: dict[Family, Any] = {
     "qwen2": transformers.Qwen2ForCausalLM,
     "qwen3": transformers.Qwen3ForCausalLM,
     "phi3": transformers.Phi3ForCausalLM,
+    "gemma3": transformers.Gemma3ForCausalLM,
 }
 DIMS = {
     "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -65,12 +71,16 @@ LONGROPE = {
 
 
 def base(family: Family) -> dict[str, Any]:
-    """A small config.json of ``family`` as transformers 5 writes it (llama with llama3 RoPE and phi3
-    with LongRoPE, so the RoPE sub-keys have something to act on)."""
+    """A small config.json of ``family`` as transformers 5 writes it (llama with llama3 RoPE, phi3 with
+    LongRoPE and gemma3's full layers with linear RoPE, so the RoPE sub-keys have something to act on)."""
+    gemma = family == "gemma3"
     hf = ModelConfig(
         family=family, vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
         head_dim=8, max_position_embeddings=128, attention_bias=family == "qwen2",
-        sliding_window=16 if family == "mistral" else None,
+        sliding_window=16 if family in ("mistral", "gemma3") else None,
+        layer_types=("sliding_attention", "full_attention") if gemma else None,
+        local_rope_theta=10000.0 if gemma else None, query_pre_attn_scalar=8.0 if gemma else None,
+        rope_scaling=RopeScaling("linear", 4.0) if gemma else None, rope_theta=1e6 if gemma else 10000.0,
     ).to_hf()  # fmt: skip
     if family == "llama":
         hf["rope_parameters"] = dict(LLAMA3)
@@ -84,11 +94,18 @@ def parse(hf: dict[str, Any]) -> ModelConfig:
     return ModelConfig.from_hf(json.loads(json.dumps(hf)))
 
 
+def rope_dict(hf: dict[str, Any]) -> dict[str, Any]:
+    """The RoPE dict the ``rope_parameters.`` keys go in: Gemma 3's full layers' (it has one per layer type)."""
+    rope: dict[str, Any] = hf["rope_parameters"]
+    part: dict[str, Any] = rope.get("full_attention", rope)
+    return part
+
+
 def with_key(hf: dict[str, Any], key: str, value: Any) -> dict[str, Any]:
     """``hf`` with ``key`` set; a ``rope_parameters.`` key goes inside the RoPE dict."""
     out: dict[str, Any] = json.loads(json.dumps(hf))
     if key.startswith(ROPE_PREFIX):
-        out["rope_parameters"][key.removeprefix(ROPE_PREFIX)] = value
+        rope_dict(out)[key.removeprefix(ROPE_PREFIX)] = value
     else:
         out[key] = value
     return out
@@ -153,6 +170,10 @@ R = ROPE_PREFIX
 def scaling(**expected: Any) -> Callable[[ModelConfig], bool]:
     """The parsed RoPE scaling has these fields."""
     return lambda c: c.rope_scaling is not None and all(getattr(c.rope_scaling, k) == v for k, v in expected.items())
+
+
+def sliding_layers(c: ModelConfig) -> list[int]:
+    return [i for i in range(c.num_layers) if c.layer_window(i) is not None]
 
 
 WINDOW = {"use_sliding_window": True, "sliding_window": 8}
@@ -272,6 +293,34 @@ READ_CASES: dict[str, list[ReadCase]] = {
         ("phi3", {R + "original_max_position_embeddings": REMOVE}, scaling(original_max_position_embeddings=32)),
         ("phi3", {R + "original_max_position_embeddings": 64}, "original_max_position_embeddings .*disagree"),
     ],
+    "hidden_activation": [
+        ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation = 'gelu' is not supported for gemma3"),
+        ("gemma3", {"hidden_activation": REMOVE}, lambda c: c.gemma),  # gelu_pytorch_tanh by default
+    ],
+    "query_pre_attn_scalar": [
+        ("gemma3", {"query_pre_attn_scalar": 32}, lambda c: c.attention_scale == 32**-0.5),
+        ("gemma3", {"query_pre_attn_scalar": REMOVE}, lambda c: c.query_pre_attn_scalar == 256),
+    ],
+    "layer_types": [
+        ("gemma3", {"layer_types": ["full_attention"] * 2}, lambda c: c.layer_types == ("full_attention",) * 2),
+        ("gemma3", {"layer_types": ["chunked_attention"] * 2}, "layer_types must list 2 of"),
+    ],
+    "sliding_window_pattern": [
+        ("gemma3", {"layer_types": REMOVE, "sliding_window_pattern": 1}, lambda c: sliding_layers(c) == []),
+        ("gemma3", {"layer_types": REMOVE}, lambda c: sliding_layers(c) == [0, 1]),  # every 6th is full
+    ],
+    "rope_local_base_freq": [
+        (
+            "gemma3",
+            {
+                "rope_parameters": REMOVE,
+                "rope_scaling": {"rope_type": "linear", "factor": 4.0},
+                "rope_local_base_freq": 5e4,
+            },
+            lambda c: c.local_rope_theta == 5e4 and c.rope_theta == 1e6 and c.rope_scaling is not None,
+        ),
+        ("gemma3", {"rope_local_base_freq": 5e4}, "sliding_attention.rope_theta and rope_local_base_freq disagree"),
+    ],
     "partial_rotary_factor": [
         ("phi3", {R + "partial_rotary_factor": REMOVE, "partial_rotary_factor": 0.75}, lambda c: c.rotary_dim == 6),
         ("phi3", {"partial_rotary_factor": 0.5}, "partial_rotary_factor .*disagree"),
@@ -301,7 +350,7 @@ def _apply(hf: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
     out: dict[str, Any] = json.loads(json.dumps(hf))
     for key, value in changes.items():
         rope = key.startswith(ROPE_PREFIX)
-        target, name = (out["rope_parameters"], key.removeprefix(ROPE_PREFIX)) if rope else (out, key)
+        target, name = (rope_dict(out), key.removeprefix(ROPE_PREFIX)) if rope else (out, key)
         if value is REMOVE:
             target.pop(name, None)
         else:
@@ -361,7 +410,19 @@ def _variants(family: Family) -> list[Any]:
     """Configs of ``family`` exercising each option this decoder reads (RoPE types, windows, biases)."""
     cls = CONFIG_CLASSES[family]
     out = [cls(), cls(**DIMS)]
-    if family != "phi3":  # Phi-3's config takes the default RoPE or LongRoPE only
+    if family == "gemma3":  # one RoPE per layer type, and the older keys for them
+        full = {"rope_type": "linear", "factor": 2.0, "rope_theta": 1e6}
+        out.append(
+            cls(
+                **DIMS,
+                sliding_window=8,
+                sliding_window_pattern=2,
+                query_pre_attn_scalar=8,
+                rope_parameters={"full_attention": full, "sliding_attention": {"rope_type": "default"}},
+            )
+        )
+        out.append(cls(**DIMS, rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=5e4))
+    elif family != "phi3":  # Phi-3's config takes the default RoPE or LongRoPE only
         out += [cls(**DIMS, rope_parameters=dict(LLAMA3)),
                 cls(**DIMS, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})]  # fmt: skip
     if family in ("qwen2", "qwen3"):
@@ -387,7 +448,9 @@ def test_every_key_transformers_writes_is_in_the_table(family: Family, tmp_path:
         config.save_pretrained(tmp_path / f"config{i}")
         written = json.loads((tmp_path / f"config{i}" / "config.json").read_text())
         keys |= set(written)
-        rope_keys |= {ROPE_PREFIX + k for k in written.get("rope_parameters") or {}}
+        rope = written.get("rope_parameters") or {}
+        parts = list(rope.values()) if set(rope) & set(LAYER_TYPES) else [rope]  # Gemma 3: one per layer type
+        rope_keys |= {ROPE_PREFIX + k for part in parts for k in part}
     pad = {"pad_token_id": None} if family == "phi3" else {}  # Phi-3's default pad id is past DIMS' vocabulary
     MODEL_CLASSES[family](cls(**DIMS, **pad)).save_pretrained(tmp_path / "model")  # adds architectures and dtype
     keys |= set(json.loads((tmp_path / "model" / "config.json").read_text()))
@@ -403,15 +466,25 @@ def test_family_defaults_are_transformers_defaults(family: Family) -> None:
     fields = {f.name: f.default for f in dataclasses.fields(cls)}
     for key, ours in FAMILY_DEFAULTS[family].items():
         assert fields.get(key) == ours, (family, key)
-    assert cls.default_theta == 10000.0 and fields["hidden_act"] == "silu" and fields["tie_word_embeddings"] is False
+    if family == "gemma3":
+        assert cls.default_theta == {
+            "global": GEMMA3_THETA["full_attention"],
+            "local": GEMMA3_THETA["sliding_attention"],
+        }
+        assert "hidden_act" not in fields and fields["tie_word_embeddings"] is True
+    else:
+        assert cls.default_theta == 10000.0 and fields["hidden_act"] == "silu"
+        assert fields["tie_word_embeddings"] is False
     assert fields.get("attention_bias", False) is False
     # and through the parser: a file without the keys parses to what transformers builds from it
     # (32 query heads: Qwen's default of 32 key/value heads must divide them)
-    minimal = {"model_type": family, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 48,
+    model_type = next(t for t, f in MODEL_TYPES.items() if f == family)
+    minimal = {"model_type": model_type, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 48,
                "num_hidden_layers": 2, "num_attention_heads": 32, "max_position_embeddings": 128}  # fmt: skip
     ref = cls(**{k: v for k, v in minimal.items() if k != "model_type"})
+    ref_rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)
     ours_cfg = parse(minimal)
     assert ours_cfg.num_kv_heads == ref.num_key_value_heads
     assert ours_cfg.head_dim == (getattr(ref, "head_dim", None) or ref.hidden_size // ref.num_attention_heads)
-    assert ours_cfg.rms_norm_eps == ref.rms_norm_eps and ours_cfg.rope_theta == ref.rope_parameters["rope_theta"]
-    assert ours_cfg.sliding_window == (ref.sliding_window if family in ("mistral", "phi3") else None)
+    assert ours_cfg.rms_norm_eps == ref.rms_norm_eps and ours_cfg.rope_theta == ref_rope["rope_theta"]
+    assert ours_cfg.sliding_window == (ref.sliding_window if family in ("mistral", "phi3", "gemma3") else None)

@@ -6,7 +6,9 @@ biases on q/k/v/o and linear RoPE scaling), Qwen2 (q/k/v biases, theta 1e6, tied
 ``head_dim`` 32 over hidden/heads 16, theta 1e6), Mistral (a sliding window of 5 over a 32-token
 sequence, so the window cuts in from the sixth token on) and Phi-3 (checkpoint-fused qkv_proj and
 gate_up_proj; a window of 5 with RoPE over half of each head; LongRoPE over three quarters of it with
-a pretraining context of 20 that generation passes, tied embeddings, see PHI3_LONGROPE). Each is saved
+a pretraining context of 20 that generation passes, tied embeddings, see PHI3_LONGROPE) and Gemma 3
+(its norms, scaled embeddings, GeGLU, q/k norms, a sliding and a full layer with a RoPE each, scores
+scaled by query_pre_attn_scalar, see GEMMA3_ROPE). Each is saved
 in float32, bfloat16 and float16, and each of those twice: as transformers 5 writes it
 (``rope_parameters``, ``dtype``) and rewritten in the legacy keys (top-level ``rope_theta`` +
 ``rope_scaling``, ``torch_dtype``), which transformers itself must load to the same config.
@@ -62,6 +64,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 from worker import _native
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
+from worker.model.config import MODEL_TYPES
 from worker.model.decoder import DecodeRows, Rope, StepInputs, forward, forward_step, rope_long
 from worker.model.generation import GenerationRequest
 from worker.model.kernels import TORCH_KERNELS
@@ -130,6 +133,15 @@ transformers 5.17's ``generate`` then feeds the crossing token alone, without it
 token), so the reference's tokens for this case come from one forward over the whole sequence per
 token, which is what that recompute intends, and what the decoder computes."""
 
+GEMMA3_ROPE = {
+    "full_attention": {"rope_type": "linear", "factor": 8.0, "rope_theta": 1e6},
+    "sliding_attention": {"rope_type": "default", "rope_theta": 1e4},
+}
+"""Gemma 3's two RoPEs (as its 4B and larger models have them): the full layers' linearly scaled with a
+base of 1e6, the sliding layers' plain with 1e4. With ``sliding_window_pattern`` 2 the first layer
+slides (a window of 5) and the second attends to everything; ``query_pre_attn_scalar`` 24 scales the
+scores by 1/sqrt(24), not 1/sqrt(head_dim)."""
+
 CASES = {
     case.name: case
     for case in [
@@ -163,6 +175,18 @@ CASES = {
             },
             generate=False,
         ),  # fmt: skip
+        Case(
+            "gemma3",
+            "Gemma3TextConfig",
+            {
+                "head_dim": 16,
+                "sliding_window": 5,
+                "sliding_window_pattern": 2,
+                "query_pre_attn_scalar": 24,
+                "tie_word_embeddings": True,
+                "rope_parameters": GEMMA3_ROPE,
+            },
+        ),  # fmt: skip
     ]
 }
 RPC_SUBSET = [
@@ -173,6 +197,7 @@ RPC_SUBSET = [
     ("llama-head_dim-bias", "legacy", "float32"),
     ("qwen3", "transformers5", "bfloat16"),
     ("phi3-longrope", "transformers5", "float32"),
+    ("gemma3", "legacy", "float32"),
 ]
 
 
@@ -184,6 +209,9 @@ def to_legacy(src: Path, dst: Path) -> None:
     shutil.copytree(src, dst)
     hf = json.loads((src / "config.json").read_text())
     rope = hf.pop("rope_parameters")
+    if hf["model_type"] == "gemma3_text":  # one RoPE per layer type: the full layers' and a local base
+        rope, local = rope["full_attention"], rope["sliding_attention"]
+        hf["rope_local_base_freq"] = local["rope_theta"]
     hf["rope_theta"] = rope.pop("rope_theta")
     if hf["model_type"] == "phi3" and "partial_rotary_factor" in rope:  # at the top level in the old files
         hf["partial_rotary_factor"] = rope.pop("partial_rotary_factor")
@@ -206,10 +234,12 @@ class Reference:
     """``[len(sequence), vocab]`` float32 logits of one transformers forward over ``sequence``."""
     inv_freq: torch.Tensor
     """After the forward over ``sequence`` (LongRoPE: the long factors', ``sequence`` being past the
-    original context)."""
+    original context; Gemma 3: the full layers')."""
     original_inv_freq: torch.Tensor
     """LongRoPE: the short factors' (else the same)."""
     attention_scaling: float
+    sliding_inv_freq: torch.Tensor | None = None
+    """Gemma 3: the sliding layers'."""
 
 
 class Zoo:
@@ -260,9 +290,13 @@ class Zoo:
                 sequence = sequence[:-1]
                 logits = model(torch.tensor([sequence], device=device)).logits[0].float().cpu()
             rotary = model.model.rotary_emb
+            prefix, sliding = "", None
+            if hasattr(rotary, "full_attention_inv_freq"):  # Gemma 3: one RoPE per layer type
+                prefix, sliding = "full_attention_", rotary.sliding_attention_inv_freq.detach().float().cpu()
             self._refs[key] = Reference(
-                dirs, tokens, sequence, logits, rotary.inv_freq.detach().float().cpu(),
-                rotary.original_inv_freq.detach().float().cpu(), float(rotary.attention_scaling),
+                dirs, tokens, sequence, logits, getattr(rotary, prefix + "inv_freq").detach().float().cpu(),
+                getattr(rotary, prefix + "original_inv_freq").detach().float().cpu(),
+                float(getattr(rotary, prefix + "attention_scaling")), sliding,
             )  # fmt: skip
         return self._refs[key]
 
@@ -321,13 +355,15 @@ def test_both_formats_are_one_config_here_and_in_transformers(zoo: Zoo, case: st
     ours = {fmt: read_config(d) for fmt, d in dirs.items()}
     assert ours["legacy"] == ours["transformers5"]
     config, spec = ours["transformers5"], CASES[case]
-    assert config.family == theirs["legacy"]["model_type"]
-    assert config.rope_theta == theirs["legacy"]["rope_parameters"]["rope_theta"]
-    assert config.rope_theta == spec.options.get("rope_parameters", {}).get("rope_theta", 10000.0)
+    assert MODEL_TYPES[theirs["legacy"]["model_type"]] == config.family
+    theirs_rope = theirs["legacy"]["rope_parameters"]
+    assert config.rope_theta == theirs_rope.get("full_attention", theirs_rope)["rope_theta"]
+    rope = spec.options.get("rope_parameters", {})
+    assert config.rope_theta == rope.get("full_attention", rope).get("rope_theta", 10000.0)
     assert config.head_dim == spec.options.get("head_dim", 16)
     assert config.tie_word_embeddings == spec.options.get("tie_word_embeddings", False)
     assert config.attention_bias == (case in ("qwen2", "llama-head_dim-bias"))
-    assert (config.rope_scaling is not None) == (case.startswith("llama") or case == "phi3-longrope")
+    assert (config.rope_scaling is not None) == (case.startswith("llama") or case in ("phi3-longrope", "gemma3"))
     assert config.sliding_window == spec.options.get("sliding_window")
 
 
@@ -341,7 +377,10 @@ def test_a_config_saved_on_its_own_has_no_architectures_and_is_accepted(zoo: Zoo
         config.dtype = None
         config.save_pretrained(tmp_path / case)
         raw = json.loads((tmp_path / case / "config.json").read_text())
-        assert "architectures" not in raw and raw["model_type"] == CASES[case].config_class[:-6].lower()
+        assert (
+            "architectures" not in raw
+            and raw["model_type"] == getattr(transformers, CASES[case].config_class).model_type
+        )
         assert ModelConfig.from_hf(raw) == dataclasses.replace(read_config(dirs["transformers5"]), dtype="float32")
 
 
@@ -360,6 +399,9 @@ def _compare_in_process(zoo: Zoo, alloc: MemoryAllocator, case: str, fmt: str, d
         assert torch.equal(rope.long_inv_freq.cpu(), ref.inv_freq), "LongRoPE's long frequencies differ"
     else:
         assert torch.equal(rope.inv_freq.cpu(), ref.inv_freq)
+    assert (rope.sliding is None) == (ref.sliding_inv_freq is None)
+    if rope.sliding is not None and ref.sliding_inv_freq is not None:
+        assert torch.equal(rope.sliding.inv_freq.cpu(), ref.sliding_inv_freq), "the sliding layers' RoPE differs"
 
     tokens = runner.generate(PROMPT, NEW)
     ours = our_logits(runner, ref.sequence)
@@ -471,7 +513,7 @@ def test_steps_replayed_from_cuda_graphs_match_transformers(
         pytest.skip("needs a CUDA device")
     dirs = zoo.dirs(case, "float32")
     if not graphs_supported(read_config(dirs["transformers5"])):  # before anything is built for it
-        pytest.skip(f"{case}: no CUDA graphs for this model here (they need Triton and a power-of-two head_dim)")
+        pytest.skip(f"{case}: no CUDA graphs for this model here (worker/model/paged_attention.py's triton_supports)")
     ref = zoo.reference(case, "float32", "cuda")
     runner = ModelRunner(
         make_allocator("cuda"), str(dirs["transformers5"]), num_device_blocks=32, num_host_blocks=0,

@@ -9,8 +9,8 @@ the families served here, plus the legacy spellings and a few keys of neighbouri
 entry in :data:`CONFIG_KEYS`: read by the parser, accepted only at the value that leaves the numbers
 unchanged, or ignored because it does not reach the logits. Anything that would change the logits
 and that the decoder does not implement (another activation, an unknown RoPE type, MLP biases,
-sliding-window layers, logit soft-capping) is refused by name rather than served with wrong tokens
-that look right. Keys no entry names are ignored: transformers' modeling code for these
+sliding-window layers outside Gemma 3's, logit soft-capping) is refused by name rather than served
+with wrong tokens that look right. Keys no entry names are ignored: transformers' modeling code for these
 architectures reads only its config class's own fields and the few keys its shared RoPE and loading
 code looks for (all in the table), so an unknown key changes nothing there either, and
 tests/test_config_keys.py fails when a future transformers writes a key the table lacks
@@ -35,9 +35,9 @@ import torch
 from memsvc._limits import INT32_MAX
 from memsvc.errors import InvalidArgument
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
 
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3")
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
 """The decoder families implemented here, in the order messages list them."""
 
 ARCHITECTURES: dict[str, Family] = {
@@ -46,11 +46,14 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen2ForCausalLM": "qwen2",
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
+    "Gemma3ForCausalLM": "gemma3",
 }
 """``config.json`` ``architectures`` entry -> family (a model's ``save_pretrained`` writes it)."""
 _FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
-MODEL_TYPES: dict[str, Family] = {family: family for family in FAMILIES}
-"""``config.json`` ``model_type`` -> family (every ``save_pretrained`` writes it; equal to the family name)."""
+MODEL_TYPES: dict[str, Family] = {("gemma3_text" if f == "gemma3" else f): f for f in FAMILIES}
+"""``config.json`` ``model_type`` -> family (every ``save_pretrained`` writes it; the family name, but
+Gemma 3's text model's ``gemma3_text``: ``gemma3`` is its image-and-text model, not served here)."""
+_FAMILY_MODEL_TYPE = {family: model_type for model_type, family in MODEL_TYPES.items()}
 
 ROPE_TYPES = ("default", "linear", "llama3", "longrope")
 """RoPE variants the decoder computes exactly as transformers does (worker/model/decoder.py's Rope);
@@ -61,6 +64,13 @@ DTYPES: dict[str, torch.dtype] = {
     "bfloat16": torch.bfloat16,
     "float16": torch.float16,
 }
+
+GEMMA3_THETA = {"full_attention": 1_000_000.0, "sliding_attention": 10_000.0}
+"""Gemma 3's RoPE bases where a config names none (its config class's ``default_theta``)."""
+GEMMA3_PATTERN = 6
+"""Gemma 3's ``sliding_window_pattern`` where neither it nor ``layer_types`` is given: every sixth layer
+attends globally, the others slide."""
+LAYER_TYPES = ("full_attention", "sliding_attention")
 
 BOUNDS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),
@@ -73,6 +83,7 @@ BOUNDS: dict[str, tuple[int, int]] = {
     "max_position_embeddings": (1, 1 << 24),
     "original_max_position_embeddings": (1, 1 << 24),
     "sliding_window": (1, 1 << 24),
+    "sliding_window_pattern": (1, 1024),
     "max_window_layers": (0, INT32_MAX),
 }
 """The range every integer key of ``config.json`` must lie in (by its name, also inside
@@ -101,6 +112,11 @@ FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
     "phi3": {
         "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
         "sliding_window": None, "original_max_position_embeddings": 4096,
+    },
+    "gemma3": {
+        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+        "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "tie_word_embeddings": True,
     },
 }  # fmt: skip
 """What transformers 5.17's config classes use for a key the file omits (None: derived — key/value heads
@@ -174,6 +190,13 @@ def _longrope_only(why: str) -> dict[Family, KeyRule]:
     return rules
 
 
+def _gemma3_reads(why: str, others: KeyRule, gemma3: KeyRule | None = None) -> dict[Family, KeyRule]:
+    """A key Gemma 3 reads (``why``; or ``gemma3``'s own rule) and the other families treat as ``others``."""
+    rules: dict[Family, KeyRule] = {f: others for f in FAMILIES}
+    rules["gemma3"] = gemma3 if gemma3 is not None else read(why)
+    return rules
+
+
 def _partial_rotary() -> dict[Family, KeyRule]:
     """Phi-3 rotates the first ``head_dim * partial_rotary_factor`` of each head; the others all of it."""
     whole = neutral((1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)")
@@ -218,6 +241,7 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         "qwen2": ignored("Qwen2 always has q/k/v biases and never an o_proj bias; transformers does not read this key"),
         "qwen3": read("biases on q/k/v and o_proj"),
         "phi3": ignored("Phi-3 has no projection biases; transformers does not read this key"),
+        "gemma3": read("biases on q/k/v and o_proj"),
     },
     "sliding_window": {
         "llama": neutral((None,), 4096, "Llama attends to every earlier position; no sliding window is implemented"),
@@ -225,6 +249,7 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         "qwen2": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
         "qwen3": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
         "phi3": read("a query attends to the most recent sliding_window positions, in every layer"),
+        "gemma3": read("window of the sliding_attention layers (layer_types)"),
     },
     "use_sliding_window": {
         "llama": neutral((False, None), True, "Llama has no sliding-window layers"),
@@ -236,25 +261,51 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         "phi3": neutral(
             (False, None), True, "Phi-3's window is sliding_window itself; this Qwen switch is not Phi-3's"
         ),
+        "gemma3": ignored("only Qwen reads it; Gemma 3's sliding layers are its layer_types"),
     },
     "max_window_layers": {
         "llama": ignored("only Qwen reads it"),
         "mistral": ignored("only Qwen reads it"),
         "phi3": ignored("only Qwen reads it"),
+        "gemma3": ignored("only Qwen reads it"),
         "qwen2": read("first layer that slides when use_sliding_window is set"),
         "qwen3": read("first layer that slides when use_sliding_window is set"),
     },
-    "layer_types": neutral(
-        _all_full_attention,
-        ["full_attention", "sliding_attention"],
-        "per-layer attention types other than full attention (sliding or chunked layers) are not implemented; "
-        "Mistral's window comes from sliding_window",
-    ),  # fmt: skip
+    "layer_types": _gemma3_reads(
+        "each layer's attention: sliding_attention (over sliding_window positions) or full_attention",
+        neutral(
+            _all_full_attention,
+            ["full_attention", "sliding_attention"],
+            "per-layer attention types other than full attention (sliding or chunked layers) are not implemented; "
+            "Mistral's window comes from sliding_window",
+        ),
+    ),
+    "_sliding_window_pattern": ignored(
+        "transformers' own copy of sliding_window_pattern; layer_types is written beside it"
+    ),
+    "sliding_window_pattern": _gemma3_reads(
+        "every n-th layer attends globally, the others slide (older files; layer_types wins)",
+        ignored("only Gemma reads it"),
+    ),
+    "rope_local_base_freq": _gemma3_reads(
+        "RoPE base of the sliding layers (older files; rope_parameters.sliding_attention in transformers 5)",
+        ignored("only Gemma 3 reads it"),
+    ),
+    "hidden_activation": _gemma3_reads(
+        "the GeGLU MLP's activation: gelu_pytorch_tanh (others are refused)", ignored("only Gemma reads it")
+    ),
+    "use_bidirectional_attention": neutral(
+        (False, None), True, "attention is causal here; bidirectional attention (an embedding model's) is not"
+    ),
     # numerics the decoder does not implement: accepted only where they change nothing
-    "hidden_act": neutral(
-        ("silu", "swish"),
-        "gelu",
-        "the MLP is SwiGLU: only the silu activation (transformers also calls it swish) is implemented",
+    "hidden_act": _gemma3_reads(
+        "",
+        neutral(
+            ("silu", "swish"),
+            "gelu",
+            "the MLP is SwiGLU: only the silu activation (transformers also calls it swish) is implemented",
+        ),
+        ignored("Gemma 3 reads hidden_activation, not this key"),
     ),
     "mlp_bias": neutral((False, None), True, "the MLP projections have no biases here"),
     "pretraining_tp": neutral(
@@ -263,7 +314,10 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "partial_rotary_factor": _partial_rotary(),
     "attn_logit_softcapping": neutral((None,), 50.0, "attention-score soft-capping is not implemented"),
     "final_logit_softcapping": neutral((None,), 30.0, "output-logit soft-capping is not implemented"),
-    "query_pre_attn_scalar": neutral((None,), 256, "attention scales scores by 1/sqrt(head_dim) only"),
+    "query_pre_attn_scalar": _gemma3_reads(
+        "attention scores are scaled by its inverse square root (not head_dim's)",
+        neutral((None,), 256, "attention scales scores by 1/sqrt(head_dim) only"),
+    ),
     "embedding_multiplier": neutral((None, 1, 1.0), 12.0, "embeddings are not rescaled"),
     "logits_scaling": neutral((None, 1, 1.0), 8.0, "logits are not rescaled"),
     "residual_multiplier": neutral((None, 1, 1.0), 0.22, "residual branches are not rescaled"),
@@ -402,6 +456,14 @@ class ModelConfig:
     """Mistral and Phi-3: a query attends to at most this many most recent positions (None: all)."""
     partial_rotary_factor: float = 1.0
     """Phi-3: RoPE rotates the first :attr:`rotary_dim` of each head, the rest passes through."""
+    layer_types: tuple[str, ...] | None = None
+    """Gemma 3: each layer's attention, ``sliding_attention`` (over :attr:`sliding_window`) or
+    ``full_attention``; None: every layer alike (Mistral's and Phi-3's window is every layer's)."""
+    local_rope_theta: float | None = None
+    """Gemma 3: the sliding layers' RoPE base (default RoPE); the full layers' is :attr:`rope_theta`
+    with :attr:`rope_scaling`."""
+    query_pre_attn_scalar: float | None = None
+    """Gemma 3: attention scores are scaled by its inverse square root (None: head_dim's)."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -423,11 +485,22 @@ class ModelConfig:
             raise InvalidArgument(f"model config: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
             raise InvalidArgument("model config: rope_theta and rms_norm_eps must be > 0")
-        if self.sliding_window is not None and (self.family not in ("mistral", "phi3") or self.sliding_window <= 0):
+        if self.sliding_window is not None and (
+            self.family not in ("mistral", "phi3", "gemma3") or self.sliding_window <= 0
+        ):
             raise InvalidArgument(
-                "model config: sliding_window must be a positive integer on mistral and phi3 only, got "
+                "model config: sliding_window must be a positive integer on mistral, phi3 and gemma3 only, got "
                 f"{self.sliding_window} on {self.family}"
             )
+        gemma = self.family == "gemma3"
+        if gemma != (self.layer_types is not None) or gemma != (self.local_rope_theta is not None):
+            raise InvalidArgument("model config: layer_types and local_rope_theta are gemma3's, and it needs both")
+        if self.layer_types is not None and (
+            len(self.layer_types) != self.num_layers or not set(self.layer_types) <= set(LAYER_TYPES)
+        ):
+            raise InvalidArgument(f"model config: layer_types must be {self.num_layers} of {', '.join(LAYER_TYPES)}")
+        if self.query_pre_attn_scalar is not None and not (gemma and self.query_pre_attn_scalar > 0):
+            raise InvalidArgument("model config: query_pre_attn_scalar is gemma3's, and > 0")
         if self.partial_rotary_factor != 1.0 and self.family != "phi3":
             raise InvalidArgument("model config: a partial_rotary_factor other than 1 is phi3's only")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -458,9 +531,9 @@ class ModelConfig:
 
     @property
     def o_proj_bias(self) -> bool:
-        """Whether o_proj carries a bias: Llama and Qwen3 put ``attention_bias`` on all four
+        """Whether o_proj carries a bias: Llama, Qwen3 and Gemma 3 put ``attention_bias`` on all four
         projections; Qwen2 has q/k/v biases only."""
-        return self.attention_bias and self.family in ("llama", "qwen3")
+        return self.attention_bias and self.family in ("llama", "qwen3", "gemma3")
 
     @property
     def rotary_dim(self) -> int:
@@ -481,8 +554,26 @@ class ModelConfig:
 
     @property
     def qk_norm(self) -> bool:
-        """Qwen3: per-head RMSNorm (``q_norm``/``k_norm``, ``[head_dim]``) on q and k before RoPE."""
-        return self.family == "qwen3"
+        """Qwen3 and Gemma 3: per-head RMSNorm (``q_norm``/``k_norm``, ``[head_dim]``) on q and k
+        before RoPE."""
+        return self.family in ("qwen3", "gemma3")
+
+    @property
+    def gemma(self) -> bool:
+        """Gemma 3's layer: embeddings scaled by sqrt(hidden_size); RMSNorm scales by ``1 + weight`` in
+        float32; a norm after attention and around the MLP too (four a layer); a GeGLU MLP."""
+        return self.family == "gemma3"
+
+    def layer_window(self, layer: int) -> int | None:
+        """The sliding window of ``layer``'s attention (None: it attends to every earlier position)."""
+        if self.layer_types is not None and self.layer_types[layer] != "sliding_attention":
+            return None
+        return self.sliding_window
+
+    @property
+    def attention_scale(self) -> float | None:
+        """The attention scores' scale where it is not 1/sqrt(head_dim) (Gemma 3's query_pre_attn_scalar)."""
+        return None if self.query_pre_attn_scalar is None else self.query_pre_attn_scalar**-0.5
 
     # ---- sizes ----
     def param_count(self) -> int:
@@ -495,6 +586,8 @@ class ModelConfig:
             per_layer += h
         if self.qk_norm:
             per_layer += 2 * self.head_dim
+        if self.gemma:
+            per_layer += 2 * h  # the norms after attention and before the MLP
         total = self.vocab_size * h + self.num_layers * per_layer + h
         if not self.tie_word_embeddings:
             total += self.vocab_size * h
@@ -559,12 +652,25 @@ class ModelConfig:
                 f"config.json: 'rms_norm_eps' must be in (0, 1), got {eps}", metadata={"key": "rms_norm_eps"}
             )
         max_pos = _int(get("max_position_embeddings"), "max_position_embeddings")
-        theta, scaling = _rope(hf, family, max_pos)
+        layer_types, local_theta, scale = None, None, None
+        if family == "gemma3":
+            theta, scaling, local_theta = _gemma3_rope(hf, max_pos)
+            layer_types = _gemma3_layer_types(hf, num_layers)
+            if get("hidden_activation") != "gelu_pytorch_tanh":
+                raise InvalidArgument(
+                    f"config.json: hidden_activation = {get('hidden_activation')!r} is not supported for gemma3: "
+                    "the GeGLU MLP implements gelu_pytorch_tanh only", metadata={"key": "hidden_activation"},
+                )  # fmt: skip
+            scale = _float(get("query_pre_attn_scalar"), "query_pre_attn_scalar", positive=True)
+        else:
+            theta, scaling = _rope(hf, family, max_pos)
         partial = _partial_rotary_factor(hf, family)
-        if family in ("llama", "qwen3"):
+        if family in ("llama", "qwen3", "gemma3"):
             attention_bias = _bool(hf.get("attention_bias") or False, "attention_bias")
         else:
             attention_bias = family == "qwen2"
+        tie = hf.get("tie_word_embeddings")
+        tie = defaults.get("tie_word_embeddings", False) if tie is None else tie
         return cls(
             family=family,
             vocab_size=_int(need("vocab_size"), "vocab_size"),
@@ -577,12 +683,15 @@ class ModelConfig:
             rope_theta=theta,
             rms_norm_eps=eps,
             max_position_embeddings=max_pos,
-            tie_word_embeddings=_bool(hf.get("tie_word_embeddings") or False, "tie_word_embeddings"),
+            tie_word_embeddings=_bool(tie, "tie_word_embeddings"),
             attention_bias=attention_bias,
             dtype=_dtype(hf),
             rope_scaling=scaling,
             sliding_window=_sliding_window(hf, family, num_layers),
             partial_rotary_factor=partial,
+            layer_types=layer_types,
+            local_rope_theta=local_theta,
+            query_pre_attn_scalar=scale,
         )
 
     def to_hf(self, legacy: bool = False) -> dict[str, Any]:
@@ -608,7 +717,7 @@ class ModelConfig:
                 )
         hf: dict[str, Any] = {
             "architectures": [_FAMILY_ARCHITECTURE[self.family]],
-            "model_type": self.family,
+            "model_type": _FAMILY_MODEL_TYPE[self.family],
             "vocab_size": self.vocab_size,
             "hidden_size": self.hidden_size,
             "intermediate_size": self.intermediate_size,
@@ -621,10 +730,23 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.family in ("llama", "qwen3"):
+        if self.family in ("llama", "qwen3", "gemma3"):
             hf["attention_bias"] = self.attention_bias
-        if self.family in ("mistral", "phi3"):
+        if self.family in ("mistral", "phi3", "gemma3"):
             hf["sliding_window"] = self.sliding_window
+        if self.family == "gemma3":
+            del hf["hidden_act"]
+            hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=self.query_pre_attn_scalar,
+                      layer_types=list(self.layer_types or ()))  # fmt: skip
+            local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
+            if legacy:
+                theta = rope.pop("rope_theta")
+                scaled = None if rope["rope_type"] == "default" else rope
+                hf.update(rope_theta=theta, rope_local_base_freq=self.local_rope_theta, rope_scaling=scaled,
+                          torch_dtype=self.dtype)  # fmt: skip
+            else:
+                hf.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, dtype=self.dtype)
+            return hf
         if self.rope_scaling is not None and self.rope_scaling.rope_type == "longrope":
             hf["original_max_position_embeddings"] = self.rope_scaling.original_max_position_embeddings
         if self.family in ("qwen2", "qwen3"):
@@ -817,6 +939,69 @@ def _longrope(hf: Mapping[str, Any], raw: Mapping[str, Any], where: str, max_pos
     )  # fmt: skip
 
 
+def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScaling | None, float]:
+    """Gemma 3's two RoPEs, as its config class resolves them: ``rope_parameters`` holds one dict per
+    layer type (transformers 5), or the old files give ``rope_theta`` and ``rope_scaling`` (the full
+    layers') and ``rope_local_base_freq`` (the sliding layers'); bases default to :data:`GEMMA3_THETA`.
+    The full layers' RoPE is read as any family's (default, linear or llama3); the sliding layers'
+    must be the default one. Returns (full theta, full scaling, sliding theta)."""
+    params, legacy = hf.get("rope_parameters"), hf.get("rope_scaling")
+    for name, value in (("rope_parameters", params), ("rope_scaling", legacy)):
+        if value is not None and not isinstance(value, Mapping):
+            raise InvalidArgument(f"config.json: {name} must be an object, got {value!r}")
+    if params and not set(params) <= set(LAYER_TYPES):
+        raise InvalidArgument(
+            f"config.json: Gemma 3's rope_parameters holds one object per layer type ({', '.join(LAYER_TYPES)}), "
+            f"got the keys {sorted(params)}",
+            metadata={"key": "rope_parameters"},
+        )  # fmt: skip
+    parts = {t: (params or {}).get(t) or {} for t in LAYER_TYPES}
+    for t, part in parts.items():
+        if not isinstance(part, Mapping):
+            raise InvalidArgument(f"config.json: rope_parameters.{t} must be an object, got {part!r}")
+    full, local = dict(parts["full_attention"]), dict(parts["sliding_attention"])
+    if legacy:
+        if any(k in full and not _same(full[k], v) for k, v in legacy.items()):
+            raise InvalidArgument("config.json: rope_scaling and rope_parameters.full_attention disagree")
+        full.update(legacy)  # the old files' scaling is the full layers'
+    theta = _agreed(
+        full.get("rope_theta"), hf.get("rope_theta"), "rope_parameters.full_attention.rope_theta and rope_theta"
+    )
+    local_theta = _agreed(local.get("rope_theta"), hf.get("rope_local_base_freq"),
+                          "rope_parameters.sliding_attention.rope_theta and rope_local_base_freq")  # fmt: skip
+    full["rope_theta"] = GEMMA3_THETA["full_attention"] if theta is None else theta
+    kind = _agreed(local.get("rope_type"), local.get("type"), "the sliding layers' rope_type and type")
+    if kind not in (None, "default") or set(local) - {"rope_type", "type", "rope_theta"}:
+        raise InvalidArgument(
+            f"config.json: rope_parameters.sliding_attention = {dict(local)!r}: the sliding layers' RoPE is the "
+            "default one with its own base here; scaling it is not implemented",
+            metadata={"key": "rope_parameters"},
+        )  # fmt: skip
+    base, scaling = _rope({"rope_parameters": full}, "gemma3", max_pos)
+    local_base = (
+        GEMMA3_THETA["sliding_attention"] if local_theta is None else _float(local_theta, "rope_local_base_freq")
+    )
+    if local_base <= 0:
+        raise InvalidArgument(f"config.json: the sliding layers' rope_theta must be > 0, got {local_base}")
+    return base, scaling, local_base
+
+
+def _gemma3_layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
+    """Gemma 3's layer types: ``layer_types``, or from ``sliding_window_pattern`` (every n-th layer
+    full, the others sliding; 6 by default), as its config class makes them."""
+    types = hf.get("layer_types")
+    if types is None:
+        pattern = hf.get("sliding_window_pattern")
+        pattern = GEMMA3_PATTERN if pattern is None else _int(pattern, "sliding_window_pattern")
+        return tuple("sliding_attention" if (i + 1) % pattern else "full_attention" for i in range(num_layers))
+    if not isinstance(types, list) or len(types) != num_layers or not set(types) <= set(LAYER_TYPES):
+        raise InvalidArgument(
+            f"config.json: layer_types must list {num_layers} of {', '.join(LAYER_TYPES)}, got {types!r}",
+            metadata={"key": "layer_types"},
+        )
+    return tuple(types)
+
+
 def _partial_rotary_factor(hf: Mapping[str, Any], family: Family) -> float:
     """Phi-3's fraction of each head that RoPE rotates: in the RoPE dict (transformers 5) or at the top
     level (older files; transformers takes it from there when the dict has none); 1 elsewhere (the
@@ -848,7 +1033,7 @@ def _sliding_window(hf: Mapping[str, Any], family: Family, num_layers: int) -> i
         )
     defaults = FAMILY_DEFAULTS[family]
     window = hf["sliding_window"] if "sliding_window" in hf else defaults.get("sliding_window")  # null: no window
-    if family in ("mistral", "phi3"):
+    if family in ("mistral", "phi3", "gemma3"):
         if window is None:
             return None
         window = _int(window, "sliding_window")

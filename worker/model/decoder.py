@@ -1,12 +1,13 @@
-"""A Llama-family decoder as plain functions over the weights dict, reading K/V from the paged pool.
+"""The decoder as plain functions over the weights dict, reading K/V from the paged pool.
 
 No ``nn.Module``: the weights are pool tensors the allocator owns, and keeping the computation a
 function of (weights, config, cache blocks) means nothing here holds a tensor that could go stale
-across sleep and wake. Numerics follow transformers' Llama, Mistral, Qwen2, Qwen3 and Phi-3
+across sleep and wake. Numerics follow transformers' Llama, Mistral, Qwen2, Qwen3, Phi-3 and Gemma 3
 operation for operation (RMSNorm in float32 then scaled in the model dtype, rotate-half RoPE with
 float32 cos/sin cast to the model dtype, Qwen3's per-head q/k norm before RoPE, the same bias
-placement, Phi-3's partial rotary and LongRoPE) so real checkpoints produce their reference tokens;
-tests/test_reference.py checks it against transformers.
+placement, Phi-3's partial rotary and LongRoPE, Gemma 3's norms, GeGLU and per-layer windows and
+RoPE) so real checkpoints produce their reference tokens; tests/test_reference.py checks it against
+transformers.
 """
 
 from __future__ import annotations
@@ -30,6 +31,14 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return weight * x32.to(x.dtype)
 
 
+def gemma_rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
+    """Gemma's RMSNorm: normalised and scaled by ``1 + weight`` in float32, then rounded to the model
+    dtype once (Llama's rounds before the scale)."""
+    x32 = x.float()
+    x32 = x32 * torch.rsqrt(x32.pow(2).mean(-1, keepdim=True) + eps)
+    return (x32 * (1.0 + weight.float())).to(x.dtype)
+
+
 @dataclass(frozen=True)
 class Rope:
     """Rotary position embedding frequencies for one config, on one device."""
@@ -41,6 +50,8 @@ class Rope:
     """LongRoPE: the long factors' frequencies, for the rows :func:`rope_long` marks."""
     attention_scaling: float = 1.0
     """cos and sin are multiplied by it (LongRoPE's attention factor)."""
+    sliding: Rope | None = None
+    """Gemma 3: the sliding layers' own RoPE (a base of their own, no scaling); None: every layer's is this."""
 
     @classmethod
     def build(cls, config: ModelConfig, device: torch.device) -> Rope:
@@ -65,7 +76,10 @@ class Rope:
             blended = (1 - smooth) * scaled / s.factor + smooth * scaled
             medium = (wavelen >= high_wavelen) & (wavelen <= low_wavelen)
             inv = torch.where(medium, blended, scaled)
-        return cls(inv.to(device))
+        if config.local_rope_theta is None:
+            return cls(inv.to(device))
+        # Gemma 3: the full layers' RoPE above, the sliding layers' the default one with their own base
+        return cls(inv.to(device), sliding=cls((1.0 / (config.local_rope_theta**exponents)).to(device)))
 
     def cos_sin(
         self, positions: torch.Tensor, dtype: torch.dtype, long: torch.Tensor | None = None
@@ -247,8 +261,9 @@ class HostStep:
         )  # fmt: skip
 
 
-DecodeKernel = Callable[[torch.Tensor, torch.Tensor, DecodeRows, int | None], torch.Tensor]
-"""``(q [n, heads, head_dim], layer K/V pool, decode rows, sliding window) -> [n, heads, head_dim]``."""
+DecodeKernel = Callable[[torch.Tensor, torch.Tensor, DecodeRows, int | None, float | None], torch.Tensor]
+"""``(q [n, heads, head_dim], layer K/V pool, decode rows, sliding window, score scale or None for
+1/sqrt(head_dim)) -> [n, heads, head_dim]``."""
 
 
 def silu_mul(gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
@@ -356,8 +371,9 @@ def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tu
 
 
 def _span_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, span: SeqSpan, config: ModelConfig
-) -> torch.Tensor:
+    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, span: SeqSpan, config: ModelConfig,
+    window: int | None,
+) -> torch.Tensor:  # fmt: skip
     """Causal attention of one sequence's new rows over its cached and new K/V, ``[n, heads * head_dim]``.
 
     A prefill from position 0 attends to the K/V it just computed; a later chunk (or a decode on a
@@ -374,14 +390,30 @@ def _span_attention(
         keys = cached[:, 0].reshape(-1, nkv, hd)[:total]
         values = cached[:, 1].reshape(-1, nkv, hd)[:total]
     keys, values = keys.repeat_interleave(nh // nkv, dim=1), values.repeat_interleave(nh // nkv, dim=1)
-    mask, causal = _attention_mask(span.start, n, config.sliding_window, q.device)
+    mask, causal = _attention_mask(span.start, n, window, q.device)
     # 4-D [batch, heads, tokens, head_dim]: the flash and memory-efficient kernels take nothing else (a
     # 3-D call falls back to the math kernel, which materialises the n x total scores of every head)
     out = F.scaled_dot_product_attention(
         q[None, a : a + n].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
-        attn_mask=mask, is_causal=causal,
+        attn_mask=mask, is_causal=causal, scale=config.attention_scale,
     )  # fmt: skip
     return out[0].transpose(0, 1).reshape(n, nh * hd)
+
+
+def _gemma_mlp(
+    weights: Mapping[str, torch.Tensor], config: ModelConfig, p: str, x: torch.Tensor, h: torch.Tensor,
+    f: FusedLayer | None,
+) -> torch.Tensor:  # fmt: skip
+    """Gemma 3's MLP half of a layer: ``x`` plus the post-MLP norm of GeGLU(``h``) (gelu with the tanh
+    approximation times up, as transformers' gelu_pytorch_tanh)."""
+    m = p + "mlp."
+    if f is not None:
+        gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
+        gate, up = gate_up[:, :inter], gate_up[:, inter:]
+    else:
+        gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
+    down = F.linear(F.gelu(gate, approximate="tanh") * up, weights[m + "down_proj.weight"])
+    return x + gemma_rms_norm(down, weights[p + "post_feedforward_layernorm.weight"], config.rms_norm_eps)
 
 
 @torch.inference_mode()
@@ -407,13 +439,17 @@ def forward_step(
     n = step.token_ids.shape[0]
     nh, nkv, hd = config.num_heads, config.num_kv_heads, config.head_dim
     cos, sin = rope.cos_sin(step.positions, dtype, step.rope_long)
+    sliding = None if rope.sliding is None else rope.sliding.cos_sin(step.positions, dtype)
     decode = step.decode
     decode_attention = kernels.decode_attention
     if decode is not None and decode_attention is None:
         raise ValueError("decode rows need a decode kernel")
-    norm = kernels.rms_norm
+    gemma = config.gemma
+    norm = gemma_rms_norm if gemma else kernels.rms_norm
 
     x = F.embedding(step.token_ids, weights["model.embed_tokens.weight"])
+    if gemma:  # scaled by sqrt(hidden_size), that number rounded to the model dtype first (as transformers)
+        x = x * torch.tensor(config.hidden_size**0.5, dtype=torch.float32, device=x.device).to(dtype)
     h = norm(x, weights["model.layers.0.input_layernorm.weight"], eps)
     for i in range(config.num_layers):
         p = f"model.layers.{i}."
@@ -427,17 +463,26 @@ def forward_step(
             q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
             k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
             v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
-        if config.qk_norm:  # Qwen3: RMSNorm over each head's head_dim, on q and k, before the rotation
+        if config.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's head_dim, on q and k, before the rotation
             q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
         layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
-        q, k = kernels.rope_store(q, k, v, cos, sin, layer, step.write_blocks, step.write_slots)
+        window = config.layer_window(i)
+        c, si = sliding if sliding is not None and window is not None else (cos, sin)
+        q, k = kernels.rope_store(q, k, v, c, si, layer, step.write_blocks, step.write_slots)
         parts = []
         if decode is not None:
             assert decode_attention is not None
-            parts.append(decode_attention(q[: decode.count], layer, decode, config.sliding_window).reshape(-1, nh * hd))
-        parts.extend(_span_attention(q, k, v, layer, span, config) for span in step.spans)
+            rows = decode_attention(q[: decode.count], layer, decode, window, config.attention_scale)
+            parts.append(rows.reshape(-1, nh * hd))
+        parts.extend(_span_attention(q, k, v, layer, span, config, window) for span in step.spans)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
         attended = F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
+        if gemma:
+            x = x + norm(attended, weights[p + "post_attention_layernorm.weight"], eps)
+            x = _gemma_mlp(weights, config, p, x, norm(x, weights[p + "pre_feedforward_layernorm.weight"], eps), f)
+            if i + 1 < config.num_layers:
+                h = norm(x, weights[f"model.layers.{i + 1}.input_layernorm.weight"], eps)
+            continue
         x, h = kernels.add_rms_norm(x, attended, weights[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
         if f is not None:
@@ -504,7 +549,8 @@ def forward(
 
 __all__ = [
     "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope",
-    "add_rms_norm", "checkpoint_fused", "forward", "forward_step", "fused_layers", "rms_norm", "rope_long",
+    "add_rms_norm", "checkpoint_fused", "forward", "forward_step", "fused_layers", "gemma_rms_norm", "rms_norm",
+    "rope_long",
     "rope_store", "silu_mul",
     "single_sequence_step",
 ]  # fmt: skip

@@ -44,9 +44,12 @@ TILE_WARPS = 4
 though its 64 x head_dim float32 accumulator then spills a few registers."""
 
 
-def torch_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None) -> torch.Tensor:
+def torch_paged_decode(
+    q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None, scale: float | None = None
+) -> torch.Tensor:
     """``q [n, heads, head_dim]`` of one token per sequence over ``layer`` (``[blocks, 2, block_size,
-    kv_heads, head_dim]``) through ``rows.tables``; returns ``[n, heads, head_dim]``."""
+    kv_heads, head_dim]``) through ``rows.tables``; returns ``[n, heads, head_dim]``. ``scale``: the
+    scores' (None: 1/sqrt(head_dim))."""
     n, nh, hd = q.shape
     block_size, nkv = layer.shape[2], layer.shape[3]
     tables = rows.tables if rows.table_rows is None else rows.tables[rows.table_rows]
@@ -60,7 +63,7 @@ def torch_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, w
     if window is not None:
         valid &= pos >= lengths - window
     out = F.scaled_dot_product_attention(
-        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :]
+        q[:, :, None, :], keys.transpose(1, 2), values.transpose(1, 2), attn_mask=valid[:, None, None, :], scale=scale
     )
     return out[:, :, 0, :]
 
@@ -80,7 +83,9 @@ def next_pow2(n: int) -> int:
     return 1 << (n - 1).bit_length()
 
 
-def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None) -> torch.Tensor:
+def triton_paged_decode(
+    q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, window: int | None, scale: float | None = None
+) -> torch.Tensor:
     """:func:`torch_paged_decode`'s result, computed by the Triton kernels (float32 accumulation; a
     float32 model's products in IEEE precision, not TF32). Rows that name their tables (a graph's, a
     paged step's) and share one with a neighbour row (a prompt chunk's) are read in tiles of rows by
@@ -96,7 +101,8 @@ def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, 
     shared = rows.table_rows is not None
     tiled = shared and n > 1
     common = (
-        q, layer, rows.tables, rows.lengths, rows.table_rows if shared else rows.lengths, out, 1.0 / math.sqrt(hd),
+        q, layer, rows.tables, rows.lengths, rows.table_rows if shared else rows.lengths, out,
+        1.0 / math.sqrt(hd) if scale is None else scale,
         q.stride(0), q.stride(1), layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3),
         rows.tables.stride(0), out.stride(0), out.stride(1), n,
     )  # fmt: skip
@@ -118,10 +124,12 @@ def triton_paged_decode(q: torch.Tensor, layer: torch.Tensor, rows: DecodeRows, 
 
 def triton_supports(config: ModelConfig) -> bool:
     """The Triton set's rules: a power-of-two head_dim of at least 16 (a tile dimension), RoPE over the
-    whole head (its fused rotation rotates all of it; Phi-3's partial rotary runs the torch one), and
-    no per-row choice of RoPE frequencies (a CUDA graph's step buffer has no field for LongRoPE's)."""
+    whole head (its fused rotation rotates all of it; Phi-3's partial rotary runs the torch one), no
+    per-row choice of RoPE frequencies (a CUDA graph's step buffer has no field for LongRoPE's), and
+    Llama's RMSNorm and SwiGLU (its fused norm and activation; Gemma 3's differ)."""
     hd = config.head_dim
-    return hd >= 16 and hd & (hd - 1) == 0 and config.rotary_dim == hd and config.long_rope_after is None
+    plain = config.rotary_dim == hd and config.long_rope_after is None and not config.gemma
+    return hd >= 16 and hd & (hd - 1) == 0 and plain
 
 
 def graphs_supported(config: ModelConfig) -> bool:

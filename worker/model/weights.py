@@ -58,6 +58,9 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
             shapes[p + "self_attn.q_norm.weight"] = (config.head_dim,)
             shapes[p + "self_attn.k_norm.weight"] = (config.head_dim,)
         shapes[p + "post_attention_layernorm.weight"] = (h,)
+        if config.gemma:  # the norms before and after the MLP
+            shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
+            shapes[p + "post_feedforward_layernorm.weight"] = (h,)
         if config.fused_checkpoint:  # Phi-3: [gate; up] rows in one tensor
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * config.intermediate_size, h)
         else:
