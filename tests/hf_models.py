@@ -24,7 +24,7 @@ def init_weights(model: Any, seed: int) -> None:
         elif name.endswith(".bias") or "embed_tokens" in name:
             p.copy_(0.1 * noise)
         else:
-            p.copy_(noise / math.sqrt(p.shape[1]))
+            p.copy_(noise / math.sqrt(p.shape[-1]))  # fan-in: the last dim (experts stack matrices on a first)
 
 
 __all__ = ["init_weights"]

@@ -46,6 +46,8 @@ CONFIG_CLASSES: dict[Family, Any] = {
     "qwen3": transformers.Qwen3Config,
     "phi3": transformers.Phi3Config,
     "gemma3": transformers.Gemma3TextConfig,
+    "qwen3_moe": transformers.Qwen3MoeConfig,
+    "mixtral": transformers.MixtralConfig,
 }
 MODEL_CLASSES: dict[Family, Any] = {
     "llama": transformers.LlamaForCausalLM,
@@ -54,6 +56,8 @@ MODEL_CLASSES: dict[Family, Any] = {
     "qwen3": transformers.Qwen3ForCausalLM,
     "phi3": transformers.Phi3ForCausalLM,
     "gemma3": transformers.Gemma3ForCausalLM,
+    "qwen3_moe": transformers.Qwen3MoeForCausalLM,
+    "mixtral": transformers.MixtralForCausalLM,
 }
 DIMS = {
     "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
@@ -70,6 +74,10 @@ LONGROPE = {
 """Phi-3's LongRoPE over 6 of head_dim 8's dimensions."""
 
 
+MOE: dict[str, Any] = {"num_experts": 4, "experts_per_token": 2, "moe_intermediate_size": 16}
+"""The MoE families' experts in :func:`base` (Mixtral's are intermediate_size wide whatever it says)."""
+
+
 def base(family: Family) -> dict[str, Any]:
     """A small config.json of ``family`` as transformers 5 writes it (llama with llama3 RoPE, phi3 with
     LongRoPE and gemma3's full layers with linear RoPE, so the RoPE sub-keys have something to act on)."""
@@ -81,7 +89,10 @@ def base(family: Family) -> dict[str, Any]:
         layer_types=("sliding_attention", "full_attention") if gemma else None,
         local_rope_theta=10000.0 if gemma else None, query_pre_attn_scalar=8.0 if gemma else None,
         rope_scaling=RopeScaling("linear", 4.0) if gemma else None, rope_theta=1e6 if gemma else 10000.0,
+        **(MOE if family in ("qwen3_moe", "mixtral") else {}),
     ).to_hf()  # fmt: skip
+    if family == "mixtral":
+        hf["sliding_window"] = 16
     if family == "llama":
         hf["rope_parameters"] = dict(LLAMA3)
     if family == "phi3":
@@ -293,6 +304,34 @@ READ_CASES: dict[str, list[ReadCase]] = {
         ("phi3", {R + "original_max_position_embeddings": REMOVE}, scaling(original_max_position_embeddings=32)),
         ("phi3", {R + "original_max_position_embeddings": 64}, "original_max_position_embeddings .*disagree"),
     ],
+    "num_local_experts": [
+        ("mixtral", {"num_local_experts": 6}, lambda c: c.num_experts == 6),
+        ("qwen3_moe", {"num_local_experts": 6, "num_experts": 5}, "num_local_experts and num_experts disagree"),
+    ],
+    "num_experts": [
+        ("qwen3_moe", {"num_local_experts": REMOVE, "num_experts": 6}, lambda c: c.num_experts == 6),
+        ("mixtral", {"num_local_experts": REMOVE}, lambda c: c.num_experts == 8),  # Mixtral's default
+    ],
+    "num_experts_per_tok": [
+        ("qwen3_moe", {"num_experts_per_tok": 3}, lambda c: c.experts_per_token == 3),
+        ("mixtral", {"num_experts_per_tok": 5}, "num_experts_per_tok \\(5\\) exceeds the 4 experts"),
+    ],
+    "moe_intermediate_size": [
+        ("qwen3_moe", {"moe_intermediate_size": 24}, lambda c: c.moe_intermediate_size == 24),
+        ("qwen3_moe", {"moe_intermediate_size": REMOVE}, lambda c: c.moe_intermediate_size == 768),
+    ],
+    "norm_topk_prob": [
+        ("qwen3_moe", {"norm_topk_prob": True}, lambda c: c.norm_topk_prob),
+        ("qwen3_moe", {"norm_topk_prob": REMOVE}, lambda c: not c.norm_topk_prob),
+    ],
+    "decoder_sparse_step": [
+        ("qwen3_moe", {"decoder_sparse_step": 2}, lambda c: c.dense_layers == (0,)),
+        ("qwen3_moe", {"decoder_sparse_step": 0}, "decoder_sparse_step' must be an integer in \\[1,"),
+    ],
+    "mlp_only_layers": [
+        ("qwen3_moe", {"mlp_only_layers": [1]}, lambda c: c.dense_layers == (1,) and not c.moe_layer(1)),
+        ("qwen3_moe", {"mlp_only_layers": [2]}, "mlp_only_layers must list layer indices below 2"),
+    ],
     "hidden_activation": [
         ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation = 'gelu' is not supported for gemma3"),
         ("gemma3", {"hidden_activation": REMOVE}, lambda c: c.gemma),  # gelu_pytorch_tanh by default
@@ -472,9 +511,8 @@ def test_family_defaults_are_transformers_defaults(family: Family) -> None:
             "local": GEMMA3_THETA["sliding_attention"],
         }
         assert "hidden_act" not in fields and fields["tie_word_embeddings"] is True
-    else:
-        assert cls.default_theta == 10000.0 and fields["hidden_act"] == "silu"
-        assert fields["tie_word_embeddings"] is False
+    else:  # the RoPE base a file without one gets: through the parser below
+        assert fields["hidden_act"] == "silu" and fields["tie_word_embeddings"] is False
     assert fields.get("attention_bias", False) is False
     # and through the parser: a file without the keys parses to what transformers builds from it
     # (32 query heads: Qwen's default of 32 key/value heads must divide them)

@@ -8,7 +8,8 @@ sequence, so the window cuts in from the sixth token on) and Phi-3 (checkpoint-f
 gate_up_proj; a window of 5 with RoPE over half of each head; LongRoPE over three quarters of it with
 a pretraining context of 20 that generation passes, tied embeddings, see PHI3_LONGROPE) and Gemma 3
 (its norms, scaled embeddings, GeGLU, q/k norms, a sliding and a full layer with a RoPE each, scores
-scaled by query_pre_attn_scalar, see GEMMA3_ROPE). Each is saved
+scaled by query_pre_attn_scalar, see GEMMA3_ROPE), Qwen3-MoE (8 experts, 2 a token, renormalised; its
+second layer dense) and Mixtral (4 experts, 2 a token, a window of 5). Each is saved
 in float32, bfloat16 and float16, and each of those twice: as transformers 5 writes it
 (``rope_parameters``, ``dtype``) and rewritten in the legacy keys (top-level ``rope_theta`` +
 ``rope_scaling``, ``torch_dtype``), which transformers itself must load to the same config.
@@ -93,6 +94,13 @@ ACCURACY_SLACK = 1.5
 """In bfloat16/float16 our logits must also be about as close to the float32 model's as transformers'
 are: error(ours, float32 ref) <= ACCURACY_SLACK * error(transformers, float32 ref). Measured ratios
 0.85-1.06: equal accuracy, with different rounding."""
+
+ROUTING_FLIPS = 2
+"""Positions of a 16-bit mixture-of-experts model whose logits may be past the tolerance: where the
+router's top-k is a near-tie, rounding picks an expert on one side that it does not on the other, and
+the logits jump. Such a position passes only where ours are as close to the float32 model's as
+transformers' are (transformers' own flip, measured: its bfloat16 Mixtral 0.39 from float32 at one
+position, ours 0.018)."""
 
 SDPA = "sdpa"
 """transformers' attention implementation for the reference: its default, and the same
@@ -187,6 +195,19 @@ CASES = {
                 "rope_parameters": GEMMA3_ROPE,
             },
         ),  # fmt: skip
+        Case(
+            "qwen3_moe",
+            "Qwen3MoeConfig",
+            {
+                "head_dim": 16,
+                "num_experts": 8,
+                "num_experts_per_tok": 2,
+                "moe_intermediate_size": 32,
+                "norm_topk_prob": True,
+                "mlp_only_layers": [1],
+            },
+        ),  # fmt: skip
+        Case("mixtral", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}),
     ]
 }
 RPC_SUBSET = [
@@ -198,6 +219,7 @@ RPC_SUBSET = [
     ("qwen3", "transformers5", "bfloat16"),
     ("phi3-longrope", "transformers5", "float32"),
     ("gemma3", "legacy", "float32"),
+    ("qwen3_moe", "transformers5", "float32"),
 ]
 
 
@@ -359,7 +381,8 @@ def test_both_formats_are_one_config_here_and_in_transformers(zoo: Zoo, case: st
     theirs_rope = theirs["legacy"]["rope_parameters"]
     assert config.rope_theta == theirs_rope.get("full_attention", theirs_rope)["rope_theta"]
     rope = spec.options.get("rope_parameters", {})
-    assert config.rope_theta == rope.get("full_attention", rope).get("rope_theta", 10000.0)
+    default_theta = getattr(transformers, spec.config_class).default_theta
+    assert config.rope_theta == rope.get("full_attention", rope).get("rope_theta", default_theta)
     assert config.head_dim == spec.options.get("head_dim", 16)
     assert config.tie_word_embeddings == spec.options.get("tie_word_embeddings", False)
     assert config.attention_bias == (case in ("qwen2", "llama-head_dim-bias"))
@@ -413,7 +436,15 @@ def _compare_in_process(zoo: Zoo, alloc: MemoryAllocator, case: str, fmt: str, d
         ours_off, theirs_off = (float(relative_errors(x, truth).max()) for x in (ours, ref.logits))
         line += f"; from float32: ours {ours_off:.2e}, transformers {theirs_off:.2e}"
     print(f"\n{line}; greedy tokens {'equal' if tokens == ref.tokens else 'differ'}")
-    assert worst <= TOLERANCE[dtype], f"relative logit errors per position: {errors.tolist()}"
+    over = [i for i, e in enumerate(errors.tolist()) if e > TOLERANCE[dtype]]
+    if over and dtype != "float32" and runner.config.moe:
+        # a router's near-tie that one side's rounding tips the other way (ROUTING_FLIPS)
+        truth = zoo.reference(case, "float32", device).logits
+        ours_pos, theirs_pos = (relative_errors(x, truth) for x in (ours, ref.logits))
+        flips = [i for i in over if ours_pos[i] <= ACCURACY_SLACK * theirs_pos[i]]
+        assert len(flips) <= ROUTING_FLIPS, f"positions {over}: relative logit errors {errors.tolist()}"
+        over = [i for i in over if i not in flips]
+    assert not over, f"relative logit errors per position: {errors.tolist()}"
     if dtype == "float32":
         assert tokens == ref.tokens
     else:

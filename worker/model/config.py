@@ -35,9 +35,9 @@ import torch
 from memsvc._limits import INT32_MAX
 from memsvc.errors import InvalidArgument
 
-Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3"]
+Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral"]
 
-FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3")
+FAMILIES: tuple[Family, ...] = ("llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral")
 """The decoder families implemented here, in the order messages list them."""
 
 ARCHITECTURES: dict[str, Family] = {
@@ -47,6 +47,8 @@ ARCHITECTURES: dict[str, Family] = {
     "Qwen3ForCausalLM": "qwen3",
     "Phi3ForCausalLM": "phi3",
     "Gemma3ForCausalLM": "gemma3",
+    "Qwen3MoeForCausalLM": "qwen3_moe",
+    "MixtralForCausalLM": "mixtral",
 }
 """``config.json`` ``architectures`` entry -> family (a model's ``save_pretrained`` writes it)."""
 _FAMILY_ARCHITECTURE = {family: arch for arch, family in ARCHITECTURES.items()}
@@ -71,6 +73,10 @@ GEMMA3_PATTERN = 6
 """Gemma 3's ``sliding_window_pattern`` where neither it nor ``layer_types`` is given: every sixth layer
 attends globally, the others slide."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
+MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "mixtral")
+_WINDOWED: tuple[Family, ...] = ("mistral", "phi3", "gemma3", "qwen3_moe", "mixtral")
+"""The families a sliding window is implemented for (Qwen2's and Qwen3's sliding layers are not)."""
+"""The mixture-of-experts families: a router and experts in place of (most) layers' MLP."""
 
 BOUNDS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),
@@ -84,6 +90,11 @@ BOUNDS: dict[str, tuple[int, int]] = {
     "original_max_position_embeddings": (1, 1 << 24),
     "sliding_window": (1, 1 << 24),
     "sliding_window_pattern": (1, 1024),
+    "num_experts": (1, 4096),
+    "num_local_experts": (1, 4096),
+    "num_experts_per_tok": (1, 4096),
+    "moe_intermediate_size": (1, 1 << 18),
+    "decoder_sparse_step": (1, 1024),
     "max_window_layers": (0, INT32_MAX),
 }
 """The range every integer key of ``config.json`` must lie in (by its name, also inside
@@ -94,6 +105,8 @@ hostile file, refused by name before anything is sized from it."""
 
 _DEFAULT_THETA = 10000.0
 """transformers' ``RotaryEmbeddingConfigMixin.default_theta``: the base when a config names none."""
+_FAMILY_THETA: dict[Family, float] = {"mixtral": 1_000_000.0}
+"""A family whose config class's ``default_theta`` is not :data:`_DEFAULT_THETA`."""
 
 FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
     "llama": {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
@@ -117,6 +130,15 @@ FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
         "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
         "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True,
+    },
+    "qwen3_moe": {
+        "num_key_value_heads": 4, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
+        "use_sliding_window": False, "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": None,
+    },
+    "mixtral": {
+        "num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
+        "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
     },
 }  # fmt: skip
 """What transformers 5.17's config classes use for a key the file omits (None: derived — key/value heads
@@ -197,6 +219,15 @@ def _gemma3_reads(why: str, others: KeyRule, gemma3: KeyRule | None = None) -> d
     return rules
 
 
+def _moe_reads(why: str, mixtral: bool = True) -> dict[Family, KeyRule]:
+    """A key the mixture-of-experts families read (Qwen3-MoE; Mixtral too unless ``mixtral`` is False);
+    the dense ones never look at it."""
+    rules: dict[Family, KeyRule] = {f: ignored("only the mixture-of-experts families read it") for f in FAMILIES}
+    rules["qwen3_moe"] = read(why)
+    rules["mixtral"] = read(why) if mixtral else ignored("Mixtral's transformers code does not read it")
+    return rules
+
+
 def _partial_rotary() -> dict[Family, KeyRule]:
     """Phi-3 rotates the first ``head_dim * partial_rotary_factor`` of each head; the others all of it."""
     whole = neutral((1, 1.0, None), 0.5, "RoPE on part of each head is not implemented (it rotates all of head_dim)")
@@ -242,6 +273,12 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         "qwen3": read("biases on q/k/v and o_proj"),
         "phi3": ignored("Phi-3 has no projection biases; transformers does not read this key"),
         "gemma3": read("biases on q/k/v and o_proj"),
+        "qwen3_moe": read("biases on q/k/v and o_proj"),
+        "mixtral": neutral(
+            (False, None),
+            True,
+            "Mixtral has no projection biases: transformers ignores this key and drops the bias tensors",
+        ),
     },
     "sliding_window": {
         "llama": neutral((None,), 4096, "Llama attends to every earlier position; no sliding window is implemented"),
@@ -250,6 +287,8 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
         "qwen3": read("window of the sliding-attention layers, which exist only with use_sliding_window"),
         "phi3": read("a query attends to the most recent sliding_window positions, in every layer"),
         "gemma3": read("window of the sliding_attention layers (layer_types)"),
+        "qwen3_moe": read("every layer's window, with use_sliding_window"),
+        "mixtral": read("a query attends to the most recent sliding_window positions, in every layer"),
     },
     "use_sliding_window": {
         "llama": neutral((False, None), True, "Llama has no sliding-window layers"),
@@ -262,12 +301,18 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
             (False, None), True, "Phi-3's window is sliding_window itself; this Qwen switch is not Phi-3's"
         ),
         "gemma3": ignored("only Qwen reads it; Gemma 3's sliding layers are its layer_types"),
+        "qwen3_moe": read("turns sliding_window on, in every layer"),
+        "mixtral": neutral(
+            (False, None), True, "Mixtral's window is sliding_window itself; this Qwen switch is not Mixtral's"
+        ),
     },
     "max_window_layers": {
         "llama": ignored("only Qwen reads it"),
         "mistral": ignored("only Qwen reads it"),
         "phi3": ignored("only Qwen reads it"),
         "gemma3": ignored("only Qwen reads it"),
+        "qwen3_moe": ignored("Qwen3-MoE slides in every layer with use_sliding_window; only Qwen2/Qwen3 read it"),
+        "mixtral": ignored("only Qwen reads it"),
         "qwen2": read("first layer that slides when use_sliding_window is set"),
         "qwen3": read("first layer that slides when use_sliding_window is set"),
     },
@@ -283,6 +328,18 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "_sliding_window_pattern": ignored(
         "transformers' own copy of sliding_window_pattern; layer_types is written beside it"
     ),
+    "num_local_experts": _moe_reads("experts in each MoE layer (num_experts, the other spelling, must agree)"),
+    "num_experts": _moe_reads("experts in each MoE layer (num_local_experts, the other spelling, must agree)"),
+    "num_experts_per_tok": _moe_reads("experts each token is routed to (top-k of the router's softmax)"),
+    "moe_intermediate_size": _moe_reads(
+        "width of each expert's SwiGLU MLP (Mixtral's experts are intermediate_size wide)", mixtral=False
+    ),
+    "norm_topk_prob": _moe_reads("the top-k routing weights are renormalised to sum to 1", mixtral=False),
+    "decoder_sparse_step": _moe_reads("every n-th layer is an MoE layer, the others dense", mixtral=False),
+    "mlp_only_layers": _moe_reads("layers with a dense MLP instead of experts", mixtral=False),
+    "output_router_logits": ignored("what a transformers forward returns besides the logits"),
+    "router_aux_loss_coef": ignored("a training loss"),
+    "router_jitter_noise": ignored("noise on the router's input while training only"),
     "sliding_window_pattern": _gemma3_reads(
         "every n-th layer attends globally, the others slide (older files; layer_types wins)",
         ignored("only Gemma reads it"),
@@ -464,6 +521,16 @@ class ModelConfig:
     with :attr:`rope_scaling`."""
     query_pre_attn_scalar: float | None = None
     """Gemma 3: attention scores are scaled by its inverse square root (None: head_dim's)."""
+    num_experts: int = 0
+    """Qwen3-MoE, Mixtral: experts in each MoE layer (0: a dense model)."""
+    experts_per_token: int = 0
+    """Experts each token is routed to: the top-k of the router's softmax."""
+    moe_intermediate_size: int = 0
+    """Width of each expert's SwiGLU MLP."""
+    norm_topk_prob: bool = False
+    """The top-k routing weights are renormalised to sum to 1 (always, for Mixtral)."""
+    dense_layers: tuple[int, ...] = ()
+    """Layers of an MoE model with a dense MLP (``intermediate_size`` wide) instead of experts."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -485,11 +552,9 @@ class ModelConfig:
             raise InvalidArgument(f"model config: dtype must be one of {sorted(DTYPES)}, got {self.dtype!r}")
         if not (self.rope_theta > 0 and self.rms_norm_eps > 0):
             raise InvalidArgument("model config: rope_theta and rms_norm_eps must be > 0")
-        if self.sliding_window is not None and (
-            self.family not in ("mistral", "phi3", "gemma3") or self.sliding_window <= 0
-        ):
+        if self.sliding_window is not None and (self.family not in _WINDOWED or self.sliding_window <= 0):
             raise InvalidArgument(
-                "model config: sliding_window must be a positive integer on mistral, phi3 and gemma3 only, got "
+                f"model config: sliding_window must be a positive integer on {', '.join(_WINDOWED)} only, got "
                 f"{self.sliding_window} on {self.family}"
             )
         gemma = self.family == "gemma3"
@@ -501,6 +566,16 @@ class ModelConfig:
             raise InvalidArgument(f"model config: layer_types must be {self.num_layers} of {', '.join(LAYER_TYPES)}")
         if self.query_pre_attn_scalar is not None and not (gemma and self.query_pre_attn_scalar > 0):
             raise InvalidArgument("model config: query_pre_attn_scalar is gemma3's, and > 0")
+        if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
+            raise InvalidArgument(f"model config: experts are {' and '.join(MOE_FAMILIES)}'s, and they need some")
+        if self.num_experts and not (
+            1 <= self.experts_per_token <= self.num_experts and self.moe_intermediate_size > 0
+            and set(self.dense_layers) <= set(range(self.num_layers))
+        ):  # fmt: skip
+            raise InvalidArgument(
+                f"model config: {self.experts_per_token} experts per token of {self.num_experts}, experts "
+                f"{self.moe_intermediate_size} wide, dense layers {self.dense_layers}: out of range"
+            )
         if self.partial_rotary_factor != 1.0 and self.family != "phi3":
             raise InvalidArgument("model config: a partial_rotary_factor other than 1 is phi3's only")
         if not 0 < self.partial_rotary_factor <= 1 or self.rotary_dim < 2 or self.rotary_dim % 2:
@@ -533,7 +608,7 @@ class ModelConfig:
     def o_proj_bias(self) -> bool:
         """Whether o_proj carries a bias: Llama, Qwen3 and Gemma 3 put ``attention_bias`` on all four
         projections; Qwen2 has q/k/v biases only."""
-        return self.attention_bias and self.family in ("llama", "qwen3", "gemma3")
+        return self.attention_bias and self.family in ("llama", "qwen3", "gemma3", "qwen3_moe")
 
     @property
     def rotary_dim(self) -> int:
@@ -556,13 +631,41 @@ class ModelConfig:
     def qk_norm(self) -> bool:
         """Qwen3 and Gemma 3: per-head RMSNorm (``q_norm``/``k_norm``, ``[head_dim]``) on q and k
         before RoPE."""
-        return self.family in ("qwen3", "gemma3")
+        return self.family in ("qwen3", "gemma3", "qwen3_moe")
 
     @property
     def gemma(self) -> bool:
         """Gemma 3's layer: embeddings scaled by sqrt(hidden_size); RMSNorm scales by ``1 + weight`` in
         float32; a norm after attention and around the MLP too (four a layer); a GeGLU MLP."""
         return self.family == "gemma3"
+
+    @property
+    def moe(self) -> bool:
+        """A mixture-of-experts model (Qwen3-MoE, Mixtral)."""
+        return self.num_experts > 0
+
+    def moe_layer(self, layer: int) -> bool:
+        """Whether ``layer``'s MLP is the router and its experts."""
+        return self.num_experts > 0 and layer not in self.dense_layers
+
+    def experts(self, layer: int) -> tuple[str, list[tuple[str, str, str]]]:
+        """An MoE layer's weight names, as its checkpoints spell them: the router's, and each
+        expert's (gate, up, down) projections (Mixtral's w1, w3, w2)."""
+        if self.family == "mixtral":
+            m = f"model.layers.{layer}.block_sparse_moe."
+            names = [(f"{m}experts.{e}.w1.weight", f"{m}experts.{e}.w3.weight", f"{m}experts.{e}.w2.weight")
+                     for e in range(self.num_experts)]  # fmt: skip
+        else:
+            m = f"model.layers.{layer}.mlp."
+            names = [tuple(f"{m}experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))  # type: ignore[misc]
+                     for e in range(self.num_experts)]  # fmt: skip
+        return m + "gate.weight", names
+
+    @property
+    def routing_in_float32(self) -> bool:
+        """Mixtral weighs the experts' outputs by float32 routing weights; Qwen3-MoE rounds them to
+        the model dtype first (as each transformers model does)."""
+        return self.family == "mixtral"
 
     def layer_window(self, layer: int) -> int | None:
         """The sliding window of ``layer``'s attention (None: it attends to every earlier position)."""
@@ -579,7 +682,7 @@ class ModelConfig:
     def param_count(self) -> int:
         """Number of parameters, counting a tied embedding once."""
         h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        per_layer = h * q + 2 * h * kv + q * h + 3 * h * self.intermediate_size + 2 * h
+        per_layer = h * q + 2 * h * kv + q * h + 2 * h
         if self.attention_bias:
             per_layer += q + 2 * kv
         if self.o_proj_bias:
@@ -589,6 +692,9 @@ class ModelConfig:
         if self.gemma:
             per_layer += 2 * h  # the norms after attention and before the MLP
         total = self.vocab_size * h + self.num_layers * per_layer + h
+        for i in range(self.num_layers):  # the MLPs: experts and their router, or a dense one
+            moe = self.num_experts * (3 * h * self.moe_intermediate_size + h)
+            total += moe if self.moe_layer(i) else 3 * h * self.intermediate_size
         if not self.tie_word_embeddings:
             total += self.vocab_size * h
         return total
@@ -665,7 +771,7 @@ class ModelConfig:
         else:
             theta, scaling = _rope(hf, family, max_pos)
         partial = _partial_rotary_factor(hf, family)
-        if family in ("llama", "qwen3", "gemma3"):
+        if family in ("llama", "qwen3", "gemma3", "qwen3_moe"):
             attention_bias = _bool(hf.get("attention_bias") or False, "attention_bias")
         else:
             attention_bias = family == "qwen2"
@@ -692,6 +798,7 @@ class ModelConfig:
             layer_types=layer_types,
             local_rope_theta=local_theta,
             query_pre_attn_scalar=scale,
+            **_moe(hf, family, num_layers),
         )
 
     def to_hf(self, legacy: bool = False) -> dict[str, Any]:
@@ -730,10 +837,16 @@ class ModelConfig:
             "max_position_embeddings": self.max_position_embeddings,
             "tie_word_embeddings": self.tie_word_embeddings,
         }
-        if self.family in ("llama", "qwen3", "gemma3"):
+        if self.family in ("llama", "qwen3", "gemma3", "qwen3_moe"):
             hf["attention_bias"] = self.attention_bias
-        if self.family in ("mistral", "phi3", "gemma3"):
+        if self.family in ("mistral", "phi3", "gemma3", "mixtral"):
             hf["sliding_window"] = self.sliding_window
+        if self.family == "qwen3_moe":
+            hf.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
+                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
+                      decoder_sparse_step=1, mlp_only_layers=list(self.dense_layers))  # fmt: skip
+        if self.moe:
+            hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
         if self.family == "gemma3":
             del hf["hidden_act"]
             hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=self.query_pre_attn_scalar,
@@ -864,7 +977,7 @@ def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, R
     if family == "phi3" and kind in ("su", "yarn"):
         kind = "longrope"  # what transformers' Phi-3 config makes of the old names
     theta = _agreed(raw.get("rope_theta"), hf.get("rope_theta"), f"{where}.rope_theta and rope_theta")
-    theta = _DEFAULT_THETA if theta is None else _float(theta, "rope_theta")
+    theta = _FAMILY_THETA.get(family, _DEFAULT_THETA) if theta is None else _float(theta, "rope_theta")
     if theta <= 0:
         raise InvalidArgument(f"config.json: rope_theta must be > 0, got {theta}")
 
@@ -986,6 +1099,48 @@ def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScalin
     return base, scaling, local_base
 
 
+def _moe(hf: Mapping[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
+    """The experts of Qwen3-MoE or Mixtral as their transformers configs resolve them (none for the
+    dense families): ``num_experts`` and ``num_local_experts`` are one key spelled two ways; Qwen3-MoE's
+    layers are MoE ones where ``(i + 1) % decoder_sparse_step == 0`` and ``i`` is not in
+    ``mlp_only_layers``; Mixtral's experts are ``intermediate_size`` wide and always renormalised."""
+    if family not in MOE_FAMILIES:
+        return {}
+    defaults = FAMILY_DEFAULTS[family]
+    count = _agreed(hf.get("num_local_experts"), hf.get("num_experts"), "num_local_experts and num_experts")
+    if count is None:
+        count = defaults.get("num_experts", defaults.get("num_local_experts"))
+    experts = _int(count, "num_experts")
+    per_token = _int(hf.get("num_experts_per_tok", defaults["num_experts_per_tok"]), "num_experts_per_tok")
+    if per_token > experts:
+        raise InvalidArgument(
+            f"config.json: num_experts_per_tok ({per_token}) exceeds the {experts} experts",
+            metadata={"key": "num_experts_per_tok"},
+        )
+    if family == "mixtral":
+        return {"num_experts": experts, "experts_per_token": per_token, "norm_topk_prob": True,
+                "moe_intermediate_size": _int(hf["intermediate_size"], "intermediate_size")}  # fmt: skip
+    step = _int(hf.get("decoder_sparse_step", defaults["decoder_sparse_step"]), "decoder_sparse_step")
+    only = hf.get("mlp_only_layers") or []
+    if not isinstance(only, list) or not all(_is_layer(i, num_layers) for i in only):
+        raise InvalidArgument(
+            f"config.json: mlp_only_layers must list layer indices below {num_layers}, got {only!r}",
+            metadata={"key": "mlp_only_layers"},
+        )
+    norm = hf.get("norm_topk_prob")
+    return {
+        "num_experts": experts, "experts_per_token": per_token,
+        "moe_intermediate_size": _int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
+                                      "moe_intermediate_size"),
+        "norm_topk_prob": _bool(defaults["norm_topk_prob"] if norm is None else norm, "norm_topk_prob"),
+        "dense_layers": tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
+    }  # fmt: skip
+
+
+def _is_layer(value: Any, num_layers: int) -> bool:
+    return isinstance(value, int) and not isinstance(value, bool) and 0 <= value < num_layers
+
+
 def _gemma3_layer_types(hf: Mapping[str, Any], num_layers: int) -> tuple[str, ...]:
     """Gemma 3's layer types: ``layer_types``, or from ``sliding_window_pattern`` (every n-th layer
     full, the others sliding; 6 by default), as its config class makes them."""
@@ -1033,7 +1188,10 @@ def _sliding_window(hf: Mapping[str, Any], family: Family, num_layers: int) -> i
         )
     defaults = FAMILY_DEFAULTS[family]
     window = hf["sliding_window"] if "sliding_window" in hf else defaults.get("sliding_window")  # null: no window
-    if family in ("mistral", "phi3", "gemma3"):
+    if family == "qwen3_moe":  # every layer slides when use_sliding_window is set (its config's __post_init__)
+        use = _bool(hf.get("use_sliding_window") or False, "use_sliding_window")
+        window = window if use else None
+    if family in ("mistral", "phi3", "gemma3", "mixtral", "qwen3_moe"):
         if window is None:
             return None
         window = _int(window, "sliding_window")

@@ -325,7 +325,8 @@ class FusedLayer:
 
     qkv: torch.Tensor
     qkv_bias: torch.Tensor | None
-    gate_up: torch.Tensor
+    gate_up: torch.Tensor | None
+    """None in an MoE layer (its experts' are in the weights)."""
 
 
 def _joined(weights: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor | None:
@@ -363,8 +364,8 @@ def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tu
         a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
         qkv = _joined(weights, [a + "q_proj.weight", a + "k_proj.weight", a + "v_proj.weight"])
         bias = _joined(weights, [a + "q_proj.bias", a + "k_proj.bias", a + "v_proj.bias"])
-        gate_up = _joined(weights, [m + "gate_proj.weight", m + "up_proj.weight"])
-        if qkv is None or gate_up is None or (bias is None and config.attention_bias):
+        gate_up = None if config.moe_layer(i) else _joined(weights, [m + "gate_proj.weight", m + "up_proj.weight"])
+        if qkv is None or (gate_up is None and not config.moe_layer(i)) or (bias is None and config.attention_bias):
             return None
         out.append(FusedLayer(qkv, bias, gate_up))
     return tuple(out)
@@ -400,6 +401,37 @@ def _span_attention(
     return out[0].transpose(0, 1).reshape(n, nh * hd)
 
 
+def _experts(weights: Mapping[str, torch.Tensor], config: ModelConfig, layer: int, h: torch.Tensor) -> torch.Tensor:
+    """An MoE layer's MLP, as transformers' Qwen3-MoE and Mixtral compute it: the router's softmax in
+    float32, each token's top-k experts (their weights renormalised where the config says, and rounded
+    to the model dtype unless Mixtral's), then expert by expert in ascending order, over the tokens
+    routed to it, the SwiGLU times the token's weight, added into the output (so the sums are
+    transformers' own, in its order). The loop asks the device which experts were hit (a CUDA graph
+    cannot hold it): a grouped product is the fast way on the GPU, not written yet."""
+    router, experts = config.experts(layer)
+    logits = F.linear(h, weights[router])
+    probs = F.softmax(logits, dim=-1, dtype=torch.float32)
+    top, chosen = torch.topk(probs, config.experts_per_token, dim=-1)
+    if config.norm_topk_prob:
+        top = top / top.sum(dim=-1, keepdim=True)
+    if not config.routing_in_float32:
+        top = top.to(logits.dtype)
+    out = torch.zeros_like(h)
+    mask = F.one_hot(chosen, num_classes=config.num_experts).permute(2, 1, 0)  # [experts, k, tokens]
+    for e in (mask.sum(dim=(-1, -2)) > 0).nonzero().flatten().tolist():
+        slot, token = torch.where(mask[e])
+        gate_name, up_name, down_name = experts[e]
+        gate_up = _joined(weights, [gate_name, up_name])
+        rows = h[token]
+        if gate_up is not None:
+            gate, up = F.linear(rows, gate_up).chunk(2, dim=-1)
+        else:
+            gate, up = F.linear(rows, weights[gate_name]), F.linear(rows, weights[up_name])
+        y = F.linear(F.silu(gate) * up, weights[down_name]) * top[token, slot, None]
+        out.index_add_(0, token, y.to(out.dtype))
+    return out
+
+
 def _gemma_mlp(
     weights: Mapping[str, torch.Tensor], config: ModelConfig, p: str, x: torch.Tensor, h: torch.Tensor,
     f: FusedLayer | None,
@@ -407,7 +439,7 @@ def _gemma_mlp(
     """Gemma 3's MLP half of a layer: ``x`` plus the post-MLP norm of GeGLU(``h``) (gelu with the tanh
     approximation times up, as transformers' gelu_pytorch_tanh)."""
     m = p + "mlp."
-    if f is not None:
+    if f is not None and f.gate_up is not None:
         gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
         gate, up = gate_up[:, :inter], gate_up[:, inter:]
     else:
@@ -485,13 +517,15 @@ def forward_step(
             continue
         x, h = kernels.add_rms_norm(x, attended, weights[p + "post_attention_layernorm.weight"], eps)
         m = p + "mlp."
-        if f is not None:
-            gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
-            gate, up = gate_up[:, :inter], gate_up[:, inter:]
+        if config.moe_layer(i):
+            down = _experts(weights, config, i, h)
         else:
-            gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
-        act = kernels.silu_mul(gate, up)
-        down = F.linear(act, weights[m + "down_proj.weight"])
+            if f is not None and f.gate_up is not None:
+                gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
+                gate, up = gate_up[:, :inter], gate_up[:, inter:]
+            else:
+                gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
+            down = F.linear(kernels.silu_mul(gate, up), weights[m + "down_proj.weight"])
         if i + 1 < config.num_layers:  # the next layer's input norm, with the add
             x, h = kernels.add_rms_norm(x, down, weights[f"model.layers.{i + 1}.input_layernorm.weight"], eps)
         else:

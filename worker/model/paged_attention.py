@@ -125,10 +125,11 @@ def triton_paged_decode(
 def triton_supports(config: ModelConfig) -> bool:
     """The Triton set's rules: a power-of-two head_dim of at least 16 (a tile dimension), RoPE over the
     whole head (its fused rotation rotates all of it; Phi-3's partial rotary runs the torch one), no
-    per-row choice of RoPE frequencies (a CUDA graph's step buffer has no field for LongRoPE's), and
-    Llama's RMSNorm and SwiGLU (its fused norm and activation; Gemma 3's differ)."""
+    per-row choice of RoPE frequencies (a CUDA graph's step buffer has no field for LongRoPE's),
+    Llama's RMSNorm and SwiGLU (its fused norm and activation; Gemma 3's differ), and no experts (their
+    loop asks the device which were hit, which a graph cannot hold)."""
     hd = config.head_dim
-    plain = config.rotary_dim == hd and config.long_rope_after is None and not config.gemma
+    plain = config.rotary_dim == hd and config.long_rope_after is None and not config.gemma and not config.moe
     return hd >= 16 and hd & (hd - 1) == 0 and plain
 
 

@@ -61,6 +61,13 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
         if config.gemma:  # the norms before and after the MLP
             shapes[p + "pre_feedforward_layernorm.weight"] = (h,)
             shapes[p + "post_feedforward_layernorm.weight"] = (h,)
+        if config.moe_layer(i):  # the router, then each expert's SwiGLU
+            router, experts = config.experts(i)
+            shapes[router] = (config.num_experts, h)
+            inter = config.moe_intermediate_size
+            for gate, up, down in experts:
+                shapes[gate], shapes[up], shapes[down] = (inter, h), (inter, h), (h, inter)
+            continue
         if config.fused_checkpoint:  # Phi-3: [gate; up] rows in one tensor
             shapes[p + "mlp.gate_up_proj.weight"] = (2 * config.intermediate_size, h)
         else:
@@ -83,11 +90,20 @@ def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
     """Uninitialised pool tensors for every weight (fill them with a source's ``load_into``).
 
     Every name is its own tensor, but each layer's :data:`FUSED_GROUPS` (weights, and biases when
-    there are) are consecutive row slices of one allocation."""
+    there are) are consecutive row slices of one allocation, and so are an MoE layer's experts: their
+    gate and up rows in one ``[experts, 2 * width, hidden]`` tensor, their downs in another (what a
+    grouped product over the experts reads)."""
     shapes = weight_shapes(config)
     dtype = config.torch_dtype
     weights: Weights = {}
     for i in range(config.num_layers):
+        if config.moe_layer(i):  # each expert's [gate; up] rows, then their downs, as one tensor each
+            _, experts = config.experts(i)
+            inter, h = config.moe_intermediate_size, config.hidden_size
+            gate_up = alloc.empty((config.num_experts, 2 * inter, h), dtype, tag=WEIGHTS)
+            downs = alloc.empty((config.num_experts, h, inter), dtype, tag=WEIGHTS)
+            for e, (gate, up, down) in enumerate(experts):
+                weights[gate], weights[up], weights[down] = gate_up[e, :inter], gate_up[e, inter:], downs[e]
         for group in FUSED_GROUPS:
             for suffix in (".weight", ".bias"):
                 names = [f"model.layers.{i}.{g}{suffix}" for g in group]
