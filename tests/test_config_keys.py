@@ -33,9 +33,11 @@ from worker.model.config import (
     MODEL_TYPES,
     ROPE_PREFIX,
     Family,
+    Fp8,
     KeyRule,
     ModelConfig,
     RopeScaling,
+    fp8_config,
     key_rule,
 )
 
@@ -331,6 +333,14 @@ READ_CASES: dict[str, list[ReadCase]] = {
     "mlp_only_layers": [
         ("qwen3_moe", {"mlp_only_layers": [1]}, lambda c: c.dense_layers == (1,) and not c.moe_layer(1)),
         ("qwen3_moe", {"mlp_only_layers": [2]}, "mlp_only_layers must list layer indices below 2"),
+    ],
+    "quantization_config": [
+        (
+            "llama",
+            {"quantization_config": fp8_config(Fp8("tensor")), "dtype": "bfloat16"},
+            lambda c: c.fp8 == Fp8("tensor"),
+        ),
+        ("qwen2", {"quantization_config": {"quant_method": "gptq"}}, "quant_method 'gptq' is not implemented"),
     ],
     "hidden_activation": [
         ("gemma3", {"hidden_activation": "gelu"}, "hidden_activation = 'gelu' is not supported for gemma3"),

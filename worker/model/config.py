@@ -382,7 +382,10 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     "use_qk_norm": neutral(
         (None, False), True, "q/k RMSNorm is Qwen3's own (weights q_norm/k_norm), not switched by this key"
     ),
-    "quantization_config": neutral((None,), {"quant_method": "gptq"}, "quantized weights are not implemented"),
+    "quantization_config": read(
+        "FP8 weights as llm-compressor writes them (compressed-tensors, float-quantized: per-channel or per-tensor "
+        "weight scales, dynamic per-token activations); other quantizations are refused by name"
+    ),
     # do not reach the logits
     "_name_or_path": ignored("where transformers loaded it from"),
     "transformers_version": ignored("which transformers wrote the file"),
@@ -482,6 +485,18 @@ class RopeScaling:
 
 
 @dataclass(frozen=True)
+class Fp8:
+    """FP8 weights (``float8_e4m3fn``) with their scales, and activations quantized to FP8 per token
+    as each product runs: llm-compressor's FP8-dynamic scheme (compressed-tensors' float-quantized
+    format), which the matrix products compute as FP8 x FP8 with float32 accumulation
+    (``torch._scaled_mm``; worker/model/decoder.py's ``project``). Every projection of the decoder
+    layers is quantized; the embeddings and the output projection are not."""
+
+    weight_strategy: Literal["channel", "tensor"]
+    """A scale per output row (``weight_scale`` ``[rows, 1]``) or one per matrix (``[1]``)."""
+
+
+@dataclass(frozen=True)
 class ModelConfig:
     """Dimensions and numerics of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 decoder."""
 
@@ -531,6 +546,8 @@ class ModelConfig:
     """The top-k routing weights are renormalised to sum to 1 (always, for Mixtral)."""
     dense_layers: tuple[int, ...] = ()
     """Layers of an MoE model with a dense MLP (``intermediate_size`` wide) instead of experts."""
+    fp8: Fp8 | None = None
+    """FP8 weights and activations (None: the weights are in :attr:`dtype`)."""
 
     def __post_init__(self) -> None:
         if self.family not in FAMILIES:
@@ -566,6 +583,10 @@ class ModelConfig:
             raise InvalidArgument(f"model config: layer_types must be {self.num_layers} of {', '.join(LAYER_TYPES)}")
         if self.query_pre_attn_scalar is not None and not (gemma and self.query_pre_attn_scalar > 0):
             raise InvalidArgument("model config: query_pre_attn_scalar is gemma3's, and > 0")
+        if self.fp8 is not None and (self.dtype == "float16" or self.num_experts):
+            raise InvalidArgument(
+                "model config: FP8 weights are implemented for dense bfloat16 (and float32) models only"
+            )
         if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
             raise InvalidArgument(f"model config: experts are {' and '.join(MOE_FAMILIES)}'s, and they need some")
         if self.num_experts and not (
@@ -700,7 +721,15 @@ class ModelConfig:
         return total
 
     def param_bytes(self) -> int:
-        return self.param_count() * self.torch_dtype.itemsize
+        """Bytes of the weights as held: FP8 matrices one byte a parameter, plus their float32 scales."""
+        total = self.param_count() * self.torch_dtype.itemsize
+        if self.fp8 is None:
+            return total
+        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
+        rows = q + 2 * kv + h + 2 * self.intermediate_size + h  # the output rows of the seven projections
+        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
+        scales = rows if self.fp8.weight_strategy == "channel" else (4 if self.fused_checkpoint else 7)
+        return total - self.num_layers * (per_layer * (self.torch_dtype.itemsize - 1) - 4 * scales)
 
     def kv_bytes_per_token(self) -> int:
         """K and V of every layer for one token position."""
@@ -799,6 +828,7 @@ class ModelConfig:
             local_rope_theta=local_theta,
             query_pre_attn_scalar=scale,
             **_moe(hf, family, num_layers),
+            fp8=_fp8(hf.get("quantization_config")),
         )
 
     def to_hf(self, legacy: bool = False) -> dict[str, Any]:
@@ -847,6 +877,8 @@ class ModelConfig:
                       decoder_sparse_step=1, mlp_only_layers=list(self.dense_layers))  # fmt: skip
         if self.moe:
             hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
+        if self.fp8 is not None:
+            hf["quantization_config"] = fp8_config(self.fp8)
         if self.family == "gemma3":
             del hf["hidden_act"]
             hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=self.query_pre_attn_scalar,
@@ -1099,6 +1131,60 @@ def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScalin
     return base, scaling, local_base
 
 
+_FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+
+
+def fp8_config(fp8: Fp8) -> dict[str, Any]:
+    """The ``quantization_config`` llm-compressor writes for this scheme (test checkpoints)."""
+    group = {"targets": ["Linear"], "weights": {**_FP8_WEIGHTS, "strategy": fp8.weight_strategy},
+             "input_activations": dict(_FP8_TOKENS)}  # fmt: skip
+    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
+            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+_FP8_TOKENS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
+
+
+def _fp8(raw: Any) -> Fp8 | None:
+    """``quantization_config``: None, or compressed-tensors' FP8-dynamic (see :class:`Fp8`): one config
+    group targeting ``Linear``, 8-bit float symmetric static weights per channel or per tensor, 8-bit
+    float dynamic per-token input activations, ``lm_head`` ignored (nothing else). Anything else —
+    another method (GPTQ, AWQ, bitsandbytes, transformers' block FP8), weight-only FP8, static
+    activation scales, a quantized KV cache — is refused with what it is."""
+    if raw is None:
+        return None
+
+    def refuse(why: str) -> InvalidArgument:
+        return InvalidArgument(f"config.json: quantization_config: {why}", metadata={"key": "quantization_config"})
+
+    if not isinstance(raw, Mapping):
+        raise refuse(f"must be an object, got {raw!r}")
+    method = raw.get("quant_method")
+    if method != "compressed-tensors":
+        raise refuse(f"quant_method {method!r} is not implemented (FP8 of compressed-tensors is)")
+    if raw.get("format") != "float-quantized":
+        raise refuse(f"compressed-tensors format {raw.get('format')!r} is not implemented (float-quantized is)")
+    if raw.get("kv_cache_scheme") is not None or raw.get("sparsity_config"):
+        raise refuse("a quantized KV cache or sparse weights are not implemented")
+    groups = raw.get("config_groups")
+    if not isinstance(groups, Mapping) or len(groups) != 1:
+        raise refuse("one config group (every Linear the same way) is implemented")
+    (group,) = groups.values()
+    if not isinstance(group, Mapping) or group.get("targets") != ["Linear"]:
+        raise refuse("the group must target every Linear (targets: ['Linear'])")
+    weights, tokens = group.get("weights"), group.get("input_activations")
+    if not isinstance(weights, Mapping) or any(weights.get(k) != v for k, v in _FP8_WEIGHTS.items()):
+        raise refuse(f"weights {weights!r}: 8-bit float, symmetric, static scales are implemented")
+    strategy = weights.get("strategy")
+    if strategy not in ("channel", "tensor"):
+        raise refuse(f"weight strategy {strategy!r}: channel or tensor is implemented")
+    if not isinstance(tokens, Mapping) or any(tokens.get(k) != v for k, v in _FP8_TOKENS.items()):
+        raise refuse(f"input_activations {tokens!r}: dynamic 8-bit float per token is implemented")
+    if group.get("output_activations") is not None:
+        raise refuse("quantized output activations are not implemented")
+    if list(raw.get("ignore") or []) != ["lm_head"]:
+        raise refuse(f"ignore {raw.get('ignore')!r}: every Linear but lm_head quantized is implemented")
+    return Fp8(strategy)
+
+
 def _moe(hf: Mapping[str, Any], family: Family, num_layers: int) -> dict[str, Any]:
     """The experts of Qwen3-MoE or Mixtral as their transformers configs resolve them (none for the
     dense families): ``num_experts`` and ``num_local_experts`` are one key spelled two ways; Qwen3-MoE's
@@ -1273,7 +1359,9 @@ __all__ = [
     "ROPE_TYPES",
     "Family",
     "KeyRule",
+    "Fp8",
     "ModelConfig",
     "RopeScaling",
+    "fp8_config",
     "key_rule",
 ]

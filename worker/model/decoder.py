@@ -327,6 +327,50 @@ class FusedLayer:
     qkv_bias: torch.Tensor | None
     gate_up: torch.Tensor | None
     """None in an MoE layer (its experts' are in the weights)."""
+    qkv_scale: torch.Tensor | None = None
+    """FP8: the scales of ``qkv`` (its rows', or each part's one)."""
+    gate_up_scale: torch.Tensor | None = None
+
+
+FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
+"""The largest float8_e4m3fn: a token's activations are scaled so that its largest magnitude is this."""
+
+
+def project(
+    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    parts: Sequence[int] = (),
+) -> torch.Tensor:  # fmt: skip
+    """``x @ w.T (+ bias)``. With an FP8 ``w`` (``scale``: its scales, per output row or one per
+    matrix, or one per part of a fused matrix whose row counts ``parts`` are), ``x`` is quantized to
+    FP8 per row (scale: its largest magnitude / :data:`FP8_MAX`, as llm-compressor's dynamic
+    per-token scheme). On CUDA the product is :func:`fp8_product`: the weights are never expanded to
+    16 bits. The host backend computes the same quantization with the product over the dequantised
+    operands in ``x``'s dtype: the scheme's reference, which transformers computes the same way (the
+    FP8 steps make a model's tokens sensitive to the last bit of an activation, so the host path
+    follows transformers' order of operations rather than the GPU's)."""
+    if scale is None:
+        return F.linear(x, w, bias)
+    x32 = x.float()
+    xs = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+    xq = (x32 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    ws = scale.reshape(1, -1).float()
+    if ws.shape[1] != w.shape[0]:  # one per matrix, or per part of a fused one: one per row
+        counts = torch.tensor(list(parts) or [w.shape[0]], device=ws.device)
+        ws = ws.repeat_interleave(counts, dim=1)
+    if x.is_cuda:
+        return fp8_product(xq, xs, w, ws, x.dtype, bias)
+    return F.linear((xq.float() * xs).to(x.dtype), (w.float() * ws.reshape(-1, 1)).to(x.dtype), bias)
+
+
+def fp8_product(
+    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype,
+    bias: torch.Tensor | None = None,
+) -> torch.Tensor:  # fmt: skip
+    """FP8 ``xq [n, k]`` (row scales ``xs [n, 1]``) times FP8 ``w [m, k]`` transposed (row scales
+    ``ws [1, m]``), float32 accumulation, in ``dtype`` (``torch._scaled_mm``: Hopper's FP8 tensor cores;
+    the CPU build computes the same, which is how it is tested without a GPU)."""
+    y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
+    return y if bias is None else y + bias
 
 
 def _joined(weights: Mapping[str, torch.Tensor], names: Sequence[str]) -> torch.Tensor | None:
@@ -350,7 +394,10 @@ def checkpoint_fused(weights: Mapping[str, torch.Tensor], config: ModelConfig, i
     if not config.fused_checkpoint:
         return None
     a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
-    return FusedLayer(weights[a + "qkv_proj.weight"], None, weights[m + "gate_up_proj.weight"])
+    return FusedLayer(
+        weights[a + "qkv_proj.weight"], None, weights[m + "gate_up_proj.weight"],
+        weights.get(a + "qkv_proj.weight_scale"), weights.get(m + "gate_up_proj.weight_scale"),
+    )  # fmt: skip
 
 
 def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tuple[FusedLayer, ...] | None:
@@ -367,7 +414,11 @@ def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tu
         gate_up = None if config.moe_layer(i) else _joined(weights, [m + "gate_proj.weight", m + "up_proj.weight"])
         if qkv is None or (gate_up is None and not config.moe_layer(i)) or (bias is None and config.attention_bias):
             return None
-        out.append(FusedLayer(qkv, bias, gate_up))
+        scales = [_joined(weights, [a + f"{p}_proj.weight_scale" for p in "qkv"]),
+                  _joined(weights, [m + "gate_proj.weight_scale", m + "up_proj.weight_scale"])]  # fmt: skip
+        if config.fp8 is not None and None in scales:
+            return None
+        out.append(FusedLayer(qkv, bias, gate_up, *scales))
     return tuple(out)
 
 
@@ -399,6 +450,22 @@ def _span_attention(
         attn_mask=mask, is_causal=causal, scale=config.attention_scale,
     )  # fmt: skip
     return out[0].transpose(0, 1).reshape(n, nh * hd)
+
+
+def _weight(weights: Mapping[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
+    """The projection ``name`` (``…q_proj``) of ``x``: its weight, bias and FP8 scale where it has them."""
+    return project(x, weights[name + ".weight"], weights.get(name + ".bias"), weights.get(name + ".weight_scale"))
+
+
+def _gate_up(
+    weights: Mapping[str, torch.Tensor], config: ModelConfig, p: str, h: torch.Tensor, f: FusedLayer | None
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """Layer ``p``'s MLP gate and up projections of ``h``: one product where they are fused."""
+    inter = config.intermediate_size
+    if f is not None and f.gate_up is not None:
+        gate_up = project(h, f.gate_up, None, f.gate_up_scale, (inter, inter))
+        return gate_up[:, :inter], gate_up[:, inter:]
+    return _weight(weights, p + "mlp.gate_proj", h), _weight(weights, p + "mlp.up_proj", h)
 
 
 def _experts(weights: Mapping[str, torch.Tensor], config: ModelConfig, layer: int, h: torch.Tensor) -> torch.Tensor:
@@ -438,13 +505,8 @@ def _gemma_mlp(
 ) -> torch.Tensor:  # fmt: skip
     """Gemma 3's MLP half of a layer: ``x`` plus the post-MLP norm of GeGLU(``h``) (gelu with the tanh
     approximation times up, as transformers' gelu_pytorch_tanh)."""
-    m = p + "mlp."
-    if f is not None and f.gate_up is not None:
-        gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
-        gate, up = gate_up[:, :inter], gate_up[:, inter:]
-    else:
-        gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
-    down = F.linear(F.gelu(gate, approximate="tanh") * up, weights[m + "down_proj.weight"])
+    gate, up = _gate_up(weights, config, p, h, f)
+    down = _weight(weights, p + "mlp.down_proj", F.gelu(gate, approximate="tanh") * up)
     return x + gemma_rms_norm(down, weights[p + "post_feedforward_layernorm.weight"], config.rms_norm_eps)
 
 
@@ -488,13 +550,14 @@ def forward_step(
         a = p + "self_attn."
         f = fused[i] if fused is not None else checkpoint_fused(weights, config, i)
         if f is not None:
-            qkv, qw, kw = F.linear(h, f.qkv, f.qkv_bias), nh * hd, nkv * hd
+            qw, kw = nh * hd, nkv * hd
+            qkv = project(h, f.qkv, f.qkv_bias, f.qkv_scale, (qw, kw, kw))
             q, k = qkv[:, :qw].view(n, nh, hd), qkv[:, qw : qw + kw].view(n, nkv, hd)
             v = qkv[:, qw + kw :].view(n, nkv, hd)
         else:
-            q = F.linear(h, weights[a + "q_proj.weight"], weights.get(a + "q_proj.bias")).view(n, nh, hd)
-            k = F.linear(h, weights[a + "k_proj.weight"], weights.get(a + "k_proj.bias")).view(n, nkv, hd)
-            v = F.linear(h, weights[a + "v_proj.weight"], weights.get(a + "v_proj.bias")).view(n, nkv, hd)
+            q = _weight(weights, a + "q_proj", h).view(n, nh, hd)
+            k = _weight(weights, a + "k_proj", h).view(n, nkv, hd)
+            v = _weight(weights, a + "v_proj", h).view(n, nkv, hd)
         if config.qk_norm:  # Qwen3, Gemma 3: RMSNorm over each head's head_dim, on q and k, before the rotation
             q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
         layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
@@ -508,7 +571,7 @@ def forward_step(
             parts.append(rows.reshape(-1, nh * hd))
         parts.extend(_span_attention(q, k, v, layer, span, config, window) for span in step.spans)
         out = parts[0] if len(parts) == 1 else torch.cat(parts)
-        attended = F.linear(out, weights[a + "o_proj.weight"], weights.get(a + "o_proj.bias"))
+        attended = _weight(weights, a + "o_proj", out)
         if gemma:
             x = x + norm(attended, weights[p + "post_attention_layernorm.weight"], eps)
             x = _gemma_mlp(weights, config, p, x, norm(x, weights[p + "pre_feedforward_layernorm.weight"], eps), f)
@@ -520,12 +583,8 @@ def forward_step(
         if config.moe_layer(i):
             down = _experts(weights, config, i, h)
         else:
-            if f is not None and f.gate_up is not None:
-                gate_up, inter = F.linear(h, f.gate_up), config.intermediate_size
-                gate, up = gate_up[:, :inter], gate_up[:, inter:]
-            else:
-                gate, up = F.linear(h, weights[m + "gate_proj.weight"]), F.linear(h, weights[m + "up_proj.weight"])
-            down = F.linear(kernels.silu_mul(gate, up), weights[m + "down_proj.weight"])
+            gate, up = _gate_up(weights, config, p, h, f)
+            down = _weight(weights, m + "down_proj", kernels.silu_mul(gate, up))
         if i + 1 < config.num_layers:  # the next layer's input norm, with the add
             x, h = kernels.add_rms_norm(x, down, weights[f"model.layers.{i + 1}.input_layernorm.weight"], eps)
         else:
@@ -582,9 +641,7 @@ def forward(
 
 
 __all__ = [
-    "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs", "apply_rope",
-    "add_rms_norm", "checkpoint_fused", "forward", "forward_step", "fused_layers", "gemma_rms_norm", "rms_norm",
-    "rope_long",
-    "rope_store", "silu_mul",
-    "single_sequence_step",
+    "FP8_MAX", "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs",
+    "add_rms_norm", "apply_rope", "checkpoint_fused", "forward", "forward_step", "fused_layers", "gemma_rms_norm",
+    "fp8_product", "project", "rms_norm", "rope_long", "rope_store", "silu_mul", "single_sequence_step",
 ]  # fmt: skip

@@ -91,6 +91,8 @@ class ModelRunner:
         self.config: ModelConfig = self.source.config
         self.lock = threading.RLock()
         self._kernels = kernels_for(alloc.torch_device, self.config)
+        if self.config.fp8 is not None and alloc.torch_device.type == "cuda" and self.config.dtype != "bfloat16":
+            raise InvalidArgument("FP8 products on CUDA return bfloat16: an FP8 model there is a bfloat16 one")
         if cuda_graphs and self._kernels is not TRITON_KERNELS:  # before any allocation: a refusal leaves nothing
             raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)

@@ -77,7 +77,26 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
+    if config.fp8 is not None:  # each FP8 matrix's scales: per output row, or one
+        for name in [n for n in shapes if quantized(config, n)]:
+            shapes[name + "_scale"] = (shapes[name][0], 1) if config.fp8.weight_strategy == "channel" else (1,)
     return shapes
+
+
+def quantized(config: ModelConfig, name: str) -> bool:
+    """Whether the weight ``name`` is an FP8 matrix (every projection of the decoder layers, with
+    ``fp8``; not the embeddings nor the output projection)."""
+    return config.fp8 is not None and name.startswith("model.layers.") and name.endswith("_proj.weight")
+
+
+def weight_dtype(config: ModelConfig, name: str) -> torch.dtype:
+    """The dtype the weight ``name`` is held in: FP8 matrices' ``float8_e4m3fn``, their scales'
+    float32, everything else the model's."""
+    if quantized(config, name):
+        return torch.float8_e4m3fn
+    if config.fp8 is not None and name.endswith(".weight_scale"):
+        return torch.float32
+    return config.torch_dtype
 
 
 FUSED_GROUPS = (("self_attn.q_proj", "self_attn.k_proj", "self_attn.v_proj"), ("mlp.gate_proj", "mlp.up_proj"))
@@ -105,19 +124,19 @@ def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
             for e, (gate, up, down) in enumerate(experts):
                 weights[gate], weights[up], weights[down] = gate_up[e, :inter], gate_up[e, inter:], downs[e]
         for group in FUSED_GROUPS:
-            for suffix in (".weight", ".bias"):
+            for suffix in (".weight", ".bias", ".weight_scale"):
                 names = [f"model.layers.{i}.{g}{suffix}" for g in group]
                 if names[0] not in shapes:
                     continue
                 rows = [shapes[n][0] for n in names]
-                whole = alloc.empty((sum(rows), *shapes[names[0]][1:]), dtype, tag=WEIGHTS)
+                whole = alloc.empty((sum(rows), *shapes[names[0]][1:]), weight_dtype(config, names[0]), tag=WEIGHTS)
                 start = 0
                 for name, n in zip(names, rows, strict=True):
                     weights[name] = whole[start : start + n]
                     start += n
     for name, shape in shapes.items():
         if name not in weights:
-            weights[name] = alloc.empty(shape, dtype, tag=WEIGHTS)
+            weights[name] = alloc.empty(shape, weight_dtype(config, name), tag=WEIGHTS)
     return {name: weights[name] for name in shapes}
 
 
