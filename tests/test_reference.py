@@ -461,6 +461,34 @@ def test_decoder_matches_transformers(zoo: Zoo, alloc: MemoryAllocator, case: st
     _compare_in_process(zoo, alloc, case, fmt, dtype)
 
 
+@pytest.mark.parametrize("case", CASES)
+def test_generation_stops_at_the_checkpoints_eos_where_transformers_does(
+    zoo: Zoo, host_alloc: MemoryAllocator, case: str, tmp_path: Path
+) -> None:  # fmt: skip
+    """Every family with an EOS: the checkpoint's config names as EOS a token its greedy generation
+    reaches, and both stop there, that token included (transformers' ``generate`` with the same
+    eos_token_id; the LongRoPE case's tokens, which come from forwards, stop the same way by
+    construction of the reference)."""
+    ref = zoo.reference(case, "float32")
+    eos = ref.tokens[5]
+    end = ref.tokens.index(eos) + 1
+    path = tmp_path / case
+    shutil.copytree(ref.dirs["transformers5"], path)
+    for name in ("config.json", "generation_config.json"):  # where checkpoints name it (transformers reads the latter)
+        config = json.loads((path / name).read_text())
+        config["eos_token_id"] = eos
+        (path / name).write_text(json.dumps(config))
+    if CASES[case].generate:
+        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=SDPA)
+        with torch.inference_mode():
+            prompt = torch.tensor([PROMPT])
+            out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False)
+        assert out[0, len(PROMPT) :].tolist() == ref.tokens[:end], "transformers stops at its EOS"
+    runner = runner_for(host_alloc, path)
+    assert runner.source.eos_token_ids == (eos,)
+    assert runner.generate(PROMPT, NEW) == ref.tokens[:end]
+
+
 def _paged_logits(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.Tensor:
     """Logits at every position of ``tokens`` fed as the engine feeds a prompt when it plans paged
     rows (as on CUDA): ``chunk`` rows a step, every row attending through the sequence's one block
