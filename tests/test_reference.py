@@ -479,7 +479,9 @@ def test_generation_stops_at_the_checkpoints_eos_where_transformers_does(
         config["eos_token_id"] = eos
         (path / name).write_text(json.dumps(config))
     if CASES[case].generate:
-        model = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32, attn_implementation=SDPA)
+        model: Any = transformers.AutoModelForCausalLM.from_pretrained(
+            path, dtype=torch.float32, attn_implementation=SDPA
+        )
         with torch.inference_mode():
             prompt = torch.tensor([PROMPT])
             out = model.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=NEW, do_sample=False)
