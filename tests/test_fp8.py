@@ -169,6 +169,40 @@ def test_the_fp8_product_is_the_schemes_arithmetic() -> None:
     assert off(project(x, fused, None, scales, (32, 16, 16)), want) < 2**-6
 
 
+def greedy(reference: Any) -> tuple[list[int], list[int]]:
+    """transformers' greedy tokens after PROMPT, and the sequence whose logits are compared (PROMPT
+    and those tokens but the last)."""
+    prompt = torch.tensor([PROMPT])
+    gen = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
+        do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
+    )
+    with torch.inference_mode():
+        out = reference.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
+    tokens: list[int] = out[0, len(PROMPT) :].tolist()
+    assert len(set(tokens)) >= 4, f"a degenerate reference proves little: {tokens}"
+    return tokens, PROMPT + tokens[:-1]
+
+
+def logits(model: Any, sequence: list[int]) -> torch.Tensor:
+    with torch.inference_mode():
+        out: torch.Tensor = model(torch.tensor([sequence])).logits[0].float()
+    return out
+
+
+def our_logits(runner: ModelRunner, sequence: list[int]) -> torch.Tensor:
+    """The runner's logits at every position of ``sequence``, read in one call."""
+    kv = runner.kv_cache
+    kv.allocate_sequence("teacher-forced")
+    try:
+        kv.ensure_capacity("teacher-forced", len(sequence))
+        rope = Rope.build(runner.config, runner.alloc.torch_device)
+        blocks = kv.sequence("teacher-forced").block_ids
+        pool = kv.device.tensor
+        return forward(runner.weights, runner.config, rope, pool, blocks, sequence, 0, all_logits=True).float()
+    finally:
+        kv.free_sequence("teacher-forced")
+
+
 def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     checkpoints: Checkpoints, host_alloc: MemoryAllocator
 ) -> None:  # fmt: skip
@@ -179,32 +213,16 @@ def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     held = sum(t.numel() * t.element_size() for t in runner.weights.values())
     assert config.param_bytes() == held < plain.param_bytes(), "FP8 matrices are one byte a parameter"
     reference = checkpoints.reference(torch.bfloat16)
-    prompt = torch.tensor([PROMPT])
-    gen = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
-        do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
-    )
-    with torch.inference_mode():
-        theirs = reference.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
-    tokens = theirs[0, len(PROMPT) :].tolist()
-    assert len(set(tokens)) >= 4, f"a degenerate reference proves little: {tokens}"
-    ours = runner.generate(PROMPT, NEW)
-    sequence = PROMPT + tokens[:-1]
-    with torch.inference_mode():
-        theirs_logits = reference(torch.tensor([sequence])).logits[0].float()
-        truth = checkpoints.reference(torch.float32)(torch.tensor([sequence])).logits[0].float()
-    kv = runner.kv_cache
-    kv.allocate_sequence("teacher-forced")
-    kv.ensure_capacity("teacher-forced", len(sequence))
-    rope = Rope.build(config, host_alloc.torch_device)
-    blocks = kv.sequence("teacher-forced").block_ids
-    ours_logits = forward(runner.weights, config, rope, kv.device.tensor, blocks, sequence, 0, all_logits=True).float()
-    ours_off, theirs_off = (float(relative_errors(x, truth).max()) for x in (ours_logits, theirs_logits))
+    tokens, sequence = greedy(reference)
+    assert runner.generate(PROMPT, NEW) == tokens
+    ours, theirs = our_logits(runner, sequence), logits(reference, sequence)
+    assert float(relative_errors(ours, theirs).max()) <= 3e-2  # tests/test_reference.py's bfloat16 bar
+    truth = logits(checkpoints.reference(torch.float32), sequence)
+    ours_off, theirs_off = (float(relative_errors(x, truth).max()) for x in (ours, theirs))
     print(
         f"\n{config.fp8.weight_strategy}: from the float32 scheme: ours {ours_off:.3f}, transformers {theirs_off:.3f}"
     )
     assert ours_off <= ACCURACY_SLACK * theirs_off, (ours_off, theirs_off)
-    assert float(relative_errors(ours_logits, theirs_logits).max()) <= 3e-2  # tests/test_reference.py's bfloat16 bar
-    assert ours == tokens
 
 
 @pytest.mark.parametrize("strategy", ["channel", "tensor"])
@@ -215,25 +233,10 @@ def test_a_float32_fp8_model_gives_transformers_tokens_and_logits(
     bfloat16): greedy tokens identical, logits within tests/test_reference.py's float32 bar."""
     ckpt = Checkpoints(tmp_path, strategy, torch.float32)
     reference = ckpt.reference(torch.float32)
-    prompt = torch.tensor([PROMPT])
-    gen = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
-        do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
-    )
-    with torch.inference_mode():
-        tokens = reference.generate(prompt, attention_mask=torch.ones_like(prompt), generation_config=gen)
-        tokens = tokens[0, len(PROMPT) :].tolist()
-        sequence = PROMPT + tokens[:-1]
-        theirs = reference(torch.tensor([sequence])).logits[0].float()
-    assert len(set(tokens)) >= 4, f"a degenerate reference proves little: {tokens}"
+    tokens, sequence = greedy(reference)
     runner = ModelRunner(host_alloc, str(ckpt.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4)
     assert runner.generate(PROMPT, NEW) == tokens
-    kv = runner.kv_cache
-    kv.allocate_sequence("teacher-forced")
-    kv.ensure_capacity("teacher-forced", len(sequence))
-    rope = Rope.build(runner.config, host_alloc.torch_device)
-    blocks = kv.sequence("teacher-forced").block_ids
-    ours = forward(runner.weights, runner.config, rope, kv.device.tensor, blocks, sequence, 0, all_logits=True)
-    assert float(relative_errors(ours.float(), theirs).max()) <= 1e-4
+    assert float(relative_errors(our_logits(runner, sequence), logits(reference, sequence)).max()) <= 1e-4
 
 
 def test_an_fp8_worker_serves_the_same_tokens_across_sleep_and_wake(
