@@ -143,8 +143,8 @@ def test_the_fp8_product_is_the_schemes_arithmetic() -> None:
     """Against the scheme in float64 (the activations' per-token FP8 values and scales, the weights'
     FP8 values and scales, products summed exactly): the GPU's product (run here by the CPU build of
     ``torch._scaled_mm``) to bfloat16's output rounding, and the host's ``project`` (its operands
-    rounded to bfloat16 first) to a few times that; per channel, per tensor, and a fused matrix of
-    three parts with a scale each."""
+    rounded to bfloat16 first) to a few times that; per channel, per tensor, a fused matrix of three
+    parts with a scale each, and one with a scale for the whole."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(5, 64, generator=g) * 3).to(torch.bfloat16)
     xs = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX
@@ -167,6 +167,9 @@ def test_the_fp8_product_is_the_schemes_arithmetic() -> None:
     fused, scales = torch.cat([p[0] for p in parts]), torch.cat([p[1] for p in parts]).float()
     want = torch.cat([x_exact @ (v.double() * sc.double()).T for v, sc in parts], dim=-1)
     assert off(project(x, fused, None, scales, (32, 16, 16)), want) < 2**-6
+    values, scale = quantize(fused.float().to(torch.bfloat16), "tensor")  # a checkpoint-fused matrix (Phi-3's)
+    want = x_exact @ (values.double() * scale.double()).T
+    assert off(project(x, values, None, scale.float(), (32, 16, 16)), want) < 2**-6
 
 
 def greedy(reference: Any) -> tuple[list[int], list[int]]:

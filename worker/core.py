@@ -176,8 +176,8 @@ class WorkerCore:
             source = loader.bounded(c.model, lambda: parse_model_spec(spec, seed=c.seed, loader=loader, name=c.model))
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
-                log.warning("CUDA graphs off: they need Triton, a power-of-two head_dim and RoPE over the whole head "
-                            "without LongRoPE; decoding eagerly")  # fmt: skip
+                log.warning("CUDA graphs off for this model (worker/model/paged_attention.py's triton_supports: "
+                            "its head size or numerics); decoding eagerly")  # fmt: skip
                 graphs = False
             self.runner = ModelRunner(
                 self.alloc,

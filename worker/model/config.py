@@ -1140,6 +1140,8 @@ def fp8_config(fp8: Fp8) -> dict[str, Any]:
              "input_activations": dict(_FP8_TOKENS)}  # fmt: skip
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
             "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+
+
 _FP8_TOKENS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
 
 

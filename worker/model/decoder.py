@@ -354,9 +354,10 @@ def project(
     xs = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     xq = (x32 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
     ws = scale.reshape(1, -1).float()
-    if ws.shape[1] != w.shape[0]:  # one per matrix, or per part of a fused one: one per row
-        counts = torch.tensor(list(parts) or [w.shape[0]], device=ws.device)
-        ws = ws.repeat_interleave(counts, dim=1)
+    if ws.shape[1] == 1:  # one for the matrix (a fused checkpoint's too): one per row
+        ws = ws.expand(1, w.shape[0]).contiguous()
+    elif ws.shape[1] != w.shape[0]:  # one per part of a fused matrix
+        ws = ws.repeat_interleave(torch.tensor(list(parts), device=ws.device), dim=1)
     if x.is_cuda:
         return fp8_product(xq, xs, w, ws, x.dtype, bias)
     return F.linear((xq.float() * xs).to(x.dtype), (w.float() * ws.reshape(-1, 1)).to(x.dtype), bias)

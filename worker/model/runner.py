@@ -94,7 +94,8 @@ class ModelRunner:
         if self.config.fp8 is not None and alloc.torch_device.type == "cuda" and self.config.dtype != "bfloat16":
             raise InvalidArgument("FP8 products on CUDA return bfloat16: an FP8 model there is a bfloat16 one")
         if cuda_graphs and self._kernels is not TRITON_KERNELS:  # before any allocation: a refusal leaves nothing
-            raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a power-of-two head_dim")
+            raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a model the Triton kernels take "
+                                  "(worker/model/paged_attention.py's triton_supports)")  # fmt: skip
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
