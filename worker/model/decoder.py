@@ -563,7 +563,8 @@ def forward_step(
             q, k = norm(q, weights[a + "q_norm.weight"], eps), norm(k, weights[a + "k_norm.weight"], eps)
         layer = kv[:, i]  # a view: [blocks, 2, block_size, kv_heads, head_dim]
         window = config.layer_window(i)
-        c, si = sliding if sliding is not None and window is not None else (cos, sin)
+        local = sliding is not None and config.layer_types is not None and config.layer_types[i] == "sliding_attention"
+        c, si = sliding if local and sliding is not None else (cos, sin)
         q, k = kernels.rope_store(q, k, v, c, si, layer, step.write_blocks, step.write_slots)
         parts = []
         if decode is not None:
