@@ -74,9 +74,9 @@ GEMMA3_PATTERN = 6
 attends globally, the others slide."""
 LAYER_TYPES = ("full_attention", "sliding_attention")
 MOE_FAMILIES: tuple[Family, ...] = ("qwen3_moe", "mixtral")
+"""The mixture-of-experts families: a router and experts in place of (most) layers' MLP."""
 _WINDOWED: tuple[Family, ...] = ("mistral", "phi3", "gemma3", "qwen3_moe", "mixtral")
 """The families a sliding window is implemented for (Qwen2's and Qwen3's sliding layers are not)."""
-"""The mixture-of-experts families: a router and experts in place of (most) layers' MLP."""
 
 BOUNDS: dict[str, tuple[int, int]] = {
     "vocab_size": (1, 1 << 22),
@@ -498,7 +498,7 @@ class Fp8:
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """Dimensions and numerics of a Llama / Mistral / Qwen2 / Qwen3 / Phi-3 decoder."""
+    """Dimensions and numerics of a decoder of one of :data:`FAMILIES`."""
 
     family: Family
     """Which Hugging Face architecture the weights follow (names, biases, q/k norms)."""
@@ -525,7 +525,8 @@ class ModelConfig:
     """Weights, activations and KV cache dtype: float32, bfloat16 or float16."""
     rope_scaling: RopeScaling | None = None
     sliding_window: int | None = None
-    """Mistral and Phi-3: a query attends to at most this many most recent positions (None: all)."""
+    """A query attends to at most this many most recent positions (None: all): in every layer (Mistral,
+    Mixtral, Phi-3, Qwen3-MoE), or in Gemma 3's sliding layers."""
     partial_rotary_factor: float = 1.0
     """Phi-3: RoPE rotates the first :attr:`rotary_dim` of each head, the rest passes through."""
     layer_types: tuple[str, ...] | None = None
