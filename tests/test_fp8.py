@@ -1,6 +1,7 @@
-"""FP8 checkpoints (llm-compressor's FP8-dynamic, compressed-tensors' float-quantized format): the
-worker loads FP8 matrices with per-channel or per-tensor scales and runs every projection on
-per-token-quantized activations (worker/model/decoder.py's ``project``), against transformers.
+"""FP8 checkpoints (llm-compressor's FP8-dynamic, compressed-tensors' float-quantized format, and
+transformers' fine-grained FP8): the worker loads FP8 matrices with per-channel, per-tensor or
+per-128x128-block scales and runs every projection on per-token (per 128-column group, with blocks)
+quantized activations (worker/model/decoder.py's ``project``), against transformers.
 
 transformers cannot run such a checkpoint on a CPU (without the compressed-tensors package its
 Linear multiplies bfloat16 by FP8 and fails; with it, it expands the weights to bfloat16 and skips
@@ -33,7 +34,7 @@ from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
-from worker.model.config import Fp8, fp8_config
+from worker.model.config import FP8_BLOCK, Fp8, fp8_config
 from worker.model.decoder import FP8_MAX, Rope, forward, fp8_product, project
 
 FP8 = torch.float8_e4m3fn
@@ -44,35 +45,59 @@ BASE: dict[str, Any] = {
     "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
     "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
 }  # fmt: skip
+BLOCKS: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 4}
+"""The block scheme's model: every width a multiple of 128 (head_dim 32, four query and key/value heads)."""
 ACCURACY_SLACK = 1.5
+STRATEGIES = ("channel", "tensor", "block")
 
 
 def quantize(v: torch.Tensor, strategy: str) -> tuple[torch.Tensor, torch.Tensor]:
     """A matrix as llm-compressor quantizes it: FP8 values and bfloat16 scales (amax / FP8_MAX per
-    output row, or of the whole matrix)."""
+    output row, or of the whole matrix); or as transformers' fine-grained FP8 does, float32 scales of
+    each 128 x 128 block."""
     a = v.float().abs()
+    if strategy == "block":
+        rows, cols = v.shape
+        blocks = a.view(rows // FP8_BLOCK, FP8_BLOCK, cols // FP8_BLOCK, FP8_BLOCK).amax(dim=(1, 3)) / FP8_MAX
+        return (v.float() / spread(blocks, v.shape)).clamp(-FP8_MAX, FP8_MAX).to(FP8), blocks
     scale = (a.amax(dim=1, keepdim=True) if strategy == "channel" else a.amax().reshape(1)) / FP8_MAX
     scale = scale.to(torch.bfloat16)
     values = (v.float() / scale.float().reshape(-1, 1)).clamp(-FP8_MAX, FP8_MAX).to(FP8)
     return values, scale
 
 
+def spread(scale: torch.Tensor, shape: torch.Size) -> torch.Tensor:
+    """Scales over a matrix of ``shape``: per row or one as they are, a block's over its 128 x 128."""
+    if scale.dim() == 2 and scale.shape[0] != shape[0]:
+        return scale.float().repeat_interleave(FP8_BLOCK, dim=0).repeat_interleave(FP8_BLOCK, dim=1)
+    return scale.float().reshape(-1, 1)
+
+
 def dequantized(values: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
-    return values.float() * scale.float().reshape(-1, 1)
+    return values.float() * spread(scale, values.shape)
 
 
-def fake_quantize(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
-    """The scheme's activations: each token quantized to FP8 and back, in its own dtype."""
-    x = args[0]
-    s = x.float().abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
-    return (((x.float() / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).to(x.dtype),)
+def fake_quantizer(group: int | None) -> Any:
+    """The scheme's activations as a forward pre-hook: each token (each of its 128-column groups, for
+    blocks) quantized to FP8 and back, in its own dtype."""
+
+    def hook(_module: torch.nn.Module, args: tuple[torch.Tensor, ...]) -> tuple[torch.Tensor]:
+        x = args[0]
+        g = group or x.shape[-1]
+        x32 = x.float().reshape(*x.shape[:-1], x.shape[-1] // g, g)
+        s = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
+        return (((x32 / s).clamp(-FP8_MAX, FP8_MAX).to(FP8).float() * s).reshape(x.shape).to(x.dtype),)
+
+    return hook
 
 
 class Checkpoints:
     """One tiny Llama, saved as an FP8 checkpoint and as its dequantised twin."""
 
     def __init__(self, root: Path, strategy: str, dtype: torch.dtype) -> None:
-        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**BASE))  # type: ignore[no-untyped-call]
+        dims = {**BASE, **(BLOCKS if strategy == "block" else {})}
+        model = transformers.LlamaForCausalLM(transformers.LlamaConfig(**dims))  # type: ignore[no-untyped-call]
+        self.group = FP8_BLOCK if strategy == "block" else None
         init_weights(model, seed=3)
         model.to(dtype)  # type: ignore[arg-type]  # transformers types ``to`` as a wrapper taking the model
         self.dtype = dtype
@@ -83,8 +108,9 @@ class Checkpoints:
         twin: dict[str, torch.Tensor] = {}
         for name, v in tensors.items():
             if name.startswith("model.layers.") and name.endswith("_proj.weight"):
-                fp8[name], fp8[name + "_scale"] = quantize(v, strategy)
-                twin[name] = dequantized(fp8[name], fp8[name + "_scale"]).to(dtype)
+                scale = name + Fp8(strategy).scale_suffix  # type: ignore[arg-type]
+                fp8[name], fp8[scale] = quantize(v, strategy)
+                twin[name] = dequantized(fp8[name], fp8[scale]).to(dtype)
             else:
                 fp8[name] = twin[name] = v
         self.fp8, self.twin = root / "fp8", root / "twin"
@@ -100,11 +126,11 @@ class Checkpoints:
         model = transformers.AutoModelForCausalLM.from_pretrained(self.twin, dtype=dtype, attn_implementation="sdpa")
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
-                module.register_forward_pre_hook(fake_quantize)
+                module.register_forward_pre_hook(fake_quantizer(self.group))
         return model.eval()  # type: ignore[no-untyped-call]
 
 
-@pytest.fixture(scope="module", params=["channel", "tensor"])
+@pytest.fixture(scope="module", params=STRATEGIES)
 def checkpoints(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     """A bfloat16 model, as FP8 checkpoints are."""
     return Checkpoints(tmp_path_factory.mktemp(f"fp8-{request.param}"), request.param, torch.bfloat16)
@@ -122,7 +148,9 @@ def test_the_config_names_the_scheme_and_refuses_others() -> None:
     group = base["quantization_config"]["config_groups"]["group_0"]
     changes: list[tuple[dict[str, Any], str]] = [
         ({"quant_method": "gptq"}, "quant_method 'gptq' is not implemented"),
-        ({"quant_method": "fp8"}, "quant_method 'fp8' is not implemented"),  # transformers' block FP8
+        ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "128 x 128 blocks are implemented"),
+        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+         "dynamic activations"),
         ({"format": "pack-quantized"}, "format 'pack-quantized'"),
         ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "every Linear but lm_head"),
         ({"kv_cache_scheme": {"num_bits": 8}}, "quantized KV cache"),
@@ -144,7 +172,8 @@ def test_the_fp8_product_is_the_schemes_arithmetic() -> None:
     FP8 values and scales, products summed exactly): the GPU's product (run here by the CPU build of
     ``torch._scaled_mm``) to bfloat16's output rounding, and the host's ``project`` (its operands
     rounded to bfloat16 first) to a few times that; per channel, per tensor, a fused matrix of three
-    parts with a scale each, and one with a scale for the whole."""
+    parts with a scale each, one with a scale for the whole, and 128 x 128 blocks (host only: the CPU
+    build has no block-scaled product)."""
     g = torch.Generator().manual_seed(0)
     x = (torch.randn(5, 64, generator=g) * 3).to(torch.bfloat16)
     xs = x.float().abs().amax(dim=-1, keepdim=True) / FP8_MAX
@@ -170,6 +199,14 @@ def test_the_fp8_product_is_the_schemes_arithmetic() -> None:
     values, scale = quantize(fused.float().to(torch.bfloat16), "tensor")  # a checkpoint-fused matrix (Phi-3's)
     want = x_exact @ (values.double() * scale.double()).T
     assert off(project(x, values, None, scale.float(), (32, 16, 16)), want) < 2**-6
+    # blocks: the activations in groups of 128 columns, the weights in 128 x 128 blocks
+    x = (torch.randn(5, 256, generator=g) * 3).to(torch.bfloat16)
+    groups = x.float().view(5, 2, FP8_BLOCK)
+    gs = groups.abs().amax(dim=-1, keepdim=True) / FP8_MAX
+    x_exact = ((groups / gs).clamp(-FP8_MAX, FP8_MAX).to(FP8).double() * gs.double()).view(5, 256)
+    values, scale = quantize((torch.randn(384, 256, generator=g) / 16).to(torch.bfloat16), "block")
+    want = x_exact @ dequantized(values, scale).double().T
+    assert off(project(x, values, None, scale), want) < 2**-6
 
 
 def greedy(reference: Any) -> tuple[list[int], list[int]]:
@@ -228,7 +265,7 @@ def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     assert ours_off <= ACCURACY_SLACK * theirs_off, (ours_off, theirs_off)
 
 
-@pytest.mark.parametrize("strategy", ["channel", "tensor"])
+@pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_float32_fp8_model_gives_transformers_tokens_and_logits(
     strategy: str, host_alloc: MemoryAllocator, tmp_path: Path
 ) -> None:  # fmt: skip

@@ -384,7 +384,8 @@ CONFIG_KEYS: dict[str, KeyRule | dict[Family, KeyRule]] = {
     ),
     "quantization_config": read(
         "FP8 weights as llm-compressor writes them (compressed-tensors, float-quantized: per-channel or per-tensor "
-        "weight scales, dynamic per-token activations); other quantizations are refused by name"
+        "weight scales, dynamic per-token activations) or transformers' fine-grained FP8 (128 x 128 blocks); "
+        "other quantizations are refused by name"
     ),
     # do not reach the logits
     "_name_or_path": ignored("where transformers loaded it from"),
@@ -492,8 +493,21 @@ class Fp8:
     (``torch._scaled_mm``; worker/model/decoder.py's ``project``). Every projection of the decoder
     layers is quantized; the embeddings and the output projection are not."""
 
-    weight_strategy: Literal["channel", "tensor"]
-    """A scale per output row (``weight_scale`` ``[rows, 1]``) or one per matrix (``[1]``)."""
+    weight_strategy: Literal["channel", "tensor", "block"]
+    """A scale per output row (``weight_scale`` ``[rows, 1]``), one per matrix (``[1]``), or, in
+    transformers' fine-grained FP8 (the Qwen3 and DeepSeek FP8 releases), one per 128 x 128 block
+    (``weight_scale_inv`` ``[rows / 128, columns / 128]``, the activations quantized per token in
+    groups of 128 columns)."""
+
+    @property
+    def scale_suffix(self) -> str:
+        """What a matrix's scales are called beside its ``weight``."""
+        return "_scale_inv" if self.weight_strategy == "block" else "_scale"
+
+    def scale_shape(self, rows: int, columns: int) -> tuple[int, ...]:
+        if self.weight_strategy == "block":
+            return (-(-rows // FP8_BLOCK), -(-columns // FP8_BLOCK))
+        return (rows, 1) if self.weight_strategy == "channel" else (1,)
 
 
 @dataclass(frozen=True)
@@ -588,6 +602,10 @@ class ModelConfig:
             raise InvalidArgument(
                 "model config: FP8 weights are implemented for dense bfloat16 (and float32) models only"
             )
+        widths = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
+                  self.intermediate_size)  # fmt: skip
+        if self.fp8 is not None and self.fp8.weight_strategy == "block" and any(x % FP8_BLOCK for x in widths):
+            raise InvalidArgument(f"model config: 128 x 128 FP8 blocks need widths that are multiples of 128: {widths}")
         if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
             raise InvalidArgument(f"model config: experts are {' and '.join(MOE_FAMILIES)}'s, and they need some")
         if self.num_experts and not (
@@ -726,10 +744,16 @@ class ModelConfig:
         total = self.param_count() * self.torch_dtype.itemsize
         if self.fp8 is None:
             return total
-        h, q, kv = self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim
-        rows = q + 2 * kv + h + 2 * self.intermediate_size + h  # the output rows of the seven projections
-        per_layer = h * (q + 2 * kv) + q * h + 3 * h * self.intermediate_size
-        scales = rows if self.fp8.weight_strategy == "channel" else (4 if self.fused_checkpoint else 7)
+        h, q, kv, inter = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
+        shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (inter, h)] if self.fused_checkpoint else \
+            [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]  # fmt: skip
+        scales = sum(math.prod(self.fp8.scale_shape(rows, cols)) for rows, cols in shapes)
+        per_layer = sum(rows * cols for rows, cols in shapes)
         return total - self.num_layers * (per_layer * (self.torch_dtype.itemsize - 1) - 4 * scales)
 
     def kv_bytes_per_token(self) -> int:
@@ -1133,10 +1157,16 @@ def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScalin
 
 
 _FP8_WEIGHTS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": False}
+FP8_BLOCK = 128
+"""The block of transformers' fine-grained FP8: 128 x 128 weights per scale, 128 activations per scale."""
 
 
 def fp8_config(fp8: Fp8) -> dict[str, Any]:
-    """The ``quantization_config`` llm-compressor writes for this scheme (test checkpoints)."""
+    """The ``quantization_config`` llm-compressor (transformers, for blocks) writes for this scheme
+    (test checkpoints)."""
+    if fp8.weight_strategy == "block":
+        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
+                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}  # fmt: skip
     group = {"targets": ["Linear"], "weights": {**_FP8_WEIGHTS, "strategy": fp8.weight_strategy},
              "input_activations": dict(_FP8_TOKENS)}  # fmt: skip
     return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
@@ -1147,11 +1177,12 @@ _FP8_TOKENS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": Tru
 
 
 def _fp8(raw: Any) -> Fp8 | None:
-    """``quantization_config``: None, or compressed-tensors' FP8-dynamic (see :class:`Fp8`): one config
+    """``quantization_config``: None; compressed-tensors' FP8-dynamic (see :class:`Fp8`): one config
     group targeting ``Linear``, 8-bit float symmetric static weights per channel or per tensor, 8-bit
-    float dynamic per-token input activations, ``lm_head`` ignored (nothing else). Anything else —
-    another method (GPTQ, AWQ, bitsandbytes, transformers' block FP8), weight-only FP8, static
-    activation scales, a quantized KV cache — is refused with what it is."""
+    float dynamic per-token input activations, ``lm_head`` ignored (nothing else); or transformers'
+    fine-grained FP8 with 128 x 128 blocks and dynamic activations. Anything else — another method
+    (GPTQ, AWQ, bitsandbytes), weight-only FP8, static activation scales, a quantized KV cache — is
+    refused with what it is."""
     if raw is None:
         return None
 
@@ -1161,8 +1192,16 @@ def _fp8(raw: Any) -> Fp8 | None:
     if not isinstance(raw, Mapping):
         raise refuse(f"must be an object, got {raw!r}")
     method = raw.get("quant_method")
+    if method == "fp8":  # transformers' fine-grained FP8
+        if raw.get("weight_block_size") != [FP8_BLOCK, FP8_BLOCK]:
+            raise refuse(f"weight_block_size {raw.get('weight_block_size')!r}: 128 x 128 blocks are implemented")
+        if raw.get("activation_scheme", "dynamic") != "dynamic" or raw.get("fmt", "e4m3") != "e4m3":
+            raise refuse("dynamic activations in e4m3 are implemented")
+        if raw.get("modules_to_not_convert") not in (None, ["lm_head"]):
+            raise refuse(f"modules_to_not_convert {raw.get('modules_to_not_convert')!r}: every Linear but lm_head")
+        return Fp8("block")
     if method != "compressed-tensors":
-        raise refuse(f"quant_method {method!r} is not implemented (FP8 of compressed-tensors is)")
+        raise refuse(f"quant_method {method!r} is not implemented (FP8 of compressed-tensors or transformers is)")
     if raw.get("format") != "float-quantized":
         raise refuse(f"compressed-tensors format {raw.get('format')!r} is not implemented (float-quantized is)")
     if raw.get("kv_cache_scheme") is not None or raw.get("sparsity_config"):
@@ -1362,6 +1401,7 @@ __all__ = [
     "ROPE_TYPES",
     "Family",
     "KeyRule",
+    "FP8_BLOCK",
     "Fp8",
     "ModelConfig",
     "RopeScaling",

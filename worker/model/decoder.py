@@ -21,7 +21,7 @@ import numpy as np
 import torch
 import torch.nn.functional as F
 
-from worker.model.config import ModelConfig
+from worker.model.config import FP8_BLOCK, ModelConfig
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -353,6 +353,8 @@ def project(
     x32 = x.float()
     xs = x32.abs().amax(dim=-1, keepdim=True).clamp(min=1e-12) / FP8_MAX
     xq = (x32 / xs).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn)
+    if scale.dim() == 2 and scale.shape[0] != w.shape[0]:  # [row blocks, column blocks]
+        return _block_product(x, w, bias, scale)
     ws = scale.reshape(1, -1).float()
     if ws.shape[1] == 1:  # one for the matrix (a fused checkpoint's too): one per row
         ws = ws.expand(1, w.shape[0]).contiguous()
@@ -363,13 +365,34 @@ def project(
     return F.linear((xq.float() * xs).to(x.dtype), (w.float() * ws.reshape(-1, 1)).to(x.dtype), bias)
 
 
+def _block_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
+    """:func:`project` for transformers' fine-grained FP8: ``w``'s scales one per 128 x 128 block,
+    ``x`` quantized per token in groups of 128 columns (scale: the group's largest magnitude /
+    :data:`FP8_MAX`). On CUDA the block-scaled FP8 product (``torch._scaled_mm`` with a ``[n, k / 128]``
+    and a ``[k / 128, m / 128]`` scale: Hopper's FP8 tensor cores, with cuBLAS' block scaling); the
+    host computes the same over the dequantised operands."""
+    n, k = x.shape
+    g = FP8_BLOCK
+    x32 = x.float().view(n, k // g, g)
+    xs = x32.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [n, k / g]
+    xq = (x32 / xs[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, k)
+    ws = scale.float()
+    if x.is_cuda:  # the scales in the layouts cuBLAS reads: the activations' outer-dimension-major
+        a_scale = xs.t().contiguous().t()
+        return fp8_product(xq, a_scale, w, ws.t().contiguous(), x.dtype, bias)
+    xd = (xq.float().view(n, k // g, g) * xs[..., None]).view(n, k).to(x.dtype)
+    wd = (w.float() * ws.repeat_interleave(g, dim=0)[: w.shape[0]].repeat_interleave(g, dim=1)[:, :k]).to(x.dtype)
+    return F.linear(xd, wd, bias)
+
+
 def fp8_product(
     xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """FP8 ``xq [n, k]`` (row scales ``xs [n, 1]``) times FP8 ``w [m, k]`` transposed (row scales
-    ``ws [1, m]``), float32 accumulation, in ``dtype`` (``torch._scaled_mm``: Hopper's FP8 tensor cores;
-    the CPU build computes the same, which is how it is tested without a GPU)."""
+    """FP8 ``xq [n, k]`` (row scales ``xs [n, 1]``, or per 128-column group ``[n, k / 128]``) times FP8
+    ``w [m, k]`` transposed (row scales ``ws [1, m]``, or per block ``[k / 128, m / 128]``), float32
+    accumulation, in ``dtype`` (``torch._scaled_mm``: Hopper's FP8 tensor cores; the CPU build computes
+    the row-scaled one, which is how that is tested without a GPU)."""
     y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
     return y if bias is None else y + bias
 
@@ -395,9 +418,10 @@ def checkpoint_fused(weights: Mapping[str, torch.Tensor], config: ModelConfig, i
     if not config.fused_checkpoint:
         return None
     a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
+    suffix = config.fp8.scale_suffix if config.fp8 is not None else "_scale"
     return FusedLayer(
         weights[a + "qkv_proj.weight"], None, weights[m + "gate_up_proj.weight"],
-        weights.get(a + "qkv_proj.weight_scale"), weights.get(m + "gate_up_proj.weight_scale"),
+        weights.get(a + "qkv_proj.weight" + suffix), weights.get(m + "gate_up_proj.weight" + suffix),
     )  # fmt: skip
 
 
@@ -415,8 +439,9 @@ def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tu
         gate_up = None if config.moe_layer(i) else _joined(weights, [m + "gate_proj.weight", m + "up_proj.weight"])
         if qkv is None or (gate_up is None and not config.moe_layer(i)) or (bias is None and config.attention_bias):
             return None
-        scales = [_joined(weights, [a + f"{p}_proj.weight_scale" for p in "qkv"]),
-                  _joined(weights, [m + "gate_proj.weight_scale", m + "up_proj.weight_scale"])]  # fmt: skip
+        suffix = config.fp8.scale_suffix if config.fp8 is not None else "_scale"
+        scales = [_joined(weights, [a + f"{p}_proj.weight{suffix}" for p in "qkv"]),
+                  _joined(weights, [m + f"gate_proj.weight{suffix}", m + f"up_proj.weight{suffix}"])]  # fmt: skip
         if config.fp8 is not None and None in scales:
             return None
         out.append(FusedLayer(qkv, bias, gate_up, *scales))
@@ -454,8 +479,9 @@ def _span_attention(
 
 
 def _weight(weights: Mapping[str, torch.Tensor], name: str, x: torch.Tensor) -> torch.Tensor:
-    """The projection ``name`` (``…q_proj``) of ``x``: its weight, bias and FP8 scale where it has them."""
-    return project(x, weights[name + ".weight"], weights.get(name + ".bias"), weights.get(name + ".weight_scale"))
+    """The projection ``name`` (``…q_proj``) of ``x``: its weight, bias and FP8 scales where it has them."""
+    scale = weights.get(name + ".weight_scale", weights.get(name + ".weight_scale_inv"))
+    return project(x, weights[name + ".weight"], weights.get(name + ".bias"), scale)
 
 
 def _gate_up(

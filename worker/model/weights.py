@@ -77,9 +77,9 @@ def weight_shapes(config: ModelConfig) -> dict[str, tuple[int, ...]]:
     shapes["model.norm.weight"] = (h,)
     if not config.tie_word_embeddings:
         shapes["lm_head.weight"] = (config.vocab_size, h)
-    if config.fp8 is not None:  # each FP8 matrix's scales: per output row, or one
+    if config.fp8 is not None:  # each FP8 matrix's scales: per output row, per matrix, or per block
         for name in [n for n in shapes if quantized(config, n)]:
-            shapes[name + "_scale"] = (shapes[name][0], 1) if config.fp8.weight_strategy == "channel" else (1,)
+            shapes[name + config.fp8.scale_suffix] = config.fp8.scale_shape(*shapes[name])
     return shapes
 
 
@@ -94,7 +94,7 @@ def weight_dtype(config: ModelConfig, name: str) -> torch.dtype:
     float32, everything else the model's."""
     if quantized(config, name):
         return torch.float8_e4m3fn
-    if config.fp8 is not None and name.endswith(".weight_scale"):
+    if config.fp8 is not None and name.endswith((".weight_scale", ".weight_scale_inv")):
         return torch.float32
     return config.torch_dtype
 
@@ -124,7 +124,7 @@ def allocate_weights(config: ModelConfig, alloc: MemoryAllocator) -> Weights:
             for e, (gate, up, down) in enumerate(experts):
                 weights[gate], weights[up], weights[down] = gate_up[e, :inter], gate_up[e, inter:], downs[e]
         for group in FUSED_GROUPS:
-            for suffix in (".weight", ".bias", ".weight_scale"):
+            for suffix in (".weight", ".bias", ".weight_scale", ".weight_scale_inv"):
                 names = [f"model.layers.{i}.{g}{suffix}" for g in group]
                 if names[0] not in shapes:
                     continue
