@@ -8,7 +8,9 @@ gateway, and then:
   the next one there loads, the last left awake: a device need not hold them all at once, and a
   request wakes the one it wants (a fraction of a second), putting another to sleep if the budget
   needs it;
-- restarts a worker that dies (after 1 s, doubling to 30 s while it keeps dying young);
+- restarts a worker that dies (after 1 s, doubling to 30 s while it keeps dying young), and puts it to
+  sleep once it has loaded where other models share its device (the manager checks a device's budget
+  when a worker wakes, not when one registers);
 - on SIGHUP reads the file again: workers of models that are gone stop, new ones start, changed ones
   restart, the others are not touched, and the policy is applied again (a file that does not load is
   logged and changes nothing);
@@ -208,6 +210,8 @@ class _Worker:
     policy_applied: bool = False
     refused: bool = False
     """It exited 2 (its flags or model refused): not restarted until the file changes."""
+    sleep_once_loaded: bool = False
+    """Restarted beside other models of its device: put to sleep once it has registered awake."""
 
 
 class Host:
@@ -403,29 +407,37 @@ class Host:
         """Wait until ``w`` has loaded (registered awake; at most :data:`LOAD_S`), then put it to sleep,
         so that the next model on its device loads with room. A worker that fails its load is left to
         the supervision loop (restarted)."""
+        deadline = time.monotonic() + LOAD_S
+        while not self._stopping and time.monotonic() < deadline and w.proc is not None and w.proc.poll() is None:
+            self._manager_alive()
+            if self._asleep_once_loaded(w):
+                return
+            time.sleep(0.2)
+
+    def _asleep_once_loaded(self, w: _Worker) -> bool:
+        """One look at ``w``: once it has registered awake, put it to sleep (its policy's tier-1
+        actions); True when that is done (or it sleeps already, or the manager refuses: said once),
+        False while it has not registered awake yet."""
         import grpc
 
         from memsvc.v1 import common_pb2 as c
         from memsvc.v1 import memory_manager_service_pb2 as m
 
         name = f"workers/{w.entry.worker_id}"
-        client = self._manager_client()
-        deadline = time.monotonic() + LOAD_S
-        while not self._stopping and time.monotonic() < deadline and w.proc is not None and w.proc.poll() is None:
-            self._manager_alive()
-            try:
-                state = client.stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker.state
-                if state == c.WORKER_STATE_ASLEEP:
-                    return  # asleep already (a policy, or an earlier run's state)
-                if state == c.WORKER_STATE_AWAKE:
-                    client.stub.SleepWorker(m.SleepWorkerRequest(name=name), timeout=120)
-                    return
-            except grpc.RpcError as exc:
-                if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                    announce(f"memsvc up: {w.entry.worker_id} not put to sleep after its load: {exc.details()}",
-                             sys.stderr)  # fmt: skip
-                    return
-            time.sleep(0.2)
+        stub = self._manager_client().stub
+        try:
+            state = stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker.state
+            if state == c.WORKER_STATE_ASLEEP:
+                return True  # asleep already (a policy, or an earlier run's state)
+            if state == c.WORKER_STATE_AWAKE:
+                stub.SleepWorker(m.SleepWorkerRequest(name=name), timeout=120)
+                return True
+        except grpc.RpcError as exc:
+            if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
+                announce(f"memsvc up: {w.entry.worker_id} not put to sleep after its load: {exc.details()}",
+                         sys.stderr)  # fmt: skip
+                return True
+        return False
 
     def _supervise(self) -> int:
         while not self._stopping:
@@ -439,6 +451,8 @@ class Host:
             now = time.monotonic()
             for w in self.workers.values():
                 self._tend(w, now)
+                if w.sleep_once_loaded and w.proc is not None and self._asleep_once_loaded(w):
+                    w.sleep_once_loaded = False
             self._apply_overrides()
             if self._leaving:
                 self._deregister_leaving()
@@ -463,6 +477,8 @@ class Host:
             w.delay = min(w.delay * 2, RESTART_S[1])
         if w.proc is None and now >= w.restart_at:
             self._start_worker(w)
+            # it loads awake: where other models share its device, it sleeps once loaded, as at the start
+            w.sleep_once_loaded = any(e.device == w.entry.device for e in self.config.models if e != w.entry)
 
 
 def run_host(path: str, child_vars: Mapping[str, str] | None = None) -> int:

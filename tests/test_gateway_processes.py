@@ -12,6 +12,8 @@ import os
 import re
 import signal
 import socket
+import subprocess
+import sys
 import threading
 import urllib.request
 from collections.abc import Iterator
@@ -199,3 +201,19 @@ def _kill_all(gw: GatewayProcess, kids: list[int]) -> None:
     for kid in kids:
         with contextlib.suppress(ProcessLookupError):
             os.kill(kid, signal.SIGKILL)
+
+
+@pytest.mark.parametrize("processes", [1, 2])
+def test_a_port_that_is_taken_is_one_line_and_exit_1(processes: int) -> None:
+    """One process or several: the port is bound before anything serves on it, so a taken one is
+    one line naming it, not a server's traceback."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        listen = f"127.0.0.1:{taken.getsockname()[1]}"
+        argv = [sys.executable, "-m", "memsvc.cli", "gateway", "--listen", listen, "--manager", "127.0.0.1:1",
+                "--processes", str(processes)]  # fmt: skip
+        r = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
+    assert r.returncode == 1, r.stderr[-2000:]
+    assert f"memsvc gateway: could not serve on {listen}: Address already in use" in r.stderr
+    assert "Traceback" not in r.stderr, r.stderr[-2000:]

@@ -69,7 +69,12 @@ def run(
 
         code = supervise(settings, processes)
     else:
-        code = run_service(serve(settings, listening=lambda where: announce(f"memsvc gateway listening on {where}")))
+        from memsvc.gateway.processes import bind_port
+
+        def listening(where: str) -> None:
+            announce(f"memsvc gateway listening on {where}")
+
+        code = run_service(serve(settings, listening=listening, sock=bind_port(listen, shared=False)))
     announce("memsvc gateway stopped")
     return code
 

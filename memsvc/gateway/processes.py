@@ -61,13 +61,15 @@ def _address(listen: str) -> tuple[int, Any]:
     return int(family), address
 
 
-def bind_shared(family: int, address: Any) -> socket.socket:
+def bind_shared(family: int, address: Any, shared: bool = True) -> socket.socket:
     """A socket bound to ``address`` that other sockets of this user may bind too (``SO_REUSEPORT``):
-    the kernel spreads a port's new connections over those of them that listen."""
+    the kernel spreads a port's new connections over those of them that listen. ``shared`` False: the
+    port is this socket's alone (a gateway of one process)."""
     sock = socket.socket(family, socket.SOCK_STREAM)
     try:
         sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+        if shared:
+            sock.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
         sock.bind(address)
     except OSError:
         sock.close()
@@ -75,16 +77,23 @@ def bind_shared(family: int, address: Any) -> socket.socket:
     return sock
 
 
+def bind_port(listen: str, shared: bool) -> socket.socket:
+    """The gateway's port, bound before anything serves on it: one that cannot be had (taken, not
+    this host's) is one line and exit 1, not a server's traceback."""
+    family, address = _address(listen)
+    try:
+        return bind_shared(family, address, shared)
+    except OSError as exc:
+        raise SystemExit(f"memsvc gateway: could not serve on {listen}: {exc.strerror}") from None
+
+
 def supervise(settings: Settings, processes: int) -> int:
     """Serve ``settings`` from ``processes`` child processes until SIGTERM/SIGINT; 0 when every child
     stopped cleanly on that signal."""
     from memsvc._serving import ignore_stop_signals
 
-    family, address = _address(settings.listen)
-    try:
-        reserved = bind_shared(family, address)  # holds the port (port 0: picks it) for the children
-    except OSError as exc:
-        raise SystemExit(f"memsvc gateway: could not serve on {settings.listen}: {exc.strerror}") from None
+    reserved = bind_port(settings.listen, shared=True)  # holds the port (port 0: picks it) for the children
+    family = reserved.family
     metrics_dir = tempfile.mkdtemp(prefix="memsvc-gateway-metrics-")
     try:
         return asyncio.run(_supervise(settings, processes, family, reserved.getsockname(), metrics_dir))

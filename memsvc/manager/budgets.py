@@ -28,7 +28,7 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from memsvc._deadline import NO_DEADLINE, Deadline
+from memsvc._deadline import Deadline
 from memsvc.errors import MemsvcError, OutOfMemory, Unavailable
 from memsvc.manager.background import Background
 from memsvc.manager.calls import WorkerCalls
@@ -67,13 +67,6 @@ class Budgets:
 
     def _device_group(self, rec: WorkerRecord) -> list[WorkerRecord]:
         return [r for r in self._registry if r is not rec and r.reachable and r.device_key == rec.device_key]
-
-    def _budget(self, rec: WorkerRecord, group: list[WorkerRecord]) -> int:
-        """``rec``'s device budget: its policy's, else the smallest device size its group reports
-        (0: not known yet)."""
-        return self._policies.effective(rec.name).device_budget_bytes or min(
-            [r.device_total_bytes for r in [rec, *group] if r.device_total_bytes] or [0]
-        )
 
     async def wake_with_room(
         self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline, wake: Callable[[], Awaitable[T]]
@@ -133,7 +126,9 @@ class Budgets:
         returned; the others have ended."""
         group = self._device_group(rec)
         policy = self._policies.effective(rec.name)
-        budget = self._budget(rec, group)
+        budget = policy.device_budget_bytes or min(
+            [r.device_total_bytes for r in [rec, *group] if r.device_total_bytes] or [0]
+        )
         evicting: list[asyncio.Task[None]] = []
         if not budget:
             return evicting
@@ -219,43 +214,6 @@ class Budgets:
                     log.warning("making room for %s: %s did not sleep: %s", rec.worker_id, victim.worker_id, exc)
                     continue
                 self._metrics.evictions.inc()
-
-    def over_budget(self) -> list[WorkerRecord]:
-        """The least recently used idle awake worker of each device whose awake workers exceed its
-        budget (as :meth:`make_device_room` counts it) with no wake running there: the budget holds between wakes
-        too. A wake makes room before it maps; this catches what no wake did: a worker that registers
-        awake (restarted, or started beside sleeping neighbours) and a budget lowered by UpdatePolicy."""
-        groups: dict[tuple[str, str, str], list[WorkerRecord]] = {}
-        for r in self._registry:
-            if r.reachable:
-                groups.setdefault(r.device_key, []).append(r)
-        out: list[WorkerRecord] = []
-        for key, group in groups.items():
-            device = self._devices.get(key)
-            if (device is not None and device.locked()) or any(r.in_transition or r.sleeping for r in group):
-                continue  # a wake making room, or a sleep already freeing it: look again at the next tick
-            used = sum(r.mapped_bytes for r in group)
-            idle = [
-                r
-                for r in group
-                if r.state in AWAKE_STATES and not r.leases and r.mapped_bytes > 0 and not r.lock.locked()
-                and 0 < self._budget(r, group) < used
-            ]  # fmt: skip
-            if idle:
-                out.append(min(idle, key=lambda r: r.idle_start))
-        return out
-
-    async def keep_budget(self, rec: WorkerRecord) -> None:
-        """Put ``rec`` (one of :meth:`over_budget`'s) to sleep with its tier-1 actions, if it still is
-        what it was: idle, awake, unlocked."""
-        if rec.lock.locked():
-            return
-        async with rec.lock:
-            if rec.leases or rec.state not in AWAKE_STATES or rec.in_transition:
-                return
-            log.info("device of %s over its budget: putting it to sleep", rec.worker_id)
-            await self.sleep_tier1(rec, NO_DEADLINE, "device budget (between wakes)")
-            self._metrics.evictions.inc()
 
     async def _take_turn(self, victim: WorkerRecord, rec: WorkerRecord, deadline: Deadline) -> None:
         """``victim``'s turn is over and ``rec`` waits for its device: pause its requests and put it to

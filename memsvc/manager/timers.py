@@ -3,8 +3,7 @@
 Every ``tick_interval``: leases past their TTL are released; a reachable worker that said nothing for
 the silence limit is marked UNAVAILABLE and its link restarted; an unleased worker idle past T1 is put
 to sleep with the policy's tag actions (tier 1), and a sleeper idle past T2 is demoted to level 2
-(tier 2, which frees its host copy too); on a device whose awake workers exceed its budget with no
-wake running there, the least recently used idle one is put to sleep (Budgets.over_budget).
+(tier 2, which frees its host copy too).
 """
 
 from __future__ import annotations
@@ -111,9 +110,6 @@ class IdleTimers:
                 and rec.offloaded_bytes > 0
             ):
                 self._background.spawn(self._idle_sleep(rec, 2), f"deep sleep {rec.worker_id}")
-        for rec in self._budgets.over_budget():
-            if rec.next_idle_attempt <= now:
-                self._background.spawn(self._keep_budget(rec), f"budget sleep {rec.worker_id}")
 
     def _running_since(self) -> float:
         """When the manager's current run of ticks began (monotonic). A tick that comes far later than
@@ -138,13 +134,6 @@ class IdleTimers:
             and not rec.lock.locked()
             and time.monotonic() - rec.heard > after
         )
-
-    async def _keep_budget(self, rec: WorkerRecord) -> None:
-        try:
-            await self._budgets.keep_budget(rec)
-        except MemsvcError as exc:
-            log.warning("%s stays awake over its device budget: %s", rec.worker_id, exc)
-            rec.next_idle_attempt = time.time() + self._settings.retry_backoff
 
     async def _idle_sleep(self, rec: WorkerRecord, tier: int) -> None:
         if rec.lock.locked():
