@@ -212,6 +212,9 @@ class _Worker:
     """It exited 2 (its flags or model refused): not restarted until the file changes."""
     sleep_once_loaded: bool = False
     """Restarted beside other models of its device: put to sleep once it has registered awake."""
+    stale_address: str = ""
+    """The address the manager knew it by before its restart: a record still showing it is the old
+    process's, not the new one's."""
 
 
 class Host:
@@ -414,6 +417,18 @@ class Host:
                 return
             time.sleep(0.2)
 
+    def _address_of(self, worker_id: str) -> str:
+        """The address the manager knows the worker by ("" if it cannot say)."""
+        import grpc
+
+        from memsvc.v1 import memory_manager_service_pb2 as m
+
+        try:
+            stub = self._manager_client().stub
+            return str(stub.GetWorker(m.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=10).worker.address)
+        except grpc.RpcError:
+            return ""
+
     def _asleep_once_loaded(self, w: _Worker) -> bool:
         """One look at ``w``: once it has registered awake, put it to sleep (its policy's tier-1
         actions); True when that is done (or it sleeps already, or the manager refuses: said once),
@@ -426,7 +441,10 @@ class Host:
         name = f"workers/{w.entry.worker_id}"
         stub = self._manager_client().stub
         try:
-            state = stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker.state
+            worker = stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker
+            if w.stale_address and worker.address == w.stale_address:
+                return False  # the process before the restart, as the manager last knew it
+            state = worker.state
             if state == c.WORKER_STATE_ASLEEP:
                 return True  # asleep already (a policy, or an earlier run's state)
             if state == c.WORKER_STATE_AWAKE:
@@ -451,7 +469,11 @@ class Host:
             now = time.monotonic()
             for w in self.workers.values():
                 self._tend(w, now)
-                if w.sleep_once_loaded and w.proc is not None and self._asleep_once_loaded(w):
+                if (
+                    w.sleep_once_loaded
+                    and w.proc is not None
+                    and (now - w.started > LOAD_S or self._asleep_once_loaded(w))
+                ):
                     w.sleep_once_loaded = False
             self._apply_overrides()
             if self._leaving:
@@ -476,9 +498,10 @@ class Host:
             w.proc, w.restart_at = None, now + w.delay
             w.delay = min(w.delay * 2, RESTART_S[1])
         if w.proc is None and now >= w.restart_at:
-            self._start_worker(w)
             # it loads awake: where other models share its device, it sleeps once loaded, as at the start
             w.sleep_once_loaded = any(e.device == w.entry.device for e in self.config.models if e != w.entry)
+            w.stale_address = self._address_of(w.entry.worker_id) if w.sleep_once_loaded else ""
+            self._start_worker(w)
 
 
 def run_host(path: str, child_vars: Mapping[str, str] | None = None) -> int:
