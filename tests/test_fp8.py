@@ -27,6 +27,7 @@ import torch
 import transformers
 from hf_models import init_weights
 from safetensors.torch import load_file, save_file
+from test_reference import relative_errors
 from workerproc import WorkerProcess
 
 from memsvc.errors import InvalidArgument
@@ -134,11 +135,6 @@ class Checkpoints:
 def checkpoints(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPathFactory) -> Checkpoints:
     """A bfloat16 model, as FP8 checkpoints are."""
     return Checkpoints(tmp_path_factory.mktemp(f"fp8-{request.param}"), request.param, torch.bfloat16)
-
-
-def relative_errors(ours: torch.Tensor, ref: torch.Tensor) -> torch.Tensor:
-    errors: torch.Tensor = (ours.double() - ref.double()).norm(dim=-1) / ref.double().norm(dim=-1)
-    return errors
 
 
 def test_the_config_names_the_scheme_and_refuses_others() -> None:

@@ -646,7 +646,7 @@ class Engine:
             last_rows=np.asarray(last_rows, np.int64),
             row_tables=np.concatenate(row_tables) if paged else None, rope_long=long,
         )  # fmt: skip
-        return step, [(r, 1) for r in decodes] + chunks, ends, fed
+        return step, planned, ends, fed
 
     def _launch(self, before: _Flight | None) -> _Flight | None:
         """Queue one model step over the running batch and the sampling of the token of each request
