@@ -31,6 +31,7 @@ commit (``MEMSVC_COMMIT`` or git) and the flags.
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import datetime
 import json
 import os
@@ -67,11 +68,13 @@ MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 
 _LISTENING = re.compile(r"^memsvc worker \S+ listening on (\S+)$")
 LOG_LINES: dict[str, re.Pattern[str]] = {
+    "allocator": re.compile(r"allocator: \w+ backend ready in (?P<s>[\d.]+) s"),
     "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
     "read_ahead": re.compile(r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read in (?P<s>[\d.]+) s"),
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
+    "warm_up": re.compile(r"warm-up: kernels compiled and the one-sequence decode captured in (?P<s>[\d.]+) s"),
     "ready": re.compile(r"^memsvc worker \S+ ready: "),
     "first_graph": re.compile(r"cuda graphs: batch \d+ captured in (?P<s>[\d.]+) s \(1 of"),
     "graphs_done": re.compile(r"cuda graphs: \d+ of \d+ buckets captured in the background"),
@@ -120,6 +123,76 @@ if sys.argv[1] == "cuda":
     torch.cuda.synchronize()
 print(json.dumps({"import_torch_s": t1 - t0, "cuda_init_s": time.perf_counter() - t1, "torch": torch.__version__}))
 """
+
+PROBE = r"""
+import json, os, sys, time
+mode, backend = sys.argv[1], sys.argv[2]
+out = {}
+t0 = time.perf_counter()
+if mode == "native":  # the allocator's CUDA context and pools, made natively, torch not imported
+    from worker.allocator import AllocatorConfig, MemoryAllocator
+    t1 = time.perf_counter()
+    MemoryAllocator(AllocatorConfig(backend=backend))
+    out = {"import_allocator_s": t1 - t0, "allocator_s": time.perf_counter() - t1}
+elif mode == "layers":  # what the worker imports, in order, then CUDA through torch
+    import torch
+    t1 = time.perf_counter()
+    import worker.model.runner, worker.model.weights, worker.model.paged_attention
+    t2 = time.perf_counter()
+    if backend == "cuda":
+        import triton
+    t3 = time.perf_counter()
+    if backend == "cuda":
+        torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+    out = {"import_torch_s": t1 - t0, "import_model_layer_s": t2 - t1, "import_triton_s": t3 - t2,
+           "cuda_init_s": time.perf_counter() - t3}
+elif mode == "fork":  # a fork server: everything imported, no CUDA; a child forked, CUDA made there
+    import torch, worker.model.runner, worker.model.weights, worker.model.paged_attention
+    if backend == "cuda":
+        import triton
+    t1 = time.perf_counter()
+    r, w = os.pipe()
+    pid = os.fork()
+    if pid == 0:
+        if backend == "cuda":
+            torch.zeros(1, device="cuda"); torch.cuda.synchronize()
+        os.write(w, b"x")
+        os._exit(0)
+    os.read(r, 1)
+    os.waitpid(pid, 0)
+    out = {"imports_s": t1 - t0, "fork_to_cuda_ready_s": time.perf_counter() - t1}
+print(json.dumps(out), flush=True)
+"""
+"""The start-up's parts, each in a fresh process (issue 30's breakdown)."""
+
+
+def probe_run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
+    proc = Spawned([sys.executable, "-c", PROBE, mode, args.backend])
+    try:
+        done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
+        return {"process_s": done, **json.loads(mt.group(0))}
+    finally:
+        proc.stop()
+
+
+def import_times(args: argparse.Namespace, top: int = 15) -> list[dict[str, Any]]:
+    """``python -X importtime`` over the model layer's imports: each package by the cumulative time of
+    its costliest import line (its first import, as the worker pays it; a package another imports is
+    counted in both, e.g. numpy in torch)."""
+    code = "import worker.model.runner, worker.model.weights, worker.model.paged_attention"
+    if args.backend == "cuda":
+        code += "; import triton"
+    done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=REPO_ROOT, capture_output=True,
+                          text=True, check=False, timeout=START_TIMEOUT_S)  # fmt: skip
+    totals: dict[str, int] = {}
+    for line in done.stderr.splitlines():
+        parts = line.split("|")
+        if len(parts) != 3 or not line.startswith("import time:") or "cumulative" in line:
+            continue
+        root = parts[2].strip().split(".")[0]
+        totals[root] = max(totals.get(root, 0), int(parts[1]))
+    ranked = sorted(totals.items(), key=lambda kv: -kv[1])[:top]
+    return [{"package": k, "cumulative_s": us / 1e6} for k, us in ranked]
 
 
 class Spawned:
@@ -192,10 +265,19 @@ class Spawned:
         return rc
 
 
-def _generate_stream(
-    stub: w_grpc.ModelWorkerServiceStub, prompt: list[int], t0: float
-) -> tuple[float, float, list[int]]:
-    """(spawn to the first token, spawn to the end, the tokens) of one streamed greedy Generate."""
+@dataclasses.dataclass
+class Streamed:
+    """One streamed greedy Generate: seconds since the spawn to its first token and to its end, its
+    own duration (sent to end), and its tokens."""
+
+    first_s: float
+    end_s: float
+    took_s: float
+    tokens: list[int]
+
+
+def _generate_stream(stub: w_grpc.ModelWorkerServiceStub, prompt: list[int], t0: float) -> Streamed:
+    sent = time.perf_counter()
     request = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     first = None
     tokens: list[int] = []
@@ -205,7 +287,8 @@ def _generate_stream(
         tokens.extend(msg.token_ids)
     if first is None or len(tokens) != NEW_TOKENS:
         raise RuntimeError(f"the stream made {len(tokens)} tokens, not {NEW_TOKENS}")
-    return first, time.perf_counter() - t0, tokens
+    end = time.perf_counter()
+    return Streamed(first, end - t0, end - sent, tokens)
 
 
 def worker_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
@@ -226,12 +309,17 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[
             status = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
             if status.state != c.WORKER_STATE_AWAKE:
                 raise RuntimeError(f"SERVING, but the worker is {c.WorkerState.Name(status.state)}")
-            out["first_token_s"], out["generate_end_s"], tokens = _generate_stream(stub, prompt, proc.t0)
+            first = _generate_stream(stub, prompt, proc.t0)
+            out.update(first_token_s=first.first_s, generate_end_s=first.end_s, first_generate_s=first.took_s)
+            out["second_generate_s"] = _generate_stream(stub, prompt, proc.t0).took_s
             if args.backend == "cuda" and "--no-cuda-graphs" not in shlex.split(args.worker_args):
                 _, end = proc.wait_for(_GRAPHS_END, GRAPHS_TIMEOUT_S)
                 if "background" in end.group(0):
-                    _, _, again = _generate_stream(stub, prompt, proc.t0)
-                    out["tokens_equal_after_capture"] = again == tokens
+                    again = _generate_stream(stub, prompt, proc.t0)
+                    out["tokens_equal_after_capture"] = again.tokens == first.tokens
+                    out["after_capture_generate_s"] = again.took_s
+            later = out.get("after_capture_generate_s", out["second_generate_s"])
+            out["first_vs_later"] = first.took_s / later if later else None
         for name, pattern in LOG_LINES.items():
             hit = proc.found(pattern)
             if hit is not None:
@@ -332,6 +420,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         read_once(sorted(Path(model).glob("*.safetensors")))
         res["import_torch"] = import_torch_run(args)
         print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
+        res["breakdown"] = {mode: probe_run(mode, args) for mode in ("layers", "native", "fork")}
+        res["breakdown"]["import_times"] = import_times(args)
+        print(f"[bench_startup] breakdown: {json.dumps(res['breakdown'])}", flush=True)
         for i in range(args.warmup):
             print(f"[bench_startup] warm-up {i + 1}/{args.warmup} (not counted) ...", flush=True)
             worker_run(model, args, prompt)
@@ -346,7 +437,9 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         res["worker"] = {"runs": workers, **{
             f"{k}_median": _median(workers, k)
             for k in ("listening_s", "serving_s", "first_token_s", "weights_loaded_s", "model_layer_imported_at_s",
-                      "graphs_done_at_s", "graph_capture_s")
+                      "graphs_done_at_s", "graph_capture_s", "allocator_s", "allocator_at_s", "warm_up_s",
+                      "model_built_s", "ready_at_s", "first_generate_s", "second_generate_s",
+                      "after_capture_generate_s", "first_vs_later")
         }}  # fmt: skip
         if args.cold:
             res["cold"] = cold_runs(model, args, prompt)
@@ -403,12 +496,21 @@ def format_table(res: dict[str, Any]) -> str:
         return f"{x * 1e3:8.0f} ms" if isinstance(x, int | float) else "       --"
 
     wk, tf, it = res.get("worker", {}), res.get("transformers", {}), res.get("import_torch", {})
+    bd = res.get("breakdown", {})
+    layers, native, fork = bd.get("layers", {}), bd.get("native", {}), bd.get("fork", {})
     rows = [
         ("worker: spawn -> listening", wk.get("listening_s_median")),
+        ("worker: allocator (CUDA context, pools)", wk.get("allocator_s_median")),
         ("worker: spawn -> model layer imported", wk.get("model_layer_imported_at_s_median")),
         ("worker: weights load (its log)", wk.get("weights_loaded_s_median")),
+        ("worker: model built (KV, weights, the rest)", wk.get("model_built_s_median")),
+        ("worker: warm-up (kernels, one decode graph)", wk.get("warm_up_s_median")),
+        ("worker: spawn -> ready line", wk.get("ready_at_s_median")),
         ("worker: spawn -> SERVING", wk.get("serving_s_median")),
         ("worker: spawn -> first token", wk.get("first_token_s_median")),
+        ("worker: the first Generate (16 tokens)", wk.get("first_generate_s_median")),
+        ("worker: the second Generate", wk.get("second_generate_s_median")),
+        ("worker: a Generate after every capture", wk.get("after_capture_generate_s_median")),
         ("worker: spawn -> all graphs captured", wk.get("graphs_done_at_s_median")),
         ("worker: graph capture (sum of buckets)", wk.get("graph_capture_s_median")),
         ("transformers: spawn -> from_pretrained done", tf.get("loaded_s_median")),
@@ -418,7 +520,14 @@ def format_table(res: dict[str, Any]) -> str:
         ("  import transformers", tf.get("import_transformers_s_median")),
         ("  from_pretrained", tf.get("from_pretrained_s_median")),
         ("python -c 'import torch' (+ CUDA init)", it.get("process_s")),
+        ("probe: import torch", layers.get("import_torch_s")),
+        ("probe: import the model layer after torch", layers.get("import_model_layer_s")),
+        ("probe: import triton after it", layers.get("import_triton_s")),
+        ("probe: CUDA init through torch after them", layers.get("cuda_init_s")),
+        ("probe: the allocator alone, no torch", native.get("allocator_s")),
+        ("probe: fork of an imported process -> CUDA ready", fork.get("fork_to_cuda_ready_s")),
     ]
+    rows += [(f"  import {r['package']}", r["cumulative_s"]) for r in bd.get("import_times", [])[:8]]
     cold = res.get("cold", {})
     if cold:
         rows += [

@@ -234,15 +234,19 @@ def our_logits(runner: ModelRunner, sequence: list[int]) -> torch.Tensor:
         rope = Rope.build(runner.config, runner.alloc.torch_device)
         blocks = kv.sequence("teacher-forced").block_ids
         pool = kv.device.tensor
-        return forward(runner.weights, runner.config, rope, pool, blocks, sequence, 0, all_logits=True).float()
+        out = forward(runner.weights, runner.config, rope, pool, blocks, sequence, 0, all_logits=True)
+        return out.float().cpu()
     finally:
         kv.free_sequence("teacher-forced")
 
 
 def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
-    checkpoints: Checkpoints, host_alloc: MemoryAllocator
-) -> None:  # fmt: skip
-    runner = ModelRunner(host_alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4)
+    checkpoints: Checkpoints, alloc: MemoryAllocator
+) -> None:
+    """On the host backend (the operands dequantised, in transformers' order) and on CUDA (FP8
+    products through ``torch._scaled_mm``): transformers' greedy tokens, its logits within the
+    bfloat16 bar, and as close to the float32 scheme as transformers is."""
+    runner = ModelRunner(alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4)
     config = runner.config
     assert config.fp8 is not None and runner.weights["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
     plain = ModelConfig.from_hf(json.loads((checkpoints.twin / "config.json").read_text()))

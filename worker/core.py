@@ -153,6 +153,7 @@ class WorkerCore:
                     offload_dir=c.offload_dir,
                 )
             )
+            log.info("allocator: %s backend ready in %.2f s", self.alloc.backend, time.perf_counter() - t0)
             # After the allocator (its CUDA context made without the GIL): torch meanwhile imports on
             # worker/main.py's thread, and these wait for what is left of it.
             from worker.model import hub
