@@ -9,13 +9,14 @@ and answered INTERNAL, so no stack trace leaks to clients and the server keeps r
 from __future__ import annotations
 
 import contextlib
+import datetime
 import inspect
 import logging
 from collections.abc import Awaitable, Callable
-from typing import Any, TypeAlias
+from typing import Any, TypeAlias, TypeVar
 
 import grpc
-from google.protobuf import any_pb2
+from google.protobuf import any_pb2, duration_pb2
 from google.rpc import code_pb2, error_details_pb2, status_pb2
 from grpc_status import rpc_status
 
@@ -40,29 +41,52 @@ def to_status(exc: BaseException) -> grpc.Status:
     trailing metadata, and a client's 16 KiB limit would otherwise turn it into a bare
     RESOURCE_EXHAUSTED without the ErrorInfo.
     """
+    retry: float | None = None
     if isinstance(exc, MemsvcError):
         code_name, reason, metadata, message = exc.status_name, exc.reason, exc.metadata, str(exc)
+        retry = exc.retry_after_s
     else:
         code_name, reason, metadata, message = "INTERNAL", "INTERNAL", {}, f"internal error: {type(exc).__name__}"
     message = _clip(message, MAX_MESSAGE)
     metadata = {_clip(k, 64): _clip(v, MAX_METADATA_VALUE) for k, v in metadata.items()}
     info = error_details_pb2.ErrorInfo(reason=reason, domain=DOMAIN, metadata=metadata)
-    detail = any_pb2.Any()
-    detail.Pack(info)
-    status = status_pb2.Status(code=code_pb2.Code.Value(code_name), message=message or reason, details=[detail])
+    details = [any_pb2.Any()]
+    details[0].Pack(info)
+    if retry is not None:
+        delay = duration_pb2.Duration()
+        delay.FromTimedelta(datetime.timedelta(seconds=retry))
+        details.append(any_pb2.Any())
+        details[1].Pack(error_details_pb2.RetryInfo(retry_delay=delay))
+    status = status_pb2.Status(code=code_pb2.Code.Value(code_name), message=message or reason, details=details)
     out: grpc.Status = rpc_status.to_status(status)
     return out
 
 
 def error_info(err: grpc.aio.AioRpcError | grpc.RpcError) -> error_details_pb2.ErrorInfo | None:
     """The ErrorInfo detail of a failed call, for clients and tests."""
-    status = rpc_status.from_call(err)
+    return _detail(err, error_details_pb2.ErrorInfo)
+
+
+def retry_delay(err: grpc.aio.AioRpcError | grpc.RpcError) -> float | None:
+    """The seconds a failed call's RetryInfo detail says to wait before the same call, if it has one."""
+    info = _detail(err, error_details_pb2.RetryInfo)
+    return info.retry_delay.ToTimedelta().total_seconds() if info is not None else None
+
+
+_Detail = TypeVar("_Detail", error_details_pb2.ErrorInfo, error_details_pb2.RetryInfo)
+
+
+def _detail(err: grpc.aio.AioRpcError | grpc.RpcError, kind: type[_Detail]) -> _Detail | None:
+    try:
+        status = rpc_status.from_call(err)
+    except ValueError:  # the status details disagree with the call's code or message: none to trust
+        return None
     if status is None:
         return None
     for d in status.details:
-        info = error_details_pb2.ErrorInfo()
-        if d.Unpack(info):
-            return info
+        found = kind()
+        if d.Unpack(found):
+            return found
     return None
 
 
@@ -156,7 +180,13 @@ class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):
 
 
 def _tree() -> list[type[MemsvcError]]:
-    return [cls for cls in MemsvcError.__subclasses__() if cls is not RelayedError]
+    """Every class of the tree, parents before their subclasses (Unavailable before Loading)."""
+    out: list[type[MemsvcError]] = []
+    level = MemsvcError.__subclasses__()
+    while level:
+        out += [cls for cls in level if cls is not RelayedError]
+        level = [sub for cls in level for sub in cls.__subclasses__()]
+    return out
 
 
 def _classes_by_code() -> dict[grpc.StatusCode, type[MemsvcError]]:
@@ -190,8 +220,13 @@ def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
     message = prefix + (details or code.name)
     info = error_info(err) if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else None
     metadata = dict(info.metadata) if info else {}
+    retry = retry_delay(err) if code == grpc.StatusCode.UNAVAILABLE else None
+    if retry is not None and info is None:
+        info = error_info(err)  # a server's own UNAVAILABLE (a Loading), not the transport's
+        metadata = dict(info.metadata) if info else {}
     cls = _FROM_REASON.get((code.name, info.reason)) if info else None
     cls = cls or _FROM_CODE.get(code)
     if cls is not None:
-        return cls(message, metadata=metadata)
-    return RelayedError(code.name, message, reason=info.reason if info else "", metadata=metadata)
+        return cls(message, metadata=metadata, retry_after_s=retry)
+    reason = info.reason if info else ""
+    return RelayedError(code.name, message, reason=reason, metadata=metadata, retry_after_s=retry)

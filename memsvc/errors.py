@@ -13,15 +13,20 @@ class MemsvcError(Exception):
     """Root of all memsvc errors.
 
     ``metadata`` carries the dynamic values of the message (lowerCamel keys) into the ErrorInfo
-    detail, so clients can act on them without parsing text.
+    detail, so clients can act on them without parsing text. ``retry_after_s``, where set, says when
+    the same call may succeed: it travels as a ``google.rpc.RetryInfo`` detail (AIP-194) and becomes
+    the gateway's Retry-After.
     """
 
     status_name = "INTERNAL"
     reason = "INTERNAL"
 
-    def __init__(self, message: str = "", *, metadata: dict[str, str] | None = None) -> None:
+    def __init__(
+        self, message: str = "", *, metadata: dict[str, str] | None = None, retry_after_s: float | None = None
+    ) -> None:
         super().__init__(message)
         self.metadata: dict[str, str] = dict(metadata or {})
+        self.retry_after_s = retry_after_s
 
 
 class InvalidArgument(MemsvcError):
@@ -87,6 +92,13 @@ class Unavailable(MemsvcError):
     reason = "UNAVAILABLE"
 
 
+class Loading(Unavailable):
+    """The worker is loading its model and serves once the load ends: the same call succeeds then.
+    Carries a retry delay; a client that can wait watches health for SERVING instead."""
+
+    reason = "LOADING"
+
+
 class Unauthenticated(MemsvcError):
     """The call carries no valid credentials (a missing or wrong bearer token)."""
 
@@ -114,9 +126,15 @@ class RelayedError(MemsvcError):
     driver failure."""
 
     def __init__(
-        self, status_name: str, message: str = "", *, reason: str = "", metadata: dict[str, str] | None = None
+        self,
+        status_name: str,
+        message: str = "",
+        *,
+        reason: str = "",
+        metadata: dict[str, str] | None = None,
+        retry_after_s: float | None = None,
     ) -> None:
-        super().__init__(message, metadata=metadata)
+        super().__init__(message, metadata=metadata, retry_after_s=retry_after_s)
         self.status_name = status_name
         self.reason = reason or status_name
 
@@ -126,6 +144,7 @@ __all__ = [
     "Cancelled",
     "IntegrityError",
     "InvalidArgument",
+    "Loading",
     "MemsvcError",
     "NotFound",
     "OutOfMemory",

@@ -13,9 +13,19 @@ import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
+import grpc
 import pytest
+from childproc import Proc
+from grpc_health.v1 import health_pb2
+from hungmount import HungMount
+from test_hung_reads import eventually
+from workerproc import _LISTENING, READY_TIMEOUT, WorkerProcess
 
-from memsvc.errors import WrongState
+from memsvc._rpc_errors import error_info, from_rpc_error, retry_delay
+from memsvc.errors import Loading, WrongState
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import model_worker_service_pb2 as w
+from worker.core import LOADING_RETRY_S
 from worker.device_loop import THREAD_NAME, DeviceLoop
 from worker.model import graphs
 from worker.model.graphs import BackgroundCapture
@@ -50,6 +60,54 @@ def test_the_model_package_still_exports_its_names() -> None:
 
     with pytest.raises(AttributeError, match="no attribute 'Nope'"):
         _ = worker.model.Nope
+
+
+# ---- calls while the model loads ----
+def test_a_call_while_the_model_loads_is_unavailable_with_a_retry_delay_and_succeeds_once_serving(
+    tmp_path: Path,
+) -> None:
+    """The load is held in its checkpoint read (a hung mount that recovers): health says NOT_SERVING
+    and the status LOADING; every data-plane call is UNAVAILABLE, reason LOADING, with a RetryInfo of
+    LOADING_RETRY_S, which the client SDK's error carries; a health Watch then says SERVING, and the
+    same Generate succeeds."""
+    mount = HungMount(tmp_path, "ckpt")
+    mount.hang()
+    wp = WorkerProcess(["--model", str(mount.root)], env=mount.env())
+    try:
+        Proc.start(wp)  # not WorkerProcess.start: 'ready' comes once the mount recovers
+        (listening,) = wp.wait_lines([_LISTENING], READY_TIMEOUT)
+        wp.address = listening["address"]
+        eventually(lambda: mount.hung, "the load's read to hang")
+        check = health_pb2.HealthCheckRequest(service="")
+        assert wp.health.Check(check, timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+        assert status.state == c.WORKER_STATE_LOADING
+        request = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
+        calls: list[Callable[[], object]] = [
+            lambda: wp.stub.Generate(request, timeout=10),
+            lambda: next(iter(wp.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=10))),
+            lambda: wp.stub.SwapBlocks(w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+                                                           src_blocks=[0], dst_blocks=[0]), timeout=10),
+            lambda: wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="s"), timeout=10),
+        ]  # fmt: skip
+        for call in calls:
+            with pytest.raises(grpc.RpcError) as err:
+                call()
+            info = error_info(err.value)
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE and info is not None, err.value
+            assert info.reason == "LOADING" and retry_delay(err.value) == LOADING_RETRY_S
+            relayed = from_rpc_error(err.value)
+            assert isinstance(relayed, Loading) and relayed.retry_after_s == LOADING_RETRY_S
+        watch = wp.health.Watch(check, timeout=READY_TIMEOUT)
+        assert next(watch).status == health_pb2.HealthCheckResponse.NOT_SERVING
+        mount.recover()
+        assert next(watch).status == health_pb2.HealthCheckResponse.SERVING
+        watch.cancel()
+        assert len(wp.stub.Generate(request, timeout=60).token_ids) == 4
+    finally:
+        wp.kill()
+        if (mount.root / "HANG").exists():
+            mount.recover()
 
 
 # ---- the background capture's policy (a recording capture; the loop and device loop are real) ----
@@ -230,6 +288,11 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     (theirs,) = res["transformers"]["runs"]
     assert 0 < theirs["loaded_s"] < theirs["first_token_s"] and theirs["from_pretrained_s"] > 0
     assert res["import_torch"]["import_torch_s"] > 0
+    assert run["first_generate_s"] > 0 and run["second_generate_s"] > 0 and run["first_vs_later"] > 0
+    parts = res["breakdown"]
+    assert parts["layers"]["import_torch_s"] > 0 and parts["layers"]["import_model_layer_s"] > 0
+    assert parts["native"]["allocator_s"] >= 0 and parts["fork"]["fork_to_cuda_ready_s"] > 0
+    assert "torch" in [r["package"] for r in parts["import_times"]]
     assert [t["passed"] for t in res["targets"]][2] is True
     cold = res["cold"]
     assert cold["read_floor"]["bytes"] > 0 and cold["worker"]["serving_s"] > 0 and cold["serving_vs_read_floor"] > 0

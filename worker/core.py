@@ -23,6 +23,7 @@ from memsvc.errors import (
     Cancelled,
     IntegrityError,
     InvalidArgument,
+    Loading,
     MemsvcError,
     Overloaded,
     TransitionInProgress,
@@ -64,6 +65,10 @@ if TYPE_CHECKING:
     from worker.model.text import ModelText
 
 log = logging.getLogger("memsvc.worker")
+
+LOADING_RETRY_S = 1.0
+"""The retry delay a data-plane call gets while the model loads (its RetryInfo): short beside a load,
+long beside a health check, which is how a client that can wait learns the moment it serves."""
 
 _SLEPT_AS = {state: action for action, state in KEPT_IN.items()}
 """The action that puts a tag back where a failed wake found it (anything else: DISCARD)."""
@@ -652,8 +657,20 @@ class WorkerCore:
         self._note_activity()
         return pending
 
+    def _refuse_while_loading(self) -> None:
+        """UNAVAILABLE (:class:`Loading`, with a retry delay) while the model loads: the data plane's
+        calls succeed once it has loaded, so a client retries them, as gRPC means UNAVAILABLE to be."""
+        if self.state == WorkerState.LOADING:
+            raise Loading(
+                "the worker is loading its model; retry, or watch health for SERVING",
+                metadata={"state": self.state.name},
+                retry_after_s=LOADING_RETRY_S,
+            )
+
     def _require_settled(self) -> None:
-        """FAILED_PRECONDITION while a transition is loading, sleeping or waking the worker."""
+        """UNAVAILABLE while the model loads; FAILED_PRECONDITION while a transition is sleeping or
+        waking the worker."""
+        self._refuse_while_loading()
         if self.state in BUSY_STATES:
             raise WrongState(f"worker is {self.state.label}", metadata={"state": self.state.name})
 
@@ -674,7 +691,9 @@ class WorkerCore:
         """A place among the :attr:`MAX_QUEUED_GENERATES` Generate calls queued or running, taken before
         the prompt is encoded (a long one is work too): Overloaded when none is free, FAILED_PRECONDITION
         unless the worker is awake and no transition is pending (a Sleep waits for the Generate calls
-        it found, so it must not find new ones forever). Pass it to :meth:`generate`, or release it."""
+        it found, so it must not find new ones forever), UNAVAILABLE while the model loads. Pass it to
+        :meth:`generate`, or release it."""
+        self._refuse_while_loading()
         self._sm.require(WorkerState.AWAKE)
         if self._sm.in_progress:
             raise WrongState(

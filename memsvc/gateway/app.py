@@ -17,6 +17,7 @@ import contextlib
 import hmac
 import json
 import logging
+import math
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable, Iterator, Sequence
 from typing import Any, TypeVar
@@ -38,7 +39,7 @@ from memsvc._limits import (
     MAX_HTTP_BODY_BYTES,
     MAX_ID_BYTES,
 )
-from memsvc._rpc_errors import error_info
+from memsvc._rpc_errors import error_info, retry_delay
 from memsvc.gateway.backends import Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
@@ -81,7 +82,8 @@ def from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str) -> GatewayEr
     code = exc.code() if isinstance(exc, grpc.aio.AioRpcError) else grpc.StatusCode.UNKNOWN
     details = exc.details() if isinstance(exc, grpc.aio.AioRpcError) else str(exc)
     status, kind = _STATUS.get(code, (500, "server_error"))
-    retry = RETRY_AFTER_S if status == 503 else None
+    delay = retry_delay(exc) if status == 503 else None  # the server's own (a loading worker's), else ours
+    retry = max(1, math.ceil(delay)) if delay is not None else RETRY_AFTER_S if status == 503 else None
     return GatewayError(status, f"{where}: {details}", kind, code=code.name.lower(), retry_after=retry)
 
 
