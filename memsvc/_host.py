@@ -25,6 +25,7 @@ set so that one fits, they take turns (docs/operations.md, "Turns").
 from __future__ import annotations
 
 import dataclasses
+import json
 import os
 import re
 import signal
@@ -52,9 +53,10 @@ READY_S = 60.0
 LOAD_S = 900.0
 """How long a model may take to load (a Hub download included) before the next on its device starts anyway."""
 
-_SECTIONS = {"manager", "gateway", "policy", "models"}
+_SECTIONS = {"manager", "gateway", "workers", "policy", "models"}
 _MANAGER_KEYS = {"listen": "127.0.0.1:50051", "metrics_listen": "127.0.0.1:9400", "state_dir": ".memsvc"}
 _GATEWAY_KEYS = {"listen": "127.0.0.1:8000", "processes": 1}
+_WORKERS_KEYS = {"standby": False}
 _MODEL_KEYS = {"model", "name", "id", "device", "backend", "args", "policy"}
 _DEFAULT_POLICY = {"idle_sleep_timeout": 300.0, "idle_deep_sleep_timeout": 3600.0}
 """What ``memsvc up`` seeds without a file, under the file's ``[policy]``."""
@@ -96,6 +98,8 @@ class HostConfig:
     policy: Mapping[str, Any] = field(default_factory=dict)
     """The manager's default policy fields (memsvc/manager/policy.py), ``memsvc up``'s idle timers under them."""
     models: tuple[ModelEntry, ...] = ()
+    standby: bool = False
+    """Keep a standby worker process per device (worker/standby.py) for the next start there."""
 
 
 def _worker_id(text: str) -> str:
@@ -178,6 +182,9 @@ def load_host_config(path: str | Path) -> HostConfig:
     for key, value in [*(("manager." + k, v) for k, v in mgr.items()), ("gateway.listen", gw["listen"])]:
         if not isinstance(value, str):
             raise InvalidArgument(f"{where}: {key} must be a string")
+    workers = _table(raw, "workers", _WORKERS_KEYS, where)
+    if not isinstance(workers["standby"], bool):
+        raise InvalidArgument(f"{where}: workers.standby must be true or false")
     procs = gw["processes"]
     if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         raise InvalidArgument(f"{where}: gateway.processes must be an integer >= 1")
@@ -197,7 +204,9 @@ def load_host_config(path: str | Path) -> HostConfig:
     _checked(policy, f"{where}: [policy]")
     for m in models:
         _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
-    return HostConfig(mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models)
+    return HostConfig(
+        mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models, workers["standby"]
+    )
 
 
 @dataclass
@@ -232,6 +241,8 @@ class Host:
         self._client: ManagerClient | None = None
         self._leaving: set[str] = set()
         """Models taken out of the file whose workers the manager has not deregistered yet."""
+        self.standbys: dict[tuple[str, int], subprocess.Popen[bytes]] = {}
+        """With ``[workers] standby``: per (backend, device), a process waiting to be the next worker there."""
 
     # ---- signals ----
     def _stop(self, _signum: int, _frame: object) -> None:
@@ -245,8 +256,30 @@ class Host:
         return subprocess.Popen(argv, env=self.env)
 
     def _start_worker(self, w: _Worker) -> None:
-        w.proc = self._spawn(w.entry.argv(self.config.manager_listen))
+        """Start ``w``'s worker: handed to the standby of its device where there is one (its flags on its
+        stdin; worker/standby.py), else a new process; then a new standby there, where the file asks."""
+        argv = w.entry.argv(self.config.manager_listen)
+        key = (w.entry.backend, w.entry.device)
+        standby = self.standbys.pop(key, None)
+        w.proc = None
+        if standby is not None and standby.poll() is None and standby.stdin is not None:
+            try:
+                standby.stdin.write(json.dumps(argv[len(MEMSVC) + 1 :]).encode() + b"\n")
+                standby.stdin.close()
+                w.proc = standby
+                announce(f"memsvc up: worker {w.entry.worker_id} started from the standby (pid {standby.pid})")
+            except OSError:  # it died since it was looked at: a process of its own, as without one
+                pass
+        if w.proc is None:
+            w.proc = self._spawn(argv)
         w.started, w.policy_applied = time.monotonic(), False
+        if self.config.standby and not self._stopping:
+            self._spawn_standby(key)
+
+    def _spawn_standby(self, key: tuple[str, int]) -> None:
+        backend, device = key
+        argv = [*MEMSVC, "worker", "--standby", "--backend", backend, "--device", str(device)]
+        self.standbys[key] = subprocess.Popen(argv, env=self.env, stdin=subprocess.PIPE)
 
     def _manager_client(self) -> ManagerClient:
         from memsvc.client import ManagerClient
@@ -328,9 +361,9 @@ class Host:
             announce(f"memsvc up: {self.path} not reloaded: {exc}", sys.stderr)
             return
         keep = {k: getattr(new, k) for k in ("manager_listen", "metrics_listen", "state_dir", "gateway_listen",
-                                             "gateway_processes")}  # fmt: skip
+                                             "gateway_processes", "standby")}  # fmt: skip
         if keep != {k: getattr(self.config, k) for k in keep}:
-            announce("memsvc up: [manager] and [gateway] changes apply at the next start", sys.stderr)
+            announce("memsvc up: [manager], [gateway] and [workers] changes apply at the next start", sys.stderr)
         try:
             self._update_policy("", new.policy)
         except Exception as exc:  # noqa: BLE001 - a refusal, or the manager not answering: nothing changes
@@ -402,7 +435,11 @@ class Host:
             return 1
         finally:
             workers = [w.proc for w in self.workers.values() if w.proc is not None]
-            stop_children([p for p in (self.gateway, *workers, self.manager) if p is not None])
+            standbys = list(self.standbys.values())
+            for p in standbys:
+                if p.stdin is not None:
+                    p.stdin.close()  # the end of its input: it is not needed
+            stop_children([p for p in (self.gateway, *standbys, *workers, self.manager) if p is not None])
             if self._client is not None:
                 self._client.close()
 
@@ -475,11 +512,22 @@ class Host:
                     and (now - w.started > LOAD_S or self._asleep_once_loaded(w))
                 ):
                     w.sleep_once_loaded = False
+            self._tend_standbys()
             self._apply_overrides()
             if self._leaving:
                 self._deregister_leaving()
             time.sleep(0.2)
         return 0
+
+    def _tend_standbys(self) -> None:
+        """A standby that exited before it was needed is said once and forgotten: the next start on its
+        device starts a process of its own, and a new standby after it."""
+        for key, p in list(self.standbys.items()):
+            if p.poll() is not None:
+                del self.standbys[key]
+                backend, device = key
+                announce(f"memsvc up: the standby for --backend {backend} --device {device} exited with "
+                         f"{p.returncode}; the next start there starts a process of its own", sys.stderr)  # fmt: skip
 
     def _tend(self, w: _Worker, now: float) -> None:
         """Restart ``w`` if it died (after its delay)."""

@@ -426,6 +426,13 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         "many answers takes no host time from the model's steps, or inline, in the worker's process (one process "
         "fewer; a single stream's tokens arrive a few percent sooner)",
     )
+    p.add_argument(
+        "--standby",
+        action="store_true",
+        help="start before the model is known: import the model layer and make --device's CUDA context, then read "
+        "this worker's flags (a JSON list, one line) from stdin and serve as if started with them; memsvc up's warm "
+        "processes ([workers] standby = true)",
+    )
     _server_auth_flags(p, worker=True)
     _log_flags(p)
 
@@ -1024,40 +1031,68 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error("say what to prune: --unavailable (the workers the manager cannot reach)")
     if args.command in ("status", "sleep", "wake", "watch", "leases", "release", "deregister", "prune"):
         return _ops(args, _security(args, parser))
+    if args.command == "worker" and args.standby:
+        return _standby(parser, args)
     if args.command == "worker":
-        from worker.config import WorkerConfig
-        from worker.main import run
-
-        if args.max_step_tokens is not None and args.max_step_tokens < args.max_batch:
-            parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
-        config = WorkerConfig(
-            model=args.model,
-            backend=args.backend,
-            device=args.device,
-            worker_id=args.worker_id,
-            kv_blocks=args.kv_blocks,
-            host_kv_blocks=args.host_kv_blocks,
-            block_size=args.block_size,
-            max_batch=args.max_batch,
-            max_step_tokens=args.max_step_tokens,
-            cuda_graphs=args.cuda_graphs,
-            host_capacity_bytes=args.host_capacity,
-            checksum=args.checksum,
-            host_reserve_bytes=args.host_reserve,
-            host_prepin=args.host_prepin,
-            seed=args.seed,
-            host_name=args.host_name,
-            served_model_name=args.served_model_name,
-            huge_pages=args.huge_pages,
-            offload_dir=args.offload_dir,
-            drain_seconds=args.drain_timeout,
-            read_timeout=args.read_timeout,
-            rpc_front=args.rpc_front,
-        )
-        security = _security(args, parser, server=True)
-        return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]
+        return _worker(parser, args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``memsvc worker --standby`` (worker/standby.py): prepared, then the worker its flags say."""
+    from memsvc._logging import announce
+    from memsvc.errors import InvalidArgument
+    from worker.standby import wait_for_flags
+
+    try:
+        flags = wait_for_flags(args.backend, args.device)
+    except InvalidArgument as exc:
+        announce(f"memsvc worker: error: {exc}", sys.stderr)
+        return 2
+    if flags is None:
+        return 0
+    handed = parse(parser, ["worker", *flags])
+    if (handed.backend, handed.device) != (args.backend, args.device):
+        prepared, named = (f"--backend {a.backend} --device {a.device}" for a in (args, handed))
+        announce(f"memsvc worker: error: this standby was prepared for {prepared}; its flags name {named}", sys.stderr)
+        return 2
+    return _worker(parser, handed)
+
+
+def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
+    """``memsvc worker``: its flags as a WorkerConfig, then the service until it stops."""
+    from worker.config import WorkerConfig
+    from worker.main import run
+
+    if args.max_step_tokens is not None and args.max_step_tokens < args.max_batch:
+        parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
+    config = WorkerConfig(
+        model=args.model,
+        backend=args.backend,
+        device=args.device,
+        worker_id=args.worker_id,
+        kv_blocks=args.kv_blocks,
+        host_kv_blocks=args.host_kv_blocks,
+        block_size=args.block_size,
+        max_batch=args.max_batch,
+        max_step_tokens=args.max_step_tokens,
+        cuda_graphs=args.cuda_graphs,
+        host_capacity_bytes=args.host_capacity,
+        checksum=args.checksum,
+        host_reserve_bytes=args.host_reserve,
+        host_prepin=args.host_prepin,
+        seed=args.seed,
+        host_name=args.host_name,
+        served_model_name=args.served_model_name,
+        huge_pages=args.huge_pages,
+        offload_dir=args.offload_dir,
+        drain_seconds=args.drain_timeout,
+        read_timeout=args.read_timeout,
+        rpc_front=args.rpc_front,
+    )
+    security = _security(args, parser, server=True)
+    return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

@@ -37,8 +37,10 @@ class Proc:
     stop_timeout = STOP_TIMEOUT
 
     def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path = REPO_ROOT,
-                 name: str = "", new_session: bool = True) -> None:  # fmt: skip
+                 name: str = "", new_session: bool = True, stdin: bool = False) -> None:  # fmt: skip
         self.argv = list(argv)
+        self.stdin = stdin
+        """A pipe for :meth:`write_stdin` (else /dev/null)."""
         self.env = dict(os.environ if env is None else env)
         self.cwd = cwd
         self.name = name or Path(self.argv[0]).name
@@ -52,8 +54,8 @@ class Proc:
 
     def start(self) -> Proc:
         self.proc = subprocess.Popen(
-            self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=self._stderr, text=True, bufsize=1, start_new_session=self.new_session,
+            self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1, start_new_session=self.new_session,
         )  # fmt: skip
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True)
         self._reader.start()
@@ -101,6 +103,14 @@ class Proc:
         for i, p in enumerate(patterns):
             if i not in found and (mt := p.match(line)):
                 found[i] = mt
+
+    def write_stdin(self, text: str, close: bool = True) -> None:
+        """Write ``text`` to the process's input (``stdin=True``), then close it unless told not to."""
+        assert self.proc is not None and self.proc.stdin is not None, f"{self.name} has no input pipe"
+        self.proc.stdin.write(text)
+        self.proc.stdin.flush()
+        if close:
+            self.proc.stdin.close()
 
     def stderr_text(self) -> str:
         self._stderr.flush()
@@ -161,9 +171,10 @@ class Proc:
 
     def close(self) -> None:
         self.kill()
-        if self.proc is not None and self.proc.stdout is not None:
-            with contextlib.suppress(Exception):
-                self.proc.stdout.close()
+        for stream in (self.proc.stdout, self.proc.stdin) if self.proc is not None else ():
+            if stream is not None:
+                with contextlib.suppress(Exception):
+                    stream.close()
         self._stderr.close()
 
     def __enter__(self) -> Proc:
