@@ -4,8 +4,9 @@ The public Python API is what this package exports (docs/python-api.md lists it)
 stubs in :mod:`memsvc.v1`:
 
 - :class:`ManagerClient` and :class:`Security`: call a manager, with TLS and a token if needed;
-- the exception tree (:class:`MemsvcError` and its subclasses) and :func:`error_info`, which
-  reads the ``google.rpc.ErrorInfo`` detail (domain :data:`DOMAIN`) of a failed call;
+- the exception tree (:class:`MemsvcError` and its subclasses), :func:`error_info`, which
+  reads the ``google.rpc.ErrorInfo`` detail (domain :data:`DOMAIN`) of a failed call, and
+  :func:`retry_delay`, its ``google.rpc.RetryInfo`` (a loading worker's, say);
 - the vocabulary: :class:`Action`, :class:`SleepLevel`, :class:`WorkerState`, :class:`TagState`,
   :class:`CopyMethod`, and the tag names :data:`WEIGHTS` and :data:`KV_CACHE`.
 
@@ -26,13 +27,14 @@ __version__ = "0.1.0"
 
 if TYPE_CHECKING:
     from memsvc._auth import Security
-    from memsvc._rpc_errors import DOMAIN, error_info
+    from memsvc._rpc_errors import DOMAIN, error_info, retry_delay
     from memsvc.client import ManagerClient
     from memsvc.errors import (
         BackendError,
         Cancelled,
         IntegrityError,
         InvalidArgument,
+        Loading,
         MemsvcError,
         NotFound,
         OutOfMemory,
@@ -51,12 +53,14 @@ _EXPORTS = {
     "Security": "memsvc._auth",
     "DOMAIN": "memsvc._rpc_errors",
     "error_info": "memsvc._rpc_errors",
+    "retry_delay": "memsvc._rpc_errors",
     **dict.fromkeys(
         [
             "BackendError",
             "Cancelled",
             "IntegrityError",
             "InvalidArgument",
+            "Loading",
             "MemsvcError",
             "NotFound",
             "OutOfMemory",
@@ -100,6 +104,7 @@ __all__ = [
     "CopyMethod",
     "IntegrityError",
     "InvalidArgument",
+    "Loading",
     "ManagerClient",
     "MemsvcError",
     "NotFound",
@@ -117,4 +122,5 @@ __all__ = [
     "WrongState",
     "__version__",
     "error_info",
+    "retry_delay",
 ]

@@ -26,7 +26,11 @@ def test_every_exception_of_the_tree_is_exported() -> None:
     from memsvc import errors
 
     tree = {name for name in errors.__all__ if isinstance(getattr(errors, name), type)}
-    assert {c.__name__ for c in MemsvcError.__subclasses__()} | {"MemsvcError"} == tree
+    classes, level = {"MemsvcError"}, MemsvcError.__subclasses__()
+    while level:
+        classes |= {c.__name__ for c in level}
+        level = [sub for c in level for sub in c.__subclasses__()]
+    assert classes == tree
     assert tree <= set(memsvc.__all__)
 
 
