@@ -51,6 +51,7 @@ from memsvc.gateway.openai_api import (
     usage,
 )
 from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import WorkerState
 
@@ -226,10 +227,16 @@ async def healthz() -> dict[str, str]:
 
 @routes.get("/readyz")
 async def readyz(request: Request) -> JSONResponse:
+    """Ready: the manager answers (``ok``), or it is away and the gateway serves the awake models it
+    last listed (``degraded``); 503 when it never reached the manager."""
+    backends = _gateway(request).backends
     try:
-        await _gateway(request).backends.models(timeout=3)
+        await backends.models(timeout=3)
     except grpc.RpcError as exc:
         return JSONResponse({"status": "manager unreachable", "detail": str(exc)}, status_code=503)
+    if backends.manager_away:
+        why = "the manager does not answer: awake models are served without leases, sleeping ones wait for it"
+        return JSONResponse({"status": "degraded", "detail": why})
     return JSONResponse({"status": "ok"})
 
 
@@ -327,11 +334,14 @@ async def _respond(
             metrics.queue.labels(req.model).observe(granted.queued_s)
             metrics.wake.labels(req.model).observe(max(leased - t0 - granted.queued_s, 0.0))
             lease = granted.response
+            if not lease.lease.lease_id:
+                metrics.unleased.labels(req.model).inc()
             stub = backends.worker(lease.worker.address or worker.address)
             if not req.stream:
                 try:
                     r = await _unless_client_left(request, stub.Generate(gen, timeout=GENERATE_TIMEOUT_S))
                 except grpc.RpcError as exc:
+                    _asleep_while_the_manager_is_away(exc, lease)
                     if attempt < TURN_RETRIES and _turn_ended(exc):
                         await leased_stack.aclose()
                         continue
@@ -346,6 +356,7 @@ async def _respond(
                 first = await _unless_client_left(request, call.read())
                 break
             except grpc.RpcError as exc:
+                _asleep_while_the_manager_is_away(exc, lease)
                 if attempt < TURN_RETRIES and _turn_ended(exc):
                     await leased_stack.aclose()
                     continue
@@ -366,6 +377,15 @@ TURN_RETRIES = 3
 """Times a request whose worker went to sleep between its lease and its Generate (a turn given to
 another worker on its device ended just then: memsvc/manager/turns.py) takes a new lease and tries
 again; the lease waits for the worker's next turn."""
+
+
+def _asleep_while_the_manager_is_away(exc: grpc.RpcError, lease: manager_pb.AcquireWorkerResponse) -> None:
+    """A 503 when a worker served without a lease (the manager away) refused for its state: it went to
+    sleep since the manager last listed it, and only the manager wakes it."""
+    if not lease.lease.lease_id and _turn_ended(exc):
+        raise GatewayError(503, f"the worker of this model is asleep and the manager, which wakes it, does not answer "
+                                f"({lease.worker.name})", "server_error", code="model_unavailable",
+                           retry_after=RETRY_AFTER_S)  # fmt: skip
 
 
 def _turn_ended(exc: grpc.RpcError) -> bool:

@@ -5,6 +5,12 @@ workers serve (their ``served_model_name``), asked again on every request; a req
 on the worker it uses (which wakes it when it sleeps: the wait is part of its time to the first
 token) and releases it when the response ends or the client leaves, so several gateways can run
 against one manager. Control plane (the manager) and data plane (gateway to worker) stay apart.
+
+While the manager does not answer (down, restarting, unreachable: a transport failure, not one of
+its own refusals), the gateway serves from the last list of workers it got: a request for a model
+whose worker was awake is served by it without a lease (there is nobody to hold one with, and so none
+to leak or count twice when the manager is back); one that needs a wake, which only the manager
+decides, is a 503 with Retry-After. The first answer from the manager ends it.
 """
 
 from __future__ import annotations
@@ -85,6 +91,18 @@ class Served:
 log = logging.getLogger("memsvc.gateway")
 
 
+def manager_away(exc: BaseException) -> bool:
+    """The manager did not answer (no connection, or no answer in time), as opposed to answering with
+    an error of its own, which carries an ErrorInfo (an unreachable worker's UNAVAILABLE does)."""
+    from memsvc._rpc_errors import error_info
+
+    if not isinstance(exc, grpc.aio.AioRpcError):
+        return False
+    if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
+        return False
+    return error_info(exc) is None
+
+
 @dataclass
 class _Held:
     """A lease the gateway took, and the loop time by which the manager drops it at the latest unless
@@ -115,6 +133,10 @@ class Backends:
         gateway took, each for the lease's TTL at most."""
         self._renewals: set[asyncio.Task[None]] = set()
         self._closing = asyncio.Event()
+        self._last_models: dict[str, list[Served]] | None = None
+        """The manager's last answer to :meth:`models`: what the gateway serves from while it is away."""
+        self.manager_away = False
+        """The manager's last call failed with no answer (see :func:`manager_away`)."""
 
     async def close(self) -> None:
         """Stop renewing; give the releases still being retried one last short attempt, and those in
@@ -136,10 +158,36 @@ class Backends:
             self._workers[address] = (ch, w_grpc.ModelWorkerServiceStub(ch))
         return self._workers[address][1]
 
+    def _away(self, exc: grpc.aio.AioRpcError) -> bool:
+        """Note whether ``exc`` says the manager is away (logged once per absence); True if it does."""
+        away = manager_away(exc)
+        if away and not self.manager_away:
+            log.warning("the manager does not answer (%s): serving the models whose workers were awake from the "
+                        "last list, without leases; wakes wait for it", exc.code().name)  # fmt: skip
+        self.manager_away = self.manager_away or away
+        return away
+
+    def _back(self) -> None:
+        if self.manager_away:
+            log.info("the manager answers again: requests take leases again")
+        self.manager_away = False
+
     async def models(self, timeout: float = 10.0) -> dict[str, list[Served]]:
         """Every served model name and its workers. Workers that report no model are left out, but
         the unavailable ones among them (registered, not heard from since the manager started) are
-        counted in :attr:`unknown_unavailable`: one of them may serve any model asked for."""
+        counted in :attr:`unknown_unavailable`: one of them may serve any model asked for. While the
+        manager is away, its last answer (if there was one; the error otherwise)."""
+        try:
+            models = await self._list_models(timeout)
+        except grpc.aio.AioRpcError as exc:
+            if self._away(exc) and self._last_models is not None:
+                return self._last_models
+            raise
+        self._back()
+        self._last_models = models
+        return models
+
+    async def _list_models(self, timeout: float) -> dict[str, list[Served]]:
         out: dict[str, list[Served]] = {}
         unknown = 0
         token = ""
@@ -195,11 +243,16 @@ class Backends:
             call = asyncio.ensure_future(self.manager.AcquireWorker(request, timeout=timeout))
             try:
                 r: m.AcquireWorkerResponse = await asyncio.shield(call)
+                self._back()
                 return Granted(r, asked - start)
             except asyncio.CancelledError:
                 self._release_when_granted(call)
                 raise
             except grpc.aio.AioRpcError as exc:
+                if self._away(exc) and worker.state == c.WORKER_STATE_AWAKE:
+                    # awake when last seen: served by it, with no lease to hold or give back
+                    return Granted(m.AcquireWorkerResponse(worker=m.Worker(name=worker.name, address=worker.address)),
+                                   asked - start)  # fmt: skip
                 left = give_up - loop.time()
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
                     raise
@@ -327,6 +380,9 @@ class Backends:
         """Hold a lease on ``worker`` (see :meth:`acquire`) for the block, renewed while it runs
         (:meth:`_renew`); released however it ends (:meth:`_release`)."""
         granted = await self.acquire(worker, holder, timeout, queue_s, keep_alive_s)
+        if not granted.response.lease.lease_id:  # the manager away: nothing to renew or give back
+            yield granted
+            return
         held = self._held(granted.response.lease.lease_id, worker.name)
         renew = self._acquire_request(worker.name, holder, keep_alive_s, held.lease_id)
         renewing = asyncio.create_task(self._renew(held, renew))
@@ -347,4 +403,5 @@ __all__ = [
     "Backends",
     "Granted",
     "Served",
+    "manager_away",
 ]

@@ -68,6 +68,13 @@ class GatewayMetrics:
             ["model"],
             registry=r,
         )
+        self.unleased = Counter(
+            "memsvc_gateway_unleased",
+            "Requests sent to a worker without a lease: the manager did not answer, and the model's worker was "
+            "awake when it last did",
+            ["model"],
+            registry=r,
+        )
         self.completion_tokens = Counter(
             "memsvc_gateway_completion_tokens", "Tokens generated for the gateway's clients", ["model"], registry=r
         )
