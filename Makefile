@@ -13,8 +13,17 @@ $(VENV)/.deps: pyproject.toml
 	$(PIP) install -q -e '.[worker,gateway,dev]'
 	touch $@
 
-build: $(VENV)/.deps
+build: $(VENV)/.deps $(VENV)/bin/promtool
 	$(PIP) install -q --no-deps --no-build-isolation -e .
+
+# Debian's promtool (the prometheus package's binary alone, not the service), for the checks of
+# deploy/prometheus and deploy/grafana in tests/test_operator_kit.py.
+$(VENV)/bin/promtool: $(VENV)/.deps
+	rm -rf .promtool && mkdir .promtool
+	cd .promtool && (apt-get download -q prometheus || (apt-get update -qq && apt-get download -q prometheus))
+	dpkg -x .promtool/prometheus_*.deb .promtool/x
+	cp .promtool/x/usr/bin/promtool $@
+	rm -rf .promtool
 
 # The image's build stage runs this same target. Two wheels: memsvc (services, client, native
 # extension) and memsvc-api (api/: the generated stubs alone, pure Python), which memsvc depends on.

@@ -87,6 +87,11 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     assert (_sample(scrape, "memsvc_worker_mapped_bytes", worker=WID, tag="weights") or 0) > 0
     # the load at the worker's start (TransitionStats.kind "load") is counted once, from its first snapshot
     assert _sample(scrape, "memsvc_worker_transitions_total", worker=WID, kind="load") == 1.0
+    # what it serves where, for per-model panels without a hand join: one series, as GetWorker says
+    status = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{WID}"), timeout=10).worker.status
+    info = [dict(k[1]) for k, v in scrape.items() if k[0] == "memsvc_worker_info" and v == 1.0]
+    assert info == [{"worker": WID, "model": status.model.served_model_name, "backend": "host", "device": "0"}]
+    assert status.model.served_model_name
 
     stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{WID}"), timeout=60)
     wait_state(stub, WID, c.WORKER_STATE_ASLEEP)
@@ -142,6 +147,9 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     scrape = mgr.metrics()
     assert _sample(scrape, "memsvc_worker_up", worker=WID) == 0.0
     assert _sample(scrape, "memsvc_worker_state", worker=WID, state="unavailable") == 1.0
+
+    stub.DeregisterWorker(m.DeregisterWorkerRequest(name=f"workers/{WID}"), timeout=10)
+    assert not [k for k in mgr.metrics() if dict(k[1]).get("worker") == WID], "a deregistered worker's series stayed"
 
 
 def test_metrics_count_idle_sleeps_and_budget_evictions(cluster: Cluster) -> None:

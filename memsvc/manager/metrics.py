@@ -98,7 +98,14 @@ class ManagerMetrics:
             "memsvc_worker_paused_generations", "Generate calls paused on the worker until its next wake", ["worker"],
             registry=r,
         )  # fmt: skip
+        self.info = Gauge(
+            "memsvc_worker_info",
+            "1 per worker, labelled with what it serves where: join on worker for per-model panels",
+            ["worker", "model", "backend", "device"],
+            registry=r,
+        )
         self._tags: dict[str, set[str]] = {}
+        self._info: dict[str, tuple[str, str, str, str]] = {}
 
     def serve(self, listen: str, token: str = "") -> tuple[str, int]:
         """Serve ``/metrics`` and ``/healthz`` on ``listen`` (``host:0`` picks a port) from a daemon
@@ -117,6 +124,12 @@ class ManagerMetrics:
         self.leases.labels(worker_id).set(leases)
         if status is None:
             return
+        labels = (worker_id, status.model.served_model_name, status.device.backend, str(status.device.index))
+        if self._info.get(worker_id) != labels:  # one series per worker: the old one goes when it changes
+            if worker_id in self._info:
+                self.info.remove(*self._info[worker_id])
+            self._info[worker_id] = labels
+            self.info.labels(*labels).set(1)
         self.device_free.labels(worker_id).set(status.device.free_bytes)
         self.host_pinned.labels(worker_id).set(status.host_pinned_bytes)
         self.disk.labels(worker_id).set(status.disk_bytes)
@@ -140,6 +153,8 @@ class ManagerMetrics:
         for s in STATES:
             with contextlib.suppress(KeyError):
                 self.state.remove(worker_id, s)
+        if worker_id in self._info:
+            self.info.remove(*self._info.pop(worker_id))
         for tag in self._tags.pop(worker_id, set()):
             for per_tag in (self.mapped, self.offloaded, self.allocated):
                 with contextlib.suppress(KeyError):
