@@ -13,7 +13,7 @@ $(VENV)/.deps: pyproject.toml
 	$(PIP) install -q -e '.[worker,gateway,dev]'
 	touch $@
 
-build: $(VENV)/.deps $(VENV)/bin/promtool
+build: $(VENV)/.deps $(VENV)/bin/promtool $(VENV)/bin/kubectl
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
 # Debian's promtool (the prometheus package's binary alone, not the service), for the checks of
@@ -24,6 +24,15 @@ $(VENV)/bin/promtool: $(VENV)/.deps
 	dpkg -x .promtool/prometheus_*.deb .promtool/x
 	cp .promtool/x/usr/bin/promtool $@
 	rm -rf .promtool
+
+# Debian's kubectl (kubernetes-client), for its built-in kustomize: tests/test_kubernetes.py renders
+# deploy/kubernetes with it.
+$(VENV)/bin/kubectl: $(VENV)/.deps
+	rm -rf .kubectl && mkdir .kubectl
+	cd .kubectl && (apt-get download -q kubernetes-client || (apt-get update -qq && apt-get download -q kubernetes-client))
+	dpkg -x .kubectl/kubernetes-client_*.deb .kubectl/x
+	cp .kubectl/x/usr/bin/kubectl $@
+	rm -rf .kubectl
 
 # The image's build stage runs this same target. Two wheels: memsvc (services, client, native
 # extension) and memsvc-api (api/: the generated stubs alone, pure Python), which memsvc depends on.

@@ -224,3 +224,43 @@ def test_a_pausing_sleep_keeps_streams_and_they_go_on_with_their_alone_tokens(gp
     kv = after.kv_cache
     assert kv.device_free_block_count == kv.device_block_count and kv.host_free_block_count == kv.host_block_count
     print(f"paused {paused} streams mid-generation; all resumed with their alone tokens")
+
+
+def test_a_standby_handed_the_same_flags_serves_the_same_tokens_and_sleeps_as_deep(gpu_worker: WorkerProcess) -> None:
+    """``memsvc worker --standby --backend cuda`` (torch, its CUDA context and cuBLAS made before the
+    flags come: worker/standby.py), handed this module's worker's flags: its greedy tokens are the
+    plain worker's, and a level-1 sleep gives back the device memory its weights and KV cache map."""
+    import json
+    import re
+    import signal
+    import sys
+
+    from childproc import Proc
+    from workerproc import _LISTENING, _READY
+
+    before = list(_generate(gpu_worker).token_ids)
+    proc = Proc([sys.executable, "-m", "memsvc.cli", "worker", "--standby", "--backend", "cuda"], name="standby",
+                new_session=False, stdin=True)  # fmt: skip
+    proc.start()
+    try:
+        proc.wait_lines([re.compile(r"^memsvc worker standby ready on cuda:0 in ")], 300)
+        flags = ["--listen", "127.0.0.1:0", "--backend", "cuda", "--model", "synthetic:1b", "--kv-blocks", "1024",
+                 "--host-kv-blocks", "256"]  # fmt: skip
+        proc.write_stdin(json.dumps(flags) + "\n")
+        listening, _ = proc.wait_lines([_LISTENING, _READY], 300)
+        handed = WorkerProcess(flags)
+        handed.address = listening["address"]
+        try:
+            assert list(_generate(handed).token_ids) == before
+            tags = _tags(handed)
+            mapped = tags["weights"].mapped_bytes + tags["kv_cache"].mapped_bytes
+            free_awake = handed.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.device.free_bytes
+            r = handed.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=120)
+            assert r.status.device.free_bytes - free_awake >= 0.99 * mapped
+            handed.stub.WakeUp(w.WakeUpRequest(), timeout=120)
+            assert list(_generate(handed).token_ids) == before
+        finally:
+            handed.close_channel()
+        assert proc.signal_and_wait(signal.SIGTERM, 120) == 0
+    finally:
+        proc.close()

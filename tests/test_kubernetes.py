@@ -1,0 +1,158 @@
+"""deploy/kubernetes: a kustomize base (manager, workers, gateway) and overlays, rendered as
+operators render them (``kubectl kustomize``: Debian's kubectl, which the Makefile puts in .venv/bin)
+and checked:
+
+- every object against the Kubernetes API's schemas (``kubernetes-validate``, strict: no unknown
+  field), for the oldest and newest releases the manifests claim (1.27: native gRPC probes are GA
+  since 1.27; and 1.33);
+- every object what memsvc needs of it: each container's command is a memsvc command, its MEMSVC_*
+  variables are ones that command reads, a gRPC probe names the service the process serves, probes
+  and Services point at ports the containers declare, each worker asks for one GPU and registers
+  under its pod's name and address, and the two models' StatefulSets and Services select apart;
+- the Prometheus operator's ServiceMonitors (no schema in the API's) scrape the ports and paths the
+  manager and the gateway serve, with the token's secret.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+import kubernetes_validate
+import pytest
+import yaml
+
+from memsvc import cli
+
+REPO_ROOT = Path(__file__).resolve().parent.parent
+KUBE = REPO_ROOT / "deploy" / "kubernetes"
+OVERLAYS = ("one-gpu", "two-models", "monitoring")
+VERSIONS = ("1.27", "1.33")
+SERVICES = {
+    "manager": "memsvc.v1.MemoryManagerService",
+    "worker": "memsvc.v1.ModelWorkerService",
+}
+
+
+def kubectl() -> str:
+    found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
+    assert found, "kubectl is missing: `make build` puts Debian's in .venv/bin"
+    return found
+
+
+def render(overlay: str) -> list[dict[str, Any]]:
+    done = subprocess.run([kubectl(), "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True,
+                          text=True, timeout=120)  # fmt: skip
+    assert done.returncode == 0, done.stderr
+    return [d for d in yaml.safe_load_all(done.stdout) if d]
+
+
+def variables(command: str) -> set[str]:
+    """The MEMSVC_* variables ``memsvc <command>`` reads (its flags' defaults)."""
+    parser = cli.build_parser()
+    sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    actions = sub.choices[command]._actions
+    return {str(a.default.variable) for a in actions if getattr(a.default, "variable", None)}
+
+
+def selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
+    """Whether ``selector`` picks ``workload``'s pods."""
+    labels: dict[str, str] = workload["spec"]["template"]["metadata"]["labels"]
+    return selector.items() <= labels.items()
+
+
+def containers(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
+    return [(o, c) for o in objects if o["kind"] in ("Deployment", "StatefulSet")
+            for c in o["spec"]["template"]["spec"]["containers"]]  # fmt: skip
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_every_object_passes_the_kubernetes_schemas(overlay: str) -> None:
+    objects = render(overlay)
+    assert objects
+    for version in VERSIONS:
+        for obj in objects:
+            if obj["apiVersion"].startswith("monitoring.coreos.com/"):
+                continue  # a CRD: checked below
+            kubernetes_validate.validate(obj, version, strict=True)
+
+
+@pytest.mark.parametrize("overlay", OVERLAYS)
+def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
+    objects = render(overlay)
+    for obj, c in containers(objects):
+        (command,) = c["args"]
+        assert command in ("manager", "worker", "gateway") and c["image"].startswith("memsvc"), c
+        names = {e["name"] for e in c["env"]}
+        unknown = {n for n in names if n.startswith("MEMSVC_")} - variables(command)
+        assert not unknown, f"{obj['metadata']['name']}: memsvc {command} reads no {sorted(unknown)}"
+        env = {e["name"]: e.get("value") for e in c["env"]}
+        assert env["MEMSVC_TOKEN_FILE"] == "/etc/memsvc/token/token"
+        mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+        claims = {t["metadata"]["name"] for t in obj["spec"].get("volumeClaimTemplates", [])}
+        assert set(mounts) <= set(volumes) | claims, (mounts, volumes)
+        assert volumes["token"]["secret"]["secretName"] == "memsvc-token" and mounts["token"] == "/etc/memsvc/token"
+        ports = {p["name"]: p["containerPort"] for p in c["ports"]}
+        for kind in ("startupProbe", "readinessProbe", "livenessProbe"):
+            probe = c.get(kind)
+            if probe is None:
+                continue
+            if "grpc" in probe:
+                assert probe["grpc"]["port"] in ports.values()
+                assert probe["grpc"].get("service", SERVICES[command]) in ("", SERVICES[command])
+            else:
+                assert probe["httpGet"]["port"] in ports and probe["httpGet"]["path"] in ("/healthz", "/readyz")
+        if command == "manager":
+            assert env["MEMSVC_DB"].startswith(mounts["state"]) and obj["spec"]["replicas"] == 1
+            assert env["MEMSVC_MANAGER_LISTEN"].endswith(f":{ports['grpc']}")
+            assert env["MEMSVC_METRICS_LISTEN"].endswith(f":{ports['metrics']}")
+        if command == "worker":
+            assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and env["MEMSVC_DEVICE"] == "0"
+            assert env["MEMSVC_WORKER_ID"] == "$(POD_NAME)" and env["MEMSVC_ADVERTISE"] == f"$(POD_IP):{ports['grpc']}"
+            assert env["MEMSVC_WORKER_LISTEN"].endswith(f":{ports['grpc']}")
+            assert env["MEMSVC_MANAGER"] == "memsvc-manager:50051"
+            assert env["MEMSVC_OFFLOAD_DIR"] == mounts["offload"]
+        if command == "gateway":
+            assert env["MEMSVC_GATEWAY_LISTEN"].endswith(f":{ports['http']}")
+            assert env["MEMSVC_MANAGER"] == "memsvc-manager:50051"
+    # every Service selects the pods of one workload, at ports they declare
+    services = [o for o in objects if o["kind"] == "Service"]
+    for svc in services:
+        chosen = [(o, c) for o, c in containers(objects) if selects(svc["spec"]["selector"], o)]
+        assert len({o["metadata"]["name"] for o, _ in chosen}) == 1, svc["metadata"]["name"]
+        declared = {p["name"] for _, c in chosen for p in c["ports"]}
+        assert {p["targetPort"] for p in svc["spec"]["ports"]} <= declared
+    for obj in objects:
+        if obj["kind"] == "StatefulSet":
+            assert obj["spec"]["serviceName"] in {s["metadata"]["name"] for s in services}
+            assert selects(obj["spec"]["selector"]["matchLabels"], obj)
+
+
+def test_two_models_are_two_worker_sets_with_their_own_model() -> None:
+    objects = render("two-models")
+    models = {
+        o["metadata"]["name"]: {e["name"]: e.get("value") for e in c["env"]}["MEMSVC_MODEL"]
+        for o, c in containers(objects)
+        if c["args"] == ["worker"]
+    }
+    assert models == {"memsvc-worker": "synthetic:1b", "memsvc-worker-qwen": "Qwen/Qwen2.5-0.5B-Instruct"}
+    assert all(o["metadata"].get("namespace") == "memsvc" for o in objects)
+
+
+def test_the_service_monitors_scrape_what_the_manager_and_gateway_serve() -> None:
+    objects = render("monitoring")
+    monitors = {o["metadata"]["name"]: o for o in objects if o["kind"] == "ServiceMonitor"}
+    assert set(monitors) == {"memsvc-manager", "memsvc-gateway"}
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    for name, mon in monitors.items():
+        assert mon["apiVersion"] == "monitoring.coreos.com/v1"
+        assert mon["spec"]["selector"]["matchLabels"].items() <= services[name]["metadata"]["labels"].items()
+        (endpoint,) = mon["spec"]["endpoints"]
+        assert endpoint["port"] in {p["name"] for p in services[name]["spec"]["ports"]}
+        assert endpoint["path"] == "/metrics"
+        assert endpoint["authorization"]["credentials"] == {"name": "memsvc-token", "key": "token"}
