@@ -74,7 +74,7 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
-    "warm_up": re.compile(r"warm-up: kernels compiled and the one-sequence decode captured in (?P<s>[\d.]+) s"),
+    "warm_up": re.compile(r"warm-up: kernels compiled.* in (?P<s>[\d.]+) s"),
     "ready": re.compile(r"^memsvc worker \S+ ready: "),
     "first_graph": re.compile(r"cuda graphs: batch \d+ captured in (?P<s>[\d.]+) s \(1 of"),
     "graphs_done": re.compile(r"cuda graphs: \d+ of \d+ buckets captured in the background"),

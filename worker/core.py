@@ -200,10 +200,9 @@ class WorkerCore:
                 # captured in the background, once serving: the tag exists (empty) from the start, so
                 # a Sleep or WakeUp naming it does not depend on how far the capture got
                 self.alloc.register_tag(CUDA_GRAPHS)
-            if self.runner.graphs is not None:  # the first request must not pay for compiling kernels
-                log.info(
-                    "warm-up: kernels compiled and the one-sequence decode captured in %.2f s", self.runner.warm_up()
-                )
+            if self.alloc.backend == "cuda":  # the first request must not pay for compiling kernels
+                captured = " and the one-sequence decode captured" if self.runner.graphs is not None else ""
+                log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up())
             self._host_release = HostRelease(self.alloc, self._device_loop, self._loop, self.runner.engine.last_busy)
             self._device = self._describe_device()
             info: dict[str, Any] = dict(self.runner.info())
