@@ -16,23 +16,23 @@ $(VENV)/.deps: pyproject.toml
 build: $(VENV)/.deps $(VENV)/bin/promtool $(VENV)/bin/kubectl
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
-# Debian's promtool (the prometheus package's binary alone, not the service), for the checks of
-# deploy/prometheus and deploy/grafana in tests/test_operator_kit.py.
-$(VENV)/bin/promtool: $(VENV)/.deps
-	rm -rf .promtool && mkdir .promtool
-	cd .promtool && (apt-get download -q prometheus || (apt-get update -qq && apt-get download -q prometheus))
-	dpkg -x .promtool/prometheus_*.deb .promtool/x
-	cp .promtool/x/usr/bin/promtool $@
-	rm -rf .promtool
+# One program out of a Debian package, unpacked and not installed (no service, no maintainer scripts):
+# $(call deb-program,PACKAGE,PROGRAM,TARGET)
+define deb-program
+	rm -rf .deb-$(1) && mkdir .deb-$(1)
+	cd .deb-$(1) && (apt-get download -q $(1) || (apt-get update -qq && apt-get download -q $(1)))
+	dpkg -x .deb-$(1)/$(1)_*.deb .deb-$(1)/x
+	cp .deb-$(1)/x/usr/bin/$(2) $(3)
+	rm -rf .deb-$(1)
+endef
 
-# Debian's kubectl (kubernetes-client), for its built-in kustomize: tests/test_kubernetes.py renders
-# deploy/kubernetes with it.
+# promtool checks deploy/prometheus and deploy/grafana (tests/test_operator_kit.py)
+$(VENV)/bin/promtool: $(VENV)/.deps
+	$(call deb-program,prometheus,promtool,$@)
+
+# kubectl's built-in kustomize renders deploy/kubernetes (tests/test_kubernetes.py)
 $(VENV)/bin/kubectl: $(VENV)/.deps
-	rm -rf .kubectl && mkdir .kubectl
-	cd .kubectl && (apt-get download -q kubernetes-client || (apt-get update -qq && apt-get download -q kubernetes-client))
-	dpkg -x .kubectl/kubernetes-client_*.deb .kubectl/x
-	cp .kubectl/x/usr/bin/kubectl $@
-	rm -rf .kubectl
+	$(call deb-program,kubernetes-client,kubectl,$@)
 
 # The image's build stage runs this same target. Two wheels: memsvc (services, client, native
 # extension) and memsvc-api (api/: the generated stubs alone, pure Python), which memsvc depends on.
