@@ -218,12 +218,12 @@ def from_rpc_error(err: grpc.RpcError, peer: str = "") -> MemsvcError:
     details = err.details() if hasattr(err, "details") else str(err)
     prefix = f"worker {peer}: " if peer else ""
     message = prefix + (details or code.name)
-    info = error_info(err) if code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) else None
-    metadata = dict(info.metadata) if info else {}
     retry = retry_delay(err) if code == grpc.StatusCode.UNAVAILABLE else None
-    if retry is not None and info is None:
-        info = error_info(err)  # a server's own UNAVAILABLE (a Loading), not the transport's
-        metadata = dict(info.metadata) if info else {}
+    # the transport's UNAVAILABLE and DEADLINE_EXCEEDED carry no detail of ours; a server's own
+    # UNAVAILABLE with a retry delay (a loading worker's) does
+    own = code not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED) or retry is not None
+    info = error_info(err) if own else None
+    metadata = dict(info.metadata) if info else {}
     cls = _FROM_REASON.get((code.name, info.reason)) if info else None
     cls = cls or _FROM_CODE.get(code)
     if cls is not None:

@@ -1041,7 +1041,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``memsvc worker --standby`` (worker/standby.py): prepared, then the worker its flags say."""
-    from memsvc._logging import announce
+    from memsvc._logging import announce, configure
     from memsvc.errors import InvalidArgument
     from worker.standby import wait_for_flags
 
@@ -1057,6 +1057,7 @@ def _standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
         prepared, named = (f"--backend {a.backend} --device {a.device}" for a in (args, handed))
         announce(f"memsvc worker: error: this standby was prepared for {prepared}; its flags name {named}", sys.stderr)
         return 2
+    configure(handed.log_level, handed.log_format)  # the worker's own, as its flags say
     return _worker(parser, handed)
 
 

@@ -25,6 +25,7 @@ from memsvc.v1 import model_worker_service_pb2 as w
 
 STANDBY_READY = re.compile(r"^memsvc worker standby ready on (?P<where>\S+) in [\d.]+ s; waiting for its flags$")
 FLAGS = ["--listen", "127.0.0.1:0", "--backend", "host", "--model", "synthetic:tiny", "--seed", "3"]
+"""A worker's flags; the standby test hands them with ``--log-format json``, which must then apply."""
 REQUEST = w.GenerateRequest(prompt_token_ids=[5, 9, 2, 7], max_new_tokens=8)
 
 
@@ -49,7 +50,7 @@ def test_a_standby_handed_its_flags_serves_as_the_worker_they_name(reference_tok
     proc = standby()
     try:
         assert not any(_LISTENING.match(line) for line in proc.lines), "a standby listens only once it has flags"
-        proc.write_stdin(json.dumps(FLAGS) + "\n")
+        proc.write_stdin(json.dumps([*FLAGS, "--log-format", "json"]) + "\n")
         listening, _ = proc.wait_lines([_LISTENING, _READY], READY_TIMEOUT)
         wp = WorkerProcess(FLAGS)
         wp.address = listening["address"]
@@ -60,6 +61,8 @@ def test_a_standby_handed_its_flags_serves_as_the_worker_they_name(reference_tok
             wp.close_channel()
         assert proc.signal_and_wait(signal.SIGTERM) == 0
         assert proc.lines[-1].endswith(" stopped"), proc.lines[-3:]
+        logged = [line for line in proc.stderr_text().splitlines() if "weights:" in line]
+        assert logged and json.loads(logged[0])["logger"], "the handed flags' --log-format did not apply"
     finally:
         proc.close()
 
