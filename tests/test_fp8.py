@@ -240,12 +240,30 @@ def our_logits(runner: ModelRunner, sequence: list[int]) -> torch.Tensor:
         kv.free_sequence("teacher-forced")
 
 
+def same_up_to_a_near_tie(mine: list[int], tokens: list[int], ours: torch.Tensor, theirs: torch.Tensor) -> None:
+    """Our greedy tokens are transformers' (``tokens``, whose sequence both logits are read along) up
+    to the first position where its choice and ours are closer in its logits than ours are from its
+    there: a near-tie that a product's rounding decides either way. After it the two continue
+    different texts, which are not compared."""
+    i = next((j for j, (a, b) in enumerate(zip(mine, tokens, strict=True)) if a != b), None)
+    if i is None:
+        return
+    row = len(PROMPT) - 1 + i
+    gap = float(theirs[row, tokens[i]] - theirs[row, mine[i]])
+    drift = float((ours[row] - theirs[row]).abs().max())
+    print(
+        f"\ntoken {i}: ours {mine[i]}, transformers' {tokens[i]}: {gap:.4f} apart in its logits, ours {drift:.4f} off"
+    )
+    assert 0 <= gap <= 2 * drift, (i, gap, drift)
+
+
 def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     checkpoints: Checkpoints, alloc: MemoryAllocator
 ) -> None:
     """On the host backend (the operands dequantised, in transformers' order) and on CUDA (FP8
-    products through ``torch._scaled_mm``): transformers' greedy tokens, its logits within the
-    bfloat16 bar, and as close to the float32 scheme as transformers is."""
+    products through ``torch._scaled_mm``, rounded once where transformers rounds twice): its logits
+    within the bfloat16 bar, as close to the float32 scheme as transformers is, and its greedy tokens
+    (on CUDA up to the first near-tie, see :func:`same_up_to_a_near_tie`)."""
     runner = ModelRunner(alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4)
     config = runner.config
     assert config.fp8 is not None and runner.weights["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
@@ -254,8 +272,12 @@ def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     assert config.param_bytes() == held < plain.param_bytes(), "FP8 matrices are one byte a parameter"
     reference = checkpoints.reference(torch.bfloat16)
     tokens, sequence = greedy(reference)
-    assert runner.generate(PROMPT, NEW) == tokens
+    mine = runner.generate(PROMPT, NEW)
     ours, theirs = our_logits(runner, sequence), logits(reference, sequence)
+    if alloc.backend == "host":
+        assert mine == tokens
+    else:
+        same_up_to_a_near_tie(mine, tokens, ours, theirs)
     assert float(relative_errors(ours, theirs).max()) <= 3e-2  # tests/test_reference.py's bfloat16 bar
     truth = logits(checkpoints.reference(torch.float32), sequence)
     ours_off, theirs_off = (float(relative_errors(x, truth).max()) for x in (ours, theirs))

@@ -59,10 +59,14 @@ class Rope:
         exponents = torch.arange(0, d, 2, dtype=torch.int64).float() / d
         s = config.rope_scaling
         if s is not None and s.rope_type == "longrope":
-            # transformers' order: 1 / (factor * base ** (i / d)), each factor a float32
-            short, long = (torch.tensor(f, dtype=torch.float32) for f in (s.short_factor, s.long_factor))
-            powers = config.rope_theta**exponents
-            return cls((1.0 / (short * powers)).to(device), (1.0 / (long * powers)).to(device), s.attention_factor)
+            # transformers' order: 1 / (factor * base ** (i / d)), each factor a float32; and its
+            # devices: the short factors' at the model's construction (the CPU), the long ones' when a
+            # call first reads past the original context, on the device it runs on (the last bits of
+            # a power differ between the two)
+            short = 1.0 / (torch.tensor(s.short_factor, dtype=torch.float32) * config.rope_theta**exponents)
+            there = torch.arange(0, d, 2, dtype=torch.int64, device=device).float() / d
+            long = 1.0 / (torch.tensor(s.long_factor, dtype=torch.float32, device=device) * config.rope_theta**there)
+            return cls(short.to(device), long, s.attention_factor)
         inv = 1.0 / (config.rope_theta**exponents)
         if s is not None and s.rope_type == "linear":
             inv = inv / s.factor
@@ -368,18 +372,16 @@ def project(
 def _block_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, scale: torch.Tensor) -> torch.Tensor:
     """:func:`project` for transformers' fine-grained FP8: ``w``'s scales one per 128 x 128 block,
     ``x`` quantized per token in groups of 128 columns (scale: the group's largest magnitude /
-    :data:`FP8_MAX`). On CUDA the block-scaled FP8 product (``torch._scaled_mm`` with a ``[n, k / 128]``
-    and a ``[k / 128, m / 128]`` scale: Hopper's FP8 tensor cores, with cuBLAS' block scaling); the
-    host computes the same over the dequantised operands."""
+    :data:`FP8_MAX`), the product over the dequantised operands, on every backend. (cuBLAS' block-scaled
+    FP8 product through ``torch._scaled_mm`` refused the layouts given it on the H200, torch 2.11:
+    CUBLAS_STATUS_NOT_SUPPORTED; until a call it takes is found, block-scaled checkpoints run their
+    products in 16 bits on CUDA too.)"""
     n, k = x.shape
     g = FP8_BLOCK
     x32 = x.float().view(n, k // g, g)
     xs = x32.abs().amax(dim=-1).clamp(min=1e-12) / FP8_MAX  # [n, k / g]
     xq = (x32 / xs[..., None]).clamp(-FP8_MAX, FP8_MAX).to(torch.float8_e4m3fn).view(n, k)
     ws = scale.float()
-    if x.is_cuda:  # the scales in the layouts cuBLAS reads: the activations' outer-dimension-major
-        a_scale = xs.t().contiguous().t()
-        return fp8_product(xq, a_scale, w, ws.t().contiguous(), x.dtype, bias)
     xd = (xq.float().view(n, k // g, g) * xs[..., None]).view(n, k).to(x.dtype)
     wd = (w.float() * ws.repeat_interleave(g, dim=0)[: w.shape[0]].repeat_interleave(g, dim=1)[:, :k]).to(x.dtype)
     return F.linear(xd, wd, bias)
@@ -389,8 +391,8 @@ def fp8_product(
     xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype,
     bias: torch.Tensor | None = None,
 ) -> torch.Tensor:  # fmt: skip
-    """FP8 ``xq [n, k]`` (row scales ``xs [n, 1]``, or per 128-column group ``[n, k / 128]``) times FP8
-    ``w [m, k]`` transposed (row scales ``ws [1, m]``, or per block ``[k / 128, m / 128]``), float32
+    """FP8 ``xq [n, k]`` (row scales ``xs [n, 1]``) times FP8 ``w [m, k]`` transposed (row scales
+    ``ws [1, m]``), float32
     accumulation, in ``dtype`` (``torch._scaled_mm``: Hopper's FP8 tensor cores; the CPU build computes
     the row-scaled one, which is how that is tested without a GPU)."""
     y = torch._scaled_mm(xq, w.t(), scale_a=xs, scale_b=ws, out_dtype=dtype)
