@@ -46,12 +46,31 @@ def reference_tokens() -> Iterator[list[int]]:
         yield list(wp.stub.Generate(REQUEST, timeout=60).token_ids)
 
 
+def fronts(parent: int) -> list[int]:
+    """The pids of ``parent``'s RPC front processes (``python -m worker.rpc_front``)."""
+    found = []
+    for entry in Path("/proc").iterdir():
+        try:
+            ppid = int((entry / "stat").read_text().rsplit(")", 1)[1].split()[1])
+            argv = (entry / "cmdline").read_bytes().split(b"\0")
+        except (OSError, ValueError, IndexError):
+            continue
+        if ppid == parent and b"worker.rpc_front" in argv:
+            found.append(int(entry.name))
+    return found
+
+
 def test_a_standby_handed_its_flags_serves_as_the_worker_they_name(reference_tokens: list[int]) -> None:
+    """...with the RPC front it started ahead (its process and imports done while it waited), and
+    logging as the handed flags say."""
     proc = standby()
     try:
         assert not any(_LISTENING.match(line) for line in proc.lines), "a standby listens only once it has flags"
+        ahead = fronts(proc.pid)
+        assert len(ahead) == 1, ahead
         proc.write_stdin(json.dumps([*FLAGS, "--log-format", "json"]) + "\n")
         listening, _ = proc.wait_lines([_LISTENING, _READY], READY_TIMEOUT)
+        assert fronts(proc.pid) == ahead, "the worker started a front of its own"
         wp = WorkerProcess(FLAGS)
         wp.address = listening["address"]
         try:
@@ -67,16 +86,32 @@ def test_a_standby_handed_its_flags_serves_as_the_worker_they_name(reference_tok
         proc.close()
 
 
+def test_a_standby_handed_an_inline_front_ends_the_front_it_started_ahead() -> None:
+    proc = standby()
+    try:
+        (ahead,) = fronts(proc.pid)
+        proc.write_stdin(json.dumps([*FLAGS, "--rpc-front", "inline"]) + "\n")
+        proc.wait_lines([_LISTENING, _READY], READY_TIMEOUT)
+        assert fronts(proc.pid) == [] and not Path(f"/proc/{ahead}").exists()
+        assert proc.signal_and_wait(signal.SIGTERM) == 0
+    finally:
+        proc.close()
+
+
 def test_a_standby_that_is_not_needed_exits_0_at_the_end_of_its_input_or_a_signal() -> None:
+    """...and the front it started ahead ends with it (its input ends)."""
     for end in (None, signal.SIGTERM, signal.SIGINT):
         proc = standby()
         try:
+            (ahead,) = fronts(proc.pid)
             if end is None:
                 proc.write_stdin("")
                 assert proc.wait() == 0, proc.failure("exit code at the end of its input")
             else:
                 assert proc.signal_and_wait(end) == 0, proc.failure(f"exit code after {end.name}")
             assert "Traceback" not in proc.stderr_text()
+            gone = Path(f"/proc/{ahead}/cmdline")
+            wait_for(gone.exists, lambda alive: not alive, what="the front started ahead to end")
         finally:
             proc.close()
 

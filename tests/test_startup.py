@@ -293,7 +293,8 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     assert parts["layers"]["import_torch_s"] > 0 and parts["layers"]["import_model_layer_s"] > 0
     assert parts["native"]["allocator_s"] >= 0 and parts["fork"]["fork_to_cuda_ready_s"] > 0
     assert "torch" in [r["package"] for r in parts["import_times"]]
-    assert [t["passed"] for t in res["targets"]][2] is True
+    targets = {t["target"]: t["passed"] for t in res["targets"]}
+    assert targets["the same tokens before and after the graphs are captured"] is True
     cold = res["cold"]
     assert cold["read_floor"]["bytes"] > 0 and cold["worker"]["serving_s"] > 0 and cold["serving_vs_read_floor"] > 0
     assert cold["transformers"]["loaded_s"] > 0

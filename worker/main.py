@@ -34,7 +34,7 @@ from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.prefetch import CheckpointPrefetch
-from worker.rpc_front import FrontConfig, FrontProcess
+from worker.rpc_front import FrontConfig, FrontProcess, drop_ahead
 from worker.servicer import ModelWorkerServicer
 from worker.token_mux import TokenMux
 
@@ -130,6 +130,7 @@ async def _listen(
         lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)
     ]
     if not sockets:
+        drop_ahead()  # a standby's front, started ahead for a worker that turned out to serve inline
         srv = await start_server(listen, register, [SERVICE_NAME], security=sec)
         return srv, None, srv.address
     inner = f"unix:{sockets}/device.sock"

@@ -29,6 +29,7 @@ import logging
 import os
 import shutil
 import signal
+import subprocess
 import sys
 import time
 from collections.abc import AsyncIterator, Callable
@@ -319,29 +320,99 @@ class FrontConfig:
     process died, at whatever moment of this one's life), the socket directory is the front's to remove."""
 
 
+_ARGV = (sys.executable, "-m", "worker.rpc_front")
+_ahead: subprocess.Popen[bytes] | None = None
+"""A front started ahead (:func:`start_ahead`), waiting for its config on its stdin."""
+
+
+def start_ahead() -> None:
+    """Start a front now, before its config is known, for the next :meth:`FrontProcess.start` (a
+    standby worker's: worker/standby.py): its interpreter and imports, half a second, are then done by
+    the time the worker listens. Its input ending (this process exiting first) ends it."""
+    global _ahead
+    if _ahead is None:
+        _ahead = subprocess.Popen(_ARGV, stdin=subprocess.PIPE, stdout=subprocess.PIPE)
+
+
+def drop_ahead() -> None:
+    """End the front started ahead, if any (a worker that serves inline has no use for it)."""
+    global _ahead
+    if _ahead is not None and _ahead.stdin is not None:
+        _ahead.stdin.close()
+        _ahead.wait()
+    _ahead = None
+
+
+class _Child:
+    """The front's process as FrontProcess drives it: one asyncio started, or one started ahead (a
+    ``Popen``, its stdout read through the loop, its exit waited for on a thread)."""
+
+    def __init__(self, spawned: asyncio.subprocess.Process | None, popen: subprocess.Popen[bytes] | None,
+                 reader: asyncio.StreamReader | None) -> None:  # fmt: skip
+        self._spawned, self._popen, self._reader = spawned, popen, reader
+
+    @classmethod
+    async def start(cls) -> _Child:
+        global _ahead
+        popen, _ahead = _ahead, None
+        if popen is None or popen.poll() is not None:
+            spawned = await asyncio.create_subprocess_exec(
+                *_ARGV, stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
+            )
+            return cls(spawned, None, None)
+        reader = asyncio.StreamReader()
+        await asyncio.get_running_loop().connect_read_pipe(lambda: asyncio.StreamReaderProtocol(reader), popen.stdout)
+        return cls(None, popen, reader)
+
+    def write(self, data: bytes) -> None:
+        if self._spawned is not None:
+            assert self._spawned.stdin is not None
+            self._spawned.stdin.write(data)
+        else:
+            assert self._popen is not None and self._popen.stdin is not None
+            self._popen.stdin.write(data)
+            self._popen.stdin.flush()
+
+    async def readline(self) -> bytes:
+        if self._spawned is not None:
+            assert self._spawned.stdout is not None
+            return await self._spawned.stdout.readline()
+        assert self._reader is not None
+        return await self._reader.readline()
+
+    async def wait(self) -> int:
+        if self._spawned is not None:
+            return await self._spawned.wait()
+        assert self._popen is not None
+        return await asyncio.to_thread(self._popen.wait)
+
+    def send_signal(self, sig: int) -> None:
+        process = self._spawned or self._popen
+        assert process is not None
+        with contextlib.suppress(ProcessLookupError):
+            process.send_signal(sig)
+
+
 class FrontProcess:
     """The front as the device process sees it: started, watched, stopped."""
 
-    def __init__(self, process: asyncio.subprocess.Process, address: str) -> None:
+    def __init__(self, process: _Child, address: str) -> None:
         self._process = process
         self.address = address
 
     @classmethod
     async def start(cls, config: FrontConfig) -> FrontProcess:
-        """Start it and wait until it listens; InvalidArgument when it cannot (the address taken)."""
-        process = await asyncio.create_subprocess_exec(
-            sys.executable, "-m", "worker.rpc_front", stdin=asyncio.subprocess.PIPE, stdout=asyncio.subprocess.PIPE
-        )
-        assert process.stdin is not None and process.stdout is not None
-        process.stdin.write(json.dumps(dataclasses.asdict(config)).encode() + b"\n")
+        """Start it (or take the one started ahead) and wait until it listens; InvalidArgument when it
+        cannot (the address taken)."""
+        process = await _Child.start()
+        process.write(json.dumps(dataclasses.asdict(config)).encode() + b"\n")
         try:
-            line = await asyncio.wait_for(process.stdout.readline(), START_TIMEOUT_S)
+            line = await asyncio.wait_for(process.readline(), START_TIMEOUT_S)
             answer = json.loads(line) if line else {"error": f"the RPC front exited ({await process.wait()})"}
         except (TimeoutError, ValueError) as exc:
             answer = {"error": f"the RPC front did not start: {exc!r}"}
         if "address" not in answer:
-            with contextlib.suppress(ProcessLookupError):
-                process.kill()
+            process.send_signal(signal.SIGKILL)
             await process.wait()
             raise InvalidArgument(str(answer.get("error", answer)))
         return cls(process, str(answer["address"]))
@@ -349,8 +420,7 @@ class FrontProcess:
     async def serving(self) -> bool:
         """Wait until the front answers health checks with SERVING (it mirrors the device process's
         health); False if it exited first."""
-        assert self._process.stdout is not None  # read here and in start only, never at once
-        while line := await self._process.stdout.readline():
+        while line := await self._process.readline():  # read here and in start only, never at once
             with contextlib.suppress(ValueError):
                 told = json.loads(line)
                 if isinstance(told, dict) and told.get("serving") is True:
@@ -362,14 +432,12 @@ class FrontProcess:
 
     async def stop(self, drain: float) -> None:
         """SIGTERM: it drains for ``drain`` seconds, then exits (killed if it has not by then)."""
-        with contextlib.suppress(ProcessLookupError):
-            self._process.send_signal(signal.SIGTERM)
+        self._process.send_signal(signal.SIGTERM)
         try:
             await asyncio.wait_for(self._process.wait(), drain + STOP_MARGIN_S)
         except TimeoutError:
             log.error("the RPC front did not exit %.0f s after the stop; killing it", drain + STOP_MARGIN_S)
-            with contextlib.suppress(ProcessLookupError):
-                self._process.kill()
+            self._process.send_signal(signal.SIGKILL)
             await self._process.wait()
 
 
