@@ -5,10 +5,10 @@ Why: before anything of its own, a worker's start imports the model layer (torch
 safetensors, tokenizers: 3.5 s of a 6.3 s warm start on the H200 machine) and makes its device's CUDA
 context. A standby has done both, started cuBLAS and started its RPC front's process (half a second
 more) when it is handed a worker to be, so that start pays only its own part: listening, the
-weights, the KV cache and the kernels' warm-up. ``memsvc up``
-keeps one per device where its file asks (``[workers] standby = true``) and hands it the next worker
-that starts there: a model added by a reload, a worker restarted after it died, a model started on
-demand (docs/operations.md, "Start-up").
+weights, the KV cache and the kernels' warm-up. ``memsvc up`` keeps one per device where its file
+asks (``[workers] standby = true``) and hands it the next worker that starts there: the second model
+of a device, a model added by a reload, a worker restarted after it died (docs/operations.md,
+"Start-up").
 
 The hand-off is one line on standard input: the JSON list of the ``memsvc worker`` flags that the
 start would have had on its command line. They must name the standby's backend and device (its

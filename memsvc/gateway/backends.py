@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from memsvc._auth import Security, aio_channel
+from memsvc._rpc_errors import error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
@@ -94,8 +95,6 @@ log = logging.getLogger("memsvc.gateway")
 def manager_away(exc: BaseException) -> bool:
     """The manager did not answer (no connection, or no answer in time), as opposed to answering with
     an error of its own, which carries an ErrorInfo (an unreachable worker's UNAVAILABLE does)."""
-    from memsvc._rpc_errors import error_info
-
     if not isinstance(exc, grpc.aio.AioRpcError):
         return False
     if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
