@@ -13,11 +13,11 @@ $(VENV)/.deps: pyproject.toml
 	$(PIP) install -q -e '.[worker,gateway,dev]'
 	touch $@
 
-build: $(VENV)/.deps $(VENV)/bin/promtool $(VENV)/bin/kubectl
+build: $(VENV)/.deps
 	$(PIP) install -q --no-deps --no-build-isolation -e .
 
-# One program out of a Debian package, unpacked and not installed (no service, no maintainer scripts):
-# $(call deb-program,PACKAGE,PROGRAM,TARGET)
+# One program out of a Debian package, unpacked and not installed (no service, no maintainer scripts),
+# for the tests only (`make up` needs neither): $(call deb-program,PACKAGE,PROGRAM,TARGET)
 define deb-program
 	rm -rf .deb-$(1) && mkdir .deb-$(1)
 	cd .deb-$(1) && (apt-get download -q $(1) || (apt-get update -qq && apt-get download -q $(1)))
@@ -47,7 +47,7 @@ wheel:
 up: build
 	$(VENV)/bin/memsvc up
 
-test: build wheel
+test: build wheel $(VENV)/bin/promtool $(VENV)/bin/kubectl
 	$(PY) -m ruff check memsvc worker tests bench examples build_support api
 	$(PY) -m ruff format --check memsvc worker tests bench examples build_support api
 	$(PY) -m mypy

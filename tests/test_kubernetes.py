@@ -40,7 +40,7 @@ SERVICES = {
 
 def kubectl() -> str:
     found = shutil.which("kubectl", path=str(Path(sys.executable).parent)) or shutil.which("kubectl")
-    assert found, "kubectl is missing: `make build` puts Debian's in .venv/bin"
+    assert found, "kubectl is missing: `make test` puts Debian's in .venv/bin"
     return found
 
 

@@ -36,7 +36,7 @@ SERIES = re.compile(r"\bmemsvc_[a-z_]+")
 
 def promtool() -> str:
     found = shutil.which("promtool", path=str(Path(sys.executable).parent)) or shutil.which("promtool")
-    assert found, "promtool is missing: `make build` puts Debian's in .venv/bin"
+    assert found, "promtool is missing: `make test` puts Debian's in .venv/bin"
     return found
 
 
