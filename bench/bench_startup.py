@@ -57,6 +57,7 @@ from bench import processes
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from worker.main import MODEL_LAYER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 TARGET_SERVING_S = 2.5
@@ -127,7 +128,7 @@ print(json.dumps({"import_torch_s": t1 - t0, "cuda_init_s": time.perf_counter() 
 
 PROBE = r"""
 import json, os, sys, time
-mode, backend = sys.argv[1], sys.argv[2]
+mode, backend, layer = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
 out = {}
 t0 = time.perf_counter()
 if mode == "native":  # the allocator's CUDA context and pools, made natively, torch not imported
@@ -138,7 +139,9 @@ if mode == "native":  # the allocator's CUDA context and pools, made natively, t
 elif mode == "layers":  # what the worker imports, in order, then CUDA through torch
     import torch
     t1 = time.perf_counter()
-    import worker.model.runner, worker.model.weights, worker.model.paged_attention
+    import importlib
+    for name in layer:
+        importlib.import_module(name)
     t2 = time.perf_counter()
     if backend == "cuda":
         import triton
@@ -148,7 +151,9 @@ elif mode == "layers":  # what the worker imports, in order, then CUDA through t
     out = {"import_torch_s": t1 - t0, "import_model_layer_s": t2 - t1, "import_triton_s": t3 - t2,
            "cuda_init_s": time.perf_counter() - t3}
 elif mode == "fork":  # a fork server: everything imported, no CUDA; a child forked, CUDA made there
-    import torch, worker.model.runner, worker.model.weights, worker.model.paged_attention
+    import importlib, torch
+    for name in layer:
+        importlib.import_module(name)
     if backend == "cuda":
         import triton
     t1 = time.perf_counter()
@@ -168,7 +173,7 @@ print(json.dumps(out), flush=True)
 
 
 def probe_run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    proc = Spawned([sys.executable, "-c", PROBE, mode, args.backend])
+    proc = Spawned([sys.executable, "-c", PROBE, mode, args.backend, ",".join(MODEL_LAYER)])
     try:
         done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
         return {"process_s": done, **json.loads(mt.group(0))}
@@ -180,7 +185,7 @@ def import_times(args: argparse.Namespace, top: int = 15) -> list[dict[str, Any]
     """``python -X importtime`` over the model layer's imports: each package by the cumulative time of
     its costliest import line (its first import, as the worker pays it; a package another imports is
     counted in both, e.g. numpy in torch)."""
-    code = "import worker.model.runner, worker.model.weights, worker.model.paged_attention"
+    code = "import " + ", ".join(MODEL_LAYER)
     if args.backend == "cuda":
         code += "; import triton"
     done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=REPO_ROOT, capture_output=True,

@@ -79,10 +79,10 @@ class ModelEntry:
     policy: Mapping[str, Any] = field(default_factory=dict)
     """This worker's policy overrides (the manager's policy fields)."""
 
-    def argv(self, manager: str) -> list[str]:
-        out = [*MEMSVC, "worker", "--listen", "127.0.0.1:0", "--manager", manager,
-               "--worker-id", self.worker_id, "--model", self.model, "--device", str(self.device),
-               "--backend", self.backend]  # fmt: skip
+    def flags(self, manager: str) -> list[str]:
+        """Its ``memsvc worker`` flags: a new process's command line, or a standby's hand-off."""
+        out = ["--listen", "127.0.0.1:0", "--manager", manager, "--worker-id", self.worker_id, "--model", self.model,
+               "--device", str(self.device), "--backend", self.backend]  # fmt: skip
         if self.name:
             out += ["--served-model-name", self.name]
         return out + list(self.args)
@@ -258,20 +258,20 @@ class Host:
     def _start_worker(self, w: _Worker) -> None:
         """Start ``w``'s worker: handed to the standby of its device where there is one (its flags on its
         stdin; worker/standby.py), else a new process; then a new standby there, where the file asks."""
-        argv = w.entry.argv(self.config.manager_listen)
+        flags = w.entry.flags(self.config.manager_listen)
         key = (w.entry.backend, w.entry.device)
         standby = self.standbys.pop(key, None)
         w.proc = None
         if standby is not None and standby.poll() is None and standby.stdin is not None:
             try:
-                standby.stdin.write(json.dumps(argv[len(MEMSVC) + 1 :]).encode() + b"\n")
+                standby.stdin.write(json.dumps(flags).encode() + b"\n")
                 standby.stdin.close()
                 w.proc = standby
                 announce(f"memsvc up: worker {w.entry.worker_id} started from the standby (pid {standby.pid})")
             except OSError:  # it died since it was looked at: a process of its own, as without one
                 pass
         if w.proc is None:
-            w.proc = self._spawn(argv)
+            w.proc = self._spawn([*MEMSVC, "worker", *flags])
         w.started, w.policy_applied = time.monotonic(), False
         if self.config.standby and not self._stopping:
             self._spawn_standby(key)

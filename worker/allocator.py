@@ -185,6 +185,16 @@ def _torch_with_cuda() -> Any:
     return torch if torch is not None and torch.cuda.is_initialized() else None
 
 
+def resolve_backend(backend: str) -> str:
+    """``cuda`` or ``host``: ``auto`` is cuda where the driver reports a device (the allocator's rule,
+    and a standby worker's, which makes the context before its allocator exists)."""
+    if backend not in ("auto", "cuda", "host"):
+        raise InvalidArgument(f"backend must be auto, cuda or host, got {backend!r}")
+    if backend == "auto":
+        return "cuda" if _native.cuda_device_count() > 0 else "host"
+    return backend
+
+
 class MemoryAllocator:
     """Tagged device memory that sleeps and wakes at the same addresses.
 
@@ -197,11 +207,7 @@ class MemoryAllocator:
 
     def __init__(self, config: AllocatorConfig) -> None:
         self.config = config
-        backend = config.backend
-        if backend not in ("auto", "cuda", "host"):
-            raise InvalidArgument(f"backend must be auto, cuda or host, got {backend!r}")
-        if backend == "auto":
-            backend = "cuda" if _native.cuda_device_count() > 0 else "host"
+        backend = resolve_backend(config.backend)
         if config.device < 0:
             raise InvalidArgument(f"device must be >= 0, got {config.device}")
         if config.offload_dir and not os.path.isdir(config.offload_dir):
@@ -591,5 +597,6 @@ __all__ = [
     "MemoryAllocator",
     "TagStats",
     "close_allocator",
+    "resolve_backend",
     "get_allocator",
 ]

@@ -40,13 +40,14 @@ def prepare(backend: str, device: int) -> str:
     the backend that ``backend`` resolves to (``auto``: cuda where a device is present)."""
     import worker.main  # the server's side: grpc, the servicer, the core
     from worker import rpc_front
+    from worker.allocator import resolve_backend
 
     rpc_front.start_ahead()  # the RPC front's process, its imports done beside these
     for name in worker.main.MODEL_LAYER:
         importlib.import_module(name)
     import torch
 
-    resolved = backend if backend != "auto" else "cuda" if torch.cuda.is_available() else "host"
+    resolved = resolve_backend(backend)
     if resolved == "cuda":
         if importlib.util.find_spec("triton") is not None:
             importlib.import_module("triton")
