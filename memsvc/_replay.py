@@ -35,7 +35,8 @@ T = TypeVar("T")
 @dataclass
 class _Entry:
     method: str
-    task: asyncio.Task[Any]
+    task: asyncio.Future[Any]
+    """The call in flight or its result: a task, or a done future (:meth:`ReplayCache.remember`)."""
     deadline: SharedDeadline
     """The latest deadline of the callers waiting: the operation's."""
     waiters: int = field(default=0)
@@ -94,13 +95,23 @@ class ReplayCache:
                 entry.abandoned = True
                 entry.task.cancel()  # every caller left: the operation stops too
 
+    def remember(self, request_id: str, method: str, result: object, scope: str = "") -> None:
+        """Keep ``result`` as the answer to a call made before this cache existed (the manager's
+        stored leases, restored after a restart or a failover), so its retry gets it too."""
+        if not request_id:
+            return
+        done: asyncio.Future[Any] = asyncio.get_running_loop().create_future()
+        done.set_result(result)
+        self._entries[(scope, request_id)] = _Entry(method, done, SharedDeadline())
+        self._evict()
+
     def forget(self, request_id: str, scope: str = "") -> None:
         """Drop a kept result (the caller found it stale: a lease since released, say)."""
         entry = self._entries.get((scope, request_id))
         if entry is not None and entry.task.done():
             del self._entries[(scope, request_id)]
 
-    def _settled(self, key: tuple[str, str], task: asyncio.Task[Any]) -> None:
+    def _settled(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
         entry = self._entries.get(key)
         if entry is None or entry.task is not task:
             return

@@ -173,13 +173,14 @@ async def start_server(
     """Start a server on ``listen`` (``host:0`` picks a free port) with every service registered.
 
     ``security`` (memsvc._auth) adds the token / client-certificate checks in front of everything
-    else and serves TLS or mTLS instead of plaintext.
+    else and serves TLS or mTLS instead of plaintext. ``interceptors`` run inside the error mapping:
+    a handler they return maps its MemsvcErrors like a servicer's.
     """
     sec = security or Security()
     sec.check_server()
     creds = sec.server_credentials()
     server = grpc.aio.server(
-        interceptors=[*sec.interceptors(), *interceptors, ErrorMappingInterceptor()], options=SERVER_OPTIONS
+        interceptors=[*sec.interceptors(), ErrorMappingInterceptor(), *interceptors], options=SERVER_OPTIONS
     )
     for add in register:
         add(server)

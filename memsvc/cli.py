@@ -528,7 +528,18 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
         default=env("MANAGER_LISTEN", "127.0.0.1:50051"),
         help="host:port to serve on (0: any port)",
     )
-    p.add_argument("--db", default=env("DB", "memsvc-manager.db"), help="SQLite file: policies, registrations, leases")
+    p.add_argument(
+        "--db",
+        default=env("DB", "memsvc-manager.db"),
+        help="where policies, registrations and leases live: a SQLite file, or postgresql://user@host/db for "
+        "several replicas (one leads, the others forward to it; needs memsvc[postgres])",
+    )
+    p.add_argument(
+        "--advertise",
+        default=env("ADVERTISE", ""),
+        help="with a postgresql:// --db: host:port the other replicas forward to (default: the listen address, "
+        "this host's name for a wildcard)",
+    )
     p.add_argument("--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing")
     p.add_argument(
         "--metrics-listen",
@@ -991,7 +1002,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         security = _security(args, parser, server=True)
         return run_manager(
             args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args),
-            **_security_kwargs(security),  # type: ignore[arg-type]
+            **_security_kwargs(security), advertise=args.advertise,  # type: ignore[arg-type]
         )  # fmt: skip
     if args.command == "gateway":
         from memsvc.gateway import run as run_gateway

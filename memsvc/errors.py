@@ -99,6 +99,13 @@ class Loading(Unavailable):
     reason = "LOADING"
 
 
+class NoLeader(Unavailable):
+    """A manager replica that does not lead knows no leader it can reach (the last one was lost and
+    no replica has taken over yet). Carries a retry delay: a replica takes over within seconds."""
+
+    reason = "NO_LEADER"
+
+
 class Unauthenticated(MemsvcError):
     """The call carries no valid credentials (a missing or wrong bearer token)."""
 
@@ -146,6 +153,7 @@ __all__ = [
     "InvalidArgument",
     "Loading",
     "MemsvcError",
+    "NoLeader",
     "NotFound",
     "OutOfMemory",
     "Overloaded",

@@ -7,7 +7,7 @@ checked at start: what cannot be trusted is refused with one line that names the
 do (exit code 2), an empty file starts with a warning, and a stored policy field that this version
 does not know or cannot use is left out with a warning while the manager starts.
 
-The unit tests open :class:`Store` and :class:`Policies` on real files in ``tmp_path``; the last
+The unit tests open :class:`SqliteStore` and :class:`Policies` on real files in ``tmp_path``; the last
 ones start real ``memsvc manager`` processes on such files.
 """
 
@@ -34,7 +34,8 @@ from managerproc import Cluster, seconds
 
 from memsvc.errors import InvalidArgument, Unavailable
 from memsvc.manager.policy import Policies, Policy
-from memsvc.manager.store import MIGRATIONS, SCHEMA_VERSION, Store, StoredLease, StoredWorker
+from memsvc.manager.store import DEFAULT_SCOPE, StoredLease, StoredWorker
+from memsvc.manager.store_sqlite import MIGRATIONS, SCHEMA_VERSION, SqliteStore
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import Action
@@ -102,8 +103,8 @@ def policy_rows(path: Path) -> dict[str, str]:
 
 def current_db(path: Path) -> Path:
     """A database this memsvc wrote, closed (its WAL checkpointed into the file)."""
-    store = Store(path)
-    store.save_policy_fields(Store.DEFAULT_SCOPE, DEFAULT_FIELDS)
+    store = SqliteStore(path)
+    store.save_policy_fields(DEFAULT_SCOPE, DEFAULT_FIELDS)
     for i in range(200):  # several pages, so damage in the middle hits a b-tree page
         store.save_worker(StoredWorker(f"worker-{i:04d}", f"10.0.0.{i % 250}:50061", "h" * 40, False, float(i)))
     store.close()
@@ -119,12 +120,12 @@ def messages(caplog: pytest.LogCaptureFixture, level: int = logging.WARNING) -> 
 
 def test_migrations_are_numbered_in_order() -> None:
     assert [step.version for step in MIGRATIONS] == list(range(1, len(MIGRATIONS) + 1))
-    assert SCHEMA_VERSION == len(MIGRATIONS) == 1
+    assert SCHEMA_VERSION == len(MIGRATIONS) == 2
 
 
 def test_a_new_file_is_created_at_the_current_schema(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "sub" / "new.db"
-    store = Store(path)
+    store = SqliteStore(path)
     store.close()
     assert user_version(path) == SCHEMA_VERSION
     assert not messages(caplog), "a new file is not a problem"
@@ -141,19 +142,40 @@ def test_a_schema_0_file_is_migrated_in_place_and_keeps_everything(
     caplog.set_level(logging.INFO, logger="memsvc.manager.store")
     path = schema0_db(tmp_path / "old.db")
     assert user_version(path) == 0
-    store = Store(path)
+    store = SqliteStore(path)
     assert store.workers() == [StoredWorker("gpu0", "127.0.0.1:1", "h1", False, 1.5)]
     assert store.leases() == [StoredLease("l1", "gpu0", 4e9, "me")]
-    assert store.policy_fields(Store.DEFAULT_SCOPE) == DEFAULT_FIELDS
+    assert store.policy_fields(DEFAULT_SCOPE) == DEFAULT_FIELDS
     assert store.policy_fields("workers/gpu0") == {"idle_sleep_timeout": 60.0}
     store.close()
-    assert user_version(path) == 1
-    assert any("migrated from schema 0 to 1" in msg for msg in messages(caplog, logging.INFO))
+    assert user_version(path) == SCHEMA_VERSION
+    assert any(f"migrated from schema 0 to {SCHEMA_VERSION}" in msg for msg in messages(caplog, logging.INFO))
     assert not messages(caplog), "migrating is not a warning"
-    store = Store(path)  # once migrated, opening again changes nothing
+    store = SqliteStore(path)  # once migrated, opening again changes nothing
     assert store.workers() == [StoredWorker("gpu0", "127.0.0.1:1", "h1", False, 1.5)]
     store.close()
-    assert user_version(path) == 1
+    assert user_version(path) == SCHEMA_VERSION
+
+
+def test_a_schema_1_file_gains_the_leases_request_id_and_keep_alive_and_keeps_its_leases(
+    tmp_path: Path, caplog: pytest.LogCaptureFixture
+) -> None:
+    caplog.set_level(logging.INFO, logger="memsvc.manager.store")
+    path = schema0_db(tmp_path / "one.db")
+    db = sqlite3.connect(path, isolation_level=None)
+    db.execute("PRAGMA user_version = 1")  # schema 1 made the same tables as the files before versions
+    db.close()
+    store = SqliteStore(path)
+    assert store.leases() == [StoredLease("l1", "gpu0", 4e9, "me", request_id="", keep_alive=None)]
+    store.save_lease(StoredLease("l2", "gpu0", 5e9, "you", request_id="r-2", keep_alive=-1.0))
+    store.close()
+    assert any("migrated from schema 1 to 2" in msg for msg in messages(caplog, logging.INFO))
+    store = SqliteStore(path)
+    assert sorted(store.leases(), key=lambda x: x.lease_id) == [
+        StoredLease("l1", "gpu0", 4e9, "me"),
+        StoredLease("l2", "gpu0", 5e9, "you", request_id="r-2", keep_alive=-1.0),
+    ]
+    store.close()
 
 
 def test_a_file_from_a_newer_memsvc_is_refused_and_left_alone(tmp_path: Path) -> None:
@@ -163,7 +185,7 @@ def test_a_file_from_a_newer_memsvc_is_refused_and_left_alone(tmp_path: Path) ->
     db.close()
     before = path.read_bytes()
     with pytest.raises(InvalidArgument) as err:
-        Store(path)
+        SqliteStore(path)
     msg = str(err.value)
     assert f"written by a newer memsvc (schema {SCHEMA_VERSION + 1}, this one knows up to {SCHEMA_VERSION})" in msg
     assert str(path) in msg and "\n" not in msg
@@ -218,7 +240,7 @@ def test_a_damaged_file_is_refused_with_one_line_and_left_alone(tmp_path: Path, 
     damage(path)
     before = path.read_bytes()
     with pytest.raises(InvalidArgument) as err:
-        Store(path)
+        SqliteStore(path)
     msg = str(err.value)
     assert msg.startswith(f"manager database {path} ") and "\n" not in msg
     assert "move it aside" in msg and "--db" in msg
@@ -232,7 +254,7 @@ def test_another_programs_database_is_refused(tmp_path: Path) -> None:
     db.execute("CREATE TABLE accounts (id INTEGER PRIMARY KEY, owner TEXT)")
     db.close()
     with pytest.raises(InvalidArgument, match="is not a memsvc manager database .*accounts"):
-        Store(path)
+        SqliteStore(path)
     db = sqlite3.connect(path)
     assert {r[0] for r in db.execute("SELECT name FROM sqlite_master")} == {"accounts"}, "nothing was added"
     assert db.execute("PRAGMA user_version").fetchone()[0] == 0
@@ -245,20 +267,20 @@ def test_a_table_of_our_name_without_our_columns_is_refused(tmp_path: Path) -> N
     db.execute("CREATE TABLE workers (name TEXT)")
     db.close()
     with pytest.raises(InvalidArgument, match="its table 'workers' lacks column"):
-        Store(path)
+        SqliteStore(path)
     assert user_version(path) == 0, "the failed migration was rolled back"
 
 
 def test_a_directory_is_refused(tmp_path: Path) -> None:
     (tmp_path / "dir.db").mkdir()
     with pytest.raises(InvalidArgument, match=r"manager database .*dir\.db .*--db"):
-        Store(tmp_path / "dir.db")
+        SqliteStore(tmp_path / "dir.db")
 
 
 def test_an_empty_file_starts_empty_with_a_warning(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     path = tmp_path / "empty.db"
     path.touch()
-    store = Store(path)
+    store = SqliteStore(path)
     assert store.workers() == [] and store.leases() == [] and store.policies() == {}
     store.close()
     assert user_version(path) == SCHEMA_VERSION
@@ -291,10 +313,10 @@ BAD_VALUES: list[tuple[str, Any]] = [
 
 
 def _policies(path: Path, rows: dict[str, Any]) -> Policies:
-    store = Store(path)
+    store = SqliteStore(path)
     store.close()
     set_policy_rows(path, rows)
-    return Policies(Store(path))
+    return Policies(SqliteStore(path))
 
 
 @pytest.mark.parametrize(("field", "value"), BAD_VALUES, ids=[f"{f}={v!r:.20}" for f, v in BAD_VALUES])
@@ -467,7 +489,7 @@ def test_a_write_to_a_deleted_or_replaced_file_is_refused_until_it_is_back(
     """SQLite writes on through its open descriptor after the path is gone: every call would succeed
     and be lost at the next start. The store compares the path's inode with the open file's first."""
     path = tmp_path / "m.db"
-    store = Store(path)
+    store = SqliteStore(path)
     store.save_policy_fields("workers/a", {"idle_sleep_timeout": 60.0})
     aside = tmp_path / "aside.db"
     os.rename(path, aside)
@@ -499,14 +521,15 @@ def test_a_write_to_a_deleted_or_replaced_file_is_refused_until_it_is_back(
 
 def _bad_rows(path: Path) -> Path:
     """A database memsvc wrote, then rows it would never write, added by hand."""
-    store = Store(path)
+    store = SqliteStore(path)
     store.save_worker(StoredWorker("gpu0", "127.0.0.1:1", "h1", False, 1.5))
     store.save_lease(StoredLease("good", "gpu0", 4e9, "me"))
     store.close()
     db = sqlite3.connect(path, isolation_level=None)
-    db.execute("INSERT INTO leases VALUES ('text-expiry', 'gpu0', 'tomorrow', 'me')")
-    db.execute("INSERT INTO leases VALUES ('never', 'gpu0', 9e999, 'me')")  # infinity: a lease that never ends
-    db.execute("INSERT INTO leases VALUES ('blob-holder', 'gpu0', 4e9, x'00ff')")
+    db.execute("INSERT INTO leases VALUES ('text-expiry', 'gpu0', 'tomorrow', 'me', '', NULL)")
+    db.execute("INSERT INTO leases VALUES ('never', 'gpu0', 9e999, 'me', '', NULL)")  # infinity: never ends
+    db.execute("INSERT INTO leases VALUES ('blob-holder', 'gpu0', 4e9, x'00ff', '', NULL)")
+    db.execute("INSERT INTO leases VALUES ('text-keep-alive', 'gpu0', 4e9, 'me', 'r', 'forever')")
     db.execute("INSERT INTO workers VALUES ('gpu1', x'2a', 'h1', 0, 1.5)")
     db.execute("INSERT INTO workers VALUES ('gpu2', '127.0.0.1:2', 'h1', 'yes', 1.5)")
     db.execute("INSERT INTO workers VALUES ('gpu3', '127.0.0.1:3', 'h1', 0, 'noon')")
@@ -518,16 +541,17 @@ def test_unreadable_lease_and_registration_rows_are_left_out_with_a_warning(
     tmp_path: Path, caplog: pytest.LogCaptureFixture
 ) -> None:
     path = _bad_rows(tmp_path / "m.db")
-    store = Store(path)
+    store = SqliteStore(path)
     assert store.leases() == [StoredLease("good", "gpu0", 4e9, "me")]
     assert store.workers() == [StoredWorker("gpu0", "127.0.0.1:1", "h1", False, 1.5)]
     store.close()
     warnings = messages(caplog)
-    assert len(warnings) == 6 and all(str(path) in w for w in warnings)
+    assert len(warnings) == 7 and all(str(path) in w for w in warnings)
     assert any("lease 'text-expiry'" in w and "expire_time is 'tomorrow'" in w for w in warnings)
+    assert any("lease 'text-keep-alive'" in w and "keep_alive is 'forever'" in w for w in warnings)
     assert any("registration 'gpu3'" in w and "registered_time is 'noon'" in w for w in warnings)
     db = sqlite3.connect(path)
-    assert db.execute("SELECT count(*) FROM leases").fetchone()[0] == 4, "loading leaves the file as it is"
+    assert db.execute("SELECT count(*) FROM leases").fetchone()[0] == 5, "loading leaves the file as it is"
     db.close()
 
 

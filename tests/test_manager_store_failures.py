@@ -31,7 +31,7 @@ from memsvc.errors import NotFound, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.settings import ManagerSettings
-from memsvc.manager.store import Store
+from memsvc.manager.store_sqlite import SqliteStore
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import SleepLevel, WorkerState
 
@@ -69,8 +69,9 @@ class Env:
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
     db = tmp_path / "manager.db"
     links = InMemoryLinks()
-    manager = Manager(Store(db), ManagerSettings(tick_interval=3600.0), links=links)  # the tests tick
-    manager.store._exec("PRAGMA busy_timeout = 100")
+    store = SqliteStore(db)
+    store._exec("PRAGMA busy_timeout = 100")
+    manager = Manager(store, ManagerSettings(tick_interval=3600.0), links=links)  # the tests tick
     await manager.start()
     yield Env(manager, links, db)
     await manager.close()

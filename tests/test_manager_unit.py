@@ -28,7 +28,7 @@ from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.settings import ManagerSettings
-from memsvc.manager.store import Store
+from memsvc.manager.store_sqlite import SqliteStore
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, SleepLevel, TagState, WorkerState
 
@@ -83,7 +83,7 @@ class Env:
 async def env(tmp_path: Path) -> AsyncIterator[Env]:
     links = InMemoryLinks()
     # a tick interval of an hour: the tests call tick() themselves
-    manager = Manager(Store(tmp_path / "manager.db"), ManagerSettings(tick_interval=3600.0), links=links)
+    manager = Manager(SqliteStore(tmp_path / "manager.db"), ManagerSettings(tick_interval=3600.0), links=links)
     await manager.start()
     yield Env(manager, links)
     await manager.close()
@@ -537,7 +537,7 @@ async def test_a_worker_unreachable_past_forget_after_is_deregistered_unless_lea
 ) -> None:
     links = InMemoryLinks()
     settings = ManagerSettings(tick_interval=3600.0, forget_after=60.0)
-    manager = Manager(Store(tmp_path / "forget.db"), settings, links=links)
+    manager = Manager(SqliteStore(tmp_path / "forget.db"), settings, links=links)
     await manager.start()
     try:
         env = Env(manager, links)
@@ -728,7 +728,7 @@ async def test_watch_streams_are_bounded(env: Env, monkeypatch: pytest.MonkeyPat
 
 async def test_closing_the_manager_does_not_wait_to_settle_a_call_in_doubt(tmp_path: Path) -> None:
     links = InMemoryLinks()
-    manager = Manager(Store(tmp_path / "close.db"), ManagerSettings(tick_interval=3600.0), links=links)
+    manager = Manager(SqliteStore(tmp_path / "close.db"), ManagerSettings(tick_interval=3600.0), links=links)
     await manager.start()
     env = Env(manager, links)
     a = await env.worker("a")

@@ -26,6 +26,7 @@ import grpc
 
 from memsvc._auth import Security, aio_channel
 from memsvc._rpc_errors import error_info
+from memsvc.errors import NoLeader
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
@@ -93,13 +94,15 @@ log = logging.getLogger("memsvc.gateway")
 
 
 def manager_away(exc: BaseException) -> bool:
-    """The manager did not answer (no connection, or no answer in time), as opposed to answering with
-    an error of its own, which carries an ErrorInfo (an unreachable worker's UNAVAILABLE does)."""
+    """The manager did not answer (no connection, or no answer in time; or a replica that knows no
+    leader, reason NO_LEADER: memsvc/manager/replicas.py), as opposed to answering with an error of
+    its own, which carries an ErrorInfo (an unreachable worker's UNAVAILABLE does)."""
     if not isinstance(exc, grpc.aio.AioRpcError):
         return False
     if exc.code() not in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED):
         return False
-    return error_info(exc) is None
+    info = error_info(exc)
+    return info is None or info.reason == NoLeader.reason
 
 
 @dataclass

@@ -64,16 +64,19 @@ class Leases:
         """The store's last refusal of an expiry, logged once until an expiry is written again."""
 
     def restore(self) -> None:
-        """Take back the stored leases of known workers that have not expired; drop the rest."""
+        """Take back the stored leases of known workers that have not expired; drop the rest. A
+        lease's AcquireWorker request_id is remembered, so that the client's retry of a grant whose
+        answer it lost (the manager restarted, or a replica took over) gets the same lease."""
         now = time.time()
         for sl in self._store.leases():
             rec = self._registry.workers.get(sl.worker_id)
             if rec is None or sl.expire_time <= now:
                 self._store.delete_lease(sl.lease_id)
                 continue
-            lease = Lease(sl.lease_id, sl.worker_id, sl.expire_time, sl.holder)
+            lease = Lease(sl.lease_id, sl.worker_id, sl.expire_time, sl.holder, sl.keep_alive, sl.request_id)
             self.leases[lease.lease_id] = lease
             rec.leases[lease.lease_id] = lease
+            self._replay.remember(sl.request_id, "AcquireWorker", lease.lease_id, rec.worker_id)
 
     def _ttl(self, seconds: float) -> float:
         if seconds < 0:
@@ -82,9 +85,10 @@ class Leases:
             raise InvalidArgument(f"ttl must be at most {self._settings.max_lease_ttl:.0f} s")
         return seconds or self._settings.default_lease_ttl
 
-    def _save(self, lease: Lease, expire_time: float) -> None:
+    def _save(self, lease: Lease, expire_time: float, keep_alive: float | None) -> None:
         """Store ``lease`` as expiring at ``expire_time``; the caller sets that in memory once this returns."""
-        self._store.save_lease(StoredLease(lease.lease_id, lease.worker_id, expire_time, lease.holder))
+        sl = StoredLease(lease.lease_id, lease.worker_id, expire_time, lease.holder, lease.request_id, keep_alive)
+        self._store.save_lease(sl)
 
     async def acquire(
         self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline,
@@ -105,14 +109,13 @@ class Leases:
             if lease is None or lease.worker_id != rec.worker_id:
                 raise NotFound(f"no lease {lease_id!r} on {rec.name}", metadata={"leaseId": lease_id})
             expire_time = time.time() + ttl
-            self._save(lease, expire_time)
-            lease.expire_time = expire_time
-            if keep_alive is not None:
-                lease.keep_alive = keep_alive
+            keep = lease.keep_alive if keep_alive is None else keep_alive
+            self._save(lease, expire_time, keep)
+            lease.expire_time, lease.keep_alive = expire_time, keep
             return lease, rec
 
         async def grant(shared: Deadline) -> str:
-            return await self._grant(rec, ttl, holder, shared, keep_alive)
+            return await self._grant(rec, ttl, holder, shared, keep_alive, request_id)
 
         lease_id = await self._replay.run(request_id, "AcquireWorker", grant, rec.worker_id, deadline)
         if lease_id not in self.leases:  # released or expired since: this retry asks for a new one
@@ -121,7 +124,7 @@ class Leases:
         return self.leases[lease_id], rec
 
     async def _grant(
-        self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline, keep_alive: float | None
+        self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline, keep_alive: float | None, request_id: str
     ) -> str:
         self._registry.link(rec)
         if len(rec.leases) >= MAX_LEASES_PER_WORKER or len(self.leases) >= MAX_LEASES:
@@ -132,13 +135,15 @@ class Leases:
                 else f"the manager holds {len(self.leases)} leases, its most; release some",
                 metadata={"maxLeases": str(MAX_LEASES_PER_WORKER if on_worker else MAX_LEASES)},
             )
-        lease = Lease(uuid.uuid4().hex, rec.worker_id, float("inf"), holder, keep_alive)  # TTL starts at the grant
+        lease = Lease(
+            uuid.uuid4().hex, rec.worker_id, float("inf"), holder, keep_alive, request_id
+        )  # TTL from the grant
         rec.leases[lease.lease_id] = lease  # from here on no timer or budget puts it to sleep
         self.leases[lease.lease_id] = lease
         try:
             await self._ensure_awake(rec, deadline)
             expire_time = time.time() + ttl
-            self._save(lease, expire_time)  # a lease the store cannot keep is not granted
+            self._save(lease, expire_time, keep_alive)  # a lease the store cannot keep is not granted
         except BaseException:
             rec.leases.pop(lease.lease_id, None)
             self.leases.pop(lease.lease_id, None)

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import socket
 import sys
 from typing import Any
 
@@ -14,8 +15,9 @@ from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
 from memsvc.manager.links import grpc_links
+from memsvc.manager.replicas import LeaderLock, Replica, advertised
 from memsvc.manager.servicer import MemoryManagerServicer
-from memsvc.manager.store import Store
+from memsvc.manager.store import Store, open_store
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 
@@ -30,50 +32,85 @@ async def serve(
     metrics_listen: str | None,
     policy: dict[str, Any],
     security: Security | None = None,
+    advertise: str = "",
 ) -> int:
-    """Serve until SIGTERM; 0 after a clean stop, 2 when the manager refuses to start.
+    """Serve until SIGTERM; 0 after a clean stop, 2 when the manager refuses to start, 1 when a
+    leading replica lost its database session (memsvc/manager/replicas.py: its supervisor starts it
+    again, as a follower).
 
     A refusal (an unusable ``--db`` or ``--config``, a port it cannot listen on, a seed policy that
     breaks the policy rules) is the operator's to fix, not a bug: it is one line on stderr naming
     what and why, with whatever had started closed again, never a traceback.
+
+    On a shared store (PostgreSQL) the server starts at once and forwards to the leader until this
+    replica takes the lead; the manager itself is built only then, since building it writes.
     """
     sec = security or Security()
     try:
         cfg = load_config(config)
-        store = Store(db)
+        store = open_store(db)
     except MemsvcError as exc:
         return _refuse(exc)
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
+    replica = (
+        Replica(store, "", SERVICE_NAME, cfg.settings.leader_poll_interval, sec)
+        if isinstance(store, LeaderLock)
+        else None
+    )
+    servicer = MemoryManagerServicer()
     manager: Manager | None = None
     srv: Server | None = None
+    lost = ""
     try:
+        srv = await start_server(listen, [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
+                                 [SERVICE_NAME], [replica.interceptor()] if replica else (), sec)  # fmt: skip
+        await srv.set_serving(True)
+        if replica is not None:
+            replica.advertise = advertised(srv.address, advertise, socket.gethostname)
+            announce(f"memsvc manager listening on {srv.address} (a replica on {store.where}, as {replica.advertise})")
+            if not await replica.follow_until_leading(stop):
+                await _close(srv, None, replica, store)
+                announce("memsvc manager stopped")
+                return 0
         # the manager dials its workers with its own TLS identity and token
         manager = Manager(store, cfg.settings, {**cfg.policy_fields, **policy}, cfg.workers, grpc_links(sec))
         await manager.start()
-        servicer = MemoryManagerServicer(manager)
-        srv = await start_server(listen, [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
-                                 [SERVICE_NAME], security=sec)  # fmt: skip
-        await srv.set_serving(True)
-        await srv.set_serving(True, SERVICE_NAME)
+        servicer.lead(manager)
         if metrics_listen:
             host, port = _serve_metrics(manager, metrics_listen, sec.token)  # /metrics behind the token too
             announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
+        if replica is not None:
+            replica.lead()
+        await srv.set_serving(True, SERVICE_NAME)
     except MemsvcError as exc:
-        if srv is not None:
-            await srv.stop(0)
-        if manager is not None:
-            await manager.close()
-        store.close()
+        await _close(srv, manager, replica, store)
         return _refuse(exc)
-    announce(f"memsvc manager listening on {srv.address}")
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
-    await stop.wait()
+    if replica is None:
+        announce(f"memsvc manager listening on {srv.address}")
+        await stop.wait()
+    else:
+        announce(f"memsvc manager leads ({replica.advertise})")
+        lost = await replica.hold(stop)
     manager.hub.close()
-    await srv.stop(5.0)
-    await manager.close()
-    store.close()
+    await _close(srv, manager, replica, store, grace=0.0 if lost else 5.0)
+    if lost:
+        announce(f"memsvc manager: error: stopped leading: {lost}", sys.stderr)
+        return 1
     announce("memsvc manager stopped")
     return 0
+
+
+async def _close(
+    srv: Server | None, manager: Manager | None, replica: Replica | None, store: Store, grace: float = 0.0
+) -> None:
+    if srv is not None:
+        await srv.stop(grace)
+    if manager is not None:
+        await manager.close()
+    if replica is not None:
+        await replica.close()
+    store.close()
 
 
 def _serve_metrics(manager: Manager, listen: str, token: str = "") -> tuple[str, int]:
@@ -96,5 +133,6 @@ def run(
     metrics_listen: str | None,
     policy: dict[str, Any],
     security: Security | None = None,
+    advertise: str = "",
 ) -> int:
-    return run_service(serve(listen, db, config, metrics_listen, policy, security))
+    return run_service(serve(listen, db, config, metrics_listen, policy, security, advertise))

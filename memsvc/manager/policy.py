@@ -16,7 +16,7 @@ from typing import Any
 
 from memsvc._limits import MAX_POLICY_TAGS
 from memsvc.errors import InvalidArgument
-from memsvc.manager.store import Store
+from memsvc.manager.store import DEFAULT_SCOPE, Store
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
 
@@ -221,23 +221,23 @@ class Policies:
         self._unknown: dict[str, dict[str, Any]] = {}
         """Per scope, the stored fields this version does not know: written back with its own."""
         stored = store.policies()  # all of them now, so that what is wrong with the file is logged at start
-        if Store.DEFAULT_SCOPE in stored:
-            fields = self._load(Policy(), Store.DEFAULT_SCOPE, stored.pop(Store.DEFAULT_SCOPE))
+        if DEFAULT_SCOPE in stored:
+            fields = self._load(Policy(), DEFAULT_SCOPE, stored.pop(DEFAULT_SCOPE))
             self.default = Policy().with_fields(fields)
         else:  # the config file seeds the default; later UpdatePolicy calls win
             self.default = check(Policy().with_fields(seed or {}))
-            store.save_policy_fields(Store.DEFAULT_SCOPE, self.default.to_fields())
+            store.save_policy_fields(DEFAULT_SCOPE, self.default.to_fields())
         self._overrides: dict[str, dict[str, Any]] = {
             scope: self._load(self.default, scope, raw) for scope, raw in stored.items()
         }
 
     def _load(self, base: Policy, scope: str, raw: object) -> dict[str, Any]:
         """The usable fields of one stored scope (the file itself is left as it is)."""
-        if scope == Store.DEFAULT_SCOPE:
-            where = f"manager database {self._store.path}: the default policy"
+        if scope == DEFAULT_SCOPE:
+            where = f"{self._store.where}: the default policy"
             fallback = "the built-in value applies until UpdatePolicy sets it"
         else:
-            where = f"manager database {self._store.path}: {scope}'s policy override"
+            where = f"{self._store.where}: {scope}'s policy override"
             fallback = "the default policy's value applies"
         fields, self._unknown[scope] = fields_from_store(raw, where, fallback)
         return consistent_fields(base, fields, where, fallback)
@@ -269,7 +269,7 @@ class Policies:
                     check(new.with_fields(override))
                 except InvalidArgument as exc:
                     raise InvalidArgument(f"{scope}'s overrides would become invalid: {exc}") from None
-        self._save(Store.DEFAULT_SCOPE, new.to_fields())
+        self._save(DEFAULT_SCOPE, new.to_fields())
         self.default = new
         return new
 

@@ -39,6 +39,8 @@ class Lease:
     keep_alive: float | None = None
     """Seconds the worker may stay idle and awake after this lease, if it is the last to end (negative:
     no idle sleep); None: the policy's idle_sleep_timeout."""
+    request_id: str = ""
+    """The AcquireWorker request that granted it (stored: a retry after a failover gets it back)."""
 
     def to_proto(self) -> m.Lease:
         lease = m.Lease(lease_id=self.lease_id, worker=NAME_PREFIX + self.worker_id, holder=self.holder)

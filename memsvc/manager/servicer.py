@@ -8,7 +8,7 @@ from typing import Any
 from memsvc._deadline import caller_deadline
 from memsvc._rpc_errors import Context
 from memsvc._swap_forms import swap_block_count
-from memsvc.errors import InvalidArgument
+from memsvc.errors import InvalidArgument, NoLeader
 from memsvc.manager.controller import Manager
 from memsvc.manager.records import worker_id_from_name
 from memsvc.manager.watch import CLOSED
@@ -19,8 +19,20 @@ from memsvc.vocabulary import SleepLevel, actions_from_proto
 
 
 class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
-    def __init__(self, manager: Manager) -> None:
-        self.manager = manager
+    """Serves once it leads: at once for one manager, on taking the lead for a replica (until then a
+    replica forwards every call, memsvc/manager/replicas.py, and none reaches this)."""
+
+    def __init__(self, manager: Manager | None = None) -> None:
+        self._manager = manager
+
+    def lead(self, manager: Manager) -> None:
+        self._manager = manager
+
+    @property
+    def manager(self) -> Manager:
+        if self._manager is None:
+            raise NoLeader("this manager replica is taking the lead: try again", retry_after_s=1.0)
+        return self._manager
 
     async def RegisterWorker(self, request: m.RegisterWorkerRequest, context: Any) -> m.RegisterWorkerResponse:
         rec = await self.manager.register(request.worker_id, request.address, request.host)

@@ -27,6 +27,11 @@ class ManagerSettings:
     """A self-registered worker unreachable this long (and not leased) is deregistered: its record and
     stored registration go, as by DeregisterWorker. 0 = never. Configured workers are never forgotten."""
 
+    leader_poll_interval: float = 0.5
+    """Replicas on a shared store (PostgreSQL): how often a follower tries for the lead and the leader
+    checks its database session; a dead leader is replaced within about this plus the new leader's
+    start (memsvc/manager/replicas.py)."""
+
     @property
     def silence_limit(self) -> float:
         return self.unavailable_after or max(3.0, 3 * self.heartbeat_interval)
