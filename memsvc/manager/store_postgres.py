@@ -47,7 +47,7 @@ MIGRATION_LOCK = (0x6D656D73, 0x76630002)
 
 CONNECT_TIMEOUT_S = 10
 STATEMENT_TIMEOUT_MS = 10_000
-KEEPALIVES = {"keepalives": 1, "keepalives_idle": 5, "keepalives_interval": 2, "keepalives_count": 3}
+KEEPALIVES = "keepalives=1 keepalives_idle=5 keepalives_interval=2 keepalives_count=3"
 """Client-side TCP keepalives (libpq's parameters); the server side is set to the same by ``options``."""
 _SERVER_OPTIONS = (
     f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 "
@@ -112,9 +112,10 @@ class PostgresStore:
     # ---- the session ----
     def _connect(self) -> psycopg.Connection[tuple[Any, ...]]:
         try:
-            return psycopg.connect(
-                self.url, autocommit=True, connect_timeout=CONNECT_TIMEOUT_S, options=_SERVER_OPTIONS, **KEEPALIVES
+            dsn = conninfo.make_conninfo(
+                self.url, connect_timeout=CONNECT_TIMEOUT_S, options=_SERVER_OPTIONS, **_pairs(KEEPALIVES)
             )
+            return psycopg.connect(dsn, autocommit=True)
         except psycopg.ProgrammingError as exc:  # a URL libpq cannot parse
             raise InvalidArgument(f"{self.where}: bad --db URL ({exc})", metadata={"db": redacted(self.url)}) from exc
         except psycopg.OperationalError as exc:
@@ -270,6 +271,10 @@ class PostgresStore:
 
     def _unreadable(self, what: str, key: object, why: str, outcome: str) -> None:
         log.warning("%s: ignoring the stored %s %.100r (%s): %s", self.where, what, key, why, outcome)
+
+
+def _pairs(text: str) -> dict[str, str]:
+    return dict(pair.split("=", 1) for pair in text.split())
 
 
 def _one_line(exc: BaseException) -> str:
