@@ -34,6 +34,14 @@ $(VENV)/bin/promtool: $(VENV)/.deps
 $(VENV)/bin/kubectl: $(VENV)/.deps
 	$(call deb-program,kubernetes-client,kubectl,$@)
 
+# a PostgreSQL server for the manager's PostgreSQL store and its replicas (tests/pgserver.py): the
+# whole package unpacked, since initdb and postgres find their share directory relative to themselves
+$(VENV)/postgresql: $(VENV)/.deps
+	rm -rf .deb-postgresql $@ && mkdir .deb-postgresql
+	cd .deb-postgresql && (apt-get download -q postgresql-15 || (apt-get update -qq && apt-get download -q postgresql-15))
+	dpkg -x .deb-postgresql/postgresql-15_*.deb $@
+	rm -rf .deb-postgresql
+
 # The image's build stage runs this same target. Two wheels: memsvc (services, client, native
 # extension) and memsvc-api (api/: the generated stubs alone, pure Python), which memsvc depends on.
 wheel:
@@ -47,7 +55,7 @@ wheel:
 up: build
 	$(VENV)/bin/memsvc up
 
-test: build wheel $(VENV)/bin/promtool $(VENV)/bin/kubectl
+test: build wheel $(VENV)/bin/promtool $(VENV)/bin/kubectl $(VENV)/postgresql
 	$(PY) -m ruff check memsvc worker tests bench examples build_support api
 	$(PY) -m ruff format --check memsvc worker tests bench examples build_support api
 	$(PY) -m mypy

@@ -13,6 +13,7 @@ from collections.abc import Callable, Iterator
 from typing import TYPE_CHECKING, Any
 
 import pytest
+from pgserver import pg_url, postgres_server  # noqa: F401  (fixtures: a real PostgreSQL, for the manager's store)
 
 from worker import _native
 from worker.allocator import AllocatorConfig, MemoryAllocator

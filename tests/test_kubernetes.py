@@ -30,7 +30,7 @@ from memsvc import cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("one-gpu", "two-models", "monitoring")
+OVERLAYS = ("one-gpu", "two-models", "monitoring", "ha")
 VERSIONS = ("1.27", "1.33")
 SERVICES = {
     "manager": "memsvc.v1.MemoryManagerService",
@@ -107,8 +107,18 @@ def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
                 assert probe["grpc"].get("service", SERVICES[command]) in ("", SERVICES[command])
             else:
                 assert probe["httpGet"]["port"] in ports and probe["httpGet"]["path"] in ("/healthz", "/readyz")
-        if command == "manager":
+        if command == "manager" and "state" in mounts:  # one manager on its SQLite file
             assert env["MEMSVC_DB"].startswith(mounts["state"]) and obj["spec"]["replicas"] == 1
+        if command == "manager" and "state" not in mounts:  # replicas on PostgreSQL (overlays/ha)
+            db = next(e for e in c["env"] if e["name"] == "MEMSVC_DB")
+            assert db["valueFrom"]["secretKeyRef"] == {"name": "memsvc-db", "key": "url"} and "value" not in db
+            assert obj["spec"]["replicas"] >= 2 and "volumeClaimTemplates" not in obj["spec"]
+            assert env["MEMSVC_ADVERTISE"] == f"$(POD_IP):{ports['grpc']}"
+            assert [e["name"] for e in c["env"]].index("POD_IP") < [e["name"] for e in c["env"]].index(
+                "MEMSVC_ADVERTISE"
+            ), "a $(VAR) reference needs VAR earlier in the list"
+            assert c["readinessProbe"]["grpc"]["service"] == SERVICES["manager"], "only the leader is ready"
+        if command == "manager":
             assert env["MEMSVC_MANAGER_LISTEN"].endswith(f":{ports['grpc']}")
             assert env["MEMSVC_METRICS_LISTEN"].endswith(f":{ports['metrics']}")
         if command == "worker":

@@ -128,7 +128,7 @@ class WorkerCalls:
             link = self._registry.link(rec)
             timeout = self.timeout(deadline)  # a deadline already passed: nothing was sent
             try:
-                return await call(link, timeout)
+                return await self._counted(rec, call(link, timeout))
             except BaseException as exc:
                 if not _in_doubt(exc):
                     raise
@@ -139,6 +139,15 @@ class WorkerCalls:
                     raise
                 log.info("worker %s: sending request %s again (%.0f s left)", rec.worker_id, request_id, left)
             await asyncio.sleep(self.RESEND_PAUSE_S)
+
+    async def _counted(self, rec: WorkerRecord, call: Awaitable[R]) -> R:
+        """``call``, counted in ``memsvc_worker_calls_in_flight`` while it has no answer."""
+        in_flight = self._ingest.metrics.calls.labels(rec.worker_id)
+        in_flight.inc()
+        try:
+            return await call
+        finally:
+            in_flight.dec()
 
     async def _settle(self, rec: WorkerRecord, link: WorkerLink) -> None:
         """Ask the worker until no transition is in progress there, applying each answer."""

@@ -57,10 +57,11 @@ class Manager:
         default_policy_fields: dict[str, Any] | None = None,
         static_workers: Sequence[StoredWorker] = (),
         links: LinkFactory | None = None,
+        metrics: ManagerMetrics | None = None,
     ) -> None:
         self.store = store
         self.settings = settings or ManagerSettings()
-        self.metrics = ManagerMetrics()
+        self.metrics = metrics or ManagerMetrics()
         self.hub = WatchHub()
         self.background = Background()
         self.policies = Policies(store, default_policy_fields)

@@ -15,6 +15,7 @@ from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
 from memsvc.manager.links import grpc_links
+from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.replicas import LeaderLock, Replica, advertised
 from memsvc.manager.servicer import MemoryManagerServicer
 from memsvc.manager.store import Store, open_store
@@ -53,45 +54,46 @@ async def serve(
         return _refuse(exc)
     stop = asyncio.Event()
     install_signal_handlers(stop)
-    replica = (
-        Replica(store, "", SERVICE_NAME, cfg.settings.leader_poll_interval, sec)
-        if isinstance(store, LeaderLock)
-        else None
-    )
+    poll = cfg.settings.leader_poll_interval
+    replica = Replica(store, "", SERVICE_NAME, poll, sec) if isinstance(store, LeaderLock) else None
+    metrics = ManagerMetrics()
     servicer = MemoryManagerServicer()
     manager: Manager | None = None
     srv: Server | None = None
-    lost = ""
     try:
+        if metrics_listen:
+            host, port = _serve_metrics(metrics, metrics_listen, sec.token)  # /metrics behind the token too
+            announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
         srv = await start_server(listen, [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
                                  [SERVICE_NAME], [replica.interceptor()] if replica else (), sec)  # fmt: skip
         await srv.set_serving(True)
+        await srv.set_serving(False, SERVICE_NAME)  # until it leads
+        announce(f"memsvc manager listening on {srv.address}")
         if replica is not None:
             replica.advertise = advertised(srv.address, advertise, socket.gethostname)
-            announce(f"memsvc manager listening on {srv.address} (a replica on {store.where}, as {replica.advertise})")
+            announce(f"memsvc manager replica {replica.advertise} on {store.where}: following until it leads")
             if not await replica.follow_until_leading(stop):
                 await _close(srv, None, replica, store)
                 announce("memsvc manager stopped")
                 return 0
         # the manager dials its workers with its own TLS identity and token
-        manager = Manager(store, cfg.settings, {**cfg.policy_fields, **policy}, cfg.workers, grpc_links(sec))
+        manager = Manager(store, cfg.settings, {**cfg.policy_fields, **policy}, cfg.workers, grpc_links(sec), metrics)
         await manager.start()
         servicer.lead(manager)
-        if metrics_listen:
-            host, port = _serve_metrics(manager, metrics_listen, sec.token)  # /metrics behind the token too
-            announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
         if replica is not None:
             replica.lead()
+            announce(f"memsvc manager replica {replica.advertise} leads")
+        metrics.leader.set(1)
         await srv.set_serving(True, SERVICE_NAME)
     except MemsvcError as exc:
         await _close(srv, manager, replica, store)
         return _refuse(exc)
-    if replica is None:
-        announce(f"memsvc manager listening on {srv.address}")
-        await stop.wait()
-    else:
-        announce(f"memsvc manager leads ({replica.advertise})")
+    lost = ""  # why this replica stopped leading, or "" for a stop by signal
+    if replica is not None:
         lost = await replica.hold(stop)
+    else:
+        await stop.wait()
+    metrics.leader.set(0)
     manager.hub.close()
     await _close(srv, manager, replica, store, grace=0.0 if lost else 5.0)
     if lost:
@@ -113,10 +115,10 @@ async def _close(
     store.close()
 
 
-def _serve_metrics(manager: Manager, listen: str, token: str = "") -> tuple[str, int]:
+def _serve_metrics(metrics: ManagerMetrics, listen: str, token: str = "") -> tuple[str, int]:
     """The Prometheus endpoint; a bad ``--metrics-listen`` is a refusal like a bad ``--listen``."""
     try:
-        return manager.metrics.serve(listen, token=token)
+        return metrics.serve(listen, token=token)
     except (OSError, ValueError, OverflowError) as exc:
         raise InvalidArgument(f"cannot serve metrics on {listen!r}: {exc}") from exc
 

@@ -98,6 +98,16 @@ class ManagerMetrics:
             "memsvc_worker_paused_generations", "Generate calls paused on the worker until its next wake", ["worker"],
             registry=r,
         )  # fmt: skip
+        self.leader = Gauge(
+            "memsvc_manager_leader",
+            "1 while this manager serves (a replica: while it leads; the others forward to it)",
+            registry=r,
+        )
+        self.calls = Gauge(
+            "memsvc_worker_calls_in_flight",
+            "Sleep and WakeUp calls the manager sent the worker and has no answer to yet (a stuck one stays up)",
+            ["worker"], registry=r,
+        )  # fmt: skip
         self.info = Gauge(
             "memsvc_worker_info",
             "1 per worker, labelled with what it serves where: join on worker for per-model panels",
@@ -146,7 +156,7 @@ class ManagerMetrics:
         """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
         for gauge in (
             self.up, self.device_free, self.host_pinned, self.disk, self.leases, self.leased_sleeps, self.turns,
-            self.waiting, self.paused,
+            self.waiting, self.paused, self.calls,
         ):  # fmt: skip
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)

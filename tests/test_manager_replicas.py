@@ -1,0 +1,238 @@
+"""Manager replicas on one real PostgreSQL database: one leads, the others forward, and a follower
+takes over when the leader dies (SIGKILL) or loses its database session, with every lease, policy and
+registration intact (memsvc/manager/replicas.py, memsvc/manager/store_postgres.py).
+
+Real ``memsvc manager`` processes, real host-backend workers, a real PostgreSQL server
+(tests/pgserver.py). "Mid-call" is a condition, not a time: the worker the call needs is stopped
+(SIGSTOP) and the leader is killed once its metrics show the call sent and unanswered
+(``memsvc_worker_calls_in_flight``) or its AcquireWorker waiting (``waiting_acquires``).
+"""
+
+from __future__ import annotations
+
+import functools
+import os
+import signal
+import time
+from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
+
+import grpc
+import psycopg
+import pytest
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.field_mask_pb2 import FieldMask
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+from managerproc import Cluster, ManagerProcess, get, seconds, wait_for, wait_state
+
+from memsvc import error_info
+from memsvc.manager.store_postgres import LEADER_LOCK
+from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import memory_manager_service_pb2 as m
+
+SERVICE = "memsvc.v1.MemoryManagerService"
+TAKEOVER_BOUND_S = 30.0
+"""A generous bound for the tests (loopback takes about the poll interval plus a start: see
+docs/operations.md); the tests wait for the condition, this only says when to give up."""
+
+
+@pytest.fixture
+def cluster(tmp_path: Path) -> Iterator[Cluster]:
+    cl = Cluster(tmp_path)
+    yield cl
+    cl.close()
+
+
+def health(mp: ManagerProcess, service: str = SERVICE) -> int:
+    with grpc.insecure_channel(mp.address) as ch:
+        return int(
+            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
+        )
+
+
+def leads(mp: ManagerProcess) -> bool:
+    try:
+        return health(mp) == health_pb2.HealthCheckResponse.SERVING
+    except grpc.RpcError:
+        return False
+
+
+def replicas(cluster: Cluster, url: str, n: int = 2) -> list[ManagerProcess]:
+    """``n`` replicas on ``url``; the first is started alone, so it is the one that leads."""
+    first = cluster.manager(db=url, metrics=True)
+    wait_for(lambda: leads(first), bool, what="the first replica to lead")
+    rest = [cluster.manager(db=url, metrics=True) for _ in range(n - 1)]
+    for mp in rest:
+        wait_for(functools.partial(health, mp, ""), lambda s: s == health_pb2.HealthCheckResponse.SERVING,
+                 what="a follower's server to answer")  # fmt: skip
+    return [first, *rest]
+
+
+def in_flight(mp: ManagerProcess, worker_id: str) -> float:
+    return mp.metrics().get(("memsvc_worker_calls_in_flight", frozenset({("worker", worker_id)})), 0.0)
+
+
+def leases(mp: ManagerProcess) -> dict[str, m.Lease]:
+    return {x.lease_id: x for x in mp.stub.ListLeases(m.ListLeasesRequest(), timeout=10).leases}
+
+
+def set_policy(mp: ManagerProcess) -> m.Policy:
+    mp.stub.UpdatePolicy(
+        m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(seconds=3600)),
+                              update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10,
+    )  # fmt: skip
+    mp.stub.UpdatePolicy(
+        m.UpdatePolicyRequest(name="workers/w1", policy=m.Policy(idle_deep_sleep_timeout=Duration(seconds=9000)),
+                              update_mask=FieldMask(paths=["idle_deep_sleep_timeout"])), timeout=10,
+    )  # fmt: skip
+    return mp.stub.GetPolicy(m.GetPolicyRequest(name="workers/w1"), timeout=10).policy
+
+
+def test_one_replica_leads_and_a_follower_forwards_every_call_with_its_errors(cluster: Cluster, pg_url: str) -> None:
+    leader, follower = replicas(cluster, pg_url)
+    assert health(follower) == health_pb2.HealthCheckResponse.NOT_SERVING, "a follower is not ready for the service"
+    metrics = follower.metrics()
+    assert metrics[("memsvc_manager_leader", frozenset())] == 0
+    assert leader.metrics()[("memsvc_manager_leader", frozenset())] == 1
+
+    # the workers register through the follower; the leader dials them and learns their state
+    cluster.workers_up(follower, ["w1", "w2"])
+    assert {w.name for w in leader.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers} == {
+        "workers/w1", "workers/w2"
+    }  # fmt: skip
+    policy = set_policy(follower)
+    assert leader.stub.GetPolicy(m.GetPolicyRequest(name="workers/w1"), timeout=10).policy == policy
+    assert seconds(policy.idle_sleep_timeout) == 3600 and seconds(policy.idle_deep_sleep_timeout) == 9000
+
+    lease = follower.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w2", holder="t", request_id="r-1"),
+                                        timeout=30).lease  # fmt: skip
+    assert set(leases(leader)) == {lease.lease_id}
+    sleep = follower.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=30)
+    assert sleep.worker.state == c.WORKER_STATE_ASLEEP
+
+    # the leader's errors come back as the leader said them: status, message and ErrorInfo
+    with pytest.raises(grpc.RpcError) as err:
+        follower.stub.GetWorker(m.GetWorkerRequest(name="workers/nope"), timeout=10)
+    assert err.value.code() == grpc.StatusCode.NOT_FOUND and "nope" in (err.value.details() or "")
+    info = error_info(err.value)
+    assert info is not None and info.reason == "NOT_FOUND"
+    with pytest.raises(grpc.RpcError) as err:
+        follower.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=""), timeout=10)
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+
+    # a stream too: WatchWorkers through the follower starts with the leader's snapshot
+    stream = follower.stub.WatchWorkers(m.WatchWorkersRequest(names=["workers/w2"]), timeout=30)
+    first = next(stream)
+    assert first.snapshot.name == "workers/w2" and first.snapshot.lease_count == 1
+    stream.cancel()
+    follower.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    assert leases(leader) == {}
+
+
+def test_the_leader_killed_mid_acquire_a_follower_takes_over_with_every_lease_and_policy(
+    cluster: Cluster, pg_url: str
+) -> None:
+    leader, follower = replicas(cluster, pg_url)
+    w1, w2 = cluster.workers_up(leader, ["w1", "w2"])
+    policy = set_policy(leader)
+    held = leader.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/w1", holder="kept", request_id="grant-1", ttl=Duration(seconds=600),
+                               keep_alive=Duration(seconds=120)), timeout=30,
+    ).lease  # fmt: skip
+    leader.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w2", level=c.SLEEP_LEVEL_1), timeout=30)
+
+    os.kill(w2.pid, signal.SIGSTOP)  # w2's wake cannot finish: the acquire below waits on it
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            mid = pool.submit(
+                follower.stub.AcquireWorker,
+                m.AcquireWorkerRequest(name="workers/w2", holder="mid", request_id="mid-1"), timeout=60,
+            )  # fmt: skip
+            wait_for(lambda: get(leader.stub, "w2").waiting_acquires, lambda n: n == 1,
+                     what="the leader's AcquireWorker to wait on w2")  # fmt: skip
+            killed = time.monotonic()
+            leader.kill()
+            with pytest.raises(grpc.RpcError) as err:
+                mid.result()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
+        print(f"took over {time.monotonic() - killed:.2f} s after the leader's SIGKILL")
+    finally:
+        os.kill(w2.pid, signal.SIGCONT)
+
+    stub = follower.stub
+    assert stub.GetPolicy(m.GetPolicyRequest(name="workers/w1"), timeout=10).policy == policy
+    wait_state(stub, "w1", c.WORKER_STATE_AWAKE)  # re-learned from the worker's telemetry
+    kept = leases(follower)
+    assert set(kept) == {held.lease_id} and kept[held.lease_id].expire_time == held.expire_time
+    assert kept[held.lease_id].holder == "kept"
+
+    # a retry of a grant whose answer was lost gets the same lease; the cut acquire is granted once
+    again = stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="kept", request_id="grant-1"),
+                               timeout=30).lease  # fmt: skip
+    assert again.lease_id == held.lease_id
+    granted = stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w2", holder="mid", request_id="mid-1"),
+                                 timeout=60)  # fmt: skip
+    assert granted.worker.state == c.WORKER_STATE_AWAKE
+    assert set(leases(follower)) == {held.lease_id, granted.lease.lease_id}
+    assert get(stub, "w2").lease_count == 1 and get(stub, "w1").lease_count == 1
+    stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease_id), timeout=10)
+    assert get(stub, "w1").keep_alive == Duration(seconds=120), "the lease's keep_alive came through the takeover"
+
+
+def test_the_leader_killed_mid_sleep_the_retry_on_the_new_leader_ends_it(cluster: Cluster, pg_url: str) -> None:
+    leader, follower = replicas(cluster, pg_url)
+    (w1,) = cluster.workers_up(leader, ["w1"])
+    policy = set_policy(leader)
+    request = m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1, request_id="sleep-1")
+    os.kill(w1.pid, signal.SIGSTOP)
+    try:
+        with ThreadPoolExecutor(1) as pool:
+            cut = pool.submit(follower.stub.SleepWorker, request, timeout=60)
+            wait_for(lambda: in_flight(leader, "w1"), lambda n: n == 1, what="the leader's Sleep call to w1")
+            leader.kill()
+            with pytest.raises(grpc.RpcError) as err:
+                cut.result()
+            assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
+        wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
+    finally:
+        os.kill(w1.pid, signal.SIGCONT)
+    wait_for(functools.partial(get, follower.stub, "w1"),
+             lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
+             what="the new leader to reach w1 again")  # fmt: skip
+    done = follower.stub.SleepWorker(request, timeout=60)  # the same request_id: the worker's replay, or a new run
+    assert done.worker.state == c.WORKER_STATE_ASLEEP
+    wait_state(follower.stub, "w1", c.WORKER_STATE_ASLEEP)
+    assert follower.stub.GetPolicy(m.GetPolicyRequest(name="workers/w1"), timeout=10).policy == policy
+
+
+def test_a_leader_that_loses_its_database_session_stops_and_a_follower_takes_over(
+    cluster: Cluster, pg_url: str
+) -> None:
+    leader, follower = replicas(cluster, pg_url)
+    cluster.workers_up(follower, ["w1"])
+    held = follower.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="kept"), timeout=30).lease
+    with psycopg.connect(pg_url, autocommit=True) as db:  # the server ends the leader's session
+        (ended,) = db.execute("SELECT pg_terminate_backend(pid) FROM memsvc_leader").fetchone() or (False,)
+    assert ended
+    assert leader.wait(timeout=TAKEOVER_BOUND_S) == 1, "a leader without its session stops, status 1"
+    assert "stopped leading" in leader.stderr_text()
+    wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
+    assert set(leases(follower)) == {held.lease_id}
+    wait_state(follower.stub, "w1", c.WORKER_STATE_AWAKE)
+
+
+def test_a_follower_with_no_leader_answers_no_leader_with_a_retry_delay(cluster: Cluster, pg_url: str) -> None:
+    """Between a leader's loss and a takeover: here no takeover can come, as the follower's own
+    session cannot take the lock while a third session (the test's) holds it."""
+    with psycopg.connect(pg_url, autocommit=True) as db:
+        db.execute("SELECT pg_advisory_lock(%s, %s)", LEADER_LOCK)  # memsvc's leader lock, held by no replica
+        follower = cluster.manager(db=pg_url)
+        with pytest.raises(grpc.RpcError) as err:
+            follower.stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    info = error_info(err.value)
+    assert info is not None and info.reason == "NO_LEADER"
+    assert any(k == "grpc-status-details-bin" for k, _ in err.value.trailing_metadata() or ())
+    wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to lead once the lock is free")
