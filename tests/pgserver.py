@@ -28,6 +28,7 @@ from pathlib import Path
 
 import psycopg
 import pytest
+from psycopg import sql
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 30.0
@@ -59,7 +60,9 @@ class PostgresServer:
         self.port = 0
         self.proc: subprocess.Popen[bytes] | None = None
         self.log = base / "postgres.log"
-        self._as: dict[str, int] = {}
+        self.user: int | None = None
+        """The user the server runs as (None: this process's)."""
+        self.group: int | None = None
 
     def url(self, dbname: str = "postgres") -> str:
         return f"postgresql://{USER}@127.0.0.1:{self.port}/{dbname}"
@@ -68,12 +71,12 @@ class PostgresServer:
         bins = bin_dir()
         if os.geteuid() == 0:  # PostgreSQL will not run as root
             nobody = pwd.getpwnam("nobody")
-            self._as = {"user": nobody.pw_uid, "group": nobody.pw_gid}
+            self.user, self.group = nobody.pw_uid, nobody.pw_gid
             os.chown(self.base, nobody.pw_uid, nobody.pw_gid)
         data = self.base / "data"
         done = subprocess.run(
             [str(bins / "initdb"), "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync"],
-            capture_output=True, text=True, timeout=START_TIMEOUT, **self._as,  # type: ignore[arg-type]
+            capture_output=True, text=True, timeout=START_TIMEOUT, user=self.user, group=self.group,
         )  # fmt: skip
         assert done.returncode == 0, f"initdb failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         self.port = _free_port()
@@ -82,7 +85,7 @@ class PostgresServer:
                 [str(bins / "postgres"), "-D", str(data), "-k", str(self.base), "-p", str(self.port),
                  "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
                  "-c", "full_page_writes=off", "-c", "max_connections=300"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, **self._as,  # type: ignore[arg-type]
+                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, user=self.user, group=self.group,
             )  # fmt: skip
         give_up = time.monotonic() + START_TIMEOUT
         while True:
@@ -91,18 +94,18 @@ class PostgresServer:
                 return self
             except psycopg.OperationalError:
                 if self.proc.poll() is not None or time.monotonic() > give_up:
-                    log = self.log.read_text(errors="replace")[-4000:]
-                    raise AssertionError(f"PostgreSQL did not start:\n{log}") from None
+                    said = self.log.read_text(errors="replace")[-4000:]
+                    raise AssertionError(f"PostgreSQL did not start:\n{said}") from None
                 time.sleep(0.05)
 
     def create_database(self, name: str) -> str:
         with psycopg.connect(self.url(), autocommit=True) as db:
-            db.execute(f'CREATE DATABASE "{name}"')  # type: ignore[arg-type]  # a name the tests made
+            db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
     def drop_database(self, name: str) -> None:
         with psycopg.connect(self.url(), autocommit=True) as db:
-            db.execute(f'DROP DATABASE IF EXISTS "{name}" WITH (FORCE)')  # type: ignore[arg-type]
+            db.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
     def stop(self) -> None:
         if self.proc is None or self.proc.poll() is not None:
