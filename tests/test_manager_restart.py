@@ -1,8 +1,9 @@
 """What survives a manager crash (SIGKILL), and what happens when a worker dies and comes back.
 
-Policies and registrations live in the manager's SQLite file; memory state is re-learned from the
-workers. The restarted manager listens on a *different* port, so the worker's heartbeats (still
-aimed at the old address) cannot help: the manager must reach it through the stored address.
+Policies and registrations live in the manager's store (a SQLite file, or PostgreSQL: each test runs
+on both); memory state is re-learned from the workers. The restarted manager listens on a *different*
+port, so the worker's heartbeats (still aimed at the old address) cannot help: the manager must
+reach it through the stored address.
 """
 
 from __future__ import annotations
@@ -16,6 +17,7 @@ import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, get, seconds, tags, wait_for, wait_state
+from stores import STORE_KINDS, db_for
 
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
@@ -29,12 +31,17 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     cl.close()
 
 
+@pytest.fixture(params=STORE_KINDS)
+def db(request: pytest.FixtureRequest, tmp_path: Path) -> str:
+    """Each test on each store: a restart reads back the same state from either."""
+    return db_for(request, tmp_path / "state")
+
+
 def _list(stub: m_grpc.MemoryManagerServiceStub) -> list[m.Worker]:
     return list(stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers)
 
 
-def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_state(cluster: Cluster) -> None:
-    db = cluster.tmp_path / "state" / "manager.db"
+def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_state(cluster: Cluster, db: str) -> None:
     mgr = cluster.manager(db=db)
     stub = mgr.stub
     (wp,) = cluster.workers_up(mgr, ["persist"])
@@ -106,8 +113,9 @@ def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_stat
     assert wk.address == wp2.address
 
 
-def test_config_file_seeds_policy_and_static_workers_but_update_policy_wins_after_restart(cluster: Cluster) -> None:
-    db = cluster.tmp_path / "m.db"
+def test_config_file_seeds_policy_and_static_workers_but_update_policy_wins_after_restart(
+    cluster: Cluster, db: str
+) -> None:
     cfg = cluster.tmp_path / "manager.toml"
     cfg.write_text(
         "[policy]\nidle_sleep_timeout = 600\nhost_budget_bytes = 1048576\n"

@@ -22,21 +22,21 @@ import torch
 from asyncwait import settle
 from conftest import AllocatorFactory
 from google.protobuf.duration_pb2 import Duration
+from stores import STORE_KINDS, store_for
 
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.settings import ManagerSettings
-from memsvc.manager.store_sqlite import SqliteStore
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, Action, TagState, WorkerState
 
 MiB = 1 << 20
 
 
-@pytest_asyncio.fixture
-async def manager(tmp_path: Path) -> AsyncIterator[tuple[Manager, InMemoryLinks]]:
+@pytest_asyncio.fixture(params=STORE_KINDS)
+async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[tuple[Manager, InMemoryLinks]]:
     links = InMemoryLinks()
-    mgr = Manager(SqliteStore(tmp_path / "manager.db"), ManagerSettings(tick_interval=3600.0), links=links)  # we tick
+    mgr = Manager(store_for(request, tmp_path), ManagerSettings(tick_interval=3600.0), links=links)  # we tick
     await mgr.start()
     yield mgr, links
     await mgr.close()

@@ -21,6 +21,7 @@ import pytest
 import pytest_asyncio
 from asyncwait import settle
 from google.protobuf.duration_pb2 import Duration
+from stores import STORE_KINDS, store_for
 
 from memsvc._deadline import Deadline
 from memsvc.errors import InvalidArgument, MemsvcError, NotFound, OutOfMemory, Overloaded, Unavailable, WrongState
@@ -79,11 +80,12 @@ class Env:
         self.manager.update_policy("", p, list(fields))
 
 
-@pytest_asyncio.fixture
-async def env(tmp_path: Path) -> AsyncIterator[Env]:
+@pytest_asyncio.fixture(params=STORE_KINDS)
+async def env(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterator[Env]:
+    """Every test here on each store: the manager's decisions must not depend on where it keeps them."""
     links = InMemoryLinks()
     # a tick interval of an hour: the tests call tick() themselves
-    manager = Manager(SqliteStore(tmp_path / "manager.db"), ManagerSettings(tick_interval=3600.0), links=links)
+    manager = Manager(store_for(request, tmp_path), ManagerSettings(tick_interval=3600.0), links=links)
     await manager.start()
     yield Env(manager, links)
     await manager.close()
