@@ -20,7 +20,7 @@ RUN apt-get update \
 # Both wheels of `make wheel`: memsvc depends on memsvc-api (the stubs), which pip takes from the file named.
 COPY --from=build /src/dist/ /tmp/dist/
 RUN python3 -m venv /opt/memsvc \
- && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc_api-*.whl)" "$(ls /tmp/dist/memsvc-*.whl)[worker,gateway]" \
+ && /opt/memsvc/bin/pip install --no-cache-dir "$(ls /tmp/dist/memsvc_api-*.whl)" "$(ls /tmp/dist/memsvc-*.whl)[worker,gateway,postgres]" \
  && rm -rf /tmp/dist
 ENV PATH=/opt/memsvc/bin:$PATH \
     NVIDIA_DRIVER_CAPABILITIES=compute,utility \

@@ -32,6 +32,7 @@ import grpc
 from childproc import Proc, ProcError
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.timestamp_pb2 import Timestamp
+from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from workerproc import WorkerProcess
 
@@ -47,6 +48,7 @@ WORKER_MODEL = "synthetic:tiny"
 WORKER_CAPACITY = "64MiB"
 """Simulated device size of a test worker; synthetic:tiny maps 4 MiB awake (2 MiB weights, 2 MiB KV)."""
 
+MANAGER_SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 _LISTENING = re.compile(r"^memsvc manager listening on (?P<address>\S+)$")
 _METRICS = re.compile(r"^memsvc manager metrics on (?P<url>http://\S+)$")
 
@@ -94,6 +96,19 @@ class ManagerProcess(Proc):
             self._channel = grpc.insecure_channel(self.address)
             self._stub = m_grpc.MemoryManagerServiceStub(self._channel)
         return self._stub
+
+    def health(self, service: str = MANAGER_SERVICE) -> int:
+        """grpc.health.v1's status for ``service`` ("": the server)."""
+        with grpc.insecure_channel(self.address) as ch:
+            answer = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5)
+        return int(answer.status)
+
+    def leads(self) -> bool:
+        """It serves MemoryManagerService: one manager always, a replica on a shared store once it leads."""
+        try:
+            return self.health() == health_pb2.HealthCheckResponse.SERVING
+        except grpc.RpcError:
+            return False
 
     def close_channel(self) -> None:
         if self._channel is not None:

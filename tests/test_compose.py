@@ -238,7 +238,9 @@ def test_image_builds_the_wheel_with_the_ci_target() -> None:
     assert any("--outdir dist" in line for line in recipe)
     runtime = stages["runtime"]
     assert any(ins.startswith("COPY --from=build") and "dist" in ins for ins in runtime)
-    assert any("[worker,gateway]" in ins and "pip install" in ins for ins in runtime), "the gateway runs from it too"
+    assert any("[worker,gateway,postgres]" in ins and "pip install" in ins for ins in runtime), (
+        "the gateway runs from it too, and the manager on PostgreSQL (deploy/kubernetes/overlays/ha)"
+    )
     assert any(ins.startswith("USER ") and ins.split()[1] not in ("root", "0") for ins in runtime)
     assert entrypoint() == ["memsvc"]
 
@@ -382,8 +384,9 @@ import dataclasses, json, sys
 import memsvc.manager.main, worker.main
 from memsvc.cli import main
 
-def capture_manager(listen, db, config, metrics_listen, policy):
-    print(json.dumps({"listen": listen, "db": db, "config": config, "metrics_listen": metrics_listen, **policy}))
+def capture_manager(listen, db, config, metrics_listen, policy, advertise=""):
+    print(json.dumps({"listen": listen, "db": db, "config": config, "metrics_listen": metrics_listen,
+                      "advertise": advertise, **policy}))
     return 0
 
 def capture_worker(config, listen, manager=None, advertise=None):

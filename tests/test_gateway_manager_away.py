@@ -8,13 +8,17 @@ and the OpenAI SDK.
 - The model whose worker sleeps gets a 503 with Retry-After: only the manager wakes it. So does the
   awake one once its worker went to sleep behind the gateway's back (a direct Sleep).
 - Once the manager is back, requests take leases again, and none is left over or counted twice.
+
+The same with manager replicas on PostgreSQL: a gateway dialling a follower whose leader died (and no
+replica took over yet) meets NO_LEADER, which it treats as the manager being away; once a replica
+leads, the follower forwards to it and leases resume.
 """
 
 from __future__ import annotations
 
 import json
 import urllib.request
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -32,10 +36,14 @@ openai = pytest.importorskip("openai")
 
 
 class Stack:
-    def __init__(self, tmp_path: Path) -> None:
-        self.db = tmp_path / "manager.db"
+    """A manager (on ``db``: by default a SQLite file), two workers and a gateway, all dialling the manager."""
+
+    def __init__(self, tmp_path: Path, db: str | Path | None = None, args: Sequence[str] = ()) -> None:
+        self.db = db or tmp_path / "manager.db"
         self.listen = f"127.0.0.1:{free_port()}"
-        self.manager = ManagerProcess(self.db, listen=self.listen).start()
+        self.manager = ManagerProcess(self.db, args, listen=self.listen).start()
+        self.others: list[ManagerProcess] = []
+        """Other replicas on the same database (the test's), ended with the stack."""
         self.workers = {
             name: WorkerProcess(["--manager", self.manager.address, "--worker-id", name, "--served-model-name", name])
             for name in ("alpha", "beta")
@@ -84,7 +92,8 @@ class Stack:
         self.gateway.kill()
         for wp in self.workers.values():
             wp.kill()
-        self.manager.kill()
+        for mp in [self.manager, *self.others]:
+            mp.kill()
 
 
 @pytest.fixture
@@ -133,3 +142,38 @@ def test_awake_models_are_served_without_the_manager_and_leases_resume_when_it_i
         assert status == 200 and text, (model, status, text)
     assert s.unleased("alpha") == 4 and s.unleased("beta") == 0  # the one that met it asleep included
     wait_for(s.leases, lambda n: n == 0, what="every lease given back")
+
+
+def test_a_gateway_on_a_follower_serves_awake_models_while_no_replica_leads(tmp_path: Path, pg_url: str) -> None:
+    leader = ManagerProcess(pg_url).start()
+    wait_for(leader.leads, bool, what="the first replica to lead")
+    slow = tmp_path / "slow.toml"  # this follower does not try for the lead again within the test
+    slow.write_text("[manager]\nleader_poll_interval = 3600\n")
+    s = Stack(tmp_path, db=pg_url, args=["--config", str(slow)])  # the gateway and workers dial the follower
+    s.others.append(leader)
+    try:
+        s.manager.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
+        assert s.answer("alpha")[0] == 200 and s.leases() == 0
+
+        leader.kill()  # no replica leads now: the follower answers NO_LEADER
+        for stream in (False, True):
+            status, text, _ = s.answer("alpha", stream)
+            assert status == 200 and text, (stream, status, text)
+        assert s.unleased("alpha") == 2
+        status, message, retry = s.answer("beta")
+        assert status == 503 and retry is not None and int(retry) >= 1, (status, message, retry)
+        code, ready = s.get("/readyz")
+        assert code == 200 and ready["status"] == "degraded", ready
+
+        again = ManagerProcess(pg_url).start()  # a replica that leads: the follower forwards to it
+        s.others.append(again)
+        wait_for(again.leads, bool, what="the new replica to lead")
+        wait_for(s.states, lambda st: st.get("alpha") == c.WORKER_STATE_AWAKE, what="alpha known again", timeout=60)
+        wait_for(lambda: s.get("/readyz"), lambda r: r == (200, {"status": "ok"}), what="the gateway ready", timeout=60)
+        for model in ("beta", "alpha"):
+            status, text, _ = s.answer(model, stream=True)
+            assert status == 200 and text, (model, status, text)
+        assert s.unleased("alpha") == 2 and s.unleased("beta") == 0
+        wait_for(s.leases, lambda n: n == 0, what="every lease given back")
+    finally:
+        s.close()

@@ -23,7 +23,7 @@ import psycopg
 import pytest
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 from managerproc import Cluster, ManagerProcess, get, seconds, wait_for, wait_state
 
 from memsvc import error_info, retry_delay
@@ -31,7 +31,6 @@ from memsvc.manager.store_postgres import LEADER_LOCK
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 
-SERVICE = "memsvc.v1.MemoryManagerService"
 TAKEOVER_BOUND_S = 30.0
 """A generous bound for the tests (loopback takes about the poll interval plus a start: see
 docs/operations.md); the tests wait for the condition, this only says when to give up."""
@@ -44,27 +43,13 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
     cl.close()
 
 
-def health(mp: ManagerProcess, service: str = SERVICE) -> int:
-    with grpc.insecure_channel(mp.address) as ch:
-        return int(
-            health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=5).status
-        )
-
-
-def leads(mp: ManagerProcess) -> bool:
-    try:
-        return bool(health(mp) == health_pb2.HealthCheckResponse.SERVING)
-    except grpc.RpcError:
-        return False
-
-
 def replicas(cluster: Cluster, url: str, n: int = 2) -> list[ManagerProcess]:
     """``n`` replicas on ``url``; the first is started alone, so it is the one that leads."""
     first = cluster.manager(db=url, metrics=True)
-    wait_for(lambda: leads(first), bool, what="the first replica to lead")
+    wait_for(first.leads, bool, what="the first replica to lead")
     rest = [cluster.manager(db=url, metrics=True) for _ in range(n - 1)]
     for mp in rest:
-        wait_for(functools.partial(health, mp, ""), lambda s: s == health_pb2.HealthCheckResponse.SERVING,
+        wait_for(functools.partial(mp.health, ""), lambda s: s == health_pb2.HealthCheckResponse.SERVING,
                  what="a follower's server to answer")  # fmt: skip
     return [first, *rest]
 
@@ -91,7 +76,7 @@ def set_policy(mp: ManagerProcess) -> m.Policy:
 
 def test_one_replica_leads_and_a_follower_forwards_every_call_with_its_errors(cluster: Cluster, pg_url: str) -> None:
     leader, follower = replicas(cluster, pg_url)
-    assert health(follower) == health_pb2.HealthCheckResponse.NOT_SERVING, "a follower is not ready for the service"
+    assert follower.health() == health_pb2.HealthCheckResponse.NOT_SERVING, "a follower is not ready for the service"
     metrics = follower.metrics()
     assert metrics[("memsvc_manager_leader", frozenset())] == 0
     assert leader.metrics()[("memsvc_manager_leader", frozenset())] == 1
@@ -156,7 +141,7 @@ def test_the_leader_killed_mid_acquire_a_follower_takes_over_with_every_lease_an
             with pytest.raises(grpc.RpcError) as err:
                 mid.result()
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
+        wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
         print(f"took over {time.monotonic() - killed:.2f} s after the leader's SIGKILL")
     finally:
         os.kill(w2.pid, signal.SIGCONT)
@@ -195,7 +180,7 @@ def test_the_leader_killed_mid_sleep_the_retry_on_the_new_leader_ends_it(cluster
             with pytest.raises(grpc.RpcError) as err:
                 cut.result()
             assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value
-        wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
+        wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
     finally:
         os.kill(w1.pid, signal.SIGCONT)
     wait_for(functools.partial(get, follower.stub, "w1"),
@@ -218,7 +203,7 @@ def test_a_leader_that_loses_its_database_session_stops_and_a_follower_takes_ove
     assert ended
     assert leader.wait(timeout=TAKEOVER_BOUND_S) == 1, "a leader without its session stops, status 1"
     assert "stopped leading" in leader.stderr_text()
-    wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
+    wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
     assert set(leases(follower)) == {held.lease_id}
     wait_state(follower.stub, "w1", c.WORKER_STATE_AWAKE)
 
@@ -236,4 +221,4 @@ def test_a_follower_with_no_leader_answers_no_leader_with_a_retry_delay(cluster:
     assert info is not None and info.reason == "NO_LEADER"
     retry = retry_delay(err.value)
     assert retry is not None and retry > 0, "a NO_LEADER carries when to try again"
-    wait_for(lambda: leads(follower), bool, timeout=TAKEOVER_BOUND_S, what="the follower to lead once the lock is free")
+    wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to lead once the lock is free")

@@ -12,8 +12,10 @@ may reach at any address.
   worker's state re-learned from its telemetry.
 - **Followers forward.** A follower serves MemoryManagerService by passing each call, as bytes, to
   the leader's advertised address with the caller's deadline and metadata, and its answer or error
-  (status, message, details) back; a caller who leaves cancels the forwarded call. A follower that
-  knows no reachable leader answers ``UNAVAILABLE`` with reason ``NO_LEADER`` and a retry delay.
+  (status, message, details) back; a caller who leaves cancels the forwarded call. It learns the
+  leader's address from the store at each poll, and at once when it knows none or the last did not
+  answer. A follower that knows no reachable leader answers ``UNAVAILABLE`` with reason
+  ``NO_LEADER`` and a retry delay.
   Its health says ``NOT_SERVING`` for the service until it leads (``SERVING`` for the server), so a
   Kubernetes readiness probe on the service name routes a Service's traffic to the leader alone.
 - **Stepping down.** The leader checks its session every ``poll`` seconds; once it is lost (a cut,
@@ -132,6 +134,10 @@ class Replica:
 
     def _channel(self) -> tuple[str, grpc.aio.Channel]:
         leader = self.leader
+        if not leader or leader == self.advertise:  # none known, or this one about to lead: ask the store now
+            with contextlib.suppress(MemsvcError):
+                self._learn(self._lock.leader())
+            leader = self.leader
         if not leader or leader == self.advertise:
             raise NoLeader(
                 "no manager replica leads right now (a replica takes over within seconds): try again",
@@ -176,6 +182,8 @@ class Replica:
         if _answered(exc):
             trailing = tuple((k, v) for k, v in exc.trailing_metadata() or ())
             await context.abort(exc.code(), exc.details() or "", trailing)
+        if self.leader == leader:
+            self.leader = ""  # the next call asks the store who leads now, rather than waiting for the poll
         raise self._unreachable(leader, exc) from exc
 
 
