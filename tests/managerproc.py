@@ -106,7 +106,7 @@ class ManagerProcess(Proc):
     def leads(self) -> bool:
         """It serves MemoryManagerService: one manager always, a replica on a shared store once it leads."""
         try:
-            return self.health() == health_pb2.HealthCheckResponse.SERVING
+            return bool(self.health() == health_pb2.HealthCheckResponse.SERVING)
         except grpc.RpcError:
             return False
 
