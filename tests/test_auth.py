@@ -402,6 +402,11 @@ def test_manager_and_worker_pair(certs: Certs, token_file: Path, tmp_path: Path,
         assert r.returncode == 0 and "SERVING" in r.stdout, r.stdout + r.stderr
         r = memsvc_cli("health", wp.address, *no_token)
         assert r.returncode == 0 and "SERVING" in r.stdout, r.stdout + r.stderr
+        if mode == "mtls":  # deploy/kubernetes/overlays/mtls's probe: localhost, the certificate from the environment
+            tls = {k: v for k, v in env.items() if k.startswith("MEMSVC_TLS_")}
+            port = mp.address.rsplit(":", 1)[1]
+            r = memsvc_cli("health", f"localhost:{port}", "--service", "memsvc.v1.MemoryManagerService", env=tls)
+            assert r.returncode == 0 and "SERVING" in r.stdout, r.stdout + r.stderr
     finally:
         if wp is not None:
             wp.close()

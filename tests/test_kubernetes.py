@@ -30,7 +30,7 @@ from memsvc import cli
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("one-gpu", "two-models", "monitoring", "ha")
+OVERLAYS = ("one-gpu", "two-models", "monitoring", "ha", "mtls")
 VERSIONS = ("1.27", "1.33")
 SERVICES = {
     "manager": "memsvc.v1.MemoryManagerService",
@@ -81,6 +81,10 @@ def test_every_object_passes_the_kubernetes_schemas(overlay: str) -> None:
             kubernetes_validate.validate(obj, version, strict=True)
 
 
+def volumes_of(obj: dict[str, Any]) -> dict[str, Any]:
+    return {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
+
+
 @pytest.mark.parametrize("overlay", OVERLAYS)
 def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
     objects = render(overlay)
@@ -93,6 +97,12 @@ def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["MEMSVC_TOKEN_FILE"] == "/etc/memsvc/token/token"
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
+        tls = {k: v for k, v in env.items() if k.startswith("MEMSVC_TLS_")}
+        for name, path in tls.items():  # each file from the mounted secret
+            assert path and mounts.get("tls") and path.startswith(mounts["tls"] + "/"), (name, path)
+            assert volumes_of(obj)["tls"]["secret"]["secretName"] == "memsvc-tls"
+        if "MEMSVC_TLS_CERT" in tls and "grpc" in c.get("readinessProbe", {}):
+            raise AssertionError("a TLS server's kubelet gRPC probe cannot connect")
         volumes = {v["name"]: v for v in obj["spec"]["template"]["spec"]["volumes"]}
         claims = {t["metadata"]["name"] for t in obj["spec"].get("volumeClaimTemplates", [])}
         assert set(mounts) <= set(volumes) | claims, (mounts, volumes)
@@ -105,6 +115,15 @@ def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
             if "grpc" in probe:
                 assert probe["grpc"]["port"] in ports.values()
                 assert probe["grpc"].get("service", SERVICES[command]) in ("", SERVICES[command])
+            elif "exec" in probe:  # with mTLS: `memsvc health` shows the container's client certificate
+                argv = probe["exec"]["command"]
+                assert argv[:2] == ["memsvc", "health"] and argv[2] == f"localhost:{ports['grpc']}", argv
+                assert argv[3:] in ([], ["--service", SERVICES[command]]), argv
+                assert {"MEMSVC_TLS_CA", "MEMSVC_TLS_CLIENT_CERT", "MEMSVC_TLS_CLIENT_KEY"} <= set(env), (
+                    "its certificate"
+                )
+                assert probe["timeoutSeconds"] >= 5, "a Python process needs more than the kubelet's 1 s"
+                assert "grpc" not in probe
             else:
                 assert probe["httpGet"]["port"] in ports and probe["httpGet"]["path"] in ("/healthz", "/readyz")
         if command == "manager" and "state" in mounts:  # one manager on its SQLite file
@@ -123,7 +142,12 @@ def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
             assert env["MEMSVC_METRICS_LISTEN"].endswith(f":{ports['metrics']}")
         if command == "worker":
             assert c["resources"]["limits"]["nvidia.com/gpu"] == 1 and env["MEMSVC_DEVICE"] == "0"
-            assert env["MEMSVC_WORKER_ID"] == "$(POD_NAME)" and env["MEMSVC_ADVERTISE"] == f"$(POD_IP):{ports['grpc']}"
+            assert env["MEMSVC_WORKER_ID"] == "$(POD_NAME)"
+            advertised = {
+                f"$(POD_IP):{ports['grpc']}",
+                f"$(POD_NAME).{obj['spec']['serviceName']}.$(POD_NAMESPACE).svc.cluster.local:{ports['grpc']}",
+            }
+            assert env["MEMSVC_ADVERTISE"] in advertised, "an address the manager reaches (by DNS name with TLS)"
             assert env["MEMSVC_WORKER_LISTEN"].endswith(f":{ports['grpc']}")
             assert env["MEMSVC_MANAGER"] == "memsvc-manager:50051"
             assert env["MEMSVC_OFFLOAD_DIR"] == mounts["offload"]
