@@ -17,6 +17,10 @@ gateway, and then:
 - on SIGINT or SIGTERM stops them all (gateway, workers, manager) and exits 0;
 - stops them all and exits 1 if the manager or the gateway dies.
 
+With ``[manager] address`` the manager runs elsewhere (several hosts, or Kubernetes pods of many
+models, deploy/kubernetes/overlays/many-models): none is started here, the file's ``[policy]`` becomes
+each of its workers' overrides, and ``[workers]`` places them (ports, advertised host, id prefix).
+
 The policy is applied with UpdatePolicy at every start and reload, so the file wins over what an
 earlier run stored. Models on one device share its budget as always: with ``device_budget_bytes``
 set so that one fits, they take turns (docs/operations.md, "Turns").
@@ -54,9 +58,14 @@ LOAD_S = 900.0
 """How long a model may take to load (a Hub download included) before the next on its device starts anyway."""
 
 _SECTIONS = {"manager", "gateway", "workers", "policy", "models"}
-_MANAGER_KEYS = {"listen": "127.0.0.1:50051", "metrics_listen": "127.0.0.1:9400", "state_dir": ".memsvc"}
+_MANAGER_KEYS = {"listen": "127.0.0.1:50051", "metrics_listen": "127.0.0.1:9400", "state_dir": ".memsvc", "address": ""}
 _GATEWAY_KEYS = {"listen": "127.0.0.1:8000", "processes": 1}
-_WORKERS_KEYS = {"standby": False}
+_WORKERS_KEYS = {"standby": False, "listen": "127.0.0.1:0", "advertise_host": "", "id_prefix": ""}
+ADVERTISE_HOST_VAR = "MEMSVC_ADVERTISE_HOST"
+"""Where ``[workers] advertise_host`` is empty, the host the workers are advertised at (a pod's IP)."""
+ID_PREFIX_VAR = "MEMSVC_WORKER_ID_PREFIX"
+"""Where ``[workers] id_prefix`` is empty, put before every worker id (a pod's name, so that several
+pods of one file register distinct workers with one manager)."""
 _MODEL_KEYS = {"model", "name", "id", "device", "backend", "args", "policy"}
 _DEFAULT_POLICY = {"idle_sleep_timeout": 300.0, "idle_deep_sleep_timeout": 3600.0}
 """What ``memsvc up`` seeds without a file, under the file's ``[policy]``."""
@@ -78,11 +87,17 @@ class ModelEntry:
     """More ``memsvc worker`` flags."""
     policy: Mapping[str, Any] = field(default_factory=dict)
     """This worker's policy overrides (the manager's policy fields)."""
+    listen: str = "127.0.0.1:0"
+    """Its ``--listen``: ``[workers] listen``, its port plus the model's place in the file (0 stays 0)."""
+    advertise: str = ""
+    """Its ``--advertise`` (``[workers] advertise_host`` and its port), or "" for its listen address."""
 
     def flags(self, manager: str) -> list[str]:
         """Its ``memsvc worker`` flags: a new process's command line, or a standby's hand-off."""
-        out = ["--listen", "127.0.0.1:0", "--manager", manager, "--worker-id", self.worker_id, "--model", self.model,
+        out = ["--listen", self.listen, "--manager", manager, "--worker-id", self.worker_id, "--model", self.model,
                "--device", str(self.device), "--backend", self.backend]  # fmt: skip
+        if self.advertise:
+            out += ["--advertise", self.advertise]
         if self.name:
             out += ["--served-model-name", self.name]
         return out + list(self.args)
@@ -100,6 +115,15 @@ class HostConfig:
     models: tuple[ModelEntry, ...] = ()
     standby: bool = False
     """Keep a standby worker process per device (worker/standby.py) for the next start there."""
+    manager_address: str = ""
+    """``[manager] address``: a manager that runs elsewhere (several hosts, a Kubernetes pod of many
+    models): no manager is started here, its default policy is left alone, and ``[policy]`` applies
+    to this file's workers as their overrides."""
+
+    @property
+    def manager(self) -> str:
+        """The address workers, the gateway and ``memsvc up`` itself dial the manager at."""
+        return self.manager_address or self.manager_listen
 
 
 def _worker_id(text: str) -> str:
@@ -156,6 +180,16 @@ def _model(entry: object, i: int, where: str) -> ModelEntry:
     return ModelEntry(wid, model, name, device, backend, tuple(args), policy)
 
 
+def _placed(entry: ModelEntry, i: int, host: str, first: int, advertise: str, prefix: str) -> ModelEntry:
+    """``entry`` as the ``i``-th model: its port (``first`` + i; 0 stays 0), its advertised address, its
+    id after the prefix."""
+    port = first + i if first else 0
+    return dataclasses.replace(
+        entry, listen=f"{host}:{port}", advertise=f"{advertise}:{port}" if advertise else "",
+        worker_id=f"{prefix}-{entry.worker_id}" if prefix else entry.worker_id,
+    )  # fmt: skip
+
+
 def _checked(fields: Mapping[str, Any], where: str) -> None:
     """The manager's cross-field rules (memsvc/manager/policy.py's check) on a policy, here, before it
     is sent: one the manager would refuse is the file's error, not a failed start."""
@@ -167,11 +201,13 @@ def _checked(fields: Mapping[str, Any], where: str) -> None:
         raise InvalidArgument(f"{where}: {exc}") from None
 
 
-def load_host_config(path: str | Path) -> HostConfig:
+def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> HostConfig:
     """The file (TOML, or YAML by its suffix), checked: an unknown table or key, or a value of the wrong
-    kind, is one error naming it."""
+    kind, is one error naming it. ``env`` (the process's by default) gives what ``[workers]`` leaves
+    empty of ``advertise_host`` and ``id_prefix`` (:data:`ADVERTISE_HOST_VAR`, :data:`ID_PREFIX_VAR`)."""
     from memsvc.manager.config import read_config_file
 
+    env = os.environ if env is None else env
     where = str(path)
     raw = read_config_file(path)
     unknown = sorted(set(raw) - _SECTIONS)
@@ -179,19 +215,36 @@ def load_host_config(path: str | Path) -> HostConfig:
         raise InvalidArgument(f"{where}: unknown table(s) {unknown}; known: {sorted(_SECTIONS)}")
     mgr = _table(raw, "manager", _MANAGER_KEYS, where)
     gw = _table(raw, "gateway", _GATEWAY_KEYS, where)
-    for key, value in [*(("manager." + k, v) for k, v in mgr.items()), ("gateway.listen", gw["listen"])]:
+    workers = _table(raw, "workers", _WORKERS_KEYS, where)
+    strings = [*(("manager." + k, v) for k, v in mgr.items()), ("gateway.listen", gw["listen"]),
+               *(("workers." + k, v) for k, v in workers.items() if k != "standby")]  # fmt: skip
+    for key, value in strings:
         if not isinstance(value, str):
             raise InvalidArgument(f"{where}: {key} must be a string")
-    workers = _table(raw, "workers", _WORKERS_KEYS, where)
     if not isinstance(workers["standby"], bool):
         raise InvalidArgument(f"{where}: workers.standby must be true or false")
+    if mgr["address"] and set(raw.get("manager", {})) & {"listen", "metrics_listen", "state_dir"}:
+        raise InvalidArgument(f"{where}: [manager] address is a manager elsewhere: it takes no listen, "
+                              "metrics_listen or state_dir")  # fmt: skip
+    host, _, port = workers["listen"].rpartition(":")
+    if not host or not port.isdigit() or int(port) > 65535:
+        raise InvalidArgument(f"{where}: workers.listen must be host:port (port 0: each worker picks one)")
+    prefix = workers["id_prefix"] or env.get(ID_PREFIX_VAR, "")
+    if prefix != _worker_id(prefix) and prefix:
+        raise InvalidArgument(f"{where}: workers.id_prefix ({prefix!r}) must be letters, digits, '.', '_' and '-'")
+    advertise = workers["advertise_host"] or env.get(ADVERTISE_HOST_VAR, "")
+    if advertise and not int(port):
+        raise InvalidArgument(f"{where}: workers.advertise_host needs workers.listen with a port (the first model's)")
     procs = gw["processes"]
     if isinstance(procs, bool) or not isinstance(procs, int) or procs < 1:
         raise InvalidArgument(f"{where}: gateway.processes must be an integer >= 1")
     entries = raw.get("models", [])
     if not isinstance(entries, list) or not entries:
         raise InvalidArgument(f"{where}: list the models to serve in [[models]] entries (model = ...)")
-    models = tuple(_model(e, i, where) for i, e in enumerate(entries))
+    first = int(port)
+    models = tuple(_placed(_model(e, i, where), i, host, first, advertise, prefix) for i, e in enumerate(entries))
+    if first and first + len(models) - 1 > 65535:
+        raise InvalidArgument(f"{where}: workers.listen's port + the number of models passes 65535")
     seen: set[str] = set()
     for m in models:
         if m.worker_id in seen:
@@ -205,8 +258,9 @@ def load_host_config(path: str | Path) -> HostConfig:
     for m in models:
         _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
     return HostConfig(
-        mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models, workers["standby"]
-    )
+        mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models, workers["standby"],
+        mgr["address"],
+    )  # fmt: skip
 
 
 @dataclass
@@ -258,7 +312,7 @@ class Host:
     def _start_worker(self, w: _Worker) -> None:
         """Start ``w``'s worker: handed to the standby of its device where there is one (its flags on its
         stdin; worker/standby.py), else a new process; then a new standby there, where the file asks."""
-        flags = w.entry.flags(self.config.manager_listen)
+        flags = w.entry.flags(self.config.manager)
         key = (w.entry.backend, w.entry.device)
         standby = self.standbys.pop(key, None)
         w.proc = None
@@ -285,7 +339,7 @@ class Host:
         from memsvc.client import ManagerClient
 
         if self._client is None:
-            self._client = ManagerClient(self.config.manager_listen)
+            self._client = ManagerClient(self.config.manager)
         return self._client
 
     def _update_policy(self, name: str, fields: Mapping[str, Any]) -> None:
@@ -327,7 +381,7 @@ class Host:
                 return
             except grpc.RpcError as exc:
                 if time.monotonic() > deadline:
-                    where = self.config.manager_listen
+                    where = self.config.manager
                     raise Unavailable(f"the manager at {where} did not answer: {exc.details()}") from None
             self._manager_alive()
             time.sleep(0.1)
@@ -345,7 +399,7 @@ class Host:
             if w.policy_applied:
                 continue
             try:
-                self._update_policy(f"workers/{w.entry.worker_id}", w.entry.policy)
+                self._update_policy(f"workers/{w.entry.worker_id}", self._overrides(w.entry))
                 w.policy_applied = True
             except grpc.RpcError:
                 pass  # not registered yet (or the manager is busy): the next tick tries again
@@ -353,22 +407,30 @@ class Host:
                 announce(f"memsvc up: the policy of {w.entry.worker_id}: {exc}", sys.stderr)
                 w.policy_applied = True  # refused: said once, not every tick
 
+    def _overrides(self, entry: ModelEntry) -> Mapping[str, Any]:
+        """A worker's overrides: its own; with a manager elsewhere, ``[policy]`` under them."""
+        return {**self.config.policy, **entry.policy} if self.config.manager_address else entry.policy
+
     # ---- reload ----
     def _reload_config(self) -> None:
         try:
-            new = load_host_config(self.path)
+            new = load_host_config(self.path, self.env)
         except MemsvcError as exc:
             announce(f"memsvc up: {self.path} not reloaded: {exc}", sys.stderr)
             return
         keep = {k: getattr(new, k) for k in ("manager_listen", "metrics_listen", "state_dir", "gateway_listen",
-                                             "gateway_processes", "standby")}  # fmt: skip
+                                             "gateway_processes", "standby", "manager_address")}  # fmt: skip
         if keep != {k: getattr(self.config, k) for k in keep}:
             announce("memsvc up: [manager], [gateway] and [workers] changes apply at the next start", sys.stderr)
-        try:
-            self._update_policy("", new.policy)
-        except Exception as exc:  # noqa: BLE001 - a refusal, or the manager not answering: nothing changes
-            announce(f"memsvc up: {self.path} not reloaded: its policy: {exc}", sys.stderr)
-            return
+        if self.config.manager_address:
+            for w in self.workers.values():  # [policy] is under each worker's overrides: applied to each again
+                w.policy_applied = w.policy_applied and new.policy == self.config.policy
+        else:
+            try:
+                self._update_policy("", new.policy)
+            except Exception as exc:  # noqa: BLE001 - a refusal, or the manager not answering: nothing changes
+                announce(f"memsvc up: {self.path} not reloaded: its policy: {exc}", sys.stderr)
+                return
         self.config = dataclasses.replace(self.config, policy=new.policy)
         wanted = {e.worker_id: e for e in new.models}
         gone = [w for wid, w in self.workers.items() if wanted.get(wid) != w.entry]
@@ -404,17 +466,19 @@ class Host:
     # ---- the loop ----
     def run(self) -> int:
         cfg = self.config
-        Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
         exe = MEMSVC
         signal.signal(signal.SIGTERM, self._stop)
         signal.signal(signal.SIGINT, self._stop)
         signal.signal(signal.SIGHUP, self._hup)
-        db = str(Path(cfg.state_dir) / "manager.db")
-        self.manager = self._spawn(
-            [*exe, "manager", "--listen", cfg.manager_listen, "--db", db, "--metrics-listen", cfg.metrics_listen]
-        )
+        if not cfg.manager_address:
+            Path(cfg.state_dir).mkdir(parents=True, exist_ok=True)
+            db = str(Path(cfg.state_dir) / "manager.db")
+            self.manager = self._spawn(
+                [*exe, "manager", "--listen", cfg.manager_listen, "--db", db, "--metrics-listen", cfg.metrics_listen]
+            )
         try:
-            self._apply_default_policy()
+            if not cfg.manager_address:  # a manager elsewhere keeps its own default; [policy] is the workers'
+                self._apply_default_policy()
             for i, entry in enumerate(cfg.models):
                 if self._stopping:
                     return 0
@@ -425,8 +489,8 @@ class Host:
             if self._stopping:
                 return 0
             if cfg.gateway_listen:
-                self.gateway = self._spawn([*exe, "gateway", "--listen", cfg.gateway_listen, "--manager",
-                                            cfg.manager_listen, "--processes", str(cfg.gateway_processes)])  # fmt: skip
+                self.gateway = self._spawn([*exe, "gateway", "--listen", cfg.gateway_listen, "--manager", cfg.manager,
+                                            "--processes", str(cfg.gateway_processes)])  # fmt: skip
             return self._supervise()
         except MemsvcError as exc:
             if self._stopping:
@@ -554,12 +618,12 @@ class Host:
 
 def run_host(path: str, child_vars: Mapping[str, str] | None = None) -> int:
     """``memsvc up --config PATH``: 2 for a file that does not load (one line naming what is wrong)."""
+    env = {**os.environ, **(child_vars or {})}
     try:
-        config = load_host_config(path)
+        config = load_host_config(path, env)
     except MemsvcError as exc:
         announce(f"memsvc up: error: {exc}", sys.stderr)
         return 2
-    env = {**os.environ, **(child_vars or {})}
     os.environ.update(child_vars or {})  # this process's own calls to the manager use the same auth
     return Host(path, config, env).run()
 

@@ -27,10 +27,11 @@ import pytest
 import yaml
 
 from memsvc import cli
+from memsvc._host import ADVERTISE_HOST_VAR, ID_PREFIX_VAR, load_host_config
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KUBE = REPO_ROOT / "deploy" / "kubernetes"
-OVERLAYS = ("one-gpu", "two-models", "monitoring", "ha", "mtls")
+OVERLAYS = ("one-gpu", "two-models", "monitoring", "ha", "mtls", "many-models")
 VERSIONS = ("1.27", "1.33")
 SERVICES = {
     "manager": "memsvc.v1.MemoryManagerService",
@@ -52,11 +53,13 @@ def render(overlay: str) -> list[dict[str, Any]]:
 
 
 def variables(command: str) -> set[str]:
-    """The MEMSVC_* variables ``memsvc <command>`` reads (its flags' defaults)."""
+    """The MEMSVC_* variables ``memsvc <command>`` reads (its flags' defaults); for ``up --config``,
+    its own and those of the workers it starts, which read its environment."""
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     actions = sub.choices[command]._actions
-    return {str(a.default.variable) for a in actions if getattr(a.default, "variable", None)}
+    own = {str(a.default.variable) for a in actions if getattr(a.default, "variable", None)}
+    return own | variables("worker") | {ADVERTISE_HOST_VAR, ID_PREFIX_VAR} if command == "up" else own
 
 
 def selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
@@ -89,11 +92,13 @@ def volumes_of(obj: dict[str, Any]) -> dict[str, Any]:
 def test_each_process_is_configured_as_memsvc_reads_it(overlay: str) -> None:
     objects = render(overlay)
     for obj, c in containers(objects):
-        (command,) = c["args"]
-        assert command in ("manager", "worker", "gateway") and c["image"].startswith("memsvc"), c
+        command = c["args"][0]
+        assert command in ("manager", "worker", "gateway", "up") and c["image"].startswith("memsvc"), c
         names = {e["name"] for e in c["env"]}
         unknown = {n for n in names if n.startswith("MEMSVC_")} - variables(command)
         assert not unknown, f"{obj['metadata']['name']}: memsvc {command} reads no {sorted(unknown)}"
+        if command == "up":
+            continue  # a pod of many models: test_many_models_pods_run_the_host_file_against_one_manager
         env = {e["name"]: e.get("value") for e in c["env"]}
         assert env["MEMSVC_TOKEN_FILE"] == "/etc/memsvc/token/token"
         mounts = {m["name"]: m["mountPath"] for m in c["volumeMounts"]}
@@ -190,3 +195,37 @@ def test_the_service_monitors_scrape_what_the_manager_and_gateway_serve() -> Non
         assert endpoint["port"] in {p["name"] for p in services[name]["spec"]["ports"]}
         assert endpoint["path"] == "/metrics"
         assert endpoint["authorization"]["credentials"] == {"name": "memsvc-token", "key": "token"}
+
+
+def test_many_models_pods_run_the_host_file_against_one_manager(tmp_path: Path) -> None:
+    """overlays/many-models: pods of ``memsvc up --config`` whose file, as the ConfigMap mounts it, loads
+    (with the pod's IP and name as the Downward API gives them) into workers that register with the
+    manager of base/manager at ports the pod declares and its headless Service names."""
+    objects = render("many-models")
+    (host,) = [(o, c) for o, c in containers(objects) if c["args"][0] == "up"]
+    obj, c = host
+    assert c["args"][:2] == ["up", "--config"]
+    path = Path(c["args"][2])
+    mounts = {m["mountPath"]: m["name"] for m in c["volumeMounts"]}
+    (config_map,) = [o for o in objects if o["kind"] == "ConfigMap"]
+    volume = volumes_of(obj)[mounts[str(path.parent)]]
+    assert volume["configMap"]["name"] == config_map["metadata"]["name"], "the generated name, hash included"
+    file = tmp_path / path.name
+    file.write_text(config_map["data"][path.name])
+    env = {e["name"]: e.get("value") for e in c["env"]}
+    assert env[ADVERTISE_HOST_VAR] == "$(POD_IP)" and env[ID_PREFIX_VAR] == "$(POD_NAME)"
+    cfg = load_host_config(file, {ADVERTISE_HOST_VAR: "10.1.2.3", ID_PREFIX_VAR: "memsvc-host-0"})
+    services = {o["metadata"]["name"]: o for o in objects if o["kind"] == "Service"}
+    manager_host, _, manager_port = cfg.manager_address.partition(":")
+    assert int(manager_port) in {p["port"] for p in services[manager_host]["spec"]["ports"]}
+    assert cfg.gateway_listen == "", "base/gateway serves the pods' models"
+    declared = {p["containerPort"] for p in c["ports"]}
+    headless = {p["port"] for p in services[obj["spec"]["serviceName"]]["spec"]["ports"]}
+    assert services[obj["spec"]["serviceName"]]["spec"]["clusterIP"] == "None"
+    for model in cfg.models:
+        port = int(model.listen.rpartition(":")[2])
+        assert model.listen.startswith("0.0.0.0:") and port in declared and port in headless, model
+        assert model.advertise == f"10.1.2.3:{port}" and model.worker_id.startswith("memsvc-host-0-"), model
+    assert c["resources"]["limits"]["nvidia.com/gpu"] == 1
+    for probe in (c["startupProbe"], c["livenessProbe"]):
+        assert probe["grpc"]["port"] in declared

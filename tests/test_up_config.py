@@ -13,6 +13,7 @@ runs it, with three host-backend models on one simulated device that holds one a
 
 from __future__ import annotations
 
+import functools
 import os
 import signal
 import subprocess
@@ -47,8 +48,9 @@ def host_file(path: Path, manager: str, gateway: str, names: tuple[str, ...]) ->
     return path
 
 
-def worker_pid(parent: int, worker_id: str) -> int | None:
-    """The pid of ``memsvc up``'s child worker ``worker_id`` (from /proc), or None."""
+def children(parent: int) -> dict[int, list[bytes]]:
+    """``parent``'s child processes (from /proc): pid -> command line."""
+    out = {}
     for entry in Path("/proc").iterdir():
         if not entry.name.isdigit():
             continue
@@ -57,10 +59,15 @@ def worker_pid(parent: int, worker_id: str) -> int | None:
             argv = (entry / "cmdline").read_bytes().split(b"\0")
         except OSError:
             continue
-        ppid = int(stat.rsplit(")", 1)[1].split()[1])
-        if ppid == parent and b"worker" in argv and worker_id.encode() in argv:
-            return int(entry.name)
-    return None
+        if int(stat.rsplit(")", 1)[1].split()[1]) == parent:
+            out[int(entry.name)] = argv
+    return out
+
+
+def worker_pid(parent: int, worker_id: str) -> int | None:
+    """The pid of ``memsvc up``'s child worker ``worker_id``, or None."""
+    return next((pid for pid, argv in children(parent).items() if b"worker" in argv and worker_id.encode() in argv),
+                None)  # fmt: skip
 
 
 class Host:
@@ -227,3 +234,63 @@ def test_a_worker_that_refuses_its_start_is_not_restarted(tmp_path: Path) -> Non
         assert "not in the Hub cache" in proc.stderr_text()
     finally:
         proc.kill()
+
+
+def test_a_file_with_a_manager_elsewhere_runs_its_workers_only_each_at_its_port_and_prefixed(tmp_path: Path) -> None:
+    """The Kubernetes form (deploy/kubernetes/overlays/many-models): ``[manager] address`` is a manager
+    that runs elsewhere, ``[gateway] listen = ""`` starts none, ``[workers] listen`` gives the first
+    model's port and the next ones follow; the pod's IP and name come from the environment as the
+    advertised host and the id prefix. ``[policy]`` becomes each worker's overrides, and the manager's
+    own default is left alone. SIGTERM stops the workers; the manager runs on."""
+    from managerproc import ManagerProcess
+
+    manager = ManagerProcess(tmp_path / "manager.db").start()
+    first = next(p for p in range(20000 + os.getpid() % 20000, 65000, 7) if _free(p) and _free(p + 1))
+    path = tmp_path / "host.toml"
+    entries = "".join(
+        f'[[models]]\nmodel = "synthetic:tiny"\nname = "{n}"\nbackend = "host"\nargs = ["--host-capacity", "16MiB"]\n\n'
+        for n in ("alpha", "beta")
+    )
+    path.write_text(
+        f'[manager]\naddress = "{manager.address}"\n\n[gateway]\nlisten = ""\n\n'
+        f'[workers]\nlisten = "127.0.0.1:{first}"\n\n[policy]\nidle_sleep_timeout = 600\n\n{entries}'
+    )
+    default_before = manager.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    env = {**os.environ, "MEMSVC_ADVERTISE_HOST": "127.0.0.1", "MEMSVC_WORKER_ID_PREFIX": "pod-0"}
+    proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(path)], env=env, name="memsvc up")
+    proc.start()
+    try:
+        want = {"pod-0-alpha": f"127.0.0.1:{first}", "pod-0-beta": f"127.0.0.1:{first + 1}"}
+
+        def registered() -> dict[str, str]:
+            ws = manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+            return {w.name.removeprefix("workers/"): w.address for w in ws if w.state != c.WORKER_STATE_UNAVAILABLE}
+
+        wait_for(registered, lambda r: r == want, what="both workers registered at their ports", timeout=120)
+
+        def overrides(wid: str) -> m.Policy:
+            return manager.stub.GetPolicy(m.GetPolicyRequest(name=f"workers/{wid}"), timeout=10).policy
+
+        for wid in want:  # [policy] is each worker's override; the manager's default stays as it was
+            wait_for(functools.partial(overrides, wid), lambda p: p.idle_sleep_timeout.seconds == 600,
+                     what=f"{wid}'s override", timeout=60)  # fmt: skip
+        assert manager.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy == default_before
+        started = [argv[3] for argv in children(proc.pid).values() if argv[1:3] == [b"-m", b"memsvc.cli"]]
+        assert sorted(started) == [b"worker", b"worker"], "no manager or gateway of its own"
+        assert proc.signal_and_wait(signal.SIGTERM, 60) == 0
+        wait_for(registered, lambda r: r == {}, what="the workers gone (unreachable at the manager)", timeout=60)
+        assert manager.running, "the manager elsewhere runs on"
+    finally:
+        proc.kill()
+        manager.kill()
+
+
+def _free(port: int) -> bool:
+    import socket
+
+    with socket.socket() as s:
+        try:
+            s.bind(("127.0.0.1", port))
+        except OSError:
+            return False
+    return True
