@@ -88,6 +88,18 @@ class Stack:
                 return float(line.split()[-1])
         return 0.0
 
+    def serves_without_the_manager(self) -> None:
+        """alpha (awake) is answered without a lease, streamed and not; beta (asleep) gets a 503 with
+        Retry-After; /readyz says degraded."""
+        for stream in (False, True):
+            status, text, _ = self.answer("alpha", stream)
+            assert status == 200 and text, (stream, status, text)
+        assert self.unleased("alpha") == 2
+        status, message, retry = self.answer("beta")
+        assert status == 503 and retry is not None and int(retry) >= 1, (status, message, retry)
+        code, ready = self.get("/readyz")
+        assert code == 200 and ready["status"] == "degraded", ready
+
     def close(self) -> None:
         self.gateway.kill()
         for wp in self.workers.values():
@@ -114,15 +126,8 @@ def test_awake_models_are_served_without_the_manager_and_leases_resume_when_it_i
     assert s.leases() == 0
 
     s.manager.kill()
-    for stream in (False, True):
-        status, text, _ = s.answer("alpha", stream)
-        assert status == 200 and text, (stream, status, text)
-    assert s.unleased("alpha") == 2
-    status, message, retry = s.answer("beta")
-    assert status == 503 and retry is not None and int(retry) >= 1, (status, message, retry)
+    s.serves_without_the_manager()
     assert sorted(x["id"] for x in s.get("/v1/models")[1]["data"]) == ["alpha", "beta"]
-    code, ready = s.get("/readyz")
-    assert code == 200 and ready["status"] == "degraded", ready
 
     # alpha's worker put to sleep behind the gateway's back: a 503 too, not the worker's 400
     alpha = s.workers["alpha"]
@@ -156,14 +161,7 @@ def test_a_gateway_on_a_follower_serves_awake_models_while_no_replica_leads(tmp_
         assert s.answer("alpha")[0] == 200 and s.leases() == 0
 
         leader.kill()  # no replica leads now: the follower answers NO_LEADER
-        for stream in (False, True):
-            status, text, _ = s.answer("alpha", stream)
-            assert status == 200 and text, (stream, status, text)
-        assert s.unleased("alpha") == 2
-        status, message, retry = s.answer("beta")
-        assert status == 503 and retry is not None and int(retry) >= 1, (status, message, retry)
-        code, ready = s.get("/readyz")
-        assert code == 200 and ready["status"] == "degraded", ready
+        s.serves_without_the_manager()
 
         again = ManagerProcess(pg_url).start()  # a replica that leads: the follower forwards to it
         s.others.append(again)

@@ -30,6 +30,7 @@ from memsvc import error_info, retry_delay
 from memsvc.manager.store_postgres import LEADER_LOCK
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 
 TAKEOVER_BOUND_S = 30.0
 """A generous bound for the tests (loopback takes about the poll interval plus a start: see
@@ -46,12 +47,19 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 def replicas(cluster: Cluster, url: str, n: int = 2) -> list[ManagerProcess]:
     """``n`` replicas on ``url``; the first is started alone, so it is the one that leads."""
     first = cluster.manager(db=url, metrics=True)
-    wait_for(first.leads, bool, what="the first replica to lead")
+    wait_for(first.leads, bool, what="the first replica to lead", timeout=60)
     rest = [cluster.manager(db=url, metrics=True) for _ in range(n - 1)]
     for mp in rest:
         wait_for(functools.partial(mp.health, ""), lambda s: s == health_pb2.HealthCheckResponse.SERVING,
-                 what="a follower's server to answer")  # fmt: skip
+                 what="a follower's server to answer", timeout=60)  # fmt: skip
     return [first, *rest]
+
+
+def reachable(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> None:
+    """Until the manager reaches ``worker_id`` (a new leader, or a worker that was stopped)."""
+    wait_for(functools.partial(get, stub, worker_id),
+             lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
+             what=f"the manager to reach {worker_id}", timeout=60)  # fmt: skip
 
 
 def in_flight(mp: ManagerProcess, worker_id: str) -> float:
@@ -153,7 +161,9 @@ def test_the_leader_killed_mid_acquire_a_follower_takes_over_with_every_lease_an
     assert set(kept) == {held.lease_id} and kept[held.lease_id].expire_time == held.expire_time
     assert kept[held.lease_id].holder == "kept"
 
-    # a retry of a grant whose answer was lost gets the same lease; the cut acquire is granted once
+    # a retry of a grant whose answer was lost gets the same lease; the cut acquire is granted once,
+    # once the new leader reaches w2 again (stopped, it was unreachable: UNAVAILABLE, which a client retries)
+    reachable(stub, "w2")
     again = stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="kept", request_id="grant-1"),
                                timeout=30).lease  # fmt: skip
     assert again.lease_id == held.lease_id
@@ -183,9 +193,7 @@ def test_the_leader_killed_mid_sleep_the_retry_on_the_new_leader_ends_it(cluster
         wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to take over")
     finally:
         os.kill(w1.pid, signal.SIGCONT)
-    wait_for(functools.partial(get, follower.stub, "w1"),
-             lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
-             what="the new leader to reach w1 again")  # fmt: skip
+    reachable(follower.stub, "w1")
     done = follower.stub.SleepWorker(request, timeout=60)  # the same request_id: the worker's replay, or a new run
     assert done.worker.state == c.WORKER_STATE_ASLEEP
     wait_state(follower.stub, "w1", c.WORKER_STATE_ASLEEP)

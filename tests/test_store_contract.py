@@ -10,12 +10,13 @@ from __future__ import annotations
 import logging
 import socket
 import sqlite3
-import threading
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import psycopg
 import pytest
+from managerproc import wait_for
 from stores import STORE_KINDS, db_for
 
 from memsvc.errors import InvalidArgument, Unavailable
@@ -125,8 +126,8 @@ def test_one_session_holds_the_leader_lock_and_names_its_address(pg_url: str) ->
         assert a.try_lead("10.0.0.1:50051")
         assert not b.try_lead("10.0.0.2:50051")
         assert b.leader() == "10.0.0.1:50051" and a.leader() == "10.0.0.1:50051"
-        a.close()  # the lock goes with the session
-        assert b.leader() == "", "a dead leader's row names no leader"
+        a.close()  # the lock goes with the session, once the server has ended it
+        wait_for(b.leader, lambda leader: leader == "", what="a dead leader's row to name no leader")
         assert b.try_lead("10.0.0.2:50051") and b.leader() == "10.0.0.2:50051"
     finally:
         a.close()
@@ -166,23 +167,10 @@ def test_a_follower_whose_session_ends_connects_again(pg_url: str) -> None:
 
 
 def test_replicas_started_together_migrate_the_database_once(pg_url: str) -> None:
-    opened: list[PostgresStore] = []
-    errors: list[BaseException] = []
-
-    def open_one() -> None:
-        try:
-            opened.append(PostgresStore(pg_url))
-        except BaseException as exc:  # noqa: BLE001 - reported below
-            errors.append(exc)
-
-    threads = [threading.Thread(target=open_one) for _ in range(4)]
-    for t in threads:
-        t.start()
-    for t in threads:
-        t.join()
-    for s in opened:
-        s.close()
-    assert not errors and len(opened) == 4
+    with ThreadPoolExecutor(4) as pool:  # an error in any of them is raised here
+        opened = list(pool.map(lambda _: PostgresStore(pg_url), range(4)))
+    for store in opened:
+        store.close()
     with psycopg.connect(pg_url) as db:
         assert db.execute("SELECT version FROM memsvc_schema").fetchall() == [(SCHEMA_VERSION,)]
 
