@@ -68,22 +68,26 @@ class PostgresServer:
         return f"postgresql://{USER}@127.0.0.1:{self.port}/{dbname}"
 
     def start(self) -> PostgresServer:
-        bins = bin_dir()
+        """A new cluster (initdb) on a free port, running."""
         if os.geteuid() == 0:  # PostgreSQL will not run as root
             nobody = pwd.getpwnam("nobody")
             self.user, self.group = nobody.pw_uid, nobody.pw_gid
             os.chown(self.base, nobody.pw_uid, nobody.pw_gid)
-        data = self.base / "data"
         done = subprocess.run(
-            [str(bins / "initdb"), "-D", str(data), "-U", USER, "--auth=trust", "-E", "UTF8", "--no-sync"],
+            [str(bin_dir() / "initdb"), "-D", str(self.base / "data"), "-U", USER, "--auth=trust", "-E", "UTF8",
+             "--no-sync"],
             capture_output=True, text=True, timeout=START_TIMEOUT, user=self.user, group=self.group,
         )  # fmt: skip
         assert done.returncode == 0, f"initdb failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         self.port = _free_port()
-        with self.log.open("wb") as log:
+        return self.run()
+
+    def run(self) -> PostgresServer:
+        """The server on its cluster and port, once it accepts connections (again, after :meth:`stop`)."""
+        with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [str(bins / "postgres"), "-D", str(data), "-k", str(self.base), "-p", str(self.port),
-                 "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
+                [str(bin_dir() / "postgres"), "-D", str(self.base / "data"), "-k", str(self.base), "-p",
+                 str(self.port), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
                  "-c", "full_page_writes=off", "-c", "max_connections=300"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, user=self.user, group=self.group,
             )  # fmt: skip

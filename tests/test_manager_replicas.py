@@ -25,6 +25,7 @@ from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
 from grpc_health.v1 import health_pb2
 from managerproc import Cluster, ManagerProcess, get, seconds, wait_for, wait_state
+from pgserver import PostgresServer
 
 from memsvc import error_info, retry_delay
 from memsvc.manager.store_postgres import LEADER_LOCK
@@ -230,3 +231,26 @@ def test_a_follower_with_no_leader_answers_no_leader_with_a_retry_delay(cluster:
     retry = retry_delay(err.value)
     assert retry is not None and retry > 0, "a NO_LEADER carries when to try again"
     wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to lead once the lock is free")
+
+
+def test_while_the_database_restarts_no_replica_leads_and_one_takes_over_once_it_is_back(
+    cluster: Cluster, pg_url: str, postgres_server: PostgresServer
+) -> None:
+    """The server's shutdown ends the leader's session: the leader stops (status 1); the follower,
+    which cannot reach the database either, answers NO_LEADER; once the server is back it leads,
+    with the lease granted before."""
+    leader, follower = replicas(cluster, pg_url)
+    cluster.workers_up(follower, ["w1"])
+    held = follower.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="kept"), timeout=30).lease
+    postgres_server.stop()
+    try:
+        assert leader.wait(timeout=TAKEOVER_BOUND_S) == 1, "a leader without its session stops, status 1"
+        with pytest.raises(grpc.RpcError) as err:
+            follower.stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+        info = error_info(err.value)
+        assert err.value.code() == grpc.StatusCode.UNAVAILABLE and info is not None and info.reason == "NO_LEADER"
+    finally:
+        postgres_server.run()
+    wait_for(follower.leads, bool, timeout=TAKEOVER_BOUND_S, what="the follower to lead once the database is back")
+    assert set(leases(follower)) == {held.lease_id}
+    reachable(follower.stub, "w1")
