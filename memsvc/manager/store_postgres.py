@@ -47,8 +47,11 @@ MIGRATION_LOCK = (0x6D656D73, 0x76630002)
 
 CONNECT_TIMEOUT_S = 10
 STATEMENT_TIMEOUT_MS = 10_000
-KEEPALIVES = "keepalives=1 keepalives_idle=5 keepalives_interval=2 keepalives_count=3"
-"""Client-side TCP keepalives (libpq's parameters); the server side is set to the same by ``options``."""
+KEEPALIVES = "keepalives=1 keepalives_idle=5 keepalives_interval=2 keepalives_count=3 tcp_user_timeout=10000"
+"""Client-side TCP keepalives, and a bound on unacknowledged writes (libpq's parameters); the server
+side's keepalives are set to the same by ``options``. Statements run inline on the manager's event
+loop (memsvc/manager/store.py), so these also bound how long a silent network to the database can
+hold it: about 11 s."""
 _SERVER_OPTIONS = (
     f"-c statement_timeout={STATEMENT_TIMEOUT_MS} -c tcp_keepalives_idle=5 -c tcp_keepalives_interval=2 "
     "-c tcp_keepalives_count=3 -c idle_in_transaction_session_timeout=10000"
