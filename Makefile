@@ -41,6 +41,7 @@ $(VENV)/postgresql: $(VENV)/.deps
 	cd .deb-postgresql && (apt-get download -q postgresql-15 || (apt-get update -qq && apt-get download -q postgresql-15))
 	dpkg -x .deb-postgresql/postgresql-15_*.deb $@
 	rm -rf .deb-postgresql
+	touch $@  # dpkg -x dates it as the package was built, before .deps: else every make unpacks it again
 
 # The image's build stage runs this same target. Two wheels: memsvc (services, client, native
 # extension) and memsvc-api (api/: the generated stubs alone, pure Python), which memsvc depends on.
