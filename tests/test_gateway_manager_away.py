@@ -19,15 +19,18 @@ from __future__ import annotations
 import json
 import urllib.request
 from collections.abc import Iterator, Sequence
+from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Any
 
+import psycopg
 import pytest
 from gatewayproc import GatewayProcess
 from managerproc import ManagerProcess, wait_for
 from upproc import free_port
 from workerproc import WorkerProcess
 
+from memsvc.manager.store_postgres import LEADER_LOCK
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
@@ -152,20 +155,25 @@ def test_awake_models_are_served_without_the_manager_and_leases_resume_when_it_i
 def test_a_gateway_on_a_follower_serves_awake_models_while_no_replica_leads(tmp_path: Path, pg_url: str) -> None:
     leader = ManagerProcess(pg_url).start()
     wait_for(leader.leads, bool, what="the first replica to lead")
-    slow = tmp_path / "slow.toml"  # this follower does not try for the lead again within the test
+    slow = tmp_path / "slow.toml"  # this follower tries for the lead only when a call finds no leader
     slow.write_text("[manager]\nleader_poll_interval = 3600\n")
     s = Stack(tmp_path, db=pg_url, args=["--config", str(slow)])  # the gateway and workers dial the follower
     s.others.append(leader)
+    holder = psycopg.connect(pg_url, autocommit=True)
     try:
         s.manager.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
         assert s.answer("alpha")[0] == 200 and s.leases() == 0
 
-        leader.kill()  # no replica leads now: the follower answers NO_LEADER
-        s.serves_without_the_manager()
+        with ThreadPoolExecutor(1) as pool:  # the test's session queues for the leader lock, and gets it
+            taken = pool.submit(holder.execute, "SELECT pg_advisory_lock(%s, %s)", LEADER_LOCK)
+            leader.kill()  # as the leader's session ends: no replica can lead now
+            taken.result(timeout=60)
+        s.serves_without_the_manager()  # the follower answers NO_LEADER
 
-        again = ManagerProcess(pg_url).start()  # a replica that leads: the follower forwards to it
+        holder.close()  # the lock is free: the follower (at a call that finds no leader) or a new replica leads
+        again = ManagerProcess(pg_url).start()
         s.others.append(again)
-        wait_for(again.leads, bool, what="the new replica to lead")
+        wait_for(lambda: again.leads() or s.manager.leads(), bool, what="a replica to lead", timeout=60)
         wait_for(s.states, lambda st: st.get("alpha") == c.WORKER_STATE_AWAKE, what="alpha known again", timeout=60)
         wait_for(lambda: s.get("/readyz"), lambda r: r == (200, {"status": "ok"}), what="the gateway ready", timeout=60)
         for model in ("beta", "alpha"):
@@ -174,4 +182,5 @@ def test_a_gateway_on_a_follower_serves_awake_models_while_no_replica_leads(tmp_
         assert s.unleased("alpha") == 2 and s.unleased("beta") == 0
         wait_for(s.leases, lambda n: n == 0, what="every lease given back")
     finally:
+        holder.close()
         s.close()

@@ -13,9 +13,9 @@ may reach at any address.
 - **Followers forward.** A follower serves MemoryManagerService by passing each call, as bytes, to
   the leader's advertised address with the caller's deadline and metadata, and its answer or error
   (status, message, details) back; a caller who leaves cancels the forwarded call. It learns the
-  leader's address from the store at each poll, and at once when it knows none or the last did not
-  answer. A follower that knows no reachable leader answers ``UNAVAILABLE`` with reason
-  ``NO_LEADER`` and a retry delay.
+  leader's address from the store at each poll, and at once after a call found none or the last
+  did not answer. A follower that knows no reachable leader answers ``UNAVAILABLE`` with reason
+  ``NO_LEADER`` and a retry delay. The store is asked from a thread, never on the calls' path.
   Its health says ``NOT_SERVING`` for the service until it leads (``SERVING`` for the server), so a
   Kubernetes readiness probe on the service name routes a Service's traffic to the leader alone.
 - **Stepping down.** The leader checks its session every ``poll`` seconds; once it is lost (a cut,
@@ -72,22 +72,35 @@ class Replica:
         """The leader's address as last read from the store ("" when none holds the lock)."""
         self._channels: dict[str, grpc.aio.Channel] = {}
         self._said = ""
+        self._ask = asyncio.Event()
+        """Set by a call that found no leader: the election loop asks the store at once."""
 
     # ---- election ----
     async def follow_until_leading(self, stop: asyncio.Event) -> bool:
-        """Try for the lead every ``poll`` seconds until this replica leads (True) or ``stop`` is set."""
+        """Try for the lead every ``poll`` seconds, or at once when a forwarded call found no leader,
+        until this replica leads (True) or ``stop`` is set. The store's calls run in a thread: a slow
+        or unreachable database holds this loop's forwarding up for nobody."""
         while not stop.is_set():
             try:
-                if self._lock.try_lead(self.advertise):
+                if await asyncio.to_thread(self._lock.try_lead, self.advertise):
                     self.leader = self.advertise  # calls wait in NO_LEADER until lead()
                     return True
-                self._learn(self._lock.leader())
+                self._learn(await asyncio.to_thread(self._lock.leader))
             except MemsvcError as exc:
                 self._learn("")
                 self._say(f"manager replica {self.advertise}: cannot reach the store to lead or follow: {exc}")
-            with contextlib.suppress(TimeoutError):
-                await asyncio.wait_for(stop.wait(), self.poll)
+            await self._pause(stop)
         return False
+
+    async def _pause(self, stop: asyncio.Event) -> None:
+        """``poll`` seconds, or less: until ``stop`` or a call that found no leader (:meth:`_channel`)."""
+        waits = [asyncio.ensure_future(stop.wait()), asyncio.ensure_future(self._ask.wait())]
+        try:
+            await asyncio.wait(waits, timeout=self.poll, return_when=asyncio.FIRST_COMPLETED)
+        finally:
+            for w in waits:
+                w.cancel()
+            self._ask.clear()
 
     def lead(self) -> None:
         """Serve the calls from here on: the manager is built and started."""
@@ -108,7 +121,7 @@ class Replica:
             if stop.is_set():
                 break
             try:
-                self._lock.check()
+                await asyncio.to_thread(self._lock.check)
             except MemsvcError as exc:
                 if self._lock.lost:
                     log.error("manager replica %s stops leading: %s", self.advertise, self._lock.lost)
@@ -134,11 +147,8 @@ class Replica:
 
     def _channel(self) -> tuple[str, grpc.aio.Channel]:
         leader = self.leader
-        if not leader or leader == self.advertise:  # none known, or this one about to lead: ask the store now
-            with contextlib.suppress(MemsvcError):
-                self._learn(self._lock.leader())
-            leader = self.leader
-        if not leader or leader == self.advertise:
+        if not leader or leader == self.advertise:  # none known, or this one about to lead
+            self._ask.set()  # the election loop asks the store now, not at its next poll
             raise NoLeader(
                 "no manager replica leads right now (a replica takes over within seconds): try again",
                 retry_after_s=self.poll * 2,
@@ -183,7 +193,8 @@ class Replica:
             trailing = tuple((k, v) for k, v in exc.trailing_metadata() or ())
             await context.abort(exc.code(), exc.details() or "", trailing)
         if self.leader == leader:
-            self.leader = ""  # the next call asks the store who leads now, rather than waiting for the poll
+            self.leader = ""
+            self._ask.set()  # the election loop asks the store who leads now, rather than at its next poll
         raise self._unreachable(leader, exc) from exc
 
 
