@@ -8,6 +8,9 @@ each test gets a database of its own (:func:`pg_url`), dropped afterwards.
 
 PostgreSQL refuses to run as root, and CI runs as root: then the server runs as ``nobody``, its
 directory given to that user. Readiness is a real connection, polled; never a fixed sleep.
+
+psycopg is imported where a server is used, not here: tests/conftest.py serves these fixtures to
+every test, and a machine without it (the GPU machine) runs the rest.
 """
 
 from __future__ import annotations
@@ -26,9 +29,7 @@ import time
 from collections.abc import Iterator
 from pathlib import Path
 
-import psycopg
 import pytest
-from psycopg import sql
 
 START_TIMEOUT = 60.0
 STOP_TIMEOUT = 30.0
@@ -91,6 +92,8 @@ class PostgresServer:
                  "-c", "full_page_writes=off", "-c", "max_connections=300"],
                 stdout=log, stderr=subprocess.STDOUT, start_new_session=True, user=self.user, group=self.group,
             )  # fmt: skip
+        import psycopg
+
         give_up = time.monotonic() + START_TIMEOUT
         while True:
             try:
@@ -103,11 +106,17 @@ class PostgresServer:
                 time.sleep(0.05)
 
     def create_database(self, name: str) -> str:
+        import psycopg
+        from psycopg import sql
+
         with psycopg.connect(self.url(), autocommit=True) as db:
             db.execute(sql.SQL("CREATE DATABASE {}").format(sql.Identifier(name)))
         return self.url(name)
 
     def drop_database(self, name: str) -> None:
+        import psycopg
+        from psycopg import sql
+
         with psycopg.connect(self.url(), autocommit=True) as db:
             db.execute(sql.SQL("DROP DATABASE IF EXISTS {} WITH (FORCE)").format(sql.Identifier(name)))
 
