@@ -182,9 +182,12 @@ def test_streams_paused_by_a_turn_go_on_after_the_manager_restarts(pair: Pair) -
     while alpha sleeps: the manager started again on the same database finds alpha asleep with
     requests paused on it, gives it its turn (beta, still leased, pauses in turn), and alpha's streams
     end with their alone tokens. Leases restored from the database are released as usual."""
-    held_a = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    hour = Duration(seconds=3600)  # leases that outlast the test, however slow the machine (the default is 60 s)
+    held_a = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=hour),
+                                             timeout=60)  # fmt: skip
     streams = Streams(pair, "alpha")
-    held_b = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="test"), timeout=60)
+    held_b = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=hour),
+                                             timeout=60)  # fmt: skip
     paused = pair.status("alpha").paused_generations
     assert paused >= 1 and streams.unfinished(), f"set-up: nothing paused on alpha ({paused})"
 
