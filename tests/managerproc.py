@@ -151,10 +151,16 @@ class Cluster:
         self.scripted_workers: list[ScriptedWorker] = []
 
     def manager(self, args: Sequence[str] = (), *, db: Path | str | None = None, listen: str = "127.0.0.1:0",
-                metrics: bool = False) -> ManagerProcess:  # fmt: skip
-        mp = ManagerProcess(db or self.tmp_path / "manager.db", args, listen=listen, metrics=metrics)
+                metrics: bool = False, lead: bool = True) -> ManagerProcess:  # fmt: skip
+        """A started manager. On PostgreSQL a replica listens before it leads (and answers NO_LEADER
+        until then): with ``lead`` this returns once it leads, as a SQLite manager does at its line."""
+        db = db or self.tmp_path / "manager.db"
+        mp = ManagerProcess(db, args, listen=listen, metrics=metrics)
         self.managers.append(mp)
-        return mp.start()
+        mp.start()
+        if lead and str(db).startswith("postgresql://"):
+            wait_for(mp.leads, bool, what="the manager to lead its database", timeout=60)
+        return mp
 
     def worker_process(self, manager: str, worker_id: str, args: Sequence[str] = ()) -> WorkerProcess:
         """A not yet started worker that registers with ``manager`` as ``worker_id``."""

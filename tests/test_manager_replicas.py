@@ -47,9 +47,8 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 
 def replicas(cluster: Cluster, url: str, n: int = 2) -> list[ManagerProcess]:
     """``n`` replicas on ``url``; the first is started alone, so it is the one that leads."""
-    first = cluster.manager(db=url, metrics=True)
-    wait_for(first.leads, bool, what="the first replica to lead", timeout=60)
-    rest = [cluster.manager(db=url, metrics=True) for _ in range(n - 1)]
+    first = cluster.manager(db=url, metrics=True)  # it leads when this returns
+    rest = [cluster.manager(db=url, metrics=True, lead=False) for _ in range(n - 1)]
     for mp in rest:
         wait_for(functools.partial(mp.health, ""), lambda s: s == health_pb2.HealthCheckResponse.SERVING,
                  what="a follower's server to answer", timeout=60)  # fmt: skip
@@ -222,7 +221,7 @@ def test_a_follower_with_no_leader_answers_no_leader_with_a_retry_delay(cluster:
     session cannot take the lock while a third session (the test's) holds it."""
     with psycopg.connect(pg_url, autocommit=True) as db:
         db.execute("SELECT pg_advisory_lock(%s, %s)", LEADER_LOCK)  # memsvc's leader lock, held by no replica
-        follower = cluster.manager(db=pg_url)
+        follower = cluster.manager(db=pg_url, lead=False)
         with pytest.raises(grpc.RpcError) as err:
             follower.stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
