@@ -37,6 +37,8 @@ from memsvc.v1 import model_worker_service_pb2 as w
 
 openai = pytest.importorskip("openai")
 
+HOUR = Duration(seconds=3600)
+"""The test's leases: they outlast a test however slow the machine (the default TTL is 60 s)."""
 MODELS = ("alpha", "beta")
 SLICE_S = 0.3
 WAIT_BOUND_S = 30.0
@@ -156,7 +158,8 @@ def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_
     lease, and each stream ends with exactly its alone tokens, none read again; alpha gave up one
     turn; nothing is left held."""
     recomputed = pair.status("alpha").kv_cache.recomputed_tokens
-    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR),
+                                           timeout=60)  # fmt: skip
     streams = Streams(pair, "alpha")
 
     t0 = time.monotonic()
@@ -182,11 +185,10 @@ def test_streams_paused_by_a_turn_go_on_after_the_manager_restarts(pair: Pair) -
     while alpha sleeps: the manager started again on the same database finds alpha asleep with
     requests paused on it, gives it its turn (beta, still leased, pauses in turn), and alpha's streams
     end with their alone tokens. Leases restored from the database are released as usual."""
-    hour = Duration(seconds=3600)  # leases that outlast the test, however slow the machine (the default is 60 s)
-    held_a = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=hour),
+    held_a = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR),
                                              timeout=60)  # fmt: skip
     streams = Streams(pair, "alpha")
-    held_b = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=hour),
+    held_b = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=HOUR),
                                              timeout=60)  # fmt: skip
     paused = pair.status("alpha").paused_generations
     assert paused >= 1 and streams.unfinished(), f"set-up: nothing paused on alpha ({paused})"
@@ -206,7 +208,8 @@ def test_two_models_under_steady_streamed_load_take_turns_and_serve_everything(p
     full (none refused by the gateway's 5 s queue, none failed), each waited for its first token less
     than the bound, alpha gave up turns for beta, and nothing is left held."""
     rounds, clients, tokens = 4, 3, 96
-    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR),
+                                           timeout=60)  # fmt: skip
     errors: list[BaseException] = []
     waits: dict[str, list[float]] = {name: [] for name in MODELS}
     lock = threading.Lock()
