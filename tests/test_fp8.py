@@ -122,13 +122,14 @@ class Checkpoints:
         config["quantization_config"] = fp8_config(Fp8(strategy))  # type: ignore[arg-type]
         (self.fp8 / "config.json").write_text(json.dumps(config))
 
-    def reference(self, dtype: torch.dtype) -> Any:
-        """transformers over the dequantised weights, each quantized Linear's input through the scheme."""
+    def reference(self, dtype: torch.dtype, device: str = "cpu") -> Any:
+        """transformers over the dequantised weights on ``device``, each quantized Linear's input
+        through the scheme."""
         model = transformers.AutoModelForCausalLM.from_pretrained(self.twin, dtype=dtype, attn_implementation="sdpa")
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.register_forward_pre_hook(fake_quantizer(self.group))
-        return model.eval()  # type: ignore[no-untyped-call]
+        return model.to(device).eval()  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(scope="module", params=STRATEGIES)
@@ -208,7 +209,7 @@ def test_the_fp8_product_is_the_schemes_arithmetic() -> None:
 def greedy(reference: Any) -> tuple[list[int], list[int]]:
     """transformers' greedy tokens after PROMPT, and the sequence whose logits are compared (PROMPT
     and those tokens but the last)."""
-    prompt = torch.tensor([PROMPT])
+    prompt = torch.tensor([PROMPT], device=reference.device)
     gen = transformers.GenerationConfig(  # type: ignore[no-untyped-call]
         do_sample=False, max_new_tokens=NEW, eos_token_id=None, pad_token_id=0
     )
@@ -220,8 +221,9 @@ def greedy(reference: Any) -> tuple[list[int], list[int]]:
 
 
 def logits(model: Any, sequence: list[int]) -> torch.Tensor:
+    """``model``'s logits at every position of ``sequence``, as float32 on the CPU."""
     with torch.inference_mode():
-        out: torch.Tensor = model(torch.tensor([sequence])).logits[0].float()
+        out: torch.Tensor = model(torch.tensor([sequence], device=model.device)).logits[0].float().cpu()
     return out
 
 
@@ -260,30 +262,36 @@ def same_up_to_a_near_tie(mine: list[int], tokens: list[int], ours: torch.Tensor
 def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     checkpoints: Checkpoints, alloc: MemoryAllocator
 ) -> None:
-    """On the host backend (the operands dequantised, in transformers' order) and on CUDA (FP8
-    products through ``torch._scaled_mm``, rounded once where transformers rounds twice): its logits
-    within the bfloat16 bar, as close to the float32 scheme as transformers is, and its greedy tokens
-    (on CUDA up to the first near-tie, see :func:`same_up_to_a_near_tie`)."""
+    """Beside transformers on the same device: as close to the float32 scheme as transformers is, and
+    its greedy tokens. On the host backend (the operands dequantised, in transformers' order) the
+    tokens are identical and the logits within the bfloat16 bar. On CUDA (FP8 products through
+    ``torch._scaled_mm``, rounded once where transformers rounds twice) the tokens agree up to the
+    first near-tie (:func:`same_up_to_a_near_tie`), and the logits are not held to transformers':
+    a last-bit difference before an activation's FP8 rounding moves it by a whole FP8 step (one part
+    in 8 to 16), so two correct bfloat16 implementations of the scheme differ by several percent. The
+    measure that holds is the distance from the scheme computed in float32."""
     runner = ModelRunner(alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4)
     config = runner.config
     assert config.fp8 is not None and runner.weights["model.layers.0.self_attn.q_proj.weight"].dtype == FP8
     plain = ModelConfig.from_hf(json.loads((checkpoints.twin / "config.json").read_text()))
     held = sum(t.numel() * t.element_size() for t in runner.weights.values())
     assert config.param_bytes() == held < plain.param_bytes(), "FP8 matrices are one byte a parameter"
-    reference = checkpoints.reference(torch.bfloat16)
+    reference = checkpoints.reference(torch.bfloat16, str(alloc.torch_device))
     tokens, sequence = greedy(reference)
     mine = runner.generate(PROMPT, NEW)
     ours, theirs = our_logits(runner, sequence), logits(reference, sequence)
-    if alloc.backend == "host":
-        assert mine == tokens
-    else:
-        same_up_to_a_near_tie(mine, tokens, ours, theirs)
-    assert float(relative_errors(ours, theirs).max()) <= 3e-2  # tests/test_reference.py's bfloat16 bar
     truth = logits(checkpoints.reference(torch.float32), sequence)
     ours_off, theirs_off = (float(relative_errors(x, truth).max()) for x in (ours, theirs))
+    apart = float(relative_errors(ours, theirs).max())
     print(
-        f"\n{config.fp8.weight_strategy}: from the float32 scheme: ours {ours_off:.3f}, transformers {theirs_off:.3f}"
+        f"\n{config.fp8.weight_strategy} on {alloc.backend}: from the float32 scheme: ours {ours_off:.3f}, "
+        f"transformers {theirs_off:.3f}; ours from transformers' {apart:.3f}"
     )
+    if alloc.backend == "host":
+        assert mine == tokens
+        assert apart <= 3e-2  # tests/test_reference.py's bfloat16 bar
+    else:
+        same_up_to_a_near_tie(mine, tokens, ours, theirs)
     assert ours_off <= ACCURACY_SLACK * theirs_off, (ours_off, theirs_off)
 
 
