@@ -129,7 +129,8 @@ class Checkpoints:
         for name, module in model.named_modules():
             if isinstance(module, torch.nn.Linear) and name != "lm_head":
                 module.register_forward_pre_hook(fake_quantizer(self.group))
-        return model.to(device).eval()  # type: ignore[no-untyped-call]
+        model.to(device)  # type: ignore[arg-type]  # transformers types ``to`` as a wrapper taking the model
+        return model.eval()  # type: ignore[no-untyped-call]
 
 
 @pytest.fixture(scope="module", params=STRATEGIES)
