@@ -14,6 +14,11 @@ gateway, and then:
 - on SIGHUP reads the file again: workers of models that are gone stop, new ones start, changed ones
   restart, the others are not touched, and the policy is applied again (a file that does not load is
   logged and changes nothing);
+- with ``[workers] stop_after``, stops a worker that has been asleep (unleased, nothing waiting)
+  that long, and starts it again (from the standby, where there is one) when an acquire waits for it:
+  no process is the deepest sleep level. Its policy's ``start_timeout`` (:data:`START_TIMEOUT_S`
+  unless the file sets one) makes the manager hold such an acquire instead of refusing it, and the
+  gateway send it;
 - on SIGINT or SIGTERM stops them all (gateway, workers, manager) and exits 0;
 - stops them all and exits 1 if the manager or the gateway dies.
 
@@ -56,11 +61,14 @@ READY_S = 60.0
 """How long the manager may take to answer after it starts."""
 LOAD_S = 900.0
 """How long a model may take to load (a Hub download included) before the next on its device starts anyway."""
+START_TIMEOUT_S = 300.0
+"""With ``[workers] stop_after``: the policy's ``start_timeout`` where the file sets none, how long an
+acquire for a stopped model waits for its process (the gateway's own acquire timeout)."""
 
 _SECTIONS = {"manager", "gateway", "workers", "policy", "models"}
 _MANAGER_KEYS = {"listen": "127.0.0.1:50051", "metrics_listen": "127.0.0.1:9400", "state_dir": ".memsvc", "address": ""}
 _GATEWAY_KEYS = {"listen": "127.0.0.1:8000", "processes": 1}
-_WORKERS_KEYS = {"standby": False, "listen": "127.0.0.1:0", "advertise_host": "", "id_prefix": ""}
+_WORKERS_KEYS = {"standby": False, "listen": "127.0.0.1:0", "advertise_host": "", "id_prefix": "", "stop_after": 0.0}
 ADVERTISE_HOST_VAR = "MEMSVC_ADVERTISE_HOST"
 """Where ``[workers] advertise_host`` is empty, the host the workers are advertised at (a pod's IP)."""
 ID_PREFIX_VAR = "MEMSVC_WORKER_ID_PREFIX"
@@ -119,6 +127,9 @@ class HostConfig:
     """``[manager] address``: a manager that runs elsewhere (several hosts, a Kubernetes pod of many
     models): no manager is started here, its default policy is left alone, and ``[policy]`` applies
     to this file's workers as their overrides."""
+    stop_after: float = 0.0
+    """``[workers] stop_after``: seconds a worker stays asleep before its process is stopped (started
+    again when an acquire waits for it); 0 = never."""
 
     @property
     def manager(self) -> str:
@@ -217,12 +228,15 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     gw = _table(raw, "gateway", _GATEWAY_KEYS, where)
     workers = _table(raw, "workers", _WORKERS_KEYS, where)
     strings = [*(("manager." + k, v) for k, v in mgr.items()), ("gateway.listen", gw["listen"]),
-               *(("workers." + k, v) for k, v in workers.items() if k != "standby")]  # fmt: skip
+               *(("workers." + k, v) for k, v in workers.items() if k not in ("standby", "stop_after"))]  # fmt: skip
     for key, value in strings:
         if not isinstance(value, str):
             raise InvalidArgument(f"{where}: {key} must be a string")
     if not isinstance(workers["standby"], bool):
         raise InvalidArgument(f"{where}: workers.standby must be true or false")
+    stop_after = workers["stop_after"]
+    if isinstance(stop_after, bool) or not isinstance(stop_after, int | float) or not 0 <= stop_after <= 1e9:
+        raise InvalidArgument(f"{where}: workers.stop_after must be a number of seconds >= 0 (0: never)")
     if mgr["address"] and set(raw.get("manager", {})) & {"listen", "metrics_listen", "state_dir"}:
         raise InvalidArgument(f"{where}: [manager] address is a manager elsewhere: it takes no listen, "
                               "metrics_listen or state_dir")  # fmt: skip
@@ -254,12 +268,14 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     policy = {**_DEFAULT_POLICY, **named}
     if "idle_deep_sleep_timeout" not in named and policy["idle_sleep_timeout"] > policy["idle_deep_sleep_timeout"]:
         policy["idle_deep_sleep_timeout"] = 0.0  # memsvc up's tier 2 would come before the file's tier 1
+    if stop_after and "start_timeout" not in named:
+        policy["start_timeout"] = START_TIMEOUT_S  # an acquire for a stopped model waits for its start
     _checked(policy, f"{where}: [policy]")
     for m in models:
         _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
     return HostConfig(
         mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models, workers["standby"],
-        mgr["address"],
+        mgr["address"], float(stop_after),
     )  # fmt: skip
 
 
@@ -278,6 +294,10 @@ class _Worker:
     stale_address: str = ""
     """The address the manager knew it by before its restart: a record still showing it is the old
     process's, not the new one's."""
+    stopped: bool = False
+    """Stopped after ``[workers] stop_after`` asleep: not restarted until an acquire waits for it."""
+    asleep_since: float | None = None
+    """Since when (monotonic) the manager has shown it asleep, unleased and with nothing waiting."""
 
 
 class Host:
@@ -431,7 +451,7 @@ class Host:
             except Exception as exc:  # noqa: BLE001 - a refusal, or the manager not answering: nothing changes
                 announce(f"memsvc up: {self.path} not reloaded: its policy: {exc}", sys.stderr)
                 return
-        self.config = dataclasses.replace(self.config, policy=new.policy)
+        self.config = dataclasses.replace(self.config, policy=new.policy, stop_after=new.stop_after)
         wanted = {e.worker_id: e for e in new.models}
         gone = [w for wid, w in self.workers.items() if wanted.get(wid) != w.entry]
         stop_children([w.proc for w in gone if w.proc is not None])
@@ -444,6 +464,9 @@ class Host:
         for wid, entry in wanted.items():
             if wid not in self.workers:
                 self.workers[wid] = _Worker(entry)
+                self._start_worker(self.workers[wid])
+            elif self.workers[wid].stopped and not new.stop_after:  # nothing would start it on demand now
+                self.workers[wid].stopped = False
                 self._start_worker(self.workers[wid])
         self.config = dataclasses.replace(self.config, models=new.models)
         announce(f"memsvc up: {self.path} reloaded: {len(self.workers)} model(s), {len(gone)} stopped or restarted")
@@ -577,6 +600,8 @@ class Host:
                 ):
                     w.sleep_once_loaded = False
             self._tend_standbys()
+            if self.config.stop_after:
+                self._stop_or_start_on_demand(now)
             self._apply_overrides()
             if self._leaving:
                 self._deregister_leaving()
@@ -593,9 +618,66 @@ class Host:
                 announce(f"memsvc up: the standby for --backend {backend} --device {device} exited with "
                          f"{p.returncode}; the next start there starts a process of its own", sys.stderr)  # fmt: skip
 
+    def _stop_or_start_on_demand(self, now: float) -> None:
+        """``[workers] stop_after``: stop each worker asleep that long (unleased, no acquire waiting);
+        start each stopped one that an acquire waits for (the manager holds it for its start_timeout).
+        Where other models share its device, those awake and unleased are put to sleep first, as at
+        the start: the model loads with room. A stopped one whose model a restarted manager does not
+        know is started too, to tell it.
+
+        An acquire that comes between the look and the stop finds the process going: its wake fails
+        (503 with Retry-After at the gateway) and its retry waits for the start like any other."""
+        from memsvc.v1 import common_pb2 as c
+
+        try:
+            seen = {wk.name.removeprefix("workers/"): wk for wk in self._manager_client().workers()}
+        except MemsvcError:
+            return  # the manager busy or restarting: the next tick looks again
+        for w in self.workers.values():
+            wk = seen.get(w.entry.worker_id)
+            if wk is None:
+                continue
+            if w.stopped:
+                # a manager that restarted since the stop knows the worker but not its model, so the
+                # gateway could not route a request to it: started (and stopped again later) as well
+                unknown = not wk.status.model.served_model_name
+                if wk.waiting_acquires > 0 or unknown:
+                    self._asleep_neighbours(w, seen)
+                    w.stopped, w.asleep_since = False, None
+                    why = "its model unknown to a restarted manager" if unknown and not wk.waiting_acquires else (
+                        f"{wk.waiting_acquires} acquire(s) waiting")  # fmt: skip
+                    announce(f"memsvc up: worker {w.entry.worker_id} started on demand ({why})")
+                    self._start_worker(w)
+                continue
+            idle = wk.state == c.WORKER_STATE_ASLEEP and not wk.lease_count and not wk.waiting_acquires
+            if not idle or w.proc is None or w.proc.poll() is not None:
+                w.asleep_since = None
+                continue
+            w.asleep_since = w.asleep_since if w.asleep_since is not None else now
+            if now - w.asleep_since >= self.config.stop_after:
+                stop_children([w.proc])
+                w.proc, w.stopped, w.asleep_since = None, True, None
+                announce(f"memsvc up: worker {w.entry.worker_id} stopped after {self.config.stop_after:g} s asleep; "
+                         "an acquire for it starts it again")  # fmt: skip
+
+    def _asleep_neighbours(self, w: _Worker, seen: Mapping[str, Any]) -> None:
+        """Put to sleep the other workers of ``w``'s device that are awake and unleased (a refusal,
+        a leased one's, is left: the model then loads beside it)."""
+        from memsvc.v1 import common_pb2 as c
+
+        for other in self.workers.values():
+            wk = seen.get(other.entry.worker_id)
+            same = (other.entry.backend, other.entry.device) == (w.entry.backend, w.entry.device)
+            if other is w or not same or wk is None or wk.lease_count or wk.state != c.WORKER_STATE_AWAKE:
+                continue
+            try:
+                self._manager_client().sleep(other.entry.worker_id, timeout=120)
+            except MemsvcError as exc:
+                announce(f"memsvc up: {other.entry.worker_id} left awake beside {w.entry.worker_id}: {exc}", sys.stderr)
+
     def _tend(self, w: _Worker, now: float) -> None:
-        """Restart ``w`` if it died (after its delay)."""
-        if w.refused:
+        """Restart ``w`` if it died (after its delay); one stopped on purpose waits for an acquire."""
+        if w.refused or w.stopped:
             return
         if w.proc is not None and w.proc.poll() is not None:
             if w.proc.returncode == 2:  # a usage error: the same flags would be refused again

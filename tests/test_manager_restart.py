@@ -52,6 +52,7 @@ def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_stat
         tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD},
         idle_sleep_timeout=Duration(seconds=3600), idle_deep_sleep_timeout=Duration(seconds=7200),
         device_budget_bytes=48 << 20, host_budget_bytes=1 << 30, time_slice=Duration(seconds=5),
+        start_timeout=Duration(seconds=120),
     )  # fmt: skip
     stub.UpdatePolicy(m.UpdatePolicyRequest(policy=default), timeout=10)
     override = m.Policy(idle_deep_sleep_timeout=Duration(seconds=9000))

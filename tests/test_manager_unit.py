@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator
@@ -51,6 +52,7 @@ class _PolicyFields(TypedDict, total=False):
     idle_sleep_timeout: Duration
     idle_deep_sleep_timeout: Duration
     time_slice: Duration
+    start_timeout: Duration
 
 
 class Env:
@@ -510,6 +512,43 @@ async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> 
     await a.revive()
     await env.manager.register("a", a.address, "h1")  # its heartbeat reconnects the link
     await settle(lambda: env.rec("a").state == WorkerState.AWAKE, "back")
+
+
+async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_counted_as_waiting(env: Env) -> None:
+    """A worker whose process is started on demand (its policy's start_timeout): the acquire waits
+    while it is unavailable, among its waiting acquires (what tells memsvc up to start it), and is
+    granted once it registers again; one that does not come back in time is refused, naming the
+    start_timeout, and leaves nothing behind. The gauge the alert reads says it is started on demand,
+    and the timers do not forget it however long it is down."""
+    a = await env.worker("a")
+    env.manager.update_policy("a", m.Policy(start_timeout=Duration(seconds=30)), ["start_timeout"])
+    await a.crash()
+    await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
+    acquire = asyncio.ensure_future(env.manager.acquire("a", 60, "t", "", "", None))
+    await settle(lambda: env.rec("a").to_proto().waiting_acquires == 1, "the acquire counted as waiting")
+    assert not acquire.done()
+    await a.revive()
+    await env.manager.register("a", a.address, "h1")
+    lease, rec = await asyncio.wait_for(acquire, 10)
+    assert rec.state == WorkerState.AWAKE and lease.lease_id in rec.leases
+    assert env.rec("a").to_proto().waiting_acquires == 0
+    env.manager.release(lease.lease_id)
+
+    env.manager.update_policy("a", m.Policy(start_timeout=Duration(nanos=200_000_000)), ["start_timeout"])
+    timers = env.manager.timers
+    timers._settings = dataclasses.replace(timers._settings, forget_after=0.001)
+    await a.crash()
+    await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE again")
+    with pytest.raises(Unavailable, match=r"start_timeout \(0.2 s\)"):
+        await env.manager.acquire("a", 60, "t", "", "", None)
+    assert env.rec("a").leases == {} and env.rec("a").to_proto().waiting_acquires == 0
+    env.rec("a").heard -= 10
+    timers.tick()
+    assert env.manager.metrics.start_timeout.labels("a")._value.get() == 0.2
+    await asyncio.sleep(0)  # a forget the tick had spawned would have run now
+    assert env.manager.get("a").worker_id == "a", "a worker started on demand is down on purpose: not forgotten"
+    with pytest.raises(Unavailable, match="start_timeout"):  # the caller's deadline, sooner, ends it too
+        await env.manager.acquire("a", 60, "t", "", "", Deadline.after(0.05))
 
 
 async def test_a_silent_worker_is_marked_unavailable_and_its_link_restarted(env: Env) -> None:

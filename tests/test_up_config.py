@@ -7,6 +7,8 @@ runs it, with three host-backend models on one simulated device that holds one a
   one: the other was awake), and serves again;
 - SIGHUP reads the file again: a model taken out of it stops and leaves the manager's list (once the
   lease a client held on it ends), a model put in starts and serves, the others are not restarted;
+- with ``[workers] stop_after``, a model asleep that long has no process, and a request for it
+  starts one (from the standby) and gets the same text as before;
 - Ctrl-C (SIGINT) stops every child and exits 0;
 - a file that does not load is one error line naming what is wrong, exit 2.
 """
@@ -35,15 +37,19 @@ openai = pytest.importorskip("openai")
 MODELS = ("alpha", "beta", "gamma")
 
 
-def host_file(path: Path, manager: str, gateway: str, names: tuple[str, ...]) -> Path:
-    """Each model a tiny synthetic one on a 6 MiB simulated device (one awake fits), named as given."""
+def host_file(
+    path: Path, manager: str, gateway: str, names: tuple[str, ...], idle_sleep: float = 0, workers: str = ""
+) -> Path:
+    """Each model a tiny synthetic one on a 6 MiB simulated device (one awake fits), named as given;
+    ``idle_sleep``: the policy's idle_sleep_timeout; ``workers``: the ``[workers]`` table's lines."""
     entries = "".join(
         f'[[models]]\nmodel = "synthetic:tiny"\nname = "{n}"\nbackend = "host"\nargs = ["--host-capacity", "6MiB"]\n\n'
         for n in names
     )
     path.write_text(
         f'[manager]\nlisten = "{manager}"\nmetrics_listen = ""\nstate_dir = "{path.parent / "state"}"\n\n'
-        f'[gateway]\nlisten = "{gateway}"\n\n[policy]\nidle_sleep_timeout = 0\n\n{entries}'
+        f'[gateway]\nlisten = "{gateway}"\n\n[workers]\n{workers}\n\n[policy]\nidle_sleep_timeout = {idle_sleep}\n\n'
+        f"{entries}"
     )
     return path
 
@@ -71,9 +77,9 @@ def worker_pid(parent: int, worker_id: str) -> int | None:
 
 
 class Host:
-    def __init__(self, tmp: Path, names: tuple[str, ...] = MODELS) -> None:
+    def __init__(self, tmp: Path, names: tuple[str, ...] = MODELS, idle_sleep: float = 0, workers: str = "") -> None:
         self.manager, self.gateway = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
-        self.file = host_file(tmp / "host.toml", self.manager, self.gateway, names)
+        self.file = host_file(tmp / "host.toml", self.manager, self.gateway, names, idle_sleep, workers)
         # a session of its own: kill() at the end takes the children with it, whatever the test left
         self.proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(self.file)], name="memsvc up")
         self.channel = grpc.insecure_channel(self.manager)
@@ -158,6 +164,54 @@ def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_sto
     assert all(not Path(f"/proc/{p}").exists() for p in children), "a worker outlived memsvc up"
 
 
+def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_from_the_standby(
+    tmp_path: Path,
+) -> None:
+    """``[workers] stop_after``: no process is the deepest sleep level. Both models, asleep (idle for a
+    second) for a second, are stopped; their policy's start_timeout is memsvc up's. A chat request
+    for one, through the OpenAI SDK, waits while memsvc up starts it from the standby, and gets the
+    text it got before; an AcquireWorker for the other, as another service sends it, starts that
+    one too. Ctrl-C stops everything, the standby included."""
+    h = Host(tmp_path, ("alpha", "beta"), idle_sleep=1, workers="stop_after = 1\nstandby = true")
+    h.proc.start()
+
+    def said() -> str:
+        return "\n".join(h.proc.lines)
+
+    try:
+        assert h.proc.proc is not None
+        wait_for(lambda: h.listed(), lambda ids: ids == ["alpha", "beta"], what="both models listed", timeout=120)
+        before = h.text("alpha")
+        for wid in ("alpha", "beta"):
+            wait_for(said, lambda t, wid=wid: f"worker {wid} stopped after 1 s asleep" in t,  # type: ignore[misc]
+                     what=f"{wid} stopped once asleep for stop_after", timeout=120)  # fmt: skip
+        wait_for(lambda: h.workers(), lambda ws: all(w.state == c.WORKER_STATE_UNAVAILABLE for w in ws.values()),
+                 what="both unavailable at the manager")  # fmt: skip
+        running = [argv for argv in children(h.proc.proc.pid).values() if b"worker" in argv]
+        assert len(running) == 1 and b"--standby" in running[0], (
+            "a worker process outlived its stop (one standby waits)"
+        )
+        policy = h.stub.GetPolicy(m.GetPolicyRequest(name="workers/alpha"), timeout=10).policy
+        assert policy.start_timeout.seconds == 300
+
+        assert h.text("alpha") == before
+        log = said()
+        assert "worker alpha started on demand (1 acquire(s) waiting)" in log
+        assert "worker alpha started from the standby" in log.split("worker alpha started on demand")[1]
+
+        lease = h.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="a service"), timeout=120)
+        assert lease.worker.state == c.WORKER_STATE_AWAKE
+        assert "worker beta started on demand" in said()
+        h.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease.lease_id), timeout=10)
+
+        kids = list(children(h.proc.proc.pid))
+        assert h.proc.signal_and_wait(signal.SIGINT) == 0
+        assert all(not Path(f"/proc/{p}").exists() for p in kids), "a child outlived memsvc up"
+    finally:
+        h.channel.close()
+        h.proc.kill()
+
+
 def test_a_host_file_that_does_not_load_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
     bad = tmp_path / "host.toml"
     bad.write_text('[[models]]\nmodel = "synthetic:tiny"\ndevcie = 1\n')
@@ -200,6 +254,25 @@ def test_the_files_policy_is_checked_as_the_manager_would(tmp_path: Path) -> Non
     )
     with pytest.raises(InvalidArgument, match=r"\[policy\]: idle_deep_sleep_timeout must be at least"):
         load_host_config(path)
+
+
+def test_stop_after_gives_the_policy_a_start_timeout_unless_the_file_sets_one(tmp_path: Path) -> None:
+    from memsvc._host import START_TIMEOUT_S, load_host_config
+    from memsvc.errors import InvalidArgument
+
+    path = tmp_path / "host.toml"
+    model = '[[models]]\nmodel = "synthetic:tiny"\n'
+    path.write_text(model)
+    assert load_host_config(path).stop_after == 0 and "start_timeout" not in load_host_config(path).policy
+    path.write_text(f"[workers]\nstop_after = 600\n\n{model}")
+    cfg = load_host_config(path)
+    assert cfg.stop_after == 600 and cfg.policy["start_timeout"] == START_TIMEOUT_S
+    path.write_text(f"[workers]\nstop_after = 600\n\n[policy]\nstart_timeout = 45\n\n{model}")
+    assert load_host_config(path).policy["start_timeout"] == 45
+    for bad in ("-1", '"10m"', "true"):
+        path.write_text(f"[workers]\nstop_after = {bad}\n\n{model}")
+        with pytest.raises(InvalidArgument, match="workers.stop_after must be a number of seconds"):
+            load_host_config(path)
 
 
 def test_ctrl_c_while_it_starts_stops_everything_and_exits_0(tmp_path: Path) -> None:

@@ -155,10 +155,22 @@ class Gateway:
         if not workers:
             raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
         if all(s.state == c.WORKER_STATE_UNAVAILABLE for s in workers):
+            on_demand = [s for s in workers if await self.started_on_demand(s)]
+            if on_demand:  # its acquire waits while its process starts (the policy's start_timeout)
+                return Backends.pick(on_demand)
             raise GatewayError(503, f"the model {model!r} is registered but its worker is unavailable "
                                     f"({', '.join(s.name for s in workers)})",
                                "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
         return Backends.pick(workers)
+
+    async def started_on_demand(self, worker: Served) -> bool:
+        """Whether ``worker``, unavailable, is one whose process is started when an acquire waits for
+        it (its policy's start_timeout is above 0: memsvc up's ``[workers] stop_after``). False when
+        the manager cannot say."""
+        try:
+            return await self.backends.start_timeout(worker) > 0
+        except grpc.RpcError:
+            return False
 
 
 def create_app(

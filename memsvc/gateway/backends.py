@@ -217,6 +217,12 @@ class Backends:
                 self.unknown_unavailable = unknown
                 return out
 
+    async def start_timeout(self, worker: Served, timeout: float = 10.0) -> float:
+        """``worker``'s effective policy's start_timeout, in seconds (grpc.RpcError if the manager
+        does not answer)."""
+        r = await self.manager.GetPolicy(m.GetPolicyRequest(name=worker.name), timeout=timeout)
+        return float(r.policy.start_timeout.ToNanoseconds() / 1e9)
+
     @staticmethod
     def pick(workers: list[Served]) -> Served:
         """An awake worker first (the least leased), then a sleeping one: never wake a second copy

@@ -12,6 +12,7 @@ workers and timing. Example::
     host_budget_bytes = 0           # 0: unlimited
     device_swap_headroom_bytes = 0  # over the budget while an eviction and its wake overlap; 0: never
     time_slice = 2.0                # seconds a busy worker keeps its device once another waits; 0: pinned
+    start_timeout = 0               # seconds an acquire waits for an unavailable worker to return; 0: none
     tag_actions = { weights = "offload", kv_cache = "discard" }
 
     [[workers]]                     # static workers, besides those that register themselves

@@ -72,7 +72,9 @@ class Manager:
         turns = Turns(self.registry, self.policies, self.background)
         budgets = Budgets(self.registry, self.policies, calls, self.metrics, self.background, turns)
         self.transitions = Transitions(self.registry, calls, budgets, replay)
-        self.leases = Leases(self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay, turns)
+        self.leases = Leases(
+            self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay, turns, self.policies
+        )
         self.timers = IdleTimers(
             self.registry, self.policies, self.leases, budgets, calls, ingest, self.settings, self.metrics,
             self.background, turns,

@@ -1,6 +1,8 @@
 """Leases: AcquireWorker wakes on demand and waits until the worker is ready; a leased worker is not
 put to sleep (except for another worker's turn on its device: memsvc/manager/turns.py, which pauses
 its requests and wakes it again); its idle clock starts at the last release (a drain, not a refusal).
+An acquire for an unavailable worker is refused at once, or waits for it for its policy's
+``start_timeout`` (a process started on demand: memsvc up's ``[workers] stop_after``).
 
 A lease is recorded on the worker *before* the wake starts, so no timer or budget eviction can put
 it to sleep between the wake and the grant; its TTL starts at the grant.
@@ -25,6 +27,7 @@ from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.paging import page_of
+from memsvc.manager.policy import Policies
 from memsvc.manager.records import Lease, WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
@@ -48,8 +51,10 @@ class Leases:
         metrics: ManagerMetrics,
         replay: ReplayCache,
         turns: Turns,
+        policies: Policies,
     ) -> None:
         self._registry = registry
+        self._policies = policies
         self._turns = turns
         turns.wake_owed = self._ensure_awake
         self._store = store
@@ -126,7 +131,7 @@ class Leases:
     async def _grant(
         self, rec: WorkerRecord, ttl: float, holder: str, deadline: Deadline, keep_alive: float | None, request_id: str
     ) -> str:
-        self._registry.link(rec)
+        self._registry.registered(rec)  # an unavailable one is waited for or refused by _wait_awake
         if len(rec.leases) >= MAX_LEASES_PER_WORKER or len(self.leases) >= MAX_LEASES:
             on_worker = len(rec.leases) >= MAX_LEASES_PER_WORKER
             raise Overloaded(
@@ -169,10 +174,18 @@ class Leases:
             self._ingest.update_metrics(rec)
 
     async def _wait_awake(self, rec: WorkerRecord, deadline: Deadline) -> None:
+        reachable_by: Deadline | None = None
+        """While it is unavailable: when this acquire stops waiting for it (its start_timeout)."""
         while True:
             state = rec.state
             if state == WorkerState.UNAVAILABLE:
-                raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
+                reachable_by = reachable_by or self._start_window(rec, deadline)
+                if reachable_by.passed():
+                    limit = self._policies.effective(rec.name).start_timeout
+                    waited = f": not reachable within its start_timeout ({limit:g} s) or the deadline" if limit else ""
+                    raise Unavailable(f"worker {rec.worker_id} is unavailable{waited}", metadata={"name": rec.name})
+                await rec.wait_changed(reachable_by)
+                continue
             if state == WorkerState.AWAKE and not rec.in_transition:
                 # An idle or budget sleep in flight holds the lock while the state still reads AWAKE:
                 # wait for it, then look again (the caller's lease already stops new sleeps).
@@ -192,6 +205,15 @@ class Leases:
                     wake = lambda: self._calls.wake(rec, [], "", deadline, "AcquireWorker")  # noqa: E731
                     await self._budgets.wake_with_room(rec, None, deadline, wake)
                     rec.idle_since = time.time()  # if the grant fails now, the idle clock counts from the wake
+
+    def _start_window(self, rec: WorkerRecord, deadline: Deadline) -> Deadline:
+        """Until when an acquire that found ``rec`` unavailable waits for it: its policy's
+        ``start_timeout`` from now (already passed where that is 0), or the caller's deadline if
+        sooner. Registering again ends the wait (the worker's status changes)."""
+        limit = self._policies.effective(rec.name).start_timeout
+        at = time.monotonic() + limit
+        caller = deadline.at()
+        return Deadline(at if caller is None else min(at, caller))
 
     def release(self, lease_id: str, expired: bool = False) -> WorkerRecord:
         if not lease_id:

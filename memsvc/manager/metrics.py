@@ -108,6 +108,12 @@ class ManagerMetrics:
             "Sleep and WakeUp calls the manager sent the worker and has no answer to yet (a stuck one stays up)",
             ["worker"], registry=r,
         )  # fmt: skip
+        self.start_timeout = Gauge(
+            "memsvc_worker_start_timeout_seconds",
+            "The worker's policy start_timeout: how long an acquire waits for it while it is unavailable "
+            "(above 0: its process is started on demand, and its being down is not an outage)",
+            ["worker"], registry=r,
+        )  # fmt: skip
         self.info = Gauge(
             "memsvc_worker_info",
             "1 per worker, labelled with what it serves where: join on worker for per-model panels",
@@ -156,7 +162,7 @@ class ManagerMetrics:
         """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
         for gauge in (
             self.up, self.device_free, self.host_pinned, self.disk, self.leases, self.leased_sleeps, self.turns,
-            self.waiting, self.paused, self.calls,
+            self.waiting, self.paused, self.calls, self.start_timeout,
         ):  # fmt: skip
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)

@@ -24,14 +24,14 @@ log = logging.getLogger("memsvc.manager.policy")
 
 FIELDS = (
     "tag_actions", "idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes",
-    "device_swap_headroom_bytes", "time_slice",
+    "device_swap_headroom_bytes", "time_slice", "start_timeout",
 )  # fmt: skip
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 DEFAULT_TIME_SLICE_S = 2.0
 """A busy worker's turn when another waits for its device. Against a swap of an 8B model on the H200
 (about 0.3 s each way, overlapped: docs/benchmarks.md) the swaps take about a seventh of two busy
 models' time, and a request for a sleeping model waits at most a slice and a swap."""
-_DURATIONS = ("idle_sleep_timeout", "idle_deep_sleep_timeout", "time_slice")
+_DURATIONS = ("idle_sleep_timeout", "idle_deep_sleep_timeout", "time_slice", "start_timeout")
 
 
 @dataclass(frozen=True)
@@ -53,6 +53,9 @@ class Policy:
     time_slice: float = DEFAULT_TIME_SLICE_S
     """Seconds a busy worker keeps its device, from its wake, once another waits to wake there
     (memsvc/manager/turns.py); 0 = until its leases end."""
+    start_timeout: float = 0.0
+    """Seconds an AcquireWorker waits for the worker, unavailable, to be reachable again (a process
+    started on demand, or restarted); 0 = refuse at once."""
 
     def to_fields(self) -> dict[str, Any]:
         """Every field, as the store keeps them (JSON: actions as their proto numbers)."""
@@ -73,6 +76,7 @@ class Policy:
         p.idle_sleep_timeout.FromNanoseconds(int(self.idle_sleep_timeout * 1e9))
         p.idle_deep_sleep_timeout.FromNanoseconds(int(self.idle_deep_sleep_timeout * 1e9))
         p.time_slice.FromNanoseconds(int(self.time_slice * 1e9))
+        p.start_timeout.FromNanoseconds(int(self.start_timeout * 1e9))
         return p
 
 

@@ -129,11 +129,15 @@ class Registry:
             raise NotFound(f"no worker {canonical!r}", metadata={"name": canonical})
         return rec
 
+    def registered(self, rec: WorkerRecord) -> None:
+        """NOT_FOUND once ``rec`` was deregistered (a call that began before then)."""
+        if self.workers.get(rec.worker_id) is not rec:
+            raise NotFound(f"worker {rec.worker_id} was deregistered", metadata={"name": rec.name})
+
     def link(self, rec: WorkerRecord) -> WorkerLink:
         """The link to call ``rec`` through; NOT_FOUND once it was deregistered (a call that began
         before then), UNAVAILABLE while the worker cannot be reached."""
-        if self.workers.get(rec.worker_id) is not rec:
-            raise NotFound(f"worker {rec.worker_id} was deregistered", metadata={"name": rec.name})
+        self.registered(rec)
         if not rec.reachable:
             raise Unavailable(f"worker {rec.worker_id} is unavailable", metadata={"name": rec.name})
         return self.links[rec.worker_id]

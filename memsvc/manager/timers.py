@@ -81,6 +81,8 @@ class IdleTimers:
         self._leases.expire(now)
         running_since = self._running_since()
         for rec in self._registry:  # a hung worker keeps its TCP stream open but says nothing
+            start_timeout = self._policies.effective(rec.name).start_timeout
+            self._metrics.start_timeout.labels(rec.worker_id).set(start_timeout)
             silent = time.monotonic() - max(rec.heard, running_since)
             if rec.reachable and silent > self._settings.silence_limit:
                 rec.heard = time.monotonic()  # once per silence period
@@ -88,7 +90,7 @@ class IdleTimers:
                     self._ingest.on_down(rec, f"silent for {silent:.1f} s"), f"silent {rec.worker_id}"
                 )
                 self._registry.links[rec.worker_id].restart()
-            elif self._forgotten(rec):
+            elif self._forgotten(rec) and not start_timeout:  # one started on demand is down on purpose
                 log.info("worker %s unreachable for %.0f s: forgetting it", rec.worker_id, silent)
                 self._background.spawn(self._registry.deregister(rec.name), f"forget {rec.worker_id}")
             elif rec.reachable and not rec.in_transition:
