@@ -19,6 +19,11 @@ B. A subprocess ``import torch, transformers; AutoModelForCausalLM.from_pretrain
    dtype=torch.bfloat16, device_map="cuda")`` and one greedy token, timed from its spawn, with its own
    split (import torch, import transformers, from_pretrained, first token).
 C. Once: a subprocess that only imports torch (and initialises CUDA), for the floor both pay.
+D. With ``--standby N``: N starts of a standby worker, timed from the hand-off of its flags.
+E. With ``--on-demand N``: ``memsvc up --config`` serving the model with ``[workers] stop_after = 1``
+   and a standby; N times, once memsvc up has stopped the worker (no process) and a standby is
+   ready, a streamed completion through the gateway (token ids, ``ignore_eos``), timed from its send
+   to its first token; then the same request again, the model awake, for comparison.
 
 Then medians, the table, and pass/fail against the target. JSON out (``--out``), with date, device,
 commit (``MEMSVC_COMMIT`` or git) and the flags.
@@ -26,6 +31,7 @@ commit (``MEMSVC_COMMIT`` or git) and the flags.
     python -m bench.bench_startup --out startup.json                     # 8B on the GPU (writes the checkpoint)
     python -m bench.bench_startup --model /ckpt/llama3-8b-bf16 --repeats 5 --out startup.json
     python -m bench.bench_startup --shape tiny --backend host --repeats 1 --out s.json   # a CPU smoke run
+    python -m bench.bench_startup --repeats 0 --no-baseline --no-breakdown --on-demand 3 --out s.json
 """
 
 from __future__ import annotations
@@ -46,6 +52,7 @@ import sys
 import tempfile
 import threading
 import time
+import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
@@ -256,6 +263,18 @@ class Spawned:
             if mt := pattern.search(item[2]):
                 return item[0], mt
 
+    def count(self, pattern: re.Pattern[str]) -> int:
+        """Lines so far that match ``pattern``."""
+        return sum(1 for _, _, line in list(self.lines) if pattern.search(line))
+
+    def wait_count(self, pattern: re.Pattern[str], n: int, timeout: float) -> None:
+        """Until ``n`` lines have matched ``pattern`` (RuntimeError after ``timeout``, or if it exits)."""
+        deadline = time.monotonic() + timeout
+        while self.count(pattern) < n:
+            if time.monotonic() > deadline or self.proc.poll() is not None:
+                raise RuntimeError(f"{self.count(pattern)} of {n} lines matching {pattern.pattern!r}\n{self.tail()}")
+            time.sleep(0.05)
+
     def found(self, pattern: re.Pattern[str]) -> tuple[float, re.Match[str]] | None:
         for at, _, line in list(self.lines):
             if mt := pattern.search(line):
@@ -410,6 +429,70 @@ def _device() -> dict[str, Any]:
     return {"device": done.stdout.strip() or "cpu"}
 
 
+_STOPPED = re.compile(r"memsvc up: worker \S+ stopped after [\d.]+ s asleep")
+_ON_DEMAND = re.compile(r"memsvc up: worker \S+ started on demand")
+_FROM_STANDBY = re.compile(r"memsvc up: worker \S+ started from the standby")
+
+
+def _free_port() -> int:
+    import socket
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return int(sock.getsockname()[1])
+
+
+def _first_token_through_the_gateway(gateway: str, prompt: list[int]) -> tuple[float, int]:
+    """A streamed /v1/completions of NEW_TOKENS tokens (``ignore_eos``): seconds from its send to the
+    first chunk that carries a token, and the tokens streamed."""
+    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "stream": True, "ignore_eos": True,
+            "temperature": 0, "return_token_ids": True}  # fmt: skip
+    request = urllib.request.Request(f"http://{gateway}/v1/completions", data=json.dumps(body).encode(),
+                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    sent = time.perf_counter()
+    first, tokens = None, 0
+    with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
+        for raw in response:
+            line = raw.decode().strip()
+            if not line.startswith("data: {"):
+                continue
+            ids = json.loads(line[6:])["choices"][0].get("token_ids") or []
+            if ids and first is None:
+                first = time.perf_counter() - sent
+            tokens += len(ids)
+    if first is None or tokens != NEW_TOKENS:
+        raise RuntimeError(f"the stream carried {tokens} tokens, not {NEW_TOKENS}")
+    return first, tokens
+
+
+def on_demand_runs(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
+    """E (see the module): a request for a model with no process, through memsvc up and its gateway."""
+    root = Path(tempfile.mkdtemp(prefix="ondemand-"))
+    gateway = f"127.0.0.1:{_free_port()}"
+    flags = ["--kv-blocks", str(args.kv_blocks), *shlex.split(args.worker_args)]
+    (root / "host.toml").write_text(
+        f'[manager]\nlisten = "127.0.0.1:{_free_port()}"\nmetrics_listen = ""\nstate_dir = "{root / "state"}"\n\n'
+        f'[gateway]\nlisten = "{gateway}"\n\n[workers]\nstandby = true\nstop_after = 1\n\n'
+        f"[policy]\nidle_sleep_timeout = 1\n\n"
+        f'[[models]]\nmodel = "{model}"\nname = "m"\nbackend = "{args.backend}"\nargs = {json.dumps(flags)}\n'
+    )
+    up = Spawned([*MEMSVC, "up", "--config", str(root / "host.toml")])
+    runs: list[dict[str, Any]] = []
+    try:
+        for i in range(args.on_demand):
+            up.wait_count(_STOPPED, i + 1, START_TIMEOUT_S)  # no process for the model
+            up.wait_count(_STANDBY_READY, i + 1, START_TIMEOUT_S)  # and a standby waiting
+            first_s, _ = _first_token_through_the_gateway(gateway, prompt)
+            awake_s, _ = _first_token_through_the_gateway(gateway, prompt)
+            started = {"from_standby": up.count(_FROM_STANDBY) == i + 1, "on_demand": up.count(_ON_DEMAND)}
+            runs.append({"first_token_s": first_s, "awake_first_token_s": awake_s, **started})
+            print(f"[bench_startup] on demand {i + 1}: {json.dumps(runs[-1])}", flush=True)
+    finally:
+        up.stop()
+        shutil.rmtree(root, ignore_errors=True)
+    return {"runs": runs, **{f"{k}_median": _median(runs, k) for k in ("first_token_s", "awake_first_token_s")}}
+
+
 def run(args: argparse.Namespace) -> dict[str, Any]:
     root = args.dir or Path(tempfile.mkdtemp(prefix="startbench-"))
     res: dict[str, Any] = {
@@ -434,11 +517,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from bench.bench_loader import read_once
 
         read_once(sorted(Path(model).glob("*.safetensors")))
-        res["import_torch"] = import_torch_run(args)
-        print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
-        res["breakdown"] = {mode: probe_run(mode, args) for mode in ("layers", "native", "fork")}
-        res["breakdown"]["import_times"] = import_times(args)
-        print(f"[bench_startup] breakdown: {json.dumps(res['breakdown'])}", flush=True)
+        if not args.no_breakdown:
+            res["import_torch"] = import_torch_run(args)
+            print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
+            res["breakdown"] = {mode: probe_run(mode, args) for mode in ("layers", "native", "fork")}
+            res["breakdown"]["import_times"] = import_times(args)
+            print(f"[bench_startup] breakdown: {json.dumps(res['breakdown'])}", flush=True)
         for i in range(args.warmup):
             print(f"[bench_startup] warm-up {i + 1}/{args.warmup} (not counted) ...", flush=True)
             worker_run(model, args, prompt)
@@ -467,6 +551,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
                 for k in ("standby_ready_s", "listening_s", "serving_s", "first_token_s", "allocator_s", "warm_up_s",
                           "weights_loaded_s", "first_generate_s", "first_vs_later")
             }}  # fmt: skip
+        if args.on_demand:
+            res["on_demand"] = on_demand_runs(model, args, prompt)
         if args.cold:
             res["cold"] = cold_runs(model, args, prompt)
         res["transformers"] = {"runs": baselines, **{
@@ -483,12 +569,16 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     first = res.get("worker", {}).get("first_token_s_median")
     ratio = res.get("worker", {}).get("first_vs_later_median")
     handed = res.get("standby", {}).get("first_token_s_median")
+    no_process = res.get("on_demand", {}).get("first_token_s_median")
     theirs = res.get("transformers", {}).get("loaded_s_median")
     res["targets"] = [
         {"target": f"warm: spawn to the first token <= {TARGET_SERVING_S} s", "value_s": first,
          "goal_s": TARGET_SERVING_S, "passed": None if first is None else first <= TARGET_SERVING_S},
         {"target": f"a standby: flags handed to the first token <= {TARGET_SERVING_S} s", "value_s": handed,
          "goal_s": TARGET_SERVING_S, "passed": None if handed is None else handed <= TARGET_SERVING_S},
+        {"target": f"a request for a model with no process (a standby ready): first token <= {TARGET_SERVING_S} s",
+         "value_s": no_process, "goal_s": TARGET_SERVING_S,
+         "passed": None if no_process is None else no_process <= TARGET_SERVING_S},
         {"target": "SERVING means full speed: the first Generate within 1.2x a later one", "value": ratio,
          "goal": 1.2, "passed": None if ratio is None else ratio <= 1.2},
         {"target": f"spawn to SERVING <= {TARGET_SERVING_S} s", "value_s": serving, "goal_s": TARGET_SERVING_S,
@@ -576,6 +666,12 @@ def format_table(res: dict[str, Any]) -> str:
             ("standby: flags handed -> first token", sb.get("first_token_s_median")),
             ("standby: the first Generate / a later one (x)", sb.get("first_vs_later_median")),
         ]
+    od = res.get("on_demand", {})
+    if od:
+        rows += [
+            ("no process: request -> first token (gateway)", od.get("first_token_s_median")),
+            ("  the same request, the model awake", od.get("awake_first_token_s_median")),
+        ]
     cold = res.get("cold", {})
     if cold:
         rows += [
@@ -607,11 +703,19 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--cold", action="store_true", help="also one start of each with the page cache dropped")
     ap.add_argument("--standby", type=int, default=0, metavar="N",
                     help="also N starts from a standby (memsvc worker --standby), timed from the hand-off")  # fmt: skip
+    ap.add_argument(
+        "--on-demand",
+        type=int,
+        default=0,
+        metavar="N",
+        help="N requests for the model with no process, through memsvc up (stop_after, a standby)",
+    )
+    ap.add_argument("--no-breakdown", action="store_true", help="skip the parts measured in fresh processes")
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--out", default="startup.json")
     args = ap.parse_args(argv)
-    if args.repeats < 1 or args.warmup < 0:
-        ap.error("--repeats must be >= 1 and --warmup >= 0")
+    if args.repeats < 0 or args.warmup < 0:
+        ap.error("--repeats and --warmup must be >= 0")
     res = run(args)
     Path(args.out).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(format_table(res))
