@@ -26,8 +26,6 @@ from typing import TYPE_CHECKING, Any
 __version__ = "0.1.0"
 
 if TYPE_CHECKING:
-    from memsvc._auth import Security
-    from memsvc._rpc_errors import DOMAIN, error_info, retry_delay
     from memsvc.client import ManagerClient
     from memsvc.errors import (
         BackendError,
@@ -47,14 +45,16 @@ if TYPE_CHECKING:
         Unavailable,
         WrongState,
     )
+    from memsvc.runtime.auth import Security
+    from memsvc.runtime.rpc_errors import DOMAIN, error_info, retry_delay
     from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, CopyMethod, SleepLevel, TagState, WorkerState
 
 _EXPORTS = {
     "ManagerClient": "memsvc.client",
-    "Security": "memsvc._auth",
-    "DOMAIN": "memsvc._rpc_errors",
-    "error_info": "memsvc._rpc_errors",
-    "retry_delay": "memsvc._rpc_errors",
+    "Security": "memsvc.runtime.auth",
+    "DOMAIN": "memsvc.runtime.rpc_errors",
+    "error_info": "memsvc.runtime.rpc_errors",
+    "retry_delay": "memsvc.runtime.rpc_errors",
     **dict.fromkeys(
         [
             "BackendError",

@@ -46,9 +46,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from memsvc._logging import announce
 from memsvc._up import MEMSVC, stop_children
 from memsvc.errors import InvalidArgument, MemsvcError, NotFound, Unavailable, WrongState
+from memsvc.runtime.logs import announce
 
 if TYPE_CHECKING:
     from memsvc.client import ManagerClient
@@ -369,8 +369,8 @@ class Host:
         import grpc
         from google.protobuf.field_mask_pb2 import FieldMask
 
-        from memsvc._rpc_errors import from_rpc_error
         from memsvc.manager.policy import Policy
+        from memsvc.runtime.rpc_errors import from_rpc_error
         from memsvc.v1 import memory_manager_service_pb2 as m
 
         proto = Policy().with_fields(dict(fields)).to_proto()

@@ -21,7 +21,7 @@ from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from memsvc._logging import announce
+from memsvc.runtime.logs import announce
 
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 """How ``memsvc up`` starts its children: this interpreter, memsvc's command line."""

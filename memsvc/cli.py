@@ -244,7 +244,7 @@ def _prepin_size(text: str) -> int | str:
 
 
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
-    """How this command dials a memsvc server (memsvc._auth; off by default)."""
+    """How this command dials a memsvc server (memsvc.runtime.auth; off by default)."""
     g = p.add_argument_group("auth (client side)")
     g.add_argument(
         "--token-file",
@@ -259,8 +259,8 @@ def _client_auth_flags(p: argparse.ArgumentParser) -> None:
 
 
 def _log_flags(p: argparse.ArgumentParser) -> None:
-    """How a service logs (memsvc._logging)."""
-    from memsvc._logging import FORMATS, LEVELS
+    """How a service logs (memsvc.runtime.logs)."""
+    from memsvc.runtime.logs import FORMATS, LEVELS
 
     p.add_argument("--log-level", choices=LEVELS, default=env("LOG_LEVEL", "info"), help="least severe level logged")
     p.add_argument(
@@ -290,8 +290,8 @@ def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None
 
 
 def _security(args: argparse.Namespace, parser: argparse.ArgumentParser, server: bool = False) -> object:
-    from memsvc._auth import Security
     from memsvc.errors import MemsvcError
+    from memsvc.runtime.auth import Security
 
     try:
         sec = Security.from_args(args)
@@ -438,7 +438,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from memsvc._limits import (
+    from memsvc.runtime.limits import (
         GATEWAY_BODY_TIMEOUT_S,
         GATEWAY_HEADER_TIMEOUT_S,
         GATEWAY_IDLE_TIMEOUT_S,
@@ -893,7 +893,7 @@ def _health(address: str, service: str, timeout: float, security: object = None)
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from memsvc._auth import channel as auth_channel
+    from memsvc.runtime.auth import channel as auth_channel
 
     with auth_channel(address, security) as channel:  # type: ignore[arg-type]
         try:
@@ -993,7 +993,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parse(parser, argv)
     _require_extra(parser, args.command)
     if args.command in ("manager", "worker", "gateway"):
-        from memsvc._logging import configure
+        from memsvc.runtime.logs import configure
 
         configure(args.log_level, args.log_format)
     if args.command == "manager":
@@ -1052,8 +1052,8 @@ def main(argv: Sequence[str] | None = None) -> int:
 
 def _standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     """``memsvc worker --standby`` (worker/standby.py): prepared, then the worker its flags say."""
-    from memsvc._logging import announce, configure
     from memsvc.errors import InvalidArgument
+    from memsvc.runtime.logs import announce, configure
     from worker.standby import wait_for_flags
 
     try:

@@ -12,8 +12,8 @@ from typing import Any
 
 import grpc
 
-from memsvc._auth import Security, channel
-from memsvc._rpc_errors import from_rpc_error
+from memsvc.runtime.auth import Security, channel
+from memsvc.runtime.rpc_errors import from_rpc_error
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.vocabulary import WorkerState
@@ -30,7 +30,7 @@ def worker_name(worker: str) -> str:
 
 
 class ManagerClient:
-    """``security`` (memsvc._auth): TLS, client certificate and token; default: the MEMSVC_* variables
+    """``security`` (memsvc.runtime.auth): TLS, client certificate and token; default: the MEMSVC_* variables
     (MEMSVC_TOKEN_FILE or MEMSVC_TOKEN, MEMSVC_TLS_CA, MEMSVC_TLS_CLIENT_CERT/KEY), else plaintext."""
 
     def __init__(self, address: str | None = None, timeout: float = 10.0, security: Security | None = None) -> None:

@@ -14,7 +14,7 @@ LINES = 3000
 
 CHILD = """
 import sys
-from memsvc._logging import announce
+from memsvc.runtime.logs import announce
 name = sys.argv[1]
 for i in range(int(sys.argv[2])):
     announce(f"memsvc {name} listening on 127.0.0.1:{i}")

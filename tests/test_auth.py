@@ -1,5 +1,5 @@
 """Authentication with real processes: bearer token, TLS and mutual TLS on ``memsvc worker`` and
-``memsvc manager`` (memsvc._auth), checked with the generated stubs and with the real grpcurl.
+``memsvc manager`` (memsvc.runtime.auth), checked with the generated stubs and with the real grpcurl.
 
 The matrix (worker, GetWorkerStatus and StreamTelemetry; the manager takes the same flags):
 
@@ -41,7 +41,7 @@ from upproc import health_protoset as write_health_protoset
 from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc import DOMAIN, error_info
-from memsvc._auth import Security, channel
+from memsvc.runtime.auth import Security, channel
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

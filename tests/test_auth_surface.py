@@ -44,9 +44,9 @@ from upproc import health_protoset as write_health_protoset
 from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc import DOMAIN, error_info
-from memsvc._auth import Security, channel
-from memsvc._rpc_errors import Context, ErrorMappingInterceptor
 from memsvc.errors import WrongState
+from memsvc.runtime.auth import Security, channel
+from memsvc.runtime.rpc_errors import Context, ErrorMappingInterceptor
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w
 

@@ -1,4 +1,4 @@
-"""The bounds table of docs/operations.md says what memsvc/_limits.py enforces (one place for both)."""
+"""The bounds table of docs/operations.md says what memsvc/runtime/limits.py enforces (one place for both)."""
 
 from __future__ import annotations
 
@@ -6,10 +6,10 @@ import re
 
 from upproc import REPO_ROOT
 
-from memsvc import _limits as limits
 from memsvc.gateway.connections import connection_bound
 from memsvc.manager.controller import REQUEST_CACHE as MANAGER_REPLAY
 from memsvc.manager.settings import ManagerSettings
+from memsvc.runtime import limits
 from worker.state_machine import WorkerStateMachine
 
 DOC = REPO_ROOT / "docs" / "operations.md"

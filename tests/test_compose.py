@@ -470,10 +470,10 @@ def test_compose_variables_reach_the_process(name: str, var: str) -> None:
 
 def test_the_auth_overlay_sets_only_variables_the_services_read() -> None:
     """compose.auth.yaml (token + mTLS) merges onto compose.yaml: same services, secrets that exist
-    as files under ./certs, and only MEMSVC_* names that memsvc._auth.Security reads."""
+    as files under ./certs, and only MEMSVC_* names that memsvc.runtime.auth.Security reads."""
     import dataclasses
 
-    from memsvc._auth import Security
+    from memsvc.runtime.auth import Security
 
     overlay = yaml.safe_load((REPO_ROOT / "compose.auth.yaml").read_text())
     base = yaml.safe_load((REPO_ROOT / "compose.yaml").read_text())
@@ -486,7 +486,7 @@ def test_the_auth_overlay_sets_only_variables_the_services_read() -> None:
     }
     for name, svc in overlay["services"].items():
         for var in svc["environment"]:
-            assert var in read, f"{name}: {var} is not read by memsvc._auth"
+            assert var in read, f"{name}: {var} is not read by memsvc.runtime.auth"
         for secret in svc["secrets"]:
             assert overlay["secrets"][secret]["file"].startswith("./certs/"), secret
     docs = (REPO_ROOT / "docs" / "operations.md").read_text()

@@ -799,7 +799,7 @@ def test_top_k_reaches_the_worker(stack: Stack) -> None:
 def test_an_oversize_body_is_413_and_wakes_nothing(stack: Stack, tmp_path: Path) -> None:
     """The body is bounded before it is read (Content-Length) and while it is read (chunked): a client
     cannot make the gateway hold an unbounded body, and a sleeping model stays asleep."""
-    from memsvc._limits import MAX_HTTP_BODY_BYTES
+    from memsvc.runtime.limits import MAX_HTTP_BODY_BYTES
 
     exe = shutil.which("curl")
     assert exe is not None

@@ -22,7 +22,7 @@ import torch
 from hf_models import init_weights
 from workerproc import WorkerProcess
 
-from memsvc._limits import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS
+from memsvc.runtime.limits import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc

@@ -29,7 +29,7 @@ from managerproc import Cluster, get, name, wait_for, wait_state
 from workerproc import WorkerProcess
 
 from memsvc import error_info
-from memsvc._limits import MAX_ID_BYTES, MAX_QUEUED_GENERATES, MAX_SWAP_PAIRS
+from memsvc.runtime.limits import MAX_ID_BYTES, MAX_QUEUED_GENERATES, MAX_SWAP_PAIRS
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

@@ -24,13 +24,13 @@ from asyncwait import settle
 from google.protobuf.duration_pb2 import Duration
 from stores import STORE_KINDS, store_for
 
-from memsvc._deadline import Deadline
 from memsvc.errors import InvalidArgument, MemsvcError, NotFound, OutOfMemory, Overloaded, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store_sqlite import SqliteStore
+from memsvc.runtime.deadline import Deadline
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, SleepLevel, TagState, WorkerState
 

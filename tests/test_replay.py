@@ -1,4 +1,4 @@
-"""The retry rules of memsvc/_replay.py, on a real event loop, one rule per test.
+"""The retry rules of memsvc/runtime/replay.py, on a real event loop, one rule per test.
 
 The same cache answers retried Sleep/WakeUp/ReloadWeights on the worker and SleepWorker/WakeWorker/
 AcquireWorker on the manager; those paths are tested through real servers in test_hardening.py and
@@ -13,9 +13,9 @@ import asyncio
 
 import pytest
 
-from memsvc._deadline import Deadline
-from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.deadline import Deadline
+from memsvc.runtime.replay import ReplayCache
 
 pytestmark = pytest.mark.asyncio
 

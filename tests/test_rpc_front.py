@@ -29,9 +29,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from managerproc import wait_for
 from workerproc import WorkerProcess
 
-from memsvc._auth import Security
-from memsvc._rpc_errors import error_info
-from memsvc._serving import start_server
+from memsvc.runtime.auth import Security
+from memsvc.runtime.rpc_errors import error_info
+from memsvc.runtime.serving import start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.rpc_front import SERVICE, FrontConfig, FrontProcess

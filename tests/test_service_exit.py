@@ -12,7 +12,7 @@ _PROBE = textwrap.dedent(
     """
     import asyncio, gc, sys, threading
 
-    from memsvc._serving import run_service, start_server
+    from memsvc.runtime.serving import run_service, start_server
 
     def pollers() -> int:
         return sum("_poll_wrapper" in t.name for t in threading.enumerate())

@@ -21,8 +21,8 @@ from hungmount import HungMount
 from test_hung_reads import eventually
 from workerproc import _LISTENING, READY_TIMEOUT, WorkerProcess
 
-from memsvc._rpc_errors import error_info, from_rpc_error, retry_delay
 from memsvc.errors import Loading, WrongState
+from memsvc.runtime.rpc_errors import error_info, from_rpc_error, retry_delay
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker.core import LOADING_RETRY_S

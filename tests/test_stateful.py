@@ -709,7 +709,7 @@ def test_leases_transitions_and_generate_interleaved(env: Env) -> None:
 
 @pytest.mark.parametrize("method", [ACQUIRE, SLEEP])
 def test_a_retry_sharing_a_call_is_not_bounded_by_the_first_callers_deadline(env: Env, method: str) -> None:
-    """memsvc/_replay.py: retries that arrive while the first call runs share it, and it runs for as long as
+    """memsvc/runtime/replay.py: retries that arrive while the first call runs share it, and it runs for as long as
     one of its callers waits. It used to run under the first call's deadline: once that passed, the shared
     call failed and a retry with time to spare got UNAVAILABLE although the worker was reachable. Now it
     works to the latest waiting caller's deadline, and a worker call sent under an earlier one is sent

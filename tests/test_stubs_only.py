@@ -12,7 +12,14 @@ from typing import Any
 from workerproc import REPO_ROOT
 
 STUB_DIR = REPO_ROOT / "memsvc" / "v1"
-CLIENT_MODULES = ["memsvc", "memsvc.v1", "memsvc.errors", "memsvc._rpc_errors", "memsvc._serving", "memsvc.cli"]
+CLIENT_MODULES = [
+    "memsvc",
+    "memsvc.v1",
+    "memsvc.errors",
+    "memsvc.runtime.rpc_errors",
+    "memsvc.runtime.serving",
+    "memsvc.cli",
+]
 """Modules a client without the worker extra uses (memsvc.cli imports the worker only to run one)."""
 
 PROBE = textwrap.dedent(

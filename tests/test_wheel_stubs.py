@@ -409,7 +409,7 @@ def test_memsvc_and_memsvc_api_install_together(main_wheel: Path, api_wheel: Pat
     assert r.returncode == 0, r.stdout + r.stderr
     installed = listed(python, tmp_path)
     assert {"memsvc", "memsvc-api"} <= installed and "torch" not in installed, sorted(installed)
-    got = probe(python, tmp_path, ["memsvc.client", "memsvc.errors", "memsvc._rpc_errors"])
+    got = probe(python, tmp_path, ["memsvc.client", "memsvc.errors", "memsvc.runtime.rpc_errors"])
     assert not got["failed"], got["failed"]
     site_memsvc = Path(str(got["memsvc_file"])).parent
     assert site_memsvc.is_relative_to(tmp_path / "venv"), f"memsvc came from {site_memsvc}, not the wheel"

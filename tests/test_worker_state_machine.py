@@ -16,8 +16,8 @@ from typing import Any
 import pytest
 import pytest_asyncio
 
-from memsvc._deadline import NO_DEADLINE, Deadline, SharedDeadline
 from memsvc.errors import Cancelled, Overloaded, TransitionInProgress
+from memsvc.runtime.deadline import NO_DEADLINE, Deadline, SharedDeadline
 from memsvc.vocabulary import CopyMethod, TransitionKind, WorkerState
 from worker.device_loop import DeviceLoop
 from worker.state_machine import WorkerStateMachine

@@ -17,8 +17,6 @@ import time
 from collections.abc import Callable, Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from memsvc._deadline import NO_DEADLINE, Deadline
-from memsvc._limits import MAX_PATH_BYTES, MAX_QUEUED_GENERATES, check_length
 from memsvc.errors import (
     Cancelled,
     IntegrityError,
@@ -30,6 +28,8 @@ from memsvc.errors import (
     Unavailable,
     WrongState,
 )
+from memsvc.runtime.deadline import NO_DEADLINE, Deadline
+from memsvc.runtime.limits import MAX_PATH_BYTES, MAX_QUEUED_GENERATES, check_length
 from memsvc.vocabulary import (
     BUSY_STATES,
     CUDA_GRAPHS,

@@ -15,7 +15,8 @@ from typing import TYPE_CHECKING
 
 from google.protobuf import duration_pb2
 
-from memsvc._limits import (
+from memsvc.errors import InvalidArgument
+from memsvc.runtime.limits import (
     MAX_CHAT_MESSAGES,
     MAX_GENERATE_TOKENS,
     MAX_ID_BYTES,
@@ -26,7 +27,6 @@ from memsvc._limits import (
     MAX_STOP_TOKENS,
     check_length,
 )
-from memsvc.errors import InvalidArgument
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import FinishReason
 from worker.model.generation import GenerationRequest

@@ -25,10 +25,10 @@ from collections.abc import Callable
 
 import grpc
 
-from memsvc._auth import Security
-from memsvc._logging import announce, current_logging
-from memsvc._serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.errors import InvalidArgument, MemsvcError
+from memsvc.runtime.auth import Security
+from memsvc.runtime.logs import announce, current_logging
+from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 from worker.config import WorkerConfig

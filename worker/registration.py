@@ -10,7 +10,7 @@ import socket
 
 import grpc
 
-from memsvc._auth import Security, aio_channel
+from memsvc.runtime.auth import Security, aio_channel
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from worker.core import WorkerCore

@@ -38,11 +38,11 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memsvc._auth import Security
-from memsvc._logging import configure
-from memsvc._rpc_errors import Context
-from memsvc._serving import SERVER_OPTIONS, Server, run_service, start_server
 from memsvc.errors import InvalidArgument, Unavailable
+from memsvc.runtime.auth import Security
+from memsvc.runtime.logs import configure
+from memsvc.runtime.rpc_errors import Context
+from memsvc.runtime.serving import SERVER_OPTIONS, Server, run_service, start_server
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker import token_mux
 from worker.token_mux import Frame
@@ -309,7 +309,7 @@ class FrontConfig:
     device: str
     drain: float
     security: dict[str, Any]
-    """memsvc._auth.Security's fields (JSON: its tuple of allowed clients is a list)."""
+    """memsvc.runtime.auth.Security's fields (JSON: its tuple of allowed clients is a list)."""
     log_level: str = "info"
     log_format: str = "text"
     socket_dir: str = ""

@@ -1,5 +1,5 @@
 """ModelWorkerService: proto in, domain call, proto out. Errors are raised as MemsvcError and
-mapped to status codes by memsvc._rpc_errors; nothing here decides policy."""
+mapped to status codes by memsvc.runtime.rpc_errors; nothing here decides policy."""
 
 from __future__ import annotations
 
@@ -11,11 +11,11 @@ from typing import TYPE_CHECKING, Any
 import numpy as np
 from google.protobuf import duration_pb2, timestamp_pb2
 
-from memsvc._deadline import caller_deadline
-from memsvc._limits import MAX_ID_BYTES, check_length
-from memsvc._rpc_errors import Context
-from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.deadline import caller_deadline
+from memsvc.runtime.limits import MAX_ID_BYTES, check_length
+from memsvc.runtime.rpc_errors import Context
+from memsvc.runtime.swap_forms import swap_block_count
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -32,7 +32,7 @@ if TYPE_CHECKING:
 
 def swap_ids(request: w.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
     """The request's (src ids, dst ids), from whichever form it uses, its shape checked first
-    (memsvc/_swap_forms.py). The raw u32le bytes are read in place and the packed lists convert in C
+    (memsvc/runtime/swap_forms.py). The raw u32le bytes are read in place and the packed lists convert in C
     (protobuf's repeated scalars implement ``__array__``); pairs cost a Python object per block."""
     raw_src, raw_dst = request.src_blocks_u32le, request.dst_blocks_u32le
     n = swap_block_count(

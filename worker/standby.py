@@ -28,8 +28,8 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from typing import TextIO
 
-from memsvc._logging import announce
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.logs import announce
 
 MAX_FLAGS_BYTES = 64 * 1024
 """The most a hand-off line may hold (a worker's flags are a few hundred bytes)."""

@@ -15,9 +15,9 @@ import threading
 from collections.abc import Callable, Collection
 from typing import TypeVar
 
-from memsvc._deadline import Deadline
-from memsvc._replay import ReplayCache
 from memsvc.errors import Cancelled, TransitionInProgress, WrongState
+from memsvc.runtime.deadline import Deadline
+from memsvc.runtime.replay import ReplayCache
 from memsvc.vocabulary import TagState, WorkerState
 from worker.device_loop import DeviceLoop, Ticket
 from worker.status import Transition
@@ -77,7 +77,7 @@ class WorkerStateMachine:
         loop as soon as the job ends (the worker's status then), so that a retry gets the first call's
         answer whole, not a new status beside the old transition.
 
-        A retried ``request_id`` shares the first call's result (memsvc/_replay.py); ``validate``
+        A retried ``request_id`` shares the first call's result (memsvc/runtime/replay.py); ``validate``
         checks the request's input (INVALID_ARGUMENT whatever the state); the lock is taken (from
         then on no Generate is accepted); ``plan`` checks the state and returns the job, a command of
         the device loop that runs once the Generate calls admitted before it have ended (without

@@ -14,8 +14,8 @@ import time
 from dataclasses import dataclass, field
 from typing import Any
 
-from memsvc._limits import MAX_TELEMETRY_SUBSCRIBERS
 from memsvc.errors import Overloaded
+from memsvc.runtime.limits import MAX_TELEMETRY_SUBSCRIBERS
 
 
 class EventKind(enum.StrEnum):

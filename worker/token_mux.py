@@ -27,8 +27,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError
 
-from memsvc._rpc_errors import Context, to_status
 from memsvc.errors import InvalidArgument, MemsvcError
+from memsvc.runtime.rpc_errors import Context, to_status
 from memsvc.v1 import model_worker_service_pb2 as w
 from worker.generate_messages import response
 
@@ -60,7 +60,7 @@ def loads(data: bytes) -> Any:
 
 
 def failure(exc: BaseException) -> Failure:
-    """An exception as the status the inline servicer would answer with (memsvc._rpc_errors)."""
+    """An exception as the status the inline servicer would answer with (memsvc.runtime.rpc_errors)."""
     status = to_status(exc)
     return status.code, status.details, tuple(status.trailing_metadata)
 

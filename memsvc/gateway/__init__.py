@@ -11,7 +11,7 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
-from memsvc._limits import (
+from memsvc.runtime.limits import (
     GATEWAY_BODY_TIMEOUT_S,
     GATEWAY_HEADER_TIMEOUT_S,
     GATEWAY_IDLE_TIMEOUT_S,
@@ -20,7 +20,7 @@ from memsvc._limits import (
 )
 
 if TYPE_CHECKING:
-    from memsvc._auth import Security
+    from memsvc.runtime.auth import Security
 
 
 @dataclasses.dataclass(frozen=True)
@@ -61,8 +61,8 @@ def run(
         listen, manager, security, acquire_timeout, queue_timeout, max_requests, header_timeout, body_timeout,
         idle_timeout, max_connections, lease_ttl,
     )  # fmt: skip
-    from memsvc._logging import announce
-    from memsvc._serving import run_service
+    from memsvc.runtime.logs import announce
+    from memsvc.runtime.serving import run_service
 
     if processes > 1:
         from memsvc.gateway.processes import supervise
@@ -130,7 +130,7 @@ async def serve(settings: Settings, listening: Callable[[str], None], sock: sock
     backends = Backends(s.manager, s.security, s.lease_ttl)
     app = create_app(backends, s.security.token if s.security else "", s.acquire_timeout, s.queue_timeout,
                      s.max_requests, s.body_timeout)  # fmt: skip
-    # log_config=None: uvicorn's loggers go through the process's handler (memsvc._logging)
+    # log_config=None: uvicorn's loggers go through the process's handler (memsvc.runtime.logs)
     level = logging.getLevelName(logging.getLogger().level).lower()
     config = uvicorn.Config(
         app, host=host or "127.0.0.1", port=int(port), log_level=level, access_log=False, log_config=None,

@@ -32,14 +32,6 @@ from starlette.exceptions import HTTPException
 from starlette.middleware.body_limit import RequestBodyLimitMiddleware
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from memsvc._limits import (
-    GATEWAY_BODY_TIMEOUT_S,
-    MAX_GATEWAY_REQUESTS,
-    MAX_GENERATE_TOKENS,
-    MAX_HTTP_BODY_BYTES,
-    MAX_ID_BYTES,
-)
-from memsvc._rpc_errors import error_info, retry_delay
 from memsvc.gateway.backends import Backends, Served
 from memsvc.gateway.metrics import GatewayMetrics
 from memsvc.gateway.openai_api import (
@@ -50,6 +42,14 @@ from memsvc.gateway.openai_api import (
     now,
     usage,
 )
+from memsvc.runtime.limits import (
+    GATEWAY_BODY_TIMEOUT_S,
+    MAX_GATEWAY_REQUESTS,
+    MAX_GENERATE_TOKENS,
+    MAX_HTTP_BODY_BYTES,
+    MAX_ID_BYTES,
+)
+from memsvc.runtime.rpc_errors import error_info, retry_delay
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.v1 import model_worker_service_pb2 as w

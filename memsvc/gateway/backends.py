@@ -24,9 +24,9 @@ from typing import Any
 
 import grpc
 
-from memsvc._auth import Security, aio_channel
-from memsvc._rpc_errors import error_info
 from memsvc.errors import NoLeader
+from memsvc.runtime.auth import Security, aio_channel
+from memsvc.runtime.rpc_errors import error_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

@@ -28,8 +28,8 @@ from typing import Any
 
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
-from memsvc._limits import GATEWAY_HEADER_TIMEOUT_S, MAX_GATEWAY_CONNECTIONS
 from memsvc.gateway.openai_api import GatewayError
+from memsvc.runtime.limits import GATEWAY_HEADER_TIMEOUT_S, MAX_GATEWAY_CONNECTIONS
 
 log = logging.getLogger("memsvc.gateway")
 

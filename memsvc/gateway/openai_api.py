@@ -3,7 +3,7 @@
 Requests are pydantic models: a field of the wrong type or out of range is a 400 in OpenAI's error
 shape (``{"error": {"message", "type", "param", "code"}}``) naming the field, before anything
 reaches a worker. Strict: OpenAI refuses ``"temperature": "0.5"`` or ``"stream": "yes"``, and a
-lenient parse would turn ``[true]`` into a token id. The worker's own bounds (memsvc._limits) are
+lenient parse would turn ``[true]`` into a token id. The worker's own bounds (memsvc.runtime.limits) are
 checked here too, because the gateway takes a lease before the worker sees the request, and a
 request that can only be refused must not wake a sleeping model for nothing. What memsvc does not do
 is refused by name, not ignored (the answer would silently differ from the one asked for): ``n`` > 1,
@@ -20,7 +20,8 @@ from typing import Any, Literal
 
 from pydantic import BaseModel, ConfigDict, Field, ValidationInfo, field_validator
 
-from memsvc._limits import (
+from memsvc.errors import InvalidArgument
+from memsvc.runtime.limits import (
     MAX_CHAT_MESSAGES,
     MAX_GENERATE_TOKENS,
     MAX_PROMPT_BYTES,
@@ -28,7 +29,6 @@ from memsvc._limits import (
     MAX_STOP_STRING_BYTES,
     check_length,
 )
-from memsvc.errors import InvalidArgument
 
 OPENAI_MAX_STOP_STRINGS = 4
 """OpenAI's own limit on ``stop``."""
@@ -181,7 +181,7 @@ class _Sampling(BaseModel):
 
 
 def _text_fits(text: str, what: str) -> None:
-    """The worker's bound on a prompt's bytes (memsvc._limits.check_length), as a field error here."""
+    """The worker's bound on a prompt's bytes (memsvc.runtime.limits.check_length), as a field error here."""
     try:
         check_length(text, MAX_PROMPT_BYTES, what)
     except InvalidArgument as exc:

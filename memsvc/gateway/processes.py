@@ -35,8 +35,8 @@ import sys
 import tempfile
 from typing import Any
 
-from memsvc._logging import announce, configure, current_logging
 from memsvc.gateway import Settings, at, serve
+from memsvc.runtime.logs import announce, configure, current_logging
 
 log = logging.getLogger("memsvc.gateway")
 
@@ -90,7 +90,7 @@ def bind_port(listen: str, shared: bool) -> socket.socket:
 def supervise(settings: Settings, processes: int) -> int:
     """Serve ``settings`` from ``processes`` child processes until SIGTERM/SIGINT; 0 when every child
     stopped cleanly on that signal."""
-    from memsvc._serving import ignore_stop_signals
+    from memsvc.runtime.serving import ignore_stop_signals
 
     reserved = bind_port(settings.listen, shared=True)  # holds the port (port 0: picks it) for the children
     family = reserved.family
@@ -193,7 +193,7 @@ async def _all_listening(children: list[asyncio.subprocess.Process], stop: async
 
 
 def _from_json(fields: dict[str, Any]) -> Settings:
-    from memsvc._auth import Security
+    from memsvc.runtime.auth import Security
 
     security = fields.pop("security")
     if security is not None:
@@ -227,7 +227,7 @@ def main() -> int:
         return 0
     told = json.loads(line)
     configure(told["log_level"], told["log_format"])
-    from memsvc._serving import run_service
+    from memsvc.runtime.serving import run_service
 
     try:
         sock = bind_shared(told["family"], tuple(told["address"]))

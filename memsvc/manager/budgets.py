@@ -28,7 +28,6 @@ import weakref
 from collections.abc import Awaitable, Callable
 from typing import TypeVar
 
-from memsvc._deadline import Deadline
 from memsvc.errors import MemsvcError, OutOfMemory, Unavailable
 from memsvc.manager.background import Background
 from memsvc.manager.calls import WorkerCalls
@@ -37,6 +36,7 @@ from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.turns import Turns
+from memsvc.runtime.deadline import Deadline
 from memsvc.v1 import common_pb2 as c
 from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState, policy_actions
 

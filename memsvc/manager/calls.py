@@ -17,13 +17,13 @@ import time
 from collections.abc import Awaitable, Callable, Mapping
 from typing import TypeVar
 
-from memsvc._deadline import Deadline
 from memsvc.errors import Cancelled, MemsvcError, RelayedError, Unavailable
 from memsvc.manager.links import WorkerLink
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.telemetry import TelemetryIngest
+from memsvc.runtime.deadline import Deadline
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import Action, SleepLevel

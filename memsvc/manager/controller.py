@@ -21,8 +21,6 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from memsvc._deadline import NO_DEADLINE, Deadline
-from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
@@ -40,6 +38,8 @@ from memsvc.manager.timers import IdleTimers
 from memsvc.manager.transitions import Transitions
 from memsvc.manager.turns import Turns
 from memsvc.manager.watch import WatchHub
+from memsvc.runtime.deadline import NO_DEADLINE, Deadline
+from memsvc.runtime.replay import ReplayCache
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w

@@ -6,7 +6,7 @@ keeps the state a real worker reports (per-tag sizes and states, the worker stat
 and applies Sleep and WakeUp with the worker's rules: the level table, explicit tag actions over it,
 level-1 to level-2 demotion, partial wake, FAILED_PRECONDITION for a transition that does not fit
 the state, ABORTED while another runs, UNAVAILABLE while it is "down", and a repeated request_id
-answered with the first call's result (memsvc/_replay.py, as the worker). It sends telemetry the way
+answered with the first call's result (memsvc/runtime/replay.py, as the worker). It sends telemetry the way
 a worker does: a snapshot when the link starts, then a state change and a snapshot per transition.
 
     links = InMemoryLinks()
@@ -25,7 +25,6 @@ from collections.abc import AsyncIterator, Coroutine
 from dataclasses import dataclass
 from typing import Any, TypeVar
 
-from memsvc._replay import ReplayCache
 from memsvc.errors import (
     InvalidArgument,
     MemsvcError,
@@ -36,6 +35,7 @@ from memsvc.errors import (
     WrongState,
 )
 from memsvc.manager.links import OnDown, OnMessage, WorkerLink
+from memsvc.runtime.replay import ReplayCache
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.vocabulary import (

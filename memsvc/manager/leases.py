@@ -19,9 +19,6 @@ import math
 import time
 import uuid
 
-from memsvc._deadline import Deadline
-from memsvc._limits import MAX_HOLDER_BYTES, MAX_KEEP_ALIVE_S, MAX_LEASES, MAX_LEASES_PER_WORKER, check_length
-from memsvc._replay import ReplayCache
 from memsvc.errors import InvalidArgument, MemsvcError, NotFound, Overloaded, Unavailable
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
@@ -34,6 +31,9 @@ from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store import Store, StoredLease
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.manager.turns import Turns
+from memsvc.runtime.deadline import Deadline
+from memsvc.runtime.limits import MAX_HOLDER_BYTES, MAX_KEEP_ALIVE_S, MAX_LEASES, MAX_LEASES_PER_WORKER, check_length
+from memsvc.runtime.replay import ReplayCache
 from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")

@@ -20,8 +20,8 @@ from typing import Protocol
 
 import grpc
 
-from memsvc._auth import Security, aio_channel
-from memsvc._rpc_errors import from_rpc_error
+from memsvc.runtime.auth import Security, aio_channel
+from memsvc.runtime.rpc_errors import from_rpc_error
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc

@@ -8,9 +8,6 @@ import socket
 import sys
 from typing import Any
 
-from memsvc._auth import Security
-from memsvc._logging import announce
-from memsvc._serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
 from memsvc.manager.controller import Manager
@@ -19,6 +16,9 @@ from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.replicas import LeaderLock, Replica, advertised
 from memsvc.manager.servicer import MemoryManagerServicer
 from memsvc.manager.store import Store, open_store
+from memsvc.runtime.auth import Security
+from memsvc.runtime.logs import announce
+from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 

@@ -25,8 +25,8 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
-from memsvc._auth import bearer_token
-from memsvc._metrics import build_info
+from memsvc.runtime.auth import bearer_token
+from memsvc.runtime.metrics import build_info
 from memsvc.v1 import common_pb2 as c
 from memsvc.vocabulary import WorkerState
 

@@ -6,8 +6,8 @@ from __future__ import annotations
 import base64
 from collections.abc import Callable, Iterable
 
-from memsvc._limits import MAX_PAGE_SIZE
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.limits import MAX_PAGE_SIZE
 
 DEFAULT_PAGE_SIZE = 50
 

@@ -14,9 +14,9 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from typing import Any
 
-from memsvc._limits import MAX_POLICY_TAGS
 from memsvc.errors import InvalidArgument
 from memsvc.manager.store import DEFAULT_SCOPE, Store
+from memsvc.runtime.limits import MAX_POLICY_TAGS
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
 

@@ -8,9 +8,9 @@ import time
 from collections.abc import AsyncIterator, Iterator
 from dataclasses import dataclass, field
 
-from memsvc._deadline import Deadline
-from memsvc._limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
 from memsvc.errors import InvalidArgument, Overloaded
+from memsvc.runtime.deadline import Deadline
+from memsvc.runtime.limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.vocabulary import BUSY_STATES, Action, TagState, WorkerState, wake_set

@@ -7,7 +7,6 @@ import logging
 import time
 from collections.abc import Iterator
 
-from memsvc._limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_WORKERS, check_length
 from memsvc.errors import InvalidArgument, NotFound, Overloaded, Unavailable, WrongState
 from memsvc.manager.background import Background
 from memsvc.manager.links import LinkFactory, WorkerLink
@@ -16,6 +15,7 @@ from memsvc.manager.policy import Policies
 from memsvc.manager.records import NAME_PREFIX, WorkerRecord, worker_id_from_name
 from memsvc.manager.store import Store, StoredWorker
 from memsvc.manager.telemetry import TelemetryIngest
+from memsvc.runtime.limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_WORKERS, check_length
 from memsvc.v1 import model_worker_service_pb2 as w
 
 log = logging.getLogger("memsvc.manager")
@@ -71,7 +71,7 @@ class Registry:
 
     def register(self, worker_id: str, address: str, host: str) -> WorkerRecord:
         """RegisterWorker: a worker announces itself (at start and as its heartbeat). Every field it
-        makes the manager keep is bounded (memsvc/_limits.py), and so is the number of records. Its
+        makes the manager keep is bounded (memsvc/runtime/limits.py), and so is the number of records. Its
         status comes from its telemetry stream, which the link opens."""
         worker_id = worker_id_from_name(worker_id)
         check_length(address, MAX_ADDRESS_BYTES, "address")

@@ -34,9 +34,9 @@ from typing import Protocol, runtime_checkable
 
 import grpc
 
-from memsvc._auth import Security, aio_channel
-from memsvc._rpc_errors import Context, Continuation, Handler
 from memsvc.errors import MemsvcError, NoLeader
+from memsvc.runtime.auth import Security, aio_channel
+from memsvc.runtime.rpc_errors import Context, Continuation, Handler
 
 log = logging.getLogger("memsvc.manager")
 
@@ -212,7 +212,7 @@ def _metadata(context: Context) -> tuple[tuple[str, str | bytes], ...]:
 
 class _Forward(grpc.aio.ServerInterceptor):
     """Swaps the service's handlers for forwarding ones while the replica follows. Installed inside
-    the error mapping (memsvc/_serving.py), so this replica's own refusals map like any handler's."""
+    the error mapping (memsvc/runtime/serving.py), so this replica's own refusals map like any handler's."""
 
     def __init__(self, replica: Replica) -> None:
         self._replica = replica

@@ -5,13 +5,13 @@ from __future__ import annotations
 from collections.abc import AsyncIterator
 from typing import Any
 
-from memsvc._deadline import caller_deadline
-from memsvc._rpc_errors import Context
-from memsvc._swap_forms import swap_block_count
 from memsvc.errors import InvalidArgument, NoLeader
 from memsvc.manager.controller import Manager
 from memsvc.manager.records import worker_id_from_name
 from memsvc.manager.watch import CLOSED
+from memsvc.runtime.deadline import caller_deadline
+from memsvc.runtime.rpc_errors import Context
+from memsvc.runtime.swap_forms import swap_block_count
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2 as w

@@ -12,7 +12,6 @@ import asyncio
 import logging
 import time
 
-from memsvc._deadline import NO_DEADLINE
 from memsvc.errors import MemsvcError
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
@@ -25,6 +24,7 @@ from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.manager.turns import Turns
+from memsvc.runtime.deadline import NO_DEADLINE
 from memsvc.vocabulary import AWAKE_STATES, SleepLevel, WorkerState
 
 log = logging.getLogger("memsvc.manager")

@@ -9,13 +9,13 @@ from __future__ import annotations
 
 import time
 
-from memsvc._deadline import Deadline
-from memsvc._replay import ReplayCache
 from memsvc.errors import OutOfMemory, WrongState
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
+from memsvc.runtime.deadline import Deadline
+from memsvc.runtime.replay import ReplayCache
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import model_worker_service_pb2 as w

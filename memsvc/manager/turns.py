@@ -29,12 +29,12 @@ import logging
 import time
 from collections.abc import Awaitable, Callable
 
-from memsvc._deadline import Deadline
 from memsvc.errors import MemsvcError
 from memsvc.manager.background import Background
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
+from memsvc.runtime.deadline import Deadline
 from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.manager")

@@ -5,8 +5,8 @@ from __future__ import annotations
 import asyncio
 from dataclasses import dataclass
 
-from memsvc._limits import MAX_WATCHERS
 from memsvc.errors import Overloaded
+from memsvc.runtime.limits import MAX_WATCHERS
 from memsvc.v1 import memory_manager_service_pb2 as m
 
 

@@ -32,8 +32,8 @@ from typing import Any, Literal
 
 import torch
 
-from memsvc._limits import INT32_MAX
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.limits import INT32_MAX
 
 Family = Literal["llama", "mistral", "qwen2", "qwen3", "phi3", "gemma3", "qwen3_moe", "mixtral"]
 

@@ -52,8 +52,8 @@ from typing import TYPE_CHECKING
 import numpy as np
 import torch
 
-from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.errors import Cancelled, InvalidArgument, NotFound, OutOfMemory, WrongState
+from memsvc.runtime.limits import MAX_GENERATE_TOKENS
 from memsvc.vocabulary import FinishReason
 from worker.model.decoder import HostStep, rope_long
 from worker.model.generation import GenerationRequest, GenerationResult

@@ -14,8 +14,8 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from memsvc._limits import INT32_MAX
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.limits import INT32_MAX
 from memsvc.vocabulary import FinishReason
 from worker.checkpoint_files import read_json
 from worker.model.sampling import GREEDY, SamplingParams

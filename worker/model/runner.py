@@ -17,8 +17,8 @@ from typing import Any, TypedDict
 
 import torch
 
-from memsvc._limits import MAX_GENERATE_TOKENS
 from memsvc.errors import InvalidArgument, WrongState
+from memsvc.runtime.limits import MAX_GENERATE_TOKENS
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig

@@ -1,7 +1,7 @@
 """When the manager stops waiting on a caller's behalf.
 
 A call's deadline is its client's (gRPC propagates it). A call shared by several callers through one
-request_id (memsvc/_replay.py) runs while any of them waits, so its deadline is the latest of theirs
+request_id (memsvc/runtime/replay.py) runs while any of them waits, so its deadline is the latest of theirs
 (none, if one of them waits without a deadline): a retry with time to spare keeps a shared call alive
 after the first caller's deadline passed.
 """

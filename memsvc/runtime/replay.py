@@ -13,7 +13,7 @@ WakeWorker, AcquireWorker). The rules, which docs/operations.md states for clien
 - a result is kept for later retries; a failure is not: a retry may run it again (what the failure
   left is the operation's to say: most change nothing);
 - the cache holds at most ``capacity`` results, oldest first out, and request_ids are at most
-  ``MAX_ID_BYTES`` long (memsvc/_limits.py): what a client can make the server keep is bounded.
+  ``MAX_ID_BYTES`` long (memsvc/runtime/limits.py): what a client can make the server keep is bounded.
 """
 
 from __future__ import annotations
@@ -25,9 +25,9 @@ from collections.abc import Awaitable, Callable
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
-from memsvc._deadline import NO_DEADLINE, Deadline, SharedDeadline
-from memsvc._limits import MAX_ID_BYTES, check_length
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.deadline import NO_DEADLINE, Deadline, SharedDeadline
+from memsvc.runtime.limits import MAX_ID_BYTES, check_length
 
 T = TypeVar("T")
 
@@ -62,7 +62,7 @@ class ReplayCache:
         """``operation(deadline)``'s result, run at most once per request_id (see the module's rules).
 
         The operation is given the deadline to work to: this caller's, or for a shared call the latest
-        of its waiting callers' (memsvc/_deadline.py)."""
+        of its waiting callers' (memsvc/runtime/deadline.py)."""
         if not request_id:
             return await operation(deadline)
         check_length(request_id, MAX_ID_BYTES, "request_id")

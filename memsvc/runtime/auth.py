@@ -5,7 +5,7 @@ work unchanged. :class:`Security` holds one process's settings; the CLI fills it
 ``MEMSVC_*`` variables, and the same object configures the process's server *and* its clients
 (manager -> worker links, worker -> manager registration, ``memsvc status/sleep/wake/watch/health``).
 
-Server side (:class:`AuthInterceptor`, installed by :func:`memsvc._serving.start_server`):
+Server side (:class:`AuthInterceptor`, installed by :func:`memsvc.runtime.serving.start_server`):
 
 * with a token, every call must carry ``authorization: Bearer <token>`` (compared with
   ``hmac.compare_digest``), except ``/grpc.health.v1.Health/*``: health stays readable without one,
@@ -38,8 +38,8 @@ from typing import Any
 
 import grpc
 
-from memsvc._rpc_errors import Context, Continuation, Handler, to_status
 from memsvc.errors import InvalidArgument, MemsvcError, PermissionDenied, Unauthenticated
+from memsvc.runtime.rpc_errors import Context, Continuation, Handler, to_status
 
 HEALTH_PREFIX = "/grpc.health.v1.Health/"
 WORKER_SERVICE = "/memsvc.v1.ModelWorkerService/"

@@ -26,9 +26,9 @@ from google.rpc import error_details_pb2, status_pb2
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 from grpc_reflection.v1alpha import reflection, reflection_pb2, reflection_pb2_grpc
 
-from memsvc._auth import Security
-from memsvc._rpc_errors import ErrorMappingInterceptor
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.auth import Security
+from memsvc.runtime.rpc_errors import ErrorMappingInterceptor
 
 log = logging.getLogger("memsvc.serving")
 
@@ -80,7 +80,7 @@ def _reflection_v1_file() -> descriptor_pb2.FileDescriptorProto:
 
 ERROR_MODEL = (status_pb2.DESCRIPTOR, error_details_pb2.DESCRIPTOR)
 """google/rpc/status.proto and error_details.proto: every error carries a google.rpc.ErrorInfo in its
-google.rpc.Status (memsvc._rpc_errors), and reflection clients resolve that Any's type by name
+google.rpc.Status (memsvc.runtime.rpc_errors), and reflection clients resolve that Any's type by name
 (grpcurl prints the ErrorInfo as JSON only when reflection describes it)."""
 
 
@@ -172,7 +172,7 @@ async def start_server(
 ) -> Server:
     """Start a server on ``listen`` (``host:0`` picks a free port) with every service registered.
 
-    ``security`` (memsvc._auth) adds the token / client-certificate checks in front of everything
+    ``security`` (memsvc.runtime.auth) adds the token / client-certificate checks in front of everything
     else and serves TLS or mTLS instead of plaintext. ``interceptors`` run inside the error mapping:
     a handler they return maps its MemsvcErrors like a servicer's.
     """

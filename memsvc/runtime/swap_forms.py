@@ -7,8 +7,8 @@ field lengths alone, so an oversized request costs neither side a pass over its 
 
 from __future__ import annotations
 
-from memsvc._limits import MAX_SWAP_PAIRS
 from memsvc.errors import InvalidArgument
+from memsvc.runtime.limits import MAX_SWAP_PAIRS
 
 U32LE_BYTES = 4
 
