@@ -61,6 +61,11 @@ READY_S = 60.0
 """How long the manager may take to answer after it starts."""
 LOAD_S = 900.0
 """How long a model may take to load (a Hub download included) before the next on its device starts anyway."""
+TICK_S = 0.2
+"""How often the supervision loop looks at the children and the manager."""
+ON_DEMAND_TICK_S = 0.05
+"""The same while a worker is stopped (``[workers] stop_after``): an acquire waiting for it is seen
+within this (one ListWorkers on loopback each time), a small part of the start it waits for."""
 START_TIMEOUT_S = 300.0
 """With ``[workers] stop_after``: the policy's ``start_timeout`` where the file sets none, how long an
 acquire for a stopped model waits for its process (the gateway's own acquire timeout)."""
@@ -605,7 +610,7 @@ class Host:
             self._apply_overrides()
             if self._leaving:
                 self._deregister_leaving()
-            time.sleep(0.2)
+            time.sleep(ON_DEMAND_TICK_S if any(w.stopped for w in self.workers.values()) else TICK_S)
         return 0
 
     def _tend_standbys(self) -> None:
