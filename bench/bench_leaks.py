@@ -70,8 +70,8 @@ def quiet(stub: Any, timeout: float = 10.0, still: float = 0.75) -> None:
     """Wait until the worker's page-locked host memory has not changed for ``still`` seconds: a sleep
     with nothing awake gives the host reserve back and the wake pins it again in the background, and
     the chunks a wake freed are given back once it has been idle for 0.5 s (worker/host_release.py);
-    until then its RSS is off by up to the reserve, which is no leak. Bounded: a worker that never
-    settles is sampled as it is, and a leak shows in every sample."""
+    until then its RSS is off by up to the reserve, which is no leak. Bounded: a worker whose pinned
+    memory never goes still is sampled as it is, and a leak shows in every sample."""
     from memsvc.v1 import model_worker_service_pb2 as w
 
     deadline = time.monotonic() + timeout
@@ -85,7 +85,7 @@ def quiet(stub: Any, timeout: float = 10.0, still: float = 0.75) -> None:
         time.sleep(0.05)
 
 
-def settled(pid: int, readings: int = 10, interval: float = 0.02) -> dict[str, int]:
+def quiet_sample(pid: int, readings: int = 10, interval: float = 0.02) -> dict[str, int]:
     """A :func:`sample` without the process's short-lived threads: the reading with the fewest threads
     of ``readings`` taken ``interval`` apart. A wake that takes back a host reserve its sleep gave up
     pins it again on the worker's prepin thread, whose native helper thread lives for a chunk's
@@ -150,7 +150,7 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
         pid = wp.proc.pid
         stub = wp.stub
         stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30)
-        samples.append({"cycle": 0, **settled(pid)})
+        samples.append({"cycle": 0, **quiet_sample(pid)})
         for i in range(1, cycles + 1):
             level = c.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else c.SLEEP_LEVEL_1
             stub.Sleep(w.SleepRequest(level=level), timeout=60)
@@ -161,7 +161,7 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
                 stub.WakeUp(w.WakeUpRequest(), timeout=60)
             if i % sample_every == 0 or i == cycles:
                 quiet(stub)
-                samples.append({"cycle": i, **settled(pid)})
+                samples.append({"cycle": i, **quiet_sample(pid)})
         st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
         final_state = st.state == c.WORKER_STATE_AWAKE
         wp.stop()

@@ -6,7 +6,7 @@ import asyncio
 from collections.abc import Callable
 
 
-async def settle(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
+async def wait_until(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> None:
     """Let the manager's tasks run until ``cond()`` holds; AssertionError naming ``what`` after ``timeout`` s."""
     loop = asyncio.get_running_loop()
     end = loop.time() + timeout
@@ -16,4 +16,4 @@ async def settle(cond: Callable[[], bool], what: str, timeout: float = 5.0) -> N
         await asyncio.sleep(0.005)
 
 
-__all__ = ["settle"]
+__all__ = ["wait_until"]

@@ -313,7 +313,9 @@ def test_bad_requests_get_openai_errors_and_change_nothing(
     stack: Stack, body: str, status: int, param: str | None
 ) -> None:
     # settled first: a stream an earlier test cut short frees its blocks at the worker's next step
-    before = wait_for(stack.kv, lambda k: k.device_free_block_count == k.device_block_count, "the KV cache to settle")
+    before = wait_for(
+        stack.kv, lambda k: k.device_free_block_count == k.device_block_count, "every KV block free again"
+    )
     wait_for(stack.leases, lambda n: n == 0, "earlier leases to be released")
     code, err = curl(stack.gateway.url, "/v1/completions", body)
     assert code == status, err

@@ -108,7 +108,7 @@ async def test_the_guard_gives_the_reserve_back_while_the_host_is_short_and_take
         readings.append(HostMemory(64 * GiB, 1 * GiB))
         guard.check()
         await device.run(lambda: None)
-        await device.run(release.settle)
+        await device.run(release.restore_reserve)
         assert alloc.stats().counters["host_reserve_bytes"] == 0
     finally:
         await guard.stop()

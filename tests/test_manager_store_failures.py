@@ -24,7 +24,7 @@ from pathlib import Path
 
 import pytest
 import pytest_asyncio
-from asyncwait import settle
+from asyncwait import wait_until
 from google.protobuf.duration_pb2 import Duration
 
 from memsvc.errors import NotFound, Unavailable, WrongState
@@ -47,7 +47,7 @@ class Env:
     async def worker(self, wid: str) -> InMemoryWorker:
         wk = self.links.add(InMemoryWorker(wid))
         await self.manager.register(wid, wk.address, "h1")
-        await settle(lambda: self.manager.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+        await wait_until(lambda: self.manager.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
         return wk
 
     @contextlib.contextmanager
@@ -103,7 +103,7 @@ async def test_an_expiry_the_store_refuses_waits_for_a_later_tick_and_the_timers
     await asyncio.sleep(0.02)
     with env.locked():
         env.manager.tick()  # the expiry cannot be written; the idle timer still runs
-        await settle(lambda: b.state == WorkerState.ASLEEP, "b's idle sleep in the tick whose expiry failed")
+        await wait_until(lambda: b.state == WorkerState.ASLEEP, "b's idle sleep in the tick whose expiry failed")
     assert set(env.manager.get("a").leases) == set(env.manager.leases.leases) == {lease.lease_id}
     assert env.stored_leases() == {lease.lease_id}
 

@@ -19,7 +19,7 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 import torch
-from asyncwait import settle
+from asyncwait import wait_until
 from conftest import AllocatorFactory
 from google.protobuf.duration_pb2 import Duration
 from stores import STORE_KINDS, store_for
@@ -46,7 +46,7 @@ async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 async def _worker(mgr: Manager, links: InMemoryLinks, wid: str) -> InMemoryWorker:
     wk = links.add(InMemoryWorker(wid, weights_bytes=64 * MiB, kv_bytes=16 * MiB, graphs_bytes=4 * MiB))
     await mgr.register(wid, wk.address, "h1")
-    await settle(lambda: mgr.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+    await wait_until(lambda: mgr.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
     return wk
 
 
@@ -57,7 +57,7 @@ async def test_the_default_idle_sleep_discards_cuda_graphs_too(manager: tuple[Ma
     mgr.update_policy("", m.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
     mgr.get("g").idle_since -= 120
     mgr.tick()
-    await settle(lambda: wk.state == WorkerState.ASLEEP, "the idle sleep")
+    await wait_until(lambda: wk.state == WorkerState.ASLEEP, "the idle sleep")
     assert {t: v.state for t, v in wk.tags.items()} == {
         WEIGHTS: TagState.OFFLOADED, KV_CACHE: TagState.DISCARDED, CUDA_GRAPHS: TagState.DISCARDED,
     }  # fmt: skip

@@ -20,7 +20,7 @@ from typing import TypedDict, Unpack
 
 import pytest
 import pytest_asyncio
-from asyncwait import settle
+from asyncwait import wait_until
 from google.protobuf.duration_pb2 import Duration
 from stores import STORE_KINDS, store_for
 
@@ -63,7 +63,7 @@ class Env:
     async def worker(self, wid: str, host: str = "h1", **sizes: Unpack[_Sizes]) -> InMemoryWorker:
         wk = self.links.add(InMemoryWorker(wid, **sizes))
         await self.manager.register(wid, wk.address, host)
-        await settle(lambda: self.rec(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+        await wait_until(lambda: self.rec(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
         return wk
 
     def rec(self, wid: str) -> WorkerRecord:
@@ -142,12 +142,12 @@ async def test_busy_workers_on_a_full_device_take_turns_and_keep_their_leases(en
     held_b, _ = await env.manager.acquire("b", 60, "t", "", "", None)
     assert (env.rec("a").state, env.rec("b").state) == (WorkerState.ASLEEP, WorkerState.AWAKE)
     assert a.pausing_sleeps == 1 and env.rec("a").leases.keys() == {held_a.lease_id}
-    await settle(lambda: a.state == WorkerState.AWAKE, "a woken again for its lease, on its next turn")
+    await wait_until(lambda: a.state == WorkerState.AWAKE, "a woken again for its lease, on its next turn")
     assert b.pausing_sleeps == 1 and b.state == WorkerState.ASLEEP
     assert env.rec("b").leases.keys() == {held_b.lease_id}
     assert (env.rec("a").turns_yielded, env.rec("b").turns_yielded) == (1, 1)
     env.manager.release(held_a.lease_id)
-    await settle(lambda: b.state == WorkerState.AWAKE, "b woken for its lease once a went idle")
+    await wait_until(lambda: b.state == WorkerState.AWAKE, "b woken for its lease once a went idle")
     assert a.state == WorkerState.ASLEEP and a.pausing_sleeps == 1, "an idle neighbour is evicted, not paused"
     env.manager.release(held_b.lease_id)
 
@@ -165,7 +165,7 @@ async def test_a_wake_waiting_for_a_turn_does_not_deadlock_with_an_operators_wak
     held, _ = await env.manager.acquire("a", 60, "holder", "", "", None)
     env.rec("a").turn_start = time.time()  # a's turn has just begun
     waking_b = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", None))
-    await settle(lambda: len(env.rec("b").waiting) == 1, "b's lease to wait for a's turn")
+    await wait_until(lambda: len(env.rec("b").waiting) == 1, "b's lease to wait for a's turn")
     operator = asyncio.create_task(env.manager.wake_worker("a", [], "", None))
     done, _ = await asyncio.wait({waking_b, operator}, timeout=30)
     assert done == {waking_b, operator}, "a wake waiting for a turn and an operator's wake deadlocked"
@@ -189,7 +189,7 @@ async def test_a_wake_short_of_room_waits_for_a_neighbours_sleep_already_running
     a.gate = asyncio.Event()
     env.idle_for("a", 120)
     env.manager.tick()
-    await settle(lambda: a.calls == ["Sleep"], "a's idle sleep to reach the worker")
+    await wait_until(lambda: a.calls == ["Sleep"], "a's idle sleep to reach the worker")
     acquiring = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", Deadline.after(10.0)))
     await asyncio.sleep(0.1)
     assert not acquiring.done(), "the acquire did not wait for the sleep that makes its room"
@@ -214,7 +214,7 @@ async def _swap_pair(env: Env, headroom: int, device_total: int = 80 * GiB) -> t
 async def test_with_swap_headroom_the_wake_runs_while_its_eviction_is_still_sleeping(env: Env) -> None:
     a, b = await _swap_pair(env, headroom=3 * GiB)
     acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
-    await settle(lambda: a.state == WorkerState.AWAKE, "a's wake, beside b's sleep")
+    await wait_until(lambda: a.state == WorkerState.AWAKE, "a's wake, beside b's sleep")
     assert a.calls == ["Sleep", "WakeUp"]
     assert b.calls == ["Sleep"] and b.state == WorkerState.AWAKE, "b's sleep is still held, yet a is awake"
     assert env.rec("b").lock.locked(), "the eviction holds b: no lease or timer acts on it meanwhile"
@@ -254,7 +254,7 @@ async def test_the_overlap_counts_only_what_the_eviction_frees(env: Env) -> None
     with pytest.raises(OutOfMemory):
         await env.manager.acquire("a", 60, "t", "", "", None)
     assert a.state == WorkerState.ASLEEP, "a was not woken over the budget"
-    await settle(lambda: not env.rec("b").lock.locked(), "b's eviction to end")
+    await wait_until(lambda: not env.rec("b").lock.locked(), "b's eviction to end")
     assert sum(env.rec(x).mapped_bytes for x in "ab") <= int(3.5 * GiB)
 
 
@@ -268,7 +268,7 @@ async def test_without_room_for_both_the_eviction_ends_before_the_wake(
 ) -> None:
     a, b = await _swap_pair(env, headroom, device_total)
     acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
-    await settle(lambda: b.calls == ["Sleep"], "the eviction to start")
+    await wait_until(lambda: b.calls == ["Sleep"], "the eviction to start")
     await asyncio.sleep(0.05)
     assert not acquiring.done() and a.calls == ["Sleep"], f"{why}: the wake must wait for the eviction"
     assert b.gate is not None
@@ -282,7 +282,7 @@ async def test_an_overlapped_wake_that_finds_the_device_full_waits_for_its_evict
     a, b = await _swap_pair(env, headroom=3 * GiB)
     a.refuse = OutOfMemory("cuMemCreate failed: out of memory")  # the device was fuller than reported
     acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t", "", "", None))
-    await settle(lambda: a.calls == ["Sleep", "WakeUp"], "the overlapped wake to be refused")
+    await wait_until(lambda: a.calls == ["Sleep", "WakeUp"], "the overlapped wake to be refused")
     await asyncio.sleep(0.05)
     assert not acquiring.done(), "it waits for the eviction instead of failing"
     a.refuse = None
@@ -317,7 +317,7 @@ async def test_a_lease_blocks_idle_sleep_and_the_idle_clock_starts_at_release(en
     assert a.calls == []
     env.idle_for("a", 61)
     env.manager.tick()
-    await settle(lambda: a.state == WorkerState.ASLEEP, "the tier-1 idle sleep")
+    await wait_until(lambda: a.state == WorkerState.ASLEEP, "the tier-1 idle sleep")
     assert a.tags[WEIGHTS].state == TagState.OFFLOADED and a.tags[KV_CACHE].state == TagState.DISCARDED
 
 
@@ -326,13 +326,13 @@ async def test_tier_two_demotes_an_idle_sleeper_to_level_two(env: Env) -> None:
     await env.policy(idle_sleep_timeout=Duration(seconds=60), idle_deep_sleep_timeout=Duration(seconds=600))
     env.idle_for("a", 61)
     env.manager.tick()
-    await settle(lambda: a.state == WorkerState.ASLEEP, "tier 1")
+    await wait_until(lambda: a.state == WorkerState.ASLEEP, "tier 1")
     assert a.sleep_level == 0 and a.tags[WEIGHTS].state == TagState.OFFLOADED
     env.idle_for("a", 600)
     env.manager.tick()
     idle_sleeps = env.manager.metrics.idle_sleeps.labels("2")._value
     # the worker's state changes inside its Sleep; the manager counts the sleep once the call returns
-    await settle(lambda: a.tags[WEIGHTS].state == TagState.DISCARDED and idle_sleeps.get() == 1, "tier 2")
+    await wait_until(lambda: a.tags[WEIGHTS].state == TagState.DISCARDED and idle_sleeps.get() == 1, "tier 2")
     assert a.sleep_level == SleepLevel.LEVEL_2 and a.calls == ["Sleep", "Sleep"]
 
 
@@ -418,7 +418,7 @@ async def test_sleep_worker_is_refused_while_leased_and_acquire_waits_for_a_slee
     env.manager.release(lease.lease_id)
     a.gate = asyncio.Event()  # the next sleep holds until the gate opens
     sleeping = asyncio.create_task(env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None))
-    await settle(lambda: a.calls == ["Sleep"], "the sleep to reach the worker")
+    await wait_until(lambda: a.calls == ["Sleep"], "the sleep to reach the worker")
     acquiring = asyncio.create_task(env.manager.acquire("a", 60, "t2", "", "", None))
     await asyncio.sleep(0.05)
     assert not acquiring.done(), "acquire waits for the sleep in flight, then wakes the worker"
@@ -439,7 +439,7 @@ async def test_a_lease_expires_after_its_ttl_and_frees_the_worker_for_idle_sleep
     assert env.manager.metrics.leases_expired._value.get() == 1
     env.idle_for("a", 61)
     env.manager.tick()
-    await settle(lambda: a.state == WorkerState.ASLEEP, "idle sleep after expiry")
+    await wait_until(lambda: a.state == WorkerState.ASLEEP, "idle sleep after expiry")
 
 
 async def test_the_last_lease_to_end_sets_the_idle_timeout_by_its_keep_alive(env: Env) -> None:
@@ -466,7 +466,7 @@ async def test_the_last_lease_to_end_sets_the_idle_timeout_by_its_keep_alive(env
     assert a.state == WorkerState.AWAKE
     env.idle_for("a", 500)
     env.manager.tick()
-    await settle(lambda: a.state == WorkerState.ASLEEP, "the sleep after keep_alive 600 s")
+    await wait_until(lambda: a.state == WorkerState.ASLEEP, "the sleep after keep_alive 600 s")
 
     now, _ = await env.manager.acquire("a", 60, "t", "", "", None, keep_alive=0)  # wakes it
     renewed, _ = await env.manager.acquire("a", 60, "t", now.lease_id, "", None, keep_alive=-1)
@@ -476,7 +476,7 @@ async def test_the_last_lease_to_end_sets_the_idle_timeout_by_its_keep_alive(env
     await env.manager.acquire("a", 60, "t", now.lease_id, "", None, keep_alive=0)  # renewed to "at once"
     env.manager.release(now.lease_id)
     env.manager.tick()  # no idle time at all
-    await settle(lambda: a.state == WorkerState.ASLEEP, "the sleep right after keep_alive 0")
+    await wait_until(lambda: a.state == WorkerState.ASLEEP, "the sleep right after keep_alive 0")
 
     assert env.rec("a").keep_alive is None, "the idle sleep it decided ended its idle period"
     await env.manager.wake_worker("a", [], "", None)
@@ -503,7 +503,7 @@ async def test_the_last_lease_to_end_sets_the_idle_timeout_by_its_keep_alive(env
 async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> None:
     a = await env.worker("a")
     await a.crash()
-    await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
+    await wait_until(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
     with pytest.raises(Unavailable):
         await env.manager.acquire("a", 60, "t", "", "", None)
     with pytest.raises(Unavailable):
@@ -511,7 +511,7 @@ async def test_a_crashed_worker_is_unavailable_and_calls_fail_fast(env: Env) -> 
     assert env.rec("a").leases == {}
     await a.revive()
     await env.manager.register("a", a.address, "h1")  # its heartbeat reconnects the link
-    await settle(lambda: env.rec("a").state == WorkerState.AWAKE, "back")
+    await wait_until(lambda: env.rec("a").state == WorkerState.AWAKE, "back")
 
 
 async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_counted_as_waiting(env: Env) -> None:
@@ -523,9 +523,9 @@ async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_c
     a = await env.worker("a")
     env.manager.update_policy("a", m.Policy(start_timeout=Duration(seconds=30)), ["start_timeout"])
     await a.crash()
-    await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
+    await wait_until(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
     acquire = asyncio.ensure_future(env.manager.acquire("a", 60, "t", "", "", None))
-    await settle(lambda: env.rec("a").to_proto().waiting_acquires == 1, "the acquire counted as waiting")
+    await wait_until(lambda: env.rec("a").to_proto().waiting_acquires == 1, "the acquire counted as waiting")
     assert not acquire.done()
     await a.revive()
     await env.manager.register("a", a.address, "h1")
@@ -538,7 +538,7 @@ async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_c
     timers = env.manager.timers
     timers._settings = dataclasses.replace(timers._settings, forget_after=0.001)
     await a.crash()
-    await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE again")
+    await wait_until(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE again")
     with pytest.raises(Unavailable, match=r"start_timeout \(0.2 s\)"):
         await env.manager.acquire("a", 60, "t", "", "", None)
     assert env.rec("a").leases == {} and env.rec("a").to_proto().waiting_acquires == 0
@@ -558,7 +558,7 @@ async def test_a_silent_worker_is_marked_unavailable_and_its_link_restarted(env:
     rec.heard -= limit + 1
     env.manager.timers._resumed -= limit + 1  # as if the manager had been running that long
     env.manager.tick()
-    await settle(lambda: rec.state == WorkerState.AWAKE, "the restarted link's snapshot")
+    await wait_until(lambda: rec.state == WorkerState.AWAKE, "the restarted link's snapshot")
     assert rec.last_seen > 0
 
 
@@ -587,11 +587,11 @@ async def test_a_worker_unreachable_past_forget_after_is_deregistered_unless_lea
         lease, _ = await manager.acquire("b", 600, "t", "", "", None)
         for wk in (a, b):
             await wk.crash()
-        await settle(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "a unavailable")
+        await wait_until(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "a unavailable")
         for wid in ("a", "b"):
             env.rec(wid).heard -= 61
         manager.tick()
-        await settle(lambda: "a" not in manager.workers, "a forgotten")
+        await wait_until(lambda: "a" not in manager.workers, "a forgotten")
         assert [sw.worker_id for sw in manager.store.workers()] == ["b"], "a's stored registration went too"
         assert "b" in manager.workers, "a leased worker is never forgotten"
         manager.release(lease.lease_id)
@@ -623,7 +623,7 @@ async def test_calls_queued_behind_a_deregistration_find_the_worker_gone(env: En
     stale = env.rec("x")
     x.gate = asyncio.Event()  # a demotion holds x's lock while the others queue behind it
     demoting = asyncio.create_task(env.manager.sleep_worker("x", SleepLevel.LEVEL_2, {}, "", None))
-    await settle(lambda: x.calls[-1:] == ["Sleep"] and stale.lock.locked(), "the demotion to hold the lock")
+    await wait_until(lambda: x.calls[-1:] == ["Sleep"] and stale.lock.locked(), "the demotion to hold the lock")
     first = asyncio.create_task(env.manager.deregister("x"))
     second = asyncio.create_task(env.manager.deregister("x"))
     waking = asyncio.create_task(env.manager.wake_worker("x", [], "", None))
@@ -640,7 +640,7 @@ async def test_calls_queued_behind_a_deregistration_find_the_worker_gone(env: En
     await env.manager.register("x", x.address, "h1")  # registered again: a new record, not the old one
     with pytest.raises(NotFound):
         env.manager.registry.link(stale)
-    await settle(lambda: env.rec("x").reachable, "x reachable again")
+    await wait_until(lambda: env.rec("x").reachable, "x reachable again")
     assert env.manager.registry.link(env.rec("x")) is not None
 
 
@@ -660,7 +660,7 @@ async def test_a_transition_in_progress_the_manager_did_not_start_counts_as_busy
     await env.policy(idle_sleep_timeout=Duration(seconds=60))
     await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
     await a.hold_transition(True)  # a direct Sleep is queued on a, still AWAKE
-    await settle(lambda: env.rec("a").in_transition, "the manager to see a's transition")
+    await wait_until(lambda: env.rec("a").in_transition, "the manager to see a's transition")
     env.idle_for("a", 100)
     env.manager.tick()
     await asyncio.sleep(0.05)
@@ -747,7 +747,7 @@ async def test_calls_waiting_for_one_workers_transitions_are_bounded(env: Env, m
     a.gate = asyncio.Event()
     first = asyncio.create_task(env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None))
     second = asyncio.create_task(env.manager.wake_worker("a", [], "", None))
-    await settle(lambda: env.rec("a").queued == 2, "two calls queued")
+    await wait_until(lambda: env.rec("a").queued == 2, "two calls queued")
     with pytest.raises(Overloaded):
         await env.manager.sleep_worker("a", SleepLevel.LEVEL_2, {}, "", None)
     a.gate.set()
@@ -775,7 +775,7 @@ async def test_closing_the_manager_does_not_wait_to_settle_a_call_in_doubt(tmp_p
     a = await env.worker("a")
     a.gate = asyncio.Event()  # the sleep never ends, and the worker reports it in progress
     sleeping = asyncio.create_task(manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None))
-    await settle(lambda: a.calls == ["Sleep"], "the sleep to reach the worker")
+    await wait_until(lambda: a.calls == ["Sleep"], "the sleep to reach the worker")
     sleeping.cancel()  # in doubt: the manager starts asking the worker how it ended
     await asyncio.sleep(0.05)
     await asyncio.wait_for(manager.close(), timeout=5.0)
@@ -833,7 +833,7 @@ async def test_list_leases_leaves_out_a_lease_still_being_granted(env: Env) -> N
     await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
     b.gate = asyncio.Event()
     waking = asyncio.create_task(env.manager.acquire("b", 60, "pending", "", "", None))
-    await settle(lambda: b.calls == ["Sleep", "WakeUp"], "b's wake to start")
+    await wait_until(lambda: b.calls == ["Sleep", "WakeUp"], "b's wake to start")
     listed, token = env.manager.leases.page("", 0, "")
     assert [x.lease_id for x in listed] == [held.lease_id] and token == ""
     assert [x.to_proto().lease_id for x in listed] == [held.lease_id]
@@ -856,7 +856,7 @@ async def test_two_wakes_on_one_device_are_checked_one_at_a_time(env: Env) -> No
     env.manager.update_policy("b", m.Policy(), ["time_slice"])  # pinned: leased, it keeps its turn
     b.gate = asyncio.Event()
     waking_b = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", None))
-    await settle(lambda: b.calls[-1:] == ["WakeUp"], "b's wake to start (a evicted)")
+    await wait_until(lambda: b.calls[-1:] == ["WakeUp"], "b's wake to start (a evicted)")
     waking_c = asyncio.create_task(env.manager.acquire("c", 60, "t", "", "", None))
     await asyncio.sleep(0.05)
     assert not waking_c.done() and c_.calls == ["Sleep"], "c's wake did not wait for b's"

@@ -409,7 +409,7 @@ class WorkerCore:
                 self.runner.drop_kv()
             seconds = time.perf_counter() - t0
             if self._host_release is not None:
-                self._host_release.settle()  # chunks a wake held and this sleep did not reuse
+                self._host_release.restore_reserve()  # chunks a wake held and this sleep did not reuse
             self._last_memory = alloc.stats()
             tags = self._last_memory.tags
             self._park_reserve()
@@ -507,7 +507,7 @@ class WorkerCore:
             return self._sm.finish(Transition(TransitionKind.WAKE, moved, seconds, verified))
         except BaseException as exc:
             if self._host_release is not None:
-                self._host_release.settle()
+                self._host_release.restore_reserve()
             self._settle(f"WakeUp failed: {exc}")
             self._park_reserve()
             raise

@@ -69,7 +69,7 @@ class DeviceLoop:
 
     # ---- any thread ----
     def submit(self, fn: Callable[..., T], *args: Any) -> concurrent.futures.Future[T]:
-        """Queue ``fn(*args)``; its future settles when it has run. RuntimeError once shut down."""
+        """Queue ``fn(*args)``; its future is resolved when it has run. RuntimeError once shut down."""
         return self._put(_Command(lambda: fn(*args), concurrent.futures.Future()))
 
     def admit(self, fn: Callable[[], T]) -> concurrent.futures.Future[T]:
@@ -87,7 +87,7 @@ class DeviceLoop:
         """Run ``fn`` on the device loop and return its result.
 
         Shielded: a caller that leaves (cancelled, deadline passed) cannot interrupt a thread, and the
-        command settles its own bookkeeping; a caller that must keep a queued command from starting
+        command resolves its own bookkeeping; a caller that must keep a queued command from starting
         races it with a :class:`Ticket`.
         """
         return await asyncio.shield(asyncio.wrap_future(self.submit(fn), loop=self.loop))
@@ -211,7 +211,7 @@ class LoopPost:
                 log.exception("a call posted to the event loop failed")
 
 
-def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
+def resolve_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | None) -> None:
     """Complete a loop future with another thread's result (call through ``call_soon_threadsafe``)."""
     if fut.done():
         return
@@ -221,4 +221,4 @@ def settle_future(fut: asyncio.Future[T], value: T | None, exc: BaseException | 
         fut.set_result(value)  # type: ignore[arg-type]
 
 
-__all__ = ["THREAD_NAME", "DeviceLoop", "LoopPost", "Steps", "Ticket", "settle_future"]
+__all__ = ["THREAD_NAME", "DeviceLoop", "LoopPost", "Steps", "Ticket", "resolve_future"]

@@ -84,7 +84,7 @@ class HostRelease:
             self._alloc.set_host_reserve(nbytes)
 
     def park(self) -> None:
-        """After a sleep that left no tag awake (device loop, after :meth:`settle`): give the
+        """After a sleep that left no tag awake (device loop, after :meth:`restore_reserve`): give the
         reserve's free chunks back until :meth:`unpark`."""
         if self._parked is None:
             self._parked = int(self._alloc.stats().counters["host_reserve_bytes"])
@@ -98,7 +98,7 @@ class HostRelease:
             self._alloc.set_host_reserve(parked)
         return parked or 0
 
-    def settle(self) -> None:
+    def restore_reserve(self) -> None:
         """After a sleep (device loop): the reserve is back where it was; free chunks beyond it go now."""
         if self._target is not None:
             target, self._target, self._reserve = self._target, None, None
@@ -127,7 +127,7 @@ class HostRelease:
             self._reserve = int(self._alloc.stats().counters["host_held_bytes"])
         self._reserve -= STEP_BYTES
         if self._reserve <= self._target:
-            self.settle()
+            self.restore_reserve()
             return
         self._alloc.set_host_reserve(self._reserve)
         self._loop.call_soon_threadsafe(self._tick, epoch)

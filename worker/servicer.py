@@ -251,7 +251,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         # runs before this generator's first await returns, so it never is cancelled unstarted.
         task = asyncio.ensure_future(self.core.generate(spec, made, slot))
         # the end comes through the same queue, after every token (the engine posts a token before
-        # its request's future settles, and the settling reaches the loop after the post)
+        # its request's future is resolved, and that reaches the loop after the post)
         task.add_done_callback(lambda _: post(tokens.put_nowait, None))
         prompt_tokens = len(spec.prompt)  # told with the first message, then 0 (unset)
         try:

@@ -3,7 +3,7 @@
 Calls are begun on the device loop in the order they arrive (so their copies run in that order on
 one stream). With another call queued behind, a waiter thread waits for this copy while the device
 thread begins the next; alone, the device loop waits itself (one thread fewer on the way).
-Whichever waits settles the caller's future: one wake-up of the event loop per call. A call whose
+Whichever waits resolves the caller's future: one wake-up of the event loop per call. A call whose
 caller left before the device loop began it never runs.
 """
 
@@ -16,7 +16,7 @@ from collections.abc import Callable
 from typing import TYPE_CHECKING, Any
 
 from memsvc.vocabulary import CopyMethod, TransitionKind
-from worker.device_loop import DeviceLoop, Ticket, settle_future
+from worker.device_loop import DeviceLoop, Ticket, resolve_future
 from worker.status import Transition
 
 if TYPE_CHECKING:
@@ -74,7 +74,7 @@ class SwapPipeline:
             t0 = time.perf_counter()
             pending = self._begin(direction, src, dst, method)
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            loop.call_soon_threadsafe(settle_future, result, None, exc)
+            loop.call_soon_threadsafe(resolve_future, result, None, exc)
             return
         if self._submitted > self._started:  # each count has one writer thread
             try:
@@ -90,9 +90,9 @@ class SwapPipeline:
             pending.wait()
             t = self._finish(Transition(TransitionKind.SWAP_BLOCKS, pending.moved_bytes, time.perf_counter() - t0))
         except BaseException as exc:  # noqa: BLE001 - handed to the caller
-            loop.call_soon_threadsafe(settle_future, result, None, exc)
+            loop.call_soon_threadsafe(resolve_future, result, None, exc)
             return
-        loop.call_soon_threadsafe(settle_future, result, t, None)
+        loop.call_soon_threadsafe(resolve_future, result, t, None)
 
 
 __all__ = ["BeginSwap", "SwapPipeline"]

@@ -48,10 +48,10 @@ def _may_resend(exc: BaseException) -> bool:
 
 
 class WorkerCalls:
-    SETTLE_CALL_S = 5.0
+    STATUS_CALL_S = 5.0
     """Deadline of one status call while settling."""
-    SETTLE_FIRST_S = 0.02
-    SETTLE_MAX_S = 1.0
+    STATUS_PAUSE_FIRST_S = 0.02
+    STATUS_PAUSE_MAX_S = 1.0
     """Pauses between status calls while the worker still reports a transition: doubling, at most this."""
     RESEND_MIN_S = 5.0
     """A call without an answer is sent again only with at least this much of its deadline left."""
@@ -132,7 +132,7 @@ class WorkerCalls:
             except BaseException as exc:
                 if not _in_doubt(exc):
                     raise
-                await asyncio.shield(self._settle(rec, link))
+                await asyncio.shield(self._wait_transition_end(rec, link))
                 left = deadline.remaining()
                 resend = request_id and rec.reachable and left is not None and left > self.RESEND_MIN_S
                 if self.closing or not resend or not _may_resend(exc):
@@ -149,14 +149,14 @@ class WorkerCalls:
         finally:
             in_flight.dec()
 
-    async def _settle(self, rec: WorkerRecord, link: WorkerLink) -> None:
+    async def _wait_transition_end(self, rec: WorkerRecord, link: WorkerLink) -> None:
         """Ask the worker until no transition is in progress there, applying each answer."""
         limit = self._settings.rpc_timeout
         give_up = time.monotonic() + limit
-        pause = self.SETTLE_FIRST_S
+        pause = self.STATUS_PAUSE_FIRST_S
         while not self.closing:
             try:
-                status = await link.status(self.SETTLE_CALL_S)
+                status = await link.status(self.STATUS_CALL_S)
             except MemsvcError as exc:
                 await self._ingest.set_status(rec, None, False, f"no answer after a call without one: {exc}")
                 return
@@ -168,7 +168,7 @@ class WorkerCalls:
                 await self._ingest.set_status(rec, None, False, "a transition that does not end")
                 return
             await asyncio.sleep(pause)
-            pause = min(pause * 2, self.SETTLE_MAX_S)
+            pause = min(pause * 2, self.STATUS_PAUSE_MAX_S)
 
 
 __all__ = ["WorkerCalls"]

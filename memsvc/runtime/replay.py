@@ -77,7 +77,7 @@ class ReplayCache:
             shared = SharedDeadline()
             entry = _Entry(method, asyncio.get_running_loop().create_task(_call(operation, shared)), shared)
             self._entries[key] = entry
-            entry.task.add_done_callback(functools.partial(self._settled, key))
+            entry.task.add_done_callback(functools.partial(self._finished, key))
             self._evict()
         elif entry.method != method:
             raise InvalidArgument(
@@ -111,7 +111,7 @@ class ReplayCache:
         if entry is not None and entry.task.done():
             del self._entries[(scope, request_id)]
 
-    def _settled(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
+    def _finished(self, key: tuple[str, str], task: asyncio.Future[Any]) -> None:
         entry = self._entries.get(key)
         if entry is None or entry.task is not task:
             return

@@ -246,9 +246,9 @@ class Engine:
         should_stop: Callable[[], bool] | None = None,
         on_token: Callable[[int], None] | None = None,
     ) -> concurrent.futures.Future[GenerationResult]:
-        """Queue a request (on the stepping thread); its future settles when it ends. ``on_token`` sees
+        """Queue a request (on the stepping thread); its future is resolved when it ends. ``on_token`` sees
         each token; ``should_stop`` is asked before every step (yes: it ends with Cancelled).
-        InvalidArgument is raised here, at once; every other error settles the future."""
+        InvalidArgument is raised here, at once; every other error is set on the future."""
         prompt = self.check(request)
         stop_text = None
         if request.stop_strings:
