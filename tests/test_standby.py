@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from childproc import Proc
-from test_up_config import Host, awake, host_file, worker_pid
+from test_up_config import Host, awake, worker_pid
 from upproc import wait_for
 from workerproc import _LISTENING, _READY, READY_TIMEOUT, WorkerProcess
 
@@ -145,9 +145,7 @@ def test_memsvc_up_keeps_a_standby_and_restarts_a_dead_worker_from_it(tmp_path: 
     them; a worker killed outright is started again from it (its flags on the standby's stdin), put to
     sleep once loaded beside the one awake, and serves; a new standby takes its place; Ctrl-C stops
     every process, the standby included."""
-    h = Host(tmp_path, ("alpha", "beta"))
-    host_file(h.file, h.manager, h.gateway, ("alpha", "beta"))
-    h.file.write_text(h.file.read_text().replace("[policy]", "[workers]\nstandby = true\n\n[policy]", 1))
+    h = Host(tmp_path, ("alpha", "beta"), workers="standby = true")
     h.proc.start()
     try:
         wait_for(lambda: h.listed(), lambda ids: ids == ["alpha", "beta"], what="both models listed", timeout=120)
