@@ -10,11 +10,28 @@ from __future__ import annotations
 
 import argparse
 import os
-import re
 import signal
 import sys
-from collections.abc import Callable, Sequence
-from typing import TYPE_CHECKING, Any
+from collections.abc import Sequence
+from typing import TYPE_CHECKING
+
+from memsvc.runtime.flags import (
+    EnvDefault,
+    Parser,
+    add_settings,
+    count_or_auto,
+    duration,
+    env,
+    env_bools,
+    int_at_least,
+    lease_ttl,
+    listen_address,
+    listen_or_none,
+    non_negative_seconds,
+    seconds_or_unset,
+    settings_from,
+    some_seconds_up_to_an_hour,
+)
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
     from google.protobuf.message import Message
@@ -23,224 +40,6 @@ if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help st
 
     from memsvc.client import ManagerClient
     from memsvc.v1 import memory_manager_service_pb2 as m
-
-_UNITS = {
-    "": 1,
-    "b": 1,
-    **{f"{p}i": 1 << (10 * n) for n, p in enumerate("kmgt", 1)},
-    **{f"{p}ib": 1 << (10 * n) for n, p in enumerate("kmgt", 1)},
-    **{f"{p}b": 10 ** (3 * n) for n, p in enumerate("kmgt", 1)},
-}
-"""Size suffixes, in any case: ``Ki Mi Gi Ti`` and ``KiB MiB GiB TiB`` are powers of 1024 (as in
-Kubernetes quantities and IEC), ``kB MB GB TB`` powers of 1000. A bare ``k M G T`` is refused:
-Kubernetes reads ``8G`` as 8e9 bytes, most CLIs as 8 GiB, and a size must not depend on which."""
-
-
-class _EnvDefault(str):
-    """A flag's default as its MEMSVC_<NAME> variable gives it (or the built-in one), remembering the
-    variable's name so that ``--help`` can show it."""
-
-    variable: str
-
-    def __new__(cls, value: str, variable: str) -> _EnvDefault:
-        self = super().__new__(cls, value)
-        self.variable = variable
-        return self
-
-
-def env(name: str, default: str) -> str:
-    """Every flag's default can come from MEMSVC_<FLAG> (containers are configured by environment)."""
-    return _EnvDefault(os.environ.get(f"MEMSVC_{name}", default), f"MEMSVC_{name}")
-
-
-class _HelpFormatter(argparse.HelpFormatter):
-    """``--help`` shows each flag's default (the one in force: its variable's value when set) and the
-    environment variable it reads."""
-
-    def _get_help_string(self, action: argparse.Action) -> str | None:
-        text = (action.help or "").removesuffix(" (default: %(default)s)")  # BooleanOptionalAction's own
-        if not action.option_strings or action.default is argparse.SUPPRESS or "%(default)" in text:
-            return text
-        variable = getattr(action.default, "variable", None)
-        if variable is None and action.default in (None, False):  # --json and the like: nothing to show
-            return text
-        if "(default:" in text and text.endswith(")"):  # the help says what the default means
-            return text[:-1] + (f"; ${variable})" if variable else ")")
-        shown = "%(default)s" if action.default not in (None, "") else "none"
-        return f"{text} (default: {shown}" + (f"; ${variable})" if variable else ")")
-
-
-class _Parser(argparse.ArgumentParser):
-    """Every command's parser, with :class:`_HelpFormatter`, and the one check of MEMSVC_* values."""
-
-    def __init__(self, *args: Any, **kwargs: Any) -> None:
-        kwargs.setdefault("formatter_class", _HelpFormatter)
-        super().__init__(*args, **kwargs)
-
-    def _get_value(self, action: argparse.Action, arg_string: str) -> Any:
-        """argparse converts a string default with the flag's type, but names the flag, not the
-        variable the value came from, and never checks a default against the flag's choices. A flag
-        left at its MEMSVC_<NAME> default gets both here: a bad variable is one line naming it,
-        exit 2 (``MEMSVC_LOG_FORMAT=xml`` used to be ignored, ``MEMSVC_LOG_LEVEL=loud`` a traceback)."""
-        if not isinstance(arg_string, _EnvDefault) or isinstance(arg_string, _OnOffDefault):
-            return super()._get_value(action, arg_string)
-        shown = f"{arg_string.variable}={str(arg_string)!r}"
-        try:
-            value = super()._get_value(action, arg_string)
-        except argparse.ArgumentError as exc:
-            self.error(f"{shown}: {exc.message}")
-        if action.choices is not None and value not in action.choices:
-            self.error(f"{shown}: expected one of {', '.join(map(str, action.choices))}")
-        return value
-
-
-ENV_TRUE = frozenset({"1", "true", "yes", "on"})
-ENV_FALSE = frozenset({"0", "false", "no", "off"})
-
-
-class _OnOffDefault(_EnvDefault):
-    """An on/off flag's default as MEMSVC_<NAME> spells it: kept a string until the command is known
-    (:func:`_env_bools`), so a bad value is only that command's usage error."""
-
-
-def _on_off(p: argparse.ArgumentParser, flag: str, default: str, help: str) -> None:  # noqa: A002 - argparse's name
-    """``--flag`` / ``--no-flag``, its default from MEMSVC_<FLAG>."""
-    name = flag.removeprefix("--").replace("-", "_").upper()
-    p.add_argument(
-        flag,
-        action=argparse.BooleanOptionalAction,
-        default=_OnOffDefault(env(name, default), f"MEMSVC_{name}"),
-        help=help,
-    )
-
-
-def _env_bools(args: argparse.Namespace, parser: argparse.ArgumentParser) -> None:
-    """Turn the on/off flags' environment defaults into bools: 1/0, true/false, yes/no, on/off in any
-    case; anything else is a usage error (exit 2), not a silent "off"."""
-    for dest, value in vars(args).items():
-        if not isinstance(value, _OnOffDefault):
-            continue
-        word = value.strip().lower()
-        if word not in ENV_TRUE | ENV_FALSE:
-            parser.error(f"{value.variable}={str(value)!r}: expected 1/0, true/false, yes/no or on/off")
-        setattr(args, dest, word in ENV_TRUE)
-
-
-def parse_bytes(text: str) -> int:
-    """``8GiB`` or ``8Gi`` (binary), ``8GB`` (decimal), or a plain byte count (see :data:`_UNITS`)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    unit = m.group(2).lower() if m else ""
-    if m and unit in ("k", "m", "g", "t"):
-        n, u = m.group(1), unit.upper()
-        raise argparse.ArgumentTypeError(
-            f"ambiguous size: {text!r}: write {n}{u}i or {n}{u}iB for powers of 1024, {n}{u}B for powers of 1000"
-        )
-    if not m or unit not in _UNITS:
-        raise argparse.ArgumentTypeError(f"not a size: {text!r} (use e.g. 512MiB, 8Gi, 8GiB, 16GB)")
-    return int(float(m.group(1)) * _UNITS[unit])
-
-
-def listen_address(text: str) -> str:
-    """``host:port`` to serve on (port 0: any free one), checked before anything starts: a typo is a
-    usage error naming the flag or its variable, not a traceback from the server library."""
-    host, sep, port = text.strip().rpartition(":")
-    if not sep or not host or not port.isdigit() or int(port) > 65535:
-        raise argparse.ArgumentTypeError(f"not a host:port address: {text!r}")
-    return text.strip()
-
-
-def _listen_or_none(text: str) -> str:
-    """A listen address, or '' for "do not serve this"."""
-    return "" if text.strip() == "" else listen_address(text)
-
-
-def _int_at_least(minimum: int) -> Callable[[str], int]:
-    """A flag's type: an integer >= ``minimum`` (a count of blocks or requests, a device ordinal)."""
-
-    def parse_int(text: str) -> int:
-        try:
-            value = int(text)
-        except ValueError:
-            raise argparse.ArgumentTypeError(f"not an integer: {text!r}") from None
-        if value < minimum:
-            raise argparse.ArgumentTypeError(f"must be an integer >= {minimum}, got {text!r}")
-        return value
-
-    return parse_int
-
-
-def _seconds(text: str) -> float:
-    """A flag's type: a finite number of seconds >= 0."""
-    value = _seconds_or_unset(text)
-    if value is None:
-        raise argparse.ArgumentTypeError("not a number of seconds: ''")
-    return value
-
-
-def _seconds_up_to_an_hour(text: str) -> float:
-    """A flag's type: seconds in [0, 3600] (a drain or a read bound longer than that is a typo)."""
-    value = _seconds(text)
-    if value > 3600:
-        raise argparse.ArgumentTypeError(f"must be at most 3600 seconds, got {text!r}")
-    return value
-
-
-def _some_seconds_up_to_an_hour(text: str) -> float:
-    """A flag's type: seconds in (0, 3600]."""
-    value = _seconds_up_to_an_hour(text)
-    if value == 0:
-        raise argparse.ArgumentTypeError(f"must be more than 0 seconds, got {text!r}")
-    return value
-
-
-def _count_or_auto(text: str) -> int | None:
-    """A flag's type: an integer >= 1, or ``auto`` (None: the program sizes it)."""
-    return None if text.strip().lower() == "auto" else _int_at_least(1)(text)
-
-
-def _lease_ttl(text: str) -> float:
-    """A flag's type: a gateway lease's TTL, seconds in [1, 3600] (it is renewed every third of it:
-    shorter would flood the manager with renewals, longer hold a dead gateway's workers awake)."""
-    value = _seconds_up_to_an_hour(text)
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1 second, got {text!r}")
-    return value
-
-
-def _seconds_or_unset(text: str) -> float | None:
-    """Seconds (not negative), or '' for "not set here" (the store's or config's value stands)."""
-    if text.strip() == "":
-        return None
-    try:
-        value = float(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"not a number of seconds: {text!r}") from None
-    if not value >= 0 or value == float("inf"):
-        raise argparse.ArgumentTypeError(f"must be a number of seconds >= 0, got {text!r}")
-    return value
-
-
-_DURATION_UNITS = {"": 1, "s": 1, "m": 60, "h": 3600, "d": 86400}
-
-
-def _duration(text: str) -> float:
-    """A flag's type: a span of time, ``90s``, ``10m``, ``2h``, ``1d`` or plain seconds (not negative)."""
-    m = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([a-zA-Z]*)\s*", text)
-    if not m or m.group(2).lower() not in _DURATION_UNITS:
-        raise argparse.ArgumentTypeError(f"not a duration: {text!r} (use e.g. 90s, 10m, 2h, 1d, or seconds)")
-    return float(m.group(1)) * _DURATION_UNITS[m.group(2).lower()]
-
-
-def _reserve_size(text: str) -> int | str:
-    """``--host-reserve``: ``auto`` or a size."""
-    return "auto" if text.strip().lower() == "auto" else parse_bytes(text)
-
-
-def _prepin_size(text: str) -> int | str:
-    """``--host-prepin``: ``auto``, ``weights`` or a size."""
-    from memsvc.vocabulary import WEIGHTS
-
-    return WEIGHTS if text.strip().lower() == WEIGHTS else _reserve_size(text)
 
 
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
@@ -309,7 +108,7 @@ def _security_kwargs(sec: object) -> dict[str, object]:
 
 
 def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from memsvc.vocabulary import RPC_FRONTS
+    from worker.config import WorkerConfig
 
     p = sub.add_parser("worker", help="serve one model on one device (ModelWorkerService)")
     p.add_argument(
@@ -318,113 +117,12 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
         default=env("WORKER_LISTEN", "127.0.0.1:50061"),
         help="host:port to serve on (0: any port)",
     )
-    p.add_argument(
-        "--model",
-        default=env("MODEL", "synthetic:tiny"),
-        help="HF-layout checkpoint dir, Hugging Face Hub id (org/name[@revision]), or synthetic:<preset>",
-    )
-    p.add_argument(
-        "--backend", choices=["auto", "cuda", "host"], default=env("BACKEND", "auto"),
-        help="cuda, host (CPU memory: the allocator without a GPU), or auto: cuda when a GPU is present",
-    )  # fmt: skip
-    p.add_argument("--device", type=_int_at_least(0), default=env("DEVICE", "0"), help="CUDA device ordinal")
-    p.add_argument("--worker-id", default=env("WORKER_ID", ""), help="registration name (default: <hostname>-<device>)")
-    p.add_argument("--kv-blocks", type=_int_at_least(1), default=env("KV_BLOCKS", "256"), help="device KV cache blocks")
-    p.add_argument(
-        "--host-kv-blocks", type=_int_at_least(1), default=env("HOST_KV_BLOCKS", "256"), help="host KV blocks (swap)"
-    )
-    p.add_argument("--block-size", type=_int_at_least(1), default=16, help="tokens per KV block")
-    p.add_argument(
-        "--max-batch",
-        type=_int_at_least(1),
-        default=env("MAX_BATCH", "64"),
-        help="requests one engine step runs at most",
-    )
-    p.add_argument(
-        "--max-step-tokens",
-        type=_count_or_auto,
-        default=env("MAX_STEP_TOKENS", "auto"),
-        help="tokens one engine step feeds at most (long prompts are read in chunks); auto: 512 or --max-batch, "
-        "whichever is more (a step of up to 512 rows replays a CUDA graph)",
-    )
-    _on_off(
-        p,
-        "--cuda-graphs",
-        "1",
-        "capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
-    )
-    p.add_argument(
-        "--host-capacity", type=parse_bytes, default=env("HOST_CAPACITY", "8GiB"), help="host backend: device size"
-    )
-    _on_off(
-        p,
-        "--checksum",
-        "1",
-        "checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
-    )
-    p.add_argument(
-        "--host-reserve",
-        type=_reserve_size,
-        default=env("HOST_RESERVE", "auto"),
-        help="page-locked host memory kept between sleeps, so later sleeps skip pinning: a size, or 'auto' (the "
-        "weights pool, at most a quarter of host RAM, given back while the host is short; 0 on the host backend)",
-    )
-    p.add_argument(
-        "--host-prepin",
-        type=_prepin_size,
-        default=env("HOST_PREPIN", "auto"),
-        help="page-lock this much host memory right after the load, in the background, so the first sleep runs "
-        "at line rate: a size, 'weights' for the weights pool, or 'auto' (the automatic reserve's size); raises "
-        "the reserve to it; held while awake",
-    )
-    _on_off(
-        p,
-        "--huge-pages",
-        "1",
-        "transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
-    )
-    p.add_argument(
-        "--offload-dir",
-        default=env("OFFLOAD_DIR", ""),
-        help="the disk tier: a directory for sleeping tags' backups (tag action offload_disk; the manager's host "
-        "budget moves sleepers there instead of discarding their weights); empty: none",
-    )
-    p.add_argument("--seed", type=int, default=env("SEED", "0"), help="seed of synthetic weights")
-    p.add_argument(
-        "--served-model-name",
-        default=env("SERVED_MODEL_NAME", ""),
-        help="the name clients ask for the model by (default: the checkpoint directory's name, or the synthetic spec)",
-    )
+    add_settings(p, WorkerConfig)  # the model and how it is served: WorkerConfig's fields
     p.add_argument("--manager", default=env("MANAGER", ""), help="manager address to register with (host:port)")
-    p.add_argument(
-        "--host-name",
-        default=env("HOST_NAME", ""),
-        help="host the worker reports to the manager (host budgets group by it; default: hostname)",
-    )
     p.add_argument(
         "--advertise",
         default=env("ADVERTISE", ""),
         help="address the manager should dial (default: the listen address)",
-    )
-    p.add_argument(
-        "--drain-timeout",
-        type=_seconds_up_to_an_hour,
-        default=env("DRAIN_TIMEOUT", "30"),
-        help="seconds calls in flight get on SIGTERM before they are cancelled",
-    )
-    p.add_argument(
-        "--read-timeout",
-        type=_some_seconds_up_to_an_hour,
-        default=env("READ_TIMEOUT", "60"),
-        help="seconds a checkpoint load may read nothing before it fails (a hung network mount)",
-    )
-    p.add_argument(
-        "--rpc-front",
-        choices=RPC_FRONTS,
-        default=env("RPC_FRONT", "process"),
-        help="where the gRPC server runs: process (the default), in a child process of its own, so that streaming "
-        "many answers takes no host time from the model's steps, or inline, in the worker's process (one process "
-        "fewer; a single stream's tokens arrive a few percent sooner)",
     )
     p.add_argument(
         "--standby",
@@ -456,61 +154,61 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--manager", default=env("MANAGER", "127.0.0.1:50051"), help="the manager's address")
     p.add_argument(
         "--wake-timeout",
-        type=_seconds,
+        type=non_negative_seconds,
         default=env("WAKE_TIMEOUT", "300"),
         help="seconds a request waits for its model's worker to be leased (and woken)",
     )
     p.add_argument(
         "--queue-timeout",
-        type=_seconds,
+        type=non_negative_seconds,
         default=env("QUEUE_TIMEOUT", "30"),
         help="seconds a request waits for room on its model's device while every other worker there is busy "
         "(then 503 with Retry-After)",
     )
     p.add_argument(
         "--lease-ttl",
-        type=_lease_ttl,
+        type=lease_ttl,
         default=env("GATEWAY_LEASE_TTL", "30"),
         help="seconds each request's lease lasts at the manager, renewed every third of it while the request "
         "runs; what a gateway that dies leaves its workers held awake for",
     )
     p.add_argument(
         "--max-requests",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=env("GATEWAY_MAX_REQUESTS", str(MAX_GATEWAY_REQUESTS)),
         help="completions served at once, streaming or queued for room (then 503 with Retry-After)",
     )
     p.add_argument(
         "--max-connections",
-        type=_count_or_auto,
+        type=count_or_auto,
         default=env("GATEWAY_MAX_CONNECTIONS", "auto"),
         help="HTTP connections held at once; past it a new one gets 503 with Retry-After and is closed (auto: what "
         f"the open-files limit, raised to its hard limit at start, leaves room for, at most {MAX_GATEWAY_CONNECTIONS})",
     )
     p.add_argument(
         "--header-timeout",
-        type=_some_seconds_up_to_an_hour,
+        type=some_seconds_up_to_an_hour,
         default=env("GATEWAY_HEADER_TIMEOUT", f"{GATEWAY_HEADER_TIMEOUT_S:g}"),
         help="seconds a connection has to send a whole request head, from its start or its previous response; "
         "then it is closed (a 408 first when a head was begun)",
     )
     p.add_argument(
         "--body-timeout",
-        type=_some_seconds_up_to_an_hour,
+        type=some_seconds_up_to_an_hour,
         default=env("GATEWAY_BODY_TIMEOUT", f"{GATEWAY_BODY_TIMEOUT_S:g}"),
         help="seconds a request's body has to arrive in full, from its head; then 408 and the connection is "
         "closed, before any lease is taken",
     )
     p.add_argument(
         "--idle-timeout",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=env("GATEWAY_IDLE_TIMEOUT", str(GATEWAY_IDLE_TIMEOUT_S)),
         help="whole seconds a keep-alive connection may sit idle after a response before it is closed "
         "(--header-timeout bounds it too)",
     )
     p.add_argument(
         "--processes",
-        type=_int_at_least(1),
+        type=int_at_least(1),
         default=env("GATEWAY_PROCESSES", "1"),
         help="processes serving the one port, each an event loop of its own that takes a share of the new "
         "connections: one writes about 10,000 streamed tokens a second; --max-requests and --max-connections "
@@ -543,7 +241,7 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     p.add_argument("--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing")
     p.add_argument(
         "--metrics-listen",
-        type=_listen_or_none,
+        type=listen_or_none,
         default=env("METRICS_LISTEN", ""),
         help="host:port of Prometheus /metrics",
     )
@@ -555,13 +253,13 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 def _policy_flags(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--idle-sleep-timeout",
-        type=_seconds_or_unset,
+        type=seconds_or_unset,
         default=env("IDLE_SLEEP_TIMEOUT", ""),
         help="seed: seconds idle before tier 1 (0: never)",
     )
     p.add_argument(
         "--idle-deep-sleep-timeout",
-        type=_seconds_or_unset,
+        type=seconds_or_unset,
         default=env("IDLE_DEEP_SLEEP_TIMEOUT", ""),
         help="seed: seconds idle before tier 2, level 2 (0: never)",
     )
@@ -607,7 +305,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.add_argument(
         "--older-than",
-        type=_duration,
+        type=duration,
         default=0.0,
         help="only those not seen for this long: 90s, 10m, 2h, 1d (default: every unavailable one)",
     )
@@ -628,7 +326,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.add_argument("address", help="host:port (gRPC), or an http:// URL (the gateway's /healthz)")
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
-    p.add_argument("--timeout", type=_seconds, default=3.0, help="seconds to wait for the answer")
+    p.add_argument("--timeout", type=non_negative_seconds, default=3.0, help="seconds to wait for the answer")
     _client_auth_flags(p)
     p = sub.add_parser("up", help="run a manager, one worker and the OpenAI gateway on this machine")
     p.add_argument(
@@ -642,13 +340,13 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.add_argument(
         "--metrics-listen",
-        type=_listen_or_none,
+        type=listen_or_none,
         default="127.0.0.1:9400",
         help="host:port of the manager's Prometheus /metrics ('': none)",
     )
     p.add_argument(
         "--gateway-listen",
-        type=_listen_or_none,
+        type=listen_or_none,
         default="127.0.0.1:8000",
         help="the OpenAI-compatible HTTP gateway ('': none)",
     )
@@ -673,13 +371,13 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
     p.add_argument(
         "--idle-sleep-timeout",
-        type=_seconds,
+        type=non_negative_seconds,
         default=300.0,
         help="seconds idle before a worker sleeps (tier 1, level 1; 0: never)",
     )
     p.add_argument(
         "--idle-deep-sleep-timeout",
-        type=_seconds,
+        type=non_negative_seconds,
         default=3600.0,
         help="seconds idle before a sleeper drops to level 2 (tier 2; 0: never)",
     )
@@ -928,9 +626,9 @@ def build_parser() -> argparse.ArgumentParser:
     """Every command's flags. Defaults from MEMSVC_* variables stay strings here and are converted
     with the flag's own type when its command is parsed, so a bad variable is that command's usage
     error (one line, exit 2), never a crash of every command (``--help`` included)."""
-    parser = _Parser(prog="memsvc", description="Sleep and wake LLM model workers.")
+    parser = Parser(prog="memsvc", description="Sleep and wake LLM model workers.")
     parser.add_argument("--version", action="version", version=f"memsvc {_version()}")
-    sub = parser.add_subparsers(dest="command", required=True, parser_class=_Parser)
+    sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
     _worker_parser(sub)
     _manager_parser(sub)
     _gateway_parser(sub)
@@ -944,9 +642,9 @@ _UNSET_WHEN_EMPTY = ("manager", "advertise", "config", "metrics_listen")
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
-    _env_bools(args, parser)
+    env_bools(args, parser)
     for dest, value in vars(args).items():
-        if isinstance(value, _EnvDefault):  # its variable was for --help: the services get plain values
+        if isinstance(value, EnvDefault):  # its variable was for --help: the services get plain values
             setattr(args, dest, None if value == "" and dest in _UNSET_WHEN_EMPTY else str(value))
     return args
 
@@ -1079,30 +777,7 @@ def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
 
     if args.max_step_tokens is not None and args.max_step_tokens < args.max_batch:
         parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
-    config = WorkerConfig(
-        model=args.model,
-        backend=args.backend,
-        device=args.device,
-        worker_id=args.worker_id,
-        kv_blocks=args.kv_blocks,
-        host_kv_blocks=args.host_kv_blocks,
-        block_size=args.block_size,
-        max_batch=args.max_batch,
-        max_step_tokens=args.max_step_tokens,
-        cuda_graphs=args.cuda_graphs,
-        host_capacity_bytes=args.host_capacity,
-        checksum=args.checksum,
-        host_reserve_bytes=args.host_reserve,
-        host_prepin=args.host_prepin,
-        seed=args.seed,
-        host_name=args.host_name,
-        served_model_name=args.served_model_name,
-        huge_pages=args.huge_pages,
-        offload_dir=args.offload_dir,
-        drain_seconds=args.drain_timeout,
-        read_timeout=args.read_timeout,
-        rpc_front=args.rpc_front,
-    )
+    config = WorkerConfig(**settings_from(WorkerConfig, args))
     security = _security(args, parser, server=True)
     return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]
 

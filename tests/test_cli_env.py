@@ -14,6 +14,7 @@ from pathlib import Path
 import pytest
 
 from memsvc import cli
+from memsvc.runtime.flags import parse_bytes
 
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 
@@ -93,7 +94,7 @@ def test_numbers_from_the_environment_are_the_flags_defaults(monkeypatch: pytest
     monkeypatch.setenv("MEMSVC_KV_BLOCKS", "77")
     monkeypatch.setenv("MEMSVC_DRAIN_TIMEOUT", "2.5")
     args = cli.parse(cli.build_parser(), ["worker"])
-    assert (args.kv_blocks, args.drain_timeout) == (77, 2.5)
+    assert (args.kv_blocks, args.drain_seconds) == (77, 2.5)
 
 
 def test_version() -> None:
@@ -186,12 +187,44 @@ def test_the_readme_flag_table_lists_every_worker_flag() -> None:
     assert flags <= listed, f"worker flags missing from README's Configuration: {sorted(flags - listed)}"
 
 
+def test_every_worker_setting_is_one_definition_of_its_flag_variable_default_and_readme_row() -> None:
+    """WorkerConfig's fields are the worker's flags (memsvc/runtime/flags.py): each flag's default, as
+    its variable would spell it, parses to the field's default; with no flag and no variable the parser
+    gives exactly WorkerConfig(); and the README's row for each flag names its variable."""
+    import dataclasses
+    import re
+
+    from memsvc.runtime.flags import default_text, flag_name, settings_of, variable
+    from worker.config import WorkerConfig
+
+    settings = settings_of(WorkerConfig)
+    assert {f.name for f, _ in settings} == {f.name for f in dataclasses.fields(WorkerConfig)}, "a field without a flag"
+    for f, s in settings:
+        parsed = s.parse(default_text(f, s)) if s.parse else default_text(f, s)
+        assert parsed == f.default or (s.on_off and default_text(f, s) == ("1" if f.default else "0")), f.name
+    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMSVC_")}
+    with pytest.MonkeyPatch.context() as mp:
+        for k in set(os.environ) - set(clean):
+            mp.delenv(k)
+        args = cli.parse(cli.build_parser(), ["worker"])
+    from memsvc.runtime.flags import settings_from
+
+    assert WorkerConfig(**settings_from(WorkerConfig, args)) == WorkerConfig()
+    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
+    rows = [line for line in readme.split("## Configuration", 1)[1].split("\n## ", 1)[0].splitlines()
+            if line.startswith("| `--")]  # fmt: skip
+    for f, s in settings:
+        row = next((r for r in rows if re.search(rf"`{flag_name(f, s)}`", r.split("|")[1])), None)
+        assert row is not None, f"README: no row for {flag_name(f, s)}"
+        assert f"`{variable(f, s)}`" in row.split("|")[2], f"README: {flag_name(f, s)}'s row lacks {variable(f, s)}"
+
+
 @pytest.mark.parametrize(("text", "size"), [
     ("8Gi", 8 << 30), ("8GiB", 8 << 30), ("8gib", 8 << 30), ("8GB", 8 * 10**9), ("512MiB", 512 << 20),
     ("1.5Gi", 3 << 29), ("64kB", 64_000), ("4096", 4096),
 ])  # fmt: skip
 def test_sizes_binary_and_decimal_suffixes(text: str, size: int) -> None:
-    assert cli.parse_bytes(text) == size
+    assert parse_bytes(text) == size
 
 
 def test_a_bare_size_letter_is_refused_as_ambiguous() -> None:

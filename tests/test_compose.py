@@ -30,7 +30,7 @@ import yaml
 from childproc import Proc
 from upproc import MEMSVC, REPO_ROOT, free_port, get_worker, run, wait_state
 
-from memsvc.cli import parse_bytes
+from memsvc.runtime.flags import parse_bytes
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc

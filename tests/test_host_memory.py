@@ -57,9 +57,9 @@ def test_auto_is_the_weights_within_a_quarter_of_the_host_and_none_when_it_would
 
 def test_the_flags_take_auto_and_refuse_what_is_neither_a_size_nor_auto() -> None:
     args = build_parser().parse_args(["worker"])
-    assert args.host_reserve == "auto" and args.host_prepin == "auto"
+    assert args.host_reserve_bytes == "auto" and args.host_prepin == "auto"
     args = build_parser().parse_args(["worker", "--host-reserve", "1GiB", "--host-prepin", "weights"])
-    assert args.host_reserve == 1 << 30 and args.host_prepin == "weights"
+    assert args.host_reserve_bytes == 1 << 30 and args.host_prepin == "weights"
     assert WorkerConfig().host_reserve_bytes == "auto" and WorkerConfig().host_prepin == "auto"
     for bad in ({"host_reserve_bytes": "weights"}, {"host_reserve_bytes": -1}, {"host_prepin": "some"}):
         with pytest.raises(InvalidArgument):

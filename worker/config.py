@@ -8,6 +8,16 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from memsvc.errors import InvalidArgument, NotFound
+from memsvc.runtime.flags import (
+    count_or_auto,
+    int_at_least,
+    parse_bytes,
+    prepin_size,
+    reserve_size,
+    seconds_up_to_an_hour,
+    setting,
+    some_seconds_up_to_an_hour,
+)
 from memsvc.vocabulary import RPC_FRONTS
 from worker.checkpoint_files import CONFIG_FILE
 from worker.host_memory import AUTO, parse_prepin, parse_reserve
@@ -18,56 +28,92 @@ from worker.model.hub import is_hub_id
 class WorkerConfig:
     """How a worker is built (the ``memsvc worker`` flags)."""
 
-    model: str = "synthetic:tiny"
-    """A Hugging Face-layout checkpoint directory, or ``synthetic:<preset>``."""
-    backend: str = "auto"
-    device: int = 0
-    worker_id: str = ""
-    """Name under which the worker registers; default ``<hostname>-<device>``."""
-    kv_blocks: int = 256
-    """Device KV cache blocks."""
-    host_kv_blocks: int = 256
-    """Host KV cache blocks (swap space)."""
-    block_size: int = 16
-    """Tokens per KV block."""
-    max_batch: int = 64
-    """Requests one engine step runs at most; more wait their turn (worker/model/engine.py)."""
-    max_step_tokens: int | None = None
-    """Tokens one step feeds at most: long prompts are read in chunks of what is left. None: 512 or
-    max_batch, whichever is more (worker/model/engine.py's DEFAULT_MAX_STEP_TOKENS says why)."""
-    cuda_graphs: bool = True
-    """Capture the decode step in CUDA graphs (cuda backend with Triton; ignored on host)."""
-    host_capacity_bytes: int = 8 << 30
-    """Host backend only: size of the simulated device."""
-    checksum: bool = True
-    """Verify offloaded bytes on wake; a mismatch fails the wake with DATA_LOSS naming the allocation."""
-    host_reserve_bytes: int | str = AUTO
-    """Page-locked host memory kept between sleeps, so later sleeps skip pinning: a byte count, or
-    ``"auto"`` (worker/host_memory.py: the weights pool's size within a share of host RAM, given
-    back while the host is short; 0 on the host backend)."""
-    host_prepin: int | str = AUTO
-    """Host memory to page-lock in the background once the model is loaded, so the first sleep
-    runs at line rate: a byte count, ``"weights"`` for the size of the weights pool, or ``"auto"``
-    (the automatic reserve's size)."""
-    huge_pages: bool = True
-    offload_dir: str = ""
-    """The disk tier: a directory for sleeping tags' backups (tag action ``offload_disk``, and the
-    manager's host-budget demotion); empty: none."""
-    seed: int = 0
-    served_model_name: str = ""
-    """The OpenAI-style model name clients use (see :meth:`resolved_served_model_name`)."""
-    host_name: str = ""
-    """Host reported to the manager, whose host budgets group workers by it; default: hostname."""
-    drain_seconds: float = 30.0
-    """On SIGTERM, calls in flight get this long to finish; then they are cancelled (a Generate stops
-    at its next step) and the worker exits, within :data:`~worker.main.EXIT_GRACE_S` more at most."""
-    rpc_front: str = "process"
-    """Where the public gRPC server runs: ``inline``, in the worker's process, or ``process``, in a
-    child process of its own (worker/rpc_front.py), so that writing the streams' messages takes no
-    host time from the device loop."""
-    read_timeout: float = 60.0
-    """A checkpoint load (start-up, level-2 wake, ReloadWeights) whose reads make no progress this
-    long fails (worker/model/loader.py: a hung network mount)."""
+    # Each field is a ``memsvc worker`` flag and a MEMSVC_* variable (memsvc/runtime/flags.py): this is
+    # their one definition, default and help included; the README's flag table is checked against it.
+    model: str = setting(
+        "synthetic:tiny",
+        "HF-layout checkpoint dir, Hugging Face Hub id (org/name[@revision]), or synthetic:<preset>",
+    )
+    backend: str = setting(
+        "auto", "cuda, host (CPU memory: the allocator without a GPU), or auto: cuda when a GPU is present",
+        choices=("auto", "cuda", "host"),
+    )  # fmt: skip
+    device: int = setting(0, "CUDA device ordinal", parse=int_at_least(0))
+    worker_id: str = setting("", "registration name (default: <hostname>-<device>)")
+    kv_blocks: int = setting(256, "device KV cache blocks", parse=int_at_least(1))
+    host_kv_blocks: int = setting(256, "host KV blocks (swap)", parse=int_at_least(1))
+    block_size: int = setting(16, "tokens per KV block", parse=int_at_least(1))
+    max_batch: int = setting(64, "requests one engine step runs at most", parse=int_at_least(1))
+    """More wait their turn (worker/model/engine.py)."""
+    max_step_tokens: int | None = setting(
+        None,
+        "tokens one engine step feeds at most (long prompts are read in chunks); auto: 512 or --max-batch, "
+        "whichever is more (a step of up to 512 rows replays a CUDA graph)",
+        parse=count_or_auto, text="auto",
+    )  # fmt: skip
+    """worker/model/engine.py's DEFAULT_MAX_STEP_TOKENS says why 512."""
+    cuda_graphs: bool = setting(
+        True, "capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
+        on_off=True,
+    )  # fmt: skip
+    """Ignored on the host backend, and for models the Triton kernels do not suit."""
+    host_capacity_bytes: int = setting(
+        8 << 30, "host backend: device size", parse=parse_bytes, flag="--host-capacity", text="8GiB"
+    )
+    checksum: bool = setting(
+        True, "checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
+        on_off=True,
+    )  # fmt: skip
+    """A mismatch fails the wake with DATA_LOSS naming the allocation."""
+    host_reserve_bytes: int | str = setting(
+        AUTO,
+        "page-locked host memory kept between sleeps, so later sleeps skip pinning: a size, or 'auto' (the "
+        "weights pool, at most a quarter of host RAM, given back while the host is short; 0 on the host backend)",
+        parse=reserve_size, flag="--host-reserve",
+    )  # fmt: skip
+    """worker/host_memory.py sizes ``auto``."""
+    host_prepin: int | str = setting(
+        AUTO,
+        "page-lock this much host memory right after the load, in the background, so the first sleep runs "
+        "at line rate: a size, 'weights' for the weights pool, or 'auto' (the automatic reserve's size); raises "
+        "the reserve to it; held while awake",
+        parse=prepin_size,
+    )  # fmt: skip
+    huge_pages: bool = setting(
+        True,
+        "transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
+        on_off=True,
+    )  # fmt: skip
+    offload_dir: str = setting(
+        "",
+        "the disk tier: a directory for sleeping tags' backups (tag action offload_disk; the manager's host "
+        "budget moves sleepers there instead of discarding their weights); empty: none",
+    )  # fmt: skip
+    seed: int = setting(0, "seed of synthetic weights", parse=int)
+    served_model_name: str = setting(
+        "", "the name clients ask for the model by (default: the checkpoint directory's name, or the synthetic spec)"
+    )
+    """See :meth:`resolved_served_model_name`."""
+    host_name: str = setting("", "host the worker reports to the manager (host budgets group by it; default: hostname)")
+    drain_seconds: float = setting(
+        30.0, "seconds calls in flight get on SIGTERM before they are cancelled",
+        parse=seconds_up_to_an_hour, flag="--drain-timeout", text="30",
+    )  # fmt: skip
+    """Then they are cancelled (a Generate stops at its next step) and the worker exits, within
+    :data:`~worker.main.EXIT_GRACE_S` more at most."""
+    read_timeout: float = setting(
+        60.0, "seconds a checkpoint load may read nothing before it fails (a hung network mount)",
+        parse=some_seconds_up_to_an_hour, text="60",
+    )  # fmt: skip
+    """For start-up, a level-2 wake and ReloadWeights (worker/model/loader.py)."""
+    rpc_front: str = setting(
+        "process",
+        "where the gRPC server runs: process (the default), in a child process of its own, so that streaming "
+        "many answers takes no host time from the model's steps, or inline, in the worker's process (one process "
+        "fewer; a single stream's tokens arrive a few percent sooner)",
+        choices=RPC_FRONTS,
+    )  # fmt: skip
+    """worker/rpc_front.py."""
 
     def __post_init__(self) -> None:
         parse_reserve(self.host_reserve_bytes, "host_reserve_bytes")
