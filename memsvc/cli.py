@@ -19,18 +19,14 @@ from memsvc.runtime.flags import (
     EnvDefault,
     Parser,
     add_settings,
-    count_or_auto,
     duration,
     env,
     env_bools,
-    int_at_least,
-    lease_ttl,
     listen_address,
     listen_or_none,
     non_negative_seconds,
     seconds_or_unset,
     settings_from,
-    some_seconds_up_to_an_hour,
 )
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
@@ -136,84 +132,10 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from memsvc.runtime.limits import (
-        GATEWAY_BODY_TIMEOUT_S,
-        GATEWAY_HEADER_TIMEOUT_S,
-        GATEWAY_IDLE_TIMEOUT_S,
-        MAX_GATEWAY_CONNECTIONS,
-        MAX_GATEWAY_REQUESTS,
-    )
+    from memsvc.gateway import Settings
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a manager's workers")
-    p.add_argument(
-        "--listen",
-        type=listen_address,
-        default=env("GATEWAY_LISTEN", "127.0.0.1:8000"),
-        help="host:port to serve HTTP on",
-    )
-    p.add_argument("--manager", default=env("MANAGER", "127.0.0.1:50051"), help="the manager's address")
-    p.add_argument(
-        "--wake-timeout",
-        type=non_negative_seconds,
-        default=env("WAKE_TIMEOUT", "300"),
-        help="seconds a request waits for its model's worker to be leased (and woken)",
-    )
-    p.add_argument(
-        "--queue-timeout",
-        type=non_negative_seconds,
-        default=env("QUEUE_TIMEOUT", "30"),
-        help="seconds a request waits for room on its model's device while every other worker there is busy "
-        "(then 503 with Retry-After)",
-    )
-    p.add_argument(
-        "--lease-ttl",
-        type=lease_ttl,
-        default=env("GATEWAY_LEASE_TTL", "30"),
-        help="seconds each request's lease lasts at the manager, renewed every third of it while the request "
-        "runs; what a gateway that dies leaves its workers held awake for",
-    )
-    p.add_argument(
-        "--max-requests",
-        type=int_at_least(1),
-        default=env("GATEWAY_MAX_REQUESTS", str(MAX_GATEWAY_REQUESTS)),
-        help="completions served at once, streaming or queued for room (then 503 with Retry-After)",
-    )
-    p.add_argument(
-        "--max-connections",
-        type=count_or_auto,
-        default=env("GATEWAY_MAX_CONNECTIONS", "auto"),
-        help="HTTP connections held at once; past it a new one gets 503 with Retry-After and is closed (auto: what "
-        f"the open-files limit, raised to its hard limit at start, leaves room for, at most {MAX_GATEWAY_CONNECTIONS})",
-    )
-    p.add_argument(
-        "--header-timeout",
-        type=some_seconds_up_to_an_hour,
-        default=env("GATEWAY_HEADER_TIMEOUT", f"{GATEWAY_HEADER_TIMEOUT_S:g}"),
-        help="seconds a connection has to send a whole request head, from its start or its previous response; "
-        "then it is closed (a 408 first when a head was begun)",
-    )
-    p.add_argument(
-        "--body-timeout",
-        type=some_seconds_up_to_an_hour,
-        default=env("GATEWAY_BODY_TIMEOUT", f"{GATEWAY_BODY_TIMEOUT_S:g}"),
-        help="seconds a request's body has to arrive in full, from its head; then 408 and the connection is "
-        "closed, before any lease is taken",
-    )
-    p.add_argument(
-        "--idle-timeout",
-        type=int_at_least(1),
-        default=env("GATEWAY_IDLE_TIMEOUT", str(GATEWAY_IDLE_TIMEOUT_S)),
-        help="whole seconds a keep-alive connection may sit idle after a response before it is closed "
-        "(--header-timeout bounds it too)",
-    )
-    p.add_argument(
-        "--processes",
-        type=int_at_least(1),
-        default=env("GATEWAY_PROCESSES", "1"),
-        help="processes serving the one port, each an event loop of its own that takes a share of the new "
-        "connections: one writes about 10,000 streamed tokens a second; --max-requests and --max-connections "
-        "are shared out among them",
-    )
+    add_settings(p, Settings)  # Settings' fields
     _client_auth_flags(p)
     _log_flags(p)
 
@@ -703,15 +625,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             **_security_kwargs(security), advertise=args.advertise,  # type: ignore[arg-type]
         )  # fmt: skip
     if args.command == "gateway":
+        from memsvc.gateway import Settings
         from memsvc.gateway import run as run_gateway
 
         security = _security(args, parser)
-        limits = (args.wake_timeout, args.queue_timeout, args.max_requests)
-        return run_gateway(
-            args.listen, args.manager, security, *limits,  # type: ignore[arg-type]
-            header_timeout=args.header_timeout, body_timeout=args.body_timeout, idle_timeout=args.idle_timeout,
-            max_connections=args.max_connections, lease_ttl=args.lease_ttl, processes=args.processes,
-        )  # fmt: skip
+        return run_gateway(Settings(**settings_from(Settings, args), security=security))  # type: ignore[arg-type]
     if args.command == "up" and args.config:
         from memsvc._host import run_host
 

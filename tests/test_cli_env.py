@@ -10,6 +10,7 @@ import os
 import subprocess
 import sys
 from pathlib import Path
+from typing import Any
 
 import pytest
 
@@ -187,36 +188,48 @@ def test_the_readme_flag_table_lists_every_worker_flag() -> None:
     assert flags <= listed, f"worker flags missing from README's Configuration: {sorted(flags - listed)}"
 
 
-def test_every_worker_setting_is_one_definition_of_its_flag_variable_default_and_readme_row() -> None:
-    """WorkerConfig's fields are the worker's flags (memsvc/runtime/flags.py): each flag's default, as
-    its variable would spell it, parses to the field's default; with no flag and no variable the parser
-    gives exactly WorkerConfig(); and the README's row for each flag names its variable."""
+@pytest.mark.parametrize("command", ["worker", "gateway"])
+def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(command: str) -> None:
+    """A command's settings dataclass (memsvc/runtime/flags.py) is its flags: each flag's default, as
+    its variable would spell it, parses to the field's default; with no flag and no variable the
+    parser gives exactly the dataclass's defaults; each flag is documented with its variable (the
+    worker's in the README's table, the gateway's in docs/operations.md)."""
     import dataclasses
     import re
 
-    from memsvc.runtime.flags import default_text, flag_name, settings_of, variable
+    from memsvc.gateway import Settings
+    from memsvc.runtime.flags import default_text, flag_name, settings_from, settings_of, variable
     from worker.config import WorkerConfig
 
-    settings = settings_of(WorkerConfig)
-    assert {f.name for f, _ in settings} == {f.name for f in dataclasses.fields(WorkerConfig)}, "a field without a flag"
+    cls: type[Any] = WorkerConfig if command == "worker" else Settings
+    settings = settings_of(cls)
+    assert {f.name for f, _ in settings} == {f.name for f in dataclasses.fields(cls)} - {"security"}, (
+        "a field without a flag"
+    )
     for f, s in settings:
         parsed = s.parse(default_text(f, s)) if s.parse else default_text(f, s)
         assert parsed == f.default or (s.on_off and default_text(f, s) == ("1" if f.default else "0")), f.name
-    clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMSVC_")}
     with pytest.MonkeyPatch.context() as mp:
-        for k in set(os.environ) - set(clean):
+        for k in [k for k in os.environ if k.startswith("MEMSVC_")]:
             mp.delenv(k)
-        args = cli.parse(cli.build_parser(), ["worker"])
-    from memsvc.runtime.flags import settings_from
-
-    assert WorkerConfig(**settings_from(WorkerConfig, args)) == WorkerConfig()
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    rows = [line for line in readme.split("## Configuration", 1)[1].split("\n## ", 1)[0].splitlines()
-            if line.startswith("| `--")]  # fmt: skip
-    for f, s in settings:
-        row = next((r for r in rows if re.search(rf"`{flag_name(f, s)}`", r.split("|")[1])), None)
-        assert row is not None, f"README: no row for {flag_name(f, s)}"
-        assert f"`{variable(f, s)}`" in row.split("|")[2], f"README: {flag_name(f, s)}'s row lacks {variable(f, s)}"
+        args = cli.parse(cli.build_parser(), [command])
+    assert cls(**settings_from(cls, args)) == cls()
+    root = Path(__file__).resolve().parent.parent
+    if command == "worker":
+        readme = (root / "README.md").read_text()
+        rows = [line for line in readme.split("## Configuration", 1)[1].split("\n## ", 1)[0].splitlines()
+                if line.startswith("| `--")]  # fmt: skip
+        for f, s in settings:
+            row = next((r for r in rows if re.search(rf"`{flag_name(f, s)}`", r.split("|")[1])), None)
+            assert row is not None, f"README: no row for {flag_name(f, s)}"
+            assert f"`{variable(f, s)}`" in row.split("|")[2], f"README: {flag_name(f, s)}'s row lacks {variable(f, s)}"
+    else:
+        ops = (root / "docs" / "operations.md").read_text()
+        section = ops.split("\n## The gateway", 1)[1].split("\n## ", 1)[0]
+        for f, s in settings:
+            assert re.search(rf"{flag_name(f, s)}\b", section), (
+                f"docs/operations.md's gateway section: no {flag_name(f, s)}"
+            )
 
 
 @pytest.mark.parametrize(("text", "size"), [

@@ -11,10 +11,20 @@ import socket
 from collections.abc import Callable
 from typing import TYPE_CHECKING
 
+from memsvc.runtime.flags import (
+    count_or_auto,
+    int_at_least,
+    lease_ttl_seconds,
+    listen_address,
+    non_negative_seconds,
+    setting,
+    some_seconds_up_to_an_hour,
+)
 from memsvc.runtime.limits import (
     GATEWAY_BODY_TIMEOUT_S,
     GATEWAY_HEADER_TIMEOUT_S,
     GATEWAY_IDLE_TIMEOUT_S,
+    MAX_GATEWAY_CONNECTIONS,
     MAX_GATEWAY_REQUESTS,
     MAX_HTTP_HEAD_BYTES,
 )
@@ -23,58 +33,96 @@ if TYPE_CHECKING:
     from memsvc.runtime.auth import Security
 
 
+LEASE_TTL_S = 30.0
+"""A request's lease at the manager by default, renewed every third of it (memsvc/gateway/backends.py)."""
+
+
 @dataclasses.dataclass(frozen=True)
 class Settings:
-    """What one gateway process serves with: :func:`run`'s arguments, less the process count."""
+    """What the gateway serves with: each field but ``security`` is a ``memsvc gateway`` flag and a
+    MEMSVC_* variable (memsvc/runtime/flags.py), this its one definition."""
 
-    listen: str
-    manager: str
-    security: Security | None = None
-    acquire_timeout: float = 300.0
-    queue_timeout: float = 30.0
-    max_requests: int = MAX_GATEWAY_REQUESTS
-    header_timeout: float = GATEWAY_HEADER_TIMEOUT_S
-    body_timeout: float = GATEWAY_BODY_TIMEOUT_S
-    idle_timeout: int = GATEWAY_IDLE_TIMEOUT_S
-    max_connections: int | None = None
-    lease_ttl: float | None = None
-
-
-def run(
-    listen: str, manager: str, security: Security | None = None, acquire_timeout: float = 300.0,
-    queue_timeout: float = 30.0, max_requests: int = MAX_GATEWAY_REQUESTS, *,
-    header_timeout: float = GATEWAY_HEADER_TIMEOUT_S, body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
-    idle_timeout: int = GATEWAY_IDLE_TIMEOUT_S, max_connections: int | None = None,
-    lease_ttl: float | None = None, processes: int = 1,
-) -> int:  # fmt: skip
-    """Serve the gateway on ``listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM.
-
-    ``max_connections`` None: as many as the open-files limit leaves room for, at most
-    MAX_GATEWAY_CONNECTIONS (memsvc.gateway.connections.connection_bound). ``processes`` > 1: that
-    many processes serve the one port (memsvc/gateway/processes.py), each an event loop of its own,
-    with ``max_requests`` and ``max_connections`` shared out among them."""
-    if max_requests < 1:
-        raise SystemExit(f"memsvc gateway: --max-requests must be at least 1, got {max_requests}")
-    if processes < 1:
-        raise SystemExit(f"memsvc gateway: --processes must be at least 1, got {processes}")
-    settings = Settings(
-        listen, manager, security, acquire_timeout, queue_timeout, max_requests, header_timeout, body_timeout,
-        idle_timeout, max_connections, lease_ttl,
+    listen: str = setting("127.0.0.1:8000", "host:port to serve HTTP on", parse=listen_address, env="GATEWAY_LISTEN")
+    manager: str = setting("127.0.0.1:50051", "the manager's address")
+    acquire_timeout: float = setting(
+        300.0, "seconds a request waits for its model's worker to be leased (and woken)",
+        parse=non_negative_seconds, flag="--wake-timeout", text="300",
     )  # fmt: skip
+    queue_timeout: float = setting(
+        30.0,
+        "seconds a request waits for room on its model's device while every other worker there is busy "
+        "(then 503 with Retry-After)",
+        parse=non_negative_seconds, text="30",
+    )  # fmt: skip
+    lease_ttl: float = setting(
+        LEASE_TTL_S,
+        "seconds each request's lease lasts at the manager, renewed every third of it while the request "
+        "runs; what a gateway that dies leaves its workers held awake for",
+        parse=lease_ttl_seconds, text=f"{LEASE_TTL_S:g}", env="GATEWAY_LEASE_TTL",
+    )  # fmt: skip
+    max_requests: int = setting(
+        MAX_GATEWAY_REQUESTS, "completions served at once, streaming or queued for room (then 503 with Retry-After)",
+        parse=int_at_least(1), env="GATEWAY_MAX_REQUESTS",
+    )  # fmt: skip
+    max_connections: int | None = setting(
+        None,
+        "HTTP connections held at once; past it a new one gets 503 with Retry-After and is closed (auto: what "
+        f"the open-files limit, raised to its hard limit at start, leaves room for, at most {MAX_GATEWAY_CONNECTIONS})",
+        parse=count_or_auto, text="auto", env="GATEWAY_MAX_CONNECTIONS",
+    )  # fmt: skip
+    """memsvc.gateway.connections.connection_bound sizes ``auto``."""
+    header_timeout: float = setting(
+        GATEWAY_HEADER_TIMEOUT_S,
+        "seconds a connection has to send a whole request head, from its start or its previous response; "
+        "then it is closed (a 408 first when a head was begun)",
+        parse=some_seconds_up_to_an_hour, text=f"{GATEWAY_HEADER_TIMEOUT_S:g}", env="GATEWAY_HEADER_TIMEOUT",
+    )  # fmt: skip
+    body_timeout: float = setting(
+        GATEWAY_BODY_TIMEOUT_S,
+        "seconds a request's body has to arrive in full, from its head; then 408 and the connection is "
+        "closed, before any lease is taken",
+        parse=some_seconds_up_to_an_hour, text=f"{GATEWAY_BODY_TIMEOUT_S:g}", env="GATEWAY_BODY_TIMEOUT",
+    )  # fmt: skip
+    idle_timeout: int = setting(
+        GATEWAY_IDLE_TIMEOUT_S,
+        "whole seconds a keep-alive connection may sit idle after a response before it is closed "
+        "(--header-timeout bounds it too)",
+        parse=int_at_least(1), env="GATEWAY_IDLE_TIMEOUT",
+    )  # fmt: skip
+    processes: int = setting(
+        1,
+        "processes serving the one port, each an event loop of its own that takes a share of the new "
+        "connections: one writes about 10,000 streamed tokens a second; --max-requests and --max-connections "
+        "are shared out among them",
+        parse=int_at_least(1), env="GATEWAY_PROCESSES",
+    )  # fmt: skip
+    """Above 1: memsvc/gateway/processes.py; each child serves with these settings and ``processes`` 1."""
+    security: Security | None = None
+    """TLS and the token (memsvc/runtime/auth.py): the auth flags every command shares."""
+
+
+def run(settings: Settings) -> int:
+    """Serve the gateway on ``settings.listen`` (host:port; port 0 picks one) until SIGINT/SIGTERM:
+    in this process, or with ``processes`` > 1 in that many (memsvc/gateway/processes.py), with
+    ``max_requests`` and ``max_connections`` shared out among them."""
+    if settings.max_requests < 1:
+        raise SystemExit(f"memsvc gateway: --max-requests must be at least 1, got {settings.max_requests}")
+    if settings.processes < 1:
+        raise SystemExit(f"memsvc gateway: --processes must be at least 1, got {settings.processes}")
     from memsvc.runtime.logs import announce
     from memsvc.runtime.serving import run_service
 
-    if processes > 1:
+    if settings.processes > 1:
         from memsvc.gateway.processes import supervise
 
-        code = supervise(settings, processes)
+        code = supervise(settings, settings.processes)
     else:
         from memsvc.gateway.processes import bind_port
 
         def listening(where: str) -> None:
             announce(f"memsvc gateway listening on {where}")
 
-        code = run_service(serve(settings, listening=listening, sock=bind_port(listen, shared=False)))
+        code = run_service(serve(settings, listening=listening, sock=bind_port(settings.listen, shared=False)))
     announce("memsvc gateway stopped")
     return code
 

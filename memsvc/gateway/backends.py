@@ -25,6 +25,7 @@ from typing import Any
 import grpc
 
 from memsvc.errors import NoLeader
+from memsvc.gateway import LEASE_TTL_S
 from memsvc.runtime.auth import Security, aio_channel
 from memsvc.runtime.rpc_errors import error_info
 from memsvc.v1 import common_pb2 as c
@@ -32,11 +33,6 @@ from memsvc.v1 import memory_manager_service_pb2 as m
 from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
 
-LEASE_TTL_S = 30.0
-"""A request's lease (``--lease-ttl``), renewed every RENEWALS_PER_TTL-th of it while the request runs:
-a gateway that dies holds its workers awake this long at most, a release the manager could not take
-is retried this long at most, and a manager down longer than this loses the lease (the response goes
-on, straight from the worker, but nothing then keeps the worker from idle sleep or eviction)."""
 RENEWALS_PER_TTL = 3
 """Renewals per TTL: one that fails is tried again at the next, two more before the lease expires."""
 RELEASE_RETRY_S = (0.5, 5.0)
@@ -123,6 +119,10 @@ class Backends:
     ) -> None:
         self._security = security
         self.lease_ttl_s = LEASE_TTL_S if lease_ttl_s is None else lease_ttl_s
+        """Renewed every RENEWALS_PER_TTL-th of it while the request runs: a gateway that dies holds its
+        workers awake this long at most, a release the manager could not take is retried this long at
+        most, and a manager down longer than this loses the lease (the response goes on, straight from
+        the worker, but nothing then keeps the worker from idle sleep or eviction)."""
         options = [("grpc.max_reconnect_backoff_ms", MANAGER_RECONNECT_MAX_MS)]
         self._manager_channel = aio_channel(manager_address, security, options)
         self.manager: m_grpc.MemoryManagerServiceAsyncStub = m_grpc.MemoryManagerServiceStub(self._manager_channel)
@@ -404,7 +404,6 @@ class Backends:
 
 
 __all__ = [
-    "LEASE_TTL_S",
     "QUEUE_POLL_S",
     "RELEASE_RETRY_S",
     "RENEWALS_PER_TTL",

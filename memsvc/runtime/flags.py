@@ -188,7 +188,7 @@ def count_or_auto(text: str) -> int | None:
     return None if text.strip().lower() == "auto" else int_at_least(1)(text)
 
 
-def lease_ttl(text: str) -> float:
+def lease_ttl_seconds(text: str) -> float:
     """A flag's type: a gateway lease's TTL, seconds in [1, 3600] (it is renewed every third of it:
     shorter would flood the manager with renewals, longer hold a dead gateway's workers awake)."""
     value = seconds_up_to_an_hour(text)
@@ -248,6 +248,8 @@ class Setting:
     choices: tuple[str, ...] | None = None
     on_off: bool = False
     """``--name`` / ``--no-name``, a bool (its variable 1/0, true/false, yes/no, on/off)."""
+    env: str = ""
+    """The variable's name after ``MEMSVC_``; empty: the flag's name (``--kv-blocks``: KV_BLOCKS)."""
 
 
 def setting(default: Any, help: str, **how: Any) -> Any:  # noqa: A002 - argparse's name
@@ -266,8 +268,8 @@ def flag_name(f: dataclasses.Field[Any], s: Setting) -> str:
 
 
 def variable(f: dataclasses.Field[Any], s: Setting) -> str:
-    """``MEMSVC_<FLAG>``: the variable a flag's default comes from."""
-    return "MEMSVC_" + flag_name(f, s).removeprefix("--").replace("-", "_").upper()
+    """``MEMSVC_<FLAG>`` (or the name the setting gives): the variable a flag's default comes from."""
+    return "MEMSVC_" + (s.env or flag_name(f, s).removeprefix("--").replace("-", "_").upper())
 
 
 def default_text(f: dataclasses.Field[Any], s: Setting) -> str:
@@ -284,6 +286,7 @@ def add_settings(p: argparse.ArgumentParser, cls: type) -> None:
     for f, s in settings_of(cls):
         name = flag_name(f, s)
         if s.on_off:
+            assert not s.env, "an on/off flag's variable is named after it"
             on_off(p, name, default_text(f, s), s.help)
             continue
         key = variable(f, s).removeprefix("MEMSVC_")
