@@ -191,9 +191,14 @@ def _hf_generate(model: Any, device: torch.device, prompts: list[list[int]], new
     _sync(device)
     t0 = time.perf_counter()
     out: torch.Tensor = model.generate(
-        ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=new, min_new_tokens=new,
-        eos_token_id=None, pad_token_id=0,
-    )  # fmt: skip
+        ids,
+        attention_mask=torch.ones_like(ids),
+        do_sample=False,
+        max_new_tokens=new,
+        min_new_tokens=new,
+        eos_token_id=None,
+        pad_token_id=0,
+    )
     _sync(device)
     dt = time.perf_counter() - t0
     if tuple(out.shape) != (len(prompts), len(prompts[0]) + new):
@@ -240,18 +245,23 @@ def transformers_baseline(
         "attn_implementation": attn,
         "build_s": build_s,
         "one_stream": {
-            "prompt_tokens": PROMPT_TOKENS, "new_tokens": HF_NEW_TOKENS, "t_1_new_s": t1,
+            "prompt_tokens": PROMPT_TOKENS,
+            "new_tokens": HF_NEW_TOKENS,
+            "t_1_new_s": t1,
             f"t_{HF_NEW_TOKENS}_new_s": tn,
             "decode_ms_per_token": (mn - m1) / (HF_NEW_TOKENS - 1) * 1e3,
         },
         "batched": {
-            "streams": HF_STREAMS, "prompt_tokens": PROMPT_TOKENS, "new_tokens": HF_NEW_TOKENS, "wall_s": batch,
+            "streams": HF_STREAMS,
+            "prompt_tokens": PROMPT_TOKENS,
+            "new_tokens": HF_NEW_TOKENS,
+            "wall_s": batch,
             "tok_per_s": HF_STREAMS * HF_NEW_TOKENS / mb,
         },
         "ttft_long": {"prompt_tokens": long_tokens, "s": long, "median_s": statistics.median(long)},
         "ttft_short": {"prompt_tokens": PROMPT_TOKENS, "s": t1, "median_s": m1, "note": "the t(1 new) calls"},
         "reference_tokens": ref_tokens,
-    }  # fmt: skip
+    }
 
 
 # ---- B. the worker through gRPC ----
@@ -396,7 +406,7 @@ def one_stream(stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, reps: int,
             "client_s": [a for a, _ in ttft],
             "server_s": [b for _, b in ttft],
             "median_s": statistics.median(a for a, _ in ttft),
-        },  # fmt: skip
+        },
     }
 
 
@@ -445,9 +455,12 @@ def long_prompt(
         _timed_generate(stub, _request(prompts.make(tokens), 1))
     rows = [_timed_generate(stub, _request(prompts.make(tokens), 1)) for _ in range(reps)]
     return {
-        "prompt_tokens": tokens, "client_s": [a for a, _ in rows], "server_s": [b for _, b in rows],
-        "median_s": statistics.median(a for a, _ in rows), "server_median_s": statistics.median(b for _, b in rows),
-    }  # fmt: skip
+        "prompt_tokens": tokens,
+        "client_s": [a for a, _ in rows],
+        "server_s": [b for _, b in rows],
+        "median_s": statistics.median(a for a, _ in rows),
+        "server_median_s": statistics.median(b for _, b in rows),
+    }
 
 
 def wake_cycles(
@@ -544,9 +557,12 @@ def beside_swap(
         if errors:
             raise RuntimeError(f"SwapBlocks failed: {errors[0]}")
         return result, {
-            "calls": moved[1], "bytes": moved[0], "seconds": dt, "GBps": moved[0] / dt / GB,
+            "calls": moved[1],
+            "bytes": moved[0],
+            "seconds": dt,
+            "GBps": moved[0] / dt / GB,
             "GBps_server_median": _median(server_gbps),
-        }  # fmt: skip
+        }
 
     alone = _decode_summary([stream_decode(stub, prompts.make(PROMPT_TOKENS), STREAM_NEW_TOKENS) for _ in range(reps)])
     _, swap_alone = swapping(lambda: time.sleep(alone_s))
@@ -557,11 +573,18 @@ def beside_swap(
     a, b = alone["ms_per_token_median"], beside["ms_per_token_median"]
     a_mean, b_mean = alone["ms_per_token_mean"], beside["ms_per_token_mean"]
     return {
-        "blocks_per_call": n, "block_bytes": kv.block_bytes, "device_blocks": dev[:1] + dev[-1:],
-        "host_blocks": host[:1] + host[-1:], "new_tokens": STREAM_NEW_TOKENS, "alone": alone, "beside_swap": beside,
-        "slowdown_median": b / a if a and b else None, "slowdown_mean": b_mean / a_mean,
-        "swap_alone": swap_alone, "swap_during_decode": swap_during,
-    }  # fmt: skip
+        "blocks_per_call": n,
+        "block_bytes": kv.block_bytes,
+        "device_blocks": dev[:1] + dev[-1:],
+        "host_blocks": host[:1] + host[-1:],
+        "new_tokens": STREAM_NEW_TOKENS,
+        "alone": alone,
+        "beside_swap": beside,
+        "slowdown_median": b / a if a and b else None,
+        "slowdown_mean": b_mean / a_mean,
+        "swap_alone": swap_alone,
+        "swap_during_decode": swap_during,
+    }
 
 
 def compare_reference(stub: w_grpc.ModelWorkerServiceStub, reference: list[int], theirs: list[int]) -> dict[str, Any]:
@@ -591,27 +614,45 @@ def targets(res: dict[str, Any]) -> list[dict[str, Any]]:
     theirs_ms = _get(res, "transformers", "one_stream", "decode_ms_per_token")
     speedup = theirs_ms / ours_ms if ours_ms and theirs_ms else None
     rows = [
-        row("decode, one stream", ours_ms, "ms/token", f"<= {DECODE_TARGET_MS}",
-            None if ours_ms is None else ours_ms <= DECODE_TARGET_MS),
-        row("decode vs transformers eager", speedup, "x", f">= {SPEEDUP_TARGET:g}x",
-            None if speedup is None else speedup >= SPEEDUP_TARGET),
-    ]  # fmt: skip
+        row(
+            "decode, one stream",
+            ours_ms,
+            "ms/token",
+            f"<= {DECODE_TARGET_MS}",
+            None if ours_ms is None else ours_ms <= DECODE_TARGET_MS,
+        ),
+        row(
+            "decode vs transformers eager",
+            speedup,
+            "x",
+            f">= {SPEEDUP_TARGET:g}x",
+            None if speedup is None else speedup >= SPEEDUP_TARGET,
+        ),
+    ]
     for n, goal in THROUGHPUT_TARGETS.items():
         tps = _get(res, "worker", "concurrency", str(n), "tok_per_s")
         rows.append(row(f"{n} streams", tps, "tok/s", f">= {goal:g}", None if tps is None else tps >= goal))
     long_s = _get(res, "worker", "ttft_long", "median_s")
     tokens = _get(res, "worker", "ttft_long", "prompt_tokens")
     rows.append(
-        row(f"TTFT {tokens or LONG_PROMPT_TOKENS}-token prompt", None if long_s is None else long_s * 1e3, "ms",
-            f"<= {LONG_TTFT_TARGET_S * 1e3:g}", None if long_s is None else long_s <= LONG_TTFT_TARGET_S)
-    )  # fmt: skip
+        row(
+            f"TTFT {tokens or LONG_PROMPT_TOKENS}-token prompt",
+            None if long_s is None else long_s * 1e3,
+            "ms",
+            f"<= {LONG_TTFT_TARGET_S * 1e3:g}",
+            None if long_s is None else long_s <= LONG_TTFT_TARGET_S,
+        )
+    )
     check = _get(res, "worker", "wake", "check")
     rows.append(
-        row("first token after wake", None if check is None else check["wake_to_first_token_s"] * 1e3, "ms",
-            f"<= wake + {WAKE_TTFT_SLACK}x awake TTFT"
-            + ("" if check is None else f" = {check['bound_s'] * 1e3:.1f}"),
-            None if check is None else bool(check["passed"]))
-    )  # fmt: skip
+        row(
+            "first token after wake",
+            None if check is None else check["wake_to_first_token_s"] * 1e3,
+            "ms",
+            f"<= wake + {WAKE_TTFT_SLACK}x awake TTFT" + ("" if check is None else f" = {check['bound_s'] * 1e3:.1f}"),
+            None if check is None else bool(check["passed"]),
+        )
+    )
     return rows
 
 
@@ -706,10 +747,12 @@ def main() -> int:
     ap.add_argument("--preset", default="8b", choices=sorted(PRESETS))
     ap.add_argument("--backend", default="cuda", choices=["cuda", "host", "auto"])
     ap.add_argument(
-        "--kv-blocks", type=int, default=8192,
+        "--kv-blocks",
+        type=int,
+        default=8192,
         help="device KV blocks (default: 64 streams x (40+64) tokens and a 2000-token prompt at 16 tokens/block, "
         "with room to spare)",
-    )  # fmt: skip
+    )
     ap.add_argument("--host-kv-blocks", type=int, default=512, help="host KV blocks (SwapBlocks destination)")
     ap.add_argument("--swap-blocks", type=int, default=256, help="blocks per SwapBlocks call beside the decode")
     ap.add_argument("--out", default="engine.json")
@@ -777,10 +820,24 @@ def main() -> int:
         )
 
     cmd = [
-        sys.executable, "-m", "memsvc.cli", "worker", "--backend", args.backend, "--model", f"synthetic:{args.preset}",
-        "--listen", "127.0.0.1:0", "--kv-blocks", str(args.kv_blocks), "--host-kv-blocks", str(args.host_kv_blocks),
-        "--seed", str(args.seed), *shlex.split(args.worker_args),
-    ]  # fmt: skip
+        sys.executable,
+        "-m",
+        "memsvc.cli",
+        "worker",
+        "--backend",
+        args.backend,
+        "--model",
+        f"synthetic:{args.preset}",
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-blocks",
+        str(args.kv_blocks),
+        "--host-kv-blocks",
+        str(args.host_kv_blocks),
+        "--seed",
+        str(args.seed),
+        *shlex.split(args.worker_args),
+    ]
     wk: dict[str, Any] = {"command": shlex.join(cmd[1:])}
     res["worker"] = wk
     worker: WorkerProcess | None = None
@@ -789,12 +846,15 @@ def main() -> int:
         wk["ready_s"] = worker.ready_s
         status = worker.wait_awake().status
         wk["status"] = {
-            "device": status.device.name, "backend": status.device.backend,
-            "context_length": status.model.context_length, "weights_bytes": status.model.weights_bytes,
+            "device": status.device.name,
+            "backend": status.device.backend,
+            "context_length": status.model.context_length,
+            "weights_bytes": status.model.weights_bytes,
             "block_bytes": status.kv_cache.block_bytes,
-            "block_size_tokens": status.kv_cache.block_size_tokens, "device_blocks": status.kv_cache.device_block_count,
+            "block_size_tokens": status.kv_cache.block_size_tokens,
+            "device_blocks": status.kv_cache.device_block_count,
             "host_blocks": status.kv_cache.host_block_count,
-        }  # fmt: skip
+        }
         stub = worker.stub
         prompts = Prompts(status.model.vocab_size or config.vocab_size, args.seed)
         worker_long = min(long_tokens, status.model.context_length - 1)

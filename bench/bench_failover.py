@@ -57,8 +57,9 @@ BOUND_S = 60.0
 
 def spawn(argv: list[str]) -> tuple[subprocess.Popen[str], str]:
     """Start ``python -m memsvc.cli ARGV``; the process and the address its ``listening on`` line names."""
-    proc = subprocess.Popen([sys.executable, "-m", "memsvc.cli", *argv], stdout=subprocess.PIPE,
-                            stderr=subprocess.DEVNULL, text=True)  # fmt: skip
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "memsvc.cli", *argv], stdout=subprocess.PIPE, stderr=subprocess.DEVNULL, text=True
+    )
     assert proc.stdout is not None
     for line in proc.stdout:
         found = LISTENING.match(line.strip())
@@ -106,10 +107,23 @@ class Fleet:
         until(lambda: serving(self.replicas[0][1]), "the first replica to lead")
         self.replicas += [self.replica() for _ in range(replicas - 1)]
         for name in self.names:
-            proc, _ = spawn([
-                "worker", "--backend", "host", "--model", "synthetic:tiny", "--host-capacity", "64MiB", "--listen",
-                "127.0.0.1:0", "--manager", self.replicas[0][1], "--worker-id", name.removeprefix("workers/"),
-            ])  # fmt: skip
+            proc, _ = spawn(
+                [
+                    "worker",
+                    "--backend",
+                    "host",
+                    "--model",
+                    "synthetic:tiny",
+                    "--host-capacity",
+                    "64MiB",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--manager",
+                    self.replicas[0][1],
+                    "--worker-id",
+                    name.removeprefix("workers/"),
+                ]
+            )
             self.workers.append(proc)
         self.dial()
         until(self.all_awake, "every worker registered and awake")
@@ -165,9 +179,13 @@ class Fleet:
         self.replicas[index] = self.replica()  # back, as a follower
         self.dial()
         return {
-            "way": way, "leads_s": leads - ended, "acquire_s": acquire - ended, "relearned_s": relearned - ended,
-            "leases_kept": len(before), "ended_exit_code": exit_code,
-        }  # fmt: skip
+            "way": way,
+            "leads_s": leads - ended,
+            "acquire_s": acquire - ended,
+            "relearned_s": relearned - ended,
+            "leases_kept": len(before),
+            "ended_exit_code": exit_code,
+        }
 
     def stop(self) -> None:
         if self.channel is not None:
@@ -228,8 +246,10 @@ def main(argv: list[str] | None = None) -> int:
     print("\n| ended by | a replica leads | AcquireWorker granted (max) | every worker re-learned |")
     print("| --- | --- | --- | --- |")
     for way, med in summary.items():
-        print(f"| {way} | {med['leads_s']:.2f} s | {med['acquire_s']:.2f} s ({med['acquire_max_s']:.2f} s) "
-              f"| {med['relearned_s']:.2f} s |")  # fmt: skip
+        print(
+            f"| {way} | {med['leads_s']:.2f} s | {med['acquire_s']:.2f} s ({med['acquire_max_s']:.2f} s) "
+            f"| {med['relearned_s']:.2f} s |"
+        )
     return 0
 
 
@@ -242,8 +262,9 @@ def _quiet(probe: Callable[[str], bool], address: str) -> bool:
 
 def _git_commit() -> str:
     try:
-        return subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              check=True).stdout.strip()  # fmt: skip
+        return subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, check=True
+        ).stdout.strip()
     except (OSError, subprocess.CalledProcessError):
         return ""
 

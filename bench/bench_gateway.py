@@ -74,11 +74,25 @@ RETRY_S = 0.02
 """How often the restart baseline's client asks again while the new worker is not serving yet."""
 
 SHAPES: dict[str, dict[str, Any]] = {
-    "8b": dict(vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
-               num_attention_heads=32, num_key_value_heads=8, max_position_embeddings=8192),
-    "tiny": dict(vocab_size=512, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-                 num_key_value_heads=2, max_position_embeddings=512),
-}  # fmt: skip
+    "8b": dict(
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=8192,
+    ),
+    "tiny": dict(
+        vocab_size=512,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+    ),
+}
 
 
 def write_checkpoint(root: Path, shape: str, device: str) -> dict[str, Any]:
@@ -145,9 +159,25 @@ MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 
 
 def start_worker(name: str, checkpoint: Path, manager: str, args: argparse.Namespace) -> Service:
-    argv = [*MEMSVC, "worker", "--backend", args.backend, "--model", str(checkpoint), "--served-model-name", name,
-            "--worker-id", name, "--manager", manager, "--listen", "127.0.0.1:0", "--kv-blocks", str(args.kv_blocks),
-            *shlex.split(args.worker_args)]  # fmt: skip
+    argv = [
+        *MEMSVC,
+        "worker",
+        "--backend",
+        args.backend,
+        "--model",
+        str(checkpoint),
+        "--served-model-name",
+        name,
+        "--worker-id",
+        name,
+        "--manager",
+        manager,
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-blocks",
+        str(args.kv_blocks),
+        *shlex.split(args.worker_args),
+    ]
     return Service(argv, r" listening on (\S+)", f"worker {name}")
 
 
@@ -173,8 +203,11 @@ def mapped_bytes(wk: Any) -> int:
 def scrape(gateway: str) -> dict[str, float]:
     with urllib.request.urlopen(f"http://{gateway}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-            if line and not line.startswith("#")}  # fmt: skip
+    return {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
 
 
 def stream_ttft(client: Any, model: str, prompt: list[int]) -> tuple[float, float, int]:
@@ -183,9 +216,14 @@ def stream_ttft(client: Any, model: str, prompt: list[int]) -> tuple[float, floa
     first = None
     n = 0
     stream = client.completions.create(
-        model=model, prompt=prompt, max_tokens=NEW_TOKENS, temperature=0, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-    )  # fmt: skip
+        model=model,
+        prompt=prompt,
+        max_tokens=NEW_TOKENS,
+        temperature=0,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
+    )
     for chunk in stream:
         if first is None and chunk.choices and chunk.choices[0].text:
             first = time.perf_counter() - t0
@@ -208,8 +246,12 @@ def _hist(before: dict[str, float], after: dict[str, float], name: str, model: s
 
 def _transition(wk: Any) -> dict[str, Any]:
     t = wk.status.last_transition
-    return {"kind": t.kind, "seconds": t.duration.ToNanoseconds() / 1e9, "bytes": t.moved_bytes,
-            "gb_per_s": t.gigabytes_per_second}  # fmt: skip
+    return {
+        "kind": t.kind,
+        "seconds": t.duration.ToNanoseconds() / 1e9,
+        "bytes": t.moved_bytes,
+        "gb_per_s": t.gigabytes_per_second,
+    }
 
 
 def main() -> int:  # noqa: PLR0915 - one run, phase by phase
@@ -247,8 +289,22 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
         res["checkpoint"] = write_checkpoint(ckpt, args.shape, "cuda" if args.backend == "cuda" else "cpu")
         print(f"[bench_gateway] checkpoint: {res['checkpoint']}", flush=True)
         db = root / "manager.db"
-        mgr = Service([*MEMSVC, "manager", "--listen", "127.0.0.1:0", "--db", str(db), "--idle-sleep-timeout", "0",
-                       "--idle-deep-sleep-timeout", "0"], r"manager listening on (\S+)", "manager")  # fmt: skip
+        mgr = Service(
+            [
+                *MEMSVC,
+                "manager",
+                "--listen",
+                "127.0.0.1:0",
+                "--db",
+                str(db),
+                "--idle-sleep-timeout",
+                "0",
+                "--idle-deep-sleep-timeout",
+                "0",
+            ],
+            r"manager listening on (\S+)",
+            "manager",
+        )
         services.append(mgr)
         channel = grpc.insecure_channel(mgr.address)
         stub = m_grpc.MemoryManagerServiceStub(channel)
@@ -265,8 +321,11 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
             m.UpdatePolicyRequest(policy=m.Policy(device_budget_bytes=budget), update_mask=mask), timeout=10
         )
         res["worker_mapped_bytes"], res["device_budget_bytes"] = one, budget
-        gw = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
-                     r"gateway listening on (\S+)", "gateway")  # fmt: skip
+        gw = Service(
+            [*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
+            r"gateway listening on (\S+)",
+            "gateway",
+        )
         services.append(gw)
         client = openai.OpenAI(base_url=f"http://{gw.address}/v1", api_key="unused", max_retries=0, timeout=300)
         stream_ttft(client, "beta", prompt())  # warm: the gateway's first request, the worker's first stream
@@ -289,29 +348,38 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
                 after = scrape(gw.address)
                 mine = wait_state(stub, model, c.WORKER_STATE_AWAKE)
                 theirs = wait_state(stub, other, c.WORKER_STATE_ASLEEP)
-                runs.append({
-                    "model": model, "ttft_s": first, "total_s": total,
-                    "gateway_queue_s": _hist(before, after, "queue", model),
-                    "gateway_wake_s": _hist(before, after, "wake", model),
-                    "gateway_prefill_s": _hist(before, after, "prefill", model),
-                    "wake": _transition(mine), "eviction_sleep": _transition(theirs),
-                })  # fmt: skip
+                runs.append(
+                    {
+                        "model": model,
+                        "ttft_s": first,
+                        "total_s": total,
+                        "gateway_queue_s": _hist(before, after, "queue", model),
+                        "gateway_wake_s": _hist(before, after, "wake", model),
+                        "gateway_prefill_s": _hist(before, after, "prefill", model),
+                        "wake": _transition(mine),
+                        "eviction_sleep": _transition(theirs),
+                    }
+                )
                 print(f"[bench_gateway]   {json.dumps(runs[-1])}", flush=True)
             return {
-                "device_swap_headroom_bytes": headroom, "runs": runs, "ttft": _stats([r["ttft_s"] for r in runs]),
+                "device_swap_headroom_bytes": headroom,
+                "runs": runs,
+                "ttft": _stats([r["ttft_s"] for r in runs]),
                 "gateway_wake": _stats([r["gateway_wake_s"] for r in runs]),
                 "gateway_prefill": _stats([r["gateway_prefill_s"] for r in runs]),
                 "worker_wake": _stats([r["wake"]["seconds"] for r in runs]),
                 "worker_eviction_sleep": _stats([r["eviction_sleep"]["seconds"] for r in runs]),
-            }  # fmt: skip
+            }
 
         res["swap"] = alternate("swap", 0, "alpha")  # alpha asleep, beta awake
         awake_now = "alpha" if args.reps % 2 else "beta"
         res["swap_overlapped"] = alternate("swap_overlapped", one, "beta" if awake_now == "alpha" else "alpha")
 
         print("[bench_gateway] restart baseline ...", flush=True)
-        states = {n: stub.GetWorker(m.GetWorkerRequest(name=f"workers/{n}"), timeout=10).worker.state
-                  for n in ("alpha", "beta")}  # fmt: skip
+        states = {
+            n: stub.GetWorker(m.GetWorkerRequest(name=f"workers/{n}"), timeout=10).worker.state
+            for n in ("alpha", "beta")
+        }
         serving = "alpha" if states["alpha"] == c.WORKER_STATE_AWAKE else "beta"  # what the swaps left awake
         asleep = "beta" if serving == "alpha" else "alpha"
         workers.pop(asleep).stop()
@@ -334,8 +402,7 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
                         raise RuntimeError(f"{model} never served after its restart: {exc}") from exc
                     time.sleep(RETRY_S)
             ttft = time.perf_counter() - t0 - (total - first)
-            restarts.append({"model": model, "ttft_s": ttft, "stop_s": stopped, "listening_s": spawned,
-                             "tries": tries})  # fmt: skip
+            restarts.append({"model": model, "ttft_s": ttft, "stop_s": stopped, "listening_s": spawned, "tries": tries})
             print(f"[bench_gateway]   {json.dumps(restarts[-1])}", flush=True)
             serving, asleep = model, serving
         res["restart"] = {"runs": restarts, "ttft": _stats([r["ttft_s"] for r in restarts])}
@@ -354,16 +421,28 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
     for key, what in (("swap", "eviction first"), ("swap_overlapped", "eviction beside the wake")):
         got = res.get(key, {}).get("ttft", {}).get("median_s")
         passed = None if got is None else got <= TARGET_WAKE_TTFT_S
-        res["targets"].append({"target": f"TTFT when the request wakes its model ({what})", "value_s": got,
-                               "goal_s": TARGET_WAKE_TTFT_S, "passed": passed})  # fmt: skip
+        res["targets"].append(
+            {
+                "target": f"TTFT when the request wakes its model ({what})",
+                "value_s": got,
+                "goal_s": TARGET_WAKE_TTFT_S,
+                "passed": passed,
+            }
+        )
     Path(args.out).write_text(json.dumps(res, indent=2, default=str) + "\n")
-    rows = (("awake", "awake"), ("wake, evict first", "swap"), ("wake beside evict", "swap_overlapped"),
-            ("process restart", "restart"))  # fmt: skip
+    rows = (
+        ("awake", "awake"),
+        ("wake, evict first", "swap"),
+        ("wake beside evict", "swap_overlapped"),
+        ("process restart", "restart"),
+    )
     for label, key in rows:
         t = res.get(key, {}).get("ttft", {})
         if t:
-            print(f"{label:18s} TTFT median {t['median_s'] * 1e3:8.1f} ms  (min {t['min_s'] * 1e3:.1f}, "
-                  f"max {t['max_s'] * 1e3:.1f})")  # fmt: skip
+            print(
+                f"{label:18s} TTFT median {t['median_s'] * 1e3:8.1f} ms  (min {t['min_s'] * 1e3:.1f}, "
+                f"max {t['max_s'] * 1e3:.1f})"
+            )
     print(json.dumps(res["targets"]))
     print(f"wrote {args.out}")
     return 1 if res["errors"] else 0

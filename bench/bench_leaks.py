@@ -114,10 +114,14 @@ def analyse(samples: list[dict[str, int]], warmup: int) -> dict[str, Any]:
     for k in KEYS:
         vals = [s[k] for s in after]
         out[k] = {
-            "start": samples[0][k], "after_warmup": warm[k], "end": samples[-1][k], "max": max(s[k] for s in samples),
-            "min_after_warmup": min(vals), "max_after_warmup": max(vals),
+            "start": samples[0][k],
+            "after_warmup": warm[k],
+            "end": samples[-1][k],
+            "max": max(s[k] for s in samples),
+            "min_after_warmup": min(vals),
+            "max_after_warmup": max(vals),
             "slope_per_1000": slope([s["cycle"] for s in after], vals) * 1000,
-        }  # fmt: skip
+        }
     checks = {
         "fds_flat": out["fds"]["min_after_warmup"] == out["fds"]["max_after_warmup"] == warm["fds"],
         "threads_flat": out["threads"]["min_after_warmup"] == out["threads"]["max_after_warmup"] == warm["threads"],
@@ -133,8 +137,14 @@ def analyse(samples: list[dict[str, int]], warmup: int) -> dict[str, Any]:
 # ---- a worker process over gRPC ----
 
 
-def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: int | None = None,
-               level2_every: int = 10, partial_every: int = 7) -> dict[str, Any]:  # fmt: skip
+def run_worker(
+    cycles: int,
+    host_reserve: str,
+    sample_every: int = 20,
+    warmup: int | None = None,
+    level2_every: int = 10,
+    partial_every: int = 7,
+) -> dict[str, Any]:
     from workerproc import WorkerProcess
 
     from memsvc.v1 import common_pb2 as c
@@ -169,9 +179,15 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
     result["checks"]["awake_at_end"] = final_state
     result["passed"] = all(result["checks"].values())
     return {
-        "variant": "worker", "host_reserve": host_reserve, "cycles": cycles, "seconds": time.perf_counter() - t0,
-        "level2_every": level2_every, "partial_every": partial_every, **result, "series": samples,
-    }  # fmt: skip
+        "variant": "worker",
+        "host_reserve": host_reserve,
+        "cycles": cycles,
+        "seconds": time.perf_counter() - t0,
+        "level2_every": level2_every,
+        "partial_every": partial_every,
+        **result,
+        "series": samples,
+    }
 
 
 # ---- the allocator in this process ----
@@ -179,8 +195,9 @@ def run_worker(cycles: int, host_reserve: str, sample_every: int = 20, warmup: i
 MiB = 1 << 20
 
 
-def run_allocator(cycles: int, host_reserve_bytes: int, sample_every: int = 20,
-                  warmup: int | None = None) -> dict[str, Any]:  # fmt: skip
+def run_allocator(
+    cycles: int, host_reserve_bytes: int, sample_every: int = 20, warmup: int | None = None
+) -> dict[str, Any]:
     import gc
 
     import torch
@@ -188,10 +205,15 @@ def run_allocator(cycles: int, host_reserve_bytes: int, sample_every: int = 20,
     from worker.allocator import AllocatorConfig, MemoryAllocator
 
     warmup = max(10, cycles // 10) if warmup is None else warmup
-    alloc = MemoryAllocator(AllocatorConfig(
-        backend="host", host_capacity_bytes=64 * MiB, host_chunk_bytes=4 * MiB, host_reserve_bytes=host_reserve_bytes,
-        checksum=True,
-    ))  # fmt: skip
+    alloc = MemoryAllocator(
+        AllocatorConfig(
+            backend="host",
+            host_capacity_bytes=64 * MiB,
+            host_chunk_bytes=4 * MiB,
+            host_reserve_bytes=host_reserve_bytes,
+            checksum=True,
+        )
+    )
     gen = torch.Generator().manual_seed(0)
     tensors: dict[str, list[torch.Tensor]] = {"weights": [], "kv_cache": [], "aux": []}
     sizes = {"weights": [256 * 1024, 256 * 1024, 1 * MiB, 3 * MiB], "kv_cache": [2 * MiB], "aux": [64 * 1024] * 4}
@@ -254,10 +276,15 @@ def run_allocator(cycles: int, host_reserve_bytes: int, sample_every: int = 20,
     result["checks"]["data_intact"] = not bad
     result["passed"] = all(result["checks"].values())
     return {
-        "variant": "allocator", "host_reserve": host_reserve_bytes, "cycles": cycles, "seconds": seconds,
-        "errors": bad, "counters": {k: counters[k] for k in ("sleeps", "wakes", "host_held_bytes") if k in counters},
-        **result, "series": samples,
-    }  # fmt: skip
+        "variant": "allocator",
+        "host_reserve": host_reserve_bytes,
+        "cycles": cycles,
+        "seconds": seconds,
+        "errors": bad,
+        "counters": {k: counters[k] for k in ("sleeps", "wakes", "host_held_bytes") if k in counters},
+        **result,
+        "series": samples,
+    }
 
 
 def format_table(runs: list[dict[str, Any]]) -> str:
@@ -272,8 +299,11 @@ def format_table(runs: list[dict[str, Any]]) -> str:
                 f"{r['variant']:<10}{r['host_reserve']!s:>9}{r['cycles']:>7}  {k:<8}{v['start']:>9}"
                 f"{v['after_warmup']:>9}{v['end']:>9}{v['max']:>9}{v['slope_per_1000']:>12.1f}  {verdict}"
             )
-        others = {k: v for k, v in r["checks"].items() if k not in ("fds_flat", "threads_flat", "maps_bounded",
-                                                                     "rss_slope_small", "rss_end_bounded")}  # fmt: skip
+        others = {
+            k: v
+            for k, v in r["checks"].items()
+            if k not in ("fds_flat", "threads_flat", "maps_bounded", "rss_slope_small", "rss_end_bounded")
+        }
         lines.append(f"{'':<10}{r['seconds']:>8.1f}s  other checks: {others}  -> {'PASS' if r['passed'] else 'FAIL'}")
     return "\n".join(lines)
 
@@ -283,8 +313,12 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--cycles", type=int, default=1000)
     p.add_argument("--sample-every", type=int, default=20)
     p.add_argument("--warmup", type=int, default=None, help="cycles ignored by the checks (default 10 %%, >= 10)")
-    p.add_argument("--host-reserve", action="append", default=None,
-                   help="worker --host-reserve values, one run each (default: 0 and 8MiB)")  # fmt: skip
+    p.add_argument(
+        "--host-reserve",
+        action="append",
+        default=None,
+        help="worker --host-reserve values, one run each (default: 0 and 8MiB)",
+    )
     p.add_argument("--variant", choices=["worker", "allocator", "both"], default="both")
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
@@ -297,9 +331,17 @@ def main(argv: list[str] | None = None) -> int:
         for r in (0, 8 * MiB):
             runs.append(run_allocator(a.cycles, r, a.sample_every, a.warmup))
     print(format_table(runs))
-    result = {"bench": "leaks", "machine": machine(), "limits": {
-        "maps_tolerance": MAPS_TOLERANCE, "rss_slope_limit_kib_per_1000": RSS_SLOPE_LIMIT_KIB,
-        "rss_end_limit_kib": RSS_END_LIMIT_KIB}, "runs": runs, "passed": all(r["passed"] for r in runs)}  # fmt: skip
+    result = {
+        "bench": "leaks",
+        "machine": machine(),
+        "limits": {
+            "maps_tolerance": MAPS_TOLERANCE,
+            "rss_slope_limit_kib_per_1000": RSS_SLOPE_LIMIT_KIB,
+            "rss_end_limit_kib": RSS_END_LIMIT_KIB,
+        },
+        "runs": runs,
+        "passed": all(r["passed"] for r in runs),
+    }
     if a.out:
         Path(a.out).write_text(json.dumps(result, indent=2) + "\n")
     return 0 if result["passed"] else 1

@@ -190,8 +190,12 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
         r["sleep_overhead_ms"] = (r["sleep_client_s"] - r["sleep_server_s"]) * 1e3
         r["wake_overhead_ms"] = (r["wake_client_s"] - r["wake_server_s"]) * 1e3
     return {
-        "huge_pages": huge_pages, "prepin": prepin, "prepin_wait_s": prepin_wait_s, "cycles": rows, "worker_log": log
-    }  # fmt: skip
+        "huge_pages": huge_pages,
+        "prepin": prepin,
+        "prepin_wait_s": prepin_wait_s,
+        "cycles": rows,
+        "worker_log": log,
+    }
 
 
 CAPACITY_LOADS = ((1, 8), (2, 4), (4, 4))
@@ -246,9 +250,10 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
             if form == "packed":
                 return w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst)
             return w.SwapBlocksRequest(
-                direction=direction, src_blocks_u32le=src.astype("<u4").tobytes(),
+                direction=direction,
+                src_blocks_u32le=src.astype("<u4").tobytes(),
                 dst_blocks_u32le=dst.astype("<u4").tobytes(),
-            )  # fmt: skip
+            )
 
         for form, n in (("pairs", 8192), ("packed", 8192), ("u32le", 8192), ("packed", 32768), ("u32le", 32768)):
             # Fresh ids call after call, over the whole pool: one set repeated would stay in the L2 cache.
@@ -337,9 +342,14 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
         free_dev = np.setdiff1d(np.arange(pool), others)  # free once the sequences are out
         host = rng.permutation(pool)[:n]
         rows: dict[str, list[float]] = {
-            "kv_out": [], "kv_in": [], "copy_out": [], "copy_in": [], "copy_repeat_out": [], "copy_repeat_in": [],
+            "kv_out": [],
+            "kv_in": [],
+            "copy_out": [],
+            "copy_in": [],
+            "copy_repeat_out": [],
+            "copy_repeat_in": [],
             "native": [],
-        }  # fmt: skip
+        }
         fixed = rng.permutation(pool)[:n], rng.permutation(pool)[:n]
         for _ in range(reps):
             target = rng.permutation(free_dev)[:n]  # swap back in to other device blocks
@@ -359,8 +369,9 @@ def kv_swap_bookkeeping(reps: int) -> dict[str, Any]:
             alloc.copy_block_ids(kv.host.tensor, kv.device.tensor, c_host, c_dev)
             rows["copy_in"].append(time.perf_counter() - t0)
             for d, (src_pool, dst_pool, ids) in {
-                "out": (kv.device.tensor, kv.host.tensor, fixed), "in": (kv.host.tensor, kv.device.tensor, fixed[::-1])
-            }.items():  # fmt: skip
+                "out": (kv.device.tensor, kv.host.tensor, fixed),
+                "in": (kv.host.tensor, kv.device.tensor, fixed[::-1]),
+            }.items():
                 t0 = time.perf_counter()
                 alloc.copy_block_ids(src_pool, dst_pool, *ids)
                 rows[f"copy_repeat_{d}"].append(time.perf_counter() - t0)

@@ -120,8 +120,14 @@ class Recorder:
         with self.lock:
             return sum(s.calls for s in self.rpcs.values())
 
-    def call(self, method: str, fn: Callable[..., R], request: Any, expected: frozenset[str] = frozenset(),
-             expect: Any = None) -> R | None:  # fmt: skip
+    def call(
+        self,
+        method: str,
+        fn: Callable[..., R],
+        request: Any,
+        expected: frozenset[str] = frozenset(),
+        expect: Any = None,
+    ) -> R | None:
         """Call ``fn(request)``; record the outcome; return the response or None on error.
 
         ``expect(code, elapsed)`` may decide per call whether an error code is expected."""
@@ -156,8 +162,17 @@ def proc_counts(pid: int) -> dict[str, int]:
 class Client(threading.Thread):
     """One client: its own channels, a random mix of calls until told to stop."""
 
-    def __init__(self, idx: int, cfg: LoadConfig, mgr_address: str, names: list[str], addresses: dict[str, str],
-                 rec: Recorder, stop: threading.Event, t_start: float) -> None:  # fmt: skip
+    def __init__(
+        self,
+        idx: int,
+        cfg: LoadConfig,
+        mgr_address: str,
+        names: list[str],
+        addresses: dict[str, str],
+        rec: Recorder,
+        stop: threading.Event,
+        t_start: float,
+    ) -> None:
         super().__init__(name=f"load-client-{idx}", daemon=True)
         self.cfg = cfg
         self.rng = random.Random(cfg.seed * 1000 + idx)
@@ -200,9 +215,13 @@ class Client(threading.Thread):
 
     def run(self) -> None:
         ops = [
-            (self.lease_cycle, 35), (self.abandon_lease, 3), (self.get_worker, 20), (self.list_workers, 15),
-            (self.sleep_worker, 12), (self.wake_worker, 12),
-        ]  # fmt: skip
+            (self.lease_cycle, 35),
+            (self.abandon_lease, 3),
+            (self.get_worker, 20),
+            (self.list_workers, 15),
+            (self.sleep_worker, 12),
+            (self.wake_worker, 12),
+        ]
         fns, weights = zip(*ops, strict=True)
         try:
             while not self.stop.is_set():
@@ -236,14 +255,22 @@ class Client(threading.Thread):
             req = w.GenerateRequest(prompt_token_ids=[self.rng.randrange(1, 100) for _ in range(4)], max_new_tokens=4)
             # a held lease keeps the worker awake: any error here is unexpected, unless the lease
             # itself ran out (the call came after its TTL)
-            self.rec.call("Generate", stub.Generate, req,
-                          expect=lambda code, dt, t0=t0: time.monotonic() - t0 > self.cfg.lease_ttl)  # fmt: skip
+            self.rec.call(
+                "Generate",
+                stub.Generate,
+                req,
+                expect=lambda code, dt, t0=t0: time.monotonic() - t0 > self.cfg.lease_ttl,
+            )
         self.release(resp.lease.lease_id, t0, self.cfg.lease_ttl)
 
     def release(self, lease_id: str, t_acquired: float, ttl: float) -> None:
         # NOT_FOUND is right only if the TTL passed since the acquire was sent
-        self.rec.call("ReleaseWorker", self.mgr.ReleaseWorker, m.ReleaseWorkerRequest(lease_id=lease_id),
-                      expect=lambda code, dt: code == "NOT_FOUND" and time.monotonic() - t_acquired > ttl)  # fmt: skip
+        self.rec.call(
+            "ReleaseWorker",
+            self.mgr.ReleaseWorker,
+            m.ReleaseWorkerRequest(lease_id=lease_id),
+            expect=lambda code, dt: code == "NOT_FOUND" and time.monotonic() - t_acquired > ttl,
+        )
 
     def abandon_lease(self) -> None:
         name = self.rng.choice(self.roles()[0])
@@ -258,10 +285,12 @@ class Client(threading.Thread):
         keep = []
         for lease_id, t0 in self.abandoned:
             if all_of_them or now - t0 > self.cfg.abandon_ttl + 1.0:
-                self.rec.call("ReleaseWorker(expired)", self.mgr.ReleaseWorker,
-                              m.ReleaseWorkerRequest(lease_id=lease_id),
-                              expect=lambda code, dt, t0=t0: code == "NOT_FOUND"
-                              and time.monotonic() - t0 > self.cfg.abandon_ttl)  # fmt: skip
+                self.rec.call(
+                    "ReleaseWorker(expired)",
+                    self.mgr.ReleaseWorker,
+                    m.ReleaseWorkerRequest(lease_id=lease_id),
+                    expect=lambda code, dt, t0=t0: code == "NOT_FOUND" and time.monotonic() - t0 > self.cfg.abandon_ttl,
+                )
             else:
                 keep.append((lease_id, t0))
         self.abandoned = keep
@@ -331,8 +360,12 @@ def _metrics(mp: ManagerProcess) -> dict[str, float]:
         lab = dict(labels)
         if sample == "memsvc_idle_sleeps_total":
             out[f"idle_sleeps_tier{lab['tier']}"] += value
-        elif sample in ("memsvc_leases_granted_total", "memsvc_leases_expired_total",
-                        "memsvc_budget_evictions_total", "memsvc_host_demotions_total"):  # fmt: skip
+        elif sample in (
+            "memsvc_leases_granted_total",
+            "memsvc_leases_expired_total",
+            "memsvc_budget_evictions_total",
+            "memsvc_host_demotions_total",
+        ):
             out[sample.removeprefix("memsvc_").removesuffix("_total")] += value
         elif sample == "memsvc_worker_transitions_total":
             out[f"transitions_{lab['kind']}"] += value
@@ -357,18 +390,26 @@ def _wait(probe: Any, timeout: float) -> tuple[bool, Any]:
 def _git_commit() -> str:
     """Short commit, with "+dirty" when tracked files differ from it (the figures then include them)."""
     try:
-        head = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True,
-                              cwd=REPO_ROOT).stdout.strip()  # fmt: skip
-        dirty = subprocess.run(["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True,
-                               text=True, cwd=REPO_ROOT).stdout.strip()  # fmt: skip
+        head = subprocess.run(
+            ["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT
+        ).stdout.strip()
+        dirty = subprocess.run(
+            ["git", "status", "--porcelain", "--untracked-files=no"], capture_output=True, text=True, cwd=REPO_ROOT
+        ).stdout.strip()
         return head + ("+dirty" if dirty else "")
     except OSError:
         return "unknown"
 
 
 def machine() -> dict[str, Any]:
-    return {"cpus": os.cpu_count(), "platform": platform.platform(), "python": platform.python_version(),
-            "grpcio": grpc.__version__, "commit": _git_commit(), "date": time.strftime("%Y-%m-%d")}  # fmt: skip
+    return {
+        "cpus": os.cpu_count(),
+        "platform": platform.platform(),
+        "python": platform.python_version(),
+        "grpcio": grpc.__version__,
+        "commit": _git_commit(),
+        "date": time.strftime("%Y-%m-%d"),
+    }
 
 
 def run_load(cfg: LoadConfig, tmp: Path | None = None) -> dict[str, Any]:
@@ -423,12 +464,18 @@ def _run(cfg: LoadConfig, cluster: Cluster, conf: Path) -> dict[str, Any]:
     # aftermath: every lease released or expired, the manager agrees with each worker
     stub = mp.stub
     drained, drained_last = _wait(
-        lambda: (all(x.lease_count == 0 and x.state != c.WORKER_STATE_UNAVAILABLE
-                     for x in stub.ListWorkers(m.ListWorkersRequest(page_size=100), timeout=10).workers),
-                 [(x.name, x.lease_count, c.WorkerState.Name(x.state))
-                  for x in stub.ListWorkers(m.ListWorkersRequest(page_size=100), timeout=10).workers]),
+        lambda: (
+            all(
+                x.lease_count == 0 and x.state != c.WORKER_STATE_UNAVAILABLE
+                for x in stub.ListWorkers(m.ListWorkersRequest(page_size=100), timeout=10).workers
+            ),
+            [
+                (x.name, x.lease_count, c.WorkerState.Name(x.state))
+                for x in stub.ListWorkers(m.ListWorkersRequest(page_size=100), timeout=10).workers
+            ],
+        ),
         timeout=cfg.abandon_ttl + 15,
-    )  # fmt: skip
+    )
 
     def agree() -> tuple[bool, list[tuple[str, str, str]]]:
         views = []
@@ -450,10 +497,15 @@ def _run(cfg: LoadConfig, cluster: Cluster, conf: Path) -> dict[str, Any]:
     rpcs = {}
     for method, s in sorted(rec.rpcs.items()):
         rpcs[method] = {
-            "calls": s.calls, "ok": s.ok, "expected_errors": dict(s.expected), "unexpected_errors": dict(s.unexpected),
-            "p50_ms": percentile(s.latencies, 50) * 1e3, "p99_ms": percentile(s.latencies, 99) * 1e3,
-            "max_ms": max(s.latencies, default=0.0) * 1e3, "unexpected_samples": s.samples,
-        }  # fmt: skip
+            "calls": s.calls,
+            "ok": s.ok,
+            "expected_errors": dict(s.expected),
+            "unexpected_errors": dict(s.unexpected),
+            "p50_ms": percentile(s.latencies, 50) * 1e3,
+            "p99_ms": percentile(s.latencies, 99) * 1e3,
+            "max_ms": max(s.latencies, default=0.0) * 1e3,
+            "unexpected_samples": s.samples,
+        }
     watch_events: dict[str, int] = defaultdict(int)
     watch_reasons: dict[str, int] = defaultdict(int)
     for wt in watchers:
@@ -537,10 +589,18 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--out", default=None, help="write the result as JSON here")
     a = p.parse_args(argv)
     cfg = LoadConfig(
-        clients=a.clients, workers=a.workers, watchers=a.watchers, duration=a.duration, max_requests=a.max_requests,
-        lease_ttl=a.lease_ttl, abandon_ttl=a.abandon_ttl, idle_sleep_timeout=a.idle_sleep_timeout,
-        idle_deep_sleep_timeout=a.idle_deep_sleep_timeout, phase=a.phase, seed=a.seed,
-    )  # fmt: skip
+        clients=a.clients,
+        workers=a.workers,
+        watchers=a.watchers,
+        duration=a.duration,
+        max_requests=a.max_requests,
+        lease_ttl=a.lease_ttl,
+        abandon_ttl=a.abandon_ttl,
+        idle_sleep_timeout=a.idle_sleep_timeout,
+        idle_deep_sleep_timeout=a.idle_deep_sleep_timeout,
+        phase=a.phase,
+        seed=a.seed,
+    )
     result = run_load(cfg)
     print(format_table(result))
     if a.out:

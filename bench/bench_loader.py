@@ -70,9 +70,15 @@ def make_checkpoint(root: Path, size: str, device: torch.device) -> None:
         cfg, shard = config_8b(transformers), "5GB"
     else:
         cfg = transformers.LlamaConfig(
-            vocab_size=512, hidden_size=64, intermediate_size=160, num_hidden_layers=2, num_attention_heads=4,
-            num_key_value_heads=2, max_position_embeddings=256, tie_word_embeddings=False,
-        )  # fmt: skip
+            vocab_size=512,
+            hidden_size=64,
+            intermediate_size=160,
+            num_hidden_layers=2,
+            num_attention_heads=4,
+            num_key_value_heads=2,
+            max_position_embeddings=256,
+            tie_word_embeddings=False,
+        )
         shard = "100KB"
     with torch.device(device):
         model = transformers.LlamaForCausalLM(cfg).to(torch.bfloat16).eval()
@@ -167,10 +173,17 @@ def old_load(path: Path, weights: Mapping[str, torch.Tensor], config: ModelConfi
 
 def _stats(s: LoadStats) -> dict[str, Any]:
     return {
-        "s": s.seconds, "GBps": s.gb_per_s, "bytes": s.bytes, "read_bytes": s.read_bytes,
-        "cached_bytes": s.cached_bytes, "direct_bytes": s.direct_bytes, "buffered_bytes": s.buffered_bytes,
-        "reads": s.reads, "threads": s.threads, "converted": s.converted,
-    }  # fmt: skip
+        "s": s.seconds,
+        "GBps": s.gb_per_s,
+        "bytes": s.bytes,
+        "read_bytes": s.read_bytes,
+        "cached_bytes": s.cached_bytes,
+        "direct_bytes": s.direct_bytes,
+        "buffered_bytes": s.buffered_bytes,
+        "reads": s.reads,
+        "threads": s.threads,
+        "converted": s.converted,
+    }
 
 
 def timed(fn: Callable[[], Any], device: torch.device, nbytes: int) -> dict[str, float]:
@@ -189,9 +202,14 @@ def summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
 
 
 def streaming(
-    path: Path, weights: Mapping[str, torch.Tensor], shapes: Mapping[str, tuple[int, ...]], loader: StreamingLoader,
-    repeat: int, device: torch.device, cold: Callable[[], Any] | None = None,
-) -> dict[str, Any]:  # fmt: skip
+    path: Path,
+    weights: Mapping[str, torch.Tensor],
+    shapes: Mapping[str, tuple[int, ...]],
+    loader: StreamingLoader,
+    repeat: int,
+    device: torch.device,
+    cold: Callable[[], Any] | None = None,
+) -> dict[str, Any]:
     """The loader's first load (the ring allocated within it), then ``repeat`` more through the kept ring."""
 
     def one() -> dict[str, Any]:
@@ -235,9 +253,12 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         shapes = weight_shapes(config)
         nbytes = config.param_bytes()
         result["checkpoint"] = {
-            "path": str(root) if not made else "(made by the bench)", "files": len(files),
-            "file_bytes": sum(f.stat().st_size for f in files), "weight_bytes": nbytes, "dtype": config.dtype,
-        }  # fmt: skip
+            "path": str(root) if not made else "(made by the bench)",
+            "files": len(files),
+            "file_bytes": sum(f.stat().st_size for f in files),
+            "weight_bytes": nbytes,
+            "dtype": config.dtype,
+        }
         threads = args.threads or min(DEFAULT_THREADS, os.cpu_count() or 1)
         chunk = args.chunk_mib * MiB if args.chunk_mib else DEFAULT_CHUNK_BYTES
         alloc = MemoryAllocator(

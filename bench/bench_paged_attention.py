@@ -80,8 +80,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     for name, layout in STEPS.items():
         results.append(measure(name, layout))
         r = results[-1]
-        print(f"{name:40s} tiles {r['tiles_us']:8.2f} us  rows alone {r['rows_alone_us']:8.2f} us  "
-              f"x{r['speedup']:.2f}  max |err| {r['max_abs_err_vs_torch']:.1e}", flush=True)  # fmt: skip
+        print(
+            f"{name:40s} tiles {r['tiles_us']:8.2f} us  rows alone {r['rows_alone_us']:8.2f} us  "
+            f"x{r['speedup']:.2f}  max |err| {r['max_abs_err_vs_torch']:.1e}",
+            flush=True,
+        )
     out = {
         "bench": "paged_attention",
         "date": time.strftime("%Y-%m-%d"),

@@ -128,9 +128,14 @@ async def _gateway_request(client: Any, model: str, prompt: list[int], shape: Sh
     last = 0.0
     try:
         stream = await client.completions.create(
-            model=model, prompt=prompt, max_tokens=shape.output_tokens, temperature=0, stream=True,
-            stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
-        )  # fmt: skip
+            model=model,
+            prompt=prompt,
+            max_tokens=shape.output_tokens,
+            temperature=0,
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body={"ignore_eos": True},
+        )
         async for chunk in stream:
             if chunk.usage is not None:
                 rec.tokens = chunk.usage.completion_tokens
@@ -143,8 +148,16 @@ async def _gateway_request(client: Any, model: str, prompt: list[int], shape: Sh
     return rec
 
 
-async def _client_loop(path: str, target: str, model: str, prompts: list[list[int]], shape: Shape, slots: int,
-                       start: float, rate: float = 0.0) -> list[Record]:  # fmt: skip
+async def _client_loop(
+    path: str,
+    target: str,
+    model: str,
+    prompts: list[list[int]],
+    shape: Shape,
+    slots: int,
+    start: float,
+    rate: float = 0.0,
+) -> list[Record]:
     """The requests of ``prompts``: ``slots`` at a time, each sent as one ends (closed loop), or with
     ``rate`` (requests a second), sent at random (Poisson) times whatever is in flight (open loop)."""
     if path in ("worker", "unary"):
@@ -197,15 +210,36 @@ def _client(args: tuple[str, str, str, list[list[int]], Shape, int, float, float
     return [asdict(r) for r in asyncio.run(_client_loop(*args))]
 
 
-def run_level(path: str, target: str, model: str, shape: Shape, concurrency: int, requests: int, clients: int,
-              vocab: int, seed: int, start_delay: float = START_S) -> dict[str, Any]:  # fmt: skip
+def run_level(
+    path: str,
+    target: str,
+    model: str,
+    shape: Shape,
+    concurrency: int,
+    requests: int,
+    clients: int,
+    vocab: int,
+    seed: int,
+    start_delay: float = START_S,
+) -> dict[str, Any]:
     """``requests`` requests of ``shape`` at most ``concurrency`` at a time, from ``clients`` processes."""
     records = run_records(path, target, model, shape, concurrency, requests, clients, vocab, seed, start_delay)
     return summarize(records, shape, concurrency)
 
 
-def run_records(path: str, target: str, model: str, shape: Shape, concurrency: int, requests: int, clients: int,
-                vocab: int, seed: int, start_delay: float = START_S, rate: float = 0.0) -> list[Record]:  # fmt: skip
+def run_records(
+    path: str,
+    target: str,
+    model: str,
+    shape: Shape,
+    concurrency: int,
+    requests: int,
+    clients: int,
+    vocab: int,
+    seed: int,
+    start_delay: float = START_S,
+    rate: float = 0.0,
+) -> list[Record]:
     """:func:`run_level`'s requests as each client saw them; with ``rate`` (requests a second, all the
     processes together), sent at that rate whatever is in flight instead of ``concurrency`` at a time."""
     rng = random.Random(seed)
@@ -241,17 +275,32 @@ def summarize(records: list[Record], shape: Shape, concurrency: int) -> dict[str
         return None if v is None else round(v * 1e3, 2)
 
     return {
-        "concurrency": concurrency, "requests": len(records), "completed": len(ok), "failed": len(failed),
+        "concurrency": concurrency,
+        "requests": len(records),
+        "completed": len(ok),
+        "failed": len(failed),
         "errors": sorted({r.error or f"{r.tokens} tokens" for r in failed})[:5],
-        "wall_s": round(wall, 3), "output_tok_s": round(out / wall, 1) if wall else 0.0,
-        "ttft_p50_ms": ms(ttft, 0.5), "ttft_p99_ms": ms(ttft, 0.99), "ttft_max_ms": ms(ttft, 1.0),
+        "wall_s": round(wall, 3),
+        "output_tok_s": round(out / wall, 1) if wall else 0.0,
+        "ttft_p50_ms": ms(ttft, 0.5),
+        "ttft_p99_ms": ms(ttft, 0.99),
+        "ttft_max_ms": ms(ttft, 1.0),
         "itl_p50_ms": ms(itl, 0.5),
-        "itl_p99_ms": ms(itl, 0.99), "tpot_p50_ms": ms(tpot, 0.5), "tpot_p99_ms": ms(tpot, 0.99),
-    }  # fmt: skip
+        "itl_p99_ms": ms(itl, 0.99),
+        "tpot_p50_ms": ms(tpot, 0.5),
+        "tpot_p99_ms": ms(tpot, 0.99),
+    }
 
 
-def hardware_limit(params: int, weight_bytes: int, kv_bytes_per_token: int, shape: Shape, concurrency: int,
-                   tflops: float = TFLOPS, hbm: float = HBM) -> dict[str, float]:  # fmt: skip
+def hardware_limit(
+    params: int,
+    weight_bytes: int,
+    kv_bytes_per_token: int,
+    shape: Shape,
+    concurrency: int,
+    tflops: float = TFLOPS,
+    hbm: float = HBM,
+) -> dict[str, float]:
     """Output tok/s and decode ms/step at best for the shape (see the module docstring)."""
     c = concurrency
     prefill = 2 * params * c * shape.input_tokens / tflops
@@ -271,8 +320,7 @@ def _model_facts(checkpoint: Path) -> dict[str, int]:
 
     c = read_config(checkpoint)
     kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
-    return {"params": c.param_count(), "weight_bytes": c.param_bytes(), "kv_bytes_per_token": kv,
-            "vocab": c.vocab_size}  # fmt: skip
+    return {"params": c.param_count(), "weight_bytes": c.param_bytes(), "kv_bytes_per_token": kv, "vocab": c.vocab_size}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -305,10 +353,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     levels = [int(c) for c in args.concurrency.split(",")]
     paths = args.paths.split(",")
     result: dict[str, Any] = {
-        "bench": "serving", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(), "argv": sys.argv[1:], "device": _device_info() if args.backend == "cuda" else "host",
-        "gateway_processes": args.gateway_processes, "results": [],
-    }  # fmt: skip
+        "bench": "serving",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "argv": sys.argv[1:],
+        "device": _device_info() if args.backend == "cuda" else "host",
+        "gateway_processes": args.gateway_processes,
+        "results": [],
+    }
     with tempfile.TemporaryDirectory() as tmp:
         root = Path(tmp)
         checkpoint = Path(args.model) if args.model else root / "ckpt"
@@ -318,21 +370,65 @@ def main(argv: Sequence[str] | None = None) -> int:
         result["model"] = facts
         services: list[Service] = []
         try:
-            mgr = Service([*MEMSVC, "manager", "--listen", "127.0.0.1:0", "--db", str(root / "m.db"),
-                           "--idle-sleep-timeout", "0", "--idle-deep-sleep-timeout", "0"],
-                          r"manager listening on (\S+)", "manager")  # fmt: skip
+            mgr = Service(
+                [
+                    *MEMSVC,
+                    "manager",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--db",
+                    str(root / "m.db"),
+                    "--idle-sleep-timeout",
+                    "0",
+                    "--idle-deep-sleep-timeout",
+                    "0",
+                ],
+                r"manager listening on (\S+)",
+                "manager",
+            )
             services.append(mgr)
-            wk = Service([*MEMSVC, "worker", "--backend", args.backend, "--model", str(checkpoint),
-                          "--served-model-name", "bench", "--worker-id", "bench", "--manager", mgr.address,
-                          "--listen", "127.0.0.1:0", "--kv-blocks", str(args.kv_blocks), "--max-batch",
-                          str(args.max_batch), *shlex.split(args.worker_args)],
-                         r" listening on (\S+)", "worker")  # fmt: skip
+            wk = Service(
+                [
+                    *MEMSVC,
+                    "worker",
+                    "--backend",
+                    args.backend,
+                    "--model",
+                    str(checkpoint),
+                    "--served-model-name",
+                    "bench",
+                    "--worker-id",
+                    "bench",
+                    "--manager",
+                    mgr.address,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--kv-blocks",
+                    str(args.kv_blocks),
+                    "--max-batch",
+                    str(args.max_batch),
+                    *shlex.split(args.worker_args),
+                ],
+                r" listening on (\S+)",
+                "worker",
+            )
             services.append(wk)
             targets = {"worker": wk.address, "unary": wk.address}
             if "gateway" in paths:
-                gw = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address,
-                              "--processes", str(args.gateway_processes)],
-                             r"gateway listening on (\S+)", "gateway")  # fmt: skip
+                gw = Service(
+                    [
+                        *MEMSVC,
+                        "gateway",
+                        "--listen",
+                        "127.0.0.1:0",
+                        "--manager",
+                        mgr.address,
+                        "--processes",
+                        str(args.gateway_processes),
+                    ],
+                    r"gateway listening on (\S+)",
+                    "gateway",
+                )
                 services.append(gw)
                 targets["gateway"] = gw.address
             _wait_ready(wk.address)
@@ -343,18 +439,27 @@ def main(argv: Sequence[str] | None = None) -> int:
             top = max(levels)
             for shape in shapes:  # warm every shape: graphs and kernels of each batch size
                 for path in paths[:1]:
-                    run_level(path, targets[path], "bench", shape, top, top, args.clients, facts["vocab"], 1,
-                              args.start_delay)  # fmt: skip
+                    run_level(
+                        path, targets[path], "bench", shape, top, top, args.clients, facts["vocab"], 1, args.start_delay
+                    )
             for shape in shapes:
                 for path in paths:
                     for c in levels:
                         n = args.requests or max(args.waves * c, 16)
-                        row = run_level(path, targets[path], "bench", shape, c, n, args.clients, facts["vocab"], c,
-                                        args.start_delay)  # fmt: skip
+                        row = run_level(
+                            path, targets[path], "bench", shape, c, n, args.clients, facts["vocab"], c, args.start_delay
+                        )
                         row.update(path=path, shape=shape.name)
                         if args.backend == "cuda":
-                            lim = hardware_limit(facts["params"], facts["weight_bytes"], facts["kv_bytes_per_token"],
-                                                 shape, c, args.tflops, args.hbm)  # fmt: skip
+                            lim = hardware_limit(
+                                facts["params"],
+                                facts["weight_bytes"],
+                                facts["kv_bytes_per_token"],
+                                shape,
+                                c,
+                                args.tflops,
+                                args.hbm,
+                            )
                             row["limit_output_tok_s"] = lim["output_tok_s"]
                             row["limit_decode_step_ms"] = lim["decode_step_ms"]
                             row["fraction_of_limit"] = round(row["output_tok_s"] / lim["output_tok_s"], 3)
@@ -383,8 +488,9 @@ def first_requests(address: str, vocab: int, n: int = 3) -> dict[str, Any]:
     with grpc.insecure_channel(address) as ch:
         stub = w_grpc.ModelWorkerServiceStub(ch)
         for _ in range(n):
-            req = w.GenerateRequest(prompt_token_ids=[rng.randrange(1, vocab) for _ in range(40)], max_new_tokens=16,
-                                    ignore_eos=True)  # fmt: skip
+            req = w.GenerateRequest(
+                prompt_token_ids=[rng.randrange(1, vocab) for _ in range(40)], max_new_tokens=16, ignore_eos=True
+            )
             t0 = time.perf_counter()
             stub.Generate(req, timeout=600)
             times.append(time.perf_counter() - t0)

@@ -195,8 +195,14 @@ def import_times(args: argparse.Namespace, top: int = 15) -> list[dict[str, Any]
     code = "import " + ", ".join(MODEL_LAYER)
     if args.backend == "cuda":
         code += "; import triton"
-    done = subprocess.run([sys.executable, "-X", "importtime", "-c", code], cwd=REPO_ROOT, capture_output=True,
-                          text=True, check=False, timeout=START_TIMEOUT_S)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-X", "importtime", "-c", code],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+        timeout=START_TIMEOUT_S,
+    )
     totals: dict[str, int] = {}
     for line in done.stderr.splitlines():
         parts = line.split("|")
@@ -219,10 +225,15 @@ class Spawned:
         self._new: queue.Queue[tuple[float, str, str] | None] = queue.Queue()
         self.t0 = time.perf_counter()
         self.proc = subprocess.Popen(
-            self.argv, stdin=subprocess.PIPE if stdin else subprocess.DEVNULL, stdout=subprocess.PIPE,
-            stderr=subprocess.PIPE, text=True,
-            bufsize=1, cwd=REPO_ROOT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
-        )  # fmt: skip
+            self.argv,
+            stdin=subprocess.PIPE if stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            bufsize=1,
+            cwd=REPO_ROOT,
+            env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})},
+        )
         self._readers = [
             threading.Thread(target=self._read, args=(self.proc.stdout, "out"), daemon=True),
             threading.Thread(target=self._read, args=(self.proc.stderr, "err"), daemon=True),
@@ -320,8 +331,17 @@ def _generate_stream(stub: w_grpc.ModelWorkerServiceStub, prompt: list[int], t0:
 def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby: bool = False) -> dict[str, Any]:
     """One ``memsvc worker`` start, timed from its spawn (see the module docstring, A); with
     ``standby``, from the moment a standby that said it is ready is handed the same flags (D)."""
-    flags = ["--model", model, "--backend", args.backend, "--listen", "127.0.0.1:0",
-             "--kv-blocks", str(args.kv_blocks), *shlex.split(args.worker_args)]  # fmt: skip
+    flags = [
+        "--model",
+        model,
+        "--backend",
+        args.backend,
+        "--listen",
+        "127.0.0.1:0",
+        "--kv-blocks",
+        str(args.kv_blocks),
+        *shlex.split(args.worker_args),
+    ]
     out: dict[str, Any] = {}
     if standby:
         proc = Spawned([*MEMSVC, "worker", "--standby", "--backend", args.backend], stdin=True)
@@ -399,8 +419,13 @@ def write_checkpoint(root: Path, shape: str, backend: str) -> dict[str, Any]:
         "print(json.dumps(write_checkpoint(Path(sys.argv[1]), sys.argv[2], sys.argv[3])))"
     )
     device = "cuda" if backend == "cuda" else "cpu"
-    done = subprocess.run([sys.executable, "-c", code, str(root), shape, device], cwd=REPO_ROOT,
-                          capture_output=True, text=True, check=False)  # fmt: skip
+    done = subprocess.run(
+        [sys.executable, "-c", code, str(root), shape, device],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        check=False,
+    )
     if done.returncode != 0:
         raise RuntimeError(f"writing the checkpoint failed:\n{done.stderr[-4000:]}")
     result: dict[str, Any] = json.loads(done.stdout.strip().splitlines()[-1])
@@ -422,8 +447,12 @@ def _git_commit() -> str:
 
 def _device() -> dict[str, Any]:
     try:
-        done = subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
-                              capture_output=True, text=True, check=False)  # fmt: skip
+        done = subprocess.run(
+            ["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"],
+            capture_output=True,
+            text=True,
+            check=False,
+        )
     except OSError:
         return {"device": "cpu"}
     return {"device": done.stdout.strip() or "cpu"}
@@ -445,10 +474,18 @@ def _free_port() -> int:
 def _first_token_through_the_gateway(gateway: str, prompt: list[int]) -> tuple[float, int]:
     """A streamed /v1/completions of NEW_TOKENS tokens (``ignore_eos``): seconds from its send to the
     first chunk that carries a token, and the tokens streamed."""
-    body = {"model": "m", "prompt": prompt, "max_tokens": NEW_TOKENS, "stream": True, "ignore_eos": True,
-            "temperature": 0, "return_token_ids": True}  # fmt: skip
-    request = urllib.request.Request(f"http://{gateway}/v1/completions", data=json.dumps(body).encode(),
-                                     headers={"Content-Type": "application/json"})  # fmt: skip
+    body = {
+        "model": "m",
+        "prompt": prompt,
+        "max_tokens": NEW_TOKENS,
+        "stream": True,
+        "ignore_eos": True,
+        "temperature": 0,
+        "return_token_ids": True,
+    }
+    request = urllib.request.Request(
+        f"http://{gateway}/v1/completions", data=json.dumps(body).encode(), headers={"Content-Type": "application/json"}
+    )
     sent = time.perf_counter()
     first, tokens = None, 0
     with urllib.request.urlopen(request, timeout=START_TIMEOUT_S) as response:
@@ -534,31 +571,63 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not args.no_baseline:
                 baselines.append(baseline_run(model, args, prompt))
                 print(f"[bench_startup] transformers {i + 1}: {json.dumps(baselines[-1])}", flush=True)
-        res["worker"] = {"runs": workers, **{
-            f"{k}_median": _median(workers, k)
-            for k in ("listening_s", "serving_s", "first_token_s", "weights_loaded_s", "model_layer_imported_at_s",
-                      "graphs_done_at_s", "graph_capture_s", "allocator_s", "allocator_at_s", "warm_up_s",
-                      "model_built_s", "ready_at_s", "first_generate_s", "second_generate_s",
-                      "after_capture_generate_s", "first_vs_later")
-        }}  # fmt: skip
+        res["worker"] = {
+            "runs": workers,
+            **{
+                f"{k}_median": _median(workers, k)
+                for k in (
+                    "listening_s",
+                    "serving_s",
+                    "first_token_s",
+                    "weights_loaded_s",
+                    "model_layer_imported_at_s",
+                    "graphs_done_at_s",
+                    "graph_capture_s",
+                    "allocator_s",
+                    "allocator_at_s",
+                    "warm_up_s",
+                    "model_built_s",
+                    "ready_at_s",
+                    "first_generate_s",
+                    "second_generate_s",
+                    "after_capture_generate_s",
+                    "first_vs_later",
+                )
+            },
+        }
         if args.standby:
             runs = []
             for i in range(args.standby):
                 runs.append(worker_run(model, args, prompt, standby=True))
                 print(f"[bench_startup] standby {i + 1}: {json.dumps(runs[-1])}", flush=True)
-            res["standby"] = {"runs": runs, **{
-                f"{k}_median": _median(runs, k)
-                for k in ("standby_ready_s", "listening_s", "serving_s", "first_token_s", "allocator_s", "warm_up_s",
-                          "weights_loaded_s", "first_generate_s", "first_vs_later")
-            }}  # fmt: skip
+            res["standby"] = {
+                "runs": runs,
+                **{
+                    f"{k}_median": _median(runs, k)
+                    for k in (
+                        "standby_ready_s",
+                        "listening_s",
+                        "serving_s",
+                        "first_token_s",
+                        "allocator_s",
+                        "warm_up_s",
+                        "weights_loaded_s",
+                        "first_generate_s",
+                        "first_vs_later",
+                    )
+                },
+            }
         if args.on_demand:
             res["on_demand"] = on_demand_runs(model, args, prompt)
         if args.cold:
             res["cold"] = cold_runs(model, args, prompt)
-        res["transformers"] = {"runs": baselines, **{
-            f"{k}_median": _median(baselines, k)
-            for k in ("loaded_s", "first_token_s", "import_torch_s", "import_transformers_s", "from_pretrained_s")
-        }}  # fmt: skip
+        res["transformers"] = {
+            "runs": baselines,
+            **{
+                f"{k}_median": _median(baselines, k)
+                for k in ("loaded_s", "first_token_s", "import_torch_s", "import_transformers_s", "from_pretrained_s")
+            },
+        }
     except Exception as exc:  # noqa: BLE001 - the run's JSON says what failed
         res["errors"]["run"] = f"{type(exc).__name__}: {exc}"
         print(res["errors"]["run"], file=sys.stderr, flush=True)
@@ -572,26 +641,55 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
     no_process = res.get("on_demand", {}).get("first_token_s_median")
     theirs = res.get("transformers", {}).get("loaded_s_median")
     res["targets"] = [
-        {"target": f"warm: spawn to the first token <= {TARGET_SERVING_S} s", "value_s": first,
-         "goal_s": TARGET_SERVING_S, "passed": None if first is None else first <= TARGET_SERVING_S},
-        {"target": f"a standby: flags handed to the first token <= {TARGET_SERVING_S} s", "value_s": handed,
-         "goal_s": TARGET_SERVING_S, "passed": None if handed is None else handed <= TARGET_SERVING_S},
-        {"target": f"a request for a model with no process (a standby ready): first token <= {TARGET_SERVING_S} s",
-         "value_s": no_process, "goal_s": TARGET_SERVING_S,
-         "passed": None if no_process is None else no_process <= TARGET_SERVING_S},
-        {"target": "SERVING means full speed: the first Generate within 1.2x a later one", "value": ratio,
-         "goal": 1.2, "passed": None if ratio is None else ratio <= 1.2},
-        {"target": f"spawn to SERVING <= {TARGET_SERVING_S} s", "value_s": serving, "goal_s": TARGET_SERVING_S,
-         "passed": None if serving is None else serving <= TARGET_SERVING_S},
-        {"target": "spawn to SERVING before transformers' spawn to from_pretrained done", "value_s": serving,
-         "goal_s": theirs, "passed": None if serving is None or theirs is None else serving < theirs},
-        {"target": "the same tokens before and after the graphs are captured",
-         "passed": all(r.get("tokens_equal_after_capture", True) for r in res.get("worker", {}).get("runs", []))},
-        {"target": "cold: spawn to SERVING within 1.2x the shards' O_DIRECT read time",
-         "value": res.get("cold", {}).get("serving_vs_read_floor"), "goal": 1.2,
-         "passed": None if not res.get("cold", {}).get("serving_vs_read_floor")
-         else res["cold"]["serving_vs_read_floor"] <= 1.2},
-    ]  # fmt: skip
+        {
+            "target": f"warm: spawn to the first token <= {TARGET_SERVING_S} s",
+            "value_s": first,
+            "goal_s": TARGET_SERVING_S,
+            "passed": None if first is None else first <= TARGET_SERVING_S,
+        },
+        {
+            "target": f"a standby: flags handed to the first token <= {TARGET_SERVING_S} s",
+            "value_s": handed,
+            "goal_s": TARGET_SERVING_S,
+            "passed": None if handed is None else handed <= TARGET_SERVING_S,
+        },
+        {
+            "target": f"a request for a model with no process (a standby ready): first token <= {TARGET_SERVING_S} s",
+            "value_s": no_process,
+            "goal_s": TARGET_SERVING_S,
+            "passed": None if no_process is None else no_process <= TARGET_SERVING_S,
+        },
+        {
+            "target": "SERVING means full speed: the first Generate within 1.2x a later one",
+            "value": ratio,
+            "goal": 1.2,
+            "passed": None if ratio is None else ratio <= 1.2,
+        },
+        {
+            "target": f"spawn to SERVING <= {TARGET_SERVING_S} s",
+            "value_s": serving,
+            "goal_s": TARGET_SERVING_S,
+            "passed": None if serving is None else serving <= TARGET_SERVING_S,
+        },
+        {
+            "target": "spawn to SERVING before transformers' spawn to from_pretrained done",
+            "value_s": serving,
+            "goal_s": theirs,
+            "passed": None if serving is None or theirs is None else serving < theirs,
+        },
+        {
+            "target": "the same tokens before and after the graphs are captured",
+            "passed": all(r.get("tokens_equal_after_capture", True) for r in res.get("worker", {}).get("runs", [])),
+        },
+        {
+            "target": "cold: spawn to SERVING within 1.2x the shards' O_DIRECT read time",
+            "value": res.get("cold", {}).get("serving_vs_read_floor"),
+            "goal": 1.2,
+            "passed": None
+            if not res.get("cold", {}).get("serving_vs_read_floor")
+            else res["cold"]["serving_vs_read_floor"] <= 1.2,
+        },
+    ]
     return res
 
 
@@ -701,8 +799,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--worker-args", default="", help="extra flags for the worker")
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers' from_pretrained")
     ap.add_argument("--cold", action="store_true", help="also one start of each with the page cache dropped")
-    ap.add_argument("--standby", type=int, default=0, metavar="N",
-                    help="also N starts from a standby (memsvc worker --standby), timed from the hand-off")  # fmt: skip
+    ap.add_argument(
+        "--standby",
+        type=int,
+        default=0,
+        metavar="N",
+        help="also N starts from a standby (memsvc worker --standby), timed from the hand-off",
+    )
     ap.add_argument(
         "--on-demand",
         type=int,

@@ -110,8 +110,12 @@ def read_floor(files: list[Path]) -> dict[str, Any]:
 
 def _t(resp: Any) -> dict[str, Any]:
     t = resp.transition
-    return {"bytes": t.moved_bytes, "seconds": t.duration.ToNanoseconds() / 1e9, "gbps": t.gigabytes_per_second,
-            "verified_bytes": t.verified_bytes}  # fmt: skip
+    return {
+        "bytes": t.moved_bytes,
+        "seconds": t.duration.ToNanoseconds() / 1e9,
+        "gbps": t.gigabytes_per_second,
+        "verified_bytes": t.verified_bytes,
+    }
 
 
 def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phase by phase
@@ -126,10 +130,13 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
     args = ap.parse_args(argv)
     work = Path(args.workdir or tempfile.mkdtemp(prefix="memsvc-tiers-"))
     out: dict[str, Any] = {
-        "bench": "tiers", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(), "device": _device_info(),
-        "backend": args.backend, "worker_args": args.worker_args,
-    }  # fmt: skip
+        "bench": "tiers",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
+        "device": _device_info(),
+        "backend": args.backend,
+        "worker_args": args.worker_args,
+    }
     ckpt = Path(args.model) if args.model else work / "ckpt"
     if not args.model:
         ckpt.mkdir(parents=True, exist_ok=True)
@@ -139,8 +146,19 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
     offload.mkdir(exist_ok=True)
     read_once(shards)
 
-    argv = [*MEMSVC, "worker", "--backend", args.backend, "--model", str(ckpt), "--listen", "127.0.0.1:0",
-            "--offload-dir", str(offload), *args.worker_args.split()]  # fmt: skip
+    argv = [
+        *MEMSVC,
+        "worker",
+        "--backend",
+        args.backend,
+        "--model",
+        str(ckpt),
+        "--listen",
+        "127.0.0.1:0",
+        "--offload-dir",
+        str(offload),
+        *args.worker_args.split(),
+    ]
     worker = Service(argv, r" listening on (\S+)", "worker")
     try:
         stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(worker.address))
@@ -156,8 +174,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
         while st.host_pinned_bytes < weights.mapped_bytes and time.perf_counter() - ready < PREPIN_WAIT_S:
             time.sleep(0.05)
             st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
-        out["prepin"] = {"seconds_after_awake": time.perf_counter() - ready, "host_pinned_bytes": st.host_pinned_bytes,
-                         "awake_after_spawn_s": ready - t0}  # fmt: skip
+        out["prepin"] = {
+            "seconds_after_awake": time.perf_counter() - ready,
+            "host_pinned_bytes": st.host_pinned_bytes,
+            "awake_after_spawn_s": ready - t0,
+        }
 
         def sleep(**kw: Any) -> dict[str, Any]:
             return _t(stub.Sleep(w.SleepRequest(**kw), timeout=600))
@@ -215,9 +236,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
         "level2_wake_warm_gbps": out["level2"]["wake_warm"]["gbps"],
         "level2_wake_cold_gbps": out["level2"]["wake_cold"]["gbps"],
         "level2_wake_cold_vs_read_floor": cold_ratio,
-        "disk_sleep_gbps": out["disk_tier"]["sleep"]["gbps"], "disk_wake_gbps": out["disk_tier"]["wake"]["gbps"],
-        "disk_sleep_vs_write_floor": disk_sleep_ratio, "disk_wake_vs_read_floor": disk_wake_ratio,
-    }  # fmt: skip
+        "disk_sleep_gbps": out["disk_tier"]["sleep"]["gbps"],
+        "disk_wake_gbps": out["disk_tier"]["wake"]["gbps"],
+        "disk_sleep_vs_write_floor": disk_sleep_ratio,
+        "disk_wake_vs_read_floor": disk_wake_ratio,
+    }
     s = out["summary"]
     out["passed"] = {
         "first_sleep": s["first_sleep_gbps"] >= TARGETS["first_sleep_gbps"],

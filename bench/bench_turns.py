@@ -47,8 +47,16 @@ from bench.bench_serving import START_S, Record, Shape, run_records, summarize
 MODELS = ("alpha", "beta", "gamma")
 
 
-def _load(gateway: str, slots: dict[str, int], shape: Shape, requests: int, clients: int, vocab: int,
-          start_delay: float, rate: float = 0.0) -> dict[str, list[Record]]:  # fmt: skip
+def _load(
+    gateway: str,
+    slots: dict[str, int],
+    shape: Shape,
+    requests: int,
+    clients: int,
+    vocab: int,
+    start_delay: float,
+    rate: float = 0.0,
+) -> dict[str, list[Record]]:
     """Each model's ``requests`` x ``slots[model]`` requests, all models at once: ``slots[model]`` in
     flight at a time, or with ``rate``, ``rate`` x ``slots[model]`` sent a second (open loop)."""
     procs = {name: max(min(n, clients // len(slots)), 1) for name, n in slots.items()}
@@ -67,7 +75,7 @@ def _load(gateway: str, slots: dict[str, int], shape: Shape, requests: int, clie
                 100 + i,
                 start_delay,
                 rate * n,
-            )  # fmt: skip
+            )
             for i, (name, n) in enumerate(slots.items())
         }
         return {name: run.result() for name, run in runs.items()}
@@ -103,8 +111,9 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
     ap.add_argument("--skew", default="5,2,1", help="streams in flight for alpha, beta, gamma in the skewed case")
     ap.add_argument("--requests", type=int, default=12, help="requests per stream slot and phase")
     ap.add_argument("--clients", type=int, default=8, help="client processes per phase, shared by the models")
-    ap.add_argument("--rate", type=float, default=0.5,
-                    help="open loop: requests a second per stream slot (0: closed loop only)")  # fmt: skip
+    ap.add_argument(
+        "--rate", type=float, default=0.5, help="open loop: requests a second per stream slot (0: closed loop only)"
+    )
     ap.add_argument("--time-slice", type=float, default=2.0, help="the policy's time_slice, seconds")
     ap.add_argument("--kv-blocks", type=int, default=1024)
     ap.add_argument("--worker-args", default="--host-prepin weights", help="more worker flags")
@@ -114,11 +123,14 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
     shape = Shape.parse(args.io)
     skew = dict(zip(MODELS, (int(x) for x in args.skew.split(",")), strict=True))
     result: dict[str, Any] = {
-        "bench": "turns", "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
-        "commit": _git_commit(), "argv": sys.argv[1:] if argv is None else list(argv),
-        "device": _device_info() if args.backend == "cuda" else "host", "io": shape.name,
+        "bench": "turns",
+        "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
+        "commit": _git_commit(),
+        "argv": sys.argv[1:] if argv is None else list(argv),
+        "device": _device_info() if args.backend == "cuda" else "host",
+        "io": shape.name,
         "time_slice_s": args.time_slice,
-    }  # fmt: skip
+    }
 
     def save() -> None:
         if args.out:
@@ -132,28 +144,74 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
         services: list[Service] = []
         workers: dict[str, Service] = {}
         try:
-            mgr = Service([*MEMSVC, "manager", "--listen", "127.0.0.1:0", "--db", str(root / "m.db"),
-                           "--idle-sleep-timeout", "0", "--idle-deep-sleep-timeout", "0"],
-                          r"manager listening on (\S+)", "manager")  # fmt: skip
+            mgr = Service(
+                [
+                    *MEMSVC,
+                    "manager",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--db",
+                    str(root / "m.db"),
+                    "--idle-sleep-timeout",
+                    "0",
+                    "--idle-deep-sleep-timeout",
+                    "0",
+                ],
+                r"manager listening on (\S+)",
+                "manager",
+            )
             services.append(mgr)
             stub = m_grpc.MemoryManagerServiceStub(grpc.insecure_channel(mgr.address))
             for name in MODELS:
-                argv = [*MEMSVC, "worker", "--backend", args.backend, "--model", str(checkpoint), "--served-model-name",
-                        name, "--worker-id", name, "--manager", mgr.address, "--listen", "127.0.0.1:0", "--kv-blocks",
-                        str(args.kv_blocks), *shlex.split(args.worker_args)]  # fmt: skip
+                argv = [
+                    *MEMSVC,
+                    "worker",
+                    "--backend",
+                    args.backend,
+                    "--model",
+                    str(checkpoint),
+                    "--served-model-name",
+                    name,
+                    "--worker-id",
+                    name,
+                    "--manager",
+                    mgr.address,
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--kv-blocks",
+                    str(args.kv_blocks),
+                    *shlex.split(args.worker_args),
+                ]
                 workers[name] = Service(argv, r" listening on (\S+)", f"worker {name}")
                 services.append(workers[name])
                 wait_state(stub, name, c.WORKER_STATE_AWAKE)
             one = mapped_bytes(wait_state(stub, "alpha", c.WORKER_STATE_AWAKE))
             for name in MODELS[1:]:
                 stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{name}"), timeout=600)
-            policy = m.Policy(device_budget_bytes=int(1.5 * one), device_swap_headroom_bytes=one,
-                              time_slice=Duration(nanos=int(args.time_slice * 1e9)))  # fmt: skip
+            policy = m.Policy(
+                device_budget_bytes=int(1.5 * one),
+                device_swap_headroom_bytes=one,
+                time_slice=Duration(nanos=int(args.time_slice * 1e9)),
+            )
             mask = FieldMask(paths=["device_budget_bytes", "device_swap_headroom_bytes", "time_slice"])
             stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
             result["worker_mapped_bytes"] = one
-            gw = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address, "--processes", "4",
-                          "--queue-timeout", "600"], r"gateway listening on (\S+)", "gateway")  # fmt: skip
+            gw = Service(
+                [
+                    *MEMSVC,
+                    "gateway",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--manager",
+                    mgr.address,
+                    "--processes",
+                    "4",
+                    "--queue-timeout",
+                    "600",
+                ],
+                r"gateway listening on (\S+)",
+                "gateway",
+            )
             services.append(gw)
             for name in MODELS:
                 _wait_model("gateway", gw.address, model=name)
@@ -162,9 +220,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
                 out = {}
                 for name in MODELS:
                     wk = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
-                    st = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(workers[name].address)).GetWorkerStatus(
-                        w.GetWorkerStatusRequest(), timeout=10
-                    ).status  # fmt: skip
+                    st = (
+                        w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(workers[name].address))
+                        .GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10)
+                        .status
+                    )
                     out[name] = {"turns_yielded": wk.turns_yielded, "recomputed_tokens": st.kv_cache.recomputed_tokens}
                 return out
 
@@ -193,8 +253,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
                 s.stop()
     save()
     for loop in ("closed", "open"):
-        print(f"[bench_turns] {loop} loop, two busy models / one alone, output tok/s: "
-              f"{result.get(f'two_busy_vs_alone_{loop}')}", flush=True)  # fmt: skip
+        print(
+            f"[bench_turns] {loop} loop, two busy models / one alone, output tok/s: "
+            f"{result.get(f'two_busy_vs_alone_{loop}')}",
+            flush=True,
+        )
     return 0
 
 

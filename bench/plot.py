@@ -66,17 +66,27 @@ def swap_path_plot(line_rate: dict[str, Any], out: Path) -> None:
     u32le request form where the run has it; 8192 and 32768 blocks per call."""
     rpc, kv = line_rate["rpc_swap"], line_rate["kv_swap"]
     labels = [
-        "copy_block_ids", "KvCache\nswap_ids", "begin_swap\nback to back", "RPC\n1 call", "RPC\n4 in flight",
-        "RPC\n8 in flight", "RPC, encoded\nrequests, 8 in flight",
-    ]  # fmt: skip
+        "copy_block_ids",
+        "KvCache\nswap_ids",
+        "begin_swap\nback to back",
+        "RPC\n1 call",
+        "RPC\n4 in flight",
+        "RPC\n8 in flight",
+        "RPC, encoded\nrequests, 8 in flight",
+    ]
     fig, ax = plt.subplots(figsize=(10, 4.2))
     width = 0.38
     for k, n in enumerate((8192, 32768)):
         r, q = rpc[f"u32le_{n}_d2h" if f"u32le_{n}_d2h" in rpc else f"packed_{n}_d2h"], kv[f"{n}_out"]
         values = [
-            q["GBps_copy_block_ids"], q["GBps_swap_ids"], q["GBps_pipelined"], r["GBps_client"],
-            r["GBps_in_flight"]["4"], r["GBps_in_flight"]["8"], r["GBps_raw_clients"].get("1x8", float("nan")),
-        ]  # fmt: skip
+            q["GBps_copy_block_ids"],
+            q["GBps_swap_ids"],
+            q["GBps_pipelined"],
+            r["GBps_client"],
+            r["GBps_in_flight"]["4"],
+            r["GBps_in_flight"]["8"],
+            r["GBps_raw_clients"].get("1x8", float("nan")),
+        ]
         bars = ax.bar([i + (k - 0.5) * width for i in range(len(labels))], values, width, label=f"{n} blocks per call")
         ax.bar_label(bars, fmt="%.0f", fontsize=8)
     ax.axhline(40, color="grey", lw=0.8, ls="--")

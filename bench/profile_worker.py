@@ -111,9 +111,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--model", required=True, help="a checkpoint directory (bench_gateway's)")
     ap.add_argument("--backend", default="cuda")
     ap.add_argument(
-        "--path", default="worker", choices=("worker", "unary", "gateway"),
+        "--path",
+        default="worker",
+        choices=("worker", "unary", "gateway"),
         help="gateway: a manager, the worker and the gateway; py-spy samples the gateway",
-    )  # fmt: skip
+    )
     ap.add_argument("--shape", default="40x64")
     ap.add_argument("--concurrency", type=int, default=256)
     ap.add_argument("--seconds", type=int, default=15, help="py-spy takes whole seconds")
@@ -132,19 +134,52 @@ def main(argv: Sequence[str] | None = None) -> int:
         if args.path == "gateway":  # the gateway finds the worker through a manager, as users run it
             tmp = Path(args.out).with_suffix(".manager.db")
             tmp.unlink(missing_ok=True)
-            mgr = Service([*MEMSVC, "manager", "--listen", "127.0.0.1:0", "--db", str(tmp),
-                           "--idle-sleep-timeout", "0", "--idle-deep-sleep-timeout", "0"],
-                          r"manager listening on (\S+)", "manager")  # fmt: skip
+            mgr = Service(
+                [
+                    *MEMSVC,
+                    "manager",
+                    "--listen",
+                    "127.0.0.1:0",
+                    "--db",
+                    str(tmp),
+                    "--idle-sleep-timeout",
+                    "0",
+                    "--idle-deep-sleep-timeout",
+                    "0",
+                ],
+                r"manager listening on (\S+)",
+                "manager",
+            )
             services.append(mgr)
             registration = ["--served-model-name", "bench", "--worker-id", "bench", "--manager", mgr.address]
-        wk = Service([*MEMSVC, "worker", "--backend", args.backend, "--model", args.model, "--listen", "127.0.0.1:0",
-                      "--kv-blocks", str(args.kv_blocks), "--max-batch", str(args.max_batch), *registration,
-                      *shlex.split(args.worker_args)], r" listening on (\S+)", "worker")  # fmt: skip
+        wk = Service(
+            [
+                *MEMSVC,
+                "worker",
+                "--backend",
+                args.backend,
+                "--model",
+                args.model,
+                "--listen",
+                "127.0.0.1:0",
+                "--kv-blocks",
+                str(args.kv_blocks),
+                "--max-batch",
+                str(args.max_batch),
+                *registration,
+                *shlex.split(args.worker_args),
+            ],
+            r" listening on (\S+)",
+            "worker",
+        )
         services.append(wk)
         target, model, sampled = wk.address, "", wk
         if args.path == "gateway":
-            sampled = Service([*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
-                              r"gateway listening on (\S+)", "gateway")  # fmt: skip
+            sampled = Service(
+                [*MEMSVC, "gateway", "--listen", "127.0.0.1:0", "--manager", mgr.address],
+                r"gateway listening on (\S+)",
+                "gateway",
+            )
             services.append(sampled)
             target, model = sampled.address, "bench"
         bench_serving._wait_ready(wk.address)
@@ -152,11 +187,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         c = args.concurrency
         bench_serving.run_level(args.path, target, model, shape, c, c, 8, vocab, 1)  # warm every bucket
         raw = Path(args.out).with_suffix(".raw")
-        spy = subprocess.Popen([args.py_spy, "record", "--pid", str(sampled.proc.pid),
-                                "--duration", str(int(args.seconds)),
-                                "--format", "raw", "--output", str(raw), "--threads", "--nonblocking",
-                                *(["--gil"] if args.gil else [])],
-                               stdout=subprocess.DEVNULL, stderr=subprocess.PIPE, text=True)  # fmt: skip
+        spy = subprocess.Popen(
+            [
+                args.py_spy,
+                "record",
+                "--pid",
+                str(sampled.proc.pid),
+                "--duration",
+                str(int(args.seconds)),
+                "--format",
+                "raw",
+                "--output",
+                str(raw),
+                "--threads",
+                "--nonblocking",
+                *(["--gil"] if args.gil else []),
+            ],
+            stdout=subprocess.DEVNULL,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
         time.sleep(1.0)  # py-spy attached
         pids = family(wk.proc.pid) + (family(sampled.proc.pid) if sampled is not wk else [])
         before, t0 = thread_cpu(pids), time.monotonic()
@@ -164,8 +214,13 @@ def main(argv: Sequence[str] | None = None) -> int:
         busy = busy_threads(before, thread_cpu(pids), time.monotonic() - t0)
         _, err = spy.communicate(timeout=args.seconds + 120)
         profile = summarize(raw.read_text()) if raw.exists() else {}
-        out = {"level": row, "busy_threads": busy, "py_spy_rc": spy.returncode, "py_spy_stderr": err[-2000:],
-               "profile": profile}  # fmt: skip
+        out = {
+            "level": row,
+            "busy_threads": busy,
+            "py_spy_rc": spy.returncode,
+            "py_spy_stderr": err[-2000:],
+            "profile": profile,
+        }
         Path(args.out).write_text(json.dumps(out, indent=1) + "\n")
         print(json.dumps(row))
         print("busiest threads (CPU seconds per second of the level):", busy[:10])

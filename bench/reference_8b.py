@@ -32,12 +32,26 @@ ACCURACY_SLACK = 1.5
 
 def config(transformers: Any) -> Any:
     return transformers.LlamaConfig(
-        vocab_size=128256, hidden_size=4096, intermediate_size=14336, num_hidden_layers=32, num_attention_heads=32,
-        num_key_value_heads=8, max_position_embeddings=131072, rms_norm_eps=1e-5, tie_word_embeddings=False,
-        rope_parameters={"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0,
-                         "high_freq_factor": 4.0, "original_max_position_embeddings": 8192},
-        eos_token_id=None, bos_token_id=128000,
-    )  # fmt: skip
+        vocab_size=128256,
+        hidden_size=4096,
+        intermediate_size=14336,
+        num_hidden_layers=32,
+        num_attention_heads=32,
+        num_key_value_heads=8,
+        max_position_embeddings=131072,
+        rms_norm_eps=1e-5,
+        tie_word_embeddings=False,
+        rope_parameters={
+            "rope_type": "llama3",
+            "rope_theta": 500000.0,
+            "factor": 8.0,
+            "low_freq_factor": 1.0,
+            "high_freq_factor": 4.0,
+            "original_max_position_embeddings": 8192,
+        },
+        eos_token_id=None,
+        bos_token_id=128000,
+    )
 
 
 @torch.no_grad()
@@ -58,8 +72,9 @@ def init_on_gpu(model: Any, seed: int, device: str = "cuda") -> None:
 
 def reference_tokens(model: Any) -> list[int]:
     ids = torch.tensor([PROMPT], device="cuda")
-    out = model.generate(ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0,
-                         attention_mask=torch.ones_like(ids))  # fmt: skip
+    out = model.generate(
+        ids, max_new_tokens=NEW, do_sample=False, eos_token_id=None, pad_token_id=0, attention_mask=torch.ones_like(ids)
+    )
     return list(out[0, len(PROMPT) :].tolist())
 
 
@@ -84,8 +99,16 @@ def ours(path: Path, sequence: list[int]) -> tuple[list[int], torch.Tensor, floa
     runner.generate(sequence[:-1], 0, sequence_id="ref")  # the sequence's tokens, kept with blocks for them
     runner.kv_cache.ensure_capacity("ref", len(sequence) - 1)
     seq = runner.kv_cache.sequence("ref")
-    logits = forward(runner.weights, runner.config, runner._rope, runner.kv_cache.device.tensor, seq.block_ids,
-                     sequence[:-1], 0, all_logits=True)[len(PROMPT) - 1 :]  # fmt: skip
+    logits = forward(
+        runner.weights,
+        runner.config,
+        runner._rope,
+        runner.kv_cache.device.tensor,
+        seq.block_ids,
+        sequence[:-1],
+        0,
+        all_logits=True,
+    )[len(PROMPT) - 1 :]
     result = (tokens, logits.float().clone(), load_s, runner.config.dtype)
     del runner, seq
     alloc.close()
@@ -105,8 +128,13 @@ def main() -> None:
     p.add_argument("--dir", type=Path, default=None, help="where to write the checkpoints (default: a temp dir)")
     a = p.parse_args()
     root = a.dir or Path(tempfile.mkdtemp(prefix="ref8b-"))
-    result: dict[str, Any] = {"transformers": transformers.__version__, "torch": torch.__version__,
-                              "device": torch.cuda.get_device_name(), "prompt": PROMPT, "new_tokens": NEW}  # fmt: skip
+    result: dict[str, Any] = {
+        "transformers": transformers.__version__,
+        "torch": torch.__version__,
+        "device": torch.cuda.get_device_name(),
+        "prompt": PROMPT,
+        "new_tokens": NEW,
+    }
     try:
         t0 = time.perf_counter()
         with torch.device("cuda"):
@@ -126,9 +154,13 @@ def main() -> None:
         torch.cuda.empty_cache()
         tokens, logits, load_s, dtype = ours(f32, sequence)
         result["float32"] = {
-            "reference_tokens": ref_tokens, "tokens": tokens, "tokens_equal": tokens == ref_tokens,
-            "max_relative_logit_error": relative(logits, ref_logits), "load_s": load_s, "our_dtype": dtype,
-        }  # fmt: skip
+            "reference_tokens": ref_tokens,
+            "tokens": tokens,
+            "tokens_equal": tokens == ref_tokens,
+            "max_relative_logit_error": relative(logits, ref_logits),
+            "load_s": load_s,
+            "our_dtype": dtype,
+        }
         print(json.dumps(result["float32"]), flush=True)
 
         t0 = time.perf_counter()
@@ -148,14 +180,24 @@ def main() -> None:
         err16 = relative(logits16, ref_logits16)
         ours_vs_f32, theirs_vs_f32 = relative(logits16, ref_logits), relative(ref_logits16, ref_logits)
         result["bfloat16"] = {
-            "reference_tokens": ref_tokens16, "tokens": tokens16, "tokens_equal": tokens16 == ref_tokens16,
-            "our_dtype": dtype16, "max_relative_logit_error": err16, "tolerance": BF16_TOLERANCE,
-            "ours_vs_float32": ours_vs_f32, "transformers_vs_float32": theirs_vs_f32,
-            "within": err16 <= BF16_TOLERANCE and ours_vs_f32 <= ACCURACY_SLACK * theirs_vs_f32, "load_s": load16,
-        }  # fmt: skip
+            "reference_tokens": ref_tokens16,
+            "tokens": tokens16,
+            "tokens_equal": tokens16 == ref_tokens16,
+            "our_dtype": dtype16,
+            "max_relative_logit_error": err16,
+            "tolerance": BF16_TOLERANCE,
+            "ours_vs_float32": ours_vs_f32,
+            "transformers_vs_float32": theirs_vs_f32,
+            "within": err16 <= BF16_TOLERANCE and ours_vs_f32 <= ACCURACY_SLACK * theirs_vs_f32,
+            "load_s": load16,
+        }
         print(json.dumps(result["bfloat16"]), flush=True)
-        result["passed"] = bool(result["float32"]["tokens_equal"] and result["float32"]["max_relative_logit_error"]
-                                <= 1e-4 and result["bfloat16"]["within"] and dtype16 == "bfloat16")  # fmt: skip
+        result["passed"] = bool(
+            result["float32"]["tokens_equal"]
+            and result["float32"]["max_relative_logit_error"] <= 1e-4
+            and result["bfloat16"]["within"]
+            and dtype16 == "bfloat16"
+        )
     finally:
         if a.dir is None:
             shutil.rmtree(root, ignore_errors=True)

@@ -189,8 +189,9 @@ def render_service(svc: ServiceDescriptorProto, path: tuple[int, ...], comments:
     yield ""
 
 
-def render_message(msg: DescriptorProto, path: tuple[int, ...], comments: Comments, types: Types,
-                   prefix: str = "") -> Iterator[str]:  # fmt: skip
+def render_message(
+    msg: DescriptorProto, path: tuple[int, ...], comments: Comments, types: Types, prefix: str = ""
+) -> Iterator[str]:
     if msg.options.map_entry:
         return
     name = f"{prefix}{msg.name}"

@@ -75,7 +75,7 @@ _EXPORTS = {
             "WrongState",
         ],
         "memsvc.errors",
-    ),  # fmt: skip
+    ),
     **dict.fromkeys(
         ["KV_CACHE", "WEIGHTS", "Action", "CopyMethod", "SleepLevel", "TagState", "WorkerState"], "memsvc.vocabulary"
     ),

@@ -107,8 +107,20 @@ class ModelEntry:
 
     def flags(self, manager: str) -> list[str]:
         """Its ``memsvc worker`` flags: a new process's command line, or a standby's hand-off."""
-        out = ["--listen", self.listen, "--manager", manager, "--worker-id", self.worker_id, "--model", self.model,
-               "--device", str(self.device), "--backend", self.backend]  # fmt: skip
+        out = [
+            "--listen",
+            self.listen,
+            "--manager",
+            manager,
+            "--worker-id",
+            self.worker_id,
+            "--model",
+            self.model,
+            "--device",
+            str(self.device),
+            "--backend",
+            self.backend,
+        ]
         if self.advertise:
             out += ["--advertise", self.advertise]
         if self.name:
@@ -201,9 +213,11 @@ def _placed(entry: ModelEntry, i: int, host: str, first: int, advertise: str, pr
     id after the prefix."""
     port = first + i if first else 0
     return dataclasses.replace(
-        entry, listen=f"{host}:{port}", advertise=f"{advertise}:{port}" if advertise else "",
+        entry,
+        listen=f"{host}:{port}",
+        advertise=f"{advertise}:{port}" if advertise else "",
         worker_id=f"{prefix}-{entry.worker_id}" if prefix else entry.worker_id,
-    )  # fmt: skip
+    )
 
 
 def _checked(fields: Mapping[str, Any], where: str) -> None:
@@ -232,8 +246,11 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     mgr = _table(raw, "manager", _MANAGER_KEYS, where)
     gw = _table(raw, "gateway", _GATEWAY_KEYS, where)
     workers = _table(raw, "workers", _WORKERS_KEYS, where)
-    strings = [*(("manager." + k, v) for k, v in mgr.items()), ("gateway.listen", gw["listen"]),
-               *(("workers." + k, v) for k, v in workers.items() if k not in ("standby", "stop_after"))]  # fmt: skip
+    strings = [
+        *(("manager." + k, v) for k, v in mgr.items()),
+        ("gateway.listen", gw["listen"]),
+        *(("workers." + k, v) for k, v in workers.items() if k not in ("standby", "stop_after")),
+    ]
     for key, value in strings:
         if not isinstance(value, str):
             raise InvalidArgument(f"{where}: {key} must be a string")
@@ -243,8 +260,9 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     if isinstance(stop_after, bool) or not isinstance(stop_after, int | float) or not 0 <= stop_after <= 1e9:
         raise InvalidArgument(f"{where}: workers.stop_after must be a number of seconds >= 0 (0: never)")
     if mgr["address"] and set(raw.get("manager", {})) & {"listen", "metrics_listen", "state_dir"}:
-        raise InvalidArgument(f"{where}: [manager] address is a manager elsewhere: it takes no listen, "
-                              "metrics_listen or state_dir")  # fmt: skip
+        raise InvalidArgument(
+            f"{where}: [manager] address is a manager elsewhere: it takes no listen, metrics_listen or state_dir"
+        )
     host, _, port = workers["listen"].rpartition(":")
     if not host or not port.isdigit() or int(port) > 65535:
         raise InvalidArgument(f"{where}: workers.listen must be host:port (port 0: each worker picks one)")
@@ -279,9 +297,17 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     for m in models:
         _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
     return HostConfig(
-        mgr["listen"], mgr["metrics_listen"], mgr["state_dir"], gw["listen"], procs, policy, models, workers["standby"],
-        mgr["address"], float(stop_after),
-    )  # fmt: skip
+        mgr["listen"],
+        mgr["metrics_listen"],
+        mgr["state_dir"],
+        gw["listen"],
+        procs,
+        policy,
+        models,
+        workers["standby"],
+        mgr["address"],
+        float(stop_after),
+    )
 
 
 @dataclass
@@ -443,8 +469,18 @@ class Host:
         except MemsvcError as exc:
             announce(f"memsvc up: {self.path} not reloaded: {exc}", sys.stderr)
             return
-        keep = {k: getattr(new, k) for k in ("manager_listen", "metrics_listen", "state_dir", "gateway_listen",
-                                             "gateway_processes", "standby", "manager_address")}  # fmt: skip
+        keep = {
+            k: getattr(new, k)
+            for k in (
+                "manager_listen",
+                "metrics_listen",
+                "state_dir",
+                "gateway_listen",
+                "gateway_processes",
+                "standby",
+                "manager_address",
+            )
+        }
         if keep != {k: getattr(self.config, k) for k in keep}:
             announce("memsvc up: [manager], [gateway] and [workers] changes apply at the next start", sys.stderr)
         if self.config.manager_address:
@@ -517,8 +553,18 @@ class Host:
             if self._stopping:
                 return 0
             if cfg.gateway_listen:
-                self.gateway = self._spawn([*exe, "gateway", "--listen", cfg.gateway_listen, "--manager", cfg.manager,
-                                            "--processes", str(cfg.gateway_processes)])  # fmt: skip
+                self.gateway = self._spawn(
+                    [
+                        *exe,
+                        "gateway",
+                        "--listen",
+                        cfg.gateway_listen,
+                        "--manager",
+                        cfg.manager,
+                        "--processes",
+                        str(cfg.gateway_processes),
+                    ]
+                )
             return self._supervise()
         except MemsvcError as exc:
             if self._stopping:
@@ -581,8 +627,7 @@ class Host:
                 return True
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
-                announce(f"memsvc up: {w.entry.worker_id} not put to sleep after its load: {exc.details()}",
-                         sys.stderr)  # fmt: skip
+                announce(f"memsvc up: {w.entry.worker_id} not put to sleep after its load: {exc.details()}", sys.stderr)
                 return True
         return False
 
@@ -620,8 +665,11 @@ class Host:
             if p.poll() is not None:
                 del self.standbys[key]
                 backend, device = key
-                announce(f"memsvc up: the standby for --backend {backend} --device {device} exited with "
-                         f"{p.returncode}; the next start there starts a process of its own", sys.stderr)  # fmt: skip
+                announce(
+                    f"memsvc up: the standby for --backend {backend} --device {device} exited with "
+                    f"{p.returncode}; the next start there starts a process of its own",
+                    sys.stderr,
+                )
 
     def _stop_or_start_on_demand(self, now: float) -> None:
         """``[workers] stop_after``: stop each worker asleep that long (unleased, no acquire waiting);
@@ -649,8 +697,11 @@ class Host:
                 if wk.waiting_acquires > 0 or unknown:
                     self._asleep_neighbours(w, seen)
                     w.stopped, w.asleep_since = False, None
-                    why = "its model unknown to a restarted manager" if unknown and not wk.waiting_acquires else (
-                        f"{wk.waiting_acquires} acquire(s) waiting")  # fmt: skip
+                    why = (
+                        "its model unknown to a restarted manager"
+                        if unknown and not wk.waiting_acquires
+                        else (f"{wk.waiting_acquires} acquire(s) waiting")
+                    )
                     announce(f"memsvc up: worker {w.entry.worker_id} started on demand ({why})")
                     self._start_worker(w)
                 continue
@@ -662,8 +713,10 @@ class Host:
             if now - w.asleep_since >= self.config.stop_after:
                 stop_children([w.proc])
                 w.proc, w.stopped, w.asleep_since = None, True, None
-                announce(f"memsvc up: worker {w.entry.worker_id} stopped after {self.config.stop_after:g} s asleep; "
-                         "an acquire for it starts it again")  # fmt: skip
+                announce(
+                    f"memsvc up: worker {w.entry.worker_id} stopped after {self.config.stop_after:g} s asleep; "
+                    "an acquire for it starts it again"
+                )
 
     def _asleep_neighbours(self, w: _Worker, seen: Mapping[str, Any]) -> None:
         """Put to sleep the other workers of ``w``'s device that are awake and unleased (a refusal,
@@ -686,14 +739,20 @@ class Host:
             return
         if w.proc is not None and w.proc.poll() is not None:
             if w.proc.returncode == 2:  # a usage error: the same flags would be refused again
-                announce(f"memsvc up: worker {w.entry.worker_id} refused its start (exit 2, the line above says "
-                         "why): not restarted; fix the file and send SIGHUP", sys.stderr)  # fmt: skip
+                announce(
+                    f"memsvc up: worker {w.entry.worker_id} refused its start (exit 2, the line above says "
+                    "why): not restarted; fix the file and send SIGHUP",
+                    sys.stderr,
+                )
                 w.refused = True
                 return
             lived = now - w.started
             w.delay = RESTART_S[0] if lived >= YOUNG_S else w.delay
-            announce(f"memsvc up: worker {w.entry.worker_id} exited with {w.proc.returncode} after {lived:.0f} s; "
-                     f"restarting it in {w.delay:.0f} s", sys.stderr)  # fmt: skip
+            announce(
+                f"memsvc up: worker {w.entry.worker_id} exited with {w.proc.returncode} after {lived:.0f} s; "
+                f"restarting it in {w.delay:.0f} s",
+                sys.stderr,
+            )
             w.proc, w.restart_at = None, now + w.delay
             w.delay = min(w.delay * 2, RESTART_S[1])
         if w.proc is None and now >= w.restart_at:

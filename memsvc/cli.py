@@ -59,9 +59,11 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
 
     p.add_argument("--log-level", choices=LEVELS, default=env("LOG_LEVEL", "info"), help="least severe level logged")
     p.add_argument(
-        "--log-format", choices=FORMATS, default=env("LOG_FORMAT", "text"),
+        "--log-format",
+        choices=FORMATS,
+        default=env("LOG_FORMAT", "text"),
         help="stderr as text lines, or one JSON object per line (time, level, logger, message, exception)",
-    )  # fmt: skip
+    )
 
 
 def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
@@ -604,8 +606,11 @@ def _require_extra(parser: argparse.ArgumentParser, command: str) -> None:
         if not found:
             missing.append(name)
     if missing:
-        parser.exit(2, f"memsvc {command}: error: this command needs the {extra!r} extra (missing: "
-                       f"{', '.join(missing)}): pip install 'memsvc[{extra}]'\n")  # fmt: skip
+        parser.exit(
+            2,
+            f"memsvc {command}: error: this command needs the {extra!r} extra (missing: "
+            f"{', '.join(missing)}): pip install 'memsvc[{extra}]'\n",
+        )
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -621,9 +626,14 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         security = _security(args, parser, server=True)
         return run_manager(
-            args.listen, args.db, args.config, args.metrics_listen, _policy_seed(args),
-            **_security_kwargs(security), advertise=args.advertise,  # type: ignore[arg-type]
-        )  # fmt: skip
+            args.listen,
+            args.db,
+            args.config,
+            args.metrics_listen,
+            _policy_seed(args),
+            **_security_kwargs(security),  # type: ignore[arg-type]
+            advertise=args.advertise,
+        )
     if args.command == "gateway":
         from memsvc.gateway import Settings
         from memsvc.gateway import run as run_gateway

@@ -74,9 +74,13 @@ class ManagerClient:
         return self._call("WakeWorker", m.WakeWorkerRequest(name=worker_name(worker), tags=list(tags)), timeout)  # type: ignore[no-any-return]
 
     def acquire(
-        self, worker: str, ttl_s: float = 60.0, holder: str = "", timeout: float = 600.0,
+        self,
+        worker: str,
+        ttl_s: float = 60.0,
+        holder: str = "",
+        timeout: float = 600.0,
         keep_alive_s: float | None = None,
-    ) -> m.Lease:  # fmt: skip
+    ) -> m.Lease:
         """A lease (waking the worker); ``keep_alive_s``: its idle time once this lease is the last to
         end (0: sleep at once, negative: no idle sleep; None: the policy's)."""
         req = m.AcquireWorkerRequest(name=worker_name(worker), holder=holder)

@@ -43,9 +43,26 @@ def make_certs(out: Path, names: Sequence[str], ca_name: str = "memsvc-test-ca")
     """A CA (``ca.pem``) and, per name, ``<name>.pem`` / ``<name>.key`` with CN=name, valid for a day."""
     out.mkdir(parents=True, exist_ok=True)
     ca, ca_key = out / "ca.pem", out / "ca.key"
-    _openssl("req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", ca_key, "-out", ca, "-days", "1",
-             "-subj", f"/CN={ca_name}", "-addext", "basicConstraints=critical,CA:TRUE",
-             "-addext", "keyUsage=critical,keyCertSign,cRLSign", cwd=out)  # fmt: skip
+    _openssl(
+        "req",
+        "-x509",
+        "-newkey",
+        "rsa:2048",
+        "-nodes",
+        "-keyout",
+        ca_key,
+        "-out",
+        ca,
+        "-days",
+        "1",
+        "-subj",
+        f"/CN={ca_name}",
+        "-addext",
+        "basicConstraints=critical,CA:TRUE",
+        "-addext",
+        "keyUsage=critical,keyCertSign,cRLSign",
+        cwd=out,
+    )
     ext = out / "leaf.ext"
     ext.write_text(
         "basicConstraints=CA:FALSE\n"
@@ -55,10 +72,37 @@ def make_certs(out: Path, names: Sequence[str], ca_name: str = "memsvc-test-ca")
     )
     for name in names:
         csr = out / f"{name}.csr"
-        _openssl("req", "-newkey", "rsa:2048", "-nodes", "-keyout", f"{name}.key", "-out", csr,
-                 "-subj", f"/CN={name}", cwd=out)  # fmt: skip
-        _openssl("x509", "-req", "-in", csr, "-CA", ca, "-CAkey", ca_key, "-CAcreateserial",
-                 "-out", f"{name}.pem", "-days", "1", "-extfile", ext, cwd=out)  # fmt: skip
+        _openssl(
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            f"{name}.key",
+            "-out",
+            csr,
+            "-subj",
+            f"/CN={name}",
+            cwd=out,
+        )
+        _openssl(
+            "x509",
+            "-req",
+            "-in",
+            csr,
+            "-CA",
+            ca,
+            "-CAkey",
+            ca_key,
+            "-CAcreateserial",
+            "-out",
+            f"{name}.pem",
+            "-days",
+            "1",
+            "-extfile",
+            ext,
+            cwd=out,
+        )
     return Certs(out, ca, ca_key)
 
 

@@ -36,8 +36,16 @@ class Proc:
 
     stop_timeout = STOP_TIMEOUT
 
-    def __init__(self, argv: Sequence[str], *, env: Mapping[str, str] | None = None, cwd: Path = REPO_ROOT,
-                 name: str = "", new_session: bool = True, stdin: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self,
+        argv: Sequence[str],
+        *,
+        env: Mapping[str, str] | None = None,
+        cwd: Path = REPO_ROOT,
+        name: str = "",
+        new_session: bool = True,
+        stdin: bool = False,
+    ) -> None:
         self.argv = list(argv)
         self.stdin = stdin
         """A pipe for :meth:`write_stdin` (else /dev/null)."""
@@ -54,9 +62,16 @@ class Proc:
 
     def start(self) -> Proc:
         self.proc = subprocess.Popen(
-            self.argv, cwd=self.cwd, env=self.env, stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL,
-            stdout=subprocess.PIPE, stderr=self._stderr, text=True, bufsize=1, start_new_session=self.new_session,
-        )  # fmt: skip
+            self.argv,
+            cwd=self.cwd,
+            env=self.env,
+            stdin=subprocess.PIPE if self.stdin else subprocess.DEVNULL,
+            stdout=subprocess.PIPE,
+            stderr=self._stderr,
+            text=True,
+            bufsize=1,
+            start_new_session=self.new_session,
+        )
         self._reader = threading.Thread(target=self._read, name=f"{self.name}-stdout", daemon=True)
         self._reader.start()
         return self
@@ -121,9 +136,10 @@ class Proc:
 
     def failure(self, what: str) -> str:
         return (
-            f"{what}\ncommand ({self.name}): {self.argv}\n--- stdout ---\n" + "\n".join(self.lines[-200:])
+            f"{what}\ncommand ({self.name}): {self.argv}\n--- stdout ---\n"
+            + "\n".join(self.lines[-200:])
             + f"\n--- stderr ---\n{self.stderr_text()[-8000:]}"
-        )  # fmt: skip
+        )
 
     @property
     def pid(self) -> int:

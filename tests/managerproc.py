@@ -64,8 +64,9 @@ class ManagerProcess(Proc):
 
     stop_timeout = STOP_TIMEOUT
 
-    def __init__(self, db: Path | str, args: Sequence[str] = (), *, listen: str = "127.0.0.1:0",
-                 metrics: bool = False) -> None:  # fmt: skip
+    def __init__(
+        self, db: Path | str, args: Sequence[str] = (), *, listen: str = "127.0.0.1:0", metrics: bool = False
+    ) -> None:
         argv = [sys.executable, "-m", "memsvc.cli", "manager", "--listen", listen, "--db", str(db), *args]
         if metrics:
             argv += ["--metrics-listen", "127.0.0.1:0"]
@@ -80,8 +81,12 @@ class ManagerProcess(Proc):
     def start(self) -> ManagerProcess:
         super().start()
         try:  # the metrics line, when asked for, comes before the address
-            found = self.wait_lines([_METRICS, _LISTENING] if self.with_metrics else [_LISTENING], READY_TIMEOUT,
-                                    ManagerStartError, "listening")  # fmt: skip
+            found = self.wait_lines(
+                [_METRICS, _LISTENING] if self.with_metrics else [_LISTENING],
+                READY_TIMEOUT,
+                ManagerStartError,
+                "listening",
+            )
             self.address = found[-1]["address"]
             self.metrics_url = found[0]["url"] if self.with_metrics else ""
         except BaseException:
@@ -150,8 +155,15 @@ class Cluster:
         self.workers: list[WorkerProcess] = []
         self.scripted_workers: list[ScriptedWorker] = []
 
-    def manager(self, args: Sequence[str] = (), *, db: Path | str | None = None, listen: str = "127.0.0.1:0",
-                metrics: bool = False, lead: bool = True) -> ManagerProcess:  # fmt: skip
+    def manager(
+        self,
+        args: Sequence[str] = (),
+        *,
+        db: Path | str | None = None,
+        listen: str = "127.0.0.1:0",
+        metrics: bool = False,
+        lead: bool = True,
+    ) -> ManagerProcess:
         """A started manager. On PostgreSQL a replica listens before it leads (and answers NO_LEADER
         until then): with ``lead`` this returns once it leads, as a SQLite manager does at its line."""
         db = db or self.tmp_path / "manager.db"
@@ -173,8 +185,13 @@ class Cluster:
         self.workers.append(wp)
         return wp
 
-    def workers_up(self, manager: ManagerProcess, ids: Iterable[str], args: Sequence[str] = (),
-                   state: c.WorkerState.ValueType | None = c.WORKER_STATE_AWAKE) -> list[WorkerProcess]:  # fmt: skip
+    def workers_up(
+        self,
+        manager: ManagerProcess,
+        ids: Iterable[str],
+        args: Sequence[str] = (),
+        state: c.WorkerState.ValueType | None = c.WORKER_STATE_AWAKE,
+    ) -> list[WorkerProcess]:
         """Start workers in parallel; return once each is ready and, in the manager's view, in ``state``
         (``None``: registered and reachable, whatever its state)."""
         procs = [self.worker_process(manager.address, wid, args) for wid in ids]
@@ -183,9 +200,11 @@ class Cluster:
                 f.result()
         for p in procs:
             if state is None:
-                wait_for(functools.partial(get, manager.stub, p.worker_id),
-                         lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
-                         what=f"{p.worker_id} to register and be reachable")  # fmt: skip
+                wait_for(
+                    functools.partial(get, manager.stub, p.worker_id),
+                    lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
+                    what=f"{p.worker_id} to register and be reachable",
+                )
             else:
                 wait_state(manager.stub, p.worker_id, state)
         return procs
@@ -239,18 +258,34 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
     def status(self) -> c.WorkerStatus:
         awake = self.state == c.WORKER_STATE_AWAKE
         st = c.WorkerStatus(
-            worker_id=self.worker_id, state=self.state,
-            device=c.DeviceInfo(backend="host", index=0, name="scripted", total_bytes=64 * self.MiB,
-                                free_bytes=(60 if awake else 64) * self.MiB),
+            worker_id=self.worker_id,
+            state=self.state,
+            device=c.DeviceInfo(
+                backend="host",
+                index=0,
+                name="scripted",
+                total_bytes=64 * self.MiB,
+                free_bytes=(60 if awake else 64) * self.MiB,
+            ),
             tags=[
-                c.TagMemory(tag="kv_cache", state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_DISCARDED,
-                            mapped_bytes=2 * self.MiB if awake else 0, allocated_bytes=2 * self.MiB,
-                            discarded_bytes=0 if awake else 2 * self.MiB, awake_bytes=2 * self.MiB),
-                c.TagMemory(tag="weights", state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_OFFLOADED,
-                            mapped_bytes=2 * self.MiB if awake else 0, allocated_bytes=self.MiB,
-                            offloaded_bytes=0 if awake else self.MiB, awake_bytes=2 * self.MiB),
+                c.TagMemory(
+                    tag="kv_cache",
+                    state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_DISCARDED,
+                    mapped_bytes=2 * self.MiB if awake else 0,
+                    allocated_bytes=2 * self.MiB,
+                    discarded_bytes=0 if awake else 2 * self.MiB,
+                    awake_bytes=2 * self.MiB,
+                ),
+                c.TagMemory(
+                    tag="weights",
+                    state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_OFFLOADED,
+                    mapped_bytes=2 * self.MiB if awake else 0,
+                    allocated_bytes=self.MiB,
+                    offloaded_bytes=0 if awake else self.MiB,
+                    awake_bytes=2 * self.MiB,
+                ),
             ],
-        )  # fmt: skip
+        )
         st.update_time.GetCurrentTime()
         return st
 
@@ -261,8 +296,9 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
         msg.time.GetCurrentTime()
         return msg
 
-    def _transition(self, to: c.WorkerState.ValueType, reason: str, busy: c.WorkerState.ValueType,
-                    kind: str) -> tuple[c.WorkerStatus, c.TransitionStats]:  # fmt: skip
+    def _transition(
+        self, to: c.WorkerState.ValueType, reason: str, busy: c.WorkerState.ValueType, kind: str
+    ) -> tuple[c.WorkerStatus, c.TransitionStats]:
         frm = self.state
         self._held.append(self._message(state_change=c.StateChange(from_state=frm, to_state=busy, reason=reason)))
         self.state = to
@@ -279,12 +315,14 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
             self._stream.put(msg)
 
     # ModelWorkerService
-    def GetWorkerStatus(self, request: w.GetWorkerStatusRequest, context: grpc.ServicerContext
-                        ) -> w.GetWorkerStatusResponse:  # fmt: skip
+    def GetWorkerStatus(
+        self, request: w.GetWorkerStatusRequest, context: grpc.ServicerContext
+    ) -> w.GetWorkerStatusResponse:
         return w.GetWorkerStatusResponse(status=self.status())
 
-    def StreamTelemetry(self, request: w.StreamTelemetryRequest, context: grpc.ServicerContext
-                        ) -> Iterator[w.StreamTelemetryResponse]:  # fmt: skip
+    def StreamTelemetry(
+        self, request: w.StreamTelemetryRequest, context: grpc.ServicerContext
+    ) -> Iterator[w.StreamTelemetryResponse]:
         yield self._message(snapshot=self.status())
         while context.is_active():
             try:
@@ -332,8 +370,9 @@ def _unimplemented(context: grpc.ServicerContext) -> NoReturn:
 # ---- polling and views ----
 
 
-def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], timeout: float = 15.0, what: str = "",
-             interval: float = 0.05) -> T:  # fmt: skip
+def wait_for(
+    probe: Callable[[], T], ok: Callable[[T], bool], timeout: float = 15.0, what: str = "", interval: float = 0.05
+) -> T:
     """Call ``probe`` until ``ok(value)``; the value, or AssertionError with the last one after ``timeout``."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -358,13 +397,20 @@ def get(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worker:
     return stub.GetWorker(m.GetWorkerRequest(name=name(worker_id)), timeout=10).worker
 
 
-def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: c.WorkerState.ValueType,
-               timeout: float = 15.0, extra: Callable[[m.Worker], bool] = lambda w: True) -> m.Worker:  # fmt: skip
+def wait_state(
+    stub: m_grpc.MemoryManagerServiceStub,
+    worker_id: str,
+    state: c.WorkerState.ValueType,
+    timeout: float = 15.0,
+    extra: Callable[[m.Worker], bool] = lambda w: True,
+) -> m.Worker:
     """Poll GetWorker until the worker is in ``state`` (and ``extra`` holds)."""
     return wait_for(
-        lambda: get(stub, worker_id), lambda w: w.state == state and extra(w), timeout,
+        lambda: get(stub, worker_id),
+        lambda w: w.state == state and extra(w),
+        timeout,
         f"{worker_id} to be {c.WorkerState.Name(state)}",
-    )  # fmt: skip
+    )
 
 
 def tags(worker: m.Worker) -> dict[str, c.TagMemory]:

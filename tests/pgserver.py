@@ -75,10 +75,23 @@ class PostgresServer:
             self.user, self.group = nobody.pw_uid, nobody.pw_gid
             os.chown(self.base, nobody.pw_uid, nobody.pw_gid)
         done = subprocess.run(
-            [str(bin_dir() / "initdb"), "-D", str(self.base / "data"), "-U", USER, "--auth=trust", "-E", "UTF8",
-             "--no-sync"],
-            capture_output=True, text=True, timeout=START_TIMEOUT, user=self.user, group=self.group,
-        )  # fmt: skip
+            [
+                str(bin_dir() / "initdb"),
+                "-D",
+                str(self.base / "data"),
+                "-U",
+                USER,
+                "--auth=trust",
+                "-E",
+                "UTF8",
+                "--no-sync",
+            ],
+            capture_output=True,
+            text=True,
+            timeout=START_TIMEOUT,
+            user=self.user,
+            group=self.group,
+        )
         assert done.returncode == 0, f"initdb failed:\n{done.stdout[-2000:]}\n{done.stderr[-2000:]}"
         self.port = _free_port()
         return self.run()
@@ -87,11 +100,31 @@ class PostgresServer:
         """The server on its cluster and port, once it accepts connections (again, after :meth:`stop`)."""
         with self.log.open("ab") as log:
             self.proc = subprocess.Popen(
-                [str(bin_dir() / "postgres"), "-D", str(self.base / "data"), "-k", str(self.base), "-p",
-                 str(self.port), "-c", "listen_addresses=127.0.0.1", "-c", "fsync=off", "-c", "synchronous_commit=off",
-                 "-c", "full_page_writes=off", "-c", "max_connections=300"],
-                stdout=log, stderr=subprocess.STDOUT, start_new_session=True, user=self.user, group=self.group,
-            )  # fmt: skip
+                [
+                    str(bin_dir() / "postgres"),
+                    "-D",
+                    str(self.base / "data"),
+                    "-k",
+                    str(self.base),
+                    "-p",
+                    str(self.port),
+                    "-c",
+                    "listen_addresses=127.0.0.1",
+                    "-c",
+                    "fsync=off",
+                    "-c",
+                    "synchronous_commit=off",
+                    "-c",
+                    "full_page_writes=off",
+                    "-c",
+                    "max_connections=300",
+                ],
+                stdout=log,
+                stderr=subprocess.STDOUT,
+                start_new_session=True,
+                user=self.user,
+                group=self.group,
+            )
         import psycopg
 
         give_up = time.monotonic() + START_TIMEOUT

@@ -43,8 +43,14 @@ def fresh() -> str:
 def test_api_md_is_generated_from_the_protos(fresh: str) -> None:
     committed = API_MD.read_text() if API_MD.is_file() else ""
     if committed != fresh:
-        diff = difflib.unified_diff(committed.splitlines(), fresh.splitlines(), "docs/api.md (committed)",
-                                    "docs/api.md (from the protos)", n=1, lineterm="")  # fmt: skip
+        diff = difflib.unified_diff(
+            committed.splitlines(),
+            fresh.splitlines(),
+            "docs/api.md (committed)",
+            "docs/api.md (from the protos)",
+            n=1,
+            lineterm="",
+        )
         pytest.fail(
             "docs/api.md is out of step with protos/memsvc/v1. Regenerate it with\n\n"
             f"    {gen_api().REGENERATE}\n\nand commit the result. The difference:\n" + "\n".join(list(diff)[:60])
@@ -163,8 +169,11 @@ def test_error_details_document_every_reason_and_metadata_key() -> None:
     root = Path(__file__).resolve().parent.parent
     doc = (root / "docs" / "operations.md").read_text()
     table = doc.split("## Error details", 1)[1].split("\n## ", 1)[0]
-    reasons = {cls.reason for _, cls in inspect.getmembers(errors, inspect.isclass)
-               if issubclass(cls, errors.MemsvcError) and cls is not errors.RelayedError}  # fmt: skip
+    reasons = {
+        cls.reason
+        for _, cls in inspect.getmembers(errors, inspect.isclass)
+        if issubclass(cls, errors.MemsvcError) and cls is not errors.RelayedError
+    }
     missing = {r for r in reasons if f"| `{r}` |" not in table}
     assert not missing, f"reasons missing from docs/operations.md's Error details: {sorted(missing)}"
     keys: set[str] = set()

@@ -177,8 +177,12 @@ def test_wrong_transport_fails_the_connection(
 ) -> None:
     sec = client(client_mode, certs, TOKEN)
     if identity == "rogue":
-        sec = Security(token=TOKEN, tls_ca=str(certs.ca), tls_client_cert=str(rogue.cert("manager")),
-                       tls_client_key=str(rogue.key("manager")))  # fmt: skip
+        sec = Security(
+            token=TOKEN,
+            tls_ca=str(certs.ca),
+            tls_client_cert=str(rogue.cert("manager")),
+            tls_client_key=str(rogue.key("manager")),
+        )
     with channel(workers[server].address, sec) as ch:
         for call in (
             lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5),
@@ -275,8 +279,10 @@ def test_matrix_with_grpcurl(
 ) -> None:
     token = TOKENS[token_name]
     header = ["-H", f"authorization: Bearer {token}"] if token else []
-    r = run_grpcurl(grpcurl, [*grpcurl_flags(mode, certs), *header, workers[mode].address,
-                              "memsvc.v1.ModelWorkerService/GetWorkerStatus"])  # fmt: skip
+    r = run_grpcurl(
+        grpcurl,
+        [*grpcurl_flags(mode, certs), *header, workers[mode].address, "memsvc.v1.ModelWorkerService/GetWorkerStatus"],
+    )
     if token == TOKEN:
         assert r.returncode == 0, r.stderr
         assert json.loads(r.stdout)["status"]["worker_id"] == mode
@@ -290,8 +296,16 @@ def test_matrix_with_grpcurl(
 def test_grpcurl_health_without_token(
     workers: dict[str, WorkerProcess], certs: Certs, grpcurl: str, health_protoset: Path, mode: str
 ) -> None:
-    r = run_grpcurl(grpcurl, [*grpcurl_flags(mode, certs), "-protoset", str(health_protoset),
-                              workers[mode].address, "grpc.health.v1.Health/Check"])  # fmt: skip
+    r = run_grpcurl(
+        grpcurl,
+        [
+            *grpcurl_flags(mode, certs),
+            "-protoset",
+            str(health_protoset),
+            workers[mode].address,
+            "grpc.health.v1.Health/Check",
+        ],
+    )
     assert r.returncode == 0, r.stderr
     assert json.loads(r.stdout)["status"] == "SERVING"
 
@@ -299,9 +313,18 @@ def test_grpcurl_health_without_token(
 def test_grpcurl_sleep_from_another_certificate_is_permission_denied(
     workers: dict[str, WorkerProcess], certs: Certs, grpcurl: str
 ) -> None:
-    r = run_grpcurl(grpcurl, [*grpcurl_flags("mtls", certs, "ops"), "-H", f"authorization: Bearer {TOKEN}",
-                              "-d", '{"level": 1}', workers["mtls"].address,
-                              "memsvc.v1.ModelWorkerService/Sleep"])  # fmt: skip
+    r = run_grpcurl(
+        grpcurl,
+        [
+            *grpcurl_flags("mtls", certs, "ops"),
+            "-H",
+            f"authorization: Bearer {TOKEN}",
+            "-d",
+            '{"level": 1}',
+            workers["mtls"].address,
+            "memsvc.v1.ModelWorkerService/Sleep",
+        ],
+    )
     assert r.returncode == GRPCURL_EXIT[grpc.StatusCode.PERMISSION_DENIED], r.stdout + r.stderr
     out = r.stdout + r.stderr
     assert "PermissionDenied" in out and '"reason":"PERMISSION_DENIED"' in out.replace(" ", "")
@@ -325,8 +348,15 @@ def test_readme_auth_grpcurl_lines_work_as_written(
         mode = "mtls" if "-cert" in words else "tls" if "-cacert" in words else "plain"
         command = line.replace("127.0.0.1:50061", workers[mode].address)
         command = re.sub(r"^grpcurl ", shlex.quote(grpcurl) + " ", command)
-        r = subprocess.run(["bash", "-c", command], cwd=base, env={**os.environ, "MEMSVC_TOKEN": TOKEN},
-                           capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+        r = subprocess.run(
+            ["bash", "-c", command],
+            cwd=base,
+            env={**os.environ, "MEMSVC_TOKEN": TOKEN},
+            capture_output=True,
+            text=True,
+            timeout=60,
+            check=False,
+        )
         assert r.returncode == 0, f"README line: {line}\n{r.stdout}\n{r.stderr}"
         if words[-1].endswith("/Sleep"):
             assert json.loads(r.stdout)["status"]["state"] == "WORKER_STATE_ASLEEP"
@@ -337,8 +367,15 @@ def test_readme_auth_grpcurl_lines_work_as_written(
 def memsvc_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     clean = {k: v for k, v in os.environ.items() if not k.startswith("MEMSVC_")}
     env = {**clean, **(env or {}), "COLUMNS": "200"}
-    return subprocess.run([sys.executable, "-m", "memsvc.cli", *args], cwd=REPO_ROOT, capture_output=True,
-                          text=True, timeout=120, env=env, check=False)  # fmt: skip
+    return subprocess.run(
+        [sys.executable, "-m", "memsvc.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+        env=env,
+        check=False,
+    )
 
 
 def wait_state(
@@ -369,8 +406,14 @@ def test_manager_and_worker_pair(certs: Certs, token_file: Path, tmp_path: Path,
         worker_flags += ["--tls-ca", str(certs.ca), "--allowed-client", "manager"]
     ops = ["--token-file", str(token_file)]
     if mode == "mtls":
-        ops += ["--tls-ca", str(certs.ca), "--tls-client-cert", str(certs.cert("ops")),
-                "--tls-client-key", str(certs.key("ops"))]  # fmt: skip
+        ops += [
+            "--tls-ca",
+            str(certs.ca),
+            "--tls-client-cert",
+            str(certs.cert("ops")),
+            "--tls-client-key",
+            str(certs.key("ops")),
+        ]
     mp = ManagerProcess(tmp_path / "manager.db", manager_flags)
     wp = None
     try:
@@ -390,8 +433,11 @@ def test_manager_and_worker_pair(certs: Certs, token_file: Path, tmp_path: Path,
         # the same settings from the environment, as in a container
         env = {"MEMSVC_MANAGER": mp.address, "MEMSVC_TOKEN": TOKEN}
         if mode == "mtls":
-            env |= {"MEMSVC_TLS_CA": str(certs.ca), "MEMSVC_TLS_CLIENT_CERT": str(certs.cert("ops")),
-                    "MEMSVC_TLS_CLIENT_KEY": str(certs.key("ops"))}  # fmt: skip
+            env |= {
+                "MEMSVC_TLS_CA": str(certs.ca),
+                "MEMSVC_TLS_CLIENT_CERT": str(certs.cert("ops")),
+                "MEMSVC_TLS_CLIENT_KEY": str(certs.key("ops")),
+            }
         r = memsvc_cli("status", env=env)
         assert r.returncode == 0 and "auth0" in r.stdout, r.stdout + r.stderr
         # no token: the CLI reports UNAUTHENTICATED; health needs none
@@ -414,8 +460,16 @@ def test_manager_and_worker_pair(certs: Certs, token_file: Path, tmp_path: Path,
 
 
 def test_allowed_client_without_mtls_is_a_usage_error(certs: Certs, token_file: Path) -> None:
-    r = memsvc_cli("worker", "--backend", "host", "--listen", "127.0.0.1:0", "--allowed-client", "manager",
-                   *server_flags("tls", certs, token_file))  # fmt: skip
+    r = memsvc_cli(
+        "worker",
+        "--backend",
+        "host",
+        "--listen",
+        "127.0.0.1:0",
+        "--allowed-client",
+        "manager",
+        *server_flags("tls", certs, token_file),
+    )
     assert r.returncode == 2 and "--allowed-client needs mTLS" in r.stderr, r.stderr
     r = memsvc_cli("manager", "--listen", "127.0.0.1:0", "--token-file", str(certs.dir / "missing"))
     assert r.returncode == 2 and "cannot read token file" in r.stderr, r.stderr

@@ -168,9 +168,20 @@ def test_grpcurl_health_watch(
     servers: dict[tuple[str, bool], Target], grpcurl: str, health_protoset: Path, kind: str, tokened: bool
 ) -> None:
     """The stream prints SERVING and stays open until ``-max-time`` ends it (DEADLINE_EXCEEDED)."""
-    r = run_grpcurl(grpcurl, ["-plaintext", "-protoset", str(health_protoset), "-max-time", "2",
-                              "-d", f'{{"service": "{SERVICE[kind]}"}}', servers[(kind, tokened)].address,
-                              "grpc.health.v1.Health/Watch"])  # fmt: skip
+    r = run_grpcurl(
+        grpcurl,
+        [
+            "-plaintext",
+            "-protoset",
+            str(health_protoset),
+            "-max-time",
+            "2",
+            "-d",
+            f'{{"service": "{SERVICE[kind]}"}}',
+            servers[(kind, tokened)].address,
+            "grpc.health.v1.Health/Watch",
+        ],
+    )
     assert "Internal" not in r.stderr, r.stderr
     assert r.returncode in (0, GRPCURL_EXIT[grpc.StatusCode.DEADLINE_EXCEEDED]), r.stdout + r.stderr
     assert json_messages(r.stdout)[:1] == [{"status": "SERVING"}], r.stdout + r.stderr
@@ -255,8 +266,10 @@ def test_unknown_health_method_stays_exempt(servers: dict[tuple[str, bool], Targ
 @pytest.mark.parametrize("kind", KINDS)
 def test_known_methods_still_refused_and_served(servers: dict[tuple[str, bool], Target], kind: str) -> None:
     """Known methods as before: refused without the token (called as any call type), served with it."""
-    method = {"worker": "/memsvc.v1.ModelWorkerService/GetWorkerStatus",
-              "manager": "/memsvc.v1.MemoryManagerService/ListWorkers"}[kind]  # fmt: skip
+    method = {
+        "worker": "/memsvc.v1.ModelWorkerService/GetWorkerStatus",
+        "manager": "/memsvc.v1.MemoryManagerService/ListWorkers",
+    }[kind]
     with grpc.insecure_channel(servers[(kind, True)].address) as ch:
         for call_type in CALL_TYPES:
             err = call_raw(ch, method, call_type)
@@ -276,8 +289,9 @@ def probe_protoset(base: Path) -> Path:
     f = fds.file.add(name="probe.proto", package="probe.v1", dependency=["google/protobuf/empty.proto"])
     svc = f.service.add(name="Probe")
     svc.method.add(name="Unary", input_type=".google.protobuf.Empty", output_type=".google.protobuf.Empty")
-    svc.method.add(name="Stream", input_type=".google.protobuf.Empty", output_type=".google.protobuf.Empty",
-                   server_streaming=True)  # fmt: skip
+    svc.method.add(
+        name="Stream", input_type=".google.protobuf.Empty", output_type=".google.protobuf.Empty", server_streaming=True
+    )
     path = base / "probe.protoset"
     path.write_bytes(fds.SerializeToString())
     return path
@@ -292,8 +306,19 @@ def test_grpcurl_unknown_methods(
     header = ["-H", f"authorization: Bearer {token}"] if token else []
     refused = cell in ("no token", "wrong token")
     for method in ("probe.v1.Probe/Unary", "probe.v1.Probe/Stream"):
-        r = run_grpcurl(grpcurl, ["-plaintext", "-protoset", str(probe_protoset), *header, "-d", "{}",
-                                  target_for(servers, kind, cell).address, method])  # fmt: skip
+        r = run_grpcurl(
+            grpcurl,
+            [
+                "-plaintext",
+                "-protoset",
+                str(probe_protoset),
+                *header,
+                "-d",
+                "{}",
+                target_for(servers, kind, cell).address,
+                method,
+            ],
+        )
         out = r.stdout + r.stderr
         if refused:
             assert r.returncode == GRPCURL_EXIT[grpc.StatusCode.UNAUTHENTICATED], f"{method}: {out}"
@@ -369,8 +394,13 @@ def curl(tmp: Path, *args: str) -> tuple[int, str, str]:
     if exe is None:
         pytest.skip("no curl binary")
     head, body = tmp / "curl.head", tmp / "curl.body"
-    r = subprocess.run([exe, "-sS", "-D", str(head), "-o", str(body), "-w", "%{http_code}", *args],
-                       capture_output=True, text=True, timeout=60, check=False)  # fmt: skip
+    r = subprocess.run(
+        [exe, "-sS", "-D", str(head), "-o", str(body), "-w", "%{http_code}", *args],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
     assert r.returncode == 0, r.stderr
     return int(r.stdout), head.read_text(), body.read_text()
 
@@ -470,8 +500,11 @@ async def test_streaming_errors_mapped_for_both_kinds(mapped_server: str, method
     assert got == [SERVING.SerializeToString()]
     assert err is not None and err.code() == grpc.StatusCode.FAILED_PRECONDITION, err
     info = error_info(err)
-    assert info is not None and (info.reason, info.domain, dict(info.metadata)) == ("WRONG_STATE", DOMAIN,
-                                                                                    {"service": "s"})  # fmt: skip
+    assert info is not None and (info.reason, info.domain, dict(info.metadata)) == (
+        "WRONG_STATE",
+        DOMAIN,
+        {"service": "s"},
+    )
 
 
 @pytest.mark.asyncio

@@ -13,9 +13,25 @@ from bench import bench_loader
 def test_bench_loader_smoke(tmp_path: Path) -> None:
     out = tmp_path / "loader.json"
     rc = bench_loader.main(
-        ["--size", "tiny", "--cpu", "--cold", "--repeat", "1", "--hf-repeat", "1", "--threads", "2",
-         "--chunk-mib", "1", "--dir", str(tmp_path / "ckpt"), "--out", str(out)]
-    )  # fmt: skip
+        [
+            "--size",
+            "tiny",
+            "--cpu",
+            "--cold",
+            "--repeat",
+            "1",
+            "--hf-repeat",
+            "1",
+            "--threads",
+            "2",
+            "--chunk-mib",
+            "1",
+            "--dir",
+            str(tmp_path / "ckpt"),
+            "--out",
+            str(out),
+        ]
+    )
     result = json.loads(out.read_text())
     assert rc == 0 and result["passed"] and result["streaming_equals_old_path"], result
     assert result["checkpoint"]["files"] > 1, "a sharded checkpoint"

@@ -13,11 +13,32 @@ from bench import bench_serving
 
 def test_bench_serving_smoke(tmp_path: Path) -> None:
     out = tmp_path / "serving.json"
-    rc = bench_serving.main([
-        "--shape", "tiny", "--backend", "host", "--shapes", "8x6", "--concurrency", "1,4", "--requests", "6",
-        "--clients", "2", "--kv-blocks", "64", "--max-batch", "8", "--start-delay", "3", "--gateway-processes", "2",
-        "--out", str(out),
-    ])  # fmt: skip
+    rc = bench_serving.main(
+        [
+            "--shape",
+            "tiny",
+            "--backend",
+            "host",
+            "--shapes",
+            "8x6",
+            "--concurrency",
+            "1,4",
+            "--requests",
+            "6",
+            "--clients",
+            "2",
+            "--kv-blocks",
+            "64",
+            "--max-batch",
+            "8",
+            "--start-delay",
+            "3",
+            "--gateway-processes",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0 and r["first_request"]["first_s"] > 0
     rows = {(x["path"], x["concurrency"]): x for x in r["results"]}

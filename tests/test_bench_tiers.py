@@ -12,8 +12,9 @@ from bench import bench_tiers
 
 def test_bench_tiers_smoke(tmp_path: Path) -> None:
     out = tmp_path / "tiers.json"
-    rc = bench_tiers.main(["--shape", "tiny", "--backend", "host", "--cycles", "1", "--workdir", str(tmp_path),
-                           "--out", str(out)])  # fmt: skip
+    rc = bench_tiers.main(
+        ["--shape", "tiny", "--backend", "host", "--cycles", "1", "--workdir", str(tmp_path), "--out", str(out)]
+    )
     r = json.loads(out.read_text())
     weights = r["weights_bytes"]
     assert rc == 0 and weights > 0

@@ -13,11 +13,36 @@ from bench import bench_turns
 
 def test_bench_turns_smoke(tmp_path: Path) -> None:
     out = tmp_path / "turns.json"
-    rc = bench_turns.main([
-        "--shape", "tiny", "--backend", "host", "--io", "8x16", "--requests", "2", "--slots", "2", "--skew", "2,1,1",
-        "--clients", "4", "--start-delay", "3", "--time-slice", "0.3", "--kv-blocks", "64", "--worker-args", "",
-        "--rate", "2", "--out", str(out),
-    ])  # fmt: skip
+    rc = bench_turns.main(
+        [
+            "--shape",
+            "tiny",
+            "--backend",
+            "host",
+            "--io",
+            "8x16",
+            "--requests",
+            "2",
+            "--slots",
+            "2",
+            "--skew",
+            "2,1,1",
+            "--clients",
+            "4",
+            "--start-delay",
+            "3",
+            "--time-slice",
+            "0.3",
+            "--kv-blocks",
+            "64",
+            "--worker-args",
+            "",
+            "--rate",
+            "2",
+            "--out",
+            str(out),
+        ]
+    )
     r = json.loads(out.read_text())
     assert rc == 0
     phases = ("alone_closed", "two_busy_closed", "alone_open", "two_busy_open", "skewed")

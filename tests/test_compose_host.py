@@ -112,11 +112,16 @@ def test_the_cpu_service_serves_both_models_and_stops_cleanly(tmp_path: Path) ->
         healthy("host-cpu", [w.replace(in_container, gateway) for w in svc["healthcheck"]["test"]], proc)
         client = openai.OpenAI(base_url=f"http://{gateway}/v1", api_key="unused", max_retries=0, timeout=120)
         # the models load one after the other, the gateway serving before the second is in
-        wait_for(lambda: sorted(m.id for m in client.models.list().data), lambda ids: ids == ["small-a", "small-b"],
-                 what="both models listed", timeout=120)  # fmt: skip
+        wait_for(
+            lambda: sorted(m.id for m in client.models.list().data),
+            lambda ids: ids == ["small-a", "small-b"],
+            what="both models listed",
+            timeout=120,
+        )
         for model in ("small-a", "small-b", "small-a"):
-            r = client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                               max_tokens=8, temperature=0)  # fmt: skip
+            r = client.chat.completions.create(
+                model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+            )
             assert r.choices[0].message.content, f"{model} answered no text"
         grace = float(str(svc["stop_grace_period"]).removesuffix("s"))
         assert proc.signal_and_wait(signal.SIGTERM, timeout=grace) == 0, proc.failure("memsvc up on SIGTERM")

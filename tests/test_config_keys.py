@@ -62,17 +62,30 @@ MODEL_CLASSES: dict[Family, Any] = {
     "mixtral": transformers.MixtralForCausalLM,
 }
 DIMS = {
-    "vocab_size": 96, "hidden_size": 32, "intermediate_size": 48, "num_hidden_layers": 2, "num_attention_heads": 4,
-    "num_key_value_heads": 2, "max_position_embeddings": 128,
-}  # fmt: skip
+    "vocab_size": 96,
+    "hidden_size": 32,
+    "intermediate_size": 48,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 128,
+}
 LLAMA3 = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 32,
-}  # fmt: skip
+}
 LONGROPE = {
-    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.5, 2.0], "long_factor": [2.0, 4.0, 8.0],
-    "partial_rotary_factor": 0.75, "original_max_position_embeddings": 32,
-}  # fmt: skip
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.5, 2.0],
+    "long_factor": [2.0, 4.0, 8.0],
+    "partial_rotary_factor": 0.75,
+    "original_max_position_embeddings": 32,
+}
 """Phi-3's LongRoPE over 6 of head_dim 8's dimensions."""
 
 
@@ -85,14 +98,24 @@ def base(family: Family) -> dict[str, Any]:
     LongRoPE and gemma3's full layers with linear RoPE, so the RoPE sub-keys have something to act on)."""
     gemma = family == "gemma3"
     hf = ModelConfig(
-        family=family, vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4, num_kv_heads=2,
-        head_dim=8, max_position_embeddings=128, attention_bias=family == "qwen2",
+        family=family,
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        max_position_embeddings=128,
+        attention_bias=family == "qwen2",
         sliding_window=16 if family in ("mistral", "gemma3") else None,
         layer_types=("sliding_attention", "full_attention") if gemma else None,
-        local_rope_theta=10000.0 if gemma else None, query_pre_attn_scalar=8.0 if gemma else None,
-        rope_scaling=RopeScaling("linear", 4.0) if gemma else None, rope_theta=1e6 if gemma else 10000.0,
+        local_rope_theta=10000.0 if gemma else None,
+        query_pre_attn_scalar=8.0 if gemma else None,
+        rope_scaling=RopeScaling("linear", 4.0) if gemma else None,
+        rope_theta=1e6 if gemma else 10000.0,
         **(MOE if family in ("qwen3_moe", "mixtral") else {}),
-    ).to_hf()  # fmt: skip
+    ).to_hf()
     if family == "mixtral":
         hf["sliding_window"] = 16
     if family == "llama":
@@ -472,8 +495,10 @@ def _variants(family: Family) -> list[Any]:
         )
         out.append(cls(**DIMS, rope_scaling={"rope_type": "linear", "factor": 8.0}, rope_local_base_freq=5e4))
     elif family != "phi3":  # Phi-3's config takes the default RoPE or LongRoPE only
-        out += [cls(**DIMS, rope_parameters=dict(LLAMA3)),
-                cls(**DIMS, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4})]  # fmt: skip
+        out += [
+            cls(**DIMS, rope_parameters=dict(LLAMA3)),
+            cls(**DIMS, rope_parameters={"rope_type": "linear", "factor": 2.0, "rope_theta": 1e4}),
+        ]
     if family in ("qwen2", "qwen3"):
         out.append(cls(**DIMS, use_sliding_window=True, sliding_window=8, max_window_layers=1))
     if family == "mistral":
@@ -527,8 +552,15 @@ def test_family_defaults_are_transformers_defaults(family: Family) -> None:
     # and through the parser: a file without the keys parses to what transformers builds from it
     # (32 query heads: Qwen's default of 32 key/value heads must divide them)
     model_type = next(t for t, f in MODEL_TYPES.items() if f == family)
-    minimal = {"model_type": model_type, "vocab_size": 96, "hidden_size": 64, "intermediate_size": 48,
-               "num_hidden_layers": 2, "num_attention_heads": 32, "max_position_embeddings": 128}  # fmt: skip
+    minimal = {
+        "model_type": model_type,
+        "vocab_size": 96,
+        "hidden_size": 64,
+        "intermediate_size": 48,
+        "num_hidden_layers": 2,
+        "num_attention_heads": 32,
+        "max_position_embeddings": 128,
+    }
     ref = cls(**{k: v for k, v in minimal.items() if k != "model_type"})
     ref_rope = ref.rope_parameters.get("full_attention", ref.rope_parameters)
     ours_cfg = parse(minimal)

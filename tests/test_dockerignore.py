@@ -19,8 +19,9 @@ def ignored(path: str) -> bool:
     """Docker's rule for these patterns: a pattern matches the path or one of its parent folders."""
     parts = path.split("/")
     prefixes = ["/".join(parts[: i + 1]) for i in range(len(parts))]
-    return any(fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) for pat in patterns()
-               for p in prefixes)  # fmt: skip
+    return any(
+        fnmatch.fnmatch(p, pat) or fnmatch.fnmatch(p, pat.removeprefix("**/")) for pat in patterns() for p in prefixes
+    )
 
 
 def test_heavy_and_private_paths_stay_out() -> None:

@@ -816,8 +816,11 @@ def test_a_pausing_sleep_keeps_streams_open_and_they_go_on_with_their_alone_toke
     assert asleep.paused_generations == len(unfinished), asleep
     kv = asleep.kv_cache
     assert kv.host_free_block_count < kv.host_block_count, f"no paused KV block in the host pool: {kv}"
-    expect_error("a Generate while paused", lambda: stub.Generate(late, timeout=CALL_TIMEOUT),
-                 grpc.StatusCode.FAILED_PRECONDITION)  # fmt: skip
+    expect_error(
+        "a Generate while paused",
+        lambda: stub.Generate(late, timeout=CALL_TIMEOUT),
+        grpc.StatusCode.FAILED_PRECONDITION,
+    )
     with cond:
         assert [len(s.tokens) for s in streams] == counts, "a paused stream sent tokens while the worker slept"
 

@@ -59,8 +59,18 @@ def direct_tokens(up: Up) -> list[int]:
 
 
 def run_example(up: Up, env: dict[str, str]) -> list[int]:
-    argv = [sys.executable, str(EXAMPLE), "--manager", up.manager_address, "--worker", "local0",
-            "--prompt", *map(str, PROMPT), "--max-new-tokens", str(NEW_TOKENS)]  # fmt: skip
+    argv = [
+        sys.executable,
+        str(EXAMPLE),
+        "--manager",
+        up.manager_address,
+        "--worker",
+        "local0",
+        "--prompt",
+        *map(str, PROMPT),
+        "--max-new-tokens",
+        str(NEW_TOKENS),
+    ]
     r = run(argv, env=env, timeout=300)
     assert r.returncode == 0, f"example exited {r.returncode}\nstdout:\n{r.stdout}\nstderr:\n{r.stderr}"
     lines = r.stdout.strip().splitlines()

@@ -162,8 +162,11 @@ def test_worker_sigkilled_mid_transition_is_unavailable_then_comes_back(cluster:
     ch = wp.new_channel()
     stub = w_grpc.ModelWorkerServiceStub(ch)
     if during == "sleep":
-        flight = start_when(wp.address, c.WORKER_STATE_SLEEPING,
-                            lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL))  # fmt: skip
+        flight = start_when(
+            wp.address,
+            c.WORKER_STATE_SLEEPING,
+            lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL),
+        )
     else:
         flight = start_when(wp.address, c.WORKER_STATE_WAKING, lambda: stub.WakeUp(w.WakeUpRequest(), timeout=CALL))
     assert wp.proc is not None
@@ -195,8 +198,11 @@ def test_worker_sigterm_mid_sleep_drains_and_exits_zero() -> None:
     with WorkerProcess(BIG) as wp:
         ch = wp.new_channel()
         stub = w_grpc.ModelWorkerServiceStub(ch)
-        flight = start_when(wp.address, c.WORKER_STATE_SLEEPING,
-                            lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL))  # fmt: skip
+        flight = start_when(
+            wp.address,
+            c.WORKER_STATE_SLEEPING,
+            lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL),
+        )
         wp.terminate()
         result = flight.result()
         ch.close()
@@ -218,22 +224,31 @@ def test_manager_sigkilled_mid_sleepworker_relearns_the_finished_transition(clus
     (wp,) = cluster.workers_up(mp, ["big"], BIG)
     mch = grpc.insecure_channel(mp.address)
     mstub = m_grpc.MemoryManagerServiceStub(mch)
-    flight = start_when(wp.address, c.WORKER_STATE_SLEEPING,
-                        lambda: mstub.SleepWorker(m.SleepWorkerRequest(name="workers/big", tag_actions=OFFLOAD_ALL),
-                                                  timeout=CALL))  # fmt: skip
+    flight = start_when(
+        wp.address,
+        c.WORKER_STATE_SLEEPING,
+        lambda: mstub.SleepWorker(m.SleepWorkerRequest(name="workers/big", tag_actions=OFFLOAD_ALL), timeout=CALL),
+    )
     mp.kill()
     assert_status(flight.result(), grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
     mch.close()
     # the worker finishes the transition by itself
-    wait_for(lambda: worker_status(wp.address), lambda s: s.state == c.WORKER_STATE_ASLEEP, timeout=30,
-             what="the worker to finish its Sleep")  # fmt: skip
+    wait_for(
+        lambda: worker_status(wp.address),
+        lambda s: s.state == c.WORKER_STATE_ASLEEP,
+        timeout=30,
+        what="the worker to finish its Sleep",
+    )
     own = worker_status(wp.address)
     assert tag_view(own.tags)["kv_cache"][0] == c.TAG_STATE_OFFLOADED
 
     mp2 = cluster.manager(listen=address, db=mp.db)
-    wk = wait_for(lambda: get(mp2.stub, "big"),
-                  lambda x: x.state == c.WORKER_STATE_ASLEEP and tag_view(x.status.tags) == tag_view(own.tags),
-                  timeout=30, what="the restarted manager to re-learn the sleeper")  # fmt: skip
+    wk = wait_for(
+        lambda: get(mp2.stub, "big"),
+        lambda x: x.state == c.WORKER_STATE_ASLEEP and tag_view(x.status.tags) == tag_view(own.tags),
+        timeout=30,
+        what="the restarted manager to re-learn the sleeper",
+    )
     assert wk.address == wp.address
     # and it can drive it again
     mp2.stub.WakeWorker(m.WakeWorkerRequest(name="workers/big"), timeout=CALL)
@@ -244,12 +259,17 @@ def test_manager_sigkilled_mid_lease_keeps_the_lease(cluster: Cluster) -> None:
     address = free_address()
     mp = cluster.manager(listen=address)
     cluster.workers_up(mp, ["w1"])
-    lease = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="fault-test",
-                                                         ttl=Duration(seconds=300)), timeout=CALL).lease  # fmt: skip
+    lease = mp.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/w1", holder="fault-test", ttl=Duration(seconds=300)), timeout=CALL
+    ).lease
     mp.kill()
     mp2 = cluster.manager(listen=address, db=mp.db)
-    wk = wait_for(lambda: get(mp2.stub, "w1"), lambda x: x.state == c.WORKER_STATE_AWAKE, timeout=30,
-                  what="w1 to be re-learned AWAKE")  # fmt: skip
+    wk = wait_for(
+        lambda: get(mp2.stub, "w1"),
+        lambda x: x.state == c.WORKER_STATE_AWAKE,
+        timeout=30,
+        what="w1 to be re-learned AWAKE",
+    )
     assert wk.lease_count == 1
     with pytest.raises(grpc.RpcError) as ei:  # the lease still protects the worker
         mp2.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=CALL)
@@ -340,8 +360,14 @@ def test_vanished_watchers_are_dropped(cluster: Cluster) -> None:
             return now[0] <= base[0] and now[1] <= base[1]
 
         # the servers see the connections close and drop the subscribers: back to the baseline
-        counts.append(wait_for(lambda: (open_fds(mgr_proc.pid), open_fds(worker_proc.pid)), at_base, timeout=15,
-                               what="the dead watchers' connections to close"))  # fmt: skip
+        counts.append(
+            wait_for(
+                lambda: (open_fds(mgr_proc.pid), open_fds(worker_proc.pid)),
+                at_base,
+                timeout=15,
+                what="the dead watchers' connections to close",
+            )
+        )
         assert mp.running and wp.running
     assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], f"growth: {counts}"
     # a new watcher still gets the snapshot and later events
@@ -368,8 +394,9 @@ def _fill(t: Any, seed: int) -> str:
     import torch
 
     g = torch.Generator().manual_seed(seed)
-    t.view(-1).view(torch.uint8).copy_(torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8,
-                                                     generator=g))  # fmt: skip
+    t.view(-1).view(torch.uint8).copy_(
+        torch.randint(0, 256, (t.numel() * t.element_size(),), dtype=torch.uint8, generator=g)
+    )
     return hashlib.sha256(memoryview(t.view(-1).view(torch.uint8).numpy())).hexdigest()
 
 
@@ -383,8 +410,9 @@ def _digest(t: Any) -> str:
 def test_allocator_wake_out_of_memory_keeps_the_host_copy(checksum: bool) -> None:
     import torch
 
-    alloc = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=16 * MiB, host_chunk_bytes=4 * MiB,
-                                            checksum=checksum))  # fmt: skip
+    alloc = MemoryAllocator(
+        AllocatorConfig(backend="host", host_capacity_bytes=16 * MiB, host_chunk_bytes=4 * MiB, checksum=checksum)
+    )
     try:
         weights = alloc.empty(8 * MiB, torch.uint8, tag="weights")
         digest = _fill(weights, 1)
@@ -416,9 +444,14 @@ def test_service_wake_over_the_device_budget_changes_nothing(cluster: Cluster) -
     reference = generate(wp.stub)
     mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=CALL)
     asleep = worker_status(wp.address)
-    mp.stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/w1", policy=m.Policy(device_budget_bytes=MiB),
-                                               update_mask=FieldMask(paths=["device_budget_bytes"])),
-                         timeout=10)  # fmt: skip
+    mp.stub.UpdatePolicy(
+        m.UpdatePolicyRequest(
+            name="workers/w1",
+            policy=m.Policy(device_budget_bytes=MiB),
+            update_mask=FieldMask(paths=["device_budget_bytes"]),
+        ),
+        timeout=10,
+    )
     with pytest.raises(grpc.RpcError) as ei:
         mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
     assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
@@ -427,9 +460,14 @@ def test_service_wake_over_the_device_budget_changes_nothing(cluster: Cluster) -
     now = worker_status(wp.address)
     assert now.state == c.WORKER_STATE_ASLEEP and tag_view(now.tags) == tag_view(asleep.tags)
     assert sum(t.offloaded_bytes for t in now.tags) > 0
-    mp.stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/w1", policy=m.Policy(device_budget_bytes=0),
-                                               update_mask=FieldMask(paths=["device_budget_bytes"])),
-                         timeout=10)  # fmt: skip
+    mp.stub.UpdatePolicy(
+        m.UpdatePolicyRequest(
+            name="workers/w1",
+            policy=m.Policy(device_budget_bytes=0),
+            update_mask=FieldMask(paths=["device_budget_bytes"]),
+        ),
+        timeout=10,
+    )
     mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
     assert generate(wp.stub) == reference  # the restored weights are the same bytes
 
@@ -472,8 +510,9 @@ def _corrupt_copies(marker: bytes, exclude: list[tuple[int, int]]) -> int:
 def test_corrupted_host_copy_fails_the_wake_naming_the_allocation() -> None:
     import torch
 
-    alloc = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=64 * MiB, host_chunk_bytes=4 * MiB,
-                                            checksum=True))  # fmt: skip
+    alloc = MemoryAllocator(
+        AllocatorConfig(backend="host", host_capacity_bytes=64 * MiB, host_chunk_bytes=4 * MiB, checksum=True)
+    )
     try:
         t = alloc.empty(2 * MiB, torch.uint8, tag="weights")
         _fill(t, 2)

@@ -42,10 +42,18 @@ FP8 = torch.float8_e4m3fn
 PROMPT = [3, 17, 101, 42, 7, 250, 19, 88]
 NEW = 24
 BASE: dict[str, Any] = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-}  # fmt: skip
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
 BLOCKS: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 4}
 """The block scheme's model: every width a multiple of 128 (head_dim 32, four query and key/value heads)."""
 ACCURACY_SLACK = 1.5
@@ -140,23 +148,41 @@ def checkpoints(request: pytest.FixtureRequest, tmp_path_factory: pytest.TempPat
 
 
 def test_the_config_names_the_scheme_and_refuses_others() -> None:
-    base = ModelConfig(family="llama", vocab_size=96, hidden_size=32, intermediate_size=48, num_layers=2, num_heads=4,
-                       num_kv_heads=2, head_dim=8, dtype="bfloat16", fp8=Fp8("channel")).to_hf()  # fmt: skip
+    base = ModelConfig(
+        family="llama",
+        vocab_size=96,
+        hidden_size=32,
+        intermediate_size=48,
+        num_layers=2,
+        num_heads=4,
+        num_kv_heads=2,
+        head_dim=8,
+        dtype="bfloat16",
+        fp8=Fp8("channel"),
+    ).to_hf()
     assert ModelConfig.from_hf(base).fp8 == Fp8("channel")
     group = base["quantization_config"]["config_groups"]["group_0"]
     changes: list[tuple[dict[str, Any], str]] = [
         ({"quant_method": "gptq"}, "quant_method 'gptq' is not implemented"),
         ({"quant_method": "fp8", "weight_block_size": [64, 64]}, "128 x 128 blocks are implemented"),
-        ({"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
-         "dynamic activations"),
+        (
+            {"quant_method": "fp8", "weight_block_size": [128, 128], "activation_scheme": "static"},
+            "dynamic activations",
+        ),
         ({"format": "pack-quantized"}, "format 'pack-quantized'"),
         ({"ignore": ["lm_head", "model.layers.0.mlp.down_proj"]}, "every Linear but lm_head"),
         ({"kv_cache_scheme": {"num_bits": 8}}, "quantized KV cache"),
         ({"config_groups": {"group_0": {**group, "input_activations": None}}}, "input_activations None"),
         ({"config_groups": {"group_0": {**group, "weights": {**group["weights"], "strategy": "block"}}}}, "'block'"),
-        ({"config_groups": {"group_0": {**group, "input_activations": {**group["input_activations"],
-                                                                      "dynamic": False}}}}, "dynamic 8-bit"),
-    ]  # fmt: skip
+        (
+            {
+                "config_groups": {
+                    "group_0": {**group, "input_activations": {**group["input_activations"], "dynamic": False}}
+                }
+            },
+            "dynamic 8-bit",
+        ),
+    ]
     for change, message in changes:
         with pytest.raises(InvalidArgument, match=message) as err:
             ModelConfig.from_hf({**base, "quantization_config": {**base["quantization_config"], **change}})
@@ -299,7 +325,7 @@ def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
 @pytest.mark.parametrize("strategy", STRATEGIES)
 def test_a_float32_fp8_model_gives_transformers_tokens_and_logits(
     strategy: str, host_alloc: MemoryAllocator, tmp_path: Path
-) -> None:  # fmt: skip
+) -> None:
     """The same scheme around a float32 model (the host backend's; on CUDA FP8 products return
     bfloat16): greedy tokens identical, logits within tests/test_reference.py's float32 bar."""
     ckpt = Checkpoints(tmp_path, strategy, torch.float32)
@@ -312,11 +338,12 @@ def test_a_float32_fp8_model_gives_transformers_tokens_and_logits(
 
 def test_an_fp8_worker_serves_the_same_tokens_across_sleep_and_wake(
     checkpoints: Checkpoints, host_alloc: MemoryAllocator
-) -> None:  # fmt: skip
+) -> None:
     """Level 1 keeps the FP8 bytes and their scales in host memory, level 2 reads them from the
     checkpoint again: the tokens stay those of the in-process runner."""
-    expected = ModelRunner(host_alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0,
-                           block_size=4).generate(PROMPT, NEW)  # fmt: skip
+    expected = ModelRunner(
+        host_alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4
+    ).generate(PROMPT, NEW)
     with WorkerProcess(["--model", str(checkpoints.fp8), "--block-size", "4", "--kv-blocks", "32"]) as wp:
         info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=60).status.model
         fp8 = ModelConfig.from_hf(json.loads((checkpoints.fp8 / "config.json").read_text()))

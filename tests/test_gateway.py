@@ -73,8 +73,11 @@ def text_model_served(root: Path, worker_id: str) -> Iterator[tuple[ManagerProce
     mp = ManagerProcess(root / "manager.db", ["--idle-sleep-timeout", "0"]).start()
     try:
         with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", worker_id]) as wp:
-            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                     lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
+            wait_for(
+                lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
+                "registration",
+            )
             yield mp, wp, path
     finally:
         mp.kill()
@@ -102,8 +105,11 @@ def test_models_list_the_served_model_with_its_state(stack: Stack) -> None:
     stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
     try:
         # the state as the vocabulary spells it (WorkerState.label), once the manager heard of the sleep
-        wait_for(lambda: stack.client.models.list().data[0].model_extra, lambda x: x is not None and
-                 x["state"] == "asleep", "the model listed as 'asleep'")  # fmt: skip
+        wait_for(
+            lambda: stack.client.models.list().data[0].model_extra,
+            lambda x: x is not None and x["state"] == "asleep",
+            "the model listed as 'asleep'",
+        )
     finally:
         stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
 
@@ -134,17 +140,25 @@ def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(sta
             chat = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0)
             assert stack.leases() == 0, "a plain answer comes after its lease was released"
             assert chat.choices[0].message.content == want_chat.text
-            assert chat.choices[0].finish_reason == ("stop" if want_chat.finish_reason == c.FINISH_REASON_STOP
-                                                     else "length")  # fmt: skip
+            assert chat.choices[0].finish_reason == (
+                "stop" if want_chat.finish_reason == c.FINISH_REASON_STOP else "length"
+            )
         elif call == 2:
-            pieces = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0,
-                                                     stream=True, stream_options={"include_usage": True})  # fmt: skip
+            pieces = stack.client.completions.create(
+                model=MODEL,
+                prompt=PROMPT,
+                max_tokens=12,
+                temperature=0,
+                stream=True,
+                stream_options={"include_usage": True},
+            )
             chunks = list(pieces)
             assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == want.text
             assert chunks[-1].usage is not None and chunks[-1].usage.completion_tokens == len(want.token_ids)
         else:
-            stream = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=12,
-                                                          temperature=0, stream=True)  # fmt: skip
+            stream = stack.client.chat.completions.create(
+                model=MODEL, messages=MESSAGES, max_tokens=12, temperature=0, stream=True
+            )
             text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
             assert text == want_chat.text
         assert stack.state() == c.WORKER_STATE_AWAKE
@@ -174,8 +188,9 @@ def test_concurrent_streaming_clients_all_get_their_tokens(stack: Stack) -> None
 
 
 def test_a_client_that_leaves_mid_stream_releases_its_lease(stack: Stack) -> None:
-    stream = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True,
-                                             extra_body={"ignore_eos": True})  # fmt: skip
+    stream = stack.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=400, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     it = iter(stream)
     next(it)
     assert stack.leases() == 1
@@ -195,8 +210,11 @@ def test_return_token_ids_puts_each_chunks_tokens_in_its_choice(stack: Stack) ->
     prompt = [5, 7, 9]
     want = list(stack.direct(prompt_token_ids=prompt, max_new_tokens=12, ignore_eos=True).token_ids)
     extra = {"return_token_ids": True, "ignore_eos": True}
-    chunks = list(stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0,
-                                                  stream=True, extra_body=extra))  # fmt: skip
+    chunks = list(
+        stack.client.completions.create(
+            model=MODEL, prompt=prompt, max_tokens=12, temperature=0, stream=True, extra_body=extra
+        )
+    )
     got = [t for ch in chunks for choice in ch.choices for t in (choice.model_extra or {}).get("token_ids", [])]
     assert got == want
     whole = stack.client.completions.create(model=MODEL, prompt=prompt, max_tokens=12, temperature=0, extra_body=extra)
@@ -220,8 +238,16 @@ def test_a_model_without_a_tokenizer_streams_token_ids(tmp_path: Path) -> None:
             gw = GatewayProcess(mp.address).start()
             try:
                 client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
-                chunks = list(client.completions.create(model="ids-only", prompt=[1, 2], max_tokens=10, temperature=0,
-                                                        stream=True, extra_body={"ignore_eos": True}))  # fmt: skip
+                chunks = list(
+                    client.completions.create(
+                        model="ids-only",
+                        prompt=[1, 2],
+                        max_tokens=10,
+                        temperature=0,
+                        stream=True,
+                        extra_body={"ignore_eos": True},
+                    )
+                )
             finally:
                 gw.kill()
     finally:
@@ -237,8 +263,9 @@ def test_stop_strings_cut_the_text_at_the_first_stop(stack: Stack) -> None:
     stop = full[2:4]
     cut = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=stop)
     assert cut.choices[0].text == full[: full.find(stop)] and cut.choices[0].finish_reason == "stop"
-    streamed = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop],
-                                               stream=True)  # fmt: skip
+    streamed = stack.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=16, temperature=0, stop=[stop], stream=True
+    )
     assert "".join(ch.choices[0].text for ch in streamed if ch.choices) == full[: full.find(stop)]
 
 
@@ -262,21 +289,36 @@ def test_a_stop_string_ends_the_generation_and_usage_counts_what_was_returned(st
     direct = stack.direct(prompt=PROMPT, max_new_tokens=60, ignore_eos=True, stop=["never in it", stop])
     assert (list(direct.token_ids), direct.text, direct.matched_stop) == (list(ref.token_ids[:count]), answer, stop)
     assert direct.finish_reason == c.FINISH_REASON_STOP and direct.completion_token_count == count
-    msgs = list(stack.worker.stub.GenerateStream(
-        w.GenerateStreamRequest(request=w.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True,
-                                                          stop=[stop])), timeout=60))  # fmt: skip
+    msgs = list(
+        stack.worker.stub.GenerateStream(
+            w.GenerateStreamRequest(
+                request=w.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True, stop=[stop])
+            ),
+            timeout=60,
+        )
+    )
     assert "".join(x.text for x in msgs) == answer and msgs[-1].done.matched_stop == stop
     assert [t for x in msgs for t in x.token_ids] == list(ref.token_ids[:count])
 
     extra = {"ignore_eos": True}
-    whole = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop],
-                                            extra_body=extra)  # fmt: skip
+    whole = stack.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0, stop=[stop], extra_body=extra
+    )
     assert whole.choices[0].text == answer and whole.choices[0].finish_reason == "stop"
     assert whole.usage is not None
     assert (whole.usage.prompt_tokens, whole.usage.completion_tokens) == (ref.prompt_token_count, count)
-    chunks = list(stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=60, temperature=0,
-                                                  stop=[stop], stream=True, stream_options={"include_usage": True},
-                                                  extra_body=extra))  # fmt: skip
+    chunks = list(
+        stack.client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=60,
+            temperature=0,
+            stop=[stop],
+            stream=True,
+            stream_options={"include_usage": True},
+            extra_body=extra,
+        )
+    )
     assert "".join(ch.choices[0].text for ch in chunks if ch.choices) == answer
     assert [ch.choices[0].finish_reason for ch in chunks if ch.choices][-1] == "stop"
     streamed = chunks[-1].usage
@@ -300,15 +342,19 @@ def curl(url: str, path: str, body: str | None, headers: tuple[str, ...] = ()) -
     return int(code), json.loads(text)
 
 
-@pytest.mark.parametrize(("body", "status", "param"), [
-    ('{"model": "nope", "prompt": "x"}', 404, "model"),
-    ('{"model": "text-model", "prompt": "x", "n": 2}', 400, "n"),
-    ('{"model": "text-model", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
-    ('{"model": "text-model", "prompt": "x", "temperature": 3}', 400, "temperature"),
-    ('{"model": "text-model", "prompt": ["a", "b"]}', 400, "prompt"),
-    ('{"model": "text-model", "prompt": "x", "max_tokens": 100000}', 400, None),
-    ('{"model": "text-model", "prompt": "x" ', 400, None),
-], ids=["unknown-model", "n", "max-tokens", "temperature", "two-prompts", "too-long", "bad-json"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("body", "status", "param"),
+    [
+        ('{"model": "nope", "prompt": "x"}', 404, "model"),
+        ('{"model": "text-model", "prompt": "x", "n": 2}', 400, "n"),
+        ('{"model": "text-model", "prompt": "x", "max_tokens": -1}', 400, "max_tokens"),
+        ('{"model": "text-model", "prompt": "x", "temperature": 3}', 400, "temperature"),
+        ('{"model": "text-model", "prompt": ["a", "b"]}', 400, "prompt"),
+        ('{"model": "text-model", "prompt": "x", "max_tokens": 100000}', 400, None),
+        ('{"model": "text-model", "prompt": "x" ', 400, None),
+    ],
+    ids=["unknown-model", "n", "max-tokens", "temperature", "two-prompts", "too-long", "bad-json"],
+)
 def test_bad_requests_get_openai_errors_and_change_nothing(
     stack: Stack, body: str, status: int, param: str | None
 ) -> None:
@@ -407,8 +453,9 @@ def test_memsvc_up_starts_the_gateway_in_front_of_its_worker(tmp_path: Path) -> 
 
 def test_metrics_count_requests_and_responses_carry_a_request_id(stack: Stack) -> None:
     stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=3, temperature=0)
-    streamed = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True})  # fmt: skip
+    streamed = stack.client.completions.create(
+        model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True, extra_body={"ignore_eos": True}
+    )
     assert len(list(streamed)) >= 2
     curl(stack.gateway.url, "/v1/completions", '{"model": "nope", "prompt": "x"}')
     exe = shutil.which("curl")
@@ -418,8 +465,11 @@ def test_metrics_count_requests_and_responses_carry_a_request_id(stack: Stack) -
     assert "x-request-id: probe-42" in head.lower()
     scrape = [exe, "-s", f"{stack.gateway.url}/metrics"]
     text = subprocess.run(scrape, capture_output=True, text=True, timeout=30).stdout
-    samples = {line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1]) for line in text.splitlines()
-               if line and not line.startswith("#")}  # fmt: skip
+    samples = {
+        line.rsplit(" ", 1)[0]: float(line.rsplit(" ", 1)[1])
+        for line in text.splitlines()
+        if line and not line.startswith("#")
+    }
     ok = 'memsvc_gateway_requests_total{code="200",endpoint="completions",model="text-model"}'
     assert samples.get(ok, 0) >= 1
     assert samples.get('memsvc_gateway_requests_total{code="404",endpoint="completions",model=""}', 0) >= 1
@@ -437,12 +487,24 @@ def two_models(tmp_path: Path) -> Iterator[tuple[ManagerProcess, list[WorkerProc
     workers: list[WorkerProcess] = []
     try:
         for name in ("alpha", "beta"):
-            flags = ["--model", "synthetic:tiny", "--host-capacity", "6MiB", "--manager", mp.address,
-                     "--worker-id", name, "--served-model-name", name]  # fmt: skip
+            flags = [
+                "--model",
+                "synthetic:tiny",
+                "--host-capacity",
+                "6MiB",
+                "--manager",
+                mp.address,
+                "--worker-id",
+                name,
+                "--served-model-name",
+                name,
+            ]
             workers.append(WorkerProcess(flags).start())
-        wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                 lambda ws: len([x for x in ws if x.status.model.served_model_name]) == 2,
-                 "both registrations")  # fmt: skip
+        wait_for(
+            lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+            lambda ws: len([x for x in ws if x.status.model.served_model_name]) == 2,
+            "both registrations",
+        )
         gw = GatewayProcess(mp.address, ["--queue-timeout", "1"]).start()
         try:
             yield mp, workers, gw
@@ -466,16 +528,23 @@ def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
     assert sorted(x.id for x in client.models.list().data) == ["alpha", "beta"]
     mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
-    mp.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(device_swap_headroom_bytes=headroom),
-                                               update_mask=FieldMask(paths=["device_swap_headroom_bytes"])),
-                         timeout=10)  # fmt: skip
+    mp.stub.UpdatePolicy(
+        m.UpdatePolicyRequest(
+            policy=m.Policy(device_swap_headroom_bytes=headroom),
+            update_mask=FieldMask(paths=["device_swap_headroom_bytes"]),
+        ),
+        timeout=10,
+    )
     answers: dict[str, list[int]] = {}
     for model in ("alpha", "beta", "alpha", "beta"):
         r = client.completions.create(model=model, prompt=[1, 2, 3, 4], max_tokens=6, temperature=0)
         assert r.usage is not None and r.usage.completion_tokens == 6
         other = "beta" if model == "alpha" else "alpha"
-        wait_for(lambda other=other: _state_of(mp, other), lambda s: s == c.WORKER_STATE_ASLEEP,  # type: ignore[misc]
-                 f"{other} to be put to sleep for {model}")  # fmt: skip
+        wait_for(
+            lambda other=other: _state_of(mp, other),  # type: ignore[misc]
+            lambda s: s == c.WORKER_STATE_ASLEEP,
+            f"{other} to be put to sleep for {model}",
+        )
         answers.setdefault(model, []).append(r.usage.completion_tokens)
     assert answers == {"alpha": [6, 6], "beta": [6, 6]}
     overlapped = mp.stderr_text().count("to sleep beside the wake")
@@ -499,8 +568,17 @@ def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
         t0 = time.monotonic()
         exe = shutil.which("curl")
         assert exe is not None
-        args = [exe, "-s", "-D", "-", f"{gw.url}/v1/completions", "-H", "Content-Type: application/json",
-                "-d", '{"model": "beta", "prompt": [1, 2], "max_tokens": 2}']  # fmt: skip
+        args = [
+            exe,
+            "-s",
+            "-D",
+            "-",
+            f"{gw.url}/v1/completions",
+            "-H",
+            "Content-Type: application/json",
+            "-d",
+            '{"model": "beta", "prompt": [1, 2], "max_tokens": 2}',
+        ]
         out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
         waited = time.monotonic() - t0
         head, _, body = out.partition("\n\n")
@@ -517,8 +595,9 @@ def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
 def test_without_max_tokens_a_chat_ends_at_the_models_context(stack: Stack) -> None:
     """OpenAI's max_tokens is a bound: unset, the answer runs until the model's context is full."""
     context = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.model.context_length
-    chat = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                                extra_body={"ignore_eos": True})  # fmt: skip
+    chat = stack.client.chat.completions.create(
+        model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+    )
     assert chat.choices[0].finish_reason == "length" and chat.usage is not None
     assert chat.usage.prompt_tokens + chat.usage.completion_tokens == context
     wait_for(stack.leases, lambda n: n == 0, "the lease to be released")
@@ -534,13 +613,17 @@ def test_without_max_tokens_a_chat_on_a_kv_pool_smaller_than_the_context_ends_at
     try:
         args = ["--model", str(path), "--manager", mp.address, "--worker-id", "small-kv", "--kv-blocks", "4"]
         with WorkerProcess(args) as wp:
-            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                     lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration")  # fmt: skip
+            wait_for(
+                lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
+                "registration",
+            )
             gw = GatewayProcess(mp.address).start()
             try:
                 client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0)
-                chat = client.chat.completions.create(model=MODEL, messages=MESSAGES, temperature=0,
-                                                      extra_body={"ignore_eos": True})  # fmt: skip
+                chat = client.chat.completions.create(
+                    model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
+                )
                 assert chat.choices[0].finish_reason == "length" and chat.usage is not None
                 assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 4 * 16 + 1  # the last is not fed
                 kv = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
@@ -558,17 +641,28 @@ def test_a_client_that_leaves_a_plain_request_stops_its_generation(
     exe = shutil.which("curl")
     assert exe is not None
     body = '{"model": "alpha", "prompt": [1, 2, 3], "max_tokens": 2000, "ignore_eos": true}'
-    args = [exe, "-s", "--max-time", "0.5", f"{gw.url}/v1/completions", "-H", "Content-Type: application/json",
-            "-d", body]  # fmt: skip
+    args = [
+        exe,
+        "-s",
+        "--max-time",
+        "0.5",
+        f"{gw.url}/v1/completions",
+        "-H",
+        "Content-Type: application/json",
+        "-d",
+        body,
+    ]
     assert subprocess.run(args, capture_output=True, text=True, timeout=60).returncode == 28  # curl: timed out
 
     def lease_count() -> int:
         return int(mp.stub.GetWorker(m.GetWorkerRequest(name="workers/alpha"), timeout=10).worker.lease_count)
 
     wait_for(lease_count, lambda n: n == 0, "the lease of the client that left")
-    wait_for(lambda: alpha.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
-             lambda k: k.device_free_block_count == k.device_block_count,
-             "the generation's blocks to be freed")  # fmt: skip
+    wait_for(
+        lambda: alpha.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+        lambda k: k.device_free_block_count == k.device_block_count,
+        "the generation's blocks to be freed",
+    )
     scrape = subprocess.run([exe, "-s", f"{gw.url}/metrics"], capture_output=True, text=True, timeout=30).stdout
     assert 'memsvc_gateway_requests_total{code="499",endpoint="completions",model="alpha"} 1.0' in scrape, scrape
 
@@ -580,8 +674,9 @@ def _manager_worker(stack: Stack) -> m.Worker:
 
 def _idle_sleep_timeout(stack: Stack, seconds: float) -> None:
     policy = m.Policy(idle_sleep_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
-    stack.manager.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=FieldMask(
-        paths=["idle_sleep_timeout"])), timeout=10)  # fmt: skip
+    stack.manager.stub.UpdatePolicy(
+        m.UpdatePolicyRequest(policy=policy, update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
+    )
 
 
 def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> None:
@@ -590,8 +685,9 @@ def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> 
     nothing."""
     _idle_sleep_timeout(stack, 0.5)
     try:
-        r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0,
-                                            extra_body={"keep_alive": "-1"})  # fmt: skip
+        r = stack.client.completions.create(
+            model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0, extra_body={"keep_alive": "-1"}
+        )
         assert r.usage is not None and r.usage.completion_tokens == 2
         assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000
         time.sleep(2.0)  # four policy timeouts
@@ -602,21 +698,31 @@ def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> 
         assert bad.value.status_code == 400 and "keep_alive" in str(bad.value.body)
         for typo in ("1000h", "--5", "+-5", "-+5s"):  # one sign at most: "--5" was read as -5, "+-5" as +5
             with pytest.raises(openai.BadRequestError) as bad:
-                stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2,
-                                                extra_body={"keep_alive": typo})  # fmt: skip
+                stack.client.completions.create(
+                    model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"keep_alive": typo}
+                )
             assert "keep_alive" in str(bad.value.body), (typo, bad.value.body)
         assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000, "a refused request changed it"
         assert _manager_worker(stack).state == c.WORKER_STATE_AWAKE
 
-        stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0,
-                                             extra_body={"keep_alive": 0})  # fmt: skip
-        wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP,
-                 "keep_alive 0 to put the model to sleep after its response", timeout=10)  # fmt: skip
+        stack.client.chat.completions.create(
+            model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, extra_body={"keep_alive": 0}
+        )
+        wait_for(
+            lambda: _manager_worker(stack).state,
+            lambda s: s == c.WORKER_STATE_ASLEEP,
+            "keep_alive 0 to put the model to sleep after its response",
+            timeout=10,
+        )
 
         stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, temperature=0)  # wakes it
         assert not _manager_worker(stack).HasField("keep_alive"), "a request without keep_alive restores the policy"
-        wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP,
-                 "the policy's idle timer", timeout=10)  # fmt: skip
+        wait_for(
+            lambda: _manager_worker(stack).state,
+            lambda s: s == c.WORKER_STATE_ASLEEP,
+            "the policy's idle timer",
+            timeout=10,
+        )
     finally:
         _idle_sleep_timeout(stack, 0)
         stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
@@ -645,8 +751,9 @@ def test_requests_that_arrive_during_a_wake_join_it(stack: Stack) -> None:
     def one(i: int) -> None:
         try:
             if i % 2:
-                s = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0,
-                                                    stream=True)  # fmt: skip
+                s = stack.client.completions.create(
+                    model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0, stream=True
+                )
                 results.append("".join(ch.choices[0].text for ch in s if ch.choices))
             else:
                 r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=6, temperature=0)
@@ -677,17 +784,26 @@ def test_concurrent_streams_across_two_models_that_fit_one_at_a_time(
     gw = GatewayProcess(mp.address, ["--queue-timeout", "60"]).start()  # the fixture's 1 s queue is for 503s
     try:
         client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
-        want = {name: wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[3, 1, 4, 1, 5], max_new_tokens=8),
-                                       timeout=60).token_ids
-                for name, wp in zip(("alpha", "beta"), workers, strict=True)}  # fmt: skip
+        want = {
+            name: wp.stub.Generate(
+                w.GenerateRequest(prompt_token_ids=[3, 1, 4, 1, 5], max_new_tokens=8), timeout=60
+            ).token_ids
+            for name, wp in zip(("alpha", "beta"), workers, strict=True)
+        }
         mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
         results: dict[str, list[int]] = {"alpha": [], "beta": []}
         errors: list[BaseException] = []
 
         def one(model: str) -> None:
             try:
-                s = client.completions.create(model=model, prompt=[3, 1, 4, 1, 5], max_tokens=8, temperature=0,
-                                              stream=True, stream_options={"include_usage": True})  # fmt: skip
+                s = client.completions.create(
+                    model=model,
+                    prompt=[3, 1, 4, 1, 5],
+                    max_tokens=8,
+                    temperature=0,
+                    stream=True,
+                    stream_options={"include_usage": True},
+                )
                 chunks = list(s)
                 assert chunks[-1].usage is not None
                 results[model].append(chunks[-1].usage.completion_tokens)
@@ -724,30 +840,51 @@ _CHAT = {"model": MODEL, "messages": MESSAGES}
 _PLAIN = {"model": MODEL, "prompt": "x"}
 
 
-@pytest.mark.parametrize(("path", "body", "param"), [
-    ("completions", {**_PLAIN, "max_tokens": 5000}, "max_tokens"),
-    ("chat/completions", {**_CHAT, "max_completion_tokens": 5000}, "max_completion_tokens"),
-    ("completions", {"model": MODEL, "prompt": [1 << 40]}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": [1_000_000]}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": [1] * 512}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": ""}, "prompt"),
-    ("completions", {"model": MODEL, "prompt": "x" * ((1 << 20) + 1)}, "prompt"),
-    ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 1025}, "messages"),
-    ("completions", {**_PLAIN, "temperature": "0.5"}, "temperature"),
-    ("completions", {**_PLAIN, "stream": "yes"}, "stream"),
-    ("completions", {"model": MODEL, "prompt": [True, 2]}, "prompt"),
-    ("completions", {**_PLAIN, "frequency_penalty": 1.5}, "frequency_penalty"),
-    ("completions", {**_PLAIN, "presence_penalty": 0.5}, "presence_penalty"),
-    ("completions", {**_PLAIN, "logit_bias": {"5": 100}}, "logit_bias"),
-    ("completions", {**_PLAIN, "best_of": 2}, "best_of"),
-    ("completions", {**_PLAIN, "suffix": "end"}, "suffix"),
-    ("chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
-    ("chat/completions", {**_CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
-    ("completions", {**_PLAIN, "stop": ["x" * 1025]}, "stop"),
-], ids=["max-tokens", "max-completion-tokens", "token-past-int32", "token-past-vocab", "prompt-fills-context",
-        "empty-prompt", "prompt-bytes", "messages", "temperature-as-text", "stream-as-text", "bool-token",
-        "frequency-penalty", "presence-penalty", "logit-bias", "best-of", "suffix", "response-format",
-        "functions", "stop-bytes"])  # fmt: skip
+@pytest.mark.parametrize(
+    ("path", "body", "param"),
+    [
+        ("completions", {**_PLAIN, "max_tokens": 5000}, "max_tokens"),
+        ("chat/completions", {**_CHAT, "max_completion_tokens": 5000}, "max_completion_tokens"),
+        ("completions", {"model": MODEL, "prompt": [1 << 40]}, "prompt"),
+        ("completions", {"model": MODEL, "prompt": [1_000_000]}, "prompt"),
+        ("completions", {"model": MODEL, "prompt": [1] * 512}, "prompt"),
+        ("completions", {"model": MODEL, "prompt": ""}, "prompt"),
+        ("completions", {"model": MODEL, "prompt": "x" * ((1 << 20) + 1)}, "prompt"),
+        ("chat/completions", {"model": MODEL, "messages": [{"role": "user", "content": "x"}] * 1025}, "messages"),
+        ("completions", {**_PLAIN, "temperature": "0.5"}, "temperature"),
+        ("completions", {**_PLAIN, "stream": "yes"}, "stream"),
+        ("completions", {"model": MODEL, "prompt": [True, 2]}, "prompt"),
+        ("completions", {**_PLAIN, "frequency_penalty": 1.5}, "frequency_penalty"),
+        ("completions", {**_PLAIN, "presence_penalty": 0.5}, "presence_penalty"),
+        ("completions", {**_PLAIN, "logit_bias": {"5": 100}}, "logit_bias"),
+        ("completions", {**_PLAIN, "best_of": 2}, "best_of"),
+        ("completions", {**_PLAIN, "suffix": "end"}, "suffix"),
+        ("chat/completions", {**_CHAT, "response_format": {"type": "json_object"}}, "response_format"),
+        ("chat/completions", {**_CHAT, "functions": [{"name": "f", "parameters": {}}]}, "functions"),
+        ("completions", {**_PLAIN, "stop": ["x" * 1025]}, "stop"),
+    ],
+    ids=[
+        "max-tokens",
+        "max-completion-tokens",
+        "token-past-int32",
+        "token-past-vocab",
+        "prompt-fills-context",
+        "empty-prompt",
+        "prompt-bytes",
+        "messages",
+        "temperature-as-text",
+        "stream-as-text",
+        "bool-token",
+        "frequency-penalty",
+        "presence-penalty",
+        "logit-bias",
+        "best-of",
+        "suffix",
+        "response-format",
+        "functions",
+        "stop-bytes",
+    ],
+)
 def test_bad_requests_are_refused_before_they_wake_a_sleeping_model(
     stack: Stack, path: str, body: dict[str, Any], param: str
 ) -> None:
@@ -778,9 +915,14 @@ def test_the_sdk_raises_bad_request_for_a_parameter_the_gateway_does_not_apply(s
     neutral: dict[str, Any] = {"presence_penalty": 0, "frequency_penalty": 0, "logit_bias": {}}
     # ignore_eos: at the default temperature (1) the token drawn can be the end of text (it was, in one
     # fresh-clone run), and the answer then has one token
-    ok = stack.client.chat.completions.create(model=MODEL, messages=MESSAGES, max_tokens=2,
-                                              response_format={"type": "text"}, extra_body={"ignore_eos": True},
-                                              **neutral)  # fmt: skip
+    ok = stack.client.chat.completions.create(
+        model=MODEL,
+        messages=MESSAGES,
+        max_tokens=2,
+        response_format={"type": "text"},
+        extra_body={"ignore_eos": True},
+        **neutral,
+    )
     assert ok.usage is not None and ok.usage.completion_tokens == 2
 
 
@@ -789,8 +931,14 @@ def test_top_k_reaches_the_worker(stack: Stack) -> None:
     the answer would be a random sample of this random model)."""
     want = stack.direct(prompt=PROMPT, max_new_tokens=12, ignore_eos=True).text
     for seed in (1, 2):
-        r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=1.0, seed=seed,
-                                            extra_body={"top_k": 1, "ignore_eos": True})  # fmt: skip
+        r = stack.client.completions.create(
+            model=MODEL,
+            prompt=PROMPT,
+            max_tokens=12,
+            temperature=1.0,
+            seed=seed,
+            extra_body={"top_k": 1, "ignore_eos": True},
+        )
         assert r.choices[0].text == want
     # clients send unset optional fields as null: each means "the default", never a 400
     nulls = dict.fromkeys(("top_k", "stop", "seed", "user", "frequency_penalty", "logit_bias", "stream_options"))
@@ -811,8 +959,20 @@ def test_an_oversize_body_is_413_and_wakes_nothing(stack: Stack, tmp_path: Path)
     _asleep(stack)
     try:
         for extra in ((), ("-H", "Transfer-Encoding: chunked")):
-            args = [exe, "-s", "-o", "-", "-w", "\n%{http_code}", f"{stack.gateway.url}/v1/completions",
-                    "-H", "Content-Type: application/json", *extra, "--data-binary", f"@{body}"]  # fmt: skip
+            args = [
+                exe,
+                "-s",
+                "-o",
+                "-",
+                "-w",
+                "\n%{http_code}",
+                f"{stack.gateway.url}/v1/completions",
+                "-H",
+                "Content-Type: application/json",
+                *extra,
+                "--data-binary",
+                f"@{body}",
+            ]
             out = subprocess.run(args, capture_output=True, text=True, timeout=60).stdout
             text, _, code = out.rpartition("\n")
             assert code == "413", (extra, out[:300])
@@ -829,8 +989,12 @@ def test_a_request_id_that_is_not_ascii_is_replaced_not_refused(stack: Stack) ->
     characters are 256 UTF-8 bytes, past the holder's bound with the gateway's prefix) is replaced."""
     import httpx
 
-    r = httpx.post(f"{stack.gateway.url}/v1/completions", json={**_PLAIN, "max_tokens": 1},
-                   headers={b"X-Request-Id": ("\u00e9" * 128).encode("latin-1")}, timeout=60)  # fmt: skip
+    r = httpx.post(
+        f"{stack.gateway.url}/v1/completions",
+        json={**_PLAIN, "max_tokens": 1},
+        headers={b"X-Request-Id": ("\u00e9" * 128).encode("latin-1")},
+        timeout=60,
+    )
     assert r.status_code == 200, r.text
     assert r.headers["x-request-id"].isascii() and r.headers["x-request-id"].startswith("req-")
 
@@ -855,14 +1019,28 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
         exe = shutil.which("curl")
         assert exe is not None
         clients = [
-            subprocess.Popen([exe, "-s", "--max-time", "120", f"{gw.url}/v1/completions", "-H",
-                              "Content-Type: application/json", "-d",
-                              json.dumps({"model": "beta", "prompt": [1, 2], "max_tokens": 2, "stream": stream})])
+            subprocess.Popen(
+                [
+                    exe,
+                    "-s",
+                    "--max-time",
+                    "120",
+                    f"{gw.url}/v1/completions",
+                    "-H",
+                    "Content-Type: application/json",
+                    "-d",
+                    json.dumps({"model": "beta", "prompt": [1, 2], "max_tokens": 2, "stream": stream}),
+                ]
+            )
             for stream in (False, True)
-        ]  # fmt: skip
-        wait_for(lambda: httpx.post(f"{gw.url}/v1/completions", json={"model": "alpha", "prompt": [1], "max_tokens": 1},
-                                    timeout=30),
-                 lambda r: r.status_code == 503, "both clients to be queued")  # fmt: skip
+        ]
+        wait_for(
+            lambda: httpx.post(
+                f"{gw.url}/v1/completions", json={"model": "alpha", "prompt": [1], "max_tokens": 1}, timeout=30
+            ),
+            lambda r: r.status_code == 503,
+            "both clients to be queued",
+        )
         busy = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "alpha", "messages": MESSAGES}, timeout=30)
         assert busy.status_code == 503 and busy.headers.get("retry-after"), busy.text
         assert busy.json()["error"]["code"] == "overloaded", busy.text

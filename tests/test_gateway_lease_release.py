@@ -47,9 +47,12 @@ class Stack:
         self.manager = ManagerProcess(self.db, listen=self.listen).start()
         self.worker = WorkerProcess(["--manager", self.manager.address, "--worker-id", "lw0"]).start()
         self.gateway = GatewayProcess(self.manager.address, ["--lease-ttl", f"{lease_ttl:g}"]).start()
-        wait_for(lambda: self.manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                 lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), what="registration",
-                 timeout=60)  # fmt: skip
+        wait_for(
+            lambda: self.manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+            lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
+            what="registration",
+            timeout=60,
+        )
 
     def restart_manager(self) -> None:
         self.manager.kill()
@@ -142,8 +145,12 @@ def test_a_stream_longer_than_the_lease_ttl_keeps_its_lease_renewed(tmp_path: Pa
 
             # renewed while it streams: held past its first expiry and one more TTL, which it would
             # not have been without renewals
-            wait_for(held, lambda e: e >= expires + 2 * ttl and time.time() > expires + ttl,
-                     what="the lease to be renewed past two more TTLs", timeout=60)  # fmt: skip
+            wait_for(
+                held,
+                lambda e: e >= expires + 2 * ttl and time.time() > expires + ttl,
+                what="the lease to be renewed past two more TTLs",
+                timeout=60,
+            )
         ended(answer, True)
         assert s.lease_count() == 0, "released before the stream's body ended"
         assert not s.log("is gone") and not s.log("renewing lease"), s.gateway.stderr_text()[-4000:]

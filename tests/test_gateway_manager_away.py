@@ -55,8 +55,12 @@ class Stack:
             wp.start()
         self.gateway = GatewayProcess(self.manager.address).start()
         self.client = openai.OpenAI(base_url=f"{self.gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
-        wait_for(self.states, lambda s: s == {"alpha": c.WORKER_STATE_AWAKE, "beta": c.WORKER_STATE_AWAKE},
-                 what="both registered awake", timeout=60)  # fmt: skip
+        wait_for(
+            self.states,
+            lambda s: s == {"alpha": c.WORKER_STATE_AWAKE, "beta": c.WORKER_STATE_AWAKE},
+            what="both registered awake",
+            timeout=60,
+        )
 
     def states(self) -> dict[str, int]:
         ws = self.manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers

@@ -122,8 +122,9 @@ def test_every_child_serves_the_port_and_metrics_count_them_all(host: Host) -> N
             with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
                 try:
                     if streamed:
-                        s = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0,
-                                                      stream=True)  # fmt: skip
+                        s = client.completions.create(
+                            model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0, stream=True
+                        )
                         texts.append("".join(ch.choices[0].text for ch in s if ch.choices))
                     else:
                         r = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=8, temperature=0)
@@ -152,11 +153,13 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_stops_every_child(host: Host
     gw = host.gateway()
     try:
         kids = children(gw.pid)
-        want = host.worker.stub.Generate(w.GenerateRequest(prompt=PROMPT, max_new_tokens=64, ignore_eos=True),
-                                         timeout=60)  # fmt: skip
+        want = host.worker.stub.Generate(
+            w.GenerateRequest(prompt=PROMPT, max_new_tokens=64, ignore_eos=True), timeout=60
+        )
         with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
-            stream = client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0, stream=True,
-                                               extra_body={"ignore_eos": True})  # fmt: skip
+            stream = client.completions.create(
+                model=MODEL, prompt=PROMPT, max_tokens=64, temperature=0, stream=True, extra_body={"ignore_eos": True}
+            )
             chunks = iter(stream)
             first = next(chunks)
             assert gw.proc is not None
@@ -211,8 +214,18 @@ def test_a_port_that_is_taken_is_one_line_and_exit_1(processes: int) -> None:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         listen = f"127.0.0.1:{taken.getsockname()[1]}"
-        argv = [sys.executable, "-m", "memsvc.cli", "gateway", "--listen", listen, "--manager", "127.0.0.1:1",
-                "--processes", str(processes)]  # fmt: skip
+        argv = [
+            sys.executable,
+            "-m",
+            "memsvc.cli",
+            "gateway",
+            "--listen",
+            listen,
+            "--manager",
+            "127.0.0.1:1",
+            "--processes",
+            str(processes),
+        ]
         r = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL)
     assert r.returncode == 1, r.stderr[-2000:]
     assert f"memsvc gateway: could not serve on {listen}: Address already in use" in r.stderr

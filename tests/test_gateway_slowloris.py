@@ -49,13 +49,16 @@ def gateways() -> Iterator[list[GatewayProcess]]:
         gw.close()
 
 
-def _gateway(gateways: list[GatewayProcess], manager: str, *args: str, nofile: tuple[int, int] | None = None
-             ) -> GatewayProcess:  # fmt: skip
+def _gateway(
+    gateways: list[GatewayProcess], manager: str, *args: str, nofile: tuple[int, int] | None = None
+) -> GatewayProcess:
     """A started gateway; ``nofile``: its open-files limit (soft, hard), set before it runs."""
     gw = GatewayProcess(manager, args)
     if nofile is not None:
-        limit = "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), " \
-                "int(sys.argv[2]))); os.execv(sys.argv[3], sys.argv[3:])"  # fmt: skip
+        limit = (
+            "import os, resource, sys; resource.setrlimit(resource.RLIMIT_NOFILE, (int(sys.argv[1]), "
+            "int(sys.argv[2]))); os.execv(sys.argv[3], sys.argv[3:])"
+        )
         gw.argv = [sys.executable, "-c", limit, str(nofile[0]), str(nofile[1]), *gw.argv]
     gateways.append(gw)
     return gw.start()
@@ -196,8 +199,11 @@ def test_connections_past_the_bound_get_a_503_at_once_and_hold_no_file(
     try:
         # those refused at once answered 503 (a machine slower than the header timeout may also show
         # some let in and timed out: those are closed without a 503, and not counted here)
-        refused = wait_for(lambda: [c for c in idle if c.poll() and c.got.startswith(b"HTTP/1.1 503")],
-                           lambda cs: len(cs) >= 40, "40 refusals")  # fmt: skip
+        refused = wait_for(
+            lambda: [c for c in idle if c.poll() and c.got.startswith(b"HTTP/1.1 503")],
+            lambda cs: len(cs) >= 40,
+            "40 refusals",
+        )
         assert _files(gw) <= files + 20 + 8, "the held connections' files, and no more"
         for c in refused:
             assert b"retry-after: 2" in c.got.lower() and b"limit of 20 connections" in c.got
@@ -259,13 +265,23 @@ def test_accepts_that_fail_for_want_of_files_are_one_log_line_not_one_each(
     assert len([line for line in text.splitlines() if "Too many open files" in line]) <= 3
 
 
-@pytest.mark.parametrize(("flag", "value"), [
-    ("--header-timeout", "0"), ("--header-timeout", "3601"), ("--body-timeout", "-1"), ("--body-timeout", "soon"),
-    ("--idle-timeout", "0"), ("--max-connections", "0"), ("--max-connections", "lots"), ("--processes", "0"),
-])  # fmt: skip
+@pytest.mark.parametrize(
+    ("flag", "value"),
+    [
+        ("--header-timeout", "0"),
+        ("--header-timeout", "3601"),
+        ("--body-timeout", "-1"),
+        ("--body-timeout", "soon"),
+        ("--idle-timeout", "0"),
+        ("--max-connections", "0"),
+        ("--max-connections", "lots"),
+        ("--processes", "0"),
+    ],
+)
 def test_a_bad_bound_is_a_usage_error(flag: str, value: str) -> None:
-    r = subprocess.run([sys.executable, "-m", "memsvc.cli", "gateway", flag, value], capture_output=True, text=True,
-                       timeout=60)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "memsvc.cli", "gateway", flag, value], capture_output=True, text=True, timeout=60
+    )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     last = r.stderr.strip().splitlines()[-1]

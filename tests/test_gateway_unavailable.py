@@ -50,8 +50,12 @@ def test_a_stopped_workers_model_is_unavailable_not_missing(tmp_path: Path) -> N
         mp.kill()
         mp = ManagerProcess(tmp_path / "manager.db", listen=listen).start()
         # (503 too while the gateway cannot reach the manager: wait for the new manager's answer)
-        status, message, retry = wait_for(lambda: answer(client), lambda a: "registered worker" in a[1],
-                                          "the gateway to reach the new manager", timeout=90)  # fmt: skip
+        status, message, retry = wait_for(
+            lambda: answer(client),
+            lambda a: "registered worker" in a[1],
+            "the gateway to reach the new manager",
+            timeout=90,
+        )
         assert (status, retry) == (503, "2") and MODEL in message and "1 registered worker" in message, message
         # once the stale registration is pruned, the model does not exist
         mp.stub.DeregisterWorker(m.DeregisterWorkerRequest(name="workers/gone"), timeout=10)

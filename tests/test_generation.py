@@ -45,10 +45,17 @@ CORPUS = [
 def tiny_llama(vocab: int = 256, seed: int = 0, **overrides: Any) -> Any:
     """A transformers Llama with weights scaled so greedy decoding varies (hf_models.init_weights)."""
     fields: dict[str, Any] = dict(
-        vocab_size=vocab, hidden_size=64, intermediate_size=128, num_hidden_layers=2, num_attention_heads=4,
-        num_key_value_heads=2, max_position_embeddings=512, eos_token_id=None, bos_token_id=None,
+        vocab_size=vocab,
+        hidden_size=64,
+        intermediate_size=128,
+        num_hidden_layers=2,
+        num_attention_heads=4,
+        num_key_value_heads=2,
+        max_position_embeddings=512,
+        eos_token_id=None,
+        bos_token_id=None,
         pad_token_id=None,
-    )  # fmt: skip
+    )
     config = transformers.LlamaConfig(**{**fields, **overrides})
     model = transformers.LlamaForCausalLM(config).float().eval()
     init_weights(model, seed)
@@ -70,9 +77,13 @@ def save(model: Any, path: Path, eos: int | list[int] | None = None, generation_
 
 def reference_greedy(model: Any, prompt: list[int], n: int, eos: int | list[int] | None) -> list[int]:
     out = model.generate(
-        torch.tensor([prompt]), max_new_tokens=n, do_sample=False, eos_token_id=eos, pad_token_id=0,
+        torch.tensor([prompt]),
+        max_new_tokens=n,
+        do_sample=False,
+        eos_token_id=eos,
+        pad_token_id=0,
         attention_mask=torch.ones(1, len(prompt), dtype=torch.long),
-    )  # fmt: skip
+    )
     tokens: list[int] = out[0, len(prompt) :].tolist()
     if eos is not None:  # transformers pads after the stop token; the generation ended at it
         stops = {eos} if isinstance(eos, int) else set(eos)
@@ -129,9 +140,12 @@ def test_generation_config_eos_wins_over_config_json_as_in_transformers(model: A
     path = save(model, tmp_path / "m", eos=free[1], generation_eos=eos_list)
     ref_model = transformers.AutoModelForCausalLM.from_pretrained(path).float().eval()
     ref = ref_model.generate(
-        torch.tensor([PROMPT]), max_new_tokens=24, do_sample=False, pad_token_id=0,
+        torch.tensor([PROMPT]),
+        max_new_tokens=24,
+        do_sample=False,
+        pad_token_id=0,
         attention_mask=torch.ones(1, len(PROMPT), dtype=torch.long),
-    )[0, len(PROMPT) :].tolist()  # fmt: skip
+    )[0, len(PROMPT) :].tolist()
     with WorkerProcess(["--model", str(path)]) as wp:
         r = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24)
         assert list(r.token_ids) == ref[: len(r.token_ids)] and r.token_ids[-1] in eos_list
@@ -188,21 +202,37 @@ def test_a_tiny_temperature_samples_the_most_likely_token_without_nan() -> None:
 def test_sampling_is_reproducible_per_seed_and_greedy_without_temperature(model: Any, tmp_path: Path) -> None:
     with WorkerProcess(["--model", str(save(model, tmp_path / "m"))]) as wp:
         greedy = list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16).token_ids)
-        assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16,
-                        sampling=w.SamplingParams(temperature=0)).token_ids) == greedy  # fmt: skip
+        assert (
+            list(
+                gen(
+                    wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=w.SamplingParams(temperature=0)
+                ).token_ids
+            )
+            == greedy
+        )
         hot = w.SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
         first = list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=hot).token_ids)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=hot).token_ids) == first
         others = {
-            tuple(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16,
-                      sampling=w.SamplingParams(temperature=1.5, top_p=0.95, seed=s)).token_ids)
+            tuple(
+                gen(
+                    wp.stub,
+                    prompt_token_ids=PROMPT,
+                    max_new_tokens=16,
+                    sampling=w.SamplingParams(temperature=1.5, top_p=0.95, seed=s),
+                ).token_ids
+            )
             for s in range(5)
-        }  # fmt: skip
+        }
         assert len(others) > 1 and first != greedy, "sampling at temperature 1.5 always gave the same tokens"
         top1 = w.SamplingParams(temperature=1.5, top_k=1, seed=9)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=top1).token_ids) == greedy
-        for bad in (w.SamplingParams(temperature=-1), w.SamplingParams(temperature=1, top_p=1.5),
-                    w.SamplingParams(temperature=1, top_k=-2), w.SamplingParams(temperature=math.inf)):  # fmt: skip
+        for bad in (
+            w.SamplingParams(temperature=-1),
+            w.SamplingParams(temperature=1, top_p=1.5),
+            w.SamplingParams(temperature=1, top_k=-2),
+            w.SamplingParams(temperature=math.inf),
+        ):
             assert code_of(lambda b=bad: gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=2, sampling=b)) == (
                 grpc.StatusCode.INVALID_ARGUMENT
             )
@@ -268,9 +298,11 @@ def text_model(tmp_path: Path) -> tuple[Path, Any]:
     tok.decoder = decoders.ByteLevel()
     specials = ["<s>", "</s>", "<|user|>", "<|assistant|>", "<|system|>"]
     tok.train_from_iterator(
-        CORPUS, trainers.BpeTrainer(vocab_size=400, special_tokens=specials,
-                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()),
-    )  # fmt: skip
+        CORPUS,
+        trainers.BpeTrainer(
+            vocab_size=400, special_tokens=specials, initial_alphabet=pre_tokenizers.ByteLevel.alphabet()
+        ),
+    )
     bos = tok.token_to_id("<s>")
     tok.post_processor = processors.TemplateProcessing(single="<s> $A", special_tokens=[("<s>", bos)])
     fast = transformers.PreTrainedTokenizerFast(tokenizer_object=tok, bos_token="<s>", eos_token="</s>")
@@ -375,8 +407,9 @@ def test_stop_strings_end_a_kept_sequence_at_the_token_that_completes_them(
     text = ref.decode(list(full.token_ids), skip_special_tokens=True)
     stop = text[6:9]
     count = next(k for k in range(1, 41) if stop in ref.decode(list(full.token_ids[:k]), skip_special_tokens=True))
-    kept = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=40, ignore_eos=True, stop=[stop],
-               sequence_id="stopped")  # fmt: skip
+    kept = gen(
+        wp.stub, prompt="the quick brown fox", max_new_tokens=40, ignore_eos=True, stop=[stop], sequence_id="stopped"
+    )
     try:
         assert list(kept.token_ids) == list(full.token_ids[:count]) and kept.matched_stop == stop
         assert kept.text == text[: text.find(stop)] and kept.finish_reason == c.FINISH_REASON_STOP

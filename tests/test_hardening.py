@@ -74,8 +74,11 @@ def busy_generates(stub: w_grpc.ModelWorkerServiceStub, count: int, tokens: int 
     pool = ThreadPoolExecutor(count)
     req = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens)
     calls = [pool.submit(stub.Generate, req, timeout=300) for _ in range(count)]
-    wait_for(lambda: worker_status(stub).kv_cache.sequence_count, lambda n: n >= base + count or any(
-        f.done() for f in calls), what="the busy Generates to be admitted")  # fmt: skip
+    wait_for(
+        lambda: worker_status(stub).kv_cache.sequence_count,
+        lambda n: n >= base + count or any(f.done() for f in calls),
+        what="the busy Generates to be admitted",
+    )
     early = [f.exception() for f in calls if f.done()]
     assert not early, f"a busy Generate ended at once: {early}"
     return pool
@@ -111,8 +114,12 @@ def test_a_queued_worker_sleep_whose_caller_left_never_runs_and_frees_the_transi
         # (CANCELLED, docs/operations.md), whichever comes first on a loaded machine: it never ran
         code = code_of(lambda: wp.stub.Sleep(req, timeout=0.3))
         assert code in (grpc.StatusCode.DEADLINE_EXCEEDED, grpc.StatusCode.CANCELLED), code
-        st = wait_for(lambda: worker_status(wp.stub), lambda s: not s.transition_in_progress, timeout=5,
-                      what="the abandoned Sleep to let go of the lock while the Generates still run")  # fmt: skip
+        st = wait_for(
+            lambda: worker_status(wp.stub),
+            lambda s: not s.transition_in_progress,
+            timeout=5,
+            what="the abandoned Sleep to let go of the lock while the Generates still run",
+        )
         assert st.state == c.WORKER_STATE_AWAKE
         pool.shutdown(wait=True)
         assert worker_status(wp.stub).state == c.WORKER_STATE_AWAKE
@@ -142,17 +149,22 @@ def test_a_cancelled_generate_keeps_no_sequence_and_a_continued_one_goes_back_to
         base = worker_status(wp.stub).kv_cache
         new = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG, sequence_id="fresh")
         assert code_of(lambda: wp.stub.Generate(new, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
-        wait_for(lambda: worker_status(wp.stub).kv_cache, lambda kv: kv.sequence_count == base.sequence_count,
-                 what="the cancelled call's sequence to be freed")  # fmt: skip
+        wait_for(
+            lambda: worker_status(wp.stub).kv_cache,
+            lambda kv: kv.sequence_count == base.sequence_count,
+            what="the cancelled call's sequence to be freed",
+        )
         assert code_of(lambda: wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="fresh"))) == (
             grpc.StatusCode.NOT_FOUND
         )
         kept = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=8, sequence_id="kept"))
         more = w.GenerateRequest(max_new_tokens=LONG, sequence_id="kept")
         assert code_of(lambda: wp.stub.Generate(more, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
-        kv = wait_for(lambda: worker_status(wp.stub).kv_cache,
-                      lambda kv: kv.device_free_block_count == base.device_free_block_count - len(kept.block_ids),
-                      what="the continued sequence's new blocks to be given back")  # fmt: skip
+        kv = wait_for(
+            lambda: worker_status(wp.stub).kv_cache,
+            lambda kv: kv.device_free_block_count == base.device_free_block_count - len(kept.block_ids),
+            what="the continued sequence's new blocks to be given back",
+        )
         assert kv.sequence_count == base.sequence_count + 1
         # the same continuation, uncancelled, gives what it would have given had the failed call never been
         again = wp.stub.Generate(w.GenerateRequest(max_new_tokens=4, sequence_id="kept"), timeout=60)
@@ -166,8 +178,12 @@ def test_generate_calls_beyond_the_queue_bound_are_refused_resource_exhausted() 
         req = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG)
         calls = [wp.stub.Generate.future(req, timeout=120) for _ in range(n)]
         # every call arrives long before the first finishes (~9 s): exactly the 8 beyond the bound end at once
-        done = wait_for(lambda: [f for f in calls if f.done()], lambda d: len(d) >= 8, timeout=8,
-                        what="the calls beyond the bound to be refused")  # fmt: skip
+        done = wait_for(
+            lambda: [f for f in calls if f.done()],
+            lambda d: len(d) >= 8,
+            timeout=8,
+            what="the calls beyond the bound to be refused",
+        )
         refused = [f.exception() for f in done]
         assert len(refused) == 8, [f.code() for f in done]
         assert {e.code() for e in refused if isinstance(e, grpc.RpcError)} == {grpc.StatusCode.RESOURCE_EXHAUSTED}
@@ -179,8 +195,12 @@ def test_generate_calls_beyond_the_queue_bound_are_refused_resource_exhausted() 
         for call in calls:  # the callers leave: every queued one is dropped, the running one stops
             call.cancel()
         small = w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=2)
-        r = wait_for(lambda: wp.stub.Generate(small, timeout=20), lambda r: len(r.token_ids) == 2, timeout=10,
-                     what="the bound to take calls again once their callers left")  # fmt: skip
+        r = wait_for(
+            lambda: wp.stub.Generate(small, timeout=20),
+            lambda r: len(r.token_ids) == 2,
+            timeout=10,
+            what="the bound to take calls again once their callers left",
+        )
         assert len(r.token_ids) == 2
 
 
@@ -284,8 +304,13 @@ def test_policies_are_bounded_and_an_unknown_tag_in_the_default_does_not_break_p
     upd = m.UpdatePolicyRequest(policy=many, update_mask=FieldMask(paths=["tag_actions"]))
     assert code_of(lambda: mgr.stub.UpdatePolicy(upd, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
     assert mgr.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy == before
-    other = m.Policy(tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD,
-                                  "optimizer": c.TAG_ACTION_OFFLOAD})  # fmt: skip
+    other = m.Policy(
+        tag_actions={
+            "weights": c.TAG_ACTION_OFFLOAD,
+            "kv_cache": c.TAG_ACTION_DISCARD,
+            "optimizer": c.TAG_ACTION_OFFLOAD,
+        }
+    )
     mgr.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=other, update_mask=FieldMask(paths=["tag_actions"])), timeout=10)
     r = mgr.stub.SleepWorker(m.SleepWorkerRequest(name=name("pol")), timeout=60)  # the policy's actions
     assert r.worker.state == c.WORKER_STATE_ASLEEP
@@ -295,15 +320,19 @@ def test_an_oversized_swap_is_refused_by_the_manager_before_any_per_block_work(c
     mgr = cluster.manager()
     cluster.workers_up(mgr, ["swap"])
     ids = np.arange(MAX_SWAP_PAIRS + 1, dtype="<u4").tobytes()
-    req = m.SwapWorkerBlocksRequest(name=name("swap"), direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-                                    src_blocks_u32le=ids, dst_blocks_u32le=ids)  # fmt: skip
+    req = m.SwapWorkerBlocksRequest(
+        name=name("swap"), direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks_u32le=ids, dst_blocks_u32le=ids
+    )
     err = rpc_error(lambda: mgr.stub.SwapWorkerBlocks(req, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "worker swap" not in (err.details() or ""), "the worker, not the manager, refused it"
     two = m.SwapWorkerBlocksRequest(
-        name=name("swap"), direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-        pairs=[w.BlockPair(src_block=0, dst_block=0)], src_blocks=[1], dst_blocks=[1],
-    )  # fmt: skip
+        name=name("swap"),
+        direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+        pairs=[w.BlockPair(src_block=0, dst_block=0)],
+        src_blocks=[1],
+        dst_blocks=[1],
+    )
     assert code_of(lambda: mgr.stub.SwapWorkerBlocks(two, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
 
 

@@ -135,8 +135,18 @@ def test_a_sleeper_on_disk_or_at_level_2_gives_its_reserve_back_and_takes_it_aga
     sleepers to disk freed no host RAM for anyone. Now a sleep that leaves no tag awake gives the
     reserve back, and the wake takes it again in the background (worker/host_release.py)."""
     reserve = 32 << 20
-    args = ["--model", "synthetic:tiny", "--host-capacity", "64MiB", "--offload-dir", str(tmp_path),
-            "--host-reserve", str(reserve), "--host-prepin", str(reserve)]  # fmt: skip
+    args = [
+        "--model",
+        "synthetic:tiny",
+        "--host-capacity",
+        "64MiB",
+        "--offload-dir",
+        str(tmp_path),
+        "--host-reserve",
+        str(reserve),
+        "--host-prepin",
+        str(reserve),
+    ]
     with WorkerProcess(args) as wp:
         awake = _pinned_until(wp, lambda n: n >= reserve, "to hold the pre-pinned reserve")
         to_disk = {"weights": c.TAG_ACTION_OFFLOAD_DISK, "kv_cache": c.TAG_ACTION_DISCARD}

@@ -93,15 +93,75 @@ _INT_RANGES = {
     FieldDescriptor.TYPE_UINT64: (0, 2**64 - 1),
     FieldDescriptor.TYPE_FIXED64: (0, 2**64 - 1),
 }
-_INTERESTING_INTS = (0, 1, -1, 2, 3, 5, 7, 8, 15, 16, 63, 64, 255, 511, 512, 1000, 2047, 2048, 4096, 4097, 65536,
-                     10**9, 10**9 + 1, 86401, 2**31 - 1, -(2**31), 2**32, 2**53 + 1)  # fmt: skip
+_INTERESTING_INTS = (
+    0,
+    1,
+    -1,
+    2,
+    3,
+    5,
+    7,
+    8,
+    15,
+    16,
+    63,
+    64,
+    255,
+    511,
+    512,
+    1000,
+    2047,
+    2048,
+    4096,
+    4097,
+    65536,
+    10**9,
+    10**9 + 1,
+    86401,
+    2**31 - 1,
+    -(2**31),
+    2**32,
+    2**53 + 1,
+)
 _INTERESTING_STRINGS = (
-    "", "\x00", " ", "w0", "workers/w0", "workers/", "workers/nope", "workers/w0/x", "nope", "weights", "kv_cache",
-    "weights\x00", "WEIGHTS", "seq-1", "127.0.0.1:9", "127.0.0.1:0", "127.0.0.1:65536", ":", "[::1]:9", "é" * 3,
-    "\U0001f980", "\u202e\u0000x", "x" * 63, "x" * 64, "x" * 128, "x" * 129, "x" * 257, "y" * 1000,
-    "../../etc/passwd", "%s%n%x", "'; DROP TABLE workers;--", "d29ya2Vycy93MA==", "idle_sleep_timeout",
-    "tag_actions", "policy.idle_sleep_timeout", "*", "workers/\U0001f980",
-)  # fmt: skip
+    "",
+    "\x00",
+    " ",
+    "w0",
+    "workers/w0",
+    "workers/",
+    "workers/nope",
+    "workers/w0/x",
+    "nope",
+    "weights",
+    "kv_cache",
+    "weights\x00",
+    "WEIGHTS",
+    "seq-1",
+    "127.0.0.1:9",
+    "127.0.0.1:0",
+    "127.0.0.1:65536",
+    ":",
+    "[::1]:9",
+    "é" * 3,
+    "\U0001f980",
+    "\u202e\u0000x",
+    "x" * 63,
+    "x" * 64,
+    "x" * 128,
+    "x" * 129,
+    "x" * 257,
+    "y" * 1000,
+    "../../etc/passwd",
+    "%s%n%x",
+    "'; DROP TABLE workers;--",
+    "d29ya2Vycy93MA==",
+    "idle_sleep_timeout",
+    "tag_actions",
+    "policy.idle_sleep_timeout",
+    "*",
+    "workers/\U0001f980",
+)
 MAX_REPEATED = 12
 
 _text = st.text(st.characters(exclude_categories=["Cs"]), max_size=40)
@@ -253,15 +313,30 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 def worker_snapshot(e: Env) -> tuple[Any, ...]:
     s = e.wstub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
     tags = tuple(
-        (t.tag, t.state, t.mapped_bytes, t.allocated_bytes, t.offloaded_bytes, t.discarded_bytes, t.allocation_count,
-         t.awake_bytes)
+        (
+            t.tag,
+            t.state,
+            t.mapped_bytes,
+            t.allocated_bytes,
+            t.offloaded_bytes,
+            t.discarded_bytes,
+            t.allocation_count,
+            t.awake_bytes,
+        )
         for t in s.tags
-    )  # fmt: skip
+    )
     kv = s.kv_cache
     return (
-        c.WorkerState.Name(s.state), s.sleep_level, tags, s.device.free_bytes, kv.device_block_count,
-        kv.device_free_block_count, kv.host_block_count, kv.host_free_block_count, kv.sequence_count,
-    )  # fmt: skip
+        c.WorkerState.Name(s.state),
+        s.sleep_level,
+        tags,
+        s.device.free_bytes,
+        kv.device_block_count,
+        kv.device_free_block_count,
+        kv.host_block_count,
+        kv.host_free_block_count,
+        kv.sequence_count,
+    )
 
 
 def manager_snapshot(e: Env) -> tuple[Any, ...]:
@@ -327,8 +402,9 @@ def reset(e: Env, precondition: str = "awake") -> None:
         assert err.code() == grpc.StatusCode.NOT_FOUND, err
         mw = m.Worker()
     if mw.address != e.worker.address or mw.host != e.worker_host:
-        stub.RegisterWorker(m.RegisterWorkerRequest(worker_id=W0, address=e.worker.address, host=e.worker_host),
-                            timeout=10)  # fmt: skip
+        stub.RegisterWorker(
+            m.RegisterWorkerRequest(worker_id=W0, address=e.worker.address, host=e.worker_host), timeout=10
+        )
     if stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy != e.default_policy:
         stub.UpdatePolicy(m.UpdatePolicyRequest(policy=e.default_policy), timeout=10)
     if stub.GetPolicy(m.GetPolicyRequest(name=W0_NAME), timeout=10).policy != e.w0_policy:
@@ -441,21 +517,43 @@ def exercise(e: Env, service: str, method: str, body: bytes, precondition: str) 
 # ---------------------------------------------------------------- the properties
 
 WORKER_RPCS = {
-    "GetWorkerStatus": w.GetWorkerStatusRequest, "Sleep": w.SleepRequest, "WakeUp": w.WakeUpRequest,
-    "ReloadWeights": w.ReloadWeightsRequest, "SwapBlocks": w.SwapBlocksRequest,
-    "StreamTelemetry": w.StreamTelemetryRequest, "Generate": w.GenerateRequest, "FreeSequence": w.FreeSequenceRequest,
+    "GetWorkerStatus": w.GetWorkerStatusRequest,
+    "Sleep": w.SleepRequest,
+    "WakeUp": w.WakeUpRequest,
+    "ReloadWeights": w.ReloadWeightsRequest,
+    "SwapBlocks": w.SwapBlocksRequest,
+    "StreamTelemetry": w.StreamTelemetryRequest,
+    "Generate": w.GenerateRequest,
+    "FreeSequence": w.FreeSequenceRequest,
     "GenerateStream": w.GenerateStreamRequest,
-}  # fmt: skip
+}
 MANAGER_RPCS = {
-    "RegisterWorker": m.RegisterWorkerRequest, "ListWorkers": m.ListWorkersRequest, "GetWorker": m.GetWorkerRequest,
-    "SleepWorker": m.SleepWorkerRequest, "WakeWorker": m.WakeWorkerRequest,
-    "SwapWorkerBlocks": m.SwapWorkerBlocksRequest, "AcquireWorker": m.AcquireWorkerRequest,
-    "ReleaseWorker": m.ReleaseWorkerRequest, "GetPolicy": m.GetPolicyRequest, "UpdatePolicy": m.UpdatePolicyRequest,
-    "WatchWorkers": m.WatchWorkersRequest, "DeregisterWorker": m.DeregisterWorkerRequest,
+    "RegisterWorker": m.RegisterWorkerRequest,
+    "ListWorkers": m.ListWorkersRequest,
+    "GetWorker": m.GetWorkerRequest,
+    "SleepWorker": m.SleepWorkerRequest,
+    "WakeWorker": m.WakeWorkerRequest,
+    "SwapWorkerBlocks": m.SwapWorkerBlocksRequest,
+    "AcquireWorker": m.AcquireWorkerRequest,
+    "ReleaseWorker": m.ReleaseWorkerRequest,
+    "GetPolicy": m.GetPolicyRequest,
+    "UpdatePolicy": m.UpdatePolicyRequest,
+    "WatchWorkers": m.WatchWorkersRequest,
+    "DeregisterWorker": m.DeregisterWorkerRequest,
     "ListLeases": m.ListLeasesRequest,
-}  # fmt: skip
-STATEFUL = {"Sleep", "WakeUp", "ReloadWeights", "SwapBlocks", "Generate", "FreeSequence", "SleepWorker",
-            "WakeWorker", "AcquireWorker", "SwapWorkerBlocks"}  # fmt: skip
+}
+STATEFUL = {
+    "Sleep",
+    "WakeUp",
+    "ReloadWeights",
+    "SwapBlocks",
+    "Generate",
+    "FreeSequence",
+    "SleepWorker",
+    "WakeWorker",
+    "AcquireWorker",
+    "SwapWorkerBlocks",
+}
 """RPCs whose outcome depends on the worker's state: they also run on an asleep / partially awake w0."""
 
 CASES = [(WORKER_SERVICE, name, cls) for name, cls in WORKER_RPCS.items()] + [

@@ -52,10 +52,21 @@ def test_a_hub_id_in_the_cache_serves_what_its_checkpoint_directory_serves(tmp_p
 def test_an_id_the_cache_lacks_is_refused_at_start_saying_what_was_tried(tmp_path: Path) -> None:
     home = tmp_path / "hf"
     home.mkdir()
-    argv = [sys.executable, "-m", "memsvc.cli", "worker", "--backend", "host", "--listen", "127.0.0.1:0",
-            "--model", "acme/absent"]  # fmt: skip
-    r = subprocess.run(argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL,
-                       env={**os.environ, **offline(home)})  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "memsvc.cli",
+        "worker",
+        "--backend",
+        "host",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        "acme/absent",
+    ]
+    r = subprocess.run(
+        argv, capture_output=True, text=True, timeout=120, stdin=subprocess.DEVNULL, env={**os.environ, **offline(home)}
+    )
     assert r.returncode == 2, (r.returncode, r.stderr[-3000:])
     assert "Traceback" not in r.stderr, r.stderr[-3000:]
     errors = [line for line in r.stderr.splitlines() if "error" in line]
@@ -73,8 +84,18 @@ def test_a_load_on_a_terminal_draws_a_progress_bar_and_a_piped_one_does_not(tmp_
     import termios
 
     path, _ = text_model(tmp_path)
-    argv = [sys.executable, "-m", "memsvc.cli", "worker", "--backend", "host", "--listen", "127.0.0.1:0",
-            "--model", str(path)]  # fmt: skip
+    argv = [
+        sys.executable,
+        "-m",
+        "memsvc.cli",
+        "worker",
+        "--backend",
+        "host",
+        "--listen",
+        "127.0.0.1:0",
+        "--model",
+        str(path),
+    ]
     main, side = pty.openpty()
     fcntl.ioctl(side, termios.TIOCSWINSZ, struct.pack("HHHH", 24, 120, 0, 0))  # a terminal has a size
     proc = subprocess.Popen(argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=side)

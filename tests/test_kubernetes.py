@@ -46,8 +46,9 @@ def kubectl() -> str:
 
 
 def render(overlay: str) -> list[dict[str, Any]]:
-    done = subprocess.run([kubectl(), "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True,
-                          text=True, timeout=120)  # fmt: skip
+    done = subprocess.run(
+        [kubectl(), "kustomize", str(KUBE / "overlays" / overlay)], capture_output=True, text=True, timeout=120
+    )
     assert done.returncode == 0, done.stderr
     return [d for d in yaml.safe_load_all(done.stdout) if d]
 
@@ -69,8 +70,12 @@ def selects(selector: dict[str, str], workload: dict[str, Any]) -> bool:
 
 
 def containers(objects: list[dict[str, Any]]) -> list[tuple[dict[str, Any], dict[str, Any]]]:
-    return [(o, c) for o in objects if o["kind"] in ("Deployment", "StatefulSet")
-            for c in o["spec"]["template"]["spec"]["containers"]]  # fmt: skip
+    return [
+        (o, c)
+        for o in objects
+        if o["kind"] in ("Deployment", "StatefulSet")
+        for c in o["spec"]["template"]["spec"]["containers"]
+    ]
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)

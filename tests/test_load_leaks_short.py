@@ -37,9 +37,17 @@ def _explain(result: dict[str, Any]) -> str:
 
 def test_short_load_has_no_unexpected_errors() -> None:
     cfg = bench_load.LoadConfig(
-        clients=8, workers=3, watchers=2, duration=5.0, idle_sleep_timeout=0.5, idle_deep_sleep_timeout=1.0,
-        phase=2.0, abandon_ttl=0.5, lease_ttl=10.0, seed=1,
-    )  # fmt: skip
+        clients=8,
+        workers=3,
+        watchers=2,
+        duration=5.0,
+        idle_sleep_timeout=0.5,
+        idle_deep_sleep_timeout=1.0,
+        phase=2.0,
+        abandon_ttl=0.5,
+        lease_ttl=10.0,
+        seed=1,
+    )
     result = bench_load.run_load(cfg)
     print(bench_load.format_table(result))
     assert result["checks"] == dict.fromkeys(result["checks"], True), bench_load.format_table(result)
@@ -59,10 +67,26 @@ def test_allocator_sleep_wake_cycles_do_not_leak(tmp_path: Path) -> None:
     the test process, one fresh-clone run beside another ended 8 MiB above its warm-up, flat after."""
     out = tmp_path / "leaks.json"
     proc = subprocess.run(
-        [sys.executable, "-m", "bench.bench_leaks", "--variant", "allocator", "--cycles", "200",
-         "--sample-every", "10", "--warmup", "20", "--out", str(out)],
-        cwd=Path(__file__).resolve().parents[1], capture_output=True, text=True, timeout=600,
-    )  # fmt: skip
+        [
+            sys.executable,
+            "-m",
+            "bench.bench_leaks",
+            "--variant",
+            "allocator",
+            "--cycles",
+            "200",
+            "--sample-every",
+            "10",
+            "--warmup",
+            "20",
+            "--out",
+            str(out),
+        ],
+        cwd=Path(__file__).resolve().parents[1],
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
     print(proc.stdout)
     assert out.exists(), proc.stdout + proc.stderr
     runs = json.loads(out.read_text())["runs"]
@@ -115,12 +139,14 @@ def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
         except grpc.RpcError as err:
             outcome[key] = err.code()
 
-    sleeper = threading.Thread(target=call, args=("sleep", stub.SleepWorker,
-                               m.SleepWorkerRequest(name="workers/race", level=c.SLEEP_LEVEL_1)))  # fmt: skip
+    sleeper = threading.Thread(
+        target=call, args=("sleep", stub.SleepWorker, m.SleepWorkerRequest(name="workers/race", level=c.SLEEP_LEVEL_1))
+    )
     sleeper.start()
     assert sw.entered.wait(10), "the manager never called Sleep"
-    acquirer = threading.Thread(target=call, args=("acquire", stub.AcquireWorker,
-                                m.AcquireWorkerRequest(name="workers/race", holder="race")))  # fmt: skip
+    acquirer = threading.Thread(
+        target=call, args=("acquire", stub.AcquireWorker, m.AcquireWorkerRequest(name="workers/race", holder="race"))
+    )
     acquirer.start()
     acquirer.join(1.0)  # with the bug it has its lease already; a fixed manager waits for the sleep
     sw.gate.set()
@@ -129,6 +155,10 @@ def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
     sw.release_events()
     assert isinstance(outcome.get("acquire"), m.AcquireWorkerResponse), outcome
     # the lease is live: the worker must end up awake (woken after the sleep), not asleep under the lease
-    w = wait_for(lambda: get(stub, "race"), lambda w: w.state == c.WORKER_STATE_AWAKE, timeout=5,
-                 what="the leased worker to be awake")  # fmt: skip
+    w = wait_for(
+        lambda: get(stub, "race"),
+        lambda w: w.state == c.WORKER_STATE_AWAKE,
+        timeout=5,
+        what="the leased worker to be awake",
+    )
     assert w.lease_count == 1

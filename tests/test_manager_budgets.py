@@ -158,8 +158,11 @@ def test_host_budget_demotes_the_coldest_sleeper_to_level_2(cluster: Cluster) ->
     assert resp.worker.state == c.WORKER_STATE_ASLEEP
     b = _settled(stub, "host-b", c.WORKER_STATE_ASLEEP)
     assert tags(b)["weights"].state == c.TAG_STATE_OFFLOADED and offloaded(b) == weights
-    a = wait_for(lambda: get(stub, "host-a"), lambda wk: tags(wk)["weights"].state == c.TAG_STATE_DISCARDED,
-                 what="host-a demoted to level 2")  # fmt: skip
+    a = wait_for(
+        lambda: get(stub, "host-a"),
+        lambda wk: tags(wk)["weights"].state == c.TAG_STATE_DISCARDED,
+        what="host-a demoted to level 2",
+    )
     assert a.state == c.WORKER_STATE_ASLEEP and offloaded(a) == 0
     assert a.status.sleep_level == c.SLEEP_LEVEL_2
     assert offloaded(a) + offloaded(b) <= budget
@@ -214,8 +217,11 @@ def test_host_budget_moves_a_sleeper_with_a_disk_tier_to_disk_and_it_wakes_with_
 
     stub.SleepWorker(m.SleepWorkerRequest(name="workers/disk-a"), timeout=60)
     stub.SleepWorker(m.SleepWorkerRequest(name="workers/disk-b"), timeout=60)
-    a = wait_for(lambda: get(stub, "disk-a"), lambda wk: tags(wk)["weights"].state == c.TAG_STATE_ON_DISK,
-                 what="disk-a moved to disk")  # fmt: skip
+    a = wait_for(
+        lambda: get(stub, "disk-a"),
+        lambda wk: tags(wk)["weights"].state == c.TAG_STATE_ON_DISK,
+        what="disk-a moved to disk",
+    )
     assert tags(a)["weights"].disk_bytes == weights and offloaded(a) == 0
     assert a.status.disk_bytes >= weights and a.status.sleep_level != c.SLEEP_LEVEL_2
     assert os.listdir(offload) == []  # the tier's files are unlinked

@@ -31,9 +31,13 @@ def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
 
 def memsvc(*args: str, env: dict[str, str] | None = None) -> subprocess.CompletedProcess[str]:
     return subprocess.run(
-        [sys.executable, "-m", "memsvc.cli", *args], cwd=REPO_ROOT, capture_output=True, text=True, timeout=120,
+        [sys.executable, "-m", "memsvc.cli", *args],
+        cwd=REPO_ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
         env={**os.environ, "COLUMNS": "200", **(env or {})},
-    )  # fmt: skip
+    )
 
 
 def test_status_lists_every_worker_with_its_state(mgr: ManagerProcess) -> None:
@@ -155,9 +159,12 @@ def test_leases_lists_them_and_release_ends_one(mgr: ManagerProcess) -> None:
     instead of waiting out its TTL; ListLeases pages and filters by worker."""
     import json
 
-    held = [mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{w}", holder=f"ops-{w}",
-                                                          ttl=Duration(seconds=600)), timeout=60).lease
-            for w in ("cli-a", "cli-b")]  # fmt: skip
+    held = [
+        mgr.stub.AcquireWorker(
+            m.AcquireWorkerRequest(name=f"workers/{w}", holder=f"ops-{w}", ttl=Duration(seconds=600)), timeout=60
+        ).lease
+        for w in ("cli-a", "cli-b")
+    ]
     try:
         r = memsvc("leases", "--manager", mgr.address)
         assert r.returncode == 0, r.stderr

@@ -35,15 +35,17 @@ def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
     try:
         mp = cl.manager()
         cl.workers_up(mp, ["real"])
-        mp.stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"),
-                               timeout=10)  # fmt: skip
+        mp.stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"), timeout=10)
         wait_state(mp.stub, GHOST, c.WORKER_STATE_UNAVAILABLE)
         mp.stub.UpdatePolicy(
-            m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(seconds=T1_S),
-                                                  idle_deep_sleep_timeout=Duration(seconds=T2_S)),
-                                  update_mask=FieldMask(paths=["idle_sleep_timeout", "idle_deep_sleep_timeout"])),
+            m.UpdatePolicyRequest(
+                policy=m.Policy(
+                    idle_sleep_timeout=Duration(seconds=T1_S), idle_deep_sleep_timeout=Duration(seconds=T2_S)
+                ),
+                update_mask=FieldMask(paths=["idle_sleep_timeout", "idle_deep_sleep_timeout"]),
+            ),
             timeout=10,
-        )  # fmt: skip
+        )
         yield mp
     finally:
         cl.close()
@@ -96,7 +98,7 @@ NAMED_CALLS: dict[str, Callable[[m_grpc.MemoryManagerServiceStub, str], Any]] = 
             name=n, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=0, dst_block=0)]
         ),
         timeout=10,
-    ),  # fmt: skip
+    ),
     "AcquireWorker": lambda s, n: s.AcquireWorker(m.AcquireWorkerRequest(name=n, ttl=Duration(seconds=30)), timeout=10),
     "GetPolicy": lambda s, n: s.GetPolicy(m.GetPolicyRequest(name=n), timeout=10),
     "UpdatePolicy": lambda s, n: s.UpdatePolicy(
@@ -104,7 +106,7 @@ NAMED_CALLS: dict[str, Callable[[m_grpc.MemoryManagerServiceStub, str], Any]] = 
             name=n, policy=m.Policy(device_budget_bytes=1 << 20), update_mask=FieldMask(paths=["device_budget_bytes"])
         ),
         timeout=10,
-    ),  # fmt: skip
+    ),
     "WatchWorkers": lambda s, n: s.WatchWorkers(m.WatchWorkersRequest(names=[REAL, n]), timeout=10),
 }
 
@@ -236,8 +238,9 @@ def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(uncha
         req = m.AcquireWorkerRequest(name=GHOST, ttl=_dur(30), lease_id=lease.lease_id)
         _expect(Code.NOT_FOUND, lambda: stub.AcquireWorker(req, timeout=10))
         # Renewing on the right worker extends the same lease.
-        renewed = stub.AcquireWorker(m.AcquireWorkerRequest(name=REAL, ttl=_dur(600), lease_id=lease.lease_id),
-                                     timeout=10).lease  # fmt: skip
+        renewed = stub.AcquireWorker(
+            m.AcquireWorkerRequest(name=REAL, ttl=_dur(600), lease_id=lease.lease_id), timeout=10
+        ).lease
         assert renewed.lease_id == lease.lease_id
         assert renewed.expire_time.ToNanoseconds() > lease.expire_time.ToNanoseconds()
         assert view(get(stub, REAL)) == leased
@@ -293,23 +296,28 @@ def test_bad_swap_is_invalid_argument(
 
 def test_swap_through_the_manager_moves_blocks(mgr: ManagerProcess) -> None:
     kv = get(mgr.stub, REAL).status.kv_cache
-    req = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-                                    pairs=[w.BlockPair(src_block=1, dst_block=2)])  # fmt: skip
+    req = m.SwapWorkerBlocksRequest(
+        name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=1, dst_block=2)]
+    )
     resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
     assert resp.moved_bytes == kv.block_bytes > 0
     assert resp.kv_cache.device_block_count == kv.device_block_count
     # The packed form passes through too (free blocks: a plain copy, nothing changes hands).
-    req = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_HOST_TO_DEVICE,
-                                    src_blocks=[2, 3, 4], dst_blocks=[5, 6, 7])  # fmt: skip
+    req = m.SwapWorkerBlocksRequest(
+        name=REAL, direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=[2, 3, 4], dst_blocks=[5, 6, 7]
+    )
     resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
     assert resp.moved_bytes == 3 * kv.block_bytes
     assert resp.kv_cache.device_free_block_count == kv.device_free_block_count
     req.pairs.append(w.BlockPair(src_block=1, dst_block=2))  # both forms at once
     _expect(Code.INVALID_ARGUMENT, lambda: mgr.stub.SwapWorkerBlocks(req, timeout=30))
     # And the raw form: 4-byte little-endian ids (back out to the host blocks they came from).
-    raw = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-                                    src_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (5, 6, 7)),
-                                    dst_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (2, 3, 4)))  # fmt: skip
+    raw = m.SwapWorkerBlocksRequest(
+        name=REAL,
+        direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+        src_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (5, 6, 7)),
+        dst_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (2, 3, 4)),
+    )
     resp = mgr.stub.SwapWorkerBlocks(raw, timeout=30)
     assert resp.moved_bytes == 3 * kv.block_bytes
     raw.dst_blocks_u32le = raw.dst_blocks_u32le[:-1]  # not whole ids
@@ -321,8 +329,9 @@ def test_swap_on_a_sleeping_kv_cache_is_failed_precondition(mgr: ManagerProcess)
     stub.SleepWorker(m.SleepWorkerRequest(name=REAL), timeout=60)
     try:
         before = view(wait_state(stub, REAL, c.WORKER_STATE_ASLEEP))
-        req = m.SwapWorkerBlocksRequest(name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-                                        pairs=[w.BlockPair(src_block=0, dst_block=0)])  # fmt: skip
+        req = m.SwapWorkerBlocksRequest(
+            name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=0, dst_block=0)]
+        )
         _expect(Code.FAILED_PRECONDITION, lambda: stub.SwapWorkerBlocks(req, timeout=30))
         # Sleeping again is a wrong state too, relayed from the worker.
         _expect(Code.FAILED_PRECONDITION, lambda: stub.SleepWorker(m.SleepWorkerRequest(name=REAL), timeout=30))

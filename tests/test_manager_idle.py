@@ -49,8 +49,9 @@ def _generate(wp: WorkerProcess) -> list[int]:
     return list(resp.token_ids)
 
 
-def _acquire(stub: m_grpc.MemoryManagerServiceStub, wid: str, ttl: float, holder: str = "test"
-             ) -> m.AcquireWorkerResponse:  # fmt: skip
+def _acquire(
+    stub: m_grpc.MemoryManagerServiceStub, wid: str, ttl: float, holder: str = "test"
+) -> m.AcquireWorkerResponse:
     req = m.AcquireWorkerRequest(name=name(wid), holder=holder, ttl=_duration(ttl))
     return stub.AcquireWorker(req, timeout=60)
 
@@ -153,8 +154,9 @@ def test_lease_of_a_vanished_client_expires_then_idle_timer_sleeps(cluster: Clus
     expire = seconds(resp.lease.expire_time)
     assert expire > time.time() - 1  # sanity: a real timestamp near now + ttl
     # The client vanishes: no release, no renewal. The lease ends by itself.
-    wk = wait_for(lambda: get(stub, "expiry"), lambda wk: wk.lease_count == 0, timeout=ttl + 10,
-                  what="the lease to expire")  # fmt: skip
+    wk = wait_for(
+        lambda: get(stub, "expiry"), lambda wk: wk.lease_count == 0, timeout=ttl + 10, what="the lease to expire"
+    )
     assert wk.HasField("idle_since_time")
     assert seconds(wk.idle_since_time) >= expire - EPS, "idle clock must start at the expiry"
     with pytest.raises(grpc.RpcError) as err:

@@ -71,8 +71,12 @@ def _counted(mgr: ManagerProcess, kind: str) -> None:
     """Wait until a finished transition of ``kind`` is counted: its own event follows the new state on the
     worker's telemetry stream, so a scrape between the two shows the state and not yet the count (a
     fresh-clone run on a loaded machine did)."""
-    wait_for(lambda: _counter(mgr, "memsvc_worker_transitions_total", worker=WID, kind=kind), lambda n: n >= 1,
-             timeout=10, what=f"a {kind} transition to be counted")  # fmt: skip
+    wait_for(
+        lambda: _counter(mgr, "memsvc_worker_transitions_total", worker=WID, kind=kind),
+        lambda n: n >= 1,
+        timeout=10,
+        what=f"a {kind} transition to be counted",
+    )
 
 
 def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cluster) -> None:
@@ -111,21 +115,27 @@ def test_metrics_match_get_worker_through_sleep_wake_lease_and_death(cluster: Cl
     build = [(dict(k[1]), v) for k, v in scrape.items() if k[0] == "memsvc_build_info"]
     assert len(build) == 1 and build[0][1] == 1.0 and set(build[0][0]) == {"version", "python", "grpcio"}, build
 
-    lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)),
-                               timeout=60).lease  # fmt: skip
+    lease = stub.AcquireWorker(
+        m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)), timeout=60
+    ).lease
     _agree(mgr, "awake with one lease")
     assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 1
     assert _counter(mgr, "memsvc_leases_granted_total") == 1
-    second = stub.AcquireWorker(m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)),
-                                timeout=60).lease  # fmt: skip
+    second = stub.AcquireWorker(
+        m.AcquireWorkerRequest(name=f"workers/{WID}", ttl=Duration(seconds=60)), timeout=60
+    ).lease
     _agree(mgr, "two leases")
     assert _counter(mgr, "memsvc_worker_leases", worker=WID) == 2
     # A direct worker Sleep under the leases (the manager would refuse one): counted and logged
     assert _counter(mgr, "memsvc_leased_worker_sleeps_total", worker=WID) == 0
     wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
     wait_state(stub, WID, c.WORKER_STATE_ASLEEP)
-    wait_for(lambda: _counter(mgr, "memsvc_leased_worker_sleeps_total", worker=WID), lambda n: n == 1, timeout=10,
-             what="the leased sleep to be counted")  # fmt: skip
+    wait_for(
+        lambda: _counter(mgr, "memsvc_leased_worker_sleeps_total", worker=WID),
+        lambda n: n == 1,
+        timeout=10,
+        what="the leased sleep to be counted",
+    )
     assert "while 2 lease(s) hold it: not the manager's doing" in mgr.stderr_text()
     wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
     wait_state(stub, WID, c.WORKER_STATE_AWAKE)
@@ -157,9 +167,13 @@ def test_metrics_count_idle_sleeps_and_budget_evictions(cluster: Cluster) -> Non
     stub = mgr.stub
     cluster.workers_up(mgr, ["ev-a", "ev-b"])
     awake = sum(t.awake_bytes for t in get(stub, "ev-a").status.tags)
-    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(device_budget_bytes=awake + awake // 2),
-                                            update_mask=FieldMask(paths=["device_budget_bytes"])),
-                      timeout=10)  # fmt: skip
+    stub.UpdatePolicy(
+        m.UpdatePolicyRequest(
+            policy=m.Policy(device_budget_bytes=awake + awake // 2),
+            update_mask=FieldMask(paths=["device_budget_bytes"]),
+        ),
+        timeout=10,
+    )
     stub.SleepWorker(m.SleepWorkerRequest(name="workers/ev-b"), timeout=60)
     wait_state(stub, "ev-b", c.WORKER_STATE_ASLEEP)
     assert _counter(mgr, "memsvc_budget_evictions_total") == 0
@@ -168,9 +182,17 @@ def test_metrics_count_idle_sleeps_and_budget_evictions(cluster: Cluster) -> Non
     assert _counter(mgr, "memsvc_budget_evictions_total") == 1
 
     assert _counter(mgr, "memsvc_idle_sleeps_total", tier="1") == 0
-    stub.UpdatePolicy(m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(nanos=300_000_000)),
-                                            update_mask=FieldMask(paths=["idle_sleep_timeout"])),
-                      timeout=10)  # fmt: skip
+    stub.UpdatePolicy(
+        m.UpdatePolicyRequest(
+            policy=m.Policy(idle_sleep_timeout=Duration(nanos=300_000_000)),
+            update_mask=FieldMask(paths=["idle_sleep_timeout"]),
+        ),
+        timeout=10,
+    )
     wait_state(stub, "ev-b", c.WORKER_STATE_ASLEEP)
-    wait_for(lambda: _counter(mgr, "memsvc_idle_sleeps_total", tier="1"), lambda v: v == 1, timeout=10,
-             what="one tier-1 idle sleep counted")  # fmt: skip
+    wait_for(
+        lambda: _counter(mgr, "memsvc_idle_sleeps_total", tier="1"),
+        lambda v: v == 1,
+        timeout=10,
+        what="one tier-1 idle sleep counted",
+    )

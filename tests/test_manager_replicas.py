@@ -50,16 +50,23 @@ def replicas(cluster: Cluster, url: str, n: int = 2) -> list[ManagerProcess]:
     first = cluster.manager(db=url, metrics=True)  # it leads when this returns
     rest = [cluster.manager(db=url, metrics=True, lead=False) for _ in range(n - 1)]
     for mp in rest:
-        wait_for(functools.partial(mp.health, ""), lambda s: s == health_pb2.HealthCheckResponse.SERVING,
-                 what="a follower's server to answer", timeout=60)  # fmt: skip
+        wait_for(
+            functools.partial(mp.health, ""),
+            lambda s: s == health_pb2.HealthCheckResponse.SERVING,
+            what="a follower's server to answer",
+            timeout=60,
+        )
     return [first, *rest]
 
 
 def reachable(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> None:
     """Until the manager reaches ``worker_id`` (a new leader, or a worker that was stopped)."""
-    wait_for(functools.partial(get, stub, worker_id),
-             lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
-             what=f"the manager to reach {worker_id}", timeout=60)  # fmt: skip
+    wait_for(
+        functools.partial(get, stub, worker_id),
+        lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
+        what=f"the manager to reach {worker_id}",
+        timeout=60,
+    )
 
 
 def in_flight(mp: ManagerProcess, worker_id: str) -> float:
@@ -72,13 +79,20 @@ def leases(mp: ManagerProcess) -> dict[str, m.Lease]:
 
 def set_policy(mp: ManagerProcess) -> m.Policy:
     mp.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(seconds=3600)),
-                              update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10,
-    )  # fmt: skip
+        m.UpdatePolicyRequest(
+            policy=m.Policy(idle_sleep_timeout=Duration(seconds=3600)),
+            update_mask=FieldMask(paths=["idle_sleep_timeout"]),
+        ),
+        timeout=10,
+    )
     mp.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(name="workers/w1", policy=m.Policy(idle_deep_sleep_timeout=Duration(seconds=9000)),
-                              update_mask=FieldMask(paths=["idle_deep_sleep_timeout"])), timeout=10,
-    )  # fmt: skip
+        m.UpdatePolicyRequest(
+            name="workers/w1",
+            policy=m.Policy(idle_deep_sleep_timeout=Duration(seconds=9000)),
+            update_mask=FieldMask(paths=["idle_deep_sleep_timeout"]),
+        ),
+        timeout=10,
+    )
     return mp.stub.GetPolicy(m.GetPolicyRequest(name="workers/w1"), timeout=10).policy
 
 
@@ -92,14 +106,16 @@ def test_one_replica_leads_and_a_follower_forwards_every_call_with_its_errors(cl
     # the workers register through the follower; the leader dials them and learns their state
     cluster.workers_up(follower, ["w1", "w2"])
     assert {w.name for w in leader.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers} == {
-        "workers/w1", "workers/w2"
-    }  # fmt: skip
+        "workers/w1",
+        "workers/w2",
+    }
     policy = set_policy(follower)
     assert leader.stub.GetPolicy(m.GetPolicyRequest(name="workers/w1"), timeout=10).policy == policy
     assert seconds(policy.idle_sleep_timeout) == 3600 and seconds(policy.idle_deep_sleep_timeout) == 9000
 
-    lease = follower.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w2", holder="t", request_id="r-1"),
-                                        timeout=30).lease  # fmt: skip
+    lease = follower.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/w2", holder="t", request_id="r-1"), timeout=30
+    ).lease
     assert set(leases(leader)) == {lease.lease_id}
     sleep = follower.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=30)
     assert sleep.worker.state == c.WORKER_STATE_ASLEEP
@@ -130,9 +146,15 @@ def test_the_leader_killed_mid_acquire_a_follower_takes_over_with_every_lease_an
     w1, w2 = cluster.workers_up(leader, ["w1", "w2"])
     policy = set_policy(leader)
     held = leader.stub.AcquireWorker(
-        m.AcquireWorkerRequest(name="workers/w1", holder="kept", request_id="grant-1", ttl=Duration(seconds=600),
-                               keep_alive=Duration(seconds=120)), timeout=30,
-    ).lease  # fmt: skip
+        m.AcquireWorkerRequest(
+            name="workers/w1",
+            holder="kept",
+            request_id="grant-1",
+            ttl=Duration(seconds=600),
+            keep_alive=Duration(seconds=120),
+        ),
+        timeout=30,
+    ).lease
     leader.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w2", level=c.SLEEP_LEVEL_1), timeout=30)
 
     os.kill(w2.pid, signal.SIGSTOP)  # w2's wake cannot finish: the acquire below waits on it
@@ -140,10 +162,14 @@ def test_the_leader_killed_mid_acquire_a_follower_takes_over_with_every_lease_an
         with ThreadPoolExecutor(1) as pool:
             mid = pool.submit(
                 follower.stub.AcquireWorker,
-                m.AcquireWorkerRequest(name="workers/w2", holder="mid", request_id="mid-1"), timeout=60,
-            )  # fmt: skip
-            wait_for(lambda: get(leader.stub, "w2").waiting_acquires, lambda n: n == 1,
-                     what="the leader's AcquireWorker to wait on w2")  # fmt: skip
+                m.AcquireWorkerRequest(name="workers/w2", holder="mid", request_id="mid-1"),
+                timeout=60,
+            )
+            wait_for(
+                lambda: get(leader.stub, "w2").waiting_acquires,
+                lambda n: n == 1,
+                what="the leader's AcquireWorker to wait on w2",
+            )
             killed = time.monotonic()
             leader.kill()
             with pytest.raises(grpc.RpcError) as err:
@@ -164,11 +190,13 @@ def test_the_leader_killed_mid_acquire_a_follower_takes_over_with_every_lease_an
     # a retry of a grant whose answer was lost gets the same lease; the cut acquire is granted once,
     # once the new leader reaches w2 again (stopped, it was unreachable: UNAVAILABLE, which a client retries)
     reachable(stub, "w2")
-    again = stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", holder="kept", request_id="grant-1"),
-                               timeout=30).lease  # fmt: skip
+    again = stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/w1", holder="kept", request_id="grant-1"), timeout=30
+    ).lease
     assert again.lease_id == held.lease_id
-    granted = stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w2", holder="mid", request_id="mid-1"),
-                                 timeout=60)  # fmt: skip
+    granted = stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/w2", holder="mid", request_id="mid-1"), timeout=60
+    )
     assert granted.worker.state == c.WORKER_STATE_AWAKE
     assert set(leases(follower)) == {held.lease_id, granted.lease.lease_id}
     assert get(stub, "w2").lease_count == 1 and get(stub, "w1").lease_count == 1

@@ -50,16 +50,21 @@ def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_stat
 
     default = m.Policy(
         tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD},
-        idle_sleep_timeout=Duration(seconds=3600), idle_deep_sleep_timeout=Duration(seconds=7200),
-        device_budget_bytes=48 << 20, host_budget_bytes=1 << 30, time_slice=Duration(seconds=5),
+        idle_sleep_timeout=Duration(seconds=3600),
+        idle_deep_sleep_timeout=Duration(seconds=7200),
+        device_budget_bytes=48 << 20,
+        host_budget_bytes=1 << 30,
+        time_slice=Duration(seconds=5),
         start_timeout=Duration(seconds=120),
-    )  # fmt: skip
+    )
     stub.UpdatePolicy(m.UpdatePolicyRequest(policy=default), timeout=10)
     override = m.Policy(idle_deep_sleep_timeout=Duration(seconds=9000))
     stub.UpdatePolicy(
-        m.UpdatePolicyRequest(name="workers/persist", policy=override,
-                              update_mask=FieldMask(paths=["idle_deep_sleep_timeout"])), timeout=10
-    )  # fmt: skip
+        m.UpdatePolicyRequest(
+            name="workers/persist", policy=override, update_mask=FieldMask(paths=["idle_deep_sleep_timeout"])
+        ),
+        timeout=10,
+    )
     want_default = stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
     want_worker = stub.GetPolicy(m.GetPolicyRequest(name="workers/persist"), timeout=10).policy
     assert want_default == default
@@ -83,8 +88,7 @@ def test_manager_crash_keeps_policies_and_registrations_and_relearns_worker_stat
     assert names == ["workers/persist"]
     assert get(stub2, "persist").address == address
     # Memory state: re-learned from the worker itself (asleep, weights still offloaded).
-    wk = wait_state(stub2, "persist", c.WORKER_STATE_ASLEEP,
-                    extra=lambda wk: "weights" in tags(wk))  # fmt: skip
+    wk = wait_state(stub2, "persist", c.WORKER_STATE_ASLEEP, extra=lambda wk: "weights" in tags(wk))
     assert tags(wk)["weights"].state == c.TAG_STATE_OFFLOADED
     assert tags(wk)["weights"].offloaded_bytes == weights
     assert wk.lease_count == 0
@@ -130,9 +134,12 @@ def test_config_file_seeds_policy_and_static_workers_but_update_policy_wins_afte
     assert wk.state == c.WORKER_STATE_UNAVAILABLE  # nothing listens there
 
     mgr.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(policy=m.Policy(idle_sleep_timeout=Duration(seconds=42)),
-                              update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
-    )  # fmt: skip
+        m.UpdatePolicyRequest(
+            policy=m.Policy(idle_sleep_timeout=Duration(seconds=42)),
+            update_mask=FieldMask(paths=["idle_sleep_timeout"]),
+        ),
+        timeout=10,
+    )
     mgr.kill()
     mgr2 = cluster.manager(["--config", str(cfg)], db=db)
     pol = mgr2.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy

@@ -382,11 +382,14 @@ def test_a_stored_row_that_is_not_an_object_of_fields_is_ignored(
 
 def test_stored_tiers_out_of_order_drop_tier_2(tmp_path: Path, caplog: pytest.LogCaptureFixture) -> None:
     """UpdatePolicy refuses tier 2 before tier 1; a file holding it loses the tier-2 timeout."""
-    policies = _policies(tmp_path / "m.db", {
-        "": {**DEFAULT_FIELDS, "idle_sleep_timeout": 600.0, "idle_deep_sleep_timeout": 60.0},
-        "workers/a": {"idle_deep_sleep_timeout": 300.0},  # before the default's tier 1
-        "workers/b": {"idle_sleep_timeout": 900.0, "idle_deep_sleep_timeout": 800.0},
-    })  # fmt: skip
+    policies = _policies(
+        tmp_path / "m.db",
+        {
+            "": {**DEFAULT_FIELDS, "idle_sleep_timeout": 600.0, "idle_deep_sleep_timeout": 60.0},
+            "workers/a": {"idle_deep_sleep_timeout": 300.0},  # before the default's tier 1
+            "workers/b": {"idle_sleep_timeout": 900.0, "idle_deep_sleep_timeout": 800.0},
+        },
+    )
     assert (policies.default.idle_sleep_timeout, policies.default.idle_deep_sleep_timeout) == (600.0, 0.0)
     a, b = policies.effective("workers/a"), policies.effective("workers/b")
     assert (a.idle_sleep_timeout, a.idle_deep_sleep_timeout) == (600.0, 0.0)
@@ -404,8 +407,9 @@ RUN_TIMEOUT = 60.0
 def run_manager(tmp_path: Path, *args: str) -> subprocess.CompletedProcess[str]:
     """``memsvc manager`` that is expected to refuse to start (it would otherwise run until the timeout)."""
     argv = [sys.executable, "-m", "memsvc.cli", "manager", "--listen", "127.0.0.1:0", *args]
-    return subprocess.run(argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT,
-                          stdin=subprocess.DEVNULL)  # fmt: skip
+    return subprocess.run(
+        argv, cwd=REPO_ROOT, capture_output=True, text=True, timeout=RUN_TIMEOUT, stdin=subprocess.DEVNULL
+    )
 
 
 @pytest.fixture
@@ -460,10 +464,13 @@ def test_manager_on_unusable_stored_policies_starts_and_get_policy_answers(clust
     """What used to stop the manager (an unknown field) or make GetPolicy answer INTERNAL (a string
     where seconds belong), in a file memsvc wrote before schema versions."""
     path = schema0_db(cluster.tmp_path / "m.db")
-    set_policy_rows(path, {
-        "": {**DEFAULT_FIELDS, "idle_hibernate_timeout": 86400.0},
-        "workers/gpu0": {"idle_sleep_timeout": "soon", "host_budget_bytes": 5 << 20},
-    })  # fmt: skip
+    set_policy_rows(
+        path,
+        {
+            "": {**DEFAULT_FIELDS, "idle_hibernate_timeout": 86400.0},
+            "workers/gpu0": {"idle_sleep_timeout": "soon", "host_budget_bytes": 5 << 20},
+        },
+    )
     mgr = cluster.manager(db=path)
     try:
         worker = mgr.stub.GetPolicy(m.GetPolicyRequest(name="workers/gpu0"), timeout=10).policy

@@ -59,8 +59,10 @@ async def test_the_default_idle_sleep_discards_cuda_graphs_too(manager: tuple[Ma
     mgr.tick()
     await wait_until(lambda: wk.state == WorkerState.ASLEEP, "the idle sleep")
     assert {t: v.state for t, v in wk.tags.items()} == {
-        WEIGHTS: TagState.OFFLOADED, KV_CACHE: TagState.DISCARDED, CUDA_GRAPHS: TagState.DISCARDED,
-    }  # fmt: skip
+        WEIGHTS: TagState.OFFLOADED,
+        KV_CACHE: TagState.DISCARDED,
+        CUDA_GRAPHS: TagState.DISCARDED,
+    }
     assert mgr.get("g").mapped_bytes == 0, "nothing the policy did not name stays mapped"
 
 

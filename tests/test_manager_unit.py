@@ -260,9 +260,12 @@ async def test_the_overlap_counts_only_what_the_eviction_frees(env: Env) -> None
 
 @pytest.mark.parametrize(
     ("headroom", "device_total", "why"),
-    [(0, 80 * GiB, "no headroom"), (2 * GiB - 1, 80 * GiB, "the headroom is short of the overlap"),
-     (3 * GiB, 2 * GiB, "the device's free memory does not hold both")],
-)  # fmt: skip
+    [
+        (0, 80 * GiB, "no headroom"),
+        (2 * GiB - 1, 80 * GiB, "the headroom is short of the overlap"),
+        (3 * GiB, 2 * GiB, "the device's free memory does not hold both"),
+    ],
+)
 async def test_without_room_for_both_the_eviction_ends_before_the_wake(
     env: Env, headroom: int, device_total: int, why: str
 ) -> None:

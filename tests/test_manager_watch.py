@@ -84,19 +84,28 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
         stub.SleepWorker(m.SleepWorkerRequest(name="workers/watched"), timeout=60)
         stub.WakeWorker(m.WakeWorkerRequest(name="workers/watched"), timeout=60)
         for wt in (watch, named):
-            wait_for(functools.partial(wt.to_states, "workers/watched"),
-                     lambda tos: _is_subsequence(cycle, tos), timeout=10,
-                     what=f"state changes {_names(cycle)}")  # fmt: skip
+            wait_for(
+                functools.partial(wt.to_states, "workers/watched"),
+                lambda tos: _is_subsequence(cycle, tos),
+                timeout=10,
+                what=f"state changes {_names(cycle)}",
+            )
             # the worker reports a transition after its last state change: kill it only once that is in
-            wait_for(functools.partial(wt.of, "workers/watched"),
-                     lambda ev: "wake" in [e.transition.kind for e in ev if e.WhichOneof("event") == "transition"],
-                     timeout=10, what="the wake's transition event")  # fmt: skip
+            wait_for(
+                functools.partial(wt.of, "workers/watched"),
+                lambda ev: "wake" in [e.transition.kind for e in ev if e.WhichOneof("event") == "transition"],
+                timeout=10,
+                what="the wake's transition event",
+            )
         wp.kill()
         wait_state(stub, "workers/watched", S.WORKER_STATE_UNAVAILABLE, timeout=10)
         for wt in (watch, named):
-            wait_for(functools.partial(wt.to_states, "workers/watched"),
-                     lambda tos: tos[-1:] == [S.WORKER_STATE_UNAVAILABLE], timeout=10,
-                     what="the change to UNAVAILABLE")  # fmt: skip
+            wait_for(
+                functools.partial(wt.to_states, "workers/watched"),
+                lambda tos: tos[-1:] == [S.WORKER_STATE_UNAVAILABLE],
+                timeout=10,
+                what="the change to UNAVAILABLE",
+            )
     finally:
         watch.cancel()
         named.cancel()
@@ -125,12 +134,18 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
         assert "sleep" in trans and "wake" in trans, "sleep and wake transitions are streamed too"
         # A transition's event carries the memory it left: mapped weights after the wake, none after
         # the sleep (not the figures from before it, which a state change alone would copy).
-        mapped = {e.transition.kind: sum(t.mapped_bytes for t in e.worker.status.tags if t.tag == "weights")
-                  for e in events if e.WhichOneof("event") == "transition"}  # fmt: skip
+        mapped = {
+            e.transition.kind: sum(t.mapped_bytes for t in e.worker.status.tags if t.tag == "weights")
+            for e in events
+            if e.WhichOneof("event") == "transition"
+        }
         assert mapped["sleep"] == 0 and mapped["wake"] > 0, mapped
         # Each change says what started it at the manager, every step of one transition alike.
-        reasons = {(e.state_change.from_state, e.state_change.to_state): e.state_change.reason
-                   for e in events if e.WhichOneof("event") == "state_change"}  # fmt: skip
+        reasons = {
+            (e.state_change.from_state, e.state_change.to_state): e.state_change.reason
+            for e in events
+            if e.WhichOneof("event") == "state_change"
+        }
         assert reasons[(S.WORKER_STATE_AWAKE, S.WORKER_STATE_SLEEPING)] == "SleepWorker", reasons
         assert reasons[(S.WORKER_STATE_SLEEPING, S.WORKER_STATE_ASLEEP)] == "SleepWorker", reasons
         assert reasons[(S.WORKER_STATE_ASLEEP, S.WORKER_STATE_WAKING)] == "WakeWorker", reasons
@@ -153,9 +168,11 @@ def test_late_telemetry_never_moves_a_worker_backwards(cluster: Cluster) -> None
         resp = stub.WakeWorker(m.WakeWorkerRequest(name="workers/scripted"), timeout=30)
         assert resp.worker.state == S.WORKER_STATE_AWAKE
         sw.release_events()  # ASLEEP->WAKING, WAKING->AWAKE, transition: all older than the response
-        wait_for(lambda: [e.transition.kind for e in watch.of("workers/scripted")
-                          if e.WhichOneof("event") == "transition"],
-                 lambda kinds: "wake" in kinds, what="the manager to process the late telemetry")  # fmt: skip
+        wait_for(
+            lambda: [e.transition.kind for e in watch.of("workers/scripted") if e.WhichOneof("event") == "transition"],
+            lambda kinds: "wake" in kinds,
+            what="the manager to process the late telemetry",
+        )
         # Every message before the transition has been applied by now (one telemetry stream, in order).
         states = [get(stub, "scripted").state]
     finally:
@@ -177,8 +194,11 @@ def test_watch_filters_by_name_and_reports_a_newly_registered_worker(cluster: Cl
         wait_for(lambda: only_ghost.of("workers/ghost"), lambda ev: len(ev) > 0, what="ghost snapshot")
         cluster.workers_up(mgr, ["late"])
         wait_for(lambda: everyone.of("workers/late"), lambda ev: len(ev) > 0, what="an event for the new worker")
-        wait_for(lambda: [to for _, to in everyone.changes("workers/late")],
-                 lambda tos: S.WORKER_STATE_AWAKE in tos, what="the new worker becoming AWAKE")  # fmt: skip
+        wait_for(
+            lambda: [to for _, to in everyone.changes("workers/late")],
+            lambda tos: S.WORKER_STATE_AWAKE in tos,
+            what="the new worker becoming AWAKE",
+        )
     finally:
         only_ghost.cancel()
         everyone.cancel()

@@ -43,8 +43,10 @@ def test_tag_actions_are_the_proto_numbers() -> None:
         assert {s["state"] for s in a.tag_stats()} == {"awake"}, "a refused sleep changed nothing"
         a.sleep([("kept", c.TAG_ACTION_KEEP), ("offloaded", c.TAG_ACTION_OFFLOAD), ("discarded", c.TAG_ACTION_DISCARD)])
         assert {s["tag"]: s["state"] for s in a.tag_stats()} == {
-            "kept": "awake", "offloaded": "offloaded", "discarded": "discarded",
-        }  # fmt: skip
+            "kept": "awake",
+            "offloaded": "offloaded",
+            "discarded": "discarded",
+        }
     finally:
         a.close()
 

@@ -10,9 +10,19 @@ import memsvc
 from memsvc.errors import MemsvcError
 
 DOCS_NAMES = {
-    "ManagerClient", "Security", "DOMAIN", "error_info", "MemsvcError", "Action", "SleepLevel", "WorkerState",
-    "TagState", "CopyMethod", "WEIGHTS", "KV_CACHE",
-}  # fmt: skip
+    "ManagerClient",
+    "Security",
+    "DOMAIN",
+    "error_info",
+    "MemsvcError",
+    "Action",
+    "SleepLevel",
+    "WorkerState",
+    "TagState",
+    "CopyMethod",
+    "WEIGHTS",
+    "KV_CACHE",
+}
 
 
 def test_all_lists_exactly_the_lazy_exports_and_each_resolves() -> None:

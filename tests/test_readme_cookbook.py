@@ -173,9 +173,12 @@ def _manager(s: Session) -> m.Worker:
 def _converges(s: Session, state: c.WorkerState.ValueType, tags: dict[str, str] | None = None) -> m.Worker:
     """The manager's view once it shows ``state`` (and these tag states): telemetry takes a moment."""
     assert s.up.stub is not None
-    return wait_for(lambda: _manager(s),
-                    lambda wk: wk.state == state and (tags is None or tag_states(wk).items() >= tags.items()),
-                    what=f"the manager to show {c.WorkerState.Name(state)} {tags or ''}", timeout=30)  # fmt: skip
+    return wait_for(
+        lambda: _manager(s),
+        lambda wk: wk.state == state and (tags is None or tag_states(wk).items() >= tags.items()),
+        what=f"the manager to show {c.WorkerState.Name(state)} {tags or ''}",
+        timeout=30,
+    )
 
 
 def _services_listed(expected: str) -> Check:
@@ -198,8 +201,11 @@ def _described(service: Any) -> Check:
 
 def _expected_after_sleep(req: dict[str, Any]) -> dict[str, str]:
     if req.get("tag_actions"):
-        names = {"TAG_ACTION_OFFLOAD": "TAG_STATE_OFFLOADED", "TAG_ACTION_DISCARD": "TAG_STATE_DISCARDED",
-                 "TAG_ACTION_KEEP": "TAG_STATE_AWAKE"}  # fmt: skip
+        names = {
+            "TAG_ACTION_OFFLOAD": "TAG_STATE_OFFLOADED",
+            "TAG_ACTION_DISCARD": "TAG_STATE_DISCARDED",
+            "TAG_ACTION_KEEP": "TAG_STATE_AWAKE",
+        }
         return {tag: names[a] for tag, a in req["tag_actions"].items()}
     if req.get("level") == "SLEEP_LEVEL_2":
         return {"weights": "TAG_STATE_DISCARDED", "kv_cache": "TAG_STATE_DISCARDED"}
@@ -258,8 +264,9 @@ def check_acquire(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
         assert not msgs and s.lease_id, f"$LEASE_ID is {s.lease_id!r}"
         assert s.up.stub is not None
         leases = s.up.stub.ListLeases(m.ListLeasesRequest(), timeout=10).leases
-        lease = json_format.MessageToDict(next(x for x in leases if x.lease_id == s.lease_id),
-                                          preserving_proto_field_name=True)  # fmt: skip
+        lease = json_format.MessageToDict(
+            next(x for x in leases if x.lease_id == s.lease_id), preserving_proto_field_name=True
+        )
     else:
         (resp,) = msgs
         lease = resp["lease"]
@@ -400,8 +407,10 @@ def run_grpcurl_line(s: Session, line: str, tools: Path) -> Step:
     s.before_tags = tag_states(_manager(s))
     if key == ("worker", "Sleep"):
         s.leases_at_direct_sleep.append(_manager(s).lease_count)
-    script = (f"set -o pipefail\nLEASE_ID={shlex.quote(s.lease_id)}\n{substitute(line, s)}\nrc=$?\n"
-              f'printf %s "$LEASE_ID" > {shlex.quote(str(tools / "LEASE_ID"))}\nexit $rc\n')  # fmt: skip
+    script = (
+        f"set -o pipefail\nLEASE_ID={shlex.quote(s.lease_id)}\n{substitute(line, s)}\nrc=$?\n"
+        f'printf %s "$LEASE_ID" > {shlex.quote(str(tools / "LEASE_ID"))}\nexit $rc\n'
+    )
     env = {**os.environ, "PATH": f"{tools}{os.pathsep}{os.environ.get('PATH', '')}"}
     try:
         r = run(["bash", "-c", script], env=env, timeout=LINE_TIMEOUT)
@@ -534,8 +543,11 @@ def run_watch(s: Session, step: Step) -> Step:
 def scrape(address: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
     with urllib.request.urlopen(f"http://{address}/metrics", timeout=10) as resp:
         text = resp.read().decode()
-    return {(smp.name, frozenset(smp.labels.items())): smp.value
-            for fam in text_string_to_metric_families(text) for smp in fam.samples}  # fmt: skip
+    return {
+        (smp.name, frozenset(smp.labels.items())): smp.value
+        for fam in text_string_to_metric_families(text)
+        for smp in fam.samples
+    }
 
 
 def default_policy(up: Up) -> bytes:

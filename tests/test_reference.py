@@ -118,21 +118,35 @@ class Case:
 
 
 BASE = {
-    "vocab_size": 256, "hidden_size": 64, "intermediate_size": 128, "num_hidden_layers": 2,
-    "num_attention_heads": 4, "num_key_value_heads": 2, "max_position_embeddings": 256, "rms_norm_eps": 1e-6,
-    "bos_token_id": None, "eos_token_id": None, "pad_token_id": None,
-}  # fmt: skip
+    "vocab_size": 256,
+    "hidden_size": 64,
+    "intermediate_size": 128,
+    "num_hidden_layers": 2,
+    "num_attention_heads": 4,
+    "num_key_value_heads": 2,
+    "max_position_embeddings": 256,
+    "rms_norm_eps": 1e-6,
+    "bos_token_id": None,
+    "eos_token_id": None,
+    "pad_token_id": None,
+}
 LLAMA3 = {
-    "rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+    "rope_type": "llama3",
+    "rope_theta": 500000.0,
+    "factor": 8.0,
+    "low_freq_factor": 1.0,
+    "high_freq_factor": 4.0,
     "original_max_position_embeddings": 16,
-}  # fmt: skip
+}
 """A pretraining context of 16 positions: every one of head_dim 16's frequencies is then scaled or
 blended, so a decoder that ignored the scaling would be far off."""
 
 PHI3_LONGROPE = {
-    "rope_type": "longrope", "rope_theta": 10000.0, "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
+    "rope_type": "longrope",
+    "rope_theta": 10000.0,
+    "short_factor": [1.0, 1.1, 1.3, 1.6, 2.0, 2.5],
     "long_factor": [1.0, 2.0, 4.0, 8.0, 12.0, 16.0],
-}  # fmt: skip
+}
 """Phi-3's LongRoPE over 12 of head_dim 16's dimensions (partial_rotary_factor 0.75), with a pretraining
 context of 20: PROMPT is read with the short factors, and generation passes 20 positions, where the
 sequence is read again with the long ones (transformers' Phi-3 drops its cache there to recompute).
@@ -163,12 +177,12 @@ CASES = {
                 "attention_bias": True,
                 "rope_parameters": {"rope_type": "linear", "factor": 2.0, "rope_theta": 10000.0},
             },
-        ),  # fmt: skip
+        ),
         Case(
             "qwen2",
             "Qwen2Config",
             {"rope_parameters": {"rope_type": "default", "rope_theta": 1e6}, "tie_word_embeddings": True},
-        ),  # fmt: skip
+        ),
         Case("qwen3", "Qwen3Config", {"head_dim": 32, "rope_parameters": {"rope_type": "default", "rope_theta": 1e6}}),
         Case("mistral", "MistralConfig", {"sliding_window": 5}),
         Case("phi3-window-partial", "Phi3Config", {"sliding_window": 5, "partial_rotary_factor": 0.5}),
@@ -182,7 +196,7 @@ CASES = {
                 "tie_word_embeddings": True,
             },
             generate=False,
-        ),  # fmt: skip
+        ),
         Case(
             "gemma3",
             "Gemma3TextConfig",
@@ -194,7 +208,7 @@ CASES = {
                 "tie_word_embeddings": True,
                 "rope_parameters": GEMMA3_ROPE,
             },
-        ),  # fmt: skip
+        ),
         Case(
             "qwen3_moe",
             "Qwen3MoeConfig",
@@ -206,7 +220,7 @@ CASES = {
                 "norm_topk_prob": True,
                 "mlp_only_layers": [1],
             },
-        ),  # fmt: skip
+        ),
         Case("mixtral", "MixtralConfig", {"num_local_experts": 4, "num_experts_per_tok": 2, "sliding_window": 5}),
     ]
 }
@@ -316,10 +330,15 @@ class Zoo:
             if hasattr(rotary, "full_attention_inv_freq"):  # Gemma 3: one RoPE per layer type
                 prefix, sliding = "full_attention_", rotary.sliding_attention_inv_freq.detach().float().cpu()
             self._refs[key] = Reference(
-                dirs, tokens, sequence, logits, getattr(rotary, prefix + "inv_freq").detach().float().cpu(),
+                dirs,
+                tokens,
+                sequence,
+                logits,
+                getattr(rotary, prefix + "inv_freq").detach().float().cpu(),
                 getattr(rotary, prefix + "original_inv_freq").detach().float().cpu(),
-                float(getattr(rotary, prefix + "attention_scaling")), sliding,
-            )  # fmt: skip
+                float(getattr(rotary, prefix + "attention_scaling")),
+                sliding,
+            )
         return self._refs[key]
 
 
@@ -464,7 +483,7 @@ def test_decoder_matches_transformers(zoo: Zoo, alloc: MemoryAllocator, case: st
 @pytest.mark.parametrize("case", CASES)
 def test_generation_stops_at_the_checkpoints_eos_where_transformers_does(
     zoo: Zoo, host_alloc: MemoryAllocator, case: str, tmp_path: Path
-) -> None:  # fmt: skip
+) -> None:
     """Every family with an EOS: the checkpoint's config names as EOS a token its greedy generation
     reaches, and both stop there, that token included (transformers' ``generate`` with the same
     eos_token_id; the LongRoPE case's tokens, which come from forwards, stop the same way by
@@ -508,11 +527,13 @@ def _paged_logits(runner: ModelRunner, tokens: list[int], chunk: int) -> torch.T
             ids = tokens[start : start + chunk]
             pos = torch.arange(start, start + len(ids), device=device)
             step = StepInputs(
-                token_ids=torch.tensor(ids, device=device), positions=pos, write_blocks=table[0, pos // BLOCK_SIZE],
+                token_ids=torch.tensor(ids, device=device),
+                positions=pos,
+                write_blocks=table[0, pos // BLOCK_SIZE],
                 write_slots=pos % BLOCK_SIZE,
                 decode=DecodeRows(len(ids), table, pos + 1, torch.zeros(len(ids), dtype=torch.int64, device=device)),
                 rope_long=rope_long(config.long_rope_after, pos, len(tokens)),  # the reference's one call
-            )  # fmt: skip
+            )
             out.append(forward_step(runner.weights, config, rope, kv.device.tensor, step, kernels))
         return torch.cat(out).float().cpu()
     finally:
@@ -542,8 +563,15 @@ def test_longrope_sequences_in_a_batch_pass_the_context_as_they_do_alone(zoo: Zo
     budget), and a prompt already past the context is read with the long factors from its first
     chunk; each one's greedy tokens are transformers'."""
     ref = zoo.reference("phi3-longrope", "float32", alloc.torch_device.type)
-    runner = ModelRunner(alloc, str(ref.dirs["transformers5"]), num_device_blocks=48, num_host_blocks=0,
-                         block_size=BLOCK_SIZE, max_batch=3, max_step_tokens=5)  # fmt: skip
+    runner = ModelRunner(
+        alloc,
+        str(ref.dirs["transformers5"]),
+        num_device_blocks=48,
+        num_host_blocks=0,
+        block_size=BLOCK_SIZE,
+        max_batch=3,
+        max_step_tokens=5,
+    )
     after = runner.config.long_rope_after
     assert after is not None and len(PROMPT) < after < len(PROMPT) + NEW
     engine = runner.engine
@@ -564,7 +592,7 @@ def test_longrope_sequences_in_a_batch_pass_the_context_as_they_do_alone(zoo: Zo
 @pytest.mark.parametrize("case", CASES)
 def test_steps_replayed_from_cuda_graphs_match_transformers(
     zoo: Zoo, make_allocator: AllocatorFactory, case: str
-) -> None:  # fmt: skip
+) -> None:
     """The engine with CUDA graphs, in float32: greedy tokens equal transformers' for a request whose
     prompt is read in chunks of 3 rows and decoded alone, and for one whose prompt is read in chunks
     beside the first one's decodes. The decode steps replay graphs (steps with prompt rows run
@@ -577,9 +605,15 @@ def test_steps_replayed_from_cuda_graphs_match_transformers(
         pytest.skip(f"{case}: no CUDA graphs for this model here (worker/model/paged_attention.py's triton_supports)")
     ref = zoo.reference(case, "float32", "cuda")
     runner = ModelRunner(
-        make_allocator("cuda"), str(dirs["transformers5"]), num_device_blocks=32, num_host_blocks=0,
-        block_size=BLOCK_SIZE, max_batch=2, max_step_tokens=3, cuda_graphs=True,
-    )  # fmt: skip
+        make_allocator("cuda"),
+        str(dirs["transformers5"]),
+        num_device_blocks=32,
+        num_host_blocks=0,
+        block_size=BLOCK_SIZE,
+        max_batch=2,
+        max_step_tokens=3,
+        cuda_graphs=True,
+    )
     engine = runner.engine
     first = engine.submit(GenerationRequest(PROMPT, NEW, ignore_eos=True))
     for _ in range(5):  # its 8-token prompt in 3 steps, then decodes
@@ -607,10 +641,20 @@ def generate(wp: WorkerProcess) -> list[int]:
 def workers(zoo: Zoo) -> Iterator[dict[tuple[str, str, str], WorkerProcess]]:
     """One worker process per RPC_SUBSET entry, started together (each start is mostly imports)."""
     procs = {
-        key: WorkerProcess(["--model", str(zoo.dirs(key[0], key[2])[key[1]]), "--block-size", str(BLOCK_SIZE),
-                            "--kv-blocks", "32", "--host-kv-blocks", "8"])
+        key: WorkerProcess(
+            [
+                "--model",
+                str(zoo.dirs(key[0], key[2])[key[1]]),
+                "--block-size",
+                str(BLOCK_SIZE),
+                "--kv-blocks",
+                "32",
+                "--host-kv-blocks",
+                "8",
+            ]
+        )
         for key in RPC_SUBSET
-    }  # fmt: skip
+    }
     try:
         with ThreadPoolExecutor(len(procs)) as pool:
             list(pool.map(lambda p: p.start(), procs.values()))
@@ -624,9 +668,11 @@ def workers(zoo: Zoo) -> Iterator[dict[tuple[str, str, str], WorkerProcess]]:
 
 @pytest.mark.parametrize("key", RPC_SUBSET, ids=["-".join(k) for k in RPC_SUBSET])
 def test_worker_rpc_matches_transformers_across_sleep_and_wake(
-    zoo: Zoo, workers: dict[tuple[str, str, str], WorkerProcess], host_alloc: MemoryAllocator,
+    zoo: Zoo,
+    workers: dict[tuple[str, str, str], WorkerProcess],
+    host_alloc: MemoryAllocator,
     key: tuple[str, str, str],
-) -> None:  # fmt: skip
+) -> None:
     case, fmt, dtype = key
     ref = zoo.reference(case, dtype)
     # bfloat16: the in-process decoder's tokens, whose logits test_decoder_matches_transformers holds to transformers

@@ -237,10 +237,22 @@ def test_a_taken_port_is_a_usage_error(front: str) -> None:
         taken.listen()
         port = taken.getsockname()[1]
         r = subprocess.run(
-            [sys.executable, "-m", "memsvc.cli", "worker", "--backend", "host", "--listen", f"127.0.0.1:{port}",
-             "--rpc-front", front],
-            capture_output=True, text=True, timeout=120,
-        )  # fmt: skip
+            [
+                sys.executable,
+                "-m",
+                "memsvc.cli",
+                "worker",
+                "--backend",
+                "host",
+                "--listen",
+                f"127.0.0.1:{port}",
+                "--rpc-front",
+                front,
+            ],
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert r.returncode == 2, r.stderr
     assert "Traceback" not in r.stderr
     assert f"cannot listen on '127.0.0.1:{port}'" in r.stderr, r.stderr
@@ -255,8 +267,14 @@ def test_a_front_whose_worker_left_before_it_listened_exits_quietly(tmp_path: Pa
     read, write = os.pipe()
     os.close(read)
     try:
-        r = subprocess.run([sys.executable, "-m", "worker.rpc_front"], input=json.dumps(dataclasses.asdict(config)),
-                           stdout=write, stderr=subprocess.PIPE, text=True, timeout=60)  # fmt: skip
+        r = subprocess.run(
+            [sys.executable, "-m", "worker.rpc_front"],
+            input=json.dumps(dataclasses.asdict(config)),
+            stdout=write,
+            stderr=subprocess.PIPE,
+            text=True,
+            timeout=60,
+        )
     finally:
         os.close(write)
     assert r.returncode == 0, r.stderr

@@ -31,8 +31,12 @@ REQUEST = w.GenerateRequest(prompt_token_ids=[5, 9, 2, 7], max_new_tokens=8)
 
 def standby(*args: str) -> Proc:
     """``memsvc worker --standby --backend host``, started, once it says it is ready."""
-    proc = Proc([sys.executable, "-m", "memsvc.cli", "worker", "--standby", "--backend", "host", *args],
-                name="standby", new_session=False, stdin=True)  # fmt: skip
+    proc = Proc(
+        [sys.executable, "-m", "memsvc.cli", "worker", "--standby", "--backend", "host", *args],
+        name="standby",
+        new_session=False,
+        stdin=True,
+    )
     proc.start()
     (ready,) = proc.wait_lines([STANDBY_READY], READY_TIMEOUT)
     assert ready["where"] == "host"
@@ -119,15 +123,17 @@ def test_a_standby_that_is_not_needed_exits_0_at_the_end_of_its_input_or_a_signa
 @pytest.mark.parametrize(
     ("line", "error"),
     [
-        (json.dumps([*FLAGS, "--device", "1"]), "prepared for --backend host --device 0; its flags name --backend "
-                                                "host --device 1"),
+        (
+            json.dumps([*FLAGS, "--device", "1"]),
+            "prepared for --backend host --device 0; its flags name --backend host --device 1",
+        ),
         (json.dumps(["--listen", "127.0.0.1:0", "--model", "synthetic:tiny"]), "its flags name --backend auto"),
         ("--model synthetic:tiny", "the standby's flags line is not JSON"),
         (json.dumps({"model": "synthetic:tiny"}), "must be a JSON list of strings"),
         (json.dumps([*FLAGS, "--standby"]), "cannot ask for another standby"),
         (json.dumps([*FLAGS, "--kv-blocks", "0"]), "--kv-blocks"),
     ],
-)  # fmt: skip
+)
 def test_flags_a_standby_cannot_serve_are_one_error_line_and_exit_2(line: str, error: str) -> None:
     proc = standby()
     try:
@@ -168,11 +174,19 @@ def test_memsvc_up_keeps_a_standby_and_restarts_a_dead_worker_from_it(tmp_path: 
         pids = wait_for(from_standby, lambda ps: len(ps) == 2, what="beta started again from the standby")
         new_pid = pids[1]
         assert new_pid != pid and Path(f"/proc/{new_pid}").exists()
-        wait_for(lambda: h.workers()["beta"], lambda wk: wk.address != before and wk.state == c.WORKER_STATE_ASLEEP,
-                 what="beta registered again from the standby, then put to sleep", timeout=120)  # fmt: skip
+        wait_for(
+            lambda: h.workers()["beta"],
+            lambda wk: wk.address != before and wk.state == c.WORKER_STATE_ASLEEP,
+            what="beta registered again from the standby, then put to sleep",
+            timeout=120,
+        )
         assert h.text("beta")
-        wait_for(lambda: len([line for line in h.proc.lines if STANDBY_READY.match(line)]), lambda n: n > standbys,
-                 what="a new standby in its place", timeout=READY_TIMEOUT)  # fmt: skip
+        wait_for(
+            lambda: len([line for line in h.proc.lines if STANDBY_READY.match(line)]),
+            lambda n: n > standbys,
+            what="a new standby in its place",
+            timeout=READY_TIMEOUT,
+        )
         # (a worker started from a standby keeps the standby's command line)
         kept = [
             p for p in Path("/proc").iterdir() if p.name.isdigit() and p.name != str(new_pid) and _standby_of(p, up)

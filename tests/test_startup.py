@@ -33,9 +33,20 @@ from worker.model.graphs import BackgroundCapture
 REPO_ROOT = Path(__file__).resolve().parent.parent
 
 NOT_BEFORE_LISTENING = (
-    "torch", "safetensors", "tokenizers", "jinja2", "transformers", "triton", "worker.model.runner",
-    "worker.model.weights", "worker.model.text", "memsvc.manager", "memsvc.gateway", "fastapi", "uvicorn",
-)  # fmt: skip
+    "torch",
+    "safetensors",
+    "tokenizers",
+    "jinja2",
+    "transformers",
+    "triton",
+    "worker.model.runner",
+    "worker.model.weights",
+    "worker.model.text",
+    "memsvc.manager",
+    "memsvc.gateway",
+    "fastapi",
+    "uvicorn",
+)
 """What `memsvc worker` must not import before its server listens (it loads them while it answers LOADING)."""
 
 
@@ -86,10 +97,12 @@ def test_a_call_while_the_model_loads_is_unavailable_with_a_retry_delay_and_succ
         calls: list[Callable[[], object]] = [
             lambda: wp.stub.Generate(request, timeout=10),
             lambda: next(iter(wp.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=10))),
-            lambda: wp.stub.SwapBlocks(w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-                                                           src_blocks=[0], dst_blocks=[0]), timeout=10),
+            lambda: wp.stub.SwapBlocks(
+                w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=[0], dst_blocks=[0]),
+                timeout=10,
+            ),
             lambda: wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="s"), timeout=10),
-        ]  # fmt: skip
+        ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:
                 call()
@@ -274,8 +287,21 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     ckpt = tmp_path / "tiny"
     write_checkpoint(ckpt, "tiny", "cpu")
     out = tmp_path / "startup.json"
-    argv = ["--model", str(ckpt), "--backend", "host", "--repeats", "1", "--warmup", "0", "--kv-blocks", "64",
-            "--cold", "--out", str(out)]  # fmt: skip
+    argv = [
+        "--model",
+        str(ckpt),
+        "--backend",
+        "host",
+        "--repeats",
+        "1",
+        "--warmup",
+        "0",
+        "--kv-blocks",
+        "64",
+        "--cold",
+        "--out",
+        str(out),
+    ]
     assert bench_startup.main(argv) == 0
     res = json.loads(out.read_text())
     assert res["errors"] == {} and res["commit"]

@@ -271,8 +271,12 @@ def reset(env: Env) -> None:
     mw, ws = settled(env)
     if ws.state != c.WORKER_STATE_AWAKE:
         env.manager.stub.WakeWorker(m.WakeWorkerRequest(name=NAME), timeout=LONG_S)
-    wait_for(lambda: settled(env), lambda v: v[1].state == c.WORKER_STATE_AWAKE and v[0].lease_count == 0,
-             timeout=SETTLE_S, what="an awake worker without leases")  # fmt: skip
+    wait_for(
+        lambda: settled(env),
+        lambda v: v[1].state == c.WORKER_STATE_AWAKE and v[0].lease_count == 0,
+        timeout=SETTLE_S,
+        what="an awake worker without leases",
+    )
 
 
 # ---------------------------------------------------------------- the machine
@@ -373,8 +377,12 @@ class LeaseMachine(RuleBasedStateMachine):
         return m.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, holder="stateful", request_id=self.rid(r))
 
     # ---- leases ----
-    @rule(how=st.sampled_from(["once", "once", "three at once", "retry a held one"]), r=st.sampled_from(REQUEST_IDS),
-          deadline=DEADLINES, i=st.integers(0, 7))  # fmt: skip
+    @rule(
+        how=st.sampled_from(["once", "once", "three at once", "retry a held one"]),
+        r=st.sampled_from(REQUEST_IDS),
+        deadline=DEADLINES,
+        i=st.integers(0, 7),
+    )
     def acquire(self, how: str, r: str, deadline: float, i: int) -> None:
         if how == "three at once":
             self.acquire_concurrently(r or REQUEST_IDS[1])
@@ -470,10 +478,23 @@ class LeaseMachine(RuleBasedStateMachine):
         assert answer.code == NOT_FOUND, f"{what}: {answer}"
         self.unchanged(before, what, answer)
 
-    @rule(level=st.sampled_from([1, 2]), sleep_deadline=DEADLINES, acquire_deadline=DEADLINES,
-          sleep_first=st.booleans(), busy=st.one_of(st.none(), SHORT), twin=st.booleans())  # fmt: skip
-    def acquire_racing_a_sleep(self, level: int, sleep_deadline: float, acquire_deadline: float, sleep_first: bool,
-                               busy: float | None, twin: bool) -> None:  # fmt: skip
+    @rule(
+        level=st.sampled_from([1, 2]),
+        sleep_deadline=DEADLINES,
+        acquire_deadline=DEADLINES,
+        sleep_first=st.booleans(),
+        busy=st.one_of(st.none(), SHORT),
+        twin=st.booleans(),
+    )
+    def acquire_racing_a_sleep(
+        self,
+        level: int,
+        sleep_deadline: float,
+        acquire_deadline: float,
+        sleep_first: bool,
+        busy: float | None,
+        twin: bool,
+    ) -> None:
         """SleepWorker and AcquireWorker at once, maybe behind a Generate that keeps the device loop busy
         (``busy``: its deadline), so that either may wait for the other on the worker's lock and the wake
         or the sleep may wait behind the Generate. Whichever wins, a granted lease finds the worker awake
@@ -501,9 +522,11 @@ class LeaseMachine(RuleBasedStateMachine):
         if not sleep_first:
             sleep_f = self.stub.SleepWorker.future(sleep_req, timeout=sleep_deadline)
         slept, acquired = ask(sleep_f.result), [ask(f.result) for f in acquire_fs]
-        what = (f"SleepWorker(level {level}, deadline={sleep_deadline:.2f}) racing AcquireWorker(deadline="
-                f"{acquire_deadline:.2f}{' and a twin' if twin else ''}) on a {view(ws)}"
-                f"{' behind a Generate' if busy else ''}")  # fmt: skip
+        what = (
+            f"SleepWorker(level {level}, deadline={sleep_deadline:.2f}) racing AcquireWorker(deadline="
+            f"{acquire_deadline:.2f}{' and a twin' if twin else ''}) on a {view(ws)}"
+            f"{' behind a Generate' if busy else ''}"
+        )
         note(f"race: SleepWorker -> {slept.code.name}, AcquireWorker -> {'+'.join(a.code.name for a in acquired)}")
         self.check(slept, {OK, PRECONDITION} if sleep_ok else {PRECONDITION}, sleep_deadline, f"{what}: the sleep")
         first, *twins = acquired
@@ -516,8 +539,15 @@ class LeaseMachine(RuleBasedStateMachine):
             self.granted("", next(a for a in acquired if a.code == OK), what)
 
     # ---- transitions ----
-    def transition(self, method: str, r: str, deadline: float, call: Callable[[float], Any],
-                   acts: Callable[[c.WorkerStatus], bool], what: str) -> Any | None:  # fmt: skip
+    def transition(
+        self,
+        method: str,
+        r: str,
+        deadline: float,
+        call: Callable[[float], Any],
+        acts: Callable[[c.WorkerStatus], bool],
+        what: str,
+    ) -> Any | None:
         """SleepWorker or WakeWorker under the request_id rules; ``acts``: whether a fresh call would act on
         the worker (else the worker refuses it FAILED_PRECONDITION). The response when a call acted."""
         before = self.before()
@@ -568,27 +598,37 @@ class LeaseMachine(RuleBasedStateMachine):
     def sleep(self, level: int, r: str, deadline: float) -> None:
         what = f"SleepWorker(level {level}, request_id={r!r}, deadline={deadline:.2f}) with {len(self.leases)} lease(s)"
         req = m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(level), request_id=self.rid(r))
-        resp = self.transition(SLEEP, r, deadline, lambda t: self.stub.SleepWorker(req, timeout=t),
-                               lambda ws: not self.leases and sleep_would_act(ws, level), what)  # fmt: skip
+        resp = self.transition(
+            SLEEP,
+            r,
+            deadline,
+            lambda t: self.stub.SleepWorker(req, timeout=t),
+            lambda ws: not self.leases and sleep_would_act(ws, level),
+            what,
+        )
         if resp is not None:
             after = self.worker_status()
             assert after.state == c.WORKER_STATE_ASLEEP, f"{what} answered OK: the worker is {view(after)}"
             assert resp.worker.state == c.WORKER_STATE_ASLEEP, f"{what}: {resp.worker}"
 
-    @rule(tags=st.sampled_from([(), ("weights",), ("kv_cache",)]), r=st.sampled_from(REQUEST_IDS),
-          deadline=DEADLINES)  # fmt: skip
+    @rule(tags=st.sampled_from([(), ("weights",), ("kv_cache",)]), r=st.sampled_from(REQUEST_IDS), deadline=DEADLINES)
     def wake(self, tags: tuple[str, ...], r: str, deadline: float) -> None:
         what = f"WakeWorker(tags={list(tags)}, request_id={r!r}, deadline={deadline:.2f})"
         req = m.WakeWorkerRequest(name=NAME, tags=tags, request_id=self.rid(r))
-        resp = self.transition(WAKE, r, deadline, lambda t: self.stub.WakeWorker(req, timeout=t),
-                               lambda ws: wake_would_act(ws, tags), what)  # fmt: skip
+        resp = self.transition(
+            WAKE, r, deadline, lambda t: self.stub.WakeWorker(req, timeout=t), lambda ws: wake_would_act(ws, tags), what
+        )
         if resp is not None:
             states = tag_states(after := self.worker_status())
             assert all(states[t] == c.TAG_STATE_AWAKE for t in tags or states), f"{what} answered OK: {view(after)}"
 
     # ---- the data plane ----
-    @rule(prompt=st.sampled_from(PROMPTS), tokens=st.integers(1, FEW), deadline=DEADLINES,
-          background=st.sampled_from([False, False, True]))  # fmt: skip
+    @rule(
+        prompt=st.sampled_from(PROMPTS),
+        tokens=st.integers(1, FEW),
+        deadline=DEADLINES,
+        background=st.sampled_from([False, False, True]),
+    )
     def generate(self, prompt: tuple[int, ...], tokens: int, deadline: float, background: bool) -> None:
         if background:
             self.generate_in_background(min(deadline, 0.3))
@@ -613,8 +653,20 @@ class LeaseMachine(RuleBasedStateMachine):
         self.env.background.append(self.env.worker.stub.Generate.future(req, timeout=deadline))
 
     # ---- refusals ----
-    @rule(kind=st.sampled_from(["negative ttl", "long holder", "long request_id", "unknown lease", "level 7",
-                                "unknown tag", "tag twice", "too many tokens"]))  # fmt: skip
+    @rule(
+        kind=st.sampled_from(
+            [
+                "negative ttl",
+                "long holder",
+                "long request_id",
+                "unknown lease",
+                "level 7",
+                "unknown tag",
+                "tag twice",
+                "too many tokens",
+            ]
+        )
+    )
     def refused(self, kind: str) -> None:
         before = self.before()
         s, ws = self.stub, self.env.worker.stub
@@ -622,28 +674,26 @@ class LeaseMachine(RuleBasedStateMachine):
         calls: dict[str, Callable[[], object]] = {
             "negative ttl": lambda: s.AcquireWorker(
                 m.AcquireWorkerRequest(name=NAME, ttl=Duration(seconds=-1)), timeout=LONG_S
-            ),  # fmt: skip
-            "long holder": lambda: s.AcquireWorker(
-                m.AcquireWorkerRequest(name=NAME, holder="h" * 300), timeout=LONG_S
-            ),  # fmt: skip
+            ),
+            "long holder": lambda: s.AcquireWorker(m.AcquireWorkerRequest(name=NAME, holder="h" * 300), timeout=LONG_S),
             "long request_id": lambda: s.AcquireWorker(
                 m.AcquireWorkerRequest(name=NAME, request_id="r" * 129), timeout=LONG_S
-            ),  # fmt: skip
+            ),
             "unknown lease": lambda: s.AcquireWorker(
                 m.AcquireWorkerRequest(name=NAME, lease_id=uuid.uuid4().hex), timeout=LONG_S
-            ),  # fmt: skip
+            ),
             "level 7": lambda: s.SleepWorker(
                 m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(7)), timeout=LONG_S
-            ),  # fmt: skip
+            ),
             "unknown tag": lambda: s.SleepWorker(
                 m.SleepWorkerRequest(name=NAME, tag_actions={"nope": OFFLOAD}), timeout=LONG_S
-            ),  # fmt: skip
+            ),
             "tag twice": lambda: s.WakeWorker(
                 m.WakeWorkerRequest(name=NAME, tags=["weights", "weights"]), timeout=LONG_S
-            ),  # fmt: skip
+            ),
             "too many tokens": lambda: ws.Generate(
                 w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=4097), timeout=LONG_S
-            ),  # fmt: skip
+            ),
         }
         if kind == "unknown lease":
             expected = {NOT_FOUND}  # (bad tags are INVALID_ARGUMENT whatever the state, leased or not)
@@ -657,8 +707,12 @@ class LeaseMachine(RuleBasedStateMachine):
     @invariant()
     def consistent(self) -> None:
         held = len(self.leases)
-        mw, ws = wait_for(lambda: settled(self.env), lambda v: v[0].lease_count == held, timeout=SETTLE_S,
-                          what=f"the manager to count the {held} lease(s) the model holds")  # fmt: skip
+        mw, ws = wait_for(
+            lambda: settled(self.env),
+            lambda v: v[0].lease_count == held,
+            timeout=SETTLE_S,
+            what=f"the manager to count the {held} lease(s) the model holds",
+        )
         if held:
             assert ws.state == c.WORKER_STATE_AWAKE, f"{held} lease(s) on a worker that says {view(ws)}"
 
@@ -721,16 +775,23 @@ def test_a_retry_sharing_a_call_is_not_bounded_by_the_first_callers_deadline(env
     busy = env.worker.stub.Generate.future(
         w.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS), timeout=LONG_S
     )
-    wait_for(lambda: env.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
-             lambda kv: kv.sequence_count > 0 or busy.done(), what="the Generate to be admitted")  # fmt: skip
+    wait_for(
+        lambda: env.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+        lambda kv: kv.sequence_count > 0 or busy.done(),
+        what="the Generate to be admitted",
+    )
     assert not busy.done(), f"the busy Generate ended at once: {busy.exception()}"
     first: grpc.Future[Any]
     retry: grpc.Future[Any]
     sleep: grpc.Future[m.SleepWorkerResponse] | None = None
     if method == ACQUIRE:  # a sleep holds the manager's lock on the worker while it waits behind the Generate
         sleep = stub.SleepWorker.future(m.SleepWorkerRequest(name=NAME, level=c.SLEEP_LEVEL_1), timeout=LONG_S)
-        wait_for(lambda: get(stub, WID), lambda mw: mw.status.transition_in_progress, timeout=5,
-                 what="the sleep to be accepted by the worker")  # fmt: skip
+        wait_for(
+            lambda: get(stub, WID),
+            lambda mw: mw.status.transition_in_progress,
+            timeout=5,
+            what="the sleep to be accepted by the worker",
+        )
         req = m.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, request_id="shared-acquire")
         first, retry = (stub.AcquireWorker.future(req, timeout=t) for t in (0.3, LONG_S))
     else:  # the sleep itself waits behind the Generate

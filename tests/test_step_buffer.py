@@ -15,8 +15,14 @@ SIZE, OUTPUTS, WIDTH, SCRATCH, BLOCK = 8, 4, 6, 99, 16
 
 
 def _buffer() -> StepBuffer:
-    b = StepBuffer(torch.full((StepBuffer.numel(SIZE, OUTPUTS, WIDTH),), -7, dtype=torch.int64), SIZE, OUTPUTS,
-                   WIDTH, SCRATCH, BLOCK)  # fmt: skip
+    b = StepBuffer(
+        torch.full((StepBuffer.numel(SIZE, OUTPUTS, WIDTH),), -7, dtype=torch.int64),
+        SIZE,
+        OUTPUTS,
+        WIDTH,
+        SCRATCH,
+        BLOCK,
+    )
     b.clear()
     return b
 
@@ -25,10 +31,14 @@ def _step(rng: np.random.Generator, rows: int, seqs: int, width: int, paged: boo
     """``rows`` rows over ``seqs`` block tables of ``width`` columns (paged: rows share tables)."""
     positions = rng.integers(0, width * BLOCK, rows)
     return HostStep(
-        token_ids=rng.integers(1, 1000, rows), positions=positions, write_blocks=rng.integers(1, 50, rows),
-        decode_tables=rng.integers(1, 50, (seqs, width)), spans=(), last_rows=np.arange(min(rows, seqs)),
+        token_ids=rng.integers(1, 1000, rows),
+        positions=positions,
+        write_blocks=rng.integers(1, 50, rows),
+        decode_tables=rng.integers(1, 50, (seqs, width)),
+        spans=(),
+        last_rows=np.arange(min(rows, seqs)),
         row_tables=np.sort(rng.integers(0, seqs, rows)) if paged else None,
-    )  # fmt: skip
+    )
 
 
 # (rows, seqs, width, paged) in turn: fewer rows and tables, narrower; more tables but narrower; wider

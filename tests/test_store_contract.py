@@ -157,8 +157,10 @@ def test_a_follower_whose_session_ends_connects_again(pg_url: str) -> None:
     follower = PostgresStore(pg_url)
     try:
         with psycopg.connect(pg_url, autocommit=True) as db:
-            db.execute("SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
-                       "AND datname = current_database()")  # fmt: skip
+            db.execute(
+                "SELECT pg_terminate_backend(pid) FROM pg_stat_activity WHERE pid <> pg_backend_pid() "
+                "AND datname = current_database()"
+            )
         with pytest.raises(Unavailable):
             follower.leader()  # the call that finds the session gone
         assert follower.leader() == "" and not follower.lost, "the next call has a new session"

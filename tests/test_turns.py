@@ -85,11 +85,24 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
     p: Pair | None = None
     try:
         for name in MODELS:
-            flags = ["--model", "synthetic:tiny", "--seed", "3", "--manager", mp.address, "--worker-id", name,
-                     "--served-model-name", name]  # fmt: skip
+            flags = [
+                "--model",
+                "synthetic:tiny",
+                "--seed",
+                "3",
+                "--manager",
+                mp.address,
+                "--worker-id",
+                name,
+                "--served-model-name",
+                name,
+            ]
             workers[name] = WorkerProcess(flags).start()
-        listed = wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
-                          lambda ws: len([x for x in ws if x.status.tags]) == 2, what="both registrations")  # fmt: skip
+        listed = wait_for(
+            lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+            lambda ws: len([x for x in ws if x.status.tags]) == 2,
+            what="both registrations",
+        )
         need = max(sum(t.mapped_bytes for t in x.status.tags) for x in listed)
         policy = m.Policy(device_budget_bytes=need + need // 2, time_slice=Duration(nanos=int(SLICE_S * 1e9)))
         mask = FieldMask(paths=["device_budget_bytes", "time_slice"])
@@ -119,8 +132,10 @@ class Streams:
         self.expected = [pair.alone(name, p, self.LENGTH) for p in self.prompts]
         self.out: list[dict[str, Any]] = [{"tokens": [], "done": None, "error": None} for _ in self.prompts]
         stub = pair.workers[name].stub
-        self.threads = [threading.Thread(target=self._read, args=(stub, p, o), daemon=True)
-                        for p, o in zip(self.prompts, self.out, strict=True)]  # fmt: skip
+        self.threads = [
+            threading.Thread(target=self._read, args=(stub, p, o), daemon=True)
+            for p, o in zip(self.prompts, self.out, strict=True)
+        ]
         for t in self.threads:
             t.start()
         for o in self.out:
@@ -158,8 +173,9 @@ def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_
     lease, and each stream ends with exactly its alone tokens, none read again; alpha gave up one
     turn; nothing is left held."""
     recomputed = pair.status("alpha").kv_cache.recomputed_tokens
-    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR),
-                                           timeout=60)  # fmt: skip
+    held = pair.manager.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
+    )
     streams = Streams(pair, "alpha")
 
     t0 = time.monotonic()
@@ -185,11 +201,13 @@ def test_streams_paused_by_a_turn_go_on_after_the_manager_restarts(pair: Pair) -
     while alpha sleeps: the manager started again on the same database finds alpha asleep with
     requests paused on it, gives it its turn (beta, still leased, pauses in turn), and alpha's streams
     end with their alone tokens. Leases restored from the database are released as usual."""
-    held_a = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR),
-                                             timeout=60)  # fmt: skip
+    held_a = pair.manager.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
+    )
     streams = Streams(pair, "alpha")
-    held_b = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=HOUR),
-                                             timeout=60)  # fmt: skip
+    held_b = pair.manager.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=HOUR), timeout=60
+    )
     paused = pair.status("alpha").paused_generations
     assert paused >= 1 and streams.unfinished(), f"set-up: nothing paused on alpha ({paused})"
 
@@ -208,8 +226,9 @@ def test_two_models_under_steady_streamed_load_take_turns_and_serve_everything(p
     full (none refused by the gateway's 5 s queue, none failed), each waited for its first token less
     than the bound, alpha gave up turns for beta, and nothing is left held."""
     rounds, clients, tokens = 4, 3, 96
-    held = pair.manager.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR),
-                                           timeout=60)  # fmt: skip
+    held = pair.manager.stub.AcquireWorker(
+        m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
+    )
     errors: list[BaseException] = []
     waits: dict[str, list[float]] = {name: [] for name in MODELS}
     lock = threading.Lock()
@@ -219,9 +238,13 @@ def test_two_models_under_steady_streamed_load_take_turns_and_serve_everything(p
             for i in range(rounds):
                 t0 = time.monotonic()
                 s = pair.client.completions.create(
-                    model=model, prompt=[k + 1, i + 2, 3], max_tokens=tokens, temperature=0, stream=True,
+                    model=model,
+                    prompt=[k + 1, i + 2, 3],
+                    max_tokens=tokens,
+                    temperature=0,
+                    stream=True,
                     stream_options={"include_usage": True},
-                )  # fmt: skip
+                )
                 first: float | None = None
                 chunks = []
                 for chunk in s:

@@ -72,8 +72,9 @@ def children(parent: int) -> dict[int, list[bytes]]:
 
 def worker_pid(parent: int, worker_id: str) -> int | None:
     """The pid of ``memsvc up``'s child worker ``worker_id``, or None."""
-    return next((pid for pid, argv in children(parent).items() if b"worker" in argv and worker_id.encode() in argv),
-                None)  # fmt: skip
+    return next(
+        (pid for pid, argv in children(parent).items() if b"worker" in argv and worker_id.encode() in argv), None
+    )
 
 
 class Host:
@@ -100,8 +101,9 @@ class Host:
             return []
 
     def text(self, model: str) -> str:
-        r = self.client.chat.completions.create(model=model, messages=[{"role": "user", "content": "hi"}],
-                                                max_tokens=8, temperature=0)  # fmt: skip
+        r = self.client.chat.completions.create(
+            model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
+        )
         return str(r.choices[0].message.content)
 
 
@@ -125,8 +127,11 @@ def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_sto
     wait_for(lambda: h.listed(), lambda ids: ids == list(MODELS), what="the three models listed", timeout=120)
     for model in (*MODELS, "alpha"):
         assert h.text(model), f"{model} answered no text"
-        wait_for(lambda: awake(h), lambda names, model=model: names == [model],  # type: ignore[misc]
-                 what=f"{model} awake and only it (the device holds one)")  # fmt: skip
+        wait_for(
+            lambda: awake(h),
+            lambda names, model=model: names == [model],  # type: ignore[misc]
+            what=f"{model} awake and only it (the device holds one)",
+        )
 
     # a worker killed outright is started again, and serves again
     assert h.proc.proc is not None
@@ -134,11 +139,18 @@ def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_sto
     assert pid is not None, "no worker process for beta"
     before = h.workers()["beta"].address
     os.kill(pid, signal.SIGKILL)
-    wait_for(lambda: worker_pid(h.proc.proc.pid, "beta"), lambda p: p not in (None, pid),  # type: ignore[union-attr]
-             what="beta's worker started again")  # fmt: skip
+    wait_for(
+        lambda: worker_pid(h.proc.proc.pid, "beta"),  # type: ignore[union-attr]
+        lambda p: p not in (None, pid),
+        what="beta's worker started again",
+    )
     # it loads awake beside the one awake before: memsvc up puts it to sleep once it has registered
-    wait_for(lambda: h.workers()["beta"], lambda wk: wk.address != before and wk.state == c.WORKER_STATE_ASLEEP,
-             what="beta registered again (its new port), then put to sleep", timeout=120)  # fmt: skip
+    wait_for(
+        lambda: h.workers()["beta"],
+        lambda wk: wk.address != before and wk.state == c.WORKER_STATE_ASLEEP,
+        what="beta registered again (its new port), then put to sleep",
+        timeout=120,
+    )
     assert awake(h) == ["alpha"]
     assert h.text("beta")
     assert "worker beta exited with -9" in h.proc.stderr_text()
@@ -183,10 +195,17 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
         wait_for(lambda: h.listed(), lambda ids: ids == ["alpha", "beta"], what="both models listed", timeout=120)
         before = h.text("alpha")
         for wid in ("alpha", "beta"):
-            wait_for(said, lambda t, wid=wid: f"worker {wid} stopped after 1 s asleep" in t,  # type: ignore[misc]
-                     what=f"{wid} stopped once asleep for stop_after", timeout=120)  # fmt: skip
-        wait_for(lambda: h.workers(), lambda ws: all(w.state == c.WORKER_STATE_UNAVAILABLE for w in ws.values()),
-                 what="both unavailable at the manager")  # fmt: skip
+            wait_for(
+                said,
+                lambda t, wid=wid: f"worker {wid} stopped after 1 s asleep" in t,  # type: ignore[misc]
+                what=f"{wid} stopped once asleep for stop_after",
+                timeout=120,
+            )
+        wait_for(
+            lambda: h.workers(),
+            lambda ws: all(w.state == c.WORKER_STATE_UNAVAILABLE for w in ws.values()),
+            what="both unavailable at the manager",
+        )
         running = [argv for argv in children(h.proc.proc.pid).values() if b"worker" in argv]
         assert len(running) == 1 and b"--standby" in running[0], (
             "a worker process outlived its stop (one standby waits)"
@@ -215,8 +234,13 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
 def test_a_host_file_that_does_not_load_is_one_error_line_and_exit_2(tmp_path: Path) -> None:
     bad = tmp_path / "host.toml"
     bad.write_text('[[models]]\nmodel = "synthetic:tiny"\ndevcie = 1\n')
-    r = subprocess.run([sys.executable, "-m", "memsvc.cli", "up", "--config", str(bad)], capture_output=True,
-                       text=True, timeout=60, stdin=subprocess.DEVNULL)  # fmt: skip
+    r = subprocess.run(
+        [sys.executable, "-m", "memsvc.cli", "up", "--config", str(bad)],
+        capture_output=True,
+        text=True,
+        timeout=60,
+        stdin=subprocess.DEVNULL,
+    )
     assert r.returncode == 2, (r.returncode, r.stderr)
     errors = [line for line in r.stderr.splitlines() if "error" in line]
     assert len(errors) == 1 and "models[0]: unknown key(s) ['devcie']" in errors[0], r.stderr
@@ -280,8 +304,11 @@ def test_ctrl_c_while_it_starts_stops_everything_and_exits_0(tmp_path: Path) -> 
     h.proc.start()
     try:
         assert h.proc.proc is not None
-        wait_for(lambda: worker_pid(h.proc.proc.pid, "alpha"), lambda p: p is not None,  # type: ignore[union-attr]
-                 what="the first worker to start")  # fmt: skip
+        wait_for(
+            lambda: worker_pid(h.proc.proc.pid, "alpha"),  # type: ignore[union-attr]
+            lambda p: p is not None,
+            what="the first worker to start",
+        )
         assert h.proc.signal_and_wait(signal.SIGINT) == 0, h.proc.stderr_text()[-3000:]
     finally:
         h.channel.close()
@@ -294,8 +321,10 @@ def test_a_worker_that_refuses_its_start_is_not_restarted(tmp_path: Path) -> Non
     manager, gateway = f"127.0.0.1:{free_port()}", f"127.0.0.1:{free_port()}"
     file = tmp_path / "host.toml"
     models = '[[models]]\nmodel = "acme/absent"\nbackend = "host"\n'
-    file.write_text(f'[manager]\nlisten = "{manager}"\nmetrics_listen = ""\nstate_dir = "{tmp_path / "state"}"\n\n'
-                    f'[gateway]\nlisten = "{gateway}"\n\n{models}')  # fmt: skip
+    file.write_text(
+        f'[manager]\nlisten = "{manager}"\nmetrics_listen = ""\nstate_dir = "{tmp_path / "state"}"\n\n'
+        f'[gateway]\nlisten = "{gateway}"\n\n{models}'
+    )
     env = {**os.environ, "HF_HOME": str(tmp_path / "hf"), "HF_HUB_OFFLINE": "1"}
     proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(file)], env=env, name="memsvc up")
     proc.start()
@@ -345,8 +374,12 @@ def test_a_file_with_a_manager_elsewhere_runs_its_workers_only_each_at_its_port_
             return manager.stub.GetPolicy(m.GetPolicyRequest(name=f"workers/{wid}"), timeout=10).policy
 
         for wid in want:  # [policy] is each worker's override; the manager's default stays as it was
-            wait_for(functools.partial(overrides, wid), lambda p: p.idle_sleep_timeout.seconds == 600,
-                     what=f"{wid}'s override", timeout=60)  # fmt: skip
+            wait_for(
+                functools.partial(overrides, wid),
+                lambda p: p.idle_sleep_timeout.seconds == 600,
+                what=f"{wid}'s override",
+                timeout=60,
+            )
         assert manager.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy == default_before
         started = [argv[3] for argv in children(proc.pid).values() if argv[1:3] == [b"-m", b"memsvc.cli"]]
         assert sorted(started) == [b"worker", b"worker"], "no manager or gateway of its own"

@@ -189,8 +189,22 @@ def wheel_of(distribution: str, project: str, tmp_path_factory: pytest.TempPathF
         return found
     out = tmp_path_factory.mktemp(distribution)
     src = source_copy(tmp_path_factory.getbasetemp() / "sources") / project
-    r = run([sys.executable, "-m", "pip", "wheel", "--quiet", "--no-deps", "--no-build-isolation", "-w", str(out),
-             str(src)], timeout=INSTALL_TIMEOUT, cwd=out)  # fmt: skip
+    r = run(
+        [
+            sys.executable,
+            "-m",
+            "pip",
+            "wheel",
+            "--quiet",
+            "--no-deps",
+            "--no-build-isolation",
+            "-w",
+            str(out),
+            str(src),
+        ],
+        timeout=INSTALL_TIMEOUT,
+        cwd=out,
+    )
     built = find_wheel(out, distribution)
     if r.returncode != 0 or built is None:
         pytest.skip(
@@ -220,8 +234,11 @@ class Venv:
 
 def pip(python: Path, *args: str, cwd: Path) -> subprocess.CompletedProcess[str]:
     """This environment's pip (and its cache) working on the venv of ``python``."""
-    return run([sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args],
-               timeout=INSTALL_TIMEOUT, cwd=cwd)  # fmt: skip
+    return run(
+        [sys.executable, "-m", "pip", "--python", str(python), "--disable-pip-version-check", *args],
+        timeout=INSTALL_TIMEOUT,
+        cwd=cwd,
+    )
 
 
 def pip_install(python: Path, requirements: Sequence[str], pinned: Sequence[str], *, cwd: Path) -> None:
@@ -233,8 +250,10 @@ def pip_install(python: Path, requirements: Sequence[str], pinned: Sequence[str]
         return
     probe = run([sys.executable, "-m", "pip", "index", "versions", "grpcio"], timeout=120, cwd=cwd)
     if probe.returncode != 0:
-        pytest.skip(f"the package index is unreachable (pip index versions grpcio: {probe.stderr.strip()[-500:]}); "
-                    "the stub-only install resolves its dependencies from it")  # fmt: skip
+        pytest.skip(
+            f"the package index is unreachable (pip index versions grpcio: {probe.stderr.strip()[-500:]}); "
+            "the stub-only install resolves its dependencies from it"
+        )
     pytest.fail(f"pip install {' '.join(requirements)} failed:\n{r.stdout}\n{r.stderr}")
 
 
@@ -271,8 +290,13 @@ def test_the_api_wheel_is_the_stubs_alone(api_wheel: Path) -> None:
     assert api_wheel.name.endswith("-py3-none-any.whl"), f"{api_wheel.name}: not pure Python"
     names = set(zipfile.ZipFile(api_wheel).namelist())
     files = {n for n in names if ".dist-info/" not in n}
-    expected = {"memsvc/v1/__init__.py", "memsvc/v1/py.typed", "google-stubs/rpc/__init__.pyi",
-                "google-stubs/rpc/status_pb2.pyi", "google-stubs/rpc/error_details_pb2.pyi"}  # fmt: skip
+    expected = {
+        "memsvc/v1/__init__.py",
+        "memsvc/v1/py.typed",
+        "google-stubs/rpc/__init__.pyi",
+        "google-stubs/rpc/status_pb2.pyi",
+        "google-stubs/rpc/error_details_pb2.pyi",
+    }
     for mod in expected_stub_modules():
         base = mod.replace(".", "/")
         expected |= {f"{base}.py", f"{base}.pyi"}
@@ -340,9 +364,26 @@ def test_client_code_passes_mypy_strict_with_the_typing_extra(api_venv: Venv, ap
     env = {k: v for k, v in os.environ.items() if k not in ("MYPYPATH", "PYTHONPATH")}
 
     def mypy(*files: str) -> subprocess.CompletedProcess[str]:
-        return run([sys.executable, "-m", "mypy", "--strict", "--config-file", "mypy.ini", "--cache-dir", ".cache",
-                    "--python-executable", str(api_venv.python), "--no-error-summary", "--hide-error-context",
-                    *files], env=env, cwd=work, timeout=300)  # fmt: skip
+        return run(
+            [
+                sys.executable,
+                "-m",
+                "mypy",
+                "--strict",
+                "--config-file",
+                "mypy.ini",
+                "--cache-dir",
+                ".cache",
+                "--python-executable",
+                str(api_venv.python),
+                "--no-error-summary",
+                "--hide-error-context",
+                *files,
+            ],
+            env=env,
+            cwd=work,
+            timeout=300,
+        )
 
     if not ({canonical(n) for n in API_TYPING} & listed(api_venv.python, api_venv.root)):
         r = mypy("client.py")

@@ -21,10 +21,11 @@ pytestmark = pytest.mark.asyncio
 
 async def test_the_state_reads_awake_only_once_the_load_lets_go_of_the_transition_lock() -> None:
     core = WorkerCore(
-        WorkerConfig(model="synthetic:tiny", backend="host", kv_blocks=32, host_kv_blocks=8,
-                     host_capacity_bytes=256 << 20),
+        WorkerConfig(
+            model="synthetic:tiny", backend="host", kv_blocks=32, host_kv_blocks=8, host_capacity_bytes=256 << 20
+        ),
         asyncio.get_running_loop(),
-    )  # fmt: skip
+    )
     publish = core.telemetry.publish
     held_at_awake: list[bool] = []
 

@@ -418,9 +418,11 @@ def swap(
     src_blocks_u32le + dst_blocks_u32le."""
     if raw:
         req = w.SwapBlocksRequest(
-            direction=direction, src_blocks_u32le=u32le([s for s, _ in pairs]),
-            dst_blocks_u32le=u32le([d for _, d in pairs]), **kw,
-        )  # fmt: skip
+            direction=direction,
+            src_blocks_u32le=u32le([s for s, _ in pairs]),
+            dst_blocks_u32le=u32le([d for _, d in pairs]),
+            **kw,
+        )
     elif packed:
         req = w.SwapBlocksRequest(
             direction=direction, src_blocks=[s for s, _ in pairs], dst_blocks=[d for _, d in pairs], **kw
@@ -662,8 +664,12 @@ def _swap(direction: c.SwapDirection.ValueType, pairs: Pairs, **kw: Any) -> Call
     return lambda s, i, b: swap(s, direction, pairs(i, b), **kw)
 
 
-def _packed(direction: c.SwapDirection.ValueType, src: Callable[[Info, list[int]], list[int]],
-            dst: Callable[[Info, list[int]], list[int]], pairs: Pairs | None = None) -> Call:  # fmt: skip
+def _packed(
+    direction: c.SwapDirection.ValueType,
+    src: Callable[[Info, list[int]], list[int]],
+    dst: Callable[[Info, list[int]], list[int]],
+    pairs: Pairs | None = None,
+) -> Call:
     """SwapBlocks with the packed src_blocks/dst_blocks form (and pairs too, if given)."""
 
     def call(s: Stub, i: Info, b: list[int]) -> Any:

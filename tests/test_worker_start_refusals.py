@@ -135,7 +135,7 @@ BAD_CONFIGS: list[tuple[str, dict[str, Any], str]] = [
                 "high_freq_factor": 4.0,
                 "original_max_position_embeddings": 1024,
             }
-        ),  # fmt: skip
+        ),
         "'rope_parameters.low_freq_factor' must be > 0",
     ),
 ]

@@ -82,9 +82,25 @@ class Up:
         self.worker_address = f"127.0.0.1:{worker_port}"
         self.metrics_address = f"127.0.0.1:{metrics_port}"
         self.gateway_url = f"http://127.0.0.1:{free_port()}"
-        argv = [*MEMSVC, "up", "--manager-listen", self.manager_address, "--worker-listen", self.worker_address,
-                "--metrics-listen", self.metrics_address, "--gateway-listen", self.gateway_url.removeprefix("http://"),
-                "--state-dir", str(state_dir), "--backend", "host", "--model", model, *extra]  # fmt: skip
+        argv = [
+            *MEMSVC,
+            "up",
+            "--manager-listen",
+            self.manager_address,
+            "--worker-listen",
+            self.worker_address,
+            "--metrics-listen",
+            self.metrics_address,
+            "--gateway-listen",
+            self.gateway_url.removeprefix("http://"),
+            "--state-dir",
+            str(state_dir),
+            "--backend",
+            "host",
+            "--model",
+            model,
+            *extra,
+        ]
         self.proc = Proc(argv, name="memsvc up")
         self._channel: grpc.Channel | None = None
         self.stub: m_grpc.MemoryManagerServiceStub | None = None
@@ -127,8 +143,14 @@ def state_name(state: c.WorkerState.ValueType) -> str:
     return str(c.WorkerState.Name(state))
 
 
-def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], *, what: str, timeout: float = 60.0,
-             on_fail: Callable[[str], str] | None = None) -> T:  # fmt: skip
+def wait_for(
+    probe: Callable[[], T],
+    ok: Callable[[T], bool],
+    *,
+    what: str,
+    timeout: float = 60.0,
+    on_fail: Callable[[str], str] | None = None,
+) -> T:
     """Call ``probe`` until ``ok(result)``; fail after ``timeout`` with the last result or error."""
     deadline = time.monotonic() + timeout
     last: Any = None
@@ -146,12 +168,22 @@ def wait_for(probe: Callable[[], T], ok: Callable[[T], bool], *, what: str, time
         time.sleep(0.1)
 
 
-def wait_state(stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: c.WorkerState.ValueType, *,
-               timeout: float = START_TIMEOUT, on_fail: Callable[[str], str] | None = None) -> m.Worker:  # fmt: skip
+def wait_state(
+    stub: m_grpc.MemoryManagerServiceStub,
+    worker_id: str,
+    state: c.WorkerState.ValueType,
+    *,
+    timeout: float = START_TIMEOUT,
+    on_fail: Callable[[str], str] | None = None,
+) -> m.Worker:
     """The worker once the manager reports it in ``state`` (registration and telemetry take a moment)."""
-    return wait_for(lambda: get_worker(stub, worker_id), lambda wk: wk.state == state,
-                    what=f"workers/{worker_id} to be {state_name(state)} at the manager", timeout=timeout,
-                    on_fail=on_fail)  # fmt: skip
+    return wait_for(
+        lambda: get_worker(stub, worker_id),
+        lambda wk: wk.state == state,
+        what=f"workers/{worker_id} to be {state_name(state)} at the manager",
+        timeout=timeout,
+        on_fail=on_fail,
+    )
 
 
 def tag_states(worker: m.Worker) -> dict[str, str]:
@@ -201,10 +233,18 @@ def json_messages(text: str) -> list[dict[str, Any]]:
         out.append(obj)
 
 
-def run(argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 60.0,
-        cwd: Path = REPO_ROOT) -> subprocess.CompletedProcess[str]:  # fmt: skip
-    return subprocess.run(list(argv), cwd=cwd, env=None if env is None else dict(env), capture_output=True,
-                          text=True, timeout=timeout, stdin=subprocess.DEVNULL)  # fmt: skip
+def run(
+    argv: Sequence[str], *, env: Mapping[str, str] | None = None, timeout: float = 60.0, cwd: Path = REPO_ROOT
+) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(
+        list(argv),
+        cwd=cwd,
+        env=None if env is None else dict(env),
+        capture_output=True,
+        text=True,
+        timeout=timeout,
+        stdin=subprocess.DEVNULL,
+    )
 
 
 def readme_code_lines(path: Path) -> list[str]:

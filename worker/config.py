@@ -35,9 +35,10 @@ class WorkerConfig:
         "HF-layout checkpoint dir, Hugging Face Hub id (org/name[@revision]), or synthetic:<preset>",
     )
     backend: str = setting(
-        "auto", "cuda, host (CPU memory: the allocator without a GPU), or auto: cuda when a GPU is present",
+        "auto",
+        "cuda, host (CPU memory: the allocator without a GPU), or auto: cuda when a GPU is present",
         choices=("auto", "cuda", "host"),
-    )  # fmt: skip
+    )
     device: int = setting(0, "CUDA device ordinal", parse=int_at_least(0))
     worker_id: str = setting("", "registration name (default: <hostname>-<device>)")
     kv_blocks: int = setting(256, "device KV cache blocks", parse=int_at_least(1))
@@ -49,28 +50,32 @@ class WorkerConfig:
         None,
         "tokens one engine step feeds at most (long prompts are read in chunks); auto: 512 or --max-batch, "
         "whichever is more (a step of up to 512 rows replays a CUDA graph)",
-        parse=count_or_auto, text="auto",
-    )  # fmt: skip
+        parse=count_or_auto,
+        text="auto",
+    )
     """worker/model/engine.py's DEFAULT_MAX_STEP_TOKENS says why 512."""
     cuda_graphs: bool = setting(
-        True, "capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
+        True,
+        "capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",
         on_off=True,
-    )  # fmt: skip
+    )
     """Ignored on the host backend, and for models the Triton kernels do not suit."""
     host_capacity_bytes: int = setting(
         8 << 30, "host backend: device size", parse=parse_bytes, flag="--host-capacity", text="8GiB"
     )
     checksum: bool = setting(
-        True, "checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
+        True,
+        "checksum offloaded data at sleep and verify it on wake (default on: 1.5-2%% of wake time on an H200)",
         on_off=True,
-    )  # fmt: skip
+    )
     """A mismatch fails the wake with DATA_LOSS naming the allocation."""
     host_reserve_bytes: int | str = setting(
         AUTO,
         "page-locked host memory kept between sleeps, so later sleeps skip pinning: a size, or 'auto' (the "
         "weights pool, at most a quarter of host RAM, given back while the host is short; 0 on the host backend)",
-        parse=reserve_size, flag="--host-reserve",
-    )  # fmt: skip
+        parse=reserve_size,
+        flag="--host-reserve",
+    )
     """worker/host_memory.py sizes ``auto``."""
     host_prepin: int | str = setting(
         AUTO,
@@ -78,17 +83,17 @@ class WorkerConfig:
         "at line rate: a size, 'weights' for the weights pool, or 'auto' (the automatic reserve's size); raises "
         "the reserve to it; held while awake",
         parse=prepin_size,
-    )  # fmt: skip
+    )
     huge_pages: bool = setting(
         True,
         "transparent huge pages for host chunks (faster first sleep; --no-huge-pages if THP compaction stalls)",
         on_off=True,
-    )  # fmt: skip
+    )
     offload_dir: str = setting(
         "",
         "the disk tier: a directory for sleeping tags' backups (tag action offload_disk; the manager's host "
         "budget moves sleepers there instead of discarding their weights); empty: none",
-    )  # fmt: skip
+    )
     seed: int = setting(0, "seed of synthetic weights", parse=int)
     served_model_name: str = setting(
         "", "the name clients ask for the model by (default: the checkpoint directory's name, or the synthetic spec)"
@@ -96,15 +101,20 @@ class WorkerConfig:
     """See :meth:`resolved_served_model_name`."""
     host_name: str = setting("", "host the worker reports to the manager (host budgets group by it; default: hostname)")
     drain_seconds: float = setting(
-        30.0, "seconds calls in flight get on SIGTERM before they are cancelled",
-        parse=seconds_up_to_an_hour, flag="--drain-timeout", text="30",
-    )  # fmt: skip
+        30.0,
+        "seconds calls in flight get on SIGTERM before they are cancelled",
+        parse=seconds_up_to_an_hour,
+        flag="--drain-timeout",
+        text="30",
+    )
     """Then they are cancelled (a Generate stops at its next step) and the worker exits, within
     :data:`~worker.main.EXIT_GRACE_S` more at most."""
     read_timeout: float = setting(
-        60.0, "seconds a checkpoint load may read nothing before it fails (a hung network mount)",
-        parse=some_seconds_up_to_an_hour, text="60",
-    )  # fmt: skip
+        60.0,
+        "seconds a checkpoint load may read nothing before it fails (a hung network mount)",
+        parse=some_seconds_up_to_an_hour,
+        text="60",
+    )
     """For start-up, a level-2 wake and ReloadWeights (worker/model/loader.py)."""
     rpc_front: str = setting(
         "process",
@@ -112,7 +122,7 @@ class WorkerConfig:
         "many answers takes no host time from the model's steps, or inline, in the worker's process (one process "
         "fewer; a single stream's tokens arrive a few percent sooner)",
         choices=RPC_FRONTS,
-    )  # fmt: skip
+    )
     """worker/rpc_front.py."""
 
     def __post_init__(self) -> None:

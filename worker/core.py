@@ -182,8 +182,10 @@ class WorkerCore:
             source = loader.bounded(c.model, lambda: parse_model_spec(spec, seed=c.seed, loader=loader, name=c.model))
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
-                log.warning("CUDA graphs off for this model (worker/model/paged_attention.py's triton_supports: "
-                            "its head size or numerics); decoding eagerly")  # fmt: skip
+                log.warning(
+                    "CUDA graphs off for this model (worker/model/paged_attention.py's triton_supports: "
+                    "its head size or numerics); decoding eagerly"
+                )
                 graphs = False
             self.runner = ModelRunner(
                 self.alloc,

@@ -142,8 +142,11 @@ class HostReserveGuard:
             self._apply_safely(0)
         elif self.released and mem.available >= threshold + self.reserve:
             self.released = False
-            log.info("host memory recovered (%.1f GiB available): host reserve back to %.1f GiB",
-                     mem.available / GiB, self.reserve / GiB)  # fmt: skip
+            log.info(
+                "host memory recovered (%.1f GiB available): host reserve back to %.1f GiB",
+                mem.available / GiB,
+                self.reserve / GiB,
+            )
             self._apply_safely(self.reserve)
 
     def _apply_safely(self, nbytes: int) -> None:

@@ -34,9 +34,12 @@ class HostRelease:
     """The wake-time hold of host chunks and their release when idle (see the module docstring)."""
 
     def __init__(
-        self, alloc: MemoryAllocator, device: DeviceLoop, loop: asyncio.AbstractEventLoop,
+        self,
+        alloc: MemoryAllocator,
+        device: DeviceLoop,
+        loop: asyncio.AbstractEventLoop,
         last_busy: Callable[[], float],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._alloc = alloc
         self._device = device
         self._loop = loop

@@ -132,8 +132,9 @@ class CheckpointPrefetch:
                 for fd, cache in self._opened:
                     cache.close()
                     os.close(fd)
-                log.info("checkpoint read-ahead: %.2f GB read in %.2f s", self.requested / 1e9,
-                         time.perf_counter() - t0)  # fmt: skip
+                log.info(
+                    "checkpoint read-ahead: %.2f GB read in %.2f s", self.requested / 1e9, time.perf_counter() - t0
+                )
 
 
 __all__ = ["THREADS", "WINDOW", "CheckpointPrefetch", "shard_order"]

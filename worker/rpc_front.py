@@ -347,8 +347,12 @@ class _Child:
     """The front's process as FrontProcess drives it: one asyncio started, or one started ahead (a
     ``Popen``, its stdout read through the loop, its exit waited for on a thread)."""
 
-    def __init__(self, spawned: asyncio.subprocess.Process | None, popen: subprocess.Popen[bytes] | None,
-                 reader: asyncio.StreamReader | None) -> None:  # fmt: skip
+    def __init__(
+        self,
+        spawned: asyncio.subprocess.Process | None,
+        popen: subprocess.Popen[bytes] | None,
+        reader: asyncio.StreamReader | None,
+    ) -> None:
         self._spawned, self._popen, self._reader = spawned, popen, reader
 
     @classmethod

@@ -45,57 +45,73 @@ class Settings:
     listen: str = setting("127.0.0.1:8000", "host:port to serve HTTP on", parse=listen_address, env="GATEWAY_LISTEN")
     manager: str = setting("127.0.0.1:50051", "the manager's address")
     acquire_timeout: float = setting(
-        300.0, "seconds a request waits for its model's worker to be leased (and woken)",
-        parse=non_negative_seconds, flag="--wake-timeout", text="300",
-    )  # fmt: skip
+        300.0,
+        "seconds a request waits for its model's worker to be leased (and woken)",
+        parse=non_negative_seconds,
+        flag="--wake-timeout",
+        text="300",
+    )
     queue_timeout: float = setting(
         30.0,
         "seconds a request waits for room on its model's device while every other worker there is busy "
         "(then 503 with Retry-After)",
-        parse=non_negative_seconds, text="30",
-    )  # fmt: skip
+        parse=non_negative_seconds,
+        text="30",
+    )
     lease_ttl: float = setting(
         LEASE_TTL_S,
         "seconds each request's lease lasts at the manager, renewed every third of it while the request "
         "runs; what a gateway that dies leaves its workers held awake for",
-        parse=lease_ttl_seconds, text=f"{LEASE_TTL_S:g}", env="GATEWAY_LEASE_TTL",
-    )  # fmt: skip
+        parse=lease_ttl_seconds,
+        text=f"{LEASE_TTL_S:g}",
+        env="GATEWAY_LEASE_TTL",
+    )
     max_requests: int = setting(
-        MAX_GATEWAY_REQUESTS, "completions served at once, streaming or queued for room (then 503 with Retry-After)",
-        parse=int_at_least(1), env="GATEWAY_MAX_REQUESTS",
-    )  # fmt: skip
+        MAX_GATEWAY_REQUESTS,
+        "completions served at once, streaming or queued for room (then 503 with Retry-After)",
+        parse=int_at_least(1),
+        env="GATEWAY_MAX_REQUESTS",
+    )
     max_connections: int | None = setting(
         None,
         "HTTP connections held at once; past it a new one gets 503 with Retry-After and is closed (auto: what "
         f"the open-files limit, raised to its hard limit at start, leaves room for, at most {MAX_GATEWAY_CONNECTIONS})",
-        parse=count_or_auto, text="auto", env="GATEWAY_MAX_CONNECTIONS",
-    )  # fmt: skip
+        parse=count_or_auto,
+        text="auto",
+        env="GATEWAY_MAX_CONNECTIONS",
+    )
     """memsvc.gateway.connections.connection_bound sizes ``auto``."""
     header_timeout: float = setting(
         GATEWAY_HEADER_TIMEOUT_S,
         "seconds a connection has to send a whole request head, from its start or its previous response; "
         "then it is closed (a 408 first when a head was begun)",
-        parse=some_seconds_up_to_an_hour, text=f"{GATEWAY_HEADER_TIMEOUT_S:g}", env="GATEWAY_HEADER_TIMEOUT",
-    )  # fmt: skip
+        parse=some_seconds_up_to_an_hour,
+        text=f"{GATEWAY_HEADER_TIMEOUT_S:g}",
+        env="GATEWAY_HEADER_TIMEOUT",
+    )
     body_timeout: float = setting(
         GATEWAY_BODY_TIMEOUT_S,
         "seconds a request's body has to arrive in full, from its head; then 408 and the connection is "
         "closed, before any lease is taken",
-        parse=some_seconds_up_to_an_hour, text=f"{GATEWAY_BODY_TIMEOUT_S:g}", env="GATEWAY_BODY_TIMEOUT",
-    )  # fmt: skip
+        parse=some_seconds_up_to_an_hour,
+        text=f"{GATEWAY_BODY_TIMEOUT_S:g}",
+        env="GATEWAY_BODY_TIMEOUT",
+    )
     idle_timeout: int = setting(
         GATEWAY_IDLE_TIMEOUT_S,
         "whole seconds a keep-alive connection may sit idle after a response before it is closed "
         "(--header-timeout bounds it too)",
-        parse=int_at_least(1), env="GATEWAY_IDLE_TIMEOUT",
-    )  # fmt: skip
+        parse=int_at_least(1),
+        env="GATEWAY_IDLE_TIMEOUT",
+    )
     processes: int = setting(
         1,
         "processes serving the one port, each an event loop of its own that takes a share of the new "
         "connections: one writes about 10,000 streamed tokens a second; --max-requests and --max-connections "
         "are shared out among them",
-        parse=int_at_least(1), env="GATEWAY_PROCESSES",
-    )  # fmt: skip
+        parse=int_at_least(1),
+        env="GATEWAY_PROCESSES",
+    )
     """Above 1: memsvc/gateway/processes.py; each child serves with these settings and ``processes`` 1."""
     security: Security | None = None
     """TLS and the token (memsvc/runtime/auth.py): the auth flags every command shares."""
@@ -162,9 +178,13 @@ async def serve(settings: Settings, listening: Callable[[str], None], sock: sock
     fd_limit = raise_fd_limit()
     room = connection_bound(fd_limit)
     if s.max_connections is not None and s.max_connections > room:
-        log.warning("--max-connections %d is more than the open-files limit of %d leaves room for (%d): past it, "
-                    "accepts fail (logged once per 10 s) and new connections wait unanswered", s.max_connections,
-                    fd_limit, room)  # fmt: skip
+        log.warning(
+            "--max-connections %d is more than the open-files limit of %d leaves room for (%d): past it, "
+            "accepts fail (logged once per 10 s) and new connections wait unanswered",
+            s.max_connections,
+            fd_limit,
+            room,
+        )
     bound = room if s.max_connections is None else s.max_connections
     log.info("serving at most %d connections (open-files limit %d)", bound, fd_limit)
 
@@ -176,15 +196,28 @@ async def serve(settings: Settings, listening: Callable[[str], None], sock: sock
             yield
 
     backends = Backends(s.manager, s.security, s.lease_ttl)
-    app = create_app(backends, s.security.token if s.security else "", s.acquire_timeout, s.queue_timeout,
-                     s.max_requests, s.body_timeout)  # fmt: skip
+    app = create_app(
+        backends,
+        s.security.token if s.security else "",
+        s.acquire_timeout,
+        s.queue_timeout,
+        s.max_requests,
+        s.body_timeout,
+    )
     # log_config=None: uvicorn's loggers go through the process's handler (memsvc.runtime.logs)
     level = logging.getLevelName(logging.getLogger().level).lower()
     config = uvicorn.Config(
-        app, host=host or "127.0.0.1", port=int(port), log_level=level, access_log=False, log_config=None,
-        http=BoundedH11.configured(s.header_timeout, bound), timeout_keep_alive=s.idle_timeout,
-        h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES, backlog=accept_batch(fd_limit),
-    )  # fmt: skip
+        app,
+        host=host or "127.0.0.1",
+        port=int(port),
+        log_level=level,
+        access_log=False,
+        log_config=None,
+        http=BoundedH11.configured(s.header_timeout, bound),
+        timeout_keep_alive=s.idle_timeout,
+        h11_max_incomplete_event_size=MAX_HTTP_HEAD_BYTES,
+        backlog=accept_batch(fd_limit),
+    )
     server = Server(config)
     loop = asyncio.get_running_loop()
     quiet_accept_errors(loop)

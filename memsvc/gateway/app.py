@@ -108,17 +108,18 @@ def _check_tokens(ids: list[int], worker: Served) -> None:
     if worker.vocab_size and (bad := next((t for t in ids if t >= worker.vocab_size), None)) is not None:
         raise GatewayError(400, f"prompt token {bad} is not a token id in [0, {worker.vocab_size})", param="prompt")
     if worker.context_length and len(ids) >= worker.context_length:
-        raise GatewayError(400, f"the prompt is {len(ids)} tokens: no room for a new one in the model's context of "
-                                f"{worker.context_length}", param="prompt")  # fmt: skip
+        raise GatewayError(
+            400,
+            f"the prompt is {len(ids)} tokens: no room for a new one in the model's context of {worker.context_length}",
+            param="prompt",
+        )
 
 
 class Gateway:
     """What the routes share (``app.state.gateway``): the backends, the metrics, the waits and the
     bound on completions served at once."""
 
-    def __init__(
-        self, backends: Backends, acquire_timeout: float, queue_timeout: float, max_requests: int
-    ) -> None:  # fmt: skip
+    def __init__(self, backends: Backends, acquire_timeout: float, queue_timeout: float, max_requests: int) -> None:
         self.backends = backends
         self.metrics = GatewayMetrics()
         self.acquire_timeout = acquire_timeout
@@ -130,8 +131,13 @@ class Gateway:
     def slot(self) -> Iterator[None]:
         """One of the ``max_requests`` completions served at once, or a 503."""
         if self.in_flight >= self.max_requests:
-            raise GatewayError(503, f"the gateway is serving its limit of {self.max_requests} requests",
-                               "server_error", code="overloaded", retry_after=RETRY_AFTER_S)  # fmt: skip
+            raise GatewayError(
+                503,
+                f"the gateway is serving its limit of {self.max_requests} requests",
+                "server_error",
+                code="overloaded",
+                retry_after=RETRY_AFTER_S,
+            )
         self.in_flight += 1
         try:
             yield
@@ -149,18 +155,28 @@ class Gateway:
         if not workers and self.backends.unknown_unavailable:
             # a worker that stopped before this manager heard its model (it restarted since) may be
             # the one: "does not exist" would be wrong until it is back or pruned (memsvc prune)
-            raise GatewayError(503, f"the model {model!r} is not served by any reachable worker; "
-                                    f"{self.backends.unknown_unavailable} registered worker(s) are unavailable",
-                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
+            raise GatewayError(
+                503,
+                f"the model {model!r} is not served by any reachable worker; "
+                f"{self.backends.unknown_unavailable} registered worker(s) are unavailable",
+                "server_error",
+                code="model_unavailable",
+                retry_after=RETRY_AFTER_S,
+            )
         if not workers:
             raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
         if all(s.state == c.WORKER_STATE_UNAVAILABLE for s in workers):
             on_demand = [s for s in workers if await self.started_on_demand(s)]
             if on_demand:  # its acquire waits while its process starts (the policy's start_timeout)
                 return Backends.pick(on_demand)
-            raise GatewayError(503, f"the model {model!r} is registered but its worker is unavailable "
-                                    f"({', '.join(s.name for s in workers)})",
-                               "server_error", code="model_unavailable", retry_after=RETRY_AFTER_S)  # fmt: skip
+            raise GatewayError(
+                503,
+                f"the model {model!r} is registered but its worker is unavailable "
+                f"({', '.join(s.name for s in workers)})",
+                "server_error",
+                code="model_unavailable",
+                retry_after=RETRY_AFTER_S,
+            )
         return Backends.pick(workers)
 
     async def started_on_demand(self, worker: Served) -> bool:
@@ -174,9 +190,13 @@ class Gateway:
 
 
 def create_app(
-    backends: Backends, token: str = "", acquire_timeout: float = 300.0, queue_timeout: float = 30.0,
-    max_requests: int = MAX_GATEWAY_REQUESTS, body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
-) -> FastAPI:  # fmt: skip
+    backends: Backends,
+    token: str = "",
+    acquire_timeout: float = 300.0,
+    queue_timeout: float = 30.0,
+    max_requests: int = MAX_GATEWAY_REQUESTS,
+    body_timeout: float = GATEWAY_BODY_TIMEOUT_S,
+) -> FastAPI:
     """The gateway's routes over ``backends``; ``token``: the bearer token /v1 requires (empty: none);
     ``queue_timeout``: how long a request waits for room on its model's device; ``max_requests``: the
     completions served at once (each holds a connection, and a lease or a place in the queue);
@@ -203,8 +223,7 @@ def _gateway(request: Request) -> Gateway:
 async def _http_error(_request: Request, exc: HTTPException) -> JSONResponse:
     """Starlette's own refusals (413 body too large, 404 and 405 routes) in OpenAI's shape too."""
     message = _TOO_LARGE if exc.status_code == 413 else exc.detail
-    return JSONResponse(GatewayError(exc.status_code, message).body(), status_code=exc.status_code,
-                        headers=exc.headers)  # fmt: skip
+    return JSONResponse(GatewayError(exc.status_code, message).body(), status_code=exc.status_code, headers=exc.headers)
 
 
 async def _gateway_error(_request: Request, exc: GatewayError) -> JSONResponse:
@@ -254,8 +273,13 @@ async def readyz(request: Request) -> JSONResponse:
 
 def _model_card(name: str, workers: list[Served]) -> dict[str, Any]:
     """A model as /v1/models lists it; ``state``: its best worker's (memsvc's own field)."""
-    return {"id": name, "object": "model", "created": 0, "owned_by": "memsvc",
-            "state": WorkerState.of(Backends.pick(workers).state).label}  # fmt: skip
+    return {
+        "id": name,
+        "object": "model",
+        "created": 0,
+        "owned_by": "memsvc",
+        "state": WorkerState.of(Backends.pick(workers).state).label,
+    }
 
 
 @routes.get("/v1/models")
@@ -313,9 +337,12 @@ async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
 
 
 async def _respond(
-    req: CompletionRequest | ChatCompletionRequest, worker: Served, gen: w.GenerateRequest, kind: str,
+    req: CompletionRequest | ChatCompletionRequest,
+    worker: Served,
+    gen: w.GenerateRequest,
+    kind: str,
     request: Request,
-) -> Response:  # fmt: skip
+) -> Response:
     """The worker's answer: whole, or streamed as server-sent events; the lease goes back when it ends."""
     gateway = _gateway(request)
     backends, metrics = gateway.backends, gateway.metrics
@@ -332,8 +359,9 @@ async def _respond(
             try:
                 # raced with the client: one that leaves while queued or waking takes no lease (a
                 # lease granted as it left is in the stack, and goes back below)
-                leasing = backends.lease(worker, holder, gateway.acquire_timeout, gateway.queue_timeout,
-                                         req.keep_alive_s)  # fmt: skip
+                leasing = backends.lease(
+                    worker, holder, gateway.acquire_timeout, gateway.queue_timeout, req.keep_alive_s
+                )
                 granted = await _unless_client_left(request, leased_stack.enter_async_context(leasing))
             except grpc.RpcError as exc:
                 await leased_stack.aclose()
@@ -395,9 +423,14 @@ def _asleep_while_the_manager_is_away(exc: grpc.RpcError, lease: manager_pb.Acqu
     """A 503 when a worker served without a lease (the manager away) refused for its state: it went to
     sleep since the manager last listed it, and only the manager wakes it."""
     if not lease.lease.lease_id and _turn_ended(exc):
-        raise GatewayError(503, f"the worker of this model is asleep and the manager, which wakes it, does not answer "
-                                f"({lease.worker.name})", "server_error", code="model_unavailable",
-                           retry_after=RETRY_AFTER_S)  # fmt: skip
+        raise GatewayError(
+            503,
+            f"the worker of this model is asleep and the manager, which wakes it, does not answer "
+            f"({lease.worker.name})",
+            "server_error",
+            code="model_unavailable",
+            retry_after=RETRY_AFTER_S,
+        )
 
 
 def _turn_ended(exc: grpc.RpcError) -> bool:
@@ -492,8 +525,9 @@ def _body_in_time(receive: Receive, timeout: float) -> Receive:
             async with asyncio.timeout_at(deadline):
                 message = await receive()
         except TimeoutError:
-            raise HTTPException(408, f"the request body did not arrive within {timeout:g} s",
-                                headers={"Connection": "close"}) from None  # fmt: skip
+            raise HTTPException(
+                408, f"the request body did not arrive within {timeout:g} s", headers={"Connection": "close"}
+            ) from None
         done = message["type"] != "http.request" or not message.get("more_body", False)
         return message
 
@@ -564,14 +598,25 @@ def _whole(kind: str, model: str, r: w.GenerateResponse, ids: bool = False) -> d
     choice["finish_reason"] = _reason(r)
     if ids:
         choice["token_ids"] = list(r.token_ids)
-    return {"id": rid, "object": kind, "created": now(), "model": model, "choices": [choice],
-            "usage": usage(r.prompt_token_count, len(r.token_ids))}  # fmt: skip
+    return {
+        "id": rid,
+        "object": kind,
+        "created": now(),
+        "model": model,
+        "choices": [choice],
+        "usage": usage(r.prompt_token_count, len(r.token_ids)),
+    }
 
 
 async def _stream(
-    req: CompletionRequest | ChatCompletionRequest, kind: str, first: Any, call: Any, closed: _Once, tally: _Tally,
+    req: CompletionRequest | ChatCompletionRequest,
+    kind: str,
+    first: Any,
+    call: Any,
+    closed: _Once,
+    tally: _Tally,
     ids: bool = False,
-) -> AsyncIterator[str]:  # fmt: skip
+) -> AsyncIterator[str]:
     """Server-sent events in OpenAI's chunk format, ending with ``[DONE]``; the lease goes when it ends.
     With ``ids`` every message of the worker's is a chunk whose choice carries its ``token_ids``."""
     chat = kind == "chat.completion"
@@ -579,8 +624,13 @@ async def _stream(
     chunk_kind = "chat.completion.chunk" if chat else "text_completion"
 
     def event(choice: dict[str, Any] | None, extra: dict[str, Any] | None = None) -> str:
-        body: dict[str, Any] = {"id": rid, "object": chunk_kind, "created": created, "model": model,
-                                "choices": [choice] if choice is not None else []}  # fmt: skip
+        body: dict[str, Any] = {
+            "id": rid,
+            "object": chunk_kind,
+            "created": created,
+            "model": model,
+            "choices": [choice] if choice is not None else [],
+        }
         body.update(extra or {})
         return f"data: {json.dumps(body)}\n\n"
 

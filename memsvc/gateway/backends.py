@@ -164,8 +164,11 @@ class Backends:
         """Note whether ``exc`` says the manager is away (logged once per absence); True if it does."""
         away = manager_away(exc)
         if away and not self.manager_away:
-            log.warning("the manager does not answer (%s): serving the models whose workers were awake from the "
-                        "last list, without leases; wakes wait for it", exc.code().name)  # fmt: skip
+            log.warning(
+                "the manager does not answer (%s): serving the models whose workers were awake from the "
+                "last list, without leases; wakes wait for it",
+                exc.code().name,
+            )
         self.manager_away = self.manager_away or away
         return away
 
@@ -259,8 +262,10 @@ class Backends:
             except grpc.aio.AioRpcError as exc:
                 if self._away(exc) and worker.state == c.WORKER_STATE_AWAKE:
                     # awake when last seen: served by it, with no lease to hold or give back
-                    return Granted(m.AcquireWorkerResponse(worker=m.Worker(name=worker.name, address=worker.address)),
-                                   asked - start)  # fmt: skip
+                    return Granted(
+                        m.AcquireWorkerResponse(worker=m.Worker(name=worker.name, address=worker.address)),
+                        asked - start,
+                    )
                 left = give_up - loop.time()
                 if exc.code() != grpc.StatusCode.RESOURCE_EXHAUSTED or left <= 0:
                     raise
@@ -316,12 +321,18 @@ class Backends:
             except grpc.aio.AioRpcError as exc:
                 why = f"{exc.code().name}: {exc.details()}"
                 if exc.code() == grpc.StatusCode.NOT_FOUND:
-                    log.warning("lease %s on %s is gone (%s): its request goes on without one", held.lease_id,
-                                held.worker, why)  # fmt: skip
+                    log.warning(
+                        "lease %s on %s is gone (%s): its request goes on without one", held.lease_id, held.worker, why
+                    )
                     return
                 if not failing:
-                    log.warning("renewing lease %s on %s failed (%s): trying again every %.3g s until it expires",
-                                held.lease_id, held.worker, why, every)  # fmt: skip
+                    log.warning(
+                        "renewing lease %s on %s failed (%s): trying again every %.3g s until it expires",
+                        held.lease_id,
+                        held.worker,
+                        why,
+                        every,
+                    )
                 failing = why
                 continue
             finally:
@@ -366,19 +377,33 @@ class Backends:
                 return
             left = held.expires - loop.time()
             if code not in RETRY_RELEASE or last:
-                log.warning("releasing lease %s on %s failed (%s): it holds the worker until it expires in %.0f s",
-                            held.lease_id, held.worker, why, max(left, 0.0))  # fmt: skip
+                log.warning(
+                    "releasing lease %s on %s failed (%s): it holds the worker until it expires in %.0f s",
+                    held.lease_id,
+                    held.worker,
+                    why,
+                    max(left, 0.0),
+                )
                 return
             if not failed:
-                log.warning("releasing lease %s on %s failed (%s): trying again until it lands or expires in %.0f s",
-                            held.lease_id, held.worker, why, max(left, 0.0))  # fmt: skip
+                log.warning(
+                    "releasing lease %s on %s failed (%s): trying again until it lands or expires in %.0f s",
+                    held.lease_id,
+                    held.worker,
+                    why,
+                    max(left, 0.0),
+                )
             failed = why
             with contextlib.suppress(TimeoutError):  # the gateway's close cuts the pause short
                 await asyncio.wait_for(self._closing.wait(), max(min(pause, left), 0.0))
             pause = min(pause * 2, RELEASE_RETRY_S[1])
             if loop.time() >= held.expires and not self._closing.is_set():
-                log.info("lease %s on %s expired before the manager took its release (%s)", held.lease_id,
-                         held.worker, failed)  # fmt: skip
+                log.info(
+                    "lease %s on %s expired before the manager took its release (%s)",
+                    held.lease_id,
+                    held.worker,
+                    failed,
+                )
                 return
 
     @contextlib.asynccontextmanager

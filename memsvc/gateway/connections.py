@@ -47,8 +47,10 @@ def _raw_response(status: int, reason: str, error: GatewayError, extra: str = ""
     """A whole HTTP/1.1 response that closes the connection, for the cases answered before h11 has a
     request to answer (its state machine refuses a response then)."""
     body = json.dumps(error.body()).encode()
-    head = (f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
-            f"{extra}connection: close\r\n\r\n")  # fmt: skip
+    head = (
+        f"HTTP/1.1 {status} {reason}\r\ncontent-type: application/json\r\ncontent-length: {len(body)}\r\n"
+        f"{extra}connection: close\r\n\r\n"
+    )
     return head.encode() + body
 
 
@@ -156,8 +158,13 @@ class BoundedH11(H11Protocol):
             pass
 
         Configured.header_timeout, Configured.max_connections = header_timeout, max_connections
-        error = GatewayError(503, f"the gateway holds its limit of {max_connections} connections", "server_error",
-                             code="overloaded", retry_after=RETRY_AFTER_S)  # fmt: skip
+        error = GatewayError(
+            503,
+            f"the gateway holds its limit of {max_connections} connections",
+            "server_error",
+            code="overloaded",
+            retry_after=RETRY_AFTER_S,
+        )
         Configured.refusal = _raw_response(503, "Service Unavailable", error, f"retry-after: {RETRY_AFTER_S}\r\n")
         Configured.refusals = Throttle(log)
         return Configured
@@ -172,8 +179,11 @@ class BoundedH11(H11Protocol):
             self._refused = True
             transport.write(self.refusal)
             transport.close()
-            self.refusals.log(logging.WARNING, "refused a connection: the gateway holds its limit of %d "
-                                               "(--max-connections)", self.max_connections)  # fmt: skip
+            self.refusals.log(
+                logging.WARNING,
+                "refused a connection: the gateway holds its limit of %d (--max-connections)",
+                self.max_connections,
+            )
             return
         super().connection_made(transport)
         self._await_head()

@@ -24,9 +24,11 @@ class GatewayMetrics:
         r = self.registry
         build_info(r)
         self.requests = Counter(
-            "memsvc_gateway_requests", "Requests answered, by model, endpoint and HTTP status",
-            ["model", "endpoint", "code"], registry=r,
-        )  # fmt: skip
+            "memsvc_gateway_requests",
+            "Requests answered, by model, endpoint and HTTP status",
+            ["model", "endpoint", "code"],
+            registry=r,
+        )
         self.queue = Histogram(
             "memsvc_gateway_queue_seconds",
             "Time to first token, part 1: waiting for room on the model's device (every neighbour leased)",

@@ -71,9 +71,14 @@ class GatewayError(Exception):
     """An error a client gets as OpenAI's error JSON with this HTTP status."""
 
     def __init__(
-        self, status: int, message: str, kind: str = "invalid_request_error", param: str | None = None,
-        code: str | None = None, retry_after: float | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        status: int,
+        message: str,
+        kind: str = "invalid_request_error",
+        param: str | None = None,
+        code: str | None = None,
+        retry_after: float | None = None,
+    ) -> None:
         super().__init__(message)
         self.status, self.message, self.kind, self.param, self.code = status, message, kind, param, code
         self.retry_after = retry_after
@@ -312,6 +317,14 @@ def usage(prompt_tokens: int, completion_tokens: int) -> dict[str, int]:
 
 
 __all__ = [
-    "TOKEN_ID_END", "ChatCompletionRequest", "ChatMessage", "CompletionRequest", "GatewayError", "StreamOptions",
-    "keep_alive_seconds", "new_id", "now", "usage",
-]  # fmt: skip
+    "TOKEN_ID_END",
+    "ChatCompletionRequest",
+    "ChatMessage",
+    "CompletionRequest",
+    "GatewayError",
+    "StreamOptions",
+    "keep_alive_seconds",
+    "new_id",
+    "now",
+    "usage",
+]

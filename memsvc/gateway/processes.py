@@ -53,8 +53,9 @@ def _address(listen: str) -> tuple[int, Any]:
     """``listen``'s (family, sockaddr); a name that does not resolve is a clean exit."""
     host, _, port = listen.rpartition(":")
     try:
-        found = socket.getaddrinfo(host.strip("[]") or "127.0.0.1", int(port), type=socket.SOCK_STREAM,
-                                   flags=socket.AI_PASSIVE)  # fmt: skip
+        found = socket.getaddrinfo(
+            host.strip("[]") or "127.0.0.1", int(port), type=socket.SOCK_STREAM, flags=socket.AI_PASSIVE
+        )
     except (OSError, ValueError) as exc:
         raise SystemExit(f"memsvc gateway: could not serve on {listen}: {exc}") from None
     family, _, _, _, address = found[0]
@@ -109,20 +110,32 @@ async def _supervise(settings: Settings, n: int, family: int, address: Any, metr
     for sig in (signal.SIGTERM, signal.SIGINT):
         loop.add_signal_handler(sig, stop.set)
     part = dataclasses.replace(
-        settings, max_requests=share(settings.max_requests, n),
+        settings,
+        max_requests=share(settings.max_requests, n),
         max_connections=None if settings.max_connections is None else share(settings.max_connections, n),
-    )  # fmt: skip
+    )
     level, fmt = current_logging()
-    told = json.dumps({"settings": dataclasses.asdict(part), "family": family, "address": list(address),
-                       "log_level": level, "log_format": fmt})  # fmt: skip
+    told = json.dumps(
+        {
+            "settings": dataclasses.asdict(part),
+            "family": family,
+            "address": list(address),
+            "log_level": level,
+            "log_format": fmt,
+        }
+    )
     env = {**os.environ, "PROMETHEUS_MULTIPROC_DIR": metrics_dir}
     children: list[asyncio.subprocess.Process] = []
     try:
         for _ in range(n):
             child = await asyncio.create_subprocess_exec(
-                sys.executable, "-m", "memsvc.gateway.processes", stdin=asyncio.subprocess.PIPE,
-                stdout=asyncio.subprocess.PIPE, env=env,
-            )  # fmt: skip
+                sys.executable,
+                "-m",
+                "memsvc.gateway.processes",
+                stdin=asyncio.subprocess.PIPE,
+                stdout=asyncio.subprocess.PIPE,
+                env=env,
+            )
             children.append(child)
             assert child.stdin is not None
             child.stdin.write(told.encode() + b"\n")

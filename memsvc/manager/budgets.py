@@ -50,9 +50,14 @@ def _unlock(rec: WorkerRecord, _task: object) -> None:
 
 class Budgets:
     def __init__(
-        self, registry: Registry, policies: Policies, calls: WorkerCalls, metrics: ManagerMetrics,
-        background: Background, turns: Turns,
-    ) -> None:  # fmt: skip
+        self,
+        registry: Registry,
+        policies: Policies,
+        calls: WorkerCalls,
+        metrics: ManagerMetrics,
+        background: Background,
+        turns: Turns,
+    ) -> None:
         self._registry = registry
         self._turns = turns
         self._policies = policies
@@ -116,9 +121,14 @@ class Budgets:
             log.warning("device of %s stays over its budget after an eviction failed: %s", rec.worker_id, exc)
 
     async def make_device_room(
-        self, rec: WorkerRecord, tags: list[str] | None, deadline: Deadline, overlap: bool = True,
-        need: int | None = None, turns: bool = True,
-    ) -> list[asyncio.Task[None]]:  # fmt: skip
+        self,
+        rec: WorkerRecord,
+        tags: list[str] | None,
+        deadline: Deadline,
+        overlap: bool = True,
+        need: int | None = None,
+        turns: bool = True,
+    ) -> list[asyncio.Task[None]]:
         """Put LRU idle neighbours to sleep until ``rec`` waking ``tags`` fits its device budget (or,
         with ``need``, until that many more bytes fit: 0, until what is awake fits); with ``turns``,
         where none is idle, busy ones whose turn is over (:meth:`_take_turn`). The sleeps that may
@@ -220,9 +230,13 @@ class Budgets:
         sleep (the policy's tier-1 actions); its leases stay, and it is owed the next turn. A refusal is
         logged and the victim passed over. The caller checked, with no wait since, that its lock is free."""
         async with victim.lock:
-            log.info("turns: %s (awake %.1f s, %d leases) pauses and sleeps so %s can wake", victim.worker_id,
-                     time.time() - victim.turn_start if victim.turn_start else float("inf"), len(victim.leases),
-                     rec.worker_id)  # fmt: skip
+            log.info(
+                "turns: %s (awake %.1f s, %d leases) pauses and sleeps so %s can wake",
+                victim.worker_id,
+                time.time() - victim.turn_start if victim.turn_start else float("inf"),
+                len(victim.leases),
+                rec.worker_id,
+            )
             try:
                 await self.sleep_tier1(victim, deadline, f"turn (for {rec.worker_id})", pause=True)
             except MemsvcError as exc:
@@ -288,9 +302,15 @@ class Budgets:
         await self._disk_else_level2(victim, to_disk, "", deadline, "host budget", "host budget")
 
     async def _disk_else_level2(
-        self, rec: WorkerRecord, to_disk: dict[str, Action], request_id: str, deadline: Deadline,
-        why_disk: str, why_level2: str, pause: bool = False,
-    ) -> c.TransitionStats:  # fmt: skip
+        self,
+        rec: WorkerRecord,
+        to_disk: dict[str, Action],
+        request_id: str,
+        deadline: Deadline,
+        why_disk: str,
+        why_level2: str,
+        pause: bool = False,
+    ) -> c.TransitionStats:
         """Sleep with ``to_disk`` (tag actions onto the worker's disk tier: the bytes are kept), or
         where there are none or the disk refuses (full, failing: the worker is as it was) at level 2.
         The host budget's way to free host RAM; the caller holds ``rec.lock``."""
@@ -326,9 +346,14 @@ class Budgets:
         if rec.disk_tier:
             to_disk = {t: Action.OFFLOAD_DISK if a == Action.OFFLOAD else a for t, a in actions.items()}
         return await self._disk_else_level2(
-            rec, to_disk, request_id, deadline,
-            why + " (disk: host budget)", why + " (level 2: host budget)", pause,
-        )  # fmt: skip
+            rec,
+            to_disk,
+            request_id,
+            deadline,
+            why + " (disk: host budget)",
+            why + " (level 2: host budget)",
+            pause,
+        )
 
 
 __all__ = ["Budgets"]

@@ -97,6 +97,6 @@ def load_config(path: str | Path | None) -> ManagerConfig:
                 str(entry.get("host", "")),
                 True,
                 time.time(),
-            )  # fmt: skip
+            )
         )
     return ManagerConfig(settings, fields_from_config(dict(raw.get("policy", {}))), workers)

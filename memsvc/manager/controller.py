@@ -76,9 +76,17 @@ class Manager:
             self.registry, store, self.settings, calls, budgets, ingest, self.metrics, replay, turns, self.policies
         )
         self.timers = IdleTimers(
-            self.registry, self.policies, self.leases, budgets, calls, ingest, self.settings, self.metrics,
-            self.background, turns,
-        )  # fmt: skip
+            self.registry,
+            self.policies,
+            self.leases,
+            budgets,
+            calls,
+            ingest,
+            self.settings,
+            self.metrics,
+            self.background,
+            turns,
+        )
         self._static = list(static_workers)
         self._ticker: asyncio.Task[None] | None = None
 
@@ -123,12 +131,16 @@ class Manager:
         """Change the default policy (no ``name``) or a worker's overrides; ``clear``: overrides to
         remove (``*``: all), so those fields follow the default again."""
         if clear and not name:
-            raise InvalidArgument("clear_fields applies to a worker's overrides; the default policy has none",
-                                  metadata={"field": "clear_fields"})  # fmt: skip
+            raise InvalidArgument(
+                "clear_fields applies to a worker's overrides; the default policy has none",
+                metadata={"field": "clear_fields"},
+            )
         unknown = sorted(set(clear) - {*FIELDS, "*"})
         if unknown:
-            raise InvalidArgument(f"unknown policy field(s) in clear_fields: {', '.join(unknown)}; known: "
-                                  f"{', '.join(FIELDS)} or *", metadata={"field": "clear_fields"})  # fmt: skip
+            raise InvalidArgument(
+                f"unknown policy field(s) in clear_fields: {', '.join(unknown)}; known: {', '.join(FIELDS)} or *",
+                metadata={"field": "clear_fields"},
+            )
         fields = fields_from_proto(p, paths) if p is not None else {}
         both = sorted(set(fields) & set(clear)) if "*" not in clear else sorted(fields)
         if both:
@@ -158,9 +170,15 @@ class Manager:
         return await self.transitions.swap_blocks(name, request, deadline or NO_DEADLINE)
 
     async def acquire(
-        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline | None = None,
+        self,
+        name: str,
+        ttl: float,
+        holder: str,
+        lease_id: str,
+        request_id: str,
+        deadline: Deadline | None = None,
         keep_alive: float | None = None,
-    ) -> tuple[Lease, WorkerRecord]:  # fmt: skip
+    ) -> tuple[Lease, WorkerRecord]:
         return await self.leases.acquire(name, ttl, holder, lease_id, request_id, deadline or NO_DEADLINE, keep_alive)
 
     def release(self, lease_id: str) -> WorkerRecord:

@@ -138,10 +138,12 @@ class InMemoryWorker:
             )
         s.device.CopyFrom(
             c.DeviceInfo(
-                backend="inmemory", index=self.device_index, total_bytes=self.device_total_bytes,
+                backend="inmemory",
+                index=self.device_index,
+                total_bytes=self.device_total_bytes,
                 free_bytes=self.device_total_bytes - mapped,
             )
-        )  # fmt: skip
+        )
         s.last_transition.CopyFrom(self._last)
         s.update_time.FromNanoseconds(time.time_ns())
         return s

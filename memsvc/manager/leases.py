@@ -96,9 +96,15 @@ class Leases:
         self._store.save_lease(sl)
 
     async def acquire(
-        self, name: str, ttl: float, holder: str, lease_id: str, request_id: str, deadline: Deadline,
+        self,
+        name: str,
+        ttl: float,
+        holder: str,
+        lease_id: str,
+        request_id: str,
+        deadline: Deadline,
         keep_alive: float | None = None,
-    ) -> tuple[Lease, WorkerRecord]:  # fmt: skip
+    ) -> tuple[Lease, WorkerRecord]:
         ttl = self._ttl(ttl)
         check_length(holder, MAX_HOLDER_BYTES, "holder")
         if keep_alive is not None and keep_alive > MAX_KEEP_ALIVE_S:

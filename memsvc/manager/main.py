@@ -64,8 +64,13 @@ async def serve(
         if metrics_listen:
             host, port = _serve_metrics(metrics, metrics_listen, sec.token)  # /metrics behind the token too
             announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
-        srv = await start_server(listen, [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
-                                 [SERVICE_NAME], [replica.interceptor()] if replica else (), sec)  # fmt: skip
+        srv = await start_server(
+            listen,
+            [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
+            [SERVICE_NAME],
+            [replica.interceptor()] if replica else (),
+            sec,
+        )
         await srv.set_serving(True)
         await srv.set_serving(False, SERVICE_NAME)  # until it leads
         announce(f"memsvc manager listening on {srv.address}")

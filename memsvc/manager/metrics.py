@@ -83,21 +83,28 @@ class ManagerMetrics:
         self.leased_sleeps = Counter(
             "memsvc_leased_worker_sleeps_total",
             "Leased workers put to sleep by a call the manager did not make (a direct worker Sleep): the lease "
-            "promised it awake", ["worker"], registry=r,
-        )  # fmt: skip
+            "promised it awake",
+            ["worker"],
+            registry=r,
+        )
         self.turns = Counter(
             "memsvc_turns_yielded_total",
             "Turns a busy worker gave up: its requests paused and it slept so another could wake on its device",
-            ["worker"], registry=r,
-        )  # fmt: skip
+            ["worker"],
+            registry=r,
+        )
         self.waiting = Gauge(
-            "memsvc_worker_waiting_acquires", "AcquireWorker calls waiting for the worker to wake", ["worker"],
+            "memsvc_worker_waiting_acquires",
+            "AcquireWorker calls waiting for the worker to wake",
+            ["worker"],
             registry=r,
-        )  # fmt: skip
+        )
         self.paused = Gauge(
-            "memsvc_worker_paused_generations", "Generate calls paused on the worker until its next wake", ["worker"],
+            "memsvc_worker_paused_generations",
+            "Generate calls paused on the worker until its next wake",
+            ["worker"],
             registry=r,
-        )  # fmt: skip
+        )
         self.leader = Gauge(
             "memsvc_manager_leader",
             "1 while this manager serves (a replica: while it leads; the others forward to it)",
@@ -106,14 +113,16 @@ class ManagerMetrics:
         self.calls = Gauge(
             "memsvc_worker_calls_in_flight",
             "Sleep and WakeUp calls the manager sent the worker and has no answer to yet (a stuck one stays up)",
-            ["worker"], registry=r,
-        )  # fmt: skip
+            ["worker"],
+            registry=r,
+        )
         self.start_timeout = Gauge(
             "memsvc_worker_start_timeout_seconds",
             "The worker's policy start_timeout: how long an acquire waits for it while it is unavailable "
             "(above 0: its process is started on demand, and its being down is not an outage)",
-            ["worker"], registry=r,
-        )  # fmt: skip
+            ["worker"],
+            registry=r,
+        )
         self.info = Gauge(
             "memsvc_worker_info",
             "1 per worker, labelled with what it serves where: join on worker for per-model panels",
@@ -129,9 +138,14 @@ class ManagerMetrics:
         return serve_http(listen, http_app(self.registry, token))
 
     def update_worker(
-        self, worker_id: str, reachable: bool, state: WorkerState, status: c.WorkerStatus | None, leases: int,
+        self,
+        worker_id: str,
+        reachable: bool,
+        state: WorkerState,
+        status: c.WorkerStatus | None,
+        leases: int,
         waiting: int = 0,
-    ) -> None:  # fmt: skip
+    ) -> None:
         self.up.labels(worker_id).set(1 if reachable else 0)
         self.waiting.labels(worker_id).set(waiting)
         current = state.label if state != WorkerState.UNSPECIFIED else ""
@@ -161,9 +175,18 @@ class ManagerMetrics:
     def forget_worker(self, worker_id: str) -> None:
         """Drop every series of a deregistered worker (a scrape must not keep reporting it)."""
         for gauge in (
-            self.up, self.device_free, self.host_pinned, self.disk, self.leases, self.leased_sleeps, self.turns,
-            self.waiting, self.paused, self.calls, self.start_timeout,
-        ):  # fmt: skip
+            self.up,
+            self.device_free,
+            self.host_pinned,
+            self.disk,
+            self.leases,
+            self.leased_sleeps,
+            self.turns,
+            self.waiting,
+            self.paused,
+            self.calls,
+            self.start_timeout,
+        ):
             with contextlib.suppress(KeyError):
                 gauge.remove(worker_id)
         for s in STATES:
@@ -191,11 +214,13 @@ METRICS_PATH = "/metrics"
 HEALTH_PATH = "/healthz"
 
 
-def _plain(start_response: StartResponse, status: str, text: str, headers: Iterable[tuple[str, str]] = ()
-           ) -> list[bytes]:  # fmt: skip
+def _plain(
+    start_response: StartResponse, status: str, text: str, headers: Iterable[tuple[str, str]] = ()
+) -> list[bytes]:
     body = text.encode()
-    start_response(status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))),
-                            *headers])  # fmt: skip
+    start_response(
+        status, [("Content-Type", "text/plain; charset=utf-8"), ("Content-Length", str(len(body))), *headers]
+    )
     return [body]
 
 
@@ -220,11 +245,19 @@ def http_app(registry: CollectorRegistry, token: str = "") -> WSGIApplication:
             header = environ.get("HTTP_AUTHORIZATION")
             given = bearer_token([("authorization", header)]) if header else None
             if given is None:
-                return _plain(start_response, "401 Unauthorized", "send 'Authorization: Bearer <token>'\n",
-                              [("WWW-Authenticate", 'Bearer realm="memsvc"')])  # fmt: skip
+                return _plain(
+                    start_response,
+                    "401 Unauthorized",
+                    "send 'Authorization: Bearer <token>'\n",
+                    [("WWW-Authenticate", 'Bearer realm="memsvc"')],
+                )
             if not hmac.compare_digest(given.encode("latin-1"), expected):
-                return _plain(start_response, "401 Unauthorized", "invalid bearer token\n",
-                              [("WWW-Authenticate", 'Bearer realm="memsvc", error="invalid_token"')])  # fmt: skip
+                return _plain(
+                    start_response,
+                    "401 Unauthorized",
+                    "invalid bearer token\n",
+                    [("WWW-Authenticate", 'Bearer realm="memsvc", error="invalid_token"')],
+                )
         return metrics(environ, start_response)
 
     return app

@@ -23,9 +23,15 @@ from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
 log = logging.getLogger("memsvc.manager.policy")
 
 FIELDS = (
-    "tag_actions", "idle_sleep_timeout", "idle_deep_sleep_timeout", "device_budget_bytes", "host_budget_bytes",
-    "device_swap_headroom_bytes", "time_slice", "start_timeout",
-)  # fmt: skip
+    "tag_actions",
+    "idle_sleep_timeout",
+    "idle_deep_sleep_timeout",
+    "device_budget_bytes",
+    "host_budget_bytes",
+    "device_swap_headroom_bytes",
+    "time_slice",
+    "start_timeout",
+)
 MAX_TIMEOUT_S = 365 * 24 * 3600.0
 DEFAULT_TIME_SLICE_S = 2.0
 """A busy worker's turn when another waits for its device. Against a swap of an 8B model on the H200
@@ -69,9 +75,10 @@ class Policy:
 
     def to_proto(self) -> m.Policy:
         p = m.Policy(
-            device_budget_bytes=self.device_budget_bytes, host_budget_bytes=self.host_budget_bytes,
+            device_budget_bytes=self.device_budget_bytes,
+            host_budget_bytes=self.host_budget_bytes,
             device_swap_headroom_bytes=self.device_swap_headroom_bytes,
-        )  # fmt: skip
+        )
         p.tag_actions.update({t: a.proto for t, a in self.tag_actions.items()})
         p.idle_sleep_timeout.FromNanoseconds(int(self.idle_sleep_timeout * 1e9))
         p.idle_deep_sleep_timeout.FromNanoseconds(int(self.idle_deep_sleep_timeout * 1e9))

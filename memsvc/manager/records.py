@@ -203,9 +203,13 @@ class WorkerRecord:
 
     def to_proto(self) -> m.Worker:
         w = m.Worker(
-            name=self.name, address=self.address, state=self.state.proto, lease_count=len(self.leases),
-            configured=self.configured, host=self.host,
-        )  # fmt: skip
+            name=self.name,
+            address=self.address,
+            state=self.state.proto,
+            lease_count=len(self.leases),
+            configured=self.configured,
+            host=self.host,
+        )
         if self.status is not None:
             w.status.CopyFrom(self.status)
         if self.last_seen:

@@ -68,20 +68,29 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         # The shape first, by field lengths alone: an oversized request costs no pass over its blocks.
         # The worker checks the ids; the raw form passes through as two byte strings.
         swap_block_count(
-            len(request.pairs), len(request.src_blocks), len(request.dst_blocks),
-            len(request.src_blocks_u32le), len(request.dst_blocks_u32le),
-        )  # fmt: skip
+            len(request.pairs),
+            len(request.src_blocks),
+            len(request.dst_blocks),
+            len(request.src_blocks_u32le),
+            len(request.dst_blocks_u32le),
+        )
         self.manager.get(request.name)
         req = w.SwapBlocksRequest(
-            direction=request.direction, pairs=request.pairs, method=request.method,
-            src_blocks=request.src_blocks, dst_blocks=request.dst_blocks,
-            src_blocks_u32le=request.src_blocks_u32le, dst_blocks_u32le=request.dst_blocks_u32le,
-        )  # fmt: skip
+            direction=request.direction,
+            pairs=request.pairs,
+            method=request.method,
+            src_blocks=request.src_blocks,
+            dst_blocks=request.dst_blocks,
+            src_blocks_u32le=request.src_blocks_u32le,
+            dst_blocks_u32le=request.dst_blocks_u32le,
+        )
         r = await self.manager.swap_blocks(request.name, req, caller_deadline(context))
         return m.SwapWorkerBlocksResponse(
-            moved_bytes=r.moved_bytes, duration=r.duration, gigabytes_per_second=r.gigabytes_per_second,
+            moved_bytes=r.moved_bytes,
+            duration=r.duration,
+            gigabytes_per_second=r.gigabytes_per_second,
             kv_cache=r.kv_cache,
-        )  # fmt: skip
+        )
 
     async def AcquireWorker(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
         if request.ttl.seconds < 0 or request.ttl.nanos < 0:
@@ -93,9 +102,14 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             )
         keep_alive = request.keep_alive.ToNanoseconds() / 1e9 if request.HasField("keep_alive") else None
         lease, rec = await self.manager.acquire(
-            request.name, request.ttl.ToNanoseconds() / 1e9, request.holder, request.lease_id, request.request_id,
-            caller_deadline(context), keep_alive,
-        )  # fmt: skip
+            request.name,
+            request.ttl.ToNanoseconds() / 1e9,
+            request.holder,
+            request.lease_id,
+            request.request_id,
+            caller_deadline(context),
+            keep_alive,
+        )
         return m.AcquireWorkerResponse(lease=lease.to_proto(), worker=rec.to_proto())
 
     async def ReleaseWorker(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:

@@ -50,8 +50,12 @@ class TelemetryIngest:
         new = rec.state
         if old in AWAKE_STATES and new in (WorkerState.SLEEPING, WorkerState.ASLEEP) and rec.leases and not rec.cause:
             # the manager never sleeps a leased worker: someone called the worker's Sleep directly
-            log.warning("worker %s is going to sleep (%s) while %d lease(s) hold it: not the manager's doing",
-                        rec.worker_id, reason, len(rec.leases))  # fmt: skip
+            log.warning(
+                "worker %s is going to sleep (%s) while %d lease(s) hold it: not the manager's doing",
+                rec.worker_id,
+                reason,
+                len(rec.leases),
+            )
             self.metrics.leased_sleeps.labels(rec.worker_id).inc()
         if new != old:
             steps = [old, new]

@@ -291,8 +291,7 @@ def add_settings(p: argparse.ArgumentParser, cls: type) -> None:
             continue
         key = variable(f, s).removeprefix("MEMSVC_")
         typed: dict[str, Any] = {"type": s.parse} if s.parse else {}  # text as it is: no check to name
-        p.add_argument(name, choices=s.choices, default=env(key, default_text(f, s)), help=s.help, dest=f.name,
-                       **typed)  # fmt: skip
+        p.add_argument(name, choices=s.choices, default=env(key, default_text(f, s)), help=s.help, dest=f.name, **typed)
 
 
 def settings_from(cls: type, args: argparse.Namespace) -> dict[str, Any]:

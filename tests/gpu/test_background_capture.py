@@ -55,9 +55,16 @@ def cuda_alloc() -> Iterator[MemoryAllocator]:
 
 def _deferred(alloc: MemoryAllocator) -> ModelRunner:
     runner = ModelRunner(  # steps of 8 rows at most: a prompt is read in chunks beside the decodes, as paged rows
-        alloc, "synthetic:small", 512, 16, block_size=16, max_batch=8, max_step_tokens=8, cuda_graphs=True,
+        alloc,
+        "synthetic:small",
+        512,
+        16,
+        block_size=16,
+        max_batch=8,
+        max_step_tokens=8,
+        cuda_graphs=True,
         defer_graph_capture=True,
-    )  # fmt: skip
+    )
     assert runner.graphs is not None and runner.graphs.captured == () and runner.graphs.pending == (1, 2, 4, 8)
     return runner
 
@@ -257,8 +264,18 @@ _ALL = "buckets captured in the background"
 
 
 def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once() -> None:
-    args = ["--backend", "cuda", "--model", "synthetic:small", "--max-batch", "8", "--max-step-tokens", "8",
-            "--kv-blocks", "512"]  # fmt: skip
+    args = [
+        "--backend",
+        "cuda",
+        "--model",
+        "synthetic:small",
+        "--max-batch",
+        "8",
+        "--max-step-tokens",
+        "8",
+        "--kv-blocks",
+        "512",
+    ]
     prompt = [7, 300, 12, 900, 45, 2000, 6, 31]
     with WorkerProcess(args, ready_timeout=300) as wp:
         assert _ALL not in wp.stderr_text(), "ready came after every capture"
@@ -266,8 +283,9 @@ def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once()
         assert status.state == c.WORKER_STATE_AWAKE
 
         def generate() -> list[int]:
-            r = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True),
-                                 timeout=120)  # fmt: skip
+            r = wp.stub.Generate(
+                w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True), timeout=120
+            )
             return list(r.token_ids)
 
         first = generate()

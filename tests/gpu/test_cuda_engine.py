@@ -46,9 +46,15 @@ def cuda_alloc() -> Iterator[MemoryAllocator]:
     a.close()
 
 
-ATTENTION_SHAPES = pytest.mark.parametrize(("heads", "kv_heads", "head_dim", "block_size", "window"), [
-    (32, 8, 128, 16, None), (8, 8, 64, 16, None), (16, 2, 64, 8, 37), (4, 2, 16, 4, None),
-])  # fmt: skip
+ATTENTION_SHAPES = pytest.mark.parametrize(
+    ("heads", "kv_heads", "head_dim", "block_size", "window"),
+    [
+        (32, 8, 128, 16, None),
+        (8, 8, 64, 16, None),
+        (16, 2, 64, 8, 37),
+        (4, 2, 16, 4, None),
+    ],
+)
 """(query heads, KV heads, head_dim, block size, sliding window) the paged kernels are checked at."""
 
 

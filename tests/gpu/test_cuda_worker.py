@@ -133,7 +133,7 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
                     direction=direction,
                     src_blocks_u32le=np.array(src[sid], "<u4").tobytes(),
                     dst_blocks_u32le=np.array(dst[sid], "<u4").tobytes(),
-                )  # fmt: skip
+                )
                 for sid in seqs
             ]
         calls = [gpu_worker.stub.SwapBlocks.future(r, timeout=120) for r in req]
@@ -239,13 +239,27 @@ def test_a_standby_handed_the_same_flags_serves_the_same_tokens_and_sleeps_as_de
     from workerproc import _LISTENING, _READY
 
     before = list(_generate(gpu_worker).token_ids)
-    proc = Proc([sys.executable, "-m", "memsvc.cli", "worker", "--standby", "--backend", "cuda"], name="standby",
-                new_session=False, stdin=True)  # fmt: skip
+    proc = Proc(
+        [sys.executable, "-m", "memsvc.cli", "worker", "--standby", "--backend", "cuda"],
+        name="standby",
+        new_session=False,
+        stdin=True,
+    )
     proc.start()
     try:
         proc.wait_lines([re.compile(r"^memsvc worker standby ready on cuda:0 in ")], 300)
-        flags = ["--listen", "127.0.0.1:0", "--backend", "cuda", "--model", "synthetic:1b", "--kv-blocks", "1024",
-                 "--host-kv-blocks", "256"]  # fmt: skip
+        flags = [
+            "--listen",
+            "127.0.0.1:0",
+            "--backend",
+            "cuda",
+            "--model",
+            "synthetic:1b",
+            "--kv-blocks",
+            "1024",
+            "--host-kv-blocks",
+            "256",
+        ]
         proc.write_stdin(json.dumps(flags) + "\n")
         listening, _ = proc.wait_lines([_LISTENING, _READY], 300)
         handed = WorkerProcess(flags)

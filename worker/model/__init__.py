@@ -34,11 +34,19 @@ _HOMES = {
     **dict.fromkeys(("KvCache", "KvStats", "Sequence"), "kv_cache"),
     **dict.fromkeys(("ModelInfo", "ModelRunner"), "runner"),
     **dict.fromkeys(
-        ("CheckpointSource", "ModelSource", "SyntheticSource", "allocate_weights", "fill_synthetic",
-         "load_checkpoint", "parse_model_spec", "save_checkpoint"),
+        (
+            "CheckpointSource",
+            "ModelSource",
+            "SyntheticSource",
+            "allocate_weights",
+            "fill_synthetic",
+            "load_checkpoint",
+            "parse_model_spec",
+            "save_checkpoint",
+        ),
         "weights",
     ),
-}  # fmt: skip
+}
 """Each exported name's module in this package."""
 
 

@@ -111,36 +111,72 @@ _FAMILY_THETA: dict[Family, float] = {"mixtral": 1_000_000.0}
 FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
     "llama": {"num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 2048},
     "mistral": {
-        "num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
         "sliding_window": 4096,
     },
     "qwen2": {
-        "num_key_value_heads": 32, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "num_key_value_heads": 32,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
     },
     "qwen3": {
-        "num_key_value_heads": 32, "head_dim": 128, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-        "use_sliding_window": False, "sliding_window": 4096, "max_window_layers": 28,
+        "num_key_value_heads": 32,
+        "head_dim": 128,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "max_window_layers": 28,
     },
     "phi3": {
-        "num_key_value_heads": None, "head_dim": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 4096,
-        "sliding_window": None, "original_max_position_embeddings": 4096,
+        "num_key_value_heads": None,
+        "head_dim": None,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 4096,
+        "sliding_window": None,
+        "original_max_position_embeddings": 4096,
     },
     "gemma3": {
-        "num_key_value_heads": 4, "head_dim": 256, "rms_norm_eps": 1e-6, "max_position_embeddings": 131072,
-        "sliding_window": 4096, "query_pre_attn_scalar": 256, "hidden_activation": "gelu_pytorch_tanh",
+        "num_key_value_heads": 4,
+        "head_dim": 256,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 131072,
+        "sliding_window": 4096,
+        "query_pre_attn_scalar": 256,
+        "hidden_activation": "gelu_pytorch_tanh",
         "tie_word_embeddings": True,
     },
     "qwen3_moe": {
-        "num_key_value_heads": 4, "head_dim": None, "rms_norm_eps": 1e-6, "max_position_embeddings": 32768,
-        "use_sliding_window": False, "sliding_window": 4096, "num_experts": 128, "num_experts_per_tok": 8,
-        "moe_intermediate_size": 768, "norm_topk_prob": False, "decoder_sparse_step": 1, "mlp_only_layers": None,
+        "num_key_value_heads": 4,
+        "head_dim": None,
+        "rms_norm_eps": 1e-6,
+        "max_position_embeddings": 32768,
+        "use_sliding_window": False,
+        "sliding_window": 4096,
+        "num_experts": 128,
+        "num_experts_per_tok": 8,
+        "moe_intermediate_size": 768,
+        "norm_topk_prob": False,
+        "decoder_sparse_step": 1,
+        "mlp_only_layers": None,
     },
     "mixtral": {
-        "num_key_value_heads": 8, "head_dim": None, "rms_norm_eps": 1e-5, "max_position_embeddings": 131072,
-        "sliding_window": None, "num_local_experts": 8, "num_experts_per_tok": 2,
+        "num_key_value_heads": 8,
+        "head_dim": None,
+        "rms_norm_eps": 1e-5,
+        "max_position_embeddings": 131072,
+        "sliding_window": None,
+        "num_local_experts": 8,
+        "num_experts_per_tok": 2,
     },
-}  # fmt: skip
+}
 """What transformers 5.17's config classes use for a key the file omits (None: derived — key/value heads
 from the query heads, ``head_dim`` from hidden_size / num_attention_heads). tests/test_reference.py
 checks each against the classes themselves."""
@@ -568,9 +604,15 @@ class ModelConfig:
         if self.family not in FAMILIES:
             raise InvalidArgument(f"model family must be one of {', '.join(FAMILIES)}, got {self.family!r}")
         for name in (
-            "vocab_size", "hidden_size", "intermediate_size", "num_layers", "num_heads", "num_kv_heads",
-            "head_dim", "max_position_embeddings",
-        ):  # fmt: skip
+            "vocab_size",
+            "hidden_size",
+            "intermediate_size",
+            "num_layers",
+            "num_heads",
+            "num_kv_heads",
+            "head_dim",
+            "max_position_embeddings",
+        ):
             value = getattr(self, name)
             if not isinstance(value, int) or isinstance(value, bool) or value <= 0:
                 raise InvalidArgument(f"model config: {name} must be a positive integer, got {value!r}")
@@ -602,16 +644,21 @@ class ModelConfig:
             raise InvalidArgument(
                 "model config: FP8 weights are implemented for dense bfloat16 (and float32) models only"
             )
-        widths = (self.hidden_size, self.num_heads * self.head_dim, self.num_kv_heads * self.head_dim,
-                  self.intermediate_size)  # fmt: skip
+        widths = (
+            self.hidden_size,
+            self.num_heads * self.head_dim,
+            self.num_kv_heads * self.head_dim,
+            self.intermediate_size,
+        )
         if self.fp8 is not None and self.fp8.weight_strategy == "block" and any(x % FP8_BLOCK for x in widths):
             raise InvalidArgument(f"model config: 128 x 128 FP8 blocks need widths that are multiples of 128: {widths}")
         if (self.family in MOE_FAMILIES) != (self.num_experts > 0):
             raise InvalidArgument(f"model config: experts are {' and '.join(MOE_FAMILIES)}'s, and they need some")
         if self.num_experts and not (
-            1 <= self.experts_per_token <= self.num_experts and self.moe_intermediate_size > 0
+            1 <= self.experts_per_token <= self.num_experts
+            and self.moe_intermediate_size > 0
             and set(self.dense_layers) <= set(range(self.num_layers))
-        ):  # fmt: skip
+        ):
             raise InvalidArgument(
                 f"model config: {self.experts_per_token} experts per token of {self.num_experts}, experts "
                 f"{self.moe_intermediate_size} wide, dense layers {self.dense_layers}: out of range"
@@ -693,12 +740,16 @@ class ModelConfig:
         expert's (gate, up, down) projections (Mixtral's w1, w3, w2)."""
         if self.family == "mixtral":
             m = f"model.layers.{layer}.block_sparse_moe."
-            names = [(f"{m}experts.{e}.w1.weight", f"{m}experts.{e}.w3.weight", f"{m}experts.{e}.w2.weight")
-                     for e in range(self.num_experts)]  # fmt: skip
+            names = [
+                (f"{m}experts.{e}.w1.weight", f"{m}experts.{e}.w3.weight", f"{m}experts.{e}.w2.weight")
+                for e in range(self.num_experts)
+            ]
         else:
             m = f"model.layers.{layer}.mlp."
-            names = [tuple(f"{m}experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))  # type: ignore[misc]
-                     for e in range(self.num_experts)]  # fmt: skip
+            names = [
+                tuple(f"{m}experts.{e}.{p}_proj.weight" for p in ("gate", "up", "down"))  # type: ignore[misc]
+                for e in range(self.num_experts)
+            ]
         return m + "gate.weight", names
 
     @property
@@ -750,8 +801,11 @@ class ModelConfig:
             self.num_kv_heads * self.head_dim,
             self.intermediate_size,
         )
-        shapes = [(q + 2 * kv, h), (h, q), (2 * inter, h), (inter, h)] if self.fused_checkpoint else \
-            [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]  # fmt: skip
+        shapes = (
+            [(q + 2 * kv, h), (h, q), (2 * inter, h), (inter, h)]
+            if self.fused_checkpoint
+            else [(q, h), (kv, h), (kv, h), (h, q), (inter, h), (inter, h), (h, inter)]
+        )
         scales = sum(math.prod(self.fp8.scale_shape(rows, cols)) for rows, cols in shapes)
         per_layer = sum(rows * cols for rows, cols in shapes)
         return total - self.num_layers * (per_layer * (self.torch_dtype.itemsize - 1) - 4 * scales)
@@ -819,8 +873,9 @@ class ModelConfig:
             if get("hidden_activation") != "gelu_pytorch_tanh":
                 raise InvalidArgument(
                     f"config.json: hidden_activation = {get('hidden_activation')!r} is not supported for gemma3: "
-                    "the GeGLU MLP implements gelu_pytorch_tanh only", metadata={"key": "hidden_activation"},
-                )  # fmt: skip
+                    "the GeGLU MLP implements gelu_pytorch_tanh only",
+                    metadata={"key": "hidden_activation"},
+                )
             scale = _float(get("query_pre_attn_scalar"), "query_pre_attn_scalar", positive=True)
         else:
             theta, scaling = _rope(hf, family, max_pos)
@@ -867,10 +922,11 @@ class ModelConfig:
             rope.update(rope_type=s.rope_type, factor=s.factor)
             if s.rope_type == "longrope":
                 rope.update(
-                    short_factor=list(s.short_factor), long_factor=list(s.long_factor),
+                    short_factor=list(s.short_factor),
+                    long_factor=list(s.long_factor),
                     attention_factor=s.attention_factor,
                     original_max_position_embeddings=s.original_max_position_embeddings,
-                )  # fmt: skip
+                )
             if s.rope_type == "llama3":
                 rope.update(
                     low_freq_factor=s.low_freq_factor,
@@ -897,23 +953,35 @@ class ModelConfig:
         if self.family in ("mistral", "phi3", "gemma3", "mixtral"):
             hf["sliding_window"] = self.sliding_window
         if self.family == "qwen3_moe":
-            hf.update(use_sliding_window=self.sliding_window is not None, sliding_window=self.sliding_window,
-                      moe_intermediate_size=self.moe_intermediate_size, norm_topk_prob=self.norm_topk_prob,
-                      decoder_sparse_step=1, mlp_only_layers=list(self.dense_layers))  # fmt: skip
+            hf.update(
+                use_sliding_window=self.sliding_window is not None,
+                sliding_window=self.sliding_window,
+                moe_intermediate_size=self.moe_intermediate_size,
+                norm_topk_prob=self.norm_topk_prob,
+                decoder_sparse_step=1,
+                mlp_only_layers=list(self.dense_layers),
+            )
         if self.moe:
             hf.update(num_local_experts=self.num_experts, num_experts_per_tok=self.experts_per_token)
         if self.fp8 is not None:
             hf["quantization_config"] = fp8_config(self.fp8)
         if self.family == "gemma3":
             del hf["hidden_act"]
-            hf.update(hidden_activation="gelu_pytorch_tanh", query_pre_attn_scalar=self.query_pre_attn_scalar,
-                      layer_types=list(self.layer_types or ()))  # fmt: skip
+            hf.update(
+                hidden_activation="gelu_pytorch_tanh",
+                query_pre_attn_scalar=self.query_pre_attn_scalar,
+                layer_types=list(self.layer_types or ()),
+            )
             local = {"rope_type": "default", "rope_theta": self.local_rope_theta}
             if legacy:
                 theta = rope.pop("rope_theta")
                 scaled = None if rope["rope_type"] == "default" else rope
-                hf.update(rope_theta=theta, rope_local_base_freq=self.local_rope_theta, rope_scaling=scaled,
-                          torch_dtype=self.dtype)  # fmt: skip
+                hf.update(
+                    rope_theta=theta,
+                    rope_local_base_freq=self.local_rope_theta,
+                    rope_scaling=scaled,
+                    torch_dtype=self.dtype,
+                )
             else:
                 hf.update(rope_parameters={"full_attention": rope, "sliding_attention": local}, dtype=self.dtype)
             return hf
@@ -1055,9 +1123,10 @@ def _rope(hf: Mapping[str, Any], family: Family, max_pos: int) -> tuple[float, R
         return theta, RopeScaling("linear", _float(need("factor"), f"{where}.factor", positive=True))
     if kind == "llama3":
         original = _agreed(
-            hf.get("original_max_position_embeddings"), raw.get("original_max_position_embeddings"),
+            hf.get("original_max_position_embeddings"),
+            raw.get("original_max_position_embeddings"),
             f"original_max_position_embeddings and {where}.original_max_position_embeddings",
-        )  # fmt: skip
+        )
         scaling = RopeScaling(
             "llama3",
             _float(need("factor"), f"{where}.factor", positive=True),
@@ -1087,10 +1156,13 @@ def _longrope(hf: Mapping[str, Any], raw: Mapping[str, Any], where: str, max_pos
     (1 for a factor of at most 1)."""
     top = hf.get("original_max_position_embeddings", FAMILY_DEFAULTS["phi3"]["original_max_position_embeddings"])
     original = _int(
-        _agreed(top, raw.get("original_max_position_embeddings"),
-                f"original_max_position_embeddings and {where}.original_max_position_embeddings"),
+        _agreed(
+            top,
+            raw.get("original_max_position_embeddings"),
+            f"original_max_position_embeddings and {where}.original_max_position_embeddings",
+        ),
         "original_max_position_embeddings",
-    )  # fmt: skip
+    )
     factors = {}
     for name in ("short_factor", "long_factor"):
         value = raw.get(name)
@@ -1104,9 +1176,13 @@ def _longrope(hf: Mapping[str, Any], raw: Mapping[str, Any], where: str, max_pos
         attention = 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
     attention = _float(attention, f"{where}.attention_factor", positive=True)
     return RopeScaling(
-        "longrope", factor, original_max_position_embeddings=original, short_factor=factors["short_factor"],
-        long_factor=factors["long_factor"], attention_factor=attention,
-    )  # fmt: skip
+        "longrope",
+        factor,
+        original_max_position_embeddings=original,
+        short_factor=factors["short_factor"],
+        long_factor=factors["long_factor"],
+        attention_factor=attention,
+    )
 
 
 def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScaling | None, float]:
@@ -1124,7 +1200,7 @@ def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScalin
             f"config.json: Gemma 3's rope_parameters holds one object per layer type ({', '.join(LAYER_TYPES)}), "
             f"got the keys {sorted(params)}",
             metadata={"key": "rope_parameters"},
-        )  # fmt: skip
+        )
     parts = {t: (params or {}).get(t) or {} for t in LAYER_TYPES}
     for t, part in parts.items():
         if not isinstance(part, Mapping):
@@ -1137,8 +1213,11 @@ def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScalin
     theta = _agreed(
         full.get("rope_theta"), hf.get("rope_theta"), "rope_parameters.full_attention.rope_theta and rope_theta"
     )
-    local_theta = _agreed(local.get("rope_theta"), hf.get("rope_local_base_freq"),
-                          "rope_parameters.sliding_attention.rope_theta and rope_local_base_freq")  # fmt: skip
+    local_theta = _agreed(
+        local.get("rope_theta"),
+        hf.get("rope_local_base_freq"),
+        "rope_parameters.sliding_attention.rope_theta and rope_local_base_freq",
+    )
     full["rope_theta"] = GEMMA3_THETA["full_attention"] if theta is None else theta
     kind = _agreed(local.get("rope_type"), local.get("type"), "the sliding layers' rope_type and type")
     if kind not in (None, "default") or set(local) - {"rope_type", "type", "rope_theta"}:
@@ -1146,7 +1225,7 @@ def _gemma3_rope(hf: Mapping[str, Any], max_pos: int) -> tuple[float, RopeScalin
             f"config.json: rope_parameters.sliding_attention = {dict(local)!r}: the sliding layers' RoPE is the "
             "default one with its own base here; scaling it is not implemented",
             metadata={"key": "rope_parameters"},
-        )  # fmt: skip
+        )
     base, scaling = _rope({"rope_parameters": full}, "gemma3", max_pos)
     local_base = (
         GEMMA3_THETA["sliding_attention"] if local_theta is None else _float(local_theta, "rope_local_base_freq")
@@ -1165,12 +1244,24 @@ def fp8_config(fp8: Fp8) -> dict[str, Any]:
     """The ``quantization_config`` llm-compressor (transformers, for blocks) writes for this scheme
     (test checkpoints)."""
     if fp8.weight_strategy == "block":
-        return {"quant_method": "fp8", "activation_scheme": "dynamic", "fmt": "e4m3",
-                "weight_block_size": [FP8_BLOCK, FP8_BLOCK]}  # fmt: skip
-    group = {"targets": ["Linear"], "weights": {**_FP8_WEIGHTS, "strategy": fp8.weight_strategy},
-             "input_activations": dict(_FP8_TOKENS)}  # fmt: skip
-    return {"quant_method": "compressed-tensors", "format": "float-quantized", "quantization_status": "compressed",
-            "config_groups": {"group_0": group}, "ignore": ["lm_head"]}  # fmt: skip
+        return {
+            "quant_method": "fp8",
+            "activation_scheme": "dynamic",
+            "fmt": "e4m3",
+            "weight_block_size": [FP8_BLOCK, FP8_BLOCK],
+        }
+    group = {
+        "targets": ["Linear"],
+        "weights": {**_FP8_WEIGHTS, "strategy": fp8.weight_strategy},
+        "input_activations": dict(_FP8_TOKENS),
+    }
+    return {
+        "quant_method": "compressed-tensors",
+        "format": "float-quantized",
+        "quantization_status": "compressed",
+        "config_groups": {"group_0": group},
+        "ignore": ["lm_head"],
+    }
 
 
 _FP8_TOKENS = {"num_bits": 8, "type": "float", "symmetric": True, "dynamic": True, "strategy": "token"}
@@ -1246,8 +1337,12 @@ def _moe(hf: Mapping[str, Any], family: Family, num_layers: int) -> dict[str, An
             metadata={"key": "num_experts_per_tok"},
         )
     if family == "mixtral":
-        return {"num_experts": experts, "experts_per_token": per_token, "norm_topk_prob": True,
-                "moe_intermediate_size": _int(hf["intermediate_size"], "intermediate_size")}  # fmt: skip
+        return {
+            "num_experts": experts,
+            "experts_per_token": per_token,
+            "norm_topk_prob": True,
+            "moe_intermediate_size": _int(hf["intermediate_size"], "intermediate_size"),
+        }
     step = _int(hf.get("decoder_sparse_step", defaults["decoder_sparse_step"]), "decoder_sparse_step")
     only = hf.get("mlp_only_layers") or []
     if not isinstance(only, list) or not all(_is_layer(i, num_layers) for i in only):
@@ -1257,12 +1352,14 @@ def _moe(hf: Mapping[str, Any], family: Family, num_layers: int) -> dict[str, An
         )
     norm = hf.get("norm_topk_prob")
     return {
-        "num_experts": experts, "experts_per_token": per_token,
-        "moe_intermediate_size": _int(hf.get("moe_intermediate_size", defaults["moe_intermediate_size"]),
-                                      "moe_intermediate_size"),
+        "num_experts": experts,
+        "experts_per_token": per_token,
+        "moe_intermediate_size": _int(
+            hf.get("moe_intermediate_size", defaults["moe_intermediate_size"]), "moe_intermediate_size"
+        ),
         "norm_topk_prob": _bool(defaults["norm_topk_prob"] if norm is None else norm, "norm_topk_prob"),
         "dense_layers": tuple(i for i in range(num_layers) if i in only or (i + 1) % step),
-    }  # fmt: skip
+    }
 
 
 def _is_layer(value: Any, num_layers: int) -> bool:
@@ -1292,8 +1389,11 @@ def _partial_rotary_factor(hf: Mapping[str, Any], family: Family) -> float:
     if family != "phi3":
         return 1.0
     rope = hf.get("rope_scaling") or hf.get("rope_parameters") or {}
-    value = _agreed(hf.get("partial_rotary_factor"), rope.get("partial_rotary_factor"),
-                    "partial_rotary_factor and rope_parameters.partial_rotary_factor")  # fmt: skip
+    value = _agreed(
+        hf.get("partial_rotary_factor"),
+        rope.get("partial_rotary_factor"),
+        "partial_rotary_factor and rope_parameters.partial_rotary_factor",
+    )
     if value is None:
         return 1.0
     factor = _float(value, "partial_rotary_factor", positive=True)
@@ -1340,9 +1440,17 @@ def _sliding_window(hf: Mapping[str, Any], family: Family, num_layers: int) -> i
 
 
 _TINY = ModelConfig(
-    family="llama", vocab_size=512, hidden_size=64, intermediate_size=128, num_layers=2, num_heads=4,
-    num_kv_heads=2, head_dim=16, max_position_embeddings=2048, dtype="float32",
-)  # fmt: skip
+    family="llama",
+    vocab_size=512,
+    hidden_size=64,
+    intermediate_size=128,
+    num_layers=2,
+    num_heads=4,
+    num_kv_heads=2,
+    head_dim=16,
+    max_position_embeddings=2048,
+    dtype="float32",
+)
 
 PRESETS: dict[str, ModelConfig] = {
     "tiny": _TINY,

@@ -257,12 +257,15 @@ class HostStep:
             rows = None if self.row_tables is None else t(self.row_tables)
             decode = DecodeRows(self.decodes, t(self.decode_tables), t(self.positions[: self.decodes] + 1), rows)
         return StepInputs(
-            token_ids=self.fed(t(self.token_ids)), positions=t(self.positions), write_blocks=t(self.write_blocks),
+            token_ids=self.fed(t(self.token_ids)),
+            positions=t(self.positions),
+            write_blocks=t(self.write_blocks),
             write_slots=t(self.positions % block_size),
             spans=tuple(SeqSpan(r, s, n, None if b is None else t(b)) for r, s, n, b in self.spans),
-            decode=decode, last_rows=t(self.last_rows),
+            decode=decode,
+            last_rows=t(self.last_rows),
             rope_long=None if self.rope_long is None else t(self.rope_long),
-        )  # fmt: skip
+        )
 
 
 DecodeKernel = Callable[[torch.Tensor, torch.Tensor, DecodeRows, int | None, float | None], torch.Tensor]
@@ -285,9 +288,15 @@ def add_rms_norm(
 
 
 def rope_store(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
-    blocks: torch.Tensor, slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer: torch.Tensor,
+    blocks: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """Rotate the step's queries and keys (:func:`apply_rope`) and write the keys and the values into
     their slots of one layer's K/V pool (``[blocks, 2, block_size, kv_heads, head_dim]``); the rotated
     queries and keys."""
@@ -341,9 +350,12 @@ FP8_MAX = float(torch.finfo(torch.float8_e4m3fn).max)
 
 
 def project(
-    x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None = None, scale: torch.Tensor | None = None,
+    x: torch.Tensor,
+    w: torch.Tensor,
+    bias: torch.Tensor | None = None,
+    scale: torch.Tensor | None = None,
     parts: Sequence[int] = (),
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """``x @ w.T (+ bias)``. With an FP8 ``w`` (``scale``: its scales, per output row or one per
     matrix, or one per part of a fused matrix whose row counts ``parts`` are), ``x`` is quantized to
     FP8 per row (scale: its largest magnitude / :data:`FP8_MAX`, as llm-compressor's dynamic
@@ -388,9 +400,13 @@ def _block_product(x: torch.Tensor, w: torch.Tensor, bias: torch.Tensor | None, 
 
 
 def fp8_product(
-    xq: torch.Tensor, xs: torch.Tensor, w: torch.Tensor, ws: torch.Tensor, dtype: torch.dtype,
+    xq: torch.Tensor,
+    xs: torch.Tensor,
+    w: torch.Tensor,
+    ws: torch.Tensor,
+    dtype: torch.dtype,
     bias: torch.Tensor | None = None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """FP8 ``xq [n, k]`` (row scales ``xs [n, 1]``) times FP8 ``w [m, k]`` transposed (row scales
     ``ws [1, m]``), float32
     accumulation, in ``dtype`` (``torch._scaled_mm``: Hopper's FP8 tensor cores; the CPU build computes
@@ -422,9 +438,12 @@ def checkpoint_fused(weights: Mapping[str, torch.Tensor], config: ModelConfig, i
     a, m = f"model.layers.{i}.self_attn.", f"model.layers.{i}.mlp."
     suffix = config.fp8.scale_suffix if config.fp8 is not None else "_scale"
     return FusedLayer(
-        weights[a + "qkv_proj.weight"], None, weights[m + "gate_up_proj.weight"],
-        weights.get(a + "qkv_proj.weight" + suffix), weights.get(m + "gate_up_proj.weight" + suffix),
-    )  # fmt: skip
+        weights[a + "qkv_proj.weight"],
+        None,
+        weights[m + "gate_up_proj.weight"],
+        weights.get(a + "qkv_proj.weight" + suffix),
+        weights.get(m + "gate_up_proj.weight" + suffix),
+    )
 
 
 def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tuple[FusedLayer, ...] | None:
@@ -442,8 +461,10 @@ def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tu
         if qkv is None or (gate_up is None and not config.moe_layer(i)) or (bias is None and config.attention_bias):
             return None
         suffix = config.fp8.scale_suffix if config.fp8 is not None else "_scale"
-        scales = [_joined(weights, [a + f"{p}_proj.weight{suffix}" for p in "qkv"]),
-                  _joined(weights, [m + f"gate_proj.weight{suffix}", m + f"up_proj.weight{suffix}"])]  # fmt: skip
+        scales = [
+            _joined(weights, [a + f"{p}_proj.weight{suffix}" for p in "qkv"]),
+            _joined(weights, [m + f"gate_proj.weight{suffix}", m + f"up_proj.weight{suffix}"]),
+        ]
         if config.fp8 is not None and None in scales:
             return None
         out.append(FusedLayer(qkv, bias, gate_up, *scales))
@@ -451,9 +472,14 @@ def fused_layers(weights: Mapping[str, torch.Tensor], config: ModelConfig) -> tu
 
 
 def _span_attention(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, layer: torch.Tensor, span: SeqSpan, config: ModelConfig,
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    layer: torch.Tensor,
+    span: SeqSpan,
+    config: ModelConfig,
     window: int | None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Causal attention of one sequence's new rows over its cached and new K/V, ``[n, heads * head_dim]``.
 
     A prefill from position 0 attends to the K/V it just computed; a later chunk (or a decode on a
@@ -474,9 +500,13 @@ def _span_attention(
     # 4-D [batch, heads, tokens, head_dim]: the flash and memory-efficient kernels take nothing else (a
     # 3-D call falls back to the math kernel, which materialises the n x total scores of every head)
     out = F.scaled_dot_product_attention(
-        q[None, a : a + n].transpose(1, 2), keys[None].transpose(1, 2), values[None].transpose(1, 2),
-        attn_mask=mask, is_causal=causal, scale=config.attention_scale,
-    )  # fmt: skip
+        q[None, a : a + n].transpose(1, 2),
+        keys[None].transpose(1, 2),
+        values[None].transpose(1, 2),
+        attn_mask=mask,
+        is_causal=causal,
+        scale=config.attention_scale,
+    )
     return out[0].transpose(0, 1).reshape(n, nh * hd)
 
 
@@ -529,9 +559,13 @@ def _experts(weights: Mapping[str, torch.Tensor], config: ModelConfig, layer: in
 
 
 def _gemma_mlp(
-    weights: Mapping[str, torch.Tensor], config: ModelConfig, p: str, x: torch.Tensor, h: torch.Tensor,
+    weights: Mapping[str, torch.Tensor],
+    config: ModelConfig,
+    p: str,
+    x: torch.Tensor,
+    h: torch.Tensor,
     f: FusedLayer | None,
-) -> torch.Tensor:  # fmt: skip
+) -> torch.Tensor:
     """Gemma 3's MLP half of a layer: ``x`` plus the post-MLP norm of GeGLU(``h``) (gelu with the tanh
     approximation times up, as transformers' gelu_pytorch_tanh)."""
     gate, up = _gate_up(weights, config, p, h, f)
@@ -628,9 +662,14 @@ def forward_step(
 
 
 def single_sequence_step(
-    block_ids: Sequence[int], token_ids: Sequence[int], start_pos: int, block_size: int, device: torch.device,
-    all_logits: bool = False, config: ModelConfig | None = None,
-) -> StepInputs:  # fmt: skip
+    block_ids: Sequence[int],
+    token_ids: Sequence[int],
+    start_pos: int,
+    block_size: int,
+    device: torch.device,
+    all_logits: bool = False,
+    config: ModelConfig | None = None,
+) -> StepInputs:
     """The step that feeds ``token_ids`` at ``start_pos..`` of one sequence with this block table, as
     one call (LongRoPE, with ``config``: its rows choose their frequencies as one transformers call's)."""
     n = len(token_ids)
@@ -671,7 +710,27 @@ def forward(
 
 
 __all__ = [
-    "FP8_MAX", "DecodeKernel", "DecodeRows", "FusedLayer", "HostStep", "Kernels", "Rope", "SeqSpan", "StepInputs",
-    "add_rms_norm", "apply_rope", "checkpoint_fused", "forward", "forward_step", "fused_layers", "gemma_rms_norm",
-    "fp8_product", "project", "rms_norm", "rope_long", "rope_store", "silu_mul", "single_sequence_step",
-]  # fmt: skip
+    "FP8_MAX",
+    "DecodeKernel",
+    "DecodeRows",
+    "FusedLayer",
+    "HostStep",
+    "Kernels",
+    "Rope",
+    "SeqSpan",
+    "StepInputs",
+    "add_rms_norm",
+    "apply_rope",
+    "checkpoint_fused",
+    "forward",
+    "forward_step",
+    "fused_layers",
+    "gemma_rms_norm",
+    "fp8_product",
+    "project",
+    "rms_norm",
+    "rope_long",
+    "rope_store",
+    "silu_mul",
+    "single_sequence_step",
+]

@@ -408,8 +408,9 @@ class Engine:
                 self._preempt(req)  # it reads everything again from the queue, once there is room
                 continue
             seq.num_cached, req.short_rope = 0, False
-            log.debug("longrope: %s passes the original context (%d): read again with the long frequencies",
-                      req.seq_id, after)  # fmt: skip
+            log.debug(
+                "longrope: %s passes the original context (%d): read again with the long frequencies", req.seq_id, after
+            )
 
     def land(self) -> None:
         """Wait for the step in flight and hand out its tokens (no-op when none is): before anything
@@ -641,11 +642,15 @@ class Engine:
             for (req, _), marks in zip(planned, np.split(long, np.cumsum([n for _, n in planned])[:-1]), strict=True):
                 req.short_rope = req.short_rope or not marks.all()
         step = HostStep(
-            token_ids=np.concatenate(tokens), positions=all_positions,
-            write_blocks=np.concatenate(blocks), decode_tables=table, spans=tuple(spans),
+            token_ids=np.concatenate(tokens),
+            positions=all_positions,
+            write_blocks=np.concatenate(blocks),
+            decode_tables=table,
+            spans=tuple(spans),
             last_rows=np.asarray(last_rows, np.int64),
-            row_tables=np.concatenate(row_tables) if paged else None, rope_long=long,
-        )  # fmt: skip
+            row_tables=np.concatenate(row_tables) if paged else None,
+            rope_long=long,
+        )
         return step, planned, ends, fed
 
     def _launch(self, before: _Flight | None) -> _Flight | None:

@@ -170,10 +170,18 @@ class DecodeGraphs:
     (the rows that end a read: one per sequence at most)."""
 
     def __init__(
-        self, alloc: MemoryAllocator, weights: Mapping[str, torch.Tensor], config: ModelConfig, rope: Rope,
-        kv: torch.Tensor, scratch_block: int, max_batch: int, kernels: Kernels,
-        fused: Sequence[FusedLayer] | None = None, max_rows: int | None = None,
-    ) -> None:  # fmt: skip
+        self,
+        alloc: MemoryAllocator,
+        weights: Mapping[str, torch.Tensor],
+        config: ModelConfig,
+        rope: Rope,
+        kv: torch.Tensor,
+        scratch_block: int,
+        max_batch: int,
+        kernels: Kernels,
+        fused: Sequence[FusedLayer] | None = None,
+        max_rows: int | None = None,
+    ) -> None:
         self._alloc = alloc
         self._weights = weights
         self._config = config
@@ -253,9 +261,13 @@ class DecodeGraphs:
     def _inputs(buf: StepBuffer) -> StepInputs:
         """The model's inputs as views of a bucket's buffer (on the device)."""
         return StepInputs(
-            token_ids=buf.tokens, positions=buf.positions, write_blocks=buf.blocks, write_slots=buf.slots,
-            decode=DecodeRows(buf.size, buf.tables, buf.lengths, buf.table_rows), last_rows=buf.last,
-        )  # fmt: skip
+            token_ids=buf.tokens,
+            positions=buf.positions,
+            write_blocks=buf.blocks,
+            write_slots=buf.slots,
+            decode=DecodeRows(buf.size, buf.tables, buf.lengths, buf.table_rows),
+            last_rows=buf.last,
+        )
 
     def _capture(self, size: int) -> _Bucket:
         alloc = self._alloc
@@ -355,10 +367,14 @@ class BackgroundCapture:
     """
 
     def __init__(
-        self, sizes: Sequence[int], capture: Callable[[int], object], loop: asyncio.AbstractEventLoop,
-        submit: Callable[[Callable[[], None]], object], may_capture: Callable[[], bool],
+        self,
+        sizes: Sequence[int],
+        capture: Callable[[int], object],
+        loop: asyncio.AbstractEventLoop,
+        submit: Callable[[Callable[[], None]], object],
+        may_capture: Callable[[], bool],
         last_busy: Callable[[], float],
-    ) -> None:  # fmt: skip
+    ) -> None:
         self._pending = sorted(sizes)
         self._wanted: dict[int, float] = {}
         """Pending buckets a step needed, and the monotonic time it first did."""

@@ -18,9 +18,15 @@ from pathlib import Path
 from memsvc.errors import InvalidArgument, NotFound
 
 FILES = [
-    "config.json", "generation_config.json", "model*.safetensors", "model.safetensors.index.json", "tokenizer.json",
-    "tokenizer_config.json", "special_tokens_map.json", "chat_template.jinja",
-]  # fmt: skip
+    "config.json",
+    "generation_config.json",
+    "model*.safetensors",
+    "model.safetensors.index.json",
+    "tokenizer.json",
+    "tokenizer_config.json",
+    "special_tokens_map.json",
+    "chat_template.jinja",
+]
 """What a snapshot download fetches (``allow_patterns``): what the loader and ModelText read. The
 weights as transformers names them (``model.safetensors``, ``model-00001-of-00004.safetensors``), at
 the top: a repository that also ships ``consolidated.safetensors`` or copies in a subfolder would

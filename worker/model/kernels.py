@@ -74,10 +74,32 @@ def _build() -> dict[str, Any]:
 
     @triton.jit
     def rope_store_kernel(
-        Q, K, V, COS, SIN, QR, KR, CACHE, BLOCKS, SLOTS, q_token, q_head, k_token, k_head, v_token, v_head,
-        c_block, c_kind, c_slot, c_head, Q_HEADS: tl.constexpr, KV_HEADS: tl.constexpr, HEADS: tl.constexpr,
-        HALF: tl.constexpr, HEAD_DIM: tl.constexpr,
-    ):  # fmt: skip
+        Q,
+        K,
+        V,
+        COS,
+        SIN,
+        QR,
+        KR,
+        CACHE,
+        BLOCKS,
+        SLOTS,
+        q_token,
+        q_head,
+        k_token,
+        k_head,
+        v_token,
+        v_head,
+        c_block,
+        c_kind,
+        c_slot,
+        c_head,
+        Q_HEADS: tl.constexpr,
+        KV_HEADS: tl.constexpr,
+        HEADS: tl.constexpr,
+        HALF: tl.constexpr,
+        HEAD_DIM: tl.constexpr,
+    ):
         token = tl.program_id(0).to(tl.int64)
         h = tl.arange(0, HEADS)  # the query heads, then the key heads, then padding
         d = tl.arange(0, HEAD_DIM)
@@ -87,10 +109,16 @@ def _build() -> dict[str, Any]:
         turned = (d + HALF) % HEAD_DIM
         q_src = Q + token * q_token + h[:, None] * q_head
         k_src = K + token * k_token + kh[:, None] * k_head
-        x = tl.where(is_q[:, None], tl.load(q_src + d[None, :], mask=is_q[:, None], other=0.0),
-                     tl.load(k_src + d[None, :], mask=is_k[:, None], other=0.0))  # fmt: skip
-        partner = tl.where(is_q[:, None], tl.load(q_src + turned[None, :], mask=is_q[:, None], other=0.0),
-                           tl.load(k_src + turned[None, :], mask=is_k[:, None], other=0.0))  # fmt: skip
+        x = tl.where(
+            is_q[:, None],
+            tl.load(q_src + d[None, :], mask=is_q[:, None], other=0.0),
+            tl.load(k_src + d[None, :], mask=is_k[:, None], other=0.0),
+        )
+        partner = tl.where(
+            is_q[:, None],
+            tl.load(q_src + turned[None, :], mask=is_q[:, None], other=0.0),
+            tl.load(k_src + turned[None, :], mask=is_k[:, None], other=0.0),
+        )
         rotated = tl.where(d[None, :] < HALF, -partner, partner)
         c = tl.load(COS + token * HEAD_DIM + d).to(tl.float32)
         s = tl.load(SIN + token * HEAD_DIM + d).to(tl.float32)
@@ -106,9 +134,11 @@ def _build() -> dict[str, Any]:
         tl.store(dst + c_kind, value, mask=is_k[:, None])
 
     return {
-        "rms_norm": rms_norm_kernel, "silu_mul": silu_mul_kernel,
-        "add_rms_norm": add_rms_norm_kernel, "rope_store": rope_store_kernel,
-    }  # fmt: skip
+        "rms_norm": rms_norm_kernel,
+        "silu_mul": silu_mul_kernel,
+        "add_rms_norm": add_rms_norm_kernel,
+        "rope_store": rope_store_kernel,
+    }
 
 
 def _kernel(name: str) -> Any:
@@ -164,9 +194,15 @@ def triton_add_rms_norm(
 
 
 def triton_rope_store(
-    q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, layer: torch.Tensor,
-    blocks: torch.Tensor, slots: torch.Tensor,
-) -> tuple[torch.Tensor, torch.Tensor]:  # fmt: skip
+    q: torch.Tensor,
+    k: torch.Tensor,
+    v: torch.Tensor,
+    cos: torch.Tensor,
+    sin: torch.Tensor,
+    layer: torch.Tensor,
+    blocks: torch.Tensor,
+    slots: torch.Tensor,
+) -> tuple[torch.Tensor, torch.Tensor]:
     """:func:`worker.model.decoder.rope_store` in one launch, one program per token: the queries and
     keys rotated, the keys written with the values straight into their slots (three launches and
     two indexed writes per layer before)."""
@@ -181,10 +217,32 @@ def triton_rope_store(
     k_out = torch.empty(k.shape, dtype=k.dtype, device=k.device)
     if tokens:
         _kernel("rope_store")[(tokens,)](
-            q, k, v, cos, sin, q_out, k_out, layer, blocks, slots, q_token, q_head, k_token, k_head, v_token, v_head,
-            layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3), Q_HEADS=q_heads, KV_HEADS=kv_heads,
-            HEADS=next_pow2(q_heads + kv_heads), HALF=hd // 2, HEAD_DIM=hd,
-        )  # fmt: skip
+            q,
+            k,
+            v,
+            cos,
+            sin,
+            q_out,
+            k_out,
+            layer,
+            blocks,
+            slots,
+            q_token,
+            q_head,
+            k_token,
+            k_head,
+            v_token,
+            v_head,
+            layer.stride(0),
+            layer.stride(1),
+            layer.stride(2),
+            layer.stride(3),
+            Q_HEADS=q_heads,
+            KV_HEADS=kv_heads,
+            HEADS=next_pow2(q_heads + kv_heads),
+            HALF=hd // 2,
+            HEAD_DIM=hd,
+        )
     return q_out, k_out
 
 

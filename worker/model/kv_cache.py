@@ -196,13 +196,19 @@ class KvCache:
     """
 
     def __init__(
-        self, config: ModelConfig, alloc: MemoryAllocator, num_device_blocks: int, num_host_blocks: int,
-        block_size: int = 16, scratch_block: bool = False,
-    ) -> None:  # fmt: skip
+        self,
+        config: ModelConfig,
+        alloc: MemoryAllocator,
+        num_device_blocks: int,
+        num_host_blocks: int,
+        block_size: int = 16,
+        scratch_block: bool = False,
+    ) -> None:
         for name, value, least in (
-            ("num_device_blocks", num_device_blocks, 1), ("num_host_blocks", num_host_blocks, 0),
+            ("num_device_blocks", num_device_blocks, 1),
+            ("num_host_blocks", num_host_blocks, 0),
             ("block_size", block_size, 1),
-        ):  # fmt: skip
+        ):
             if not isinstance(value, int) or isinstance(value, bool) or value < least:
                 raise InvalidArgument(f"{name} must be an integer >= {least}, got {value!r}")
         self.config = config
@@ -358,17 +364,24 @@ class KvCache:
 
     # ---- swap ----
     def swap(
-        self, direction: SwapDirection, pairs: Iterable[Any], method: CopyMethod | str = "auto",
+        self,
+        direction: SwapDirection,
+        pairs: Iterable[Any],
+        method: CopyMethod | str = "auto",
         busy: Collection[int] = (),
-    ) -> int:  # fmt: skip
+    ) -> int:
         """:meth:`swap_ids` with (src, dst) pairs; each pair is checked to be two integers."""
         _locations(direction)
         return self.swap_ids(direction, *pairs_to_ids(pairs), method, busy)
 
     def swap_ids(
-        self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto",
+        self,
+        direction: SwapDirection,
+        src_ids: Any,
+        dst_ids: Any,
+        method: CopyMethod | str = "auto",
         busy: Collection[int] = (),
-    ) -> int:  # fmt: skip
+    ) -> int:
         """Copy block ``src_ids[i]`` to block ``dst_ids[i]`` of the other pool, in one batched copy;
         return the bytes moved once the copy is done. See :meth:`begin_swap`."""
         pending = self.begin_swap(direction, src_ids, dst_ids, method, busy)
@@ -376,9 +389,13 @@ class KvCache:
         return pending.moved_bytes
 
     def begin_swap(
-        self, direction: SwapDirection, src_ids: Any, dst_ids: Any, method: CopyMethod | str = "auto",
+        self,
+        direction: SwapDirection,
+        src_ids: Any,
+        dst_ids: Any,
+        method: CopyMethod | str = "auto",
         busy: Collection[int] = (),
-    ) -> PendingSwap:  # fmt: skip
+    ) -> PendingSwap:
         """Check and enqueue a swap and move the blocks' ownership; return before the copy is done.
 
         ``out``: device blocks to host blocks; ``in``: host blocks to device blocks. Ids are any
@@ -496,11 +513,14 @@ class KvCache:
 
     def stats(self) -> KvStats:
         return KvStats(
-            block_size=self.block_size, block_bytes=self.block_bytes,
-            device_blocks=self.device.num_blocks, device_free_blocks=self._free["device"],
-            host_blocks=self.host.num_blocks, host_free_blocks=self._free["host"],
+            block_size=self.block_size,
+            block_bytes=self.block_bytes,
+            device_blocks=self.device.num_blocks,
+            device_free_blocks=self._free["device"],
+            host_blocks=self.host.num_blocks,
+            host_free_blocks=self._free["host"],
             sequences=len(self._seqs),
-        )  # fmt: skip
+        )
 
 
 _FREE = -1

@@ -93,10 +93,22 @@ IO_MODES: tuple[IoMode, ...] = ("auto", "buffered", "direct")
 def _dtype_table() -> dict[str, tuple[torch.dtype, int]]:
     """safetensors dtype names this loader reads -> (torch dtype, bytes per element)."""
     names = {
-        "BOOL": "bool", "U8": "uint8", "I8": "int8", "I16": "int16", "U16": "uint16", "F16": "float16",
-        "BF16": "bfloat16", "I32": "int32", "U32": "uint32", "F32": "float32", "I64": "int64", "U64": "uint64",
-        "F64": "float64", "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2",
-    }  # fmt: skip
+        "BOOL": "bool",
+        "U8": "uint8",
+        "I8": "int8",
+        "I16": "int16",
+        "U16": "uint16",
+        "F16": "float16",
+        "BF16": "bfloat16",
+        "I32": "int32",
+        "U32": "uint32",
+        "F32": "float32",
+        "I64": "int64",
+        "U64": "uint64",
+        "F64": "float64",
+        "F8_E4M3": "float8_e4m3fn",
+        "F8_E5M2": "float8_e5m2",
+    }
     table: dict[str, tuple[torch.dtype, int]] = {}
     for name, attr in names.items():
         dtype = getattr(torch, attr, None)
@@ -803,9 +815,12 @@ class StreamingLoader:
 
     # ---- the load ----
     def load(
-        self, path: str | os.PathLike[str], weights: Mapping[str, torch.Tensor], shapes: Mapping[str, Sequence[int]],
+        self,
+        path: str | os.PathLike[str],
+        weights: Mapping[str, torch.Tensor],
+        shapes: Mapping[str, Sequence[int]],
         progress: Progress | None = None,
-    ) -> LoadStats:  # fmt: skip
+    ) -> LoadStats:
         """Copy the checkpoint's tensors named in ``shapes`` into ``weights``' tensors, in place.
         ``progress(done, total)``: bytes read so far of what the load reads, called from this thread
         as the reads go (every few tens of milliseconds) and once at the end with ``done == total``.

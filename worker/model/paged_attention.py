@@ -101,24 +101,49 @@ def triton_paged_decode(
     shared = rows.table_rows is not None
     tiled = shared and n > 1
     common = (
-        q, layer, rows.tables, rows.lengths, rows.table_rows if shared else rows.lengths, out,
+        q,
+        layer,
+        rows.tables,
+        rows.lengths,
+        rows.table_rows if shared else rows.lengths,
+        out,
         1.0 / math.sqrt(hd) if scale is None else scale,
-        q.stride(0), q.stride(1), layer.stride(0), layer.stride(1), layer.stride(2), layer.stride(3),
-        rows.tables.stride(0), out.stride(0), out.stride(1), n,
-    )  # fmt: skip
+        q.stride(0),
+        q.stride(1),
+        layer.stride(0),
+        layer.stride(1),
+        layer.stride(2),
+        layer.stride(3),
+        rows.tables.stride(0),
+        out.stride(0),
+        out.stride(1),
+        n,
+    )
     shapes = {"BLOCK_SIZE": layer.shape[2], "HEAD_DIM": hd, "WINDOW": window or 0}
     precision = "ieee" if q.dtype == torch.float32 else "tf32"
     if tiled:
         line_group = next_pow2(group)
         tile_rows = max(1, TILE_LINES // line_group)
         tile_kernel[(-(-n // tile_rows), nkv)](
-            *common, GROUP=group, LINE_GROUP=line_group, TILE_ROWS=tile_rows, TILE_PAD=tile_rows * line_group,
-            KEYS=TILE_KEYS, **shapes, PRECISION=precision, num_warps=TILE_WARPS,
-        )  # fmt: skip
+            *common,
+            GROUP=group,
+            LINE_GROUP=line_group,
+            TILE_ROWS=tile_rows,
+            TILE_PAD=tile_rows * line_group,
+            KEYS=TILE_KEYS,
+            **shapes,
+            PRECISION=precision,
+            num_warps=TILE_WARPS,
+        )
     row_kernel[(n, nkv)](
-        *common, int(tiled), GROUP=group, GROUP_PAD=max(16, next_pow2(group)), KEYS=ROW_KEYS, **shapes,
+        *common,
+        int(tiled),
+        GROUP=group,
+        GROUP_PAD=max(16, next_pow2(group)),
+        KEYS=ROW_KEYS,
+        **shapes,
         PRECISION=precision,
-    )  # fmt: skip
+    )
     return out
 
 
@@ -147,6 +172,11 @@ def graphs_supported(config: ModelConfig) -> bool:
 
 
 __all__ = [
-    "ROW_KEYS", "TILE_KEYS", "graphs_supported", "next_pow2", "torch_paged_decode", "triton_paged_decode",
+    "ROW_KEYS",
+    "TILE_KEYS",
+    "graphs_supported",
+    "next_pow2",
+    "torch_paged_decode",
+    "triton_paged_decode",
     "triton_supports",
-]  # fmt: skip
+]

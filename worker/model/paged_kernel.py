@@ -12,9 +12,31 @@ import triton.language as tl
 
 
 @triton.jit
-def _attend(q, m_i, l_i, acc, KV, TABLES, table, table_row, lines, lengths, lo, hi, scale,
-            kv_block, kv_half, kv_slot, kv_head, kvh, d, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
-            WINDOW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _attend(
+    q,
+    m_i,
+    l_i,
+    acc,
+    KV,
+    TABLES,
+    table,
+    table_row,
+    lines,
+    lengths,
+    lo,
+    hi,
+    scale,
+    kv_block,
+    kv_half,
+    kv_slot,
+    kv_head,
+    kvh,
+    d,
+    BLOCK_SIZE: tl.constexpr,
+    KEYS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """The online softmax of query lines ``q`` (``lines`` of them live, each over its keys
     ``< lengths``) over keys ``lo..hi`` of one block table, from the state it was left in."""
     for t0 in range((lo // KEYS) * KEYS, hi, KEYS):
@@ -40,9 +62,35 @@ def _attend(q, m_i, l_i, acc, KV, TABLES, table, table_row, lines, lengths, lo, 
 
 
 @triton.jit
-def _row(pid, Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block, kv_half, kv_slot, kv_head,
-         table_row, out_row, out_head, n_rows, tiled, kvh, d, GROUP: tl.constexpr, GROUP_PAD: tl.constexpr,
-         BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _row(
+    pid,
+    Q,
+    KV,
+    TABLES,
+    LENGTHS,
+    ROWS,
+    OUT,
+    scale,
+    q_row,
+    q_head,
+    kv_block,
+    kv_half,
+    kv_slot,
+    kv_head,
+    table_row,
+    out_row,
+    out_head,
+    n_rows,
+    tiled,
+    kvh,
+    d,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEYS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """One row, its GROUP query heads as the lines of one product, over its own table. With tiles
     (``tiled``), a row whose table a neighbour row shares (a prompt chunk's) is left to its tile."""
     s = pid.to(tl.int64)
@@ -65,19 +113,67 @@ def _row(pid, Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block,
     l_i = tl.zeros([GROUP_PAD], tl.float32)
     acc = tl.zeros([GROUP_PAD, d.shape[0]], tl.float32)
     m_i, l_i, acc = _attend(
-        q, m_i, l_i, acc, KV, TABLES, table, table_row, lines, lengths, lo, length, scale,
-        kv_block, kv_half, kv_slot, kv_head, kvh, d, BLOCK_SIZE, KEYS, WINDOW, PRECISION,
-    )  # fmt: skip
+        q,
+        m_i,
+        l_i,
+        acc,
+        KV,
+        TABLES,
+        table,
+        table_row,
+        lines,
+        lengths,
+        lo,
+        length,
+        scale,
+        kv_block,
+        kv_half,
+        kv_slot,
+        kv_head,
+        kvh,
+        d,
+        BLOCK_SIZE,
+        KEYS,
+        WINDOW,
+        PRECISION,
+    )
     out = acc / l_i[:, None]
-    tl.store(OUT + s * out_row + heads[:, None] * out_head + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=lines[:, None])  # fmt: skip
+    tl.store(
+        OUT + s * out_row + heads[:, None] * out_head + d[None, :], out.to(OUT.dtype.element_ty), mask=lines[:, None]
+    )
 
 
 @triton.jit
-def _tile(pid, Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block, kv_half, kv_slot, kv_head,
-          table_row, out_row, out_head, n_rows, kvh, d, GROUP: tl.constexpr, LINE_GROUP: tl.constexpr,
-          TILE_ROWS: tl.constexpr, TILE_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, KEYS: tl.constexpr,
-          WINDOW: tl.constexpr, PRECISION: tl.constexpr):  # fmt: skip
+def _tile(
+    pid,
+    Q,
+    KV,
+    TABLES,
+    LENGTHS,
+    ROWS,
+    OUT,
+    scale,
+    q_row,
+    q_head,
+    kv_block,
+    kv_half,
+    kv_slot,
+    kv_head,
+    table_row,
+    out_row,
+    out_head,
+    n_rows,
+    kvh,
+    d,
+    GROUP: tl.constexpr,
+    LINE_GROUP: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    KEYS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+):
     """A tile of TILE_ROWS consecutive rows: those that share their table with a neighbour (prompt
     chunks), every row's GROUP heads lines of one TILE_ROWS * LINE_GROUP-line product, so a chunk's
     keys are read once per tile instead of once per row. A tile may hold the ends of several chunks:
@@ -106,13 +202,37 @@ def _tile(pid, Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block
         if WINDOW > 0:
             lo = tl.maximum(tl.min(tl.where(lines, lengths, hi), 0) - WINDOW, 0)
         m_i, l_i, acc = _attend(
-            q, m_i, l_i, acc, KV, TABLES, table, table_row, lines, lengths, lo, hi, scale,
-            kv_block, kv_half, kv_slot, kv_head, kvh, d, BLOCK_SIZE, KEYS, WINDOW, PRECISION,
-        )  # fmt: skip
+            q,
+            m_i,
+            l_i,
+            acc,
+            KV,
+            TABLES,
+            table,
+            table_row,
+            lines,
+            lengths,
+            lo,
+            hi,
+            scale,
+            kv_block,
+            kv_half,
+            kv_slot,
+            kv_head,
+            kvh,
+            d,
+            BLOCK_SIZE,
+            KEYS,
+            WINDOW,
+            PRECISION,
+        )
         done = done | lines
     out = acc / l_i[:, None]
-    tl.store(OUT + r[:, None] * out_row + heads[:, None] * out_head + d[None, :], out.to(OUT.dtype.element_ty),
-             mask=todo[:, None])  # fmt: skip
+    tl.store(
+        OUT + r[:, None] * out_row + heads[:, None] * out_head + d[None, :],
+        out.to(OUT.dtype.element_ty),
+        mask=todo[:, None],
+    )
 
 
 # Neither the block tables' row stride (the step's widest table, in blocks) nor the row count nor
@@ -121,31 +241,122 @@ def _tile(pid, Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block
 # after ready whose step differed from the warm-up's in any of them paid a compile (about a second).
 @triton.jit(do_not_specialize=["table_row", "n_rows", "tiled"])
 def paged_decode_kernel(  # noqa: PLR0913
-    Q, KV, TABLES, LENGTHS, ROWS, OUT, scale,
-    q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head, n_rows, tiled,
-    GROUP: tl.constexpr, GROUP_PAD: tl.constexpr, BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr,
-    KEYS: tl.constexpr, WINDOW: tl.constexpr, PRECISION: tl.constexpr,
-) -> None:  # fmt: skip
+    Q,
+    KV,
+    TABLES,
+    LENGTHS,
+    ROWS,
+    OUT,
+    scale,
+    q_row,
+    q_head,
+    kv_block,
+    kv_half,
+    kv_slot,
+    kv_head,
+    table_row,
+    out_row,
+    out_head,
+    n_rows,
+    tiled,
+    GROUP: tl.constexpr,
+    GROUP_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEYS: tl.constexpr,
+    WINDOW: tl.constexpr,
+    PRECISION: tl.constexpr,
+) -> None:
     """One program per (row, KV head): :func:`_row`. ``tiled``: :func:`paged_tile_kernel` runs beside
     (the rows name their tables in ``ROWS``, as a graph's and a paged step's do)."""
     _row(
-        tl.program_id(0), Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block, kv_half, kv_slot,
-        kv_head, table_row, out_row, out_head, n_rows, tiled, tl.program_id(1), tl.arange(0, HEAD_DIM), GROUP,
-        GROUP_PAD, BLOCK_SIZE, KEYS, WINDOW, PRECISION,
-    )  # fmt: skip
+        tl.program_id(0),
+        Q,
+        KV,
+        TABLES,
+        LENGTHS,
+        ROWS,
+        OUT,
+        scale,
+        q_row,
+        q_head,
+        kv_block,
+        kv_half,
+        kv_slot,
+        kv_head,
+        table_row,
+        out_row,
+        out_head,
+        n_rows,
+        tiled,
+        tl.program_id(1),
+        tl.arange(0, HEAD_DIM),
+        GROUP,
+        GROUP_PAD,
+        BLOCK_SIZE,
+        KEYS,
+        WINDOW,
+        PRECISION,
+    )
 
 
 @triton.jit(do_not_specialize=["table_row", "n_rows"])
 def paged_tile_kernel(  # noqa: PLR0913
-    Q, KV, TABLES, LENGTHS, ROWS, OUT, scale,
-    q_row, q_head, kv_block, kv_half, kv_slot, kv_head, table_row, out_row, out_head, n_rows,
-    GROUP: tl.constexpr, LINE_GROUP: tl.constexpr, TILE_ROWS: tl.constexpr, TILE_PAD: tl.constexpr,
-    BLOCK_SIZE: tl.constexpr, HEAD_DIM: tl.constexpr, KEYS: tl.constexpr, WINDOW: tl.constexpr,
+    Q,
+    KV,
+    TABLES,
+    LENGTHS,
+    ROWS,
+    OUT,
+    scale,
+    q_row,
+    q_head,
+    kv_block,
+    kv_half,
+    kv_slot,
+    kv_head,
+    table_row,
+    out_row,
+    out_head,
+    n_rows,
+    GROUP: tl.constexpr,
+    LINE_GROUP: tl.constexpr,
+    TILE_ROWS: tl.constexpr,
+    TILE_PAD: tl.constexpr,
+    BLOCK_SIZE: tl.constexpr,
+    HEAD_DIM: tl.constexpr,
+    KEYS: tl.constexpr,
+    WINDOW: tl.constexpr,
     PRECISION: tl.constexpr,
-) -> None:  # fmt: skip
+) -> None:
     """One program per (tile of rows, KV head): :func:`_tile`."""
     _tile(
-        tl.program_id(0), Q, KV, TABLES, LENGTHS, ROWS, OUT, scale, q_row, q_head, kv_block, kv_half, kv_slot,
-        kv_head, table_row, out_row, out_head, n_rows, tl.program_id(1), tl.arange(0, HEAD_DIM), GROUP, LINE_GROUP,
-        TILE_ROWS, TILE_PAD, BLOCK_SIZE, KEYS, WINDOW, PRECISION,
-    )  # fmt: skip
+        tl.program_id(0),
+        Q,
+        KV,
+        TABLES,
+        LENGTHS,
+        ROWS,
+        OUT,
+        scale,
+        q_row,
+        q_head,
+        kv_block,
+        kv_half,
+        kv_slot,
+        kv_head,
+        table_row,
+        out_row,
+        out_head,
+        n_rows,
+        tl.program_id(1),
+        tl.arange(0, HEAD_DIM),
+        GROUP,
+        LINE_GROUP,
+        TILE_ROWS,
+        TILE_PAD,
+        BLOCK_SIZE,
+        KEYS,
+        WINDOW,
+        PRECISION,
+    )

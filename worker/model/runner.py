@@ -94,8 +94,10 @@ class ModelRunner:
         if self.config.fp8 is not None and alloc.torch_device.type == "cuda" and self.config.dtype != "bfloat16":
             raise InvalidArgument("FP8 products on CUDA return bfloat16: an FP8 model there is a bfloat16 one")
         if cuda_graphs and self._kernels is not TRITON_KERNELS:  # before any allocation: a refusal leaves nothing
-            raise InvalidArgument("CUDA graphs need the cuda backend, Triton and a model the Triton kernels take "
-                                  "(worker/model/paged_attention.py's triton_supports)")  # fmt: skip
+            raise InvalidArgument(
+                "CUDA graphs need the cuda backend, Triton and a model the Triton kernels take "
+                "(worker/model/paged_attention.py's triton_supports)"
+            )
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
@@ -103,16 +105,29 @@ class ModelRunner:
             self.source.load_into(self.weights, progress)
         t2 = time.perf_counter()
         nbytes = self.config.param_bytes()
-        log.info("weights: %.2f GB from %s in %.2f s (%.1f GB/s)", nbytes / 1e9, self.source.name, t2 - t1,
-                 nbytes / (t2 - t1) / 1e9 if t2 > t1 else 0.0)  # fmt: skip
+        log.info(
+            "weights: %.2f GB from %s in %.2f s (%.1f GB/s)",
+            nbytes / 1e9,
+            self.source.name,
+            t2 - t1,
+            nbytes / (t2 - t1) / 1e9 if t2 > t1 else 0.0,
+        )
         self._rope = Rope.build(self.config, alloc.torch_device)
         self._fused = fused_layers(self.weights, self.config)
         self.engine = Engine(
-            self.kv_cache, self._run_step, alloc.torch_device, self.config.vocab_size,
-            self.config.max_position_embeddings, lambda: self.source.eos_token_ids,
-            lambda: self._check_awake(WEIGHTS, KV_CACHE), lambda: self.source.text, max_batch, max_step_tokens,
-            max_new_tokens_limit, self.config.long_rope_after,
-        )  # fmt: skip
+            self.kv_cache,
+            self._run_step,
+            alloc.torch_device,
+            self.config.vocab_size,
+            self.config.max_position_embeddings,
+            lambda: self.source.eos_token_ids,
+            lambda: self._check_awake(WEIGHTS, KV_CACHE),
+            lambda: self.source.text,
+            max_batch,
+            max_step_tokens,
+            max_new_tokens_limit,
+            self.config.long_rope_after,
+        )
         self.graphs: DecodeGraphs | None = None
         self.background_capture: BackgroundCapture | None = None
         if cuda_graphs:
@@ -120,9 +135,17 @@ class ModelRunner:
             assert scratch is not None, "a KV cache for graphs has its scratch block"
             rows = min(self.engine.max_step_tokens, max(MIXED_ROWS, max_batch))
             self.graphs = DecodeGraphs(
-                alloc, self.weights, self.config, self._rope, self.kv_cache.device.with_scratch,
-                scratch, max_batch, self._kernels, self._fused, rows,
-            )  # fmt: skip
+                alloc,
+                self.weights,
+                self.config,
+                self._rope,
+                self.kv_cache.device.with_scratch,
+                scratch,
+                max_batch,
+                self._kernels,
+                self._fused,
+                rows,
+            )
             if not defer_graph_capture:
                 self.graphs.capture()
                 graphs, seconds = len(self.graphs.sizes), self.graphs.capture_seconds
@@ -132,8 +155,13 @@ class ModelRunner:
         # replayed (an 8B model's eager step of a few hundred rows took twice its replay's time).
         if self._kernels is TRITON_KERNELS:
             self.engine.paged_rows = self.graphs.max_rows if self.graphs is not None else MIXED_ROWS
-        log.info("model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
-                 time.perf_counter() - t0, t1 - t0, t2 - t1, time.perf_counter() - t2)  # fmt: skip
+        log.info(
+            "model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
+            time.perf_counter() - t0,
+            t1 - t0,
+            t2 - t1,
+            time.perf_counter() - t2,
+        )
 
     @property
     def max_new_tokens_limit(self) -> int:
@@ -324,14 +352,21 @@ class ModelRunner:
             c = self.config
             text = self.source.text
             return ModelInfo(
-                source=self.source.name, family=c.family, dtype=c.dtype, parameter_count=c.param_count(),
-                weights_bytes=c.param_bytes(), vocab_size=c.vocab_size, layer_count=c.num_layers,
-                context_length=c.max_position_embeddings, eos_token_ids=list(self.source.eos_token_ids),
-                has_tokenizer=text is not None, has_chat_template=text is not None and text.has_chat_template,
+                source=self.source.name,
+                family=c.family,
+                dtype=c.dtype,
+                parameter_count=c.param_count(),
+                weights_bytes=c.param_bytes(),
+                vocab_size=c.vocab_size,
+                layer_count=c.num_layers,
+                context_length=c.max_position_embeddings,
+                eos_token_ids=list(self.source.eos_token_ids),
+                has_tokenizer=text is not None,
+                has_chat_template=text is not None and text.has_chat_template,
                 kv_cache=self.kv_cache.stats(),
                 cuda_graph_buckets=list(self.graphs.sizes) if self.graphs is not None else [],
                 cuda_graphs_captured=list(self.graphs.captured) if self.graphs is not None else [],
-            )  # fmt: skip
+            )
 
 
 __all__ = ["DEFAULT_MAX_NEW_TOKENS", "ModelInfo", "ModelRunner"]

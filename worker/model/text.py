@@ -59,8 +59,9 @@ def _raise_exception(message: str) -> None:
     raise jinja2.exceptions.TemplateError(message)
 
 
-def _tojson(x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None,
-            sort_keys: bool = False) -> str:  # fmt: skip
+def _tojson(
+    x: Any, ensure_ascii: bool = False, indent: int | None = None, separators: Any = None, sort_keys: bool = False
+) -> str:
     return json.dumps(x, ensure_ascii=ensure_ascii, indent=indent, separators=separators, sort_keys=sort_keys)
 
 
@@ -124,10 +125,11 @@ class ModelText:
         try:
             return str(
                 self._template.render(
-                    messages=[dict(m) for m in messages], add_generation_prompt=add_generation_prompt,
+                    messages=[dict(m) for m in messages],
+                    add_generation_prompt=add_generation_prompt,
                     **self.special_tokens,
                 )
-            )  # fmt: skip
+            )
         except jinja2.TemplateError as exc:  # raise_exception() in the template: the messages do not fit it
             raise InvalidArgument(f"the chat template refused the messages: {exc}") from None
 
