@@ -437,6 +437,11 @@ def _median(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(xs) if xs else None
 
 
+def _summary(runs: list[dict[str, Any]], *keys: str) -> dict[str, Any]:
+    """The runs, and the median of each of ``keys`` over them (``<key>_median``)."""
+    return {"runs": runs, **{f"{k}_median": _median(runs, k) for k in keys}}
+
+
 def _git_commit() -> str:
     try:
         done = subprocess.run(["git", "rev-parse", "--short", "HEAD"], capture_output=True, text=True, cwd=REPO_ROOT)
@@ -527,7 +532,7 @@ def on_demand_runs(model: str, args: argparse.Namespace, prompt: list[int]) -> d
     finally:
         up.stop()
         shutil.rmtree(root, ignore_errors=True)
-    return {"runs": runs, **{f"{k}_median": _median(runs, k) for k in ("first_token_s", "awake_first_token_s")}}
+    return _summary(runs, "first_token_s", "awake_first_token_s")
 
 
 def run(args: argparse.Namespace) -> dict[str, Any]:
@@ -571,63 +576,49 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             if not args.no_baseline:
                 baselines.append(baseline_run(model, args, prompt))
                 print(f"[bench_startup] transformers {i + 1}: {json.dumps(baselines[-1])}", flush=True)
-        res["worker"] = {
-            "runs": workers,
-            **{
-                f"{k}_median": _median(workers, k)
-                for k in (
-                    "listening_s",
-                    "serving_s",
-                    "first_token_s",
-                    "weights_loaded_s",
-                    "model_layer_imported_at_s",
-                    "graphs_done_at_s",
-                    "graph_capture_s",
-                    "allocator_s",
-                    "allocator_at_s",
-                    "warm_up_s",
-                    "model_built_s",
-                    "ready_at_s",
-                    "first_generate_s",
-                    "second_generate_s",
-                    "after_capture_generate_s",
-                    "first_vs_later",
-                )
-            },
-        }
+        res["worker"] = _summary(
+            workers,
+            "listening_s",
+            "serving_s",
+            "first_token_s",
+            "weights_loaded_s",
+            "model_layer_imported_at_s",
+            "graphs_done_at_s",
+            "graph_capture_s",
+            "allocator_s",
+            "allocator_at_s",
+            "warm_up_s",
+            "model_built_s",
+            "ready_at_s",
+            "first_generate_s",
+            "second_generate_s",
+            "after_capture_generate_s",
+            "first_vs_later",
+        )
         if args.standby:
             runs = []
             for i in range(args.standby):
                 runs.append(worker_run(model, args, prompt, standby=True))
                 print(f"[bench_startup] standby {i + 1}: {json.dumps(runs[-1])}", flush=True)
-            res["standby"] = {
-                "runs": runs,
-                **{
-                    f"{k}_median": _median(runs, k)
-                    for k in (
-                        "standby_ready_s",
-                        "listening_s",
-                        "serving_s",
-                        "first_token_s",
-                        "allocator_s",
-                        "warm_up_s",
-                        "weights_loaded_s",
-                        "first_generate_s",
-                        "first_vs_later",
-                    )
-                },
-            }
+            res["standby"] = _summary(
+                runs,
+                "standby_ready_s",
+                "listening_s",
+                "serving_s",
+                "first_token_s",
+                "allocator_s",
+                "warm_up_s",
+                "weights_loaded_s",
+                "first_generate_s",
+                "first_vs_later",
+            )
         if args.on_demand:
             res["on_demand"] = on_demand_runs(model, args, prompt)
         if args.cold:
             res["cold"] = cold_runs(model, args, prompt)
-        res["transformers"] = {
-            "runs": baselines,
-            **{
-                f"{k}_median": _median(baselines, k)
-                for k in ("loaded_s", "first_token_s", "import_torch_s", "import_transformers_s", "from_pretrained_s")
-            },
-        }
+        res["transformers"] = _summary(
+            baselines, "loaded_s", "first_token_s", "import_torch_s", "import_transformers_s", "from_pretrained_s"
+        )
     except Exception as exc:  # noqa: BLE001 - the run's JSON says what failed
         res["errors"]["run"] = f"{type(exc).__name__}: {exc}"
         print(res["errors"]["run"], file=sys.stderr, flush=True)
