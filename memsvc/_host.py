@@ -296,6 +296,11 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     _checked(policy, f"{where}: [policy]")
     for m in models:
         _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
+        if stop_after and not {**policy, **m.policy}["start_timeout"]:
+            raise InvalidArgument(
+                f"{where}: workers.stop_after needs a start_timeout above 0, and the policy of {m.worker_id} has 0: "
+                "an acquire for it, stopped, would be refused, and nothing would start it"
+            )
     return HostConfig(
         mgr["listen"],
         mgr["metrics_listen"],
@@ -688,22 +693,20 @@ class Host:
             return  # the manager busy or restarting: the next tick looks again
         for w in self.workers.values():
             wk = seen.get(w.entry.worker_id)
-            if wk is None:
-                continue
             if w.stopped:
-                # a manager that restarted since the stop knows the worker but not its model, so the
-                # gateway could not route a request to it: started (and stopped again later) as well
-                unknown = not wk.status.model.served_model_name
-                if wk.waiting_acquires > 0 or unknown:
+                # one the manager no longer lists (deregistered, pruned, or a manager elsewhere that lost
+                # its store), or whose model a restarted manager does not know, cannot be routed to by
+                # the gateway: started (and stopped again later) as well
+                why = _start_reason(wk)
+                if why:
                     self._asleep_neighbours(w, seen)
                     w.stopped, w.asleep_since = False, None
-                    why = (
-                        "its model unknown to a restarted manager"
-                        if unknown and not wk.waiting_acquires
-                        else (f"{wk.waiting_acquires} acquire(s) waiting")
-                    )
                     announce(f"memsvc up: worker {w.entry.worker_id} started on demand ({why})")
+                    applied = w.policy_applied
                     self._start_worker(w)
+                    w.policy_applied = applied  # its overrides stand: sent again, they would be cleared first
+                continue
+            if wk is None:
                 continue
             idle = wk.state == c.WORKER_STATE_ASLEEP and not wk.lease_count and not wk.waiting_acquires
             if not idle or w.proc is None or w.proc.poll() is not None:
@@ -760,6 +763,17 @@ class Host:
             w.sleep_once_loaded = any(e.device == w.entry.device for e in self.config.models if e != w.entry)
             w.stale_address = self._address_of(w.entry.worker_id) if w.sleep_once_loaded else ""
             self._start_worker(w)
+
+
+def _start_reason(wk: Any) -> str:
+    """Why a stopped worker, as the manager lists it (None: not at all), is to start now; "" if not."""
+    if wk is None:
+        return "the manager does not list it"
+    if wk.waiting_acquires > 0:
+        return f"{wk.waiting_acquires} acquire(s) waiting"
+    if not wk.status.model.served_model_name:
+        return "its model unknown to a restarted manager"
+    return ""
 
 
 def run_host(path: str, child_vars: Mapping[str, str] | None = None) -> int:

@@ -234,8 +234,8 @@ def test_the_readme_flag_table_lists_every_worker_flag() -> None:
 def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(command: str) -> None:
     """A command's settings dataclass (memsvc/runtime/flags.py) is its flags: each flag's default, as
     its variable would spell it, parses to the field's default; with no flag and no variable the
-    parser gives exactly the dataclass's defaults; each flag is documented with its variable (the
-    worker's in the README's table, the gateway's in docs/operations.md)."""
+    parser gives exactly the dataclass's defaults; each flag is documented (the worker's in the
+    README's table, with its variable; the gateway's in docs/operations.md's section)."""
     import dataclasses
     import re
 

@@ -397,10 +397,9 @@ def capture_worker(config, listen, manager=None, advertise=None):
     print(json.dumps({**dataclasses.asdict(config), "listen": listen, "manager": manager, "advertise": advertise}))
     return 0
 
-def capture_gateway(listen, manager, security=None, acquire_timeout=None, queue_timeout=None, max_requests=None,
-                    **limits):
-    print(json.dumps({"listen": listen, "manager": manager, "wake_timeout": acquire_timeout,
-                      "queue_timeout": queue_timeout}))
+def capture_gateway(settings):
+    print(json.dumps({"listen": settings.listen, "manager": settings.manager,
+                      "wake_timeout": settings.acquire_timeout, "queue_timeout": settings.queue_timeout}))
     return 0
 
 import memsvc.gateway

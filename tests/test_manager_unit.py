@@ -550,8 +550,10 @@ async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_c
     assert env.manager.metrics.start_timeout.labels("a")._value.get() == 0.2
     await asyncio.sleep(0)  # a forget the tick had spawned would have run now
     assert env.manager.get("a").worker_id == "a", "a worker started on demand is down on purpose: not forgotten"
-    with pytest.raises(Unavailable, match="start_timeout"):  # the caller's deadline, sooner, ends it too
-        await env.manager.acquire("a", 60, "t", "", "", Deadline.after(0.05))
+    env.manager.update_policy("a", m.Policy(start_timeout=Duration(seconds=3600)), ["start_timeout"])
+    with pytest.raises(Unavailable, match="start_timeout"):  # the caller's deadline, much sooner, ends it
+        await asyncio.wait_for(env.manager.acquire("a", 60, "t", "", "", Deadline.after(0.05)), 30)
+    assert env.rec("a").leases == {}
 
 
 async def test_a_silent_worker_is_marked_unavailable_and_its_link_restarted(env: Env) -> None:

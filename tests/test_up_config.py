@@ -100,6 +100,15 @@ class Host:
         except (openai.APIConnectionError, openai.InternalServerError):
             return []
 
+    def text_or_503(self, model: str) -> str | None:
+        """:meth:`text`, or None where the gateway answered 503 (to be asked again)."""
+        try:
+            return self.text(model)
+        except openai.InternalServerError as exc:
+            if exc.status_code != 503:
+                raise
+            return None
+
     def text(self, model: str) -> str:
         r = self.client.chat.completions.create(
             model=model, messages=[{"role": "user", "content": "hi"}], max_tokens=8, temperature=0
@@ -193,7 +202,9 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
     try:
         assert h.proc.proc is not None
         wait_for(lambda: h.listed(), lambda ids: ids == ["alpha", "beta"], what="both models listed", timeout=120)
-        before = h.text("alpha")
+        # alpha slept before beta loaded: its stop may come with this request, which then waits for its
+        # start (or, in the moment of the stop, is refused with 503 and asked again)
+        before = wait_for(lambda: h.text_or_503("alpha"), lambda t: t is not None, what="alpha's text", timeout=120)
         for wid in ("alpha", "beta"):
             wait_for(
                 said,
@@ -206,9 +217,10 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
             lambda ws: all(w.state == c.WORKER_STATE_UNAVAILABLE for w in ws.values()),
             what="both unavailable at the manager",
         )
-        running = [argv for argv in children(h.proc.proc.pid).values() if b"worker" in argv]
-        assert len(running) == 1 and b"--standby" in running[0], (
-            "a worker process outlived its stop (one standby waits)"
+        wait_for(  # the manager sees a stream end before its process has exited
+            lambda: [argv for argv in children(h.proc.proc.pid).values() if b"worker" in argv],  # type: ignore[union-attr]
+            lambda running: len(running) == 1 and b"--standby" in running[0],
+            what="no worker process but the standby that waits",
         )
         policy = h.stub.GetPolicy(m.GetPolicyRequest(name="workers/alpha"), timeout=10).policy
         assert policy.start_timeout.seconds == 300
@@ -293,6 +305,12 @@ def test_stop_after_gives_the_policy_a_start_timeout_unless_the_file_sets_one(tm
     assert cfg.stop_after == 600 and cfg.policy["start_timeout"] == START_TIMEOUT_S
     path.write_text(f"[workers]\nstop_after = 600\n\n[policy]\nstart_timeout = 45\n\n{model}")
     assert load_host_config(path).policy["start_timeout"] == 45
+    path.write_text(f"[workers]\nstop_after = 600\n\n[policy]\nstart_timeout = 0\n\n{model}")
+    with pytest.raises(InvalidArgument, match="stop_after needs a start_timeout above 0"):
+        load_host_config(path)
+    path.write_text(f"[workers]\nstop_after = 600\n\n{model}policy = {{ start_timeout = 0 }}\n")
+    with pytest.raises(InvalidArgument, match="the policy of synthetic-tiny has 0"):
+        load_host_config(path)
     for bad in ("-1", '"10m"', "true"):
         path.write_text(f"[workers]\nstop_after = {bad}\n\n{model}")
         with pytest.raises(InvalidArgument, match="workers.stop_after must be a number of seconds"):

@@ -112,7 +112,7 @@ class Settings:
         parse=int_at_least(1),
         env="GATEWAY_PROCESSES",
     )
-    """Above 1: memsvc/gateway/processes.py; each child serves with these settings and ``processes`` 1."""
+    """Above 1: memsvc/gateway/processes.py starts that many children, each serving with these settings."""
     security: Security | None = None
     """TLS and the token (memsvc/runtime/auth.py): the auth flags every command shares."""
 

@@ -39,6 +39,12 @@ from memsvc.vocabulary import WorkerState
 log = logging.getLogger("memsvc.manager")
 
 
+def _sooner(a: Deadline, b: Deadline) -> Deadline:
+    """The earlier of two deadlines (one without a time is no bound)."""
+    ats = [x for x in (a.at(), b.at()) if x is not None]
+    return Deadline(min(ats) if ats else None)
+
+
 class Leases:
     def __init__(
         self,
@@ -185,12 +191,12 @@ class Leases:
         while True:
             state = rec.state
             if state == WorkerState.UNAVAILABLE:
-                reachable_by = reachable_by or self._start_window(rec, deadline)
-                if reachable_by.passed():
-                    limit = self._policies.effective(rec.name).start_timeout
+                limit = self._policies.effective(rec.name).start_timeout
+                reachable_by = reachable_by or Deadline.after(limit)
+                if reachable_by.passed() or deadline.passed():
                     waited = f": not reachable within its start_timeout ({limit:g} s) or the deadline" if limit else ""
                     raise Unavailable(f"worker {rec.worker_id} is unavailable{waited}", metadata={"name": rec.name})
-                await rec.wait_changed(reachable_by)
+                await rec.wait_changed(_sooner(reachable_by, deadline))
                 continue
             if state == WorkerState.AWAKE and not rec.in_transition:
                 # An idle or budget sleep in flight holds the lock while the state still reads AWAKE:
@@ -209,17 +215,19 @@ class Leases:
             async with rec.lock:
                 if rec.state in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE) and not rec.in_transition:
                     wake = lambda: self._calls.wake(rec, [], "", deadline, "AcquireWorker")  # noqa: E731
-                    await self._budgets.wake_with_room(rec, None, deadline, wake)
+                    try:
+                        await self._budgets.wake_with_room(rec, None, deadline, wake)
+                    except Unavailable:
+                        # its process went away under the wake (memsvc up stopping it just then): one
+                        # started on demand is waited for like any other unavailable one
+                        if not self._started_on_demand_and_down(rec):
+                            raise
+                        continue
                     rec.idle_since = time.time()  # if the grant fails now, the idle clock counts from the wake
 
-    def _start_window(self, rec: WorkerRecord, deadline: Deadline) -> Deadline:
-        """Until when an acquire that found ``rec`` unavailable waits for it: its policy's
-        ``start_timeout`` from now (already passed where that is 0), or the caller's deadline if
-        sooner. Registering again ends the wait (the worker's status changes)."""
-        limit = self._policies.effective(rec.name).start_timeout
-        at = time.monotonic() + limit
-        caller = deadline.at()
-        return Deadline(at if caller is None else min(at, caller))
+    def _started_on_demand_and_down(self, rec: WorkerRecord) -> bool:
+        """``rec`` is unavailable and its policy waits for it to start (``start_timeout`` above 0)."""
+        return rec.state == WorkerState.UNAVAILABLE and self._policies.effective(rec.name).start_timeout > 0
 
     def release(self, lease_id: str, expired: bool = False) -> WorkerRecord:
         if not lease_id:

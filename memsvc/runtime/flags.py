@@ -244,7 +244,7 @@ class Setting:
     """``--name``; empty: the field's name with ``-`` for ``_``."""
     text: str | None = None
     """The default as the flag and its variable spell it, where ``str(default)`` would not (a size,
-    ``auto`` for None); :func:`add_settings` checks that it parses to the field's default."""
+    ``auto`` for None); tests/test_cli_env.py checks that it parses to the field's default."""
     choices: tuple[str, ...] | None = None
     on_off: bool = False
     """``--name`` / ``--no-name``, a bool (its variable 1/0, true/false, yes/no, on/off)."""
@@ -252,15 +252,19 @@ class Setting:
     """The variable's name after ``MEMSVC_``; empty: the flag's name (``--kv-blocks``: KV_BLOCKS)."""
 
 
+_SETTING = "memsvc.setting"
+"""The key of a field's :class:`Setting` in its dataclass metadata."""
+
+
 def setting(default: Any, help: str, **how: Any) -> Any:  # noqa: A002 - argparse's name
     """A dataclass field that is also a flag ``--name`` with the variable ``MEMSVC_NAME``: its default
     is ``default``, and ``how`` holds :class:`Setting`'s other fields."""
-    return dataclasses.field(default=default, metadata={"setting": Setting(help, **how)})
+    return dataclasses.field(default=default, metadata={_SETTING: Setting(help, **how)})
 
 
 def settings_of(cls: type) -> list[tuple[dataclasses.Field[Any], Setting]]:
     """The fields of the dataclass ``cls`` that are flags, in their order, with their settings."""
-    return [(f, f.metadata["setting"]) for f in dataclasses.fields(cls) if "setting" in f.metadata]
+    return [(f, f.metadata[_SETTING]) for f in dataclasses.fields(cls) if _SETTING in f.metadata]
 
 
 def flag_name(f: dataclasses.Field[Any], s: Setting) -> str:
