@@ -683,8 +683,8 @@ class Host:
         the start: the model loads with room. A stopped one whose model a restarted manager does not
         know is started too, to tell it.
 
-        An acquire that comes between the look and the stop finds the process going: its wake fails
-        (503 with Retry-After at the gateway) and its retry waits for the start like any other."""
+        An acquire that comes between the look and the stop finds the process going: its wake fails,
+        and the manager then waits for the start as for any other (memsvc/manager/leases.py)."""
         from memsvc.v1 import common_pb2 as c
 
         try:
