@@ -365,9 +365,11 @@ class Host:
     def _spawn(self, argv: list[str]) -> subprocess.Popen[bytes]:
         return subprocess.Popen(argv, env=self.env)
 
-    def _start_worker(self, w: _Worker) -> None:
+    def _start_worker(self, w: _Worker, apply_policy: bool = True) -> None:
         """Start ``w``'s worker: handed to the standby of its device where there is one (its flags on its
-        stdin; worker/standby.py), else a new process; then a new standby there, where the file asks."""
+        stdin; worker/standby.py), else a new process; then a new standby there, where the file asks.
+        ``apply_policy``: send its overrides once it has registered (False: those the manager holds
+        already stand)."""
         flags = w.entry.flags(self.config.manager)
         key = (w.entry.backend, w.entry.device)
         standby = self.standbys.pop(key, None)
@@ -382,7 +384,8 @@ class Host:
                 pass
         if w.proc is None:
             w.proc = self._spawn([*MEMSVC, "worker", *flags])
-        w.started, w.policy_applied = time.monotonic(), False
+        w.started = time.monotonic()
+        w.policy_applied = w.policy_applied and not apply_policy
         if self.config.standby and not self._stopping:
             self._spawn_standby(key)
 
@@ -702,9 +705,7 @@ class Host:
                     self._asleep_neighbours(w, seen)
                     w.stopped, w.asleep_since = False, None
                     announce(f"memsvc up: worker {w.entry.worker_id} started on demand ({why})")
-                    applied = w.policy_applied
-                    self._start_worker(w)
-                    w.policy_applied = applied  # its overrides stand: sent again, they would be cleared first
+                    self._start_worker(w, apply_policy=False)  # its overrides stand (sent again, cleared first)
                 continue
             if wk is None:
                 continue

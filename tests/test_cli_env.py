@@ -216,12 +216,16 @@ def test_help_shows_each_flags_default_and_its_variable() -> None:
                 assert f"${variable})" in text, f"memsvc {command} --help does not name {variable}"
 
 
+def section(doc: str, heading: str) -> str:
+    """The text of the section ``## <heading>`` of the repository's file ``doc``, up to the next one."""
+    text = (Path(__file__).resolve().parent.parent / doc).read_text()
+    return text.split(f"\n## {heading}", 1)[1].split("\n## ", 1)[0]
+
+
 def test_the_readme_flag_table_lists_every_worker_flag() -> None:
     import re
 
-    readme = (Path(__file__).resolve().parent.parent / "README.md").read_text()
-    section = readme.split("## Configuration", 1)[1].split("\n## ", 1)[0]
-    listed = set(re.findall(r"`(--[a-z0-9-]+)`", section))
+    listed = set(re.findall(r"`(--[a-z0-9-]+)`", section("README.md", "Configuration")))
     parser = cli.build_parser()
     sub = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
     worker = sub.choices["worker"]
@@ -249,30 +253,25 @@ def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(com
         "a field without a flag"
     )
     for f, s in settings:
+        if s.on_off:
+            continue  # its text is made from its default: the parser's default below checks it
         parsed = s.parse(default_text(f, s)) if s.parse else default_text(f, s)
-        assert parsed == f.default or (s.on_off and default_text(f, s) == ("1" if f.default else "0")), f.name
+        assert parsed == f.default, f.name
     with pytest.MonkeyPatch.context() as mp:
         for k in [k for k in os.environ if k.startswith("MEMSVC_")]:
             mp.delenv(k)
         args = cli.parse(cli.build_parser(), [command])
     assert cls(**settings_from(cls, args)) == cls()
-    root = Path(__file__).resolve().parent.parent
     if command == "worker":
-        readme = (root / "README.md").read_text()
-        rows = [
-            line
-            for line in readme.split("## Configuration", 1)[1].split("\n## ", 1)[0].splitlines()
-            if line.startswith("| `--")
-        ]
+        rows = [line for line in section("README.md", "Configuration").splitlines() if line.startswith("| `--")]
         for f, s in settings:
             row = next((r for r in rows if re.search(rf"`{flag_name(f, s)}`", r.split("|")[1])), None)
             assert row is not None, f"README: no row for {flag_name(f, s)}"
             assert f"`{variable(f, s)}`" in row.split("|")[2], f"README: {flag_name(f, s)}'s row lacks {variable(f, s)}"
     else:
-        ops = (root / "docs" / "operations.md").read_text()
-        section = ops.split("\n## The gateway", 1)[1].split("\n## ", 1)[0]
+        gateway = section("docs/operations.md", "The gateway")
         for f, s in settings:
-            assert re.search(rf"{flag_name(f, s)}\b", section), (
+            assert re.search(rf"{flag_name(f, s)}\b", gateway), (
                 f"docs/operations.md's gateway section: no {flag_name(f, s)}"
             )
 

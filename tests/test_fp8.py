@@ -27,7 +27,7 @@ import torch
 import transformers
 from hf_models import init_weights
 from safetensors.torch import load_file, save_file
-from test_reference import relative_errors
+from test_reference import BASE, relative_errors
 from workerproc import WorkerProcess
 
 from memsvc.errors import InvalidArgument
@@ -41,19 +41,6 @@ from worker.model.decoder import FP8_MAX, Rope, forward, fp8_product, project
 FP8 = torch.float8_e4m3fn
 PROMPT = [3, 17, 101, 42, 7, 250, 19, 88]
 NEW = 24
-BASE: dict[str, Any] = {
-    "vocab_size": 256,
-    "hidden_size": 64,
-    "intermediate_size": 128,
-    "num_hidden_layers": 2,
-    "num_attention_heads": 4,
-    "num_key_value_heads": 2,
-    "max_position_embeddings": 256,
-    "rms_norm_eps": 1e-6,
-    "bos_token_id": None,
-    "eos_token_id": None,
-    "pad_token_id": None,
-}
 BLOCKS: dict[str, Any] = {"hidden_size": 128, "intermediate_size": 256, "num_key_value_heads": 4}
 """The block scheme's model: every width a multiple of 128 (head_dim 32, four query and key/value heads)."""
 ACCURACY_SLACK = 1.5

@@ -117,7 +117,7 @@ class Case:
     whole sequence per token (see PHI3_LONGROPE)."""
 
 
-BASE = {
+BASE: dict[str, Any] = {
     "vocab_size": 256,
     "hidden_size": 64,
     "intermediate_size": 128,
