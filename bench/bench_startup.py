@@ -61,6 +61,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import processes
+from memsvc.runtime.bytecode import uncompiled
 from memsvc.v1 import common_pb2 as c
 from memsvc.v1 import model_worker_service_pb2 as w
 from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
@@ -92,6 +93,15 @@ _STANDBY_READY = re.compile(r"^memsvc worker standby ready on \S+ in [\d.]+ s")
 _GRAPH = re.compile(r"cuda graphs: batch (?P<b>\d+) captured in (?P<s>[\d.]+) s")
 _GRAPHS_END = re.compile(r"buckets captured in the background|CUDA graphs off")
 """The last capture, or the worker's warning that it decodes eagerly (a model the graphs do not suit)."""
+
+KEEP_BYTECODE = "from memsvc.runtime.bytecode import default_dir, keep_bytecode; keep_bytecode(default_dir())\n"
+"""Every other process the bench times keeps its compiled modules as ``memsvc worker`` does (memsvc/
+runtime/bytecode.py): where the installed packages have none, transformers would otherwise pay the
+compile of torch at every start and the worker would not, which is not the comparison asked for."""
+
+PRIME = KEEP_BYTECODE + "import torch, transformers, transformers.models.llama.modeling_llama\n"
+"""Run once before the timed starts (as the worker's uncounted warm-up start does for its own): the
+byte-code of what transformers' path imports, written where keeping it applies."""
 
 BASELINE = r"""
 import json, sys, time
@@ -180,7 +190,7 @@ print(json.dumps(out), flush=True)
 
 
 def probe_run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    proc = Spawned([sys.executable, "-c", PROBE, mode, args.backend, ",".join(MODEL_LAYER)])
+    proc = Spawned([sys.executable, "-c", KEEP_BYTECODE + PROBE, mode, args.backend, ",".join(MODEL_LAYER)])
     try:
         done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
         return {"process_s": done, **json.loads(mt.group(0))}
@@ -192,7 +202,7 @@ def import_times(args: argparse.Namespace, top: int = 15) -> list[dict[str, Any]
     """``python -X importtime`` over the model layer's imports: each package by the cumulative time of
     its costliest import line (its first import, as the worker pays it; a package another imports is
     counted in both, e.g. numpy in torch)."""
-    code = "import " + ", ".join(MODEL_LAYER)
+    code = KEEP_BYTECODE + "import " + ", ".join(MODEL_LAYER)
     if args.backend == "cuda":
         code += "; import triton"
     done = subprocess.run(
@@ -392,7 +402,7 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
 def baseline_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     """transformers' ``from_pretrained`` and one token in a fresh process (see the module docstring, B)."""
     device = "cuda" if args.backend == "cuda" else "cpu"
-    proc = Spawned([sys.executable, "-c", BASELINE, model, device, json.dumps(prompt)])
+    proc = Spawned([sys.executable, "-c", KEEP_BYTECODE + BASELINE, model, device, json.dumps(prompt)])
     try:
         loaded, _ = proc.wait_for(re.compile(r"^loaded$"), START_TIMEOUT_S)
         first, _ = proc.wait_for(re.compile(r"^first token$"), START_TIMEOUT_S)
@@ -403,7 +413,7 @@ def baseline_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dic
 
 
 def import_torch_run(args: argparse.Namespace) -> dict[str, Any]:
-    proc = Spawned([sys.executable, "-c", IMPORT_TORCH, args.backend])
+    proc = Spawned([sys.executable, "-c", KEEP_BYTECODE + IMPORT_TORCH, args.backend])
     try:
         done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
         return {"process_s": done, **json.loads(mt.group(0))}
@@ -542,6 +552,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "commit": os.environ.get("MEMSVC_COMMIT") or _git_commit(),
         **_device(),
         "flags": {k: str(v) for k, v in vars(args).items()},
+        "bytecode": {  # whether the worker keeps its compiled modules (memsvc/runtime/bytecode.py) here
+            "torch_installed_without": uncompiled("torch"),
+            "dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
+        },
         "errors": {},
     }
     try:
@@ -568,6 +582,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.warmup):
             print(f"[bench_startup] warm-up {i + 1}/{args.warmup} (not counted) ...", flush=True)
             worker_run(model, args, prompt)
+        if args.warmup and not args.no_baseline:
+            subprocess.run([sys.executable, "-c", PRIME], cwd=REPO_ROOT, check=True, timeout=START_TIMEOUT_S)
         workers: list[dict[str, Any]] = []
         baselines: list[dict[str, Any]] = []
         for i in range(args.repeats):

@@ -66,6 +66,19 @@ def _log_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bytecode_flag(p: argparse.ArgumentParser) -> None:
+    """Where a service keeps its compiled modules when the installation keeps none (memsvc.runtime.bytecode)."""
+    from memsvc.runtime.bytecode import default_dir
+
+    p.add_argument(
+        "--bytecode-cache",
+        default=env("BYTECODE_CACHE", default_dir()),
+        help="directory for the byte-code of modules installed without it that this interpreter may not write "
+        "beside them (PYTHONDONTWRITEBYTECODE, a read-only site-packages): later starts import from it; 'off': "
+        "compile at every start",
+    )
+
+
 def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
     """Token and TLS of a server; the same settings configure its outgoing channels."""
     _client_auth_flags(p)
@@ -131,6 +144,7 @@ def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[typ
     )
     _server_auth_flags(p, worker=True)
     _log_flags(p)
+    _bytecode_flag(p)
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -140,6 +154,7 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     add_settings(p, Settings)  # Settings' fields
     _client_auth_flags(p)
     _log_flags(p)
+    _bytecode_flag(p)
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -172,6 +187,7 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
     _policy_flags(p)
     _server_auth_flags(p)
     _log_flags(p)
+    _bytecode_flag(p)
 
 
 def _policy_flags(p: argparse.ArgumentParser) -> None:
@@ -306,6 +322,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help="seconds idle before a sleeper drops to level 2 (tier 2; 0: never)",
     )
     _log_flags(p)
+    _bytecode_flag(p)
     g = p.add_argument_group("auth (passed to both services; see memsvc manager --help)")
     g.add_argument("--token-file", default=None, help="bearer token file for both services and their channels")
     g.add_argument("--tls-cert", default=None, help="certificate (SAN 127.0.0.1) both services serve TLS with")
@@ -360,6 +377,7 @@ def _up_child_vars(args: argparse.Namespace) -> dict[str, str]:
         },
         "MEMSVC_LOG_LEVEL": args.log_level,
         "MEMSVC_LOG_FORMAT": args.log_format,
+        "MEMSVC_BYTECODE_CACHE": args.bytecode_cache,
     }
 
 
@@ -621,6 +639,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         from memsvc.runtime.logs import configure
 
         configure(args.log_level, args.log_format)
+    if args.command in ("manager", "worker", "gateway", "up"):
+        _keep_bytecode(args.bytecode_cache)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
 
@@ -674,6 +694,21 @@ def main(argv: Sequence[str] | None = None) -> int:
         return _worker(parser, args)
     parser.error(f"unknown command {args.command}")
     return 2
+
+
+def _keep_bytecode(directory: str) -> None:
+    """Before a service's imports: its compiled modules kept between starts where the installation keeps none."""
+    import logging
+
+    from memsvc.runtime.bytecode import keep_bytecode
+
+    kept = keep_bytecode(directory)
+    if kept is not None:
+        logging.getLogger("memsvc").info(
+            "compiled modules are kept in %s: the installed packages have none and this interpreter does not write "
+            "them beside their sources (--bytecode-cache)",
+            kept,
+        )
 
 
 def _standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:

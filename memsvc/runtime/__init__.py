@@ -10,7 +10,9 @@ and HTTP services, one module per concern.
 - :mod:`~memsvc.runtime.limits`: every bound on what a client can send or make a server keep;
 - :mod:`~memsvc.runtime.logs`: stderr logging as text or JSON, and the stdout lines scripts wait for;
 - :mod:`~memsvc.runtime.metrics`: what every Prometheus registry of ours shares;
-- :mod:`~memsvc.runtime.swap_forms`: the forms a SwapBlocks request names its blocks in.
+- :mod:`~memsvc.runtime.swap_forms`: the forms a SwapBlocks request names its blocks in;
+- :mod:`~memsvc.runtime.flags`: command-line settings, their ``MEMSVC_*`` variables and value types;
+- :mod:`~memsvc.runtime.bytecode`: compiled modules kept between starts where the installation keeps none.
 
 Who imports it: ``memsvc.manager``, ``memsvc.gateway``, ``memsvc.cli`` and ``memsvc up``, the client
 SDK (``memsvc.client``, and ``memsvc`` re-exports :class:`~memsvc.runtime.auth.Security`,
