@@ -74,6 +74,11 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
             if config.backend != "host" and importlib.util.find_spec("triton") is not None:
                 importlib.import_module("triton")  # last: the load does not wait for it, the first kernel launch does
                 log.info("triton imported in %.2f s", time.perf_counter() - t1)
+                t2 = time.perf_counter()
+                from worker.model.kernels import hash_ahead
+
+                hash_ahead()  # while the weights load
+                log.info("triton: kernel hashes made in %.2f s", time.perf_counter() - t2)
         except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
             log.debug("importing the model layer failed; the load reports it", exc_info=True)
 

@@ -50,7 +50,9 @@ def prepare(backend: str, device: int) -> str:
     resolved = resolve_backend(backend)
     if resolved == "cuda":
         if importlib.util.find_spec("triton") is not None:
-            importlib.import_module("triton")
+            from worker.model.kernels import hash_ahead
+
+            hash_ahead()  # Triton imported, and what its first launch of each kernel would hash
         torch.cuda.set_device(device)
         x = torch.ones(64, 64, device=f"cuda:{device}", dtype=torch.bfloat16)
         float((x @ x).sum())  # the primary context (the allocator's too), cuBLAS's handle, a first kernel

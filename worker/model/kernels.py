@@ -17,6 +17,8 @@ their cache slots (RoPE's arithmetic above). tests/gpu/test_cuda_engine.py measu
 
 from __future__ import annotations
 
+import contextlib
+import threading
 from typing import Any
 
 import torch
@@ -26,6 +28,7 @@ from worker.model.decoder import Kernels
 from worker.model.paged_attention import graphs_supported, next_pow2, torch_paged_decode, triton_paged_decode
 
 _compiled: dict[str, Any] = {}
+_building = threading.Lock()
 
 
 def _build() -> dict[str, Any]:
@@ -143,8 +146,29 @@ def _build() -> dict[str, Any]:
 
 def _kernel(name: str) -> Any:
     if not _compiled:
-        _compiled.update(_build())
+        with _building:  # the device thread, or the import thread's hash_ahead
+            if not _compiled:
+                _compiled.update(_build())
     return _compiled[name]
+
+
+def hash_ahead() -> None:
+    """Make the hashes Triton makes before a process's first launch of each kernel, even one its disk
+    cache holds: of Triton's own files (its shared library is over a hundred MB) and of each kernel's
+    source with the functions it calls. On an H100 host they were 0.5-0.7 s of the warm-up's first
+    step, on the device thread, before any kernel ran (py-spy, 2026-12-05); a thread that starts
+    before the model is loaded makes them meanwhile. Both are memoised in the process (the kernels'
+    under a lock, so two threads asking at once wait for one hash). ``triton_key`` is Triton's
+    internal (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it."""
+    with contextlib.suppress(ImportError):
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
+
+    _kernel("rms_norm")  # builds them all
+    for kernel in (*_compiled.values(), paged_decode_kernel, paged_tile_kernel):
+        kernel.cache_key  # noqa: B018 - a memoised property: the hash is the point
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
