@@ -81,6 +81,7 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
     "read_ahead": re.compile(r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read in (?P<s>[\d.]+) s"),
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
+    "triton_hashed": re.compile(r"triton: kernel hashes made in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
     "warm_up": re.compile(r"warm-up: kernels compiled.* in (?P<s>[\d.]+) s"),
