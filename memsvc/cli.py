@@ -25,7 +25,6 @@ from memsvc.runtime.flags import (
     listen_address,
     listen_or_none,
     non_negative_seconds,
-    seconds_or_unset,
     settings_from,
 )
 
@@ -158,56 +157,13 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
+    from memsvc.manager.serve_settings import ServeSettings
+
     p = sub.add_parser("manager", help="serve MemoryManagerService")
-    p.add_argument(
-        "--listen",
-        type=listen_address,
-        default=env("MANAGER_LISTEN", "127.0.0.1:50051"),
-        help="host:port to serve on (0: any port)",
-    )
-    p.add_argument(
-        "--db",
-        default=env("DB", "memsvc-manager.db"),
-        help="where policies, registrations and leases live: a SQLite file, or postgresql://user@host/db for "
-        "several replicas (one leads, the others forward to it; needs memsvc[postgres])",
-    )
-    p.add_argument(
-        "--advertise",
-        default=env("ADVERTISE", ""),
-        help="with a postgresql:// --db: host:port the other replicas forward to (default: the listen address, "
-        "this host's name for a wildcard)",
-    )
-    p.add_argument("--config", default=env("CONFIG", ""), help="TOML or YAML: default policy, static workers, timing")
-    p.add_argument(
-        "--metrics-listen",
-        type=listen_or_none,
-        default=env("METRICS_LISTEN", ""),
-        help="host:port of Prometheus /metrics",
-    )
-    _policy_flags(p)
+    add_settings(p, ServeSettings)  # ServeSettings' fields
     _server_auth_flags(p)
     _log_flags(p)
     _bytecode_flag(p)
-
-
-def _policy_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--idle-sleep-timeout",
-        type=seconds_or_unset,
-        default=env("IDLE_SLEEP_TIMEOUT", ""),
-        help="seed: seconds idle before tier 1 (0: never)",
-    )
-    p.add_argument(
-        "--idle-deep-sleep-timeout",
-        type=seconds_or_unset,
-        default=env("IDLE_DEEP_SLEEP_TIMEOUT", ""),
-        help="seed: seconds idle before tier 2, level 2 (0: never)",
-    )
-
-
-def _policy_seed(args: argparse.Namespace) -> dict[str, float]:
-    names = ("idle_sleep_timeout", "idle_deep_sleep_timeout")
-    return {name: value for name in names if (value := getattr(args, name)) is not None}
 
 
 def _manager_flag(p: argparse.ArgumentParser) -> None:
@@ -578,7 +534,7 @@ def build_parser() -> argparse.ArgumentParser:
     return parser
 
 
-_UNSET_WHEN_EMPTY = ("manager", "advertise", "config", "metrics_listen")
+_UNSET_WHEN_EMPTY = ("manager", "advertise")
 """Flags whose empty default (no variable set, or set to "") means "none": None to the services."""
 
 
@@ -643,17 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         _keep_bytecode(args.bytecode_cache)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
+        from memsvc.manager.serve_settings import ServeSettings
 
         security = _security(args, parser, server=True)
-        return run_manager(
-            args.listen,
-            args.db,
-            args.config,
-            args.metrics_listen,
-            _policy_seed(args),
-            **_security_kwargs(security),  # type: ignore[arg-type]
-            advertise=args.advertise,
-        )
+        return run_manager(ServeSettings(**settings_from(ServeSettings, args)), **_security_kwargs(security))  # type: ignore[arg-type]
     if args.command == "gateway":
         from memsvc.gateway import Settings
         from memsvc.gateway import run as run_gateway

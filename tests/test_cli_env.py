@@ -15,7 +15,7 @@ from typing import Any
 import pytest
 
 from memsvc import cli
-from memsvc.runtime.flags import parse_bytes
+from memsvc.runtime.flags import parse_bytes, text_or_none
 
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 
@@ -52,9 +52,8 @@ def _variables_with_a_form() -> list[tuple[str, str]]:
     for command in ("worker", "manager", "gateway"):
         for action in sub.choices[command]._actions:
             variable = getattr(action.default, "variable", None)
-            if variable and (
-                action.type is not None or action.choices is not None or "--no-" in str(action.option_strings)
-            ):
+            formed = action.type not in (None, text_or_none)  # text_or_none: free-form, or unset
+            if variable and (formed or action.choices is not None or "--no-" in str(action.option_strings)):
                 found.append((command, variable))
     return found
 
@@ -234,20 +233,22 @@ def test_the_readme_flag_table_lists_every_worker_flag() -> None:
     assert flags <= listed, f"worker flags missing from README's Configuration: {sorted(flags - listed)}"
 
 
-@pytest.mark.parametrize("command", ["worker", "gateway"])
+@pytest.mark.parametrize("command", ["worker", "gateway", "manager"])
 def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(command: str) -> None:
     """A command's settings dataclass (memsvc/runtime/flags.py) is its flags: each flag's default, as
     its variable would spell it, parses to the field's default; with no flag and no variable the
     parser gives exactly the dataclass's defaults; each flag is documented (the worker's in the
-    README's table, with its variable; the gateway's in docs/operations.md's section)."""
+    README's table, with its variable; the manager's in the README's paragraph, with its variable;
+    the gateway's in docs/operations.md's section)."""
     import dataclasses
     import re
 
     from memsvc.gateway import Settings
+    from memsvc.manager.serve_settings import ServeSettings
     from memsvc.runtime.flags import default_text, flag_name, settings_from, settings_of, variable
     from worker.config import WorkerConfig
 
-    cls: type[Any] = WorkerConfig if command == "worker" else Settings
+    cls: type[Any] = {"worker": WorkerConfig, "gateway": Settings, "manager": ServeSettings}[command]
     settings = settings_of(cls)
     assert {f.name for f, _ in settings} == {f.name for f in dataclasses.fields(cls)} - {"security"}, (
         "a field without a flag"
@@ -268,6 +269,12 @@ def test_each_setting_is_the_one_definition_of_its_flag_variable_and_default(com
             row = next((r for r in rows if re.search(rf"`{flag_name(f, s)}`", r.split("|")[1])), None)
             assert row is not None, f"README: no row for {flag_name(f, s)}"
             assert f"`{variable(f, s)}`" in row.split("|")[2], f"README: {flag_name(f, s)}'s row lacks {variable(f, s)}"
+    elif command == "manager":
+        paragraph = section("README.md", "Configuration").split("Manager flags:", 1)[1]
+        for f, s in settings:
+            assert re.search(rf"`{flag_name(f, s)}` \(`{variable(f, s)}`", paragraph), (
+                f"README's manager flags: no `{flag_name(f, s)}` (`{variable(f, s)}`"
+            )
     else:
         gateway = section("docs/operations.md", "The gateway")
         for f, s in settings:

@@ -6,7 +6,6 @@ import asyncio
 import logging
 import socket
 import sys
-from typing import Any
 
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.manager.config import load_config
@@ -14,6 +13,7 @@ from memsvc.manager.controller import Manager
 from memsvc.manager.links import grpc_links
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.replicas import LeaderLock, Replica, advertised
+from memsvc.manager.serve_settings import ServeSettings
 from memsvc.manager.servicer import MemoryManagerServicer
 from memsvc.manager.store import Store, open_store
 from memsvc.runtime.auth import Security
@@ -26,15 +26,7 @@ log = logging.getLogger("memsvc.manager")
 SERVICE_NAME = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 
 
-async def serve(
-    listen: str,
-    db: str,
-    config: str | None,
-    metrics_listen: str | None,
-    policy: dict[str, Any],
-    security: Security | None = None,
-    advertise: str = "",
-) -> int:
+async def serve(settings: ServeSettings, security: Security | None = None) -> int:
     """Serve until SIGTERM; 0 after a clean stop, 2 when the manager refuses to start, 1 when a
     leading replica lost its database session (memsvc/manager/replicas.py: its supervisor starts it
     again, as a follower).
@@ -48,8 +40,8 @@ async def serve(
     """
     sec = security or Security()
     try:
-        cfg = load_config(config)
-        store = open_store(db)
+        cfg = load_config(settings.config)
+        store = open_store(settings.db)
     except MemsvcError as exc:
         return _refuse(exc)
     stop = asyncio.Event()
@@ -61,11 +53,11 @@ async def serve(
     manager: Manager | None = None
     srv: Server | None = None
     try:
-        if metrics_listen:
-            host, port = _serve_metrics(metrics, metrics_listen, sec.token)  # /metrics behind the token too
+        if settings.metrics_listen:
+            host, port = _serve_metrics(metrics, settings.metrics_listen, sec.token)  # /metrics behind the token too
             announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
         srv = await start_server(
-            listen,
+            settings.listen,
             [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME],
             [replica.interceptor()] if replica else (),
@@ -75,14 +67,15 @@ async def serve(
         await srv.set_serving(False, SERVICE_NAME)  # until it leads
         announce(f"memsvc manager listening on {srv.address}")
         if replica is not None:
-            replica.advertise = advertised(srv.address, advertise, socket.gethostname)
+            replica.advertise = advertised(srv.address, settings.advertise or "", socket.gethostname)
             announce(f"memsvc manager replica {replica.advertise} on {store.where}: following until it leads")
             if not await replica.follow_until_leading(stop):
                 await _close(srv, None, replica, store)
                 announce("memsvc manager stopped")
                 return 0
         # the manager dials its workers with its own TLS identity and token
-        manager = Manager(store, cfg.settings, {**cfg.policy_fields, **policy}, cfg.workers, grpc_links(sec), metrics)
+        policy = {**cfg.policy_fields, **settings.policy_seed()}
+        manager = Manager(store, cfg.settings, policy, cfg.workers, grpc_links(sec), metrics)
         await manager.start()
         servicer.lead(manager)
         if replica is not None:
@@ -133,13 +126,5 @@ def _refuse(exc: MemsvcError) -> int:
     return 2
 
 
-def run(
-    listen: str,
-    db: str,
-    config: str | None,
-    metrics_listen: str | None,
-    policy: dict[str, Any],
-    security: Security | None = None,
-    advertise: str = "",
-) -> int:
-    return run_service(serve(listen, db, config, metrics_listen, policy, security, advertise))
+def run(settings: ServeSettings, security: Security | None = None) -> int:
+    return run_service(serve(settings, security))

@@ -139,6 +139,11 @@ def listen_address(text: str) -> str:
     return text.strip()
 
 
+def text_or_none(text: str) -> str | None:
+    """A flag's text as given, or None for '' ("not set": the service's own default stands)."""
+    return text if text.strip() else None
+
+
 def listen_or_none(text: str) -> str:
     """A listen address, or '' for "do not serve this"."""
     return "" if text.strip() == "" else listen_address(text)
