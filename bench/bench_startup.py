@@ -100,9 +100,11 @@ KEEP_BYTECODE = "from memsvc.runtime.bytecode import default_dir, keep_bytecode;
 runtime/bytecode.py): where the installed packages have none, transformers would otherwise pay the
 compile of torch at every start and the worker would not, which is not the comparison asked for."""
 
-PRIME = KEEP_BYTECODE + "import torch, transformers, transformers.models.llama.modeling_llama\n"
-"""Run once before the timed starts (as the worker's uncounted warm-up start does for its own): the
-byte-code of what transformers' path imports, written where keeping it applies."""
+PRIME = KEEP_BYTECODE + (
+    "import torch\ntry:\n    import transformers.models.llama.modeling_llama\nexcept ImportError:\n    pass\n"
+)
+"""Run once before anything is timed: the byte-code of what the probes and transformers' path import,
+written where keeping it applies (the worker's uncounted warm-up start writes the rest of its own)."""
 
 BASELINE = r"""
 import json, sys, time
@@ -556,6 +558,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         "bytecode": {  # whether the worker keeps its compiled modules (memsvc/runtime/bytecode.py) here
             "torch_installed_without": uncompiled("torch"),
             "dont_write_bytecode": bool(sys.flags.dont_write_bytecode),
+            "pycache_prefix": os.environ.get("PYTHONPYCACHEPREFIX", ""),  # a caller's own: then left alone
+            "bytecode_cache": os.environ.get("MEMSVC_BYTECODE_CACHE", ""),  # "off": not kept
         },
         "errors": {},
     }
@@ -574,6 +578,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         from bench.bench_loader import read_once
 
         read_once(sorted(Path(model).glob("*.safetensors")))
+        subprocess.run([sys.executable, "-c", PRIME], cwd=REPO_ROOT, check=True, timeout=START_TIMEOUT_S)
         if not args.no_breakdown:
             res["import_torch"] = import_torch_run(args)
             print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
@@ -583,8 +588,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         for i in range(args.warmup):
             print(f"[bench_startup] warm-up {i + 1}/{args.warmup} (not counted) ...", flush=True)
             worker_run(model, args, prompt)
-        if args.warmup and not args.no_baseline:
-            subprocess.run([sys.executable, "-c", PRIME], cwd=REPO_ROOT, check=True, timeout=START_TIMEOUT_S)
         workers: list[dict[str, Any]] = []
         baselines: list[dict[str, Any]] = []
         for i in range(args.repeats):

@@ -535,7 +535,8 @@ def build_parser() -> argparse.ArgumentParser:
 
 
 _UNSET_WHEN_EMPTY = ("manager", "advertise")
-"""Flags whose empty default (no variable set, or set to "") means "none": None to the services."""
+"""Flags whose empty default (no variable set, or set to "") means "none": None to the services (the
+worker's and the ops commands'; settings dataclasses say it with their flag's type, ``text_or_none``)."""
 
 
 def parse(parser: argparse.ArgumentParser, argv: Sequence[str] | None = None) -> argparse.Namespace:
@@ -595,7 +596,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         from memsvc.runtime.logs import configure
 
         configure(args.log_level, args.log_format)
-    if args.command in ("manager", "worker", "gateway", "up"):
+    if args.command in ("manager", "worker", "gateway"):  # memsvc up passes it to these, each says so
         _keep_bytecode(args.bytecode_cache)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager

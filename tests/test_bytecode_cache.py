@@ -80,7 +80,8 @@ def test_a_package_without_byte_code_is_compiled_once_into_the_cache_and_read_fr
 def test_installed_byte_code_or_an_interpreter_that_writes_it_is_left_alone(tmp_path: Path) -> None:
     site, cache = tmp_path / "site", tmp_path / "cache"
     _installed(site)
-    subprocess.run([sys.executable, "-m", "compileall", "-q", str(site)], check=True)  # what pip does
+    clean = {k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"}
+    subprocess.run([sys.executable, "-m", "compileall", "-q", str(site)], check=True, env=clean)  # what pip does
     assert _start(site, str(cache)) == ["kept None", "double 2"]
     assert not cache.exists()
 
@@ -103,6 +104,18 @@ def test_off_and_a_cache_of_the_callers_own_change_nothing(tmp_path: Path) -> No
     assert _pycs(own) == [], "PYTHONDONTWRITEBYTECODE still holds: the caller's choice, whole"
 
 
+def test_a_cache_that_cannot_be_made_or_has_no_home_is_not_used(tmp_path: Path) -> None:
+    """Python would then look for byte-code only where none can be kept, and compile even the standard
+    library's at every start: the interpreter is left as it was."""
+    site = tmp_path / "site"
+    _installed(site)
+    a_file = tmp_path / "a-file"
+    a_file.write_text("")
+    assert _start(site, str(a_file / "cache")) == ["kept None", "double 2"]
+    assert _start(site, "~no-such-user-here/cache") == ["kept None", "double 2"]  # no home to expand it in
+    assert _pycs(tmp_path) == []
+
+
 def test_a_service_started_over_packages_without_byte_code_keeps_theirs_in_its_cache(tmp_path: Path) -> None:
     """``memsvc manager`` end to end, its grpc package installed without byte-code (a tree of links to
     the real one's sources, found first on the path): it serves, says where it keeps them, and they
@@ -116,7 +129,7 @@ def test_a_service_started_over_packages_without_byte_code_keeps_theirs_in_its_c
         dst.parent.mkdir(parents=True, exist_ok=True)
         dst.symlink_to(src)
     env = {
-        **os.environ,
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"},
         "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
         "PYTHONDONTWRITEBYTECODE": "1",
     }

@@ -388,9 +388,8 @@ import dataclasses, json, sys
 import memsvc.manager.main, worker.main
 from memsvc.cli import main
 
-def capture_manager(listen, db, config, metrics_listen, policy, advertise=""):
-    print(json.dumps({"listen": listen, "db": db, "config": config, "metrics_listen": metrics_listen,
-                      "advertise": advertise, **policy}))
+def capture_manager(settings, security=None):
+    print(json.dumps(dataclasses.asdict(settings)))
     return 0
 
 def capture_worker(config, listen, manager=None, advertise=None):

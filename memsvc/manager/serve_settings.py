@@ -10,7 +10,6 @@ differ per deployment but not per process) and light on purpose: the CLI imports
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
 
 from memsvc.runtime.flags import listen_address, listen_or_none, seconds_or_unset, setting, text_or_none
 
@@ -43,7 +42,7 @@ class ServeSettings:
         None, "seed: seconds idle before tier 2, level 2 (0: never)", parse=seconds_or_unset, text=""
     )
 
-    def policy_seed(self) -> dict[str, Any]:
+    def policy_seed(self) -> dict[str, float]:
         """The default policy's fields these flags set (they win over the config file's ``[policy]``)."""
         seed = {"idle_sleep_timeout": self.idle_sleep_timeout, "idle_deep_sleep_timeout": self.idle_deep_sleep_timeout}
         return {name: value for name, value in seed.items() if value is not None}

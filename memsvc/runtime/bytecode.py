@@ -62,12 +62,23 @@ def keep_bytecode(directory: str, probes: Sequence[str] = PROBES) -> str | None:
     """Before the heavy imports: when one of ``probes`` is :func:`uncompiled`, write and read byte-code
     under ``directory``, for this process and (through the environment) the processes it starts.
     Returns that directory, or None where nothing changed: ``directory`` is ``off`` or empty, the
-    caller set a cache of their own (``PYTHONPYCACHEPREFIX``), or the byte-code is there."""
+    caller set a cache of their own (``PYTHONPYCACHEPREFIX``), the byte-code is there, or the
+    directory cannot be made and written (then Python would look for byte-code only where none can be
+    kept, and compile even the standard library's at every start: slower than leaving it alone)."""
     if directory in ("", OFF) or sys.pycache_prefix is not None:
         return None
     if not any(uncompiled(p) for p in probes):
         return None
-    prefix = os.path.abspath(os.path.expanduser(directory))
+    expanded = os.path.expanduser(directory)
+    if expanded.startswith("~"):  # no home to put it in (a user id without a passwd entry, no $HOME)
+        return None
+    prefix = os.path.abspath(expanded)
+    try:
+        os.makedirs(prefix, exist_ok=True)
+    except OSError:
+        return None
+    if not os.access(prefix, os.W_OK | os.X_OK):
+        return None
     sys.pycache_prefix = prefix
     sys.dont_write_bytecode = False
     os.environ["PYTHONPYCACHEPREFIX"] = prefix

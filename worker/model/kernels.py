@@ -157,9 +157,10 @@ def hash_ahead() -> None:
     cache holds: of Triton's own files (its shared library is over a hundred MB) and of each kernel's
     source with the functions it calls. On an H100 host they were 0.5-0.7 s of the warm-up's first
     step, on the device thread, before any kernel ran (py-spy, 2026-12-05); a thread that starts
-    before the model is loaded makes them meanwhile. Both are memoised in the process (the kernels'
-    under a lock, so two threads asking at once wait for one hash). ``triton_key`` is Triton's
-    internal (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it."""
+    before the model is loaded makes them meanwhile. Both are memoised in the process; a launch that
+    asks while this thread still hashes may make the same hash again (Triton's own is a plain
+    ``lru_cache``), which costs time, never correctness. ``triton_key`` is Triton's internal
+    (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it."""
     with contextlib.suppress(ImportError):
         from triton.runtime.cache import triton_key
 
