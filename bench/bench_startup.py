@@ -100,6 +100,12 @@ KEEP_BYTECODE = "from memsvc.runtime.bytecode import default_dir, keep_bytecode;
 runtime/bytecode.py): where the installed packages have none, transformers would otherwise pay the
 compile of torch at every start and the worker would not, which is not the comparison asked for."""
 
+
+def _python(code: str, *args: str) -> list[str]:
+    """The argv of a child ``python -c`` that keeps its byte-code as :data:`KEEP_BYTECODE` says."""
+    return [sys.executable, "-c", KEEP_BYTECODE + code, *args]
+
+
 PRIME = KEEP_BYTECODE + (
     "import torch\ntry:\n    import transformers.models.llama.modeling_llama\nexcept ImportError:\n    pass\n"
 )
@@ -193,7 +199,7 @@ print(json.dumps(out), flush=True)
 
 
 def probe_run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    proc = Spawned([sys.executable, "-c", KEEP_BYTECODE + PROBE, mode, args.backend, ",".join(MODEL_LAYER)])
+    proc = Spawned(_python(PROBE, mode, args.backend, ",".join(MODEL_LAYER)))
     try:
         done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
         return {"process_s": done, **json.loads(mt.group(0))}
@@ -405,7 +411,7 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
 def baseline_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
     """transformers' ``from_pretrained`` and one token in a fresh process (see the module docstring, B)."""
     device = "cuda" if args.backend == "cuda" else "cpu"
-    proc = Spawned([sys.executable, "-c", KEEP_BYTECODE + BASELINE, model, device, json.dumps(prompt)])
+    proc = Spawned(_python(BASELINE, model, device, json.dumps(prompt)))
     try:
         loaded, _ = proc.wait_for(re.compile(r"^loaded$"), START_TIMEOUT_S)
         first, _ = proc.wait_for(re.compile(r"^first token$"), START_TIMEOUT_S)
@@ -416,7 +422,7 @@ def baseline_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dic
 
 
 def import_torch_run(args: argparse.Namespace) -> dict[str, Any]:
-    proc = Spawned([sys.executable, "-c", KEEP_BYTECODE + IMPORT_TORCH, args.backend])
+    proc = Spawned(_python(IMPORT_TORCH, args.backend))
     try:
         done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
         return {"process_s": done, **json.loads(mt.group(0))}
