@@ -53,12 +53,19 @@ MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.page
 def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None = None) -> threading.Thread:
     """Import the model layer (and Triton, where the worker may use it) on a thread, now; the
     checkpoint's read-ahead (``prefetch``) stops once the model layer is in, when the load's own reads
-    begin (worker/prefetch.py).
+    begin (worker/prefetch.py). Triton's hashes, which its first launch of each kernel would make on
+    the device thread, are made meanwhile: its own on a second thread from the start, the kernels'
+    after the imports, while the weights load (worker/model/kernels.py's ``hash_ahead``).
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
     import raises it, with the message it always had.
     """
+
+    hashing = None
+    if config.backend != "host" and importlib.util.find_spec("triton") is not None:
+        hashing = threading.Thread(target=_hash_triton, name="memsvc-triton-hash", daemon=True)
+        hashing.start()
 
     def run() -> None:
         t0 = time.perf_counter()
@@ -77,14 +84,31 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                 t2 = time.perf_counter()
                 from worker.model.kernels import hash_ahead
 
-                hash_ahead()  # while the weights load
+                if hashing is not None:
+                    hashing.join()  # Triton's own hash, made beside the imports: its cache then holds it
+                hash_ahead()  # the kernels' own, while the weights load
                 log.info("triton: kernel hashes made in %.2f s", time.perf_counter() - t2)
         except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
             log.debug("importing the model layer failed; the load reports it", exc_info=True)
+        finally:
+            if hashing is not None:
+                hashing.join()  # this thread's end is the whole import's (serve() joins it before exiting)
 
     thread = threading.Thread(target=run, name="memsvc-import", daemon=True)
     thread.start()
     return thread
+
+
+def _hash_triton() -> None:
+    """Triton's hash of its own files (worker/model/kernels.py's hash_ahead says why), made beside the
+    model layer's imports: it needs Triton alone, and it is mostly reading and hashing its shared
+    library, which holds no lock Python's imports need."""
+    try:
+        from triton.runtime.cache import triton_key
+
+        triton_key()
+    except Exception:  # noqa: BLE001 - moved or broken: the first kernel launch makes it, or reports it
+        log.debug("triton's own hash was not made ahead", exc_info=True)
 
 
 async def serve(
