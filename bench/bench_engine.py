@@ -66,9 +66,9 @@ import torch
 
 from bench import processes
 from bench.bench_allocator import _device_info, _git_commit
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.weights import fill_synthetic, weight_shapes
 
@@ -282,7 +282,7 @@ class WorkerProcess:
             raise RuntimeError(f"the worker did not become ready: {shlex.join(cmd)}\n" + "\n".join(self.log_tail()))
         self.ready_s = time.perf_counter() - t0
         self.channel = grpc.insecure_channel(self.address)
-        self.stub = w_grpc.ModelWorkerServiceStub(self.channel)
+        self.stub = worker_grpc.ModelWorkerServiceStub(self.channel)
 
     def _read(self) -> None:
         """Reads stdout to its end (so the pipe never fills), noting the address and readiness."""
@@ -295,14 +295,14 @@ class WorkerProcess:
                 self._ready.set()
         self._ready.set()  # exited before ready: wake the waiter
 
-    def wait_awake(self) -> w.GetWorkerStatusResponse:
+    def wait_awake(self) -> worker_pb.GetWorkerStatusResponse:
         deadline = time.monotonic() + READY_TIMEOUT_S
         while True:
-            st = self.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=STATUS_TIMEOUT_S)
-            if st.status.state == c.WORKER_STATE_AWAKE and not st.status.transition_in_progress:
+            st = self.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=STATUS_TIMEOUT_S)
+            if st.status.state == common_pb.WORKER_STATE_AWAKE and not st.status.transition_in_progress:
                 return st
             if time.monotonic() > deadline or self.proc.poll() is not None:
-                raise RuntimeError(f"the worker is {c.WorkerState.Name(st.status.state)}, not AWAKE")
+                raise RuntimeError(f"the worker is {common_pb.WorkerState.Name(st.status.state)}, not AWAKE")
             time.sleep(0.1)
 
     def log_tail(self, n: int = 30) -> list[str]:
@@ -320,13 +320,15 @@ class WorkerProcess:
         return rc
 
 
-def _request(prompt: list[int], new: int) -> w.GenerateRequest:
-    return w.GenerateRequest(
-        prompt_token_ids=prompt, max_new_tokens=new, ignore_eos=True, sampling=w.SamplingParams(temperature=0.0)
+def _request(prompt: list[int], new: int) -> worker_pb.GenerateRequest:
+    return worker_pb.GenerateRequest(
+        prompt_token_ids=prompt, max_new_tokens=new, ignore_eos=True, sampling=worker_pb.SamplingParams(temperature=0.0)
     )
 
 
-def _generate(stub: w_grpc.ModelWorkerServiceStub, req: w.GenerateRequest) -> tuple[w.GenerateResponse, int]:
+def _generate(
+    stub: worker_grpc.ModelWorkerServiceStub, req: worker_pb.GenerateRequest
+) -> tuple[worker_pb.GenerateResponse, int]:
     """Generate, retrying calls refused as OVERLOADED (RESOURCE_EXHAUSTED); the answer and the refusals."""
     deadline = time.monotonic() + GENERATE_TIMEOUT_S
     refused = 0
@@ -344,20 +346,22 @@ def _generate(stub: w_grpc.ModelWorkerServiceStub, req: w.GenerateRequest) -> tu
         return resp, refused
 
 
-def _timed_generate(stub: w_grpc.ModelWorkerServiceStub, req: w.GenerateRequest) -> tuple[float, float]:
+def _timed_generate(stub: worker_grpc.ModelWorkerServiceStub, req: worker_pb.GenerateRequest) -> tuple[float, float]:
     """(client wall s, server duration s) of one Generate."""
     t0 = time.perf_counter()
     resp, _ = _generate(stub, req)
     return time.perf_counter() - t0, _seconds(resp.duration)
 
 
-def stream_decode(stub: w_grpc.ModelWorkerServiceStub, prompt: list[int], new: int) -> dict[str, Any]:
+def stream_decode(stub: worker_grpc.ModelWorkerServiceStub, prompt: list[int], new: int) -> dict[str, Any]:
     """One GenerateStream: TTFT and the per-token gaps after the first token (a message carrying k
     tokens counts as k gaps of a k-th of its wait each)."""
     arrivals: list[tuple[float, int]] = []
-    done: w.GenerateResponse | None = None
+    done: worker_pb.GenerateResponse | None = None
     t0 = time.perf_counter()
-    call = stub.GenerateStream(w.GenerateStreamRequest(request=_request(prompt, new)), timeout=GENERATE_TIMEOUT_S)
+    call = stub.GenerateStream(
+        worker_pb.GenerateStreamRequest(request=_request(prompt, new)), timeout=GENERATE_TIMEOUT_S
+    )
     for msg in call:
         now = time.perf_counter()
         if msg.token_ids:
@@ -394,7 +398,7 @@ def _decode_summary(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def one_stream(stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, reps: int, ttft_reps: int) -> dict[str, Any]:
+def one_stream(stub: worker_grpc.ModelWorkerServiceStub, prompts: Prompts, reps: int, ttft_reps: int) -> dict[str, Any]:
     runs = [stream_decode(stub, prompts.make(PROMPT_TOKENS), STREAM_NEW_TOKENS) for _ in range(reps)]
     ttft = [_timed_generate(stub, _request(prompts.make(PROMPT_TOKENS), 1)) for _ in range(ttft_reps)]
     return {
@@ -410,11 +414,11 @@ def one_stream(stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, reps: int,
     }
 
 
-def _round(stub: w_grpc.ModelWorkerServiceStub, reqs: list[w.GenerateRequest]) -> dict[str, Any]:
+def _round(stub: worker_grpc.ModelWorkerServiceStub, reqs: list[worker_pb.GenerateRequest]) -> dict[str, Any]:
     """All ``reqs`` at once, one thread each, released together; wall from release to the last answer."""
     gate = threading.Barrier(len(reqs) + 1)
 
-    def one(req: w.GenerateRequest) -> tuple[float, int, int]:
+    def one(req: worker_pb.GenerateRequest) -> tuple[float, int, int]:
         gate.wait()
         t0 = time.perf_counter()
         resp, refused = _generate(stub, req)
@@ -438,7 +442,9 @@ def _round(stub: w_grpc.ModelWorkerServiceStub, reqs: list[w.GenerateRequest]) -
     }
 
 
-def concurrency(stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, levels: list[int], warm: bool) -> dict[str, Any]:
+def concurrency(
+    stub: worker_grpc.ModelWorkerServiceStub, prompts: Prompts, levels: list[int], warm: bool
+) -> dict[str, Any]:
     out: dict[str, Any] = {}
     for n in levels:
         if warm:
@@ -449,7 +455,7 @@ def concurrency(stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, levels: l
 
 
 def long_prompt(
-    stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, tokens: int, reps: int, warm: bool
+    stub: worker_grpc.ModelWorkerServiceStub, prompts: Prompts, tokens: int, reps: int, warm: bool
 ) -> dict[str, Any]:
     if warm:
         _timed_generate(stub, _request(prompts.make(tokens), 1))
@@ -464,16 +470,16 @@ def long_prompt(
 
 
 def wake_cycles(
-    stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, cycles: int, delay_s: float, ttft_awake_s: float | None
+    stub: worker_grpc.ModelWorkerServiceStub, prompts: Prompts, cycles: int, delay_s: float, ttft_awake_s: float | None
 ) -> dict[str, Any]:
     """Sleep(level 1), WakeUp, Generate(1 token) twice: at once, and ``delay_s`` after the wake."""
     out: dict[str, Any] = {"delay_s": delay_s, "prompt_tokens": PROMPT_TOKENS}
     for name, delay in (("immediate", 0.0), ("delayed", delay_s)):
         rows = []
         for i in range(cycles):
-            s = stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=TRANSITION_TIMEOUT_S)
+            s = stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=TRANSITION_TIMEOUT_S)
             t0 = time.perf_counter()
-            k = stub.WakeUp(w.WakeUpRequest(), timeout=TRANSITION_TIMEOUT_S)
+            k = stub.WakeUp(worker_pb.WakeUpRequest(), timeout=TRANSITION_TIMEOUT_S)
             t1 = time.perf_counter()
             if delay:
                 time.sleep(delay)
@@ -512,18 +518,22 @@ def wake_cycles(
 
 
 def beside_swap(
-    stub: w_grpc.ModelWorkerServiceStub, prompts: Prompts, blocks: int, reps: int, alone_s: float
+    stub: worker_grpc.ModelWorkerServiceStub, prompts: Prompts, blocks: int, reps: int, alone_s: float
 ) -> dict[str, Any]:
     """Decode alone vs. while a thread loops SwapBlocks of ``blocks`` free blocks out and back in."""
-    kv = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=STATUS_TIMEOUT_S).status.kv_cache
+    kv = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=STATUS_TIMEOUT_S).status.kv_cache
     n = min(blocks, kv.device_block_count // 4, kv.host_block_count)
     room = (PROMPT_TOKENS + STREAM_NEW_TOKENS) // max(1, kv.block_size_tokens) + 2  # the decode's own blocks
     if n <= 0 or kv.device_free_block_count < n + room or kv.host_free_block_count < n:
         raise RuntimeError(f"too few free blocks to swap {n}: {kv}")
     dev = list(range(kv.device_block_count - n, kv.device_block_count))  # the top: sequences take the lowest ids
     host = list(range(kv.host_block_count - n, kv.host_block_count))
-    out_req = w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=dev, dst_blocks=host)
-    in_req = w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=dev)
+    out_req = worker_pb.SwapBlocksRequest(
+        direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=dev, dst_blocks=host
+    )
+    in_req = worker_pb.SwapBlocksRequest(
+        direction=common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=dev
+    )
     for req in (out_req, in_req):
         stub.SwapBlocks(req, timeout=SWAP_TIMEOUT_S)
 
@@ -587,7 +597,9 @@ def beside_swap(
     }
 
 
-def compare_reference(stub: w_grpc.ModelWorkerServiceStub, reference: list[int], theirs: list[int]) -> dict[str, Any]:
+def compare_reference(
+    stub: worker_grpc.ModelWorkerServiceStub, reference: list[int], theirs: list[int]
+) -> dict[str, Any]:
     """The worker's greedy tokens for transformers' reference prompt (same weights: the same tokens in
     float32; in bfloat16 they may part after a few)."""
     resp, _ = _generate(stub, _request(reference, REFERENCE_NEW_TOKENS))

@@ -46,11 +46,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import processes
 from memsvc.manager.settings import ManagerSettings
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
-SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+SERVICE = manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 LISTENING = re.compile(r"^memsvc (manager|worker \S+) listening on (\S+)$")
 BOUND_S = 60.0
 
@@ -97,7 +97,7 @@ class Fleet:
         self.workers: list[subprocess.Popen[str]] = []
         self.names = [f"workers/bench-{i}" for i in range(workers)]
         self.channel: grpc.Channel | None = None
-        self.stub: m_grpc.MemoryManagerServiceStub | None = None
+        self.stub: manager_grpc.MemoryManagerServiceStub | None = None
 
     def replica(self) -> tuple[subprocess.Popen[str], str]:
         return spawn(["manager", "--listen", "127.0.0.1:0", "--db", self.db])
@@ -133,22 +133,24 @@ class Fleet:
         if self.channel is not None:
             self.channel.close()
         self.channel = grpc.insecure_channel("ipv4:" + ",".join(address for _, address in self.replicas))
-        self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
+        self.stub = manager_grpc.MemoryManagerServiceStub(self.channel)
 
     @property
-    def client(self) -> m_grpc.MemoryManagerServiceStub:
+    def client(self) -> manager_grpc.MemoryManagerServiceStub:
         assert self.stub is not None
         return self.stub
 
     def all_awake(self) -> bool:
-        listed = {w.name: w.state for w in self.client.ListWorkers(m.ListWorkersRequest(), timeout=2).workers}
-        return all(listed.get(n) == c.WORKER_STATE_AWAKE for n in self.names)
+        listed = {w.name: w.state for w in self.client.ListWorkers(manager_pb.ListWorkersRequest(), timeout=2).workers}
+        return all(listed.get(n) == common_pb.WORKER_STATE_AWAKE for n in self.names)
 
     def leases(self) -> set[str]:
-        return {x.lease_id for x in self.client.ListLeases(m.ListLeasesRequest(), timeout=10).leases}
+        return {x.lease_id for x in self.client.ListLeases(manager_pb.ListLeasesRequest(), timeout=10).leases}
 
     def acquire(self, name: str, holder: str) -> bool:
-        req = m.AcquireWorkerRequest(name=name, holder=holder, ttl=Duration(seconds=3600), request_id=uuid.uuid4().hex)
+        req = manager_pb.AcquireWorkerRequest(
+            name=name, holder=holder, ttl=Duration(seconds=3600), request_id=uuid.uuid4().hex
+        )
         self.client.AcquireWorker(req, timeout=30)
         return True
 

@@ -62,9 +62,9 @@ from google.protobuf.field_mask_pb2 import FieldMask
 from bench import processes
 from bench.bench_allocator import _device_info, _git_commit
 from bench.reference_8b import init_on_gpu
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
 PROMPT_TOKENS = 40
 NEW_TOKENS = 16
@@ -181,11 +181,13 @@ def start_worker(name: str, checkpoint: Path, manager: str, args: argparse.Names
     return Service(argv, r" listening on (\S+)", f"worker {name}")
 
 
-def wait_state(stub: m_grpc.MemoryManagerServiceStub, name: str, state: int, timeout: float = START_TIMEOUT_S) -> Any:
+def wait_state(
+    stub: manager_grpc.MemoryManagerServiceStub, name: str, state: int, timeout: float = START_TIMEOUT_S
+) -> Any:
     end = time.monotonic() + timeout
     while True:
         try:
-            wk = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
+            wk = stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
             if wk.state == state and not wk.status.transition_in_progress:
                 return wk
         except grpc.RpcError as exc:
@@ -307,18 +309,19 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
         )
         services.append(mgr)
         channel = grpc.insecure_channel(mgr.address)
-        stub = m_grpc.MemoryManagerServiceStub(channel)
+        stub = manager_grpc.MemoryManagerServiceStub(channel)
         for name in ("alpha", "beta"):
             t0 = time.perf_counter()
             workers[name] = start_worker(name, ckpt, mgr.address, args)
-            wait_state(stub, name, c.WORKER_STATE_AWAKE)
+            wait_state(stub, name, common_pb.WORKER_STATE_AWAKE)
             res[f"start_{name}_s"] = time.perf_counter() - t0
-        one = mapped_bytes(wait_state(stub, "beta", c.WORKER_STATE_AWAKE))
-        stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=120)
+        one = mapped_bytes(wait_state(stub, "beta", common_pb.WORKER_STATE_AWAKE))
+        stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/alpha"), timeout=120)
         budget = int(1.5 * one)
         mask = FieldMask(paths=["device_budget_bytes"])
         stub.UpdatePolicy(
-            m.UpdatePolicyRequest(policy=m.Policy(device_budget_bytes=budget), update_mask=mask), timeout=10
+            manager_pb.UpdatePolicyRequest(policy=manager_pb.Policy(device_budget_bytes=budget), update_mask=mask),
+            timeout=10,
         )
         res["worker_mapped_bytes"], res["device_budget_bytes"] = one, budget
         gw = Service(
@@ -335,9 +338,9 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
         res["awake"] = {"ttft": _stats([a[0] for a in awake]), "total": _stats([a[1] for a in awake])}
 
         def alternate(phase: str, headroom: int, first_model: str) -> dict[str, Any]:
-            policy = m.Policy(device_budget_bytes=budget, device_swap_headroom_bytes=headroom)
+            policy = manager_pb.Policy(device_budget_bytes=budget, device_swap_headroom_bytes=headroom)
             mask = FieldMask(paths=["device_budget_bytes", "device_swap_headroom_bytes"])
-            stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
+            stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
             print(f"[bench_gateway] {phase} (headroom {headroom} bytes) ...", flush=True)
             runs: list[dict[str, Any]] = []
             for i in range(args.reps):
@@ -346,8 +349,8 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
                 before = scrape(gw.address)
                 first, total, _ = stream_ttft(client, model, prompt())
                 after = scrape(gw.address)
-                mine = wait_state(stub, model, c.WORKER_STATE_AWAKE)
-                theirs = wait_state(stub, other, c.WORKER_STATE_ASLEEP)
+                mine = wait_state(stub, model, common_pb.WORKER_STATE_AWAKE)
+                theirs = wait_state(stub, other, common_pb.WORKER_STATE_ASLEEP)
                 runs.append(
                     {
                         "model": model,
@@ -377,10 +380,10 @@ def main() -> int:  # noqa: PLR0915 - one run, phase by phase
 
         print("[bench_gateway] restart baseline ...", flush=True)
         states = {
-            n: stub.GetWorker(m.GetWorkerRequest(name=f"workers/{n}"), timeout=10).worker.state
+            n: stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{n}"), timeout=10).worker.state
             for n in ("alpha", "beta")
         }
-        serving = "alpha" if states["alpha"] == c.WORKER_STATE_AWAKE else "beta"  # what the swaps left awake
+        serving = "alpha" if states["alpha"] == common_pb.WORKER_STATE_AWAKE else "beta"  # what the swaps left awake
         asleep = "beta" if serving == "alpha" else "alpha"
         workers.pop(asleep).stop()
         restarts: list[dict[str, Any]] = []

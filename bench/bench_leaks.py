@@ -72,12 +72,12 @@ def quiet(stub: Any, timeout: float = 10.0, still: float = 0.75) -> None:
     the chunks a wake freed are given back once it has been idle for 0.5 s (worker/host_release.py);
     until then its RSS is off by up to the reserve, which is no leak. Bounded: a worker whose pinned
     memory never goes still is sampled as it is, and a leak shows in every sample."""
-    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
     deadline = time.monotonic() + timeout
     last, since = -1, time.monotonic()
     while time.monotonic() < deadline:
-        held = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status.host_pinned_bytes
+        held = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status.host_pinned_bytes
         if held != last:
             last, since = held, time.monotonic()
         elif time.monotonic() - since >= still:
@@ -147,8 +147,8 @@ def run_worker(
 ) -> dict[str, Any]:
     from workerproc import WorkerProcess
 
-    from memsvc.v1 import common_pb2 as c
-    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import common_pb2 as common_pb
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
     warmup = max(10, cycles // 10) if warmup is None else warmup
     args = ["--model", "synthetic:tiny", "--host-capacity", "64MiB", "--host-reserve", host_reserve]
@@ -159,21 +159,21 @@ def run_worker(
         assert wp.proc is not None
         pid = wp.proc.pid
         stub = wp.stub
-        stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30)
+        stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30)
         samples.append({"cycle": 0, **quiet_sample(pid)})
         for i in range(1, cycles + 1):
-            level = c.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else c.SLEEP_LEVEL_1
-            stub.Sleep(w.SleepRequest(level=level), timeout=60)
+            level = common_pb.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else common_pb.SLEEP_LEVEL_1
+            stub.Sleep(worker_pb.SleepRequest(level=level), timeout=60)
             if partial_every and i % partial_every == 0:
-                stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=60)
-                stub.WakeUp(w.WakeUpRequest(tags=["kv_cache"]), timeout=60)
+                stub.WakeUp(worker_pb.WakeUpRequest(tags=["weights"]), timeout=60)
+                stub.WakeUp(worker_pb.WakeUpRequest(tags=["kv_cache"]), timeout=60)
             else:
-                stub.WakeUp(w.WakeUpRequest(), timeout=60)
+                stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
             if i % sample_every == 0 or i == cycles:
                 quiet(stub)
                 samples.append({"cycle": i, **quiet_sample(pid)})
-        st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
-        final_state = st.state == c.WORKER_STATE_AWAKE
+        st = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
+        final_state = st.state == common_pb.WORKER_STATE_AWAKE
         wp.stop()
     result = analyse(samples, warmup)
     result["checks"]["awake_at_end"] = final_state

@@ -46,7 +46,7 @@ def ours(cycles: int) -> dict[str, Any]:
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     ref = [t.view(-1)[:8].clone() for t in tensors[::8]]
     rows = []
-    for c in range(cycles):
+    for cycle in range(cycles):
         t0 = time.perf_counter()
         alloc.sleep({"weights": "offload"})
         t1 = time.perf_counter()
@@ -55,7 +55,7 @@ def ours(cycles: int) -> dict[str, Any]:
         ok = all(torch.equal(t.view(-1)[:8], r) for t, r in zip(tensors[::8], ref, strict=True))
         rows.append(
             {
-                "cycle": c + 1,
+                "cycle": cycle + 1,
                 "sleep_GBps": nbytes / (t1 - t0) / GB,
                 "wake_GBps": nbytes / (t2 - t1) / GB,
                 "sleep_s": t1 - t0,
@@ -83,7 +83,7 @@ def vllm_style(cycles: int) -> dict[str, Any]:
     torch.cuda.synchronize()
     nbytes = sum(t.numel() * t.element_size() for t in tensors)
     rows = []
-    for c in range(cycles):
+    for cycle in range(cycles):
         t0 = time.perf_counter()
         backups = []
         for t in tensors:
@@ -99,7 +99,7 @@ def vllm_style(cycles: int) -> dict[str, Any]:
         del backups
         rows.append(
             {
-                "cycle": c + 1,
+                "cycle": cycle + 1,
                 "sleep_GBps": nbytes / (t1 - t0) / GB,
                 "wake_GBps": nbytes / (t2 - t1) / GB,
                 "sleep_s": t1 - t0,
@@ -140,9 +140,9 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
     ``prepin``: the worker runs with ``--host-prepin weights``; the first sleep waits until it is done."""
     import grpc
 
-    from memsvc.v1 import common_pb2 as c
-    from memsvc.v1 import model_worker_service_pb2 as w
-    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+    from memsvc.v1 import common_pb2 as common_pb
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
+    from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
     errlog = tempfile.TemporaryFile(mode="w+")  # noqa: SIM115 - a file, not a pipe: a full pipe stalls the worker
     args = ["--model", "synthetic:8b", "--host-reserve", "40GiB", "--kv-blocks", "64"]
@@ -152,22 +152,22 @@ def through_rpc(cycles: int, huge_pages: bool = True, prepin: bool = False) -> d
     prepin_wait_s = None
     rows = []
     try:
-        stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
+        stub = worker_grpc.ModelWorkerServiceStub(grpc.insecure_channel(address))
         if prepin:
             t0 = time.perf_counter()
-            st = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+            st = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
             # done: the weights' size pinned beside the host KV pool (a sleep before that would race it)
             want = next(t.mapped_bytes for t in st.tags if t.tag == "weights")
             want += st.kv_cache.host_block_count * st.kv_cache.block_bytes
             while st.host_pinned_bytes < want and time.perf_counter() - t0 < 300:
                 time.sleep(0.1)
-                st = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+                st = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
             prepin_wait_s = time.perf_counter() - t0
         for i in range(cycles):
             t0 = time.perf_counter()
-            s = stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=300)
+            s = stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=300)
             t1 = time.perf_counter()
-            k = stub.WakeUp(w.WakeUpRequest(), timeout=300)
+            k = stub.WakeUp(worker_pb.WakeUpRequest(), timeout=300)
             t2 = time.perf_counter()
             rows.append(
                 {
@@ -218,9 +218,9 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
     import grpc
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-    from memsvc.v1 import common_pb2 as c
-    from memsvc.v1 import model_worker_service_pb2 as w
-    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+    from memsvc.v1 import common_pb2 as common_pb
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
+    from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
     pool = 65536
     proc, address = _start_worker(
@@ -229,7 +229,7 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
     out: dict[str, Any] = {}
     try:
         channel = grpc.insecure_channel(address)
-        stub = w_grpc.ModelWorkerServiceStub(channel)
+        stub = worker_grpc.ModelWorkerServiceStub(channel)
         health = health_pb2_grpc.HealthStub(channel)
         null = []
         for _ in range(100):
@@ -237,19 +237,22 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
             health.Check(health_pb2.HealthCheckRequest(), timeout=10)
             null.append(time.perf_counter() - t0)
         out["null_rpc_s"] = statistics.median(null)
-        block = stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.block_bytes
+        block = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache.block_bytes
         rng = random.Random(0)
 
         def build(
-            form: str, direction: c.SwapDirection.ValueType, src: np.ndarray, dst: np.ndarray
-        ) -> w.SwapBlocksRequest:
+            form: str, direction: common_pb.SwapDirection.ValueType, src: np.ndarray, dst: np.ndarray
+        ) -> worker_pb.SwapBlocksRequest:
             """The request a scheduler holding numpy ids would send, in ``form``."""
             if form == "pairs":
-                pairs = [w.BlockPair(src_block=a, dst_block=b) for a, b in zip(src.tolist(), dst.tolist(), strict=True)]
-                return w.SwapBlocksRequest(direction=direction, pairs=pairs)
+                pairs = [
+                    worker_pb.BlockPair(src_block=a, dst_block=b)
+                    for a, b in zip(src.tolist(), dst.tolist(), strict=True)
+                ]
+                return worker_pb.SwapBlocksRequest(direction=direction, pairs=pairs)
             if form == "packed":
-                return w.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst)
-            return w.SwapBlocksRequest(
+                return worker_pb.SwapBlocksRequest(direction=direction, src_blocks=src, dst_blocks=dst)
+            return worker_pb.SwapBlocksRequest(
                 direction=direction,
                 src_blocks_u32le=src.astype("<u4").tobytes(),
                 dst_blocks_u32le=dst.astype("<u4").tobytes(),
@@ -261,8 +264,8 @@ def rpc_swap(reps: int, depths: tuple[int, ...] = (4, 8)) -> dict[str, Any]:
                 (np.array(rng.sample(range(pool), n)), np.array(rng.sample(range(pool), n))) for _ in range(pool // n)
             ]
             for name, direction, flip in (
-                ("d2h", c.SWAP_DIRECTION_DEVICE_TO_HOST, False),
-                ("h2d", c.SWAP_DIRECTION_HOST_TO_DEVICE, True),
+                ("d2h", common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, False),
+                ("h2d", common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, True),
             ):
                 reqs = [build(form, direction, *((h, d) if flip else (d, h))) for d, h in sets]
                 builds = []

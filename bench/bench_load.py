@@ -40,11 +40,11 @@ sys.path.insert(0, str(REPO_ROOT / "tests"))
 
 from managerproc import Cluster, ManagerProcess  # noqa: E402
 
-from memsvc.v1 import common_pb2 as c  # noqa: E402
-from memsvc.v1 import memory_manager_service_pb2 as m  # noqa: E402
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc  # noqa: E402
-from memsvc.v1 import model_worker_service_pb2 as w  # noqa: E402
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc  # noqa: E402
+from memsvc.v1 import common_pb2 as common_pb  # noqa: E402
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb  # noqa: E402
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc  # noqa: E402
+from memsvc.v1 import model_worker_service_pb2 as worker_pb  # noqa: E402
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc  # noqa: E402
 
 CALL_TIMEOUT = 30.0
 """Deadline of every unary call: far above any latency seen here, so DEADLINE_EXCEEDED means a hang."""
@@ -59,7 +59,12 @@ EXPECTED: dict[str, frozenset[str]] = {
 """Status codes that are a correct answer to a racing client. Anything else is unexpected; in
 particular Generate on a worker whose lease we hold must succeed, and ReleaseWorker of a live
 lease must find it (NOT_FOUND is expected only once the lease's TTL has passed, decided per call)."""
-SLEEP_LEVELS = [c.SLEEP_LEVEL_UNSPECIFIED, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2]
+SLEEP_LEVELS = [
+    common_pb.SLEEP_LEVEL_UNSPECIFIED,
+    common_pb.SLEEP_LEVEL_1,
+    common_pb.SLEEP_LEVEL_1,
+    common_pb.SLEEP_LEVEL_2,
+]
 """What an operator's SleepWorker asks for: the policy's tag actions (unspecified), level 1 more often, level 2."""
 
 R = TypeVar("R")
@@ -177,13 +182,13 @@ class Client(threading.Thread):
         self.cfg = cfg
         self.rng = random.Random(cfg.seed * 1000 + idx)
         self.channel = grpc.insecure_channel(mgr_address)
-        self.mgr = m_grpc.MemoryManagerServiceStub(self.channel)
+        self.mgr = manager_grpc.MemoryManagerServiceStub(self.channel)
         self.names = names
         self.addresses = addresses
         self.rec = rec
         self.stop = stop
         self.t_start = t_start
-        self.worker_stubs: dict[str, tuple[grpc.Channel, w_grpc.ModelWorkerServiceStub]] = {}
+        self.worker_stubs: dict[str, tuple[grpc.Channel, worker_grpc.ModelWorkerServiceStub]] = {}
         self.abandoned: list[tuple[str, float]] = []
         self.error: BaseException | None = None
 
@@ -207,10 +212,10 @@ class Client(threading.Thread):
         leased, operated = self.roles()
         return self.rng.choice(leased if self.rng.random() < 0.2 else operated)  # 20 %: a leased worker
 
-    def worker_stub(self, name: str) -> w_grpc.ModelWorkerServiceStub:
+    def worker_stub(self, name: str) -> worker_grpc.ModelWorkerServiceStub:
         if name not in self.worker_stubs:
             ch = grpc.insecure_channel(self.addresses[name])
-            self.worker_stubs[name] = (ch, w_grpc.ModelWorkerServiceStub(ch))
+            self.worker_stubs[name] = (ch, worker_grpc.ModelWorkerServiceStub(ch))
         return self.worker_stubs[name][1]
 
     def run(self) -> None:
@@ -239,8 +244,8 @@ class Client(threading.Thread):
                 ch.close()
             self.channel.close()
 
-    def acquire(self, name: str, ttl: float) -> m.AcquireWorkerResponse | None:
-        req = m.AcquireWorkerRequest(name=name, holder=self.name)
+    def acquire(self, name: str, ttl: float) -> manager_pb.AcquireWorkerResponse | None:
+        req = manager_pb.AcquireWorkerRequest(name=name, holder=self.name)
         req.ttl.FromNanoseconds(int(ttl * 1e9))
         return self.rec.call("AcquireWorker", self.mgr.AcquireWorker, req)
 
@@ -252,7 +257,9 @@ class Client(threading.Thread):
             return
         stub = self.worker_stub(name)
         for _ in range(self.rng.randint(1, 2)):
-            req = w.GenerateRequest(prompt_token_ids=[self.rng.randrange(1, 100) for _ in range(4)], max_new_tokens=4)
+            req = worker_pb.GenerateRequest(
+                prompt_token_ids=[self.rng.randrange(1, 100) for _ in range(4)], max_new_tokens=4
+            )
             # a held lease keeps the worker awake: any error here is unexpected, unless the lease
             # itself ran out (the call came after its TTL)
             self.rec.call(
@@ -268,7 +275,7 @@ class Client(threading.Thread):
         self.rec.call(
             "ReleaseWorker",
             self.mgr.ReleaseWorker,
-            m.ReleaseWorkerRequest(lease_id=lease_id),
+            manager_pb.ReleaseWorkerRequest(lease_id=lease_id),
             expect=lambda code, dt: code == "NOT_FOUND" and time.monotonic() - t_acquired > ttl,
         )
 
@@ -288,7 +295,7 @@ class Client(threading.Thread):
                 self.rec.call(
                     "ReleaseWorker(expired)",
                     self.mgr.ReleaseWorker,
-                    m.ReleaseWorkerRequest(lease_id=lease_id),
+                    manager_pb.ReleaseWorkerRequest(lease_id=lease_id),
                     expect=lambda code, dt, t0=t0: code == "NOT_FOUND" and time.monotonic() - t0 > self.cfg.abandon_ttl,
                 )
             else:
@@ -296,17 +303,19 @@ class Client(threading.Thread):
         self.abandoned = keep
 
     def get_worker(self) -> None:
-        self.rec.call("GetWorker", self.mgr.GetWorker, m.GetWorkerRequest(name=self.rng.choice(self.names)))
+        self.rec.call("GetWorker", self.mgr.GetWorker, manager_pb.GetWorkerRequest(name=self.rng.choice(self.names)))
 
     def list_workers(self) -> None:
-        self.rec.call("ListWorkers", self.mgr.ListWorkers, m.ListWorkersRequest(page_size=self.rng.choice([0, 1, 2])))
+        self.rec.call(
+            "ListWorkers", self.mgr.ListWorkers, manager_pb.ListWorkersRequest(page_size=self.rng.choice([0, 1, 2]))
+        )
 
     def sleep_worker(self) -> None:
-        req = m.SleepWorkerRequest(name=self.operator_target(), level=self.rng.choice(SLEEP_LEVELS))
+        req = manager_pb.SleepWorkerRequest(name=self.operator_target(), level=self.rng.choice(SLEEP_LEVELS))
         self.rec.call("SleepWorker", self.mgr.SleepWorker, req, EXPECTED["SleepWorker"])
 
     def wake_worker(self) -> None:
-        req = m.WakeWorkerRequest(name=self.operator_target(), tags=self.rng.choice([[], [], ["weights"]]))
+        req = manager_pb.WakeWorkerRequest(name=self.operator_target(), tags=self.rng.choice([[], [], ["weights"]]))
         self.rec.call("WakeWorker", self.mgr.WakeWorker, req, EXPECTED["WakeWorker"])
 
 
@@ -316,7 +325,7 @@ class Watcher(threading.Thread):
     def __init__(self, idx: int, mgr_address: str, rec: Recorder) -> None:
         super().__init__(name=f"load-watcher-{idx}", daemon=True)
         self.channel = grpc.insecure_channel(mgr_address)
-        self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
+        self.stub = manager_grpc.MemoryManagerServiceStub(self.channel)
         self.rec = rec
         self.events: dict[str, int] = defaultdict(int)
         self.reasons: dict[str, int] = defaultdict(int)
@@ -328,7 +337,7 @@ class Watcher(threading.Thread):
         t0 = time.perf_counter()
         first = True
         try:
-            self.call = self.stub.WatchWorkers(m.WatchWorkersRequest())
+            self.call = self.stub.WatchWorkers(manager_pb.WatchWorkersRequest())
             self.started.set()
             for msg in self.call:
                 if first:  # latency of a watch: until its first message (the snapshot)
@@ -466,12 +475,12 @@ def _run(cfg: LoadConfig, cluster: Cluster, conf: Path) -> dict[str, Any]:
     drained, drained_last = _wait(
         lambda: (
             all(
-                x.lease_count == 0 and x.state != c.WORKER_STATE_UNAVAILABLE
-                for x in stub.ListWorkers(m.ListWorkersRequest(page_size=100), timeout=10).workers
+                x.lease_count == 0 and x.state != common_pb.WORKER_STATE_UNAVAILABLE
+                for x in stub.ListWorkers(manager_pb.ListWorkersRequest(page_size=100), timeout=10).workers
             ),
             [
-                (x.name, x.lease_count, c.WorkerState.Name(x.state))
-                for x in stub.ListWorkers(m.ListWorkersRequest(page_size=100), timeout=10).workers
+                (x.name, x.lease_count, common_pb.WorkerState.Name(x.state))
+                for x in stub.ListWorkers(manager_pb.ListWorkersRequest(page_size=100), timeout=10).workers
             ],
         ),
         timeout=cfg.abandon_ttl + 15,
@@ -480,9 +489,11 @@ def _run(cfg: LoadConfig, cluster: Cluster, conf: Path) -> dict[str, Any]:
     def agree() -> tuple[bool, list[tuple[str, str, str]]]:
         views = []
         for wp in wps:
-            mine = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state
-            theirs = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{wp.worker_id}"), timeout=10).worker.state
-            views.append((wp.worker_id, c.WorkerState.Name(mine), c.WorkerState.Name(theirs)))
+            mine = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.state
+            theirs = stub.GetWorker(
+                manager_pb.GetWorkerRequest(name=f"workers/{wp.worker_id}"), timeout=10
+            ).worker.state
+            views.append((wp.worker_id, common_pb.WorkerState.Name(mine), common_pb.WorkerState.Name(theirs)))
         return all(v[1] == v[2] for v in views), views
 
     consistent, consistent_last = _wait(agree, timeout=15)

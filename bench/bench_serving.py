@@ -94,12 +94,12 @@ class Record:
 
 
 # ---- the clients (each in a process of its own) ----
-async def _worker_request(stub: Any, w: Any, prompt: list[int], shape: Shape) -> Record:
-    req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=shape.output_tokens, ignore_eos=True)
+async def _worker_request(stub: Any, worker_pb: Any, prompt: list[int], shape: Shape) -> Record:
+    req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=shape.output_tokens, ignore_eos=True)
     rec = Record(sent=time.time())
     last = 0.0
     try:
-        async for msg in stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=600):
+        async for msg in stub.GenerateStream(worker_pb.GenerateStreamRequest(request=req), timeout=600):
             if not msg.token_ids:
                 continue
             last = rec.arrived(last)
@@ -110,9 +110,9 @@ async def _worker_request(stub: Any, w: Any, prompt: list[int], shape: Shape) ->
     return rec
 
 
-async def _unary_request(stub: Any, w: Any, prompt: list[int], shape: Shape) -> Record:
+async def _unary_request(stub: Any, worker_pb: Any, prompt: list[int], shape: Shape) -> Record:
     """A unary Generate: its first token is its whole answer (TTFT = latency, no ITL)."""
-    req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=shape.output_tokens, ignore_eos=True)
+    req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=shape.output_tokens, ignore_eos=True)
     rec = Record(sent=time.time())
     try:
         r = await stub.Generate(req, timeout=600)
@@ -163,15 +163,15 @@ async def _client_loop(
     if path in ("worker", "unary"):
         import grpc
 
-        from memsvc.v1 import model_worker_service_pb2 as w
-        from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+        from memsvc.v1 import model_worker_service_pb2 as worker_pb
+        from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
         channel = grpc.aio.insecure_channel(target, options=[("grpc.max_receive_message_length", 64 << 20)])
-        stub = w_grpc.ModelWorkerServiceStub(channel)
+        stub = worker_grpc.ModelWorkerServiceStub(channel)
         request = _worker_request if path == "worker" else _unary_request
 
         async def one(p: list[int]) -> Record:
-            return await request(stub, w, p, shape)
+            return await request(stub, worker_pb, p, shape)
     else:
         import openai
 
@@ -302,14 +302,14 @@ def hardware_limit(
     hbm: float = HBM,
 ) -> dict[str, float]:
     """Output tok/s and decode ms/step at best for the shape (see the module docstring)."""
-    c = concurrency
-    prefill = 2 * params * c * shape.input_tokens / tflops
+    n = concurrency
+    prefill = 2 * params * n * shape.input_tokens / tflops
     decode = 0.0
     for step in range(shape.output_tokens):
-        kv = c * (shape.input_tokens + step) * kv_bytes_per_token
-        decode += max((weight_bytes + kv) / hbm, 2 * params * c / tflops)
+        kv = n * (shape.input_tokens + step) * kv_bytes_per_token
+        decode += max((weight_bytes + kv) / hbm, 2 * params * n / tflops)
     return {
-        "output_tok_s": round(c * shape.output_tokens / (prefill + decode), 1),
+        "output_tok_s": round(n * shape.output_tokens / (prefill + decode), 1),
         "decode_step_ms": round(decode / shape.output_tokens * 1e3, 3),
     }
 
@@ -318,9 +318,14 @@ def _model_facts(checkpoint: Path) -> dict[str, int]:
     """Parameters, weight bytes (bf16) and KV bytes per token of the checkpoint's config."""
     from worker.model.weights import read_config
 
-    c = read_config(checkpoint)
-    kv = 2 * c.num_layers * c.num_kv_heads * c.head_dim * 2
-    return {"params": c.param_count(), "weight_bytes": c.param_bytes(), "kv_bytes_per_token": kv, "vocab": c.vocab_size}
+    config = read_config(checkpoint)
+    kv = 2 * config.num_layers * config.num_kv_heads * config.head_dim * 2
+    return {
+        "params": config.param_count(),
+        "weight_bytes": config.param_bytes(),
+        "kv_bytes_per_token": kv,
+        "vocab": config.vocab_size,
+    }
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -350,7 +355,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--out", default="")
     args = ap.parse_args(argv)
     shapes = [Shape.parse(s) for s in args.shapes.split(",")]
-    levels = [int(c) for c in args.concurrency.split(",")]
+    levels = [int(level) for level in args.concurrency.split(",")]
     paths = args.paths.split(",")
     result: dict[str, Any] = {
         "bench": "serving",
@@ -444,10 +449,19 @@ def main(argv: Sequence[str] | None = None) -> int:
                     )
             for shape in shapes:
                 for path in paths:
-                    for c in levels:
-                        n = args.requests or max(args.waves * c, 16)
+                    for level in levels:
+                        n = args.requests or max(args.waves * level, 16)
                         row = run_level(
-                            path, targets[path], "bench", shape, c, n, args.clients, facts["vocab"], c, args.start_delay
+                            path,
+                            targets[path],
+                            "bench",
+                            shape,
+                            level,
+                            n,
+                            args.clients,
+                            facts["vocab"],
+                            level,
+                            args.start_delay,
                         )
                         row.update(path=path, shape=shape.name)
                         if args.backend == "cuda":
@@ -456,7 +470,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                                 facts["weight_bytes"],
                                 facts["kv_bytes_per_token"],
                                 shape,
-                                c,
+                                level,
                                 args.tflops,
                                 args.hbm,
                             )
@@ -480,15 +494,15 @@ def first_requests(address: str, vocab: int, n: int = 3) -> dict[str, Any]:
     16 new, one at a time): what the first user pays for what the worker still builds."""
     import grpc
 
-    from memsvc.v1 import model_worker_service_pb2 as w
-    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
+    from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
     rng = random.Random(99)
     times = []
     with grpc.insecure_channel(address) as ch:
-        stub = w_grpc.ModelWorkerServiceStub(ch)
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
         for _ in range(n):
-            req = w.GenerateRequest(
+            req = worker_pb.GenerateRequest(
                 prompt_token_ids=[rng.randrange(1, vocab) for _ in range(40)], max_new_tokens=16, ignore_eos=True
             )
             t0 = time.perf_counter()
@@ -501,14 +515,17 @@ def first_requests(address: str, vocab: int, n: int = 3) -> dict[str, Any]:
 def _wait_ready(address: str, timeout: float = 600.0) -> None:
     import grpc
 
-    from memsvc.v1 import common_pb2 as c
-    from memsvc.v1 import model_worker_service_pb2 as w
-    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+    from memsvc.v1 import common_pb2 as common_pb
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
+    from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
     end = time.monotonic() + timeout
     with grpc.insecure_channel(address) as ch:
-        stub = w_grpc.ModelWorkerServiceStub(ch)
-        while stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state != c.WORKER_STATE_AWAKE:
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
+        while (
+            stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.state
+            != common_pb.WORKER_STATE_AWAKE
+        ):
             if time.monotonic() > end:
                 raise RuntimeError("the worker did not load")
             time.sleep(0.1)

@@ -62,9 +62,9 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import processes
 from memsvc.runtime.bytecode import uncompiled
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.main import MODEL_LAYER
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
@@ -332,12 +332,12 @@ class Streamed:
     tokens: list[int]
 
 
-def _generate_stream(stub: w_grpc.ModelWorkerServiceStub, prompt: list[int], t0: float) -> Streamed:
+def _generate_stream(stub: worker_grpc.ModelWorkerServiceStub, prompt: list[int], t0: float) -> Streamed:
     sent = time.perf_counter()
-    request = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
+    request = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=NEW_TOKENS, ignore_eos=True)
     first = None
     tokens: list[int] = []
-    for msg in stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=START_TIMEOUT_S):
+    for msg in stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=START_TIMEOUT_S):
         if msg.token_ids and first is None:
             first = time.perf_counter() - t0
         tokens.extend(msg.token_ids)
@@ -379,10 +379,10 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
                 if answer.status == health_pb2.HealthCheckResponse.SERVING:
                     out["serving_s"] = time.perf_counter() - proc.t0
                     break
-            stub = w_grpc.ModelWorkerServiceStub(channel)
-            status = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
-            if status.state != c.WORKER_STATE_AWAKE:
-                raise RuntimeError(f"SERVING, but the worker is {c.WorkerState.Name(status.state)}")
+            stub = worker_grpc.ModelWorkerServiceStub(channel)
+            status = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
+            if status.state != common_pb.WORKER_STATE_AWAKE:
+                raise RuntimeError(f"SERVING, but the worker is {common_pb.WorkerState.Name(status.state)}")
             first = _generate_stream(stub, prompt, proc.t0)
             out.update(first_token_s=first.first_s, generate_end_s=first.end_s, first_generate_s=first.took_s)
             out["second_generate_s"] = _generate_stream(stub, prompt, proc.t0).took_s

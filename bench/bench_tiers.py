@@ -46,9 +46,9 @@ import grpc
 from bench.bench_allocator import _device_info, _git_commit
 from bench.bench_gateway import MEMSVC, Service, write_checkpoint
 from bench.bench_loader import direct_read_rate, drop_page_cache, read_once
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 IO_PIECE = 16 << 20
 IO_THREADS = 8
@@ -161,11 +161,11 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
     ]
     worker = Service(argv, r" listening on (\S+)", "worker")
     try:
-        stub = w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(worker.address))
+        stub = worker_grpc.ModelWorkerServiceStub(grpc.insecure_channel(worker.address))
         t0 = time.perf_counter()
         while True:
-            st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
-            if st.state == c.WORKER_STATE_AWAKE:
+            st = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
+            if st.state == common_pb.WORKER_STATE_AWAKE:
                 break
             time.sleep(0.05)
         weights = next(t for t in st.tags if t.tag == "weights")
@@ -173,7 +173,7 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
         ready = time.perf_counter()
         while st.host_pinned_bytes < weights.mapped_bytes and time.perf_counter() - ready < PREPIN_WAIT_S:
             time.sleep(0.05)
-            st = stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
+            st = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
         out["prepin"] = {
             "seconds_after_awake": time.perf_counter() - ready,
             "host_pinned_bytes": st.host_pinned_bytes,
@@ -181,31 +181,31 @@ def main(argv: list[str] | None = None) -> int:  # noqa: PLR0915 - one run, phas
         }
 
         def sleep(**kw: Any) -> dict[str, Any]:
-            return _t(stub.Sleep(w.SleepRequest(**kw), timeout=600))
+            return _t(stub.Sleep(worker_pb.SleepRequest(**kw), timeout=600))
 
         def wake() -> dict[str, Any]:
-            return _t(stub.WakeUp(w.WakeUpRequest(), timeout=600))
+            return _t(stub.WakeUp(worker_pb.WakeUpRequest(), timeout=600))
 
-        level1: dict[str, Any] = {"first_sleep": sleep(level=c.SLEEP_LEVEL_1), "first_wake": wake()}
+        level1: dict[str, Any] = {"first_sleep": sleep(level=common_pb.SLEEP_LEVEL_1), "first_wake": wake()}
         cycles = []
         for _ in range(args.cycles):
             time.sleep(1.0)  # past the wake's hold (worker/host_release.py): the reserve is what is kept
-            cycles.append({"sleep": sleep(level=c.SLEEP_LEVEL_1), "wake": wake()})
+            cycles.append({"sleep": sleep(level=common_pb.SLEEP_LEVEL_1), "wake": wake()})
         out["level1"] = {**level1, "later": cycles}
 
-        level2: dict[str, Any] = {"sleep": sleep(level=c.SLEEP_LEVEL_2), "wake_warm": wake()}
-        sleep(level=c.SLEEP_LEVEL_2)
+        level2: dict[str, Any] = {"sleep": sleep(level=common_pb.SLEEP_LEVEL_2), "wake_warm": wake()}
+        sleep(level=common_pb.SLEEP_LEVEL_2)
         drop_page_cache(shards, whole_cache=False)
         level2["wake_cold"] = wake()
         out["level2"] = level2
         read_once(shards)
 
-        to_disk = {"weights": c.TAG_ACTION_OFFLOAD_DISK, "kv_cache": c.TAG_ACTION_DISCARD}
+        to_disk = {"weights": common_pb.TAG_ACTION_OFFLOAD_DISK, "kv_cache": common_pb.TAG_ACTION_DISCARD}
         if any(t.tag == "cuda_graphs" for t in st.tags):
-            to_disk["cuda_graphs"] = c.TAG_ACTION_DISCARD
+            to_disk["cuda_graphs"] = common_pb.TAG_ACTION_DISCARD
         disk: dict[str, Any] = {"sleep": sleep(tag_actions=to_disk), "wake": wake()}
-        sleep(level=c.SLEEP_LEVEL_1)
-        disk["demote"] = sleep(tag_actions={"weights": c.TAG_ACTION_OFFLOAD_DISK})
+        sleep(level=common_pb.SLEEP_LEVEL_1)
+        disk["demote"] = sleep(tag_actions={"weights": common_pb.TAG_ACTION_OFFLOAD_DISK})
         disk["wake_after_demote"] = wake()
         out["disk_tier"] = disk
     finally:

@@ -97,11 +97,11 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
     from bench.bench_allocator import _device_info, _git_commit
     from bench.bench_gateway import MEMSVC, Service, mapped_bytes, wait_state, write_checkpoint
     from bench.bench_serving import _model_facts, _wait_model
-    from memsvc.v1 import common_pb2 as c
-    from memsvc.v1 import memory_manager_service_pb2 as m
-    from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-    from memsvc.v1 import model_worker_service_pb2 as w
-    from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+    from memsvc.v1 import common_pb2 as common_pb
+    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+    from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
+    from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--shape", default="8b", help="bench_gateway's checkpoint shape (8b, tiny)")
@@ -161,7 +161,7 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
                 "manager",
             )
             services.append(mgr)
-            stub = m_grpc.MemoryManagerServiceStub(grpc.insecure_channel(mgr.address))
+            stub = manager_grpc.MemoryManagerServiceStub(grpc.insecure_channel(mgr.address))
             for name in MODELS:
                 argv = [
                     *MEMSVC,
@@ -184,17 +184,17 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
                 ]
                 workers[name] = Service(argv, r" listening on (\S+)", f"worker {name}")
                 services.append(workers[name])
-                wait_state(stub, name, c.WORKER_STATE_AWAKE)
-            one = mapped_bytes(wait_state(stub, "alpha", c.WORKER_STATE_AWAKE))
+                wait_state(stub, name, common_pb.WORKER_STATE_AWAKE)
+            one = mapped_bytes(wait_state(stub, "alpha", common_pb.WORKER_STATE_AWAKE))
             for name in MODELS[1:]:
-                stub.SleepWorker(m.SleepWorkerRequest(name=f"workers/{name}"), timeout=600)
-            policy = m.Policy(
+                stub.SleepWorker(manager_pb.SleepWorkerRequest(name=f"workers/{name}"), timeout=600)
+            policy = manager_pb.Policy(
                 device_budget_bytes=int(1.5 * one),
                 device_swap_headroom_bytes=one,
                 time_slice=Duration(nanos=int(args.time_slice * 1e9)),
             )
             mask = FieldMask(paths=["device_budget_bytes", "device_swap_headroom_bytes", "time_slice"])
-            stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
+            stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
             result["worker_mapped_bytes"] = one
             gw = Service(
                 [
@@ -219,10 +219,10 @@ def main(argv: Sequence[str] | None = None) -> int:  # noqa: PLR0915 - one run, 
             def counters() -> dict[str, dict[str, int]]:
                 out = {}
                 for name in MODELS:
-                    wk = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
+                    wk = stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
                     st = (
-                        w_grpc.ModelWorkerServiceStub(grpc.insecure_channel(workers[name].address))
-                        .GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10)
+                        worker_grpc.ModelWorkerServiceStub(grpc.insecure_channel(workers[name].address))
+                        .GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10)
                         .status
                     )
                     out[name] = {"turns_yielded": wk.turns_yielded, "recomputed_tokens": st.kv_cache.recomputed_tokens}

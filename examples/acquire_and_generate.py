@@ -17,29 +17,29 @@ import uuid
 
 import grpc
 
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 
 def run(manager: str, worker: str, prompt: list[int], max_new_tokens: int, ttl_s: float) -> list[int]:
     with grpc.insecure_channel(manager) as mchan:
-        mgr = m_grpc.MemoryManagerServiceStub(mchan)
-        req = m.AcquireWorkerRequest(
+        mgr = manager_grpc.MemoryManagerServiceStub(mchan)
+        req = manager_pb.AcquireWorkerRequest(
             name=f"workers/{worker}", holder="examples/acquire_and_generate", request_id=uuid.uuid4().hex
         )
         req.ttl.FromSeconds(int(ttl_s))
         acquired = mgr.AcquireWorker(req, timeout=300)  # waits while the worker wakes
         try:
             with grpc.insecure_channel(acquired.worker.address) as wchan:
-                stub = w_grpc.ModelWorkerServiceStub(wchan)
+                stub = worker_grpc.ModelWorkerServiceStub(wchan)
                 reply = stub.Generate(
-                    w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens), timeout=120
+                    worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=max_new_tokens), timeout=120
                 )
                 return list(reply.token_ids)
         finally:
-            mgr.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=acquired.lease.lease_id), timeout=10)
+            mgr.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=acquired.lease.lease_id), timeout=10)
 
 
 def main() -> int:

@@ -283,10 +283,10 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     if first and first + len(models) - 1 > 65535:
         raise InvalidArgument(f"{where}: workers.listen's port + the number of models passes 65535")
     seen: set[str] = set()
-    for m in models:
-        if m.worker_id in seen:
-            raise InvalidArgument(f"{where}: two models have the worker id {m.worker_id!r}: give one an id")
-        seen.add(m.worker_id)
+    for model in models:
+        if model.worker_id in seen:
+            raise InvalidArgument(f"{where}: two models have the worker id {model.worker_id!r}: give one an id")
+        seen.add(model.worker_id)
     named = _policy(raw.get("policy", {}), f"{where}: [policy]")
     policy = {**_DEFAULT_POLICY, **named}
     if "idle_deep_sleep_timeout" not in named and policy["idle_sleep_timeout"] > policy["idle_deep_sleep_timeout"]:
@@ -294,12 +294,12 @@ def load_host_config(path: str | Path, env: Mapping[str, str] | None = None) -> 
     if stop_after and "start_timeout" not in named:
         policy["start_timeout"] = START_TIMEOUT_S  # an acquire for a stopped model waits for its start
     _checked(policy, f"{where}: [policy]")
-    for m in models:
-        _checked({**policy, **m.policy}, f"{where}: the policy of {m.worker_id}")
-        if stop_after and not {**policy, **m.policy}["start_timeout"]:
+    for model in models:
+        _checked({**policy, **model.policy}, f"{where}: the policy of {model.worker_id}")
+        if stop_after and not {**policy, **model.policy}["start_timeout"]:
             raise InvalidArgument(
-                f"{where}: workers.stop_after needs a start_timeout above 0, and the policy of {m.worker_id} has 0: "
-                "an acquire for it, stopped, would be refused, and nothing would start it"
+                f"{where}: workers.stop_after needs a start_timeout above 0, and the policy of {model.worker_id} "
+                "has 0: an acquire for it, stopped, would be refused, and nothing would start it"
             )
     return HostConfig(
         mgr["listen"],
@@ -410,17 +410,19 @@ class Host:
 
         from memsvc.manager.policy import Policy
         from memsvc.runtime.rpc_errors import from_rpc_error
-        from memsvc.v1 import memory_manager_service_pb2 as m
+        from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
         proto = Policy().with_fields(dict(fields)).to_proto()
         if name:
-            requests = [m.UpdatePolicyRequest(name=name, clear_fields=["*"])]
+            requests = [manager_pb.UpdatePolicyRequest(name=name, clear_fields=["*"])]
             if fields:
                 requests.append(
-                    m.UpdatePolicyRequest(name=name, policy=proto, update_mask=FieldMask(paths=sorted(fields)))
+                    manager_pb.UpdatePolicyRequest(name=name, policy=proto, update_mask=FieldMask(paths=sorted(fields)))
                 )
         else:
-            requests = [m.UpdatePolicyRequest(policy=proto)]  # no mask: every field, the file's or the built-in
+            requests = [
+                manager_pb.UpdatePolicyRequest(policy=proto)
+            ]  # no mask: every field, the file's or the built-in
         for request in requests:
             try:
                 self._manager_client().stub.UpdatePolicy(request, timeout=10)
@@ -604,11 +606,13 @@ class Host:
         """The address the manager knows the worker by ("" if it cannot say)."""
         import grpc
 
-        from memsvc.v1 import memory_manager_service_pb2 as m
+        from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
         try:
             stub = self._manager_client().stub
-            return str(stub.GetWorker(m.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=10).worker.address)
+            return str(
+                stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=10).worker.address
+            )
         except grpc.RpcError:
             return ""
 
@@ -618,20 +622,20 @@ class Host:
         False while it has not registered awake yet."""
         import grpc
 
-        from memsvc.v1 import common_pb2 as c
-        from memsvc.v1 import memory_manager_service_pb2 as m
+        from memsvc.v1 import common_pb2 as common_pb
+        from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
         name = f"workers/{w.entry.worker_id}"
         stub = self._manager_client().stub
         try:
-            worker = stub.GetWorker(m.GetWorkerRequest(name=name), timeout=10).worker
+            worker = stub.GetWorker(manager_pb.GetWorkerRequest(name=name), timeout=10).worker
             if w.stale_address and worker.address == w.stale_address:
                 return False  # the process before the restart, as the manager last knew it
             state = worker.state
-            if state == c.WORKER_STATE_ASLEEP:
+            if state == common_pb.WORKER_STATE_ASLEEP:
                 return True  # asleep already (a policy, or an earlier run's state)
-            if state == c.WORKER_STATE_AWAKE:
-                stub.SleepWorker(m.SleepWorkerRequest(name=name), timeout=120)
+            if state == common_pb.WORKER_STATE_AWAKE:
+                stub.SleepWorker(manager_pb.SleepWorkerRequest(name=name), timeout=120)
                 return True
         except grpc.RpcError as exc:
             if exc.code() not in (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.UNAVAILABLE):
@@ -688,7 +692,7 @@ class Host:
 
         An acquire that comes between the look and the stop finds the process going: its wake fails,
         and the manager then waits for the start as for any other (memsvc/manager/leases.py)."""
-        from memsvc.v1 import common_pb2 as c
+        from memsvc.v1 import common_pb2 as common_pb
 
         try:
             seen = {wk.name.removeprefix("workers/"): wk for wk in self._manager_client().workers()}
@@ -709,7 +713,7 @@ class Host:
                 continue
             if wk is None:
                 continue
-            idle = wk.state == c.WORKER_STATE_ASLEEP and not wk.lease_count and not wk.waiting_acquires
+            idle = wk.state == common_pb.WORKER_STATE_ASLEEP and not wk.lease_count and not wk.waiting_acquires
             if not idle or w.proc is None or w.proc.poll() is not None:
                 w.asleep_since = None
                 continue
@@ -725,12 +729,12 @@ class Host:
     def _asleep_neighbours(self, w: _Worker, seen: Mapping[str, Any]) -> None:
         """Put to sleep the other workers of ``w``'s device that are awake and unleased (a refusal,
         a leased one's, is left: the model then loads beside it)."""
-        from memsvc.v1 import common_pb2 as c
+        from memsvc.v1 import common_pb2 as common_pb
 
         for other in self.workers.values():
             wk = seen.get(other.entry.worker_id)
             same = (other.entry.backend, other.entry.device) == (w.entry.backend, w.entry.device)
-            if other is w or not same or wk is None or wk.lease_count or wk.state != c.WORKER_STATE_AWAKE:
+            if other is w or not same or wk is None or wk.lease_count or wk.state != common_pb.WORKER_STATE_AWAKE:
                 continue
             try:
                 self._manager_client().sleep(other.entry.worker_id, timeout=120)

@@ -34,7 +34,7 @@ if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help st
     from rich.table import Table
 
     from memsvc.client import ManagerClient
-    from memsvc.v1 import memory_manager_service_pb2 as m
+    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 
 def _client_auth_flags(p: argparse.ArgumentParser) -> None:
@@ -292,7 +292,7 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
     )
 
 
-def _status_table(workers: Sequence[m.Worker], title: str = "memsvc workers") -> Table:
+def _status_table(workers: Sequence[manager_pb.Worker], title: str = "memsvc workers") -> Table:
     from rich.table import Table
 
     from memsvc.client import human_bytes, state_name
@@ -346,7 +346,7 @@ def _print_json(message: Message) -> None:
     print(json.dumps(json_format.MessageToDict(message, preserving_proto_field_name=True), indent=2))
 
 
-def _lease_table(leases: Sequence[m.Lease]) -> Table:
+def _lease_table(leases: Sequence[manager_pb.Lease]) -> Table:
     import time
 
     from rich.table import Table
@@ -361,7 +361,7 @@ def _lease_table(leases: Sequence[m.Lease]) -> Table:
     return table
 
 
-def _already_there(command: str, tags: Sequence[str], worker: m.Worker) -> bool:
+def _already_there(command: str, tags: Sequence[str], worker: manager_pb.Worker) -> bool:
     """A refused ``memsvc sleep``/``wake`` whose worker is already where it asked: asleep (with no
     lease, which would be the refusal's reason), or awake, or every tag it named awake."""
     from memsvc.vocabulary import TagState, WorkerState
@@ -416,9 +416,9 @@ def _ops(args: argparse.Namespace, security: object) -> int:
     try:
         with ManagerClient(args.manager, security=security) as client:  # type: ignore[arg-type]
             if args.command == "status" and args.json:
-                from memsvc.v1 import memory_manager_service_pb2 as mm
+                from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
-                _print_json(mm.ListWorkersResponse(workers=client.workers()))
+                _print_json(manager_pb.ListWorkersResponse(workers=client.workers()))
             elif args.command == "status":
                 workers = client.workers()
                 if workers:
@@ -428,9 +428,9 @@ def _ops(args: argparse.Namespace, security: object) -> int:
             elif args.command == "leases":
                 leases = client.leases(args.worker)
                 if args.json:
-                    from memsvc.v1 import memory_manager_service_pb2 as mm
+                    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
-                    _print_json(mm.ListLeasesResponse(leases=leases))
+                    _print_json(manager_pb.ListLeasesResponse(leases=leases))
                 else:
                     console.print(_lease_table(leases))
             elif args.command == "release":
@@ -464,7 +464,7 @@ def _ops(args: argparse.Namespace, security: object) -> int:
             elif args.command == "watch":
                 from rich.live import Live
 
-                latest: dict[str, m.Worker] = {}
+                latest: dict[str, manager_pb.Worker] = {}
                 stream = client.watch()
                 # Ctrl-C ends the stream, so the loop below ends and the table closes as it should
                 previous = signal.signal(signal.SIGINT, lambda *_: stream.cancel())

@@ -14,8 +14,8 @@ import grpc
 
 from memsvc.runtime.auth import Security, channel
 from memsvc.runtime.rpc_errors import from_rpc_error
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 from memsvc.vocabulary import WorkerState
 
 DEFAULT_MANAGER = "127.0.0.1:50051"
@@ -37,7 +37,7 @@ class ManagerClient:
         self.address = manager_address(address)
         self.timeout = timeout
         self.channel = channel(self.address, security if security is not None else Security.from_args(None))
-        self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
+        self.stub = manager_grpc.MemoryManagerServiceStub(self.channel)
 
     def close(self) -> None:
         self.channel.close()
@@ -54,24 +54,25 @@ class ManagerClient:
         except grpc.RpcError as err:
             raise from_rpc_error(err) from None
 
-    def workers(self) -> list[m.Worker]:
-        out: list[m.Worker] = []
+    def workers(self) -> list[manager_pb.Worker]:
+        out: list[manager_pb.Worker] = []
         token = ""
         while True:
-            r = self._call("ListWorkers", m.ListWorkersRequest(page_size=1000, page_token=token))
+            r = self._call("ListWorkers", manager_pb.ListWorkersRequest(page_size=1000, page_token=token))
             out.extend(r.workers)
             token = r.next_page_token
             if not token:
                 return out
 
-    def worker(self, worker: str) -> m.Worker:
-        return self._call("GetWorker", m.GetWorkerRequest(name=worker_name(worker))).worker  # type: ignore[no-any-return]
+    def worker(self, worker: str) -> manager_pb.Worker:
+        return self._call("GetWorker", manager_pb.GetWorkerRequest(name=worker_name(worker))).worker  # type: ignore[no-any-return]
 
-    def sleep(self, worker: str, level: int = 0, timeout: float = 600.0) -> m.SleepWorkerResponse:
-        return self._call("SleepWorker", m.SleepWorkerRequest(name=worker_name(worker), level=level), timeout)  # type: ignore[arg-type, no-any-return]
+    def sleep(self, worker: str, level: int = 0, timeout: float = 600.0) -> manager_pb.SleepWorkerResponse:
+        return self._call("SleepWorker", manager_pb.SleepWorkerRequest(name=worker_name(worker), level=level), timeout)  # type: ignore[arg-type, no-any-return]
 
-    def wake(self, worker: str, tags: Sequence[str] = (), timeout: float = 600.0) -> m.WakeWorkerResponse:
-        return self._call("WakeWorker", m.WakeWorkerRequest(name=worker_name(worker), tags=list(tags)), timeout)  # type: ignore[no-any-return]
+    def wake(self, worker: str, tags: Sequence[str] = (), timeout: float = 600.0) -> manager_pb.WakeWorkerResponse:
+        request = manager_pb.WakeWorkerRequest(name=worker_name(worker), tags=list(tags))
+        return self._call("WakeWorker", request, timeout)  # type: ignore[no-any-return]
 
     def acquire(
         self,
@@ -80,39 +81,41 @@ class ManagerClient:
         holder: str = "",
         timeout: float = 600.0,
         keep_alive_s: float | None = None,
-    ) -> m.Lease:
+    ) -> manager_pb.Lease:
         """A lease (waking the worker); ``keep_alive_s``: its idle time once this lease is the last to
         end (0: sleep at once, negative: no idle sleep; None: the policy's)."""
-        req = m.AcquireWorkerRequest(name=worker_name(worker), holder=holder)
+        req = manager_pb.AcquireWorkerRequest(name=worker_name(worker), holder=holder)
         if ttl_s > 0:  # 0: the manager's default (an explicit 0 s ttl is refused)
             req.ttl.FromNanoseconds(int(ttl_s * 1e9))
         if keep_alive_s is not None:
             req.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
         return self._call("AcquireWorker", req, timeout).lease  # type: ignore[no-any-return]
 
-    def leases(self, worker: str = "") -> list[m.Lease]:
+    def leases(self, worker: str = "") -> list[manager_pb.Lease]:
         """Every live lease (of ``worker`` only, when given), following the pages."""
-        out: list[m.Lease] = []
+        out: list[manager_pb.Lease] = []
         token = ""
         while True:
-            req = m.ListLeasesRequest(name=worker_name(worker) if worker else "", page_size=1000, page_token=token)
+            req = manager_pb.ListLeasesRequest(
+                name=worker_name(worker) if worker else "", page_size=1000, page_token=token
+            )
             r = self._call("ListLeases", req)
             out.extend(r.leases)
             token = r.next_page_token
             if not token:
                 return out
 
-    def release(self, lease_id: str) -> m.Worker:
-        return self._call("ReleaseWorker", m.ReleaseWorkerRequest(lease_id=lease_id)).worker  # type: ignore[no-any-return]
+    def release(self, lease_id: str) -> manager_pb.Worker:
+        return self._call("ReleaseWorker", manager_pb.ReleaseWorkerRequest(lease_id=lease_id)).worker  # type: ignore[no-any-return]
 
     def deregister(self, worker: str) -> None:
         """Forget a worker (DeregisterWorker): refused while it holds a lease; one that registers
         again is known again."""
-        self._call("DeregisterWorker", m.DeregisterWorkerRequest(name=worker_name(worker)))
+        self._call("DeregisterWorker", manager_pb.DeregisterWorkerRequest(name=worker_name(worker)))
 
     def watch(self) -> WatchStream:
         """WatchWorkers as an iterator of its messages, which :meth:`WatchStream.cancel` ends."""
-        return WatchStream(self.stub.WatchWorkers(m.WatchWorkersRequest()))
+        return WatchStream(self.stub.WatchWorkers(manager_pb.WatchWorkersRequest()))
 
 
 class WatchStream:
@@ -127,7 +130,7 @@ class WatchStream:
     def cancel(self) -> None:
         self._call.cancel()
 
-    def __iter__(self) -> Iterator[m.WatchWorkersResponse]:
+    def __iter__(self) -> Iterator[manager_pb.WatchWorkersResponse]:
         try:
             yield from self._call
         except grpc.RpcError as err:

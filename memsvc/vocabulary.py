@@ -24,7 +24,7 @@ from types import MappingProxyType
 from typing import Any
 
 from memsvc.errors import InvalidArgument
-from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import common_pb2 as common_pb
 
 WEIGHTS = "weights"
 """The model's weights (offloaded, or reloaded from the checkpoint)."""
@@ -66,13 +66,13 @@ def _where(tag: str) -> tuple[str, dict[str, str] | None]:
 class Action(enum.IntEnum):
     """What happens to a tag's memory on sleep (proto ``TagAction``)."""
 
-    OFFLOAD = c.TAG_ACTION_OFFLOAD
+    OFFLOAD = common_pb.TAG_ACTION_OFFLOAD
     """Copy to page-locked host memory, restore byte for byte on wake."""
-    DISCARD = c.TAG_ACTION_DISCARD
+    DISCARD = common_pb.TAG_ACTION_DISCARD
     """Drop; weights are reloaded from their source on wake, a KV cache comes back empty."""
-    KEEP = c.TAG_ACTION_KEEP
+    KEEP = common_pb.TAG_ACTION_KEEP
     """Stay resident."""
-    OFFLOAD_DISK = c.TAG_ACTION_OFFLOAD_DISK
+    OFFLOAD_DISK = common_pb.TAG_ACTION_OFFLOAD_DISK
     """Write to a file of the worker's disk tier (``--offload-dir``), restore byte for byte on wake;
     given to an OFFLOADED tag, move its host copy to disk."""
 
@@ -82,8 +82,8 @@ class Action(enum.IntEnum):
         return self.name.lower()
 
     @property
-    def proto(self) -> c.TagAction.ValueType:
-        return c.TagAction.ValueType(self.value)
+    def proto(self) -> common_pb.TagAction.ValueType:
+        return common_pb.TagAction.ValueType(self.value)
 
     @classmethod
     def from_proto(cls, value: int, tag: str = "") -> Action:
@@ -108,15 +108,15 @@ class Action(enum.IntEnum):
 class SleepLevel(enum.IntEnum):
     """vLLM's sleep levels (proto ``SleepLevel``)."""
 
-    LEVEL_1 = c.SLEEP_LEVEL_1
+    LEVEL_1 = common_pb.SLEEP_LEVEL_1
     """Weights OFFLOAD, kv_cache and cuda_graphs DISCARD."""
-    LEVEL_2 = c.SLEEP_LEVEL_2
+    LEVEL_2 = common_pb.SLEEP_LEVEL_2
     """Every tag DISCARD; the weights are reloaded from their source on wake (host RAM freed too)."""
 
     @classmethod
     def parse(cls, value: int) -> SleepLevel | None:
         """A request's level: None for UNSPECIFIED, INVALID_ARGUMENT for an unknown one."""
-        if value == c.SLEEP_LEVEL_UNSPECIFIED:
+        if value == common_pb.SLEEP_LEVEL_UNSPECIFIED:
             return None
         try:
             return cls(value)
@@ -129,13 +129,13 @@ class SleepLevel(enum.IntEnum):
         return LEVEL_ACTIONS[self]
 
     @property
-    def proto(self) -> c.SleepLevel.ValueType:
-        return c.SleepLevel.ValueType(self.value)
+    def proto(self) -> common_pb.SleepLevel.ValueType:
+        return common_pb.SleepLevel.ValueType(self.value)
 
     @staticmethod
-    def proto_of(level: int) -> c.SleepLevel.ValueType:
+    def proto_of(level: int) -> common_pb.SleepLevel.ValueType:
         """A level number as the proto field takes it (0: unspecified, after an explicit tag map)."""
-        return c.SleepLevel.ValueType(level)
+        return common_pb.SleepLevel.ValueType(level)
 
 
 LEVEL_ACTIONS: Mapping[SleepLevel, Mapping[str, Action]] = MappingProxyType(
@@ -198,15 +198,15 @@ def actions_from_proto(tag_actions: Mapping[str, int]) -> dict[str, Action]:
 class WorkerState(enum.IntEnum):
     """Lifecycle of a worker (proto ``WorkerState``)."""
 
-    UNSPECIFIED = c.WORKER_STATE_UNSPECIFIED
+    UNSPECIFIED = common_pb.WORKER_STATE_UNSPECIFIED
     """The manager has no status from the worker yet."""
-    LOADING = c.WORKER_STATE_LOADING
-    AWAKE = c.WORKER_STATE_AWAKE
-    SLEEPING = c.WORKER_STATE_SLEEPING
-    ASLEEP = c.WORKER_STATE_ASLEEP
-    WAKING = c.WORKER_STATE_WAKING
-    PARTIALLY_AWAKE = c.WORKER_STATE_PARTIALLY_AWAKE
-    UNAVAILABLE = c.WORKER_STATE_UNAVAILABLE
+    LOADING = common_pb.WORKER_STATE_LOADING
+    AWAKE = common_pb.WORKER_STATE_AWAKE
+    SLEEPING = common_pb.WORKER_STATE_SLEEPING
+    ASLEEP = common_pb.WORKER_STATE_ASLEEP
+    WAKING = common_pb.WORKER_STATE_WAKING
+    PARTIALLY_AWAKE = common_pb.WORKER_STATE_PARTIALLY_AWAKE
+    UNAVAILABLE = common_pb.WORKER_STATE_UNAVAILABLE
     """Only the manager says this: it cannot reach the worker."""
 
     @classmethod
@@ -224,8 +224,8 @@ class WorkerState(enum.IntEnum):
         return self.name.lower()
 
     @property
-    def proto(self) -> c.WorkerState.ValueType:
-        return c.WorkerState.ValueType(self.value)
+    def proto(self) -> common_pb.WorkerState.ValueType:
+        return common_pb.WorkerState.ValueType(self.value)
 
 
 RPC_FRONTS = ("inline", "process")
@@ -235,7 +235,9 @@ a child process of its own (worker/rpc_front.py)."""
 AWAKE_STATES = frozenset({WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE})
 """States in which some tag is resident: an idle timer may put the worker to sleep."""
 BUSY_STATES = frozenset({WorkerState.LOADING, WorkerState.SLEEPING, WorkerState.WAKING})
-"""States a transition passes through: no other transition or KV work starts until they end."""
+"""States a transition passes through: no other transition or KV work starts until they end. Every
+other state is *settled*, and "to settle" means only this: to reach one (a worker whose transition
+failed settles in the state its tags are in; the manager waits for a call in doubt to settle)."""
 
 _WAKEFULNESS = {WorkerState.ASLEEP: 0, WorkerState.PARTIALLY_AWAKE: 1, WorkerState.AWAKE: 2}
 
@@ -262,7 +264,7 @@ class _NamedProtoEnum(enum.StrEnum):
         raise NotImplementedError
 
     def _proto_number(self) -> int:
-        return int(getattr(c, f"{self._prefix()}_{self.name}"))
+        return int(getattr(common_pb, f"{self._prefix()}_{self.name}"))
 
 
 class TagState(_NamedProtoEnum):
@@ -278,8 +280,8 @@ class TagState(_NamedProtoEnum):
         return "TAG_STATE"
 
     @property
-    def proto(self) -> c.TagState.ValueType:
-        return c.TagState.ValueType(self._proto_number())
+    def proto(self) -> common_pb.TagState.ValueType:
+        return common_pb.TagState.ValueType(self._proto_number())
 
 
 KEPT_IN: Mapping[Action, TagState] = MappingProxyType(
@@ -322,13 +324,13 @@ class CopyMethod(_NamedProtoEnum):
         return "COPY_METHOD"
 
     @property
-    def proto(self) -> c.CopyMethod.ValueType:
-        return c.CopyMethod.ValueType(self._proto_number())
+    def proto(self) -> common_pb.CopyMethod.ValueType:
+        return common_pb.CopyMethod.ValueType(self._proto_number())
 
     @classmethod
     def from_proto(cls, value: int) -> CopyMethod:
         """A request's CopyMethod; UNSPECIFIED means AUTO, unknown values are INVALID_ARGUMENT."""
-        if value == c.COPY_METHOD_UNSPECIFIED:
+        if value == common_pb.COPY_METHOD_UNSPECIFIED:
             return cls.AUTO
         for member in cls:
             if member.proto == value:
@@ -347,9 +349,9 @@ class CopyMethod(_NamedProtoEnum):
 class FinishReason(enum.IntEnum):
     """Why a generation ended (proto ``FinishReason``)."""
 
-    STOP = c.FINISH_REASON_STOP
+    STOP = common_pb.FINISH_REASON_STOP
     """An end-of-sequence or stop token was generated (the last token returned)."""
-    LENGTH = c.FINISH_REASON_LENGTH
+    LENGTH = common_pb.FINISH_REASON_LENGTH
     """max_new_tokens were generated."""
 
     @property
@@ -358,8 +360,8 @@ class FinishReason(enum.IntEnum):
         return self.name.lower()
 
     @property
-    def proto(self) -> c.FinishReason.ValueType:
-        return c.FinishReason.ValueType(self.value)
+    def proto(self) -> common_pb.FinishReason.ValueType:
+        return common_pb.FinishReason.ValueType(self.value)
 
 
 class TransitionKind(enum.StrEnum):

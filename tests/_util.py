@@ -46,7 +46,7 @@ def busy_copy_stream(alloc: MemoryAllocator, mib: int = 512) -> tuple[torch.Tens
     return dev, host, alloc.copy_block_ids(dev, host, ids, ids, "batch", wait=False)
 
 
-def host_held_settles_at(alloc: MemoryAllocator, expected: int) -> int:
+def host_held_once_trimmed(alloc: MemoryAllocator, expected: int) -> int:
     """host_held_bytes once the pool's reaper thread has trimmed it (wake releases chunks off its path).
 
     Polls for at most 10 s: the value is what is asserted, never how long it took."""

@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 from childproc import Proc, ProcError
 
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 _LISTENING = re.compile(r"^memsvc gateway listening on (?P<address>\S+)$")
 READY_TIMEOUT = 60.0
@@ -52,22 +52,26 @@ class LeaseManagerDouble:
     the gateway's lease code against answers a real manager gives only by chance; a subclass says
     what each answers."""
 
-    SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+    SERVICE = manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 
-    async def acquire(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
+    async def acquire(self, request: manager_pb.AcquireWorkerRequest, context: Any) -> manager_pb.AcquireWorkerResponse:
         raise NotImplementedError
 
-    async def release(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:
+    async def release(self, request: manager_pb.ReleaseWorkerRequest, context: Any) -> manager_pb.ReleaseWorkerResponse:
         raise NotImplementedError
 
     def handler(self) -> grpc.GenericRpcHandler:
         """The two RPCs the gateway's lease uses, served under the manager's service name."""
         rpcs: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
             "AcquireWorker": grpc.unary_unary_rpc_method_handler(
-                self.acquire, m.AcquireWorkerRequest.FromString, m.AcquireWorkerResponse.SerializeToString
+                self.acquire,
+                manager_pb.AcquireWorkerRequest.FromString,
+                manager_pb.AcquireWorkerResponse.SerializeToString,
             ),
             "ReleaseWorker": grpc.unary_unary_rpc_method_handler(
-                self.release, m.ReleaseWorkerRequest.FromString, m.ReleaseWorkerResponse.SerializeToString
+                self.release,
+                manager_pb.ReleaseWorkerRequest.FromString,
+                manager_pb.ReleaseWorkerResponse.SerializeToString,
             ),
         }
         return grpc.method_handlers_generic_handler(self.SERVICE, rpcs)

@@ -36,11 +36,11 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 from prometheus_client.parser import text_string_to_metric_families
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 READY_TIMEOUT = 60.0
 STOP_TIMEOUT = 30.0
@@ -48,7 +48,7 @@ WORKER_MODEL = "synthetic:tiny"
 WORKER_CAPACITY = "64MiB"
 """Simulated device size of a test worker; synthetic:tiny maps 4 MiB awake (2 MiB weights, 2 MiB KV)."""
 
-MANAGER_SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+MANAGER_SERVICE = manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 _LISTENING = re.compile(r"^memsvc manager listening on (?P<address>\S+)$")
 _METRICS = re.compile(r"^memsvc manager metrics on (?P<url>http://\S+)$")
 
@@ -76,7 +76,7 @@ class ManagerProcess(Proc):
         self.address = ""
         self.metrics_url = ""
         self._channel: grpc.Channel | None = None
-        self._stub: m_grpc.MemoryManagerServiceStub | None = None
+        self._stub: manager_grpc.MemoryManagerServiceStub | None = None
 
     def start(self) -> ManagerProcess:
         super().start()
@@ -95,11 +95,11 @@ class ManagerProcess(Proc):
         return self
 
     @property
-    def stub(self) -> m_grpc.MemoryManagerServiceStub:
+    def stub(self) -> manager_grpc.MemoryManagerServiceStub:
         if self._stub is None:
             assert self.address, "manager is not started"
             self._channel = grpc.insecure_channel(self.address)
-            self._stub = m_grpc.MemoryManagerServiceStub(self._channel)
+            self._stub = manager_grpc.MemoryManagerServiceStub(self._channel)
         return self._stub
 
     def health(self, service: str = MANAGER_SERVICE) -> int:
@@ -190,7 +190,7 @@ class Cluster:
         manager: ManagerProcess,
         ids: Iterable[str],
         args: Sequence[str] = (),
-        state: c.WorkerState.ValueType | None = c.WORKER_STATE_AWAKE,
+        state: common_pb.WorkerState.ValueType | None = common_pb.WORKER_STATE_AWAKE,
     ) -> list[WorkerProcess]:
         """Start workers in parallel; return once each is ready and, in the manager's view, in ``state``
         (``None``: registered and reachable, whatever its state)."""
@@ -202,14 +202,16 @@ class Cluster:
             if state is None:
                 wait_for(
                     functools.partial(get, manager.stub, p.worker_id),
-                    lambda w: w.state not in (c.WORKER_STATE_UNAVAILABLE, c.WORKER_STATE_UNSPECIFIED),
+                    lambda wk: wk.state not in (common_pb.WORKER_STATE_UNAVAILABLE, common_pb.WORKER_STATE_UNSPECIFIED),
                     what=f"{p.worker_id} to register and be reachable",
                 )
             else:
                 wait_state(manager.stub, p.worker_id, state)
         return procs
 
-    def scripted(self, worker_id: str, state: c.WorkerState.ValueType = c.WORKER_STATE_ASLEEP) -> ScriptedWorker:
+    def scripted(
+        self, worker_id: str, state: common_pb.WorkerState.ValueType = common_pb.WORKER_STATE_ASLEEP
+    ) -> ScriptedWorker:
         """An in-process :class:`ScriptedWorker` (not registered: the test calls RegisterWorker)."""
         sw = ScriptedWorker(worker_id, state)
         self.scripted_workers.append(sw)
@@ -227,7 +229,7 @@ class Cluster:
 # ---- a scripted worker, for orderings a real worker produces only by chance ----
 
 
-class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
+class ScriptedWorker(worker_grpc.ModelWorkerServiceServicer):
     """A ModelWorkerService served from the test process, whose telemetry the test releases by hand.
 
     A real worker reports a transition twice, on two independent HTTP/2 streams: in the RPC's response
@@ -238,15 +240,15 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
 
     MiB = 1 << 20
 
-    def __init__(self, worker_id: str, state: c.WorkerState.ValueType = c.WORKER_STATE_ASLEEP) -> None:
+    def __init__(self, worker_id: str, state: common_pb.WorkerState.ValueType = common_pb.WORKER_STATE_ASLEEP) -> None:
         self.worker_id = worker_id
         self.state = state
-        self._stream: queue.Queue[w.StreamTelemetryResponse | None] = queue.Queue()
-        self._held: list[w.StreamTelemetryResponse] = []
+        self._stream: queue.Queue[worker_pb.StreamTelemetryResponse | None] = queue.Queue()
+        self._held: list[worker_pb.StreamTelemetryResponse] = []
         self._seq = 0
         self._lock = threading.Lock()
         self.server = grpc.server(ThreadPoolExecutor(8))
-        w_grpc.add_ModelWorkerServiceServicer_to_server(self, self.server)
+        worker_grpc.add_ModelWorkerServiceServicer_to_server(self, self.server)
         port = self.server.add_insecure_port("127.0.0.1:0")
         self.address = f"127.0.0.1:{port}"
         self.server.start()
@@ -255,12 +257,12 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
         self._stream.put(None)
         self.server.stop(0)
 
-    def status(self) -> c.WorkerStatus:
-        awake = self.state == c.WORKER_STATE_AWAKE
-        st = c.WorkerStatus(
+    def status(self) -> common_pb.WorkerStatus:
+        awake = self.state == common_pb.WORKER_STATE_AWAKE
+        st = common_pb.WorkerStatus(
             worker_id=self.worker_id,
             state=self.state,
-            device=c.DeviceInfo(
+            device=common_pb.DeviceInfo(
                 backend="host",
                 index=0,
                 name="scripted",
@@ -268,17 +270,17 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
                 free_bytes=(60 if awake else 64) * self.MiB,
             ),
             tags=[
-                c.TagMemory(
+                common_pb.TagMemory(
                     tag="kv_cache",
-                    state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_DISCARDED,
+                    state=common_pb.TAG_STATE_AWAKE if awake else common_pb.TAG_STATE_DISCARDED,
                     mapped_bytes=2 * self.MiB if awake else 0,
                     allocated_bytes=2 * self.MiB,
                     discarded_bytes=0 if awake else 2 * self.MiB,
                     awake_bytes=2 * self.MiB,
                 ),
-                c.TagMemory(
+                common_pb.TagMemory(
                     tag="weights",
-                    state=c.TAG_STATE_AWAKE if awake else c.TAG_STATE_OFFLOADED,
+                    state=common_pb.TAG_STATE_AWAKE if awake else common_pb.TAG_STATE_OFFLOADED,
                     mapped_bytes=2 * self.MiB if awake else 0,
                     allocated_bytes=self.MiB,
                     offloaded_bytes=0 if awake else self.MiB,
@@ -289,21 +291,25 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
         st.update_time.GetCurrentTime()
         return st
 
-    def _message(self, **event: Any) -> w.StreamTelemetryResponse:
+    def _message(self, **event: Any) -> worker_pb.StreamTelemetryResponse:
         with self._lock:
             self._seq += 1
-            msg = w.StreamTelemetryResponse(sequence_number=self._seq, **event)
+            msg = worker_pb.StreamTelemetryResponse(sequence_number=self._seq, **event)
         msg.time.GetCurrentTime()
         return msg
 
     def _transition(
-        self, to: c.WorkerState.ValueType, reason: str, busy: c.WorkerState.ValueType, kind: str
-    ) -> tuple[c.WorkerStatus, c.TransitionStats]:
+        self, to: common_pb.WorkerState.ValueType, reason: str, busy: common_pb.WorkerState.ValueType, kind: str
+    ) -> tuple[common_pb.WorkerStatus, common_pb.TransitionStats]:
         frm = self.state
-        self._held.append(self._message(state_change=c.StateChange(from_state=frm, to_state=busy, reason=reason)))
+        self._held.append(
+            self._message(state_change=common_pb.StateChange(from_state=frm, to_state=busy, reason=reason))
+        )
         self.state = to
-        self._held.append(self._message(state_change=c.StateChange(from_state=busy, to_state=to, reason=reason)))
-        t = c.TransitionStats(kind=kind, moved_bytes=self.MiB)
+        self._held.append(
+            self._message(state_change=common_pb.StateChange(from_state=busy, to_state=to, reason=reason))
+        )
+        t = common_pb.TransitionStats(kind=kind, moved_bytes=self.MiB)
         t.end_time.GetCurrentTime()
         self._held.append(self._message(transition=t))
         return self.status(), t
@@ -316,13 +322,13 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
 
     # ModelWorkerService
     def GetWorkerStatus(
-        self, request: w.GetWorkerStatusRequest, context: grpc.ServicerContext
-    ) -> w.GetWorkerStatusResponse:
-        return w.GetWorkerStatusResponse(status=self.status())
+        self, request: worker_pb.GetWorkerStatusRequest, context: grpc.ServicerContext
+    ) -> worker_pb.GetWorkerStatusResponse:
+        return worker_pb.GetWorkerStatusResponse(status=self.status())
 
     def StreamTelemetry(
-        self, request: w.StreamTelemetryRequest, context: grpc.ServicerContext
-    ) -> Iterator[w.StreamTelemetryResponse]:
+        self, request: worker_pb.StreamTelemetryRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb.StreamTelemetryResponse]:
         yield self._message(snapshot=self.status())
         while context.is_active():
             try:
@@ -333,30 +339,36 @@ class ScriptedWorker(w_grpc.ModelWorkerServiceServicer):
                 return
             yield msg
 
-    def Sleep(self, request: w.SleepRequest, context: grpc.ServicerContext) -> w.SleepResponse:
-        st, t = self._transition(c.WORKER_STATE_ASLEEP, "Sleep", c.WORKER_STATE_SLEEPING, "sleep")
-        return w.SleepResponse(status=st, transition=t)
+    def Sleep(self, request: worker_pb.SleepRequest, context: grpc.ServicerContext) -> worker_pb.SleepResponse:
+        st, t = self._transition(common_pb.WORKER_STATE_ASLEEP, "Sleep", common_pb.WORKER_STATE_SLEEPING, "sleep")
+        return worker_pb.SleepResponse(status=st, transition=t)
 
-    def WakeUp(self, request: w.WakeUpRequest, context: grpc.ServicerContext) -> w.WakeUpResponse:
-        st, t = self._transition(c.WORKER_STATE_AWAKE, "WakeUp", c.WORKER_STATE_WAKING, "wake")
-        return w.WakeUpResponse(status=st, transition=t)
+    def WakeUp(self, request: worker_pb.WakeUpRequest, context: grpc.ServicerContext) -> worker_pb.WakeUpResponse:
+        st, t = self._transition(common_pb.WORKER_STATE_AWAKE, "WakeUp", common_pb.WORKER_STATE_WAKING, "wake")
+        return worker_pb.WakeUpResponse(status=st, transition=t)
 
     # Not scripted: answered as the generated ModelWorkerServiceServicer answers them (UNIMPLEMENTED).
-    def ReloadWeights(self, request: w.ReloadWeightsRequest, context: grpc.ServicerContext) -> w.ReloadWeightsResponse:
+    def ReloadWeights(
+        self, request: worker_pb.ReloadWeightsRequest, context: grpc.ServicerContext
+    ) -> worker_pb.ReloadWeightsResponse:
         _unimplemented(context)
 
-    def SwapBlocks(self, request: w.SwapBlocksRequest, context: grpc.ServicerContext) -> w.SwapBlocksResponse:
+    def SwapBlocks(
+        self, request: worker_pb.SwapBlocksRequest, context: grpc.ServicerContext
+    ) -> worker_pb.SwapBlocksResponse:
         _unimplemented(context)
 
-    def Generate(self, request: w.GenerateRequest, context: grpc.ServicerContext) -> w.GenerateResponse:
+    def Generate(self, request: worker_pb.GenerateRequest, context: grpc.ServicerContext) -> worker_pb.GenerateResponse:
         _unimplemented(context)
 
     def GenerateStream(
-        self, request: w.GenerateStreamRequest, context: grpc.ServicerContext
-    ) -> Iterator[w.GenerateStreamResponse]:
+        self, request: worker_pb.GenerateStreamRequest, context: grpc.ServicerContext
+    ) -> Iterator[worker_pb.GenerateStreamResponse]:
         _unimplemented(context)
 
-    def FreeSequence(self, request: w.FreeSequenceRequest, context: grpc.ServicerContext) -> w.FreeSequenceResponse:
+    def FreeSequence(
+        self, request: worker_pb.FreeSequenceRequest, context: grpc.ServicerContext
+    ) -> worker_pb.FreeSequenceResponse:
         _unimplemented(context)
 
 
@@ -393,51 +405,58 @@ def name(worker_id: str) -> str:
     return worker_id if worker_id.startswith("workers/") else f"workers/{worker_id}"
 
 
-def get(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worker:
-    return stub.GetWorker(m.GetWorkerRequest(name=name(worker_id)), timeout=10).worker
+def get(stub: manager_grpc.MemoryManagerServiceStub, worker_id: str) -> manager_pb.Worker:
+    return stub.GetWorker(manager_pb.GetWorkerRequest(name=name(worker_id)), timeout=10).worker
 
 
 def wait_state(
-    stub: m_grpc.MemoryManagerServiceStub,
+    stub: manager_grpc.MemoryManagerServiceStub,
     worker_id: str,
-    state: c.WorkerState.ValueType,
+    state: common_pb.WorkerState.ValueType,
     timeout: float = 15.0,
-    extra: Callable[[m.Worker], bool] = lambda w: True,
-) -> m.Worker:
+    extra: Callable[[manager_pb.Worker], bool] = lambda wk: True,
+) -> manager_pb.Worker:
     """Poll GetWorker until the worker is in ``state`` (and ``extra`` holds)."""
     return wait_for(
         lambda: get(stub, worker_id),
-        lambda w: w.state == state and extra(w),
+        lambda wk: wk.state == state and extra(wk),
         timeout,
-        f"{worker_id} to be {c.WorkerState.Name(state)}",
+        f"{worker_id} to be {common_pb.WorkerState.Name(state)}",
     )
 
 
-def tags(worker: m.Worker) -> dict[str, c.TagMemory]:
+def tags(worker: manager_pb.Worker) -> dict[str, common_pb.TagMemory]:
     return {t.tag: t for t in worker.status.tags}
 
 
-def tag_states(worker: m.Worker) -> dict[str, str]:
-    return {t.tag: c.TagState.Name(t.state) for t in worker.status.tags}
+def tag_states(worker: manager_pb.Worker) -> dict[str, str]:
+    return {t.tag: common_pb.TagState.Name(t.state) for t in worker.status.tags}
 
 
-def offloaded(worker: m.Worker) -> int:
+def offloaded(worker: manager_pb.Worker) -> int:
     return sum(t.offloaded_bytes for t in worker.status.tags)
 
 
-def mapped(worker: m.Worker) -> int:
+def mapped(worker: manager_pb.Worker) -> int:
     return sum(t.mapped_bytes for t in worker.status.tags)
 
 
-def view(worker: m.Worker) -> tuple[Any, ...]:
+def view(worker: manager_pb.Worker) -> tuple[Any, ...]:
     """What a bad request must not change: state, leases, address, and every tag's state and sizes."""
     return (
         worker.name,
         worker.address,
-        c.WorkerState.Name(worker.state),
+        common_pb.WorkerState.Name(worker.state),
         worker.lease_count,
         tuple(
-            (t.tag, c.TagState.Name(t.state), t.mapped_bytes, t.allocated_bytes, t.offloaded_bytes, t.discarded_bytes)
+            (
+                t.tag,
+                common_pb.TagState.Name(t.state),
+                t.mapped_bytes,
+                t.allocated_bytes,
+                t.offloaded_bytes,
+                t.discarded_bytes,
+            )
             for t in sorted(worker.status.tags, key=lambda t: t.tag)
         ),
     )

@@ -14,7 +14,7 @@ from collections.abc import Callable
 
 import pytest
 import torch
-from _util import MiB, as_cpu_bytes, fill_random, host_held_settles_at, random_bytes
+from _util import MiB, as_cpu_bytes, fill_random, host_held_once_trimmed, random_bytes
 from conftest import HOST_CAPACITY, HOST_CHUNK, AllocatorFactory
 
 from memsvc.errors import (
@@ -278,7 +278,7 @@ def test_an_offloaded_tag_can_be_demoted_to_discard(alloc: MemoryAllocator, gen:
     assert tag.discarded_bytes == 9 * MiB + 5 == tag.allocated_bytes
     assert s.device_free_bytes == offloaded.device_free_bytes
     assert s.counters["sleeps"] == offloaded.counters["sleeps"] + 1
-    assert host_held_settles_at(alloc, 0) == 0
+    assert host_held_once_trimmed(alloc, 0) == 0
 
     alloc.wake_up()
     s = alloc.stats()
@@ -987,7 +987,7 @@ def test_no_host_reserve_releases_everything_on_wake(alloc: MemoryAllocator, gen
         alloc.sleep({"weights": "offload"})
         assert alloc.stats().counters["host_held_bytes"] >= 9 * MiB
         alloc.wake_up()
-        assert host_held_settles_at(alloc, 0) == 0
+        assert host_held_once_trimmed(alloc, 0) == 0
     assert alloc.stats().counters["host_chunks_reused"] == 0  # nothing was kept to reuse
     assert torch.equal(as_cpu_bytes(t), data)
 
@@ -1018,7 +1018,7 @@ def test_prepinned_host_memory_serves_the_first_sleep(
     assert c1["host_chunks_reused"] - c0["host_chunks_reused"] == -(-nbytes // (4 * MiB))
     alloc.wake_up()
     assert torch.equal(as_cpu_bytes(t), data)
-    assert host_held_settles_at(alloc, int(c0["host_held_bytes"])) == c0["host_held_bytes"]  # kept by the reserve
+    assert host_held_once_trimmed(alloc, int(c0["host_held_bytes"])) == c0["host_held_bytes"]  # kept by the reserve
 
 
 def test_prepin_beside_sleep_and_wake_cycles(alloc: MemoryAllocator, gen: torch.Generator) -> None:

@@ -18,9 +18,9 @@ from memsvc.manager.config import ManagerConfig, load_config
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.policy import FIELDS
 from memsvc.manager.settings import ManagerSettings
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 DOCS = REPO_ROOT / "docs"
 API_MD = DOCS / "api.md"
@@ -62,7 +62,7 @@ def test_generation_is_deterministic(fresh: str) -> None:
 
 
 def test_api_md_covers_every_rpc_message_and_enum(fresh: str) -> None:
-    for module in (c, m, w):
+    for module in (common_pb, manager_pb, worker_pb):
         fd = module.DESCRIPTOR
         for svc in fd.services_by_name.values():
             assert f"### {svc.name}\n" in fresh
@@ -110,7 +110,10 @@ def test_operations_config_examples_load(tmp_path: Path) -> None:
         assert cfg.policy_fields["idle_sleep_timeout"] == 300.0
         assert cfg.policy_fields["idle_deep_sleep_timeout"] == 3600.0
         assert cfg.policy_fields["host_budget_bytes"] == 256 << 30
-        assert cfg.policy_fields["tag_actions"] == {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD}
+        assert cfg.policy_fields["tag_actions"] == {
+            "weights": common_pb.TAG_ACTION_OFFLOAD,
+            "kv_cache": common_pb.TAG_ACTION_DISCARD,
+        }
         assert [(sw.worker_id, sw.address, sw.host, sw.configured) for sw in cfg.workers] == [
             ("gpu0", "10.0.0.7:50061", "gpu-host-1", True)
         ]

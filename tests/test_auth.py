@@ -42,11 +42,11 @@ from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc import DOMAIN, error_info
 from memsvc.runtime.auth import Security, channel
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 pytestmark = pytest.mark.skipif(not have_openssl(), reason="the openssl command makes the test certificates")
 
@@ -131,7 +131,11 @@ def assert_refused(err: grpc.RpcError, code: grpc.StatusCode) -> None:
 
 def worker_state(address: str, certs: Certs, mode: str) -> int:
     with channel(address, client(mode, certs, TOKEN, "manager")) as ch:
-        status = w_grpc.ModelWorkerServiceStub(ch).GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+        status = (
+            worker_grpc.ModelWorkerServiceStub(ch)
+            .GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10)
+            .status
+        )
         return int(status.state)
 
 
@@ -141,21 +145,23 @@ def worker_state(address: str, certs: Certs, mode: str) -> int:
 def test_matrix_with_stubs(workers: dict[str, WorkerProcess], certs: Certs, mode: str, token_name: str) -> None:
     token = TOKENS[token_name]
     with channel(workers[mode].address, client(mode, certs, token)) as ch:
-        stub = w_grpc.ModelWorkerServiceStub(ch)
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
         health = health_pb2_grpc.HealthStub(ch)
         # health is readable with or without a token
         r = health.Check(health_pb2.HealthCheckRequest(), timeout=CALL_TIMEOUT)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-        request = w.StreamTelemetryRequest()
+        request = worker_pb.StreamTelemetryRequest()
         request.interval.FromMilliseconds(100)
         if token == TOKEN:
-            assert stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status.worker_id == mode
+            assert (
+                stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status.worker_id == mode
+            )
             stream = stub.StreamTelemetry(request, timeout=CALL_TIMEOUT)
             assert next(iter(stream)).snapshot.worker_id == mode
             stream.cancel()
             return
         with pytest.raises(grpc.RpcError) as unary:
-            stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT)
+            stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT)
         assert_refused(unary.value, grpc.StatusCode.UNAUTHENTICATED)
         assert ("missing" if token is None else "invalid") in (unary.value.details() or "")
         with pytest.raises(grpc.RpcError) as streaming:
@@ -186,7 +192,9 @@ def test_wrong_transport_fails_the_connection(
     with channel(workers[server].address, sec) as ch:
         for call in (
             lambda: health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5),
-            lambda: w_grpc.ModelWorkerServiceStub(ch).GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=5),
+            lambda: worker_grpc.ModelWorkerServiceStub(ch).GetWorkerStatus(
+                worker_pb.GetWorkerStatusRequest(), timeout=5
+            ),
         ):
             with pytest.raises(grpc.RpcError) as exc:
                 call()
@@ -195,11 +203,11 @@ def test_wrong_transport_fails_the_connection(
 
 # ---- only the manager's certificate changes the mTLS worker ----
 TRANSITION_CALLS = {
-    "Sleep": w.SleepRequest(level=c.SLEEP_LEVEL_1),
-    "WakeUp": w.WakeUpRequest(),
-    "ReloadWeights": w.ReloadWeightsRequest(),
-    "SwapBlocks": w.SwapBlocksRequest(),
-    "FreeSequence": w.FreeSequenceRequest(sequence_id="nope"),
+    "Sleep": worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1),
+    "WakeUp": worker_pb.WakeUpRequest(),
+    "ReloadWeights": worker_pb.ReloadWeightsRequest(),
+    "SwapBlocks": worker_pb.SwapBlocksRequest(),
+    "FreeSequence": worker_pb.FreeSequenceRequest(sequence_id="nope"),
 }
 
 
@@ -209,21 +217,21 @@ def test_transitions_refused_from_another_certificate(
 ) -> None:
     address = workers["mtls"].address
     with channel(address, client("mtls", certs, TOKEN, "ops")) as ch, pytest.raises(grpc.RpcError) as exc:
-        getattr(w_grpc.ModelWorkerServiceStub(ch), method)(TRANSITION_CALLS[method], timeout=CALL_TIMEOUT)
+        getattr(worker_grpc.ModelWorkerServiceStub(ch), method)(TRANSITION_CALLS[method], timeout=CALL_TIMEOUT)
     assert_refused(exc.value, grpc.StatusCode.PERMISSION_DENIED)
     info = error_info(exc.value)
     assert info is not None and info.metadata["client"] == "ops"
     assert info.metadata["method"] == f"/memsvc.v1.ModelWorkerService/{method}"
-    assert worker_state(address, certs, "mtls") == c.WORKER_STATE_AWAKE, "a refused call changed nothing"
+    assert worker_state(address, certs, "mtls") == common_pb.WORKER_STATE_AWAKE, "a refused call changed nothing"
 
 
 def test_reads_and_generate_open_to_any_authenticated_certificate(
     workers: dict[str, WorkerProcess], certs: Certs
 ) -> None:
     with channel(workers["mtls"].address, client("mtls", certs, TOKEN, "ops")) as ch:
-        stub = w_grpc.ModelWorkerServiceStub(ch)
-        assert stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status.worker_id == "mtls"
-        r = stub.Generate(w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2), timeout=60)
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
+        assert stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status.worker_id == "mtls"
+        r = stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2), timeout=60)
         assert len(r.token_ids) == 2
 
 
@@ -231,21 +239,29 @@ def test_manager_certificate_may_sleep_and_wake(workers: dict[str, WorkerProcess
     address = workers["mtls"].address
     with channel(address, client("mtls", certs, None, "manager")) as ch:
         with pytest.raises(grpc.RpcError) as exc:  # the right certificate does not replace the token
-            w_grpc.ModelWorkerServiceStub(ch).Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
+            worker_grpc.ModelWorkerServiceStub(ch).Sleep(
+                worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT
+            )
         assert_refused(exc.value, grpc.StatusCode.UNAUTHENTICATED)
     with channel(address, client("mtls", certs, TOKEN, "manager")) as ch:
-        stub = w_grpc.ModelWorkerServiceStub(ch)
-        assert stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60).status.state == c.WORKER_STATE_ASLEEP
-        assert stub.WakeUp(w.WakeUpRequest(), timeout=60).status.state == c.WORKER_STATE_AWAKE
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
+        assert (
+            stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=60).status.state
+            == common_pb.WORKER_STATE_ASLEEP
+        )
+        assert stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60).status.state == common_pb.WORKER_STATE_AWAKE
 
 
 def test_tls_worker_without_allowed_client_takes_transitions_from_token_holders(
     workers: dict[str, WorkerProcess], certs: Certs
 ) -> None:
     with channel(workers["tls"].address, client("tls", certs, TOKEN)) as ch:
-        stub = w_grpc.ModelWorkerServiceStub(ch)
-        assert stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60).status.state == c.WORKER_STATE_ASLEEP
-        assert stub.WakeUp(w.WakeUpRequest(), timeout=60).status.state == c.WORKER_STATE_AWAKE
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
+        assert (
+            stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=60).status.state
+            == common_pb.WORKER_STATE_ASLEEP
+        )
+        assert stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60).status.state == common_pb.WORKER_STATE_AWAKE
 
 
 # ---- the same with the real grpcurl ----
@@ -328,7 +344,7 @@ def test_grpcurl_sleep_from_another_certificate_is_permission_denied(
     assert r.returncode == GRPCURL_EXIT[grpc.StatusCode.PERMISSION_DENIED], r.stdout + r.stderr
     out = r.stdout + r.stderr
     assert "PermissionDenied" in out and '"reason":"PERMISSION_DENIED"' in out.replace(" ", "")
-    assert worker_state(workers["mtls"].address, certs, "mtls") == c.WORKER_STATE_AWAKE
+    assert worker_state(workers["mtls"].address, certs, "mtls") == common_pb.WORKER_STATE_AWAKE
 
 
 def readme_auth_lines() -> list[str]:
@@ -360,7 +376,7 @@ def test_readme_auth_grpcurl_lines_work_as_written(
         assert r.returncode == 0, f"README line: {line}\n{r.stdout}\n{r.stderr}"
         if words[-1].endswith("/Sleep"):
             assert json.loads(r.stdout)["status"]["state"] == "WORKER_STATE_ASLEEP"
-    assert worker_state(workers["mtls"].address, certs, "mtls") == c.WORKER_STATE_AWAKE
+    assert worker_state(workers["mtls"].address, certs, "mtls") == common_pb.WORKER_STATE_AWAKE
 
 
 # ---- a manager and a worker that authenticate to each other ----
@@ -379,20 +395,25 @@ def memsvc_cli(*args: str, env: dict[str, str] | None = None) -> subprocess.Comp
 
 
 def wait_state(
-    stub: m_grpc.MemoryManagerServiceStub, worker_id: str, state: c.WorkerState.ValueType, timeout: float = 60.0
-) -> m.Worker:
+    stub: manager_grpc.MemoryManagerServiceStub,
+    worker_id: str,
+    state: common_pb.WorkerState.ValueType,
+    timeout: float = 60.0,
+) -> manager_pb.Worker:
     deadline = time.monotonic() + timeout
     last: object = None
     while time.monotonic() < deadline:
         try:
-            wk = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=5).worker
+            wk = stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=5).worker
             if wk.state == state:
                 return wk
-            last = c.WorkerState.Name(wk.state)
+            last = common_pb.WorkerState.Name(wk.state)
         except grpc.RpcError as err:
             last = f"{err.code().name}: {err.details()}"
         time.sleep(0.1)
-    raise AssertionError(f"workers/{worker_id} not {c.WorkerState.Name(state)} within {timeout} s; last: {last}")
+    raise AssertionError(
+        f"workers/{worker_id} not {common_pb.WorkerState.Name(state)} within {timeout} s; last: {last}"
+    )
 
 
 @pytest.mark.parametrize("mode", ["plain", "mtls"])
@@ -421,15 +442,15 @@ def test_manager_and_worker_pair(certs: Certs, token_file: Path, tmp_path: Path,
         wp = WorkerProcess([*worker_flags, "--manager", mp.address])
         wp.start()
         with channel(mp.address, client(mode, certs, TOKEN)) as ch:
-            stub = m_grpc.MemoryManagerServiceStub(ch)
-            wk = wait_state(stub, "auth0", c.WORKER_STATE_AWAKE)
+            stub = manager_grpc.MemoryManagerServiceStub(ch)
+            wk = wait_state(stub, "auth0", common_pb.WORKER_STATE_AWAKE)
             assert wk.address == wp.address
             r = memsvc_cli("sleep", "auth0", "--level", "1", "--manager", mp.address, *ops)
             assert r.returncode == 0, r.stdout + r.stderr
-            wait_state(stub, "auth0", c.WORKER_STATE_ASLEEP)
+            wait_state(stub, "auth0", common_pb.WORKER_STATE_ASLEEP)
             r = memsvc_cli("wake", "auth0", "--manager", mp.address, *ops)
             assert r.returncode == 0, r.stdout + r.stderr
-            wait_state(stub, "auth0", c.WORKER_STATE_AWAKE)
+            wait_state(stub, "auth0", common_pb.WORKER_STATE_AWAKE)
         # the same settings from the environment, as in a container
         env = {"MEMSVC_MANAGER": mp.address, "MEMSVC_TOKEN": TOKEN}
         if mode == "mtls":

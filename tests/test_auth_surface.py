@@ -47,16 +47,16 @@ from memsvc import DOMAIN, error_info
 from memsvc.errors import WrongState
 from memsvc.runtime.auth import Security, channel
 from memsvc.runtime.rpc_errors import Context, ErrorMappingInterceptor
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 TOKEN = "surface-token-for-tests"
 CALL_TIMEOUT = 10.0
 GRPCURL_EXIT = {code: 64 + code.value[0] for code in grpc.StatusCode}
 """grpcurl's exit status for a call that ended with a status: 64 + the code."""
 SERVICE = {
-    "worker": w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name,
-    "manager": m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name,
+    "worker": worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name,
+    "manager": manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name,
 }
 KINDS = ("worker", "manager")
 CELLS = {"open": None, "no token": None, "wrong token": "not-the-token", "right token": TOKEN}

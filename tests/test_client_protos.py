@@ -22,7 +22,7 @@ from google.protobuf import descriptor_pb2
 from managerproc import Cluster, ManagerProcess
 from workerproc import REPO_ROOT
 
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 PROTOS = REPO_ROOT / "protos"
 GOOGLE_RPC = ["google/rpc/status.proto", "google/rpc/error_details.proto"]
@@ -136,7 +136,7 @@ print(json.dumps(out))
 
 def test_a_real_error_decodes_with_the_shipped_protos(manager: ManagerProcess, tmp_path: Path) -> None:
     with pytest.raises(grpc.RpcError) as err:
-        manager.stub.GetWorker(m.GetWorkerRequest(name="workers/missing"), timeout=30)
+        manager.stub.GetWorker(manager_pb.GetWorkerRequest(name="workers/missing"), timeout=30)
     call = err.value
     assert call.code() == grpc.StatusCode.NOT_FOUND, call
     (blob,) = [md.value for md in call.trailing_metadata() if md.key == "grpc-status-details-bin"]

@@ -31,17 +31,17 @@ from childproc import Proc
 from upproc import MEMSVC, REPO_ROOT, free_port, get_worker, run, wait_state
 
 from memsvc.runtime.flags import parse_bytes
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 COMPOSE = REPO_ROOT / "compose.yaml"
 DOTENV = REPO_ROOT / ".env"
 DOCKERFILE = REPO_ROOT / "Dockerfile"
 MAKEFILE = REPO_ROOT / "Makefile"
-MANAGER_SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
-WORKER_SERVICE = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
+MANAGER_SERVICE = manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+WORKER_SERVICE = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 WORKERS = ("worker", "worker-cpu")
 SERVICES = ("manager", *WORKERS, "gateway")
 HEALTH_DEADLINE = 120.0
@@ -338,8 +338,10 @@ def test_cpu_profile_services_run_and_become_healthy(
     procs, rw, envs = cpu_pair
     wenv = envs["worker-cpu"]
     with grpc.insecure_channel(rw("manager:50051", "worker-cpu")) as ch:
-        stub = m_grpc.MemoryManagerServiceStub(ch)
-        wk = wait_state(stub, wenv["MEMSVC_WORKER_ID"], c.WORKER_STATE_AWAKE, on_fail=procs["worker-cpu"].failure)
+        stub = manager_grpc.MemoryManagerServiceStub(ch)
+        wk = wait_state(
+            stub, wenv["MEMSVC_WORKER_ID"], common_pb.WORKER_STATE_AWAKE, on_fail=procs["worker-cpu"].failure
+        )
         assert wk.name == f"workers/{wenv['MEMSVC_WORKER_ID']}" == "workers/cpu0"
         assert wk.address == wenv["MEMSVC_ADVERTISE"], "the manager dials the advertised address"
         assert wk.status.device.backend == "host"

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from _util import MiB, as_cpu_bytes, fill_random, host_held_settles_at
+from _util import MiB, as_cpu_bytes, fill_random, host_held_once_trimmed
 from conftest import AllocatorFactory
 
 from memsvc.errors import BackendError, IntegrityError, InvalidArgument, OutOfMemory, WrongState
@@ -76,7 +76,7 @@ def test_sleep_to_disk_and_wake_restore_every_byte_at_the_same_addresses(
     assert tag.state == "on_disk" and tag.mapped_bytes == 0
     assert tag.disk_bytes == data and tag.offloaded_bytes == 0
     assert s.counters["disk_held_bytes"] >= data and s.counters["bytes_to_disk"] == s.counters["disk_held_bytes"]
-    assert host_held_settles_at(alloc, 0) == 0  # the staging ring went back (trimmed off the sleep's path)
+    assert host_held_once_trimmed(alloc, 0) == 0  # the staging ring went back (trimmed off the sleep's path)
     assert os.listdir(tmp_path) == []  # unlinked: nothing is left behind if the process dies
     assert len(_offload_files(tmp_path)) == 1
 

@@ -37,9 +37,9 @@ from grpc_health.v1 import health_pb2
 from workerproc import WorkerProcess
 
 from memsvc import DOMAIN, error_info
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 MODEL = "synthetic:small"
 SEED = 5
@@ -60,7 +60,7 @@ WAIT_TIMEOUT = 120.0
 FREE_TIMEOUT = 60.0
 """How long a cancelled stream may take to give its blocks back (a bound, as above)."""
 
-Stub = w_grpc.ModelWorkerServiceStub
+Stub = worker_grpc.ModelWorkerServiceStub
 T = TypeVar("T")
 
 
@@ -68,11 +68,11 @@ T = TypeVar("T")
 # helpers
 
 
-def status(stub: Stub) -> c.WorkerStatus:
-    return stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
+def status(stub: Stub) -> common_pb.WorkerStatus:
+    return stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
 
 
-def kv_view(kv: c.KvCacheInfo) -> tuple[int, int, int, int, int]:
+def kv_view(kv: common_pb.KvCacheInfo) -> tuple[int, int, int, int, int]:
     return (
         kv.device_block_count,
         kv.device_free_block_count,
@@ -82,7 +82,7 @@ def kv_view(kv: c.KvCacheInfo) -> tuple[int, int, int, int, int]:
     )
 
 
-def kv_empty(kv: c.KvCacheInfo) -> bool:
+def kv_empty(kv: common_pb.KvCacheInfo) -> bool:
     return (
         kv.sequence_count == 0
         and kv.device_free_block_count == kv.device_block_count
@@ -90,7 +90,7 @@ def kv_empty(kv: c.KvCacheInfo) -> bool:
     )
 
 
-def wait_kv_empty(stub: Stub, timeout: float = FREE_TIMEOUT) -> c.KvCacheInfo:
+def wait_kv_empty(stub: Stub, timeout: float = FREE_TIMEOUT) -> common_pb.KvCacheInfo:
     """The KV cache once every block is free and no sequence is left (or the last view after ``timeout``)."""
     deadline = time.monotonic() + timeout
     while True:
@@ -100,28 +100,28 @@ def wait_kv_empty(stub: Stub, timeout: float = FREE_TIMEOUT) -> c.KvCacheInfo:
         time.sleep(0.01)
 
 
-def settle(stub: Stub) -> c.WorkerStatus:
+def settle(stub: Stub) -> common_pb.WorkerStatus:
     """Status once no transition runs."""
-    busy = (c.WORKER_STATE_SLEEPING, c.WORKER_STATE_WAKING, c.WORKER_STATE_LOADING)
+    busy = (common_pb.WORKER_STATE_SLEEPING, common_pb.WORKER_STATE_WAKING, common_pb.WORKER_STATE_LOADING)
     deadline = time.monotonic() + WAIT_TIMEOUT
     while True:
         st = status(stub)
         if st.state not in busy:
             return st
-        assert time.monotonic() < deadline, f"worker stuck in {c.WorkerState.Name(st.state)}"
+        assert time.monotonic() < deadline, f"worker stuck in {common_pb.WorkerState.Name(st.state)}"
         time.sleep(0.01)
 
 
 def reset(stub: Stub) -> None:
     """Bring a shared worker back to AWAKE with an empty KV cache (a failed test may leave it otherwise)."""
     st = settle(stub)
-    if st.state in (c.WORKER_STATE_ASLEEP, c.WORKER_STATE_PARTIALLY_AWAKE):
-        stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
-    assert status(stub).state == c.WORKER_STATE_AWAKE
+    if st.state in (common_pb.WORKER_STATE_ASLEEP, common_pb.WORKER_STATE_PARTIALLY_AWAKE):
+        stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT)
+    assert status(stub).state == common_pb.WORKER_STATE_AWAKE
     kv = wait_kv_empty(stub)
     if not kv_empty(kv):  # a level-1 sleep discards the KV cache: sequences on the device are dropped
-        stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
-        stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+        stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
+        stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT)
         kv = wait_kv_empty(stub)
     assert kv_empty(kv), f"a previous test left the KV cache in use: {kv}"
 
@@ -138,33 +138,33 @@ def random_prompt(rng: random.Random, vocab: int, length: int) -> list[int]:
 
 
 def request(
-    prompt: Sequence[int], n: int, sequence_id: str = "", sampling: w.SamplingParams | None = None
-) -> w.GenerateRequest:
+    prompt: Sequence[int], n: int, sequence_id: str = "", sampling: worker_pb.SamplingParams | None = None
+) -> worker_pb.GenerateRequest:
     """A Generate that runs its full length (``ignore_eos``), greedy unless ``sampling`` says otherwise."""
-    return w.GenerateRequest(
+    return worker_pb.GenerateRequest(
         prompt_token_ids=list(prompt), max_new_tokens=n, sequence_id=sequence_id, sampling=sampling, ignore_eos=True
     )
 
 
-def check_answer(r: w.GenerateResponse, req: w.GenerateRequest) -> list[int]:
+def check_answer(r: worker_pb.GenerateResponse, req: worker_pb.GenerateRequest) -> list[int]:
     """The answer's tokens, after checking it ran the request's full length."""
     tokens = list(r.token_ids)
     assert len(tokens) == req.max_new_tokens, f"{len(tokens)} tokens for max_new_tokens={req.max_new_tokens}"
-    assert r.finish_reason == c.FINISH_REASON_LENGTH
+    assert r.finish_reason == common_pb.FINISH_REASON_LENGTH
     assert r.completion_token_count == len(tokens)
     assert r.sequence_id == req.sequence_id
     return tokens
 
 
-def generate(stub: Stub, req: w.GenerateRequest, timeout: float = CALL_TIMEOUT) -> list[int]:
+def generate(stub: Stub, req: worker_pb.GenerateRequest, timeout: float = CALL_TIMEOUT) -> list[int]:
     return check_answer(stub.Generate(req, timeout=timeout), req)
 
 
-def stream_tokens(stub: Stub, req: w.GenerateRequest) -> list[int]:
+def stream_tokens(stub: Stub, req: worker_pb.GenerateRequest) -> list[int]:
     """GenerateStream read to its end on this thread: the streamed tokens, which must add up to the answer."""
     tokens: list[int] = []
-    done: w.GenerateResponse | None = None
-    for msg in stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=CALL_TIMEOUT):
+    done: worker_pb.GenerateResponse | None = None
+    for msg in stub.GenerateStream(worker_pb.GenerateStreamRequest(request=req), timeout=CALL_TIMEOUT):
         assert done is None, "a message came after the one carrying the whole answer"
         tokens.extend(msg.token_ids)
         if msg.HasField("done"):
@@ -174,11 +174,11 @@ def stream_tokens(stub: Stub, req: w.GenerateRequest) -> list[int]:
     return check_answer(done, req)
 
 
-def run(stub: Stub, req: w.GenerateRequest, streamed: bool) -> list[int]:
+def run(stub: Stub, req: worker_pb.GenerateRequest, streamed: bool) -> list[int]:
     return stream_tokens(stub, req) if streamed else generate(stub, req)
 
 
-def alone(stub: Stub, requests: Sequence[w.GenerateRequest]) -> list[list[int]]:
+def alone(stub: Stub, requests: Sequence[worker_pb.GenerateRequest]) -> list[list[int]]:
     """Each request's tokens run alone: one Generate at a time, nothing else on the worker."""
     return [generate(stub, r) for r in requests]
 
@@ -224,8 +224,8 @@ def expect_error(what: str, call: Callable[[], object], *codes: grpc.StatusCode)
     raise AssertionError(f"{what} succeeded; expected {names}")
 
 
-def free_sequence(stub: Stub, sequence_id: str) -> c.KvCacheInfo:
-    return stub.FreeSequence(w.FreeSequenceRequest(sequence_id=sequence_id), timeout=CALL_TIMEOUT).kv_cache
+def free_sequence(stub: Stub, sequence_id: str) -> common_pb.KvCacheInfo:
+    return stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id=sequence_id), timeout=CALL_TIMEOUT).kv_cache
 
 
 class Streamed:
@@ -234,16 +234,20 @@ class Streamed:
     ``cond`` share it, so a test can wait for a condition over all of them."""
 
     def __init__(
-        self, stub: Stub, req: w.GenerateRequest, cond: threading.Condition | None = None, timeout: float = CALL_TIMEOUT
+        self,
+        stub: Stub,
+        req: worker_pb.GenerateRequest,
+        cond: threading.Condition | None = None,
+        timeout: float = CALL_TIMEOUT,
     ) -> None:
         self.request = req
         self.timeout = timeout
         self.cond = cond or threading.Condition()
         self.tokens: list[int] = []
-        self.done: w.GenerateResponse | None = None
+        self.done: worker_pb.GenerateResponse | None = None
         self.error: grpc.RpcError | None = None
         self.finished_at: float | None = None
-        self.call = stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=timeout)
+        self.call = stub.GenerateStream(worker_pb.GenerateStreamRequest(request=req), timeout=timeout)
         self._thread = threading.Thread(target=self._read, name="stream-reader", daemon=True)
         self._thread.start()
 
@@ -303,7 +307,7 @@ class Leftovers:
         self.streams: list[Streamed] = []
         self.sequences: list[tuple[Stub, str]] = []
 
-    def stream(self, stub: Stub, req: w.GenerateRequest, cond: threading.Condition | None = None) -> Streamed:
+    def stream(self, stub: Stub, req: worker_pb.GenerateRequest, cond: threading.Condition | None = None) -> Streamed:
         s = Streamed(stub, req, cond)
         self.streams.append(s)
         return s
@@ -421,14 +425,14 @@ def test_mixed_sampling_in_one_batch_returns_each_requests_alone_tokens(stub: St
     gives the same tokens twice (each request has its own random numbers), another seed other ones."""
     rng = random.Random(2)
     p1, p2, p3 = (random_prompt(rng, vocab, n) for n in (12, 33, 50))
-    hot = w.SamplingParams(temperature=0.9, top_k=40, seed=101)
+    hot = worker_pb.SamplingParams(temperature=0.9, top_k=40, seed=101)
     requests = [
         request(p1, 24),
         request(p1, 24, sampling=hot),
         request(p1, 24, sampling=hot),  # the same request again: the same tokens
-        request(p1, 24, sampling=w.SamplingParams(temperature=0.9, top_k=40, seed=102)),
-        request(p2, 30, sampling=w.SamplingParams(temperature=1.3, top_p=0.9, seed=7)),
-        request(p3, 20, sampling=w.SamplingParams(temperature=0.6, top_k=10, top_p=0.95, seed=8)),
+        request(p1, 24, sampling=worker_pb.SamplingParams(temperature=0.9, top_k=40, seed=102)),
+        request(p2, 30, sampling=worker_pb.SamplingParams(temperature=1.3, top_p=0.9, seed=7)),
+        request(p3, 20, sampling=worker_pb.SamplingParams(temperature=0.6, top_k=10, top_p=0.95, seed=8)),
         request(p2, 30),
         request(p3, 20),
     ]
@@ -462,7 +466,7 @@ def test_short_requests_join_and_leave_while_a_long_one_streams(stub: Stub, voca
     long.wait_tokens(5)
     assert not long.finished, "set-up: the long request ended before the short ones were sent"
 
-    def timed(r: w.GenerateRequest) -> tuple[list[int], float]:
+    def timed(r: worker_pb.GenerateRequest) -> tuple[list[int], float]:
         tokens = generate(stub, r)
         return tokens, time.monotonic()
 
@@ -521,7 +525,7 @@ def test_a_request_larger_than_the_pool_fails_at_once_and_changes_nothing(small_
         "the error names the request, not an internal sequence id the client never sent: " + details
     )
     after = status(small_kv_stub)
-    assert after.state == before.state == c.WORKER_STATE_AWAKE
+    assert after.state == before.state == common_pb.WORKER_STATE_AWAKE
     assert kv_view(after.kv_cache) == kv_view(before.kv_cache), "the refused request changed the KV cache"
     assert generate(small_kv_stub, fits) == want
 
@@ -582,7 +586,7 @@ def test_sleep_mid_batch_drains_it_and_refuses_new_generates(
     running = [i for i, s in enumerate(streams) if not s.finished]
     assert running, "set-up: every stream ended before the Sleep was sent"
 
-    sleep = stub.Sleep.future(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
+    sleep = stub.Sleep.future(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
     round_trip(worker)  # the Sleep has reached the worker
     assert not sleep.done(), "set-up: the Sleep returned before a Generate could be sent while it was pending"
     expect_error(
@@ -592,12 +596,12 @@ def test_sleep_mid_batch_drains_it_and_refuses_new_generates(
     )
 
     slept = sleep.result(timeout=CALL_TIMEOUT)
-    assert slept.status.state == c.WORKER_STATE_ASLEEP
+    assert slept.status.state == common_pb.WORKER_STATE_ASLEEP
     for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
         assert s.result() == want, f"stream {i} (running when the Sleep came: {i in running}) was cut or changed"
-    assert status(stub).state == c.WORKER_STATE_ASLEEP
+    assert status(stub).state == common_pb.WORKER_STATE_ASLEEP
 
-    stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+    stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT)
     assert generate(stub, late) == late_alone
     assert generate(stub, requests[0]) == expected[0]
 
@@ -623,8 +627,8 @@ def test_swapping_a_generating_sequences_blocks_is_refused(stub: Stub, vocab: in
     blocks = keep_prompt(stub, seq, prompt)
     gen = leftovers.stream(stub, request([], LONG, seq))
     gen.wait_tokens(5)
-    swap_out = w.SwapBlocksRequest(
-        direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=blocks, dst_blocks=list(range(len(blocks)))
+    swap_out = worker_pb.SwapBlocksRequest(
+        direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=blocks, dst_blocks=list(range(len(blocks)))
     )
     expect_error(
         "SwapBlocks of a generating sequence's blocks",
@@ -638,8 +642,8 @@ def test_swapping_a_generating_sequences_blocks_is_refused(stub: Stub, vocab: in
     assert gen.result() == want, "the generation's tokens changed"
     assert gen.done is not None
     now = list(gen.done.block_ids)
-    idle_swap = w.SwapBlocksRequest(
-        direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=now, dst_blocks=list(range(len(now)))
+    idle_swap = worker_pb.SwapBlocksRequest(
+        direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=now, dst_blocks=list(range(len(now)))
     )
     moved = stub.SwapBlocks(idle_swap, timeout=CALL_TIMEOUT)
     assert moved.kv_cache.host_free_block_count == moved.kv_cache.host_block_count - len(now)
@@ -657,7 +661,7 @@ def test_freeing_a_generating_sequence_is_refused(stub: Stub, vocab: int, leftov
     keep_prompt(stub, seq, prompt)
     gen = leftovers.stream(stub, request([], LONG, seq))
     gen.wait_tokens(5)
-    free = w.FreeSequenceRequest(sequence_id=seq)
+    free = worker_pb.FreeSequenceRequest(sequence_id=seq)
     expect_error(
         "FreeSequence of a generating sequence",
         lambda: stub.FreeSequence(free, timeout=FAST_TIMEOUT),
@@ -725,7 +729,9 @@ def test_a_swap_and_a_free_run_between_the_steps_of_a_running_generation(
 
     host = list(range(len(blocks)))
     out = stub.SwapBlocks(
-        w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=blocks, dst_blocks=host),
+        worker_pb.SwapBlocksRequest(
+            direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=blocks, dst_blocks=host
+        ),
         timeout=FAST_TIMEOUT,
     )
     assert out.kv_cache.host_free_block_count == out.kv_cache.host_block_count - len(blocks)
@@ -733,7 +739,9 @@ def test_a_swap_and_a_free_run_between_the_steps_of_a_running_generation(
     top = status(stub).kv_cache.device_block_count - 1  # blocks go out lowest first: the top ones are free
     back = list(range(top, top - len(blocks), -1))
     stub.SwapBlocks(
-        w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=back),
+        worker_pb.SwapBlocksRequest(
+            direction=common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=back
+        ),
         timeout=FAST_TIMEOUT,
     )
     assert not gen.finished, "the swaps and the free were answered only after the generation ended"
@@ -765,7 +773,7 @@ def test_max_batch_bounds_the_batch_and_the_rest_wait(vocab: int) -> None:
         seen: set[int] = set()
         try:
             while not all(s.finished_at is not None for s in streams):
-                status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
+                status = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
                 seen.add(status.kv_cache.sequence_count)
                 time.sleep(0.01)  # the worker needs the cores more than this loop does
             assert max(seen) == 2, f"sequences held at once: {sorted(seen)}"
@@ -781,10 +789,10 @@ def test_max_batch_bounds_the_batch_and_the_rest_wait(vocab: int) -> None:
 # 8: a Sleep that pauses the batch (the manager's turns between busy workers)
 
 
-def pause(stub: Stub) -> c.WorkerStatus:
+def pause(stub: Stub) -> common_pb.WorkerStatus:
     """Sleep at level 1 (the KV cache discarded) pausing whatever runs; the status it answers."""
-    r = stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1, pause_generations=True), timeout=CALL_TIMEOUT)
-    assert r.status.state == c.WORKER_STATE_ASLEEP
+    r = stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, pause_generations=True), timeout=CALL_TIMEOUT)
+    assert r.status.state == common_pb.WORKER_STATE_ASLEEP
     return r.status
 
 
@@ -798,7 +806,7 @@ def test_a_pausing_sleep_keeps_streams_open_and_they_go_on_with_their_alone_toke
     with exactly its alone tokens, no token was read again (the status' count), and the KV cache
     ends empty."""
     rng = random.Random(12)
-    sampled = w.SamplingParams(temperature=0.8, top_p=0.9, seed=21)
+    sampled = worker_pb.SamplingParams(temperature=0.8, top_p=0.9, seed=21)
     requests = [request(random_prompt(rng, vocab, n), 200) for n in (8, 23, 41)]
     requests.append(request(random_prompt(rng, vocab, 17), 200, sampling=sampled))
     late = request(random_prompt(rng, vocab, 6), 8)
@@ -825,8 +833,8 @@ def test_a_pausing_sleep_keeps_streams_open_and_they_go_on_with_their_alone_toke
     with cond:
         assert [len(s.tokens) for s in streams] == counts, "a paused stream sent tokens while the worker slept"
 
-    woke = stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT).status
-    assert woke.state == c.WORKER_STATE_AWAKE and woke.paused_generations == 0
+    woke = stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT).status
+    assert woke.state == common_pb.WORKER_STATE_AWAKE and woke.paused_generations == 0
     for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
         assert s.result() == want, f"stream {i} differs from its alone tokens after the pause"
     assert status(stub).kv_cache.recomputed_tokens == recomputed, "a paused request read its tokens again"
@@ -857,7 +865,7 @@ def test_a_stream_cancelled_while_paused_gives_its_host_blocks_back(
         time.sleep(0.01)
     assert status(stub).paused_generations == 1
 
-    stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+    stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT)
     assert keep.result() == keep_alone
     assert kv_empty(wait_kv_empty(stub))
 
@@ -877,7 +885,7 @@ def test_a_kept_sequence_whose_continuation_ends_while_paused_is_on_the_device_a
     stream.wait_tokens(2)
     assert pause(stub).paused_generations == 1 and not stream.finished
     stream.cancel()
-    stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+    stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT)
     assert generate(stub, request([], 8, sid)) == want, "the kept sequence changed, or stayed on the host"
     free_sequence(stub, sid)
     assert kv_empty(wait_kv_empty(stub))
@@ -897,7 +905,7 @@ def test_a_pause_the_host_pool_cannot_hold_reads_the_tokens_again(vocab: int) ->
                 s.wait_tokens(2)
             paused = pause(wp.stub)
             assert paused.paused_generations >= 2, f"set-up: {paused.paused_generations} streams paused"
-            wp.stub.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT)
+            wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT)
             for i, (s, want) in enumerate(zip(streams, expected, strict=True)):
                 assert s.result() == want, f"stream {i} differs from its alone tokens"
             assert status(wp.stub).kv_cache.recomputed_tokens >= 40, "no paused request read its tokens again"

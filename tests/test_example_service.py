@@ -18,10 +18,10 @@ import grpc
 import pytest
 from upproc import REPO_ROOT, Up, free_port, run, wait_state
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 EXAMPLE = REPO_ROOT / "examples" / "acquire_and_generate.py"
 PROMPT = [1, 2, 3]
@@ -42,9 +42,11 @@ def asleep(up: Up) -> Up:
     """The pair with local0 asleep at level 1 and no lease, so the example's AcquireWorker must wake it."""
     assert up.stub is not None
     wk = up.get()
-    if wk.state != c.WORKER_STATE_ASLEEP:
-        up.stub.SleepWorker(m.SleepWorkerRequest(name="workers/local0", level=c.SLEEP_LEVEL_1), timeout=60)
-    wk = wait_state(up.stub, "local0", c.WORKER_STATE_ASLEEP)
+    if wk.state != common_pb.WORKER_STATE_ASLEEP:
+        up.stub.SleepWorker(
+            manager_pb.SleepWorkerRequest(name="workers/local0", level=common_pb.SLEEP_LEVEL_1), timeout=60
+        )
+    wk = wait_state(up.stub, "local0", common_pb.WORKER_STATE_ASLEEP)
     assert wk.lease_count == 0
     return up
 
@@ -52,8 +54,8 @@ def asleep(up: Up) -> Up:
 def direct_tokens(up: Up) -> list[int]:
     """What the worker itself generates for PROMPT (it must be awake)."""
     with grpc.insecure_channel(up.worker_address) as ch:
-        reply = w_grpc.ModelWorkerServiceStub(ch).Generate(
-            w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS), timeout=60
+        reply = worker_grpc.ModelWorkerServiceStub(ch).Generate(
+            worker_pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW_TOKENS), timeout=60
         )
     return list(reply.token_ids)
 
@@ -84,9 +86,9 @@ def assert_released_and_awake(up: Up) -> None:
     assert up.stub is not None
     wk = up.get()
     assert wk.lease_count == 0, "the example's lease was not released"
-    assert wk.state == c.WORKER_STATE_AWAKE, "the lease woke the worker and nothing has put it back to sleep"
+    assert wk.state == common_pb.WORKER_STATE_AWAKE, "the lease woke the worker and nothing has put it back to sleep"
     assert wk.HasField("idle_since_time"), "with no lease left the idle clock runs"
-    listed = up.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+    listed = up.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers
     assert [(x.name, x.lease_count) for x in listed] == [("workers/local0", 0)]
 
 

@@ -40,11 +40,11 @@ from workerproc import REPO_ROOT, WorkerProcess
 
 from memsvc import DOMAIN, error_info
 from memsvc.errors import IntegrityError, OutOfMemory
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.allocator import AllocatorConfig, MemoryAllocator
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="signals, /proc and the host backend")
@@ -52,7 +52,7 @@ pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="si
 MiB = 1 << 20
 BIG = ["--model", "synthetic:small", "--kv-blocks", "16384", "--host-capacity", "2GiB", "--seed", "7"]
 """A worker whose full offload moves 1 GiB of KV cache (about 0.5-3 s on the host backend)."""
-OFFLOAD_ALL = {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_OFFLOAD}
+OFFLOAD_ALL = {"weights": common_pb.TAG_ACTION_OFFLOAD, "kv_cache": common_pb.TAG_ACTION_OFFLOAD}
 PROMPT = [1, 2, 3, 4, 5]
 CALL = 60.0
 
@@ -72,8 +72,10 @@ def free_address() -> str:
         return f"127.0.0.1:{s.getsockname()[1]}"
 
 
-def generate(stub: w_grpc.ModelWorkerServiceStub) -> list[int]:
-    return list(stub.Generate(w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=8), timeout=CALL).token_ids)
+def generate(stub: worker_grpc.ModelWorkerServiceStub) -> list[int]:
+    return list(
+        stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=8), timeout=CALL).token_ids
+    )
 
 
 class InFlight:
@@ -96,10 +98,12 @@ class InFlight:
         return self._out
 
 
-def wait_worker_state(address: str, state: c.WorkerState.ValueType, timeout: float = 20.0) -> None:
+def wait_worker_state(address: str, state: common_pb.WorkerState.ValueType, timeout: float = 20.0) -> None:
     """Follow the worker's telemetry until it reports ``state`` (a state-change event or a snapshot)."""
     with grpc.insecure_channel(address) as ch:
-        stream = w_grpc.ModelWorkerServiceStub(ch).StreamTelemetry(w.StreamTelemetryRequest(), timeout=timeout)
+        stream = worker_grpc.ModelWorkerServiceStub(ch).StreamTelemetry(
+            worker_pb.StreamTelemetryRequest(), timeout=timeout
+        )
         try:
             for msg in stream:
                 if msg.HasField("state_change") and msg.state_change.to_state == state:
@@ -108,10 +112,10 @@ def wait_worker_state(address: str, state: c.WorkerState.ValueType, timeout: flo
                     return
         finally:
             stream.cancel()
-    raise AssertionError(f"telemetry ended before {c.WorkerState.Name(state)}")
+    raise AssertionError(f"telemetry ended before {common_pb.WorkerState.Name(state)}")
 
 
-def start_when(address: str, state: c.WorkerState.ValueType, call: Any) -> InFlight:
+def start_when(address: str, state: common_pb.WorkerState.ValueType, call: Any) -> InFlight:
     """Start ``call`` and return once the worker reports ``state`` (the call is then in flight)."""
     seen = threading.Event()
     err: list[BaseException] = []
@@ -128,7 +132,7 @@ def start_when(address: str, state: c.WorkerState.ValueType, call: Any) -> InFli
     t.start()
     time.sleep(0.3)  # the telemetry stream is open and has sent its snapshot
     flight = InFlight(call)
-    assert seen.wait(30), f"the worker never reported {c.WorkerState.Name(state)}"
+    assert seen.wait(30), f"the worker never reported {common_pb.WorkerState.Name(state)}"
     if err:
         raise err[0]
     return flight
@@ -139,12 +143,16 @@ def assert_status(result: Any, *codes: grpc.StatusCode) -> None:
     assert result.code() in codes, f"{result.code().name}: {result.details()}"
 
 
-def worker_status(address: str) -> c.WorkerStatus:
+def worker_status(address: str) -> common_pb.WorkerStatus:
     with grpc.insecure_channel(address) as ch:
-        return w_grpc.ModelWorkerServiceStub(ch).GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+        return (
+            worker_grpc.ModelWorkerServiceStub(ch)
+            .GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10)
+            .status
+        )
 
 
-def tag_view(tags: Iterable[c.TagMemory]) -> dict[str, tuple[int, int, int]]:
+def tag_view(tags: Iterable[common_pb.TagMemory]) -> dict[str, tuple[int, int, int]]:
     return {t.tag: (t.state, t.mapped_bytes, t.offloaded_bytes) for t in tags}
 
 
@@ -157,18 +165,20 @@ def test_worker_sigkilled_mid_transition_is_unavailable_then_comes_back(cluster:
     (wp,) = cluster.workers_up(mp, ["big"], BIG)
     reference = generate(wp.stub)  # what a fresh worker with this model and seed generates
     if during == "wake":
-        wp.stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL)
-        wait_state(mp.stub, "big", c.WORKER_STATE_ASLEEP)
+        wp.stub.Sleep(worker_pb.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL)
+        wait_state(mp.stub, "big", common_pb.WORKER_STATE_ASLEEP)
     ch = wp.new_channel()
-    stub = w_grpc.ModelWorkerServiceStub(ch)
+    stub = worker_grpc.ModelWorkerServiceStub(ch)
     if during == "sleep":
         flight = start_when(
             wp.address,
-            c.WORKER_STATE_SLEEPING,
-            lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL),
+            common_pb.WORKER_STATE_SLEEPING,
+            lambda: stub.Sleep(worker_pb.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL),
         )
     else:
-        flight = start_when(wp.address, c.WORKER_STATE_WAKING, lambda: stub.WakeUp(w.WakeUpRequest(), timeout=CALL))
+        flight = start_when(
+            wp.address, common_pb.WORKER_STATE_WAKING, lambda: stub.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL)
+        )
     assert wp.proc is not None
     wp.proc.kill()
     t_kill = time.monotonic()
@@ -177,19 +187,21 @@ def test_worker_sigkilled_mid_transition_is_unavailable_then_comes_back(cluster:
     wp.kill()
 
     # the manager notices within seconds and keeps the record
-    wait_state(mp.stub, "big", c.WORKER_STATE_UNAVAILABLE, timeout=10)
+    wait_state(mp.stub, "big", common_pb.WORKER_STATE_UNAVAILABLE, timeout=10)
     assert time.monotonic() - t_kill < 10
-    names = [x.name for x in mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers]
+    names = [x.name for x in mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers]
     assert "workers/big" in names
     with pytest.raises(grpc.RpcError) as ei:
-        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/big", level=c.SLEEP_LEVEL_1), timeout=10)
+        mp.stub.SleepWorker(
+            manager_pb.SleepWorkerRequest(name="workers/big", level=common_pb.SLEEP_LEVEL_1), timeout=10
+        )
     assert ei.value.code() == grpc.StatusCode.UNAVAILABLE
     info = error_info(ei.value)
     assert info is not None and info.domain == DOMAIN
 
     # restarted with the same id: a cold start, AWAKE, the same tokens
     again = cluster.worker_process(mp.address, "big", BIG).start()
-    wk = wait_state(mp.stub, "big", c.WORKER_STATE_AWAKE, timeout=30)
+    wk = wait_state(mp.stub, "big", common_pb.WORKER_STATE_AWAKE, timeout=30)
     assert wk.address == again.address
     assert generate(again.stub) == reference
 
@@ -197,11 +209,11 @@ def test_worker_sigkilled_mid_transition_is_unavailable_then_comes_back(cluster:
 def test_worker_sigterm_mid_sleep_drains_and_exits_zero() -> None:
     with WorkerProcess(BIG) as wp:
         ch = wp.new_channel()
-        stub = w_grpc.ModelWorkerServiceStub(ch)
+        stub = worker_grpc.ModelWorkerServiceStub(ch)
         flight = start_when(
             wp.address,
-            c.WORKER_STATE_SLEEPING,
-            lambda: stub.Sleep(w.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL),
+            common_pb.WORKER_STATE_SLEEPING,
+            lambda: stub.Sleep(worker_pb.SleepRequest(tag_actions=OFFLOAD_ALL), timeout=CALL),
         )
         wp.terminate()
         result = flight.result()
@@ -209,7 +221,7 @@ def test_worker_sigterm_mid_sleep_drains_and_exits_zero() -> None:
         assert not isinstance(result, grpc.RpcError), (
             f"the drain cut the Sleep: {result.code().name} {result.details()}"
         )
-        assert result.status.state == c.WORKER_STATE_ASLEEP
+        assert result.status.state == common_pb.WORKER_STATE_ASLEEP
         assert result.transition.moved_bytes >= 1 << 30
         assert wp.wait() == 0, wp.failure("exit code after SIGTERM")
         assert any(line.endswith("stopped") for line in wp.lines)
@@ -223,11 +235,13 @@ def test_manager_sigkilled_mid_sleepworker_relearns_the_finished_transition(clus
     mp = cluster.manager(listen=address)
     (wp,) = cluster.workers_up(mp, ["big"], BIG)
     mch = grpc.insecure_channel(mp.address)
-    mstub = m_grpc.MemoryManagerServiceStub(mch)
+    mstub = manager_grpc.MemoryManagerServiceStub(mch)
     flight = start_when(
         wp.address,
-        c.WORKER_STATE_SLEEPING,
-        lambda: mstub.SleepWorker(m.SleepWorkerRequest(name="workers/big", tag_actions=OFFLOAD_ALL), timeout=CALL),
+        common_pb.WORKER_STATE_SLEEPING,
+        lambda: mstub.SleepWorker(
+            manager_pb.SleepWorkerRequest(name="workers/big", tag_actions=OFFLOAD_ALL), timeout=CALL
+        ),
     )
     mp.kill()
     assert_status(flight.result(), grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.CANCELLED)
@@ -235,24 +249,24 @@ def test_manager_sigkilled_mid_sleepworker_relearns_the_finished_transition(clus
     # the worker finishes the transition by itself
     wait_for(
         lambda: worker_status(wp.address),
-        lambda s: s.state == c.WORKER_STATE_ASLEEP,
+        lambda s: s.state == common_pb.WORKER_STATE_ASLEEP,
         timeout=30,
         what="the worker to finish its Sleep",
     )
     own = worker_status(wp.address)
-    assert tag_view(own.tags)["kv_cache"][0] == c.TAG_STATE_OFFLOADED
+    assert tag_view(own.tags)["kv_cache"][0] == common_pb.TAG_STATE_OFFLOADED
 
     mp2 = cluster.manager(listen=address, db=mp.db)
     wk = wait_for(
         lambda: get(mp2.stub, "big"),
-        lambda x: x.state == c.WORKER_STATE_ASLEEP and tag_view(x.status.tags) == tag_view(own.tags),
+        lambda x: x.state == common_pb.WORKER_STATE_ASLEEP and tag_view(x.status.tags) == tag_view(own.tags),
         timeout=30,
         what="the restarted manager to re-learn the sleeper",
     )
     assert wk.address == wp.address
     # and it can drive it again
-    mp2.stub.WakeWorker(m.WakeWorkerRequest(name="workers/big"), timeout=CALL)
-    assert worker_status(wp.address).state == c.WORKER_STATE_AWAKE
+    mp2.stub.WakeWorker(manager_pb.WakeWorkerRequest(name="workers/big"), timeout=CALL)
+    assert worker_status(wp.address).state == common_pb.WORKER_STATE_AWAKE
 
 
 def test_manager_sigkilled_mid_lease_keeps_the_lease(cluster: Cluster) -> None:
@@ -260,42 +274,50 @@ def test_manager_sigkilled_mid_lease_keeps_the_lease(cluster: Cluster) -> None:
     mp = cluster.manager(listen=address)
     cluster.workers_up(mp, ["w1"])
     lease = mp.stub.AcquireWorker(
-        m.AcquireWorkerRequest(name="workers/w1", holder="fault-test", ttl=Duration(seconds=300)), timeout=CALL
+        manager_pb.AcquireWorkerRequest(name="workers/w1", holder="fault-test", ttl=Duration(seconds=300)), timeout=CALL
     ).lease
     mp.kill()
     mp2 = cluster.manager(listen=address, db=mp.db)
     wk = wait_for(
         lambda: get(mp2.stub, "w1"),
-        lambda x: x.state == c.WORKER_STATE_AWAKE,
+        lambda x: x.state == common_pb.WORKER_STATE_AWAKE,
         timeout=30,
         what="w1 to be re-learned AWAKE",
     )
     assert wk.lease_count == 1
     with pytest.raises(grpc.RpcError) as ei:  # the lease still protects the worker
-        mp2.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=CALL)
+        mp2.stub.SleepWorker(
+            manager_pb.SleepWorkerRequest(name="workers/w1", level=common_pb.SLEEP_LEVEL_1), timeout=CALL
+        )
     assert ei.value.code() == grpc.StatusCode.FAILED_PRECONDITION
-    renewed = mp2.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w1", lease_id=lease.lease_id), timeout=CALL)
+    renewed = mp2.stub.AcquireWorker(
+        manager_pb.AcquireWorkerRequest(name="workers/w1", lease_id=lease.lease_id), timeout=CALL
+    )
     assert renewed.lease.lease_id == lease.lease_id
-    assert mp2.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10).worker.lease_count == 0
+    assert (
+        mp2.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10).worker.lease_count
+        == 0
+    )
 
 
 # ---------------------------------------------------------------- clients vanish
 
 _CLIENT = r"""
 import sys, time, grpc
-from memsvc.v1 import memory_manager_service_pb2 as m, memory_manager_service_pb2_grpc as mg
-from memsvc.v1 import model_worker_service_pb2 as w, model_worker_service_pb2_grpc as wg
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb, memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb, model_worker_service_pb2_grpc as worker_grpc
 kind, address = sys.argv[1], sys.argv[2]
 ch = grpc.insecure_channel(address)
 if kind == "lease":
-    r = mg.MemoryManagerServiceStub(ch).AcquireWorker(
-        m.AcquireWorkerRequest(name=sys.argv[3], ttl={"seconds": 2}, holder="vanishing"), timeout=60)
+    r = manager_grpc.MemoryManagerServiceStub(ch).AcquireWorker(
+        manager_pb.AcquireWorkerRequest(name=sys.argv[3], ttl={"seconds": 2}, holder="vanishing"), timeout=60)
     print("lease", r.lease.lease_id, flush=True)
 elif kind == "watch":
-    it = mg.MemoryManagerServiceStub(ch).WatchWorkers(m.WatchWorkersRequest())
+    it = manager_grpc.MemoryManagerServiceStub(ch).WatchWorkers(manager_pb.WatchWorkersRequest())
     next(it)
     ch2 = grpc.insecure_channel(sys.argv[3])
-    it2 = wg.ModelWorkerServiceStub(ch2).StreamTelemetry(w.StreamTelemetryRequest(interval={"nanos": 50000000}))
+    it2 = worker_grpc.ModelWorkerServiceStub(ch2).StreamTelemetry(
+        worker_pb.StreamTelemetryRequest(interval={"nanos": 50000000}))
     next(it2)
     print("watching", flush=True)
 time.sleep(3600)
@@ -319,11 +341,11 @@ def test_client_that_vanishes_with_a_lease_loses_it_after_the_ttl(cluster: Clust
     finally:
         client.kill()  # gone without ReleaseWorker
         client.wait()
-    wk = wait_state(mp.stub, "w1", c.WORKER_STATE_AWAKE, timeout=15, extra=lambda x: x.lease_count == 0)
+    wk = wait_state(mp.stub, "w1", common_pb.WORKER_STATE_AWAKE, timeout=15, extra=lambda x: x.lease_count == 0)
     assert wk.HasField("idle_since_time")  # the idle clock started
     assert mp.metrics()[("memsvc_leases_expired_total", frozenset())] == 1
     with pytest.raises(grpc.RpcError) as ei:
-        mp.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=line.split()[1]), timeout=10)
+        mp.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=line.split()[1]), timeout=10)
     assert ei.value.code() == grpc.StatusCode.NOT_FOUND
 
 
@@ -333,7 +355,7 @@ def open_fds(pid: int) -> int:
     children: list[int] = []
     for task in os.listdir(f"/proc/{pid}/task"):
         with contextlib.suppress(OSError):
-            children += [int(c) for c in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
+            children += [int(child) for child in Path(f"/proc/{pid}/task/{task}/children").read_text().split()]
     n = len(os.listdir(f"/proc/{pid}/fd"))
     for child in children:
         with contextlib.suppress(OSError):  # a child that ended meanwhile holds none
@@ -371,18 +393,20 @@ def test_vanished_watchers_are_dropped(cluster: Cluster) -> None:
         assert mp.running and wp.running
     assert counts[-1][0] <= counts[0][0] and counts[-1][1] <= counts[0][1], f"growth: {counts}"
     # a new watcher still gets the snapshot and later events
-    stream = mp.stub.WatchWorkers(m.WatchWorkersRequest(names=["workers/w1"]), timeout=60)
+    stream = mp.stub.WatchWorkers(manager_pb.WatchWorkersRequest(names=["workers/w1"]), timeout=60)
     try:
         assert next(stream).HasField("snapshot")
-        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=CALL)
+        mp.stub.SleepWorker(
+            manager_pb.SleepWorkerRequest(name="workers/w1", level=common_pb.SLEEP_LEVEL_1), timeout=CALL
+        )
         for msg in stream:
-            if msg.HasField("state_change") and msg.state_change.to_state == c.WORKER_STATE_ASLEEP:
+            if msg.HasField("state_change") and msg.state_change.to_state == common_pb.WORKER_STATE_ASLEEP:
                 break
     finally:
         stream.cancel()
-    tele = wp.stub.StreamTelemetry(w.StreamTelemetryRequest(), timeout=30)
+    tele = wp.stub.StreamTelemetry(worker_pb.StreamTelemetryRequest(), timeout=30)
     try:
-        assert next(tele).snapshot.state == c.WORKER_STATE_ASLEEP
+        assert next(tele).snapshot.state == common_pb.WORKER_STATE_ASLEEP
     finally:
         tele.cancel()
 
@@ -442,33 +466,33 @@ def test_service_wake_over_the_device_budget_changes_nothing(cluster: Cluster) -
     mp = cluster.manager()
     (wp,) = cluster.workers_up(mp, ["w1"])
     reference = generate(wp.stub)
-    mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/w1", level=c.SLEEP_LEVEL_1), timeout=CALL)
+    mp.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/w1", level=common_pb.SLEEP_LEVEL_1), timeout=CALL)
     asleep = worker_status(wp.address)
     mp.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(
+        manager_pb.UpdatePolicyRequest(
             name="workers/w1",
-            policy=m.Policy(device_budget_bytes=MiB),
+            policy=manager_pb.Policy(device_budget_bytes=MiB),
             update_mask=FieldMask(paths=["device_budget_bytes"]),
         ),
         timeout=10,
     )
     with pytest.raises(grpc.RpcError) as ei:
-        mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
+        mp.stub.WakeWorker(manager_pb.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
     assert ei.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
     info = error_info(ei.value)
     assert info is not None and info.domain == DOMAIN and info.reason == "OUT_OF_MEMORY"
     now = worker_status(wp.address)
-    assert now.state == c.WORKER_STATE_ASLEEP and tag_view(now.tags) == tag_view(asleep.tags)
+    assert now.state == common_pb.WORKER_STATE_ASLEEP and tag_view(now.tags) == tag_view(asleep.tags)
     assert sum(t.offloaded_bytes for t in now.tags) > 0
     mp.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(
+        manager_pb.UpdatePolicyRequest(
             name="workers/w1",
-            policy=m.Policy(device_budget_bytes=0),
+            policy=manager_pb.Policy(device_budget_bytes=0),
             update_mask=FieldMask(paths=["device_budget_bytes"]),
         ),
         timeout=10,
     )
-    mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
+    mp.stub.WakeWorker(manager_pb.WakeWorkerRequest(name="workers/w1"), timeout=CALL)
     assert generate(wp.stub) == reference  # the restored weights are the same bytes
 
 

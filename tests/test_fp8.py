@@ -31,8 +31,8 @@ from test_reference import BASE, relative_errors
 from workerproc import WorkerProcess
 
 from memsvc.errors import InvalidArgument
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
 from worker.model.config import FP8_BLOCK, Fp8, fp8_config
@@ -332,12 +332,12 @@ def test_an_fp8_worker_serves_the_same_tokens_across_sleep_and_wake(
         host_alloc, str(checkpoints.fp8), num_device_blocks=16, num_host_blocks=0, block_size=4
     ).generate(PROMPT, NEW)
     with WorkerProcess(["--model", str(checkpoints.fp8), "--block-size", "4", "--kv-blocks", "32"]) as wp:
-        info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=60).status.model
+        info = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=60).status.model
         fp8 = ModelConfig.from_hf(json.loads((checkpoints.fp8 / "config.json").read_text()))
         assert info.weights_bytes == fp8.param_bytes()
-        request = w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW)
+        request = worker_pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW)
         assert list(wp.stub.Generate(request, timeout=120).token_ids) == expected
-        for level in (c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):
-            wp.stub.Sleep(w.SleepRequest(level=level), timeout=60)
-            assert wp.stub.WakeUp(w.WakeUpRequest(), timeout=60).status.state == c.WORKER_STATE_AWAKE
-            assert list(wp.stub.Generate(request, timeout=120).token_ids) == expected, c.SleepLevel.Name(level)
+        for level in (common_pb.SLEEP_LEVEL_1, common_pb.SLEEP_LEVEL_2):
+            wp.stub.Sleep(worker_pb.SleepRequest(level=level), timeout=60)
+            assert wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60).status.state == common_pb.WORKER_STATE_AWAKE
+            assert list(wp.stub.Generate(request, timeout=120).token_ids) == expected, common_pb.SleepLevel.Name(level)

@@ -26,9 +26,9 @@ from managerproc import ManagerProcess
 from test_generation import text_model
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 openai = pytest.importorskip("openai")
 
@@ -52,18 +52,20 @@ class Stack:
         self.client = openai.OpenAI(base_url=f"{gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
 
     def state(self) -> int:
-        return int(self.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state)
+        return int(self.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.state)
 
     def leases(self) -> int:
-        r = self.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gw0"), timeout=10)
+        r = self.manager.stub.GetWorker(manager_pb.GetWorkerRequest(name="workers/gw0"), timeout=10)
         return int(r.worker.lease_count)
 
-    def kv(self) -> c.KvCacheInfo:
-        kv: c.KvCacheInfo = self.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+    def kv(self) -> common_pb.KvCacheInfo:
+        kv: common_pb.KvCacheInfo = self.worker.stub.GetWorkerStatus(
+            worker_pb.GetWorkerStatusRequest(), timeout=10
+        ).status.kv_cache
         return kv
 
-    def direct(self, **fields: Any) -> w.GenerateResponse:
-        return self.worker.stub.Generate(w.GenerateRequest(**fields), timeout=60)
+    def direct(self, **fields: Any) -> worker_pb.GenerateResponse:
+        return self.worker.stub.Generate(worker_pb.GenerateRequest(**fields), timeout=60)
 
 
 @contextlib.contextmanager
@@ -74,7 +76,7 @@ def text_model_served(root: Path, worker_id: str) -> Iterator[tuple[ManagerProce
     try:
         with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", worker_id]) as wp:
             wait_for(
-                lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers,
                 lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
                 "registration",
             )
@@ -102,7 +104,7 @@ def test_models_list_the_served_model_with_its_state(stack: Stack) -> None:
     ids = [x.id for x in models.data]
     assert ids == [MODEL]
     assert models.data[0].model_extra is not None and models.data[0].model_extra["state"] == "awake"
-    stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
+    stack.worker.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=60)
     try:
         # the state as the vocabulary spells it (WorkerState.label), once the manager heard of the sleep
         wait_for(
@@ -111,7 +113,7 @@ def test_models_list_the_served_model_with_its_state(stack: Stack) -> None:
             "the model listed as 'asleep'",
         )
     finally:
-        stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+        stack.worker.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
 
 
 def test_one_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(stack: Stack) -> None:
@@ -123,14 +125,16 @@ def test_one_model_is_retrieved_by_its_id_and_an_unknown_one_is_a_404(stack: Sta
     assert "'org/no-such-model' does not exist" in str(err.value)
 
 
-@pytest.mark.parametrize("sleep", [None, c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2], ids=["awake", "level1", "level2"])
+@pytest.mark.parametrize(
+    "sleep", [None, common_pb.SLEEP_LEVEL_1, common_pb.SLEEP_LEVEL_2], ids=["awake", "level1", "level2"]
+)
 def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(stack: Stack, sleep: int | None) -> None:
     want = stack.direct(prompt=PROMPT, max_new_tokens=12, ignore_eos=False)
-    want_chat = stack.direct(messages=[w.ChatMessage(role="user", content="hello there")], max_new_tokens=12)
+    want_chat = stack.direct(messages=[worker_pb.ChatMessage(role="user", content="hello there")], max_new_tokens=12)
     for call in range(4):
         if sleep is not None:
-            stack.worker.stub.Sleep(w.SleepRequest(level=sleep), timeout=60)  # type: ignore[arg-type]
-            assert stack.state() == c.WORKER_STATE_ASLEEP
+            stack.worker.stub.Sleep(worker_pb.SleepRequest(level=sleep), timeout=60)  # type: ignore[arg-type]
+            assert stack.state() == common_pb.WORKER_STATE_ASLEEP
         if call == 0:
             r = stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=12, temperature=0)
             assert stack.leases() == 0, "a plain answer comes after its lease was released"
@@ -141,7 +145,7 @@ def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(sta
             assert stack.leases() == 0, "a plain answer comes after its lease was released"
             assert chat.choices[0].message.content == want_chat.text
             assert chat.choices[0].finish_reason == (
-                "stop" if want_chat.finish_reason == c.FINISH_REASON_STOP else "length"
+                "stop" if want_chat.finish_reason == common_pb.FINISH_REASON_STOP else "length"
             )
         elif call == 2:
             pieces = stack.client.completions.create(
@@ -161,7 +165,7 @@ def test_completions_and_chat_give_the_workers_greedy_tokens_awake_or_asleep(sta
             )
             text = "".join(ch.choices[0].delta.content or "" for ch in stream if ch.choices)
             assert text == want_chat.text
-        assert stack.state() == c.WORKER_STATE_AWAKE
+        assert stack.state() == common_pb.WORKER_STATE_AWAKE
         wait_for(stack.leases, lambda n: n == 0, "the request's lease to be released")
 
 
@@ -196,9 +200,9 @@ def test_a_client_that_leaves_mid_stream_releases_its_lease(stack: Stack) -> Non
     assert stack.leases() == 1
     stream.close()
     wait_for(stack.leases, lambda n: n == 0, "the lease of the client that left to be released")
-    kv = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+    kv = stack.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.kv_cache
     wait_for(
-        lambda: stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+        lambda: stack.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
         lambda k: k.device_free_block_count == k.device_block_count,
         f"the stream's blocks to be freed ({kv})",
     )
@@ -232,8 +236,10 @@ def test_a_model_without_a_tokenizer_streams_token_ids(tmp_path: Path) -> None:
     try:
         with WorkerProcess(["--model", str(path), "--manager", mp.address]) as wp:
             served = lambda ws: any(x.status.model.served_model_name == "ids-only" for x in ws)  # noqa: E731
-            wait_for(lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers, served, "registration")
-            alone = w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=10, ignore_eos=True)
+            wait_for(
+                lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers, served, "registration"
+            )
+            alone = worker_pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=10, ignore_eos=True)
             want = list(wp.stub.Generate(alone, timeout=60).token_ids)
             gw = GatewayProcess(mp.address).start()
             try:
@@ -288,11 +294,11 @@ def test_a_stop_string_ends_the_generation_and_usage_counts_what_was_returned(st
 
     direct = stack.direct(prompt=PROMPT, max_new_tokens=60, ignore_eos=True, stop=["never in it", stop])
     assert (list(direct.token_ids), direct.text, direct.matched_stop) == (list(ref.token_ids[:count]), answer, stop)
-    assert direct.finish_reason == c.FINISH_REASON_STOP and direct.completion_token_count == count
+    assert direct.finish_reason == common_pb.FINISH_REASON_STOP and direct.completion_token_count == count
     msgs = list(
         stack.worker.stub.GenerateStream(
-            w.GenerateStreamRequest(
-                request=w.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True, stop=[stop])
+            worker_pb.GenerateStreamRequest(
+                request=worker_pb.GenerateRequest(prompt=PROMPT, max_new_tokens=60, ignore_eos=True, stop=[stop])
             ),
             timeout=60,
         )
@@ -501,7 +507,7 @@ def two_models(tmp_path: Path) -> Iterator[tuple[ManagerProcess, list[WorkerProc
             ]
             workers.append(WorkerProcess(flags).start())
         wait_for(
-            lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+            lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers,
             lambda ws: len([x for x in ws if x.status.model.served_model_name]) == 2,
             "both registrations",
         )
@@ -517,7 +523,7 @@ def two_models(tmp_path: Path) -> Iterator[tuple[ManagerProcess, list[WorkerProc
 
 
 def _state_of(mp: ManagerProcess, name: str) -> int:
-    return int(mp.stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker.state)
+    return int(mp.stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker.state)
 
 
 @pytest.mark.parametrize("headroom", [0, 6 << 20], ids=["evict-first", "evict-beside-the-wake"])
@@ -527,10 +533,10 @@ def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
     mp, _, gw = two_models
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
     assert sorted(x.id for x in client.models.list().data) == ["alpha", "beta"]
-    mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
+    mp.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
     mp.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(
-            policy=m.Policy(device_swap_headroom_bytes=headroom),
+        manager_pb.UpdatePolicyRequest(
+            policy=manager_pb.Policy(device_swap_headroom_bytes=headroom),
             update_mask=FieldMask(paths=["device_swap_headroom_bytes"]),
         ),
         timeout=10,
@@ -542,7 +548,7 @@ def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
         other = "beta" if model == "alpha" else "alpha"
         wait_for(
             lambda other=other: _state_of(mp, other),  # type: ignore[misc]
-            lambda s: s == c.WORKER_STATE_ASLEEP,
+            lambda s: s == common_pb.WORKER_STATE_ASLEEP,
             f"{other} to be put to sleep for {model}",
         )
         answers.setdefault(model, []).append(r.usage.completion_tokens)
@@ -560,10 +566,12 @@ def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
     has the turns a busy model takes otherwise), so beta cannot get room: its request waits out the
     gateway's 1 s queue and gets 503 with Retry-After."""
     mp, _, gw = two_models
-    pin = m.UpdatePolicyRequest(name="workers/alpha", policy=m.Policy(), update_mask=FieldMask(paths=["time_slice"]))
+    pin = manager_pb.UpdatePolicyRequest(
+        name="workers/alpha", policy=manager_pb.Policy(), update_mask=FieldMask(paths=["time_slice"])
+    )
     mp.stub.UpdatePolicy(pin, timeout=10)
-    mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
-    held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+    mp.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/beta"), timeout=60)
+    held = mp.stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
     try:
         t0 = time.monotonic()
         exe = shutil.which("curl")
@@ -587,14 +595,19 @@ def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
         assert body.strip(), repr(out)
         assert json.loads(body)["error"]["type"] == "server_error", out
         assert waited >= 0.9, f"answered after {waited:.2f} s: it did not wait for room"
-        assert _state_of(mp, "alpha") == c.WORKER_STATE_AWAKE and _state_of(mp, "beta") == c.WORKER_STATE_ASLEEP
+        assert (
+            _state_of(mp, "alpha") == common_pb.WORKER_STATE_AWAKE
+            and _state_of(mp, "beta") == common_pb.WORKER_STATE_ASLEEP
+        )
     finally:
-        mp.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+        mp.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
 
 
 def test_without_max_tokens_a_chat_ends_at_the_models_context(stack: Stack) -> None:
     """OpenAI's max_tokens is a bound: unset, the answer runs until the model's context is full."""
-    context = stack.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.model.context_length
+    context = stack.worker.stub.GetWorkerStatus(
+        worker_pb.GetWorkerStatusRequest(), timeout=10
+    ).status.model.context_length
     chat = stack.client.chat.completions.create(
         model=MODEL, messages=MESSAGES, temperature=0, extra_body={"ignore_eos": True}
     )
@@ -614,7 +627,7 @@ def test_without_max_tokens_a_chat_on_a_kv_pool_smaller_than_the_context_ends_at
         args = ["--model", str(path), "--manager", mp.address, "--worker-id", "small-kv", "--kv-blocks", "4"]
         with WorkerProcess(args) as wp:
             wait_for(
-                lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+                lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers,
                 lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
                 "registration",
             )
@@ -626,7 +639,7 @@ def test_without_max_tokens_a_chat_on_a_kv_pool_smaller_than_the_context_ends_at
                 )
                 assert chat.choices[0].finish_reason == "length" and chat.usage is not None
                 assert chat.usage.prompt_tokens + chat.usage.completion_tokens == 4 * 16 + 1  # the last is not fed
-                kv = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache
+                kv = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.kv_cache
                 assert kv.device_free_block_count == kv.device_block_count == 4
             finally:
                 gw.kill()
@@ -655,11 +668,11 @@ def test_a_client_that_leaves_a_plain_request_stops_its_generation(
     assert subprocess.run(args, capture_output=True, text=True, timeout=60).returncode == 28  # curl: timed out
 
     def lease_count() -> int:
-        return int(mp.stub.GetWorker(m.GetWorkerRequest(name="workers/alpha"), timeout=10).worker.lease_count)
+        return int(mp.stub.GetWorker(manager_pb.GetWorkerRequest(name="workers/alpha"), timeout=10).worker.lease_count)
 
     wait_for(lease_count, lambda n: n == 0, "the lease of the client that left")
     wait_for(
-        lambda: alpha.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+        lambda: alpha.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
         lambda k: k.device_free_block_count == k.device_block_count,
         "the generation's blocks to be freed",
     )
@@ -667,15 +680,17 @@ def test_a_client_that_leaves_a_plain_request_stops_its_generation(
     assert 'memsvc_gateway_requests_total{code="499",endpoint="completions",model="alpha"} 1.0' in scrape, scrape
 
 
-def _manager_worker(stack: Stack) -> m.Worker:
-    worker: m.Worker = stack.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gw0"), timeout=10).worker
+def _manager_worker(stack: Stack) -> manager_pb.Worker:
+    worker: manager_pb.Worker = stack.manager.stub.GetWorker(
+        manager_pb.GetWorkerRequest(name="workers/gw0"), timeout=10
+    ).worker
     return worker
 
 
 def _idle_sleep_timeout(stack: Stack, seconds: float) -> None:
-    policy = m.Policy(idle_sleep_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
+    policy = manager_pb.Policy(idle_sleep_timeout=Duration(seconds=int(seconds), nanos=int(seconds % 1 * 1e9)))
     stack.manager.stub.UpdatePolicy(
-        m.UpdatePolicyRequest(policy=policy, update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
+        manager_pb.UpdatePolicyRequest(policy=policy, update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
     )
 
 
@@ -691,7 +706,7 @@ def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> 
         assert r.usage is not None and r.usage.completion_tokens == 2
         assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000
         time.sleep(2.0)  # four policy timeouts
-        assert _manager_worker(stack).state == c.WORKER_STATE_AWAKE, "keep_alive -1 still let it idle-sleep"
+        assert _manager_worker(stack).state == common_pb.WORKER_STATE_AWAKE, "keep_alive -1 still let it idle-sleep"
 
         with pytest.raises(openai.BadRequestError) as bad:
             stack.client.completions.create(model=MODEL, prompt=PROMPT, max_tokens=2, extra_body={"keep_alive": "40d"})
@@ -703,14 +718,14 @@ def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> 
                 )
             assert "keep_alive" in str(bad.value.body), (typo, bad.value.body)
         assert _manager_worker(stack).keep_alive.ToNanoseconds() == -1_000_000_000, "a refused request changed it"
-        assert _manager_worker(stack).state == c.WORKER_STATE_AWAKE
+        assert _manager_worker(stack).state == common_pb.WORKER_STATE_AWAKE
 
         stack.client.chat.completions.create(
             model=MODEL, messages=MESSAGES, max_tokens=2, temperature=0, extra_body={"keep_alive": 0}
         )
         wait_for(
             lambda: _manager_worker(stack).state,
-            lambda s: s == c.WORKER_STATE_ASLEEP,
+            lambda s: s == common_pb.WORKER_STATE_ASLEEP,
             "keep_alive 0 to put the model to sleep after its response",
             timeout=10,
         )
@@ -719,23 +734,23 @@ def test_keep_alive_overrides_the_idle_timer_after_the_request(stack: Stack) -> 
         assert not _manager_worker(stack).HasField("keep_alive"), "a request without keep_alive restores the policy"
         wait_for(
             lambda: _manager_worker(stack).state,
-            lambda s: s == c.WORKER_STATE_ASLEEP,
+            lambda s: s == common_pb.WORKER_STATE_ASLEEP,
             "the policy's idle timer",
             timeout=10,
         )
     finally:
         _idle_sleep_timeout(stack, 0)
-        stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
-        wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_AWAKE, "the wake")
+        stack.worker.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
+        wait_for(lambda: _manager_worker(stack).state, lambda s: s == common_pb.WORKER_STATE_AWAKE, "the wake")
 
 
 def test_requests_that_arrive_during_a_wake_join_it(stack: Stack) -> None:
     """Twelve requests for a level-2 sleeper at once: one wake serves them all, each gets the greedy
     tokens, and no request sees the wake as an error."""
     want = stack.direct(prompt=PROMPT, max_new_tokens=6).text
-    stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=60)
-    wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP, "level 2")
-    watch = stack.manager.stub.WatchWorkers(m.WatchWorkersRequest(names=["workers/gw0"]), timeout=120)
+    stack.worker.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_2), timeout=60)
+    wait_for(lambda: _manager_worker(stack).state, lambda s: s == common_pb.WORKER_STATE_ASLEEP, "level 2")
+    watch = stack.manager.stub.WatchWorkers(manager_pb.WatchWorkersRequest(names=["workers/gw0"]), timeout=120)
     states: list[int] = []
 
     def follow() -> None:
@@ -770,7 +785,9 @@ def test_requests_that_arrive_during_a_wake_join_it(stack: Stack) -> None:
     watcher.join(timeout=10)
     assert not errors, errors[:3]
     assert results == [want] * 12
-    woke = [i for i in range(1, len(states)) if states[i] == c.WORKER_STATE_AWAKE and states[i - 1] != states[i]]
+    woke = [
+        i for i in range(1, len(states)) if states[i] == common_pb.WORKER_STATE_AWAKE and states[i - 1] != states[i]
+    ]
     assert len(woke) == 1, f"one wake for all twelve, saw states {states}"
     wait_for(stack.leases, lambda n: n == 0, "every lease to be released")
 
@@ -786,11 +803,13 @@ def test_concurrent_streams_across_two_models_that_fit_one_at_a_time(
         client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
         want = {
             name: wp.stub.Generate(
-                w.GenerateRequest(prompt_token_ids=[3, 1, 4, 1, 5], max_new_tokens=8), timeout=60
+                worker_pb.GenerateRequest(prompt_token_ids=[3, 1, 4, 1, 5], max_new_tokens=8), timeout=60
             ).token_ids
             for name, wp in zip(("alpha", "beta"), workers, strict=True)
         }
-        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/alpha"), timeout=60)  # both load awake; one fits
+        mp.stub.SleepWorker(
+            manager_pb.SleepWorkerRequest(name="workers/alpha"), timeout=60
+        )  # both load awake; one fits
         results: dict[str, list[int]] = {"alpha": [], "beta": []}
         errors: list[BaseException] = []
 
@@ -819,21 +838,21 @@ def test_concurrent_streams_across_two_models_that_fit_one_at_a_time(
         assert {k: len(v) for k, v in results.items()} == {"alpha": 16, "beta": 16}
         assert all(n == len(want[k]) for k, v in results.items() for n in v), (results, want)
         states = {_state_of(mp, name) for name in ("alpha", "beta")}
-        assert c.WORKER_STATE_ASLEEP in states, "the budget fits one: one of them sleeps"
+        assert common_pb.WORKER_STATE_ASLEEP in states, "the budget fits one: one of them sleeps"
     finally:
         gw.kill()
 
 
 def _asleep(stack: Stack) -> None:
-    if stack.state() != c.WORKER_STATE_ASLEEP:
-        stack.worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
-    wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_ASLEEP, "the sleep")
+    if stack.state() != common_pb.WORKER_STATE_ASLEEP:
+        stack.worker.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=60)
+    wait_for(lambda: _manager_worker(stack).state, lambda s: s == common_pb.WORKER_STATE_ASLEEP, "the sleep")
 
 
 def _awake(stack: Stack) -> None:
-    if stack.state() != c.WORKER_STATE_AWAKE:
-        stack.worker.stub.WakeUp(w.WakeUpRequest(), timeout=60)
-    wait_for(lambda: _manager_worker(stack).state, lambda s: s == c.WORKER_STATE_AWAKE, "the wake")
+    if stack.state() != common_pb.WORKER_STATE_AWAKE:
+        stack.worker.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
+    wait_for(lambda: _manager_worker(stack).state, lambda s: s == common_pb.WORKER_STATE_AWAKE, "the wake")
 
 
 _CHAT = {"model": MODEL, "messages": MESSAGES}
@@ -902,7 +921,7 @@ def test_bad_requests_are_refused_before_they_wake_a_sleeping_model(
         assert err["type"] == "invalid_request_error" and err["message"], err
         assert (err["param"] or "").split(".")[0] == param, err
         assert not err["message"].startswith("Value error"), err  # the validator's words, not pydantic's
-        assert stack.state() == c.WORKER_STATE_ASLEEP, "a refused request woke the model"
+        assert stack.state() == common_pb.WORKER_STATE_ASLEEP, "a refused request woke the model"
         assert stack.leases() == 0
     finally:
         _awake(stack)
@@ -978,7 +997,7 @@ def test_an_oversize_body_is_413_and_wakes_nothing(stack: Stack, tmp_path: Path)
             assert code == "413", (extra, out[:300])
             err = json.loads(text)["error"]
             assert err["type"] == "invalid_request_error" and str(MAX_HTTP_BODY_BYTES) in err["message"], err
-        assert stack.state() == c.WORKER_STATE_ASLEEP
+        assert stack.state() == common_pb.WORKER_STATE_ASLEEP
         assert stack.leases() == 0
     finally:
         _awake(stack)
@@ -1012,10 +1031,10 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
     gw = GatewayProcess(mp.address, ["--queue-timeout", "60", "--max-requests", "2"]).start()
     try:
         mask = FieldMask(paths=["time_slice"])  # a time_slice of 0: leased, alpha never gives up its turn
-        pin = m.UpdatePolicyRequest(name="workers/alpha", policy=m.Policy(), update_mask=mask)
+        pin = manager_pb.UpdatePolicyRequest(name="workers/alpha", policy=manager_pb.Policy(), update_mask=mask)
         mp.stub.UpdatePolicy(pin, timeout=10)
-        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
-        held = mp.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
+        mp.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/beta"), timeout=60)
+        held = mp.stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name="workers/alpha", holder="test"), timeout=60)
         exe = shutil.which("curl")
         assert exe is not None
         clients = [
@@ -1054,10 +1073,10 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
             return subprocess.run([exe, "-s", f"{gw.url}/metrics"], capture_output=True, text=True, timeout=30).stdout
 
         wait_for(scrape, lambda text: left in text, "the gateway to see both clients leave")
-        mp.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+        mp.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
         time.sleep(2.0)  # eight of the queue's polls
-        assert _state_of(mp, "beta") == c.WORKER_STATE_ASLEEP, "beta was woken for clients that had left"
-        assert _state_of(mp, "alpha") == c.WORKER_STATE_AWAKE, "alpha was evicted for clients that had left"
+        assert _state_of(mp, "beta") == common_pb.WORKER_STATE_ASLEEP, "beta was woken for clients that had left"
+        assert _state_of(mp, "alpha") == common_pb.WORKER_STATE_AWAKE, "alpha was evicted for clients that had left"
         ok = httpx.post(f"{gw.url}/v1/completions", json={"model": "alpha", "prompt": [1], "max_tokens": 1}, timeout=30)
         assert ok.status_code == 200, ok.text
     finally:

@@ -17,8 +17,8 @@ import pytest
 from gatewayproc import LeaseManagerDouble
 
 from memsvc.gateway.backends import Backends, Served
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 ANSWER_DELAY_S = 0.5
 
@@ -31,19 +31,23 @@ class LateAnswers(LeaseManagerDouble):
         self.released: list[str] = []
         self.grant = asyncio.Event()
 
-    async def acquire(self, request: m.AcquireWorkerRequest, context: object) -> m.AcquireWorkerResponse:
+    async def acquire(
+        self, request: manager_pb.AcquireWorkerRequest, context: object
+    ) -> manager_pb.AcquireWorkerResponse:
         lease_id = f"lease-{len(self.granted)}"
         self.granted.append(lease_id)
         self.grant.set()
         with contextlib.suppress(asyncio.CancelledError):  # the grant stands: its answer is lost
             await asyncio.sleep(ANSWER_DELAY_S)
-        r = m.AcquireWorkerResponse()
+        r = manager_pb.AcquireWorkerResponse()
         r.lease.lease_id = lease_id
         return r
 
-    async def release(self, request: m.ReleaseWorkerRequest, context: object) -> m.ReleaseWorkerResponse:
+    async def release(
+        self, request: manager_pb.ReleaseWorkerRequest, context: object
+    ) -> manager_pb.ReleaseWorkerResponse:
         self.released.append(request.lease_id)
-        return m.ReleaseWorkerResponse()
+        return manager_pb.ReleaseWorkerResponse()
 
 
 @pytest.mark.asyncio
@@ -55,7 +59,7 @@ async def test_a_caller_that_leaves_mid_acquire_leaks_no_lease() -> None:
     await server.start()
     backends = Backends(f"127.0.0.1:{port}")
     try:
-        served = Served("workers/w0", "127.0.0.1:1", c.WORKER_STATE_ASLEEP, 0)
+        served = Served("workers/w0", "127.0.0.1:1", common_pb.WORKER_STATE_ASLEEP, 0)
         stack = contextlib.AsyncExitStack()
         leasing = asyncio.ensure_future(stack.enter_async_context(backends.lease(served, "gateway req-1", 10.0)))
         await asyncio.wait_for(manager.grant.wait(), 5)

@@ -31,8 +31,8 @@ from upproc import free_port
 from workerproc import WorkerProcess
 
 from memsvc.gateway.backends import LAST_RELEASE_TIMEOUT_S, Backends, Served
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 MODEL = "synthetic:tiny"
 WORKER = "workers/lw0"
@@ -48,7 +48,7 @@ class Stack:
         self.worker = WorkerProcess(["--manager", self.manager.address, "--worker-id", "lw0"]).start()
         self.gateway = GatewayProcess(self.manager.address, ["--lease-ttl", f"{lease_ttl:g}"]).start()
         wait_for(
-            lambda: self.manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+            lambda: self.manager.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers,
             lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
             what="registration",
             timeout=60,
@@ -58,11 +58,11 @@ class Stack:
         self.manager.kill()
         self.manager = ManagerProcess(self.db, listen=self.listen).start()
 
-    def leases(self) -> list[m.Lease]:
-        return list(self.manager.stub.ListLeases(m.ListLeasesRequest(name=WORKER), timeout=10).leases)
+    def leases(self) -> list[manager_pb.Lease]:
+        return list(self.manager.stub.ListLeases(manager_pb.ListLeasesRequest(name=WORKER), timeout=10).leases)
 
     def lease_count(self) -> int:
-        return int(self.manager.stub.GetWorker(m.GetWorkerRequest(name=WORKER), timeout=10).worker.lease_count)
+        return int(self.manager.stub.GetWorker(manager_pb.GetWorkerRequest(name=WORKER), timeout=10).worker.lease_count)
 
     def log(self, text: str) -> list[str]:
         """The gateway's log lines that contain ``text``."""
@@ -163,19 +163,19 @@ class Refuses(LeaseManagerDouble):
         self.code = code
         self.releases = 0
 
-    async def acquire(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
-        r = m.AcquireWorkerResponse()
+    async def acquire(self, request: manager_pb.AcquireWorkerRequest, context: Any) -> manager_pb.AcquireWorkerResponse:
+        r = manager_pb.AcquireWorkerResponse()
         r.lease.lease_id = request.lease_id or "lease-0"
         return r
 
-    async def release(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:
+    async def release(self, request: manager_pb.ReleaseWorkerRequest, context: Any) -> manager_pb.ReleaseWorkerResponse:
         self.releases += 1
         await context.abort(self.code, "refused")
         raise AssertionError("abort returned")
 
 
 @pytest.mark.asyncio
-@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND], ids=lambda c: c.name)
+@pytest.mark.parametrize("code", [grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.NOT_FOUND], ids=lambda code: code.name)
 async def test_a_failed_release_is_retried_until_the_gateway_stops_and_a_missing_lease_is_not(
     code: grpc.StatusCode,
 ) -> None:
@@ -189,7 +189,9 @@ async def test_a_failed_release_is_retried_until_the_gateway_stops_and_a_missing
     backends = Backends(f"127.0.0.1:{port}", lease_ttl_s=60)
     loop = asyncio.get_running_loop()
     try:
-        async with backends.lease(Served(WORKER, "127.0.0.1:1", c.WORKER_STATE_AWAKE, 0), "gateway req-1", 10.0):
+        async with backends.lease(
+            Served(WORKER, "127.0.0.1:1", common_pb.WORKER_STATE_AWAKE, 0), "gateway req-1", 10.0
+        ):
             pass
         assert manager.releases == 1  # the first attempt, before the block's end returns
         if code == grpc.StatusCode.UNAVAILABLE:

@@ -31,9 +31,9 @@ from upproc import free_port
 from workerproc import WorkerProcess
 
 from memsvc.manager.store_postgres import LEADER_LOCK
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 openai = pytest.importorskip("openai")
 
@@ -57,17 +57,17 @@ class Stack:
         self.client = openai.OpenAI(base_url=f"{self.gateway.url}/v1", api_key="unused", max_retries=0, timeout=60)
         wait_for(
             self.states,
-            lambda s: s == {"alpha": c.WORKER_STATE_AWAKE, "beta": c.WORKER_STATE_AWAKE},
+            lambda s: s == {"alpha": common_pb.WORKER_STATE_AWAKE, "beta": common_pb.WORKER_STATE_AWAKE},
             what="both registered awake",
             timeout=60,
         )
 
     def states(self) -> dict[str, int]:
-        ws = self.manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+        ws = self.manager.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers
         return {x.name.removeprefix("workers/"): x.state for x in ws if x.status.model.served_model_name}
 
     def leases(self) -> int:
-        return len(self.manager.stub.ListLeases(m.ListLeasesRequest(), timeout=10).leases)
+        return len(self.manager.stub.ListLeases(manager_pb.ListLeasesRequest(), timeout=10).leases)
 
     def answer(self, model: str, stream: bool = False) -> tuple[int, str, str | None]:
         """(HTTP status, the text or the error message, Retry-After) of a completion."""
@@ -126,7 +126,7 @@ def stack(tmp_path: Path) -> Iterator[Stack]:
 
 def test_awake_models_are_served_without_the_manager_and_leases_resume_when_it_is_back(stack: Stack) -> None:
     s = stack
-    s.manager.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
+    s.manager.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/beta"), timeout=60)
     awake = s.answer("alpha")
     assert awake[0] == 200 and awake[1], awake  # the gateway's list of workers: alpha awake, beta asleep
     assert s.get("/readyz") == (200, {"status": "ok"})
@@ -138,14 +138,14 @@ def test_awake_models_are_served_without_the_manager_and_leases_resume_when_it_i
 
     # alpha's worker put to sleep behind the gateway's back: a 503 too, not the worker's 400
     alpha = s.workers["alpha"]
-    alpha.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=60)
+    alpha.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=60)
     status, message, retry = s.answer("alpha")
     assert status == 503 and "asleep" in message and retry is not None, (status, message)
-    alpha.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+    alpha.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
     assert s.answer("alpha")[0] == 200
 
     s.manager = ManagerProcess(s.db, listen=s.listen).start()  # on the same address and database
-    wait_for(s.states, lambda st: st.get("alpha") == c.WORKER_STATE_AWAKE, what="alpha known again", timeout=60)
+    wait_for(s.states, lambda st: st.get("alpha") == common_pb.WORKER_STATE_AWAKE, what="alpha known again", timeout=60)
     assert s.leases() == 0, "a request served while the manager was away left a lease"
     # the gateway's next call reaches it (its channel reconnects within MANAGER_RECONNECT_MAX_MS)
     wait_for(lambda: s.get("/readyz"), lambda r: r == (200, {"status": "ok"}), what="the gateway ready", timeout=60)
@@ -165,7 +165,7 @@ def test_a_gateway_on_a_follower_serves_awake_models_while_no_replica_leads(tmp_
     s.others.append(leader)
     holder = psycopg.connect(pg_url, autocommit=True)
     try:
-        s.manager.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=60)
+        s.manager.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/beta"), timeout=60)
         assert s.answer("alpha")[0] == 200 and s.leases() == 0
 
         with ThreadPoolExecutor(1) as pool:  # the test's session queues for the leader lock, and gets it
@@ -178,7 +178,9 @@ def test_a_gateway_on_a_follower_serves_awake_models_while_no_replica_leads(tmp_
         again = ManagerProcess(pg_url).start()
         s.others.append(again)
         wait_for(lambda: again.leads() or s.manager.leads(), bool, what="a replica to lead", timeout=60)
-        wait_for(s.states, lambda st: st.get("alpha") == c.WORKER_STATE_AWAKE, what="alpha known again", timeout=60)
+        wait_for(
+            s.states, lambda st: st.get("alpha") == common_pb.WORKER_STATE_AWAKE, what="alpha known again", timeout=60
+        )
         wait_for(lambda: s.get("/readyz"), lambda r: r == (200, {"status": "ok"}), what="the gateway ready", timeout=60)
         for model in ("beta", "alpha"):
             status, text, _ = s.answer(model, stream=True)

@@ -25,8 +25,8 @@ from managerproc import ManagerProcess
 from test_gateway import MODEL, PROMPT, text_model_served, wait_for
 from workerproc import WorkerProcess
 
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 openai = pytest.importorskip("openai")
 
@@ -36,7 +36,7 @@ class Host:
         self.manager, self.worker = manager, worker
 
     def leases(self) -> int:
-        r = self.manager.stub.GetWorker(m.GetWorkerRequest(name="workers/gp0"), timeout=10)
+        r = self.manager.stub.GetWorker(manager_pb.GetWorkerRequest(name="workers/gp0"), timeout=10)
         return int(r.worker.lease_count)
 
     def gateway(self) -> GatewayProcess:
@@ -113,7 +113,7 @@ def test_every_child_serves_the_port_and_metrics_count_them_all(host: Host) -> N
         port = int(gw.url.rsplit(":", 1)[1])
         assert [listening_ports(k) for k in kids] == [{port}, {port}], "each child listens on the port"
         assert listening_ports(gw.pid) == set(), "the supervisor only holds the port"
-        want = host.worker.stub.Generate(w.GenerateRequest(prompt=PROMPT, max_new_tokens=8), timeout=60)
+        want = host.worker.stub.Generate(worker_pb.GenerateRequest(prompt=PROMPT, max_new_tokens=8), timeout=60)
         texts: list[str] = []
         errors: list[BaseException] = []
 
@@ -154,7 +154,7 @@ def test_sigterm_lets_a_stream_in_flight_finish_and_stops_every_child(host: Host
     try:
         kids = children(gw.pid)
         want = host.worker.stub.Generate(
-            w.GenerateRequest(prompt=PROMPT, max_new_tokens=64, ignore_eos=True), timeout=60
+            worker_pb.GenerateRequest(prompt=PROMPT, max_new_tokens=64, ignore_eos=True), timeout=60
         )
         with openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60) as client:
             stream = client.completions.create(

@@ -14,8 +14,8 @@ from test_gateway import wait_for
 from upproc import free_port
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 openai = pytest.importorskip("openai")
 MODEL = "synthetic:tiny"
@@ -37,13 +37,13 @@ def test_a_stopped_workers_model_is_unavailable_not_missing(tmp_path: Path) -> N
     gw = GatewayProcess(mp.address).start()
     client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=60)
     try:
-        workers = lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers  # noqa: E731
+        workers = lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers  # noqa: E731
         wait_for(
             workers, lambda ws: any(x.status.model.served_model_name == MODEL for x in ws), "registration", timeout=60
         )
         assert answer(client)[0] == 200
         wp.kill()
-        wait_for(workers, lambda ws: ws[0].state == c.WORKER_STATE_UNAVAILABLE, "the worker unavailable")
+        wait_for(workers, lambda ws: ws[0].state == common_pb.WORKER_STATE_UNAVAILABLE, "the worker unavailable")
         status, message, retry = answer(client)
         assert (status, retry) == (503, "2") and MODEL in message and "unavailable" in message, message
         # a manager that restarts keeps the registration but not the model it never heard since
@@ -58,7 +58,7 @@ def test_a_stopped_workers_model_is_unavailable_not_missing(tmp_path: Path) -> N
         )
         assert (status, retry) == (503, "2") and MODEL in message and "1 registered worker" in message, message
         # once the stale registration is pruned, the model does not exist
-        mp.stub.DeregisterWorker(m.DeregisterWorkerRequest(name="workers/gone"), timeout=10)
+        mp.stub.DeregisterWorker(manager_pb.DeregisterWorkerRequest(name="workers/gone"), timeout=10)
         assert answer(client)[0] == 404
     finally:
         gw.kill()

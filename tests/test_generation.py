@@ -23,9 +23,9 @@ from hf_models import init_weights
 from workerproc import WorkerProcess
 
 from memsvc.runtime.limits import MAX_STOP_STRING_BYTES, MAX_STOP_STRINGS
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.model.sampling import SamplingParams, filter_logits
 
 transformers = pytest.importorskip("transformers")
@@ -98,8 +98,8 @@ def model() -> Any:
     return tiny_llama()
 
 
-def gen(stub: w_grpc.ModelWorkerServiceStub, **fields: Any) -> w.GenerateResponse:
-    return stub.Generate(w.GenerateRequest(**fields), timeout=60)
+def gen(stub: worker_grpc.ModelWorkerServiceStub, **fields: Any) -> worker_pb.GenerateResponse:
+    return stub.Generate(worker_pb.GenerateRequest(**fields), timeout=60)
 
 
 def code_of(call: Any) -> grpc.StatusCode:
@@ -122,16 +122,16 @@ def test_generation_stops_at_the_models_eos_as_transformers_does(model: Any, tmp
     with WorkerProcess(["--model", str(save(model, tmp_path / "m", eos=eos))]) as wp:
         r = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24)
         assert list(r.token_ids) == ref
-        assert r.finish_reason == c.FINISH_REASON_STOP
+        assert r.finish_reason == common_pb.FINISH_REASON_STOP
         assert (r.prompt_token_count, r.completion_token_count) == (len(PROMPT), len(ref))
-        info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.model
+        info = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.model
         assert list(info.eos_token_ids) == [eos] and info.context_length == 512
         ignored = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24, ignore_eos=True)
-        assert list(ignored.token_ids) == free and ignored.finish_reason == c.FINISH_REASON_LENGTH
+        assert list(ignored.token_ids) == free and ignored.finish_reason == common_pb.FINISH_REASON_LENGTH
         stop = free[3]
         stopped = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24, ignore_eos=True, stop_token_ids=[stop])
         assert list(stopped.token_ids) == reference_greedy(model, PROMPT, 24, stop)
-        assert stopped.finish_reason == c.FINISH_REASON_STOP
+        assert stopped.finish_reason == common_pb.FINISH_REASON_STOP
 
 
 def test_generation_config_eos_wins_over_config_json_as_in_transformers(model: Any, tmp_path: Path) -> None:
@@ -149,7 +149,7 @@ def test_generation_config_eos_wins_over_config_json_as_in_transformers(model: A
     with WorkerProcess(["--model", str(path)]) as wp:
         r = gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=24)
         assert list(r.token_ids) == ref[: len(r.token_ids)] and r.token_ids[-1] in eos_list
-        assert sorted(wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.model.eos_token_ids) == sorted(
+        assert sorted(wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.model.eos_token_ids) == sorted(
             eos_list
         )
 
@@ -205,12 +205,15 @@ def test_sampling_is_reproducible_per_seed_and_greedy_without_temperature(model:
         assert (
             list(
                 gen(
-                    wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=w.SamplingParams(temperature=0)
+                    wp.stub,
+                    prompt_token_ids=PROMPT,
+                    max_new_tokens=16,
+                    sampling=worker_pb.SamplingParams(temperature=0),
                 ).token_ids
             )
             == greedy
         )
-        hot = w.SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
+        hot = worker_pb.SamplingParams(temperature=1.5, top_p=0.95, seed=1234)
         first = list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=hot).token_ids)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=hot).token_ids) == first
         others = {
@@ -219,19 +222,19 @@ def test_sampling_is_reproducible_per_seed_and_greedy_without_temperature(model:
                     wp.stub,
                     prompt_token_ids=PROMPT,
                     max_new_tokens=16,
-                    sampling=w.SamplingParams(temperature=1.5, top_p=0.95, seed=s),
+                    sampling=worker_pb.SamplingParams(temperature=1.5, top_p=0.95, seed=s),
                 ).token_ids
             )
             for s in range(5)
         }
         assert len(others) > 1 and first != greedy, "sampling at temperature 1.5 always gave the same tokens"
-        top1 = w.SamplingParams(temperature=1.5, top_k=1, seed=9)
+        top1 = worker_pb.SamplingParams(temperature=1.5, top_k=1, seed=9)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=16, sampling=top1).token_ids) == greedy
         for bad in (
-            w.SamplingParams(temperature=-1),
-            w.SamplingParams(temperature=1, top_p=1.5),
-            w.SamplingParams(temperature=1, top_k=-2),
-            w.SamplingParams(temperature=math.inf),
+            worker_pb.SamplingParams(temperature=-1),
+            worker_pb.SamplingParams(temperature=1, top_p=1.5),
+            worker_pb.SamplingParams(temperature=1, top_k=-2),
+            worker_pb.SamplingParams(temperature=math.inf),
         ):
             assert code_of(lambda b=bad: gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=2, sampling=b)) == (
                 grpc.StatusCode.INVALID_ARGUMENT
@@ -241,8 +244,10 @@ def test_sampling_is_reproducible_per_seed_and_greedy_without_temperature(model:
 # ---- streaming ----
 
 
-def stream(stub: w_grpc.ModelWorkerServiceStub, **fields: Any) -> list[w.GenerateStreamResponse]:
-    return list(stub.GenerateStream(w.GenerateStreamRequest(request=w.GenerateRequest(**fields)), timeout=60))
+def stream(stub: worker_grpc.ModelWorkerServiceStub, **fields: Any) -> list[worker_pb.GenerateStreamResponse]:
+    return list(
+        stub.GenerateStream(worker_pb.GenerateStreamRequest(request=worker_pb.GenerateRequest(**fields)), timeout=60)
+    )
 
 
 def test_a_stream_sends_the_same_tokens_as_generate_and_ends_with_the_whole_answer(model: Any, tmp_path: Path) -> None:
@@ -259,16 +264,18 @@ def test_a_stream_sends_the_same_tokens_as_generate_and_ends_with_the_whole_answ
         done = msgs[-1].done
         assert (list(done.token_ids), done.finish_reason, done.completion_token_count) == (
             list(whole.token_ids),
-            c.FINISH_REASON_STOP,
+            common_pb.FINISH_REASON_STOP,
             len(whole.token_ids),
         )
 
 
 def test_a_stream_whose_client_leaves_stops_and_frees_its_blocks(tmp_path: Path) -> None:
     with WorkerProcess(["--model", "synthetic:small"]) as wp:
-        base = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache
+        base = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache
         call = wp.stub.GenerateStream(
-            w.GenerateStreamRequest(request=w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2000))
+            worker_pb.GenerateStreamRequest(
+                request=worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2000)
+            )
         )
         first = next(call)
         assert len(first.token_ids) >= 1
@@ -277,12 +284,12 @@ def test_a_stream_whose_client_leaves_stops_and_frees_its_blocks(tmp_path: Path)
 
         deadline = time.monotonic() + 10
         while True:
-            kv = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache
+            kv = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache
             if kv.device_free_block_count == base.device_free_block_count or time.monotonic() > deadline:
                 break
             time.sleep(0.05)
         assert (kv.device_free_block_count, kv.sequence_count) == (base.device_free_block_count, base.sequence_count)
-        r = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=2), timeout=5)
+        r = wp.stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=2), timeout=5)
         assert len(r.token_ids) == 2, "the cancelled stream still holds the device"
 
 
@@ -332,7 +339,7 @@ def test_a_text_prompt_is_encoded_and_the_answer_decoded_as_transformers_does(
     by_ids = gen(wp.stub, prompt_token_ids=ids, max_new_tokens=24, ignore_eos=True)
     assert list(by_text.token_ids) == list(by_ids.token_ids)
     assert by_text.text == ref.decode(list(by_text.token_ids), skip_special_tokens=True)
-    info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.model
+    info = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.model
     assert info.has_tokenizer and info.has_chat_template
 
 
@@ -341,7 +348,7 @@ def test_chat_messages_are_rendered_as_transformers_apply_chat_template(text_wor
     messages = [{"role": "system", "content": "be brief"}, {"role": "user", "content": "héllo 😀 wörld?"}]
     expected = ref.apply_chat_template(messages, add_generation_prompt=True, tokenize=True)
     expected = expected["input_ids"] if isinstance(expected, dict) or hasattr(expected, "keys") else expected
-    chat = gen(wp.stub, messages=[w.ChatMessage(**m) for m in messages], max_new_tokens=8, ignore_eos=True)
+    chat = gen(wp.stub, messages=[worker_pb.ChatMessage(**m) for m in messages], max_new_tokens=8, ignore_eos=True)
     by_ids = gen(wp.stub, prompt_token_ids=list(expected), max_new_tokens=8, ignore_eos=True)
     assert chat.prompt_token_count == len(expected)
     assert list(chat.token_ids) == list(by_ids.token_ids)
@@ -352,7 +359,7 @@ def test_streamed_text_adds_up_to_the_whole_text(text_worker: tuple[WorkerProces
     add up to the whole text (U+FFFD where the bytes are invalid, exactly where the reference has it)."""
     wp, ref = text_worker
     for seed in range(4):
-        sampling = w.SamplingParams(temperature=1.2, seed=seed)
+        sampling = worker_pb.SamplingParams(temperature=1.2, seed=seed)
         msgs = stream(wp.stub, prompt="日本語 😀", max_new_tokens=40, ignore_eos=True, sampling=sampling)
         done = msgs[-1].done
         assert "".join(m.text for m in msgs) == done.text == ref.decode(list(done.token_ids), skip_special_tokens=True)
@@ -382,18 +389,18 @@ def test_text_is_refused_by_a_model_without_a_tokenizer_and_bad_prompts_change_n
     path = save(tiny_llama(), tmp_path / "ids-only")
     with WorkerProcess(["--model", str(path)]) as wp:
         assert code_of(lambda: gen(wp.stub, prompt="hello", max_new_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
-        chat = [w.ChatMessage(role="user", content="hi")]
+        chat = [worker_pb.ChatMessage(role="user", content="hi")]
         assert code_of(lambda: gen(wp.stub, messages=chat, max_new_tokens=2)) == grpc.StatusCode.FAILED_PRECONDITION
-        two = w.GenerateRequest(prompt_token_ids=[1], prompt="x", max_new_tokens=2)
+        two = worker_pb.GenerateRequest(prompt_token_ids=[1], prompt="x", max_new_tokens=2)
         assert code_of(lambda: wp.stub.Generate(two, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
-        big = w.GenerateRequest(prompt="x" * ((1 << 20) + 1), max_new_tokens=2)
+        big = worker_pb.GenerateRequest(prompt="x" * ((1 << 20) + 1), max_new_tokens=2)
         assert code_of(lambda: wp.stub.Generate(big, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
-        stops = w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=2, stop=["x"])
+        stops = worker_pb.GenerateRequest(prompt_token_ids=[1], max_new_tokens=2, stop=["x"])
         assert code_of(lambda: wp.stub.Generate(stops, timeout=10)) == grpc.StatusCode.FAILED_PRECONDITION
         for bad in ([""], ["x"] * (MAX_STOP_STRINGS + 1), ["x" * (MAX_STOP_STRING_BYTES + 1)]):
-            refused = w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=2, stop=bad)
+            refused = worker_pb.GenerateRequest(prompt_token_ids=[1], max_new_tokens=2, stop=bad)
             assert code_of(functools.partial(wp.stub.Generate, refused, timeout=10)) == grpc.StatusCode.INVALID_ARGUMENT
-        assert wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.sequence_count == 0
+        assert wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache.sequence_count == 0
 
 
 def test_stop_strings_end_a_kept_sequence_at_the_token_that_completes_them(
@@ -412,11 +419,11 @@ def test_stop_strings_end_a_kept_sequence_at_the_token_that_completes_them(
     )
     try:
         assert list(kept.token_ids) == list(full.token_ids[:count]) and kept.matched_stop == stop
-        assert kept.text == text[: text.find(stop)] and kept.finish_reason == c.FINISH_REASON_STOP
+        assert kept.text == text[: text.find(stop)] and kept.finish_reason == common_pb.FINISH_REASON_STOP
         more = gen(wp.stub, sequence_id="stopped", max_new_tokens=3, ignore_eos=True)
         assert list(more.token_ids) == list(full.token_ids[count : count + 3])
     finally:
-        wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="stopped"), timeout=10)
+        wp.stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="stopped"), timeout=10)
 
 
 # ---- new weights in place ----
@@ -439,15 +446,17 @@ def test_reload_weights_from_another_checkpoint_serves_its_tokens_and_a_mismatch
     with WorkerProcess(["--model", str(path_a)]) as wp:
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_a
         for bad in (wrong_layers, wrong_shape, tmp_path / "missing"):
-            req = w.ReloadWeightsRequest(model_path=str(bad))
+            req = worker_pb.ReloadWeightsRequest(model_path=str(bad))
             code = code_of(lambda r=req: wp.stub.ReloadWeights(r, timeout=60))
             assert code in (grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.NOT_FOUND), (bad, code)
             assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_a, bad
-        r = wp.stub.ReloadWeights(w.ReloadWeightsRequest(model_path=str(path_b)), timeout=60)
-        assert r.status.state == c.WORKER_STATE_AWAKE and r.status.model.source == str(path_b)
+        r = wp.stub.ReloadWeights(worker_pb.ReloadWeightsRequest(model_path=str(path_b)), timeout=60)
+        assert r.status.state == common_pb.WORKER_STATE_AWAKE and r.status.model.source == str(path_b)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_b
-        wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=60)  # a level-2 wake reloads b, not a
-        wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+        wp.stub.Sleep(
+            worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_2), timeout=60
+        )  # a level-2 wake reloads b, not a
+        wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
         assert list(gen(wp.stub, prompt_token_ids=PROMPT, max_new_tokens=12).token_ids) == ref_b
 
 
@@ -471,11 +480,11 @@ def test_a_synthetic_model_takes_and_gives_text_chat_and_stop_strings() -> None:
     its made tokenizer, the answer has text, and a stop string cut from that text ends a second run
     there, the text up to it returned."""
     with WorkerProcess(["--model", "synthetic:small"]) as wp:
-        info = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=60).status.model
+        info = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=60).status.model
         assert info.has_tokenizer and info.has_chat_template
         r = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=24)
         assert r.text and len(r.token_ids) == 24
-        chat = gen(wp.stub, messages=[w.ChatMessage(role="user", content="hi")], max_new_tokens=8)
+        chat = gen(wp.stub, messages=[worker_pb.ChatMessage(role="user", content="hi")], max_new_tokens=8)
         from worker.model.synthetic_text import synthetic_text
 
         made = synthetic_text(info.vocab_size)
@@ -483,4 +492,6 @@ def test_a_synthetic_model_takes_and_gives_text_chat_and_stop_strings() -> None:
         assert chat.text and chat.prompt_token_count == len(made.encode_chat([{"role": "user", "content": "hi"}]))
         stop = r.text[len(r.text) // 2 :][:3]
         cut = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=24, stop=[stop])
-        assert cut.finish_reason == c.FINISH_REASON_STOP and r.text.startswith(cut.text) and stop not in cut.text
+        assert (
+            cut.finish_reason == common_pb.FINISH_REASON_STOP and r.text.startswith(cut.text) and stop not in cut.text
+        )

@@ -30,11 +30,11 @@ from workerproc import WorkerProcess
 
 from memsvc import error_info
 from memsvc.runtime.limits import MAX_ID_BYTES, MAX_QUEUED_GENERATES, MAX_SWAP_PAIRS
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 LONG = 2000
 """Tokens of a Generate that keeps synthetic:tiny's device loop busy for ~2 s on this host."""
@@ -63,16 +63,16 @@ def rpc_error(call: Callable[[], object]) -> grpc.RpcError:
     raise AssertionError("the call succeeded")
 
 
-def worker_status(stub: w_grpc.ModelWorkerServiceStub) -> c.WorkerStatus:
-    return stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+def worker_status(stub: worker_grpc.ModelWorkerServiceStub) -> common_pb.WorkerStatus:
+    return stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
 
 
-def busy_generates(stub: w_grpc.ModelWorkerServiceStub, count: int, tokens: int = LONG) -> ThreadPoolExecutor:
+def busy_generates(stub: worker_grpc.ModelWorkerServiceStub, count: int, tokens: int = LONG) -> ThreadPoolExecutor:
     """``count`` long Generate calls, each already admitted by the engine when this returns (its
     sequence exists): a Generate still on its way when a Sleep arrives is refused instead of waited for."""
     base = worker_status(stub).kv_cache.sequence_count
     pool = ThreadPoolExecutor(count)
-    req = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens)
+    req = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=tokens)
     calls = [pool.submit(stub.Generate, req, timeout=300) for _ in range(count)]
     wait_for(
         lambda: worker_status(stub).kv_cache.sequence_count,
@@ -91,25 +91,25 @@ def test_a_sleep_whose_caller_gave_up_behind_a_generate_never_breaks_a_lease_gra
     mgr = cluster.manager()
     (wp,) = cluster.workers_up(mgr, ["leased"])
     pool = busy_generates(wp.stub, 3)  # seconds of device work running
-    sleep = m.SleepWorkerRequest(name=name("leased"), level=c.SLEEP_LEVEL_1)
+    sleep = manager_pb.SleepWorkerRequest(name=name("leased"), level=common_pb.SLEEP_LEVEL_1)
     assert code_of(lambda: mgr.stub.SleepWorker(sleep, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
-    after = m.AcquireWorkerRequest(name=name("leased"), holder="after", ttl=Duration(seconds=600))
+    after = manager_pb.AcquireWorkerRequest(name=name("leased"), holder="after", ttl=Duration(seconds=600))
     lease = mgr.stub.AcquireWorker(after, timeout=60)  # the TTL outlasts the Generates on a loaded machine
-    assert lease.worker.state == c.WORKER_STATE_AWAKE
+    assert lease.worker.state == common_pb.WORKER_STATE_AWAKE
     pool.shutdown(wait=True)  # the Generates are done: a queued Sleep would run now
     time.sleep(1.0)
     st = worker_status(wp.stub)
-    assert st.state == c.WORKER_STATE_AWAKE and not st.transition_in_progress, "the abandoned Sleep ran"
+    assert st.state == common_pb.WORKER_STATE_AWAKE and not st.transition_in_progress, "the abandoned Sleep ran"
     assert get(mgr.stub, "leased").lease_count == 1
-    out = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=4), timeout=30)
+    out = wp.stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=4), timeout=30)
     assert len(out.token_ids) == 4
-    mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease.lease_id), timeout=10)
+    mgr.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease.lease_id), timeout=10)
 
 
 def test_a_queued_worker_sleep_whose_caller_left_never_runs_and_frees_the_transition_lock() -> None:
     with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
         pool = busy_generates(wp.stub, 2)
-        req = w.SleepRequest(level=c.SLEEP_LEVEL_1)
+        req = worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1)
         # the client's timer, or the worker's answer that the deadline passed before it could start
         # (CANCELLED, docs/operations.md), whichever comes first on a loaded machine: it never ran
         code = code_of(lambda: wp.stub.Sleep(req, timeout=0.3))
@@ -120,10 +120,10 @@ def test_a_queued_worker_sleep_whose_caller_left_never_runs_and_frees_the_transi
             timeout=5,
             what="the abandoned Sleep to let go of the lock while the Generates still run",
         )
-        assert st.state == c.WORKER_STATE_AWAKE
+        assert st.state == common_pb.WORKER_STATE_AWAKE
         pool.shutdown(wait=True)
-        assert worker_status(wp.stub).state == c.WORKER_STATE_AWAKE
-        assert wp.stub.Sleep(req, timeout=30).status.state == c.WORKER_STATE_ASLEEP  # the lock is free
+        assert worker_status(wp.stub).state == common_pb.WORKER_STATE_AWAKE
+        assert wp.stub.Sleep(req, timeout=30).status.state == common_pb.WORKER_STATE_ASLEEP  # the lock is free
 
 
 # ---- 2. work ends when its caller leaves; queues are bounded; SIGTERM drains in time ----
@@ -132,14 +132,16 @@ def test_a_queued_worker_sleep_whose_caller_left_never_runs_and_frees_the_transi
 def test_expired_generates_stop_and_free_their_blocks_and_a_sleep_after_them_runs_at_once() -> None:
     with WorkerProcess(["--model", "synthetic:small"]) as wp:
         base = worker_status(wp.stub).kv_cache
-        req = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG)
+        req = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG)
         with ThreadPoolExecutor(20) as pool:
             codes = list(pool.map(lambda _: code_of(lambda: wp.stub.Generate(req, timeout=0.3)), range(20)))
         assert set(codes) == {grpc.StatusCode.DEADLINE_EXCEEDED}
         t0 = time.monotonic()
-        r = wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=20)  # 20 x 2000 tokens would be minutes
-        assert r.status.state == c.WORKER_STATE_ASLEEP, f"after {time.monotonic() - t0:.1f} s"
-        wp.stub.WakeUp(w.WakeUpRequest(), timeout=30)
+        r = wp.stub.Sleep(
+            worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=20
+        )  # 20 x 2000 tokens would be minutes
+        assert r.status.state == common_pb.WORKER_STATE_ASLEEP, f"after {time.monotonic() - t0:.1f} s"
+        wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=30)
         kv = worker_status(wp.stub).kv_cache
         assert (kv.device_free_block_count, kv.sequence_count) == (base.device_free_block_count, base.sequence_count)
 
@@ -147,18 +149,20 @@ def test_expired_generates_stop_and_free_their_blocks_and_a_sleep_after_them_run
 def test_a_cancelled_generate_keeps_no_sequence_and_a_continued_one_goes_back_to_before() -> None:
     with WorkerProcess(["--model", "synthetic:small"]) as wp:
         base = worker_status(wp.stub).kv_cache
-        new = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG, sequence_id="fresh")
+        new = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG, sequence_id="fresh")
         assert code_of(lambda: wp.stub.Generate(new, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
         wait_for(
             lambda: worker_status(wp.stub).kv_cache,
             lambda kv: kv.sequence_count == base.sequence_count,
             what="the cancelled call's sequence to be freed",
         )
-        assert code_of(lambda: wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="fresh"))) == (
+        assert code_of(lambda: wp.stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="fresh"))) == (
             grpc.StatusCode.NOT_FOUND
         )
-        kept = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=8, sequence_id="kept"))
-        more = w.GenerateRequest(max_new_tokens=LONG, sequence_id="kept")
+        kept = wp.stub.Generate(
+            worker_pb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=8, sequence_id="kept")
+        )
+        more = worker_pb.GenerateRequest(max_new_tokens=LONG, sequence_id="kept")
         assert code_of(lambda: wp.stub.Generate(more, timeout=0.5)) == grpc.StatusCode.DEADLINE_EXCEEDED
         kv = wait_for(
             lambda: worker_status(wp.stub).kv_cache,
@@ -167,15 +171,15 @@ def test_a_cancelled_generate_keeps_no_sequence_and_a_continued_one_goes_back_to
         )
         assert kv.sequence_count == base.sequence_count + 1
         # the same continuation, uncancelled, gives what it would have given had the failed call never been
-        again = wp.stub.Generate(w.GenerateRequest(max_new_tokens=4, sequence_id="kept"), timeout=60)
-        ref = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=12), timeout=60)
+        again = wp.stub.Generate(worker_pb.GenerateRequest(max_new_tokens=4, sequence_id="kept"), timeout=60)
+        ref = wp.stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=[5, 6, 7], max_new_tokens=12), timeout=60)
         assert list(kept.token_ids) + list(again.token_ids) == list(ref.token_ids)
 
 
 def test_generate_calls_beyond_the_queue_bound_are_refused_resource_exhausted() -> None:
     with WorkerProcess(["--model", "synthetic:small"]) as wp:
         n = MAX_QUEUED_GENERATES + 8
-        req = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG)
+        req = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=LONG)
         calls = [wp.stub.Generate.future(req, timeout=120) for _ in range(n)]
         # every call arrives long before the first finishes (~9 s): exactly the 8 beyond the bound end at once
         done = wait_for(
@@ -194,7 +198,7 @@ def test_generate_calls_beyond_the_queue_bound_are_refused_resource_exhausted() 
         )
         for call in calls:  # the callers leave: every queued one is dropped, the running one stops
             call.cancel()
-        small = w.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=2)
+        small = worker_pb.GenerateRequest(prompt_token_ids=[1, 2], max_new_tokens=2)
         r = wait_for(
             lambda: wp.stub.Generate(small, timeout=20),
             lambda r: len(r.token_ids) == 2,
@@ -224,20 +228,22 @@ def test_sigterm_cancels_what_still_runs_after_the_drain_time() -> None:
 def test_concurrent_acquires_with_one_request_id_grant_one_lease(cluster: Cluster) -> None:
     mgr = cluster.manager()
     cluster.workers_up(mgr, ["once"])
-    mgr.stub.SleepWorker(m.SleepWorkerRequest(name=name("once"), level=c.SLEEP_LEVEL_1), timeout=60)
-    req = m.AcquireWorkerRequest(name=name("once"), holder="retry", request_id="acq-1", ttl=Duration(seconds=300))
+    mgr.stub.SleepWorker(manager_pb.SleepWorkerRequest(name=name("once"), level=common_pb.SLEEP_LEVEL_1), timeout=60)
+    req = manager_pb.AcquireWorkerRequest(
+        name=name("once"), holder="retry", request_id="acq-1", ttl=Duration(seconds=300)
+    )
     with ThreadPoolExecutor(5) as pool:
         leases = list(pool.map(lambda _: mgr.stub.AcquireWorker(req, timeout=60).lease.lease_id, range(5)))
     assert len(set(leases)) == 1
     assert get(mgr.stub, "once").lease_count == 1
-    mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=leases[0]), timeout=10)
+    mgr.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=leases[0]), timeout=10)
     assert get(mgr.stub, "once").lease_count == 0
 
 
 def test_concurrent_worker_sleeps_with_one_request_id_share_the_first_result() -> None:
     with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
         pool = busy_generates(wp.stub, 1)  # the first Sleep queues behind it, the retries arrive meanwhile
-        req = w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id="sleep-1")
+        req = worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, request_id="sleep-1")
         with ThreadPoolExecutor(4) as sleeps:
             # as long as the Generate's own deadline: the Sleeps wait for it, and on a loaded 2-core
             # machine its 2,000 tokens took over 60 s (DEADLINE_EXCEEDED in a run beside two others)
@@ -254,28 +260,28 @@ def test_register_worker_refuses_oversized_fields_and_listing_keeps_working(clus
     mgr = cluster.manager()
     huge = "h" * (5 << 20)
     for req in (
-        m.RegisterWorkerRequest(worker_id="big", address=huge + ":1", host="h"),
-        m.RegisterWorkerRequest(worker_id="big", address="127.0.0.1:9", host=huge),
-        m.RegisterWorkerRequest(worker_id="x" * (MAX_ID_BYTES + 1), address="127.0.0.1:9", host="h"),
+        manager_pb.RegisterWorkerRequest(worker_id="big", address=huge + ":1", host="h"),
+        manager_pb.RegisterWorkerRequest(worker_id="big", address="127.0.0.1:9", host=huge),
+        manager_pb.RegisterWorkerRequest(worker_id="x" * (MAX_ID_BYTES + 1), address="127.0.0.1:9", host="h"),
     ):
         assert code_of(functools.partial(mgr.stub.RegisterWorker, req, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
-    assert list(mgr.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers) == []
+    assert list(mgr.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers) == []
 
 
 def test_request_ids_and_sequence_ids_are_bounded_and_a_refused_call_keeps_nothing(cluster: Cluster) -> None:
     mgr = cluster.manager()
     (wp,) = cluster.workers_up(mgr, ["ids"])
     big = "r" * (8 << 20)
-    assert code_of(lambda: wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id=big), timeout=30)) == (
-        grpc.StatusCode.INVALID_ARGUMENT
-    )
-    sleep = m.SleepWorkerRequest(name=name("ids"), level=c.SLEEP_LEVEL_1, request_id=big)
+    assert code_of(
+        lambda: wp.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, request_id=big), timeout=30)
+    ) == (grpc.StatusCode.INVALID_ARGUMENT)
+    sleep = manager_pb.SleepWorkerRequest(name=name("ids"), level=common_pb.SLEEP_LEVEL_1, request_id=big)
     assert code_of(lambda: mgr.stub.SleepWorker(sleep, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
-    acquire = m.AcquireWorkerRequest(name=name("ids"), request_id=big)
+    acquire = manager_pb.AcquireWorkerRequest(name=name("ids"), request_id=big)
     assert code_of(lambda: mgr.stub.AcquireWorker(acquire, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
-    assert worker_status(wp.stub).state == c.WORKER_STATE_AWAKE and get(mgr.stub, "ids").lease_count == 0
+    assert worker_status(wp.stub).state == common_pb.WORKER_STATE_AWAKE and get(mgr.stub, "ids").lease_count == 0
     base = worker_status(wp.stub).kv_cache.sequence_count
-    gen = w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=0, sequence_id=big)
+    gen = worker_pb.GenerateRequest(prompt_token_ids=[1], max_new_tokens=0, sequence_id=big)
     err = rpc_error(lambda: wp.stub.Generate(gen, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert worker_status(wp.stub).kv_cache.sequence_count == base
@@ -284,13 +290,13 @@ def test_request_ids_and_sequence_ids_are_bounded_and_a_refused_call_keeps_nothi
 def test_kept_sequences_are_bounded_even_without_new_tokens() -> None:
     with WorkerProcess(["--model", "synthetic:tiny", "--kv-blocks", "4", "--host-kv-blocks", "4"]) as wp:
         for i in range(4):  # max_new_tokens=0 keeps a sequence that holds its prompt's block at once
-            wp.stub.Generate(w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=0, sequence_id=f"s{i}"))
+            wp.stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=[1], max_new_tokens=0, sequence_id=f"s{i}"))
         assert worker_status(wp.stub).kv_cache.device_free_block_count == 0
-        req = w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=0, sequence_id="one-more")
+        req = worker_pb.GenerateRequest(prompt_token_ids=[1], max_new_tokens=0, sequence_id="one-more")
         err = rpc_error(lambda: wp.stub.Generate(req, timeout=10))
         assert err.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
         assert worker_status(wp.stub).kv_cache.sequence_count == 4
-        wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="s0"))
+        wp.stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="s0"))
         wp.stub.Generate(req, timeout=10)
 
 
@@ -299,37 +305,39 @@ def test_policies_are_bounded_and_an_unknown_tag_in_the_default_does_not_break_p
 ) -> None:
     mgr = cluster.manager()
     cluster.workers_up(mgr, ["pol"])
-    before = mgr.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
-    many = m.Policy(tag_actions={f"tag{i}": c.TAG_ACTION_KEEP for i in range(300)})
-    upd = m.UpdatePolicyRequest(policy=many, update_mask=FieldMask(paths=["tag_actions"]))
+    before = mgr.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
+    many = manager_pb.Policy(tag_actions={f"tag{i}": common_pb.TAG_ACTION_KEEP for i in range(300)})
+    upd = manager_pb.UpdatePolicyRequest(policy=many, update_mask=FieldMask(paths=["tag_actions"]))
     assert code_of(lambda: mgr.stub.UpdatePolicy(upd, timeout=30)) == grpc.StatusCode.INVALID_ARGUMENT
-    assert mgr.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy == before
-    other = m.Policy(
+    assert mgr.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy == before
+    other = manager_pb.Policy(
         tag_actions={
-            "weights": c.TAG_ACTION_OFFLOAD,
-            "kv_cache": c.TAG_ACTION_DISCARD,
-            "optimizer": c.TAG_ACTION_OFFLOAD,
+            "weights": common_pb.TAG_ACTION_OFFLOAD,
+            "kv_cache": common_pb.TAG_ACTION_DISCARD,
+            "optimizer": common_pb.TAG_ACTION_OFFLOAD,
         }
     )
-    mgr.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=other, update_mask=FieldMask(paths=["tag_actions"])), timeout=10)
-    r = mgr.stub.SleepWorker(m.SleepWorkerRequest(name=name("pol")), timeout=60)  # the policy's actions
-    assert r.worker.state == c.WORKER_STATE_ASLEEP
+    mgr.stub.UpdatePolicy(
+        manager_pb.UpdatePolicyRequest(policy=other, update_mask=FieldMask(paths=["tag_actions"])), timeout=10
+    )
+    r = mgr.stub.SleepWorker(manager_pb.SleepWorkerRequest(name=name("pol")), timeout=60)  # the policy's actions
+    assert r.worker.state == common_pb.WORKER_STATE_ASLEEP
 
 
 def test_an_oversized_swap_is_refused_by_the_manager_before_any_per_block_work(cluster: Cluster) -> None:
     mgr = cluster.manager()
     cluster.workers_up(mgr, ["swap"])
     ids = np.arange(MAX_SWAP_PAIRS + 1, dtype="<u4").tobytes()
-    req = m.SwapWorkerBlocksRequest(
-        name=name("swap"), direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks_u32le=ids, dst_blocks_u32le=ids
+    req = manager_pb.SwapWorkerBlocksRequest(
+        name=name("swap"), direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks_u32le=ids, dst_blocks_u32le=ids
     )
     err = rpc_error(lambda: mgr.stub.SwapWorkerBlocks(req, timeout=30))
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert "worker swap" not in (err.details() or ""), "the worker, not the manager, refused it"
-    two = m.SwapWorkerBlocksRequest(
+    two = manager_pb.SwapWorkerBlocksRequest(
         name=name("swap"),
-        direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-        pairs=[w.BlockPair(src_block=0, dst_block=0)],
+        direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST,
+        pairs=[worker_pb.BlockPair(src_block=0, dst_block=0)],
         src_blocks=[1],
         dst_blocks=[1],
     )
@@ -339,18 +347,18 @@ def test_an_oversized_swap_is_refused_by_the_manager_before_any_per_block_work(c
 def test_deregister_forgets_a_worker_but_not_while_it_is_leased(cluster: Cluster) -> None:
     mgr = cluster.manager()
     (wp,) = cluster.workers_up(mgr, ["gone"])
-    lease = mgr.stub.AcquireWorker(m.AcquireWorkerRequest(name=name("gone")), timeout=30).lease
-    dereg = m.DeregisterWorkerRequest(name=name("gone"))
+    lease = mgr.stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name=name("gone")), timeout=30).lease
+    dereg = manager_pb.DeregisterWorkerRequest(name=name("gone"))
     assert code_of(lambda: mgr.stub.DeregisterWorker(dereg, timeout=10)) == grpc.StatusCode.FAILED_PRECONDITION
-    mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    mgr.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
     wp.stop()
-    wait_state(mgr.stub, "gone", c.WORKER_STATE_UNAVAILABLE)
+    wait_state(mgr.stub, "gone", common_pb.WORKER_STATE_UNAVAILABLE)
     mgr.stub.DeregisterWorker(dereg, timeout=10)
     assert code_of(lambda: get(mgr.stub, "gone")) == grpc.StatusCode.NOT_FOUND
     assert code_of(lambda: mgr.stub.DeregisterWorker(dereg, timeout=10)) == grpc.StatusCode.NOT_FOUND
     mgr.stop()
     again = cluster.manager()  # the stored registration went too
-    assert list(again.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers) == []
+    assert list(again.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers) == []
 
 
 # ---- 12. a paused manager ----
@@ -361,9 +369,9 @@ def test_a_manager_paused_longer_than_the_silence_limit_does_not_mark_healthy_wo
 ) -> None:
     mgr = cluster.manager(["--config", str(_config(cluster.tmp_path, "[manager]\nunavailable_after = 3.0\n"))])
     cluster.workers_up(mgr, ["steady"])
-    seen: list[c.WorkerState.ValueType] = []
+    seen: list[common_pb.WorkerState.ValueType] = []
     channel = grpc.insecure_channel(mgr.address)
-    stream = m_grpc.MemoryManagerServiceStub(channel).WatchWorkers(m.WatchWorkersRequest())
+    stream = manager_grpc.MemoryManagerServiceStub(channel).WatchWorkers(manager_pb.WatchWorkersRequest())
 
     def follow() -> None:
         try:
@@ -382,8 +390,8 @@ def test_a_manager_paused_longer_than_the_silence_limit_does_not_mark_healthy_wo
     time.sleep(4.0)
     stream.cancel()
     channel.close()
-    assert c.WORKER_STATE_UNAVAILABLE not in seen, [c.WorkerState.Name(s) for s in seen]
-    assert get(mgr.stub, "steady").state == c.WORKER_STATE_AWAKE
+    assert common_pb.WORKER_STATE_UNAVAILABLE not in seen, [common_pb.WorkerState.Name(s) for s in seen]
+    assert get(mgr.stub, "steady").state == common_pb.WORKER_STATE_AWAKE
 
 
 def _config(tmp_path: Path, text: str) -> Path:

@@ -17,8 +17,8 @@ from workerproc import WorkerProcess
 
 from memsvc.cli import build_parser
 from memsvc.errors import InvalidArgument
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import host_memory
 from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop
@@ -103,7 +103,7 @@ async def test_the_guard_gives_the_reserve_back_while_the_host_is_short_and_take
         assert applied == [0, reserve] and not guard.released
         await device.run(lambda: None)
         assert alloc.stats().counters["host_reserve_bytes"] == reserve
-        # while a wake holds its chunks, the new base is where the hold settles
+        # while a wake holds its chunks, the new base is where the hold ends up
         await device.run(release.hold)
         readings.append(HostMemory(64 * GiB, 1 * GiB))
         guard.check()
@@ -116,7 +116,7 @@ async def test_the_guard_gives_the_reserve_back_while_the_host_is_short_and_take
 
 
 def _pinned(wp: WorkerProcess) -> int:
-    return int(wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.host_pinned_bytes)
+    return int(wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.host_pinned_bytes)
 
 
 def _pinned_until(wp: WorkerProcess, ok: Callable[[int], bool], what: str, timeout: float = 30.0) -> int:
@@ -149,11 +149,14 @@ def test_a_sleeper_on_disk_or_at_level_2_gives_its_reserve_back_and_takes_it_aga
     ]
     with WorkerProcess(args) as wp:
         awake = _pinned_until(wp, lambda n: n >= reserve, "to hold the pre-pinned reserve")
-        to_disk = {"weights": c.TAG_ACTION_OFFLOAD_DISK, "kv_cache": c.TAG_ACTION_DISCARD}
-        for sleep in (w.SleepRequest(tag_actions=to_disk), w.SleepRequest(level=c.SLEEP_LEVEL_2)):
+        to_disk = {"weights": common_pb.TAG_ACTION_OFFLOAD_DISK, "kv_cache": common_pb.TAG_ACTION_DISCARD}
+        for sleep in (
+            worker_pb.SleepRequest(tag_actions=to_disk),
+            worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_2),
+        ):
             wp.stub.Sleep(sleep, timeout=60)
             _pinned_until(wp, lambda n: n <= awake - reserve, f"to drop by the reserve after {sleep}")
-            wp.stub.WakeUp(w.WakeUpRequest(), timeout=60)
+            wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60)
             _pinned_until(wp, lambda n: n >= awake, "to come back after the wake")
 
 

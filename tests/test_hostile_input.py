@@ -39,11 +39,11 @@ from managerproc import Cluster, ManagerProcess, get, wait_for
 from workerproc import WorkerProcess
 
 from memsvc import DOMAIN, error_info
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 if TYPE_CHECKING:
     from google._upb import _message as _upb
@@ -279,17 +279,17 @@ class Env:
     worker: WorkerProcess
     mchan: grpc.Channel
     wchan: grpc.Channel
-    default_policy: m.Policy
-    w0_policy: m.Policy
+    default_policy: manager_pb.Policy
+    w0_policy: manager_pb.Policy
     worker_host: str
     leases: set[str] = field(default_factory=set)
 
     @property
-    def wstub(self) -> w_grpc.ModelWorkerServiceStub:
-        return w_grpc.ModelWorkerServiceStub(self.wchan)
+    def wstub(self) -> worker_grpc.ModelWorkerServiceStub:
+        return worker_grpc.ModelWorkerServiceStub(self.wchan)
 
     @property
-    def mstub(self) -> m_grpc.MemoryManagerServiceStub:
+    def mstub(self) -> manager_grpc.MemoryManagerServiceStub:
         return self.manager.stub
 
 
@@ -301,8 +301,8 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
         (wp,) = cluster.workers_up(mp, [W0])
         mchan = grpc.insecure_channel(mp.address)
         wchan = grpc.insecure_channel(wp.address)
-        default = mp.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
-        w0p = mp.stub.GetPolicy(m.GetPolicyRequest(name=W0_NAME), timeout=10).policy
+        default = mp.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
+        w0p = mp.stub.GetPolicy(manager_pb.GetPolicyRequest(name=W0_NAME), timeout=10).policy
         yield Env(cluster, mp, wp, mchan, wchan, default, w0p, get(mp.stub, W0).host)
         mchan.close()
         wchan.close()
@@ -311,7 +311,7 @@ def env(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Env]:
 
 
 def worker_snapshot(e: Env) -> tuple[Any, ...]:
-    s = e.wstub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+    s = e.wstub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
     tags = tuple(
         (
             t.tag,
@@ -327,7 +327,7 @@ def worker_snapshot(e: Env) -> tuple[Any, ...]:
     )
     kv = s.kv_cache
     return (
-        c.WorkerState.Name(s.state),
+        common_pb.WorkerState.Name(s.state),
         s.sleep_level,
         tags,
         s.device.free_bytes,
@@ -341,15 +341,17 @@ def worker_snapshot(e: Env) -> tuple[Any, ...]:
 
 def manager_snapshot(e: Env) -> tuple[Any, ...]:
     stub = e.mstub
-    workers = stub.ListWorkers(m.ListWorkersRequest(page_size=1000), timeout=10).workers
+    workers = stub.ListWorkers(manager_pb.ListWorkersRequest(page_size=1000), timeout=10).workers
     out: list[tuple[object, ...]] = []
     for wk in workers:
         if wk.name == W0_NAME:  # tag bytes: compared at the source (worker_snapshot), the mirror lags by design
-            out.append((wk.name, wk.address, wk.host, wk.configured, wk.lease_count, c.WorkerState.Name(wk.state)))
+            out.append(
+                (wk.name, wk.address, wk.host, wk.configured, wk.lease_count, common_pb.WorkerState.Name(wk.state))
+            )
         else:  # records of hostile registrations: their reachability moves on its own, the rest must not
             out.append((wk.name, wk.address, wk.host, wk.configured, wk.lease_count))
-    default = stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
-    w0p = stub.GetPolicy(m.GetPolicyRequest(name=W0_NAME), timeout=10).policy
+    default = stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
+    w0p = stub.GetPolicy(manager_pb.GetPolicyRequest(name=W0_NAME), timeout=10).policy
     return tuple(out), default.SerializeToString(deterministic=True), w0p.SerializeToString(deterministic=True)
 
 
@@ -363,14 +365,14 @@ def assert_alive(e: Env) -> None:
     for chan in (e.wchan, e.mchan):
         r = health_pb2_grpc.HealthStub(chan).Check(health_pb2.HealthCheckRequest(service=""), timeout=10)
         assert r.status == health_pb2.HealthCheckResponse.SERVING
-    e.wstub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10)
-    e.mstub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    e.wstub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10)
+    e.mstub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10)
 
 
 def _agree(e: Env) -> bool:
     """The manager's view of w0 matches the worker's own state (events carry states at once; tag byte
     counts follow with the next periodic snapshot, so the manager's copy of them is not compared)."""
-    s = e.wstub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+    s = e.wstub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
     mw = get(e.mstub, W0)
     return mw.state == s.state and mw.address == e.worker.address and mw.lease_count == 0
 
@@ -392,7 +394,7 @@ def reset(e: Env, precondition: str = "awake") -> None:
     stub = e.mstub
     for lease in sorted(e.leases):
         try:
-            stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease), timeout=10)
+            stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease), timeout=10)
         except grpc.RpcError as err:
             assert err.code() == grpc.StatusCode.NOT_FOUND, err
     e.leases.clear()
@@ -400,24 +402,24 @@ def reset(e: Env, precondition: str = "awake") -> None:
         mw = get(stub, W0)
     except grpc.RpcError as err:  # an accepted DeregisterWorker of w0: register it as its heartbeat would
         assert err.code() == grpc.StatusCode.NOT_FOUND, err
-        mw = m.Worker()
+        mw = manager_pb.Worker()
     if mw.address != e.worker.address or mw.host != e.worker_host:
         stub.RegisterWorker(
-            m.RegisterWorkerRequest(worker_id=W0, address=e.worker.address, host=e.worker_host), timeout=10
+            manager_pb.RegisterWorkerRequest(worker_id=W0, address=e.worker.address, host=e.worker_host), timeout=10
         )
-    if stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy != e.default_policy:
-        stub.UpdatePolicy(m.UpdatePolicyRequest(policy=e.default_policy), timeout=10)
-    if stub.GetPolicy(m.GetPolicyRequest(name=W0_NAME), timeout=10).policy != e.w0_policy:
-        stub.UpdatePolicy(m.UpdatePolicyRequest(name=W0_NAME, policy=e.w0_policy), timeout=10)
+    if stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy != e.default_policy:
+        stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(policy=e.default_policy), timeout=10)
+    if stub.GetPolicy(manager_pb.GetPolicyRequest(name=W0_NAME), timeout=10).policy != e.w0_policy:
+        stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(name=W0_NAME, policy=e.w0_policy), timeout=10)
     ws = e.wstub
-    state = ws.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state
-    if state != c.WORKER_STATE_AWAKE:
-        _retry(lambda: ws.WakeUp(w.WakeUpRequest(), timeout=CALL_TIMEOUT))
+    state = ws.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.state
+    if state != common_pb.WORKER_STATE_AWAKE:
+        _retry(lambda: ws.WakeUp(worker_pb.WakeUpRequest(), timeout=CALL_TIMEOUT))
     if precondition == "asleep":
-        ws.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
+        ws.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
     elif precondition == "partial":
-        ws.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
-        ws.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=CALL_TIMEOUT)
+        ws.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=CALL_TIMEOUT)
+        ws.WakeUp(worker_pb.WakeUpRequest(tags=["weights"]), timeout=CALL_TIMEOUT)
     wait_for(lambda: _agree(e), bool, timeout=20, what="the manager to agree with w0")
 
 
@@ -488,15 +490,15 @@ def remember_success(e: Env, method: str, out: Outcome) -> None:
     if out.response is None:
         return
     if method == "AcquireWorker":
-        e.leases.add(m.AcquireWorkerResponse.FromString(out.response).lease.lease_id)
+        e.leases.add(manager_pb.AcquireWorkerResponse.FromString(out.response).lease.lease_id)
 
 
 def free_sequence_of(e: Env, method: str, body: bytes, out: Outcome) -> None:
     if method != "Generate" or out.code != grpc.StatusCode.OK:
         return
-    seq = w.GenerateRequest.FromString(body).sequence_id
+    seq = worker_pb.GenerateRequest.FromString(body).sequence_id
     if seq:
-        e.wstub.FreeSequence(w.FreeSequenceRequest(sequence_id=seq), timeout=10)
+        e.wstub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id=seq), timeout=10)
 
 
 def exercise(e: Env, service: str, method: str, body: bytes, precondition: str) -> None:
@@ -517,30 +519,30 @@ def exercise(e: Env, service: str, method: str, body: bytes, precondition: str) 
 # ---------------------------------------------------------------- the properties
 
 WORKER_RPCS = {
-    "GetWorkerStatus": w.GetWorkerStatusRequest,
-    "Sleep": w.SleepRequest,
-    "WakeUp": w.WakeUpRequest,
-    "ReloadWeights": w.ReloadWeightsRequest,
-    "SwapBlocks": w.SwapBlocksRequest,
-    "StreamTelemetry": w.StreamTelemetryRequest,
-    "Generate": w.GenerateRequest,
-    "FreeSequence": w.FreeSequenceRequest,
-    "GenerateStream": w.GenerateStreamRequest,
+    "GetWorkerStatus": worker_pb.GetWorkerStatusRequest,
+    "Sleep": worker_pb.SleepRequest,
+    "WakeUp": worker_pb.WakeUpRequest,
+    "ReloadWeights": worker_pb.ReloadWeightsRequest,
+    "SwapBlocks": worker_pb.SwapBlocksRequest,
+    "StreamTelemetry": worker_pb.StreamTelemetryRequest,
+    "Generate": worker_pb.GenerateRequest,
+    "FreeSequence": worker_pb.FreeSequenceRequest,
+    "GenerateStream": worker_pb.GenerateStreamRequest,
 }
 MANAGER_RPCS = {
-    "RegisterWorker": m.RegisterWorkerRequest,
-    "ListWorkers": m.ListWorkersRequest,
-    "GetWorker": m.GetWorkerRequest,
-    "SleepWorker": m.SleepWorkerRequest,
-    "WakeWorker": m.WakeWorkerRequest,
-    "SwapWorkerBlocks": m.SwapWorkerBlocksRequest,
-    "AcquireWorker": m.AcquireWorkerRequest,
-    "ReleaseWorker": m.ReleaseWorkerRequest,
-    "GetPolicy": m.GetPolicyRequest,
-    "UpdatePolicy": m.UpdatePolicyRequest,
-    "WatchWorkers": m.WatchWorkersRequest,
-    "DeregisterWorker": m.DeregisterWorkerRequest,
-    "ListLeases": m.ListLeasesRequest,
+    "RegisterWorker": manager_pb.RegisterWorkerRequest,
+    "ListWorkers": manager_pb.ListWorkersRequest,
+    "GetWorker": manager_pb.GetWorkerRequest,
+    "SleepWorker": manager_pb.SleepWorkerRequest,
+    "WakeWorker": manager_pb.WakeWorkerRequest,
+    "SwapWorkerBlocks": manager_pb.SwapWorkerBlocksRequest,
+    "AcquireWorker": manager_pb.AcquireWorkerRequest,
+    "ReleaseWorker": manager_pb.ReleaseWorkerRequest,
+    "GetPolicy": manager_pb.GetPolicyRequest,
+    "UpdatePolicy": manager_pb.UpdatePolicyRequest,
+    "WatchWorkers": manager_pb.WatchWorkersRequest,
+    "DeregisterWorker": manager_pb.DeregisterWorkerRequest,
+    "ListLeases": manager_pb.ListLeasesRequest,
 }
 STATEFUL = {
     "Sleep",
@@ -574,7 +576,7 @@ def _preconditions(method: str) -> st.SearchStrategy[str]:
     return st.sampled_from(["awake", "asleep", "partial"]) if method in STATEFUL else st.just("awake")
 
 
-@pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[case[1] for case in CASES])
 def test_generated_messages(env: Env, service: str, method: str, cls: type[pb_message.Message]) -> None:
     @settings(max_examples=60 if method in STATEFUL else 40, **SETTINGS)
     @given(msg=messages(cls.DESCRIPTOR), precondition=_preconditions(method))
@@ -588,7 +590,7 @@ RAW_EDGES = [b"\xff" * 16, b"\x0a\xff\xff\xff\xff\x0f", b"\x08" + b"\xff" * 9 + 
 """Truncated varints, a length past the end, an over-long varint, a lone continuation byte."""
 
 
-@pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[c[1] for c in CASES])
+@pytest.mark.parametrize(("service", "method", "cls"), CASES, ids=[case[1] for case in CASES])
 def test_raw_bytes(env: Env, service: str, method: str, cls: type[pb_message.Message]) -> None:
     @settings(max_examples=25, **SETTINGS)
     @given(body=st.one_of(st.binary(max_size=256), st.sampled_from(RAW_EDGES)))
@@ -602,7 +604,9 @@ def test_page_token_of_every_shape_is_refused_cleanly(env: Env) -> None:
     """ListWorkers' page_token is decoded by the server: tokens that decode to junk are INVALID_ARGUMENT."""
     for raw in (b"\xff\xfe", b"workers/x", b"", b"\x00", "é".encode()):
         token = base64.urlsafe_b64encode(raw).decode()
-        out = send(env, MANAGER_SERVICE, "ListWorkers", m.ListWorkersRequest(page_token=token).SerializeToString())
+        out = send(
+            env, MANAGER_SERVICE, "ListWorkers", manager_pb.ListWorkersRequest(page_token=token).SerializeToString()
+        )
         check_status(out, f"ListWorkers(page_token={token!r})")
     assert_alive(env)
 
@@ -614,10 +618,10 @@ LONG = "y" * 70000
 @pytest.mark.parametrize(
     ("service", "method", "request_"),
     [
-        (MANAGER_SERVICE, "GetWorker", m.GetWorkerRequest(name=LONG)),
-        (MANAGER_SERVICE, "GetPolicy", m.GetPolicyRequest(name=LONG)),
-        (MANAGER_SERVICE, "ReleaseWorker", m.ReleaseWorkerRequest(lease_id=LONG)),
-        (WORKER_SERVICE, "FreeSequence", w.FreeSequenceRequest(sequence_id=LONG)),
+        (MANAGER_SERVICE, "GetWorker", manager_pb.GetWorkerRequest(name=LONG)),
+        (MANAGER_SERVICE, "GetPolicy", manager_pb.GetPolicyRequest(name=LONG)),
+        (MANAGER_SERVICE, "ReleaseWorker", manager_pb.ReleaseWorkerRequest(lease_id=LONG)),
+        (WORKER_SERVICE, "FreeSequence", worker_pb.FreeSequenceRequest(sequence_id=LONG)),
     ],
     ids=["GetWorker", "GetPolicy", "ReleaseWorker", "FreeSequence"],
 )

@@ -15,7 +15,7 @@ from pathlib import Path
 from test_generation import text_model
 from workerproc import WorkerProcess
 
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 COMMIT = "0123456789abcdef0123456789abcdef01234567"
 REPO = "acme/text-model"
@@ -38,11 +38,11 @@ def offline(home: Path) -> dict[str, str]:
 def test_a_hub_id_in_the_cache_serves_what_its_checkpoint_directory_serves(tmp_path: Path) -> None:
     path, _ = text_model(tmp_path)
     home = hub_cache(tmp_path / "hf", REPO, path)
-    req = w.GenerateRequest(prompt="the quick brown fox", max_new_tokens=12)
+    req = worker_pb.GenerateRequest(prompt="the quick brown fox", max_new_tokens=12)
     with WorkerProcess(["--model", str(path)]) as wp:
         want = wp.stub.Generate(req, timeout=60)
     with WorkerProcess(["--model", REPO], env=offline(home)) as wp:
-        st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=60).status
+        st = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=60).status
         assert (st.model.source, st.model.served_model_name) == (REPO, REPO)
         assert st.model.has_tokenizer and st.model.has_chat_template
         got = wp.stub.Generate(req, timeout=60)

@@ -24,8 +24,8 @@ from safetensors.torch import save_file
 from workerproc import WorkerProcess
 
 from memsvc.errors import Cancelled, Unavailable
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker.main import EXIT_GRACE_S
 from worker.model.loader import StreamingLoader
 
@@ -172,9 +172,9 @@ def test_reload_weights_from_a_hung_mount_fails_after_the_bound_and_changes_noth
     the read still stuck, and once the mount recovers the reload goes through."""
     mount = HungMount(tmp_path, "other", seed=8)
     served = tiny_checkpoint(tmp_path / "served", seed=7)
-    reload = w.ReloadWeightsRequest(model_path=str(mount.root))
+    reload = worker_pb.ReloadWeightsRequest(model_path=str(mount.root))
     with WorkerProcess(["--model", str(served), "--read-timeout", "5"], env=mount.env()) as wp:
-        prompt = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
+        prompt = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4, ignore_eos=True)
 
         def generate() -> list[int]:
             return list(wp.stub.Generate(prompt, timeout=WAIT_S).token_ids)
@@ -185,11 +185,11 @@ def test_reload_weights_from_a_hung_mount_fails_after_the_bound_and_changes_noth
             wp.stub.ReloadWeights(reload, timeout=WAIT_S)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value
         assert "no progress for 5 s" in (err.value.details() or "") and "unchanged" in (err.value.details() or "")
-        status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=WAIT_S).status
-        assert status.state == c.WORKER_STATE_AWAKE and not status.transition_in_progress
+        status = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=WAIT_S).status
+        assert status.state == common_pb.WORKER_STATE_AWAKE and not status.transition_in_progress
         assert generate() == before
-        wp.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=WAIT_S)
-        wp.stub.WakeUp(w.WakeUpRequest(), timeout=WAIT_S)  # its own checkpoint, on a mount that works
+        wp.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_2), timeout=WAIT_S)
+        wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=WAIT_S)  # its own checkpoint, on a mount that works
         assert generate() == before
         with pytest.raises(grpc.RpcError) as err:
             wp.stub.ReloadWeights(reload, timeout=WAIT_S)

@@ -23,9 +23,9 @@ import pytest
 from managerproc import Cluster, ScriptedWorker, get, wait_for, wait_state
 
 from bench import bench_leaks, bench_load
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 MiB = 1 << 20
 
@@ -101,11 +101,11 @@ class GatedSleepWorker(ScriptedWorker):
     the manager keeps seeing AWAKE while the sleep is in flight, as with a real worker's slow sleep)."""
 
     def __init__(self, worker_id: str) -> None:
-        super().__init__(worker_id, c.WORKER_STATE_AWAKE)
+        super().__init__(worker_id, common_pb.WORKER_STATE_AWAKE)
         self.entered = threading.Event()
         self.gate = threading.Event()
 
-    def Sleep(self, request: w.SleepRequest, context: grpc.ServicerContext) -> w.SleepResponse:
+    def Sleep(self, request: worker_pb.SleepRequest, context: grpc.ServicerContext) -> worker_pb.SleepResponse:
         self.entered.set()
         self.gate.wait(30)
         return super().Sleep(request, context)
@@ -122,14 +122,14 @@ def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
     """Deterministic reproducer of what the load test saw: a lease granted while the worker goes to sleep.
 
     SleepWorker is in flight (the worker's Sleep has started, the manager holds the worker's lock);
-    AcquireWorker then comes. Whatever the order it settles in, once both calls are done a live lease
+    AcquireWorker then comes. Whatever the order they run in, once both calls are done a live lease
     must mean an awake worker ("while the lease lives the worker is never put to sleep")."""
     mp = cluster.manager()
     stub = mp.stub
     sw = GatedSleepWorker("race")
     cluster.scripted_workers.append(sw)
-    stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="race", address=sw.address, host="h"), timeout=10)
-    wait_state(stub, "race", c.WORKER_STATE_AWAKE)
+    stub.RegisterWorker(manager_pb.RegisterWorkerRequest(worker_id="race", address=sw.address, host="h"), timeout=10)
+    wait_state(stub, "race", common_pb.WORKER_STATE_AWAKE)
 
     outcome: dict[str, Any] = {}
 
@@ -140,12 +140,18 @@ def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
             outcome[key] = err.code()
 
     sleeper = threading.Thread(
-        target=call, args=("sleep", stub.SleepWorker, m.SleepWorkerRequest(name="workers/race", level=c.SLEEP_LEVEL_1))
+        target=call,
+        args=(
+            "sleep",
+            stub.SleepWorker,
+            manager_pb.SleepWorkerRequest(name="workers/race", level=common_pb.SLEEP_LEVEL_1),
+        ),
     )
     sleeper.start()
     assert sw.entered.wait(10), "the manager never called Sleep"
     acquirer = threading.Thread(
-        target=call, args=("acquire", stub.AcquireWorker, m.AcquireWorkerRequest(name="workers/race", holder="race"))
+        target=call,
+        args=("acquire", stub.AcquireWorker, manager_pb.AcquireWorkerRequest(name="workers/race", holder="race")),
     )
     acquirer.start()
     acquirer.join(1.0)  # with the bug it has its lease already; a fixed manager waits for the sleep
@@ -153,12 +159,12 @@ def test_acquire_during_an_in_flight_sleep(cluster: Cluster) -> None:
     sleeper.join(20)
     acquirer.join(20)
     sw.release_events()
-    assert isinstance(outcome.get("acquire"), m.AcquireWorkerResponse), outcome
+    assert isinstance(outcome.get("acquire"), manager_pb.AcquireWorkerResponse), outcome
     # the lease is live: the worker must end up awake (woken after the sleep), not asleep under the lease
-    w = wait_for(
+    wk = wait_for(
         lambda: get(stub, "race"),
-        lambda w: w.state == c.WORKER_STATE_AWAKE,
+        lambda wk: wk.state == common_pb.WORKER_STATE_AWAKE,
         timeout=5,
         what="the leased worker to be awake",
     )
-    assert w.lease_count == 1
+    assert wk.lease_count == 1

@@ -14,8 +14,8 @@ from google.protobuf.duration_pb2 import Duration
 from managerproc import Cluster, ManagerProcess, get, tags, wait_state
 from workerproc import REPO_ROOT
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 
 @pytest.fixture(scope="module")
@@ -78,9 +78,9 @@ def test_sleep_and_wake_change_the_state(mgr: ManagerProcess) -> None:
     r = memsvc("sleep", "cli-a", "--manager", mgr.address)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "workers/cli-a" in r.stdout and "asleep" in r.stdout
-    wk = wait_state(mgr.stub, "cli-a", c.WORKER_STATE_ASLEEP)
-    assert tags(wk)["weights"].state == c.TAG_STATE_OFFLOADED  # the policy's tier-1 actions
-    assert get(mgr.stub, "cli-b").state == c.WORKER_STATE_AWAKE  # only the named worker
+    wk = wait_state(mgr.stub, "cli-a", common_pb.WORKER_STATE_ASLEEP)
+    assert tags(wk)["weights"].state == common_pb.TAG_STATE_OFFLOADED  # the policy's tier-1 actions
+    assert get(mgr.stub, "cli-b").state == common_pb.WORKER_STATE_AWAKE  # only the named worker
 
     r = memsvc("status", "--manager", mgr.address)
     assert r.returncode == 0 and "asleep" in r.stdout
@@ -88,14 +88,14 @@ def test_sleep_and_wake_change_the_state(mgr: ManagerProcess) -> None:
     r = memsvc("wake", "workers/cli-a", "--manager", mgr.address)
     assert r.returncode == 0, r.stdout + r.stderr
     assert "awake" in r.stdout
-    wait_state(mgr.stub, "cli-a", c.WORKER_STATE_AWAKE)
+    wait_state(mgr.stub, "cli-a", common_pb.WORKER_STATE_AWAKE)
 
     r = memsvc("sleep", "cli-b", "--level", "2", "--manager", mgr.address)
     assert r.returncode == 0, r.stdout + r.stderr
-    wk = wait_state(mgr.stub, "cli-b", c.WORKER_STATE_ASLEEP)
-    assert tags(wk)["weights"].state == c.TAG_STATE_DISCARDED
+    wk = wait_state(mgr.stub, "cli-b", common_pb.WORKER_STATE_ASLEEP)
+    assert tags(wk)["weights"].state == common_pb.TAG_STATE_DISCARDED
     assert memsvc("wake", "cli-b", "--manager", mgr.address).returncode == 0
-    wait_state(mgr.stub, "cli-b", c.WORKER_STATE_AWAKE)
+    wait_state(mgr.stub, "cli-b", common_pb.WORKER_STATE_AWAKE)
 
 
 @pytest.mark.parametrize(
@@ -125,27 +125,27 @@ def test_sleep_and_wake_of_a_worker_already_there_are_done_not_errors(mgr: Manag
     r = memsvc("wake", "cli-a", "--tags", "weights", "--manager", mgr.address)
     assert r.returncode == 0 and "already awake" in r.stdout, r.stdout + r.stderr
     assert memsvc("sleep", "cli-a", "--manager", mgr.address).returncode == 0
-    wait_state(mgr.stub, "cli-a", c.WORKER_STATE_ASLEEP)
+    wait_state(mgr.stub, "cli-a", common_pb.WORKER_STATE_ASLEEP)
     try:
         before = get(mgr.stub, "cli-a")
         r = memsvc("sleep", "cli-a", "--manager", mgr.address)
         assert r.returncode == 0 and "workers/cli-a: already asleep" in r.stdout, r.stdout + r.stderr
         after = get(mgr.stub, "cli-a")
-        assert after.state == c.WORKER_STATE_ASLEEP and tags(after) == tags(before)
+        assert after.state == common_pb.WORKER_STATE_ASLEEP and tags(after) == tags(before)
     finally:
         assert memsvc("wake", "cli-a", "--manager", mgr.address).returncode == 0
-        wait_state(mgr.stub, "cli-a", c.WORKER_STATE_AWAKE)
+        wait_state(mgr.stub, "cli-a", common_pb.WORKER_STATE_AWAKE)
 
 
 def test_sleep_of_a_leased_worker_is_refused(mgr: ManagerProcess) -> None:
-    req = m.AcquireWorkerRequest(name="workers/cli-b", ttl=Duration(seconds=60))
+    req = manager_pb.AcquireWorkerRequest(name="workers/cli-b", ttl=Duration(seconds=60))
     lease = mgr.stub.AcquireWorker(req, timeout=30).lease
     try:
         r = memsvc("sleep", "cli-b", "--manager", mgr.address)
         assert r.returncode == 1 and "FAILED_PRECONDITION" in r.stdout, r.stdout + r.stderr
-        assert get(mgr.stub, "cli-b").state == c.WORKER_STATE_AWAKE
+        assert get(mgr.stub, "cli-b").state == common_pb.WORKER_STATE_AWAKE
     finally:
-        mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+        mgr.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
 
 
 def test_commands_without_a_reachable_manager_fail_cleanly(tmp_path: Path) -> None:
@@ -161,7 +161,8 @@ def test_leases_lists_them_and_release_ends_one(mgr: ManagerProcess) -> None:
 
     held = [
         mgr.stub.AcquireWorker(
-            m.AcquireWorkerRequest(name=f"workers/{w}", holder=f"ops-{w}", ttl=Duration(seconds=600)), timeout=60
+            manager_pb.AcquireWorkerRequest(name=f"workers/{w}", holder=f"ops-{w}", ttl=Duration(seconds=600)),
+            timeout=60,
         ).lease
         for w in ("cli-a", "cli-b")
     ]
@@ -173,9 +174,11 @@ def test_leases_lists_them_and_release_ends_one(mgr: ManagerProcess) -> None:
         r = memsvc("leases", "--worker", "cli-a", "--json", "--manager", mgr.address)
         only_a = json.loads(r.stdout)["leases"]
         assert [x["lease_id"] for x in only_a] == [held[0].lease_id], only_a
-        first = mgr.stub.ListLeases(m.ListLeasesRequest(page_size=1), timeout=10)
+        first = mgr.stub.ListLeases(manager_pb.ListLeasesRequest(page_size=1), timeout=10)
         assert len(first.leases) == 1 and first.next_page_token
-        rest = mgr.stub.ListLeases(m.ListLeasesRequest(page_size=1, page_token=first.next_page_token), timeout=10)
+        rest = mgr.stub.ListLeases(
+            manager_pb.ListLeasesRequest(page_size=1, page_token=first.next_page_token), timeout=10
+        )
         assert {first.leases[0].lease_id, rest.leases[0].lease_id} == {x.lease_id for x in held}
         assert not rest.next_page_token
         r = memsvc("release", held[0].lease_id, "--manager", mgr.address)
@@ -185,7 +188,7 @@ def test_leases_lists_them_and_release_ends_one(mgr: ManagerProcess) -> None:
         assert r.returncode == 1 and "NOT_FOUND" in r.stdout, r.stdout
     finally:
         for lease in held[1:]:
-            mgr.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+            mgr.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
 
 
 def test_status_of_a_manager_without_workers_says_so(tmp_path: Path) -> None:
@@ -210,11 +213,11 @@ def test_stale_registrations_of_stopped_workers_are_pruned_from_the_cli(tmp_path
         gone_a, gone_b, alive = cl.workers_up(mp, ["gone-a", "gone-b", "alive"])
         for wp in (gone_a, gone_b):
             wp.kill()
-            wait_state(mp.stub, wp.worker_id, c.WORKER_STATE_UNAVAILABLE)
+            wait_state(mp.stub, wp.worker_id, common_pb.WORKER_STATE_UNAVAILABLE)
         addr = ["--manager", mp.address]
 
         def names() -> list[str]:
-            return [x.name for x in mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers]
+            return [x.name for x in mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers]
 
         assert names() == ["workers/alive", "workers/gone-a", "workers/gone-b"]
         # bad input is a usage error and forgets nothing
@@ -234,7 +237,7 @@ def test_stale_registrations_of_stopped_workers_are_pruned_from_the_cli(tmp_path
         assert r.returncode == 0 and "deregistered workers/gone-b" in r.stdout, r.stdout + r.stderr
         assert "alive" not in r.stdout
         assert names() == ["workers/alive"]
-        assert get(mp.stub, "alive").state == c.WORKER_STATE_AWAKE
+        assert get(mp.stub, "alive").state == common_pb.WORKER_STATE_AWAKE
         assert alive.proc is not None and alive.proc.poll() is None
     finally:
         cl.close()

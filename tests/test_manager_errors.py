@@ -18,10 +18,10 @@ from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import Cluster, ManagerProcess, get, view, wait_state
 
 from memsvc import error_info
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 Code = grpc.StatusCode
 REAL, GHOST = "workers/real", "workers/ghost"
@@ -35,11 +35,13 @@ def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
     try:
         mp = cl.manager()
         cl.workers_up(mp, ["real"])
-        mp.stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"), timeout=10)
-        wait_state(mp.stub, GHOST, c.WORKER_STATE_UNAVAILABLE)
+        mp.stub.RegisterWorker(
+            manager_pb.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"), timeout=10
+        )
+        wait_state(mp.stub, GHOST, common_pb.WORKER_STATE_UNAVAILABLE)
         mp.stub.UpdatePolicy(
-            m.UpdatePolicyRequest(
-                policy=m.Policy(
+            manager_pb.UpdatePolicyRequest(
+                policy=manager_pb.Policy(
                     idle_sleep_timeout=Duration(seconds=T1_S), idle_deep_sleep_timeout=Duration(seconds=T2_S)
                 ),
                 update_mask=FieldMask(paths=["idle_sleep_timeout", "idle_deep_sleep_timeout"]),
@@ -53,13 +55,15 @@ def mgr(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
 
 def _snapshot(mp: ManagerProcess) -> dict[str, Any]:
     stub = mp.stub
-    listed = stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    listed = stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10)
     return {
         "workers": [x.name for x in listed.workers],
         "real": view(get(stub, REAL)),
         "ghost": view(get(stub, GHOST)),
-        "default": stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy.SerializeToString(deterministic=True),
-        "real policy": stub.GetPolicy(m.GetPolicyRequest(name=REAL), timeout=10).policy.SerializeToString(
+        "default": stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy.SerializeToString(
+            deterministic=True
+        ),
+        "real policy": stub.GetPolicy(manager_pb.GetPolicyRequest(name=REAL), timeout=10).policy.SerializeToString(
             deterministic=True
         ),
     }
@@ -68,7 +72,7 @@ def _snapshot(mp: ManagerProcess) -> dict[str, Any]:
 @pytest.fixture
 def unchanged(mgr: ManagerProcess) -> Iterator[ManagerProcess]:
     """The manager, checked after the test to be exactly as before it."""
-    wait_state(mgr.stub, REAL, c.WORKER_STATE_AWAKE, extra=lambda wk: wk.lease_count == 0)
+    wait_state(mgr.stub, REAL, common_pb.WORKER_STATE_AWAKE, extra=lambda wk: wk.lease_count == 0)
     before = _snapshot(mgr)
     yield mgr
     assert _snapshot(mgr) == before, "a rejected request changed the manager's state"
@@ -89,25 +93,31 @@ def _expect(code: grpc.StatusCode, call: Callable[[], Any]) -> grpc.RpcError:
 
 # ---- requests naming a worker ----
 
-NAMED_CALLS: dict[str, Callable[[m_grpc.MemoryManagerServiceStub, str], Any]] = {
-    "GetWorker": lambda s, n: s.GetWorker(m.GetWorkerRequest(name=n), timeout=10),
-    "SleepWorker": lambda s, n: s.SleepWorker(m.SleepWorkerRequest(name=n), timeout=10),
-    "WakeWorker": lambda s, n: s.WakeWorker(m.WakeWorkerRequest(name=n), timeout=10),
+NAMED_CALLS: dict[str, Callable[[manager_grpc.MemoryManagerServiceStub, str], Any]] = {
+    "GetWorker": lambda s, n: s.GetWorker(manager_pb.GetWorkerRequest(name=n), timeout=10),
+    "SleepWorker": lambda s, n: s.SleepWorker(manager_pb.SleepWorkerRequest(name=n), timeout=10),
+    "WakeWorker": lambda s, n: s.WakeWorker(manager_pb.WakeWorkerRequest(name=n), timeout=10),
     "SwapWorkerBlocks": lambda s, n: s.SwapWorkerBlocks(
-        m.SwapWorkerBlocksRequest(
-            name=n, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=0, dst_block=0)]
+        manager_pb.SwapWorkerBlocksRequest(
+            name=n,
+            direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST,
+            pairs=[worker_pb.BlockPair(src_block=0, dst_block=0)],
         ),
         timeout=10,
     ),
-    "AcquireWorker": lambda s, n: s.AcquireWorker(m.AcquireWorkerRequest(name=n, ttl=Duration(seconds=30)), timeout=10),
-    "GetPolicy": lambda s, n: s.GetPolicy(m.GetPolicyRequest(name=n), timeout=10),
+    "AcquireWorker": lambda s, n: s.AcquireWorker(
+        manager_pb.AcquireWorkerRequest(name=n, ttl=Duration(seconds=30)), timeout=10
+    ),
+    "GetPolicy": lambda s, n: s.GetPolicy(manager_pb.GetPolicyRequest(name=n), timeout=10),
     "UpdatePolicy": lambda s, n: s.UpdatePolicy(
-        m.UpdatePolicyRequest(
-            name=n, policy=m.Policy(device_budget_bytes=1 << 20), update_mask=FieldMask(paths=["device_budget_bytes"])
+        manager_pb.UpdatePolicyRequest(
+            name=n,
+            policy=manager_pb.Policy(device_budget_bytes=1 << 20),
+            update_mask=FieldMask(paths=["device_budget_bytes"]),
         ),
         timeout=10,
     ),
-    "WatchWorkers": lambda s, n: s.WatchWorkers(m.WatchWorkersRequest(names=[REAL, n]), timeout=10),
+    "WatchWorkers": lambda s, n: s.WatchWorkers(manager_pb.WatchWorkersRequest(names=[REAL, n]), timeout=10),
 }
 
 
@@ -142,7 +152,7 @@ def test_unreachable_worker_is_unavailable(unchanged: ManagerProcess, rpc: str) 
 
 def test_unreachable_worker_is_still_listed_and_described(unchanged: ManagerProcess) -> None:
     ghost = get(unchanged.stub, GHOST)
-    assert ghost.state == c.WORKER_STATE_UNAVAILABLE and ghost.address == "127.0.0.1:1" and ghost.host == "h"
+    assert ghost.state == common_pb.WORKER_STATE_UNAVAILABLE and ghost.address == "127.0.0.1:1" and ghost.host == "h"
     assert not ghost.configured
 
 
@@ -153,26 +163,32 @@ def _dur(seconds: int = 0, nanos: int = 0) -> Duration:
     return Duration(seconds=seconds, nanos=nanos)
 
 
-BAD_POLICIES: dict[str, tuple[m.Policy, list[str]]] = {
-    "negative idle_sleep_timeout": (m.Policy(idle_sleep_timeout=_dur(-1)), ["idle_sleep_timeout"]),
-    "negative idle_sleep_timeout nanos": (m.Policy(idle_sleep_timeout=_dur(0, -5)), ["idle_sleep_timeout"]),
-    "negative idle_deep_sleep_timeout": (m.Policy(idle_deep_sleep_timeout=_dur(-3)), ["idle_deep_sleep_timeout"]),
-    "negative device budget": (m.Policy(device_budget_bytes=-1), ["device_budget_bytes"]),
-    "negative host budget": (m.Policy(host_budget_bytes=-(1 << 30)), ["host_budget_bytes"]),
+BAD_POLICIES: dict[str, tuple[manager_pb.Policy, list[str]]] = {
+    "negative idle_sleep_timeout": (manager_pb.Policy(idle_sleep_timeout=_dur(-1)), ["idle_sleep_timeout"]),
+    "negative idle_sleep_timeout nanos": (manager_pb.Policy(idle_sleep_timeout=_dur(0, -5)), ["idle_sleep_timeout"]),
+    "negative idle_deep_sleep_timeout": (
+        manager_pb.Policy(idle_deep_sleep_timeout=_dur(-3)),
+        ["idle_deep_sleep_timeout"],
+    ),
+    "negative device budget": (manager_pb.Policy(device_budget_bytes=-1), ["device_budget_bytes"]),
+    "negative host budget": (manager_pb.Policy(host_budget_bytes=-(1 << 30)), ["host_budget_bytes"]),
     "T2 < T1 in one request": (
-        m.Policy(idle_sleep_timeout=_dur(10), idle_deep_sleep_timeout=_dur(5)),
+        manager_pb.Policy(idle_sleep_timeout=_dur(10), idle_deep_sleep_timeout=_dur(5)),
         ["idle_sleep_timeout", "idle_deep_sleep_timeout"],
     ),
-    "T2 below the stored T1": (m.Policy(idle_deep_sleep_timeout=_dur(T1_S - 1)), ["idle_deep_sleep_timeout"]),
-    "T1 above the stored T2": (m.Policy(idle_sleep_timeout=_dur(T2_S + 1)), ["idle_sleep_timeout"]),
-    "timeout over a year": (m.Policy(idle_sleep_timeout=_dur(400 * 24 * 3600)), ["idle_sleep_timeout"]),
-    "unknown tag action": (m.Policy(tag_actions={"weights": 9}), ["tag_actions"]),  # type: ignore[dict-item]
-    "unspecified tag action": (m.Policy(tag_actions={"weights": c.TAG_ACTION_UNSPECIFIED}), ["tag_actions"]),
-    "empty tag name": (m.Policy(tag_actions={"": c.TAG_ACTION_KEEP}), ["tag_actions"]),
-    "unknown update_mask path": (m.Policy(device_budget_bytes=1), ["device_budget"]),
-    "update_mask path with a prefix": (m.Policy(device_budget_bytes=1), ["policy.device_budget_bytes"]),
-    "one good and one unknown path": (m.Policy(device_budget_bytes=1), ["device_budget_bytes", "nope"]),
-    "negative budget, whole policy": (m.Policy(host_budget_bytes=-1), []),
+    "T2 below the stored T1": (manager_pb.Policy(idle_deep_sleep_timeout=_dur(T1_S - 1)), ["idle_deep_sleep_timeout"]),
+    "T1 above the stored T2": (manager_pb.Policy(idle_sleep_timeout=_dur(T2_S + 1)), ["idle_sleep_timeout"]),
+    "timeout over a year": (manager_pb.Policy(idle_sleep_timeout=_dur(400 * 24 * 3600)), ["idle_sleep_timeout"]),
+    "unknown tag action": (manager_pb.Policy(tag_actions={"weights": 9}), ["tag_actions"]),  # type: ignore[dict-item]
+    "unspecified tag action": (
+        manager_pb.Policy(tag_actions={"weights": common_pb.TAG_ACTION_UNSPECIFIED}),
+        ["tag_actions"],
+    ),
+    "empty tag name": (manager_pb.Policy(tag_actions={"": common_pb.TAG_ACTION_KEEP}), ["tag_actions"]),
+    "unknown update_mask path": (manager_pb.Policy(device_budget_bytes=1), ["device_budget"]),
+    "update_mask path with a prefix": (manager_pb.Policy(device_budget_bytes=1), ["policy.device_budget_bytes"]),
+    "one good and one unknown path": (manager_pb.Policy(device_budget_bytes=1), ["device_budget_bytes", "nope"]),
+    "negative budget, whole policy": (manager_pb.Policy(host_budget_bytes=-1), []),
 }
 
 
@@ -180,23 +196,23 @@ BAD_POLICIES: dict[str, tuple[m.Policy, list[str]]] = {
 @pytest.mark.parametrize("case", list(BAD_POLICIES))
 def test_bad_policy_is_invalid_argument(unchanged: ManagerProcess, scope: str, case: str) -> None:
     policy, paths = BAD_POLICIES[case]
-    req = m.UpdatePolicyRequest(name=scope, policy=policy, update_mask=FieldMask(paths=paths))
+    req = manager_pb.UpdatePolicyRequest(name=scope, policy=policy, update_mask=FieldMask(paths=paths))
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.UpdatePolicy(req, timeout=10))
 
 
 def test_update_policy_without_a_policy_is_invalid_argument(unchanged: ManagerProcess) -> None:
-    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.UpdatePolicy(m.UpdatePolicyRequest(), timeout=10))
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(), timeout=10))
 
 
 # ---- leases ----
 
 
 def test_release_with_an_empty_lease_id_is_invalid_argument(unchanged: ManagerProcess) -> None:
-    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ReleaseWorker(m.ReleaseWorkerRequest(), timeout=10))
+    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(), timeout=10))
 
 
 def test_release_of_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> None:
-    req = m.ReleaseWorkerRequest(lease_id="0123456789abcdef0123456789abcdef")
+    req = manager_pb.ReleaseWorkerRequest(lease_id="0123456789abcdef0123456789abcdef")
     _expect(Code.NOT_FOUND, lambda: unchanged.stub.ReleaseWorker(req, timeout=10))
 
 
@@ -204,30 +220,30 @@ def test_release_of_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> 
     "ttl", [_dur(-1), _dur(0, -1), _dur(-5, 0), _dur(25 * 3600), _dur(0)], ids=["-1s", "-1ns", "-5s", "over-max", "0s"]
 )
 def test_acquire_with_a_bad_ttl_is_invalid_argument(unchanged: ManagerProcess, ttl: Duration) -> None:
-    req = m.AcquireWorkerRequest(name=REAL, ttl=ttl)
+    req = manager_pb.AcquireWorkerRequest(name=REAL, ttl=ttl)
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
 
 
 def test_acquire_with_a_too_long_holder_is_invalid_argument(unchanged: ManagerProcess) -> None:
-    req = m.AcquireWorkerRequest(name=REAL, ttl=_dur(30), holder="h" * 257)
+    req = manager_pb.AcquireWorkerRequest(name=REAL, ttl=_dur(30), holder="h" * 257)
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
 
 
 def test_renewing_an_unknown_lease_is_not_found(unchanged: ManagerProcess) -> None:
-    req = m.AcquireWorkerRequest(name=REAL, ttl=_dur(30), lease_id="no-such-lease")
+    req = manager_pb.AcquireWorkerRequest(name=REAL, ttl=_dur(30), lease_id="no-such-lease")
     _expect(Code.NOT_FOUND, lambda: unchanged.stub.AcquireWorker(req, timeout=10))
 
 
 def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(unchanged: ManagerProcess) -> None:
     stub = unchanged.stub
-    lease = stub.AcquireWorker(m.AcquireWorkerRequest(name=REAL, ttl=_dur(60), holder="t"), timeout=30).lease
+    lease = stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name=REAL, ttl=_dur(60), holder="t"), timeout=30).lease
     try:
         leased = view(get(stub, REAL))
         assert leased[3] == 1
         for sleep_req in (
-            m.SleepWorkerRequest(name=REAL),
-            m.SleepWorkerRequest(name=REAL, level=c.SLEEP_LEVEL_2),
-            m.SleepWorkerRequest(name=REAL, tag_actions={"kv_cache": c.TAG_ACTION_DISCARD}),
+            manager_pb.SleepWorkerRequest(name=REAL),
+            manager_pb.SleepWorkerRequest(name=REAL, level=common_pb.SLEEP_LEVEL_2),
+            manager_pb.SleepWorkerRequest(name=REAL, tag_actions={"kv_cache": common_pb.TAG_ACTION_DISCARD}),
         ):
             err = _expect(Code.FAILED_PRECONDITION, functools.partial(stub.SleepWorker, sleep_req, timeout=30))
             info = error_info(err)
@@ -235,19 +251,21 @@ def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(uncha
             assert info.metadata["workerId"] == "real" and info.metadata["leaseCount"] == "1", info
             assert view(get(stub, REAL)) == leased
         # Renewing with the right lease id on the wrong worker is NOT_FOUND, and changes no lease.
-        req = m.AcquireWorkerRequest(name=GHOST, ttl=_dur(30), lease_id=lease.lease_id)
+        req = manager_pb.AcquireWorkerRequest(name=GHOST, ttl=_dur(30), lease_id=lease.lease_id)
         _expect(Code.NOT_FOUND, lambda: stub.AcquireWorker(req, timeout=10))
         # Renewing on the right worker extends the same lease.
         renewed = stub.AcquireWorker(
-            m.AcquireWorkerRequest(name=REAL, ttl=_dur(600), lease_id=lease.lease_id), timeout=10
+            manager_pb.AcquireWorkerRequest(name=REAL, ttl=_dur(600), lease_id=lease.lease_id), timeout=10
         ).lease
         assert renewed.lease_id == lease.lease_id
         assert renewed.expire_time.ToNanoseconds() > lease.expire_time.ToNanoseconds()
         assert view(get(stub, REAL)) == leased
     finally:
-        stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+        stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
     # Released: the lease is gone for good.
-    _expect(Code.NOT_FOUND, lambda: stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10))
+    _expect(
+        Code.NOT_FOUND, lambda: stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    )
 
 
 # ---- transitions the worker refuses ----
@@ -256,19 +274,19 @@ def test_leased_worker_refuses_sleep_and_a_lease_renews_only_on_its_worker(uncha
 @pytest.mark.parametrize(
     "req",
     [
-        m.SleepWorkerRequest(name=REAL, level=7),  # type: ignore[arg-type]
-        m.SleepWorkerRequest(name=REAL, tag_actions={"weights": 9}),  # type: ignore[dict-item]
-        m.SleepWorkerRequest(name=REAL, tag_actions={"no-such-tag": c.TAG_ACTION_OFFLOAD}),
+        manager_pb.SleepWorkerRequest(name=REAL, level=7),  # type: ignore[arg-type]
+        manager_pb.SleepWorkerRequest(name=REAL, tag_actions={"weights": 9}),  # type: ignore[dict-item]
+        manager_pb.SleepWorkerRequest(name=REAL, tag_actions={"no-such-tag": common_pb.TAG_ACTION_OFFLOAD}),
     ],
     ids=["level 7", "action 9", "unknown tag"],
 )
-def test_bad_sleep_request_is_invalid_argument(unchanged: ManagerProcess, req: m.SleepWorkerRequest) -> None:
+def test_bad_sleep_request_is_invalid_argument(unchanged: ManagerProcess, req: manager_pb.SleepWorkerRequest) -> None:
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.SleepWorker(req, timeout=30))
 
 
 def test_waking_an_awake_worker_is_failed_precondition(unchanged: ManagerProcess) -> None:
     """The worker's own refusal, relayed, names the worker (a client acting on many tells which)."""
-    req = m.WakeWorkerRequest(name=REAL)
+    req = manager_pb.WakeWorkerRequest(name=REAL)
     err = _expect(Code.FAILED_PRECONDITION, lambda: unchanged.stub.WakeWorker(req, timeout=30))
     info = error_info(err)
     assert info is not None and info.reason == "WRONG_STATE" and info.metadata["workerId"] == "real", info
@@ -277,44 +295,46 @@ def test_waking_an_awake_worker_is_failed_precondition(unchanged: ManagerProcess
 @pytest.mark.parametrize(
     "direction, pairs",
     [
-        (c.SWAP_DIRECTION_UNSPECIFIED, [(0, 0)]),
-        (c.SWAP_DIRECTION_DEVICE_TO_HOST, []),
-        (c.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 100_000)]),
-        (c.SWAP_DIRECTION_HOST_TO_DEVICE, [(-1, 0)]),
-        (c.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 1), (0, 2)]),
+        (common_pb.SWAP_DIRECTION_UNSPECIFIED, [(0, 0)]),
+        (common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, []),
+        (common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 100_000)]),
+        (common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, [(-1, 0)]),
+        (common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 1), (0, 2)]),
     ],
     ids=["no direction", "no pairs", "dst out of range", "negative src", "src twice"],
 )
 def test_bad_swap_is_invalid_argument(
-    unchanged: ManagerProcess, direction: c.SwapDirection.ValueType, pairs: list[tuple[int, int]]
+    unchanged: ManagerProcess, direction: common_pb.SwapDirection.ValueType, pairs: list[tuple[int, int]]
 ) -> None:
-    req = m.SwapWorkerBlocksRequest(
-        name=REAL, direction=direction, pairs=[w.BlockPair(src_block=s, dst_block=d) for s, d in pairs]
+    req = manager_pb.SwapWorkerBlocksRequest(
+        name=REAL, direction=direction, pairs=[worker_pb.BlockPair(src_block=s, dst_block=d) for s, d in pairs]
     )
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.SwapWorkerBlocks(req, timeout=30))
 
 
 def test_swap_through_the_manager_moves_blocks(mgr: ManagerProcess) -> None:
     kv = get(mgr.stub, REAL).status.kv_cache
-    req = m.SwapWorkerBlocksRequest(
-        name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=1, dst_block=2)]
+    req = manager_pb.SwapWorkerBlocksRequest(
+        name=REAL,
+        direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST,
+        pairs=[worker_pb.BlockPair(src_block=1, dst_block=2)],
     )
     resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
     assert resp.moved_bytes == kv.block_bytes > 0
     assert resp.kv_cache.device_block_count == kv.device_block_count
     # The packed form passes through too (free blocks: a plain copy, nothing changes hands).
-    req = m.SwapWorkerBlocksRequest(
-        name=REAL, direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=[2, 3, 4], dst_blocks=[5, 6, 7]
+    req = manager_pb.SwapWorkerBlocksRequest(
+        name=REAL, direction=common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=[2, 3, 4], dst_blocks=[5, 6, 7]
     )
     resp = mgr.stub.SwapWorkerBlocks(req, timeout=30)
     assert resp.moved_bytes == 3 * kv.block_bytes
     assert resp.kv_cache.device_free_block_count == kv.device_free_block_count
-    req.pairs.append(w.BlockPair(src_block=1, dst_block=2))  # both forms at once
+    req.pairs.append(worker_pb.BlockPair(src_block=1, dst_block=2))  # both forms at once
     _expect(Code.INVALID_ARGUMENT, lambda: mgr.stub.SwapWorkerBlocks(req, timeout=30))
     # And the raw form: 4-byte little-endian ids (back out to the host blocks they came from).
-    raw = m.SwapWorkerBlocksRequest(
+    raw = manager_pb.SwapWorkerBlocksRequest(
         name=REAL,
-        direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
+        direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST,
         src_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (5, 6, 7)),
         dst_blocks_u32le=b"".join(x.to_bytes(4, "little") for x in (2, 3, 4)),
     )
@@ -326,19 +346,23 @@ def test_swap_through_the_manager_moves_blocks(mgr: ManagerProcess) -> None:
 
 def test_swap_on_a_sleeping_kv_cache_is_failed_precondition(mgr: ManagerProcess) -> None:
     stub = mgr.stub
-    stub.SleepWorker(m.SleepWorkerRequest(name=REAL), timeout=60)
+    stub.SleepWorker(manager_pb.SleepWorkerRequest(name=REAL), timeout=60)
     try:
-        before = view(wait_state(stub, REAL, c.WORKER_STATE_ASLEEP))
-        req = m.SwapWorkerBlocksRequest(
-            name=REAL, direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=[w.BlockPair(src_block=0, dst_block=0)]
+        before = view(wait_state(stub, REAL, common_pb.WORKER_STATE_ASLEEP))
+        req = manager_pb.SwapWorkerBlocksRequest(
+            name=REAL,
+            direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST,
+            pairs=[worker_pb.BlockPair(src_block=0, dst_block=0)],
         )
         _expect(Code.FAILED_PRECONDITION, lambda: stub.SwapWorkerBlocks(req, timeout=30))
         # Sleeping again is a wrong state too, relayed from the worker.
-        _expect(Code.FAILED_PRECONDITION, lambda: stub.SleepWorker(m.SleepWorkerRequest(name=REAL), timeout=30))
+        _expect(
+            Code.FAILED_PRECONDITION, lambda: stub.SleepWorker(manager_pb.SleepWorkerRequest(name=REAL), timeout=30)
+        )
         assert view(get(stub, REAL)) == before
     finally:
-        stub.WakeWorker(m.WakeWorkerRequest(name=REAL), timeout=60)
-    wait_state(stub, REAL, c.WORKER_STATE_AWAKE)
+        stub.WakeWorker(manager_pb.WakeWorkerRequest(name=REAL), timeout=60)
+    wait_state(stub, REAL, common_pb.WORKER_STATE_AWAKE)
 
 
 # ---- registry ----
@@ -355,7 +379,7 @@ def bare(tmp_path_factory: pytest.TempPathFactory) -> Iterator[ManagerProcess]:
 
 
 def _not_registered(mp: ManagerProcess, worker_id: str) -> None:
-    listed = [x.name for x in mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers]
+    listed = [x.name for x in mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers]
     assert f"workers/{worker_id}" not in listed, f"a rejected registration left a record: {listed}"
 
 
@@ -374,21 +398,24 @@ def _not_registered(mp: ManagerProcess, worker_id: str) -> None:
 )
 def test_register_with_a_bad_address_is_invalid_argument(bare: ManagerProcess, address: str) -> None:
     wid = "newcomer-" + "".join(ch if ch.isalnum() else "_" for ch in address)
-    req = m.RegisterWorkerRequest(worker_id=wid, address=address, host="h")
+    req = manager_pb.RegisterWorkerRequest(worker_id=wid, address=address, host="h")
     _expect(Code.INVALID_ARGUMENT, lambda: bare.stub.RegisterWorker(req, timeout=10))
     _not_registered(bare, wid)
 
 
 @pytest.mark.parametrize("worker_id", ["", "workers/", "a/b", "x" * 129])
 def test_register_with_a_bad_worker_id_is_invalid_argument(bare: ManagerProcess, worker_id: str) -> None:
-    before = bare.stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
-    req = m.RegisterWorkerRequest(worker_id=worker_id, address="127.0.0.1:5", host="h")
+    before = bare.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10)
+    req = manager_pb.RegisterWorkerRequest(worker_id=worker_id, address="127.0.0.1:5", host="h")
     _expect(Code.INVALID_ARGUMENT, lambda: bare.stub.RegisterWorker(req, timeout=10))
-    assert bare.stub.ListWorkers(m.ListWorkersRequest(), timeout=10) == before
+    assert bare.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10) == before
 
 
 def test_list_with_a_negative_page_size_is_invalid_argument(unchanged: ManagerProcess) -> None:
-    _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ListWorkers(m.ListWorkersRequest(page_size=-1), timeout=10))
+    _expect(
+        Code.INVALID_ARGUMENT,
+        lambda: unchanged.stub.ListWorkers(manager_pb.ListWorkersRequest(page_size=-1), timeout=10),
+    )
 
 
 @pytest.mark.parametrize(
@@ -402,7 +429,7 @@ def test_list_with_a_negative_page_size_is_invalid_argument(unchanged: ManagerPr
     ],
 )
 def test_list_with_a_garbage_page_token_is_invalid_argument(unchanged: ManagerProcess, token: str) -> None:
-    req = m.ListWorkersRequest(page_size=1, page_token=token)
+    req = manager_pb.ListWorkersRequest(page_size=1, page_token=token)
     _expect(Code.INVALID_ARGUMENT, lambda: unchanged.stub.ListWorkers(req, timeout=10))
 
 
@@ -411,16 +438,16 @@ def test_list_pages_through_every_worker_in_name_order(unchanged: ManagerProcess
     seen: list[str] = []
     token = ""
     for _ in range(10):
-        page = stub.ListWorkers(m.ListWorkersRequest(page_size=1, page_token=token), timeout=10)
+        page = stub.ListWorkers(manager_pb.ListWorkersRequest(page_size=1, page_token=token), timeout=10)
         assert len(page.workers) == 1
         seen.append(page.workers[0].name)
         token = page.next_page_token
         if not token:
             break
     assert seen == [GHOST, REAL]
-    everything = stub.ListWorkers(m.ListWorkersRequest(), timeout=10)
+    everything = stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10)
     assert [x.name for x in everything.workers] == [GHOST, REAL] and not everything.next_page_token
-    assert [x.name for x in stub.ListWorkers(m.ListWorkersRequest(page_size=5000), timeout=10).workers] == seen
+    assert [x.name for x in stub.ListWorkers(manager_pb.ListWorkersRequest(page_size=5000), timeout=10).workers] == seen
 
 
 def test_heartbeat_with_the_same_address_changes_nothing(unchanged: ManagerProcess) -> None:
@@ -428,25 +455,26 @@ def test_heartbeat_with_the_same_address_changes_nothing(unchanged: ManagerProce
     stub = unchanged.stub
     real = get(stub, REAL)
     resp = stub.RegisterWorker(
-        m.RegisterWorkerRequest(worker_id="real", address=real.address, host=real.host), timeout=10
+        manager_pb.RegisterWorkerRequest(worker_id="real", address=real.address, host=real.host), timeout=10
     )
     assert resp.worker.name == REAL and resp.heartbeat_interval.ToNanoseconds() > 0
 
 
 def test_a_default_change_cannot_make_a_workers_effective_policy_invalid(bare: ManagerProcess) -> None:
     stub = bare.stub
-    stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="pol", address="127.0.0.1:1", host="h"), timeout=10)
-    override = m.Policy(idle_deep_sleep_timeout=_dur(50))
+    stub.RegisterWorker(manager_pb.RegisterWorkerRequest(worker_id="pol", address="127.0.0.1:1", host="h"), timeout=10)
+    override = manager_pb.Policy(idle_deep_sleep_timeout=_dur(50))
     mask = FieldMask(paths=["idle_deep_sleep_timeout"])
-    stub.UpdatePolicy(m.UpdatePolicyRequest(name="workers/pol", policy=override, update_mask=mask), timeout=10)
+    stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(name="workers/pol", policy=override, update_mask=mask), timeout=10)
     try:
-        default = m.Policy(idle_sleep_timeout=_dur(100))
+        default = manager_pb.Policy(idle_sleep_timeout=_dur(100))
         stub.UpdatePolicy(
-            m.UpdatePolicyRequest(policy=default, update_mask=FieldMask(paths=["idle_sleep_timeout"])), timeout=10
+            manager_pb.UpdatePolicyRequest(policy=default, update_mask=FieldMask(paths=["idle_sleep_timeout"])),
+            timeout=10,
         )
     except grpc.RpcError as err:  # refusing the change is one right answer
         assert err.code() == Code.INVALID_ARGUMENT
-    eff = stub.GetPolicy(m.GetPolicyRequest(name="workers/pol"), timeout=10).policy
+    eff = stub.GetPolicy(manager_pb.GetPolicyRequest(name="workers/pol"), timeout=10).policy
     t1, t2 = eff.idle_sleep_timeout.ToNanoseconds(), eff.idle_deep_sleep_timeout.ToNanoseconds()
     assert not (t1 and t2 and t2 < t1), f"effective policy of workers/pol has T1={t1} ns > T2={t2} ns"
 
@@ -455,14 +483,14 @@ def test_worker_names_follow_one_rule_and_not_found_has_one_wording(unchanged: M
     """``workers/{id}`` and the bare ``{id}`` name the same worker in every RPC; NOT_FOUND names it as
     ``workers/{id}`` however it was spelled; a malformed name is INVALID_ARGUMENT everywhere."""
     stub = unchanged.stub
-    assert stub.GetWorker(m.GetWorkerRequest(name="real"), timeout=10).worker.name == REAL
-    assert stub.GetWorker(m.GetWorkerRequest(name=REAL), timeout=10).worker.name == REAL
+    assert stub.GetWorker(manager_pb.GetWorkerRequest(name="real"), timeout=10).worker.name == REAL
+    assert stub.GetWorker(manager_pb.GetWorkerRequest(name=REAL), timeout=10).worker.name == REAL
     texts = set()
     calls: list[Callable[[str], Any]] = [
-        lambda n: stub.GetWorker(m.GetWorkerRequest(name=n), timeout=10),
-        lambda n: stub.SleepWorker(m.SleepWorkerRequest(name=n), timeout=10),
-        lambda n: stub.AcquireWorker(m.AcquireWorkerRequest(name=n), timeout=10),
-        lambda n: next(iter(stub.WatchWorkers(m.WatchWorkersRequest(names=[n]), timeout=10))),
+        lambda n: stub.GetWorker(manager_pb.GetWorkerRequest(name=n), timeout=10),
+        lambda n: stub.SleepWorker(manager_pb.SleepWorkerRequest(name=n), timeout=10),
+        lambda n: stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name=n), timeout=10),
+        lambda n: next(iter(stub.WatchWorkers(manager_pb.WatchWorkersRequest(names=[n]), timeout=10))),
     ]
     for spelled in ("nope", "workers/nope"):
         for call in calls:
@@ -480,20 +508,22 @@ def test_a_workers_override_can_be_removed_and_it_follows_the_default_again(unch
     """An override of 0 shadowed the default for good; clear_fields removes it (also with "*"), and
     a bad clear is INVALID_ARGUMENT that changes nothing."""
     stub = unchanged.stub
-    default = stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
-    zero = m.Policy(idle_sleep_timeout=Duration(seconds=0))
+    default = stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
+    zero = manager_pb.Policy(idle_sleep_timeout=Duration(seconds=0))
     mask = FieldMask(paths=["idle_sleep_timeout"])
-    got = stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask), timeout=10).policy
+    got = stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask), timeout=10).policy
     assert got.idle_sleep_timeout.ToSeconds() == 0 != default.idle_sleep_timeout.ToSeconds()
-    cleared = stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, clear_fields=["idle_sleep_timeout"]), timeout=10)
+    cleared = stub.UpdatePolicy(
+        manager_pb.UpdatePolicyRequest(name=REAL, clear_fields=["idle_sleep_timeout"]), timeout=10
+    )
     assert cleared.policy.idle_sleep_timeout == default.idle_sleep_timeout, "it follows the default again"
-    stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask), timeout=10)
-    everything = stub.UpdatePolicy(m.UpdatePolicyRequest(name=REAL, clear_fields=["*"]), timeout=10).policy
-    assert everything == stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask), timeout=10)
+    everything = stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(name=REAL, clear_fields=["*"]), timeout=10).policy
+    assert everything == stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
     for bad in (
-        m.UpdatePolicyRequest(clear_fields=["idle_sleep_timeout"]),  # the default has no overrides
-        m.UpdatePolicyRequest(name=REAL, clear_fields=["bogus"]),
-        m.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask, clear_fields=["idle_sleep_timeout"]),
-        m.UpdatePolicyRequest(name=REAL),  # neither a policy nor fields to clear
+        manager_pb.UpdatePolicyRequest(clear_fields=["idle_sleep_timeout"]),  # the default has no overrides
+        manager_pb.UpdatePolicyRequest(name=REAL, clear_fields=["bogus"]),
+        manager_pb.UpdatePolicyRequest(name=REAL, policy=zero, update_mask=mask, clear_fields=["idle_sleep_timeout"]),
+        manager_pb.UpdatePolicyRequest(name=REAL),  # neither a policy nor fields to clear
     ):
         _expect(grpc.StatusCode.INVALID_ARGUMENT, functools.partial(stub.UpdatePolicy, bad, timeout=10))

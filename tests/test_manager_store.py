@@ -36,8 +36,8 @@ from memsvc.errors import InvalidArgument, Unavailable
 from memsvc.manager.policy import Policies, Policy
 from memsvc.manager.store import DEFAULT_SCOPE, StoredLease, StoredWorker
 from memsvc.manager.store_sqlite import MIGRATIONS, SCHEMA_VERSION, SqliteStore
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import Action
 
 SCHEMA_0 = """
@@ -53,7 +53,7 @@ CREATE TABLE IF NOT EXISTS leases (
 """Word for word what memsvc wrote before schema versions (store.py's SCHEMA), leaving user_version 0."""
 
 DEFAULT_FIELDS = {
-    "tag_actions": {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD},
+    "tag_actions": {"weights": common_pb.TAG_ACTION_OFFLOAD, "kv_cache": common_pb.TAG_ACTION_DISCARD},
     "idle_sleep_timeout": 600.0,
     "idle_deep_sleep_timeout": 7200.0,
     "device_budget_bytes": 0,
@@ -304,10 +304,10 @@ BAD_VALUES: list[tuple[str, Any]] = [
     ("device_budget_bytes", "8GiB"),
     ("host_budget_bytes", 1 << 70),
     ("tag_actions", {"weights": 99}),  # no such TagAction
-    ("tag_actions", {"weights": c.TAG_ACTION_UNSPECIFIED}),
+    ("tag_actions", {"weights": common_pb.TAG_ACTION_UNSPECIFIED}),
     ("tag_actions", {"weights": "offload"}),
-    ("tag_actions", {"": c.TAG_ACTION_KEEP}),  # not a tag name
-    ("tag_actions", {"x" * 64: c.TAG_ACTION_KEEP}),
+    ("tag_actions", {"": common_pb.TAG_ACTION_KEEP}),  # not a tag name
+    ("tag_actions", {"x" * 64: common_pb.TAG_ACTION_KEEP}),
     ("tag_actions", ["weights"]),
 ]
 
@@ -353,7 +353,11 @@ def test_unknown_stored_fields_are_ignored_with_a_warning_and_kept(
 ) -> None:
     path = tmp_path / "m.db"
     default = {**DEFAULT_FIELDS, "idle_hibernate_timeout": 86400.0}
-    override = {"idle_sleep_timeout": 0.123456789, "tag_actions": {"weights": c.TAG_ACTION_KEEP}, "wake_priority": 3}
+    override = {
+        "idle_sleep_timeout": 0.123456789,
+        "tag_actions": {"weights": common_pb.TAG_ACTION_KEEP},
+        "wake_priority": 3,
+    }
     policies = _policies(path, {"": default, "workers/gpu0": override})
     assert policies.default == Policy().with_fields(DEFAULT_FIELDS), "the known fields load exactly"
     got = policies.effective("workers/gpu0")
@@ -454,7 +458,7 @@ def test_manager_on_an_empty_file_starts_with_a_warning(cluster: Cluster) -> Non
     path = cluster.tmp_path / "empty.db"
     path.touch()
     mgr = cluster.manager(db=path)
-    assert list(mgr.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers) == []
+    assert list(mgr.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers) == []
     log = mgr.stderr_text()
     assert f"manager database {path} was an empty file" in log and "WARNING" in log
     assert user_version(path) == SCHEMA_VERSION
@@ -473,8 +477,8 @@ def test_manager_on_unusable_stored_policies_starts_and_get_policy_answers(clust
     )
     mgr = cluster.manager(db=path)
     try:
-        worker = mgr.stub.GetPolicy(m.GetPolicyRequest(name="workers/gpu0"), timeout=10).policy
-        default = mgr.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+        worker = mgr.stub.GetPolicy(manager_pb.GetPolicyRequest(name="workers/gpu0"), timeout=10).policy
+        default = mgr.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
     except grpc.RpcError as err:
         pytest.fail(f"GetPolicy: {err.code().name}: {err.details()}\n{mgr.stderr_text()}")
     assert seconds(default.idle_sleep_timeout) == 600 and default.host_budget_bytes == 1 << 30
@@ -566,7 +570,7 @@ def test_manager_on_unreadable_rows_starts_and_keeps_the_rest(cluster: Cluster) 
     """A lease row with a text expire_time used to stop the manager with a traceback at start."""
     path = _bad_rows(cluster.tmp_path / "m.db")
     mgr = cluster.manager(db=path)
-    workers = mgr.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+    workers = mgr.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers
     assert [w.name for w in workers] == ["workers/gpu0"] and workers[0].lease_count == 1
     log = mgr.stderr_text()
     assert "Traceback" not in log
@@ -577,21 +581,24 @@ def test_manager_whose_file_is_deleted_refuses_writes_with_unavailable(cluster: 
     """Before, every call went on succeeding, and the lease and policy were gone after a restart."""
     path = cluster.tmp_path / "m.db"
     mgr = cluster.manager(db=path)
-    update = m.UpdatePolicyRequest(
-        policy=m.Policy(idle_sleep_timeout=Duration(seconds=120)), update_mask=FieldMask(paths=["idle_sleep_timeout"])
+    update = manager_pb.UpdatePolicyRequest(
+        policy=manager_pb.Policy(idle_sleep_timeout=Duration(seconds=120)),
+        update_mask=FieldMask(paths=["idle_sleep_timeout"]),
     )
     mgr.stub.UpdatePolicy(update, timeout=10)
     path.unlink()
     update.policy.idle_sleep_timeout.seconds = 30
     for call in (
         lambda: mgr.stub.UpdatePolicy(update, timeout=10),
-        lambda: mgr.stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="w1", address="127.0.0.1:1"), timeout=10),
+        lambda: mgr.stub.RegisterWorker(
+            manager_pb.RegisterWorkerRequest(worker_id="w1", address="127.0.0.1:1"), timeout=10
+        ),
     ):
         with pytest.raises(grpc.RpcError) as err:
             call()
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE, err.value.details()
         assert f"manager database {path} was deleted" in str(err.value.details())
-    policy = mgr.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    policy = mgr.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
     assert seconds(policy.idle_sleep_timeout) == 120, "the refused update changed nothing"
     errors = [line for line in mgr.stderr_text().splitlines() if "ERROR" in line]
     assert len(errors) == 1 and f"manager database {path} was deleted" in errors[0], errors

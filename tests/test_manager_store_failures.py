@@ -32,7 +32,7 @@ from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store_sqlite import SqliteStore
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import SleepLevel, WorkerState
 
 pytestmark = pytest.mark.asyncio
@@ -97,7 +97,7 @@ async def test_a_release_the_store_refuses_changes_nothing_and_can_be_retried(en
 async def test_an_expiry_the_store_refuses_waits_for_a_later_tick_and_the_timers_run_on(env: Env) -> None:
     await env.worker("a")
     b = await env.worker("b")
-    env.manager.update_policy("", m.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
+    env.manager.update_policy("", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
     lease, _ = await env.manager.acquire("a", 0.01, "t", "", "", None)
     env.manager.get("b").idle_since -= 120  # b is due for its idle sleep
     await asyncio.sleep(0.02)
@@ -151,7 +151,9 @@ async def test_a_deleted_file_refuses_every_write_and_says_so_once(env: Env, cap
     with pytest.raises(Unavailable, match=re.escape(f"manager database {env.db} was deleted")):
         await env.manager.acquire("a", 60, "t", "", "", None)
     with pytest.raises(Unavailable, match="was deleted"):
-        env.manager.update_policy("", m.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
+        env.manager.update_policy(
+            "", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"]
+        )
     assert env.manager.policy(None).idle_sleep_timeout == 0
     await asyncio.sleep(0.02)
     caplog.clear()

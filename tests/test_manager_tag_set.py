@@ -27,7 +27,7 @@ from stores import STORE_KINDS, store_for
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.settings import ManagerSettings
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, Action, TagState, WorkerState
 
 MiB = 1 << 20
@@ -54,7 +54,7 @@ async def _worker(mgr: Manager, links: InMemoryLinks, wid: str) -> InMemoryWorke
 async def test_the_default_idle_sleep_discards_cuda_graphs_too(manager: tuple[Manager, InMemoryLinks]) -> None:
     mgr, links = manager
     wk = await _worker(mgr, links, "g")
-    mgr.update_policy("", m.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
+    mgr.update_policy("", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
     mgr.get("g").idle_since -= 120
     mgr.tick()
     await wait_until(lambda: wk.state == WorkerState.ASLEEP, "the idle sleep")

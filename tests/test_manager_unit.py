@@ -31,7 +31,7 @@ from memsvc.manager.records import WorkerRecord
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store_sqlite import SqliteStore
 from memsvc.runtime.deadline import Deadline
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, SleepLevel, TagState, WorkerState
 
 GiB = 1 << 30
@@ -78,7 +78,7 @@ class Env:
             t.FromNanoseconds(t.ToNanoseconds() - int(seconds * 1e9))
 
     async def policy(self, **fields: Unpack[_PolicyFields]) -> None:
-        p = m.Policy(**fields)
+        p = manager_pb.Policy(**fields)
         self.manager.update_policy("", p, list(fields))
 
 
@@ -115,7 +115,7 @@ async def test_device_budget_refuses_when_every_neighbour_is_leased_and_pinned_a
     """A leased neighbour whose time_slice is 0 never gives up its turn: the wake is refused."""
     await env.worker("a", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
     b = await env.worker("b", weights_bytes=6 * GiB, kv_bytes=GiB, device_total_bytes=10 * GiB)
-    env.manager.update_policy("a", m.Policy(), ["time_slice"])
+    env.manager.update_policy("a", manager_pb.Policy(), ["time_slice"])
     await env.manager.sleep_worker("b", SleepLevel.LEVEL_1, {}, "", None)
     held, _ = await env.manager.acquire("a", 60, "holder", "", "", None)
     with pytest.raises(OutOfMemory):
@@ -248,7 +248,7 @@ async def test_the_overlap_counts_only_what_the_eviction_frees(env: Env) -> None
     of b's bytes as freed would have woken a over the budget."""
     a, b = await _swap_pair(env, headroom=4 * GiB)
     b.gate = None
-    keep_kv = m.Policy(device_budget_bytes=int(3.5 * GiB))
+    keep_kv = manager_pb.Policy(device_budget_bytes=int(3.5 * GiB))
     keep_kv.tag_actions.update({WEIGHTS: Action.OFFLOAD.proto, KV_CACHE: Action.KEEP.proto})
     env.manager.update_policy("", keep_kv, ["tag_actions", "device_budget_bytes"])
     with pytest.raises(OutOfMemory):
@@ -524,7 +524,7 @@ async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_c
     start_timeout, and leaves nothing behind. The gauge the alert reads says it is started on demand,
     and the timers do not forget it however long it is down."""
     a = await env.worker("a")
-    env.manager.update_policy("a", m.Policy(start_timeout=Duration(seconds=30)), ["start_timeout"])
+    env.manager.update_policy("a", manager_pb.Policy(start_timeout=Duration(seconds=30)), ["start_timeout"])
     await a.crash()
     await wait_until(lambda: env.rec("a").state == WorkerState.UNAVAILABLE, "UNAVAILABLE")
     acquire = asyncio.ensure_future(env.manager.acquire("a", 60, "t", "", "", None))
@@ -537,7 +537,7 @@ async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_c
     assert env.rec("a").to_proto().waiting_acquires == 0
     env.manager.release(lease.lease_id)
 
-    env.manager.update_policy("a", m.Policy(start_timeout=Duration(nanos=200_000_000)), ["start_timeout"])
+    env.manager.update_policy("a", manager_pb.Policy(start_timeout=Duration(nanos=200_000_000)), ["start_timeout"])
     timers = env.manager.timers
     timers._settings = dataclasses.replace(timers._settings, forget_after=0.001)
     await a.crash()
@@ -550,7 +550,7 @@ async def test_with_a_start_timeout_an_acquire_waits_for_an_unavailable_worker_c
     assert env.manager.metrics.start_timeout.labels("a")._value.get() == 0.2
     await asyncio.sleep(0)  # a forget the tick had spawned would have run now
     assert env.manager.get("a").worker_id == "a", "a worker started on demand is down on purpose: not forgotten"
-    env.manager.update_policy("a", m.Policy(start_timeout=Duration(seconds=3600)), ["start_timeout"])
+    env.manager.update_policy("a", manager_pb.Policy(start_timeout=Duration(seconds=3600)), ["start_timeout"])
     with pytest.raises(Unavailable, match="start_timeout"):  # the caller's deadline, much sooner, ends it
         await asyncio.wait_for(env.manager.acquire("a", 60, "t", "", "", Deadline.after(0.05)), 30)
     assert env.rec("a").leases == {}
@@ -651,7 +651,7 @@ async def test_calls_queued_behind_a_deregistration_find_the_worker_gone(env: En
 
 async def test_deregistering_forgets_the_workers_policy_overrides(env: Env) -> None:
     await env.worker("a")
-    env.manager.update_policy("a", m.Policy(idle_sleep_timeout=Duration(seconds=7)), ["idle_sleep_timeout"])
+    env.manager.update_policy("a", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=7)), ["idle_sleep_timeout"])
     assert env.manager.policies.effective("workers/a").idle_sleep_timeout == 7
     await env.manager.deregister("a")
     assert env.manager.store.policy_fields("workers/a") is None
@@ -858,7 +858,7 @@ async def test_two_wakes_on_one_device_are_checked_one_at_a_time(env: Env) -> No
     for name in ("b", "c"):
         await env.manager.sleep_worker(name, SleepLevel.LEVEL_1, {}, "", None)
     await env.policy(device_budget_bytes=4 * GiB)
-    env.manager.update_policy("b", m.Policy(), ["time_slice"])  # pinned: leased, it keeps its turn
+    env.manager.update_policy("b", manager_pb.Policy(), ["time_slice"])  # pinned: leased, it keeps its turn
     b.gate = asyncio.Event()
     waking_b = asyncio.create_task(env.manager.acquire("b", 60, "t", "", "", None))
     await wait_until(lambda: b.calls[-1:] == ["WakeUp"], "b's wake to start (a evicted)")

@@ -11,12 +11,12 @@ import grpc
 import pytest
 from managerproc import Cluster, get, wait_for, wait_state
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 from memsvc.vocabulary import WorkerState
 
-S = c.WorkerState
+S = common_pb.WorkerState
 
 
 @pytest.fixture
@@ -29,9 +29,9 @@ def cluster(tmp_path: Path) -> Iterator[Cluster]:
 class Watch:
     """A WatchWorkers stream read on a thread; ``events`` grows as messages arrive."""
 
-    def __init__(self, stub: m_grpc.MemoryManagerServiceStub, names: list[str] | None = None) -> None:
-        self.call = stub.WatchWorkers(m.WatchWorkersRequest(names=names or []))
-        self.events: list[m.WatchWorkersResponse] = []
+    def __init__(self, stub: manager_grpc.MemoryManagerServiceStub, names: list[str] | None = None) -> None:
+        self.call = stub.WatchWorkers(manager_pb.WatchWorkersRequest(names=names or []))
+        self.events: list[manager_pb.WatchWorkersResponse] = []
         self.error: grpc.RpcError | None = None
         self._thread = threading.Thread(target=self._read, daemon=True)
         self._thread.start()
@@ -47,27 +47,29 @@ class Watch:
         self.call.cancel()
         self._thread.join(timeout=10)
 
-    def of(self, worker: str) -> list[m.WatchWorkersResponse]:
+    def of(self, worker: str) -> list[manager_pb.WatchWorkersResponse]:
         return [e for e in list(self.events) if e.worker.name == worker]
 
-    def changes(self, worker: str) -> list[tuple[c.WorkerState.ValueType, c.WorkerState.ValueType]]:
+    def changes(self, worker: str) -> list[tuple[common_pb.WorkerState.ValueType, common_pb.WorkerState.ValueType]]:
         return [
             (e.state_change.from_state, e.state_change.to_state)
             for e in self.of(worker)
             if e.WhichOneof("event") == "state_change"
         ]
 
-    def to_states(self, worker: str) -> list[c.WorkerState.ValueType]:
+    def to_states(self, worker: str) -> list[common_pb.WorkerState.ValueType]:
         """The state each change of ``worker`` led to, in order."""
         return [to for _, to in self.changes(worker)]
 
 
-def _is_subsequence(want: Sequence[c.WorkerState.ValueType], seq: Sequence[c.WorkerState.ValueType]) -> bool:
+def _is_subsequence(
+    want: Sequence[common_pb.WorkerState.ValueType], seq: Sequence[common_pb.WorkerState.ValueType]
+) -> bool:
     it = iter(seq)
     return all(any(x == y for y in it) for x in want)
 
 
-def _names(states: Sequence[c.WorkerState.ValueType]) -> list[str]:
+def _names(states: Sequence[common_pb.WorkerState.ValueType]) -> list[str]:
     return [S.Name(s) for s in states]
 
 
@@ -81,8 +83,8 @@ def test_watch_streams_snapshot_then_every_state_change_in_order(cluster: Cluste
     try:
         for wt in (watch, named):
             wait_for(functools.partial(wt.of, "workers/watched"), lambda ev: len(ev) > 0, what="the first event")
-        stub.SleepWorker(m.SleepWorkerRequest(name="workers/watched"), timeout=60)
-        stub.WakeWorker(m.WakeWorkerRequest(name="workers/watched"), timeout=60)
+        stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/watched"), timeout=60)
+        stub.WakeWorker(manager_pb.WakeWorkerRequest(name="workers/watched"), timeout=60)
         for wt in (watch, named):
             wait_for(
                 functools.partial(wt.to_states, "workers/watched"),
@@ -160,12 +162,14 @@ def test_late_telemetry_never_moves_a_worker_backwards(cluster: Cluster) -> None
     mgr = cluster.manager()
     stub = mgr.stub
     sw = cluster.scripted("scripted", S.WORKER_STATE_ASLEEP)
-    stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="scripted", address=sw.address, host="h"), timeout=10)
+    stub.RegisterWorker(
+        manager_pb.RegisterWorkerRequest(worker_id="scripted", address=sw.address, host="h"), timeout=10
+    )
     wait_state(stub, "scripted", S.WORKER_STATE_ASLEEP)
     watch = Watch(stub, ["workers/scripted"])
     try:
         wait_for(lambda: watch.of("workers/scripted"), lambda ev: len(ev) > 0, what="the snapshot")
-        resp = stub.WakeWorker(m.WakeWorkerRequest(name="workers/scripted"), timeout=30)
+        resp = stub.WakeWorker(manager_pb.WakeWorkerRequest(name="workers/scripted"), timeout=30)
         assert resp.worker.state == S.WORKER_STATE_AWAKE
         sw.release_events()  # ASLEEP->WAKING, WAKING->AWAKE, transition: all older than the response
         wait_for(
@@ -187,7 +191,9 @@ def test_watch_filters_by_name_and_reports_a_newly_registered_worker(cluster: Cl
     mgr = cluster.manager()
     stub = mgr.stub
     # A worker that cannot be reached (nothing listens on its port) and one real worker.
-    stub.RegisterWorker(m.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"), timeout=10)
+    stub.RegisterWorker(
+        manager_pb.RegisterWorkerRequest(worker_id="ghost", address="127.0.0.1:1", host="h"), timeout=10
+    )
     only_ghost = Watch(stub, ["workers/ghost"])
     everyone = Watch(stub)
     try:
@@ -219,22 +225,24 @@ async def test_a_watch_sees_the_state_a_worker_passed_through_when_the_answer_ov
     from memsvc.manager.records import WorkerRecord
     from memsvc.manager.telemetry import TelemetryIngest
     from memsvc.manager.watch import WatchHub
-    from memsvc.v1 import model_worker_service_pb2 as w
+    from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
     hub = WatchHub()
     queue = hub.subscribe()
     ingest = TelemetryIngest(ManagerMetrics(), hub)
     rec = WorkerRecord("a", "127.0.0.1:1", "h1")
 
-    def status(state: c.WorkerState.ValueType, t_ns: int) -> c.WorkerStatus:
-        st = c.WorkerStatus(state=state)
+    def status(state: common_pb.WorkerState.ValueType, t_ns: int) -> common_pb.WorkerStatus:
+        st = common_pb.WorkerStatus(state=state)
         st.update_time.FromNanoseconds(t_ns)
         return st
 
     def stream_change(
-        frm: c.WorkerState.ValueType, to: c.WorkerState.ValueType, t_ns: int
-    ) -> w.StreamTelemetryResponse:
-        msg = w.StreamTelemetryResponse(state_change=c.StateChange(from_state=frm, to_state=to, reason="WakeUp"))
+        frm: common_pb.WorkerState.ValueType, to: common_pb.WorkerState.ValueType, t_ns: int
+    ) -> worker_pb.StreamTelemetryResponse:
+        msg = worker_pb.StreamTelemetryResponse(
+            state_change=common_pb.StateChange(from_state=frm, to_state=to, reason="WakeUp")
+        )
         msg.time.FromNanoseconds(t_ns)
         return msg
 

@@ -13,7 +13,7 @@ import re
 import pytest
 
 from memsvc.errors import IntegrityError, InvalidArgument, OutOfMemory, WrongState
-from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import common_pb2 as common_pb
 from worker import _native
 
 MiB = 1 << 20
@@ -37,11 +37,17 @@ def test_tag_actions_are_the_proto_numbers() -> None:
     try:
         for tag in ("kept", "offloaded", "discarded"):
             a.alloc(tag, 4096)
-        for code in (c.TAG_ACTION_UNSPECIFIED, max(c.TagAction.values()) + 1, -1):
+        for code in (common_pb.TAG_ACTION_UNSPECIFIED, max(common_pb.TagAction.values()) + 1, -1):
             with pytest.raises(InvalidArgument, match=f"unknown action {code}"):
                 a.sleep([("kept", code)])
         assert {s["state"] for s in a.tag_stats()} == {"awake"}, "a refused sleep changed nothing"
-        a.sleep([("kept", c.TAG_ACTION_KEEP), ("offloaded", c.TAG_ACTION_OFFLOAD), ("discarded", c.TAG_ACTION_DISCARD)])
+        a.sleep(
+            [
+                ("kept", common_pb.TAG_ACTION_KEEP),
+                ("offloaded", common_pb.TAG_ACTION_OFFLOAD),
+                ("discarded", common_pb.TAG_ACTION_DISCARD),
+            ]
+        )
         assert {s["tag"]: s["state"] for s in a.tag_stats()} == {
             "kept": "awake",
             "offloaded": "offloaded",
@@ -69,7 +75,7 @@ def test_failed_checksum_names_the_allocation_in_metadata() -> None:
         size = MiB + 100
         addr = a.alloc("weights", size)
         ctypes.memset(addr, 7, size)
-        a.sleep([("weights", c.TAG_ACTION_OFFLOAD)])
+        a.sleep([("weights", common_pb.TAG_ACTION_OFFLOAD)])
         assert ctypes.string_at(chunk, 64) == b"\x07" * 64, "the offload did not reuse the freed chunk"
         ctypes.memset(chunk + 100, 8, 1)
         with pytest.raises(IntegrityError) as ei:

@@ -24,8 +24,8 @@ from gatewayproc import GatewayProcess
 from managerproc import ManagerProcess, wait_for
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 REPO_ROOT = Path(__file__).resolve().parent.parent
 RULES = REPO_ROOT / "deploy" / "prometheus" / "memsvc-rules.yaml"
@@ -99,10 +99,12 @@ def test_every_series_the_kit_names_is_one_memsvc_exposes(tmp_path: Path) -> Non
     gw = None
     try:
         wp.start()
-        listed = lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers  # noqa: E731
-        wait_for(listed, lambda ws: any(x.state == c.WORKER_STATE_AWAKE for x in ws), what="registration", timeout=60)
-        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/kit"), timeout=60)
-        mp.stub.WakeWorker(m.WakeWorkerRequest(name="workers/kit"), timeout=60)
+        listed = lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers  # noqa: E731
+        wait_for(
+            listed, lambda ws: any(x.state == common_pb.WORKER_STATE_AWAKE for x in ws), what="registration", timeout=60
+        )
+        mp.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/kit"), timeout=60)
+        mp.stub.WakeWorker(manager_pb.WakeWorkerRequest(name="workers/kit"), timeout=60)
         gw = GatewayProcess(mp.address).start()
         body = json.dumps({"model": "synthetic:tiny", "prompt": [1, 2, 3], "max_tokens": 2}).encode()
         post = urllib.request.Request(f"{gw.url}/v1/completions", body, {"Content-Type": "application/json"})

@@ -58,14 +58,14 @@ from upproc import (
     wait_for,
 )
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 README = REPO_ROOT / "README.md"
 README_MANAGER, README_WORKER, README_METRICS = "127.0.0.1:50051", "127.0.0.1:50061", "127.0.0.1:9400"
-MANAGER_SERVICE = m.DESCRIPTOR.services_by_name["MemoryManagerService"]
-WORKER_SERVICE = w.DESCRIPTOR.services_by_name["ModelWorkerService"]
+MANAGER_SERVICE = manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"]
+WORKER_SERVICE = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"]
 WORKER = "workers/local0"
 DEADLINE_EXIT = 64 + grpc.StatusCode.DEADLINE_EXCEEDED.value[0]
 """grpcurl's exit status for a call that ended with a status: 64 + the code (DEADLINE_EXCEEDED = 4)."""
@@ -89,8 +89,8 @@ def grpcurl_lines() -> list[str]:
 
 def grpcurl_call(line: str) -> str:
     """The grpcurl command of a cookbook line (inside ``$(…)`` for a capturing one)."""
-    m = _CAPTURE.fullmatch(line)
-    return m.group("call") if m else line
+    match = _CAPTURE.fullmatch(line)
+    return match.group("call") if match else line
 
 
 def cli_lines() -> list[str]:
@@ -165,18 +165,20 @@ def target(argv: list[str]) -> tuple[str, str]:
 Check = Callable[[Session, Step, list[dict[str, Any]]], None]
 
 
-def _manager(s: Session) -> m.Worker:
+def _manager(s: Session) -> manager_pb.Worker:
     assert s.up.stub is not None
     return get_worker(s.up.stub, "local0")
 
 
-def _converges(s: Session, state: c.WorkerState.ValueType, tags: dict[str, str] | None = None) -> m.Worker:
+def _converges(
+    s: Session, state: common_pb.WorkerState.ValueType, tags: dict[str, str] | None = None
+) -> manager_pb.Worker:
     """The manager's view once it shows ``state`` (and these tag states): telemetry takes a moment."""
     assert s.up.stub is not None
     return wait_for(
         lambda: _manager(s),
         lambda wk: wk.state == state and (tags is None or tag_states(wk).items() >= tags.items()),
-        what=f"the manager to show {c.WorkerState.Name(state)} {tags or ''}",
+        what=f"the manager to show {common_pb.WorkerState.Name(state)} {tags or ''}",
         timeout=30,
     )
 
@@ -236,24 +238,24 @@ def check_sleep_worker(s: Session, step: Step, msgs: list[dict[str, Any]]) -> No
     tags = _expected_after_sleep(request_json(step.argv))
     assert resp["worker"]["state"] == "WORKER_STATE_ASLEEP"
     assert _json_tags(resp["worker"]["status"]).items() >= tags.items()
-    wk = _converges(s, c.WORKER_STATE_ASLEEP, tags)
+    wk = _converges(s, common_pb.WORKER_STATE_ASLEEP, tags)
     level = request_json(step.argv).get("level")
     if level:
-        assert c.SleepLevel.Name(wk.status.sleep_level) == level
+        assert common_pb.SleepLevel.Name(wk.status.sleep_level) == level
 
 
 def _wake_expectation(
     s: Session, req_tags: list[str], before: dict[str, str]
-) -> tuple[c.WorkerState.ValueType, dict[str, str]]:
+) -> tuple[common_pb.WorkerState.ValueType, dict[str, str]]:
     after = {t: ("TAG_STATE_AWAKE" if not req_tags or t in req_tags else st) for t, st in before.items()}
     awake = all(st == "TAG_STATE_AWAKE" for st in after.values())
-    return (c.WORKER_STATE_AWAKE if awake else c.WORKER_STATE_PARTIALLY_AWAKE), after
+    return (common_pb.WORKER_STATE_AWAKE if awake else common_pb.WORKER_STATE_PARTIALLY_AWAKE), after
 
 
 def check_wake_worker(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     (resp,) = msgs
     state, tags = _wake_expectation(s, request_json(step.argv).get("tags", []), s.before_tags)
-    assert resp["worker"]["state"] == c.WorkerState.Name(state)
+    assert resp["worker"]["state"] == common_pb.WorkerState.Name(state)
     assert _json_tags(resp["worker"]["status"]) == tags
     _converges(s, state, tags)
 
@@ -263,7 +265,7 @@ def check_acquire(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     if _CAPTURE.fullmatch(step.line):  # jq kept only the id, in $LEASE_ID: the manager holds the rest
         assert not msgs and s.lease_id, f"$LEASE_ID is {s.lease_id!r}"
         assert s.up.stub is not None
-        leases = s.up.stub.ListLeases(m.ListLeasesRequest(), timeout=10).leases
+        leases = s.up.stub.ListLeases(manager_pb.ListLeasesRequest(), timeout=10).leases
         lease = json_format.MessageToDict(
             next(x for x in leases if x.lease_id == s.lease_id), preserving_proto_field_name=True
         )
@@ -274,7 +276,7 @@ def check_acquire(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
         s.lease_id = lease["lease_id"]
     assert lease["lease_id"] and lease["worker"] == WORKER and lease["holder"] == req.get("holder", "")
     wk = _manager(s)
-    assert wk.lease_count == 1 and wk.state == c.WORKER_STATE_AWAKE
+    assert wk.lease_count == 1 and wk.state == common_pb.WORKER_STATE_AWAKE
 
 
 def check_release(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
@@ -297,7 +299,7 @@ def check_update_policy(s: Session, step: Step, msgs: list[dict[str, Any]]) -> N
     want = request_json(step.argv)["policy"]["idle_sleep_timeout"]
     assert resp["policy"]["idle_sleep_timeout"] == want
     assert s.up.stub is not None
-    now = s.up.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    now = s.up.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
     assert f"{now.idle_sleep_timeout.ToNanoseconds() // 10**9}s" == want
     assert now.idle_deep_sleep_timeout.ToSeconds() == 3600, "fields outside the mask must not change"
 
@@ -329,7 +331,7 @@ def check_generate(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
 def check_generate_stream(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     *chunks, last = msgs
     assert chunks and "done" in last, "GenerateStream sent no token before its final answer"
-    tokens = [t for m in chunks for t in m["token_ids"]]
+    tokens = [t for chunk in chunks for t in chunk["token_ids"]]
     assert tokens == last["done"]["token_ids"]
     assert len(tokens) == request_json(step.argv)["request"]["max_new_tokens"]
     assert last["done"]["finish_reason"] == "FINISH_REASON_LENGTH"
@@ -341,13 +343,13 @@ def check_sleep(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     assert resp["status"]["state"] == "WORKER_STATE_ASLEEP"
     assert _json_tags(resp["status"]).items() >= tags.items()
     assert resp["transition"]["kind"] == "sleep"
-    _converges(s, c.WORKER_STATE_ASLEEP, tags)
+    _converges(s, common_pb.WORKER_STATE_ASLEEP, tags)
 
 
 def check_wake_up(s: Session, step: Step, msgs: list[dict[str, Any]]) -> None:
     (resp,) = msgs
     state, tags = _wake_expectation(s, request_json(step.argv).get("tags", []), s.before_tags)
-    assert resp["status"]["state"] == c.WorkerState.Name(state)
+    assert resp["status"]["state"] == common_pb.WorkerState.Name(state)
     assert _json_tags(resp["status"]) == tags
     assert resp["transition"]["kind"] == "wake"
     _converges(s, state, tags)
@@ -467,19 +469,19 @@ def run_cli_line(s: Session, line: str) -> Step:
             wk = _manager(s)
             row = [ln for ln in r.stdout.splitlines() if "local0" in ln]
             assert row, "status does not list local0"
-            assert c.WorkerState.Name(wk.state).removeprefix("WORKER_STATE_").lower() in row[0]
+            assert common_pb.WorkerState.Name(wk.state).removeprefix("WORKER_STATE_").lower() in row[0]
             assert s.up.worker_address in row[0]
         elif words[0] == "sleep":
             level = int(words[words.index("--level") + 1]) if "--level" in words else 0
             assert f"{WORKER}: asleep" in r.stdout
             slept = _expected_after_sleep({"level": f"SLEEP_LEVEL_{level}"} if level else {})
-            wk = _converges(s, c.WORKER_STATE_ASLEEP, slept)
+            wk = _converges(s, common_pb.WORKER_STATE_ASLEEP, slept)
             if level:
                 assert wk.status.sleep_level == level
         elif words[0] == "wake":
             tags = words[words.index("--tags") + 1 :] if "--tags" in words else []
             state, after = _wake_expectation(s, tags, before)
-            assert f"{WORKER}: {c.WorkerState.Name(state).removeprefix('WORKER_STATE_').lower()}" in r.stdout
+            assert f"{WORKER}: {common_pb.WorkerState.Name(state).removeprefix('WORKER_STATE_').lower()}" in r.stdout
             _converges(s, state, after)
     except AssertionError as exc:
         step.problems.append(f"AssertionError: {exc}")
@@ -552,7 +554,7 @@ def scrape(address: str) -> dict[tuple[str, frozenset[tuple[str, str]]], float]:
 
 def default_policy(up: Up) -> bytes:
     assert up.stub is not None
-    return up.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy.SerializeToString(deterministic=True)
+    return up.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy.SerializeToString(deterministic=True)
 
 
 README_GATEWAY = "http://127.0.0.1:8000"

@@ -27,8 +27,8 @@ import pytest
 from google.protobuf import json_format
 from workerproc import REPO_ROOT, WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 README = REPO_ROOT / "README.md"
 README_ADDRESS = "127.0.0.1:50061"
@@ -92,13 +92,13 @@ def worker() -> Iterator[WorkerProcess]:
 
 
 def state(wp: WorkerProcess) -> str:
-    st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=RUN_TIMEOUT).status
-    return c.WorkerState.Name(st.state).removeprefix("WORKER_STATE_")
+    st = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=RUN_TIMEOUT).status
+    return common_pb.WorkerState.Name(st.state).removeprefix("WORKER_STATE_")
 
 
 def tag_states(wp: WorkerProcess) -> dict[str, str]:
-    st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=RUN_TIMEOUT).status
-    return {t.tag: c.TagState.Name(t.state).removeprefix("TAG_STATE_") for t in st.tags}
+    st = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=RUN_TIMEOUT).status
+    return {t.tag: common_pb.TagState.Name(t.state).removeprefix("TAG_STATE_") for t in st.tags}
 
 
 def json_messages(text: str) -> list[dict[str, Any]]:
@@ -146,14 +146,16 @@ def check(wp: WorkerProcess, argv: list[str], r: subprocess.CompletedProcess[str
         tokens = [int(t) for t in msg["token_ids"]]
         assert len(tokens) == data["max_new_tokens"] == int(msg["completion_token_count"])
         assert msg["finish_reason"] == "FINISH_REASON_LENGTH"  # synthetic models have no EOS
-        same = wp.stub.Generate(json_format.ParseDict(data, w.GenerateRequest()), timeout=RUN_TIMEOUT)
+        same = wp.stub.Generate(json_format.ParseDict(data, worker_pb.GenerateRequest()), timeout=RUN_TIMEOUT)
         assert tokens == list(same.token_ids), "a seeded or greedy Generate gives the same tokens again"
     elif target == f"{SERVICE}/GenerateStream":
         *chunks, last = messages
         assert chunks and "done" in last, messages
         tokens = [int(t) for m in chunks for t in m["token_ids"]]
         assert tokens == [int(t) for t in last["done"]["token_ids"]]
-        same = wp.stub.Generate(json_format.ParseDict(data["request"], w.GenerateRequest()), timeout=RUN_TIMEOUT)
+        same = wp.stub.Generate(
+            json_format.ParseDict(data["request"], worker_pb.GenerateRequest()), timeout=RUN_TIMEOUT
+        )
         assert tokens == list(same.token_ids)
     elif target == f"{SERVICE}/Sleep":
         (msg,) = messages

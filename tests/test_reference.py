@@ -60,8 +60,8 @@ from conftest import AllocatorFactory
 from hf_models import init_weights
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import _native
 from worker.allocator import MemoryAllocator
 from worker.model import ModelConfig, ModelRunner
@@ -633,7 +633,7 @@ def test_steps_replayed_from_cuda_graphs_match_transformers(
 
 # ---- numerics, through the worker's RPC ----
 def generate(wp: WorkerProcess) -> list[int]:
-    r = wp.stub.Generate(w.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW), timeout=120)
+    r = wp.stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=PROMPT, max_new_tokens=NEW), timeout=120)
     return list(r.token_ids)
 
 
@@ -679,8 +679,8 @@ def test_worker_rpc_matches_transformers_across_sleep_and_wake(
     expected = ref.tokens if dtype == "float32" else runner_for(host_alloc, ref.dirs[fmt]).generate(PROMPT, NEW)
     wp = workers[key]
     assert generate(wp) == expected
-    for level in (c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):
-        wp.stub.Sleep(w.SleepRequest(level=level), timeout=60)
-        st = wp.stub.WakeUp(w.WakeUpRequest(), timeout=60).status
-        assert st.state == c.WORKER_STATE_AWAKE
-        assert generate(wp) == expected, f"after sleep level {c.SleepLevel.Name(level)}"
+    for level in (common_pb.SLEEP_LEVEL_1, common_pb.SLEEP_LEVEL_2):
+        wp.stub.Sleep(worker_pb.SleepRequest(level=level), timeout=60)
+        st = wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=60).status
+        assert st.state == common_pb.WORKER_STATE_AWAKE
+        assert generate(wp) == expected, f"after sleep level {common_pb.SleepLevel.Name(level)}"

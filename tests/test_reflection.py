@@ -31,8 +31,8 @@ from managerproc import Cluster, ManagerProcess
 from upproc import grpcurl_binary
 from workerproc import WorkerProcess
 
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 MANAGER = "memsvc.v1.MemoryManagerService"
 WORKER = "memsvc.v1.ModelWorkerService"
@@ -212,8 +212,8 @@ def grpcurl(*args: str) -> subprocess.CompletedProcess[str]:
 KINDS = ["manager", "worker"]
 VERSIONS = ["v1", "v1alpha"]
 SERVICES = {
-    MANAGER: m.DESCRIPTOR.services_by_name["MemoryManagerService"],
-    WORKER: w.DESCRIPTOR.services_by_name["ModelWorkerService"],
+    MANAGER: manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"],
+    WORKER: worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"],
 }
 
 
@@ -290,10 +290,10 @@ def test_the_manager_serves_the_worker_file_without_its_service(
 ) -> None:
     """memory_manager_service.proto imports model_worker_service.proto (for its messages)."""
     address = servers["manager"][0]
-    files = {f.name: f for f in versions[version].files(address, file_by_filename=w.DESCRIPTOR.name)}
-    worker_file = files[w.DESCRIPTOR.name]
+    files = {f.name: f for f in versions[version].files(address, file_by_filename=worker_pb.DESCRIPTOR.name)}
+    worker_file = files[worker_pb.DESCRIPTOR.name]
     assert not worker_file.service
-    assert {msg.name for msg in worker_file.message_type} == set(w.DESCRIPTOR.message_types_by_name)
+    assert {msg.name for msg in worker_file.message_type} == set(worker_pb.DESCRIPTOR.message_types_by_name)
     r = grpcurl(address, "describe", "memsvc.v1.SleepRequest")  # its messages still describe
     assert r.returncode == 0 and "message SleepRequest" in r.stdout, r.stdout + r.stderr
 

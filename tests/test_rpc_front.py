@@ -32,8 +32,8 @@ from workerproc import WorkerProcess
 from memsvc.runtime.auth import Security
 from memsvc.runtime.rpc_errors import error_info
 from memsvc.runtime.serving import start_server
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.rpc_front import SERVICE, FrontConfig, FrontProcess
 
 PROCESS = ["--rpc-front", "process"]
@@ -67,23 +67,25 @@ def fronts() -> Iterator[dict[str, WorkerProcess]]:
         yield {"inline": inline, "process": process}
 
 
-def _requests() -> list[w.GenerateRequest]:
+def _requests() -> list[worker_pb.GenerateRequest]:
     return [
-        w.GenerateRequest(prompt_token_ids=[1, 2, 3, 4], max_new_tokens=40, ignore_eos=True),
-        w.GenerateRequest(
+        worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3, 4], max_new_tokens=40, ignore_eos=True),
+        worker_pb.GenerateRequest(
             prompt_token_ids=list(range(5, 60)),
             max_new_tokens=25,
-            sampling=w.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7),
+            sampling=worker_pb.SamplingParams(temperature=0.9, top_k=20, top_p=0.9, seed=7),
         ),
-        w.GenerateRequest(prompt_token_ids=[9, 8, 7], max_new_tokens=30, stop_token_ids=[3, 11, 17], ignore_eos=True),
+        worker_pb.GenerateRequest(
+            prompt_token_ids=[9, 8, 7], max_new_tokens=30, stop_token_ids=[3, 11, 17], ignore_eos=True
+        ),
     ]
 
 
-Answer = tuple[list[int], str, w.GenerateResponse]
+Answer = tuple[list[int], str, worker_pb.GenerateResponse]
 
 
-def _stream(stub: w_grpc.ModelWorkerServiceStub, request: w.GenerateRequest) -> Answer:
-    messages = list(stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=60))
+def _stream(stub: worker_grpc.ModelWorkerServiceStub, request: worker_pb.GenerateRequest) -> Answer:
+    messages = list(stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=60))
     assert messages[-1].HasField("done") and not any(m.HasField("done") for m in messages[:-1])
     assert messages[0].prompt_token_count == len(request.prompt_token_ids)
     assert all(m.prompt_token_count == 0 for m in messages[1:])
@@ -115,20 +117,20 @@ def _status(call: object) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
 
 
 def test_errors_keep_their_status_and_error_info(fronts: dict[str, WorkerProcess]) -> None:
-    bad_token = w.GenerateRequest(prompt_token_ids=[10**9], max_new_tokens=3)
-    two_forms = w.GenerateRequest(prompt_token_ids=[1], prompt="hi", max_new_tokens=3)
+    bad_token = worker_pb.GenerateRequest(prompt_token_ids=[10**9], max_new_tokens=3)
+    two_forms = worker_pb.GenerateRequest(prompt_token_ids=[1], prompt="hi", max_new_tokens=3)
     got: dict[str, list[tuple[grpc.StatusCode, str, str, dict[str, str]]]] = {}
     for kind, worker in fronts.items():
         out = []
         for request in (bad_token, two_forms):
             with pytest.raises(grpc.RpcError) as streamed:
-                list(worker.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=30))
+                list(worker.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=30))
             out.append(_status(streamed.value))
         with pytest.raises(grpc.RpcError) as sleep:
-            worker.stub.Sleep(w.SleepRequest(level=7), timeout=30)  # type: ignore[arg-type]
+            worker.stub.Sleep(worker_pb.SleepRequest(level=7), timeout=30)  # type: ignore[arg-type]
         out.append(_status(sleep.value))
         with pytest.raises(grpc.RpcError) as free:
-            worker.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="never-made"), timeout=30)
+            worker.stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="never-made"), timeout=30)
         out.append(_status(free.value))
         got[kind] = out
     assert got["inline"] == got["process"]
@@ -137,21 +139,23 @@ def test_errors_keep_their_status_and_error_info(fronts: dict[str, WorkerProcess
 
 def test_a_client_that_leaves_mid_stream_gives_its_blocks_back(fronts: dict[str, WorkerProcess]) -> None:
     worker = fronts["process"]
-    total = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.device_block_count
-    long = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2000, ignore_eos=True)
+    total = worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache.device_block_count
+    long = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=2000, ignore_eos=True)
     channel = worker.new_channel()
     try:
-        call = w_grpc.ModelWorkerServiceStub(channel).GenerateStream(w.GenerateStreamRequest(request=long), timeout=120)
+        call = worker_grpc.ModelWorkerServiceStub(channel).GenerateStream(
+            worker_pb.GenerateStreamRequest(request=long), timeout=120
+        )
         first = next(call)
         assert first.token_ids
-        held = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache.device_free_block_count
+        held = worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache.device_free_block_count
         assert held < total
         call.cancel()
     finally:
         channel.close()
 
     def freed() -> bool:
-        kv = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.kv_cache
+        kv = worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.kv_cache
         return kv.device_free_block_count == total and kv.sequence_count == 0
 
     wait_for(freed, bool, timeout=60, what="the blocks of the stream whose client left")
@@ -163,9 +167,9 @@ def test_status_telemetry_and_health_pass_through(fronts: dict[str, WorkerProces
     from grpc_health.v1 import health_pb2
 
     worker = fronts["process"]
-    status = worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=30).status
+    status = worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
     assert status.worker_id == worker.worker_id and status.model.vocab_size > 0
-    telemetry = worker.stub.StreamTelemetry(w.StreamTelemetryRequest(), timeout=30)
+    telemetry = worker.stub.StreamTelemetry(worker_pb.StreamTelemetryRequest(), timeout=30)
     first = next(telemetry)
     assert first.snapshot.worker_id == worker.worker_id
     telemetry.cancel()
@@ -177,8 +181,8 @@ def test_status_telemetry_and_health_pass_through(fronts: dict[str, WorkerProces
 def test_sigterm_drains_a_stream_through_the_front_then_both_exit() -> None:
     with WorkerProcess(PROCESS) as worker:
         front = _front_pid(worker)
-        request = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=600, ignore_eos=True)
-        stream = worker.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=120)
+        request = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=600, ignore_eos=True)
+        stream = worker.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=120)
         first = next(stream)
         result: dict[str, object] = {}
 

@@ -20,13 +20,13 @@ from test_up_config import Host, awake, worker_pid
 from upproc import wait_for
 from workerproc import _LISTENING, _READY, READY_TIMEOUT, WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 STANDBY_READY = re.compile(r"^memsvc worker standby ready on (?P<where>\S+) in [\d.]+ s; waiting for its flags$")
 FLAGS = ["--listen", "127.0.0.1:0", "--backend", "host", "--model", "synthetic:tiny", "--seed", "3"]
 """A worker's flags; the standby test hands them with ``--log-format json``, which must then apply."""
-REQUEST = w.GenerateRequest(prompt_token_ids=[5, 9, 2, 7], max_new_tokens=8)
+REQUEST = worker_pb.GenerateRequest(prompt_token_ids=[5, 9, 2, 7], max_new_tokens=8)
 
 
 def standby(*args: str) -> Proc:
@@ -78,7 +78,10 @@ def test_a_standby_handed_its_flags_serves_as_the_worker_they_name(reference_tok
         wp = WorkerProcess(FLAGS)
         wp.address = listening["address"]
         try:
-            assert wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.state == c.WORKER_STATE_AWAKE
+            assert (
+                wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.state
+                == common_pb.WORKER_STATE_AWAKE
+            )
             assert list(wp.stub.Generate(REQUEST, timeout=60).token_ids) == reference_tokens
         finally:
             wp.close_channel()
@@ -176,7 +179,7 @@ def test_memsvc_up_keeps_a_standby_and_restarts_a_dead_worker_from_it(tmp_path: 
         assert new_pid != pid and Path(f"/proc/{new_pid}").exists()
         wait_for(
             lambda: h.workers()["beta"],
-            lambda wk: wk.address != before and wk.state == c.WORKER_STATE_ASLEEP,
+            lambda wk: wk.address != before and wk.state == common_pb.WORKER_STATE_ASLEEP,
             what="beta registered again from the standby, then put to sleep",
             timeout=120,
         )

@@ -23,8 +23,8 @@ from workerproc import _LISTENING, READY_TIMEOUT, WorkerProcess
 
 from memsvc.errors import Loading, WrongState
 from memsvc.runtime.rpc_errors import error_info, from_rpc_error, retry_delay
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker.core import LOADING_RETRY_S
 from worker.device_loop import THREAD_NAME, DeviceLoop
 from worker.model import graphs
@@ -91,17 +91,19 @@ def test_a_call_while_the_model_loads_is_unavailable_with_a_retry_delay_and_succ
         eventually(lambda: mount.hung, "the load's read to hang")
         check = health_pb2.HealthCheckRequest(service="")
         assert wp.health.Check(check, timeout=10).status == health_pb2.HealthCheckResponse.NOT_SERVING
-        status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
-        assert status.state == c.WORKER_STATE_LOADING
-        request = w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
+        status = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
+        assert status.state == common_pb.WORKER_STATE_LOADING
+        request = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=4)
         calls: list[Callable[[], object]] = [
             lambda: wp.stub.Generate(request, timeout=10),
-            lambda: next(iter(wp.stub.GenerateStream(w.GenerateStreamRequest(request=request), timeout=10))),
+            lambda: next(iter(wp.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=10))),
             lambda: wp.stub.SwapBlocks(
-                w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=[0], dst_blocks=[0]),
+                worker_pb.SwapBlocksRequest(
+                    direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, src_blocks=[0], dst_blocks=[0]
+                ),
                 timeout=10,
             ),
-            lambda: wp.stub.FreeSequence(w.FreeSequenceRequest(sequence_id="s"), timeout=10),
+            lambda: wp.stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="s"), timeout=10),
         ]
         for call in calls:
             with pytest.raises(grpc.RpcError) as err:

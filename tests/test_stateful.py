@@ -62,10 +62,10 @@ from hypothesis.stateful import RuleBasedStateMachine, invariant, rule, run_stat
 from managerproc import Cluster, ManagerProcess, get, wait_for
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 WID = "sm"
 NAME = f"workers/{WID}"
@@ -97,13 +97,18 @@ PRECONDITION = grpc.StatusCode.FAILED_PRECONDITION
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
 UNAVAILABLE = grpc.StatusCode.UNAVAILABLE
 REFUSALS = {INVALID, PRECONDITION, NOT_FOUND}
-OFFLOAD = c.TAG_ACTION_OFFLOAD
+OFFLOAD = common_pb.TAG_ACTION_OFFLOAD
 
 ACQUIRE, SLEEP, WAKE = "AcquireWorker", "SleepWorker", "WakeWorker"
-BUSY = {c.WORKER_STATE_SLEEPING, c.WORKER_STATE_WAKING, c.WORKER_STATE_LOADING, c.WORKER_STATE_UNSPECIFIED}
+BUSY = {
+    common_pb.WORKER_STATE_SLEEPING,
+    common_pb.WORKER_STATE_WAKING,
+    common_pb.WORKER_STATE_LOADING,
+    common_pb.WORKER_STATE_UNSPECIFIED,
+}
 LEVEL_ACTIONS = {
-    1: {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD},
-    2: {"weights": c.TAG_ACTION_DISCARD, "kv_cache": c.TAG_ACTION_DISCARD},
+    1: {"weights": common_pb.TAG_ACTION_OFFLOAD, "kv_cache": common_pb.TAG_ACTION_DISCARD},
+    2: {"weights": common_pb.TAG_ACTION_DISCARD, "kv_cache": common_pb.TAG_ACTION_DISCARD},
 }
 
 R = TypeVar("R")
@@ -131,12 +136,12 @@ class Env:
     outstanding: set[str] = field(default_factory=set)
     """Every lease granted and not yet released, whatever example granted it (an example that failed
     midway leaves some: the next one releases them)."""
-    background: list[grpc.Future[w.GenerateResponse]] = field(default_factory=list)
+    background: list[grpc.Future[worker_pb.GenerateResponse]] = field(default_factory=list)
     examples: int = 0
 
 
 def generate(worker: WorkerProcess, prompt: tuple[int, ...], tokens: int) -> list[int]:
-    r = worker.stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=tokens), timeout=LONG_S)
+    r = worker.stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=tokens), timeout=LONG_S)
     return list(r.token_ids)
 
 
@@ -181,39 +186,52 @@ def ask(call: Callable[[], R]) -> Answer[R]:
 View = tuple[Any, ...]
 
 
-def view(s: c.WorkerStatus) -> View:
+def view(s: common_pb.WorkerStatus) -> View:
     """What a refused call must not change on the worker: its state and every tag's state and sizes."""
     tags = tuple(
-        (t.tag, c.TagState.Name(t.state), t.mapped_bytes, t.allocated_bytes, t.offloaded_bytes, t.discarded_bytes)
+        (
+            t.tag,
+            common_pb.TagState.Name(t.state),
+            t.mapped_bytes,
+            t.allocated_bytes,
+            t.offloaded_bytes,
+            t.discarded_bytes,
+        )
         for t in sorted(s.tags, key=lambda t: t.tag)
     )
-    return c.WorkerState.Name(s.state), tags
+    return common_pb.WorkerState.Name(s.state), tags
 
 
-def tag_states(s: c.WorkerStatus) -> dict[str, c.TagState.ValueType]:
+def tag_states(s: common_pb.WorkerStatus) -> dict[str, common_pb.TagState.ValueType]:
     return {t.tag: t.state for t in s.tags}
 
 
-def sleep_would_act(s: c.WorkerStatus, level: int) -> bool:
+def sleep_would_act(s: common_pb.WorkerStatus, level: int) -> bool:
     """Whether a fresh Sleep at ``level`` has anything to do (the worker refuses FAILED_PRECONDITION if not):
     a tag the level names is awake, or an offloaded one is to be discarded (a demotion)."""
-    if s.state not in (c.WORKER_STATE_AWAKE, c.WORKER_STATE_PARTIALLY_AWAKE, c.WORKER_STATE_ASLEEP):
+    if s.state not in (
+        common_pb.WORKER_STATE_AWAKE,
+        common_pb.WORKER_STATE_PARTIALLY_AWAKE,
+        common_pb.WORKER_STATE_ASLEEP,
+    ):
         return False
     for tag, state in tag_states(s).items():
         action = LEVEL_ACTIONS[level].get(tag)
         if action is None:
             continue
-        if state == c.TAG_STATE_AWAKE or (state == c.TAG_STATE_OFFLOADED and action == c.TAG_ACTION_DISCARD):
+        if state == common_pb.TAG_STATE_AWAKE or (
+            state == common_pb.TAG_STATE_OFFLOADED and action == common_pb.TAG_ACTION_DISCARD
+        ):
             return True
     return False
 
 
-def wake_would_act(s: c.WorkerStatus, tags: tuple[str, ...]) -> bool:
+def wake_would_act(s: common_pb.WorkerStatus, tags: tuple[str, ...]) -> bool:
     """Whether a fresh WakeUp of ``tags`` (none: every sleeping tag) is accepted."""
-    if s.state not in (c.WORKER_STATE_ASLEEP, c.WORKER_STATE_PARTIALLY_AWAKE):
+    if s.state not in (common_pb.WORKER_STATE_ASLEEP, common_pb.WORKER_STATE_PARTIALLY_AWAKE):
         return False
     states = tag_states(s)
-    return all(states[t] != c.TAG_STATE_AWAKE for t in tags)
+    return all(states[t] != common_pb.TAG_STATE_AWAKE for t in tags)
 
 
 def collect(env: Env, wait: bool) -> list[str]:
@@ -237,14 +255,14 @@ def collect(env: Env, wait: bool) -> list[str]:
     return problems
 
 
-def settled(env: Env) -> tuple[m.Worker, c.WorkerStatus]:
+def settled(env: Env) -> tuple[manager_pb.Worker, common_pb.WorkerStatus]:
     """The manager's and the worker's views once no transition is in progress and they agree on the state."""
 
-    def probe() -> tuple[m.Worker, c.WorkerStatus]:
-        ws = env.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+    def probe() -> tuple[manager_pb.Worker, common_pb.WorkerStatus]:
+        ws = env.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
         return get(env.manager.stub, WID), ws
 
-    def quiet(views: tuple[m.Worker, c.WorkerStatus]) -> bool:
+    def quiet(views: tuple[manager_pb.Worker, common_pb.WorkerStatus]) -> bool:
         mw, ws = views
         return (
             not ws.transition_in_progress
@@ -257,7 +275,7 @@ def settled(env: Env) -> tuple[m.Worker, c.WorkerStatus]:
 
 
 def release_quietly(env: Env, lease_id: str) -> None:
-    r = ask(lambda: env.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10))
+    r = ask(lambda: env.manager.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease_id), timeout=10))
     assert r.code in (OK, NOT_FOUND), f"ReleaseWorker({lease_id}) at reset: {r}"
     env.outstanding.discard(lease_id)
 
@@ -269,11 +287,11 @@ def reset(env: Env) -> None:
     for lease_id in sorted(env.outstanding):
         release_quietly(env, lease_id)
     mw, ws = settled(env)
-    if ws.state != c.WORKER_STATE_AWAKE:
-        env.manager.stub.WakeWorker(m.WakeWorkerRequest(name=NAME), timeout=LONG_S)
+    if ws.state != common_pb.WORKER_STATE_AWAKE:
+        env.manager.stub.WakeWorker(manager_pb.WakeWorkerRequest(name=NAME), timeout=LONG_S)
     wait_for(
         lambda: settled(env),
-        lambda v: v[1].state == c.WORKER_STATE_AWAKE and v[0].lease_count == 0,
+        lambda v: v[1].state == common_pb.WORKER_STATE_AWAKE and v[0].lease_count == 0,
         timeout=SETTLE_S,
         what="an awake worker without leases",
     )
@@ -313,20 +331,20 @@ class LeaseMachine(RuleBasedStateMachine):
 
     # ---- helpers ----
     @property
-    def stub(self) -> m_grpc.MemoryManagerServiceStub:
+    def stub(self) -> manager_grpc.MemoryManagerServiceStub:
         return self.env.manager.stub
 
     def rid(self, r: str) -> str:
         return self.prefix + r if r else ""
 
-    def worker_status(self) -> c.WorkerStatus:
-        return self.env.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+    def worker_status(self) -> common_pb.WorkerStatus:
+        return self.env.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
 
-    def before(self) -> tuple[View, int, c.WorkerStatus]:
+    def before(self) -> tuple[View, int, common_pb.WorkerStatus]:
         mw, ws = settled(self.env)
         return view(ws), mw.lease_count, ws
 
-    def unchanged(self, before: tuple[View, int, c.WorkerStatus], what: str, answer: Answer[Any]) -> None:
+    def unchanged(self, before: tuple[View, int, common_pb.WorkerStatus], what: str, answer: Answer[Any]) -> None:
         """A call that was refused (or answered from a kept result) changed nothing."""
         mw, ws = settled(self.env)
         after = (view(ws), mw.lease_count)
@@ -338,7 +356,7 @@ class LeaseMachine(RuleBasedStateMachine):
     def check(self, answer: Answer[Any], expected: set[grpc.StatusCode], deadline: float, what: str) -> None:
         allowed = self.allowed(expected, deadline)
         note(f"{what.split('(')[0]} -> {answer.code.name}")
-        assert answer.code in allowed, f"{what}: {answer}, expected one of {sorted(c.name for c in allowed)}"
+        assert answer.code in allowed, f"{what}: {answer}, expected one of {sorted(code.name for code in allowed)}"
 
     def held_lease(self, r: str) -> str | None:
         k = self.kept.get(r)
@@ -359,13 +377,15 @@ class LeaseMachine(RuleBasedStateMachine):
         if r and r not in self.kept:
             self.unsure.setdefault(r, method)
 
-    def granted(self, r: str, answer: Answer[m.AcquireWorkerResponse], what: str) -> str:
+    def granted(self, r: str, answer: Answer[manager_pb.AcquireWorkerResponse], what: str) -> str:
         resp = answer.get()
         lease_id = resp.lease.lease_id
         assert lease_id and lease_id not in self.released, f"{what}: lease {lease_id} was granted before"
         assert resp.lease.worker == NAME, f"{what}: {resp.lease}"
-        state = c.WorkerState.Name(resp.worker.state)
-        assert resp.worker.state == c.WORKER_STATE_AWAKE, f"{what}: granted on a worker the manager thinks {state}"
+        state = common_pb.WorkerState.Name(resp.worker.state)
+        assert resp.worker.state == common_pb.WORKER_STATE_AWAKE, (
+            f"{what}: granted on a worker the manager thinks {state}"
+        )
         self.leases[lease_id] = r
         self.env.outstanding.add(lease_id)
         if r:
@@ -373,8 +393,8 @@ class LeaseMachine(RuleBasedStateMachine):
             self.unsure.pop(r, None)
         return lease_id
 
-    def acquire_request(self, r: str) -> m.AcquireWorkerRequest:
-        return m.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, holder="stateful", request_id=self.rid(r))
+    def acquire_request(self, r: str) -> manager_pb.AcquireWorkerRequest:
+        return manager_pb.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, holder="stateful", request_id=self.rid(r))
 
     # ---- leases ----
     @rule(
@@ -463,7 +483,7 @@ class LeaseMachine(RuleBasedStateMachine):
         self.release_lease(sorted(self.leases)[i % len(self.leases)])
 
     def release_lease(self, lease_id: str) -> None:
-        answer = ask(lambda: self.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10))
+        answer = ask(lambda: self.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease_id), timeout=10))
         assert answer.code == OK, f"ReleaseWorker of a held lease: {answer}"
         del self.leases[lease_id]
         self.released.append(lease_id)
@@ -474,7 +494,7 @@ class LeaseMachine(RuleBasedStateMachine):
         lease_id = self.released[-1] if stale and self.released else uuid.uuid4().hex
         before = self.before()
         what = f"ReleaseWorker({'a released' if lease_id in self.released else 'an unknown'} lease)"
-        answer = ask(lambda: self.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease_id), timeout=10))
+        answer = ask(lambda: self.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease_id), timeout=10))
         assert answer.code == NOT_FOUND, f"{what}: {answer}"
         self.unchanged(before, what, answer)
 
@@ -507,13 +527,13 @@ class LeaseMachine(RuleBasedStateMachine):
         for lease_id in sorted(self.leases):
             self.release_lease(lease_id)
         _, _, ws = self.before()
-        if busy is not None and ws.state == c.WORKER_STATE_AWAKE:
+        if busy is not None and ws.state == common_pb.WORKER_STATE_AWAKE:
             self.generate_in_background(busy)
         sleep_ok = sleep_would_act(ws, level)
         self.races += 1
         rid = f"{self.prefix}race{self.races}" if twin else ""
-        sleep_req = m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(level))
-        acquire_req = m.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, holder="stateful", request_id=rid)
+        sleep_req = manager_pb.SleepWorkerRequest(name=NAME, level=common_pb.SleepLevel.ValueType(level))
+        acquire_req = manager_pb.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, holder="stateful", request_id=rid)
         if sleep_first:
             sleep_f = self.stub.SleepWorker.future(sleep_req, timeout=sleep_deadline)
         acquire_fs = [self.stub.AcquireWorker.future(acquire_req, timeout=acquire_deadline)]
@@ -545,7 +565,7 @@ class LeaseMachine(RuleBasedStateMachine):
         r: str,
         deadline: float,
         call: Callable[[float], Any],
-        acts: Callable[[c.WorkerStatus], bool],
+        acts: Callable[[common_pb.WorkerStatus], bool],
         what: str,
     ) -> Any | None:
         """SleepWorker or WakeWorker under the request_id rules; ``acts``: whether a fresh call would act on
@@ -597,7 +617,9 @@ class LeaseMachine(RuleBasedStateMachine):
     @rule(level=st.sampled_from([1, 2]), r=st.sampled_from(REQUEST_IDS), deadline=DEADLINES)
     def sleep(self, level: int, r: str, deadline: float) -> None:
         what = f"SleepWorker(level {level}, request_id={r!r}, deadline={deadline:.2f}) with {len(self.leases)} lease(s)"
-        req = m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(level), request_id=self.rid(r))
+        req = manager_pb.SleepWorkerRequest(
+            name=NAME, level=common_pb.SleepLevel.ValueType(level), request_id=self.rid(r)
+        )
         resp = self.transition(
             SLEEP,
             r,
@@ -608,19 +630,21 @@ class LeaseMachine(RuleBasedStateMachine):
         )
         if resp is not None:
             after = self.worker_status()
-            assert after.state == c.WORKER_STATE_ASLEEP, f"{what} answered OK: the worker is {view(after)}"
-            assert resp.worker.state == c.WORKER_STATE_ASLEEP, f"{what}: {resp.worker}"
+            assert after.state == common_pb.WORKER_STATE_ASLEEP, f"{what} answered OK: the worker is {view(after)}"
+            assert resp.worker.state == common_pb.WORKER_STATE_ASLEEP, f"{what}: {resp.worker}"
 
     @rule(tags=st.sampled_from([(), ("weights",), ("kv_cache",)]), r=st.sampled_from(REQUEST_IDS), deadline=DEADLINES)
     def wake(self, tags: tuple[str, ...], r: str, deadline: float) -> None:
         what = f"WakeWorker(tags={list(tags)}, request_id={r!r}, deadline={deadline:.2f})"
-        req = m.WakeWorkerRequest(name=NAME, tags=tags, request_id=self.rid(r))
+        req = manager_pb.WakeWorkerRequest(name=NAME, tags=tags, request_id=self.rid(r))
         resp = self.transition(
             WAKE, r, deadline, lambda t: self.stub.WakeWorker(req, timeout=t), lambda ws: wake_would_act(ws, tags), what
         )
         if resp is not None:
             states = tag_states(after := self.worker_status())
-            assert all(states[t] == c.TAG_STATE_AWAKE for t in tags or states), f"{what} answered OK: {view(after)}"
+            assert all(states[t] == common_pb.TAG_STATE_AWAKE for t in tags or states), (
+                f"{what} answered OK: {view(after)}"
+            )
 
     # ---- the data plane ----
     @rule(
@@ -634,8 +658,8 @@ class LeaseMachine(RuleBasedStateMachine):
             self.generate_in_background(min(deadline, 0.3))
             return
         before = self.before()
-        awake = before[2].state == c.WORKER_STATE_AWAKE
-        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=tokens)
+        awake = before[2].state == common_pb.WORKER_STATE_AWAKE
+        req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=tokens)
         what = f"Generate({list(prompt)}, {tokens}, deadline={deadline:.2f}) on a {view(before[2])}"
         answer = ask(lambda: self.env.worker.stub.Generate(req, timeout=deadline))
         self.check(answer, {OK} if awake else {PRECONDITION}, deadline, what)
@@ -649,7 +673,7 @@ class LeaseMachine(RuleBasedStateMachine):
         """A long Generate, left running: its deadline cancels it while the next steps run."""
         problems = collect(self.env, wait=len(self.env.background) >= MAX_BACKGROUND)
         assert not problems, problems
-        req = w.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS)
+        req = worker_pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS)
         self.env.background.append(self.env.worker.stub.Generate.future(req, timeout=deadline))
 
     # ---- refusals ----
@@ -673,26 +697,28 @@ class LeaseMachine(RuleBasedStateMachine):
         expected = {INVALID}
         calls: dict[str, Callable[[], object]] = {
             "negative ttl": lambda: s.AcquireWorker(
-                m.AcquireWorkerRequest(name=NAME, ttl=Duration(seconds=-1)), timeout=LONG_S
+                manager_pb.AcquireWorkerRequest(name=NAME, ttl=Duration(seconds=-1)), timeout=LONG_S
             ),
-            "long holder": lambda: s.AcquireWorker(m.AcquireWorkerRequest(name=NAME, holder="h" * 300), timeout=LONG_S),
+            "long holder": lambda: s.AcquireWorker(
+                manager_pb.AcquireWorkerRequest(name=NAME, holder="h" * 300), timeout=LONG_S
+            ),
             "long request_id": lambda: s.AcquireWorker(
-                m.AcquireWorkerRequest(name=NAME, request_id="r" * 129), timeout=LONG_S
+                manager_pb.AcquireWorkerRequest(name=NAME, request_id="r" * 129), timeout=LONG_S
             ),
             "unknown lease": lambda: s.AcquireWorker(
-                m.AcquireWorkerRequest(name=NAME, lease_id=uuid.uuid4().hex), timeout=LONG_S
+                manager_pb.AcquireWorkerRequest(name=NAME, lease_id=uuid.uuid4().hex), timeout=LONG_S
             ),
             "level 7": lambda: s.SleepWorker(
-                m.SleepWorkerRequest(name=NAME, level=c.SleepLevel.ValueType(7)), timeout=LONG_S
+                manager_pb.SleepWorkerRequest(name=NAME, level=common_pb.SleepLevel.ValueType(7)), timeout=LONG_S
             ),
             "unknown tag": lambda: s.SleepWorker(
-                m.SleepWorkerRequest(name=NAME, tag_actions={"nope": OFFLOAD}), timeout=LONG_S
+                manager_pb.SleepWorkerRequest(name=NAME, tag_actions={"nope": OFFLOAD}), timeout=LONG_S
             ),
             "tag twice": lambda: s.WakeWorker(
-                m.WakeWorkerRequest(name=NAME, tags=["weights", "weights"]), timeout=LONG_S
+                manager_pb.WakeWorkerRequest(name=NAME, tags=["weights", "weights"]), timeout=LONG_S
             ),
             "too many tokens": lambda: ws.Generate(
-                w.GenerateRequest(prompt_token_ids=[1], max_new_tokens=4097), timeout=LONG_S
+                worker_pb.GenerateRequest(prompt_token_ids=[1], max_new_tokens=4097), timeout=LONG_S
             ),
         }
         if kind == "unknown lease":
@@ -714,23 +740,23 @@ class LeaseMachine(RuleBasedStateMachine):
             what=f"the manager to count the {held} lease(s) the model holds",
         )
         if held:
-            assert ws.state == c.WORKER_STATE_AWAKE, f"{held} lease(s) on a worker that says {view(ws)}"
+            assert ws.state == common_pb.WORKER_STATE_AWAKE, f"{held} lease(s) on a worker that says {view(ws)}"
 
     def teardown(self) -> None:
         env = self.env
         problems = collect(env, wait=True)
         for lease_id in sorted(self.leases):
-            req = m.ReleaseWorkerRequest(lease_id=lease_id)
+            req = manager_pb.ReleaseWorkerRequest(lease_id=lease_id)
             r = ask(functools.partial(self.stub.ReleaseWorker, req, timeout=10))
             if r.code != OK:
                 problems.append(f"ReleaseWorker of a held lease at teardown: {r}")
             env.outstanding.discard(lease_id)
         self.leases.clear()
         _, ws = settled(env)
-        if ws.state != c.WORKER_STATE_AWAKE:
-            env.manager.stub.WakeWorker(m.WakeWorkerRequest(name=NAME), timeout=LONG_S)
+        if ws.state != common_pb.WORKER_STATE_AWAKE:
+            env.manager.stub.WakeWorker(manager_pb.WakeWorkerRequest(name=NAME), timeout=LONG_S)
         mw, ws = settled(env)
-        assert ws.state == c.WORKER_STATE_AWAKE and mw.lease_count == 0, (mw, ws)
+        assert ws.state == common_pb.WORKER_STATE_AWAKE and mw.lease_count == 0, (mw, ws)
         tokens = generate(env.worker, REF_PROMPT, REF_TOKENS)
         assert tokens == env.reference, f"the weights changed: {tokens} != {env.reference}"
         assert not problems, problems
@@ -773,29 +799,31 @@ def test_a_retry_sharing_a_call_is_not_bounded_by_the_first_callers_deadline(env
     # sequence proves the engine admitted it: a Generate still on its way when the sleep arrives is
     # refused (a transition is pending), and the sleep, then the acquire's wake, would end at once.
     busy = env.worker.stub.Generate.future(
-        w.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS), timeout=LONG_S
+        worker_pb.GenerateRequest(prompt_token_ids=PROMPTS[0], max_new_tokens=LONG_TOKENS), timeout=LONG_S
     )
     wait_for(
-        lambda: env.worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
+        lambda: env.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status.kv_cache,
         lambda kv: kv.sequence_count > 0 or busy.done(),
         what="the Generate to be admitted",
     )
     assert not busy.done(), f"the busy Generate ended at once: {busy.exception()}"
     first: grpc.Future[Any]
     retry: grpc.Future[Any]
-    sleep: grpc.Future[m.SleepWorkerResponse] | None = None
+    sleep: grpc.Future[manager_pb.SleepWorkerResponse] | None = None
     if method == ACQUIRE:  # a sleep holds the manager's lock on the worker while it waits behind the Generate
-        sleep = stub.SleepWorker.future(m.SleepWorkerRequest(name=NAME, level=c.SLEEP_LEVEL_1), timeout=LONG_S)
+        sleep = stub.SleepWorker.future(
+            manager_pb.SleepWorkerRequest(name=NAME, level=common_pb.SLEEP_LEVEL_1), timeout=LONG_S
+        )
         wait_for(
             lambda: get(stub, WID),
             lambda mw: mw.status.transition_in_progress,
             timeout=5,
             what="the sleep to be accepted by the worker",
         )
-        req = m.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, request_id="shared-acquire")
+        req = manager_pb.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, request_id="shared-acquire")
         first, retry = (stub.AcquireWorker.future(req, timeout=t) for t in (0.3, LONG_S))
     else:  # the sleep itself waits behind the Generate
-        sreq = m.SleepWorkerRequest(name=NAME, level=c.SLEEP_LEVEL_1, request_id="shared-sleep")
+        sreq = manager_pb.SleepWorkerRequest(name=NAME, level=common_pb.SLEEP_LEVEL_1, request_id="shared-sleep")
         first, retry = (stub.SleepWorker.future(sreq, timeout=t) for t in (0.3, LONG_S))
     assert ask(first.result).code == DEADLINE
     busy.cancel()  # the engine drops it at its next step; the shared call goes on for the retry

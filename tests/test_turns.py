@@ -31,9 +31,9 @@ from google.protobuf.field_mask_pb2 import FieldMask
 from managerproc import ManagerProcess, wait_for
 from workerproc import WorkerProcess
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 openai = pytest.importorskip("openai")
 
@@ -56,14 +56,14 @@ class Pair:
         self.manager, self.workers, self.gateway = mp, workers, gw
         self.client = openai.OpenAI(base_url=f"{gw.url}/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def worker(self, name: str) -> m.Worker:
-        return self.manager.stub.GetWorker(m.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
+    def worker(self, name: str) -> manager_pb.Worker:
+        return self.manager.stub.GetWorker(manager_pb.GetWorkerRequest(name=f"workers/{name}"), timeout=10).worker
 
-    def status(self, name: str) -> c.WorkerStatus:
-        return self.workers[name].stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=10).status
+    def status(self, name: str) -> common_pb.WorkerStatus:
+        return self.workers[name].stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
 
     def alone(self, name: str, prompt: list[int], n: int) -> list[int]:
-        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, ignore_eos=True)
+        req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, ignore_eos=True)
         return list(self.workers[name].stub.Generate(req, timeout=CALL_TIMEOUT).token_ids)
 
     def clean(self) -> None:
@@ -75,7 +75,7 @@ class Pair:
             assert st.paused_generations == 0, st
             kv = st.kv_cache
             assert kv.sequence_count == 0 and kv.host_free_block_count == kv.host_block_count, kv
-            if st.state == c.WORKER_STATE_AWAKE:
+            if st.state == common_pb.WORKER_STATE_AWAKE:
                 assert kv.device_free_block_count == kv.device_block_count, kv
 
 
@@ -101,15 +101,15 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
             ]
             workers[name] = WorkerProcess(flags).start()
         listed = wait_for(
-            lambda: mp.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers,
+            lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers,
             lambda ws: len([x for x in ws if x.status.tags]) == 2,
             what="both registrations",
         )
         need = max(sum(t.mapped_bytes for t in x.status.tags) for x in listed)
-        policy = m.Policy(device_budget_bytes=need + need // 2, time_slice=Duration(nanos=int(SLICE_S * 1e9)))
+        policy = manager_pb.Policy(device_budget_bytes=need + need // 2, time_slice=Duration(nanos=int(SLICE_S * 1e9)))
         mask = FieldMask(paths=["device_budget_bytes", "time_slice"])
-        mp.stub.UpdatePolicy(m.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
-        mp.stub.SleepWorker(m.SleepWorkerRequest(name="workers/beta"), timeout=CALL_TIMEOUT)  # both load awake
+        mp.stub.UpdatePolicy(manager_pb.UpdatePolicyRequest(policy=policy, update_mask=mask), timeout=10)
+        mp.stub.SleepWorker(manager_pb.SleepWorkerRequest(name="workers/beta"), timeout=CALL_TIMEOUT)  # both load awake
         gw = GatewayProcess(mp.address, ["--queue-timeout", "5"]).start()
         p = Pair(mp, workers, gw)
         yield p
@@ -144,9 +144,9 @@ class Streams:
             wait_for(lambda o=o: len(o["tokens"]), lambda k: k >= 3, what=f"{name}'s streams to start", timeout=60)  # type: ignore[misc]
 
     def _read(self, stub: Any, prompt: list[int], out: dict[str, Any]) -> None:
-        req = w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=self.LENGTH, ignore_eos=True)
+        req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=self.LENGTH, ignore_eos=True)
         try:
-            for msg in stub.GenerateStream(w.GenerateStreamRequest(request=req), timeout=120):
+            for msg in stub.GenerateStream(worker_pb.GenerateStreamRequest(request=req), timeout=120):
                 out["tokens"].extend(msg.token_ids)
                 if msg.HasField("done"):
                     out["done"] = list(msg.done.token_ids)
@@ -176,7 +176,7 @@ def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_
     turn; nothing is left held."""
     recomputed = pair.status("alpha").kv_cache.recomputed_tokens
     held = pair.manager.stub.AcquireWorker(
-        m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
+        manager_pb.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
     )
     streams = Streams(pair, "alpha")
 
@@ -194,7 +194,7 @@ def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_
     assert pair.worker("alpha").lease_count == 1, "the lease held through the turn"
     turns = pair.manager.metrics()[("memsvc_turns_yielded_total", frozenset({("worker", "alpha")}))]
     assert turns == 1
-    pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+    pair.manager.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
     pair.clean()
 
 
@@ -204,11 +204,11 @@ def test_streams_paused_by_a_turn_go_on_after_the_manager_restarts(pair: Pair) -
     requests paused on it, gives it its turn (beta, still leased, pauses in turn), and alpha's streams
     end with their alone tokens. Leases restored from the database are released as usual."""
     held_a = pair.manager.stub.AcquireWorker(
-        m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
+        manager_pb.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
     )
     streams = Streams(pair, "alpha")
     held_b = pair.manager.stub.AcquireWorker(
-        m.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=HOUR), timeout=60
+        manager_pb.AcquireWorkerRequest(name="workers/beta", holder="test", ttl=HOUR), timeout=60
     )
     paused = pair.status("alpha").paused_generations
     assert paused >= 1 and streams.unfinished(), f"set-up: nothing paused on alpha ({paused})"
@@ -218,7 +218,7 @@ def test_streams_paused_by_a_turn_go_on_after_the_manager_restarts(pair: Pair) -
     streams.check(streams.unfinished())
     assert pair.status("alpha").paused_generations == 0
     for held in (held_a, held_b):
-        pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+        pair.manager.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
     pair.clean()
 
 
@@ -229,7 +229,7 @@ def test_two_models_under_steady_streamed_load_take_turns_and_serve_everything(p
     than the bound, alpha gave up turns for beta, and nothing is left held."""
     rounds, clients, tokens = 4, 3, 96
     held = pair.manager.stub.AcquireWorker(
-        m.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
+        manager_pb.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
     )
     errors: list[BaseException] = []
     waits: dict[str, list[float]] = {name: [] for name in MODELS}
@@ -270,5 +270,5 @@ def test_two_models_under_steady_streamed_load_take_turns_and_serve_everything(p
     worst = max(max(v) for v in waits.values())
     assert worst < WAIT_BOUND_S, f"a request waited {worst:.1f} s for its first token"
     assert pair.worker("alpha").turns_yielded >= 1, "beta was served without alpha giving up a turn"
-    pair.manager.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
+    pair.manager.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
     pair.clean()

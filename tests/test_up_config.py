@@ -28,9 +28,9 @@ import pytest
 from childproc import Proc
 from upproc import free_port, wait_for
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
 openai = pytest.importorskip("openai")
 
@@ -84,13 +84,13 @@ class Host:
         # a session of its own: kill() at the end takes the children with it, whatever the test left
         self.proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(self.file)], name="memsvc up")
         self.channel = grpc.insecure_channel(self.manager)
-        self.stub = m_grpc.MemoryManagerServiceStub(self.channel)
+        self.stub = manager_grpc.MemoryManagerServiceStub(self.channel)
         self.client = openai.OpenAI(base_url=f"http://{self.gateway}/v1", api_key="unused", max_retries=0, timeout=120)
 
-    def workers(self) -> dict[str, m.Worker]:
+    def workers(self) -> dict[str, manager_pb.Worker]:
         return {
             w.name.removeprefix("workers/"): w
-            for w in self.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
+            for w in self.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers
         }
 
     def listed(self) -> list[str]:
@@ -128,7 +128,7 @@ def host(tmp_path: Path) -> Iterator[Host]:
 
 
 def awake(h: Host) -> list[str]:
-    return sorted(n for n, w in h.workers().items() if w.state == c.WORKER_STATE_AWAKE)
+    return sorted(n for n, w in h.workers().items() if w.state == common_pb.WORKER_STATE_AWAKE)
 
 
 def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_stop(host: Host) -> None:
@@ -156,7 +156,7 @@ def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_sto
     # it loads awake beside the one awake before: memsvc up puts it to sleep once it has registered
     wait_for(
         lambda: h.workers()["beta"],
-        lambda wk: wk.address != before and wk.state == c.WORKER_STATE_ASLEEP,
+        lambda wk: wk.address != before and wk.state == common_pb.WORKER_STATE_ASLEEP,
         what="beta registered again (its new port), then put to sleep",
         timeout=120,
     )
@@ -166,13 +166,13 @@ def test_three_models_from_one_file_serve_text_take_turns_restart_reload_and_sto
 
     # SIGHUP: gamma out (while a client holds a lease on it), delta in, alpha and beta untouched
     alpha = worker_pid(h.proc.proc.pid, "alpha")
-    lease = h.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/gamma", holder="test"), timeout=60).lease
+    lease = h.stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name="workers/gamma", holder="test"), timeout=60).lease
     host_file(h.file, h.manager, h.gateway, ("alpha", "beta", "delta"))
     h.proc.proc.send_signal(signal.SIGHUP)
     wait_for(lambda: h.listed(), lambda ids: "delta" in ids, what="delta listed after the reload", timeout=120)
     assert worker_pid(h.proc.proc.pid, "gamma") is None
     assert "gamma" in h.workers(), "a leased worker was deregistered under its lease"
-    h.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
+    h.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease_id), timeout=10)
     wait_for(lambda: h.workers(), lambda ws: "gamma" not in ws, what="gamma deregistered once its lease ended")
     assert h.listed() == ["alpha", "beta", "delta"]
     assert worker_pid(h.proc.proc.pid, "gamma") is None
@@ -214,7 +214,7 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
             )
         wait_for(
             lambda: h.workers(),
-            lambda ws: all(w.state == c.WORKER_STATE_UNAVAILABLE for w in ws.values()),
+            lambda ws: all(w.state == common_pb.WORKER_STATE_UNAVAILABLE for w in ws.values()),
             what="both unavailable at the manager",
         )
         wait_for(  # the manager sees a stream end before its process has exited
@@ -222,7 +222,7 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
             lambda running: len(running) == 1 and b"--standby" in running[0],
             what="no worker process but the standby that waits",
         )
-        policy = h.stub.GetPolicy(m.GetPolicyRequest(name="workers/alpha"), timeout=10).policy
+        policy = h.stub.GetPolicy(manager_pb.GetPolicyRequest(name="workers/alpha"), timeout=10).policy
         assert policy.start_timeout.seconds == 300
 
         assert h.text("alpha") == before
@@ -230,10 +230,12 @@ def test_a_model_asleep_for_stop_after_has_no_process_and_a_request_starts_it_fr
         assert "worker alpha started on demand (1 acquire(s) waiting)" in log
         assert "worker alpha started from the standby" in log.split("worker alpha started on demand")[1]
 
-        lease = h.stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/beta", holder="a service"), timeout=120)
-        assert lease.worker.state == c.WORKER_STATE_AWAKE
+        lease = h.stub.AcquireWorker(
+            manager_pb.AcquireWorkerRequest(name="workers/beta", holder="a service"), timeout=120
+        )
+        assert lease.worker.state == common_pb.WORKER_STATE_AWAKE
         assert "worker beta started on demand" in said()
-        h.stub.ReleaseWorker(m.ReleaseWorkerRequest(lease_id=lease.lease.lease_id), timeout=10)
+        h.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=lease.lease.lease_id), timeout=10)
 
         kids = list(children(h.proc.proc.pid))
         assert h.proc.signal_and_wait(signal.SIGINT) == 0
@@ -375,7 +377,7 @@ def test_a_file_with_a_manager_elsewhere_runs_its_workers_only_each_at_its_port_
         f'[manager]\naddress = "{manager.address}"\n\n[gateway]\nlisten = ""\n\n'
         f'[workers]\nlisten = "127.0.0.1:{first}"\n\n[policy]\nidle_sleep_timeout = 600\n\n{entries}'
     )
-    default_before = manager.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy
+    default_before = manager.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy
     env = {**os.environ, "MEMSVC_ADVERTISE_HOST": "127.0.0.1", "MEMSVC_WORKER_ID_PREFIX": "pod-0"}
     proc = Proc([sys.executable, "-m", "memsvc.cli", "up", "--config", str(path)], env=env, name="memsvc up")
     proc.start()
@@ -383,13 +385,15 @@ def test_a_file_with_a_manager_elsewhere_runs_its_workers_only_each_at_its_port_
         want = {"pod-0-alpha": f"127.0.0.1:{first}", "pod-0-beta": f"127.0.0.1:{first + 1}"}
 
         def registered() -> dict[str, str]:
-            ws = manager.stub.ListWorkers(m.ListWorkersRequest(), timeout=10).workers
-            return {w.name.removeprefix("workers/"): w.address for w in ws if w.state != c.WORKER_STATE_UNAVAILABLE}
+            ws = manager.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers
+            return {
+                w.name.removeprefix("workers/"): w.address for w in ws if w.state != common_pb.WORKER_STATE_UNAVAILABLE
+            }
 
         wait_for(registered, lambda r: r == want, what="both workers registered at their ports", timeout=120)
 
-        def overrides(wid: str) -> m.Policy:
-            return manager.stub.GetPolicy(m.GetPolicyRequest(name=f"workers/{wid}"), timeout=10).policy
+        def overrides(wid: str) -> manager_pb.Policy:
+            return manager.stub.GetPolicy(manager_pb.GetPolicyRequest(name=f"workers/{wid}"), timeout=10).policy
 
         for wid in want:  # [policy] is each worker's override; the manager's default stays as it was
             wait_for(
@@ -398,7 +402,7 @@ def test_a_file_with_a_manager_elsewhere_runs_its_workers_only_each_at_its_port_
                 what=f"{wid}'s override",
                 timeout=60,
             )
-        assert manager.stub.GetPolicy(m.GetPolicyRequest(), timeout=10).policy == default_before
+        assert manager.stub.GetPolicy(manager_pb.GetPolicyRequest(), timeout=10).policy == default_before
         started = [argv[3] for argv in children(proc.pid).values() if argv[1:3] == [b"-m", b"memsvc.cli"]]
         assert sorted(started) == [b"worker", b"worker"], "no manager or gateway of its own"
         assert proc.signal_and_wait(signal.SIGTERM, 60) == 0

@@ -82,25 +82,25 @@ CLIENT = textwrap.dedent(
 
     import grpc
     from memsvc.v1 import common_pb2
-    from memsvc.v1 import memory_manager_service_pb2 as m
-    from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+    from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
 
     def acquire(address: str, name: str) -> str:
         with grpc.insecure_channel(address) as channel:
-            stub = m_grpc.MemoryManagerServiceStub(channel)
-            request = m.AcquireWorkerRequest(name=name, holder="client")
+            stub = manager_grpc.MemoryManagerServiceStub(channel)
+            request = manager_pb.AcquireWorkerRequest(name=name, holder="client")
             request.ttl.FromSeconds(60)
-            response: m.AcquireWorkerResponse = stub.AcquireWorker(request, timeout=30.0)
+            response: manager_pb.AcquireWorkerResponse = stub.AcquireWorker(request, timeout=30.0)
             level: common_pb2.SleepLevel.ValueType = common_pb2.SLEEP_LEVEL_1
-            stub.SleepWorker(m.SleepWorkerRequest(name=name, level=level), timeout=30.0)
+            stub.SleepWorker(manager_pb.SleepWorkerRequest(name=name, level=level), timeout=30.0)
             return response.lease.lease_id
 
 
     async def acquire_async(address: str, name: str) -> str:
         async with grpc.aio.insecure_channel(address) as channel:
-            stub = m_grpc.MemoryManagerServiceAsyncStub(channel)
-            response = await stub.AcquireWorker(m.AcquireWorkerRequest(name=name), timeout=30.0)
+            stub = manager_grpc.MemoryManagerServiceAsyncStub(channel)
+            response = await stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name=name), timeout=30.0)
             return response.lease.lease_id
     """
 )
@@ -108,12 +108,12 @@ CLIENT = textwrap.dedent(
 WRONG = textwrap.dedent(
     """
     import grpc
-    from memsvc.v1 import memory_manager_service_pb2 as m
-    from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+    from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
-    stub = m_grpc.MemoryManagerServiceStub(grpc.insecure_channel("127.0.0.1:50051"))
-    lease_id: int = stub.AcquireWorker(m.AcquireWorkerRequest(name="workers/w")).lease.lease_id
-    m.AcquireWorkerRequest(nmae="workers/w")
+    stub = manager_grpc.MemoryManagerServiceStub(grpc.insecure_channel("127.0.0.1:50051"))
+    lease_id: int = stub.AcquireWorker(manager_pb.AcquireWorkerRequest(name="workers/w")).lease.lease_id
+    manager_pb.AcquireWorkerRequest(nmae="workers/w")
     """
 )
 
@@ -418,7 +418,7 @@ def test_the_readme_error_decoding_prints_what_a_real_manager_sends(tmp_path: Pa
     cl = Cluster(tmp_path)
     try:
         mp = cl.manager()
-        call = f"sleep_worker(m_grpc.MemoryManagerServiceStub(grpc.insecure_channel({mp.address!r})), 'nobody')"
+        call = f"sleep_worker(manager_grpc.MemoryManagerServiceStub(grpc.insecure_channel({mp.address!r})), 'nobody')"
         script = f"{readme_error_decoding()}\ntry:\n    {call}\nexcept grpc.RpcError:\n    pass\n"
         r = run([sys.executable, "-c", script], timeout=120, cwd=tmp_path)
         assert r.returncode == 0, r.stderr

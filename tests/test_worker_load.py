@@ -14,7 +14,7 @@ from memsvc.vocabulary import WorkerState
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.model.generation import GenerationRequest
-from worker.telemetry import Event, EventKind
+from worker.telemetry import Event, StateChange
 
 pytestmark = pytest.mark.asyncio
 
@@ -30,7 +30,7 @@ async def test_the_state_reads_awake_only_once_the_load_lets_go_of_the_transitio
     held_at_awake: list[bool] = []
 
     def watching(event: Event) -> None:  # called where the state changes (the device loop), as it does
-        if event.kind == EventKind.STATE_CHANGE and event.data["to"] == WorkerState.AWAKE:
+        if isinstance(event.data, StateChange) and event.data.new == WorkerState.AWAKE:
             held_at_awake.append(core._sm.in_progress)
             if not core._sm.in_progress:
                 core.reserve_generate().release()  # what a client seeing AWAKE does first

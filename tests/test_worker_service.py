@@ -26,9 +26,9 @@ from grpc_health.v1 import health_pb2
 from workerproc import WorkerProcess, WorkerStartError
 
 from memsvc import DOMAIN, error_info
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 SEED = 3
 PROMPT = [11, 22, 33, 44, 55, 66, 77]
@@ -40,7 +40,7 @@ SERVICE = "memsvc.v1.ModelWorkerService"
 CALL_TIMEOUT = 60.0
 SETTLE_TIMEOUT = 60.0
 
-Stub = w_grpc.ModelWorkerServiceStub
+Stub = worker_grpc.ModelWorkerServiceStub
 
 REASON = {
     grpc.StatusCode.INVALID_ARGUMENT: "INVALID_ARGUMENT",
@@ -55,25 +55,26 @@ REASON = {
 # helpers
 
 
-def status(stub: Stub) -> c.WorkerStatus:
-    return stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
+def status(stub: Stub) -> common_pb.WorkerStatus:
+    return stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
 
 
-def state_name(value: c.WorkerState.ValueType) -> str:
-    return c.WorkerState.Name(value).removeprefix("WORKER_STATE_")
+def state_name(value: common_pb.WorkerState.ValueType) -> str:
+    return common_pb.WorkerState.Name(value).removeprefix("WORKER_STATE_")
 
 
-def tags(st: c.WorkerStatus) -> dict[str, c.TagMemory]:
+def tags(st: common_pb.WorkerStatus) -> dict[str, common_pb.TagMemory]:
     return {t.tag: t for t in st.tags}
 
 
-def tag_state(t: c.TagMemory) -> str:
-    return c.TagState.Name(t.state).removeprefix("TAG_STATE_")
+def tag_state(t: common_pb.TagMemory) -> str:
+    return common_pb.TagState.Name(t.state).removeprefix("TAG_STATE_")
 
 
-def generate_full(stub: Stub, prompt: list[int], n: int = N_NEW, sequence_id: str = "") -> w.GenerateResponse:
+def generate_full(stub: Stub, prompt: list[int], n: int = N_NEW, sequence_id: str = "") -> worker_pb.GenerateResponse:
     r = stub.Generate(
-        w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, sequence_id=sequence_id), timeout=CALL_TIMEOUT
+        worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, sequence_id=sequence_id),
+        timeout=CALL_TIMEOUT,
     )
     assert r.sequence_id == sequence_id
     assert len(r.token_ids) == n
@@ -87,13 +88,13 @@ def generate(stub: Stub, prompt: list[int], n: int = N_NEW, sequence_id: str = "
 
 
 def sleep(
-    stub: Stub, level: c.SleepLevel.ValueType = c.SLEEP_LEVEL_1, request_id: str = "", **kw: Any
-) -> w.SleepResponse:
-    return stub.Sleep(w.SleepRequest(level=level, request_id=request_id, **kw), timeout=CALL_TIMEOUT)
+    stub: Stub, level: common_pb.SleepLevel.ValueType = common_pb.SLEEP_LEVEL_1, request_id: str = "", **kw: Any
+) -> worker_pb.SleepResponse:
+    return stub.Sleep(worker_pb.SleepRequest(level=level, request_id=request_id, **kw), timeout=CALL_TIMEOUT)
 
 
-def wake(stub: Stub, tags_: list[str] | None = None, request_id: str = "") -> w.WakeUpResponse:
-    return stub.WakeUp(w.WakeUpRequest(tags=tags_ or [], request_id=request_id), timeout=CALL_TIMEOUT)
+def wake(stub: Stub, tags_: list[str] | None = None, request_id: str = "") -> worker_pb.WakeUpResponse:
+    return stub.WakeUp(worker_pb.WakeUpRequest(tags=tags_ or [], request_id=request_id), timeout=CALL_TIMEOUT)
 
 
 def expect_error(call: Callable[[], Any], code: grpc.StatusCode) -> grpc.RpcError:
@@ -114,20 +115,24 @@ def blocks_for(num_tokens: int, new_tokens: int) -> int:
     return math.ceil((num_tokens + new_tokens - 1) / BLOCK_SIZE)
 
 
-def settle(stub: Stub) -> c.WorkerStatus:
+def settle(stub: Stub) -> common_pb.WorkerStatus:
     """Status once no transition runs: the state is neither SLEEPING nor WAKING, and the transition
     that set it has ended (it sets ASLEEP or AWAKE a moment before it lets the next one start)."""
     deadline = time.monotonic() + SETTLE_TIMEOUT
     while True:
         st = status(stub)
-        busy = st.state in (c.WORKER_STATE_SLEEPING, c.WORKER_STATE_WAKING, c.WORKER_STATE_LOADING)
+        busy = st.state in (
+            common_pb.WORKER_STATE_SLEEPING,
+            common_pb.WORKER_STATE_WAKING,
+            common_pb.WORKER_STATE_LOADING,
+        )
         if not busy and not st.transition_in_progress:
             return st
         assert time.monotonic() < deadline, f"worker stuck in {state_name(st.state)}"
         time.sleep(0.02)
 
 
-def memory_view(st: c.WorkerStatus) -> tuple[Any, ...]:
+def memory_view(st: common_pb.WorkerStatus) -> tuple[Any, ...]:
     """What a rejected request must leave unchanged: state, level, per-tag memory, KV block counts."""
     per_tag = tuple(
         (t.tag, t.state, t.mapped_bytes, t.allocated_bytes, t.offloaded_bytes, t.discarded_bytes, t.allocation_count)
@@ -144,13 +149,13 @@ def memory_view(st: c.WorkerStatus) -> tuple[Any, ...]:
     return (st.state, st.sleep_level, per_tag, kv_view)
 
 
-def reset(stub: Stub) -> c.WorkerStatus:
+def reset(stub: Stub) -> common_pb.WorkerStatus:
     """Bring the shared worker back to AWAKE with an empty KV cache."""
     st = settle(stub)
-    if st.state in (c.WORKER_STATE_ASLEEP, c.WORKER_STATE_PARTIALLY_AWAKE):
+    if st.state in (common_pb.WORKER_STATE_ASLEEP, common_pb.WORKER_STATE_PARTIALLY_AWAKE):
         wake(stub)
     st = status(stub)
-    assert st.state == c.WORKER_STATE_AWAKE, state_name(st.state)
+    assert st.state == common_pb.WORKER_STATE_AWAKE, state_name(st.state)
     kv = st.kv_cache
     if kv.sequence_count or kv.device_free_block_count != kv.device_block_count:
         sleep(stub)  # level 1 discards the KV cache: sequences holding device blocks are dropped
@@ -193,7 +198,7 @@ def worker() -> Iterator[WorkerProcess]:
 @pytest.fixture(scope="module")
 def info(worker: WorkerProcess) -> Info:
     st = status(worker.stub)
-    assert st.state == c.WORKER_STATE_AWAKE
+    assert st.state == common_pb.WORKER_STATE_AWAKE
     t = tags(st)
     assert set(t) == {"weights", "kv_cache"}
     assert st.model.source == "synthetic:tiny" and st.device.backend == "host"
@@ -229,12 +234,12 @@ def test_level1_sleep_offloads_weights_and_wake_restores_same_tokens(stub: Stub,
     weights0 = tags(st0)["weights"]
     assert tag_state(weights0) == "AWAKE" and weights0.mapped_bytes >= info.weights_bytes
 
-    r: w.SleepResponse | w.WakeUpResponse = sleep(stub, c.SLEEP_LEVEL_1)
+    r: worker_pb.SleepResponse | worker_pb.WakeUpResponse = sleep(stub, common_pb.SLEEP_LEVEL_1)
     assert r.transition.kind == "sleep"
     assert r.transition.moved_bytes == info.weights_bytes
     for st in (r.status, status(stub)):
-        assert st.state == c.WORKER_STATE_ASLEEP
-        assert st.sleep_level == c.SLEEP_LEVEL_1
+        assert st.state == common_pb.WORKER_STATE_ASLEEP
+        assert st.sleep_level == common_pb.SLEEP_LEVEL_1
         t = tags(st)
         assert tag_state(t["weights"]) == "OFFLOADED"
         assert t["weights"].mapped_bytes == 0
@@ -251,8 +256,8 @@ def test_level1_sleep_offloads_weights_and_wake_restores_same_tokens(stub: Stub,
     assert r.transition.kind == "wake"
     assert r.transition.moved_bytes == info.weights_bytes
     st = status(stub)
-    assert st.state == c.WORKER_STATE_AWAKE
-    assert st.sleep_level == c.SLEEP_LEVEL_UNSPECIFIED
+    assert st.state == common_pb.WORKER_STATE_AWAKE
+    assert st.sleep_level == common_pb.SLEEP_LEVEL_UNSPECIFIED
     t = tags(st)
     assert tag_state(t["weights"]) == "AWAKE" and t["weights"].mapped_bytes == weights0.mapped_bytes
     assert t["weights"].offloaded_bytes == 0
@@ -275,12 +280,12 @@ def test_host_prepin_serves_the_first_sleep() -> None:
         pinned = st.host_pinned_bytes
         assert pinned >= weights + kv_pool > 0
         reference = generate(wp.stub, PROMPT)
-        r = sleep(wp.stub, c.SLEEP_LEVEL_1)
+        r = sleep(wp.stub, common_pb.SLEEP_LEVEL_1)
         assert r.transition.moved_bytes == tags(st)["weights"].allocated_bytes
         assert r.status.host_pinned_bytes == pinned  # the sleep made no chunk of its own
         assert wake(wp.stub).status.host_pinned_bytes == pinned  # and the wake kept them
         assert generate(wp.stub, PROMPT) == reference
-        assert sleep(wp.stub, c.SLEEP_LEVEL_1).status.host_pinned_bytes == pinned
+        assert sleep(wp.stub, common_pb.SLEEP_LEVEL_1).status.host_pinned_bytes == pinned
         wake(wp.stub)
         wp.stop()
         assert "host prepin: " in wp.stderr_text(), "no prepin log line"
@@ -300,49 +305,50 @@ def test_continuing_a_sequence_that_a_sleep_discarded_is_not_found(stub: Stub, i
 
 
 def test_reload_weights_keeps_tokens(stub: Stub, info: Info) -> None:
-    r = stub.ReloadWeights(w.ReloadWeightsRequest(), timeout=CALL_TIMEOUT)
+    r = stub.ReloadWeights(worker_pb.ReloadWeightsRequest(), timeout=CALL_TIMEOUT)
     assert r.transition.kind == "reload_weights"
     assert r.transition.moved_bytes == info.weights_bytes
-    assert r.status.state == c.WORKER_STATE_AWAKE
+    assert r.status.state == common_pb.WORKER_STATE_AWAKE
     assert generate(stub, PROMPT) == info.reference
 
 
 def test_partial_wake(stub: Stub, info: Info) -> None:
-    sleep(stub, c.SLEEP_LEVEL_1)
+    sleep(stub, common_pb.SLEEP_LEVEL_1)
     r = wake(stub, ["weights"])
     assert r.transition.kind == "wake" and r.transition.moved_bytes == info.weights_bytes
     for st in (r.status, status(stub)):
-        assert st.state == c.WORKER_STATE_PARTIALLY_AWAKE
+        assert st.state == common_pb.WORKER_STATE_PARTIALLY_AWAKE
         t = tags(st)
         assert tag_state(t["weights"]) == "AWAKE" and t["weights"].mapped_bytes >= info.weights_bytes
         assert tag_state(t["kv_cache"]) == "DISCARDED" and t["kv_cache"].mapped_bytes == 0
 
     expect_error(lambda: generate(stub, PROMPT), grpc.StatusCode.FAILED_PRECONDITION)
-    pairs = [w.BlockPair(src_block=0, dst_block=0)]
+    pairs = [worker_pb.BlockPair(src_block=0, dst_block=0)]
     expect_error(
         lambda: stub.SwapBlocks(
-            w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=pairs), timeout=CALL_TIMEOUT
+            worker_pb.SwapBlocksRequest(direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, pairs=pairs),
+            timeout=CALL_TIMEOUT,
         ),
         grpc.StatusCode.FAILED_PRECONDITION,
     )
-    expect_error(lambda: stub.ReloadWeights(w.ReloadWeightsRequest()), grpc.StatusCode.FAILED_PRECONDITION)
+    expect_error(lambda: stub.ReloadWeights(worker_pb.ReloadWeightsRequest()), grpc.StatusCode.FAILED_PRECONDITION)
     expect_error(lambda: wake(stub, ["weights"]), grpc.StatusCode.FAILED_PRECONDITION)  # not asleep
-    assert status(stub).state == c.WORKER_STATE_PARTIALLY_AWAKE
+    assert status(stub).state == common_pb.WORKER_STATE_PARTIALLY_AWAKE
 
     r = wake(stub)
-    assert r.status.state == c.WORKER_STATE_AWAKE
+    assert r.status.state == common_pb.WORKER_STATE_AWAKE
     assert all(tag_state(t) == "AWAKE" for t in r.status.tags)
     assert generate(stub, PROMPT) == info.reference
 
     # The other order: the KV cache first, weights still offloaded.
-    sleep(stub, c.SLEEP_LEVEL_1)
+    sleep(stub, common_pb.SLEEP_LEVEL_1)
     r = wake(stub, ["kv_cache"])
-    assert r.status.state == c.WORKER_STATE_PARTIALLY_AWAKE
+    assert r.status.state == common_pb.WORKER_STATE_PARTIALLY_AWAKE
     t = tags(r.status)
     assert tag_state(t["weights"]) == "OFFLOADED" and tag_state(t["kv_cache"]) == "AWAKE"
     expect_error(lambda: generate(stub, PROMPT), grpc.StatusCode.FAILED_PRECONDITION)
     r = wake(stub, ["weights"])
-    assert r.status.state == c.WORKER_STATE_AWAKE
+    assert r.status.state == common_pb.WORKER_STATE_AWAKE
     assert generate(stub, PROMPT) == info.reference
 
 
@@ -370,11 +376,11 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
         kv_bytes = tags(st)["kv_cache"].allocated_bytes
         before = generate(s, PROMPT)
 
-        r: w.SleepResponse | w.WakeUpResponse = sleep(s, c.SLEEP_LEVEL_2)
+        r: worker_pb.SleepResponse | worker_pb.WakeUpResponse = sleep(s, common_pb.SLEEP_LEVEL_2)
         assert r.transition.kind == "sleep"
         assert r.transition.moved_bytes == 0  # nothing is copied: both tags are dropped
         st = status(s)
-        assert st.state == c.WORKER_STATE_ASLEEP and st.sleep_level == c.SLEEP_LEVEL_2
+        assert st.state == common_pb.WORKER_STATE_ASLEEP and st.sleep_level == common_pb.SLEEP_LEVEL_2
         t = tags(st)
         assert tag_state(t["weights"]) == "DISCARDED"
         assert t["weights"].mapped_bytes == 0 and t["weights"].offloaded_bytes == 0
@@ -385,18 +391,18 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
         assert r.transition.kind == "wake"
         assert r.transition.moved_bytes == weights_bytes  # reloaded from the checkpoint
         st = status(s)
-        assert st.state == c.WORKER_STATE_AWAKE
+        assert st.state == common_pb.WORKER_STATE_AWAKE
         assert tag_state(tags(st)["weights"]) == "AWAKE" and tags(st)["weights"].mapped_bytes >= weights_bytes
         assert generate(s, PROMPT) == before
 
         # The wake really reads the checkpoint directory: other weights on disk, other tokens.
-        sleep(s, c.SLEEP_LEVEL_2)
+        sleep(s, common_pb.SLEEP_LEVEL_2)
         write_checkpoint(ckpt, seed=12)
         wake(s)
         assert generate(s, PROMPT) != before
         # ... and ReloadWeights reads it again, back to the original tokens.
         write_checkpoint(ckpt, seed=11)
-        r2 = s.ReloadWeights(w.ReloadWeightsRequest(), timeout=CALL_TIMEOUT)
+        r2 = s.ReloadWeights(worker_pb.ReloadWeightsRequest(), timeout=CALL_TIMEOUT)
         assert r2.transition.kind == "reload_weights" and r2.transition.moved_bytes == weights_bytes
         assert generate(s, PROMPT) == before
         wp.stop()
@@ -408,28 +414,28 @@ def test_level2_sleep_discards_and_wake_reloads_from_checkpoint(tmp_path: Path) 
 
 def swap(
     stub: Stub,
-    direction: c.SwapDirection.ValueType,
+    direction: common_pb.SwapDirection.ValueType,
     pairs: list[tuple[int, int]],
     packed: bool = False,
     raw: bool = False,
     **kw: Any,
-) -> w.SwapBlocksResponse:
+) -> worker_pb.SwapBlocksResponse:
     """SwapBlocks with ``pairs`` as BlockPair messages, ``packed`` as src_blocks + dst_blocks, or ``raw`` as
     src_blocks_u32le + dst_blocks_u32le."""
     if raw:
-        req = w.SwapBlocksRequest(
+        req = worker_pb.SwapBlocksRequest(
             direction=direction,
             src_blocks_u32le=u32le([s for s, _ in pairs]),
             dst_blocks_u32le=u32le([d for _, d in pairs]),
             **kw,
         )
     elif packed:
-        req = w.SwapBlocksRequest(
+        req = worker_pb.SwapBlocksRequest(
             direction=direction, src_blocks=[s for s, _ in pairs], dst_blocks=[d for _, d in pairs], **kw
         )
     else:
-        req = w.SwapBlocksRequest(
-            direction=direction, pairs=[w.BlockPair(src_block=s, dst_block=d) for s, d in pairs], **kw
+        req = worker_pb.SwapBlocksRequest(
+            direction=direction, pairs=[worker_pb.BlockPair(src_block=s, dst_block=d) for s, d in pairs], **kw
         )
     return stub.SwapBlocks(req, timeout=CALL_TIMEOUT)
 
@@ -462,7 +468,7 @@ def test_swap_out_and_in_continues_generation(stub: Stub, info: Info, raw_out: b
     assert kv.device_free_block_count == held - k
     host_dst = [info.host_blocks - 1 - 2 * i for i in range(k)]
 
-    r = swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(device_src, host_dst, strict=True)), raw=raw_out)
+    r = swap(stub, common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(device_src, host_dst, strict=True)), raw=raw_out)
     assert r.moved_bytes == k * info.block_bytes
     assert r.kv_cache.device_free_block_count == held
     assert r.kv_cache.host_free_block_count == info.host_blocks - k
@@ -478,7 +484,7 @@ def test_swap_out_and_in_continues_generation(stub: Stub, info: Info, raw_out: b
     device_dst = sorted(free_now - set(device_src), reverse=True)[::3][:k]
     assert len(device_dst) == k
     # Back in with the packed form (src_blocks + dst_blocks) of the same request.
-    r = swap(stub, c.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host_dst, device_dst, strict=True)), packed=True)
+    r = swap(stub, common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host_dst, device_dst, strict=True)), packed=True)
     assert r.moved_bytes == k * info.block_bytes
     assert r.kv_cache.device_free_block_count == held - k
     assert r.kv_cache.host_free_block_count == info.host_blocks
@@ -506,18 +512,21 @@ def test_swaps_in_flight_together_keep_every_sequence(stub: Stub, info: Info) ->
     host = {sid: [info.host_blocks - 1 - (i * k + j) for j in range(k)] for i, sid in enumerate(prompts)}
 
     def in_flight(
-        direction: c.SwapDirection.ValueType, src: dict[str, list[int]], dst: dict[str, list[int]]
-    ) -> list[grpc.Future[w.SwapBlocksResponse]]:
-        req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in prompts]
+        direction: common_pb.SwapDirection.ValueType, src: dict[str, list[int]], dst: dict[str, list[int]]
+    ) -> list[grpc.Future[worker_pb.SwapBlocksResponse]]:
+        req = [
+            worker_pb.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid])
+            for sid in prompts
+        ]
         return [stub.SwapBlocks.future(r, timeout=CALL_TIMEOUT) for r in req]  # all sent before any answer
 
-    out = in_flight(c.SWAP_DIRECTION_DEVICE_TO_HOST, blocks, host)
+    out = in_flight(common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, blocks, host)
     assert all(f.result().moved_bytes == k * info.block_bytes for f in out)
     assert status(stub).kv_cache.host_free_block_count == info.host_blocks - 4 * k
     used = {b for bs in blocks.values() for b in bs}
     spare = sorted(set(range(info.device_blocks)) - used, reverse=True)
     device = {sid: spare[i * k : (i + 1) * k] for i, sid in enumerate(prompts)}
-    back = in_flight(c.SWAP_DIRECTION_HOST_TO_DEVICE, host, device)
+    back = in_flight(common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, host, device)
     assert all(f.result().moved_bytes == k * info.block_bytes for f in back)
     kv = status(stub).kv_cache
     assert (kv.host_free_block_count, kv.device_free_block_count) == (info.host_blocks, info.device_blocks - 4 * k)
@@ -537,10 +546,14 @@ def test_sequence_across_sleep_with_kv_action(stub: Stub, info: Info, kv_action:
     assert generate(stub, prompt, n1, sequence_id="across") == uninterrupted[:n1]
     held = blocks_for(len(prompt), n1)
 
-    action = c.TagAction.Value(f"TAG_ACTION_{kv_action}")
-    r = sleep(stub, c.SLEEP_LEVEL_UNSPECIFIED, tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": action})
-    assert r.status.state == c.WORKER_STATE_ASLEEP
-    assert r.status.sleep_level == c.SLEEP_LEVEL_UNSPECIFIED  # an explicit tag map, no level
+    action = common_pb.TagAction.Value(f"TAG_ACTION_{kv_action}")
+    r = sleep(
+        stub,
+        common_pb.SLEEP_LEVEL_UNSPECIFIED,
+        tag_actions={"weights": common_pb.TAG_ACTION_OFFLOAD, "kv_cache": action},
+    )
+    assert r.status.state == common_pb.WORKER_STATE_ASLEEP
+    assert r.status.sleep_level == common_pb.SLEEP_LEVEL_UNSPECIFIED  # an explicit tag map, no level
     kv_state = {"OFFLOAD": "OFFLOADED", "KEEP": "AWAKE", "DISCARD": "DISCARDED"}[kv_action]
     assert tag_state(tags(r.status)["kv_cache"]) == kv_state
     assert tag_state(tags(r.status)["weights"]) == "OFFLOADED"
@@ -565,15 +578,17 @@ def test_sequence_across_sleep_with_kv_action(stub: Stub, info: Info, kv_action:
 
 def test_telemetry_snapshot_then_state_changes_and_transitions(stub: Stub, info: Info) -> None:
     # A 1 h interval (the maximum): no periodic snapshot interleaves with the events below.
-    call = stub.StreamTelemetry(w.StreamTelemetryRequest(interval=duration_pb2.Duration(seconds=3600)), timeout=60)
+    call = stub.StreamTelemetry(
+        worker_pb.StreamTelemetryRequest(interval=duration_pb2.Duration(seconds=3600)), timeout=60
+    )
     try:
         first = next(call)
         assert first.WhichOneof("event") == "snapshot"
         assert first.sequence_number == 1
-        assert first.snapshot.state == c.WORKER_STATE_AWAKE
+        assert first.snapshot.state == common_pb.WORKER_STATE_AWAKE
         assert tags(first.snapshot)["weights"].allocated_bytes == info.weights_bytes
         # The stream subscribes before it sends its first message, so nothing below can be missed.
-        sleep(stub, c.SLEEP_LEVEL_1)
+        sleep(stub, common_pb.SLEEP_LEVEL_1)
         wake(stub)
         messages = []
         for m in call:
@@ -607,32 +622,34 @@ def test_telemetry_snapshot_then_state_changes_and_transitions(stub: Stub, info:
 
 
 def test_request_id_replays_sleep_and_wake(stub: Stub, info: Info) -> None:
-    r1 = sleep(stub, c.SLEEP_LEVEL_1, request_id="rid-sleep-1")
-    r2 = sleep(stub, c.SLEEP_LEVEL_1, request_id="rid-sleep-1")
+    r1 = sleep(stub, common_pb.SLEEP_LEVEL_1, request_id="rid-sleep-1")
+    r2 = sleep(stub, common_pb.SLEEP_LEVEL_1, request_id="rid-sleep-1")
     assert r2.transition == r1.transition  # the first call's result, end_time included
-    assert r2.status.state == c.WORKER_STATE_ASLEEP
+    assert r2.status.state == common_pb.WORKER_STATE_ASLEEP
 
     # A replay does not act again, even when the rest of the request differs (level 2 would drop
     # the offloaded weights).
-    r3 = sleep(stub, c.SLEEP_LEVEL_2, request_id="rid-sleep-1")
+    r3 = sleep(stub, common_pb.SLEEP_LEVEL_2, request_id="rid-sleep-1")
     assert r3.transition == r1.transition
     assert tag_state(tags(status(stub))["weights"]) == "OFFLOADED"
 
     # A new request id is a new Sleep, and the worker is already asleep.
-    expect_error(lambda: sleep(stub, c.SLEEP_LEVEL_1, request_id="rid-sleep-2"), grpc.StatusCode.FAILED_PRECONDITION)
+    expect_error(
+        lambda: sleep(stub, common_pb.SLEEP_LEVEL_1, request_id="rid-sleep-2"), grpc.StatusCode.FAILED_PRECONDITION
+    )
     # A request id that named a Sleep cannot name a WakeUp.
     expect_error(lambda: wake(stub, request_id="rid-sleep-1"), grpc.StatusCode.INVALID_ARGUMENT)
     st = status(stub)
-    assert st.state == c.WORKER_STATE_ASLEEP and tag_state(tags(st)["weights"]) == "OFFLOADED"
+    assert st.state == common_pb.WORKER_STATE_ASLEEP and tag_state(tags(st)["weights"]) == "OFFLOADED"
 
     w1 = wake(stub, request_id="rid-wake-1")
     w2 = wake(stub, request_id="rid-wake-1")
     assert w2.transition == w1.transition
-    assert w2.status.state == c.WORKER_STATE_AWAKE
+    assert w2.status.state == common_pb.WORKER_STATE_AWAKE
     assert generate(stub, PROMPT) == info.reference
     # Replayed after the worker moved on, the answer is still the first call's: the status it left.
-    r4 = sleep(stub, c.SLEEP_LEVEL_1, request_id="rid-sleep-1")
-    assert r4 == r1 and r4.status.state == c.WORKER_STATE_ASLEEP, "a replay reported the status of now (awake)"
+    r4 = sleep(stub, common_pb.SLEEP_LEVEL_1, request_id="rid-sleep-1")
+    assert r4 == r1 and r4.status.state == common_pb.WORKER_STATE_ASLEEP, "a replay reported the status of now (awake)"
 
 
 # ---------------------------------------------------------------------------------------------
@@ -660,12 +677,12 @@ class Bad:
 Pairs = Callable[[Info, list[int]], list[tuple[int, int]]]
 
 
-def _swap(direction: c.SwapDirection.ValueType, pairs: Pairs, **kw: Any) -> Call:
+def _swap(direction: common_pb.SwapDirection.ValueType, pairs: Pairs, **kw: Any) -> Call:
     return lambda s, i, b: swap(s, direction, pairs(i, b), **kw)
 
 
 def _packed(
-    direction: c.SwapDirection.ValueType,
+    direction: common_pb.SwapDirection.ValueType,
     src: Callable[[Info, list[int]], list[int]],
     dst: Callable[[Info, list[int]], list[int]],
     pairs: Pairs | None = None,
@@ -673,16 +690,16 @@ def _packed(
     """SwapBlocks with the packed src_blocks/dst_blocks form (and pairs too, if given)."""
 
     def call(s: Stub, i: Info, b: list[int]) -> Any:
-        req = w.SwapBlocksRequest(direction=direction, src_blocks=src(i, b), dst_blocks=dst(i, b))
+        req = worker_pb.SwapBlocksRequest(direction=direction, src_blocks=src(i, b), dst_blocks=dst(i, b))
         if pairs is not None:
-            req.pairs.extend(w.BlockPair(src_block=x, dst_block=y) for x, y in pairs(i, b))
+            req.pairs.extend(worker_pb.BlockPair(src_block=x, dst_block=y) for x, y in pairs(i, b))
         return s.SwapBlocks(req, timeout=CALL_TIMEOUT)
 
     return call
 
 
 def _u32le(
-    direction: c.SwapDirection.ValueType,
+    direction: common_pb.SwapDirection.ValueType,
     src: Callable[[Info, list[int]], bytes],
     dst: Callable[[Info, list[int]], bytes],
     **kw: Any,
@@ -690,7 +707,9 @@ def _u32le(
     """SwapBlocks with raw src_blocks_u32le/dst_blocks_u32le bytes (and any other fields in ``kw``)."""
 
     def call(s: Stub, i: Info, b: list[int]) -> Any:
-        req = w.SwapBlocksRequest(direction=direction, src_blocks_u32le=src(i, b), dst_blocks_u32le=dst(i, b), **kw)
+        req = worker_pb.SwapBlocksRequest(
+            direction=direction, src_blocks_u32le=src(i, b), dst_blocks_u32le=dst(i, b), **kw
+        )
         return s.SwapBlocks(req, timeout=CALL_TIMEOUT)
 
     return call
@@ -703,20 +722,22 @@ def u32le(ids: list[int]) -> bytes:
 
 def _gen(prompt: Callable[[Info], list[int]], n: int, seq: str = "") -> Call:
     return lambda s, i, b: s.Generate(
-        w.GenerateRequest(prompt_token_ids=prompt(i), max_new_tokens=n, sequence_id=seq), timeout=CALL_TIMEOUT
+        worker_pb.GenerateRequest(prompt_token_ids=prompt(i), max_new_tokens=n, sequence_id=seq), timeout=CALL_TIMEOUT
     )
 
 
 def _sleep(**kw: Any) -> Call:
-    return lambda s, i, b: s.Sleep(w.SleepRequest(**kw), timeout=CALL_TIMEOUT)
+    return lambda s, i, b: s.Sleep(worker_pb.SleepRequest(**kw), timeout=CALL_TIMEOUT)
 
 
 def _wake(tags_: list[str]) -> Call:
-    return lambda s, i, b: s.WakeUp(w.WakeUpRequest(tags=tags_), timeout=CALL_TIMEOUT)
+    return lambda s, i, b: s.WakeUp(worker_pb.WakeUpRequest(tags=tags_), timeout=CALL_TIMEOUT)
 
 
 def _stream(interval: duration_pb2.Duration) -> Call:
-    return lambda s, i, b: next(s.StreamTelemetry(w.StreamTelemetryRequest(interval=interval), timeout=CALL_TIMEOUT))
+    return lambda s, i, b: next(
+        s.StreamTelemetry(worker_pb.StreamTelemetryRequest(interval=interval), timeout=CALL_TIMEOUT)
+    )
 
 
 def _free_device(i: Info, b: list[int], n: int = 1) -> list[int]:
@@ -726,8 +747,8 @@ def _free_device(i: Info, b: list[int], n: int = 1) -> list[int]:
 
 INVALID, PRECONDITION = grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.FAILED_PRECONDITION
 NOT_FOUND = grpc.StatusCode.NOT_FOUND
-OUT, IN = c.SWAP_DIRECTION_DEVICE_TO_HOST, c.SWAP_DIRECTION_HOST_TO_DEVICE
-OFFLOAD, DISCARD = c.TAG_ACTION_OFFLOAD, c.TAG_ACTION_DISCARD
+OUT, IN = common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, common_pb.SWAP_DIRECTION_HOST_TO_DEVICE
+OFFLOAD, DISCARD = common_pb.TAG_ACTION_OFFLOAD, common_pb.TAG_ACTION_DISCARD
 
 BAD_REQUESTS = [
     # Sleep
@@ -738,9 +759,16 @@ BAD_REQUESTS = [
     Bad("sleep-unknown-tag", "awake", _sleep(tag_actions={"bogus": OFFLOAD}), INVALID),
     Bad("sleep-unknown-tag-with-known", "sequence", _sleep(tag_actions={"weights": OFFLOAD, "nope": DISCARD}), INVALID),
     Bad("sleep-bad-action", "awake", _sleep(tag_actions={"weights": 9}), INVALID),
-    Bad("sleep-unspecified-action", "awake", _sleep(tag_actions={"weights": c.TAG_ACTION_UNSPECIFIED}), INVALID),
+    Bad(
+        "sleep-unspecified-action", "awake", _sleep(tag_actions={"weights": common_pb.TAG_ACTION_UNSPECIFIED}), INVALID
+    ),
     Bad("sleep-bad-action-with-good", "sequence", _sleep(tag_actions={"weights": OFFLOAD, "kv_cache": 42}), INVALID),
-    Bad("sleep-while-asleep", "asleep", _sleep(level=c.SLEEP_LEVEL_1, request_id="bad-sleep-asleep"), PRECONDITION),
+    Bad(
+        "sleep-while-asleep",
+        "asleep",
+        _sleep(level=common_pb.SLEEP_LEVEL_1, request_id="bad-sleep-asleep"),
+        PRECONDITION,
+    ),
     # WakeUp
     Bad("wake-when-awake", "awake", _wake([]), PRECONDITION),
     Bad("wake-unknown-tag", "asleep", _wake(["bogus"]), INVALID),
@@ -761,7 +789,10 @@ BAD_REQUESTS = [
     Bad("generate-while-asleep", "asleep", _gen(lambda i: PROMPT, 4), PRECONDITION),
     # SwapBlocks. Where a request names a valid pair first, a half-applied swap would show.
     Bad(
-        "swap-unspecified-direction", "sequence", _swap(c.SWAP_DIRECTION_UNSPECIFIED, lambda i, b: [(b[0], 3)]), INVALID
+        "swap-unspecified-direction",
+        "sequence",
+        _swap(common_pb.SWAP_DIRECTION_UNSPECIFIED, lambda i, b: [(b[0], 3)]),
+        INVALID,
     ),
     Bad("swap-bad-direction", "sequence", _swap(9, lambda i, b: [(b[0], 3)]), INVALID),  # type: ignore[arg-type]
     Bad("swap-no-pairs", "awake", _swap(OUT, lambda i, b: []), INVALID),
@@ -811,7 +842,12 @@ BAD_REQUESTS = [
     Bad(
         "u32le-and-pairs",
         "sequence",
-        _u32le(OUT, lambda i, b: u32le([b[0]]), lambda i, b: u32le([3]), pairs=[w.BlockPair(src_block=5, dst_block=4)]),
+        _u32le(
+            OUT,
+            lambda i, b: u32le([b[0]]),
+            lambda i, b: u32le([3]),
+            pairs=[worker_pb.BlockPair(src_block=5, dst_block=4)],
+        ),
         INVALID,
     ),
     Bad("u32le-duplicate-dst", "sequence", _u32le(OUT, lambda i, b: u32le(b[:2]), lambda i, b: u32le([3, 3])), INVALID),
@@ -829,7 +865,9 @@ BAD_REQUESTS = [
     Bad("telemetry-negative-interval", "awake", _stream(duration_pb2.Duration(seconds=-1)), INVALID),
     Bad("telemetry-negative-nanos", "awake", _stream(duration_pb2.Duration(nanos=-5)), INVALID),
     # ReloadWeights
-    Bad("reload-while-asleep", "asleep", lambda s, i, b: s.ReloadWeights(w.ReloadWeightsRequest()), PRECONDITION),
+    Bad(
+        "reload-while-asleep", "asleep", lambda s, i, b: s.ReloadWeights(worker_pb.ReloadWeightsRequest()), PRECONDITION
+    ),
 ]
 
 
@@ -838,7 +876,7 @@ def test_malformed_request_is_rejected_and_changes_nothing(stub: Stub, info: Inf
     expected_rest: list[int] = []
     blocks: list[int] = []
     if bad.setup == "asleep":
-        sleep(stub, c.SLEEP_LEVEL_1)
+        sleep(stub, common_pb.SLEEP_LEVEL_1)
     elif bad.setup == "sequence":
         uninterrupted = generate(stub, SEQ_PROMPT, SEQ_N1 + SEQ_N2)
         r = generate_full(stub, SEQ_PROMPT, SEQ_N1, sequence_id=SEQ)
@@ -854,7 +892,7 @@ def test_malformed_request_is_rejected_and_changes_nothing(stub: Stub, info: Inf
     after = status(stub)
     assert memory_view(after) == memory_view(before)
     if bad.setup == "asleep":
-        assert after.state == c.WORKER_STATE_ASLEEP
+        assert after.state == common_pb.WORKER_STATE_ASLEEP
         wake(stub)
     elif bad.setup == "sequence":
         # The sequence's blocks and data are where they were: it continues exactly.
@@ -927,8 +965,12 @@ def test_concurrent_sleeps_one_wins(stub: Stub, info: Info) -> None:
     after the winner finished: the worker is asleep). Which of the two depends on timing; both are
     correct answers. The same holds for eight concurrent WakeUps."""
     rounds: list[tuple[Callable[..., Any], list[Any], str]] = [
-        (stub.Sleep, [w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id=f"conc-sleep-{i}") for i in range(8)], "ASLEEP"),
-        (stub.WakeUp, [w.WakeUpRequest(request_id=f"conc-wake-{i}") for i in range(8)], "AWAKE"),
+        (
+            stub.Sleep,
+            [worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, request_id=f"conc-sleep-{i}") for i in range(8)],
+            "ASLEEP",
+        ),
+        (stub.WakeUp, [worker_pb.WakeUpRequest(request_id=f"conc-wake-{i}") for i in range(8)], "AWAKE"),
     ]
     for method, requests, end_state in rounds:
         results = call_concurrently(method, requests)
@@ -962,8 +1004,8 @@ class TransitionLockLeaked(AssertionError):
 def check_consistent_after_cancel(s: Stub, reference: list[int]) -> None:
     """Settled state, nothing stuck, model intact: AWAKE or ASLEEP, then a full cycle works."""
     st = settle(s)
-    assert st.state in (c.WORKER_STATE_AWAKE, c.WORKER_STATE_ASLEEP), state_name(st.state)
-    if st.state == c.WORKER_STATE_AWAKE:
+    assert st.state in (common_pb.WORKER_STATE_AWAKE, common_pb.WORKER_STATE_ASLEEP), state_name(st.state)
+    if st.state == common_pb.WORKER_STATE_AWAKE:
         # A barrier through the device loop: any job queued before it has finished afterwards.
         try:
             generate(s, [1, 2, 3], 1)
@@ -971,20 +1013,20 @@ def check_consistent_after_cancel(s: Stub, reference: list[int]) -> None:
             assert e.code() == grpc.StatusCode.FAILED_PRECONDITION, e.details()  # a queued Sleep ran meanwhile
         st = settle(s)
     t = tags(st)
-    if st.state == c.WORKER_STATE_ASLEEP:
+    if st.state == common_pb.WORKER_STATE_ASLEEP:
         assert tag_state(t["weights"]) == "OFFLOADED" and tag_state(t["kv_cache"]) == "DISCARDED"
         wake(s)
     else:
-        assert st.state == c.WORKER_STATE_AWAKE
+        assert st.state == common_pb.WORKER_STATE_AWAKE
         assert all(tag_state(x) == "AWAKE" for x in t.values())
     assert generate(s, PROMPT) == reference
     try:
-        sleep(s, c.SLEEP_LEVEL_1, request_id="after-cancel")
+        sleep(s, common_pb.SLEEP_LEVEL_1, request_id="after-cancel")
     except grpc.RpcError as e:
         if e.code() == grpc.StatusCode.ABORTED:
             raise TransitionLockLeaked(f"worker is {state_name(status(s).state)} but Sleep says: {e.details()}") from e
         raise
-    assert status(s).state == c.WORKER_STATE_ASLEEP
+    assert status(s).state == common_pb.WORKER_STATE_ASLEEP
     wake(s)
     assert generate(s, PROMPT) == reference
 
@@ -1003,7 +1045,7 @@ def test_client_cancelling_sleep_leaves_worker_consistent(small_worker: WorkerPr
     met). Whether the Sleep ran or not, the worker must settle in AWAKE or ASLEEP and work on."""
     s = small_worker.stub
     reference = generate(s, PROMPT)
-    req = w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id=f"cancelled-{how}")
+    req = worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, request_id=f"cancelled-{how}")
     if how == "cancel":
         fut = s.Sleep.future(req, timeout=CALL_TIMEOUT)
         fut.cancel()
@@ -1033,14 +1075,14 @@ def round_trip(wp: WorkerProcess) -> None:
     assert r.status == health_pb2.HealthCheckResponse.SERVING
 
 
-def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grpc.Future[w.GenerateResponse]:
+def start_long_generate(wp: WorkerProcess, n: int = LONG_GENERATE_TOKENS) -> grpc.Future[worker_pb.GenerateResponse]:
     """A Generate that keeps the device loop busy for a while, running in the engine on return.
 
     Received by the server is not enough: on a loaded machine a transition sent next can still reach
     the device loop before the Generate is admitted there, and the Generate then finds the worker
     asleep. Holding KV blocks means the engine has admitted it (a transition queued now waits for it).
     """
-    fut = wp.stub.Generate.future(w.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=n), timeout=300)
+    fut = wp.stub.Generate.future(worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=n), timeout=300)
     round_trip(wp)
 
     def admitted() -> bool:
@@ -1065,11 +1107,13 @@ def test_cancelling_transition_queued_behind_generate(small_worker: WorkerProces
     s = small_worker.stub
     reference = generate(s, PROMPT)
     long_run = start_long_generate(small_worker)
-    fut: grpc.Future[w.SleepResponse] | grpc.Future[w.ReloadWeightsResponse]
+    fut: grpc.Future[worker_pb.SleepResponse] | grpc.Future[worker_pb.ReloadWeightsResponse]
     if rpc == "Sleep":
-        fut = s.Sleep.future(w.SleepRequest(level=c.SLEEP_LEVEL_1, request_id="queued-sleep"), timeout=CALL_TIMEOUT)
+        fut = s.Sleep.future(
+            worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, request_id="queued-sleep"), timeout=CALL_TIMEOUT
+        )
     else:
-        fut = s.ReloadWeights.future(w.ReloadWeightsRequest(request_id="queued-reload"), timeout=CALL_TIMEOUT)
+        fut = s.ReloadWeights.future(worker_pb.ReloadWeightsRequest(request_id="queued-reload"), timeout=CALL_TIMEOUT)
 
     def transition_holds_lock() -> bool:
         try:
@@ -1161,14 +1205,16 @@ def test_free_sequence_returns_its_blocks_wherever_they_are(stub: Stub, info: In
     blocks = list(kept.block_ids)
     assert blocks and status(stub).kv_cache.sequence_count == base.sequence_count + 1
     free_host = sorted(range(base.host_block_count))[: len(blocks)]
-    swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(blocks, free_host, strict=True)))
+    swap(stub, common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(blocks, free_host, strict=True)))
     assert status(stub).kv_cache.host_free_block_count == base.host_free_block_count - len(blocks)
-    r = stub.FreeSequence(w.FreeSequenceRequest(sequence_id="to-free"))
+    r = stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="to-free"))
     assert r.kv_cache.sequence_count == base.sequence_count
     assert r.kv_cache.host_free_block_count == base.host_free_block_count
     assert r.kv_cache.device_free_block_count == base.device_free_block_count
-    expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest(sequence_id="to-free")), grpc.StatusCode.NOT_FOUND)
-    expect_error(lambda: stub.FreeSequence(w.FreeSequenceRequest()), grpc.StatusCode.INVALID_ARGUMENT)
+    expect_error(
+        lambda: stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="to-free")), grpc.StatusCode.NOT_FOUND
+    )
+    expect_error(lambda: stub.FreeSequence(worker_pb.FreeSequenceRequest()), grpc.StatusCode.INVALID_ARGUMENT)
 
 
 def test_a_failed_level2_reload_changes_nothing_and_a_retry_recovers(tmp_path: Path) -> None:
@@ -1181,7 +1227,7 @@ def test_a_failed_level2_reload_changes_nothing_and_a_retry_recovers(tmp_path: P
     with WorkerProcess(["--model", str(ckpt)]) as wp:
         s = wp.stub
         before = generate(s, PROMPT)
-        sleep(s, c.SLEEP_LEVEL_2)
+        sleep(s, common_pb.SLEEP_LEVEL_2)
         asleep = status(s)
         ckpt.rename(tmp_path / "moved")
         with pytest.raises(grpc.RpcError) as err:
@@ -1189,12 +1235,12 @@ def test_a_failed_level2_reload_changes_nothing_and_a_retry_recovers(tmp_path: P
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
         assert "stays asleep" in (err.value.details() or "")
         st = status(s)
-        assert (st.state, st.sleep_level) == (asleep.state, asleep.sleep_level) == (c.WORKER_STATE_ASLEEP, 2)
+        assert (st.state, st.sleep_level) == (asleep.state, asleep.sleep_level) == (common_pb.WORKER_STATE_ASLEEP, 2)
         assert {t.tag: tag_state(t) for t in st.tags} == {"weights": "DISCARDED", "kv_cache": "DISCARDED"}
         expect_error(lambda: generate(s, PROMPT), grpc.StatusCode.FAILED_PRECONDITION)
         (tmp_path / "moved").rename(ckpt)
         wake(s)
-        assert status(s).state == c.WORKER_STATE_AWAKE
+        assert status(s).state == common_pb.WORKER_STATE_AWAKE
         assert generate(s, PROMPT) == before
 
 
@@ -1208,10 +1254,10 @@ def test_reload_weights_from_an_unreadable_checkpoint_changes_nothing(tmp_path: 
         before = generate(s, PROMPT)
         ckpt.rename(tmp_path / "moved")
         with pytest.raises(grpc.RpcError) as err:
-            s.ReloadWeights(w.ReloadWeightsRequest(), timeout=60)
+            s.ReloadWeights(worker_pb.ReloadWeightsRequest(), timeout=60)
         assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION, err.value.details()
         assert "unchanged" in (err.value.details() or "")
-        assert status(s).state == c.WORKER_STATE_AWAKE
+        assert status(s).state == common_pb.WORKER_STATE_AWAKE
         assert generate(s, PROMPT) == before
 
 
@@ -1221,13 +1267,17 @@ def test_swap_blocks_needs_the_kv_cache_resident_not_the_worker_awake(stub: Stub
     kept = generate_full(stub, [2, 7, 1, 8], 2, sequence_id="swap-while-asleep")
     blocks = list(kept.block_ids)
     host = sorted(range(status(stub).kv_cache.host_block_count))[: len(blocks)]
-    sleep(stub, c.SLEEP_LEVEL_UNSPECIFIED, tag_actions={"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_KEEP})
-    assert status(stub).state == c.WORKER_STATE_ASLEEP
-    swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(blocks, host, strict=True)))
-    swap(stub, c.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host, blocks, strict=True)))
+    sleep(
+        stub,
+        common_pb.SLEEP_LEVEL_UNSPECIFIED,
+        tag_actions={"weights": common_pb.TAG_ACTION_OFFLOAD, "kv_cache": common_pb.TAG_ACTION_KEEP},
+    )
+    assert status(stub).state == common_pb.WORKER_STATE_ASLEEP
+    swap(stub, common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, list(zip(blocks, host, strict=True)))
+    swap(stub, common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, list(zip(host, blocks, strict=True)))
     wake(stub)
-    stub.FreeSequence(w.FreeSequenceRequest(sequence_id="swap-while-asleep"), timeout=CALL_TIMEOUT)
+    stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="swap-while-asleep"), timeout=CALL_TIMEOUT)
     sleep(stub)  # level 1: kv_cache discarded
-    err = expect_error(lambda: swap(stub, c.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 0)]), PRECONDITION)
+    err = expect_error(lambda: swap(stub, common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, [(0, 0)]), PRECONDITION)
     assert "KV cache is asleep" in str(err.details()), err.details()
     wake(stub)

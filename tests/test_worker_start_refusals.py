@@ -18,7 +18,7 @@ import grpc
 import pytest
 from workerproc import WorkerProcess
 
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker.model.config import PRESETS
 
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]
@@ -203,16 +203,16 @@ def test_reload_from_a_fifo_shard_fails_and_the_worker_serves_its_old_weights(tm
     prompt = [3, 1, 4, 1, 5]
 
     def generate(stub: Any) -> list[int]:
-        r = stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=8), timeout=CALL_TIMEOUT)
+        r = stub.Generate(worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=8), timeout=CALL_TIMEOUT)
         return list(r.token_ids)
 
     with WorkerProcess(["--model", str(ckpt)]) as wp:
         before = generate(wp.stub)
         with pytest.raises(grpc.RpcError) as ei:
-            wp.stub.ReloadWeights(w.ReloadWeightsRequest(model_path=str(other)), timeout=CALL_TIMEOUT)
+            wp.stub.ReloadWeights(worker_pb.ReloadWeightsRequest(model_path=str(other)), timeout=CALL_TIMEOUT)
         assert ei.value.code() == grpc.StatusCode.INVALID_ARGUMENT, ei.value
         assert "model.safetensors is not a regular file (a FIFO)" in (ei.value.details() or ""), ei.value
-        st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
+        st = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=CALL_TIMEOUT).status
         assert not st.transition_in_progress and st.model.source == str(ckpt)
         assert generate(wp.stub) == before
         wp.stop()

@@ -25,9 +25,9 @@ from typing import Any, TypeVar
 import grpc
 from childproc import REPO_ROOT, START_TIMEOUT, Proc
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
 MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 """``memsvc`` as this interpreter runs it (the console script is the same entry point)."""
@@ -103,7 +103,7 @@ class Up:
         ]
         self.proc = Proc(argv, name="memsvc up")
         self._channel: grpc.Channel | None = None
-        self.stub: m_grpc.MemoryManagerServiceStub | None = None
+        self.stub: manager_grpc.MemoryManagerServiceStub | None = None
 
     def start(self) -> Up:
         self.proc.start()
@@ -111,14 +111,14 @@ class Up:
             mgr, _, _ = self.proc.wait_lines([MANAGER_LISTENING, WORKER_LISTENING, WORKER_READY])
             assert mgr["address"] == self.manager_address, self.proc.failure("manager listens elsewhere")
             self._channel = grpc.insecure_channel(self.manager_address)
-            self.stub = m_grpc.MemoryManagerServiceStub(self._channel)
-            wait_state(self.stub, self.WORKER_ID, c.WORKER_STATE_AWAKE, on_fail=self.proc.failure)
+            self.stub = manager_grpc.MemoryManagerServiceStub(self._channel)
+            wait_state(self.stub, self.WORKER_ID, common_pb.WORKER_STATE_AWAKE, on_fail=self.proc.failure)
         except BaseException:
             self.close()
             raise
         return self
 
-    def get(self) -> m.Worker:
+    def get(self) -> manager_pb.Worker:
         assert self.stub is not None
         return get_worker(self.stub, self.WORKER_ID)
 
@@ -134,13 +134,15 @@ class Up:
 
 
 # ---- the manager's view ----
-def get_worker(stub: m_grpc.MemoryManagerServiceStub, worker_id: str) -> m.Worker:
-    worker: m.Worker = stub.GetWorker(m.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=10).worker
+def get_worker(stub: manager_grpc.MemoryManagerServiceStub, worker_id: str) -> manager_pb.Worker:
+    worker: manager_pb.Worker = stub.GetWorker(
+        manager_pb.GetWorkerRequest(name=f"workers/{worker_id}"), timeout=10
+    ).worker
     return worker
 
 
-def state_name(state: c.WorkerState.ValueType) -> str:
-    return str(c.WorkerState.Name(state))
+def state_name(state: common_pb.WorkerState.ValueType) -> str:
+    return str(common_pb.WorkerState.Name(state))
 
 
 def wait_for(
@@ -169,13 +171,13 @@ def wait_for(
 
 
 def wait_state(
-    stub: m_grpc.MemoryManagerServiceStub,
+    stub: manager_grpc.MemoryManagerServiceStub,
     worker_id: str,
-    state: c.WorkerState.ValueType,
+    state: common_pb.WorkerState.ValueType,
     *,
     timeout: float = START_TIMEOUT,
     on_fail: Callable[[str], str] | None = None,
-) -> m.Worker:
+) -> manager_pb.Worker:
     """The worker once the manager reports it in ``state`` (registration and telemetry take a moment)."""
     return wait_for(
         lambda: get_worker(stub, worker_id),
@@ -186,9 +188,9 @@ def wait_state(
     )
 
 
-def tag_states(worker: m.Worker) -> dict[str, str]:
+def tag_states(worker: manager_pb.Worker) -> dict[str, str]:
     """{tag: TAG_STATE_...} of a worker's last reported status."""
-    return {t.tag: str(c.TagState.Name(t.state)) for t in worker.status.tags}
+    return {t.tag: str(common_pb.TagState.Name(t.state)) for t in worker.status.tags}
 
 
 # ---- clients ----

@@ -7,7 +7,7 @@ for the "ready" line, and hands out a gRPC channel and stub to it. ``stop()`` is
 happened in between, so a failing test never leaks a worker.
 
     with WorkerProcess(["--model", "synthetic:tiny"]) as wp:
-        wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest())
+        wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest())
         wp.stop()
 """
 
@@ -24,7 +24,7 @@ import grpc
 from childproc import REPO_ROOT, Proc, ProcError
 from grpc_health.v1 import health_pb2_grpc
 
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 READY_TIMEOUT = 120.0
 STOP_TIMEOUT = 60.0
@@ -64,7 +64,7 @@ class WorkerProcess(Proc):
         self.address = ""
         self.worker_id = ""
         self._channel: grpc.Channel | None = None
-        self._stub: w_grpc.ModelWorkerServiceStub | None = None
+        self._stub: worker_grpc.ModelWorkerServiceStub | None = None
 
     # ---- lifecycle ----
     def start(self) -> WorkerProcess:
@@ -116,9 +116,9 @@ class WorkerProcess(Proc):
         return self._channel
 
     @property
-    def stub(self) -> w_grpc.ModelWorkerServiceStub:
+    def stub(self) -> worker_grpc.ModelWorkerServiceStub:
         if self._stub is None:
-            self._stub = w_grpc.ModelWorkerServiceStub(self.channel)
+            self._stub = worker_grpc.ModelWorkerServiceStub(self.channel)
         return self._stub
 
     @property

@@ -105,6 +105,23 @@ class AllocatorStats:
     device_total_bytes: int
     tags: dict[str, TagStats] = field(default_factory=dict)
     counters: dict[str, float] = field(default_factory=dict)
+    """The native layer's counters by name, as the metrics export them; the ones the worker itself
+    reads have a property each."""
+
+    @property
+    def host_held_bytes(self) -> int:
+        """Host memory the allocator's pool holds: all its chunks, in use (backups) or free."""
+        return int(self.counters.get("host_held_bytes", 0))
+
+    @property
+    def host_reserve_bytes(self) -> int:
+        """The most free chunks the pool keeps for later sleeps (``--host-reserve``, or what ``auto`` set)."""
+        return int(self.counters.get("host_reserve_bytes", 0))
+
+    @property
+    def disk_held_bytes(self) -> int:
+        """File bytes the disk tier holds now (tags slept to disk)."""
+        return int(self.counters.get("disk_held_bytes", 0))
 
 
 def _method_code(method: CopyMethod | str) -> int:

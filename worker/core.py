@@ -11,6 +11,7 @@ from __future__ import annotations
 import asyncio
 import concurrent.futures
 import contextlib
+import dataclasses
 import logging
 import threading
 import time
@@ -53,7 +54,7 @@ from worker.device_loop import DeviceLoop, LoopPost
 from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
 from worker.state_machine import Job, WorkerStateMachine
-from worker.status import Generation, Status, Transition
+from worker.status import DeviceInfo, Generation, ServedModel, Status, Transition
 from worker.swaps import SwapPipeline
 from worker.telemetry import Event, EventKind, TelemetryHub
 
@@ -104,11 +105,8 @@ class WorkerCore:
         self._loader: StreamingLoader | None = None
         """Reads the checkpoint at the load, a level-2 wake and ReloadWeights (cancelled at the stop)."""
         self._loads_cancelled = False
-        self._device: dict[str, Any] = {}
-        self._model_info: dict[str, Any] = {
-            "source": config.model,
-            "served_model_name": config.resolved_served_model_name(),
-        }
+        self._device: DeviceInfo | None = None
+        self._model_info = ServedModel(config.model, config.resolved_served_model_name())
         """Static after load: status() must not wait for the model's lock while Generate runs."""
         self._last_activity = time.time()
         self._activity_published = 0.0
@@ -207,9 +205,7 @@ class WorkerCore:
                 log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up())
             self._host_release = HostRelease(self.alloc, self._device_loop, self._loop, self.runner.engine.last_busy)
             self._device = self._describe_device()
-            info: dict[str, Any] = dict(self.runner.info())
-            info.pop("kv_cache", None)
-            self._model_info = {**info, "served_model_name": c.resolved_served_model_name()}
+            self._model_info = self._served_model(c.resolved_served_model_name())
             self._last_memory = self.alloc.stats()
             tags = self._last_memory.tags
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0
@@ -263,14 +259,31 @@ class WorkerCore:
             return auto if c.host_reserve_bytes == AUTO else min(weights, int(c.host_reserve_bytes))
         return weights if prepin == WEIGHTS else int(prepin)
 
-    def _describe_device(self) -> dict[str, Any]:
+    def _describe_device(self) -> DeviceInfo:
         alloc = self._allocator()
         if alloc.backend == "cuda":
             import torch
 
             p = torch.cuda.get_device_properties(alloc.device)
-            return {"backend": "cuda", "index": alloc.device, "name": p.name, "uuid": str(getattr(p, "uuid", ""))}
-        return {"backend": "host", "index": alloc.device, "name": "host memory", "uuid": ""}
+            return DeviceInfo("cuda", alloc.device, p.name, str(getattr(p, "uuid", "")))
+        return DeviceInfo("host", alloc.device, "host memory")
+
+    def _served_model(self, served_model_name: str) -> ServedModel:
+        """What the loaded model is, for status (fixed until ReloadWeights changes its source)."""
+        info = self._model().info()
+        return ServedModel(
+            source=info["source"],
+            served_model_name=served_model_name,
+            family=info["family"],
+            parameter_count=info["parameter_count"],
+            weights_bytes=info["weights_bytes"],
+            vocab_size=info["vocab_size"],
+            layer_count=info["layer_count"],
+            context_length=info["context_length"],
+            eos_token_ids=tuple(info["eos_token_ids"]),
+            has_tokenizer=info["has_tokenizer"],
+            has_chat_template=info["has_chat_template"],
+        )
 
     def cancel_loads(self) -> None:
         """End the checkpoint read running now (the load, a level-2 wake, ReloadWeights) and refuse
@@ -314,7 +327,7 @@ class WorkerCore:
             self.worker_id,
             self._sm.state,
             self._sm.sleep_level,
-            dict(self._device),
+            self._device,
             self._model_info,
             memory,
             self.kv_stats(),
@@ -628,7 +641,7 @@ class WorkerCore:
         try:
             runner.reload_weights(source)
             if source is not None:
-                self._model_info = {**self._model_info, "source": source.name}
+                self._model_info = dataclasses.replace(self._model_info, source=source.name)
         except BaseException as exc:
             if isinstance(exc, MemsvcError) and not loader.touched:  # nothing was written: they still serve
                 raise self._unreadable(exc, "the weights are unchanged") from exc

@@ -27,7 +27,7 @@ from memsvc.runtime.limits import (
     MAX_STOP_TOKENS,
     check_length,
 )
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import FinishReason
 from worker.model.generation import GenerationRequest
 from worker.model.sampling import SamplingParams
@@ -38,7 +38,7 @@ if TYPE_CHECKING:  # the model's text comes with its load; the servicer must not
     from worker.model.text import ModelText, TextStream
 
 
-def check_request(request: w.GenerateRequest) -> SamplingParams:
+def check_request(request: worker_pb.GenerateRequest) -> SamplingParams:
     """Every check that needs no tokenizer (cheap: run before anything is queued); its sampling."""
     if not 0 <= request.max_new_tokens <= MAX_GENERATE_TOKENS:
         raise InvalidArgument(
@@ -75,7 +75,7 @@ def check_request(request: w.GenerateRequest) -> SamplingParams:
 
 
 def generation_request(
-    request: w.GenerateRequest, sampling: SamplingParams, text: Callable[[], ModelText]
+    request: worker_pb.GenerateRequest, sampling: SamplingParams, text: Callable[[], ModelText]
 ) -> GenerationRequest:
     """The request (already checked: ``sampling`` is what :func:`check_request` returned) with its
     prompt encoded; ``text()`` is the model's text side (it raises for a model without one).
@@ -102,7 +102,7 @@ def generation_request(
     )
 
 
-def _given(request: w.GenerateRequest, field: str) -> bool:
+def _given(request: worker_pb.GenerateRequest, field: str) -> bool:
     value = getattr(request, field)
     return bool(len(value)) if not isinstance(value, str) else bool(value)
 
@@ -113,11 +113,11 @@ def completion(g: Generation) -> list[int]:
     return g.tokens[:-1] if g.finish_reason == FinishReason.STOP and not g.matched_stop else g.tokens
 
 
-def response(g: Generation, sequence_id: str, text: ModelText | None) -> w.GenerateResponse:
+def response(g: Generation, sequence_id: str, text: ModelText | None) -> worker_pb.GenerateResponse:
     d = duration_pb2.Duration()
     d.FromNanoseconds(int(g.seconds * 1e9))
     whole = text.decode(completion(g)) if text is not None else ""
-    return w.GenerateResponse(
+    return worker_pb.GenerateResponse(
         token_ids=g.tokens,
         sequence_id=sequence_id,
         duration=d,

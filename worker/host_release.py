@@ -66,7 +66,7 @@ class HostRelease:
         """Before a wake (device loop): keep every chunk the wake frees."""
         if self._target is None:
             parked = self._parked
-            self._target = int(self._alloc.stats().counters["host_reserve_bytes"]) if parked is None else parked
+            self._target = self._alloc.stats().host_reserve_bytes if parked is None else parked
         self._epoch += 1
         self._reserve = None
         self._alloc.set_host_reserve(_HOLD)
@@ -90,7 +90,7 @@ class HostRelease:
         """After a sleep that left no tag awake (device loop, after :meth:`restore_reserve`): give the
         reserve's free chunks back until :meth:`unpark`."""
         if self._parked is None:
-            self._parked = int(self._alloc.stats().counters["host_reserve_bytes"])
+            self._parked = self._alloc.stats().host_reserve_bytes
         self._alloc.set_host_reserve(0)
 
     def unpark(self) -> int:
@@ -127,7 +127,7 @@ class HostRelease:
             self._loop.call_soon_threadsafe(self._tick, epoch)
             return
         if self._reserve is None:  # start from every chunk held; free ones go once the reserve is below them
-            self._reserve = int(self._alloc.stats().counters["host_held_bytes"])
+            self._reserve = self._alloc.stats().host_held_bytes
         self._reserve -= STEP_BYTES
         if self._reserve <= self._target:
             self.restore_reserve()

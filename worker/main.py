@@ -29,8 +29,8 @@ from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.runtime.auth import Security
 from memsvc.runtime.logs import announce, current_logging
 from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.prefetch import CheckpointPrefetch
@@ -45,7 +45,7 @@ never returns (a read of a hung network mount: a thread inside it cannot be stop
 hold the exit for ever, so the process then exits without it (exit code 1, one error line)."""
 FRONT_WAIT_LOG_S = 30.0
 """While the worker waits for its RPC front to say it serves (a moment, normally), a warning this often."""
-SERVICE_NAME = w.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
+SERVICE_NAME = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
 """What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
 
@@ -156,7 +156,7 @@ async def _listen(
     (``sockets`` its socket's directory), this one's on a unix socket and the front's on ``listen``.
     The servers and the address clients dial."""
     register: list[Callable[[grpc.aio.Server], None]] = [
-        lambda s: w_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)
+        lambda s: worker_grpc.add_ModelWorkerServiceServicer_to_server(servicer, s)
     ]
     if not sockets:
         drop_ahead()  # a standby's front, started ahead for a worker that turned out to serve inline
@@ -236,7 +236,10 @@ async def _run(
     await srv.set_serving(True, SERVICE_NAME)
     background: list[asyncio.Task[None]] = []
     if front is None or await _front_serving(front, stop):
-        announce(f"memsvc worker {core.worker_id} ready: {config.model} on {core.status().device['backend']}")
+        device = core.status().device  # the load made it: the model serves
+        announce(
+            f"memsvc worker {core.worker_id} ready: {config.model} on {device.backend if device else config.backend}"
+        )
         if manager:
             from worker.registration import keep_registered
 

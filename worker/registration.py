@@ -11,8 +11,8 @@ import socket
 import grpc
 
 from memsvc.runtime.auth import Security, aio_channel
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 from worker.core import WorkerCore
 from worker.servicer import status_pb
 
@@ -30,9 +30,9 @@ def advertised(address: str) -> str:
 async def keep_registered(core: WorkerCore, address: str, manager: str, security: Security | None = None) -> None:
     backoff = 0.5
     async with aio_channel(manager, security) as channel:
-        stub = m_grpc.MemoryManagerServiceStub(channel)
+        stub = manager_grpc.MemoryManagerServiceStub(channel)
         while True:
-            request = m.RegisterWorkerRequest(
+            request = manager_pb.RegisterWorkerRequest(
                 worker_id=core.worker_id,
                 address=advertised(address),
                 host=core.config.host_name or socket.gethostname(),

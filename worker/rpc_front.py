@@ -43,7 +43,7 @@ from memsvc.runtime.auth import Security
 from memsvc.runtime.logs import configure
 from memsvc.runtime.rpc_errors import Context
 from memsvc.runtime.serving import SERVER_OPTIONS, Server, run_service, start_server
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import token_mux
 from worker.token_mux import Frame
 
@@ -51,7 +51,7 @@ PARENT_EXIT_S = 30.0
 """How long a front whose input ended waits to see its parent gone before it removes the socket directory."""
 log = logging.getLogger("memsvc.worker.front")
 
-SERVICE = w.DESCRIPTOR.services_by_name["ModelWorkerService"]
+SERVICE = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"]
 START_TIMEOUT_S = 60.0
 """How long the device process waits for the front to listen (its imports: a second or two)."""
 STOP_MARGIN_S = 5.0
@@ -190,7 +190,7 @@ class Proxy:
                 ended = _is_end(items[-1])
                 batches = items[:-1] if ended else items
                 if batches:  # one message for every batch that came meanwhile
-                    message = w.GenerateStreamResponse(
+                    message = worker_pb.GenerateStreamResponse(
                         token_ids=[t for ids, _, _ in batches for t in ids],
                         text="".join(text for _, text, _ in batches),
                         prompt_token_count=batches[0][2],

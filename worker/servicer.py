@@ -16,21 +16,21 @@ from memsvc.runtime.deadline import caller_deadline
 from memsvc.runtime.limits import MAX_ID_BYTES, check_length
 from memsvc.runtime.rpc_errors import Context
 from memsvc.runtime.swap_forms import swap_block_count
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from memsvc.vocabulary import CopyMethod, SleepLevel, actions_from_proto
 from worker.core import GenerateSlot, WorkerCore
 from worker.generate_messages import StreamedText, check_request, generation_request, response
 from worker.status import Status, Transition
-from worker.telemetry import CLOSED, Event, EventKind
+from worker.telemetry import CLOSED, Event, EventKind, StateChange
 
 if TYPE_CHECKING:
     from worker.model.generation import GenerationRequest
     from worker.model.kv_cache import KvStats
 
 
-def swap_ids(request: w.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
+def swap_ids(request: worker_pb.SwapBlocksRequest) -> tuple[np.ndarray, np.ndarray]:
     """The request's (src ids, dst ids), from whichever form it uses, its shape checked first
     (memsvc/runtime/swap_forms.py). The raw u32le bytes are read in place and the packed lists convert in C
     (protobuf's repeated scalars implement ``__array__``); pairs cost a Python object per block."""
@@ -61,10 +61,10 @@ def duration(seconds: float) -> duration_pb2.Duration:
     return d
 
 
-def transition_pb(t: Transition | None) -> c.TransitionStats:
+def transition_pb(t: Transition | None) -> common_pb.TransitionStats:
     if t is None:
-        return c.TransitionStats()
-    return c.TransitionStats(
+        return common_pb.TransitionStats()
+    return common_pb.TransitionStats(
         kind=t.kind,
         moved_bytes=t.moved_bytes,
         duration=duration(t.seconds),
@@ -74,18 +74,20 @@ def transition_pb(t: Transition | None) -> c.TransitionStats:
     )
 
 
-def status_pb(s: Status) -> c.WorkerStatus:
+def status_pb(s: Status) -> common_pb.WorkerStatus:
     mem = s.memory
     tags = []
-    device = c.DeviceInfo(**s.device)
+    device = common_pb.DeviceInfo()
+    if s.device is not None:
+        d = s.device
+        device = common_pb.DeviceInfo(backend=d.backend, index=d.index, name=d.name, uuid=d.uuid)
     host_pinned = disk = 0
     if mem is not None:
         device.total_bytes, device.free_bytes = mem.device_total_bytes, mem.device_free_bytes
-        host_pinned = int(mem.counters.get("host_held_bytes", 0))
-        disk = int(mem.counters.get("disk_held_bytes", 0))
+        host_pinned, disk = mem.host_held_bytes, mem.disk_held_bytes
         for t in sorted(mem.tags.values(), key=lambda t: t.tag):
             tags.append(
-                c.TagMemory(
+                common_pb.TagMemory(
                     tag=t.tag,
                     state=t.state.proto,
                     mapped_bytes=t.mapped_bytes,
@@ -98,22 +100,22 @@ def status_pb(s: Status) -> c.WorkerStatus:
                 )
             )
     m = s.model
-    return c.WorkerStatus(
+    return common_pb.WorkerStatus(
         worker_id=s.worker_id,
         state=s.state.proto,
         device=device,
-        model=c.ModelInfo(
-            source=str(m.get("source", "")),
-            family=str(m.get("family", "")),
-            parameter_count=int(m.get("parameter_count", 0)),
-            weights_bytes=int(m.get("weights_bytes", 0)),
-            vocab_size=int(m.get("vocab_size", 0)),
-            layer_count=int(m.get("layer_count", 0)),
-            context_length=int(m.get("context_length", 0)),
-            eos_token_ids=list(m.get("eos_token_ids", [])),
-            has_tokenizer=bool(m.get("has_tokenizer", False)),
-            has_chat_template=bool(m.get("has_chat_template", False)),
-            served_model_name=str(m.get("served_model_name", "")),
+        model=common_pb.ModelInfo(
+            source=m.source,
+            family=m.family,
+            parameter_count=m.parameter_count,
+            weights_bytes=m.weights_bytes,
+            vocab_size=m.vocab_size,
+            layer_count=m.layer_count,
+            context_length=m.context_length,
+            eos_token_ids=m.eos_token_ids,
+            has_tokenizer=m.has_tokenizer,
+            has_chat_template=m.has_chat_template,
+            served_model_name=m.served_model_name,
         ),
         tags=tags,
         kv_cache=kv_pb(s.kv_cache, s.recomputed_tokens),
@@ -129,12 +131,12 @@ def status_pb(s: Status) -> c.WorkerStatus:
     )
 
 
-def kv_pb(kv: KvStats | None, recomputed_tokens: int = 0) -> c.KvCacheInfo:
+def kv_pb(kv: KvStats | None, recomputed_tokens: int = 0) -> common_pb.KvCacheInfo:
     """KvCacheInfo from :meth:`KvCache.stats` and the engine's count of tokens read again (empty
     before the model is loaded)."""
     if kv is None:
-        return c.KvCacheInfo()
-    return c.KvCacheInfo(
+        return common_pb.KvCacheInfo()
+    return common_pb.KvCacheInfo(
         block_bytes=kv["block_bytes"],
         block_size_tokens=kv["block_size"],
         device_block_count=kv["device_blocks"],
@@ -147,13 +149,17 @@ def kv_pb(kv: KvStats | None, recomputed_tokens: int = 0) -> c.KvCacheInfo:
 
 
 def event_pb(e: Event) -> dict[str, Any]:
-    if e.kind == EventKind.STATE_CHANGE:
+    """The ``event`` oneof of a telemetry message for a state change or a finished transition."""
+    if isinstance(e.data, StateChange):
+        change = e.data
         return {
-            "state_change": c.StateChange(
-                from_state=e.data["from"].proto, to_state=e.data["to"].proto, reason=e.data["reason"]
+            "state_change": common_pb.StateChange(
+                from_state=change.old.proto, to_state=change.new.proto, reason=change.reason
             )
         }
-    return {"transition": transition_pb(e.data["transition"])}
+    if isinstance(e.data, Transition):
+        return {"transition": transition_pb(e.data)}
+    raise ValueError(f"a {e.kind} event has nothing to send")
 
 
 def _release_when_encoded(slot: GenerateSlot, encoding: asyncio.Future[GenerationRequest]) -> None:
@@ -164,31 +170,35 @@ def _release_when_encoded(slot: GenerateSlot, encoding: asyncio.Future[Generatio
         encoding.exception()  # retrieved, so asyncio does not log it as never retrieved
 
 
-class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
+class ModelWorkerServicer(worker_grpc.ModelWorkerServiceServicer):
     def __init__(self, core: WorkerCore) -> None:
         self.core = core
 
-    async def GetWorkerStatus(self, request: w.GetWorkerStatusRequest, context: Any) -> w.GetWorkerStatusResponse:
-        return w.GetWorkerStatusResponse(status=status_pb(self.core.status()))
+    async def GetWorkerStatus(
+        self, request: worker_pb.GetWorkerStatusRequest, context: Any
+    ) -> worker_pb.GetWorkerStatusResponse:
+        return worker_pb.GetWorkerStatusResponse(status=status_pb(self.core.status()))
 
-    async def Sleep(self, request: w.SleepRequest, context: Any) -> w.SleepResponse:
+    async def Sleep(self, request: worker_pb.SleepRequest, context: Any) -> worker_pb.SleepResponse:
         level = SleepLevel.parse(request.level)
         actions = actions_from_proto(request.tag_actions)
         t, st = await self.core.sleep(
             level, actions, request.request_id, caller_deadline(context), request.pause_generations
         )
-        return w.SleepResponse(status=status_pb(st), transition=transition_pb(t))
+        return worker_pb.SleepResponse(status=status_pb(st), transition=transition_pb(t))
 
-    async def WakeUp(self, request: w.WakeUpRequest, context: Any) -> w.WakeUpResponse:
+    async def WakeUp(self, request: worker_pb.WakeUpRequest, context: Any) -> worker_pb.WakeUpResponse:
         t, st = await self.core.wake(list(request.tags), request.request_id, caller_deadline(context))
-        return w.WakeUpResponse(status=status_pb(st), transition=transition_pb(t))
+        return worker_pb.WakeUpResponse(status=status_pb(st), transition=transition_pb(t))
 
-    async def ReloadWeights(self, request: w.ReloadWeightsRequest, context: Any) -> w.ReloadWeightsResponse:
+    async def ReloadWeights(
+        self, request: worker_pb.ReloadWeightsRequest, context: Any
+    ) -> worker_pb.ReloadWeightsResponse:
         t, st = await self.core.reload_weights(request.request_id, request.model_path, caller_deadline(context))
-        return w.ReloadWeightsResponse(status=status_pb(st), transition=transition_pb(t))
+        return worker_pb.ReloadWeightsResponse(status=status_pb(st), transition=transition_pb(t))
 
-    async def SwapBlocks(self, request: w.SwapBlocksRequest, context: Any) -> w.SwapBlocksResponse:
-        direction = {c.SWAP_DIRECTION_DEVICE_TO_HOST: "out", c.SWAP_DIRECTION_HOST_TO_DEVICE: "in"}.get(
+    async def SwapBlocks(self, request: worker_pb.SwapBlocksRequest, context: Any) -> worker_pb.SwapBlocksResponse:
+        direction = {common_pb.SWAP_DIRECTION_DEVICE_TO_HOST: "out", common_pb.SWAP_DIRECTION_HOST_TO_DEVICE: "in"}.get(
             request.direction
         )
         if direction is None:
@@ -196,14 +206,14 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         method = CopyMethod.from_proto(request.method)
         src, dst = swap_ids(request)
         t = await self.core.swap_blocks(direction, src, dst, method)
-        return w.SwapBlocksResponse(
+        return worker_pb.SwapBlocksResponse(
             moved_bytes=t.moved_bytes,
             duration=duration(t.seconds),
             gigabytes_per_second=t.gigabytes_per_second,
             kv_cache=kv_pb(self.core.kv_stats(), self.core.recomputed_tokens),
         )
 
-    async def prepare(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
+    async def prepare(self, request: worker_pb.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot]:
         """The request checked (INVALID_ARGUMENT whatever the state), a place in the Generate bound,
         then the prompt encoded on a thread (a 1 MiB prompt or a long chat must not stall status and
         telemetry on the loop). The place is held until the encoding ends, even for a caller who left."""
@@ -219,7 +229,9 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             slot.release()
             raise
 
-    async def prepare_stream(self, request: w.GenerateRequest) -> tuple[GenerationRequest, GenerateSlot, StreamedText]:
+    async def prepare_stream(
+        self, request: worker_pb.GenerateRequest
+    ) -> tuple[GenerationRequest, GenerateSlot, StreamedText]:
         """:meth:`prepare`, and the stream's text (what each token lets it send); the slot is the
         caller's once this returns."""
         spec, slot = await self.prepare(request)
@@ -230,14 +242,14 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
             slot.release()
             raise
 
-    async def Generate(self, request: w.GenerateRequest, context: Any) -> w.GenerateResponse:
+    async def Generate(self, request: worker_pb.GenerateRequest, context: Any) -> worker_pb.GenerateResponse:
         spec, slot = await self.prepare(request)
         g = await self.core.generate(spec, slot=slot)
         return response(g, request.sequence_id, self.core.text_or_none())
 
     async def GenerateStream(
-        self, request: w.GenerateStreamRequest, context: Context
-    ) -> AsyncIterator[w.GenerateStreamResponse]:
+        self, request: worker_pb.GenerateStreamRequest, context: Context
+    ) -> AsyncIterator[worker_pb.GenerateStreamResponse]:
         """Generate, a message per token as it is made (several, when they come faster than they go)."""
         spec, slot, streamed = await self.prepare_stream(request.request)
         text = self.core.text_or_none()
@@ -264,26 +276,28 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                         end = True
                         break
                     batch.append(token)
-                yield w.GenerateStreamResponse(
+                yield worker_pb.GenerateStreamResponse(
                     token_ids=batch, text="".join(streamed.push(t) for t in batch), prompt_token_count=prompt_tokens
                 )
                 prompt_tokens = 0
                 if end:
                     break
             done = response(task.result(), request.request.sequence_id, text)
-            yield w.GenerateStreamResponse(text=streamed.finish(done.text), done=done)
+            yield worker_pb.GenerateStreamResponse(text=streamed.finish(done.text), done=done)
         finally:
             if not task.done():  # the client left: the generation stops at its next step
                 task.cancel()
                 await asyncio.gather(task, return_exceptions=True)
 
-    async def FreeSequence(self, request: w.FreeSequenceRequest, context: Any) -> w.FreeSequenceResponse:
+    async def FreeSequence(
+        self, request: worker_pb.FreeSequenceRequest, context: Any
+    ) -> worker_pb.FreeSequenceResponse:
         await self.core.free_sequence(check_length(request.sequence_id, MAX_ID_BYTES, "sequence_id"))
-        return w.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats(), self.core.recomputed_tokens))
+        return worker_pb.FreeSequenceResponse(kv_cache=kv_pb(self.core.kv_stats(), self.core.recomputed_tokens))
 
     async def StreamTelemetry(
-        self, request: w.StreamTelemetryRequest, context: Context
-    ) -> AsyncIterator[w.StreamTelemetryResponse]:
+        self, request: worker_pb.StreamTelemetryRequest, context: Context
+    ) -> AsyncIterator[worker_pb.StreamTelemetryResponse]:
         interval = request.interval.ToNanoseconds() / 1e9 if request.HasField("interval") else 1.0
         if interval < 0:
             raise InvalidArgument("interval must not be negative")
@@ -292,7 +306,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
         seq = 0
         try:
             seq += 1
-            yield w.StreamTelemetryResponse(
+            yield worker_pb.StreamTelemetryResponse(
                 time=timestamp(self.core.status().time), sequence_number=seq, snapshot=status_pb(self.core.status())
             )
             while True:
@@ -301,7 +315,7 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                 except TimeoutError:
                     seq += 1
                     snap = self.core.status()
-                    yield w.StreamTelemetryResponse(
+                    yield worker_pb.StreamTelemetryResponse(
                         time=timestamp(snap.time), sequence_number=seq, snapshot=status_pb(snap)
                     )
                     continue
@@ -312,12 +326,14 @@ class ModelWorkerServicer(w_grpc.ModelWorkerServiceServicer):
                     # figures, before the event itself (a state change alone carries none of them)
                     seq += 1
                     snap = self.core.status()
-                    yield w.StreamTelemetryResponse(
+                    yield worker_pb.StreamTelemetryResponse(
                         time=timestamp(snap.time), sequence_number=seq, snapshot=status_pb(snap)
                     )
                     if event.kind == EventKind.ACTIVITY:
                         continue
                 seq += 1
-                yield w.StreamTelemetryResponse(time=timestamp(event.time), sequence_number=seq, **event_pb(event))
+                yield worker_pb.StreamTelemetryResponse(
+                    time=timestamp(event.time), sequence_number=seq, **event_pb(event)
+                )
         finally:
             self.core.telemetry.unsubscribe(queue)

@@ -21,7 +21,7 @@ from memsvc.runtime.replay import ReplayCache
 from memsvc.vocabulary import TagState, WorkerState
 from worker.device_loop import DeviceLoop, Ticket
 from worker.status import Transition
-from worker.telemetry import Event, EventKind, TelemetryHub
+from worker.telemetry import Event, EventKind, StateChange, TelemetryHub
 
 Job = Callable[[], Transition]
 
@@ -144,12 +144,12 @@ class WorkerStateMachine:
     def set_state(self, new: WorkerState, reason: str) -> None:
         old, self.state = self.state, new
         if old != new:
-            self._telemetry.publish(Event(EventKind.STATE_CHANGE, {"from": old, "to": new, "reason": reason}))
+            self._telemetry.publish(Event(EventKind.STATE_CHANGE, StateChange(old, new, reason)))
 
     def finish(self, t: Transition) -> Transition:
         """Record a finished transition and tell telemetry subscribers."""
         self.last = t
-        self._telemetry.publish(Event(EventKind.TRANSITION, {"transition": t}))
+        self._telemetry.publish(Event(EventKind.TRANSITION, t))
         return t
 
     def settle(self, tag_states: Collection[TagState], reason: str) -> None:

@@ -8,7 +8,7 @@ from __future__ import annotations
 
 import time
 from dataclasses import dataclass, field
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING
 
 from memsvc.vocabulary import FinishReason, TransitionKind, WorkerState
 
@@ -47,14 +47,48 @@ class Generation:
 
 
 @dataclass(frozen=True)
+class DeviceInfo:
+    """The device the worker serves on (the proto's ``DeviceInfo``, less the sizes, which the
+    allocator's snapshot has)."""
+
+    backend: str
+    """``cuda`` or ``host``."""
+    index: int
+    name: str
+    """The card's name (``host memory`` on the host backend)."""
+    uuid: str = ""
+    """The card's UUID; empty on the host backend."""
+
+
+@dataclass(frozen=True)
+class ServedModel:
+    """What the worker serves (the proto's ``ModelInfo``): until the load, the spec and the name
+    alone; the rest from the loaded model (:meth:`ModelRunner.info`)."""
+
+    source: str
+    """The model spec: ``synthetic:<preset>`` or the checkpoint directory."""
+    served_model_name: str
+    family: str = ""
+    parameter_count: int = 0
+    weights_bytes: int = 0
+    vocab_size: int = 0
+    layer_count: int = 0
+    context_length: int = 0
+    eos_token_ids: tuple[int, ...] = ()
+    has_tokenizer: bool = False
+    has_chat_template: bool = False
+
+
+@dataclass(frozen=True)
 class Status:
     """A snapshot of the worker for GetWorkerStatus and telemetry."""
 
     worker_id: str
     state: WorkerState
     sleep_level: int
-    device: dict[str, Any]
-    model: dict[str, Any]
+    device: DeviceInfo | None
+    """None until the load has made the allocator."""
+    model: ServedModel
     memory: AllocatorStats | None
     kv_cache: KvStats | None
     """None before the model is loaded."""
@@ -71,4 +105,4 @@ class Status:
     """Tokens read again because their request lost its KV blocks, since the worker started."""
 
 
-__all__ = ["Generation", "Status", "Transition"]
+__all__ = ["DeviceInfo", "Generation", "ServedModel", "Status", "Transition"]

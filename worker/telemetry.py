@@ -12,24 +12,37 @@ import enum
 import threading
 import time
 from dataclasses import dataclass, field
-from typing import Any
+from typing import TYPE_CHECKING
 
 from memsvc.errors import Overloaded
 from memsvc.runtime.limits import MAX_TELEMETRY_SUBSCRIBERS
+from memsvc.vocabulary import WorkerState
+
+if TYPE_CHECKING:
+    from worker.status import Transition
 
 
 class EventKind(enum.StrEnum):
     """What a telemetry event says."""
 
     STATE_CHANGE = "state_change"
-    """``data``: ``from`` and ``to`` (WorkerState), ``reason`` (str)."""
+    """``data``: a :class:`StateChange`."""
     TRANSITION = "transition"
-    """``data``: ``transition`` (a finished :class:`~worker.status.Transition`)."""
+    """``data``: the finished :class:`~worker.status.Transition`."""
     ACTIVITY = "activity"
     """Traffic (Generate, SwapBlocks, FreeSequence): streams send a fresh snapshot, whose
     ``last_activity_time`` resets the manager's idle clock. No data."""
     CLOSED = "closed"
     """The worker shuts down: streams end before the drain. No data."""
+
+
+@dataclass(frozen=True)
+class StateChange:
+    """The worker's state changed from ``old`` to ``new``, for ``reason``."""
+
+    old: WorkerState
+    new: WorkerState
+    reason: str
 
 
 @dataclass(frozen=True)
@@ -41,7 +54,7 @@ class Event:
     """
 
     kind: EventKind
-    data: dict[str, Any] = field(default_factory=dict)
+    data: StateChange | Transition | None = None
     time: float = field(default_factory=time.time)
 
 
@@ -94,4 +107,4 @@ class TelemetryHub:
             return len(self._queues)
 
 
-__all__ = ["CLOSED", "Event", "EventKind", "TelemetryHub"]
+__all__ = ["CLOSED", "Event", "EventKind", "StateChange", "TelemetryHub"]

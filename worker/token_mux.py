@@ -29,7 +29,7 @@ from google.protobuf.message import DecodeError
 
 from memsvc.errors import InvalidArgument, MemsvcError
 from memsvc.runtime.rpc_errors import Context, to_status
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker.generate_messages import response
 
 if TYPE_CHECKING:
@@ -146,7 +146,7 @@ class _Link:
         """One stream, as the servicer's GenerateStream runs it; its end goes into the next frame."""
         try:
             try:
-                request = w.GenerateStreamRequest.FromString(raw)
+                request = worker_pb.GenerateStreamRequest.FromString(raw)
             except DecodeError as exc:
                 raise InvalidArgument(f"the request body is not a valid message: {exc}") from exc
             spec, slot, streamed = await self._servicer.prepare_stream(request.request)
@@ -201,7 +201,7 @@ class _Link:
                 continue
             assert stream is not None
             done = response(outcome, stream.sequence_id, stream.text)
-            last = w.GenerateStreamResponse(text=stream.streamed.finish(done.text), done=done)
+            last = worker_pb.GenerateStreamResponse(text=stream.streamed.finish(done.text), done=done)
             self._out_ends.append((sid, last.SerializeToString(), None))
         self._ending = []
         self._ready.set()

@@ -50,9 +50,9 @@ from memsvc.runtime.limits import (
     MAX_ID_BYTES,
 )
 from memsvc.runtime.rpc_errors import error_info, retry_delay
-from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import memory_manager_service_pb2 as manager_pb
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import WorkerState
 
 log = logging.getLogger("memsvc.gateway")
@@ -88,13 +88,15 @@ def from_rpc(exc: grpc.aio.AioRpcError | grpc.RpcError, where: str) -> GatewayEr
     return GatewayError(status, f"{where}: {details}", kind, code=code.name.lower(), retry_after=retry)
 
 
-def _generate_request(req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None) -> w.GenerateRequest:
+def _generate_request(
+    req: CompletionRequest | ChatCompletionRequest, max_tokens: int | None
+) -> worker_pb.GenerateRequest:
     """What both endpoints send the worker, before the prompt. OpenAI's max_tokens is an upper bound
     (stop_at_context): unset, the most one Generate makes, so the model's context is what ends it."""
-    sampling = w.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k or 0, 0))
+    sampling = worker_pb.SamplingParams(temperature=req.temperature, top_p=req.top_p, top_k=max(req.top_k or 0, 0))
     if req.seed is not None:
         sampling.seed = req.seed
-    return w.GenerateRequest(
+    return worker_pb.GenerateRequest(
         max_new_tokens=max_tokens if max_tokens is not None else MAX_GENERATE_TOKENS,
         sampling=sampling,
         ignore_eos=req.ignore_eos,
@@ -165,7 +167,7 @@ class Gateway:
             )
         if not workers:
             raise GatewayError(404, f"the model {model!r} does not exist", param="model", code="model_not_found")
-        if all(s.state == c.WORKER_STATE_UNAVAILABLE for s in workers):
+        if all(s.state == common_pb.WORKER_STATE_UNAVAILABLE for s in workers):
             on_demand = [s for s in workers if await self.started_on_demand(s)]
             if on_demand:  # its acquire waits while its process starts (the policy's start_timeout)
                 return Backends.pick(on_demand)
@@ -332,14 +334,14 @@ async def _completions(req: CompletionRequest, request: Request) -> Response:
 async def _chat(req: ChatCompletionRequest, request: Request) -> Response:
     worker = await _gateway(request).worker_for(req.model)
     gen = _generate_request(req, req.limit)
-    gen.messages.extend(w.ChatMessage(role=m.role, content=m.text) for m in req.messages)
+    gen.messages.extend(worker_pb.ChatMessage(role=m.role, content=m.text) for m in req.messages)
     return await _respond(req, worker, gen, "chat.completion", request)
 
 
 async def _respond(
     req: CompletionRequest | ChatCompletionRequest,
     worker: Served,
-    gen: w.GenerateRequest,
+    gen: worker_pb.GenerateRequest,
     kind: str,
     request: Request,
 ) -> Response:
@@ -352,7 +354,7 @@ async def _respond(
     stack = contextlib.AsyncExitStack()
     try:
         stack.enter_context(gateway.slot())
-        if worker.state != c.WORKER_STATE_AWAKE:
+        if worker.state != common_pb.WORKER_STATE_AWAKE:
             metrics.wakes.labels(req.model).inc()
         for attempt in range(TURN_RETRIES + 1):
             leased_stack = contextlib.AsyncExitStack()  # this attempt's lease, and its call
@@ -389,7 +391,7 @@ async def _respond(
                 await stack.aclose()  # the lease goes back before the answer does
                 metrics.completion_tokens.labels(req.model).inc(len(r.token_ids))
                 return JSONResponse(_whole(kind, req.model, r, ids))
-            call = stub.GenerateStream(w.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
+            call = stub.GenerateStream(worker_pb.GenerateStreamRequest(request=gen), timeout=GENERATE_TIMEOUT_S)
             leased_stack.callback(call.cancel)
             try:
                 # errors before the first token are the response's status
@@ -582,12 +584,12 @@ class _Once:
             await fn()
 
 
-def _reason(r: w.GenerateResponse) -> str:
+def _reason(r: worker_pb.GenerateResponse) -> str:
     """OpenAI's finish_reason: "stop" for an EOS, a stop token or a stop string, else "length"."""
-    return "stop" if r.finish_reason == c.FINISH_REASON_STOP else "length"
+    return "stop" if r.finish_reason == common_pb.FINISH_REASON_STOP else "length"
 
 
-def _whole(kind: str, model: str, r: w.GenerateResponse, ids: bool = False) -> dict[str, Any]:
+def _whole(kind: str, model: str, r: worker_pb.GenerateResponse, ids: bool = False) -> dict[str, Any]:
     """The whole answer; with ``ids``, its choice carries ``token_ids`` (see ``return_token_ids``)."""
     if kind == "chat.completion":
         choice: dict[str, Any] = {"index": 0, "message": {"role": "assistant", "content": r.text}}

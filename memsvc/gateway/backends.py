@@ -28,10 +28,10 @@ from memsvc.errors import NoLeader
 from memsvc.gateway import LEASE_TTL_S
 from memsvc.runtime.auth import Security, aio_channel
 from memsvc.runtime.rpc_errors import error_info
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 RENEWALS_PER_TTL = 3
 """Renewals per TTL: one that fails is tried again at the next, two more before the lease expires."""
@@ -67,7 +67,7 @@ class Granted:
     """A lease, and how long its request waited in the queue for room before the grant's own call
     (which then woke the worker, evicting a neighbour if it had to)."""
 
-    response: m.AcquireWorkerResponse
+    response: manager_pb.AcquireWorkerResponse
     queued_s: float
 
 
@@ -125,8 +125,10 @@ class Backends:
         the worker, but nothing then keeps the worker from idle sleep or eviction)."""
         options = [("grpc.max_reconnect_backoff_ms", MANAGER_RECONNECT_MAX_MS)]
         self._manager_channel = aio_channel(manager_address, security, options)
-        self.manager: m_grpc.MemoryManagerServiceAsyncStub = m_grpc.MemoryManagerServiceStub(self._manager_channel)
-        self._workers: dict[str, tuple[grpc.aio.Channel, w_grpc.ModelWorkerServiceAsyncStub]] = {}
+        self.manager: manager_grpc.MemoryManagerServiceAsyncStub = manager_grpc.MemoryManagerServiceStub(
+            self._manager_channel
+        )
+        self._workers: dict[str, tuple[grpc.aio.Channel, worker_grpc.ModelWorkerServiceAsyncStub]] = {}
         self.unknown_unavailable = 0
         """Unavailable workers whose model the last :meth:`models` could not tell."""
         self._late: set[asyncio.Task[None]] = set()
@@ -154,10 +156,10 @@ class Backends:
             await ch.close()
         await self._manager_channel.close()
 
-    def worker(self, address: str) -> w_grpc.ModelWorkerServiceAsyncStub:
+    def worker(self, address: str) -> worker_grpc.ModelWorkerServiceAsyncStub:
         if address not in self._workers:
             ch = aio_channel(address, self._security)
-            self._workers[address] = (ch, w_grpc.ModelWorkerServiceStub(ch))
+            self._workers[address] = (ch, worker_grpc.ModelWorkerServiceStub(ch))
         return self._workers[address][1]
 
     def _away(self, exc: grpc.aio.AioRpcError) -> bool:
@@ -197,12 +199,12 @@ class Backends:
         unknown = 0
         token = ""
         while True:
-            page = m.ListWorkersRequest(page_size=LIST_PAGE, page_token=token)
+            page = manager_pb.ListWorkersRequest(page_size=LIST_PAGE, page_token=token)
             r = await self.manager.ListWorkers(page, timeout=timeout)
             for wk in r.workers:
                 model = wk.status.model
                 if not model.served_model_name:
-                    unknown += wk.state == c.WORKER_STATE_UNAVAILABLE
+                    unknown += wk.state == common_pb.WORKER_STATE_UNAVAILABLE
                     continue
                 out.setdefault(model.served_model_name, []).append(
                     Served(
@@ -223,15 +225,15 @@ class Backends:
     async def start_timeout(self, worker: Served, timeout: float = 10.0) -> float:
         """``worker``'s effective policy's start_timeout, in seconds (grpc.RpcError if the manager
         does not answer)."""
-        r = await self.manager.GetPolicy(m.GetPolicyRequest(name=worker.name), timeout=timeout)
+        r = await self.manager.GetPolicy(manager_pb.GetPolicyRequest(name=worker.name), timeout=timeout)
         return float(r.policy.start_timeout.ToNanoseconds() / 1e9)
 
     @staticmethod
     def pick(workers: list[Served]) -> Served:
         """An awake worker first (the least leased), then a sleeping one: never wake a second copy
         while an awake one can serve."""
-        usable = [s for s in workers if s.state != c.WORKER_STATE_UNAVAILABLE] or workers
-        return min(usable, key=lambda s: (s.state != c.WORKER_STATE_AWAKE, s.leases, s.name))
+        usable = [s for s in workers if s.state != common_pb.WORKER_STATE_UNAVAILABLE] or workers
+        return min(usable, key=lambda s: (s.state != common_pb.WORKER_STATE_AWAKE, s.leases, s.name))
 
     async def acquire(
         self, worker: Served, holder: str, timeout: float, queue_s: float, keep_alive_s: float | None = None
@@ -253,17 +255,19 @@ class Backends:
             asked = loop.time()
             call = asyncio.ensure_future(self.manager.AcquireWorker(request, timeout=timeout))
             try:
-                r: m.AcquireWorkerResponse = await asyncio.shield(call)
+                r: manager_pb.AcquireWorkerResponse = await asyncio.shield(call)
                 self._back()
                 return Granted(r, asked - start)
             except asyncio.CancelledError:
                 self._release_when_granted(call)
                 raise
             except grpc.aio.AioRpcError as exc:
-                if self._away(exc) and worker.state == c.WORKER_STATE_AWAKE:
+                if self._away(exc) and worker.state == common_pb.WORKER_STATE_AWAKE:
                     # awake when last seen: served by it, with no lease to hold or give back
                     return Granted(
-                        m.AcquireWorkerResponse(worker=m.Worker(name=worker.name, address=worker.address)),
+                        manager_pb.AcquireWorkerResponse(
+                            worker=manager_pb.Worker(name=worker.name, address=worker.address)
+                        ),
                         asked - start,
                     )
                 left = give_up - loop.time()
@@ -273,11 +277,11 @@ class Backends:
 
     def _acquire_request(
         self, name: str, holder: str, keep_alive_s: float | None, lease_id: str = ""
-    ) -> m.AcquireWorkerRequest:
+    ) -> manager_pb.AcquireWorkerRequest:
         """A grant (or, with ``lease_id``, a renewal) of a lease for :attr:`lease_ttl_s`. A renewal
         sends the grant's keep_alive again: the same value, which a restarted manager (which keeps
         keep_alive in memory only) gets back that way."""
-        request = m.AcquireWorkerRequest(name=name, holder=holder, lease_id=lease_id)
+        request = manager_pb.AcquireWorkerRequest(name=name, holder=holder, lease_id=lease_id)
         request.ttl.FromNanoseconds(round(self.lease_ttl_s * 1e9))
         if keep_alive_s is not None:
             request.keep_alive.FromNanoseconds(int(keep_alive_s * 1e9))
@@ -292,7 +296,7 @@ class Backends:
         self._late.add(task)
         task.add_done_callback(self._late.discard)
 
-    def _release_when_granted(self, call: asyncio.Future[m.AcquireWorkerResponse]) -> None:
+    def _release_when_granted(self, call: asyncio.Future[manager_pb.AcquireWorkerResponse]) -> None:
         async def release() -> None:
             try:
                 r = await call
@@ -302,7 +306,7 @@ class Backends:
 
         self._background(release())
 
-    async def _renew(self, held: _Held, request: m.AcquireWorkerRequest) -> None:
+    async def _renew(self, held: _Held, request: manager_pb.AcquireWorkerRequest) -> None:
         """Renew ``held`` every RENEWALS_PER_TTL-th of its TTL until cancelled (when it is released).
         A renewal that fails is tried again at the next tick (logged once per run of failures). One
         answered NOT_FOUND means the lease is gone (it expired while the manager was down for longer
@@ -359,7 +363,7 @@ class Backends:
         lease the manager restored from its store would otherwise hold its worker awake for its TTL
         (no idle sleep, no eviction)."""
         loop = asyncio.get_running_loop()
-        request = m.ReleaseWorkerRequest(lease_id=held.lease_id)
+        request = manager_pb.ReleaseWorkerRequest(lease_id=held.lease_id)
         pause, failed = RELEASE_RETRY_S[0], ""
         while True:
             last = self._closing.is_set()

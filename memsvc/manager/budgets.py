@@ -37,7 +37,7 @@ from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.manager.turns import Turns
 from memsvc.runtime.deadline import Deadline
-from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import common_pb2 as common_pb
 from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState, policy_actions
 
 log = logging.getLogger("memsvc.manager")
@@ -310,7 +310,7 @@ class Budgets:
         why_disk: str,
         why_level2: str,
         pause: bool = False,
-    ) -> c.TransitionStats:
+    ) -> common_pb.TransitionStats:
         """Sleep with ``to_disk`` (tag actions onto the worker's disk tier: the bytes are kept), or
         where there are none or the disk refuses (full, failing: the worker is as it was) at level 2.
         The host budget's way to free host RAM; the caller holds ``rec.lock``."""
@@ -334,7 +334,7 @@ class Budgets:
 
     async def sleep_tier1(
         self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = "", pause: bool = False
-    ) -> c.TransitionStats:
+    ) -> common_pb.TransitionStats:
         """Sleep with the policy's tag actions; when host RAM is short, offload to the worker's disk
         tier instead, or without one fall back to level 2. ``pause``: its running requests pause
         instead of being waited for. The caller holds ``rec.lock``."""

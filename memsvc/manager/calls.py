@@ -24,8 +24,8 @@ from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.runtime.deadline import Deadline
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import Action, SleepLevel
 
 log = logging.getLogger("memsvc.manager")
@@ -84,9 +84,9 @@ class WorkerCalls:
         deadline: Deadline,
         why: str,
         pause: bool = False,
-    ) -> c.TransitionStats:
-        req = w.SleepRequest(
-            level=level.proto if level is not None else c.SLEEP_LEVEL_UNSPECIFIED,
+    ) -> common_pb.TransitionStats:
+        req = worker_pb.SleepRequest(
+            level=level.proto if level is not None else common_pb.SLEEP_LEVEL_UNSPECIFIED,
             tag_actions={t: a.proto for t, a in actions.items()},
             request_id=request_id,
             pause_generations=pause,
@@ -102,16 +102,16 @@ class WorkerCalls:
 
     async def wake(
         self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: Deadline, why: str
-    ) -> c.TransitionStats:
-        req = w.WakeUpRequest(tags=tags, request_id=request_id)
+    ) -> common_pb.TransitionStats:
+        req = worker_pb.WakeUpRequest(tags=tags, request_id=request_id)
         with rec.caused_by(why):
             resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.wake_up(req, timeout))
             await self._ingest.set_status(rec, resp.status, True, why)
         return resp.transition
 
     async def swap_blocks(
-        self, rec: WorkerRecord, request: w.SwapBlocksRequest, deadline: Deadline
-    ) -> w.SwapBlocksResponse:
+        self, rec: WorkerRecord, request: worker_pb.SwapBlocksRequest, deadline: Deadline
+    ) -> worker_pb.SwapBlocksResponse:
         return await self._registry.link(rec).swap_blocks(request, self.timeout(deadline))
 
     async def _answered(

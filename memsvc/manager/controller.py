@@ -40,9 +40,9 @@ from memsvc.manager.turns import Turns
 from memsvc.manager.watch import WatchHub
 from memsvc.runtime.deadline import NO_DEADLINE, Deadline
 from memsvc.runtime.replay import ReplayCache
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import Action, SleepLevel
 
 REQUEST_CACHE = 1024
@@ -127,7 +127,9 @@ class Manager:
     def policy(self, rec: WorkerRecord | None) -> Policy:
         return self.policies.effective(rec.name if rec is not None else None)
 
-    def update_policy(self, name: str, p: m.Policy | None, paths: list[str], clear: Sequence[str] = ()) -> Policy:
+    def update_policy(
+        self, name: str, p: manager_pb.Policy | None, paths: list[str], clear: Sequence[str] = ()
+    ) -> Policy:
         """Change the default policy (no ``name``) or a worker's overrides; ``clear``: overrides to
         remove (``*``: all), so those fields follow the default again."""
         if clear and not name:
@@ -156,17 +158,17 @@ class Manager:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline | None = None,
-    ) -> tuple[m.Worker, c.TransitionStats]:
+    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
         return await self.transitions.sleep_worker(name, level, tag_actions, request_id, deadline or NO_DEADLINE)
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: Deadline | None = None
-    ) -> tuple[m.Worker, c.TransitionStats]:
+    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
         return await self.transitions.wake_worker(name, tags, request_id, deadline or NO_DEADLINE)
 
     async def swap_blocks(
-        self, name: str, request: w.SwapBlocksRequest, deadline: Deadline | None = None
-    ) -> w.SwapBlocksResponse:
+        self, name: str, request: worker_pb.SwapBlocksRequest, deadline: Deadline | None = None
+    ) -> worker_pb.SwapBlocksResponse:
         return await self.transitions.swap_blocks(name, request, deadline or NO_DEADLINE)
 
     async def acquire(

@@ -36,8 +36,8 @@ from memsvc.errors import (
 )
 from memsvc.manager.links import OnDown, OnMessage, WorkerLink
 from memsvc.runtime.replay import ReplayCache
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import (
     CUDA_GRAPHS,
     KEPT_IN,
@@ -105,15 +105,15 @@ class InMemoryWorker:
         """When set, transitions fail with it and change nothing (a worker that says no)."""
         self._busy = False
         self._replay = ReplayCache(512)
-        self._last = c.TransitionStats()
+        self._last = common_pb.TransitionStats()
         self._links: list[_InMemoryLink] = []
         """Links following this worker's telemetry."""
         self.handlers: set[asyncio.Task[Any]] = set()
         """Calls running here, whoever still waits for them."""
 
     # ---- what a worker reports ----
-    def status(self) -> c.WorkerStatus:
-        s = c.WorkerStatus(
+    def status(self) -> common_pb.WorkerStatus:
+        s = common_pb.WorkerStatus(
             worker_id=self.worker_id,
             state=self.state.proto,
             sleep_level=SleepLevel.proto_of(self.sleep_level),
@@ -125,7 +125,7 @@ class InMemoryWorker:
             awake = t.state == TagState.AWAKE
             mapped += t.awake_bytes if awake else 0
             s.tags.append(
-                c.TagMemory(
+                common_pb.TagMemory(
                     tag=name,
                     state=t.state.proto,
                     mapped_bytes=t.awake_bytes if awake else 0,
@@ -137,7 +137,7 @@ class InMemoryWorker:
                 )
             )
         s.device.CopyFrom(
-            c.DeviceInfo(
+            common_pb.DeviceInfo(
                 backend="inmemory",
                 index=self.device_index,
                 total_bytes=self.device_total_bytes,
@@ -148,7 +148,7 @@ class InMemoryWorker:
         s.update_time.FromNanoseconds(time.time_ns())
         return s
 
-    async def _send(self, msg: w.StreamTelemetryResponse) -> None:
+    async def _send(self, msg: worker_pb.StreamTelemetryResponse) -> None:
         msg.time.FromNanoseconds(time.time_ns())
         for link in list(self._links):
             await link.on_message(msg)
@@ -157,7 +157,7 @@ class InMemoryWorker:
         """Report a transition accepted but not begun (one queued behind device work, asked for by
         someone else than the manager), or no longer; tell telemetry subscribers."""
         self._busy = held
-        await self._send(w.StreamTelemetryResponse(snapshot=self.status()))
+        await self._send(worker_pb.StreamTelemetryResponse(snapshot=self.status()))
 
     async def crash(self) -> None:
         """Go down: calls fail UNAVAILABLE, and every telemetry stream ends."""
@@ -174,8 +174,8 @@ class InMemoryWorker:
         old, self.state = self.state, new
         if old != new:
             await self._send(
-                w.StreamTelemetryResponse(
-                    state_change=c.StateChange(from_state=old.proto, to_state=new.proto, reason=reason)
+                worker_pb.StreamTelemetryResponse(
+                    state_change=common_pb.StateChange(from_state=old.proto, to_state=new.proto, reason=reason)
                 )
             )
 
@@ -196,20 +196,20 @@ class InMemoryWorker:
             yield
         finally:
             self._busy = False
-        await self._send(w.StreamTelemetryResponse(snapshot=self.status()))
+        await self._send(worker_pb.StreamTelemetryResponse(snapshot=self.status()))
 
-    def _finish(self, kind: TransitionKind, moved: int) -> c.TransitionStats:
-        self._last = c.TransitionStats(kind=kind, moved_bytes=moved)
+    def _finish(self, kind: TransitionKind, moved: int) -> common_pb.TransitionStats:
+        self._last = common_pb.TransitionStats(kind=kind, moved_bytes=moved)
         self._last.end_time.FromNanoseconds(time.time_ns())
         return self._last
 
-    async def sleep(self, request: w.SleepRequest) -> w.SleepResponse:
+    async def sleep(self, request: worker_pb.SleepRequest) -> worker_pb.SleepResponse:
         return await self._replay.run(request.request_id, "Sleep", lambda _: self._sleep(request))
 
-    async def wake_up(self, request: w.WakeUpRequest) -> w.WakeUpResponse:
+    async def wake_up(self, request: worker_pb.WakeUpRequest) -> worker_pb.WakeUpResponse:
         return await self._replay.run(request.request_id, "WakeUp", lambda _: self._wake_up(request))
 
-    async def _sleep(self, request: w.SleepRequest) -> w.SleepResponse:
+    async def _sleep(self, request: worker_pb.SleepRequest) -> worker_pb.SleepResponse:
         level = SleepLevel.parse(request.level)
         explicit = actions_from_proto(request.tag_actions)
         if level is None and not explicit:
@@ -241,9 +241,9 @@ class InMemoryWorker:
             self.sleep_level = max(reported, self.sleep_level) if before == WorkerState.ASLEEP else reported
             await self._set_state(WorkerState.ASLEEP, "Sleep")
             transition = self._finish(TransitionKind.SLEEP, moved)
-        return w.SleepResponse(status=self.status(), transition=transition)
+        return worker_pb.SleepResponse(status=self.status(), transition=transition)
 
-    async def _wake_up(self, request: w.WakeUpRequest) -> w.WakeUpResponse:
+    async def _wake_up(self, request: worker_pb.WakeUpRequest) -> worker_pb.WakeUpResponse:
         tags = list(request.tags)
         check_known_tags(tags, self.tags)
         async with self._transition("WakeUp"):
@@ -264,9 +264,9 @@ class InMemoryWorker:
             else:
                 await self._set_state(WorkerState.PARTIALLY_AWAKE, "WakeUp")
             transition = self._finish(TransitionKind.WAKE, moved)
-        return w.WakeUpResponse(status=self.status(), transition=transition)
+        return worker_pb.WakeUpResponse(status=self.status(), transition=transition)
 
-    async def swap_blocks(self, request: w.SwapBlocksRequest) -> w.SwapBlocksResponse:
+    async def swap_blocks(self, request: worker_pb.SwapBlocksRequest) -> worker_pb.SwapBlocksResponse:
         self.calls.append("SwapBlocks")
         if not self.up:
             raise Unavailable(f"worker {self.worker_id}: UNAVAILABLE: connection refused")
@@ -275,7 +275,7 @@ class InMemoryWorker:
         n = len(request.pairs) or len(request.src_blocks) or len(request.src_blocks_u32le) // 4
         if not n:
             raise InvalidArgument("no blocks given")
-        return w.SwapBlocksResponse(moved_bytes=n * 4096)
+        return worker_pb.SwapBlocksResponse(moved_bytes=n * 4096)
 
 
 class _InMemoryLink:
@@ -309,7 +309,7 @@ class _InMemoryLink:
             return
         if self not in self._worker._links:
             self._worker._links.append(self)
-        await self.on_message(w.StreamTelemetryResponse(snapshot=self._worker.status()))
+        await self.on_message(worker_pb.StreamTelemetryResponse(snapshot=self._worker.status()))
 
     async def close(self) -> None:
         for task in list(self._connecting):
@@ -318,18 +318,18 @@ class _InMemoryLink:
         if self in self._worker._links:
             self._worker._links.remove(self)
 
-    async def status(self, timeout: float) -> c.WorkerStatus:
+    async def status(self, timeout: float) -> common_pb.WorkerStatus:
         if not self._worker.up:
             raise Unavailable(f"worker {self._worker.worker_id}: UNAVAILABLE: connection refused")
         return self._worker.status()
 
-    async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
+    async def sleep(self, request: worker_pb.SleepRequest, timeout: float) -> worker_pb.SleepResponse:
         return await self._call(self._worker.sleep(request), timeout)
 
-    async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse:
+    async def wake_up(self, request: worker_pb.WakeUpRequest, timeout: float) -> worker_pb.WakeUpResponse:
         return await self._call(self._worker.wake_up(request), timeout)
 
-    async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse:
+    async def swap_blocks(self, request: worker_pb.SwapBlocksRequest, timeout: float) -> worker_pb.SwapBlocksResponse:
         return await self._call(self._worker.swap_blocks(request), timeout)
 
     async def _call(self, handler: Coroutine[Any, Any, R], timeout: float) -> R:

@@ -22,13 +22,13 @@ import grpc
 
 from memsvc.runtime.auth import Security, aio_channel
 from memsvc.runtime.rpc_errors import from_rpc_error
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
-from memsvc.v1 import model_worker_service_pb2_grpc as w_grpc
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 log = logging.getLogger("memsvc.manager.links")
 
-OnMessage = Callable[[w.StreamTelemetryResponse], Awaitable[None]]
+OnMessage = Callable[[worker_pb.StreamTelemetryResponse], Awaitable[None]]
 """Called with every telemetry message the worker sends."""
 OnDown = Callable[[str], Awaitable[None]]
 """Called with a reason when the telemetry stream ends or fails."""
@@ -55,13 +55,15 @@ class WorkerLink(Protocol):
 
     async def close(self) -> None: ...
 
-    async def status(self, timeout: float) -> c.WorkerStatus: ...
+    async def status(self, timeout: float) -> common_pb.WorkerStatus: ...
 
-    async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse: ...
+    async def sleep(self, request: worker_pb.SleepRequest, timeout: float) -> worker_pb.SleepResponse: ...
 
-    async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse: ...
+    async def wake_up(self, request: worker_pb.WakeUpRequest, timeout: float) -> worker_pb.WakeUpResponse: ...
 
-    async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse: ...
+    async def swap_blocks(
+        self, request: worker_pb.SwapBlocksRequest, timeout: float
+    ) -> worker_pb.SwapBlocksResponse: ...
 
 
 LinkFactory = Callable[[str, str, OnMessage, OnDown], WorkerLink]
@@ -83,7 +85,7 @@ class GrpcWorkerLink:
         self.channel = aio_channel(
             address, security, options=[("grpc.keepalive_time_ms", 10_000), ("grpc.keepalive_timeout_ms", 5_000)]
         )
-        self.stub = w_grpc.ModelWorkerServiceStub(self.channel)
+        self.stub = worker_grpc.ModelWorkerServiceStub(self.channel)
         self._on_message = on_message
         self._on_down = on_down
         self._retry_now = asyncio.Event()
@@ -107,25 +109,25 @@ class GrpcWorkerLink:
         await self.channel.close()
 
     # ---- calls ----
-    async def status(self, timeout: float) -> c.WorkerStatus:
+    async def status(self, timeout: float) -> common_pb.WorkerStatus:
         try:
-            return (await self.stub.GetWorkerStatus(w.GetWorkerStatusRequest(), timeout=timeout)).status
+            return (await self.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=timeout)).status
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, self.worker_id) from None
 
-    async def sleep(self, request: w.SleepRequest, timeout: float) -> w.SleepResponse:
+    async def sleep(self, request: worker_pb.SleepRequest, timeout: float) -> worker_pb.SleepResponse:
         try:
             return await self.stub.Sleep(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, self.worker_id) from None
 
-    async def wake_up(self, request: w.WakeUpRequest, timeout: float) -> w.WakeUpResponse:
+    async def wake_up(self, request: worker_pb.WakeUpRequest, timeout: float) -> worker_pb.WakeUpResponse:
         try:
             return await self.stub.WakeUp(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, self.worker_id) from None
 
-    async def swap_blocks(self, request: w.SwapBlocksRequest, timeout: float) -> w.SwapBlocksResponse:
+    async def swap_blocks(self, request: worker_pb.SwapBlocksRequest, timeout: float) -> worker_pb.SwapBlocksResponse:
         try:
             return await self.stub.SwapBlocks(request, timeout=timeout)
         except grpc.aio.AioRpcError as err:
@@ -135,7 +137,7 @@ class GrpcWorkerLink:
     async def _follow(self) -> None:
         backoff = 0.2
         while True:
-            request = w.StreamTelemetryRequest()
+            request = worker_pb.StreamTelemetryRequest()
             request.interval.FromNanoseconds(int(self.INTERVAL_S * 1e9))
             try:
                 async for msg in self.stub.StreamTelemetry(request):

@@ -19,11 +19,11 @@ from memsvc.manager.store import Store, open_store
 from memsvc.runtime.auth import Security
 from memsvc.runtime.logs import announce
 from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
 
 log = logging.getLogger("memsvc.manager")
-SERVICE_NAME = m.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
+SERVICE_NAME = manager_pb.DESCRIPTOR.services_by_name["MemoryManagerService"].full_name
 
 
 async def serve(settings: ServeSettings, security: Security | None = None) -> int:
@@ -58,7 +58,7 @@ async def serve(settings: ServeSettings, security: Security | None = None) -> in
             announce(f"memsvc manager metrics on http://{host or '0.0.0.0'}:{port}/metrics")
         srv = await start_server(
             settings.listen,
-            [lambda s: m_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
+            [lambda s: manager_grpc.add_MemoryManagerServiceServicer_to_server(servicer, s)],
             [SERVICE_NAME],
             [replica.interceptor()] if replica else (),
             sec,

@@ -27,7 +27,7 @@ from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make
 
 from memsvc.runtime.auth import bearer_token
 from memsvc.runtime.metrics import build_info
-from memsvc.v1 import common_pb2 as c
+from memsvc.v1 import common_pb2 as common_pb
 from memsvc.vocabulary import WorkerState
 
 STATES = [s.label for s in WorkerState if s != WorkerState.UNSPECIFIED]
@@ -142,7 +142,7 @@ class ManagerMetrics:
         worker_id: str,
         reachable: bool,
         state: WorkerState,
-        status: c.WorkerStatus | None,
+        status: common_pb.WorkerStatus | None,
         leases: int,
         waiting: int = 0,
     ) -> None:
@@ -202,7 +202,7 @@ class ManagerMetrics:
             for labels in [key for key in counter._metrics if key[0] == worker_id]:
                 counter.remove(*labels)
 
-    def transition(self, worker_id: str, t: c.TransitionStats) -> None:
+    def transition(self, worker_id: str, t: common_pb.TransitionStats) -> None:
         self.transitions.labels(worker_id, t.kind).inc()
         self.moved.labels(worker_id, t.kind).inc(t.moved_bytes)
         self.duration.labels(worker_id, t.kind).observe(t.duration.ToNanoseconds() / 1e9)

@@ -17,7 +17,7 @@ from typing import Any
 from memsvc.errors import InvalidArgument
 from memsvc.manager.store import DEFAULT_SCOPE, Store
 from memsvc.runtime.limits import MAX_POLICY_TAGS
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
 
 log = logging.getLogger("memsvc.manager.policy")
@@ -73,8 +73,8 @@ class Policy:
             fields = {**fields, "tag_actions": {t: Action.from_proto(a, t) for t, a in fields["tag_actions"].items()}}
         return replace(self, **fields)
 
-    def to_proto(self) -> m.Policy:
-        p = m.Policy(
+    def to_proto(self) -> manager_pb.Policy:
+        p = manager_pb.Policy(
             device_budget_bytes=self.device_budget_bytes,
             host_budget_bytes=self.host_budget_bytes,
             device_swap_headroom_bytes=self.device_swap_headroom_bytes,
@@ -87,7 +87,7 @@ class Policy:
         return p
 
 
-def fields_from_proto(p: m.Policy, paths: list[str]) -> dict[str, Any]:
+def fields_from_proto(p: manager_pb.Policy, paths: list[str]) -> dict[str, Any]:
     """The fields of ``p`` named by an update mask (all fields when ``paths`` is empty), validated."""
     unknown = [x for x in paths if x not in FIELDS]
     if unknown:
@@ -148,14 +148,14 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _stored_as_proto(name: str, value: object) -> m.Policy:
+def _stored_as_proto(name: str, value: object) -> manager_pb.Policy:
     """A stored field as the UpdatePolicy message that would have set it, so that the rules of
     :func:`fields_from_proto` judge what the file holds: one set of rules for requests and the store.
 
     TypeError, ValueError or OverflowError for a value no request could carry (a string, a bool,
     NaN, a number out of the proto's range).
     """
-    p = m.Policy()
+    p = manager_pb.Policy()
     if name == "tag_actions":
         if not isinstance(value, dict) or not all(_is_int(a) for a in value.values()):
             raise TypeError(f"{value!r:.100} is not a map of tag to action number")

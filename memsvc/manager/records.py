@@ -11,8 +11,8 @@ from dataclasses import dataclass, field
 from memsvc.errors import InvalidArgument, Overloaded
 from memsvc.runtime.deadline import Deadline
 from memsvc.runtime.limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import BUSY_STATES, Action, TagState, WorkerState, wake_set
 
 NAME_PREFIX = "workers/"
@@ -42,8 +42,8 @@ class Lease:
     request_id: str = ""
     """The AcquireWorker request that granted it (stored: a retry after a failover gets it back)."""
 
-    def to_proto(self) -> m.Lease:
-        lease = m.Lease(lease_id=self.lease_id, worker=NAME_PREFIX + self.worker_id, holder=self.holder)
+    def to_proto(self) -> manager_pb.Lease:
+        lease = manager_pb.Lease(lease_id=self.lease_id, worker=NAME_PREFIX + self.worker_id, holder=self.holder)
         lease.expire_time.FromNanoseconds(int(self.expire_time * 1e9))
         return lease
 
@@ -54,7 +54,7 @@ class WorkerRecord:
     address: str
     host: str
     configured: bool = False
-    status: c.WorkerStatus | None = None
+    status: common_pb.WorkerStatus | None = None
     reachable: bool = False
     last_seen: float = 0.0
     """Wall-clock time the worker was last heard from (for operators: ``last_seen_time``)."""
@@ -149,10 +149,10 @@ class WorkerRecord:
     @property
     def device_key(self) -> tuple[str, str, str]:
         """Workers with equal keys share one device (and its budget)."""
-        d = self.status.device if self.status is not None else c.DeviceInfo()
+        d = self.status.device if self.status is not None else common_pb.DeviceInfo()
         return (self.host, d.backend, d.uuid or str(d.index))
 
-    def tags(self) -> list[c.TagMemory]:
+    def tags(self) -> list[common_pb.TagMemory]:
         return list(self.status.tags) if self.status is not None else []
 
     def tag_names(self) -> set[str]:
@@ -201,8 +201,8 @@ class WorkerRecord:
     def device_total_bytes(self) -> int:
         return self.status.device.total_bytes if self.status is not None else 0
 
-    def to_proto(self) -> m.Worker:
-        w = m.Worker(
+    def to_proto(self) -> manager_pb.Worker:
+        w = manager_pb.Worker(
             name=self.name,
             address=self.address,
             state=self.state.proto,

@@ -12,13 +12,13 @@ from memsvc.manager.watch import CLOSED
 from memsvc.runtime.deadline import caller_deadline
 from memsvc.runtime.rpc_errors import Context
 from memsvc.runtime.swap_forms import swap_block_count
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import memory_manager_service_pb2_grpc as m_grpc
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import memory_manager_service_pb2_grpc as manager_grpc
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import SleepLevel, actions_from_proto
 
 
-class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
+class MemoryManagerServicer(manager_grpc.MemoryManagerServiceServicer):
     """Serves once it leads: at once for one manager, on taking the lead for a replica (until then a
     replica forwards every call, memsvc/manager/replicas.py, and none reaches this)."""
 
@@ -34,37 +34,43 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             raise NoLeader("this manager replica is taking the lead: try again", retry_after_s=1.0)
         return self._manager
 
-    async def RegisterWorker(self, request: m.RegisterWorkerRequest, context: Any) -> m.RegisterWorkerResponse:
+    async def RegisterWorker(
+        self, request: manager_pb.RegisterWorkerRequest, context: Any
+    ) -> manager_pb.RegisterWorkerResponse:
         rec = await self.manager.register(request.worker_id, request.address, request.host)
-        resp = m.RegisterWorkerResponse(worker=rec.to_proto())
+        resp = manager_pb.RegisterWorkerResponse(worker=rec.to_proto())
         resp.heartbeat_interval.FromNanoseconds(int(self.manager.settings.heartbeat_interval * 1e9))
         return resp
 
-    async def DeregisterWorker(self, request: m.DeregisterWorkerRequest, context: Any) -> m.DeregisterWorkerResponse:
+    async def DeregisterWorker(
+        self, request: manager_pb.DeregisterWorkerRequest, context: Any
+    ) -> manager_pb.DeregisterWorkerResponse:
         await self.manager.deregister(request.name)
-        return m.DeregisterWorkerResponse()
+        return manager_pb.DeregisterWorkerResponse()
 
-    async def ListWorkers(self, request: m.ListWorkersRequest, context: Any) -> m.ListWorkersResponse:
+    async def ListWorkers(self, request: manager_pb.ListWorkersRequest, context: Any) -> manager_pb.ListWorkersResponse:
         page, token = self.manager.list_workers(request.page_size, request.page_token)
-        return m.ListWorkersResponse(workers=[r.to_proto() for r in page], next_page_token=token)
+        return manager_pb.ListWorkersResponse(workers=[r.to_proto() for r in page], next_page_token=token)
 
-    async def GetWorker(self, request: m.GetWorkerRequest, context: Any) -> m.GetWorkerResponse:
-        return m.GetWorkerResponse(worker=self.manager.get(request.name).to_proto())
+    async def GetWorker(self, request: manager_pb.GetWorkerRequest, context: Any) -> manager_pb.GetWorkerResponse:
+        return manager_pb.GetWorkerResponse(worker=self.manager.get(request.name).to_proto())
 
-    async def SleepWorker(self, request: m.SleepWorkerRequest, context: Any) -> m.SleepWorkerResponse:
+    async def SleepWorker(self, request: manager_pb.SleepWorkerRequest, context: Any) -> manager_pb.SleepWorkerResponse:
         level = SleepLevel.parse(request.level)
         actions = actions_from_proto(request.tag_actions)
         deadline = caller_deadline(context)
         worker, t = await self.manager.sleep_worker(request.name, level, actions, request.request_id, deadline)
-        return m.SleepWorkerResponse(worker=worker, transition=t)
+        return manager_pb.SleepWorkerResponse(worker=worker, transition=t)
 
-    async def WakeWorker(self, request: m.WakeWorkerRequest, context: Any) -> m.WakeWorkerResponse:
+    async def WakeWorker(self, request: manager_pb.WakeWorkerRequest, context: Any) -> manager_pb.WakeWorkerResponse:
         worker, t = await self.manager.wake_worker(
             request.name, list(request.tags), request.request_id, caller_deadline(context)
         )
-        return m.WakeWorkerResponse(worker=worker, transition=t)
+        return manager_pb.WakeWorkerResponse(worker=worker, transition=t)
 
-    async def SwapWorkerBlocks(self, request: m.SwapWorkerBlocksRequest, context: Any) -> m.SwapWorkerBlocksResponse:
+    async def SwapWorkerBlocks(
+        self, request: manager_pb.SwapWorkerBlocksRequest, context: Any
+    ) -> manager_pb.SwapWorkerBlocksResponse:
         # The shape first, by field lengths alone: an oversized request costs no pass over its blocks.
         # The worker checks the ids; the raw form passes through as two byte strings.
         swap_block_count(
@@ -75,7 +81,7 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             len(request.dst_blocks_u32le),
         )
         self.manager.get(request.name)
-        req = w.SwapBlocksRequest(
+        req = worker_pb.SwapBlocksRequest(
             direction=request.direction,
             pairs=request.pairs,
             method=request.method,
@@ -85,14 +91,16 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             dst_blocks_u32le=request.dst_blocks_u32le,
         )
         r = await self.manager.swap_blocks(request.name, req, caller_deadline(context))
-        return m.SwapWorkerBlocksResponse(
+        return manager_pb.SwapWorkerBlocksResponse(
             moved_bytes=r.moved_bytes,
             duration=r.duration,
             gigabytes_per_second=r.gigabytes_per_second,
             kv_cache=r.kv_cache,
         )
 
-    async def AcquireWorker(self, request: m.AcquireWorkerRequest, context: Any) -> m.AcquireWorkerResponse:
+    async def AcquireWorker(
+        self, request: manager_pb.AcquireWorkerRequest, context: Any
+    ) -> manager_pb.AcquireWorkerResponse:
         if request.ttl.seconds < 0 or request.ttl.nanos < 0:
             raise InvalidArgument("ttl must not be negative", metadata={"field": "ttl"})
         if request.HasField("ttl") and request.ttl.ToNanoseconds() == 0:
@@ -110,30 +118,34 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
             caller_deadline(context),
             keep_alive,
         )
-        return m.AcquireWorkerResponse(lease=lease.to_proto(), worker=rec.to_proto())
+        return manager_pb.AcquireWorkerResponse(lease=lease.to_proto(), worker=rec.to_proto())
 
-    async def ReleaseWorker(self, request: m.ReleaseWorkerRequest, context: Any) -> m.ReleaseWorkerResponse:
-        return m.ReleaseWorkerResponse(worker=self.manager.release(request.lease_id).to_proto())
+    async def ReleaseWorker(
+        self, request: manager_pb.ReleaseWorkerRequest, context: Any
+    ) -> manager_pb.ReleaseWorkerResponse:
+        return manager_pb.ReleaseWorkerResponse(worker=self.manager.release(request.lease_id).to_proto())
 
-    async def ListLeases(self, request: m.ListLeasesRequest, context: Any) -> m.ListLeasesResponse:
+    async def ListLeases(self, request: manager_pb.ListLeasesRequest, context: Any) -> manager_pb.ListLeasesResponse:
         page, token = self.manager.leases.page(request.name, request.page_size, request.page_token)
-        return m.ListLeasesResponse(leases=[x.to_proto() for x in page], next_page_token=token)
+        return manager_pb.ListLeasesResponse(leases=[x.to_proto() for x in page], next_page_token=token)
 
-    async def GetPolicy(self, request: m.GetPolicyRequest, context: Any) -> m.GetPolicyResponse:
+    async def GetPolicy(self, request: manager_pb.GetPolicyRequest, context: Any) -> manager_pb.GetPolicyResponse:
         rec = self.manager.get(request.name) if request.name else None
-        return m.GetPolicyResponse(policy=self.manager.policy(rec).to_proto())
+        return manager_pb.GetPolicyResponse(policy=self.manager.policy(rec).to_proto())
 
-    async def UpdatePolicy(self, request: m.UpdatePolicyRequest, context: Any) -> m.UpdatePolicyResponse:
+    async def UpdatePolicy(
+        self, request: manager_pb.UpdatePolicyRequest, context: Any
+    ) -> manager_pb.UpdatePolicyResponse:
         clear = list(request.clear_fields)
         if not request.HasField("policy") and not clear:
             raise InvalidArgument("policy is required (or clear_fields, to remove a worker's overrides)")
         policy = request.policy if request.HasField("policy") else None
         p = self.manager.update_policy(request.name, policy, list(request.update_mask.paths), clear)
-        return m.UpdatePolicyResponse(policy=p.to_proto())
+        return manager_pb.UpdatePolicyResponse(policy=p.to_proto())
 
     async def WatchWorkers(
-        self, request: m.WatchWorkersRequest, context: Context
-    ) -> AsyncIterator[m.WatchWorkersResponse]:
+        self, request: manager_pb.WatchWorkersRequest, context: Context
+    ) -> AsyncIterator[manager_pb.WatchWorkersResponse]:
         ids = {worker_id_from_name(n) for n in request.names}
         for wid in ids:
             self.manager.get(wid)  # NOT_FOUND before the stream starts
@@ -141,7 +153,7 @@ class MemoryManagerServicer(m_grpc.MemoryManagerServiceServicer):
         try:
             for rec in list(self.manager.workers.values()):
                 if not ids or rec.worker_id in ids:
-                    msg = m.WatchWorkersResponse(worker=rec.to_proto(), snapshot=rec.to_proto())
+                    msg = manager_pb.WatchWorkersResponse(worker=rec.to_proto(), snapshot=rec.to_proto())
                     msg.time.GetCurrentTime()
                     yield msg
             while True:

@@ -16,9 +16,9 @@ from memsvc.manager.links import STREAM_ENDED
 from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.watch import WatchEvent, WatchHub
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import AWAKE_STATES, BUSY_STATES, TransitionKind, WorkerState, passed_through
 
 log = logging.getLogger("memsvc.manager")
@@ -30,7 +30,7 @@ class TelemetryIngest:
         self.hub = hub
 
     async def set_status(
-        self, rec: WorkerRecord, status: c.WorkerStatus | None, reachable: bool, reason: str, when_ns: int = 0
+        self, rec: WorkerRecord, status: common_pb.WorkerStatus | None, reachable: bool, reason: str, when_ns: int = 0
     ) -> None:
         """Apply what a worker said. ``when_ns`` is when it was true at the worker (a response's or
         snapshot's update_time, an event's time); anything older than what was applied is dropped,
@@ -62,15 +62,15 @@ class TelemetryIngest:
             if (between := passed_through(old, new)) is not None:
                 steps.insert(1, between)  # the answer overtook the stream's news of the transition's start
             for frm, to in itertools.pairwise(steps):
-                msg = m.WatchWorkersResponse(worker=rec.to_proto())
+                msg = manager_pb.WatchWorkersResponse(worker=rec.to_proto())
                 msg.worker.state = to.proto
-                msg.state_change.CopyFrom(c.StateChange(from_state=frm.proto, to_state=to.proto, reason=reason))
+                msg.state_change.CopyFrom(common_pb.StateChange(from_state=frm.proto, to_state=to.proto, reason=reason))
                 self.publish(rec, msg)
         self.update_metrics(rec)
         async with rec.changed:
             rec.changed.notify_all()
 
-    async def on_telemetry(self, rec: WorkerRecord, msg: w.StreamTelemetryResponse) -> None:
+    async def on_telemetry(self, rec: WorkerRecord, msg: worker_pb.StreamTelemetryResponse) -> None:
         kind = msg.WhichOneof("event")
         if kind == "snapshot":
             first = rec.status is None
@@ -80,7 +80,7 @@ class TelemetryIngest:
                 self.metrics.transition(rec.worker_id, msg.snapshot.last_transition)
             await self.set_status(rec, msg.snapshot, True, rec.cause or "telemetry")
         elif kind == "state_change":
-            status = c.WorkerStatus()
+            status = common_pb.WorkerStatus()
             if rec.status is not None:
                 status.CopyFrom(rec.status)
             status.state = msg.state_change.to_state
@@ -92,7 +92,7 @@ class TelemetryIngest:
             await self.set_status(rec, status, True, reason, msg.time.ToNanoseconds())
         elif kind == "transition":
             self.metrics.transition(rec.worker_id, msg.transition)
-            out = m.WatchWorkersResponse(worker=rec.to_proto())
+            out = manager_pb.WatchWorkersResponse(worker=rec.to_proto())
             out.transition.CopyFrom(msg.transition)
             self.publish(rec, out)
 
@@ -102,22 +102,24 @@ class TelemetryIngest:
             log.log(level, "worker %s unavailable: %s", rec.worker_id, reason)
         await self.set_status(rec, None, False, reason)
 
-    def publish(self, rec: WorkerRecord, msg: m.WatchWorkersResponse) -> None:
+    def publish(self, rec: WorkerRecord, msg: manager_pb.WatchWorkersResponse) -> None:
         msg.time.GetCurrentTime()
         self.hub.publish(WatchEvent(rec.worker_id, msg))
 
     def publish_snapshot(self, rec: WorkerRecord) -> None:
-        msg = m.WatchWorkersResponse(worker=rec.to_proto())
+        msg = manager_pb.WatchWorkersResponse(worker=rec.to_proto())
         msg.snapshot.CopyFrom(msg.worker)
         self.publish(rec, msg)
 
     def forget(self, rec: WorkerRecord) -> None:
         """A deregistered worker: its metric series go, watchers see it UNSPECIFIED for the last time."""
         self.metrics.forget_worker(rec.worker_id)
-        msg = m.WatchWorkersResponse(worker=rec.to_proto())
+        msg = manager_pb.WatchWorkersResponse(worker=rec.to_proto())
         msg.worker.state = WorkerState.UNSPECIFIED.proto
         msg.state_change.CopyFrom(
-            c.StateChange(from_state=rec.state.proto, to_state=WorkerState.UNSPECIFIED.proto, reason="deregistered")
+            common_pb.StateChange(
+                from_state=rec.state.proto, to_state=WorkerState.UNSPECIFIED.proto, reason="deregistered"
+            )
         )
         self.publish(rec, msg)
 

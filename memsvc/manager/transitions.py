@@ -16,9 +16,9 @@ from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
 from memsvc.runtime.deadline import Deadline
 from memsvc.runtime.replay import ReplayCache
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import memory_manager_service_pb2 as m
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import Action, SleepLevel, check_known_tags, plan_actions
 
 
@@ -43,13 +43,13 @@ class Transitions:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline,
-    ) -> tuple[m.Worker, c.TransitionStats]:
+    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
         """The worker as the sleep left it, and the transition. A retry with the same request_id gets
         both as the first call returned them (not the worker's status of now)."""
         rec = self._registry.get(name)
         check_known_tags(tag_actions, rec.tag_names())  # before any neighbour is demoted
 
-        async def sleep(shared: Deadline) -> tuple[m.Worker, c.TransitionStats]:
+        async def sleep(shared: Deadline) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
             try:
                 t = await self._sleep(rec, level, tag_actions, request_id, shared)
             except WrongState as exc:
@@ -66,7 +66,7 @@ class Transitions:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline,
-    ) -> c.TransitionStats:
+    ) -> common_pb.TransitionStats:
         async with rec.exclusive():
             self._registry.link(rec)  # in the lock: a deregistration it waited behind may have run
             if rec.leases:
@@ -88,12 +88,12 @@ class Transitions:
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: Deadline
-    ) -> tuple[m.Worker, c.TransitionStats]:
+    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
         """The worker as the wake left it, and the transition (a retry gets the first call's both)."""
         rec = self._registry.get(name)
         check_known_tags(tags, rec.tag_names())  # before any neighbour is evicted
 
-        async def wake(shared: Deadline) -> tuple[m.Worker, c.TransitionStats]:
+        async def wake(shared: Deadline) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
             async with rec.exclusive():
                 self._registry.link(rec)  # before any neighbour is evicted for a forgotten worker
                 try:
@@ -109,7 +109,9 @@ class Transitions:
 
         return await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)
 
-    async def swap_blocks(self, name: str, request: w.SwapBlocksRequest, deadline: Deadline) -> w.SwapBlocksResponse:
+    async def swap_blocks(
+        self, name: str, request: worker_pb.SwapBlocksRequest, deadline: Deadline
+    ) -> worker_pb.SwapBlocksResponse:
         return await self._calls.swap_blocks(self._registry.get(name), request, deadline)
 
 

@@ -7,16 +7,16 @@ from dataclasses import dataclass
 
 from memsvc.errors import Overloaded
 from memsvc.runtime.limits import MAX_WATCHERS
-from memsvc.v1 import memory_manager_service_pb2 as m
+from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 
 @dataclass(frozen=True)
 class WatchEvent:
     worker_id: str
-    message: m.WatchWorkersResponse
+    message: manager_pb.WatchWorkersResponse
 
 
-CLOSED = WatchEvent("", m.WatchWorkersResponse())
+CLOSED = WatchEvent("", manager_pb.WatchWorkersResponse())
 """Sent to every watcher on shutdown: streams end before the server drains."""
 
 

@@ -34,8 +34,8 @@ else:
 from workerproc import WorkerProcess  # noqa: E402
 
 from memsvc.errors import InvalidArgument, WrongState  # noqa: E402
-from memsvc.v1 import common_pb2 as c  # noqa: E402
-from memsvc.v1 import model_worker_service_pb2 as w  # noqa: E402
+from memsvc.v1 import common_pb2 as common_pb  # noqa: E402
+from memsvc.v1 import model_worker_service_pb2 as worker_pb  # noqa: E402
 from memsvc.vocabulary import SleepLevel  # noqa: E402
 from worker.allocator import AllocatorConfig, MemoryAllocator  # noqa: E402
 from worker.device_loop import DeviceLoop  # noqa: E402
@@ -279,21 +279,24 @@ def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once()
     prompt = [7, 300, 12, 900, 45, 2000, 6, 31]
     with WorkerProcess(args, ready_timeout=300) as wp:
         assert _ALL not in wp.stderr_text(), "ready came after every capture"
-        status = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
-        assert status.state == c.WORKER_STATE_AWAKE
+        status = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
+        assert status.state == common_pb.WORKER_STATE_AWAKE
 
         def generate() -> list[int]:
             r = wp.stub.Generate(
-                w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True), timeout=120
+                worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=24, ignore_eos=True), timeout=120
             )
             return list(r.token_ids)
 
         first = generate()
         assert len(set(first)) > 3, first
         pending = _ALL not in wp.stderr_text()
-        for level in (c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):  # the first while captures are still to come
-            assert wp.stub.Sleep(w.SleepRequest(level=level), timeout=120).status.state == c.WORKER_STATE_ASLEEP
-            assert wp.stub.WakeUp(w.WakeUpRequest(), timeout=300).status.state == c.WORKER_STATE_AWAKE
+        for level in (common_pb.SLEEP_LEVEL_1, common_pb.SLEEP_LEVEL_2):  # the first while captures are still to come
+            assert (
+                wp.stub.Sleep(worker_pb.SleepRequest(level=level), timeout=120).status.state
+                == common_pb.WORKER_STATE_ASLEEP
+            )
+            assert wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=300).status.state == common_pb.WORKER_STATE_AWAKE
             assert generate() == first
         deadline = time.monotonic() + 120
         while _ALL not in wp.stderr_text():
@@ -302,9 +305,9 @@ def test_a_worker_serves_before_its_graphs_exist_and_captures_each_bucket_once()
         assert generate() == first
         captured = sorted(int(b) for b in _CAPTURED.findall(wp.stderr_text()))
         assert captured == [1, 2, 4, 8], wp.failure(f"captures: {captured}")
-        for level in (c.SLEEP_LEVEL_1, c.SLEEP_LEVEL_2):
-            wp.stub.Sleep(w.SleepRequest(level=level), timeout=120)
-            wp.stub.WakeUp(w.WakeUpRequest(), timeout=300)
+        for level in (common_pb.SLEEP_LEVEL_1, common_pb.SLEEP_LEVEL_2):
+            wp.stub.Sleep(worker_pb.SleepRequest(level=level), timeout=120)
+            wp.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=300)
             assert generate() == first
         assert sorted(int(b) for b in _CAPTURED.findall(wp.stderr_text())) == captured, "a wake captured again"
         print(f"captures pending at the first sleep: {pending}")

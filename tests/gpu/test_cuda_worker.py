@@ -10,8 +10,8 @@ from collections.abc import Callable, Iterator
 import numpy as np
 import pytest
 
-from memsvc.v1 import common_pb2 as c
-from memsvc.v1 import model_worker_service_pb2 as w
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import _native
 
 pytestmark = [
@@ -33,13 +33,15 @@ def gpu_worker() -> Iterator[WorkerProcess]:
         yield wp
 
 
-def _tags(wp: WorkerProcess) -> dict[str, c.TagMemory]:
-    st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+def _tags(wp: WorkerProcess) -> dict[str, common_pb.TagMemory]:
+    st = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
     return {t.tag: t for t in st.tags}
 
 
-def _generate(wp: WorkerProcess, n: int = 24, prompt: list[int] = PROMPT, seq: str = "") -> w.GenerateResponse:
-    return wp.stub.Generate(w.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, sequence_id=seq), timeout=120)
+def _generate(wp: WorkerProcess, n: int = 24, prompt: list[int] = PROMPT, seq: str = "") -> worker_pb.GenerateResponse:
+    return wp.stub.Generate(
+        worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, sequence_id=seq), timeout=120
+    )
 
 
 def test_cuda_graphs_is_a_tag_from_the_start_and_wakes_with_kv_cache(gpu_worker: WorkerProcess) -> None:
@@ -48,13 +50,17 @@ def test_cuda_graphs_is_a_tag_from_the_start_and_wakes_with_kv_cache(gpu_worker:
     partial wake (weights, then kv_cache) ends AWAKE, serving the same tokens."""
     assert "cuda_graphs" in _tags(gpu_worker), "the tag must not appear only once a graph is captured"
     before = list(_generate(gpu_worker).token_ids)
-    actions = {"weights": c.TAG_ACTION_OFFLOAD, "kv_cache": c.TAG_ACTION_DISCARD, "cuda_graphs": c.TAG_ACTION_DISCARD}
-    r = gpu_worker.stub.Sleep(w.SleepRequest(tag_actions=actions), timeout=120)
-    assert {t.tag: t.state for t in r.status.tags}["cuda_graphs"] == c.TAG_STATE_DISCARDED
-    woke = gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=120)
-    assert woke.status.state == c.WORKER_STATE_PARTIALLY_AWAKE
-    woke = gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["kv_cache"]), timeout=120)
-    assert woke.status.state == c.WORKER_STATE_AWAKE, "cuda_graphs wakes with kv_cache"
+    actions = {
+        "weights": common_pb.TAG_ACTION_OFFLOAD,
+        "kv_cache": common_pb.TAG_ACTION_DISCARD,
+        "cuda_graphs": common_pb.TAG_ACTION_DISCARD,
+    }
+    r = gpu_worker.stub.Sleep(worker_pb.SleepRequest(tag_actions=actions), timeout=120)
+    assert {t.tag: t.state for t in r.status.tags}["cuda_graphs"] == common_pb.TAG_STATE_DISCARDED
+    woke = gpu_worker.stub.WakeUp(worker_pb.WakeUpRequest(tags=["weights"]), timeout=120)
+    assert woke.status.state == common_pb.WORKER_STATE_PARTIALLY_AWAKE
+    woke = gpu_worker.stub.WakeUp(worker_pb.WakeUpRequest(tags=["kv_cache"]), timeout=120)
+    assert woke.status.state == common_pb.WORKER_STATE_AWAKE, "cuda_graphs wakes with kv_cache"
     assert list(_generate(gpu_worker).token_ids) == before
 
 
@@ -62,14 +68,16 @@ def test_level1_and_level2_keep_tokens_and_return_memory(gpu_worker: WorkerProce
     before = list(_generate(gpu_worker).token_ids)
     assert len(set(before)) > 3, f"degenerate synthetic model: {before}"
     # device free memory after Generate: torch's own caching allocator holds its activations
-    st = gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    st = gpu_worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
     assert st.device.backend == "cuda" and st.model.parameter_count > 1_000_000_000
     tags = _tags(gpu_worker)
     mapped = tags["weights"].mapped_bytes + tags["kv_cache"].mapped_bytes
     free_awake = st.device.free_bytes
 
-    r: w.SleepResponse | w.WakeUpResponse = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=120)
-    assert r.status.state == c.WORKER_STATE_ASLEEP
+    r: worker_pb.SleepResponse | worker_pb.WakeUpResponse = gpu_worker.stub.Sleep(
+        worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=120
+    )
+    assert r.status.state == common_pb.WORKER_STATE_ASLEEP
     asleep = {t.tag: t for t in r.status.tags}
     assert asleep["weights"].mapped_bytes == 0 and asleep["weights"].offloaded_bytes == tags["weights"].allocated_bytes
     gained = r.status.device.free_bytes - free_awake
@@ -78,14 +86,14 @@ def test_level1_and_level2_keep_tokens_and_return_memory(gpu_worker: WorkerProce
         f"({r.transition.gigabytes_per_second:.1f} GB/s); device free +{gained} of {mapped} mapped"
     )
     assert gained >= 0.99 * mapped
-    r = gpu_worker.stub.WakeUp(w.WakeUpRequest(), timeout=120)
+    r = gpu_worker.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=120)
     print(f"wake: {r.transition.gigabytes_per_second:.1f} GB/s")
-    assert r.status.state == c.WORKER_STATE_AWAKE
+    assert r.status.state == common_pb.WORKER_STATE_AWAKE
     assert list(_generate(gpu_worker).token_ids) == before
 
-    r = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_2), timeout=120)
-    assert {t.tag: t for t in r.status.tags}["weights"].state == c.TAG_STATE_DISCARDED
-    gpu_worker.stub.WakeUp(w.WakeUpRequest(), timeout=300)
+    r = gpu_worker.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_2), timeout=120)
+    assert {t.tag: t for t in r.status.tags}["weights"].state == common_pb.TAG_STATE_DISCARDED
+    gpu_worker.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=300)
     assert list(_generate(gpu_worker).token_ids) == before
 
 
@@ -96,15 +104,15 @@ def test_swap_out_and_back_into_other_slots_keeps_tokens(gpu_worker: WorkerProce
     assert blocks
     host = list(range(len(blocks)))
     out = gpu_worker.stub.SwapBlocks(
-        w.SwapBlocksRequest(
-            direction=c.SWAP_DIRECTION_DEVICE_TO_HOST,
-            pairs=[w.BlockPair(src_block=b, dst_block=h) for b, h in zip(blocks, host, strict=True)],
+        worker_pb.SwapBlocksRequest(
+            direction=common_pb.SWAP_DIRECTION_DEVICE_TO_HOST,
+            pairs=[worker_pb.BlockPair(src_block=b, dst_block=h) for b, h in zip(blocks, host, strict=True)],
         )
     )
     assert out.moved_bytes == len(blocks) * out.kv_cache.block_bytes
     new = list(range(1000, 1000 + len(blocks)))
     gpu_worker.stub.SwapBlocks(  # back in with the packed form
-        w.SwapBlocksRequest(direction=c.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=new)
+        worker_pb.SwapBlocksRequest(direction=common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, src_blocks=host, dst_blocks=new)
     )
     rest = _generate(gpu_worker, 16, prompt=[], seq="s")
     assert list(first.token_ids) + list(rest.token_ids) == whole
@@ -125,11 +133,15 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
     device = {sid: list(range(1023 - i * k, 1023 - (i + 1) * k, -1)) for i, sid in enumerate(seqs)}
     assert not {b for bs in device.values() for b in bs} & {b for bs in blocks.values() for b in bs}
 
-    def in_flight(direction: c.SwapDirection.ValueType, src: dict[str, list[int]], dst: dict[str, list[int]]) -> None:
-        req = [w.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in seqs]
-        if direction == c.SWAP_DIRECTION_HOST_TO_DEVICE:  # back in as raw little-endian u32 ids
+    def in_flight(
+        direction: common_pb.SwapDirection.ValueType, src: dict[str, list[int]], dst: dict[str, list[int]]
+    ) -> None:
+        req = [
+            worker_pb.SwapBlocksRequest(direction=direction, src_blocks=src[sid], dst_blocks=dst[sid]) for sid in seqs
+        ]
+        if direction == common_pb.SWAP_DIRECTION_HOST_TO_DEVICE:  # back in as raw little-endian u32 ids
             req = [
-                w.SwapBlocksRequest(
+                worker_pb.SwapBlocksRequest(
                     direction=direction,
                     src_blocks_u32le=np.array(src[sid], "<u4").tobytes(),
                     dst_blocks_u32le=np.array(dst[sid], "<u4").tobytes(),
@@ -139,9 +151,9 @@ def test_swaps_in_flight_together_keep_tokens(gpu_worker: WorkerProcess) -> None
         calls = [gpu_worker.stub.SwapBlocks.future(r, timeout=120) for r in req]
         assert [f.result().moved_bytes > 0 for f in calls] == [True] * len(seqs)
 
-    in_flight(c.SWAP_DIRECTION_DEVICE_TO_HOST, blocks, host)
+    in_flight(common_pb.SWAP_DIRECTION_DEVICE_TO_HOST, blocks, host)
     _generate(gpu_worker, 24, prompt=[PROMPT[0], 1, 2, 3, 4, 5, 6, 7, 8, 9], seq="")  # overwrite freed blocks
-    in_flight(c.SWAP_DIRECTION_HOST_TO_DEVICE, host, device)
+    in_flight(common_pb.SWAP_DIRECTION_HOST_TO_DEVICE, host, device)
     for sid in seqs:
         rest = _generate(gpu_worker, 12, prompt=[], seq=sid)
         assert list(first[sid].token_ids) + list(rest.token_ids) == whole[sid], sid
@@ -155,11 +167,11 @@ def _wait_until(ok: Callable[[], bool], what: str, timeout: float = 60.0) -> Non
         time.sleep(0.005)
 
 
-def _pinned_settles(wp: WorkerProcess, ok: Callable[[int], bool], timeout: float = 60.0) -> int:
+def _pinned_once(wp: WorkerProcess, ok: Callable[[int], bool], timeout: float = 60.0) -> int:
     """host_pinned_bytes once ``ok`` holds for it (the prepin runs in the background), or at the timeout."""
     deadline = time.monotonic() + timeout
     while True:
-        pinned = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.host_pinned_bytes
+        pinned = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.host_pinned_bytes
         if ok(pinned) or time.monotonic() > deadline:
             return pinned
         time.sleep(0.05)
@@ -172,14 +184,14 @@ def test_the_default_host_reserve_prepins_the_weights_and_an_explicit_zero_pins_
     explicit `--host-reserve 0` is the operator's: the default `--host-prepin auto` then pins nothing
     (it pinned the weights' size and raised the reserve to it, before the fix)."""
     weights = _tags(gpu_worker)["weights"].mapped_bytes
-    assert _pinned_settles(gpu_worker, lambda p: p >= weights) >= weights
+    assert _pinned_once(gpu_worker, lambda p: p >= weights) >= weights
     args = ["--backend", "cuda", "--model", "synthetic:tiny", "--host-reserve", "0"]
     with WorkerProcess(args, ready_timeout=300) as wp:
         tiny = _tags(wp)["weights"].mapped_bytes
-        st = wp.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+        st = wp.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
         kv_pool = st.kv_cache.host_block_count * st.kv_cache.block_bytes
         time.sleep(1.0)  # a prepin would have started by now
-        assert _pinned_settles(wp, lambda p: p >= tiny + kv_pool, timeout=2.0) < tiny + kv_pool
+        assert _pinned_once(wp, lambda p: p >= tiny + kv_pool, timeout=2.0) < tiny + kv_pool
 
 
 def test_a_pausing_sleep_keeps_streams_and_they_go_on_with_their_alone_tokens(gpu_worker: WorkerProcess) -> None:
@@ -190,16 +202,16 @@ def test_a_pausing_sleep_keeps_streams_and_they_go_on_with_their_alone_tokens(gp
     import threading
 
     prompts = [[(PROMPT[i % len(PROMPT)] + 97 * i * j) % 128000 for j in range(8 + 9 * i)] for i in range(3)]
-    reqs = [w.GenerateRequest(prompt_token_ids=p, max_new_tokens=400, ignore_eos=True) for p in prompts]
+    reqs = [worker_pb.GenerateRequest(prompt_token_ids=p, max_new_tokens=400, ignore_eos=True) for p in prompts]
     alone = [list(gpu_worker.stub.Generate(r, timeout=120).token_ids) for r in reqs]
-    status = gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    status = gpu_worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
     recomputed = status.kv_cache.recomputed_tokens
     got: list[list[int]] = [[] for _ in reqs]
     errors: list[BaseException] = []
 
     def read(i: int) -> None:
         try:
-            for msg in gpu_worker.stub.GenerateStream(w.GenerateStreamRequest(request=reqs[i]), timeout=300):
+            for msg in gpu_worker.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=reqs[i]), timeout=300):
                 got[i].extend(msg.token_ids)
         except BaseException as exc:  # noqa: BLE001 - reported below
             errors.append(exc)
@@ -208,18 +220,20 @@ def test_a_pausing_sleep_keeps_streams_and_they_go_on_with_their_alone_tokens(gp
     for t in threads:
         t.start()
     _wait_until(lambda: all(len(g) >= 5 for g in got), "the streams to start")
-    slept = gpu_worker.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1, pause_generations=True), timeout=120)
+    slept = gpu_worker.stub.Sleep(
+        worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1, pause_generations=True), timeout=120
+    )
     paused = slept.status.paused_generations
-    assert slept.status.state == c.WORKER_STATE_ASLEEP and paused >= 1, slept.status
+    assert slept.status.state == common_pb.WORKER_STATE_ASLEEP and paused >= 1, slept.status
     assert slept.status.kv_cache.host_free_block_count < slept.status.kv_cache.host_block_count
-    gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["weights"]), timeout=120)
-    assert gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.paused_generations == paused
-    gpu_worker.stub.WakeUp(w.WakeUpRequest(tags=["kv_cache"]), timeout=120)
+    gpu_worker.stub.WakeUp(worker_pb.WakeUpRequest(tags=["weights"]), timeout=120)
+    assert gpu_worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.paused_generations == paused
+    gpu_worker.stub.WakeUp(worker_pb.WakeUpRequest(tags=["kv_cache"]), timeout=120)
     for t in threads:
         t.join(timeout=300)
     assert not errors, errors
     assert got == alone, "a paused stream changed"
-    after = gpu_worker.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status
+    after = gpu_worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status
     assert after.kv_cache.recomputed_tokens == recomputed and after.paused_generations == 0
     kv = after.kv_cache
     assert kv.device_free_block_count == kv.device_block_count and kv.host_free_block_count == kv.host_block_count
@@ -268,10 +282,10 @@ def test_a_standby_handed_the_same_flags_serves_the_same_tokens_and_sleeps_as_de
             assert list(_generate(handed).token_ids) == before
             tags = _tags(handed)
             mapped = tags["weights"].mapped_bytes + tags["kv_cache"].mapped_bytes
-            free_awake = handed.stub.GetWorkerStatus(w.GetWorkerStatusRequest()).status.device.free_bytes
-            r = handed.stub.Sleep(w.SleepRequest(level=c.SLEEP_LEVEL_1), timeout=120)
+            free_awake = handed.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest()).status.device.free_bytes
+            r = handed.stub.Sleep(worker_pb.SleepRequest(level=common_pb.SLEEP_LEVEL_1), timeout=120)
             assert r.status.device.free_bytes - free_awake >= 0.99 * mapped
-            handed.stub.WakeUp(w.WakeUpRequest(), timeout=120)
+            handed.stub.WakeUp(worker_pb.WakeUpRequest(), timeout=120)
             assert list(_generate(handed).token_ids) == before
         finally:
             handed.close_channel()
