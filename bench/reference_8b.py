@@ -25,9 +25,11 @@ import torch
 PROMPT = [128000, 791, 4062, 14198, 39935, 35308, 927, 279, 16053, 5679, 13, 578]
 NEW = 16
 BF16_TOLERANCE = 3e-2
-"""Relative logit error bound in bfloat16, as tests/test_reference.py (twice the worst measured on tiny models)."""
+"""Relative logit error bound in bfloat16, as tests/worker/test_reference.py (twice the worst measured on
+tiny models)."""
 ACCURACY_SLACK = 1.5
-"""Our bf16 logits' error against float32 may be at most this times transformers' own (tests/test_reference.py)."""
+"""Our bf16 logits' error against float32 may be at most this times transformers' own
+(tests/worker/test_reference.py)."""
 
 
 def config(transformers: Any) -> Any:

@@ -1,6 +1,6 @@
 /* The subset of the CUDA driver API that memsvc uses, declared here so the extension builds on
  * machines with no CUDA toolkit. Layouts follow the driver ABI (CUDA 12.x/13.x); where a toolkit's
- * cuda.h is present, tests/test_cuda_driver_abi.py checks every type's size, every struct's size and
+ * cuda.h is present, tests/native/test_cuda_driver_abi.py checks every type's size, every struct's size and
  * member offsets, and every constant declared here against it.
  * Every entry point is resolved at run time through cuGetProcAddress with an explicit version. */
 #ifndef MSV_CUDA_DRIVER_H

@@ -1,6 +1,6 @@
 """Every bound on what a client can send or make a server keep, in one place.
 
-docs/operations.md ("Bounds") lists these with what happens past them; tests/test_bounds.py checks
+docs/operations.md ("Bounds") lists these with what happens past them; tests/runtime/test_bounds.py checks
 that the table and this module agree. A bound refuses with INVALID_ARGUMENT (a field too long or a
 count too large: the request itself is wrong) or RESOURCE_EXHAUSTED (a queue or table is full: retry
 later), and a refused call changes nothing.

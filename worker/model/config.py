@@ -13,8 +13,8 @@ sliding-window layers outside Gemma 3's, logit soft-capping) is refused by name 
 with wrong tokens that look right. Keys no entry names are ignored: transformers' modeling code for these
 architectures reads only its config class's own fields and the few keys its shared RoPE and loading
 code looks for (all in the table), so an unknown key changes nothing there either, and
-tests/test_config_keys.py fails when a future transformers writes a key the table lacks
-(tests/test_reference.py holds the numbers themselves to transformers).
+tests/worker/test_config_keys.py fails when a future transformers writes a key the table lacks
+(tests/worker/test_reference.py holds the numbers themselves to transformers).
 
 Both config formats are read: transformers 5 (``rope_parameters`` holding ``rope_theta`` and
 ``rope_type``, ``dtype``) and the legacy one (top-level ``rope_theta``, ``rope_scaling``,
@@ -178,7 +178,7 @@ FAMILY_DEFAULTS: dict[Family, dict[str, Any]] = {
     },
 }
 """What transformers 5.17's config classes use for a key the file omits (None: derived — key/value heads
-from the query heads, ``head_dim`` from hidden_size / num_attention_heads). tests/test_reference.py
+from the query heads, ``head_dim`` from hidden_size / num_attention_heads). tests/worker/test_reference.py
 checks each against the classes themselves."""
 
 

@@ -6,7 +6,7 @@ across sleep and wake. Numerics follow transformers' Llama, Mistral, Qwen2, Qwen
 operation for operation (RMSNorm in float32 then scaled in the model dtype, rotate-half RoPE with
 float32 cos/sin cast to the model dtype, Qwen3's per-head q/k norm before RoPE, the same bias
 placement, Phi-3's partial rotary and LongRoPE, Gemma 3's norms, GeGLU and per-layer windows and
-RoPE) so real checkpoints produce their reference tokens; tests/test_reference.py checks it against
+RoPE) so real checkpoints produce their reference tokens; tests/worker/test_reference.py checks it against
 transformers.
 """
 

@@ -17,8 +17,9 @@ import subprocess
 from pathlib import Path
 
 import pytest
+from childproc import REPO_ROOT
 
-HEADER = Path(__file__).resolve().parent.parent / "native" / "cuda_driver.h"
+HEADER = REPO_ROOT / "native" / "cuda_driver.h"
 CUDA_INCLUDE = next(
     (
         d

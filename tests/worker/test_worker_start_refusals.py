@@ -159,7 +159,7 @@ def test_a_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> N
 
 def test_a_tokenizer_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> None:
     """tokenizer_config.json is read with the same bounds as config.json (it was a plain json.loads)."""
-    from test_generation import text_model
+    from hf_models import text_model
 
     path, _ = text_model(tmp_path)
     depth = 100_000

@@ -14,11 +14,9 @@ import sys
 from pathlib import Path
 
 import grpc
-from childproc import Proc
+from childproc import REPO_ROOT, Proc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 from managerproc import _LISTENING, READY_TIMEOUT
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 
 def _installed(site: Path) -> Path:

@@ -12,7 +12,7 @@ import subprocess
 import sys
 from pathlib import Path
 
-from test_generation import text_model
+from hf_models import text_model
 from workerproc import WorkerProcess
 
 from memsvc.v1 import model_worker_service_pb2 as worker_pb

@@ -2,7 +2,7 @@
 file and a real PostgreSQL database (tests/pgserver.py). Then what only PostgreSQL has: the leader
 lock, a lost session, its URL's refusals and concurrent migration.
 
-The SQLite file's own checks (header, quick_check, a deleted path) are in tests/test_manager_store.py.
+The SQLite file's own checks (header, quick_check, a deleted path) are in tests/manager/test_manager_store.py.
 """
 
 from __future__ import annotations

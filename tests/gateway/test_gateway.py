@@ -22,8 +22,8 @@ import pytest
 from gatewayproc import GatewayProcess
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
+from hf_models import text_model
 from managerproc import ManagerProcess
-from test_generation import text_model
 from workerproc import WorkerProcess
 
 from memsvc.v1 import common_pb2 as common_pb
@@ -229,7 +229,7 @@ def test_a_model_without_a_tokenizer_streams_token_ids(tmp_path: Path) -> None:
     """A checkpoint with no tokenizer.json: text is empty, so each streamed chunk carries its token ids
     instead (without asking), adding up to the worker's own answer, and a stream no longer sends
     nothing until its end."""
-    from test_generation import save, tiny_llama
+    from hf_models import save, tiny_llama
 
     path = save(tiny_llama(), tmp_path / "ids-only")
     mp = ManagerProcess(tmp_path / "manager.db", ["--idle-sleep-timeout", "0"]).start()
@@ -562,7 +562,7 @@ def test_requests_alternating_between_two_models_wake_each_and_sleep_the_other(
 def test_a_model_that_cannot_get_room_waits_then_gets_503_with_retry_after(
     two_models: tuple[ManagerProcess, list[WorkerProcess], GatewayProcess],
 ) -> None:
-    """alpha is leased and pinned (a time_slice of 0: it never gives up its turn; tests/test_turns.py
+    """alpha is leased and pinned (a time_slice of 0: it never gives up its turn; tests/manager/test_turns.py
     has the turns a busy model takes otherwise), so beta cannot get room: its request waits out the
     gateway's 1 s queue and gets 503 with Retry-After."""
     mp, _, gw = two_models

@@ -20,6 +20,7 @@ from typing import Any
 
 import grpc
 import pytest
+from childproc import REPO_ROOT
 from managerproc import Cluster, ScriptedWorker, get, wait_for, wait_state
 
 from bench import bench_leaks, bench_load
@@ -82,7 +83,7 @@ def test_allocator_sleep_wake_cycles_do_not_leak(tmp_path: Path) -> None:
             "--out",
             str(out),
         ],
-        cwd=Path(__file__).resolve().parents[1],
+        cwd=REPO_ROOT,
         capture_output=True,
         text=True,
         timeout=600,

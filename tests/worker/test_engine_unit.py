@@ -1,6 +1,6 @@
 """The engine's scheduling in process, on the host backend: a batch, chunked prefill and preemption
 each give every request the tokens it gets alone (greedy and seeded sampling), and nothing is left
-behind. tests/test_engine.py drives the same engine through real worker processes."""
+behind. tests/worker/test_engine.py drives the same engine through real worker processes."""
 
 from __future__ import annotations
 
@@ -89,7 +89,7 @@ def test_a_steps_token_budget_is_512_or_max_batch_whichever_is_more_unless_given
 @pytest.mark.parametrize("paged", [False, True], ids=["spans", "paged-rows"])
 def test_long_prompts_are_read_in_chunks_beside_the_decodes(alloc: MemoryAllocator, paged: bool) -> None:
     """Prompt chunks as spans (the host backend's way) or as rows through the block tables (CUDA's,
-    tests/test_reference.py checks it against transformers): each request's tokens are its alone ones."""
+    tests/worker/test_reference.py checks it against transformers): each request's tokens are its alone ones."""
     runner = ModelRunner(alloc, "synthetic:small", 128, 4, block_size=8, max_batch=4, max_step_tokens=16)
     reqs = requests(3, prompt_len=50, new=12)
     alone = [runner.run(r).tokens for r in reqs]

@@ -15,7 +15,7 @@ from pathlib import Path
 
 import grpc
 import pytest
-from childproc import Proc
+from childproc import REPO_ROOT, Proc
 from grpc_health.v1 import health_pb2
 from hungmount import HungMount
 from test_hung_reads import eventually
@@ -29,8 +29,6 @@ from worker.core import LOADING_RETRY_S
 from worker.device_loop import THREAD_NAME, DeviceLoop
 from worker.model import graphs
 from worker.model.graphs import BackgroundCapture
-
-REPO_ROOT = Path(__file__).resolve().parent.parent
 
 NOT_BEFORE_LISTENING = (
     "torch",

@@ -1,6 +1,6 @@
 """A step's tokens picked together (worker/model/sampling.py's pick_tokens): each row exactly as it would
 be alone, drawn from its filtered distribution, one seeded stream per request. transformers' warpers
-are the reference for the filtering itself (tests/test_generation.py); here the batch is."""
+are the reference for the filtering itself (tests/worker/test_generation.py); here the batch is."""
 
 from __future__ import annotations
 

@@ -8,7 +8,7 @@ Linear multiplies bfloat16 by FP8 and fails; with it, it expands the weights to 
 the activations' quantization), so the reference is transformers over the checkpoint's dequantised
 weights with each quantized Linear's input quantized per token and back (a forward pre-hook): the
 scheme the config names. The host backend computes it in the same order, so: greedy tokens equal,
-logits within the bar of each dtype in tests/test_reference.py, in bfloat16 (as FP8 checkpoints come)
+logits within the bar of each dtype in tests/worker/test_reference.py, in bfloat16 (as FP8 checkpoints come)
 and in float32; our bfloat16 logits as close to the float32 scheme as transformers' (the FP8 steps
 amplify rounding: both 0.17 off there at worst); the GPU's FP8 product (``torch._scaled_mm``, whose
 CPU build runs here) and the host's both equal to the scheme's arithmetic in float64 within their
@@ -303,7 +303,7 @@ def test_a_bfloat16_fp8_model_is_as_close_to_the_scheme_as_transformers(
     )
     if alloc.backend == "host":
         assert mine == tokens
-        assert apart <= 3e-2  # tests/test_reference.py's bfloat16 bar
+        assert apart <= 3e-2  # tests/worker/test_reference.py's bfloat16 bar
     else:
         same_up_to_a_near_tie(mine, tokens, ours, theirs)
     assert ours_off <= ACCURACY_SLACK * theirs_off, (ours_off, theirs_off)
@@ -314,7 +314,7 @@ def test_a_float32_fp8_model_gives_transformers_tokens_and_logits(
     strategy: str, host_alloc: MemoryAllocator, tmp_path: Path
 ) -> None:
     """The same scheme around a float32 model (the host backend's; on CUDA FP8 products return
-    bfloat16): greedy tokens identical, logits within tests/test_reference.py's float32 bar."""
+    bfloat16): greedy tokens identical, logits within tests/worker/test_reference.py's float32 bar."""
     ckpt = Checkpoints(tmp_path, strategy, torch.float32)
     reference = ckpt.reference(torch.float32)
     tokens, sequence = greedy(reference)
