@@ -22,6 +22,7 @@ from memsvc.vocabulary import RPC_FRONTS
 from worker.checkpoint_files import CONFIG_FILE
 from worker.host_memory import AUTO, parse_prepin, parse_reserve
 from worker.model.hub import is_hub_id
+from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 
 
 @dataclass(frozen=True)
@@ -43,17 +44,17 @@ class WorkerConfig:
     worker_id: str = setting("", "registration name (default: <hostname>-<device>)")
     kv_blocks: int = setting(256, "device KV cache blocks", parse=int_at_least(1))
     host_kv_blocks: int = setting(256, "host KV blocks (swap)", parse=int_at_least(1))
-    block_size: int = setting(16, "tokens per KV block", parse=int_at_least(1))
-    max_batch: int = setting(64, "requests one engine step runs at most", parse=int_at_least(1))
+    block_size: int = setting(DEFAULT_BLOCK_SIZE, "tokens per KV block", parse=int_at_least(1))
+    max_batch: int = setting(DEFAULT_MAX_BATCH, "requests one engine step runs at most", parse=int_at_least(1))
     """More wait their turn (worker/model/engine.py)."""
     max_step_tokens: int | None = setting(
         None,
-        "tokens one engine step feeds at most (long prompts are read in chunks); auto: 512 or --max-batch, "
-        "whichever is more (a step of up to 512 rows replays a CUDA graph)",
+        f"tokens one engine step feeds at most (long prompts are read in chunks); auto: {DEFAULT_MAX_STEP_TOKENS} "
+        f"or --max-batch, whichever is more (a step of up to {DEFAULT_MAX_STEP_TOKENS} rows replays a CUDA graph)",
         parse=count_or_auto,
         text="auto",
     )
-    """worker/model/engine.py's DEFAULT_MAX_STEP_TOKENS says why 512."""
+    """worker/model/step_limits.py's DEFAULT_MAX_STEP_TOKENS says why."""
     cuda_graphs: bool = setting(
         True,
         "capture the decode step in CUDA graphs (cuda backend; their memory sleeps in the cuda_graphs tag)",

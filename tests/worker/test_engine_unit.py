@@ -15,10 +15,11 @@ from memsvc.errors import InvalidArgument, OutOfMemory
 from memsvc.vocabulary import FinishReason
 from worker.allocator import AllocatorConfig, MemoryAllocator
 from worker.model.decoder import HostStep
-from worker.model.engine import DEFAULT_MAX_STEP_TOKENS, SHORT_PREFIX
+from worker.model.engine import SHORT_PREFIX
 from worker.model.generation import GenerationRequest
 from worker.model.runner import ModelRunner
 from worker.model.sampling import SamplingParams
+from worker.model.step_limits import DEFAULT_MAX_STEP_TOKENS
 
 
 @pytest.fixture(scope="module")
@@ -72,7 +73,7 @@ def test_preempted_requests_resume_with_their_alone_tokens(alloc: MemoryAllocato
 
 
 def test_a_steps_token_budget_is_512_or_max_batch_whichever_is_more_unless_given(alloc: MemoryAllocator) -> None:
-    """512 rows is the most a mixed step replays from a CUDA graph (engine.DEFAULT_MAX_STEP_TOKENS
+    """512 rows is the most a mixed step replays from a CUDA graph (step_limits.DEFAULT_MAX_STEP_TOKENS
     says why); a larger max_batch needs a budget of at least one token per running request."""
     assert DEFAULT_MAX_STEP_TOKENS == 512
     sizes = [(8, None, 512), (600, None, 600), (4, 16, 16)]

@@ -59,6 +59,7 @@ from worker.model.decoder import HostStep, rope_long
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
 from worker.model.sampling import Sampler, sample_tokens, to_device
+from worker.model.step_limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
 from worker.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
@@ -66,15 +67,6 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("memsvc.worker")
 
-DEFAULT_MAX_BATCH = 64
-"""Requests in one step at most (the largest CUDA-graph bucket)."""
-DEFAULT_MAX_STEP_TOKENS = 512
-"""Tokens one step feeds at most, unless max_batch is more (then max_batch): the decodes, then prompt
-chunks up to this budget. 512 is the most rows a step that mixes decodes and prompt chunks replays
-from a CUDA graph (worker/model/graphs.py's MIXED_ROWS), so with graphs every step replays. On the
-H200 (8B bf16, 512-token prompts, 128 out, C=64 streams) it served 4,036 output tok/s with an ITL
-p99 of 20 ms, where 2,048 gave 2,611 tok/s and 199 ms: a 2,048-row step ran eagerly for 60-170 ms
-while every decode waited (docs/benchmarks.md)."""
 SHORT_PREFIX = 256
 """A step of more than ``paged_rows`` rows is still planned as paged rows while its rows read, on
 average, prefixes no longer than this (in tokens): every paged row reads its own prefix, where a span
@@ -209,7 +201,7 @@ class Engine:
         self.paged_rows = 0
         """Plan a step of at most this many rows as rows read through the block tables (see
         :meth:`_plan`; 0: never): the model runner sets it where its attention kernel takes them
-        (CUDA, Triton; worker/model/graphs.py's MIXED_ROWS)."""
+        (CUDA, Triton; worker/model/step_limits.py's MIXED_ROWS)."""
         self.max_new_tokens_limit = max_new_tokens_limit
         self._long_rope_after = long_rope_after
         self._waiting: collections.deque[_Request] = collections.deque()
@@ -765,4 +757,4 @@ def check_tokens(ids: object, vocab: int, what: str = "prompt_token_ids") -> lis
     return tokens
 
 
-__all__ = ["DEFAULT_MAX_BATCH", "DEFAULT_MAX_STEP_TOKENS", "SHORT_PREFIX", "Engine", "check_tokens"]
+__all__ = ["SHORT_PREFIX", "Engine", "check_tokens"]

@@ -48,13 +48,8 @@ from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
 """Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``:
-by default the engine's max_batch, decodes alone; the model runner's, up to :data:`MIXED_ROWS`, takes
-the steps that mix decodes and prompt chunks as well)."""
-MIXED_ROWS = 512
-"""The most rows a step that mixes decodes and prompt chunks is captured for and planned as paged rows
-for (the engine's ``paged_rows``): past it a chunk's flash-attention span reads its prefix once per
-tile of rows where the decode kernel reads it once per row, and the step's kernels run longer than
-its launches take (an 8B model's 512-row step is ~10 ms of matrix work)."""
+by default the engine's max_batch, decodes alone; the model runner's, up to ``MIXED_ROWS``
+(worker/model/step_limits.py), takes the steps that mix decodes and prompt chunks as well)."""
 _FIELDS = 6
 """Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length,
 the row's table."""
@@ -488,4 +483,4 @@ class BackgroundCapture:
                 self.request()
 
 
-__all__ = ["BUCKETS", "IDLE_S", "MIXED_ROWS", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]
+__all__ = ["BUCKETS", "IDLE_S", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]

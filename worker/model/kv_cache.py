@@ -26,6 +26,7 @@ from memsvc.vocabulary import KV_CACHE, CopyMethod
 from worker import _native
 from worker.allocator import Fence, MemoryAllocator
 from worker.model.config import ModelConfig
+from worker.model.step_limits import DEFAULT_BLOCK_SIZE
 
 Location = Literal["device", "host"]
 SwapDirection = Literal["out", "in"]
@@ -201,7 +202,7 @@ class KvCache:
         alloc: MemoryAllocator,
         num_device_blocks: int,
         num_host_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         scratch_block: bool = False,
     ) -> None:
         for name, value, least in (

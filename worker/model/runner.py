@@ -23,12 +23,13 @@ from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, CopyMethod, TagSta
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
-from worker.model.engine import DEFAULT_MAX_BATCH, Engine, check_tokens
+from worker.model.engine import Engine, check_tokens
 from worker.model.generation import GenerationRequest, GenerationResult
-from worker.model.graphs import MIXED_ROWS, BackgroundCapture, DecodeGraphs
+from worker.model.graphs import BackgroundCapture, DecodeGraphs
 from worker.model.kernels import TRITON_KERNELS, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.progress import load_bar
+from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, MIXED_ROWS
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = MAX_GENERATE_TOKENS
@@ -74,7 +75,7 @@ class ModelRunner:
         source: ModelSource | str,
         num_device_blocks: int,
         num_host_blocks: int,
-        block_size: int = 16,
+        block_size: int = DEFAULT_BLOCK_SIZE,
         max_new_tokens_limit: int = DEFAULT_MAX_NEW_TOKENS,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int | None = None,
