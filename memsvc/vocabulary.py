@@ -284,27 +284,41 @@ class TagState(_NamedProtoEnum):
         return common_pb.TagState.ValueType(self._proto_number())
 
 
+def _sleep_rules() -> dict[tuple[TagState, Action], TagState | None]:
+    awake, host, gone, disk = TagState.AWAKE, TagState.OFFLOADED, TagState.DISCARDED, TagState.ON_DISK
+    after = {
+        awake: (host, gone, awake, disk),
+        host: (None, gone, host, disk),
+        gone: (None, None, gone, None),
+        disk: (None, gone, disk, None),
+    }
+    actions = (Action.OFFLOAD, Action.DISCARD, Action.KEEP, Action.OFFLOAD_DISK)
+    return {(state, action): row[i] for state, row in after.items() for i, action in enumerate(actions)}
+
+
+SLEEP_RULES: Mapping[tuple[TagState, Action], TagState | None] = MappingProxyType(_sleep_rules())
+"""What a sleep does to a tag: its state after a sleep with an action, by its state before (the same
+state: the sleep leaves it; None: the sleep is refused). An awake tag goes to sleep as its action
+says; a sleeper only moves further down without waking: from host memory to disk, or from either to
+DISCARD (level 1 to level 2). The worker's native layer decides by the same table (native/sleep.c's
+``msv_sleep_rule``, exported as ``worker._native.sleep_rules()``); the manager, which has no native
+layer, reads this copy, which tests/native/test_disk_tier.py holds to that one entry by entry."""
 KEPT_IN: Mapping[Action, TagState] = MappingProxyType(
-    {Action.OFFLOAD: TagState.OFFLOADED, Action.OFFLOAD_DISK: TagState.ON_DISK}
+    {
+        action: after
+        for (state, action), after in SLEEP_RULES.items()
+        if state == TagState.AWAKE and after not in (None, TagState.AWAKE, TagState.DISCARDED)
+    }
 )
 """The actions whose tag comes back byte for byte, and where its bytes wait meanwhile (every other
 non-KEEP action discards)."""
-_DEMOTIONS = frozenset(
-    {
-        (TagState.OFFLOADED, Action.DISCARD),
-        (TagState.OFFLOADED, Action.OFFLOAD_DISK),
-        (TagState.ON_DISK, Action.DISCARD),
-    }
-)
 
 
 def sleep_acts_on(state: TagState, action: Action) -> bool:
-    """Whether a Sleep with ``action`` changes a tag in ``state`` (the worker's rule, which the
-    in-memory worker follows too): an awake tag goes to sleep unless kept; a sleeper only moves
-    further down without waking (host to disk, or either to DISCARD: level 1 to level 2)."""
-    if action == Action.KEEP:
-        return False
-    return state == TagState.AWAKE or (state, action) in _DEMOTIONS
+    """Whether a Sleep with ``action`` changes a tag in ``state`` (:data:`SLEEP_RULES`; the worker and
+    the in-memory worker decide by it): refused and kept tags are left out of a sleep."""
+    after = SLEEP_RULES[(state, action)]
+    return after is not None and after != state
 
 
 class CopyMethod(_NamedProtoEnum):
@@ -385,8 +399,10 @@ __all__ = [
     "BUSY_STATES",
     "RPC_FRONTS",
     "CUDA_GRAPHS",
+    "KEPT_IN",
     "KV_CACHE",
     "LEVEL_ACTIONS",
+    "SLEEP_RULES",
     "MAX_TAG_BYTES",
     "WEIGHTS",
     "Action",
@@ -404,5 +420,6 @@ __all__ = [
     "passed_through",
     "plan_actions",
     "policy_actions",
+    "sleep_acts_on",
     "wake_set",
 ]

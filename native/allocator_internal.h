@@ -119,17 +119,18 @@ int unmap_all(msv_allocator *a, arena *ar);
 /* Unmap what is mapped, give the range back and free the arena (its backup must be gone). */
 void arena_destroy(msv_allocator *a, arena *ar);
 
-/* ---- offload.c: a tag's host backup ---- */
-int offload_arena(msv_allocator *a, int idx);
-size_t backup_in_extent(const arena *ar, const extent *x, size_t *pi, msv_copy_item *out);
-void drop_backup(msv_allocator *a, arena *ar);
-
+/* ---- backup.c: a tag's backup, in host chunks or in a file ---- */
 /* Where offload_arena and the disk tier put a tag's live bytes: the coalesced runs of its
  * allocations, cut into pieces whose dst is an offset in [0, *total) of the backup, where chunk i of
  * `chunk_bytes` starts at i * chunk_bytes (a piece never crosses a chunk). *data counts tensor
  * bytes (the pieces also carry alignment padding). NULL pieces and *total 0 when nothing lives. */
 int plan_backup(msv_allocator *a, int idx, uint64_t chunk_bytes, msv_copy_item **pieces, size_t *n_pieces,
                 uint64_t *total, uint64_t *data);
+size_t backup_in_extent(const arena *ar, const extent *x, size_t *pi, msv_copy_item *out);
+void drop_backup(msv_allocator *a, arena *ar);
+
+/* ---- offload.c: a tag's host backup ---- */
+int offload_arena(msv_allocator *a, int idx);
 
 /* ---- disk.c: the disk tier (the caller holds mu) ---- */
 /* Phase 1 of a sleep to disk: write the tag's backup to a new file (pend_fd): from device memory

@@ -26,6 +26,29 @@ static PyObject *mod_set_pool_tag(PyObject *m, PyObject *args) {
   Py_RETURN_NONE;
 }
 
+/* msv_sleep_rule as a dict {(state, action): state after, or None where a sleep refuses}, over every
+ * state and action code: memsvc/vocabulary.py's SLEEP_RULES is held to it (tests/native). */
+static PyObject *mod_sleep_rules(PyObject *m, PyObject *unused) {
+  (void)m, (void)unused;
+  PyObject *out = PyDict_New();
+  if (!out) return NULL;
+  for (int s = 0; s < MSV_TAG_STATES; s++)
+    for (int act = 1; act < MSV_ACTIONS; act++) {
+      int after = msv_sleep_rule(s, act);
+      PyObject *key = Py_BuildValue("(si)", tag_state_name(s), act);
+      PyObject *value = after == MSV_SLEEP_REFUSED ? Py_None : PyUnicode_FromString(tag_state_name(after));
+      if (after == MSV_SLEEP_REFUSED) Py_INCREF(value);
+      int rc = key && value ? PyDict_SetItem(out, key, value) : -1;
+      Py_XDECREF(key);
+      Py_XDECREF(value);
+      if (rc) {
+        Py_DECREF(out);
+        return NULL;
+      }
+    }
+  return out;
+}
+
 static PyObject *mod_checksum(PyObject *m, PyObject *args) {
   (void)m;
   Py_buffer v;
@@ -40,6 +63,7 @@ static PyMethodDef mod_methods[] = {
     {"cuda_unavailable_reason", mod_cuda_unavailable_reason, METH_NOARGS, "why the cuda backend cannot run, or None"},
     {"set_pool_tag", mod_set_pool_tag, METH_VARARGS, "tag for allocations made through the torch hook"},
     {"checksum", mod_checksum, METH_VARARGS, "the offload checksum of a bytes-like object"},
+    {"sleep_rules", mod_sleep_rules, METH_NOARGS, "{(tag state, action code): the state after a sleep, or None: refused}"},
     {"kv_check", mod_kv_check, METH_VARARGS, "kv_check(src, dst, n_src, n_dst, owner_dst) -> (code, index)"},
     {"kv_move", mod_kv_move, METH_VARARGS, "kv_move(src, dst, owner_src, owner_dst, slot_block, slot_host, to_host) -> owned blocks moved"},
     {NULL, NULL, 0, NULL}};

@@ -145,10 +145,19 @@ void msv_hostpool_destroy(msv_hostpool *hp);
 
 /* ---- the allocator ---- */
 /* The proto's TagAction numbers (protos/memsvc/v1/common.proto; 0 is unspecified, never valid).
- * msv_sleep's known_action (sleep.c) is the one place that decides which codes exist. */
+ * msv_sleep_rule (sleep.c) is the one place that decides which codes exist and what each does. */
 enum { MSV_ACTION_OFFLOAD = 1, MSV_ACTION_DISCARD = 2, MSV_ACTION_KEEP = 3, MSV_ACTION_OFFLOAD_DISK = 4 };
+enum { MSV_ACTIONS = 5 };
 /* ON_DISK: the tag's backup is in a file under the offload directory (disk.c), not in host memory. */
 enum { MSV_TAG_AWAKE = 0, MSV_TAG_OFFLOADED = 1, MSV_TAG_DISCARDED = 2, MSV_TAG_ON_DISK = 3 };
+enum { MSV_TAG_STATES = 4 };
+/* The sleep rule: the state a tag in `state` is in after a sleep with `action`; the same state when
+ * the sleep leaves it (KEEP); MSV_SLEEP_REFUSED when a sleep refuses (the tag is asleep already and
+ * the action would not move it further down), or for a code that is no action. The Python side's
+ * copy (memsvc/vocabulary.py's SLEEP_RULES, for the manager, which has no native layer) is held to
+ * this one by a test. */
+enum { MSV_SLEEP_REFUSED = -1 };
+int msv_sleep_rule(int state, int action);
 
 typedef struct {
   char tag[64];

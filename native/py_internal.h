@@ -49,6 +49,8 @@ int add_allocator_type(PyObject *m);
 PyObject *Allocator_sleep(AllocatorObject *self, PyObject *args);
 PyObject *Allocator_wake(AllocatorObject *self, PyObject *args);
 /* py_stats.c */
+/* The name memsvc.vocabulary.TagState gives a tag state (MSV_TAG_*). */
+const char *tag_state_name(int state);
 PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args);
 PyObject *Allocator_counters(AllocatorObject *self, PyObject *args);
 PyObject *Allocator_mem_info(AllocatorObject *self, PyObject *unused);

@@ -4,7 +4,7 @@
  * status RPCs must answer during transitions. */
 #include "py_internal.h"
 
-static const char *state_name(int s) {
+const char *tag_state_name(int s) {
   return s == MSV_TAG_AWAKE ? "awake" : s == MSV_TAG_OFFLOADED ? "offloaded" : s == MSV_TAG_ON_DISK ? "on_disk" : "discarded";
 }
 
@@ -38,7 +38,7 @@ PyObject *Allocator_tag_stats(AllocatorObject *self, PyObject *args) {
   PyObject *out = PyList_New(0);
   for (size_t i = 0; out && i < n; i++) {
     PyObject *d = Py_BuildValue("{s:s,s:s,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K,s:K}", "tag", st[i].tag, "state",
-                                state_name(st[i].state), "base", (unsigned long long)st[i].base, "mapped_bytes",
+                                tag_state_name(st[i].state), "base", (unsigned long long)st[i].base, "mapped_bytes",
                                 (unsigned long long)st[i].mapped_bytes, "layout_bytes",
                                 (unsigned long long)st[i].layout_bytes, "allocated_bytes",
                                 (unsigned long long)st[i].allocated_bytes, "offloaded_bytes",

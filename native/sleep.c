@@ -4,18 +4,23 @@
  * tag's virtual range so wake brings every address back unchanged. */
 #include "allocator_internal.h"
 
-/* The one place that knows which action codes exist (msv.h's MSV_ACTION_*, the proto's TagAction):
- * a new action is added here and handled below. */
-static int known_action(int action) {
-  switch (action) {
-    case MSV_ACTION_KEEP:
-    case MSV_ACTION_OFFLOAD:
-    case MSV_ACTION_DISCARD:
-    case MSV_ACTION_OFFLOAD_DISK:
-      return 1;
-    default:
-      return 0;
-  }
+/* The one place that knows which action codes exist and what each does to a tag in each state
+ * (msv.h's MSV_ACTION_*, the proto's TagAction): a new action is a column here, then its copies
+ * below. An awake tag goes to sleep as its action says; a sleeper only moves further down without
+ * waking: from host memory to disk, or from either to DISCARD (level 1 to level 2). */
+#define R MSV_SLEEP_REFUSED
+static const signed char SLEEP_RULE[MSV_TAG_STATES][MSV_ACTIONS] = {
+    /*                     none  OFFLOAD            DISCARD            KEEP               OFFLOAD_DISK */
+    [MSV_TAG_AWAKE] = {R, MSV_TAG_OFFLOADED, MSV_TAG_DISCARDED, MSV_TAG_AWAKE, MSV_TAG_ON_DISK},
+    [MSV_TAG_OFFLOADED] = {R, R, MSV_TAG_DISCARDED, MSV_TAG_OFFLOADED, MSV_TAG_ON_DISK},
+    [MSV_TAG_DISCARDED] = {R, R, R, MSV_TAG_DISCARDED, R},
+    [MSV_TAG_ON_DISK] = {R, R, MSV_TAG_DISCARDED, MSV_TAG_ON_DISK, R},
+};
+#undef R
+
+int msv_sleep_rule(int state, int action) {
+  if (state < 0 || state >= MSV_TAG_STATES || action < 0 || action >= MSV_ACTIONS) return MSV_SLEEP_REFUSED;
+  return SLEEP_RULE[state][action];
 }
 
 int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n) {
@@ -30,7 +35,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
   }
   for (size_t i = 0; i < n; i++) {
     if ((rc = check_tag(tags[i]))) goto out;
-    if (!known_action(actions[i])) {
+    if (msv_sleep_rule(MSV_TAG_AWAKE, actions[i]) == MSV_SLEEP_REFUSED) {
       rc = msv_fail(MSV_E_INVALID, "tag '%s': unknown action %d", tags[i], actions[i]);
       goto out;
     }
@@ -44,12 +49,9 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
         rc = msv_fail(MSV_E_INVALID, "tag '%s' named twice", tags[i]);
         goto out;
       }
-    /* A sleeper may be demoted: an offloaded tag to disk (frees its host copy, keeps its bytes),
-     * an offloaded or on-disk one to DISCARD (level 1 -> level 2: frees its copy). */
-    int st = a->arenas[idx[i]]->state;
-    int demote = (st == MSV_TAG_OFFLOADED && (actions[i] == MSV_ACTION_DISCARD || actions[i] == MSV_ACTION_OFFLOAD_DISK)) ||
-                 (st == MSV_TAG_ON_DISK && actions[i] == MSV_ACTION_DISCARD);
-    if (actions[i] != MSV_ACTION_KEEP && st != MSV_TAG_AWAKE && !demote) {
+    /* A sleeper may be demoted (the rule): an offloaded tag to disk (frees its host copy, keeps its
+     * bytes), an offloaded or on-disk one to DISCARD (level 1 -> level 2: frees its copy). */
+    if (msv_sleep_rule(a->arenas[idx[i]]->state, actions[i]) == MSV_SLEEP_REFUSED) {
       rc = msv_fail(MSV_E_STATE, "tag '%s' is already asleep", tags[i]);
       goto out;
     }
@@ -91,12 +93,12 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
     arena *ar = a->arenas[idx[i]];
     if (ar->state == MSV_TAG_OFFLOADED && actions[i] == MSV_ACTION_OFFLOAD_DISK) {
       disk_commit(a, ar);
-      ar->state = MSV_TAG_ON_DISK;
+      ar->state = msv_sleep_rule(ar->state, actions[i]);
       continue;
     }
     if (ar->state != MSV_TAG_AWAKE) { /* a demotion to DISCARD */
       drop_backup(a, ar);
-      ar->state = MSV_TAG_DISCARDED;
+      ar->state = msv_sleep_rule(ar->state, actions[i]);
       ar->discarded = ar->allocated;
       continue;
     }
@@ -108,7 +110,7 @@ int msv_sleep(msv_allocator *a, const char **tags, const int *actions, size_t n)
      * is asleep, and wake maps back exactly the extents that are gone. */
     if (urc && mapped_bytes(ar) == ar->frontier) continue;
     int kept = actions[i] == MSV_ACTION_OFFLOAD || actions[i] == MSV_ACTION_OFFLOAD_DISK;
-    ar->state = actions[i] == MSV_ACTION_OFFLOAD ? MSV_TAG_OFFLOADED : kept ? MSV_TAG_ON_DISK : MSV_TAG_DISCARDED;
+    ar->state = msv_sleep_rule(MSV_TAG_AWAKE, actions[i]);
     ar->discarded = actions[i] == MSV_ACTION_DISCARD ? ar->allocated : 0;
     if (actions[i] == MSV_ACTION_OFFLOAD_DISK) disk_commit(a, ar);
     if (kept) {

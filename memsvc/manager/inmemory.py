@@ -42,6 +42,7 @@ from memsvc.vocabulary import (
     CUDA_GRAPHS,
     KEPT_IN,
     KV_CACHE,
+    SLEEP_RULES,
     WEIGHTS,
     Action,
     SleepLevel,
@@ -235,7 +236,9 @@ class InMemoryWorker:
             moved = 0
             for tag, action in todo.items():
                 t = self.tags[tag]
-                t.state = KEPT_IN.get(action, TagState.DISCARDED)
+                after = SLEEP_RULES[(t.state, action)]
+                assert after is not None, "todo holds only the tags the sleep acts on"
+                t.state = after
                 moved += t.awake_bytes if action in KEPT_IN else 0
             reported = int(level) if level is not None and not explicit else 0
             self.sleep_level = max(reported, self.sleep_level) if before == WorkerState.ASLEEP else reported

@@ -22,7 +22,8 @@ from _util import MiB, as_cpu_bytes, fill_random, host_held_once_trimmed
 from conftest import AllocatorFactory
 
 from memsvc.errors import BackendError, IntegrityError, InvalidArgument, OutOfMemory, WrongState
-from memsvc.vocabulary import TagState, sleep_acts_on
+from memsvc.vocabulary import SLEEP_RULES, TagState, sleep_acts_on
+from worker import _native
 from worker.allocator import Action, MemoryAllocator
 
 # Across several 4 MiB staging chunks, with odd sizes so the last chunk is partly filled.
@@ -202,6 +203,15 @@ def test_a_wake_without_device_room_leaves_the_tag_on_disk_and_a_later_one_resto
     del filler
     alloc.wake_up(["weights"])
     _intact(pairs)
+
+
+def test_the_native_sleep_rule_and_the_vocabularys_copy_are_the_same_table() -> None:
+    """The manager, which has no native layer, decides by memsvc.vocabulary.SLEEP_RULES; the worker's
+    native layer by msv_sleep_rule (native/sleep.c). Every state and action, entry by entry."""
+    native = _native.sleep_rules()
+    python = {(state.value, int(action)): after and after.value for (state, action), after in SLEEP_RULES.items()}
+    assert native == python
+    assert len(native) == len(TagState) * len(Action)
 
 
 def test_the_native_sleep_and_the_vocabulary_agree_on_what_a_sleep_does_to_each_state(
