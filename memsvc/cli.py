@@ -1,4 +1,5 @@
-"""The ``memsvc`` command.
+"""The ``memsvc`` command: every command put together, the one module that imports each service's
+(the worker's through worker/command.py alone; nothing else in ``memsvc`` imports the worker).
 
 memsvc up                      manager + one worker on this machine (embedded defaults)
 memsvc manager | worker        the two services
@@ -20,13 +21,22 @@ from memsvc.runtime.flags import (
     Parser,
     add_settings,
     duration,
-    env,
     env_bools,
     listen_address,
     listen_or_none,
     non_negative_seconds,
     settings_from,
 )
+from memsvc.runtime.service_flags import (
+    bytecode_flag,
+    client_auth_flags,
+    keep_bytecode,
+    log_flags,
+    security,
+    security_kwargs,
+    server_auth_flags,
+)
+from worker import command as worker_command
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
     from google.protobuf.message import Message
@@ -34,116 +44,8 @@ if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help st
     from rich.table import Table
 
     from memsvc.client import ManagerClient
-    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
-
-
-def _client_auth_flags(p: argparse.ArgumentParser) -> None:
-    """How this command dials a memsvc server (memsvc.runtime.auth; off by default)."""
-    g = p.add_argument_group("auth (client side)")
-    g.add_argument(
-        "--token-file",
-        default=env("TOKEN_FILE", ""),
-        help="file holding the bearer token (default $MEMSVC_TOKEN_FILE, else the token in $MEMSVC_TOKEN)",
-    )
-    g.add_argument("--tls-ca", default=env("TLS_CA", ""), help="CA (PEM) that verifies servers: dial with TLS")
-    g.add_argument(
-        "--tls-client-cert", default=env("TLS_CLIENT_CERT", ""), help="client certificate for mTLS servers (PEM)"
-    )
-    g.add_argument("--tls-client-key", default=env("TLS_CLIENT_KEY", ""), help="key of --tls-client-cert (PEM)")
-
-
-def _log_flags(p: argparse.ArgumentParser) -> None:
-    """How a service logs (memsvc.runtime.logs)."""
-    from memsvc.runtime.logs import FORMATS, LEVELS
-
-    p.add_argument("--log-level", choices=LEVELS, default=env("LOG_LEVEL", "info"), help="least severe level logged")
-    p.add_argument(
-        "--log-format",
-        choices=FORMATS,
-        default=env("LOG_FORMAT", "text"),
-        help="stderr as text lines, or one JSON object per line (time, level, logger, message, exception)",
-    )
-
-
-def _bytecode_flag(p: argparse.ArgumentParser) -> None:
-    """Where a service keeps its compiled modules when the installation keeps none (memsvc.runtime.bytecode)."""
-    from memsvc.runtime.bytecode import default_dir
-
-    p.add_argument(
-        "--bytecode-cache",
-        default=env("BYTECODE_CACHE", default_dir()),
-        help="directory for the byte-code of modules installed without it that this interpreter may not write "
-        "beside them (PYTHONDONTWRITEBYTECODE, a read-only site-packages): later starts import from it; 'off': "
-        "compile at every start",
-    )
-
-
-def _server_auth_flags(p: argparse.ArgumentParser, worker: bool = False) -> None:
-    """Token and TLS of a server; the same settings configure its outgoing channels."""
-    _client_auth_flags(p)
-    g = p.add_argument_group("auth (server side)")
-    g.add_argument("--tls-cert", default=env("TLS_CERT", ""), help="serve TLS with this certificate chain (PEM)")
-    g.add_argument("--tls-key", default=env("TLS_KEY", ""), help="key of --tls-cert (PEM)")
-    g.add_argument(
-        "--tls-client-ca",
-        default=env("TLS_CLIENT_CA", ""),
-        help="require client certificates signed by this CA (mTLS)",
-    )
-    if worker:
-        g.add_argument(
-            "--allowed-client",
-            default=env("ALLOWED_CLIENT", ""),
-            help="with mTLS: the only client certificate name(s) (CN or SAN, comma-separated) allowed to call "
-            "Sleep, WakeUp, ReloadWeights, SwapBlocks, FreeSequence (e.g. the manager's CN)",
-        )
-
-
-def _security(args: argparse.Namespace, parser: argparse.ArgumentParser, server: bool = False) -> object:
-    from memsvc.errors import MemsvcError
     from memsvc.runtime.auth import Security
-
-    try:
-        sec = Security.from_args(args)
-        if server:
-            sec.check_server()
-        sec.channel_credentials()  # reads the client files now: a bad path is a usage error, not a retry loop
-    except MemsvcError as exc:
-        parser.error(str(exc))
-    return sec
-
-
-def _security_kwargs(sec: object) -> dict[str, object]:
-    """``security=`` only when some auth is on, so run() functions keep their plain signature otherwise."""
-    return {"security": sec} if getattr(sec, "enabled", False) else {}
-
-
-def _worker_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
-    from worker.config import WorkerConfig
-
-    p = sub.add_parser("worker", help="serve one model on one device (ModelWorkerService)")
-    p.add_argument(
-        "--listen",
-        type=listen_address,
-        default=env("WORKER_LISTEN", "127.0.0.1:50061"),
-        help="host:port to serve on (0: any port)",
-    )
-    add_settings(p, WorkerConfig)  # the model and how it is served: WorkerConfig's fields
-    p.add_argument("--manager", default=env("MANAGER", ""), help="manager address to register with (host:port)")
-    p.add_argument(
-        "--advertise",
-        default=env("ADVERTISE", ""),
-        help="address the manager should dial (default: the listen address)",
-    )
-    p.add_argument(
-        "--standby",
-        action="store_true",
-        help="start before the model is known: import the model layer and make --device's CUDA context, then read "
-        "this worker's flags (a JSON list, one line) from stdin and serve as if started with them; memsvc up's warm "
-        "processes ([workers] standby = true)",
-    )
-    _server_auth_flags(p, worker=True)
-    _log_flags(p)
-    _bytecode_flag(p)
+    from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 
 def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -151,9 +53,9 @@ def _gateway_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     p = sub.add_parser("gateway", help="serve the OpenAI-compatible HTTP API in front of a manager's workers")
     add_settings(p, Settings)  # Settings' fields
-    _client_auth_flags(p)
-    _log_flags(p)
-    _bytecode_flag(p)
+    client_auth_flags(p)
+    log_flags(p)
+    bytecode_flag(p)
 
 
 def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-arg]
@@ -161,9 +63,9 @@ def _manager_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[ty
 
     p = sub.add_parser("manager", help="serve MemoryManagerService")
     add_settings(p, ServeSettings)  # ServeSettings' fields
-    _server_auth_flags(p)
-    _log_flags(p)
-    _bytecode_flag(p)
+    server_auth_flags(p)
+    log_flags(p)
+    bytecode_flag(p)
 
 
 def _manager_flag(p: argparse.ArgumentParser) -> None:
@@ -178,23 +80,23 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
             p.add_argument(
                 "--json", action="store_true", help="ListWorkers as JSON (the proto JSON mapping, .proto field names)"
             )
-        _client_auth_flags(p)
+        client_auth_flags(p)
     p = sub.add_parser("leases", help="list the live leases (an operator who lost a lease id finds it here)")
     p.add_argument("--worker", default="", help="only this worker's")
     p.add_argument("--json", action="store_true", help="ListLeases as JSON (the proto JSON mapping)")
     _manager_flag(p)
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser("release", help="end a lease now (ReleaseWorker)")
     p.add_argument("lease_id")
     _manager_flag(p)
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser(
         "deregister",
         help="forget a worker (DeregisterWorker): a stopped one's model stops being listed; refused while leased",
     )
     p.add_argument("worker", help="worker id (or workers/<id>)")
     _manager_flag(p)
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser("prune", help="deregister every unreachable worker (stale registrations of stopped workers)")
     p.add_argument(
         "--unavailable", action="store_true", help="the workers to prune: those UNAVAILABLE (required: says what goes)"
@@ -206,24 +108,24 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         help="only those not seen for this long: 90s, 10m, 2h, 1d (default: every unavailable one)",
     )
     _manager_flag(p)
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser("sleep", help="put a worker to sleep")
     p.add_argument("worker")
     p.add_argument("--level", type=int, choices=[1, 2], default=None, help="default: the policy's tag actions")
     _manager_flag(p)
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser("wake", help="wake a worker")
     p.add_argument("worker")
     p.add_argument("--tags", nargs="*", default=[], help="wake only these tags")
     _manager_flag(p)
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser(
         "health", help="grpc.health.v1 check, or an HTTP GET; exit 0 when SERVING or 2xx (container health checks)"
     )
     p.add_argument("address", help="host:port (gRPC), or an http:// URL (the gateway's /healthz)")
     p.add_argument("--service", default="", help="service name ('' = the whole server)")
     p.add_argument("--timeout", type=non_negative_seconds, default=3.0, help="seconds to wait for the answer")
-    _client_auth_flags(p)
+    client_auth_flags(p)
     p = sub.add_parser("up", help="run a manager, one worker and the OpenAI gateway on this machine")
     p.add_argument(
         "--manager-listen",
@@ -277,8 +179,8 @@ def _ops_parsers(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-
         default=3600.0,
         help="seconds idle before a sleeper drops to level 2 (tier 2; 0: never)",
     )
-    _log_flags(p)
-    _bytecode_flag(p)
+    log_flags(p)
+    bytecode_flag(p)
     g = p.add_argument_group("auth (passed to both services; see memsvc manager --help)")
     g.add_argument("--token-file", default=None, help="bearer token file for both services and their channels")
     g.add_argument("--tls-cert", default=None, help="certificate (SAN 127.0.0.1) both services serve TLS with")
@@ -406,7 +308,7 @@ def _prune(client: ManagerClient, older_than_s: float, console: Console) -> int:
     return 1 if failed else 0
 
 
-def _ops(args: argparse.Namespace, security: object) -> int:
+def _ops(args: argparse.Namespace, sec: Security) -> int:
     from rich.console import Console
 
     from memsvc.client import ManagerClient, state_name, worker_name
@@ -414,7 +316,7 @@ def _ops(args: argparse.Namespace, security: object) -> int:
 
     console = Console(width=None if sys.stdout.isatty() else 200)  # pipes and logs get whole addresses
     try:
-        with ManagerClient(args.manager, security=security) as client:  # type: ignore[arg-type]
+        with ManagerClient(args.manager, security=sec) as client:
             if args.command == "status" and args.json:
                 from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
@@ -483,7 +385,7 @@ def _ops(args: argparse.Namespace, security: object) -> int:
     return 0
 
 
-def _health(address: str, service: str, timeout: float, security: object = None) -> int:
+def _health(address: str, service: str, timeout: float, sec: Security) -> int:
     if address.startswith(("http://", "https://")):
         return _http_health(address, timeout)
     import grpc
@@ -491,7 +393,7 @@ def _health(address: str, service: str, timeout: float, security: object = None)
 
     from memsvc.runtime.auth import channel as auth_channel
 
-    with auth_channel(address, security) as channel:  # type: ignore[arg-type]
+    with auth_channel(address, sec) as channel:
         try:
             r = health_pb2_grpc.HealthStub(channel).Check(
                 health_pb2.HealthCheckRequest(service=service), timeout=timeout
@@ -527,7 +429,7 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="memsvc", description="Sleep and wake LLM model workers.")
     parser.add_argument("--version", action="version", version=f"memsvc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
-    _worker_parser(sub)
+    worker_command.add_parser(sub)
     _manager_parser(sub)
     _gateway_parser(sub)
     _ops_parsers(sub)
@@ -597,19 +499,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level, args.log_format)
     if args.command in ("manager", "worker", "gateway"):  # memsvc up passes it to these, each says so
-        _keep_bytecode(args.bytecode_cache)
+        keep_bytecode(args.bytecode_cache)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
         from memsvc.manager.serve_settings import ServeSettings
 
-        security = _security(args, parser, server=True)
-        return run_manager(ServeSettings(**settings_from(ServeSettings, args)), **_security_kwargs(security))  # type: ignore[arg-type]
+        sec = security(args, parser, server=True)
+        return run_manager(ServeSettings(**settings_from(ServeSettings, args)), **security_kwargs(sec))
     if args.command == "gateway":
         from memsvc.gateway import Settings
         from memsvc.gateway import run as run_gateway
 
-        security = _security(args, parser)
-        return run_gateway(Settings(**settings_from(Settings, args), security=security))  # type: ignore[arg-type]
+        return run_gateway(Settings(**settings_from(Settings, args), security=security(args, parser)))
     if args.command == "up" and args.config:
         from memsvc._host import run_host
 
@@ -633,66 +534,15 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gateway_listen,
         )
     if args.command == "health":
-        return _health(args.address, args.service, args.timeout, _security(args, parser))
+        return _health(args.address, args.service, args.timeout, security(args, parser))
     if args.command == "prune" and not args.unavailable:
         parser.error("say what to prune: --unavailable (the workers the manager cannot reach)")
     if args.command in ("status", "sleep", "wake", "watch", "leases", "release", "deregister", "prune"):
-        return _ops(args, _security(args, parser))
-    if args.command == "worker" and args.standby:
-        return _standby(parser, args)
+        return _ops(args, security(args, parser))
     if args.command == "worker":
-        return _worker(parser, args)
+        return worker_command.main(parser, args, lambda argv: parse(parser, argv))
     parser.error(f"unknown command {args.command}")
     return 2
-
-
-def _keep_bytecode(directory: str) -> None:
-    """Before a service's imports: its compiled modules kept between starts where the installation keeps none."""
-    import logging
-
-    from memsvc.runtime.bytecode import keep_bytecode
-
-    kept = keep_bytecode(directory)
-    if kept is not None:
-        logging.getLogger("memsvc").info(
-            "compiled modules are kept in %s: the installed packages have none and this interpreter does not write "
-            "them beside their sources (--bytecode-cache)",
-            kept,
-        )
-
-
-def _standby(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``memsvc worker --standby`` (worker/standby.py): prepared, then the worker its flags say."""
-    from memsvc.errors import InvalidArgument
-    from memsvc.runtime.logs import announce, configure
-    from worker.standby import wait_for_flags
-
-    try:
-        flags = wait_for_flags(args.backend, args.device)
-    except InvalidArgument as exc:
-        announce(f"memsvc worker: error: {exc}", sys.stderr)
-        return 2
-    if flags is None:
-        return 0
-    handed = parse(parser, ["worker", *flags])
-    if (handed.backend, handed.device) != (args.backend, args.device):
-        prepared, named = (f"--backend {a.backend} --device {a.device}" for a in (args, handed))
-        announce(f"memsvc worker: error: this standby was prepared for {prepared}; its flags name {named}", sys.stderr)
-        return 2
-    configure(handed.log_level, handed.log_format)  # the worker's own, as its flags say
-    return _worker(parser, handed)
-
-
-def _worker(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
-    """``memsvc worker``: its flags as a WorkerConfig, then the service until it stops."""
-    from worker.config import WorkerConfig
-    from worker.main import run
-
-    if args.max_step_tokens is not None and args.max_step_tokens < args.max_batch:
-        parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
-    config = WorkerConfig(**settings_from(WorkerConfig, args))
-    security = _security(args, parser, server=True)
-    return run(config, args.listen, args.manager, args.advertise, **_security_kwargs(security))  # type: ignore[arg-type]
 
 
 if __name__ == "__main__":

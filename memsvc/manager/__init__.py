@@ -4,4 +4,8 @@ store (a SQLite file, or PostgreSQL shared by replicas of which one leads: ``sto
 The service's own code, not an import API (docs/python-api.md): call a manager through
 ``memsvc.ManagerClient`` or the ``memsvc.v1`` stubs. :mod:`memsvc.manager.inmemory` is the one part
 meant for others' tests: an in-memory worker to run a manager against.
+
+It builds on the shared layer alone (``memsvc.errors``, ``memsvc.vocabulary``, ``memsvc.runtime``,
+the stubs), never on the worker or the gateway, and only ``memsvc.cli`` (its command) and ``memsvc
+up`` import it; tests/test_package_layers.py holds all of that.
 """

@@ -13,10 +13,12 @@ and HTTP services, one module per concern.
 - :mod:`~memsvc.runtime.swap_forms`: the forms a SwapBlocks request names its blocks in;
 - :mod:`~memsvc.runtime.flags`: command-line settings, their ``MEMSVC_*`` variables and value types;
 - :mod:`~memsvc.runtime.bytecode`: compiled modules kept between starts where the installation keeps none.
+- :mod:`~memsvc.runtime.service_flags`: the flags every service command shares (auth, logging, byte-code).
 
 Who imports it: ``memsvc.manager``, ``memsvc.gateway``, ``memsvc.cli`` and ``memsvc up``, the client
 SDK (``memsvc.client``, and ``memsvc`` re-exports :class:`~memsvc.runtime.auth.Security`,
 ``error_info`` and ``retry_delay``), and ``worker``. It imports none of them: only ``memsvc.errors``,
-``memsvc.vocabulary``, the stubs and third-party libraries, so every service can build on it. It is
+``memsvc.vocabulary``, the stubs and third-party libraries, so every service can build on it
+(tests/test_package_layers.py). It is
 not a public API for other programs (docs/python-api.md): use the names ``memsvc`` exports.
 """
