@@ -55,8 +55,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     checkpoint's read-ahead (``prefetch``) stops once the model layer is in, when the load's own reads
     begin (worker/prefetch.py). Triton's hashes, which its first launch of each kernel would make on
     the device thread, are made meanwhile: its own on a second thread from the start, the kernels'
-    after the imports, while the weights load (worker/model/kernels.py's ``hash_ahead``); then cuBLAS
-    is started (``start_cublas``), unless the first graph capture came first.
+    after the imports, while the weights load (worker/model/kernels.py's ``hash_ahead``).
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
@@ -89,8 +88,6 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                     hashing.join()  # Triton's own hash, made beside the imports: its cache then holds it
                 hash_ahead()  # the kernels' own, while the weights load
                 log.info("triton: kernel hashes made in %.2f s", time.perf_counter() - t2)
-            if config.backend != "host":
-                _start_cublas(config.device)
         except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
             log.debug("importing the model layer failed; the load reports it", exc_info=True)
         finally:
@@ -100,20 +97,6 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     thread = threading.Thread(target=run, name="memsvc-import", daemon=True)
     thread.start()
     return thread
-
-
-def _start_cublas(device: int) -> None:
-    """cuBLAS started while the weights load (worker/model/kernels.py's ``start_cublas``), where the
-    device is a GPU."""
-    import torch
-
-    if not torch.cuda.is_available():
-        return
-    from worker.model.kernels import start_cublas
-
-    t0 = time.perf_counter()
-    if start_cublas(device):
-        log.info("cuBLAS started in %.2f s", time.perf_counter() - t0)
 
 
 def _hash_triton() -> None:

@@ -53,10 +53,11 @@ def prepare(backend: str, device: int) -> str:
             from worker.model.kernels import hash_ahead
 
             hash_ahead()  # Triton imported, and what its first launch of each kernel would hash
-        from worker.model.kernels import start_cublas
-
-        torch.cuda.set_device(device)  # the primary context (the allocator's too), then cuBLAS
-        start_cublas(device)
+        torch.cuda.set_device(device)
+        x = torch.ones(64, 64, device=f"cuda:{device}", dtype=torch.bfloat16)
+        float((x @ x).sum())  # the primary context (the allocator's too), cuBLAS's handle, a first kernel
+        del x
+        torch.cuda.empty_cache()  # the worker's memory is the allocator's: none held here
     return resolved
 
 

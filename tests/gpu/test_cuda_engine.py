@@ -327,28 +327,3 @@ def test_the_hashes_triton_makes_before_a_first_launch_are_made_ahead_in_a_fresh
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     assert done.stdout.split() == ["(0,", "[None,", "None])", "1", "6", "True"], done.stdout
-
-
-def test_cublas_started_on_a_thread_that_ends_and_nothing_ahead_after_close_ahead() -> None:
-    """worker/model/kernels.py's start_cublas, as the worker's import thread runs it while the weights
-    load: on a thread of its own that then ends; the device thread's products after it are right; once
-    close_ahead ran (before the first graph capture), it starts nothing more."""
-    import subprocess
-    import sys
-    from pathlib import Path
-
-    code = (
-        "import threading, torch\n"
-        "from worker.model import kernels\n"
-        "out = []\n"
-        "t = threading.Thread(target=lambda: out.append(kernels.start_cublas(0)))\n"
-        "t.start(); t.join()\n"
-        "a = torch.randn(256, 256, device='cuda', dtype=torch.float32)\n"
-        "ok = torch.allclose((a @ a).cpu(), a.cpu() @ a.cpu(), rtol=1e-3, atol=1e-3)\n"
-        "kernels.close_ahead()\n"
-        "print(out[0], ok, kernels.start_cublas(0))\n"
-    )
-    root = Path(__file__).resolve().parents[2]
-    done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
-    assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["True", "True", "False"], done.stdout

@@ -71,15 +71,6 @@ def test_the_model_package_still_exports_its_names() -> None:
         _ = worker.model.Nope
 
 
-def test_nothing_is_started_ahead_once_the_first_capture_closed_it() -> None:
-    """worker/model/kernels.py's start_cublas, run on the worker's import thread, does nothing once
-    close_ahead ran (the first graph capture runs it: another thread's CUDA call would fail the
-    capture); in a fresh process, as no CUDA is touched on the way."""
-    code = "from worker.model import kernels; kernels.close_ahead(); print(kernels.start_cublas(0))"
-    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
-    assert done.stdout.split() == ["False"]
-
-
 # ---- calls while the model loads ----
 def test_a_call_while_the_model_loads_is_unavailable_with_a_retry_delay_and_succeeds_once_serving(
     tmp_path: Path,

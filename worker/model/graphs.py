@@ -45,7 +45,6 @@ from memsvc.vocabulary import CUDA_GRAPHS
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
-from worker.model.kernels import close_ahead
 
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
 """Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``:
@@ -228,7 +227,6 @@ class DecodeGraphs:
         pending; a capture that raises marks the bucket failed (and raises)."""
         if size not in self.pending:
             raise InvalidArgument(f"batch bucket {size} is not pending; pending: {list(self.pending)}")
-        close_ahead()  # nothing started ahead on another thread may call into CUDA during a capture
         t0 = time.perf_counter()
         try:
             self._buckets[size] = self._capture(size)

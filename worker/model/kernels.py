@@ -172,37 +172,6 @@ def hash_ahead() -> None:
         kernel.cache_key  # noqa: B018 - a memoised property: the hash is the point
 
 
-_ahead = threading.Lock()
-_ahead_closed = False
-"""Set before the first CUDA-graph capture: from then on no work is started ahead on another thread
-(a capture fails when another thread calls into CUDA meanwhile)."""
-
-
-def start_cublas(device: int) -> bool:
-    """Start cuBLAS on ``device`` now, off the device thread: load its library, make its handle (which
-    returns to torch's pool when this thread ends, for the device thread to take) and run a first
-    small product, what a standby does before its hand-off (worker/standby.py). Without it the
-    warm-up's first product paid for them: 0.15-0.3 s of a warm spawn's warm-up on the H200 beside a
-    standby's. Does nothing, and says False, once :func:`close_ahead` ran."""
-    with _ahead:
-        if _ahead_closed:
-            return False
-        torch.cuda.set_device(device)
-        x = torch.ones(64, 64, device=f"cuda:{device}", dtype=torch.bfloat16)
-        float((x @ x).sum())
-        del x
-        torch.cuda.empty_cache()  # the worker's memory is the allocator's: none held here
-        return True
-
-
-def close_ahead() -> None:
-    """Before the first CUDA-graph capture: wait for work started ahead (:func:`start_cublas`) and
-    start no more."""
-    global _ahead_closed
-    with _ahead:
-        _ahead_closed = True
-
-
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
     """(rows, heads, token stride, head stride) of ``[tokens, dim]`` or ``[tokens, heads, dim]`` whose
     last dimension is contiguous (a column slice of a fused projection's output is fine)."""
@@ -314,10 +283,7 @@ def kernels_for(device: torch.device, config: ModelConfig) -> Kernels:
 __all__ = [
     "TORCH_KERNELS",
     "TRITON_KERNELS",
-    "close_ahead",
-    "hash_ahead",
     "kernels_for",
-    "start_cublas",
     "triton_add_rms_norm",
     "triton_rms_norm",
     "triton_rope_store",
