@@ -30,11 +30,11 @@ from memsvc.runtime.flags import (
 from memsvc.runtime.service_flags import (
     bytecode_flag,
     client_auth_flags,
-    keep_bytecode,
     log_flags,
-    security,
+    security_from_args,
     security_kwargs,
     server_auth_flags,
+    use_bytecode_cache,
 )
 from worker import command as worker_command
 
@@ -499,18 +499,18 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level, args.log_format)
     if args.command in ("manager", "worker", "gateway"):  # memsvc up passes it to these, each says so
-        keep_bytecode(args.bytecode_cache)
+        use_bytecode_cache(args.bytecode_cache)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
         from memsvc.manager.serve_settings import ServeSettings
 
-        sec = security(args, parser, server=True)
+        sec = security_from_args(args, parser, server=True)
         return run_manager(ServeSettings(**settings_from(ServeSettings, args)), **security_kwargs(sec))
     if args.command == "gateway":
         from memsvc.gateway import Settings
         from memsvc.gateway import run as run_gateway
 
-        return run_gateway(Settings(**settings_from(Settings, args), security=security(args, parser)))
+        return run_gateway(Settings(**settings_from(Settings, args), security=security_from_args(args, parser)))
     if args.command == "up" and args.config:
         from memsvc._host import run_host
 
@@ -534,11 +534,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             args.gateway_listen,
         )
     if args.command == "health":
-        return _health(args.address, args.service, args.timeout, security(args, parser))
+        return _health(args.address, args.service, args.timeout, security_from_args(args, parser))
     if args.command == "prune" and not args.unavailable:
         parser.error("say what to prune: --unavailable (the workers the manager cannot reach)")
     if args.command in ("status", "sleep", "wake", "watch", "leases", "release", "deregister", "prune"):
-        return _ops(args, security(args, parser))
+        return _ops(args, security_from_args(args, parser))
     if args.command == "worker":
         return worker_command.main(parser, args, lambda argv: parse(parser, argv))
     parser.error(f"unknown command {args.command}")

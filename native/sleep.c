@@ -7,7 +7,9 @@
 /* The one place that knows which action codes exist and what each does to a tag in each state
  * (msv.h's MSV_ACTION_*, the proto's TagAction): a new action is a column here, then its copies
  * below. An awake tag goes to sleep as its action says; a sleeper only moves further down without
- * waking: from host memory to disk, or from either to DISCARD (level 1 to level 2). */
+ * waking: from host memory to disk, or from either to DISCARD (level 1 to level 2). Every row lists all
+ * MSV_ACTIONS entries (a missing one would read 0, MSV_TAG_AWAKE); tests/native/test_disk_tier.py holds
+ * the whole table to memsvc/vocabulary.py's copy, entry by entry. */
 #define R MSV_SLEEP_REFUSED
 static const signed char SLEEP_RULE[MSV_TAG_STATES][MSV_ACTIONS] = {
     /*                     none  OFFLOAD            DISCARD            KEEP               OFFLOAD_DISK */

@@ -30,9 +30,6 @@ def init_weights(model: Any, seed: int) -> None:
             p.copy_(noise / math.sqrt(p.shape[-1]))  # fan-in: the last dim (experts stack matrices on a first)
 
 
-__all__ = ["init_weights"]
-
-
 def _transformers() -> Any:
     """transformers, imported where a model is made (it is slow to import), untyped as its calls are."""
     return importlib.import_module("transformers")
@@ -106,3 +103,6 @@ def text_model(tmp_path: Path) -> tuple[Path, Any]:
     save(tiny_llama(vocab=tok.get_vocab_size(), seed=1), path, eos=tok.token_to_id("</s>"))
     fast.save_pretrained(path)
     return path, transformers.AutoTokenizer.from_pretrained(path)
+
+
+__all__ = ["CHAT_TEMPLATE", "CORPUS", "init_weights", "save", "text_model", "tiny_llama"]

@@ -15,7 +15,13 @@ from collections.abc import Callable, Sequence
 from memsvc.errors import InvalidArgument
 from memsvc.runtime.flags import add_settings, env, listen_address, settings_from
 from memsvc.runtime.logs import announce, configure
-from memsvc.runtime.service_flags import bytecode_flag, log_flags, security, security_kwargs, server_auth_flags
+from memsvc.runtime.service_flags import (
+    bytecode_flag,
+    log_flags,
+    security_from_args,
+    security_kwargs,
+    server_auth_flags,
+)
 from worker.config import WorkerConfig
 
 Reparse = Callable[[Sequence[str]], argparse.Namespace]
@@ -86,7 +92,7 @@ def _serve(parser: argparse.ArgumentParser, args: argparse.Namespace) -> int:
     if args.max_step_tokens is not None and args.max_step_tokens < args.max_batch:
         parser.error("--max-step-tokens must be >= --max-batch (every running request feeds a token per step)")
     config = WorkerConfig(**settings_from(WorkerConfig, args))
-    sec = security(args, parser, server=True)
+    sec = security_from_args(args, parser, server=True)
     return run(config, args.listen, args.manager, args.advertise, **security_kwargs(sec))
 
 

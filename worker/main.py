@@ -79,7 +79,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
             t1 = time.perf_counter()
             log.info("model layer imported in %.2f s", t1 - t0)
             if config.backend != "host" and importlib.util.find_spec("triton") is not None:
-                importlib.import_module("triton")  # last: the load does not wait for it, the first kernel launch does
+                importlib.import_module("triton")  # the hashing thread has it in already, or is importing it
                 log.info("triton imported in %.2f s", time.perf_counter() - t1)
                 t2 = time.perf_counter()
                 from worker.model.kernels import hash_ahead
@@ -101,8 +101,9 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
 
 def _hash_triton() -> None:
     """Triton's hash of its own files (worker/model/kernels.py's hash_ahead says why), made beside the
-    model layer's imports: it needs Triton alone, and it is mostly reading and hashing its shared
-    library, which holds no lock Python's imports need."""
+    model layer's imports: it needs Triton alone (importing Triton's modules, whose import locks the
+    import thread waits on if it comes to them first), and it is mostly reading and hashing Triton's
+    shared library."""
     try:
         from triton.runtime.cache import triton_key
 

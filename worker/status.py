@@ -87,7 +87,7 @@ class Status:
     state: WorkerState
     sleep_level: int
     device: DeviceInfo | None
-    """None until the load has made the allocator."""
+    """None until the model is loaded."""
     model: ServedModel
     memory: AllocatorStats | None
     kv_cache: KvStats | None

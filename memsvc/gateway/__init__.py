@@ -3,7 +3,7 @@
 Importing this package loads nothing heavy; :func:`run` imports FastAPI and uvicorn (the
 ``gateway`` extra). It builds on the shared layer alone (``memsvc.errors``, ``memsvc.vocabulary``,
 ``memsvc.runtime``, the stubs), never on the worker or the manager, which it reaches over gRPC; only
-``memsvc.cli`` (its command) and ``memsvc up`` import it (tests/test_package_layers.py).
+``memsvc.cli`` (its command) imports it (tests/test_package_layers.py).
 """
 
 from __future__ import annotations

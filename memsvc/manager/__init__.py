@@ -6,6 +6,7 @@ The service's own code, not an import API (docs/python-api.md): call a manager t
 meant for others' tests: an in-memory worker to run a manager against.
 
 It builds on the shared layer alone (``memsvc.errors``, ``memsvc.vocabulary``, ``memsvc.runtime``,
-the stubs), never on the worker or the gateway, and only ``memsvc.cli`` (its command) and ``memsvc
-up`` import it; tests/test_package_layers.py holds all of that.
+the stubs), never on the worker or the gateway; only ``memsvc.cli`` (its command) and ``memsvc up``'s
+host file (memsvc/_host.py: it checks a policy as the manager does) import it. tests/test_package_layers.py
+holds all of that.
 """

@@ -237,7 +237,8 @@ class InMemoryWorker:
             for tag, action in todo.items():
                 t = self.tags[tag]
                 after = SLEEP_RULES[(t.state, action)]
-                assert after is not None, "todo holds only the tags the sleep acts on"
+                if after is None:  # todo holds only what sleep_acts_on let through
+                    raise WrongState(f"tag {tag!r} is {t.state.value}: a sleep with {action.label} is refused")
                 t.state = after
                 moved += t.awake_bytes if action in KEPT_IN else 0
             reported = int(level) if level is not None and not explicit else 0

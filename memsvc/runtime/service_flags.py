@@ -75,7 +75,7 @@ def bytecode_flag(p: argparse.ArgumentParser) -> None:
     )
 
 
-def security(args: argparse.Namespace, parser: argparse.ArgumentParser, server: bool = False) -> Security:
+def security_from_args(args: argparse.Namespace, parser: argparse.ArgumentParser, server: bool = False) -> Security:
     """The command's token and TLS settings, its files read now: a bad path or a server without its key
     is a usage error (one line, exit 2), not a retry loop."""
     from memsvc.errors import MemsvcError
@@ -96,7 +96,7 @@ def security_kwargs(sec: Security) -> dict[str, Security]:
     return {"security": sec} if sec.enabled else {}
 
 
-def keep_bytecode(directory: str) -> None:
+def use_bytecode_cache(directory: str) -> None:
     """Before a service's imports: its compiled modules kept between starts where the installation keeps none."""
     import logging
 
@@ -114,9 +114,9 @@ def keep_bytecode(directory: str) -> None:
 __all__ = [
     "bytecode_flag",
     "client_auth_flags",
-    "keep_bytecode",
+    "use_bytecode_cache",
     "log_flags",
-    "security",
+    "security_from_args",
     "security_kwargs",
     "server_auth_flags",
 ]
