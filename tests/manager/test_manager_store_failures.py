@@ -8,7 +8,7 @@ release popped the lease from the manager's table and then failed, leaving it on
 (never expiring, unreleasable, the worker never sleeping and never deregistered), and an expiry that
 failed did the same and stopped the timers' tick.
 
-In process (as tests/manager/test_manager_unit.py): a real Manager and a real SQLite file, in-memory workers.
+In process (as tests/manager/inmemory_env.py): a real Manager and a real SQLite file, in-memory workers.
 The store's busy timeout is cut from SQLite's 5 s to 0.1 s so that each refused write is quick.
 """
 

@@ -16,7 +16,7 @@ from pathlib import Path
 
 import pytest
 from childproc import Proc
-from test_up_config import Host, awake, worker_pid
+from hostproc import Host, awake, worker_pid
 from upproc import wait_for
 from workerproc import _LISTENING, _READY, READY_TIMEOUT, WorkerProcess
 
