@@ -36,7 +36,6 @@ from memsvc.runtime.service_flags import (
     server_auth_flags,
     use_bytecode_cache,
 )
-from worker import command as worker_command
 
 if TYPE_CHECKING:  # the CLI imports these where a command needs them: --help stays fast
     from google.protobuf.message import Message
@@ -429,6 +428,8 @@ def build_parser() -> argparse.ArgumentParser:
     parser = Parser(prog="memsvc", description="Sleep and wake LLM model workers.")
     parser.add_argument("--version", action="version", version=f"memsvc {_version()}")
     sub = parser.add_subparsers(dest="command", required=True, parser_class=Parser)
+    from worker import command as worker_command  # here: importing memsvc.cli loads no worker (stubs-only installs)
+
     worker_command.add_parser(sub)
     _manager_parser(sub)
     _gateway_parser(sub)
@@ -540,6 +541,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     if args.command in ("status", "sleep", "wake", "watch", "leases", "release", "deregister", "prune"):
         return _ops(args, security_from_args(args, parser))
     if args.command == "worker":
+        from worker import command as worker_command
+
         return worker_command.main(parser, args, lambda argv: parse(parser, argv))
     parser.error(f"unknown command {args.command}")
     return 2
