@@ -179,10 +179,11 @@ def test_status_telemetry_and_health_pass_through(fronts: dict[str, WorkerProces
 
 
 def test_sigterm_drains_a_stream_through_the_front_then_both_exit() -> None:
-    with WorkerProcess(PROCESS) as worker:
+    # a drain as long as the stream may take on a loaded machine (the default 30 s cancelled it there)
+    with WorkerProcess([*PROCESS, "--drain-timeout", "600"]) as worker:
         front = _front_pid(worker)
         request = worker_pb.GenerateRequest(prompt_token_ids=[1, 2, 3], max_new_tokens=600, ignore_eos=True)
-        stream = worker.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=120)
+        stream = worker.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=600)
         first = next(stream)
         result: dict[str, object] = {}
 
@@ -197,7 +198,7 @@ def test_sigterm_drains_a_stream_through_the_front_then_both_exit() -> None:
         reader = threading.Thread(target=read)
         reader.start()
         worker.terminate()  # the drain lets the stream end
-        reader.join(timeout=120)
+        reader.join(timeout=600)
         assert result == {"tokens": 600, "done": True}
         assert worker.wait(timeout=60) == 0
         assert "stopped" in worker.lines[-1]
