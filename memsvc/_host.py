@@ -409,10 +409,11 @@ class Host:
         from google.protobuf.field_mask_pb2 import FieldMask
 
         from memsvc.manager.policy import Policy
+        from memsvc.manager.wire import policy_pb
         from memsvc.runtime.rpc_errors import from_rpc_error
         from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
-        proto = Policy().with_fields(dict(fields)).to_proto()
+        proto = policy_pb(Policy().with_fields(dict(fields)))
         if name:
             requests = [manager_pb.UpdatePolicyRequest(name=name, clear_fields=["*"])]
             if fields:

@@ -1,7 +1,7 @@
 """The ``memsvc`` command: every command put together, the one module that imports each service's
 command (the worker's through worker/command.py alone). Beside it, only ``memsvc up`` reaches into
-the services: its host file checks a policy as the manager does, and it asks the native layer
-whether there is a GPU (tests/test_package_layers.py).
+the services: its host file checks a policy as the manager does and writes it as the manager's
+wire module does, and it asks the native layer whether there is a GPU (tests/test_package_layers.py).
 
 memsvc up                      manager + one worker on this machine (embedded defaults)
 memsvc manager | worker        the two services

@@ -35,9 +35,9 @@ from memsvc.manager.metrics import ManagerMetrics
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
+from memsvc.manager.reports import Transition
 from memsvc.manager.turns import Turns
 from memsvc.runtime.deadline import Deadline
-from memsvc.v1 import common_pb2 as common_pb
 from memsvc.vocabulary import AWAKE_STATES, Action, SleepLevel, WorkerState, policy_actions
 
 log = logging.getLogger("memsvc.manager")
@@ -199,7 +199,7 @@ class Budgets:
                 )
             victim = min(idle, key=lambda r: r.idle_start)
             passed_over.add(victim.worker_id)  # one try per victim, whichever way it goes
-            free = rec.status.device.free_bytes if rec.status is not None else 0
+            free = rec.device.free_bytes
             headroom = policy.device_swap_headroom_bytes
             if overlap and headroom and need and now + need <= budget + headroom and free >= need:
                 await victim.lock.acquire()  # now, so that no lease or other sleep slips in before the task
@@ -310,7 +310,7 @@ class Budgets:
         why_disk: str,
         why_level2: str,
         pause: bool = False,
-    ) -> common_pb.TransitionStats:
+    ) -> Transition:
         """Sleep with ``to_disk`` (tag actions onto the worker's disk tier: the bytes are kept), or
         where there are none or the disk refuses (full, failing: the worker is as it was) at level 2.
         The host budget's way to free host RAM; the caller holds ``rec.lock``."""
@@ -334,7 +334,7 @@ class Budgets:
 
     async def sleep_tier1(
         self, rec: WorkerRecord, deadline: Deadline, why: str, request_id: str = "", pause: bool = False
-    ) -> common_pb.TransitionStats:
+    ) -> Transition:
         """Sleep with the policy's tag actions; when host RAM is short, offload to the worker's disk
         tier instead, or without one fall back to level 2. ``pause``: its running requests pause
         instead of being waited for. The caller holds ``rec.lock``."""

@@ -21,10 +21,10 @@ from memsvc.errors import Cancelled, MemsvcError, RelayedError, Unavailable
 from memsvc.manager.links import WorkerLink
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.registry import Registry
+from memsvc.manager.reports import SleepCall, Transition, WakeCall
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.runtime.deadline import Deadline
-from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import Action, SleepLevel
 
@@ -84,17 +84,12 @@ class WorkerCalls:
         deadline: Deadline,
         why: str,
         pause: bool = False,
-    ) -> common_pb.TransitionStats:
-        req = worker_pb.SleepRequest(
-            level=level.proto if level is not None else common_pb.SLEEP_LEVEL_UNSPECIFIED,
-            tag_actions={t: a.proto for t, a in actions.items()},
-            request_id=request_id,
-            pause_generations=pause,
-        )
+    ) -> Transition:
+        call = SleepCall(level, dict(actions), request_id, pause)
         rec.sleeping = True
         try:
             with rec.caused_by(why):
-                resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(req, timeout))
+                resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.sleep(call, timeout))
                 await self._ingest.set_status(rec, resp.status, True, why)
         finally:
             rec.sleeping = False
@@ -102,16 +97,17 @@ class WorkerCalls:
 
     async def wake(
         self, rec: WorkerRecord, tags: list[str], request_id: str, deadline: Deadline, why: str
-    ) -> common_pb.TransitionStats:
-        req = worker_pb.WakeUpRequest(tags=tags, request_id=request_id)
+    ) -> Transition:
+        call = WakeCall(tuple(tags), request_id)
         with rec.caused_by(why):
-            resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.wake_up(req, timeout))
+            resp = await self._answered(rec, request_id, deadline, lambda link, timeout: link.wake_up(call, timeout))
             await self._ingest.set_status(rec, resp.status, True, why)
         return resp.transition
 
     async def swap_blocks(
         self, rec: WorkerRecord, request: worker_pb.SwapBlocksRequest, deadline: Deadline
     ) -> worker_pb.SwapBlocksResponse:
+        """Forwarded as the worker's message (see WorkerLink.swap_blocks)."""
         return await self._registry.link(rec).swap_blocks(request, self.timeout(deadline))
 
     async def _answered(

@@ -1,5 +1,6 @@
-"""The manager's domain object: a small façade over the parts that decide when workers sleep and
-wake, and that call them.
+"""The manager's composition root: :class:`Manager` builds the parts that decide when workers sleep
+and wake, wires them to one another, and starts and stops them. The servicer (and a test, or an
+embedder) calls the parts themselves:
 
 - :mod:`~memsvc.manager.registry`: the workers it knows, one link each (``links``: the injected
   :data:`~memsvc.manager.links.LinkFactory`; gRPC by default, in-memory in unit tests);
@@ -12,7 +13,8 @@ wake, and that call them.
 - :mod:`~memsvc.manager.timers`: lease expiry, silent workers, tiered idle sleep.
 
 Every transition the manager starts on a worker holds that worker's lock, so timers, budget
-evictions, operators and leases never race on one worker.
+evictions, operators and leases never race on one worker. The parts speak the manager's own types;
+protos stay at the servicer and the gRPC link (memsvc/manager/wire.py).
 """
 
 from __future__ import annotations
@@ -21,15 +23,13 @@ import asyncio
 from collections.abc import Sequence
 from typing import Any
 
-from memsvc.errors import InvalidArgument
 from memsvc.manager.background import Background
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
 from memsvc.manager.leases import Leases
 from memsvc.manager.links import LinkFactory, grpc_links
 from memsvc.manager.metrics import ManagerMetrics
-from memsvc.manager.policy import FIELDS, Policies, Policy, fields_from_proto
-from memsvc.manager.records import Lease, WorkerRecord
+from memsvc.manager.policy import Policies, Policy, check_change, check_clear
 from memsvc.manager.registry import Registry
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store import Store, StoredWorker
@@ -38,18 +38,20 @@ from memsvc.manager.timers import IdleTimers
 from memsvc.manager.transitions import Transitions
 from memsvc.manager.turns import Turns
 from memsvc.manager.watch import WatchHub
-from memsvc.runtime.deadline import NO_DEADLINE, Deadline
 from memsvc.runtime.replay import ReplayCache
-from memsvc.v1 import common_pb2 as common_pb
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
-from memsvc.v1 import model_worker_service_pb2 as worker_pb
-from memsvc.vocabulary import Action, SleepLevel
 
 REQUEST_CACHE = 1024
 """Transition and lease results kept for retries with the same request_id."""
 
 
 class Manager:
+    """The parts of one manager, built and wired (see the module), and their lifecycle: :meth:`start`
+    loads the workers and leases the store knows and starts the timers, :meth:`close` stops them all.
+
+    It decides nothing itself but :meth:`update_policy`, the one request that needs two parts: the
+    policies, and the registry that says which workers exist and whose overrides a new default must
+    keep valid."""
+
     def __init__(
         self,
         store: Store,
@@ -107,87 +109,17 @@ class Manager:
         await self.background.close()
         await self.registry.close()
 
-    # ---- the RPCs ----
-    @property
-    def workers(self) -> dict[str, WorkerRecord]:
-        return self.registry.workers
-
-    async def register(self, worker_id: str, address: str, host: str) -> WorkerRecord:
-        return self.registry.register(worker_id, address, host)
-
-    async def deregister(self, name: str) -> WorkerRecord:
-        return await self.registry.deregister(name)
-
-    def get(self, name: str) -> WorkerRecord:
-        return self.registry.get(name)
-
-    def list_workers(self, page_size: int, page_token: str) -> tuple[list[WorkerRecord], str]:
-        return self.registry.page(page_size, page_token)
-
-    def policy(self, rec: WorkerRecord | None) -> Policy:
-        return self.policies.effective(rec.name if rec is not None else None)
-
-    def update_policy(
-        self, name: str, p: manager_pb.Policy | None, paths: list[str], clear: Sequence[str] = ()
-    ) -> Policy:
-        """Change the default policy (no ``name``) or a worker's overrides; ``clear``: overrides to
-        remove (``*``: all), so those fields follow the default again."""
-        if clear and not name:
-            raise InvalidArgument(
-                "clear_fields applies to a worker's overrides; the default policy has none",
-                metadata={"field": "clear_fields"},
-            )
-        unknown = sorted(set(clear) - {*FIELDS, "*"})
-        if unknown:
-            raise InvalidArgument(
-                f"unknown policy field(s) in clear_fields: {', '.join(unknown)}; known: {', '.join(FIELDS)} or *",
-                metadata={"field": "clear_fields"},
-            )
-        fields = fields_from_proto(p, paths) if p is not None else {}
-        both = sorted(set(fields) & set(clear)) if "*" not in clear else sorted(fields)
-        if both:
-            raise InvalidArgument(f"{', '.join(both)}: both changed and cleared", metadata={"field": "clear_fields"})
+    # ---- the one decision that spans two parts ----
+    def update_policy(self, name: str, fields: dict[str, Any], clear: Sequence[str] = ()) -> Policy:
+        """Change the default policy (no ``name``) or a worker's overrides: ``fields`` (checked by the
+        policy's rules: memsvc/manager/wire.py's policy_fields for a request) set, ``clear`` removed
+        (``*``: all), so those fields follow the default again. The request is judged before the
+        worker is looked up: a bad request is INVALID_ARGUMENT whether or not the worker exists."""
+        check_clear(clear, for_worker=bool(name))
+        check_change(fields, clear)
         if not name:
             return self.policies.update_default(fields, [r.name for r in self.registry])
-        return self.policies.update_override(self.get(name).name, fields, clear)
-
-    async def sleep_worker(
-        self,
-        name: str,
-        level: SleepLevel | None,
-        tag_actions: dict[str, Action],
-        request_id: str,
-        deadline: Deadline | None = None,
-    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
-        return await self.transitions.sleep_worker(name, level, tag_actions, request_id, deadline or NO_DEADLINE)
-
-    async def wake_worker(
-        self, name: str, tags: list[str], request_id: str, deadline: Deadline | None = None
-    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
-        return await self.transitions.wake_worker(name, tags, request_id, deadline or NO_DEADLINE)
-
-    async def swap_blocks(
-        self, name: str, request: worker_pb.SwapBlocksRequest, deadline: Deadline | None = None
-    ) -> worker_pb.SwapBlocksResponse:
-        return await self.transitions.swap_blocks(name, request, deadline or NO_DEADLINE)
-
-    async def acquire(
-        self,
-        name: str,
-        ttl: float,
-        holder: str,
-        lease_id: str,
-        request_id: str,
-        deadline: Deadline | None = None,
-        keep_alive: float | None = None,
-    ) -> tuple[Lease, WorkerRecord]:
-        return await self.leases.acquire(name, ttl, holder, lease_id, request_id, deadline or NO_DEADLINE, keep_alive)
-
-    def release(self, lease_id: str) -> WorkerRecord:
-        return self.leases.release(lease_id)
-
-    def tick(self) -> None:
-        self.timers.tick()
+        return self.policies.update_override(self.registry.get(name).name, fields, clear)
 
 
 __all__ = ["Manager"]

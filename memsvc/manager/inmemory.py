@@ -9,11 +9,14 @@ the state, ABORTED while another runs, UNAVAILABLE while it is "down", and a rep
 answered with the first call's result (memsvc/runtime/replay.py, as the worker). It sends telemetry the way
 a worker does: a snapshot when the link starts, then a state change and a snapshot per transition.
 
+It speaks the manager's own types (memsvc/manager/reports.py), as every link does to the manager:
+no message is built or read here but SwapBlocks's, which the manager forwards as the worker's message.
+
     links = InMemoryLinks()
     a = links.add(InMemoryWorker("a", weights_bytes=8 << 30, kv_bytes=2 << 30, device_total_bytes=16 << 30))
     manager = Manager(store, links=links)
     await manager.start()
-    await manager.register("a", a.address, "host1")
+    manager.registry.register("a", a.address, "host1")
 """
 
 from __future__ import annotations
@@ -35,8 +38,18 @@ from memsvc.errors import (
     WrongState,
 )
 from memsvc.manager.links import OnDown, OnMessage, WorkerLink
+from memsvc.manager.reports import (
+    Answer,
+    Device,
+    SleepCall,
+    StateChange,
+    TagMemory,
+    Telemetry,
+    Transition,
+    WakeCall,
+    WorkerStatus,
+)
 from memsvc.runtime.replay import ReplayCache
-from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import (
     CUDA_GRAPHS,
@@ -45,11 +58,9 @@ from memsvc.vocabulary import (
     SLEEP_RULES,
     WEIGHTS,
     Action,
-    SleepLevel,
     TagState,
     TransitionKind,
     WorkerState,
-    actions_from_proto,
     check_known_tags,
     plan_actions,
     sleep_acts_on,
@@ -106,51 +117,47 @@ class InMemoryWorker:
         """When set, transitions fail with it and change nothing (a worker that says no)."""
         self._busy = False
         self._replay = ReplayCache(512)
-        self._last = common_pb.TransitionStats()
+        self._last = Transition()
         self._links: list[_InMemoryLink] = []
         """Links following this worker's telemetry."""
         self.handlers: set[asyncio.Task[Any]] = set()
         """Calls running here, whoever still waits for them."""
 
     # ---- what a worker reports ----
-    def status(self) -> common_pb.WorkerStatus:
-        s = common_pb.WorkerStatus(
-            worker_id=self.worker_id,
-            state=self.state.proto,
-            sleep_level=SleepLevel.proto_of(self.sleep_level),
-            transition_in_progress=self._busy,
-            offload_dir=self.offload_dir,
-        )
-        mapped = 0
-        for name, t in sorted(self.tags.items()):
-            awake = t.state == TagState.AWAKE
-            mapped += t.awake_bytes if awake else 0
-            s.tags.append(
-                common_pb.TagMemory(
-                    tag=name,
-                    state=t.state.proto,
-                    mapped_bytes=t.awake_bytes if awake else 0,
-                    allocated_bytes=t.awake_bytes,
-                    offloaded_bytes=t.awake_bytes if t.state == TagState.OFFLOADED else 0,
-                    disk_bytes=t.awake_bytes if t.state == TagState.ON_DISK else 0,
-                    discarded_bytes=t.awake_bytes if t.state == TagState.DISCARDED else 0,
-                    awake_bytes=t.awake_bytes,
-                )
+    def status(self) -> WorkerStatus:
+        tags = tuple(
+            TagMemory(
+                tag=name,
+                state=t.state,
+                mapped_bytes=t.awake_bytes if t.state == TagState.AWAKE else 0,
+                allocated_bytes=t.awake_bytes,
+                offloaded_bytes=t.awake_bytes if t.state == TagState.OFFLOADED else 0,
+                discarded_bytes=t.awake_bytes if t.state == TagState.DISCARDED else 0,
+                awake_bytes=t.awake_bytes,
+                disk_bytes=t.awake_bytes if t.state == TagState.ON_DISK else 0,
             )
-        s.device.CopyFrom(
-            common_pb.DeviceInfo(
+            for name, t in sorted(self.tags.items())
+        )
+        mapped = sum(t.mapped_bytes for t in tags)
+        return WorkerStatus(
+            worker_id=self.worker_id,
+            state=self.state,
+            device=Device(
                 backend="inmemory",
                 index=self.device_index,
                 total_bytes=self.device_total_bytes,
                 free_bytes=self.device_total_bytes - mapped,
-            )
+            ),
+            tags=tags,
+            last_transition=self._last,
+            update_time_ns=time.time_ns(),
+            sleep_level=self.sleep_level,
+            transition_in_progress=self._busy,
+            offload_dir=self.offload_dir,
         )
-        s.last_transition.CopyFrom(self._last)
-        s.update_time.FromNanoseconds(time.time_ns())
-        return s
 
-    async def _send(self, msg: worker_pb.StreamTelemetryResponse) -> None:
-        msg.time.FromNanoseconds(time.time_ns())
+    async def _send(self, event: WorkerStatus | StateChange) -> None:
+        msg = Telemetry(time.time_ns(), event)
         for link in list(self._links):
             await link.on_message(msg)
 
@@ -158,7 +165,7 @@ class InMemoryWorker:
         """Report a transition accepted but not begun (one queued behind device work, asked for by
         someone else than the manager), or no longer; tell telemetry subscribers."""
         self._busy = held
-        await self._send(worker_pb.StreamTelemetryResponse(snapshot=self.status()))
+        await self._send(self.status())
 
     async def crash(self) -> None:
         """Go down: calls fail UNAVAILABLE, and every telemetry stream ends."""
@@ -174,11 +181,7 @@ class InMemoryWorker:
     async def _set_state(self, new: WorkerState, reason: str) -> None:
         old, self.state = self.state, new
         if old != new:
-            await self._send(
-                worker_pb.StreamTelemetryResponse(
-                    state_change=common_pb.StateChange(from_state=old.proto, to_state=new.proto, reason=reason)
-                )
-            )
+            await self._send(StateChange(old, new, reason))
 
     # ---- transitions ----
     @contextlib.asynccontextmanager
@@ -197,27 +200,25 @@ class InMemoryWorker:
             yield
         finally:
             self._busy = False
-        await self._send(worker_pb.StreamTelemetryResponse(snapshot=self.status()))
+        await self._send(self.status())
 
-    def _finish(self, kind: TransitionKind, moved: int) -> common_pb.TransitionStats:
-        self._last = common_pb.TransitionStats(kind=kind, moved_bytes=moved)
-        self._last.end_time.FromNanoseconds(time.time_ns())
+    def _finish(self, kind: TransitionKind, moved: int) -> Transition:
+        self._last = Transition(kind=kind, moved_bytes=moved, end_time_ns=time.time_ns())
         return self._last
 
-    async def sleep(self, request: worker_pb.SleepRequest) -> worker_pb.SleepResponse:
-        return await self._replay.run(request.request_id, "Sleep", lambda _: self._sleep(request))
+    async def sleep(self, call: SleepCall) -> Answer:
+        return await self._replay.run(call.request_id, "Sleep", lambda _: self._sleep(call))
 
-    async def wake_up(self, request: worker_pb.WakeUpRequest) -> worker_pb.WakeUpResponse:
-        return await self._replay.run(request.request_id, "WakeUp", lambda _: self._wake_up(request))
+    async def wake_up(self, call: WakeCall) -> Answer:
+        return await self._replay.run(call.request_id, "WakeUp", lambda _: self._wake_up(call))
 
-    async def _sleep(self, request: worker_pb.SleepRequest) -> worker_pb.SleepResponse:
-        level = SleepLevel.parse(request.level)
-        explicit = actions_from_proto(request.tag_actions)
+    async def _sleep(self, call: SleepCall) -> Answer:
+        level, explicit = call.level, dict(call.actions)
         if level is None and not explicit:
             raise InvalidArgument("give a sleep level or tag actions")
         check_known_tags(explicit, self.tags)
         async with self._transition("Sleep"):
-            self.pausing_sleeps += request.pause_generations
+            self.pausing_sleeps += call.pause_generations
             if self.state not in (WorkerState.AWAKE, WorkerState.PARTIALLY_AWAKE, WorkerState.ASLEEP):
                 raise WrongState(f"worker is {self.state.label}")
             todo = {
@@ -245,10 +246,10 @@ class InMemoryWorker:
             self.sleep_level = max(reported, self.sleep_level) if before == WorkerState.ASLEEP else reported
             await self._set_state(WorkerState.ASLEEP, "Sleep")
             transition = self._finish(TransitionKind.SLEEP, moved)
-        return worker_pb.SleepResponse(status=self.status(), transition=transition)
+        return Answer(self.status(), transition)
 
-    async def _wake_up(self, request: worker_pb.WakeUpRequest) -> worker_pb.WakeUpResponse:
-        tags = list(request.tags)
+    async def _wake_up(self, call: WakeCall) -> Answer:
+        tags = list(call.tags)
         check_known_tags(tags, self.tags)
         async with self._transition("WakeUp"):
             if self.state not in (WorkerState.ASLEEP, WorkerState.PARTIALLY_AWAKE):
@@ -268,7 +269,7 @@ class InMemoryWorker:
             else:
                 await self._set_state(WorkerState.PARTIALLY_AWAKE, "WakeUp")
             transition = self._finish(TransitionKind.WAKE, moved)
-        return worker_pb.WakeUpResponse(status=self.status(), transition=transition)
+        return Answer(self.status(), transition)
 
     async def swap_blocks(self, request: worker_pb.SwapBlocksRequest) -> worker_pb.SwapBlocksResponse:
         self.calls.append("SwapBlocks")
@@ -313,7 +314,7 @@ class _InMemoryLink:
             return
         if self not in self._worker._links:
             self._worker._links.append(self)
-        await self.on_message(worker_pb.StreamTelemetryResponse(snapshot=self._worker.status()))
+        await self.on_message(Telemetry(time.time_ns(), self._worker.status()))
 
     async def close(self) -> None:
         for task in list(self._connecting):
@@ -322,16 +323,16 @@ class _InMemoryLink:
         if self in self._worker._links:
             self._worker._links.remove(self)
 
-    async def status(self, timeout: float) -> common_pb.WorkerStatus:
+    async def status(self, timeout: float) -> WorkerStatus:
         if not self._worker.up:
             raise Unavailable(f"worker {self._worker.worker_id}: UNAVAILABLE: connection refused")
         return self._worker.status()
 
-    async def sleep(self, request: worker_pb.SleepRequest, timeout: float) -> worker_pb.SleepResponse:
-        return await self._call(self._worker.sleep(request), timeout)
+    async def sleep(self, call: SleepCall, timeout: float) -> Answer:
+        return await self._call(self._worker.sleep(call), timeout)
 
-    async def wake_up(self, request: worker_pb.WakeUpRequest, timeout: float) -> worker_pb.WakeUpResponse:
-        return await self._call(self._worker.wake_up(request), timeout)
+    async def wake_up(self, call: WakeCall, timeout: float) -> Answer:
+        return await self._call(self._worker.wake_up(call), timeout)
 
     async def swap_blocks(self, request: worker_pb.SwapBlocksRequest, timeout: float) -> worker_pb.SwapBlocksResponse:
         return await self._call(self._worker.swap_blocks(request), timeout)

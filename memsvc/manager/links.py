@@ -6,8 +6,12 @@ subscription that tells the manager, within moments, when the worker stops answe
 :mod:`memsvc.manager.inmemory` has an honest in-memory worker behind the same interface, so
 budget, lease and idle-timer decisions can be tested in process.
 
-Every call either returns the worker's response or raises a :class:`~memsvc.errors.MemsvcError`
+Every call either returns the worker's answer or raises a :class:`~memsvc.errors.MemsvcError`
 with the worker's status code, so the manager relays errors the same way whatever the link.
+
+A link speaks the manager's own types (memsvc/manager/reports.py): the gRPC link is where the
+worker's messages become those types and back (memsvc/manager/wire.py), so nothing behind it sees a
+proto. SwapBlocks is the one exception, see :meth:`WorkerLink.swap_blocks`.
 """
 
 from __future__ import annotations
@@ -20,15 +24,16 @@ from typing import Protocol
 
 import grpc
 
+from memsvc.manager import wire
+from memsvc.manager.reports import Answer, SleepCall, Telemetry, WakeCall, WorkerStatus
 from memsvc.runtime.auth import Security, aio_channel
 from memsvc.runtime.rpc_errors import from_rpc_error
-from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
 log = logging.getLogger("memsvc.manager.links")
 
-OnMessage = Callable[[worker_pb.StreamTelemetryResponse], Awaitable[None]]
+OnMessage = Callable[[Telemetry], Awaitable[None]]
 """Called with every telemetry message the worker sends."""
 OnDown = Callable[[str], Awaitable[None]]
 """Called with a reason when the telemetry stream ends or fails."""
@@ -55,15 +60,21 @@ class WorkerLink(Protocol):
 
     async def close(self) -> None: ...
 
-    async def status(self, timeout: float) -> common_pb.WorkerStatus: ...
+    async def status(self, timeout: float) -> WorkerStatus: ...
 
-    async def sleep(self, request: worker_pb.SleepRequest, timeout: float) -> worker_pb.SleepResponse: ...
+    async def sleep(self, call: SleepCall, timeout: float) -> Answer: ...
 
-    async def wake_up(self, request: worker_pb.WakeUpRequest, timeout: float) -> worker_pb.WakeUpResponse: ...
+    async def wake_up(self, call: WakeCall, timeout: float) -> Answer: ...
 
-    async def swap_blocks(
-        self, request: worker_pb.SwapBlocksRequest, timeout: float
-    ) -> worker_pb.SwapBlocksResponse: ...
+    async def swap_blocks(self, request: worker_pb.SwapBlocksRequest, timeout: float) -> worker_pb.SwapBlocksResponse:
+        """The worker's own SwapBlocks message, both ways: the one place a proto passes a link.
+
+        A swap's blocks are the caller's business between it and the worker: the manager checks
+        the request's shape by its field lengths (memsvc/runtime/swap_forms.py), names the worker,
+        and forwards it. A request may hold up to MAX_SWAP_PAIRS block ids, raw bytes among them;
+        copying them into a type of the manager's and back would cost a pass over every block for
+        nothing the manager reads, so the message goes through as the worker takes it."""
+        ...
 
 
 LinkFactory = Callable[[str, str, OnMessage, OnDown], WorkerLink]
@@ -109,23 +120,26 @@ class GrpcWorkerLink:
         await self.channel.close()
 
     # ---- calls ----
-    async def status(self, timeout: float) -> common_pb.WorkerStatus:
+    async def status(self, timeout: float) -> WorkerStatus:
         try:
-            return (await self.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=timeout)).status
+            resp = await self.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, self.worker_id) from None
+        return wire.status_from_pb(resp.status)
 
-    async def sleep(self, request: worker_pb.SleepRequest, timeout: float) -> worker_pb.SleepResponse:
+    async def sleep(self, call: SleepCall, timeout: float) -> Answer:
         try:
-            return await self.stub.Sleep(request, timeout=timeout)
+            resp = await self.stub.Sleep(wire.sleep_request_pb(call), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, self.worker_id) from None
+        return wire.answer_from_pb(resp)
 
-    async def wake_up(self, request: worker_pb.WakeUpRequest, timeout: float) -> worker_pb.WakeUpResponse:
+    async def wake_up(self, call: WakeCall, timeout: float) -> Answer:
         try:
-            return await self.stub.WakeUp(request, timeout=timeout)
+            resp = await self.stub.WakeUp(wire.wake_request_pb(call), timeout=timeout)
         except grpc.aio.AioRpcError as err:
             raise from_rpc_error(err, self.worker_id) from None
+        return wire.answer_from_pb(resp)
 
     async def swap_blocks(self, request: worker_pb.SwapBlocksRequest, timeout: float) -> worker_pb.SwapBlocksResponse:
         try:
@@ -142,7 +156,7 @@ class GrpcWorkerLink:
             try:
                 async for msg in self.stub.StreamTelemetry(request):
                     backoff = 0.2
-                    await self._on_message(msg)
+                    await self._on_message(wire.telemetry_from_pb(msg))
                 reason = STREAM_ENDED
             except grpc.aio.AioRpcError as err:
                 reason = f"{err.code().name}: {err.details()}"

@@ -25,9 +25,9 @@ from wsgiref.types import StartResponse, WSGIApplication, WSGIEnvironment
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, make_wsgi_app
 
+from memsvc.manager.reports import Device, ServedModel, Transition, WorkerStatus
 from memsvc.runtime.auth import bearer_token
 from memsvc.runtime.metrics import build_info
-from memsvc.v1 import common_pb2 as common_pb
 from memsvc.vocabulary import WorkerState
 
 STATES = [s.label for s in WorkerState if s != WorkerState.UNSPECIFIED]
@@ -142,7 +142,7 @@ class ManagerMetrics:
         worker_id: str,
         reachable: bool,
         state: WorkerState,
-        status: common_pb.WorkerStatus | None,
+        status: WorkerStatus | None,
         leases: int,
         waiting: int = 0,
     ) -> None:
@@ -154,13 +154,14 @@ class ManagerMetrics:
         self.leases.labels(worker_id).set(leases)
         if status is None:
             return
-        labels = (worker_id, status.model.served_model_name, status.device.backend, str(status.device.index))
+        model, device = status.model or ServedModel(), status.device or Device()
+        labels = (worker_id, model.served_model_name, device.backend, str(device.index))
         if self._info.get(worker_id) != labels:  # one series per worker: the old one goes when it changes
             if worker_id in self._info:
                 self.info.remove(*self._info[worker_id])
             self._info[worker_id] = labels
             self.info.labels(*labels).set(1)
-        self.device_free.labels(worker_id).set(status.device.free_bytes)
+        self.device_free.labels(worker_id).set(device.free_bytes)
         self.host_pinned.labels(worker_id).set(status.host_pinned_bytes)
         self.disk.labels(worker_id).set(status.disk_bytes)
         self.paused.labels(worker_id).set(status.paused_generations)
@@ -202,10 +203,10 @@ class ManagerMetrics:
             for labels in [key for key in counter._metrics if key[0] == worker_id]:
                 counter.remove(*labels)
 
-    def transition(self, worker_id: str, t: common_pb.TransitionStats) -> None:
+    def transition(self, worker_id: str, t: Transition) -> None:
         self.transitions.labels(worker_id, t.kind).inc()
         self.moved.labels(worker_id, t.kind).inc(t.moved_bytes)
-        self.duration.labels(worker_id, t.kind).observe(t.duration.ToNanoseconds() / 1e9)
+        self.duration.labels(worker_id, t.kind).observe(t.seconds)
 
 
 # ---- the HTTP port ----

@@ -12,12 +12,11 @@ import logging
 import math
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
-from typing import Any
+from typing import Any, TypeGuard
 
 from memsvc.errors import InvalidArgument
 from memsvc.manager.store import DEFAULT_SCOPE, Store
 from memsvc.runtime.limits import MAX_POLICY_TAGS
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import KV_CACHE, WEIGHTS, Action, check_tag
 
 log = logging.getLogger("memsvc.manager.policy")
@@ -37,7 +36,9 @@ DEFAULT_TIME_SLICE_S = 2.0
 """A busy worker's turn when another waits for its device. Against a swap of an 8B model on the H200
 (about 0.3 s each way, overlapped: docs/benchmarks.md) the swaps take about a seventh of two busy
 models' time, and a request for a sleeping model waits at most a slice and a swap."""
-_DURATIONS = ("idle_sleep_timeout", "idle_deep_sleep_timeout", "time_slice", "start_timeout")
+DURATION_FIELDS = ("idle_sleep_timeout", "idle_deep_sleep_timeout", "time_slice", "start_timeout")
+"""The fields that are durations (seconds here, ``Duration`` on the wire)."""
+_INT64 = 1 << 63
 
 
 @dataclass(frozen=True)
@@ -73,50 +74,52 @@ class Policy:
             fields = {**fields, "tag_actions": {t: Action.from_proto(a, t) for t, a in fields["tag_actions"].items()}}
         return replace(self, **fields)
 
-    def to_proto(self) -> manager_pb.Policy:
-        p = manager_pb.Policy(
-            device_budget_bytes=self.device_budget_bytes,
-            host_budget_bytes=self.host_budget_bytes,
-            device_swap_headroom_bytes=self.device_swap_headroom_bytes,
+
+def field_value(name: str, value: Any) -> Any:
+    """One field of a request or the store, checked as the policy's rules have it: ``tag_actions`` a
+    map of tag to action number, a duration in whole nanoseconds, a byte count. The field's value
+    as :class:`Policy` holds it (actions as :class:`Action`, durations in seconds)."""
+    if name == "tag_actions":
+        if len(value) > MAX_POLICY_TAGS:
+            raise InvalidArgument(
+                f"tag_actions names {len(value)} tags, at most {MAX_POLICY_TAGS}",
+                metadata={"field": name, "maxTags": str(MAX_POLICY_TAGS)},
+            )
+        return {check_tag(tag): Action.from_proto(act, tag) for tag, act in value.items()}
+    if name in DURATION_FIELDS:
+        if value < 0:
+            raise InvalidArgument(f"{name} must not be negative", metadata={"field": name})
+        seconds = value / 1e9
+        if seconds > MAX_TIMEOUT_S:
+            raise InvalidArgument(f"{name} must be at most one year", metadata={"field": name})
+        return seconds
+    v = int(value)
+    if v < 0:
+        raise InvalidArgument(f"{name} must not be negative", metadata={"field": name})
+    return v
+
+
+def check_clear(clear: Sequence[str], for_worker: bool) -> None:
+    """An UpdatePolicy's ``clear_fields``: only a worker's overrides can be cleared, and only fields
+    that exist (``*``: all)."""
+    if clear and not for_worker:
+        raise InvalidArgument(
+            "clear_fields applies to a worker's overrides; the default policy has none",
+            metadata={"field": "clear_fields"},
         )
-        p.tag_actions.update({t: a.proto for t, a in self.tag_actions.items()})
-        p.idle_sleep_timeout.FromNanoseconds(int(self.idle_sleep_timeout * 1e9))
-        p.idle_deep_sleep_timeout.FromNanoseconds(int(self.idle_deep_sleep_timeout * 1e9))
-        p.time_slice.FromNanoseconds(int(self.time_slice * 1e9))
-        p.start_timeout.FromNanoseconds(int(self.start_timeout * 1e9))
-        return p
-
-
-def fields_from_proto(p: manager_pb.Policy, paths: list[str]) -> dict[str, Any]:
-    """The fields of ``p`` named by an update mask (all fields when ``paths`` is empty), validated."""
-    unknown = [x for x in paths if x not in FIELDS]
+    unknown = sorted(set(clear) - {*FIELDS, "*"})
     if unknown:
         raise InvalidArgument(
-            f"unknown policy field(s) in update_mask: {', '.join(unknown)}; known: {', '.join(FIELDS)}"
+            f"unknown policy field(s) in clear_fields: {', '.join(unknown)}; known: {', '.join(FIELDS)} or *",
+            metadata={"field": "clear_fields"},
         )
-    out: dict[str, Any] = {}
-    for f in paths or FIELDS:
-        if f == "tag_actions":
-            if len(p.tag_actions) > MAX_POLICY_TAGS:
-                raise InvalidArgument(
-                    f"tag_actions names {len(p.tag_actions)} tags, at most {MAX_POLICY_TAGS}",
-                    metadata={"field": f, "maxTags": str(MAX_POLICY_TAGS)},
-                )
-            out[f] = {check_tag(tag): Action.from_proto(act, tag) for tag, act in p.tag_actions.items()}
-        elif f in _DURATIONS:
-            d = getattr(p, f)
-            if d.seconds < 0 or d.nanos < 0:
-                raise InvalidArgument(f"{f} must not be negative", metadata={"field": f})
-            seconds = d.ToNanoseconds() / 1e9
-            if seconds > MAX_TIMEOUT_S:
-                raise InvalidArgument(f"{f} must be at most one year", metadata={"field": f})
-            out[f] = seconds
-        else:
-            v = int(getattr(p, f))
-            if v < 0:
-                raise InvalidArgument(f"{f} must not be negative", metadata={"field": f})
-            out[f] = v
-    return out
+
+
+def check_change(fields: dict[str, Any], clear: Sequence[str]) -> None:
+    """No field is both changed and cleared by one UpdatePolicy."""
+    both = sorted(set(fields) & set(clear)) if "*" not in clear else sorted(fields)
+    if both:
+        raise InvalidArgument(f"{', '.join(both)}: both changed and cleared", metadata={"field": "clear_fields"})
 
 
 def check(p: Policy) -> Policy:
@@ -136,7 +139,7 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
             except InvalidArgument as exc:
                 raise InvalidArgument(f"config: {exc}") from None
         elif key in FIELDS:
-            kind = float if key in _DURATIONS else int
+            kind = float if key in DURATION_FIELDS else int
             try:
                 out[key] = kind(value)
             except (TypeError, ValueError):
@@ -148,33 +151,34 @@ def fields_from_config(raw: dict[str, Any]) -> dict[str, Any]:
     return out
 
 
-def _stored_as_proto(name: str, value: object) -> manager_pb.Policy:
-    """A stored field as the UpdatePolicy message that would have set it, so that the rules of
-    :func:`fields_from_proto` judge what the file holds: one set of rules for requests and the store.
+def _stored_value(name: str, value: object) -> Any:
+    """A stored field in the form :func:`field_value` takes, as an UpdatePolicy message could have
+    carried it, so that one set of rules judges requests and the store.
 
     TypeError, ValueError or OverflowError for a value no request could carry (a string, a bool,
     NaN, a number out of the proto's range).
     """
-    p = manager_pb.Policy()
     if name == "tag_actions":
         if not isinstance(value, dict) or not all(_is_int(a) for a in value.values()):
             raise TypeError(f"{value!r:.100} is not a map of tag to action number")
-        for tag, action in value.items():
-            p.tag_actions[tag] = action
-    elif name in _DURATIONS:
+        return value
+    if name in DURATION_FIELDS:
         if isinstance(value, bool) or not isinstance(value, int | float):
             raise TypeError(f"{value!r:.100} is not a number of seconds")
         if not math.isfinite(value):
             raise ValueError(f"{value!r} is not a number of seconds")
-        getattr(p, name).FromNanoseconds(round(value * 1e9))
-    else:
-        if not _is_int(value):
-            raise TypeError(f"{value!r:.100} is not a byte count")
-        setattr(p, name, value)
-    return p
+        ns = round(value * 1e9)
+        if not -_INT64 <= ns // 1_000_000_000 < _INT64:  # a Duration's seconds are an int64
+            raise ValueError(f"{value!r} is out of range")
+        return ns
+    if not _is_int(value):
+        raise TypeError(f"{value!r:.100} is not a byte count")
+    if not -_INT64 <= value < _INT64:  # the byte counts are int64
+        raise ValueError(f"{value!r} is out of range")
+    return value
 
 
-def _is_int(value: object) -> bool:
+def _is_int(value: object) -> TypeGuard[int]:
     return isinstance(value, int) and not isinstance(value, bool)
 
 
@@ -198,7 +202,7 @@ def fields_from_store(raw: object, where: str, fallback: str) -> tuple[dict[str,
             unknown[name] = value
             continue
         try:
-            usable[name] = fields_from_proto(_stored_as_proto(name, value), [name])[name]
+            usable[name] = field_value(name, _stored_value(name, value))
         except (InvalidArgument, TypeError, ValueError, OverflowError) as exc:
             log.warning("%s: dropping stored %s (%s); %s", where, name, exc, fallback)
     return usable, unknown
@@ -307,9 +311,12 @@ __all__ = [
     "FIELDS",
     "Policies",
     "Policy",
+    "DURATION_FIELDS",
     "check",
+    "check_change",
+    "check_clear",
     "consistent_fields",
+    "field_value",
     "fields_from_config",
-    "fields_from_proto",
     "fields_from_store",
 ]

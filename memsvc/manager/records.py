@@ -1,4 +1,5 @@
-"""A worker as the manager knows it: where it is, what it last reported, who holds it."""
+"""A worker as the manager knows it: where it is, what it last reported, who holds it; and
+:class:`WorkerView`, the record as it stood at one moment, which every answer and watch event carries."""
 
 from __future__ import annotations
 
@@ -6,13 +7,12 @@ import asyncio
 import contextlib
 import time
 from collections.abc import AsyncIterator, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 
 from memsvc.errors import InvalidArgument, Overloaded
+from memsvc.manager.reports import Device, TagMemory, WorkerStatus
 from memsvc.runtime.deadline import Deadline
 from memsvc.runtime.limits import MAX_ID_BYTES, MAX_QUEUED_TRANSITIONS
-from memsvc.v1 import common_pb2 as common_pb
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import BUSY_STATES, Action, TagState, WorkerState, wake_set
 
 NAME_PREFIX = "workers/"
@@ -42,10 +42,39 @@ class Lease:
     request_id: str = ""
     """The AcquireWorker request that granted it (stored: a retry after a failover gets it back)."""
 
-    def to_proto(self) -> manager_pb.Lease:
-        lease = manager_pb.Lease(lease_id=self.lease_id, worker=NAME_PREFIX + self.worker_id, holder=self.holder)
-        lease.expire_time.FromNanoseconds(int(self.expire_time * 1e9))
-        return lease
+
+@dataclass(frozen=True, slots=True)
+class WorkerView:
+    """A worker as the manager showed it at one moment (the proto's ``Worker``): what GetWorker and
+    ListWorkers answer, what a watch event carries, and what a transition returns. Frozen, because
+    a retried SleepWorker gets the worker as the first call left it, not as it is now, and a watch
+    event shows the worker as it was when the event happened."""
+
+    worker_id: str
+    address: str
+    host: str
+    state: WorkerState
+    configured: bool
+    status: WorkerStatus | None
+    """None until the worker first reports."""
+    lease_count: int
+    last_seen: float
+    """Wall-clock time it was last heard from; 0: never."""
+    idle_since: float | None
+    """Since when its idle clock counts; None while leased."""
+    keep_alive: float | None
+    waiting_acquires: int
+    waiting_since: float | None
+    """When the longest-waiting AcquireWorker began to wait; None when none waits."""
+    turns_yielded: int
+
+    @property
+    def name(self) -> str:
+        return NAME_PREFIX + self.worker_id
+
+    def showing(self, state: WorkerState) -> WorkerView:
+        """This view in ``state``: a watch event's worker shows the state its change led to."""
+        return replace(self, state=state)
 
 
 @dataclass
@@ -54,7 +83,7 @@ class WorkerRecord:
     address: str
     host: str
     configured: bool = False
-    status: common_pb.WorkerStatus | None = None
+    status: WorkerStatus | None = None
     reachable: bool = False
     last_seen: float = 0.0
     """Wall-clock time the worker was last heard from (for operators: ``last_seen_time``)."""
@@ -126,8 +155,8 @@ class WorkerRecord:
     @property
     def idle_start(self) -> float:
         """The idle clock counts from the later of the last release and the worker's last traffic."""
-        if self.status is not None and self.status.HasField("last_activity_time"):
-            return max(self.idle_since, self.status.last_activity_time.ToNanoseconds() / 1e9)
+        if self.status is not None and self.status.last_activity_ns is not None:
+            return max(self.idle_since, self.status.last_activity_ns / 1e9)
         return self.idle_since
 
     @property
@@ -138,7 +167,7 @@ class WorkerRecord:
     def state(self) -> WorkerState:
         if not self.reachable:
             return WorkerState.UNAVAILABLE
-        return WorkerState.of(self.status.state) if self.status is not None else WorkerState.UNSPECIFIED
+        return self.status.state if self.status is not None else WorkerState.UNSPECIFIED
 
     @property
     def in_transition(self) -> bool:
@@ -149,11 +178,17 @@ class WorkerRecord:
     @property
     def device_key(self) -> tuple[str, str, str]:
         """Workers with equal keys share one device (and its budget)."""
-        d = self.status.device if self.status is not None else common_pb.DeviceInfo()
+        d = self.device
         return (self.host, d.backend, d.uuid or str(d.index))
 
-    def tags(self) -> list[common_pb.TagMemory]:
-        return list(self.status.tags) if self.status is not None else []
+    @property
+    def device(self) -> Device:
+        """The device it last reported (an empty one before then)."""
+        d = self.status.device if self.status is not None else None
+        return d if d is not None else Device()
+
+    def tags(self) -> tuple[TagMemory, ...]:
+        return self.status.tags if self.status is not None else ()
 
     def tag_names(self) -> set[str]:
         """The tags the worker last reported (empty before its first status)."""
@@ -176,12 +211,12 @@ class WorkerRecord:
     def to_disk_actions(self) -> dict[str, Action]:
         """The demotion that frees this sleeper's host RAM and keeps its bytes: every offloaded tag to
         its disk tier."""
-        return {t.tag: Action.OFFLOAD_DISK for t in self.tags() if t.state == TagState.OFFLOADED.proto}
+        return {t.tag: Action.OFFLOAD_DISK for t in self.tags() if t.state == TagState.OFFLOADED}
 
     def wake_need_bytes(self, tags: list[str] | None = None) -> int:
         """Device bytes a wake of ``tags`` (all sleeping tags when None; with the tags each wakes too,
         vocabulary.wake_set) would map."""
-        asleep = [t for t in self.tags() if t.state != TagState.AWAKE.proto]
+        asleep = [t for t in self.tags() if t.state != TagState.AWAKE]
         woken = set(wake_set(tags, [t.tag for t in asleep])) if tags is not None else None
         return sum(t.awake_bytes for t in asleep if woken is None or t.tag in woken)
 
@@ -192,33 +227,27 @@ class WorkerRecord:
     def offload_need_bytes(self, actions: dict[str, Action]) -> int:
         """Host bytes a sleep with ``actions`` would add (awake tags that OFFLOAD)."""
         return sum(
-            t.allocated_bytes
-            for t in self.tags()
-            if t.state == TagState.AWAKE.proto and actions.get(t.tag) == Action.OFFLOAD
+            t.allocated_bytes for t in self.tags() if t.state == TagState.AWAKE and actions.get(t.tag) == Action.OFFLOAD
+        )
+
+    def view(self) -> WorkerView:
+        """The record as it stands now, frozen."""
+        return WorkerView(
+            worker_id=self.worker_id,
+            address=self.address,
+            host=self.host,
+            state=self.state,
+            configured=self.configured,
+            status=self.status,
+            lease_count=len(self.leases),
+            last_seen=self.last_seen,
+            idle_since=None if self.leases else self.idle_start,
+            keep_alive=self.keep_alive,
+            waiting_acquires=len(self.waiting),
+            waiting_since=min(self.waiting) if self.waiting else None,
+            turns_yielded=self.turns_yielded,
         )
 
     @property
     def device_total_bytes(self) -> int:
-        return self.status.device.total_bytes if self.status is not None else 0
-
-    def to_proto(self) -> manager_pb.Worker:
-        w = manager_pb.Worker(
-            name=self.name,
-            address=self.address,
-            state=self.state.proto,
-            lease_count=len(self.leases),
-            configured=self.configured,
-            host=self.host,
-        )
-        if self.status is not None:
-            w.status.CopyFrom(self.status)
-        if self.last_seen:
-            w.last_seen_time.FromNanoseconds(int(self.last_seen * 1e9))
-        if not self.leases:
-            w.idle_since_time.FromNanoseconds(int(self.idle_start * 1e9))
-        if self.keep_alive is not None:
-            w.keep_alive.FromNanoseconds(int(self.keep_alive * 1e9))
-        w.waiting_acquires, w.turns_yielded = len(self.waiting), self.turns_yielded
-        if self.waiting:
-            w.waiting_since_time.FromNanoseconds(int(min(self.waiting) * 1e9))
-        return w
+        return self.device.total_bytes

@@ -13,10 +13,10 @@ from memsvc.manager.links import LinkFactory, WorkerLink
 from memsvc.manager.paging import page_of
 from memsvc.manager.policy import Policies
 from memsvc.manager.records import NAME_PREFIX, WorkerRecord, worker_id_from_name
+from memsvc.manager.reports import Telemetry
 from memsvc.manager.store import Store, StoredWorker
 from memsvc.manager.telemetry import TelemetryIngest
 from memsvc.runtime.limits import MAX_ADDRESS_BYTES, MAX_HOST_BYTES, MAX_WORKERS, check_length
-from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 log = logging.getLogger("memsvc.manager")
 
@@ -51,7 +51,7 @@ class Registry:
         rec.configured = rec.configured or configured
         if worker_id not in self.links:
 
-            async def on_message(msg: worker_pb.StreamTelemetryResponse, r: WorkerRecord = rec) -> None:
+            async def on_message(msg: Telemetry, r: WorkerRecord = rec) -> None:
                 await self._ingest.on_telemetry(r, msg)
 
             async def on_down(why: str, r: WorkerRecord = rec) -> None:

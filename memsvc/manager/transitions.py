@@ -12,12 +12,11 @@ import time
 from memsvc.errors import OutOfMemory, WrongState
 from memsvc.manager.budgets import Budgets
 from memsvc.manager.calls import WorkerCalls
-from memsvc.manager.records import WorkerRecord
+from memsvc.manager.records import WorkerRecord, WorkerView
 from memsvc.manager.registry import Registry
+from memsvc.manager.reports import Transition
 from memsvc.runtime.deadline import Deadline
 from memsvc.runtime.replay import ReplayCache
-from memsvc.v1 import common_pb2 as common_pb
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import Action, SleepLevel, check_known_tags, plan_actions
 
@@ -43,19 +42,19 @@ class Transitions:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline,
-    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
+    ) -> tuple[WorkerView, Transition]:
         """The worker as the sleep left it, and the transition. A retry with the same request_id gets
         both as the first call returned them (not the worker's status of now)."""
         rec = self._registry.get(name)
         check_known_tags(tag_actions, rec.tag_names())  # before any neighbour is demoted
 
-        async def sleep(shared: Deadline) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
+        async def sleep(shared: Deadline) -> tuple[WorkerView, Transition]:
             try:
                 t = await self._sleep(rec, level, tag_actions, request_id, shared)
             except WrongState as exc:
                 _name_worker(exc, rec)
                 raise
-            return rec.to_proto(), t
+            return rec.view(), t
 
         return await self._replay.run(request_id, "SleepWorker", sleep, rec.worker_id, deadline)
 
@@ -66,7 +65,7 @@ class Transitions:
         tag_actions: dict[str, Action],
         request_id: str,
         deadline: Deadline,
-    ) -> common_pb.TransitionStats:
+    ) -> Transition:
         async with rec.exclusive():
             self._registry.link(rec)  # in the lock: a deregistration it waited behind may have run
             if rec.leases:
@@ -88,12 +87,12 @@ class Transitions:
 
     async def wake_worker(
         self, name: str, tags: list[str], request_id: str, deadline: Deadline
-    ) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
+    ) -> tuple[WorkerView, Transition]:
         """The worker as the wake left it, and the transition (a retry gets the first call's both)."""
         rec = self._registry.get(name)
         check_known_tags(tags, rec.tag_names())  # before any neighbour is evicted
 
-        async def wake(shared: Deadline) -> tuple[manager_pb.Worker, common_pb.TransitionStats]:
+        async def wake(shared: Deadline) -> tuple[WorkerView, Transition]:
             async with rec.exclusive():
                 self._registry.link(rec)  # before any neighbour is evicted for a forgotten worker
                 try:
@@ -105,13 +104,14 @@ class Transitions:
                     raise
                 rec.idle_since = time.time()
                 rec.keep_alive = None  # an operator's wake starts an idle period of the policy's
-                return rec.to_proto(), t
+                return rec.view(), t
 
         return await self._replay.run(request_id, "WakeWorker", wake, rec.worker_id, deadline)
 
     async def swap_blocks(
         self, name: str, request: worker_pb.SwapBlocksRequest, deadline: Deadline
     ) -> worker_pb.SwapBlocksResponse:
+        """Forwarded as the worker's message (see WorkerLink.swap_blocks)."""
         return await self._calls.swap_blocks(self._registry.get(name), request, deadline)
 
 

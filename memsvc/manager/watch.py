@@ -1,22 +1,43 @@
-"""Fan-out of manager events (snapshots, state changes, transitions) to WatchWorkers clients."""
+"""Fan-out of manager events (snapshots, state changes, transitions) to WatchWorkers clients.
+
+Events are the manager's own values (:class:`WatchEvent`); each WatchWorkers stream turns the ones
+it shows into messages (memsvc/manager/wire.py), so the manager builds no message a watcher may
+never read."""
 
 from __future__ import annotations
 
 import asyncio
-from dataclasses import dataclass
+import time
+from dataclasses import dataclass, field
 
 from memsvc.errors import Overloaded
+from memsvc.manager.records import WorkerView
+from memsvc.manager.reports import StateChange, Transition
 from memsvc.runtime.limits import MAX_WATCHERS
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 
 
-@dataclass(frozen=True)
+@dataclass(frozen=True, slots=True)
 class WatchEvent:
-    worker_id: str
-    message: manager_pb.WatchWorkersResponse
+    """Something a watcher of one worker sees: the worker as it stood then, and what happened."""
+
+    worker: WorkerView
+    """Frozen when the event happened: a watcher that reads it later still sees that moment."""
+    change: StateChange | Transition | None = None
+    """A state change, a finished transition, or None: a snapshot (the worker as it is, sent first
+    for each watched worker and when a worker becomes known)."""
+    time_ns: int = field(default_factory=time.time_ns)
+    """When the manager published it."""
+
+    @property
+    def worker_id(self) -> str:
+        return self.worker.worker_id
 
 
-CLOSED = WatchEvent("", manager_pb.WatchWorkersResponse())
+class _Closed:
+    """The type of :data:`CLOSED`."""
+
+
+CLOSED = _Closed()
 """Sent to every watcher on shutdown: streams end before the server drains."""
 
 
@@ -27,23 +48,23 @@ class WatchHub:
         self.publish(CLOSED)
 
     def __init__(self) -> None:
-        self._queues: set[asyncio.Queue[WatchEvent]] = set()
+        self._queues: set[asyncio.Queue[WatchEvent | _Closed]] = set()
 
-    def subscribe(self) -> asyncio.Queue[WatchEvent]:
+    def subscribe(self) -> asyncio.Queue[WatchEvent | _Closed]:
         """A queue of the events to come; Overloaded when MAX_WATCHERS streams are open."""
         if len(self._queues) >= MAX_WATCHERS:
             raise Overloaded(
                 f"{len(self._queues)} WatchWorkers streams are open, the most this manager serves",
                 metadata={"maxStreams": str(MAX_WATCHERS)},
             )
-        q: asyncio.Queue[WatchEvent] = asyncio.Queue(self.QUEUE_SIZE)
+        q: asyncio.Queue[WatchEvent | _Closed] = asyncio.Queue(self.QUEUE_SIZE)
         self._queues.add(q)
         return q
 
-    def unsubscribe(self, q: asyncio.Queue[WatchEvent]) -> None:
+    def unsubscribe(self, q: asyncio.Queue[WatchEvent | _Closed]) -> None:
         self._queues.discard(q)
 
-    def publish(self, event: WatchEvent) -> None:
+    def publish(self, event: WatchEvent | _Closed) -> None:
         for q in self._queues:
             if q.full():  # a client that does not read loses its oldest events, never the manager's time
                 q.get_nowait()
@@ -52,3 +73,6 @@ class WatchHub:
     @property
     def subscriber_count(self) -> int:
         return len(self._queues)
+
+
+__all__ = ["CLOSED", "WatchEvent", "WatchHub"]

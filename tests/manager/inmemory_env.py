@@ -6,6 +6,7 @@ on each store: the store is a real SQLite file or PostgreSQL database; timers ar
 
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import AsyncIterator
 from pathlib import Path
 from typing import TypedDict, Unpack
@@ -13,14 +14,12 @@ from typing import TypedDict, Unpack
 import pytest
 import pytest_asyncio
 from asyncwait import wait_until
-from google.protobuf.duration_pb2 import Duration
 from stores import STORE_KINDS, store_for
 
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.settings import ManagerSettings
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import WorkerState
 
 GiB = 1 << 30
@@ -37,10 +36,10 @@ class _PolicyFields(TypedDict, total=False):
     device_budget_bytes: int
     host_budget_bytes: int
     device_swap_headroom_bytes: int
-    idle_sleep_timeout: Duration
-    idle_deep_sleep_timeout: Duration
-    time_slice: Duration
-    start_timeout: Duration
+    idle_sleep_timeout: float
+    idle_deep_sleep_timeout: float
+    time_slice: float
+    start_timeout: float
 
 
 class Env:
@@ -50,24 +49,25 @@ class Env:
 
     async def worker(self, wid: str, host: str = "h1", **sizes: Unpack[_Sizes]) -> InMemoryWorker:
         wk = self.links.add(InMemoryWorker(wid, **sizes))
-        await self.manager.register(wid, wk.address, host)
+        self.manager.registry.register(wid, wk.address, host)
         await wait_until(lambda: self.rec(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
         return wk
 
     def rec(self, wid: str) -> WorkerRecord:
-        return self.manager.get(wid)
+        return self.manager.registry.get(wid)
 
     def idle_for(self, wid: str, seconds: float) -> None:
         """Move the worker's idle clock back, as if it had been idle that long."""
         rec = self.rec(wid)
         rec.idle_since -= seconds
-        if rec.status is not None:
-            t = rec.status.last_activity_time
-            t.FromNanoseconds(t.ToNanoseconds() - int(seconds * 1e9))
+        if rec.status is not None and rec.status.last_activity_ns is not None:
+            rec.status = dataclasses.replace(
+                rec.status, last_activity_ns=rec.status.last_activity_ns - int(seconds * 1e9)
+            )
 
     async def policy(self, **fields: Unpack[_PolicyFields]) -> None:
-        p = manager_pb.Policy(**fields)
-        self.manager.update_policy("", p, list(fields))
+        """Change these fields of the default policy (durations in seconds)."""
+        self.manager.update_policy("", dict(fields))
 
 
 @pytest_asyncio.fixture(params=STORE_KINDS, name="env")

@@ -36,6 +36,7 @@ from memsvc.errors import InvalidArgument, Unavailable
 from memsvc.manager.policy import Policies, Policy
 from memsvc.manager.store import DEFAULT_SCOPE, StoredLease, StoredWorker
 from memsvc.manager.store_sqlite import MIGRATIONS, SCHEMA_VERSION, SqliteStore
+from memsvc.manager.wire import policy_pb
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.vocabulary import Action
@@ -331,7 +332,7 @@ def test_a_bad_stored_override_is_dropped_with_a_warning(
     assert getattr(got, field) == getattr(want, field), "the default's value applies"
     if field != "host_budget_bytes":
         assert got.host_budget_bytes == 5 << 20, "the override's other fields stay"
-    got.to_proto()  # what GetPolicy answers with
+    policy_pb(got)  # what GetPolicy answers with
     (msg,) = messages(caplog)
     assert "workers/gpu0" in msg and field in msg and str(path) in msg
     assert policy_rows(path)["workers/gpu0"] == json.dumps(override), "the file keeps what it held"
@@ -343,7 +344,7 @@ def test_a_bad_stored_default_field_takes_the_built_in_value(
 ) -> None:
     policies = _policies(tmp_path / "m.db", {"": {**DEFAULT_FIELDS, field: value}})
     assert getattr(policies.default, field) == getattr(Policy(), field)
-    policies.default.to_proto()
+    policy_pb(policies.default)  # what GetPolicy answers with
     (msg,) = messages(caplog)
     assert "default policy" in msg and field in msg
 

@@ -25,14 +25,13 @@ from pathlib import Path
 import pytest
 import pytest_asyncio
 from asyncwait import wait_until
-from google.protobuf.duration_pb2 import Duration
 
 from memsvc.errors import NotFound, Unavailable, WrongState
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.settings import ManagerSettings
 from memsvc.manager.store_sqlite import SqliteStore
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.runtime.deadline import NO_DEADLINE
 from memsvc.vocabulary import SleepLevel, WorkerState
 
 pytestmark = pytest.mark.asyncio
@@ -46,8 +45,10 @@ class Env:
 
     async def worker(self, wid: str) -> InMemoryWorker:
         wk = self.links.add(InMemoryWorker(wid))
-        await self.manager.register(wid, wk.address, "h1")
-        await wait_until(lambda: self.manager.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+        self.manager.registry.register(wid, wk.address, "h1")
+        await wait_until(
+            lambda: self.manager.registry.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager"
+        )
         return wk
 
     @contextlib.contextmanager
@@ -80,48 +81,48 @@ async def env(tmp_path: Path) -> AsyncIterator[Env]:
 
 async def test_a_release_the_store_refuses_changes_nothing_and_can_be_retried(env: Env) -> None:
     await env.worker("a")
-    lease, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    lease, _ = await env.manager.leases.acquire("a", 60, "t", "", "", NO_DEADLINE)
     with env.locked(), pytest.raises(Unavailable, match="manager database"):
-        env.manager.release(lease.lease_id)
-    assert set(env.manager.leases.leases) == set(env.manager.get("a").leases) == {lease.lease_id}
+        env.manager.leases.release(lease.lease_id)
+    assert set(env.manager.leases.leases) == set(env.manager.registry.get("a").leases) == {lease.lease_id}
     assert env.stored_leases() == {lease.lease_id}
     with pytest.raises(WrongState):  # still leased: still awake
-        await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
+        await env.manager.transitions.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", NO_DEADLINE)
 
-    env.manager.release(lease.lease_id)  # the retry
-    assert env.manager.get("a").leases == {} and env.stored_leases() == set()
-    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)
-    assert env.manager.get("a").state == WorkerState.ASLEEP
+    env.manager.leases.release(lease.lease_id)  # the retry
+    assert env.manager.registry.get("a").leases == {} and env.stored_leases() == set()
+    await env.manager.transitions.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", NO_DEADLINE)
+    assert env.manager.registry.get("a").state == WorkerState.ASLEEP
 
 
 async def test_an_expiry_the_store_refuses_waits_for_a_later_tick_and_the_timers_run_on(env: Env) -> None:
     await env.worker("a")
     b = await env.worker("b")
-    env.manager.update_policy("", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
-    lease, _ = await env.manager.acquire("a", 0.01, "t", "", "", None)
-    env.manager.get("b").idle_since -= 120  # b is due for its idle sleep
+    env.manager.update_policy("", {"idle_sleep_timeout": 60.0})
+    lease, _ = await env.manager.leases.acquire("a", 0.01, "t", "", "", NO_DEADLINE)
+    env.manager.registry.get("b").idle_since -= 120  # b is due for its idle sleep
     await asyncio.sleep(0.02)
     with env.locked():
-        env.manager.tick()  # the expiry cannot be written; the idle timer still runs
+        env.manager.timers.tick()  # the expiry cannot be written; the idle timer still runs
         await wait_until(lambda: b.state == WorkerState.ASLEEP, "b's idle sleep in the tick whose expiry failed")
-    assert set(env.manager.get("a").leases) == set(env.manager.leases.leases) == {lease.lease_id}
+    assert set(env.manager.registry.get("a").leases) == set(env.manager.leases.leases) == {lease.lease_id}
     assert env.stored_leases() == {lease.lease_id}
 
-    env.manager.tick()
-    assert env.manager.get("a").leases == {} and env.manager.leases.leases == {}
+    env.manager.timers.tick()
+    assert env.manager.registry.get("a").leases == {} and env.manager.leases.leases == {}
     assert env.stored_leases() == set()
 
 
 async def test_a_grant_or_renewal_the_store_refuses_leaves_no_lease_and_the_old_expiry(env: Env) -> None:
     await env.worker("a")
     with env.locked(), pytest.raises(Unavailable, match="manager database"):
-        await env.manager.acquire("a", 60, "t", "", "", None)
-    assert env.manager.get("a").leases == {} and env.manager.leases.leases == {}
+        await env.manager.leases.acquire("a", 60, "t", "", "", NO_DEADLINE)
+    assert env.manager.registry.get("a").leases == {} and env.manager.leases.leases == {}
 
-    lease, _ = await env.manager.acquire("a", 60, "t", "", "", None)
+    lease, _ = await env.manager.leases.acquire("a", 60, "t", "", "", NO_DEADLINE)
     before = lease.expire_time
     with env.locked(), pytest.raises(Unavailable, match="manager database"):
-        await env.manager.acquire("a", 3600, "t", lease.lease_id, "", None)
+        await env.manager.leases.acquire("a", 3600, "t", lease.lease_id, "", NO_DEADLINE)
     assert env.manager.leases.leases[lease.lease_id].expire_time == before
     assert [sl.expire_time for sl in env.manager.store.leases()] == [before]
 
@@ -129,15 +130,15 @@ async def test_a_grant_or_renewal_the_store_refuses_leaves_no_lease_and_the_old_
 async def test_a_deregistration_the_store_refuses_keeps_the_worker_and_can_be_retried(env: Env) -> None:
     a = await env.worker("a")
     with env.locked(), pytest.raises(Unavailable, match="manager database"):
-        await env.manager.deregister("a")
-    assert env.manager.get("a").state == WorkerState.AWAKE
+        await env.manager.registry.deregister("a")
+    assert env.manager.registry.get("a").state == WorkerState.AWAKE
     assert [sw.worker_id for sw in env.manager.store.workers()] == ["a"]
-    await env.manager.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", None)  # its link still works
+    await env.manager.transitions.sleep_worker("a", SleepLevel.LEVEL_1, {}, "", NO_DEADLINE)  # its link still works
     assert a.state == WorkerState.ASLEEP
 
-    await env.manager.deregister("a")
+    await env.manager.registry.deregister("a")
     with pytest.raises(NotFound):
-        env.manager.get("a")
+        env.manager.registry.get("a")
     assert env.manager.store.workers() == []
 
 
@@ -146,19 +147,17 @@ async def test_a_deleted_file_refuses_every_write_and_says_so_once(env: Env, cap
     are UNAVAILABLE naming it and change nothing; an expiry that cannot be written waits as with a
     locked file, and neither the store nor the timers log it again on every tick."""
     await env.worker("a")
-    lease, _ = await env.manager.acquire("a", 0.01, "t", "", "", None)
+    lease, _ = await env.manager.leases.acquire("a", 0.01, "t", "", "", NO_DEADLINE)
     env.db.unlink()
     with pytest.raises(Unavailable, match=re.escape(f"manager database {env.db} was deleted")):
-        await env.manager.acquire("a", 60, "t", "", "", None)
+        await env.manager.leases.acquire("a", 60, "t", "", "", NO_DEADLINE)
     with pytest.raises(Unavailable, match="was deleted"):
-        env.manager.update_policy(
-            "", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"]
-        )
-    assert env.manager.policy(None).idle_sleep_timeout == 0
+        env.manager.update_policy("", {"idle_sleep_timeout": 60.0})
+    assert env.manager.policies.effective(None).idle_sleep_timeout == 0
     await asyncio.sleep(0.02)
     caplog.clear()
     for _ in range(5):
-        env.manager.tick()
-    assert set(env.manager.get("a").leases) == {lease.lease_id}, "the expiry could not be written: it waits"
+        env.manager.timers.tick()
+    assert set(env.manager.registry.get("a").leases) == {lease.lease_id}, "the expiry could not be written: it waits"
     said = [r.getMessage() for r in caplog.records if r.levelno >= logging.WARNING]
     assert len(said) == 1 and "expired leases stay" in said[0], said

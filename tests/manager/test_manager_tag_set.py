@@ -21,13 +21,12 @@ import pytest_asyncio
 import torch
 from asyncwait import wait_until
 from conftest import AllocatorFactory
-from google.protobuf.duration_pb2 import Duration
 from stores import STORE_KINDS, store_for
 
 from memsvc.manager.controller import Manager
 from memsvc.manager.inmemory import InMemoryLinks, InMemoryWorker
 from memsvc.manager.settings import ManagerSettings
-from memsvc.v1 import memory_manager_service_pb2 as manager_pb
+from memsvc.runtime.deadline import NO_DEADLINE
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, Action, TagState, WorkerState
 
 MiB = 1 << 20
@@ -45,8 +44,8 @@ async def manager(request: pytest.FixtureRequest, tmp_path: Path) -> AsyncIterat
 
 async def _worker(mgr: Manager, links: InMemoryLinks, wid: str) -> InMemoryWorker:
     wk = links.add(InMemoryWorker(wid, weights_bytes=64 * MiB, kv_bytes=16 * MiB, graphs_bytes=4 * MiB))
-    await mgr.register(wid, wk.address, "h1")
-    await wait_until(lambda: mgr.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
+    mgr.registry.register(wid, wk.address, "h1")
+    await wait_until(lambda: mgr.registry.get(wid).state == WorkerState.AWAKE, f"{wid} awake at the manager")
     return wk
 
 
@@ -54,27 +53,27 @@ async def _worker(mgr: Manager, links: InMemoryLinks, wid: str) -> InMemoryWorke
 async def test_the_default_idle_sleep_discards_cuda_graphs_too(manager: tuple[Manager, InMemoryLinks]) -> None:
     mgr, links = manager
     wk = await _worker(mgr, links, "g")
-    mgr.update_policy("", manager_pb.Policy(idle_sleep_timeout=Duration(seconds=60)), ["idle_sleep_timeout"])
-    mgr.get("g").idle_since -= 120
-    mgr.tick()
+    mgr.update_policy("", {"idle_sleep_timeout": 60.0})
+    mgr.registry.get("g").idle_since -= 120
+    mgr.timers.tick()
     await wait_until(lambda: wk.state == WorkerState.ASLEEP, "the idle sleep")
     assert {t: v.state for t, v in wk.tags.items()} == {
         WEIGHTS: TagState.OFFLOADED,
         KV_CACHE: TagState.DISCARDED,
         CUDA_GRAPHS: TagState.DISCARDED,
     }
-    assert mgr.get("g").mapped_bytes == 0, "nothing the policy did not name stays mapped"
+    assert mgr.registry.get("g").mapped_bytes == 0, "nothing the policy did not name stays mapped"
 
 
 @pytest.mark.asyncio
 async def test_waking_weights_then_kv_cache_leaves_the_worker_awake(manager: tuple[Manager, InMemoryLinks]) -> None:
     mgr, links = manager
     wk = await _worker(mgr, links, "g")
-    await mgr.sleep_worker("g", None, {}, "", None)  # the policy's tier 1
-    await mgr.wake_worker("g", [WEIGHTS], "", None)
-    assert mgr.get("g").state == WorkerState.PARTIALLY_AWAKE
-    await mgr.wake_worker("g", [KV_CACHE], "", None)
-    assert mgr.get("g").state == WorkerState.AWAKE, "cuda_graphs wakes with kv_cache"
+    await mgr.transitions.sleep_worker("g", None, {}, "", NO_DEADLINE)  # the policy's tier 1
+    await mgr.transitions.wake_worker("g", [WEIGHTS], "", NO_DEADLINE)
+    assert mgr.registry.get("g").state == WorkerState.PARTIALLY_AWAKE
+    await mgr.transitions.wake_worker("g", [KV_CACHE], "", NO_DEADLINE)
+    assert mgr.registry.get("g").state == WorkerState.AWAKE, "cuda_graphs wakes with kv_cache"
     assert all(t.state == TagState.AWAKE for t in wk.tags.values())
 
 

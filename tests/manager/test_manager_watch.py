@@ -221,10 +221,12 @@ async def test_a_watch_sees_the_state_a_worker_passed_through_when_the_answer_ov
     WAKING is older than what was applied and is dropped; a watcher still sees ASLEEP → WAKING →
     AWAKE, never a jump (the run through real processes above meets this only when timing is
     unlucky, so the order is forced here)."""
+    from memsvc.manager import wire
     from memsvc.manager.metrics import ManagerMetrics
     from memsvc.manager.records import WorkerRecord
+    from memsvc.manager.reports import Telemetry, WorkerStatus
     from memsvc.manager.telemetry import TelemetryIngest
-    from memsvc.manager.watch import WatchHub
+    from memsvc.manager.watch import WatchEvent, WatchHub
     from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
     hub = WatchHub()
@@ -232,19 +234,19 @@ async def test_a_watch_sees_the_state_a_worker_passed_through_when_the_answer_ov
     ingest = TelemetryIngest(ManagerMetrics(), hub)
     rec = WorkerRecord("a", "127.0.0.1:1", "h1")
 
-    def status(state: common_pb.WorkerState.ValueType, t_ns: int) -> common_pb.WorkerStatus:
+    def status(state: common_pb.WorkerState.ValueType, t_ns: int) -> WorkerStatus:
         st = common_pb.WorkerStatus(state=state)
         st.update_time.FromNanoseconds(t_ns)
-        return st
+        return wire.status_from_pb(st)  # as the worker's link hands it on
 
     def stream_change(
         frm: common_pb.WorkerState.ValueType, to: common_pb.WorkerState.ValueType, t_ns: int
-    ) -> worker_pb.StreamTelemetryResponse:
+    ) -> Telemetry:
         msg = worker_pb.StreamTelemetryResponse(
             state_change=common_pb.StateChange(from_state=frm, to_state=to, reason="WakeUp")
         )
         msg.time.FromNanoseconds(t_ns)
-        return msg
+        return wire.telemetry_from_pb(msg)
 
     await ingest.set_status(rec, status(S.WORKER_STATE_ASLEEP, 1_000), True, "telemetry")
     await ingest.set_status(rec, status(S.WORKER_STATE_AWAKE, 3_000), True, "WakeWorker")  # the answer
@@ -254,7 +256,8 @@ async def test_a_watch_sees_the_state_a_worker_passed_through_when_the_answer_ov
     await ingest.set_status(rec, status(S.WORKER_STATE_ASLEEP, 5_000), True, "SleepWorker")
     await ingest.on_telemetry(rec, stream_change(S.WORKER_STATE_AWAKE, S.WORKER_STATE_SLEEPING, 4_000))
 
-    events = [queue.get_nowait().message for _ in range(queue.qsize())]
+    published = [queue.get_nowait() for _ in range(queue.qsize())]
+    events = [wire.watch_pb(e) for e in published if isinstance(e, WatchEvent)]  # what a watcher is sent
     changes = [(e.state_change.from_state, e.state_change.to_state, e.worker.state) for e in events]
     A, Z, WK, SL = S.WORKER_STATE_AWAKE, S.WORKER_STATE_ASLEEP, S.WORKER_STATE_WAKING, S.WORKER_STATE_SLEEPING
     assert changes == [

@@ -1,0 +1,125 @@
+"""The manager's translation between protos and its own types (memsvc/manager/wire.py): what a worker
+reports crosses the manager and comes out to its clients as the worker sent it, byte for byte, which
+parts were sent included; a field the proto gains and the manager's types do not carry fails here."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any
+
+from google.protobuf.descriptor import FieldDescriptor
+from google.protobuf.duration_pb2 import Duration
+from google.protobuf.message import Message
+from google.protobuf.timestamp_pb2 import Timestamp
+
+from memsvc.manager import wire
+from memsvc.manager.records import WorkerRecord
+from memsvc.manager.reports import StateChange, Transition, WorkerStatus
+from memsvc.manager.watch import WatchEvent
+from memsvc.v1 import common_pb2 as common_pb
+from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from memsvc.vocabulary import WorkerState
+
+
+def _filled(msg: Message, seed: int = 1) -> Message:
+    """``msg`` with every field set to a value of its own (no default), two of each repeated one."""
+    fields: Iterable[Any] = msg.DESCRIPTOR.fields  # FieldDescriptors (the stubs type them two ways)
+    for n, f in enumerate(fields, start=seed):
+        repeated = f.is_repeated
+        if f.type == FieldDescriptor.TYPE_MESSAGE:
+            for i in range(2 if repeated else 1):
+                sub = getattr(msg, f.name).add() if repeated else getattr(msg, f.name)
+                if isinstance(sub, Timestamp | Duration):
+                    sub.FromNanoseconds(1_700_000_000_123_456_789 + n + i)
+                else:
+                    _filled(sub, n * 10 + i)
+            continue
+        if f.type == FieldDescriptor.TYPE_ENUM:
+            numbers = [v.number for v in f.enum_type.values] if f.enum_type is not None else [0, 1]
+            value: object = numbers[1 + (n % (len(numbers) - 1))]
+        elif f.type == FieldDescriptor.TYPE_STRING:
+            value = f"{f.name}-{n}"
+        elif f.type == FieldDescriptor.TYPE_BOOL:
+            value = True
+        elif f.type == FieldDescriptor.TYPE_DOUBLE:
+            value = n + 0.25
+        else:
+            value = n
+        if repeated:
+            getattr(msg, f.name).extend([value, value])
+        else:
+            setattr(msg, f.name, value)
+    return msg
+
+
+def _status(**parts: Message) -> common_pb.WorkerStatus:
+    return common_pb.WorkerStatus(worker_id="a", state=common_pb.WORKER_STATE_ASLEEP, **parts)  # type: ignore[arg-type]
+
+
+def test_a_status_with_every_field_set_comes_out_as_it_went_in() -> None:
+    sent = _filled(common_pb.WorkerStatus())
+    assert isinstance(sent, common_pb.WorkerStatus)
+    sent.state = common_pb.WORKER_STATE_PARTIALLY_AWAKE
+    for i, t in enumerate(sent.tags):
+        t.state = (common_pb.TAG_STATE_OFFLOADED, common_pb.TAG_STATE_ON_DISK)[i]
+    assert wire.status_pb(wire.status_from_pb(sent)).SerializeToString() == sent.SerializeToString()
+
+
+def test_which_parts_a_worker_sent_survives_the_crossing() -> None:
+    """Absent parts stay absent, parts sent empty stay present (a client's HasField sees the same)."""
+    empty_parts = {
+        "device": common_pb.DeviceInfo(),
+        "model": common_pb.ModelInfo(),
+        "kv_cache": common_pb.KvCacheInfo(),
+        "last_transition": common_pb.TransitionStats(),
+        "update_time": Timestamp(),
+        "last_activity_time": Timestamp(),
+    }
+    for sent in (common_pb.WorkerStatus(), _status(), _status(**empty_parts)):
+        out = wire.status_pb(wire.status_from_pb(sent))
+        assert out.SerializeToString() == sent.SerializeToString()
+        assert [f.name for f, _ in out.ListFields()] == [f.name for f, _ in sent.ListFields()]
+
+
+def test_a_transition_and_the_telemetry_events_cross_unchanged() -> None:
+    t = _filled(common_pb.TransitionStats())
+    assert isinstance(t, common_pb.TransitionStats)
+    assert wire.transition_pb(wire.transition_from_pb(t)).SerializeToString() == t.SerializeToString()
+    bare = common_pb.TransitionStats(kind="sleep", moved_bytes=5)  # no duration, no end time
+    assert wire.transition_pb(wire.transition_from_pb(bare)).SerializeToString() == bare.SerializeToString()
+
+    msg = worker_pb.StreamTelemetryResponse(transition=t)
+    msg.time.FromNanoseconds(42)
+    assert wire.telemetry_from_pb(msg) == wire.telemetry_from_pb(msg)
+    assert wire.telemetry_from_pb(msg).event == wire.transition_from_pb(t) and wire.telemetry_from_pb(msg).time_ns == 42
+    change = worker_pb.StreamTelemetryResponse(
+        state_change=common_pb.StateChange(
+            from_state=common_pb.WORKER_STATE_AWAKE, to_state=common_pb.WORKER_STATE_SLEEPING, reason="Sleep"
+        )
+    )
+    assert wire.telemetry_from_pb(change).event == StateChange(WorkerState.AWAKE, WorkerState.SLEEPING, "Sleep")
+    assert wire.telemetry_from_pb(worker_pb.StreamTelemetryResponse()).event is None
+
+
+def test_a_watch_event_carries_the_worker_as_it_was_and_what_happened() -> None:
+    rec = WorkerRecord("a", "10.0.0.1:50051", "h1", reachable=True, last_seen=1.5)
+    rec.status = WorkerStatus(state=WorkerState.AWAKE)
+    view = rec.view()
+    snapshot = wire.watch_pb(WatchEvent(view, time_ns=7))
+    assert snapshot.WhichOneof("event") == "snapshot" and snapshot.snapshot == snapshot.worker
+    assert snapshot.worker.name == "workers/a" and snapshot.worker.state == common_pb.WORKER_STATE_AWAKE
+    assert snapshot.time.ToNanoseconds() == 7 and snapshot.worker.last_seen_time.ToNanoseconds() == 1_500_000_000
+    assert snapshot.worker.HasField("idle_since_time") and not snapshot.worker.HasField("keep_alive")
+
+    went = WatchEvent(view.showing(WorkerState.SLEEPING), StateChange(WorkerState.AWAKE, WorkerState.SLEEPING, "x"))
+    msg = wire.watch_pb(went)
+    assert msg.worker.state == common_pb.WORKER_STATE_SLEEPING, "the worker shows the state the change led to"
+    assert (msg.state_change.from_state, msg.state_change.to_state, msg.state_change.reason) == (
+        common_pb.WORKER_STATE_AWAKE,
+        common_pb.WORKER_STATE_SLEEPING,
+        "x",
+    )
+    rec.status = WorkerStatus(state=WorkerState.ASLEEP)
+    assert view.state == WorkerState.AWAKE, "a view is the worker as it stood then"
+    moved = wire.watch_pb(WatchEvent(view, Transition(kind="sleep", moved_bytes=3)))
+    assert moved.transition == common_pb.TransitionStats(kind="sleep", moved_bytes=3)
