@@ -111,10 +111,11 @@ class Manager:
 
     # ---- the one decision that spans two parts ----
     def update_policy(self, name: str, fields: dict[str, Any], clear: Sequence[str] = ()) -> Policy:
-        """Change the default policy (no ``name``) or a worker's overrides: ``fields`` (checked by the
-        policy's rules: memsvc/manager/wire.py's policy_fields for a request) set, ``clear`` removed
-        (``*``: all), so those fields follow the default again. The request is judged before the
-        worker is looked up: a bad request is INVALID_ARGUMENT whether or not the worker exists."""
+        """Change the default policy (no ``name``) or a worker's overrides: ``fields`` set, ``clear``
+        removed (``*``: all), so those fields follow the default again. ``fields`` come checked by
+        the policy's rules (memsvc/manager/wire.py's policy_fields does it for a request; the servicer
+        checks ``clear`` before that, the order its errors always had). The request is judged before
+        the worker is looked up: a bad request is INVALID_ARGUMENT whether or not the worker exists."""
         check_clear(clear, for_worker=bool(name))
         check_change(fields, clear)
         if not name:

@@ -308,10 +308,10 @@ class Policies:
 
 
 __all__ = [
+    "DURATION_FIELDS",
     "FIELDS",
     "Policies",
     "Policy",
-    "DURATION_FIELDS",
     "check",
     "check_change",
     "check_clear",

@@ -5,9 +5,10 @@ one telemetry message), and the transitions the manager asks of it (:class:`Slee
 The manager's decisions (budgets, turns, idle timers, metrics) read these typed values; only the
 link to the worker and the servicer speak protos, both through :mod:`memsvc.manager.wire`. A status
 is relayed to clients field for field (GetWorker's ``Worker.status``), so it keeps everything the
-worker said, the parts the manager never reads too, and which parts the worker sent at all: a part
-that is ``None`` here was absent from the message, one that is empty was sent empty, and the
-relayed message shows the difference as the worker's did. Times are whole nanoseconds since the
+worker said that this version knows, the parts the manager never reads too, and which parts the
+worker sent at all: a part that is ``None`` here was absent from the message, one that is empty was
+sent empty, and the relayed message shows the difference as the worker's did. (A field or an enum
+number only a newer worker knows does not cross: memsvc/manager/wire.py.) Times are whole nanoseconds since the
 epoch, as the worker's timestamps have them, so nothing is rounded on the way through.
 """
 

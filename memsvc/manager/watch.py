@@ -1,8 +1,9 @@
 """Fan-out of manager events (snapshots, state changes, transitions) to WatchWorkers clients.
 
-Events are the manager's own values (:class:`WatchEvent`); each WatchWorkers stream turns the ones
-it shows into messages (memsvc/manager/wire.py), so the manager builds no message a watcher may
-never read."""
+Events are the manager's own values (:class:`WatchEvent`). A WatchWorkers stream turns the ones it
+shows into messages (memsvc/manager/wire.py's ``watch_pb``): the first stream to show an event builds
+its message, and the others send that one (a message per watcher was Python work on the event loop
+per event times up to MAX_WATCHERS)."""
 
 from __future__ import annotations
 
@@ -27,6 +28,8 @@ class WatchEvent:
     for each watched worker and when a worker becomes known)."""
     time_ns: int = field(default_factory=time.time_ns)
     """When the manager published it."""
+    encoded: dict[str, object] = field(default_factory=dict, compare=False, repr=False)
+    """Its message, once a stream built it (memsvc/manager/wire.py's ``watch_pb``), for the next."""
 
     @property
     def worker_id(self) -> str:

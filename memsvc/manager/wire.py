@@ -11,13 +11,16 @@ its two edges, and both come here to cross:
 
 A worker's status and transitions cross twice, in from the worker and out to the manager's clients,
 and come out as they went in, field for field (which message fields were set included); the tests
-in tests/manager/test_wire.py hold that. The one message the manager forwards as it is, SwapBlocks,
+in tests/manager/test_wire.py hold that. What this version does not know does not cross: a field a
+newer worker adds is dropped, an enum number it adds reads as unspecified (as the manager reads it),
+and a time that is not valid as unset. The one message the manager forwards as it is, SwapBlocks,
 is built and read here too (see ``WorkerLink.swap_blocks`` for why it is not translated).
 """
 
 from __future__ import annotations
 
 from google.protobuf.duration_pb2 import Duration
+from google.protobuf.timestamp_pb2 import Timestamp
 
 from memsvc.errors import InvalidArgument
 from memsvc.manager.policy import DURATION_FIELDS, FIELDS, Policy, field_value
@@ -39,9 +42,21 @@ from memsvc.manager.watch import WatchEvent
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
-from memsvc.vocabulary import TagState, WorkerState
+from memsvc.vocabulary import SleepLevel, TagState, WorkerState
 
 _TAG_STATES = {state.proto: state for state in TagState}
+
+
+def _nanos(value: Timestamp | Duration, present: bool = True) -> int | None:
+    """A time or duration of a worker's message in nanoseconds; None where it was not sent, or is
+    not a valid one (a Timestamp whose nanos are out of range: protobuf refuses to convert it, and a
+    faulty worker's field must not take down its link)."""
+    if not present:
+        return None
+    try:
+        return value.ToNanoseconds()
+    except ValueError:
+        return None
 
 
 # ---- a worker's reports, in ----
@@ -100,9 +115,9 @@ def status_from_pb(s: common_pb.WorkerStatus) -> WorkerStatus:
         ),
         last_transition=transition_from_pb(s.last_transition) if s.HasField("last_transition") else None,
         host_pinned_bytes=s.host_pinned_bytes,
-        update_time_ns=s.update_time.ToNanoseconds() if s.HasField("update_time") else None,
+        update_time_ns=_nanos(s.update_time, s.HasField("update_time")),
         sleep_level=s.sleep_level,
-        last_activity_ns=s.last_activity_time.ToNanoseconds() if s.HasField("last_activity_time") else None,
+        last_activity_ns=_nanos(s.last_activity_time, s.HasField("last_activity_time")),
         transition_in_progress=s.transition_in_progress,
         offload_dir=s.offload_dir,
         disk_bytes=s.disk_bytes,
@@ -114,10 +129,10 @@ def transition_from_pb(t: common_pb.TransitionStats) -> Transition:
     return Transition(
         kind=t.kind,
         moved_bytes=t.moved_bytes,
-        duration_ns=t.duration.ToNanoseconds() if t.HasField("duration") else None,
+        duration_ns=_nanos(t.duration, t.HasField("duration")),
         gigabytes_per_second=t.gigabytes_per_second,
         verified_bytes=t.verified_bytes,
-        end_time_ns=t.end_time.ToNanoseconds() if t.HasField("end_time") else None,
+        end_time_ns=_nanos(t.end_time, t.HasField("end_time")),
     )
 
 
@@ -135,7 +150,7 @@ def telemetry_from_pb(msg: worker_pb.StreamTelemetryResponse) -> Telemetry:
         event = StateChange(WorkerState.of(c.from_state), WorkerState.of(c.to_state), c.reason)
     elif kind == "transition":
         event = transition_from_pb(msg.transition)
-    return Telemetry(msg.time.ToNanoseconds(), event)
+    return Telemetry(_nanos(msg.time) or 0, event)
 
 
 # ---- the manager's calls, out to a worker ----
@@ -195,7 +210,7 @@ def status_pb(s: WorkerStatus) -> common_pb.WorkerStatus:
             for t in s.tags
         ],
         host_pinned_bytes=s.host_pinned_bytes,
-        sleep_level=common_pb.SleepLevel.ValueType(s.sleep_level),
+        sleep_level=SleepLevel.proto_of(s.sleep_level),
         transition_in_progress=s.transition_in_progress,
         offload_dir=s.offload_dir,
         disk_bytes=s.disk_bytes,
@@ -309,6 +324,10 @@ def policy_pb(p: Policy) -> manager_pb.Policy:
 
 
 def watch_pb(e: WatchEvent) -> manager_pb.WatchWorkersResponse:
+    """The event's message, built once for every stream that shows it (the streams only read it)."""
+    built = e.encoded.get("watch")
+    if isinstance(built, manager_pb.WatchWorkersResponse):
+        return built
     msg = manager_pb.WatchWorkersResponse(worker=view_pb(e.worker))
     if e.change is None:
         msg.snapshot.CopyFrom(msg.worker)
@@ -318,6 +337,7 @@ def watch_pb(e: WatchEvent) -> manager_pb.WatchWorkersResponse:
     else:
         msg.transition.CopyFrom(transition_pb(e.change))
     msg.time.FromNanoseconds(e.time_ns)
+    e.encoded["watch"] = msg
     return msg
 
 
@@ -335,10 +355,7 @@ def policy_fields(p: manager_pb.Policy, paths: list[str]) -> dict[str, object]:
         if f == "tag_actions":
             raw: object = p.tag_actions
         elif f in DURATION_FIELDS:
-            d: Duration = getattr(p, f)
-            if d.seconds < 0 or d.nanos < 0:  # a Duration's parts: either sign makes it negative
-                raise InvalidArgument(f"{f} must not be negative", metadata={"field": f})
-            raw = d.ToNanoseconds()
+            raw = _asked(getattr(p, f), f)
         else:
             raw = getattr(p, f)
         out[f] = field_value(f, raw)
@@ -347,15 +364,21 @@ def policy_fields(p: manager_pb.Policy, paths: list[str]) -> dict[str, object]:
 
 def acquire_times(request: manager_pb.AcquireWorkerRequest) -> tuple[float, float | None]:
     """An AcquireWorker's ttl (0: the default) and keep_alive (None: unset) in seconds."""
-    if request.ttl.seconds < 0 or request.ttl.nanos < 0:
-        raise InvalidArgument("ttl must not be negative", metadata={"field": "ttl"})
-    if request.HasField("ttl") and request.ttl.ToNanoseconds() == 0:
+    ttl = _asked(request.ttl, "ttl")
+    if request.HasField("ttl") and ttl == 0:
         raise InvalidArgument(
             "ttl 0 s would expire at once: leave ttl unset for the default, or give a positive one",
             metadata={"field": "ttl"},
         )
     keep_alive = request.keep_alive.ToNanoseconds() / 1e9 if request.HasField("keep_alive") else None
-    return request.ttl.ToNanoseconds() / 1e9, keep_alive
+    return ttl / 1e9, keep_alive
+
+
+def _asked(d: Duration, field: str) -> int:
+    """A duration a client asked for, in nanoseconds; INVALID_ARGUMENT where it is negative."""
+    if d.seconds < 0 or d.nanos < 0:  # a Duration's parts: either sign makes it negative
+        raise InvalidArgument(f"{field} must not be negative", metadata={"field": field})
+    return d.ToNanoseconds()
 
 
 def register_response_pb(v: WorkerView, heartbeat_interval: float) -> manager_pb.RegisterWorkerResponse:

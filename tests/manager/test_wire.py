@@ -13,12 +13,13 @@ from google.protobuf.message import Message
 from google.protobuf.timestamp_pb2 import Timestamp
 
 from memsvc.manager import wire
+from memsvc.manager.policy import Policy
 from memsvc.manager.records import WorkerRecord
 from memsvc.manager.reports import StateChange, Transition, WorkerStatus
 from memsvc.manager.watch import WatchEvent
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
-from memsvc.vocabulary import WorkerState
+from memsvc.vocabulary import Action, WorkerState
 
 
 def _filled(msg: Message, seed: int = 1) -> Message:
@@ -90,7 +91,6 @@ def test_a_transition_and_the_telemetry_events_cross_unchanged() -> None:
 
     msg = worker_pb.StreamTelemetryResponse(transition=t)
     msg.time.FromNanoseconds(42)
-    assert wire.telemetry_from_pb(msg) == wire.telemetry_from_pb(msg)
     assert wire.telemetry_from_pb(msg).event == wire.transition_from_pb(t) and wire.telemetry_from_pb(msg).time_ns == 42
     change = worker_pb.StreamTelemetryResponse(
         state_change=common_pb.StateChange(
@@ -123,3 +123,36 @@ def test_a_watch_event_carries_the_worker_as_it_was_and_what_happened() -> None:
     assert view.state == WorkerState.AWAKE, "a view is the worker as it stood then"
     moved = wire.watch_pb(WatchEvent(view, Transition(kind="sleep", moved_bytes=3)))
     assert moved.transition == common_pb.TransitionStats(kind="sleep", moved_bytes=3)
+
+
+def test_a_time_a_faulty_worker_sent_reads_as_unset_and_the_rest_of_its_report_crosses() -> None:
+    """protobuf refuses to convert a Timestamp whose nanos are out of range; a worker that sends one
+    must not take down its telemetry link (each message read raised there, and the link reconnected)."""
+    bad = Timestamp(seconds=1, nanos=2_000_000_000)
+    msg = worker_pb.StreamTelemetryResponse(transition=common_pb.TransitionStats(kind="wake", end_time=bad), time=bad)
+    got = wire.telemetry_from_pb(msg)
+    assert got.time_ns == 0 and got.event == Transition(kind="wake")
+    status = wire.status_from_pb(_status(update_time=bad))
+    assert status.update_time_ns is None and status.worker_id == "a"
+
+
+def test_every_stream_that_shows_an_event_sends_the_one_message_built_for_it() -> None:
+    event = WatchEvent(WorkerRecord("a", "10.0.0.1:50051", "h1").view(), time_ns=9)
+    first = wire.watch_pb(event)
+    assert wire.watch_pb(event) is first
+    assert wire.watch_pb(WatchEvent(event.worker, time_ns=9)) is not first, "another event builds its own"
+
+
+def test_a_policy_crosses_both_ways_unchanged() -> None:
+    """What GetPolicy sends, sent back whole in an UpdatePolicy, is the same policy."""
+    p = Policy(
+        tag_actions={"weights": Action.OFFLOAD_DISK, "kv_cache": Action.DISCARD, "extra": Action.KEEP},
+        idle_sleep_timeout=1.5,
+        idle_deep_sleep_timeout=90.25,
+        device_budget_bytes=7 << 30,
+        host_budget_bytes=3 << 30,
+        device_swap_headroom_bytes=1 << 20,
+        time_slice=0.75,
+        start_timeout=12.0,
+    )
+    assert Policy().with_fields(wire.policy_fields(wire.policy_pb(p), [])) == p
