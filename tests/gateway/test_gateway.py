@@ -13,12 +13,13 @@ import signal
 import subprocess
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
-from typing import Any, TypeVar
+from typing import Any
 
 import grpc
 import pytest
+from gateway_env import MODEL, PROMPT, text_model_served, wait_for
 from gatewayproc import GatewayProcess
 from google.protobuf.duration_pb2 import Duration
 from google.protobuf.field_mask_pb2 import FieldMask
@@ -31,19 +32,6 @@ from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 
 openai = pytest.importorskip("openai")
-
-MODEL = "text-model"
-T = TypeVar("T")
-
-
-def wait_for(get: Callable[[], T], ok: Callable[[T], bool], what: str, timeout: float = 30.0) -> T:
-    deadline = time.monotonic() + timeout
-    while True:
-        value = get()
-        if ok(value):
-            return value
-        assert time.monotonic() < deadline, f"timed out waiting for {what}; last: {value!r}"
-        time.sleep(0.05)
 
 
 class Stack:
@@ -68,23 +56,6 @@ class Stack:
         return self.worker.stub.Generate(worker_pb.GenerateRequest(**fields), timeout=60)
 
 
-@contextlib.contextmanager
-def text_model_served(root: Path, worker_id: str) -> Iterator[tuple[ManagerProcess, WorkerProcess, Path]]:
-    """A manager and a worker serving :func:`text_model` as MODEL (registered), in ``root``."""
-    path, _ = text_model(root)
-    mp = ManagerProcess(root / "manager.db", ["--idle-sleep-timeout", "0"]).start()
-    try:
-        with WorkerProcess(["--model", str(path), "--manager", mp.address, "--worker-id", worker_id]) as wp:
-            wait_for(
-                lambda: mp.stub.ListWorkers(manager_pb.ListWorkersRequest(), timeout=10).workers,
-                lambda ws: any(x.status.model.served_model_name == MODEL for x in ws),
-                "registration",
-            )
-            yield mp, wp, path
-    finally:
-        mp.kill()
-
-
 @pytest.fixture(scope="module")
 def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
     with text_model_served(tmp_path_factory.mktemp("gateway"), "gw0") as (mp, wp, path):
@@ -95,7 +66,6 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Stack]:
             gw.kill()
 
 
-PROMPT = "the quick brown fox"
 MESSAGES = [{"role": "user", "content": "hello there"}]
 
 

@@ -20,9 +20,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gateway_env import MODEL, PROMPT, text_model_served, wait_for
 from gatewayproc import GatewayProcess
 from managerproc import ManagerProcess
-from test_gateway import MODEL, PROMPT, text_model_served, wait_for
 from workerproc import WorkerProcess
 
 from memsvc.v1 import memory_manager_service_pb2 as manager_pb

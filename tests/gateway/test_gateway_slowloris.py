@@ -24,9 +24,9 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+from gateway_env import wait_for
 from gatewayproc import GatewayProcess
 from managerproc import Cluster
-from test_gateway import wait_for
 from upproc import free_port
 
 from memsvc.gateway.connections import accept_batch, connection_bound

@@ -8,9 +8,9 @@ from pathlib import Path
 from typing import Any
 
 import pytest
+from gateway_env import wait_for
 from gatewayproc import GatewayProcess
 from managerproc import ManagerProcess
-from test_gateway import wait_for
 from upproc import free_port
 from workerproc import WorkerProcess
 
