@@ -195,14 +195,16 @@ class WorkerCore:
                 max_step_tokens=c.max_step_tokens,
                 cuda_graphs=graphs,
                 defer_graph_capture=True,
+                # the first request must not pay for compiling kernels: warmed up while the weights load
+                warm_up=self.alloc.backend == "cuda",
             )
             if self.runner.graphs is not None and CUDA_GRAPHS not in self.alloc.stats().tags:
                 # captured in the background, once serving: the tag exists (empty) from the start, so
                 # a Sleep or WakeUp naming it does not depend on how far the capture got
                 self.alloc.register_tag(CUDA_GRAPHS)
-            if self.alloc.backend == "cuda":  # the first request must not pay for compiling kernels
+            if self.runner.warm_up_seconds is not None:
                 captured = " and the one-sequence decode captured" if self.runner.graphs is not None else ""
-                log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up())
+                log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up_seconds)
             self._host_release = HostRelease(self.alloc, self._device_loop, self._loop, self.runner.engine.last_busy)
             self._device = self._describe_device()
             self._model_info = self._served_model(c.resolved_served_model_name())

@@ -78,15 +78,14 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                     prefetch.stop()
             t1 = time.perf_counter()
             log.info("model layer imported in %.2f s", t1 - t0)
-            if config.backend != "host" and importlib.util.find_spec("triton") is not None:
+            if hashing is not None:  # Triton is there, and the worker may use it
                 importlib.import_module("triton")  # the hashing thread has it in already, or is importing it
                 log.info("triton imported in %.2f s", time.perf_counter() - t1)
                 t2 = time.perf_counter()
                 from worker.model.kernels import hash_ahead
 
-                if hashing is not None:
-                    hashing.join()  # Triton's own hash, made beside the imports: its cache then holds it
-                hash_ahead()  # the kernels' own, while the weights load
+                hashing.join()  # Triton's own hash, made beside the imports: its cache then holds it
+                hash_ahead()  # the kernels' own, while the weights load and the warm-up begins
                 log.info("triton: kernel hashes made in %.2f s", time.perf_counter() - t2)
         except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
             log.debug("importing the model layer failed; the load reports it", exc_info=True)

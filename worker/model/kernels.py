@@ -29,6 +29,8 @@ from worker.model.paged_attention import graphs_supported, next_pow2, torch_page
 
 _compiled: dict[str, Any] = {}
 _building = threading.Lock()
+_hashing = threading.Lock()
+"""Held while :func:`hash_ahead` hashes: a second caller waits for the first one's hashes."""
 
 
 def _build() -> dict[str, Any]:
@@ -160,16 +162,21 @@ def hash_ahead() -> None:
     before the model is loaded makes them meanwhile. Both are memoised in the process; a launch that
     asks while this thread still hashes may make the same hash again (Triton's own is a plain
     ``lru_cache``), which costs time, never correctness. ``triton_key`` is Triton's internal
-    (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it."""
-    with contextlib.suppress(ImportError):
-        from triton.runtime.cache import triton_key
+    (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it.
 
-        triton_key()
-    from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
+    A second call waits for the first and then finds every hash made: the warm-up calls it before
+    its first launch (worker/model/runner.py), so that it waits for the import thread's hashes
+    rather than making them a second time beside it, both on the GIL."""
+    with _hashing:
+        with contextlib.suppress(ImportError):
+            from triton.runtime.cache import triton_key
 
-    _kernel("rms_norm")  # builds them all
-    for kernel in (*_compiled.values(), paged_decode_kernel, paged_tile_kernel):
-        kernel.cache_key  # noqa: B018 - a memoised property: the hash is the point
+            triton_key()
+        from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
+
+        _kernel("rms_norm")  # builds them all
+        for kernel in (*_compiled.values(), paged_decode_kernel, paged_tile_kernel):
+            kernel.cache_key  # noqa: B018 - a memoised property: the hash is the point
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
