@@ -48,6 +48,8 @@ FRONT_WAIT_LOG_S = 30.0
 SERVICE_NAME = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
 """What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
+STARTUP_SWITCH_INTERVAL_S = 0.0005
+"""The GIL's switch interval while the model layer imports (Python's default: 5 ms); see import_model_layer."""
 
 
 def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None = None) -> threading.Thread:
@@ -63,7 +65,13 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     """
 
     hashing = None
+    switch_interval = sys.getswitchinterval()
     if config.backend != "host" and importlib.util.find_spec("triton") is not None:
+        # Triton's own hash reads and hashes its shared library (~400 MB) without the GIL, but takes
+        # the GIL back twice per MB; while ``import torch`` holds it, each take waits up to the switch
+        # interval (5 ms): up to seconds in all. A shorter one while the imports run lets it finish
+        # beside them; put back when this thread ends.
+        sys.setswitchinterval(STARTUP_SWITCH_INTERVAL_S)
         hashing = threading.Thread(target=_hash_triton, name="memsvc-triton-hash", daemon=True)
         hashing.start()
 
@@ -92,6 +100,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
         finally:
             if hashing is not None:
                 hashing.join()  # this thread's end is the whole import's (serve() joins it before exiting)
+                sys.setswitchinterval(switch_interval)
 
     thread = threading.Thread(target=run, name="memsvc-import", daemon=True)
     thread.start()
