@@ -80,6 +80,7 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     "allocator": re.compile(r"allocator: \w+ backend ready in (?P<s>[\d.]+) s"),
     "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
     "read_ahead": re.compile(r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read in (?P<s>[\d.]+) s"),
+    "staged": re.compile(r"checkpoint staging: (?P<gb>[\d.]+) GB on the device in (?P<s>[\d.]+) s"),
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
     "triton_hashed": re.compile(r"triton: kernel hashes made in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
@@ -609,6 +610,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "first_token_s",
             "weights_loaded_s",
             "model_layer_imported_at_s",
+            "staged_at_s",
             "graphs_done_at_s",
             "graph_capture_s",
             "allocator_s",
@@ -741,6 +743,7 @@ def format_table(res: dict[str, Any]) -> str:
     rows = [
         ("worker: spawn -> listening", wk.get("listening_s_median")),
         ("worker: allocator (CUDA context, pools)", wk.get("allocator_s_median")),
+        ("worker: spawn -> checkpoint staged on the device", wk.get("staged_at_s_median")),
         ("worker: spawn -> model layer imported", wk.get("model_layer_imported_at_s_median")),
         ("worker: weights load (its log)", wk.get("weights_loaded_s_median")),
         ("worker: model built (KV, weights, the rest)", wk.get("model_built_s_median")),

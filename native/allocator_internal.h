@@ -148,6 +148,30 @@ int disk_restore(msv_allocator *a, arena *ar);
 /* Close the backup's file (restored, demoted, or destroyed); it was unlinked when made. */
 void disk_drop(msv_allocator *a, arena *ar);
 
+/* ---- filestream.c: files into device memory through page-locked staging chunks ---- */
+#define IO_PIECE (16ull << 20) /* one pread/pwrite; the pieces of a chunk go to several threads */
+#define RING 3                 /* staging chunks: one being filled, one in flight, one spare */
+typedef struct {
+  msv_hchunk *slot[RING];
+  uint64_t fence[RING];
+} ring;
+/* All n bytes at off, through short counts and signals; an errno (EIO: the file ended first), or 0. */
+int io_all(int fd, int writing, char *p, uint64_t n, uint64_t off);
+/* Chunk ci's staging slot, once the copy last marked on it is done (the slot taken on first use). */
+int ring_slot(msv_allocator *a, ring *r, size_t ci, msv_hchunk **out);
+/* Mark chunk ci's slot busy until the copies enqueued so far on the backend's stream are done. */
+int ring_mark(msv_allocator *a, ring *r, size_t ci);
+/* Wait for the copies, give the slots back to the host pool. */
+void ring_done(msv_allocator *a, ring *r);
+/* Called on stream_file's thread with chunk ci read into host; done with it when it returns. */
+typedef int (*chunk_put)(msv_allocator *a, size_t ci, char *host, void *ctx);
+/* Read [base, base + total) of fd with `threads` readers, chunk by chunk of the host pool's chunk size
+ * (each chunk's length rounded up to `align`, for O_DIRECT), handing each chunk to put in order. A
+ * failed read returns MSV_E_BACKEND with its errno in *io_errno and no message set (the caller says
+ * what the file was); put's failure is returned as it is. */
+int stream_file(msv_allocator *a, int fd, uint64_t base, uint64_t total, uint64_t align, int threads,
+                chunk_put put, void *ctx, int *io_errno);
+
 /* ---- checksums.c: the per-allocation sums of a backup ---- */
 int checksum_arena(msv_allocator *a, int idx, uint64_t **sums_out, size_t *n_out);
 void keep_sums(msv_allocator *a, int idx, const uint64_t *sums);

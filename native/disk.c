@@ -24,9 +24,7 @@
 #include "allocator_internal.h"
 
 #define DISK_ALIGN 4096u          /* O_DIRECT: offsets, lengths and buffers aligned to this */
-#define IO_PIECE (16ull << 20)    /* one pread/pwrite; pieces of a chunk go to several threads */
 #define IO_THREADS 8              /* requests in flight: what an NVMe drive needs to reach its rate */
-#define RING 3                    /* staging chunks: one being filled, one in flight, one spare */
 
 /* ---- files ---- */
 
@@ -54,20 +52,6 @@ static int disk_open(msv_allocator *a, int *fd_out, int *direct) {
   }
   *fd_out = fd;
   return MSV_OK;
-}
-
-/* All n bytes at off, through short counts and signals; an errno, or 0. */
-static int io_all(int fd, int writing, char *p, uint64_t n, uint64_t off) {
-  while (n) {
-    ssize_t r = writing ? pwrite(fd, p, n, (off_t)off) : pread(fd, p, n, (off_t)off);
-    if (r < 0) {
-      if (errno == EINTR) continue;
-      return errno;
-    }
-    if (r == 0) return writing ? ENOSPC : EIO; /* a read past the end: the file was cut short */
-    p += r, n -= (uint64_t)r, off += (uint64_t)r;
-  }
-  return 0;
 }
 
 typedef struct {
@@ -124,39 +108,6 @@ static uint64_t chunk_io_len(uint64_t total, uint64_t cb, size_t ci) {
 
 static uint64_t pieces_total(const arena *ar) {
   return ar->n_pieces ? ar->pieces[ar->n_pieces - 1].dst + ar->pieces[ar->n_pieces - 1].size : 0;
-}
-
-/* ---- the staging ring ---- */
-
-typedef struct {
-  msv_hchunk *slot[RING];
-  uint64_t fence[RING];
-} ring;
-
-static int ring_slot(msv_allocator *a, ring *r, size_t ci, msv_hchunk **out) {
-  int s = (int)(ci % RING);
-  if (r->fence[s]) { /* its last copy must be done before the slot is reused */
-    int rc = a->b->fence_wait(a->b, r->fence[s]);
-    r->fence[s] = 0;
-    if (rc) return rc;
-  }
-  if (!r->slot[s]) {
-    int rc = msv_hostpool_get(&a->hp, a->hp.chunk_bytes, &r->slot[s]);
-    if (rc) return rc;
-  }
-  *out = r->slot[s];
-  return MSV_OK;
-}
-
-static int ring_mark(msv_allocator *a, ring *r, size_t ci) { return a->b->fence(a->b, 0, &r->fence[ci % RING]); }
-
-static void ring_done(msv_allocator *a, ring *r) {
-  a->b->sync(a->b, 0);
-  for (int s = 0; s < RING; s++) {
-    if (r->fence[s]) a->b->fence_release(a->b, r->fence[s]);
-    if (r->slot[s]) msv_hostpool_put(&a->hp, r->slot[s]);
-  }
-  msv_hostpool_trim_async(&a->hp);
 }
 
 /* The pieces of chunk ci as copy items between the device and `host` (the chunk's staging), clipped
@@ -283,113 +234,30 @@ void disk_abandon(arena *ar) {
 
 /* ---- wake ---- */
 
-/* The wake's reads, which run ahead of its copies: readers take the file's 16 MiB pieces in order
- * across chunk boundaries (a drive kept busy needs its queue full at every chunk's end), each into
- * its chunk's staging slot once the main thread has freed that slot (its last copy is done). */
 typedef struct {
-  msv_allocator *a;
-  int fd;
-  uint64_t total, cb;
-  size_t nchunks, next; /* next: the next piece to take, counted over the whole file */
-  size_t free_upto;     /* chunks below this may be read (their slot is free) */
-  size_t *left;         /* pieces of each chunk not yet read */
-  char *slot[RING];
-  int err, stop;
-  pthread_mutex_t mu;
-  pthread_cond_t cv;
-} restore_job;
+  arena *ar;
+  msv_copy_item *items;
+  size_t pi;
+} restore_ctx;
 
-static size_t chunk_pieces(const restore_job *j, size_t ci) {
-  return (chunk_io_len(j->total, j->cb, ci) + IO_PIECE - 1) / IO_PIECE;
-}
-
-static void *restore_reader(void *arg) {
-  restore_job *j = (restore_job *)arg;
-  size_t per = (j->cb + IO_PIECE - 1) / IO_PIECE; /* pieces of a full chunk */
-  pthread_mutex_lock(&j->mu);
-  for (;;) {
-    while (!j->err && !j->stop && j->next / per < j->nchunks && j->next / per >= j->free_upto)
-      pthread_cond_wait(&j->cv, &j->mu);
-    size_t ci = j->next / per, k = j->next % per; /* after the wait: others took pieces meanwhile */
-    if (j->err || j->stop || ci >= j->nchunks) break;
-    if (k >= chunk_pieces(j, ci)) { /* past the last chunk's end */
-      j->next = (ci + 1) * per;
-      continue;
-    }
-    j->next++;
-    char *buf = j->slot[ci % RING];
-    pthread_mutex_unlock(&j->mu);
-    uint64_t len = chunk_io_len(j->total, j->cb, ci), at = k * IO_PIECE;
-    uint64_t n = len - at < IO_PIECE ? len - at : IO_PIECE;
-    int e = io_all(j->fd, 0, buf + at, n, ci * j->cb + at);
-    pthread_mutex_lock(&j->mu);
-    if (e && !j->err) j->err = e;
-    if (!e && --j->left[ci] == 0) pthread_cond_broadcast(&j->cv);
-    if (e) pthread_cond_broadcast(&j->cv);
-  }
-  pthread_mutex_unlock(&j->mu);
-  return NULL;
+/* Chunk ci of the backup read: its pieces copied in (nothing past the frontier), then waited for. */
+static int restore_chunk(msv_allocator *a, size_t ci, char *host, void *arg) {
+  restore_ctx *x = (restore_ctx *)arg;
+  arena *ar = x->ar;
+  size_t n = chunk_items(ar->pieces, ar->n_pieces, &x->pi, a->hp.chunk_bytes, ci, host, 0, ar->base,
+                         ar->base + ar->frontier, x->items);
+  int rc = a->b->copy(a->b, x->items, n, MSV_COPY_LOOP, 0);
+  return rc ? rc : a->b->sync(a->b, 0); /* a 256 MiB copy: ~5 ms at line rate, while the reads go on */
 }
 
 int disk_restore(msv_allocator *a, arena *ar) {
-  uint64_t cb = a->hp.chunk_bytes, total = pieces_total(ar);
-  size_t nchunks = (total + cb - 1) / cb;
-  msv_copy_item *items = malloc((ar->n_pieces ? ar->n_pieces : 1) * sizeof *items);
-  size_t *left = calloc(nchunks ? nchunks : 1, sizeof *left);
-  if (!items || !left) {
-    free(items), free(left);
-    return msv_fail(MSV_E_OOM, "out of host memory for the copy list of tag '%s'", ar->tag);
-  }
+  restore_ctx x = {ar, malloc((ar->n_pieces ? ar->n_pieces : 1) * sizeof(msv_copy_item)), 0};
+  if (!x.items) return msv_fail(MSV_E_OOM, "out of host memory for the copy list of tag '%s'", ar->tag);
   double t0 = now_s();
-  ring r;
-  memset(&r, 0, sizeof r);
-  restore_job j = {a, ar->disk_fd, total, cb, nchunks, 0, 0, left, {0}, 0, 0,
-                   PTHREAD_MUTEX_INITIALIZER, PTHREAD_COND_INITIALIZER};
-  int rc = MSV_OK;
-  for (size_t ci = 0; ci < nchunks; ci++) left[ci] = chunk_pieces(&j, ci);
-  for (int s = 0; s < RING && (size_t)s < nchunks && !rc; s++) { /* a small tag takes fewer slots */
-    msv_hchunk *c = NULL;
-    if ((rc = ring_slot(a, &r, (size_t)s, &c))) break;
-    j.slot[s] = c->ptr;
-  }
-  pthread_t tid[IO_THREADS];
-  int started = 0;
-  if (!rc) {
-    j.free_upto = RING;
-    for (int t = 0; t < IO_THREADS; t++) {
-      if (pthread_create(&tid[started], NULL, restore_reader, &j) != 0) break;
-      started++;
-    }
-    if (!started) rc = msv_fail(MSV_E_BACKEND, "cannot start a thread to read tag '%s' back from disk", ar->tag);
-  }
-  size_t pi = 0;
-  for (size_t ci = 0; ci < nchunks && !rc; ci++) { /* chunk ci read: copy it in, then free its slot */
-    pthread_mutex_lock(&j.mu);
-    while (!j.err && left[ci]) pthread_cond_wait(&j.cv, &j.mu);
-    int err = j.err;
-    pthread_mutex_unlock(&j.mu);
-    if (err) {
-      rc = disk_error(a, err, "reading a backup back");
-      break;
-    }
-    char *host = j.slot[ci % RING];
-    size_t n = chunk_items(ar->pieces, ar->n_pieces, &pi, cb, ci, host, 0, ar->base, ar->base + ar->frontier, items);
-    if ((rc = a->b->copy(a->b, items, n, MSV_COPY_LOOP, 0))) break;
-    if ((rc = a->b->sync(a->b, 0))) break; /* a 256 MiB copy: ~5 ms at line rate, while the reads go on */
-    pthread_mutex_lock(&j.mu);
-    j.free_upto = ci + 1 + RING;
-    pthread_cond_broadcast(&j.cv);
-    pthread_mutex_unlock(&j.mu);
-  }
-  pthread_mutex_lock(&j.mu);
-  j.stop = 1;
-  pthread_cond_broadcast(&j.cv);
-  pthread_mutex_unlock(&j.mu);
-  for (int t = 0; t < started; t++) pthread_join(tid[t], NULL);
-  pthread_mutex_destroy(&j.mu);
-  pthread_cond_destroy(&j.cv);
-  ring_done(a, &r);
-  free(items), free(left);
+  int err = 0;
+  int rc = stream_file(a, ar->disk_fd, 0, pieces_total(ar), DISK_ALIGN, IO_THREADS, restore_chunk, &x, &err);
+  free(x.items);
+  if (err) return disk_error(a, err, "reading a backup back");
   if (!rc) {
     a->ctr.bytes_from_disk += ar->disk_len;
     a->ctr.last_disk_read_seconds = now_s() - t0;

@@ -231,6 +231,16 @@ void msv_host_prepin_cancel(msv_allocator *a);
 int msv_host_alloc(msv_allocator *a, size_t size, uint64_t *out);
 int msv_host_free(msv_allocator *a, uint64_t addr);
 
+/* Checkpoint staging (filestream.c): [offset, offset + length) of the file fd, read with `threads`
+ * readers into device memory of its own (mapped for it, outside every tag and the allocation table),
+ * so the model's weights can be copied from there device to device once torch is in. The caller
+ * owns the result until msv_unstage, which waits for all device work and unmaps it. */
+typedef struct {
+  uint64_t addr, size, handle;
+} msv_staged;
+int msv_stage_file(msv_allocator *a, int fd, uint64_t offset, uint64_t length, int threads, msv_staged *out);
+int msv_unstage(msv_allocator *a, const msv_staged *s);
+
 /* Validated batched copy: every range must lie inside one live, resident allocation or host
  * buffer of this allocator; destinations must not overlap. Nothing moves if any item is bad. */
 int msv_copy_blocks(msv_allocator *a, const uint64_t *src, const uint64_t *dst, const uint64_t *sizes, size_t n,

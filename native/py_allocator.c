@@ -104,7 +104,7 @@ static PyObject *Allocator_tensor(AllocatorObject *self, PyObject *args) {
   }
   msv_backend *b = msv_get_backend(a);
   int cuda = b->kind == MSV_BACKEND_CUDA;
-  PyObject *cap = make_capsule(a, p, 0, shape, code, bits, cuda ? 2 : 1, cuda ? b->device : 0);
+  PyObject *cap = make_capsule(a, OWN_POOL, (msv_staged){p, 0, 0}, shape, code, bits, cuda ? 2 : 1, cuda ? b->device : 0);
   msv_release(a); /* the capsule holds its own reference; on failure it already freed p */
   return cap;
 }
@@ -126,8 +126,38 @@ static PyObject *Allocator_host_tensor(AllocatorObject *self, PyObject *args) {
     msv_release(a);
     return raise_last();
   }
-  PyObject *cap = make_capsule(a, p, 1, shape, code, bits, 1, 0);
+  PyObject *cap = make_capsule(a, OWN_HOST, (msv_staged){p, 0, 0}, shape, code, bits, 1, 0);
   msv_release(a); /* the capsule holds its own reference; on failure it already freed p */
+  return cap;
+}
+
+/* stage_file(fd, offset, length, threads) -> capsule of a uint8 [length] tensor on the device holding
+ * those bytes of the file (filestream.c); its memory is unmapped when the tensor dies */
+static PyObject *Allocator_stage_file(AllocatorObject *self, PyObject *args) {
+  int fd, threads;
+  long long offset, length;
+  if (!PyArg_ParseTuple(args, "iLLi", &fd, &offset, &length, &threads)) return NULL;
+  msv_allocator *a = allocator_of(self);
+  if (!a) return NULL;
+  if (offset < 0 || length <= 0)
+    return PyErr_Format(g_err[MSV_E_INVALID], "a file range to stage needs offset >= 0 and length > 0, got %lld, %lld",
+                        offset, length);
+  msv_staged mem;
+  int rc;
+  msv_retain(a);
+  Py_BEGIN_ALLOW_THREADS rc = msv_stage_file(a, fd, (uint64_t)offset, (uint64_t)length, threads, &mem);
+  Py_END_ALLOW_THREADS if (rc) {
+    msv_release(a);
+    return raise_last();
+  }
+  msv_backend *b = msv_get_backend(a);
+  int cuda = b->kind == MSV_BACKEND_CUDA;
+  PyObject *shape = Py_BuildValue("(L)", length);
+  PyObject *cap = shape ? make_capsule(a, OWN_STAGED, mem, shape, 1 /* kDLUInt */, 8, cuda ? 2 : 1, cuda ? b->device : 0)
+                        : NULL;
+  if (!shape) msv_unstage(a, &mem);
+  Py_XDECREF(shape);
+  msv_release(a);
   return cap;
 }
 
@@ -210,6 +240,8 @@ static PyMethodDef Allocator_methods[] = {
     {"free", (PyCFunction)Allocator_free, METH_VARARGS, "free(address)"},
     {"tensor", (PyCFunction)Allocator_tensor, METH_VARARGS, "tensor(tag, nbytes, shape, code, bits) -> DLPack capsule"},
     {"host_tensor", (PyCFunction)Allocator_host_tensor, METH_VARARGS, "host_tensor(nbytes, shape, code, bits) -> capsule"},
+    {"stage_file", (PyCFunction)Allocator_stage_file, METH_VARARGS,
+     "stage_file(fd, offset, length, threads) -> capsule: file bytes in device memory of their own"},
     {"sleep", (PyCFunction)Allocator_sleep, METH_VARARGS, "sleep([(tag, action), ...])"},
     {"wake", (PyCFunction)Allocator_wake, METH_VARARGS, "wake(tags=None)"},
     {"tag_stats", (PyCFunction)Allocator_tag_stats, METH_VARARGS, "tag_stats(nonblocking=False): per-tag statistics"},

@@ -28,20 +28,21 @@ typedef struct DLManagedTensor {
 typedef struct {
   DLManagedTensor m;
   msv_allocator *alloc;
-  uint64_t addr;
-  int host; /* a host buffer rather than a pool allocation */
+  own_kind kind;
+  msv_staged mem;
   int64_t shape[];
 } owned_tensor;
 
-static void free_owned(msv_allocator *a, uint64_t addr, int host) {
-  if (host) msv_host_free(a, addr);
-  else msv_free(a, addr);
+static void free_owned(msv_allocator *a, own_kind kind, const msv_staged *mem) {
+  if (kind == OWN_HOST) msv_host_free(a, mem->addr);
+  else if (kind == OWN_STAGED) msv_unstage(a, mem);
+  else msv_free(a, mem->addr);
 }
 
 /* Called by the consumer (torch) when the tensor dies, possibly without the GIL: C only. */
 static void owned_deleter(DLManagedTensor *m) {
   owned_tensor *t = (owned_tensor *)m;
-  free_owned(t->alloc, t->addr, t->host);
+  free_owned(t->alloc, t->kind, &t->mem);
   msv_release(t->alloc);
   free(t);
 }
@@ -53,16 +54,16 @@ static void capsule_destructor(PyObject *cap) {
   }
 }
 
-PyObject *make_capsule(msv_allocator *a, uint64_t addr, int host, PyObject *shape, int code, int bits,
+PyObject *make_capsule(msv_allocator *a, own_kind kind, msv_staged mem, PyObject *shape, int code, int bits,
                        int device_type, int device_id) {
   Py_ssize_t nd = PySequence_Size(shape);
   if (nd < 0) {
-    free_owned(a, addr, host);
+    free_owned(a, kind, &mem);
     return NULL;
   }
   owned_tensor *t = calloc(1, sizeof *t + (size_t)(nd ? nd : 1) * sizeof(int64_t));
   if (!t) {
-    free_owned(a, addr, host);
+    free_owned(a, kind, &mem);
     return raise_no_memory("a tensor's DLPack record");
   }
   for (Py_ssize_t i = 0; i < nd; i++) {
@@ -71,11 +72,11 @@ PyObject *make_capsule(msv_allocator *a, uint64_t addr, int host, PyObject *shap
     Py_XDECREF(it);
     if (PyErr_Occurred()) {
       free(t);
-      free_owned(a, addr, host);
+      free_owned(a, kind, &mem);
       return NULL;
     }
   }
-  t->m.dl_tensor.data = (void *)(uintptr_t)addr;
+  t->m.dl_tensor.data = (void *)(uintptr_t)mem.addr;
   t->m.dl_tensor.device = (DLDevice){device_type, device_id};
   t->m.dl_tensor.ndim = (int32_t)nd;
   t->m.dl_tensor.dtype = (DLDataType){(uint8_t)code, (uint8_t)bits, 1};
@@ -83,8 +84,8 @@ PyObject *make_capsule(msv_allocator *a, uint64_t addr, int host, PyObject *shap
   t->m.dl_tensor.strides = NULL; /* compact row-major */
   t->m.deleter = owned_deleter;
   t->alloc = a;
-  t->addr = addr;
-  t->host = host;
+  t->kind = kind;
+  t->mem = mem;
   msv_retain(a);
   PyObject *cap = PyCapsule_New(&t->m, "dltensor", capsule_destructor);
   if (!cap) owned_deleter(&t->m);

@@ -24,8 +24,11 @@ PyObject *raise_last(void);
 PyObject *raise_no_memory(const char *what);
 
 /* ---- py_dlpack.c ---- */
-/* A DLPack capsule owning allocation (or, with `host`, host buffer) `addr`; frees it on failure. */
-PyObject *make_capsule(msv_allocator *a, uint64_t addr, int host, PyObject *shape, int code, int bits,
+/* What a capsule owns and frees when its tensor dies: a pool allocation, a host buffer, or a staged
+ * file (only a staged file uses mem's size and handle). */
+typedef enum { OWN_POOL, OWN_HOST, OWN_STAGED } own_kind;
+/* A DLPack capsule owning `mem` (at mem.addr); frees it on failure. */
+PyObject *make_capsule(msv_allocator *a, own_kind kind, msv_staged mem, PyObject *shape, int code, int bits,
                        int device_type, int device_id);
 
 /* ---- py_buffers.c: arrays out of Python arguments ---- */

@@ -67,6 +67,12 @@ class HungMount:
     def hung(self) -> bool:
         return (self.seen / "hung").exists()
 
+    @property
+    def worker_args(self) -> list[str]:
+        """A worker's flags to load this checkpoint: without the start-up staging, whose reads are
+        native (worker/staging.py) and so never meet the ``os.preadv`` wrapper that hangs."""
+        return ["--model", str(self.root), "--no-checkpoint-staging"]
+
     def env(self) -> dict[str, str]:
         path = os.pathsep.join(p for p in (str(self.site), os.environ.get("PYTHONPATH", "")) if p)
         return {"PYTHONPATH": path, "TEST_HANG_UNDER": str(self.root), "TEST_HANG_SEEN": str(self.seen)}

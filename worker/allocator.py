@@ -288,6 +288,13 @@ class MemoryAllocator:
             return torch.empty(dims, dtype=dtype)
         return from_dlpack(self._native.host_tensor(nbytes, list(dims), code, bits))
 
+    def stage_file(self, fd: int, offset: int, length: int, threads: int) -> Any:
+        """``length`` bytes of the file ``fd`` from ``offset``, read into device memory of their own
+        (outside every tag) with ``threads`` readers, without the GIL and without torch
+        (worker/staging.py says why): a DLPack capsule of a uint8 tensor of those bytes, whose memory
+        is unmapped when that tensor dies (or the capsule, if it never becomes one)."""
+        return self._native.stage_file(fd, offset, length, threads)
+
     @property
     def torch_device(self) -> torch.device:
         import torch

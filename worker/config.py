@@ -61,6 +61,13 @@ class WorkerConfig:
         on_off=True,
     )
     """Ignored on the host backend, and for models the Triton kernels do not suit."""
+    checkpoint_staging: bool = setting(
+        True,
+        "copy the checkpoint into device memory while torch is imported, when the page cache holds it and the "
+        "device has room for it beside the weights; the load then copies on the device",
+        on_off=True,
+    )
+    """worker/staging.py says why and when; off, the load reads the files after the imports."""
     host_capacity_bytes: int = setting(
         8 << 30, "host backend: device size", parse=parse_bytes, flag="--host-capacity", text="8GiB"
     )

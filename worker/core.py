@@ -53,6 +53,7 @@ from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop, LoopPost
 from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
+from worker.staging import CheckpointStaging
 from worker.state_machine import Job, WorkerStateMachine
 from worker.status import DeviceInfo, Generation, ServedModel, Status, Transition
 from worker.swaps import SwapPipeline
@@ -157,6 +158,9 @@ class WorkerCore:
                 )
             )
             log.info("allocator: %s backend ready in %.2f s", self.alloc.backend, time.perf_counter() - t0)
+            # the shards into device memory while the model layer imports, where they are in the page
+            # cache and the device has room (worker/staging.py); the first load copies from there
+            staging = CheckpointStaging(self.alloc, c.model).start() if c.checkpoint_staging else None
             # After the allocator (its CUDA context made without the GIL): torch meanwhile imports on
             # worker/main.py's thread, and these wait for what is left of it.
             from worker.model import hub
@@ -167,7 +171,7 @@ class WorkerCore:
 
             # the loader keeps its staging ring for level-2 wakes and ReloadWeights (allocator memory:
             # pre-faulted and page-locked by native/hostmem.c, counted in host_pinned_bytes)
-            self._loader = StreamingLoader(self.alloc, stall_s=c.read_timeout)
+            self._loader = StreamingLoader(self.alloc, stall_s=c.read_timeout, staging=staging)
             if self._loads_cancelled:
                 self._loader.cancel()
             loader = self._loader
@@ -195,16 +199,14 @@ class WorkerCore:
                 max_step_tokens=c.max_step_tokens,
                 cuda_graphs=graphs,
                 defer_graph_capture=True,
-                # the first request must not pay for compiling kernels: warmed up while the weights load
-                warm_up=self.alloc.backend == "cuda",
             )
             if self.runner.graphs is not None and CUDA_GRAPHS not in self.alloc.stats().tags:
                 # captured in the background, once serving: the tag exists (empty) from the start, so
                 # a Sleep or WakeUp naming it does not depend on how far the capture got
                 self.alloc.register_tag(CUDA_GRAPHS)
-            if self.runner.warm_up_seconds is not None:
+            if self.alloc.backend == "cuda":  # the first request must not pay for compiling kernels
                 captured = " and the one-sequence decode captured" if self.runner.graphs is not None else ""
-                log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up_seconds)
+                log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up())
             self._host_release = HostRelease(self.alloc, self._device_loop, self._loop, self.runner.engine.last_busy)
             self._device = self._describe_device()
             self._model_info = self._served_model(c.resolved_served_model_name())

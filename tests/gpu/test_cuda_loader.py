@@ -1,7 +1,7 @@
 """The streaming checkpoint loader onto the cuda backend: every tensor byte for byte what
 ``safetensors.torch.load_file`` reads, through the allocator's page-locked ring and torch's pinned
-one, from the page cache and with O_DIRECT, and ordered after the work already queued on the
-caller's stream."""
+one, from the page cache and with O_DIRECT, or from the shards staged in device memory first
+(worker/staging.py), and ordered after the work already queued on the caller's stream."""
 
 from __future__ import annotations
 
@@ -29,6 +29,7 @@ from safetensors.torch import load_file, save_file  # noqa: E402
 
 from worker.allocator import AllocatorConfig, MemoryAllocator  # noqa: E402
 from worker.model.loader import INDEX_FILE, IoMode, StreamingLoader  # noqa: E402
+from worker.staging import CheckpointStaging  # noqa: E402
 
 MiB = 1 << 20
 CHUNK = 4 * MiB
@@ -130,3 +131,32 @@ def test_converts_a_file_dtype_on_the_device(cuda_alloc: MemoryAllocator, tmp_pa
     assert stats.converted == len(shapes)
     for n in shapes:
         assert _same_bytes(dst[n], ref[n].to(torch.bfloat16)), n
+
+
+@pytest.mark.parametrize("file_dtype", [None, torch.float32])
+def test_loads_from_shards_staged_in_device_memory_which_are_then_unmapped(
+    cuda_alloc: MemoryAllocator, tmp_path: Path, file_dtype: torch.dtype | None
+) -> None:
+    """The shards staged natively (page cache, page-locked chunks, device), then each tensor copied
+    on the device, converted where the file's dtype differs, after the work queued on the caller's
+    stream; no file read, and the staged memory unmapped by the end of the load."""
+    shapes = _checkpoint(tmp_path, file_dtype)
+    ref = _reference(tmp_path)
+    dtype = torch.bfloat16 if file_dtype is not None else None
+    dst = {n: cuda_alloc.empty(shapes[n], dtype or ref[n].dtype, tag="weights") for n in shapes}
+    torch.cuda.synchronize()
+    before = cuda_alloc.stats().device_free_bytes
+    staging = CheckpointStaging(cuda_alloc, str(tmp_path), threads=4).start()
+    assert staging.wait(120) and staging.why_not == "", staging.why_not
+    in_files = sum(f.stat().st_size for f in tmp_path.glob("*.safetensors"))
+    assert cuda_alloc.stats().device_free_bytes <= before - in_files
+    torch.cuda._sleep(100_000_000)  # type: ignore[no-untyped-call]  # unannotated in torch
+    for t in dst.values():
+        t.fill_(PATTERN)
+    stats = StreamingLoader(cuda_alloc, threads=4, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, shapes)
+    torch.cuda.synchronize()
+    for n in shapes:
+        assert _same_bytes(dst[n], ref[n].to(dtype) if dtype else ref[n]), n
+    assert stats.staged_bytes == stats.bytes and stats.read_bytes == 0
+    # back, but for what torch's caching allocator kept of a conversion's temporaries
+    assert cuda_alloc.stats().device_free_bytes >= before - (64 << 20)

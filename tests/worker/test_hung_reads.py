@@ -135,7 +135,7 @@ def test_cancel_ends_a_load_stuck_in_a_read_at_once(
 def test_a_worker_whose_checkpoint_read_hangs_at_start_exits_2_naming_it(tmp_path: Path) -> None:
     mount = HungMount(tmp_path, "ckpt")
     mount.hang()
-    wp = WorkerProcess(["--model", str(mount.root), "--read-timeout", "1"], env=mount.env())
+    wp = WorkerProcess([*mount.worker_args, "--read-timeout", "1"], env=mount.env())
     try:
         Proc.start(wp)  # not WorkerProcess.start: no 'ready' is coming
         rc = wp.wait(WAIT_S + 30)
@@ -150,7 +150,7 @@ def test_a_worker_whose_checkpoint_read_hangs_at_start_exits_2_naming_it(tmp_pat
 def test_sigterm_stops_a_worker_whose_load_hangs(tmp_path: Path) -> None:
     mount = HungMount(tmp_path, "ckpt")
     mount.hang()
-    wp = WorkerProcess(["--model", str(mount.root)], env=mount.env())  # the default 60 s bound
+    wp = WorkerProcess(mount.worker_args, env=mount.env())  # the default 60 s bound
     try:
         Proc.start(wp)  # not WorkerProcess.start: no 'ready' is coming
         eventually(lambda: mount.hung, "the load's read to hang")

@@ -47,7 +47,6 @@ import dataclasses
 import gc
 import json
 import shutil
-import threading
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass, field
@@ -61,7 +60,6 @@ from conftest import AllocatorFactory
 from hf_models import init_weights
 from workerproc import WorkerProcess
 
-from memsvc.errors import InvalidArgument
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import _native
@@ -631,50 +629,6 @@ def test_steps_replayed_from_cuda_graphs_match_transformers(
     gc.collect()
     assert replays >= NEW // 2
     assert tokens == (ref.tokens, ref.tokens), f"{case}: {tokens} against transformers' {ref.tokens}"
-
-
-def test_a_runner_warmed_up_while_its_weights_load_gives_transformers_tokens(zoo: Zoo, alloc: MemoryAllocator) -> None:
-    """``ModelRunner(warm_up=True)``, as the worker builds its model on CUDA: the warm-up's steps run
-    on weights still being written, on this thread, while a thread of the runner's loads them. What
-    the warm-up leaves (compiled kernels, on CUDA the one-sequence graph) then serves transformers'
-    greedy tokens, in float32, and replays that graph."""
-    ref = zoo.reference("llama3-untied", "float32", alloc.torch_device.type)
-    path = ref.dirs["transformers5"]
-    graphs = alloc.backend == "cuda" and graphs_supported(read_config(path))
-    runner = ModelRunner(
-        alloc,
-        str(path),
-        num_device_blocks=32,
-        num_host_blocks=0,
-        block_size=BLOCK_SIZE,
-        max_batch=2,
-        cuda_graphs=graphs,
-        defer_graph_capture=True,
-        warm_up=True,
-    )
-    warmed, tokens = runner.warm_up_seconds, runner.generate(PROMPT, NEW)
-    captured, replays = (runner.graphs.captured, runner.graphs.replays) if runner.graphs is not None else (set(), 0)
-    del runner  # before the assertions: a failure's traceback would keep its tensors past the allocator's close
-    gc.collect()
-    assert warmed is not None and warmed > 0
-    assert tokens == ref.tokens
-    if graphs:
-        assert 1 in captured and replays >= NEW - 1, (captured, replays)
-
-
-def test_a_load_that_fails_beside_the_warm_up_raises_its_error_once_both_have_ended(
-    zoo: Zoo, host_alloc: MemoryAllocator, tmp_path: Path
-) -> None:
-    """A shard cut short: the constructor raises the load's error (not a warm-up's on half-read
-    weights), and its loading thread has ended by then, so nothing writes into the weights after."""
-    path = tmp_path / "cut"
-    shutil.copytree(zoo.dirs("llama3-untied", "float32")["transformers5"], path)
-    (shard,) = path.glob("*.safetensors")
-    with shard.open("r+b") as f:
-        f.truncate(shard.stat().st_size - 4096)
-    with pytest.raises(InvalidArgument, match="safetensors"):
-        ModelRunner(host_alloc, str(path), num_device_blocks=16, num_host_blocks=0, block_size=BLOCK_SIZE, warm_up=True)
-    assert not [t for t in threading.enumerate() if t.name == "memsvc-weights"]
 
 
 # ---- numerics, through the worker's RPC ----

@@ -81,7 +81,7 @@ def test_a_call_while_the_model_loads_is_unavailable_with_a_retry_delay_and_succ
     same Generate succeeds."""
     mount = HungMount(tmp_path, "ckpt")
     mount.hang()
-    wp = WorkerProcess(["--model", str(mount.root)], env=mount.env())
+    wp = WorkerProcess(mount.worker_args, env=mount.env())
     try:
         Proc.start(wp)  # not WorkerProcess.start: 'ready' comes once the mount recovers
         (listening,) = wp.wait_lines([_LISTENING], READY_TIMEOUT)
@@ -311,6 +311,8 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     assert run["exit_code"] == 0 and run["graph_captures"] == []  # the host backend has no graphs
     # the checkpoint was just written, so the page cache holds it: the read-ahead finds it and reads nothing
     assert run["read_ahead_gb"] == 0.0 and run["read_ahead_at_s"] <= run["serving_s"]
+    # ... and the staging copies it into the allocator's memory before the load (worker/staging.py)
+    assert run["staged_gb"] >= 0 and run["staged_at_s"] <= run["weights_loaded_at_s"] <= run["serving_s"]
     (theirs,) = res["transformers"]["runs"]
     assert 0 < theirs["loaded_s"] < theirs["first_token_s"] and theirs["from_pretrained_s"] > 0
     assert res["import_torch"]["import_torch_s"] > 0

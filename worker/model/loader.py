@@ -31,6 +31,7 @@ level-2 wake reads it from the disk again (at the disk's rate, not through a sec
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import errno
 import functools
@@ -50,6 +51,7 @@ import torch
 from memsvc.errors import Cancelled, InvalidArgument, NotFound, Unavailable
 from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
 from worker.page_cache import PageCache
+from worker.staging import CheckpointStaging, file_id
 
 if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
@@ -429,6 +431,8 @@ class LoadStats:
     reads: int = 0
     converted: int = 0
     """Tensors written through the slow path: a dtype conversion, or a non-contiguous destination."""
+    staged_bytes: int = 0
+    """Tensor bytes copied from shards staged in device memory (worker/staging.py), not read here."""
     threads: int = 0
     seconds: float = 0.0
 
@@ -565,7 +569,9 @@ class StreamingLoader:
     ``threads``: reader threads (default ``min(16, cpu_count)``); ``chunk_bytes``: one read (a
     multiple of 4096); ``buffers``: ring slots (default ``2 * threads``, at least ``threads``) -
     the spare slots are what lets reads run ahead of the device copies; ``io``: see :data:`IoMode`;
-    ``stall_s``: see :data:`DEFAULT_STALL_S`.
+    ``stall_s``: see :data:`DEFAULT_STALL_S`; ``staging``: the worker's start-up staging of the
+    checkpoint (worker/staging.py), which the first load takes: each tensor of a shard staged in
+    device memory, and unchanged since, is copied from there instead of read from the file.
 
     Bounded: every read of a file (headers, data) runs on a daemon thread the load waits for, so a
     read that never returns fails the load after ``stall_s`` without progress, and :meth:`cancel`
@@ -585,6 +591,7 @@ class StreamingLoader:
         io: IoMode = "auto",
         max_gap_bytes: int = DEFAULT_MAX_GAP_BYTES,
         stall_s: float = DEFAULT_STALL_S,
+        staging: CheckpointStaging | None = None,
     ) -> None:
         threads = min(DEFAULT_THREADS, os.cpu_count() or 1) if threads is None else threads
         if not _is_int(threads) or threads < 1:
@@ -616,6 +623,7 @@ class StreamingLoader:
         """Threads an abandoned load left inside a read: the thread, the file, the checkpoint."""
         self.touched = False
         """The last load wrote into its destination (False: a load that failed left it as it was)."""
+        self._staging = staging
 
     @property
     def staging_bytes(self) -> int:
@@ -834,65 +842,133 @@ class StreamingLoader:
         and the caller must treat them as lost (the worker discards them).
         """
         with self._lock:
-            t0 = time.perf_counter()
-            self.touched = False
-            layout = self.check(path, shapes)
-            stats = LoadStats(tensors=len(layout.tensors))
-            targets: dict[str, torch.Tensor] = {}
-            slow: list[str] = []
-            cuda_device: torch.device | None = None
-            for name, entry in layout.tensors.items():
-                dst = weights.get(name)
-                if dst is None:
-                    raise InvalidArgument(f"checkpoint {layout.root}: no destination tensor for '{name}'")
-                if tuple(dst.shape) != entry.shape:
-                    raise InvalidArgument(
-                        f"checkpoint {layout.root}: tensor '{name}' has shape {entry.shape}, its destination"
-                        f" {tuple(dst.shape)}"
-                    )
-                if dst.device.type == "cuda":
-                    if cuda_device is not None and dst.device != cuda_device:
-                        raise InvalidArgument(f"destinations on two CUDA devices: {cuda_device} and {dst.device}")
-                    cuda_device = dst.device
-                elif dst.device.type != "cpu":
-                    raise InvalidArgument(f"cannot load '{name}' into a tensor on {dst.device}")
-                stats.bytes += dst.numel() * dst.element_size()
-                if dst.numel() == 0:
-                    continue
-                if dst.dtype == entry.torch_dtype and dst.is_contiguous():
-                    targets[name] = dst.detach().reshape(-1).view(torch.uint8)
-                else:
-                    slow.append(name)
-            spans = [(layout.files[n], layout.tensors[n].start, layout.tensors[n].end, n) for n in targets]
-            reads = plan_reads(spans, self.chunk_bytes, self.max_gap_bytes)
-            fast = sum(rd.need for rd in reads)
-            total = fast + sum(layout.tensors[n].nbytes for n in slow)
-            files: dict[Path, _File] = {}
+            staging, self._staging = self._staging, None  # the first load's, whether it gets that far or not
             try:
-                files = self.bounded(
-                    str(layout.root), lambda: self._open_all(layout, [*targets, *slow]), self._close, str(path)
-                )
-                stream = self._stream(cuda_device) if cuda_device is not None else None
-                if reads:
-                    ring = self._ring_for(pinned=cuda_device is not None)
-                    job = _Job(reads, files, targets, queue.SimpleQueue(), stream, root=str(path))
-                    self._run(job, ring, stats, (lambda done: progress(done, total)) if progress else None)
-                done = fast
-                if progress is not None:
-                    progress(done, total)  # the reads are done (a poll may have missed the last of them)
-                for name in slow:
-                    self._convert(
-                        files[layout.files[name]], layout.tensors[name], weights[name], stream, stats, str(path)
-                    )
-                    done += layout.tensors[name].nbytes
-                    if progress is not None:
-                        progress(done, total)
+                return self._load(path, weights, shapes, progress, staging)
             finally:
-                self._close(files)
-            stats.converted = len(slow)
-            stats.seconds = time.perf_counter() - t0
-            self.last_stats = stats
-            return stats
+                if staging is not None:
+                    staging.take(0)  # what it staged, if this load never took it: dropped
+
+    def _load(
+        self,
+        path: str | os.PathLike[str],
+        weights: Mapping[str, torch.Tensor],
+        shapes: Mapping[str, Sequence[int]],
+        progress: Progress | None,
+        staging: CheckpointStaging | None,
+    ) -> LoadStats:
+        t0 = time.perf_counter()
+        self.touched = False
+        layout = self.check(path, shapes)
+        stats = LoadStats(tensors=len(layout.tensors))
+        targets: dict[str, torch.Tensor] = {}
+        slow: list[str] = []
+        cuda_device: torch.device | None = None
+        for name, entry in layout.tensors.items():
+            dst = weights.get(name)
+            if dst is None:
+                raise InvalidArgument(f"checkpoint {layout.root}: no destination tensor for '{name}'")
+            if tuple(dst.shape) != entry.shape:
+                raise InvalidArgument(
+                    f"checkpoint {layout.root}: tensor '{name}' has shape {entry.shape}, its destination"
+                    f" {tuple(dst.shape)}"
+                )
+            if dst.device.type == "cuda":
+                if cuda_device is not None and dst.device != cuda_device:
+                    raise InvalidArgument(f"destinations on two CUDA devices: {cuda_device} and {dst.device}")
+                cuda_device = dst.device
+            elif dst.device.type != "cpu":
+                raise InvalidArgument(f"cannot load '{name}' into a tensor on {dst.device}")
+            stats.bytes += dst.numel() * dst.element_size()
+            if dst.numel() == 0:
+                continue
+            if dst.dtype == entry.torch_dtype and dst.is_contiguous():
+                targets[name] = dst.detach().reshape(-1).view(torch.uint8)
+            else:
+                slow.append(name)
+        files: dict[Path, _File] = {}
+        staged: dict[Path, torch.Tensor] = {}
+        try:
+            files = self.bounded(
+                str(layout.root), lambda: self._open_all(layout, [*targets, *slow]), self._close, str(path)
+            )
+            stream = self._stream(cuda_device) if cuda_device is not None else None
+            staged = self._staged(staging, files)
+            copied = [n for n in [*targets, *slow] if layout.files[n] in staged]
+            slow = [n for n in slow if layout.files[n] not in staged]
+            spans = [
+                (layout.files[n], layout.tensors[n].start, layout.tensors[n].end, n)
+                for n in targets
+                if layout.files[n] not in staged
+            ]
+            reads = plan_reads(spans, self.chunk_bytes, self.max_gap_bytes)
+            done = sum(layout.tensors[n].nbytes for n in copied)
+            total = done + sum(rd.need for rd in reads) + sum(layout.tensors[n].nbytes for n in slow)
+            if copied:
+                self._copy_staged(copied, layout, staged, targets, weights, stream)
+                stats.staged_bytes = done
+                if progress is not None:
+                    progress(done, total)
+            if reads:
+                ring = self._ring_for(pinned=cuda_device is not None)
+                job = _Job(reads, files, targets, queue.SimpleQueue(), stream, root=str(path))
+                self._run(job, ring, stats, (lambda n: progress(done + n, total)) if progress else None)
+            done += sum(rd.need for rd in reads)
+            if progress is not None:
+                progress(done, total)  # the reads are done (a poll may have missed the last of them)
+            for name in slow:
+                self._convert(files[layout.files[name]], layout.tensors[name], weights[name], stream, stats, str(path))
+                done += layout.tensors[name].nbytes
+                if progress is not None:
+                    progress(done, total)
+        finally:
+            self._close(files)
+            staged.clear()  # unmapped as their tensors die, once all device work is done (native)
+        stats.converted = len(slow)
+        stats.seconds = time.perf_counter() - t0
+        self.last_stats = stats
+        return stats
+
+    def _staged(self, staging: CheckpointStaging | None, files: Mapping[Path, _File]) -> dict[Path, torch.Tensor]:
+        """The open files that ``staging`` holds in device memory, unchanged since, as uint8 tensors
+        of all their bytes (waited for up to the stall bound, then read from the files instead)."""
+        if staging is None:
+            return {}
+        shards = {shard.id: shard for shard in staging.take(self.stall_s).values()}
+        out: dict[Path, torch.Tensor] = {}
+        for path, f in files.items():
+            shard = shards.get(file_id(f.fd))
+            if shard is not None:
+                out[path] = torch.utils.dlpack.from_dlpack(shard.capsule)
+        return out
+
+    @torch.no_grad()
+    def _copy_staged(
+        self,
+        names: Sequence[str],
+        layout: CheckpointLayout,
+        staged: Mapping[Path, torch.Tensor],
+        targets: Mapping[str, torch.Tensor],
+        weights: Mapping[str, torch.Tensor],
+        stream: Any,
+    ) -> None:
+        """Each tensor of ``names`` from its staged shard: a copy on the device (on the load's
+        stream, after the work queued before the load), converted where its dtype differs."""
+        if stream is not None:
+            stream.wait_stream(torch.cuda.current_stream(stream.device))
+        self.touched = True
+        with torch.cuda.stream(stream) if stream is not None else contextlib.nullcontext():
+            for name in names:
+                entry = layout.tensors[name]
+                src = staged[layout.files[name]][entry.start : entry.end]
+                if name in targets:
+                    targets[name].copy_(src, non_blocking=True)
+                else:  # a dtype conversion: from an aligned copy of the bytes
+                    dtype = entry.torch_dtype
+                    assert dtype is not None, "read_layout refuses dtypes it cannot load"
+                    weights[name].copy_(src.clone().view(dtype).reshape(entry.shape))
+        if stream is not None:
+            stream.synchronize()
 
     def _run(self, job: _Job, ring: _Ring, stats: LoadStats, progress: Callable[[int], None] | None = None) -> None:
         """The reader threads over ``job.reads``; returns once every copy has completed. ``progress``:

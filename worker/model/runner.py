@@ -81,22 +81,11 @@ class ModelRunner:
         max_step_tokens: int | None = None,
         cuda_graphs: bool = False,
         defer_graph_capture: bool = False,
-        warm_up: bool = False,
     ) -> None:
         """``cuda_graphs``: capture the step for every row-count bucket (cuda backend, Triton); here,
         unless ``defer_graph_capture``: then none is captured yet, the owner captures them
         (:meth:`capture_graph`, :meth:`capture_graphs_in_background`), and a step whose bucket is
-        not captured yet captures it first.
-
-        ``warm_up``: :meth:`warm_up` here, while the weights load on a thread of their own, and
-        :attr:`warm_up_seconds` the seconds it took. On the H200 an 8B model's weights took 0.5 s
-        and the warm-up 0.6 s, one after the other, on the way from the spawn to serving. The
-        warm-up's steps read weights still being written, which costs nothing: it is there to
-        compile kernels, start cuBLAS and capture graphs, and a graph holds addresses, not values.
-        Nothing it computes outlives it (its sequence and blocks are freed; there is no prefix
-        cache), its tokens are argmax or uniform draws, which take any logits (a NaN too), and the
-        load's copies are done before the constructor returns. Either's error is raised once both
-        have ended (the load's first), so no thread writes into the weights after a failure."""
+        not captured yet captures it first."""
         t0 = time.perf_counter()
         self.alloc = alloc
         self.source = parse_model_spec(source) if isinstance(source, str) else source
@@ -113,74 +102,17 @@ class ModelRunner:
         self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
-        self.warm_up_seconds: float | None = None
-        """What the constructor's warm-up took (None: it made none)."""
-        if not warm_up:
-            self._load_weights()
-            self._build(max_batch, max_step_tokens, max_new_tokens_limit, cuda_graphs, defer_graph_capture)
-        else:
-            failed: list[BaseException] = []
-
-            def load() -> None:
-                try:
-                    self._load_weights()
-                except BaseException as exc:  # noqa: BLE001 - raised below, on the constructor's thread
-                    failed.append(exc)
-
-            # a daemon: a load stuck in a read of a hung mount must not hold the process's exit (the
-            # loader bounds its reads, so the join below ends too)
-            loading = threading.Thread(target=load, name="memsvc-weights", daemon=True)
-            loading.start()
-            try:
-                self._build(max_batch, max_step_tokens, max_new_tokens_limit, cuda_graphs, defer_graph_capture)
-                self.warm_up_seconds = self.warm_up()
-            finally:
-                loading.join()  # the copies are done, or stopped, past this line
-                if failed:
-                    raise failed[0]
-        log.info(
-            "model: built in %.2f s (KV cache and weight tensors %.2f s, then weights %s, the rest %.2f s)",
-            time.perf_counter() - t0,
-            t1 - t0,
-            "and warm-up together" if warm_up else "loaded",
-            time.perf_counter() - t1,
-        )
-
-    def _load_weights(self) -> None:
-        """The source's weights into :attr:`weights`, on the calling thread; on CUDA through a stream
-        of its own, synchronised before it returns (the copies are then done for every stream)."""
-        t0 = time.perf_counter()
-        device = self.alloc.torch_device
         with load_bar(f"loading {self.source.name}") as progress:
-            if device.type == "cuda":
-                with torch.cuda.device(device):
-                    stream = torch.cuda.Stream(device)  # type: ignore[no-untyped-call]  # unannotated in torch
-                    with torch.cuda.stream(stream):
-                        self.source.load_into(self.weights, progress)
-                    stream.synchronize()
-            else:
-                self.source.load_into(self.weights, progress)
-        seconds = time.perf_counter() - t0
+            self.source.load_into(self.weights, progress)
+        t2 = time.perf_counter()
         nbytes = self.config.param_bytes()
         log.info(
             "weights: %.2f GB from %s in %.2f s (%.1f GB/s)",
             nbytes / 1e9,
             self.source.name,
-            seconds,
-            nbytes / seconds / 1e9 if seconds > 0 else 0.0,
+            t2 - t1,
+            nbytes / (t2 - t1) / 1e9 if t2 > t1 else 0.0,
         )
-
-    def _build(
-        self,
-        max_batch: int,
-        max_step_tokens: int | None,
-        max_new_tokens_limit: int,
-        cuda_graphs: bool,
-        defer_graph_capture: bool,
-    ) -> None:
-        """What the weights' addresses are enough for: the rotary tables, the fused views, the
-        engine and the graphs (captured here unless ``defer_graph_capture``)."""
-        alloc = self.alloc
         self._rope = Rope.build(self.config, alloc.torch_device)
         self._fused = fused_layers(self.weights, self.config)
         self.engine = Engine(
@@ -224,6 +156,13 @@ class ModelRunner:
         # replayed (an 8B model's eager step of a few hundred rows took twice its replay's time).
         if self._kernels is TRITON_KERNELS:
             self.engine.paged_rows = self.graphs.max_rows if self.graphs is not None else MIXED_ROWS
+        log.info(
+            "model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
+            time.perf_counter() - t0,
+            t1 - t0,
+            t2 - t1,
+            time.perf_counter() - t2,
+        )
 
     @property
     def max_new_tokens_limit(self) -> int:

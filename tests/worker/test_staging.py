@@ -1,0 +1,208 @@
+"""Checkpoint staging (worker/staging.py, native/filestream.c) on the host backend: the shards copied
+into memory of their own before the load, the load then copying each tensor from there, byte for
+byte what ``safetensors.torch.load_file`` reads; nothing staged where it would not be safe, and the
+staged memory given back however the staging ends."""
+
+from __future__ import annotations
+
+import json
+import os
+from collections.abc import Iterator, Mapping
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file, save_file
+
+from memsvc.errors import MemsvcError
+from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.model.loader import INDEX_FILE, StreamingLoader
+from worker.staging import CheckpointStaging
+
+MiB = 1 << 20
+CHUNK = 64 << 10
+
+
+@pytest.fixture
+def alloc() -> Iterator[MemoryAllocator]:
+    """The host backend, with host chunks (the staging ring's) small enough that a shard takes many."""
+    a = MemoryAllocator(AllocatorConfig(backend="host", host_capacity_bytes=64 * MiB, host_chunk_bytes=2 * MiB))
+    yield a
+    a.close()
+
+
+def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    t = {
+        "big.fp32": torch.randn(700, 1001, generator=g),  # 2.8 MB: more than one staging chunk
+        "big.bf16": torch.randn(257, 1023, generator=g).to(torch.bfloat16),
+        "odd.fp16": torch.randn(13, 7, generator=g).to(torch.float16),
+        "ints": torch.arange(-50, 51, dtype=torch.int64),
+        "empty": torch.empty(0, 3),
+    }
+    for i in range(30):
+        t[f"small.{i}"] = torch.randn(i % 5 + 1, 3, generator=g).to(torch.float16 if i % 2 else torch.bfloat16)
+    return t
+
+
+def _save(root: Path, tensors: Mapping[str, torch.Tensor], shards: int = 3) -> list[Path]:
+    root.mkdir(parents=True, exist_ok=True)
+    names, files, weight_map = list(tensors), [], {}
+    for s in range(shards):
+        part = names[s::shards]
+        file = root / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
+        save_file({n: tensors[n] for n in part}, str(file))
+        weight_map.update(dict.fromkeys(part, file.name))
+        files.append(file)
+    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return files
+
+
+def _reference(root: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(root.glob("*.safetensors")):
+        out.update(load_file(str(file)))
+    return out
+
+
+def _destinations(
+    alloc: MemoryAllocator, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
+) -> dict[str, torch.Tensor]:
+    out = {}
+    for name, ref in tensors.items():
+        t = alloc.empty(tuple(ref.shape), dtype or ref.dtype, tag="weights")
+        t.fill_(-3)
+        out[name] = t
+    return out
+
+
+def _shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
+    return {n: tuple(t.shape) for n, t in tensors.items()}
+
+
+def _free(alloc: MemoryAllocator) -> int:
+    return alloc.stats().device_free_bytes
+
+
+def _equal(a: torch.Tensor, b: torch.Tensor) -> bool:
+    return a.dtype == b.dtype and a.shape == b.shape and bool(torch.equal(a, b))
+
+
+def test_a_staged_checkpoint_loads_byte_for_byte_without_reading_its_files_and_is_given_back(
+    alloc: MemoryAllocator, tmp_path: Path
+) -> None:
+    tensors = _tensors()
+    files = _save(tmp_path, tensors)
+    ref = _reference(tmp_path)
+    dst = _destinations(alloc, tensors)
+    before = _free(alloc)
+    staging = CheckpointStaging(alloc, str(tmp_path), threads=3, margin_bytes=0).start()
+    assert staging.wait(60)
+    assert staging.why_not == ""
+    assert _free(alloc) < before - sum(f.stat().st_size for f in files), "the shards are in memory of their own"
+    loader = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging)
+    stats = loader.load(tmp_path, dst, _shapes(tensors))
+    for name in tensors:
+        assert _equal(dst[name], ref[name]), name
+    assert stats.staged_bytes == stats.bytes == sum(t.numel() * t.element_size() for t in tensors.values())
+    assert stats.read_bytes == 0 and stats.reads == 0, "no file was read"
+    assert _free(alloc) == before, "the staged memory is unmapped once the load is done"
+    # the staging is the first load's: a second one (a level-2 wake, ReloadWeights) reads the files
+    again = loader.load(tmp_path, _destinations(alloc, tensors), _shapes(tensors))
+    assert again.staged_bytes == 0 and again.read_bytes >= again.bytes
+
+
+def test_a_shard_rewritten_after_staging_is_read_from_its_file_and_the_others_from_staging(
+    alloc: MemoryAllocator, tmp_path: Path
+) -> None:
+    tensors = _tensors()
+    files = _save(tmp_path, tensors)
+    staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
+    assert staging.wait(60) and staging.why_not == ""
+    # the second shard replaced by one of other values (a new file under the same name)
+    newer = {n: t + 1 if t.is_floating_point() else t - 1 for n, t in load_file(str(files[1])).items()}
+    save_file(newer, str(tmp_path / "replacement"))
+    os.replace(tmp_path / "replacement", files[1])
+    ref = _reference(tmp_path)
+    dst = _destinations(alloc, tensors)
+    stats = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, _shapes(tensors))
+    for name in tensors:
+        assert _equal(dst[name], ref[name]), name
+    in_second = sum(t.numel() * t.element_size() for t in newer.values())
+    assert stats.staged_bytes == stats.bytes - in_second and stats.read_bytes >= in_second > 0
+
+
+def test_without_room_for_the_shards_beside_the_weights_nothing_is_staged_and_the_files_are_read(
+    alloc: MemoryAllocator, tmp_path: Path
+) -> None:
+    tensors = _tensors()
+    _save(tmp_path, tensors)
+    before = _free(alloc)
+    staging = CheckpointStaging(alloc, str(tmp_path), margin_bytes=before).start()
+    assert staging.wait(60)
+    assert "free on the device" in staging.why_not and _free(alloc) == before
+    dst = _destinations(alloc, tensors)
+    stats = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, _shapes(tensors))
+    ref = _reference(tmp_path)
+    assert all(_equal(dst[n], ref[n]) for n in tensors)
+    assert stats.staged_bytes == 0 and stats.read_bytes >= stats.bytes
+
+
+@pytest.mark.parametrize(("file_dtype", "dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+def test_a_tensor_of_another_dtype_is_converted_from_its_staged_shard(
+    alloc: MemoryAllocator, tmp_path: Path, file_dtype: torch.dtype, dtype: torch.dtype
+) -> None:
+    g = torch.Generator().manual_seed(2)
+    tensors = {
+        "a": torch.randn(7, 13, generator=g).to(file_dtype),
+        "b": torch.randn(300, 301, generator=g).to(file_dtype),
+    }
+    _save(tmp_path, tensors, shards=2)
+    staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
+    dst = _destinations(alloc, tensors, dtype)
+    stats = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, _shapes(tensors))
+    ref = _reference(tmp_path)
+    assert all(_equal(dst[n], ref[n].to(dtype)) for n in tensors)
+    assert stats.staged_bytes == sum(t.numel() * t.element_size() for t in tensors.values()) and stats.read_bytes == 0
+
+
+def test_a_load_refused_before_its_copies_gives_the_staged_memory_back(alloc: MemoryAllocator, tmp_path: Path) -> None:
+    tensors = _tensors()
+    _save(tmp_path, tensors)
+    dst = _destinations(alloc, tensors)
+    before = _free(alloc)
+    staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
+    assert staging.wait(60) and _free(alloc) < before
+    shapes = _shapes(tensors)
+    shapes["big.fp32"] = (1, 2)  # the config disagrees with the checkpoint
+    with pytest.raises(MemsvcError, match="big.fp32"):
+        StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, shapes)
+    assert _free(alloc) == before
+    assert all(bool((t == -3).all()) for t in dst.values()), "nothing was written"
+    assert staging.take() == {}, "handed over once"
+
+
+def test_a_range_past_the_end_of_its_file_is_refused_and_an_unused_staging_is_unmapped(
+    alloc: MemoryAllocator, tmp_path: Path
+) -> None:
+    data = os.urandom(5 * MiB + 123)
+    file = tmp_path / "blob"
+    file.write_bytes(data)
+    fd = os.open(file, os.O_RDONLY)
+    try:
+        before = _free(alloc)
+        with pytest.raises(MemsvcError, match="it ended first"):
+            alloc.stage_file(fd, 1000, len(data), 3)
+        assert _free(alloc) == before, "a failed staging keeps nothing"
+        capsule = alloc.stage_file(fd, 77, len(data) - 77, 3)
+        assert _free(alloc) < before
+        staged = torch.utils.dlpack.from_dlpack(capsule)
+        assert staged.dtype == torch.uint8 and bytes(staged.numpy()) == data[77:]
+        del staged, capsule
+        assert _free(alloc) == before, "unmapped when its tensor dies"
+        never_used = alloc.stage_file(fd, 0, 4096, 1)
+        assert _free(alloc) < before
+        del never_used
+        assert _free(alloc) == before, "unmapped with the capsule, if it never became a tensor"
+    finally:
+        os.close(fd)
