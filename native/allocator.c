@@ -1,8 +1,9 @@
 /* The allocator: create and destroy it, allocate and free in a tag's arena, host buffers, lookups,
  * statistics and knobs. The pieces it is built from live beside it: the allocation table (table.c),
  * the arenas (arena.c), a tag's host backup and its checksums (offload.c, checksums.c), the
- * transitions (sleep.c, wake.c) and block copies (copies.c); allocator_internal.h holds what they
- * share and how they lock. */
+ * transitions (sleep.c, wake.c), block copies (copies.c) and files streamed into device memory
+ * (filestream.c: a disk-tier wake, checkpoint staging); allocator_internal.h holds what they share and
+ * how they lock. */
 #include <stdio.h>
 #include <string.h>
 

@@ -4,8 +4,8 @@ Start-up order, for the time to serving: nothing this module imports loads torch
 is imported on first use, see worker/model/__init__.py), so the server listens at once and answers
 health (NOT_SERVING) and GetWorkerStatus (LOADING) while the model loads. The model layer's imports
 (torch, Triton, safetensors, tokenizers: seconds on a GPU host) start on a thread of their own before
-the server does, and run while the load creates the allocator and its CUDA context, which the
-native layer does without holding the GIL.
+the server does, and run while the load creates the allocator and its CUDA context and stages the
+checkpoint in device memory (worker/staging.py), which the native layer does without holding the GIL.
 """
 
 from __future__ import annotations
