@@ -16,6 +16,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from sharded_checkpoints import PATTERN, destinations, reference, save_sharded
 
 from memsvc.errors import InvalidArgument, NotFound
 from worker.allocator import AllocatorConfig, MemoryAllocator
@@ -35,7 +36,6 @@ from worker.model.weights import check_checkpoint
 KiB = 1 << 10
 CHUNK = 64 * KiB
 """Small chunks, so a few hundred KiB of tensors already take many reads and split tensors."""
-PATTERN = -3.0
 
 
 @pytest.fixture
@@ -65,40 +65,6 @@ def _tensors() -> dict[str, torch.Tensor]:
     return t
 
 
-def _save_sharded(root: Path, tensors: Mapping[str, torch.Tensor], shards: int = 3) -> list[Path]:
-    """Shards of consecutive tensors with an index, as Hugging Face writes them."""
-    root.mkdir(parents=True, exist_ok=True)
-    names = list(tensors)
-    files, weight_map = [], {}
-    for s in range(shards):
-        part = names[s::shards]
-        file = root / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(file), metadata={"format": "pt"})
-        weight_map.update(dict.fromkeys(part, file.name))
-        files.append(file)
-    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return files
-
-
-def _reference(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(root.glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
-
-
-def _destinations(
-    alloc: MemoryAllocator, shapes: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    """Pool tensors filled with a pattern (so a load that writes nothing, or too much, shows)."""
-    out = {}
-    for name, ref in shapes.items():
-        t = alloc.empty(tuple(ref.shape), dtype or ref.dtype, tag="weights")
-        t.fill_(PATTERN if t.is_floating_point() else -3)
-        out[name] = t
-    return out
-
-
 def _shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in tensors.items()}
 
@@ -112,7 +78,7 @@ def _bytes_equal(a: torch.Tensor, b: torch.Tensor) -> bool:
 
 
 def _unchanged(dst: Mapping[str, torch.Tensor]) -> bool:
-    return all(bool((t == (PATTERN if t.is_floating_point() else -3)).all()) for t in dst.values())
+    return all(bool((t == PATTERN).all()) for t in dst.values())
 
 
 def _o_direct_works(directory: Path) -> bool:
@@ -144,7 +110,7 @@ def _drop_cache(files: list[Path], ranges: tuple[tuple[int, int], ...] = ((0, 0)
 def _load(
     alloc: MemoryAllocator, root: Path, tensors: Mapping[str, torch.Tensor], **kw: Any
 ) -> tuple[dict[str, torch.Tensor], LoadStats]:
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     loader = StreamingLoader(threads=3, chunk_bytes=CHUNK, **kw)
     return dst, loader.load(root, dst, _shapes(tensors))
 
@@ -153,8 +119,8 @@ def _load(
 @pytest.mark.parametrize("io", ["auto", "buffered", "direct"])
 def test_sharded_checkpoint_is_byte_identical(alloc: MemoryAllocator, tmp_path: Path, io: str) -> None:
     tensors = _tensors()
-    _save_sharded(tmp_path, tensors)
-    ref = _reference(tmp_path)
+    save_sharded(tmp_path, tensors)
+    ref = reference(tmp_path)
     dst, stats = _load(alloc, tmp_path, tensors, io=io)
     for name in tensors:
         assert _bytes_equal(dst[name], ref[name]), name
@@ -174,8 +140,8 @@ def test_sharded_checkpoint_is_byte_identical(alloc: MemoryAllocator, tmp_path: 
 
 def test_cold_cache_reads_with_o_direct(alloc: MemoryAllocator, tmp_path: Path) -> None:
     tensors = _tensors()
-    files = _save_sharded(tmp_path, tensors)
-    ref = _reference(tmp_path)
+    files = save_sharded(tmp_path, tensors)
+    ref = reference(tmp_path)
     _drop_cache(files)
     dst, stats = _load(alloc, tmp_path, tensors, io="auto")
     assert all(_bytes_equal(dst[n], ref[n]) for n in tensors)
@@ -189,7 +155,7 @@ def test_partly_cached_file_mixes_cache_and_o_direct(alloc: MemoryAllocator, tmp
     save_file(tensors, str(tmp_path / "model.safetensors"))
     MiB = 1 << 20  # MiB 0 and 2 stay cached, 1 and 3 are dropped: runs of both inside one 1.5 MiB read
     _drop_cache([tmp_path / "model.safetensors"], ((MiB, MiB), (3 * MiB, 0)))
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     stats = StreamingLoader(threads=2, chunk_bytes=1536 * KiB, io="auto").load(tmp_path, dst, _shapes(tensors))
     assert all(_bytes_equal(dst[n], tensors[n]) for n in tensors)
     if _o_direct_works(tmp_path):
@@ -205,11 +171,11 @@ def test_o_direct_refused_falls_back_to_buffered_reads(alloc: MemoryAllocator, t
             return None
 
     tensors = _tensors()
-    files = _save_sharded(tmp_path, tensors)
+    files = save_sharded(tmp_path, tensors)
     _drop_cache(files)
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     stats = NoDirect(threads=2, chunk_bytes=CHUNK, io="direct").load(tmp_path, dst, _shapes(tensors))
-    ref = _reference(tmp_path)
+    ref = reference(tmp_path)
     assert all(_bytes_equal(dst[n], ref[n]) for n in tensors)
     assert stats.buffered_bytes == stats.read_bytes and stats.direct_bytes == 0
 
@@ -222,9 +188,9 @@ def test_file_system_without_nowait_reads_buffered(alloc: MemoryAllocator) -> No
     root = shm / f"memsvc-loader-{os.getpid()}"
     try:
         tensors = _tensors()
-        _save_sharded(root, tensors)
+        save_sharded(root, tensors)
         dst, stats = _load(alloc, root, tensors, io="auto")
-        ref = _reference(root)
+        ref = reference(root)
         assert all(_bytes_equal(dst[n], ref[n]) for n in tensors)
         assert stats.read_bytes == stats.cached_bytes + stats.buffered_bytes + stats.direct_bytes
     finally:
@@ -243,9 +209,9 @@ def test_config_dtype_differs_from_the_file(
         "b": torch.randn(300, 301, generator=g).to(file_dtype),
     }
     tensors["same"] = torch.randn(5, 5, generator=g).to(dtype)
-    _save_sharded(tmp_path, tensors, shards=2)
-    ref = _reference(tmp_path)
-    dst = _destinations(alloc, tensors, dtype)
+    save_sharded(tmp_path, tensors, shards=2)
+    ref = reference(tmp_path)
+    dst = destinations(alloc, tensors, dtype)
     stats = StreamingLoader(threads=2, chunk_bytes=CHUNK).load(tmp_path, dst, _shapes(tensors))
     for name in tensors:
         assert _bytes_equal(dst[name], ref[name].to(dtype)), name
@@ -267,8 +233,8 @@ def test_progress_counts_up_to_what_the_load_reads_fast_path_and_converted(
 ) -> None:
     tensors = _tensors()
     tensors["converted"] = torch.randn(300, 301, generator=torch.Generator().manual_seed(3)).to(torch.float16)
-    _save_sharded(tmp_path, tensors)
-    dst = _destinations(alloc, tensors)
+    save_sharded(tmp_path, tensors)
+    dst = destinations(alloc, tensors)
     dst["converted"] = torch.zeros(300, 301, dtype=torch.float32)  # another dtype: the slow path
     seen: list[tuple[int, int]] = []
     stats = StreamingLoader(threads=3, chunk_bytes=CHUNK).load(
@@ -316,7 +282,7 @@ def _write_raw(file: Path, header: dict[str, Any], data: bytes, length: int | No
 def _checkpoint_with_damaged_second_shard(root: Path) -> tuple[dict[str, torch.Tensor], Path]:
     """Two shards; the first is sound, so a loader that copied before checking all would change it."""
     tensors = _tensors()
-    files = _save_sharded(root, tensors, shards=2)
+    files = save_sharded(root, tensors, shards=2)
     return tensors, files[1]
 
 
@@ -379,7 +345,7 @@ def test_damaged_shard_is_refused_and_nothing_changes(
         _write_raw(shard, header, data)
     elif damage == "tiny_file":
         shard.write_bytes(b"\x01\x00")
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     with pytest.raises(InvalidArgument, match=message):
         StreamingLoader(threads=2, chunk_bytes=CHUNK).load(tmp_path, dst, _shapes(tensors))
     assert _unchanged(dst)
@@ -389,7 +355,7 @@ def test_damaged_shard_is_refused_and_nothing_changes(
 
 def test_missing_shard_missing_tensor_and_bad_index_are_refused(alloc: MemoryAllocator, tmp_path: Path) -> None:
     tensors, shard = _checkpoint_with_damaged_second_shard(tmp_path)
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     loader = StreamingLoader(threads=2, chunk_bytes=CHUNK)
     shard.unlink()
     with pytest.raises(NotFound, match=r"shard model-00002-of-00002\.safetensors does not exist"):
@@ -418,7 +384,7 @@ def test_index_names_a_tensor_its_shard_lacks(alloc: MemoryAllocator, tmp_path: 
     first = next(n for n, f in index["weight_map"].items() if f != shard.name)
     index["weight_map"][first] = shard.name
     (tmp_path / INDEX_FILE).write_text(json.dumps(index))
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     with pytest.raises(InvalidArgument, match=rf"shard {shard.name} has no tensor '{first}'"):
         StreamingLoader().load(tmp_path, dst, _shapes(tensors))
     assert _unchanged(dst)
@@ -461,8 +427,8 @@ def test_a_file_that_shrinks_during_the_load_stops_it_with_an_error(alloc: Memor
             return f
 
     tensors = _tensors()
-    _save_sharded(tmp_path, tensors, shards=1)
-    dst = _destinations(alloc, tensors)
+    save_sharded(tmp_path, tensors, shards=1)
+    dst = destinations(alloc, tensors)
     with pytest.raises(InvalidArgument, match=r"model-00001-of-00001\.safetensors.*the file ended at byte"):
         Shrinking(threads=3, chunk_bytes=CHUNK).load(tmp_path, dst, _shapes(tensors))
 
@@ -475,9 +441,9 @@ def test_a_read_error_is_raised(alloc: MemoryAllocator, tmp_path: Path) -> None:
             super()._read(f, view, offset, need, stats)
 
     tensors = _tensors()
-    _save_sharded(tmp_path, tensors, shards=1)
+    save_sharded(tmp_path, tensors, shards=1)
     with pytest.raises(OSError, match="Input/output error"):
-        Failing(threads=3, chunk_bytes=CHUNK).load(tmp_path, _destinations(alloc, tensors), _shapes(tensors))
+        Failing(threads=3, chunk_bytes=CHUNK).load(tmp_path, destinations(alloc, tensors), _shapes(tensors))
 
 
 # ---- the plan and the knobs ----

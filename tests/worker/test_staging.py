@@ -5,7 +5,6 @@ staged memory given back however the staging ends."""
 
 from __future__ import annotations
 
-import json
 import os
 from collections.abc import Iterator, Mapping
 from pathlib import Path
@@ -13,10 +12,11 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
+from sharded_checkpoints import PATTERN, destinations, reference, save_sharded
 
 from memsvc.errors import MemsvcError
 from worker.allocator import AllocatorConfig, MemoryAllocator
-from worker.model.loader import INDEX_FILE, StreamingLoader
+from worker.model.loader import StreamingLoader
 from worker.staging import CheckpointStaging
 
 MiB = 1 << 20
@@ -45,37 +45,6 @@ def _tensors(seed: int = 0) -> dict[str, torch.Tensor]:
     return t
 
 
-def _save(root: Path, tensors: Mapping[str, torch.Tensor], shards: int = 3) -> list[Path]:
-    root.mkdir(parents=True, exist_ok=True)
-    names, files, weight_map = list(tensors), [], {}
-    for s in range(shards):
-        part = names[s::shards]
-        file = root / f"model-{s + 1:05d}-of-{shards:05d}.safetensors"
-        save_file({n: tensors[n] for n in part}, str(file))
-        weight_map.update(dict.fromkeys(part, file.name))
-        files.append(file)
-    (root / INDEX_FILE).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
-    return files
-
-
-def _reference(root: Path) -> dict[str, torch.Tensor]:
-    out: dict[str, torch.Tensor] = {}
-    for file in sorted(root.glob("*.safetensors")):
-        out.update(load_file(str(file)))
-    return out
-
-
-def _destinations(
-    alloc: MemoryAllocator, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
-) -> dict[str, torch.Tensor]:
-    out = {}
-    for name, ref in tensors.items():
-        t = alloc.empty(tuple(ref.shape), dtype or ref.dtype, tag="weights")
-        t.fill_(-3)
-        out[name] = t
-    return out
-
-
 def _shapes(tensors: Mapping[str, torch.Tensor]) -> dict[str, tuple[int, ...]]:
     return {n: tuple(t.shape) for n, t in tensors.items()}
 
@@ -92,9 +61,9 @@ def test_a_staged_checkpoint_loads_byte_for_byte_without_reading_its_files_and_i
     alloc: MemoryAllocator, tmp_path: Path
 ) -> None:
     tensors = _tensors()
-    files = _save(tmp_path, tensors)
-    ref = _reference(tmp_path)
-    dst = _destinations(alloc, tensors)
+    files = save_sharded(tmp_path, tensors)
+    ref = reference(tmp_path)
+    dst = destinations(alloc, tensors)
     before = _free(alloc)
     staging = CheckpointStaging(alloc, str(tmp_path), threads=3, margin_bytes=0).start()
     assert staging.wait(60)
@@ -108,7 +77,7 @@ def test_a_staged_checkpoint_loads_byte_for_byte_without_reading_its_files_and_i
     assert stats.read_bytes == 0 and stats.reads == 0, "no file was read"
     assert _free(alloc) == before, "the staged memory is unmapped once the load is done"
     # the staging is the first load's: a second one (a level-2 wake, ReloadWeights) reads the files
-    again = loader.load(tmp_path, _destinations(alloc, tensors), _shapes(tensors))
+    again = loader.load(tmp_path, destinations(alloc, tensors), _shapes(tensors))
     assert again.staged_bytes == 0 and again.read_bytes >= again.bytes
 
 
@@ -116,15 +85,15 @@ def test_a_shard_rewritten_after_staging_is_read_from_its_file_and_the_others_fr
     alloc: MemoryAllocator, tmp_path: Path
 ) -> None:
     tensors = _tensors()
-    files = _save(tmp_path, tensors)
+    files = save_sharded(tmp_path, tensors)
     staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
     assert staging.wait(60) and staging.why_not == ""
     # the second shard replaced by one of other values (a new file under the same name)
     newer = {n: t + 1 if t.is_floating_point() else t - 1 for n, t in load_file(str(files[1])).items()}
     save_file(newer, str(tmp_path / "replacement"))
     os.replace(tmp_path / "replacement", files[1])
-    ref = _reference(tmp_path)
-    dst = _destinations(alloc, tensors)
+    ref = reference(tmp_path)
+    dst = destinations(alloc, tensors)
     stats = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, _shapes(tensors))
     for name in tensors:
         assert _equal(dst[name], ref[name]), name
@@ -136,14 +105,14 @@ def test_without_room_for_the_shards_beside_the_weights_nothing_is_staged_and_th
     alloc: MemoryAllocator, tmp_path: Path
 ) -> None:
     tensors = _tensors()
-    _save(tmp_path, tensors)
+    save_sharded(tmp_path, tensors)
     before = _free(alloc)
     staging = CheckpointStaging(alloc, str(tmp_path), margin_bytes=before).start()
     assert staging.wait(60)
     assert "free on the device" in staging.why_not and _free(alloc) == before
-    dst = _destinations(alloc, tensors)
+    dst = destinations(alloc, tensors)
     stats = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, _shapes(tensors))
-    ref = _reference(tmp_path)
+    ref = reference(tmp_path)
     assert all(_equal(dst[n], ref[n]) for n in tensors)
     assert stats.staged_bytes == 0 and stats.read_bytes >= stats.bytes
 
@@ -157,19 +126,19 @@ def test_a_tensor_of_another_dtype_is_converted_from_its_staged_shard(
         "a": torch.randn(7, 13, generator=g).to(file_dtype),
         "b": torch.randn(300, 301, generator=g).to(file_dtype),
     }
-    _save(tmp_path, tensors, shards=2)
+    save_sharded(tmp_path, tensors, shards=2)
     staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
-    dst = _destinations(alloc, tensors, dtype)
+    dst = destinations(alloc, tensors, dtype)
     stats = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, _shapes(tensors))
-    ref = _reference(tmp_path)
+    ref = reference(tmp_path)
     assert all(_equal(dst[n], ref[n].to(dtype)) for n in tensors)
     assert stats.staged_bytes == sum(t.numel() * t.element_size() for t in tensors.values()) and stats.read_bytes == 0
 
 
 def test_a_load_refused_before_its_copies_gives_the_staged_memory_back(alloc: MemoryAllocator, tmp_path: Path) -> None:
     tensors = _tensors()
-    _save(tmp_path, tensors)
-    dst = _destinations(alloc, tensors)
+    save_sharded(tmp_path, tensors)
+    dst = destinations(alloc, tensors)
     before = _free(alloc)
     staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
     assert staging.wait(60) and _free(alloc) < before
@@ -178,7 +147,7 @@ def test_a_load_refused_before_its_copies_gives_the_staged_memory_back(alloc: Me
     with pytest.raises(MemsvcError, match="big.fp32"):
         StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, shapes)
     assert _free(alloc) == before
-    assert all(bool((t == -3).all()) for t in dst.values()), "nothing was written"
+    assert all(bool((t == PATTERN).all()) for t in dst.values()), "nothing was written"
     assert staging.take() == {}, "handed over once"
 
 
