@@ -39,8 +39,9 @@ from safetensors import safe_open
 
 from bench.bench_allocator import _device_info, _git_commit
 from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.checkpoint_files import reader_threads
 from worker.model.config import ModelConfig
-from worker.model.loader import DEFAULT_CHUNK_BYTES, DEFAULT_THREADS, LoadStats, StreamingLoader
+from worker.model.loader import DEFAULT_CHUNK_BYTES, LoadStats, StreamingLoader
 from worker.model.weights import allocate_weights, check_checkpoint, read_config, weight_shapes
 
 GB = 1e9
@@ -259,7 +260,7 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "weight_bytes": nbytes,
             "dtype": config.dtype,
         }
-        threads = args.threads or min(DEFAULT_THREADS, os.cpu_count() or 1)
+        threads = args.threads or reader_threads()
         chunk = args.chunk_mib * MiB if args.chunk_mib else DEFAULT_CHUNK_BYTES
         alloc = MemoryAllocator(
             AllocatorConfig(backend="cuda" if cuda else "host", host_capacity_bytes=max(3 * nbytes, 64 * MiB))

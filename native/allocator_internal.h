@@ -163,6 +163,9 @@ int ring_slot(msv_allocator *a, ring *r, size_t ci, msv_hchunk **out);
 int ring_mark(msv_allocator *a, ring *r, size_t ci);
 /* Wait for the copies, give the slots back to the host pool. */
 void ring_done(msv_allocator *a, ring *r);
+/* What of chunk ci (of cb bytes) of a range of `total` bytes is read or written: its bytes, rounded up
+ * to `align` (O_DIRECT's, or 1). */
+uint64_t chunk_io_len(uint64_t total, uint64_t cb, size_t ci, uint64_t align);
 /* Called on stream_file's thread with chunk ci read into host; done with it when it returns. */
 typedef int (*chunk_put)(msv_allocator *a, size_t ci, char *host, void *ctx);
 /* Read [base, base + total) of fd with `threads` readers, chunk by chunk of the host pool's chunk size

@@ -99,13 +99,6 @@ static int io_parallel(msv_allocator *a, int fd, int writing, char *buf, uint64_
   return j.err ? disk_error(a, j.err, writing ? "writing a sleeping tag's backup" : "reading a backup back") : MSV_OK;
 }
 
-/* What of chunk ci the file holds: its used bytes, rounded up for O_DIRECT (chunks are 2 MiB
- * multiples, so the rounding stays inside the chunk). */
-static uint64_t chunk_io_len(uint64_t total, uint64_t cb, size_t ci) {
-  uint64_t room = total - ci * cb < cb ? total - ci * cb : cb;
-  return round_up(room, DISK_ALIGN);
-}
-
 static uint64_t pieces_total(const arena *ar) {
   return ar->n_pieces ? ar->pieces[ar->n_pieces - 1].dst + ar->pieces[ar->n_pieces - 1].size : 0;
 }
@@ -155,7 +148,7 @@ static int write_from_device(msv_allocator *a, arena *ar, int fd) {
       r.fence[s] = 0;
       if (rc) break;
     }
-    rc = io_parallel(a, fd, 1, r.slot[s]->ptr, chunk_io_len(total, cb, w), w * cb);
+    rc = io_parallel(a, fd, 1, r.slot[s]->ptr, chunk_io_len(total, cb, w, DISK_ALIGN), w * cb);
   }
   ring_done(a, &r);
   free(items);
@@ -168,7 +161,7 @@ static int write_from_host(msv_allocator *a, arena *ar, int fd) {
   for (size_t i = 0; i < ar->n_pieces; i++) total += ar->pieces[i].size;
   size_t ci = 0;
   for (msv_hchunk *c = ar->chunks; c && ci * cb < total; c = c->next, ci++) {
-    int rc = io_parallel(a, fd, 1, c->ptr, chunk_io_len(total, cb, ci), ci * cb);
+    int rc = io_parallel(a, fd, 1, c->ptr, chunk_io_len(total, cb, ci, DISK_ALIGN), ci * cb);
     if (rc) return rc;
   }
   return MSV_OK;
@@ -203,7 +196,7 @@ int disk_write(msv_allocator *a, int idx) {
   for (size_t i = 0; i < ar->n_pieces; i++) total += ar->pieces[i].size;
   uint64_t cb = a->hp.chunk_bytes;
   ar->pend_fd = fd;
-  ar->pend_len = total ? ((total - 1) / cb) * cb + chunk_io_len(total, cb, (total - 1) / cb) : 0;
+  ar->pend_len = total ? ((total - 1) / cb) * cb + chunk_io_len(total, cb, (total - 1) / cb, DISK_ALIGN) : 0;
   ar->offloaded = data;
   a->ctr.last_disk_write_seconds = now_s() - t0;
   return MSV_OK;

@@ -9,6 +9,7 @@
  * runs without the GIL. */
 #define _GNU_SOURCE
 #include <errno.h>
+#include <stdio.h>
 #include <string.h>
 #include <unistd.h>
 
@@ -69,11 +70,12 @@ typedef struct {
   pthread_cond_t cv;
 } stream_job;
 
-/* What of chunk ci is read: its bytes of the range, rounded up to the job's alignment. */
-static uint64_t chunk_len(const stream_job *j, size_t ci) {
-  uint64_t room = j->total - ci * j->cb < j->cb ? j->total - ci * j->cb : j->cb;
-  return round_up(room, j->align);
+uint64_t chunk_io_len(uint64_t total, uint64_t cb, size_t ci, uint64_t align) {
+  uint64_t room = total - ci * cb < cb ? total - ci * cb : cb;
+  return round_up(room, align);
 }
+
+static uint64_t chunk_len(const stream_job *j, size_t ci) { return chunk_io_len(j->total, j->cb, ci, j->align); }
 
 static size_t chunk_pieces(const stream_job *j, size_t ci) { return (chunk_len(j, ci) + IO_PIECE - 1) / IO_PIECE; }
 
@@ -126,7 +128,7 @@ int stream_file(msv_allocator *a, int fd, uint64_t base, uint64_t total, uint64_
   pthread_t *tid = calloc(threads > 0 ? (size_t)threads : 1, sizeof *tid);
   int started = 0;
   if (!tid && !rc) rc = msv_fail(MSV_E_OOM, "out of host memory for reader threads");
-  if (!rc && nchunks) {
+  if (!rc && nchunks) { /* threads >= 1: the callers' constants, or checked by msv_stage_file */
     j.free_upto = RING;
     for (int t = 0; t < threads; t++) {
       if (pthread_create(&tid[started], NULL, stream_reader, &j) != 0) break; /* fewer readers, same bytes */
@@ -179,30 +181,37 @@ static int stage_chunk(msv_allocator *a, size_t ci, char *host, void *arg) {
 int msv_stage_file(msv_allocator *a, int fd, uint64_t offset, uint64_t length, int threads, msv_staged *out) {
   if (length == 0) return msv_fail(MSV_E_INVALID, "nothing to stage: the length is 0");
   if (threads < 1) return msv_fail(MSV_E_INVALID, "staging needs at least one reader thread, got %d", threads);
+  /* Not under mu: staged memory is in no arena and no table row, and the backends' calls are
+   * thread-safe (the driver's; the host backend's own lock). */
   msv_staged s = {0, round_up(length, a->b->granularity), 0};
-  pthread_mutex_lock(&a->mu);
   int rc = a->b->reserve(a->b, s.size, &s.addr);
-  if (!rc && (rc = a->b->map(a->b, s.addr, s.size, &s.handle))) a->b->free_va(a->b, s.addr, s.size);
-  pthread_mutex_unlock(&a->mu);
   if (rc) return rc;
+  if ((rc = a->b->map(a->b, s.addr, s.size, &s.handle))) {
+    a->b->free_va(a->b, s.addr, s.size);
+    return rc;
+  }
   stage_ctx x = {s.addr, length};
   int err = 0;
   rc = stream_file(a, fd, offset, length, 1, threads, stage_chunk, &x, &err);
-  if (err) rc = msv_fail(MSV_E_BACKEND, "staging %llu bytes of a file at %llu: %s", (unsigned long long)length,
-                         (unsigned long long)offset, err == EIO ? "it ended first, or an I/O error" : strerror(err));
   if (rc) {
+    char why[512]; /* the failure's own message, kept past the unmapping's calls */
+    snprintf(why, sizeof why, "%s", err ? strerror(err) : msv_last_error());
     msv_unstage(a, &s); /* nothing else holds it yet */
-    return rc;
+    if (err)
+      return msv_fail(MSV_E_BACKEND, "staging %llu bytes of a file at %llu: %s", (unsigned long long)length,
+                      (unsigned long long)offset, err == EIO ? "it ended first, or an I/O error" : why);
+    return msv_fail(rc, "%s", why);
   }
   *out = s;
   return MSV_OK;
 }
 
 int msv_unstage(msv_allocator *a, const msv_staged *s) {
-  int rc = a->b->quiesce(a->b); /* a copy out of it may still run on any stream */
-  pthread_mutex_lock(&a->mu);
+  /* A copy out of it may still run on any stream; where that cannot be known, the memory stays
+   * mapped (a leak, as trim_tail leaves an arena's tail) rather than fault the context. */
+  int rc = a->b->quiesce(a->b);
+  if (rc) return rc;
   int u = a->b->unmap(a->b, s->addr, s->size, s->handle);
   int f = a->b->free_va(a->b, s->addr, s->size);
-  pthread_mutex_unlock(&a->mu);
-  return rc ? rc : u ? u : f;
+  return u ? u : f;
 }

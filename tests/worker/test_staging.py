@@ -148,7 +148,7 @@ def test_a_load_refused_before_its_copies_gives_the_staged_memory_back(alloc: Me
         StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging).load(tmp_path, dst, shapes)
     assert _free(alloc) == before
     assert all(bool((t == PATTERN).all()) for t in dst.values()), "nothing was written"
-    assert staging.take() == {}, "handed over once"
+    assert staging.take() == [], "handed over once"
 
 
 def test_a_range_past_the_end_of_its_file_is_refused_and_an_unused_staging_is_unmapped(
@@ -175,3 +175,27 @@ def test_a_range_past_the_end_of_its_file_is_refused_and_an_unused_staging_is_un
         assert _free(alloc) == before, "unmapped with the capsule, if it never became a tensor"
     finally:
         os.close(fd)
+
+
+def test_weights_that_would_not_fit_beside_the_staging_drop_it_first_and_weights_that_fit_keep_it(
+    alloc: MemoryAllocator, tmp_path: Path
+) -> None:
+    """``make_room``, which the runner calls before it allocates the weights: the staging stays only
+    where they fit beside it, so a model that fits without staging never fails for it."""
+    tensors = _tensors()
+    save_sharded(tmp_path, tensors)
+    before = _free(alloc)
+    fits = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=CheckpointStaging(alloc, str(tmp_path), 2, 0).start())
+    fits.make_room(1 << 20)
+    assert _free(alloc) < before, "kept"
+    stats = fits.load(tmp_path, destinations(alloc, tensors), _shapes(tensors))
+    assert stats.staged_bytes == stats.bytes > 0
+    staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
+    crowded = StreamingLoader(threads=2, chunk_bytes=CHUNK, staging=staging)
+    crowded.make_room(before)  # the whole device
+    assert staging.wait(0) and _free(alloc) == before, "dropped, and unmapped"
+    dst = destinations(alloc, tensors)
+    stats = crowded.load(tmp_path, dst, _shapes(tensors))
+    ref = reference(tmp_path)
+    assert all(_equal(dst[n], ref[n]) for n in tensors)
+    assert stats.staged_bytes == 0 and stats.read_bytes >= stats.bytes

@@ -37,6 +37,7 @@ import errno
 import functools
 import itertools
 import json
+import logging
 import os
 import queue
 import threading
@@ -49,13 +50,14 @@ from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
 import torch
 
 from memsvc.errors import Cancelled, InvalidArgument, NotFound, Unavailable
-from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
+from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map, reader_threads
 from worker.page_cache import PageCache
 from worker.staging import CheckpointStaging, file_id
 
 if TYPE_CHECKING:
     from worker.allocator import MemoryAllocator
 
+log = logging.getLogger("memsvc.worker")
 T = TypeVar("T")
 MiB = 1 << 20
 ALIGN = 4096
@@ -66,11 +68,6 @@ MAX_HEADER_BYTES = 100_000_000
 DEFAULT_CHUNK_BYTES = 16 * MiB
 """One staging chunk, one read: large enough that syscall and copy-launch costs vanish (an 8B model is
 ~1000 reads), small enough that the ring for 16 threads is 512 MiB of host RAM."""
-DEFAULT_THREADS = 16
-"""Reader threads at most (one per core below that). The H200 host (16 cores), 16.06 GB from the
-page cache into the GPU: 1 thread 6.0 GB/s, 4 threads 16.8, 8 threads 26.7, 16 threads 36.3 GB/s,
-with 16 MiB chunks (64 MiB: within 3 %; 4 MiB: 14-16 GB/s); bench_loader --sweep, 2026-12-01. The
-ring is then 32 chunks of 16 MiB: 512 MiB of page-locked host memory held while the worker lives."""
 DEFAULT_MAX_GAP_BYTES = 1 * MiB
 """Bytes of unused tensors a read may carry between two needed ones rather than start a new read."""
 DEFAULT_STALL_S = 60.0
@@ -430,7 +427,9 @@ class LoadStats:
     """Read through the page cache otherwise: ``io="buffered"``, or where O_DIRECT was refused."""
     reads: int = 0
     converted: int = 0
-    """Tensors written through the slow path: a dtype conversion, or a non-contiguous destination."""
+    """Tensors written through the slow path (each read whole, then copied): a dtype conversion, or a
+    non-contiguous destination, read from its file (from a staged shard, a conversion is a copy on
+    the device, counted in :attr:`staged_bytes` only)."""
     staged_bytes: int = 0
     """Tensor bytes copied from shards staged in device memory (worker/staging.py), not read here."""
     threads: int = 0
@@ -593,7 +592,7 @@ class StreamingLoader:
         stall_s: float = DEFAULT_STALL_S,
         staging: CheckpointStaging | None = None,
     ) -> None:
-        threads = min(DEFAULT_THREADS, os.cpu_count() or 1) if threads is None else threads
+        threads = reader_threads() if threads is None else threads
         if not _is_int(threads) or threads < 1:
             raise InvalidArgument(f"loader threads must be >= 1, got {threads!r}")
         if not _is_int(chunk_bytes) or chunk_bytes < ALIGN or chunk_bytes % ALIGN:
@@ -929,12 +928,35 @@ class StreamingLoader:
         self.last_stats = stats
         return stats
 
+    def make_room(self, nbytes: int) -> None:
+        """Before ``nbytes`` of weights are allocated: the start-up staging, once it has ended, is
+        dropped (unmapped) unless they fit beside it (worker/staging.py), so that a model which fits
+        without it never fails for it."""
+        with self._lock:
+            staging = self._staging
+            if staging is None or (self._wait_for(staging) and staging.leaves_room(nbytes)):
+                return
+            self._staging = None
+            staging.take(0)
+            log.info("checkpoint staging: dropped, %.2f GB of weights need its room", nbytes / 1e9)
+
+    def _wait_for(self, staging: CheckpointStaging) -> bool:
+        """Whether ``staging`` ended within the stall bound (a :meth:`cancel` ends the wait)."""
+        deadline = time.monotonic() + self.stall_s
+        while not staging.wait(_POLL_S):
+            if self._cancelled.is_set():
+                raise Cancelled("the load was cancelled: the worker is stopping")
+            if time.monotonic() >= deadline:
+                return False
+        return True
+
     def _staged(self, staging: CheckpointStaging | None, files: Mapping[Path, _File]) -> dict[Path, torch.Tensor]:
         """The open files that ``staging`` holds in device memory, unchanged since, as uint8 tensors
         of all their bytes (waited for up to the stall bound, then read from the files instead)."""
         if staging is None:
             return {}
-        shards = {shard.id: shard for shard in staging.take(self.stall_s).values()}
+        self._wait_for(staging)
+        shards = {shard.id: shard for shard in staging.take(0)}
         out: dict[Path, torch.Tensor] = {}
         for path, f in files.items():
             shard = shards.get(file_id(f.fd))

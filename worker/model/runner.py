@@ -99,12 +99,15 @@ class ModelRunner:
                 "CUDA graphs need the cuda backend, Triton and a model the Triton kernels take "
                 "(worker/model/paged_attention.py's triton_supports)"
             )
-        self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
+        # the weights before the KV cache: a checkpoint staged at start-up (worker/staging.py) is
+        # unmapped by their load, and the KV cache then has its room
+        self.source.make_room(self.config.param_bytes())
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
         with load_bar(f"loading {self.source.name}") as progress:
             self.source.load_into(self.weights, progress)
         t2 = time.perf_counter()
+        self.kv_cache = KvCache(self.config, alloc, num_device_blocks, num_host_blocks, block_size, cuda_graphs)
         nbytes = self.config.param_bytes()
         log.info(
             "weights: %.2f GB from %s in %.2f s (%.1f GB/s)",
@@ -157,7 +160,7 @@ class ModelRunner:
         if self._kernels is TRITON_KERNELS:
             self.engine.paged_rows = self.graphs.max_rows if self.graphs is not None else MIXED_ROWS
         log.info(
-            "model: built in %.2f s (KV cache and weight tensors %.2f s, weights %.2f s, the rest %.2f s)",
+            "model: built in %.2f s (weight tensors %.2f s, weights %.2f s, the KV cache and the rest %.2f s)",
             time.perf_counter() - t0,
             t1 - t0,
             t2 - t1,

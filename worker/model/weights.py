@@ -231,6 +231,12 @@ class ModelSource(abc.ABC):
         file), without reading the data: a level-2 wake checks first, so it can refuse with nothing
         changed."""
 
+    def make_room(self, nbytes: int) -> None:
+        """Before ``nbytes`` of device memory are allocated for the weights: give back device memory
+        this source holds for its first load (a checkpoint's start-up staging) unless they fit beside
+        it. Nothing, for a source that holds none."""
+        return None
+
 
 class SyntheticSource(ModelSource):
     """Seeded random weights in a preset's shapes (:data:`PRESETS`), for tests and benchmarks, with a
@@ -301,6 +307,9 @@ class CheckpointSource(ModelSource):
 
     def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
         self.loader.load(self.path, weights, weight_shapes(self.config), progress)
+
+    def make_room(self, nbytes: int) -> None:
+        self.loader.make_room(nbytes)
 
     def check(self) -> None:
         """:func:`check_checkpoint`, through the loader: bounded as its loads are (a hung mount)."""
