@@ -816,7 +816,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="worker starts before the measured ones (not counted)")
     ap.add_argument("--kv-blocks", type=int, default=1024)
-    ap.add_argument("--worker-args", default="", help="extra flags for the worker")
+    ap.add_argument(
+        "--worker-args",
+        default="",
+        help="extra flags for the worker, one string (starting with a dash: --worker-args=--no-checkpoint-staging)",
+    )
     ap.add_argument("--no-baseline", action="store_true", help="skip transformers' from_pretrained")
     ap.add_argument("--cold", action="store_true", help="also one start of each with the page cache dropped")
     ap.add_argument(

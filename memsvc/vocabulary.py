@@ -279,6 +279,12 @@ class TagState(_NamedProtoEnum):
     def _prefix(cls) -> str:
         return "TAG_STATE"
 
+    @classmethod
+    def of(cls, value: int) -> TagState | None:
+        """The state a message's number names; None for unspecified and for a value this version
+        does not know (a newer worker's)."""
+        return next((state for state in cls if state.proto == value), None)
+
     @property
     def proto(self) -> common_pb.TagState.ValueType:
         return common_pb.TagState.ValueType(self._proto_number())

@@ -44,8 +44,6 @@ from memsvc.v1 import memory_manager_service_pb2 as manager_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.vocabulary import SleepLevel, TagState, WorkerState
 
-_TAG_STATES = {state.proto: state for state in TagState}
-
 
 def _nanos(value: Timestamp | Duration, present: bool = True) -> int | None:
     """A time or duration of a worker's message in nanoseconds; None where it was not sent, or is
@@ -88,7 +86,7 @@ def status_from_pb(s: common_pb.WorkerStatus) -> WorkerStatus:
         tags=tuple(
             TagMemory(
                 tag=t.tag,
-                state=_TAG_STATES.get(t.state),
+                state=TagState.of(t.state),
                 mapped_bytes=t.mapped_bytes,
                 allocated_bytes=t.allocated_bytes,
                 offloaded_bytes=t.offloaded_bytes,

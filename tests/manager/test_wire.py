@@ -19,7 +19,7 @@ from memsvc.manager.reports import StateChange, Transition, WorkerStatus
 from memsvc.manager.watch import WatchEvent
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
-from memsvc.vocabulary import Action, WorkerState
+from memsvc.vocabulary import Action, TagState, WorkerState
 
 
 def _filled(msg: Message, seed: int = 1) -> Message:
@@ -156,3 +156,14 @@ def test_a_policy_crosses_both_ways_unchanged() -> None:
         start_timeout=12.0,
     )
     assert Policy().with_fields(wire.policy_fields(wire.policy_pb(p), [])) == p
+
+
+def test_the_known_tag_states_cross_and_one_this_version_does_not_know_reads_as_unspecified() -> None:
+    """A newer worker's tag state (a number this version lacks) goes out to clients as unspecified,
+    as an unset one does: never as a state the tag may not be in."""
+    known = [state.proto for state in TagState]
+    msg = common_pb.WorkerStatus(worker_id="a", state=common_pb.WORKER_STATE_ASLEEP)
+    for i, number in enumerate([*known, 99]):
+        msg.tags.add(tag=f"t{i}", state=common_pb.TagState.ValueType(number))
+    out = [t.state for t in wire.status_pb(wire.status_from_pb(msg)).tags]
+    assert out == [*known, common_pb.TAG_STATE_UNSPECIFIED]
