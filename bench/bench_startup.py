@@ -86,6 +86,10 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
     "warm_up": re.compile(r"warm-up: kernels compiled.* in (?P<s>[\d.]+) s"),
+    "warm_up_parts": re.compile(
+        r"warm-up parts: hashes waited (?P<hashes>[\d.]+) s, generation (?P<generation>[\d.]+) s, "
+        r"capture (?P<capture>[\d.]+) s, buckets warmed (?P<warmed>[\d.]+) s"
+    ),
     "ready": re.compile(r"^memsvc worker \S+ ready: "),
     "first_graph": re.compile(r"cuda graphs: batch \d+ captured in (?P<s>[\d.]+) s \(1 of"),
     "graphs_done": re.compile(r"cuda graphs: \d+ of \d+ buckets captured in the background"),
@@ -616,6 +620,10 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "allocator_s",
             "allocator_at_s",
             "warm_up_s",
+            "warm_up_parts_hashes",
+            "warm_up_parts_generation",
+            "warm_up_parts_capture",
+            "warm_up_parts_warmed",
             "model_built_s",
             "ready_at_s",
             "first_generate_s",
@@ -748,6 +756,10 @@ def format_table(res: dict[str, Any]) -> str:
         ("worker: weights load (its log)", wk.get("weights_loaded_s_median")),
         ("worker: model built (KV, weights, the rest)", wk.get("model_built_s_median")),
         ("worker: warm-up (kernels, one decode graph)", wk.get("warm_up_s_median")),
+        ("  waiting for Triton's hashes", wk.get("warm_up_parts_hashes_median")),
+        ("  a short generation", wk.get("warm_up_parts_generation_median")),
+        ("  batch 1's capture", wk.get("warm_up_parts_capture_median")),
+        ("  one eager step of every other bucket", wk.get("warm_up_parts_warmed_median")),
         ("worker: spawn -> ready line", wk.get("ready_at_s_median")),
         ("worker: spawn -> SERVING", wk.get("serving_s_median")),
         ("worker: spawn -> first token", wk.get("first_token_s_median")),

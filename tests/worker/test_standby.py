@@ -93,6 +93,35 @@ def test_a_standby_handed_its_flags_serves_as_the_worker_they_name(reference_tok
         proc.close()
 
 
+def test_a_standby_reads_its_checkpoint_at_once_and_stages_none_of_it(tmp_path: Path) -> None:
+    """The staging (worker/staging.py) fills a spawn's wait for the model layer's import, which a
+    standby has done: there it would only stand between the load and the page cache. The tokens are a
+    spawned worker's, whose load copies from the staging."""
+    from bench.bench_gateway import write_checkpoint
+
+    ckpt = tmp_path / "tiny"
+    write_checkpoint(ckpt, "tiny", "cpu")
+    flags = ["--listen", "127.0.0.1:0", "--backend", "host", "--model", str(ckpt)]
+    with WorkerProcess(flags) as spawned:
+        expected = list(spawned.stub.Generate(REQUEST, timeout=60).token_ids)
+    proc = standby()
+    try:
+        proc.write_stdin(json.dumps(flags) + "\n")
+        listening, _ = proc.wait_lines([_LISTENING, _READY], READY_TIMEOUT)
+        wp = WorkerProcess(flags)
+        wp.address = listening["address"]
+        try:
+            assert list(wp.stub.Generate(REQUEST, timeout=60).token_ids) == expected
+        finally:
+            wp.close_channel()
+        err = proc.stderr_text()
+        assert "checkpoint staging: none (the model layer was imported before this start)" in err, err
+        assert "GB on the device" not in err and "weights:" in err
+        assert proc.signal_and_wait(signal.SIGTERM) == 0
+    finally:
+        proc.close()
+
+
 def test_a_standby_handed_an_inline_front_ends_the_front_it_started_ahead() -> None:
     proc = standby()
     try:

@@ -207,15 +207,28 @@ class ModelRunner:
         t0 = time.perf_counter()
         if self._kernels is TRITON_KERNELS:
             hash_ahead()  # made by worker/main.py's import thread, or being made: waited for, not made twice
+        t1 = time.perf_counter()
         self.run(GenerationRequest([0, 1, 2], 2, ignore_eos=True))
+        t2 = time.perf_counter()
         graphs = self.graphs
         if graphs is not None and 1 in graphs.pending:
             self.capture_graph(1)
+        t3 = time.perf_counter()
+        warmed: list[str] = []
         if graphs is not None:
             with self.lock:
                 for size in graphs.pending:
+                    t = time.perf_counter()
                     graphs.warm(size)
-        return time.perf_counter() - t0
+                    warmed.append(f"{size}:{1e3 * (time.perf_counter() - t):.0f}")
+        end = time.perf_counter()
+        # where a start's last second goes (bench/bench_startup.py reads it)
+        log.info(
+            "warm-up parts: hashes waited %.3f s, generation %.3f s, capture %.3f s, buckets warmed %.3f s (ms: %s)",
+            *(t1 - t0, t2 - t1, t3 - t2, end - t3),
+            " ".join(warmed) or "none",
+        )
+        return end - t0
 
     def capture_graph(self, size: int) -> float:
         """Capture the decode step of batch bucket ``size`` now, between steps; the seconds it took.
