@@ -25,6 +25,7 @@ from pathlib import Path
 
 from memsvc.errors import InvalidArgument, MemsvcError
 from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
+from worker.model.hub import cached_dir, is_hub_id
 from worker.page_cache import PageCache
 
 log = logging.getLogger("memsvc.worker")
@@ -37,10 +38,11 @@ THREADS = 8
 
 def shard_order(model: str) -> list[Path]:
     """The checkpoint's safetensors files in the order the loader reads them (by path: its
-    ``plan_reads``), those the index names or else every one; none for a synthetic model or a bad
-    index (the load reports it)."""
-    root = Path(model)
-    if not root.is_dir():
+    ``plan_reads``), those the index names or else every one, in the directory ``model`` names or
+    the Hub cache's snapshot of it (worker/model/hub.py's ``cached_dir``); none for a synthetic
+    model, a Hub id not in the cache or a bad index (the load reports it)."""
+    root = cached_dir(model)
+    if root is None:
         return []
     index = root / INDEX_FILE
     if index.is_file():
@@ -57,7 +59,7 @@ class CheckpointPrefetch:
     cannot keep a drive busy (1.0 GB/s on the H200 VM's disk against 1.8 GB/s for eight)."""
 
     def __init__(self, model: str, threads: int = 0) -> None:
-        self.files = shard_order(model)
+        self.model = model
         self.threads = threads or min(THREADS, os.cpu_count() or 1)
         self.requested = 0
         """Bytes read ahead so far (windows the page cache held are not counted)."""
@@ -70,7 +72,7 @@ class CheckpointPrefetch:
         """Readers still running; the last one closes the files."""
 
     def start(self) -> CheckpointPrefetch:
-        if self.files:
+        if Path(self.model).expanduser().is_dir() or is_hub_id(self.model):  # the shards looked up by the readers
             self._threads = [
                 threading.Thread(target=self._run, name="memsvc-prefetch", daemon=True) for _ in range(self.threads)
             ]
@@ -89,8 +91,9 @@ class CheckpointPrefetch:
             t.join(timeout)
 
     def _plan(self) -> Iterator[tuple[int, PageCache, int, int]]:
-        """Every window of every shard, in the loader's order (taken under the lock)."""
-        for file in self.files:
+        """Every window of every shard, in the loader's order (taken under the lock): the shards are
+        found here, not before the start, since a Hub id's lookup imports huggingface_hub (0.2 s)."""
+        for file in shard_order(self.model):
             try:
                 fd = open_regular(file)  # not a FIFO: its open would block (the load refuses it by name)
             except MemsvcError:

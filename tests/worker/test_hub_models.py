@@ -22,10 +22,15 @@ REPO = "acme/text-model"
 
 
 def hub_cache(root: Path, repo: str, checkpoint: Path) -> Path:
-    """A Hub cache (``HF_HOME``) holding ``checkpoint`` as the main revision of ``repo``."""
+    """A Hub cache (``HF_HOME``) holding ``checkpoint`` as the main revision of ``repo``: as the Hub's
+    client writes it, each file of the snapshot a link to a blob."""
     org, name = repo.split("/")
     entry = root / "hub" / f"models--{org}--{name}"
-    shutil.copytree(checkpoint, entry / "snapshots" / COMMIT)
+    snapshot = entry / "snapshots" / COMMIT
+    shutil.copytree(checkpoint, entry / "blobs")
+    snapshot.mkdir(parents=True)
+    for blob in (entry / "blobs").iterdir():
+        (snapshot / blob.name).symlink_to(Path("..", "..", "blobs", blob.name))
     (entry / "refs").mkdir()
     (entry / "refs" / "main").write_text(COMMIT)
     return root
@@ -46,7 +51,11 @@ def test_a_hub_id_in_the_cache_serves_what_its_checkpoint_directory_serves(tmp_p
         assert (st.model.source, st.model.served_model_name) == (REPO, REPO)
         assert st.model.has_tokenizer and st.model.has_chat_template
         got = wp.stub.Generate(req, timeout=60)
+        log = wp.stderr_text()
     assert (list(got.token_ids), got.text) == (list(want.token_ids), want.text)
+    # the start found the snapshot in the cache before the load resolved the id: its shards were
+    # looked at by the read-ahead and staged (worker/prefetch.py, worker/staging.py) as a directory's are
+    assert "checkpoint read-ahead: 0.00 GB read" in log and "GB on the device" in log, log
 
 
 def test_an_id_the_cache_lacks_is_refused_at_start_saying_what_was_tried(tmp_path: Path) -> None:

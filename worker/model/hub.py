@@ -41,6 +41,29 @@ def is_hub_id(spec: str) -> bool:
     return bool(_HUB_ID.match(spec)) and ".." not in spec
 
 
+def cached_dir(spec: str) -> Path | None:
+    """The directory ``spec`` names here, asking no network: itself, or the snapshot of its Hub id that
+    the Hub cache holds (the revision as the cache's refs name it); None if neither.
+
+    For the start-up's read-ahead and staging (worker/prefetch.py, worker/staging.py), which run
+    before the load resolves ``spec``: where :func:`resolve` then finds a newer snapshot on the Hub,
+    the load reads that one and what was read ahead or staged of the old one goes unused (a staged
+    shard is matched to the file the load opens, worker/staging.py's ``file_id``)."""
+    path = Path(spec).expanduser()
+    if path.is_dir():
+        return path
+    if path.exists() or not is_hub_id(spec):
+        return None
+    repo, _, revision = spec.partition("@")
+    try:
+        from huggingface_hub import try_to_load_from_cache
+
+        found = try_to_load_from_cache(repo, "config.json", revision=revision or None)
+    except Exception:  # noqa: BLE001 - no huggingface_hub, an id it refuses: nothing to read ahead (the load says why)
+        return None
+    return Path(found).parent if isinstance(found, str) else None
+
+
 def resolve(spec: str) -> Path:
     """The directory ``spec`` names: itself when it exists here, else the Hub snapshot of the
     repository it names (downloaded into the cache unless offline). A spec that is neither: the
@@ -77,4 +100,4 @@ def resolve(spec: str) -> Path:
         raise InvalidArgument(f"{tried}: {type(exc).__name__}: {exc}", metadata={"model": spec}) from None
 
 
-__all__ = ["FILES", "is_hub_id", "resolve"]
+__all__ = ["FILES", "cached_dir", "is_hub_id", "resolve"]
