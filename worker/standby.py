@@ -43,8 +43,9 @@ def prepare(backend: str, device: int) -> str:
     from worker.allocator import resolve_backend
 
     rpc_front.start_ahead()  # the RPC front's process, its imports done beside these
-    for name in worker.main.MODEL_LAYER:
-        importlib.import_module(name)
+    with worker.main.collector_paused():
+        for name in worker.main.MODEL_LAYER:
+            importlib.import_module(name)
     import torch
 
     resolved = resolve_backend(backend)

@@ -57,6 +57,27 @@ def test_the_worker_listens_before_the_model_layer_is_imported() -> None:
     assert json.loads(done.stdout) == []
 
 
+def test_the_model_layer_imports_without_the_collector_and_leaves_what_it_made_frozen() -> None:
+    """worker/main.py's collector_paused: no collection runs while torch and the model layer import
+    (their passes over its objects were a tenth of the import), those objects are kept out of later
+    ones (frozen), and the collector is on again afterwards."""
+    code = (
+        "import gc, json\n"
+        "from worker.config import WorkerConfig\n"
+        "from worker.main import import_model_layer\n"
+        "before = (gc.isenabled(), gc.get_freeze_count())\n"
+        "runs = []\n"
+        "gc.callbacks.append(lambda phase, info: runs.append(info['generation']) if phase == 'start' else None)\n"
+        "import_model_layer(WorkerConfig(model='synthetic:tiny', backend='host')).join()\n"
+        "print(json.dumps([*before, len(runs), gc.isenabled(), gc.get_freeze_count()]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    enabled_before, frozen_before, collections, enabled_after, frozen_after = json.loads(done.stdout)
+    assert (enabled_before, frozen_before) == (True, 0)
+    assert collections == 0, "the collector ran during the imports"
+    assert enabled_after and frozen_after > 50_000  # torch's modules, functions and classes among them
+
+
 def test_the_model_package_still_exports_its_names() -> None:
     code = (
         "import json, sys, worker.model as m; before = 'torch' in sys.modules; "
