@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import shutil
 import subprocess
 import sys
 import threading
@@ -347,3 +348,29 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     cold = res["cold"]
     assert cold["read_floor"]["bytes"] > 0 and cold["worker"]["serving_s"] > 0 and cold["serving_vs_read_floor"] > 0
     assert cold["transformers"]["loaded_s"] > 0
+
+
+def test_the_side_by_side_startup_bench_runs_both_trees_in_turn(tmp_path: Path) -> None:
+    """bench/startup_ab.py: each tree's own bench_startup and worker, both compared in one JSON."""
+    from bench import startup_ab
+    from bench.bench_gateway import write_checkpoint
+
+    ckpt = tmp_path / "tiny"
+    write_checkpoint(ckpt, "tiny", "cpu")
+    base = tmp_path / "base"
+    for package in ("worker", "memsvc", "bench"):
+        shutil.copytree(REPO_ROOT / package, base / package, ignore=shutil.ignore_patterns("__pycache__"))
+    out = tmp_path / "ab.json"
+    bench = ["--model", str(ckpt), "--backend", "host", "--repeats", "1", "--warmup", "0", "--kv-blocks", "64"]
+    argv = ["--base", str(base), "--base-commit", "b4se", "--rounds", "1", "--out", str(out), "--", *bench]
+    assert startup_ab.main([*argv, "--no-baseline", "--no-breakdown"]) == 0
+    res = json.loads(out.read_text())
+    assert res["errors"] == {} and res["base"]["commit"] == "b4se"
+    (base_run,), (new_run,) = res["runs"]["base"], res["runs"]["new"]
+    assert base_run["commit"] == "b4se" and new_run["commit"] != "b4se"
+    for label in ("base", "new"):
+        (start,) = res["summary"]["worker"][label]["starts"]
+        assert 0 < start["serving_s"] < start["first_token_s"]
+        assert res["summary"]["worker"][label]["median"]["first_token_s"] == start["first_token_s"]
+    with pytest.raises(SystemExit):
+        startup_ab.main(["--base", str(tmp_path / "tiny"), "--", *bench])  # not a source tree
