@@ -79,7 +79,9 @@ _LISTENING = re.compile(r"^memsvc worker \S+ listening on (\S+)$")
 LOG_LINES: dict[str, re.Pattern[str]] = {
     "allocator": re.compile(r"allocator: \w+ backend ready in (?P<s>[\d.]+) s"),
     "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
-    "read_ahead": re.compile(r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read in (?P<s>[\d.]+) s"),
+    "read_ahead": re.compile(
+        r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read of (?P<shards>\d+) shards in (?P<s>[\d.]+) s"
+    ),
     "staged": re.compile(r"checkpoint staging: (?P<gb>[\d.]+) GB on the device in (?P<s>[\d.]+) s"),
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
     "triton_hashed": re.compile(r"triton: kernel hashes made in (?P<s>[\d.]+) s"),

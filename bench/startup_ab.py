@@ -130,10 +130,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         "bench_args": bench_args,
         "base": {"tree": str(trees["base"][0]), "commit": args.base_commit},
         "errors": {
-            f"{label} round {i + 1}": res["errors"]
+            f"{label} round {i + 1}": run["errors"]
             for label, rounds in results.items()
-            for i, res in enumerate(rounds)
-            if res.get("errors")
+            for i, run in enumerate(rounds)
+            if run.get("errors")
         },
         "summary": summary,
         "runs": results,

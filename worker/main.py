@@ -62,8 +62,9 @@ def collector_paused() -> Iterator[None]:
     Why: importing torch and the model layer makes some 175,000 objects, nearly all kept for the
     process's life. The collector's passes over them during the imports (3 full and 32 middle ones on
     a development machine: 0.14 s of a 1.3 s import) are on the start's critical path, and every full
-    pass afterwards, a pause while serving, would scan them again. What the imports leave as cyclic
-    garbage stays (a few kilobytes, once)."""
+    pass afterwards, a pause while serving, would scan them again. The collector is off for every
+    thread meanwhile (the server's and the load's too, for the seconds the imports take), and the
+    freeze takes whatever is alive then; what is garbage in cycles at that moment stays, once."""
     enabled = gc.isenabled()
     gc.disable()
     try:
@@ -155,13 +156,14 @@ async def serve(
     except MemsvcError as exc:
         announce(f"memsvc worker: error: {exc}", sys.stderr)
         return 2
-    if config.checkpoint_staging and all(name in sys.modules for name in MODEL_LAYER):
-        # A standby's start (worker/standby.py): with the model layer in, the load reads at once, and
-        # a staging (worker/staging.py), there to fill the import's wait, would only stand between it
-        # and the page cache (staging 16 GB took 0.6 s, the load alone 0.45 s).
+    # A standby's start (worker/standby.py) has the model layer in, so the load reads at once: the
+    # read-ahead and the staging (worker/staging.py), there to fill the import's wait, would only
+    # stand between it and the page cache (staging 16 GB took 0.6 s, the load alone 0.45 s).
+    imported = all(name in sys.modules for name in MODEL_LAYER)
+    if imported and config.checkpoint_staging:
         log.info("checkpoint staging: none (the model layer was imported before this start)")
         config = dataclasses.replace(config, checkpoint_staging=False)
-    importer = import_model_layer(config, CheckpointPrefetch(config.model).start())
+    importer = import_model_layer(config, None if imported else CheckpointPrefetch(config.model).start())
     try:
         return await _serve(config, listen, manager, advertise, security or Security())
     finally:

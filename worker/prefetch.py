@@ -25,7 +25,7 @@ from pathlib import Path
 
 from memsvc.errors import InvalidArgument, MemsvcError
 from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
-from worker.model.hub import cached_dir, is_hub_id
+from worker.model.hub import cached_dir, may_be_local
 from worker.page_cache import PageCache
 
 log = logging.getLogger("memsvc.worker")
@@ -70,9 +70,11 @@ class CheckpointPrefetch:
         self._opened: list[tuple[int, PageCache]] = []
         self._live = 0
         """Readers still running; the last one closes the files."""
+        self.shards = 0
+        """Shards found (logged at the end: a Hub id's snapshot found in the cache, or not)."""
 
     def start(self) -> CheckpointPrefetch:
-        if Path(self.model).expanduser().is_dir() or is_hub_id(self.model):  # the shards looked up by the readers
+        if may_be_local(self.model):  # the shards themselves are found by the readers (see _plan)
             self._threads = [
                 threading.Thread(target=self._run, name="memsvc-prefetch", daemon=True) for _ in range(self.threads)
             ]
@@ -91,9 +93,17 @@ class CheckpointPrefetch:
             t.join(timeout)
 
     def _plan(self) -> Iterator[tuple[int, PageCache, int, int]]:
-        """Every window of every shard, in the loader's order (taken under the lock): the shards are
-        found here, not before the start, since a Hub id's lookup imports huggingface_hub (0.2 s)."""
-        for file in shard_order(self.model):
+        """Every window of every shard, in the loader's order (taken under the lock). The shards are
+        found here, on a reader, not before the start: a Hub id's lookup imports huggingface_hub
+        (0.2-0.3 s, which the load's own lookup then finds done), and the model layer's import
+        thread starts only after this object does."""
+        try:
+            files = shard_order(self.model)
+        except (OSError, MemsvcError) as exc:  # an unreadable directory or cache: the load reports it
+            log.debug("read-ahead: no shards found: %s", exc)
+            return
+        self.shards = len(files)
+        for file in files:
             try:
                 fd = open_regular(file)  # not a FIFO: its open would block (the load refuses it by name)
             except MemsvcError:
@@ -117,7 +127,7 @@ class CheckpointPrefetch:
         queues without waiting: reads keep pace with the disk, so stopping leaves nothing queued
         for the loader to wait behind."""
         t0 = time.perf_counter()
-        buf = memoryview(bytearray(WINDOW))
+        buf: memoryview | None = None  # made at the first window to read: none on a warm page cache
         try:
             while not self._stop.is_set():
                 with self._lock:
@@ -129,6 +139,7 @@ class CheckpointPrefetch:
                     if cache.known and all(cached for _, _, cached in cache.runs(off, n)):
                         continue
                     done = 0
+                    buf = buf or memoryview(bytearray(WINDOW))
                     while done < n and (got := os.preadv(fd, [buf[: n - done]], off + done)) > 0:
                         done += got
                 except OSError as exc:
@@ -145,7 +156,10 @@ class CheckpointPrefetch:
                     cache.close()
                     os.close(fd)
                 log.info(
-                    "checkpoint read-ahead: %.2f GB read in %.2f s", self.requested / 1e9, time.perf_counter() - t0
+                    "checkpoint read-ahead: %.2f GB read of %d shards in %.2f s",
+                    self.requested / 1e9,
+                    self.shards,
+                    time.perf_counter() - t0,
                 )
 
 

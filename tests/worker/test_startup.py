@@ -332,7 +332,7 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     assert run["model_layer_imported_at_s"] <= run["serving_s"] and run["weights_loaded_s"] >= 0
     assert run["exit_code"] == 0 and run["graph_captures"] == []  # the host backend has no graphs
     # the checkpoint was just written, so the page cache holds it: the read-ahead finds it and reads nothing
-    assert run["read_ahead_gb"] == 0.0 and run["read_ahead_at_s"] <= run["serving_s"]
+    assert run["read_ahead_gb"] == 0.0 and run["read_ahead_shards"] == 1 and run["read_ahead_at_s"] <= run["serving_s"]
     # ... and the staging copies it into the allocator's memory before the load (worker/staging.py)
     assert "staged_gb" in run and run["staged_at_s"] <= run["weights_loaded_at_s"] <= run["serving_s"]
     (theirs,) = res["transformers"]["runs"]
@@ -360,6 +360,8 @@ def test_the_side_by_side_startup_bench_runs_both_trees_in_turn(tmp_path: Path) 
     base = tmp_path / "base"
     for package in ("worker", "memsvc", "bench"):
         shutil.copytree(REPO_ROOT / package, base / package, ignore=shutil.ignore_patterns("__pycache__"))
+    ours = base / "bench" / "bench_startup.py"  # a bench only the base tree has: its JSON shows which ran
+    ours.write_text(ours.read_text().replace("\nTARGET_SERVING_S = 2.5\n", "\nTARGET_SERVING_S = 2.25\n"))
     out = tmp_path / "ab.json"
     bench = ["--model", str(ckpt), "--backend", "host", "--repeats", "1", "--warmup", "0", "--kv-blocks", "64"]
     argv = ["--base", str(base), "--base-commit", "b4se", "--rounds", "1", "--out", str(out), "--", *bench]
@@ -368,6 +370,7 @@ def test_the_side_by_side_startup_bench_runs_both_trees_in_turn(tmp_path: Path) 
     assert res["errors"] == {} and res["base"]["commit"] == "b4se"
     (base_run,), (new_run,) = res["runs"]["base"], res["runs"]["new"]
     assert base_run["commit"] == "b4se" and new_run["commit"] != "b4se"
+    assert [t["goal_s"] for t in base_run["targets"][:1]] == [2.25] and new_run["targets"][0]["goal_s"] == 2.5
     for label in ("base", "new"):
         (start,) = res["summary"]["worker"][label]["starts"]
         assert 0 < start["serving_s"] < start["first_token_s"]

@@ -41,6 +41,12 @@ def is_hub_id(spec: str) -> bool:
     return bool(_HUB_ID.match(spec)) and ".." not in spec
 
 
+def may_be_local(spec: str) -> bool:
+    """Whether ``spec`` may name a checkpoint on this host: a directory, or a Hub id (whose snapshot
+    the Hub cache may hold: :func:`cached_dir` looks)."""
+    return Path(spec).expanduser().is_dir() or is_hub_id(spec)
+
+
 def cached_dir(spec: str) -> Path | None:
     """The directory ``spec`` names here, asking no network: itself, or the snapshot of its Hub id that
     the Hub cache holds (the revision as the cache's refs name it); None if neither.
@@ -100,4 +106,4 @@ def resolve(spec: str) -> Path:
         raise InvalidArgument(f"{tried}: {type(exc).__name__}: {exc}", metadata={"model": spec}) from None
 
 
-__all__ = ["FILES", "cached_dir", "is_hub_id", "resolve"]
+__all__ = ["FILES", "cached_dir", "is_hub_id", "may_be_local", "resolve"]

@@ -225,7 +225,10 @@ class ModelRunner:
         # where a start's last second goes (bench/bench_startup.py reads it)
         log.info(
             "warm-up parts: hashes waited %.3f s, generation %.3f s, capture %.3f s, buckets warmed %.3f s (ms: %s)",
-            *(t1 - t0, t2 - t1, t3 - t2, end - t3),
+            t1 - t0,
+            t2 - t1,
+            t3 - t2,
+            end - t3,
             " ".join(warmed) or "none",
         )
         return end - t0
