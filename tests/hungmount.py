@@ -1,10 +1,16 @@
 """A checkpoint directory whose reads hang in a worker process while a gate file exists: a hung
 network mount, or a load held open so that a test can act while the worker is LOADING. The hang is an
-``os.preadv`` wrapper installed through a ``sitecustomize`` module on the worker process's path."""
+``os.preadv`` wrapper installed through a ``sitecustomize`` module on the worker process's path (the
+loader's reads), and a ``pread`` of the C library's preloaded into it (tests/hang_shim.c: the reads
+the native layer makes itself, the start-up staging's), so the worker runs with its default flags."""
 
 from __future__ import annotations
 
+import hashlib
 import os
+import shutil
+import subprocess
+import tempfile
 from pathlib import Path
 
 from worker.allocator import AllocatorConfig, MemoryAllocator
@@ -46,6 +52,23 @@ def tiny_checkpoint(root: Path, seed: int) -> Path:
     return root
 
 
+SHIM_SOURCE = Path(__file__).with_name("hang_shim.c")
+
+
+def hang_shim() -> Path:
+    """tests/hang_shim.c built (once per source: a shared object named for its hash, in the temporary
+    directory, written under another name and renamed into place)."""
+    source = SHIM_SOURCE.read_bytes()
+    built = Path(tempfile.gettempdir()) / f"memsvc-hang-shim-{hashlib.sha256(source).hexdigest()[:16]}.so"
+    if not built.exists():
+        cc = shutil.which("cc") or shutil.which("gcc")
+        assert cc, "a C compiler (cc) builds tests/hang_shim.c, as it builds the native extension"
+        partial = built.with_suffix(f".{os.getpid()}.tmp")
+        subprocess.run([cc, "-shared", "-fPIC", "-O2", "-o", str(partial), str(SHIM_SOURCE), "-ldl"], check=True)
+        partial.replace(built)
+    return built
+
+
 class HungMount:
     """A checkpoint directory whose data reads hang in a worker process while ``HANG`` exists in it."""
 
@@ -69,10 +92,15 @@ class HungMount:
 
     @property
     def worker_args(self) -> list[str]:
-        """A worker's flags to load this checkpoint: without the start-up staging, whose reads are
-        native (worker/staging.py) and so never meet the ``os.preadv`` wrapper that hangs."""
-        return ["--model", str(self.root), "--no-checkpoint-staging"]
+        """A worker's flags to load this checkpoint (the defaults otherwise)."""
+        return ["--model", str(self.root)]
 
     def env(self) -> dict[str, str]:
         path = os.pathsep.join(p for p in (str(self.site), os.environ.get("PYTHONPATH", "")) if p)
-        return {"PYTHONPATH": path, "TEST_HANG_UNDER": str(self.root), "TEST_HANG_SEEN": str(self.seen)}
+        preload = " ".join(p for p in (str(hang_shim()), os.environ.get("LD_PRELOAD", "")) if p)
+        return {
+            "PYTHONPATH": path,
+            "LD_PRELOAD": preload,
+            "TEST_HANG_UNDER": str(self.root),
+            "TEST_HANG_SEEN": str(self.seen),
+        }
