@@ -10,7 +10,8 @@ cache every file is found resident (one ``mincore`` over it) and skipped: no cop
 planned is looked at again just before its read (another reader's read may have brought it in);
 where the kernel will not say (a file this process neither owns nor may write), every window is read.
 
-This module imports nothing heavy: it runs while torch is being imported.
+This module imports nothing heavy: it runs while torch is being imported (for a Hub id, finding its
+snapshot imports huggingface_hub, which the load's own lookup imports anyway).
 """
 
 from __future__ import annotations
@@ -139,7 +140,8 @@ class CheckpointPrefetch:
                     if cache.known and all(cached for _, _, cached in cache.runs(off, n)):
                         continue
                     done = 0
-                    buf = buf or memoryview(bytearray(WINDOW))
+                    if buf is None:
+                        buf = memoryview(bytearray(WINDOW))
                     while done < n and (got := os.preadv(fd, [buf[: n - done]], off + done)) > 0:
                         done += got
                 except OSError as exc:

@@ -75,6 +75,8 @@ def test_the_model_layer_imports_without_the_collector_and_leaves_what_it_made_f
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     enabled_before, frozen_before, collections, enabled_after, frozen_after = json.loads(done.stdout)
     assert (enabled_before, frozen_before) == (True, 0)
+    # (after the freeze the young generation starts empty, and the little the thread allocates then,
+    # a log line, stays under its threshold: a collection seen here ran during the imports)
     assert collections == 0, "the collector ran during the imports"
     assert enabled_after and frozen_after > 50_000  # torch's modules, functions and classes among them
 
