@@ -1,9 +1,10 @@
 #!/usr/bin/env bash
 # One device call: the GPU tests (every test marked gpu, incl. the cuda variants of the semantic
 # tests), then the allocator benchmark (SKIP_BENCH=1: not), the 8B-shaped reference check against
-# transformers (REFERENCE_8B=1) and the line-rate bench (LINE_RATE=1). Run from the repo root on the
-# GPU machine, with the built extension (worker/_native.abi3.so), the generated stubs (memsvc/v1)
-# and .whl carried.
+# transformers (REFERENCE_8B=1), the line-rate bench (LINE_RATE=1) and the start-up side by side
+# against a base tree (STARTUP_AB_BASE=<dir>, carried: bench/startup_ab.py says how to make one). Run
+# from the repo root on the GPU machine, with the built extension (worker/_native.abi3.so), the
+# generated stubs (memsvc/v1) and .whl carried.
 # Usage: bash bench/device_run.sh [extra pytest args]
 set -uo pipefail
 export PYTHONUNBUFFERED=1
@@ -30,4 +31,9 @@ if [ "${REFERENCE_8B:-0}" = 1 ]; then
 fi
 if [ "${LINE_RATE:-0}" = 1 ]; then
   python3 -m bench.bench_line_rate --out "$OUT/line_rate.json" 2>&1 | tee "$OUT/line_rate.log"
+fi
+if [ -n "${STARTUP_AB_BASE:-}" ]; then
+  python3 -c "from pathlib import Path; from bench.bench_gateway import write_checkpoint; write_checkpoint(Path('/tmp/ck8b'), '8b', 'cuda')"
+  python3 -m bench.startup_ab --base "$STARTUP_AB_BASE" --rounds 2 --out "$OUT/startup_ab.json" -- \
+    --model /tmp/ck8b --repeats 2 --warmup 1 --no-baseline --no-breakdown 2>&1 | tail -14 | tee "$OUT/startup_ab.log"
 fi
