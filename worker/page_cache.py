@@ -55,6 +55,11 @@ class PageCache:
             i = j
         return runs
 
+    def holds(self, offset: int, length: int) -> bool:
+        """Whether the page cache holds every page of ``length`` bytes from ``offset``: False where the
+        kernel will not say (:attr:`known`), so a caller reads rather than trusts it."""
+        return self.known and all(cached for _, _, cached in self.runs(offset, length))
+
     def close(self) -> None:
         if self.addr is not None:
             _libc.munmap(self.addr, self.size)

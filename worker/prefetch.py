@@ -137,7 +137,7 @@ class CheckpointPrefetch:
                     break
                 fd, cache, off, n = window
                 try:
-                    if cache.known and all(cached for _, _, cached in cache.runs(off, n)):
+                    if cache.holds(off, n):
                         continue
                     done = 0
                     if buf is None:

@@ -162,7 +162,7 @@ def _resident(fd: int, size: int) -> bool:
     """Whether the page cache holds every page of the file, where the kernel says so."""
     cache = PageCache(fd, size)
     try:
-        return cache.known and all(cached for _, _, cached in cache.runs(0, size))
+        return cache.holds(0, size)
     finally:
         cache.close()
 
