@@ -42,6 +42,19 @@ def reference(root: Path) -> dict[str, torch.Tensor]:
     return out
 
 
+CONVERSIONS = [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)]
+"""(the file's dtype, the destinations' dtype): a load's conversions, both ways."""
+
+
+def to_convert(file_dtype: torch.dtype, g: torch.Generator) -> dict[str, torch.Tensor]:
+    """Two tensors of ``file_dtype`` drawn from ``g`` that a load into another dtype converts: one of
+    a few bytes, one across many pages."""
+    return {
+        "a": torch.randn(7, 13, generator=g).to(file_dtype),
+        "b": torch.randn(300, 301, generator=g).to(file_dtype),
+    }
+
+
 def destinations(
     alloc: MemoryAllocator, tensors: Mapping[str, torch.Tensor], dtype: torch.dtype | None = None
 ) -> dict[str, torch.Tensor]:

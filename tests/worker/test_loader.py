@@ -16,7 +16,7 @@ from typing import Any
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from sharded_checkpoints import PATTERN, destinations, reference, save_sharded
+from sharded_checkpoints import CONVERSIONS, PATTERN, destinations, reference, save_sharded, to_convert
 
 from memsvc.errors import InvalidArgument, NotFound
 from worker.allocator import AllocatorConfig, MemoryAllocator
@@ -199,15 +199,12 @@ def test_file_system_without_nowait_reads_buffered(alloc: MemoryAllocator) -> No
         root.rmdir()
 
 
-@pytest.mark.parametrize(("file_dtype", "dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(("file_dtype", "dtype"), CONVERSIONS)
 def test_config_dtype_differs_from_the_file(
     alloc: MemoryAllocator, tmp_path: Path, file_dtype: torch.dtype, dtype: torch.dtype
 ) -> None:
     g = torch.Generator().manual_seed(2)
-    tensors = {
-        "a": torch.randn(7, 13, generator=g).to(file_dtype),
-        "b": torch.randn(300, 301, generator=g).to(file_dtype),
-    }
+    tensors = to_convert(file_dtype, g)
     tensors["same"] = torch.randn(5, 5, generator=g).to(dtype)
     save_sharded(tmp_path, tensors, shards=2)
     ref = reference(tmp_path)

@@ -12,7 +12,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors.torch import load_file, save_file
-from sharded_checkpoints import PATTERN, destinations, reference, save_sharded
+from sharded_checkpoints import CONVERSIONS, PATTERN, destinations, reference, save_sharded, to_convert
 
 from memsvc.errors import MemsvcError
 from worker.allocator import AllocatorConfig, MemoryAllocator
@@ -117,15 +117,12 @@ def test_without_room_for_the_shards_beside_the_weights_nothing_is_staged_and_th
     assert stats.staged_bytes == 0 and stats.read_bytes >= stats.bytes
 
 
-@pytest.mark.parametrize(("file_dtype", "dtype"), [(torch.float32, torch.bfloat16), (torch.bfloat16, torch.float32)])
+@pytest.mark.parametrize(("file_dtype", "dtype"), CONVERSIONS)
 def test_a_tensor_of_another_dtype_is_converted_from_its_staged_shard(
     alloc: MemoryAllocator, tmp_path: Path, file_dtype: torch.dtype, dtype: torch.dtype
 ) -> None:
     g = torch.Generator().manual_seed(2)
-    tensors = {
-        "a": torch.randn(7, 13, generator=g).to(file_dtype),
-        "b": torch.randn(300, 301, generator=g).to(file_dtype),
-    }
+    tensors = to_convert(file_dtype, g)
     save_sharded(tmp_path, tensors, shards=2)
     staging = CheckpointStaging(alloc, str(tmp_path), threads=2, margin_bytes=0).start()
     dst = destinations(alloc, tensors, dtype)
