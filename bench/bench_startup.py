@@ -84,7 +84,11 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     ),
     "staged": re.compile(r"checkpoint staging: (?P<gb>[\d.]+) GB on the device in (?P<s>[\d.]+) s"),
     "triton_imported": re.compile(r"triton imported in (?P<s>[\d.]+) s"),
-    "triton_hashed": re.compile(r"triton: kernel hashes made in (?P<s>[\d.]+) s"),
+    "triton_own_hashed": re.compile(r"triton: its own hash (?:made|read back) in (?P<s>[\d.]+) s"),
+    "triton_hashed": re.compile(
+        r"triton: kernel hashes made in (?P<s>[\d.]+) s \((?P<own_waited>[\d.]+) s of it waiting for Triton's own\)"
+    ),
+    "first_products": re.compile(r"cuda: (?P<n>\d+) first products made ahead in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
     "warm_up": re.compile(r"warm-up: kernels compiled.* in (?P<s>[\d.]+) s"),

@@ -35,6 +35,7 @@ from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
+from worker.model import first_products
 from worker.prefetch import CheckpointPrefetch
 from worker.rpc_front import FrontConfig, FrontProcess, drop_ahead
 from worker.servicer import ModelWorkerServicer
@@ -79,8 +80,10 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     """Import the model layer (and Triton, where the worker may use it) on a thread, now; the
     checkpoint's read-ahead (``prefetch``) stops once the model layer is in, when the load's own reads
     begin (worker/prefetch.py). Triton's hashes, which its first launch of each kernel would make on
-    the device thread, are made meanwhile: its own on a second thread from the start, the kernels'
-    after the imports, while the weights load (worker/model/kernels.py's ``hash_ahead``).
+    the device thread, are made meanwhile: its own on a second thread from the start (read back where
+    an earlier start kept it), the kernels' after the imports, while the weights load
+    (worker/model/kernels.py's ``hash_ahead``). On CUDA, once torch is in, a third thread makes
+    cuBLAS's first products of the model's shapes (worker/model/first_products.py).
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
@@ -89,20 +92,26 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
 
     hashing = None
     switch_interval = sys.getswitchinterval()
-    if config.backend != "host" and importlib.util.find_spec("triton") is not None:
-        # Triton's own hash reads and hashes its shared library (~400 MB) without the GIL, but takes
-        # the GIL back twice per MB; while ``import torch`` holds it, each take waits up to the switch
-        # interval (5 ms): up to seconds in all. A shorter one while the imports run lets it finish
-        # beside them; put back when this thread ends.
+    if config.backend == "cuda":
+        # Beside ``import torch``, which holds the GIL, threads that mostly run without it but take it
+        # back often wait up to the switch interval (5 ms) each time: Triton's own hash where it is
+        # not kept yet (worker/triton_key.py; it takes the GIL back twice per MB of a ~400 MB file)
+        # and cuBLAS's first products (worker/model/first_products.py; several takes per product),
+        # up to seconds in all. A shorter one while the imports run lets them finish beside them;
+        # put back when this thread ends.
         sys.setswitchinterval(STARTUP_SWITCH_INTERVAL_S)
-        hashing = threading.Thread(target=_hash_triton, name="memsvc-triton-hash", daemon=True)
-        hashing.start()
+        if importlib.util.find_spec("triton") is not None:
+            hashing = threading.Thread(target=_hash_triton, name="memsvc-triton-hash", daemon=True)
+            hashing.start()
 
     def run() -> None:
         t0 = time.perf_counter()
         try:
             try:
                 with collector_paused():
+                    if config.backend == "cuda":
+                        importlib.import_module("torch")
+                        _first_products(config)  # beside the rest of the imports
                     for name in MODEL_LAYER:
                         importlib.import_module(name)
             finally:
@@ -117,29 +126,48 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                 from worker.model.kernels import hash_ahead
 
                 hashing.join()  # Triton's own hash, made beside the imports: its cache then holds it
+                t3 = time.perf_counter()
                 hash_ahead()  # the kernels' own, while the weights load and the warm-up begins
-                log.info("triton: kernel hashes made in %.2f s", time.perf_counter() - t2)
+                log.info(
+                    "triton: kernel hashes made in %.2f s (%.2f s of it waiting for Triton's own)",
+                    time.perf_counter() - t2,
+                    t3 - t2,
+                )
         except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
             log.debug("importing the model layer failed; the load reports it", exc_info=True)
         finally:
+            # this thread's end is the whole import's (serve() joins it before exiting)
             if hashing is not None:
-                hashing.join()  # this thread's end is the whole import's (serve() joins it before exiting)
-                sys.setswitchinterval(switch_interval)
+                hashing.join()
+            first_products.settle()
+            sys.setswitchinterval(switch_interval)
 
     thread = threading.Thread(target=run, name="memsvc-import", daemon=True)
     thread.start()
     return thread
 
 
-def _hash_triton() -> None:
-    """Triton's hash of its own files (worker/model/kernels.py's hash_ahead says why), made beside the
-    model layer's imports: it needs Triton alone (importing Triton's modules, whose import locks the
-    import thread waits on if it comes to them first), and it is mostly reading and hashing Triton's
-    shared library."""
-    try:
-        from triton.runtime.cache import triton_key
+def _first_products(config: WorkerConfig) -> None:
+    """cuBLAS's first products of the model's shapes, on a thread from now (worker/model/first_products.py),
+    at the row counts the CUDA graphs' buckets use."""
+    from worker.model.hub import cached_dir
+    from worker.model.step_limits import bucket_sizes, graph_rows, step_tokens
 
-        triton_key()
+    rows = graph_rows(config.max_batch, step_tokens(config.max_batch, config.max_step_tokens))
+    first_products.start(cached_dir(config.model), config.device, bucket_sizes(config.max_batch, rows))
+
+
+def _hash_triton() -> None:
+    """Triton's key of its own files (worker/model/kernels.py's hash_ahead says why) beside the model
+    layer's imports, read where an earlier start kept it (worker/triton_key.py), else made: it needs
+    Triton alone (importing Triton's modules, whose import locks the import thread waits on if it comes
+    to them first), and making it is mostly reading and hashing Triton's shared library."""
+    t0 = time.perf_counter()
+    try:
+        from worker.triton_key import keep_triton_key
+
+        how = "read back" if keep_triton_key() else "made"
+        log.info("triton: its own hash %s in %.2f s", how, time.perf_counter() - t0)
     except Exception:  # noqa: BLE001 - moved or broken: the first kernel launch makes it, or reports it
         log.debug("triton's own hash was not made ahead", exc_info=True)
 

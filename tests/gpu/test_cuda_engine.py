@@ -309,7 +309,8 @@ def test_nothing_compiles_after_the_warm_up(cuda_alloc: MemoryAllocator) -> None
 
 def test_the_hashes_triton_makes_before_a_first_launch_are_made_ahead_in_a_fresh_process() -> None:
     """worker/model/kernels.py's hash_ahead, in a process that launched nothing: Triton's own key is
-    memoised and every kernel of ours has its source hash, so the first launch finds both made."""
+    memoised (or read back where an earlier start kept it, worker/triton_key.py) and every kernel of
+    ours has its source hash, so the first launch finds both made."""
     import subprocess
     import sys
     from pathlib import Path
@@ -317,13 +318,15 @@ def test_the_hashes_triton_makes_before_a_first_launch_are_made_ahead_in_a_fresh
     code = (
         "from worker.model import kernels\n"
         "from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel\n"
-        "from triton.runtime.cache import triton_key\n"
+        "from triton.runtime import cache\n"
+        "own = cache.triton_key\n"
         "ours = lambda: [*kernels._compiled.values(), paged_decode_kernel, paged_tile_kernel]\n"
-        "before = (triton_key.cache_info().currsize, [k.hash for k in ours()])\n"
+        "before = (own.cache_info().currsize, [k.hash for k in ours()])\n"
         "kernels.hash_ahead()\n"
-        "print(before, triton_key.cache_info().currsize, len(ours()), all(len(k.hash or '') == 64 for k in ours()))\n"
+        "made = own.cache_info().currsize == 1 or getattr(cache.triton_key, 'memsvc_kept', False)\n"
+        "print(before, made, len(ours()), all(len(k.hash or '') == 64 for k in ours()))\n"
     )
     root = Path(__file__).resolve().parents[2]
     done = subprocess.run([sys.executable, "-c", code], cwd=root, capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
-    assert done.stdout.split() == ["(0,", "[None,", "None])", "1", "6", "True"], done.stdout
+    assert done.stdout.split() == ["(0,", "[None,", "None])", "True", "6", "True"], done.stdout

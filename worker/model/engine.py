@@ -59,7 +59,7 @@ from worker.model.decoder import HostStep, rope_long
 from worker.model.generation import GenerationRequest, GenerationResult
 from worker.model.kv_cache import TEMPORARY_PREFIX, KvCache, Sequence
 from worker.model.sampling import Sampler, sample_tokens, to_device
-from worker.model.step_limits import DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
+from worker.model.step_limits import DEFAULT_MAX_BATCH, step_tokens
 from worker.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
@@ -181,8 +181,7 @@ class Engine:
         each step then says which rows take the long frequencies (decoder.rope_long)."""
         if not isinstance(max_batch, int) or max_batch < 1:
             raise InvalidArgument(f"max_batch must be an integer >= 1, got {max_batch!r}")
-        if max_step_tokens is None:
-            max_step_tokens = max(DEFAULT_MAX_STEP_TOKENS, max_batch)
+        max_step_tokens = step_tokens(max_batch, max_step_tokens)
         if not isinstance(max_step_tokens, int) or max_step_tokens < max_batch:
             raise InvalidArgument(
                 f"max_step_tokens must be an integer >= max_batch ({max_batch}), got {max_step_tokens!r}"

@@ -45,11 +45,8 @@ from memsvc.vocabulary import CUDA_GRAPHS
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
 from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
+from worker.model.step_limits import bucket_sizes
 
-BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
-"""Row counts captured, up to the largest step the graphs take (:class:`DecodeGraphs`' ``max_rows``:
-by default the engine's max_batch, decodes alone; the model runner's, up to ``MIXED_ROWS``
-(worker/model/step_limits.py), takes the steps that mix decodes and prompt chunks as well)."""
 _FIELDS = 6
 """Per-row int64 fields ahead of the block tables: token, position, write block, write slot, length,
 the row's table."""
@@ -188,9 +185,8 @@ class DecodeGraphs:
         self.scratch = scratch_block
         self.width = min(-(-config.max_position_embeddings // self.block_size), scratch_block)
         """Block-table columns: the most blocks one sequence can hold."""
-        rows = max_batch if max_rows is None else max(max_rows, max_batch)
         self.max_batch = max_batch
-        self.sizes = tuple(sorted({b for b in BUCKETS if b < rows} | {max_batch, rows}))
+        self.sizes = bucket_sizes(max_batch, max_batch if max_rows is None else max_rows)
         self._buckets: dict[int, _Bucket] = {}
         self.failed: set[int] = set()
         """Buckets whose capture raised: their steps decode eagerly, and nothing tries them again."""
@@ -483,4 +479,4 @@ class BackgroundCapture:
                 self.request()
 
 
-__all__ = ["BUCKETS", "IDLE_S", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]
+__all__ = ["IDLE_S", "PATIENCE_S", "BackgroundCapture", "DecodeGraphs", "StepBuffer"]

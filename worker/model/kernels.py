@@ -26,6 +26,7 @@ import torch
 from worker.model.config import ModelConfig
 from worker.model.decoder import Kernels
 from worker.model.paged_attention import graphs_supported, next_pow2, torch_paged_decode, triton_paged_decode
+from worker.triton_key import keep_triton_key
 
 _compiled: dict[str, Any] = {}
 _building = threading.Lock()
@@ -162,16 +163,15 @@ def hash_ahead() -> None:
     before the model is loaded makes them meanwhile. Both are memoised in the process; a launch that
     asks while this thread still hashes may make the same hash again (Triton's own is a plain
     ``lru_cache``), which costs time, never correctness. ``triton_key`` is Triton's internal
-    (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it.
+    (``triton.runtime.cache`` since 3.x): where it has moved, the first launch makes it. Triton's own
+    is read back where an earlier start kept it (worker/triton_key.py).
 
     A second call waits for the first and then finds every hash made: the warm-up calls it before
     its first launch (worker/model/runner.py), so that it waits for the import thread's hashes
     rather than making them a second time beside it, both on the GIL."""
     with _hashing:
         with contextlib.suppress(ImportError):
-            from triton.runtime.cache import triton_key
-
-            triton_key()
+            keep_triton_key()  # Triton's own, kept between starts (worker/triton_key.py)
         from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
 
         _kernel("rms_norm")  # builds them all

@@ -21,6 +21,7 @@ from memsvc.errors import InvalidArgument, WrongState
 from memsvc.runtime.limits import MAX_GENERATE_TOKENS
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
+from worker.model import first_products
 from worker.model.config import ModelConfig
 from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import Engine, check_tokens
@@ -29,7 +30,7 @@ from worker.model.graphs import BackgroundCapture, DecodeGraphs
 from worker.model.kernels import TRITON_KERNELS, hash_ahead, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.progress import load_bar
-from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, MIXED_ROWS
+from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, MIXED_ROWS, graph_rows
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = MAX_GENERATE_TOKENS
@@ -102,6 +103,7 @@ class ModelRunner:
         # the weights before the KV cache: a checkpoint staged at start-up (worker/staging.py) is
         # unmapped by their load, and the KV cache then has its room
         self.source.make_room(self.config.param_bytes())
+        first_products.settle()  # its scratch back with the device before the weights take theirs
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
         with load_bar(f"loading {self.source.name}") as progress:
@@ -137,7 +139,7 @@ class ModelRunner:
         if cuda_graphs:
             scratch = self.kv_cache.device.scratch_block
             assert scratch is not None, "a KV cache for graphs has its scratch block"
-            rows = min(self.engine.max_step_tokens, max(MIXED_ROWS, max_batch))
+            rows = graph_rows(max_batch, self.engine.max_step_tokens)
             self.graphs = DecodeGraphs(
                 alloc,
                 self.weights,
