@@ -34,7 +34,7 @@ from worker.model import (
     parse_model_spec,
     save_checkpoint,
 )
-from worker.model.decoder import Rope, forward
+from worker.model.decoder import Rope, forward, layer_kinds
 from worker.model.generation import GenerationRequest
 from worker.model.kv_cache import KvCache, Location, SwapDirection
 
@@ -791,3 +791,17 @@ def test_kv_blocks_are_contiguous_byte_ranges(alloc: MemoryAllocator) -> None:
     assert kv.device.tensor[5].is_contiguous()
     assert alloc.lookup(base, 32 * kv.block_bytes)[1] == "kv_cache"
     assert kv.host.tensor.shape == kv.device.tensor.shape[:0] + (16,) + kv.device.tensor.shape[1:]
+
+
+def test_a_warm_up_step_runs_one_layer_of_each_kind_and_the_last() -> None:
+    assert layer_kinds(PRESETS["8b"]) == (0, 31)
+    tiny = PRESETS["tiny"]
+    n = tiny.num_layers
+    assert layer_kinds(tiny) == ((0, n - 1) if n > 1 else (0,))
+    moe = dataclasses.replace(tiny, family="qwen3_moe", num_experts=4, experts_per_token=2, moe_intermediate_size=32)
+    assert layer_kinds(dataclasses.replace(moe, num_layers=4, dense_layers=(2,))) == (0, 2, 3)
+    types = ("sliding_attention", "sliding_attention", "full_attention", "sliding_attention", "full_attention")
+    gemma = dataclasses.replace(
+        tiny, family="gemma3", num_layers=5, layer_types=types, local_rope_theta=1e4, sliding_window=4
+    )
+    assert layer_kinds(gemma) == (0, 2, 4)

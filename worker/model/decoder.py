@@ -582,9 +582,11 @@ def forward_step(
     step: StepInputs,
     kernels: Kernels = Kernels(),
     fused: Sequence[FusedLayer] | None = None,
+    layers: Sequence[int] | None = None,
 ) -> torch.Tensor:
     """Run one step: write every row's K/V into its slot, attend, return float32 logits
-    ``[len(last_rows), vocab]`` (every row's when ``last_rows`` is None).
+    ``[len(last_rows), vocab]`` (every row's when ``last_rows`` is None). ``layers``: only these
+    layers, in order, for a warm-up whose output is not used (:func:`layer_kinds`).
 
     ``kv`` is the device block pool (``[blocks, layers, 2, block_size, kv_heads, head_dim]``). The
     decode rows need ``kernels.decode_attention`` (through the block table, no copy of the cache);
@@ -608,7 +610,7 @@ def forward_step(
     if gemma:  # scaled by sqrt(hidden_size), that number rounded to the model dtype first (as transformers)
         x = x * torch.tensor(config.hidden_size**0.5, dtype=torch.float32, device=x.device).to(dtype)
     h = norm(x, weights["model.layers.0.input_layernorm.weight"], eps)
-    for i in range(config.num_layers):
+    for i in range(config.num_layers) if layers is None else layers:
         p = f"model.layers.{i}."
         a = p + "self_attn."
         f = fused[i] if fused is not None else checkpoint_fused(weights, config, i)
@@ -659,6 +661,19 @@ def forward_step(
     x = norm(x, weights["model.norm.weight"], eps)
     head = weights["model.embed_tokens.weight" if config.tie_word_embeddings else "lm_head.weight"]
     return F.linear(x, head).float()
+
+
+def layer_kinds(config: ModelConfig) -> tuple[int, ...]:
+    """The first layer of each kind :func:`forward_step` tells apart (its MLP dense or experts, its
+    attention window and type) and the last layer: a step over these alone launches every kernel a
+    whole step does, for a fraction of the time. A warm-up runs it where what it computes is not
+    used (worker/model/graphs.py: a 32-layer 8B step reads 16 GB of weights, two of them 1 GB)."""
+    first: dict[tuple[object, ...], int] = {}
+    types = config.layer_types
+    for i in range(config.num_layers):
+        kind = (config.moe_layer(i), config.layer_window(i), types[i] if types is not None else None)
+        first.setdefault(kind, i)
+    return tuple(sorted({*first.values(), config.num_layers - 1}))
 
 
 def single_sequence_step(
@@ -722,6 +737,7 @@ __all__ = [
     "add_rms_norm",
     "apply_rope",
     "checkpoint_fused",
+    "layer_kinds",
     "forward",
     "forward_step",
     "fused_layers",

@@ -44,7 +44,16 @@ from memsvc.errors import InvalidArgument, WrongState
 from memsvc.vocabulary import CUDA_GRAPHS
 from worker.allocator import MemoryAllocator
 from worker.model.config import ModelConfig
-from worker.model.decoder import DecodeRows, FusedLayer, HostStep, Kernels, Rope, StepInputs, forward_step
+from worker.model.decoder import (
+    DecodeRows,
+    FusedLayer,
+    HostStep,
+    Kernels,
+    Rope,
+    StepInputs,
+    forward_step,
+    layer_kinds,
+)
 from worker.model.step_limits import bucket_sizes
 
 _FIELDS = 6
@@ -185,6 +194,7 @@ class DecodeGraphs:
         self.scratch = scratch_block
         self.width = min(-(-config.max_position_embeddings // self.block_size), scratch_block)
         """Block-table columns: the most blocks one sequence can hold."""
+        self._warm_layers = layer_kinds(config)
         self.max_batch = max_batch
         self.sizes = bucket_sizes(max_batch, max_batch if max_rows is None else max_rows)
         self._buckets: dict[int, _Bucket] = {}
@@ -273,7 +283,7 @@ class DecodeGraphs:
         stream.wait_stream(torch.cuda.current_stream(alloc.device))
         with torch.cuda.stream(stream):  # warm-up: Triton compiles, cuBLAS picks its kernels
             for _ in range(2):
-                forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
+                self._warm_step(inputs)
         torch.cuda.current_stream(alloc.device).wait_stream(stream)
         graph = torch.cuda.CUDAGraph()
         if self._stream is None:
@@ -298,19 +308,31 @@ class DecodeGraphs:
         picks and loads the kernels of the bucket's row count, its pinned staging buffer is made. On
         the H200 the first request after ready took 1.25-1.44 times a later one without it (its prompt
         chunk was the first step of its bucket)."""
-        self._eager(size, None)
+        self._warm_step(self._inputs(self._staged(size, None)))
 
-    def _eager(self, size: int, step: HostStep | None) -> torch.Tensor:
-        """The step's logits launched eagerly on bucket ``size``'s padded rows (no step: empty rows)."""
+    def _warm_step(self, inputs: StepInputs) -> None:
+        """A step over one layer of each kind (decoder.layer_kinds): every kernel of a whole step,
+        launched for a fraction of its time (an 8B model's 32 layers read 16 GB); for warm-ups, whose
+        output nobody reads."""
+        forward_step(
+            self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused, self._warm_layers
+        )
+
+    def _staged(self, size: int, step: HostStep | None) -> StepBuffer:
+        """Bucket ``size``'s padded rows filled with ``step``'s (none: empty rows), on the device."""
         # pinned, so the copy does not wait for the step queued before it
         host = self._buffer(size, torch.empty((self._numel(size),), dtype=torch.int64, pin_memory=True))
         host.clear()
-        m = host.fill(step) if step is not None else 0
-        inputs = self._inputs(self._buffer(size, host.buf.to(self._kv.device, non_blocking=True)))
         if step is not None:
-            step.fed(inputs.token_ids)
+            host.fill(step)
+        return self._buffer(size, host.buf.to(self._kv.device, non_blocking=True))
+
+    def _eager(self, size: int, step: HostStep) -> torch.Tensor:
+        """The step's logits launched eagerly on bucket ``size``'s padded rows."""
+        inputs = self._inputs(self._staged(size, step))
+        step.fed(inputs.token_ids)
         logits = forward_step(self._weights, self._config, self._rope, self._kv, inputs, self._kernels, self._fused)
-        return logits[:m]
+        return logits[: len(step.last_rows)]
 
     def run(self, step: HostStep) -> torch.Tensor:
         """The step's ``[len(last_rows), vocab]`` float32 logits (valid until the next step), computed
