@@ -361,11 +361,12 @@ def _generate_stream(stub: worker_grpc.ModelWorkerServiceStub, prompt: list[int]
 def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby: bool = False) -> dict[str, Any]:
     """One ``memsvc worker`` start, timed from its spawn (see the module docstring, A); with
     ``standby``, from the moment a standby that said it is ready is handed the same flags (D)."""
+    # a spawn on a GPU names no backend, as a user's start (auto: cuda here); a standby needs it named
+    backend = ["--backend", args.backend] if standby or args.backend != "cuda" else []
     flags = [
         "--model",
         model,
-        "--backend",
-        args.backend,
+        *backend,
         "--listen",
         "127.0.0.1:0",
         "--kv-blocks",

@@ -92,7 +92,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
 
     hashing = None
     switch_interval = sys.getswitchinterval()
-    if config.backend == "cuda":
+    if config.backend != "host":  # cuda, or auto, which is cuda where a GPU is
         # Beside ``import torch``, which holds the GIL, threads that mostly run without it but take it
         # back often wait up to the switch interval (5 ms) each time: Triton's own hash where it is
         # not kept yet (worker/triton_key.py; it takes the GIL back twice per MB of a ~400 MB file)
@@ -109,9 +109,9 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
         try:
             try:
                 with collector_paused():
-                    if config.backend == "cuda":
+                    if config.backend != "host":
                         importlib.import_module("torch")
-                        _first_products(config)  # beside the rest of the imports
+                        _first_products(config)  # beside the rest of the imports, where there is a GPU
                     for name in MODEL_LAYER:
                         importlib.import_module(name)
             finally:
@@ -149,12 +149,20 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
 
 def _first_products(config: WorkerConfig) -> None:
     """cuBLAS's first products of the model's shapes, on a thread from now (worker/model/first_products.py),
-    at the row counts the CUDA graphs' buckets use."""
+    at the row counts the warm-up's steps use: the CUDA graphs' buckets."""
+    from worker.allocator import resolve_backend
     from worker.model.hub import cached_dir
     from worker.model.step_limits import bucket_sizes, graph_rows, step_tokens
 
-    rows = graph_rows(config.max_batch, step_tokens(config.max_batch, config.max_step_tokens))
-    first_products.start(cached_dir(config.model), config.device, bucket_sizes(config.max_batch, rows))
+    if resolve_backend(config.backend) != "cuda":  # auto on a host without a GPU
+        return
+    if config.cuda_graphs:
+        rows = bucket_sizes(
+            config.max_batch, graph_rows(config.max_batch, step_tokens(config.max_batch, config.max_step_tokens))
+        )
+    else:  # the warm-up's generation alone: its 3-token prompt, then one-row decodes
+        rows = (3, 1)
+    first_products.start(cached_dir(config.model), config.device, rows)
 
 
 def _hash_triton() -> None:

@@ -8,6 +8,8 @@ import json
 from dataclasses import replace
 from pathlib import Path
 
+import pytest
+
 from worker.model import first_products
 from worker.model.config import PRESETS
 from worker.model.step_limits import BUCKETS, bucket_sizes, graph_rows, step_tokens
@@ -41,3 +43,16 @@ def test_the_row_counts_are_the_graph_buckets_the_runner_captures() -> None:
     assert bucket_sizes(64, rows) == BUCKETS  # the defaults: every bucket
     assert bucket_sizes(8, graph_rows(8, 8)) == (1, 2, 4, 8)
     assert bucket_sizes(600, graph_rows(600, step_tokens(600, None))) == (*BUCKETS, 600)
+
+
+def test_auto_on_a_host_without_a_gpu_makes_no_products(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from worker import _native
+    from worker import main as worker_main
+    from worker.config import WorkerConfig
+
+    if _native.cuda_device_count():
+        pytest.skip("a GPU host: auto is cuda there (tests/gpu/test_cuda_startup.py)")
+    monkeypatch.setattr(first_products, "_thread", None)
+    (tmp_path / "config.json").write_text(json.dumps(PRESETS["tiny"].to_hf()))
+    worker_main._first_products(WorkerConfig(model=str(tmp_path)))  # backend auto
+    assert first_products._thread is None

@@ -49,3 +49,18 @@ def test_no_directory_or_an_unreadable_installation_keeps_nothing(tmp_path: Path
     root = _install(tmp_path / "triton")
     assert kept_path(None, "3.6.0", root) is None
     assert kept_path(tmp_path / "cache", "3.6.0", tmp_path / "missing") is None
+
+
+def test_linked_folders_are_followed_once(tmp_path: Path) -> None:
+    """A development install links its backends in; Triton's own key reads the files behind them."""
+    root = _install(tmp_path / "triton")
+    outside = tmp_path / "third_party" / "nvidia"
+    outside.mkdir(parents=True)
+    (outside / "compiler.py").write_text("x = 1\n")
+    (root / "backends").mkdir()
+    (root / "backends" / "nvidia").symlink_to(outside, target_is_directory=True)
+    (root / "backends" / "loop").symlink_to(root, target_is_directory=True)  # walked once, not forever
+    kept = tmp_path / "cache"
+    first = kept_path(kept, "3.6.0", root)
+    (outside / "compiler.py").write_text("x = 22\n")
+    assert kept_path(kept, "3.6.0", root) not in (None, first)

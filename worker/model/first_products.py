@@ -1,4 +1,4 @@
-"""cuBLAS's first products of a model's shapes, made on a thread while the model layer still imports.
+"""cuBLAS's first products of a model's shapes, made on a thread from the moment torch is imported.
 
 A process's first matrix product of each shape is slow: cuBLAS starts (its handle, its heuristics),
 then picks a kernel for the shape and the device loads it, lazily, on its first launch (10-13 ms for
@@ -7,32 +7,42 @@ each new row count of an 8B model's projections, 90-110 ms for the very first; a
 graph bucket, and cuBLAS's part of that was about a third of it on the device thread, after the
 imports, where everything else of the start waits behind it.
 
-This thread makes the same products earlier: once ``import torch`` is done, while the rest of the
-model layer imports, for the decode step's projections (q/k/v and gate/up as one matrix each, as the
-runner fuses them, o and down) at every row count the graph buckets use. Loading a kernel happens
-without the GIL, beside the imports. The device's context, the cuBLAS kernels loaded into it and
-the handle (torch keeps a pool: a thread's handle goes back to it when the thread ends) are the
-process's, so the warm-up then finds them loaded. The kernels are those the warm-up picks: the
-same shapes, data type, layout and workspace.
+This thread makes the same products earlier: from the moment ``import torch`` is done, for the
+decode step's projections (q/k/v and gate/up as one matrix each, as the runner fuses them, o and
+down) at every row count the graph buckets use. ``import torch`` is nearly the whole model layer's
+import, so in practice this runs beside the kernels' hashes (worker/model/kernels.py's
+``hash_ahead``) and torch's own CUDA start, which the load would otherwise pay; loading a kernel
+happens without the GIL. The device's context, the cuBLAS kernels loaded into it and the handle
+(torch keeps a pool: a thread's handle goes back to it when the thread ends) are the process's, so
+the warm-up then finds them loaded: the same shapes, data type, layout and workspace pick the same
+kernels. On an H100 host this took 0.09 s (median) off a warm spawn's first token
+(docs/benchmarks.md, "Start-up: Triton's key kept").
 
 The operands are uninitialised scratch of the largest projection (an 8B model: 0.3 GB, from torch's
-own allocator), given back to the device before the weights are allocated: the load waits for this
-thread first (:func:`settle`). A model whose config cannot be read here (synthetic, not yet
-downloaded) gets nothing ahead; an error here is logged and changes nothing, the warm-up then does
-all of it.
+own allocator), given back to the device before the load reckons the weights' room: the load waits
+for this thread first (:func:`settle`). A model whose config cannot be read here (synthetic, not yet
+downloaded) gets nothing ahead, nor a device with less than 2 GiB free beside the scratch; an error
+here is logged and changes nothing, the warm-up then does all of it.
 """
 
 from __future__ import annotations
 
+import contextlib
 import json
 import logging
 import threading
 import time
 from collections.abc import Sequence
 from pathlib import Path
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import torch
 
 log = logging.getLogger("memsvc.worker")
 
+SPARE_BYTES = 2 << 30
+"""Free device memory left beside the scratch, or no products ahead."""
 _thread: threading.Thread | None = None
 """This process's products thread while it runs (one start per process)."""
 _lock = threading.Lock()
@@ -87,28 +97,45 @@ def settle() -> None:
         thread.join()
 
 
-def _products(shapes: list[tuple[int, int]], dtype: object, device: int, rows: tuple[int, ...]) -> None:
+def _products(shapes: list[tuple[int, int]], dtype: torch.dtype, device: int, rows: tuple[int, ...]) -> None:
+    """The thread: each shape at each row count once, on scratch it gives back to the device whatever
+    happens (torch's caching allocator would keep it, outside every tag), unless the device lacks
+    the room (2 GiB beside the scratch: the load's weights must find theirs)."""
+    import torch
+
+    t0 = time.perf_counter()
+    made: list[int] = []
+    try:
+        with torch.cuda.device(device), torch.no_grad():
+            need = (max(n * k for n, k in shapes) + max(rows) * max(k for _, k in shapes)) * dtype.itemsize
+            # the first runtime call on this thread: it makes the device's context this thread's (as
+            # cuBLAS wants), without waiting for anything queued on the device (the staging's copies)
+            free, _ = torch.cuda.mem_get_info(device)
+            if free < need + SPARE_BYTES:
+                log.info("cuda: no first products ahead: %.2f GB free", free / 1e9)
+                return
+            _run(shapes, dtype, rows, made)
+        log.info("cuda: %d first products made ahead in %.2f s", len(made), time.perf_counter() - t0)
+    except Exception as exc:  # noqa: BLE001 - the warm-up makes them, as it did before
+        log.info("cuda: first products ahead stopped after %d: %s", len(made), exc)
+    # here, not in a finally: until the handler above is done, its traceback holds _run's scratch
+    with contextlib.suppress(Exception):
+        torch.cuda.empty_cache()  # the scratch back to the device (cudaFree waits for the products)
+
+
+def _run(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...], made: list[int]) -> None:
+    """The products, on scratch that lives in this frame only: the weight operand of the largest
+    shape, the input of the most rows; what they hold is whatever the memory held (only the kernels
+    matter). ``made`` counts them."""
     import torch
     import torch.nn.functional as F
 
-    t0 = time.perf_counter()
-    made = 0
-    try:
-        assert isinstance(dtype, torch.dtype)
-        with torch.cuda.device(device), torch.no_grad():
-            torch.cuda.synchronize()  # a runtime call first: the device's context is then this thread's (cuBLAS)
-            weight = torch.empty(max(n * k for n, k in shapes), dtype=dtype, device="cuda")
-            x = torch.empty(max(rows) * max(k for _, k in shapes), dtype=dtype, device="cuda")
-            for m in rows:
-                for n, k in shapes:
-                    F.linear(x[: m * k].view(m, k), weight[: n * k].view(n, k))
-                    made += 1
-            torch.cuda.synchronize()
-            del weight, x
-            torch.cuda.empty_cache()
-        log.info("cuda: %d first products made ahead in %.2f s", made, time.perf_counter() - t0)
-    except Exception as exc:  # noqa: BLE001 - the warm-up makes them, as it did before
-        log.info("cuda: first products ahead stopped after %d: %s", made, exc)
+    weight = torch.empty(max(n * k for n, k in shapes), dtype=dtype, device="cuda")
+    x = torch.empty(max(rows) * max(k for _, k in shapes), dtype=dtype, device="cuda")
+    for m in rows:
+        for n, k in shapes:
+            F.linear(x[: m * k].view(m, k), weight[: n * k].view(n, k))
+            made.append(m)
 
 
-__all__ = ["projection_shapes", "settle", "start"]
+__all__ = ["SPARE_BYTES", "projection_shapes", "settle", "start"]

@@ -102,8 +102,8 @@ class ModelRunner:
             )
         # the weights before the KV cache: a checkpoint staged at start-up (worker/staging.py) is
         # unmapped by their load, and the KV cache then has its room
+        first_products.settle()  # its scratch back with the device before the room is reckoned
         self.source.make_room(self.config.param_bytes())
-        first_products.settle()  # its scratch back with the device before the weights take theirs
         self.weights = allocate_weights(self.config, alloc)
         t1 = time.perf_counter()
         with load_bar(f"loading {self.source.name}") as progress:
