@@ -89,8 +89,8 @@ def start(model_dir: Path | None, device: int, rows: Sequence[int]) -> bool:
 
 
 def settle() -> None:
-    """Wait for the products thread, if one runs: before the weights are allocated, so that its scratch
-    is back with the device by then."""
+    """Wait for the products thread, if one runs: before the load reckons the weights' room (the
+    staging's ``make_room``) and allocates them, so that its scratch is back with the device by then."""
     with _lock:
         thread = _thread
     if thread is not None:
