@@ -152,7 +152,7 @@ def _first_products(config: WorkerConfig) -> None:
     at the row counts the warm-up's steps use: the CUDA graphs' buckets."""
     from worker.allocator import resolve_backend
     from worker.model.hub import cached_dir
-    from worker.model.step_limits import bucket_sizes, graph_rows, step_tokens
+    from worker.model.step_limits import WARM_UP_PROMPT, bucket_sizes, graph_rows, step_tokens
 
     if resolve_backend(config.backend) != "cuda":  # auto on a host without a GPU
         return
@@ -160,8 +160,8 @@ def _first_products(config: WorkerConfig) -> None:
         rows = bucket_sizes(
             config.max_batch, graph_rows(config.max_batch, step_tokens(config.max_batch, config.max_step_tokens))
         )
-    else:  # the warm-up's generation alone: its 3-token prompt, then one-row decodes
-        rows = (3, 1)
+    else:  # the warm-up's generation alone: its prompt's step, then one-row decodes
+        rows = (len(WARM_UP_PROMPT), 1)
     first_products.start(cached_dir(config.model), config.device, rows)
 
 

@@ -95,7 +95,7 @@ def test_the_first_products_are_made_on_a_thread_and_their_scratch_given_back(
     monkeypatch.setattr(first_products, "_thread", None)  # one start per process: this test's
     hf = PRESETS["1b"].to_hf()
     (tmp_path / "config.json").write_text(json.dumps(hf))
-    shapes = first_products.projection_shapes(hf)
+    shapes = first_products.projection_shapes(PRESETS["1b"])
     scratch = (max(n * k for n, k in shapes) + 512 * max(k for _, k in shapes)) * 2  # bf16
     torch.cuda.synchronize()
     reserved = torch.cuda.memory_reserved()

@@ -16,8 +16,7 @@ from worker.model.step_limits import BUCKETS, bucket_sizes, graph_rows, step_tok
 
 
 def test_an_8b_llamas_projections_are_fused_qkv_o_fused_gate_up_and_down() -> None:
-    hf = PRESETS["8b"].to_hf()
-    assert first_products.projection_shapes(hf) == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
+    assert first_products.projection_shapes(PRESETS["8b"]) == [(6144, 4096), (4096, 4096), (28672, 4096), (4096, 14336)]
 
 
 def test_a_model_whose_every_mlp_is_experts_has_its_attention_projections_only() -> None:
@@ -26,7 +25,7 @@ def test_a_model_whose_every_mlp_is_experts_has_its_attention_projections_only()
         ((c.num_heads + 2 * c.num_kv_heads) * c.head_dim, c.hidden_size),
         (c.hidden_size, c.num_heads * c.head_dim),
     ]
-    assert first_products.projection_shapes(c.to_hf()) == attention
+    assert first_products.projection_shapes(c) == attention
 
 
 def test_no_directory_or_no_config_starts_nothing(tmp_path: Path) -> None:

@@ -39,6 +39,8 @@ from typing import TYPE_CHECKING
 if TYPE_CHECKING:
     import torch
 
+    from worker.model.config import ModelConfig
+
 log = logging.getLogger("memsvc.worker")
 
 SPARE_BYTES = 2 << 30
@@ -48,13 +50,9 @@ _thread: threading.Thread | None = None
 _lock = threading.Lock()
 
 
-def projection_shapes(hf: dict[str, object]) -> list[tuple[int, int]]:
-    """The (out, in) features of a decode step's projections, from a checkpoint's ``config.json``: q,
-    k and v as one matrix, o, and, unless every layer's MLP is a mixture of experts, gate and up as
-    one matrix and down."""
-    from worker.model.config import ModelConfig
-
-    config = ModelConfig.from_hf(hf)
+def projection_shapes(config: ModelConfig) -> list[tuple[int, int]]:
+    """The (out, in) features of a decode step's projections: q, k and v as one matrix, o, and, unless
+    every layer's MLP is a mixture of experts, gate and up as one matrix and down."""
     hidden, heads, kv_heads, head_dim = config.hidden_size, config.num_heads, config.num_kv_heads, config.head_dim
     shapes = [((heads + 2 * kv_heads) * head_dim, hidden), (hidden, heads * head_dim)]
     if not all(config.moe_layer(i) for i in range(config.num_layers)):
@@ -70,11 +68,9 @@ def start(model_dir: Path | None, device: int, rows: Sequence[int]) -> bool:
     if model_dir is None:
         return False
     try:
-        hf = json.loads((model_dir / "config.json").read_text())
-        shapes = projection_shapes(hf)
         from worker.model.config import ModelConfig
 
-        dtype = ModelConfig.from_hf(hf).torch_dtype
+        config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
     except Exception as exc:  # noqa: BLE001 - the load reads the config again and says what is wrong
         log.debug("no first products ahead: %s", exc)
         return False
@@ -82,7 +78,10 @@ def start(model_dir: Path | None, device: int, rows: Sequence[int]) -> bool:
         if _thread is not None:
             return False
         _thread = threading.Thread(
-            target=_products, args=(shapes, dtype, device, tuple(rows)), name="memsvc-first-products", daemon=True
+            target=_products,
+            args=(projection_shapes(config), config.torch_dtype, device, tuple(rows)),
+            name="memsvc-first-products",
+            daemon=True,
         )
         _thread.start()
     return True
@@ -107,14 +106,15 @@ def _products(shapes: list[tuple[int, int]], dtype: torch.dtype, device: int, ro
     made: list[int] = []
     try:
         with torch.cuda.device(device), torch.no_grad():
-            need = (max(n * k for n, k in shapes) + max(rows) * max(k for _, k in shapes)) * dtype.itemsize
+            sizes = (max(n * k for n, k in shapes), max(rows) * max(k for _, k in shapes))
+            need = sum(sizes) * dtype.itemsize
             # the first runtime call on this thread: it makes the device's context this thread's (as
             # cuBLAS wants), without waiting for anything queued on the device (the staging's copies)
             free, _ = torch.cuda.mem_get_info(device)
             if free < need + SPARE_BYTES:
                 log.info("cuda: no first products ahead: %.2f GB free", free / 1e9)
                 return
-            _run(shapes, dtype, rows, made)
+            _run(shapes, dtype, rows, sizes, made)
         log.info("cuda: %d first products made ahead in %.2f s", len(made), time.perf_counter() - t0)
     except Exception as exc:  # noqa: BLE001 - the warm-up makes them, as it did before
         log.info("cuda: first products ahead stopped after %d: %s", len(made), exc)
@@ -123,15 +123,21 @@ def _products(shapes: list[tuple[int, int]], dtype: torch.dtype, device: int, ro
         torch.cuda.empty_cache()  # the scratch back to the device (cudaFree waits for the products)
 
 
-def _run(shapes: list[tuple[int, int]], dtype: torch.dtype, rows: tuple[int, ...], made: list[int]) -> None:
-    """The products, on scratch that lives in this frame only: the weight operand of the largest
-    shape, the input of the most rows; what they hold is whatever the memory held (only the kernels
-    matter). ``made`` counts them."""
+def _run(
+    shapes: list[tuple[int, int]],
+    dtype: torch.dtype,
+    rows: tuple[int, ...],
+    sizes: tuple[int, int],
+    made: list[int],
+) -> None:
+    """The products, on scratch that lives in this frame only: ``sizes`` elements for the weight
+    operand of the largest shape and the input of the most rows; what they hold is whatever the memory
+    held (only the kernels matter). ``made`` counts them."""
     import torch
     import torch.nn.functional as F
 
-    weight = torch.empty(max(n * k for n, k in shapes), dtype=dtype, device="cuda")
-    x = torch.empty(max(rows) * max(k for _, k in shapes), dtype=dtype, device="cuda")
+    weight = torch.empty(sizes[0], dtype=dtype, device="cuda")
+    x = torch.empty(sizes[1], dtype=dtype, device="cuda")
     for m in rows:
         for n, k in shapes:
             F.linear(x[: m * k].view(m, k), weight[: n * k].view(n, k))

@@ -30,7 +30,7 @@ from worker.model.graphs import BackgroundCapture, DecodeGraphs
 from worker.model.kernels import TRITON_KERNELS, hash_ahead, kernels_for
 from worker.model.kv_cache import KvCache, KvStats, PendingSwap, SwapDirection
 from worker.model.progress import load_bar
-from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, MIXED_ROWS, graph_rows
+from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, MIXED_ROWS, WARM_UP_PROMPT, graph_rows
 from worker.model.weights import ModelSource, allocate_weights, parse_model_spec
 
 DEFAULT_MAX_NEW_TOKENS = MAX_GENERATE_TOKENS
@@ -210,7 +210,7 @@ class ModelRunner:
         if self._kernels is TRITON_KERNELS:
             hash_ahead()  # made by worker/main.py's import thread, or being made: waited for, not made twice
         t1 = time.perf_counter()
-        self.run(GenerationRequest([0, 1, 2], 2, ignore_eos=True))
+        self.run(GenerationRequest(list(WARM_UP_PROMPT), 2, ignore_eos=True))
         t2 = time.perf_counter()
         graphs = self.graphs
         if graphs is not None and 1 in graphs.pending:

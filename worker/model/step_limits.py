@@ -21,6 +21,9 @@ H200 (8B bf16, 512-token prompts, 128 out, C=64 streams) it served 4,036 output 
 p99 of 20 ms, where 2,048 gave 2,611 tok/s and 199 ms: a 2,048-row step ran eagerly for 60-170 ms
 while every decode waited (docs/benchmarks.md)."""
 
+WARM_UP_PROMPT = (0, 1, 2)
+"""The prompt of the warm-up's short generation (worker/model/runner.py's ``warm_up``): its first step
+has as many rows, the decodes after it one each (the start's first products use both counts)."""
 BUCKETS = (1, 2, 4, 8, 16, 24, 32, 48, 64, 96, 128, 192, 256, 320, 384, 512)
 """Row counts the CUDA graphs are captured for, up to the largest step they take (:func:`graph_rows`);
 the largest is ``MIXED_ROWS``."""
@@ -51,6 +54,7 @@ __all__ = [
     "DEFAULT_MAX_BATCH",
     "DEFAULT_MAX_STEP_TOKENS",
     "MIXED_ROWS",
+    "WARM_UP_PROMPT",
     "bucket_sizes",
     "graph_rows",
     "step_tokens",
