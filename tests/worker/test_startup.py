@@ -81,6 +81,23 @@ def test_the_model_layer_imports_without_the_collector_and_leaves_what_it_made_f
     assert enabled_after and frozen_after > 50_000  # torch's modules, functions and classes among them
 
 
+def test_a_workers_import_leaves_torchs_meta_registrations_until_asked_for() -> None:
+    """worker/torch_import.py on the start's path: the model layer in, the registrations not, and the
+    log says so."""
+    code = (
+        "import json, logging, sys\n"
+        "logging.basicConfig(level=logging.INFO, stream=sys.stderr)\n"
+        "from worker.config import WorkerConfig\n"
+        "from worker.main import import_model_layer\n"
+        "import_model_layer(WorkerConfig(model='synthetic:tiny', backend='host')).join()\n"
+        "print(json.dumps(['worker.model.runner' in sys.modules, 'torch._meta_registrations' in sys.modules]))\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
+    assert json.loads(done.stdout) == [True, False]
+    assert "model layer imported in" in done.stderr
+    assert "torch's Python meta registrations left until asked for" in done.stderr
+
+
 def test_the_model_package_still_exports_its_names() -> None:
     code = (
         "import json, sys, worker.model as m; before = 'torch' in sys.modules; "
