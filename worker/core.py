@@ -158,6 +158,8 @@ class WorkerCore:
                 )
             )
             log.info("allocator: %s backend ready in %.2f s", self.alloc.backend, time.perf_counter() - t0)
+            if self._loads_cancelled:  # the server did not start (worker/main.py starts the load beside it)
+                raise Cancelled("the load was cancelled: the worker is stopping")
             # the shards into device memory while the model layer imports, where they are in the page
             # cache and the device has room (worker/staging.py); the first load copies from there
             staging = CheckpointStaging(self.alloc, c.model).start() if c.checkpoint_staging else None

@@ -24,6 +24,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
+from typing import Any
 
 import grpc
 
@@ -216,13 +217,20 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     core = WorkerCore(config, loop)
     servicer = ModelWorkerServicer(core)
     sockets = tempfile.mkdtemp(prefix="memsvc-worker-") if config.rpc_front == "process" else ""
+    # The load from now, beside the server's start (0.3 s: the RPC front's process starts and says it
+    # serves): the allocator's CUDA context and the checkpoint's staging need neither, and the staging
+    # must be done by the time the model layer's import is (worker/staging.py).
+    load = asyncio.ensure_future(core.load())
     try:
         try:
             srv, front, address = await _listen(servicer, config, listen, sec, sockets)
-        except InvalidArgument as exc:  # the address is taken or malformed: the user's, not a bug
-            announce(f"memsvc worker: error: {exc}", sys.stderr)
-            return 2
-        return await _run(core, srv, front, address, config, manager, advertise, sec)
+        except BaseException as exc:
+            await _end_load(core, load)
+            if isinstance(exc, InvalidArgument):  # the address is taken or malformed: the user's, not a bug
+                announce(f"memsvc worker: error: {exc}", sys.stderr)
+                return 2
+            raise
+        return await _run(core, load, srv, front, address, config, manager, advertise, sec)
     finally:
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
@@ -255,8 +263,22 @@ async def _listen(
     return srv, front, front.address
 
 
+async def _end_load(core: WorkerCore, load: asyncio.Future[None]) -> None:
+    """Stop the load, which the worker will not serve (it is stopping, or its server did not start):
+    its reads end at their next poll; whatever it made is released, if it ends in time (the process
+    exits by :data:`EXIT_GRACE_S` in any case)."""
+    _exit_by(EXIT_GRACE_S)
+    core.cancel_loads()
+    await asyncio.wait({load}, timeout=EXIT_GRACE_S / 2)
+    if load.done():  # (it may have ended loaded, in the race with the stop): release what it made
+        if not load.cancelled():
+            load.exception()  # retrieved: a failure is the cancellation's
+        await asyncio.wait({asyncio.ensure_future(core.close())}, timeout=EXIT_GRACE_S / 4)
+
+
 async def _run(
     core: WorkerCore,
+    load: asyncio.Future[None],
     srv: Server,
     front: FrontProcess | None,
     address: str,
@@ -285,18 +307,12 @@ async def _run(
                 stop.set()
 
         asyncio.ensure_future(front.wait()).add_done_callback(lost)
-    load = asyncio.ensure_future(core.load())
     stopping = asyncio.ensure_future(stop.wait())
-    await asyncio.wait({load, stopping}, return_when=asyncio.FIRST_COMPLETED)
+    either: set[asyncio.Future[Any]] = {load, stopping}
+    await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # stopped while loading: the load stops at its next read (or is left behind)
-        _exit_by(EXIT_GRACE_S)
         log.info("stopping while the model loads")
-        core.cancel_loads()
-        await asyncio.wait({load}, timeout=EXIT_GRACE_S / 2)
-        if load.done():  # (it may have ended loaded, in the race with the stop): release what it made
-            if not load.cancelled():
-                load.exception()  # retrieved: a failure is the cancellation's
-            await asyncio.wait({asyncio.ensure_future(core.close())}, timeout=EXIT_GRACE_S / 4)
+        await _end_load(core, load)
         await stop_servers(0)
         announce(f"memsvc worker {core.worker_id} stopped")
         return 1 if front_lost else 0

@@ -34,6 +34,11 @@ from typing import Any
 
 DEFERRED = "torch._meta_registrations"
 """The module left out of the import (see the module's docstring)."""
+VERIFIED = ("2.11.", "2.13.")
+"""The torch versions whose worker was run with :data:`DEFERRED` left out: every CPU test (2.13, the
+development and CI machines) and every GPU test (2.11, the GPU machine). Any other imports torch
+whole: a torch may come to need the registrations' side effects in eager code (2.13's Generator
+does, see :func:`import_torch`), and only a run of the tests shows it."""
 BROUGHT = frozenset(
     {
         DEFERRED,
@@ -111,9 +116,13 @@ class _RegistrationsFirst(importlib.abc.MetaPathFinder):
 
 
 def import_torch() -> bool:
-    """Import torch with :data:`DEFERRED` left out (the module's docstring says why and how); whether
-    it was (not where torch was imported already, or where torch asked for the module meanwhile)."""
+    """Import torch with :data:`DEFERRED` left out (the module's docstring says why and how), where
+    its version is one of :data:`VERIFIED`; whether it was (not where torch was imported already, or
+    where torch asked for the module meanwhile)."""
     if "torch" in sys.modules:
+        return False
+    if not _installed_torch().startswith(VERIFIED):
+        importlib.import_module("torch")
         return False
     stand_in = _StandIn(DEFERRED, "worker/torch_import.py's stand-in: torch's Python meta registrations, deferred")
     if sys.modules.setdefault(DEFERRED, stand_in) is not stand_in:
@@ -132,8 +141,23 @@ def import_torch() -> bool:
                 torch._meta_registrations = stand_in.real  # type: ignore[attr-defined]
     if stand_in.real is not None:
         return False
+    if hasattr(sys.modules["torch"]._C, "_set_generator_metaclass"):
+        # torch 2.13 binds torch.Generator's metaclass in torch._prims.rng_prims, which the
+        # registrations bring, and refuses to make a Generator before (sampling with a seed makes
+        # one): imported on its own here, without the rest (torch._prims imports alone)
+        importlib.import_module("torch._prims.rng_prims")
     sys.meta_path.insert(0, _RegistrationsFirst())
     return True
+
+
+def _installed_torch() -> str:
+    """The installed torch's version, from its metadata (importing torch is what is being decided)."""
+    from importlib.metadata import PackageNotFoundError, version
+
+    try:
+        return version("torch")
+    except PackageNotFoundError:  # a torch on the path without its metadata: not one of those verified
+        return ""
 
 
 __all__ = ["DEFERRED", "import_torch"]

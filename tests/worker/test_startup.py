@@ -98,6 +98,42 @@ def test_a_workers_import_leaves_torchs_meta_registrations_until_asked_for() -> 
     assert "torch's Python meta registrations left until asked for" in done.stderr
 
 
+def test_the_load_starts_beside_the_servers_start_and_ends_released_if_it_cannot_listen(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """worker/main.py starts the load (the allocator, then the checkpoint's staging) while its server
+    starts, not after it listens; a server that cannot start (a taken address) ends it and releases
+    what it made, and the worker exits 2."""
+    import worker.main
+    from memsvc.errors import InvalidArgument
+    from memsvc.runtime.auth import Security
+    from worker.config import WorkerConfig
+    from worker.core import WorkerCore
+
+    cores: list[WorkerCore] = []
+    seen: list[bool] = []
+
+    class Recorded(WorkerCore):
+        def __init__(self, *args: object) -> None:
+            super().__init__(*args)  # type: ignore[arg-type]
+            cores.append(self)
+
+    async def listen_fails(*args: object) -> None:
+        deadline = time.monotonic() + 60
+        while cores[0].alloc is None and time.monotonic() < deadline:  # the load, begun meanwhile
+            await asyncio.sleep(0.01)
+        seen.append(cores[0].alloc is not None)
+        raise InvalidArgument("cannot listen on '127.0.0.1:1': taken")
+
+    monkeypatch.setattr(worker.main, "WorkerCore", Recorded)
+    monkeypatch.setattr(worker.main, "_listen", listen_fails)
+    monkeypatch.setattr(worker.main, "_exit_by", lambda seconds: None)  # this is pytest's process
+    config = WorkerConfig(model="synthetic:tiny", backend="host", rpc_front="inline")
+    code = asyncio.run(worker.main._serve(config, "127.0.0.1:1", None, None, Security()))
+    assert (code, seen) == (2, [True])
+    assert cores[0].alloc is None, "the allocator was released"
+
+
 def test_the_model_package_still_exports_its_names() -> None:
     code = (
         "import json, sys, worker.model as m; before = 'torch' in sys.modules; "
