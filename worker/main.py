@@ -217,6 +217,9 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
     core = WorkerCore(config, loop)
     servicer = ModelWorkerServicer(core)
     sockets = tempfile.mkdtemp(prefix="memsvc-worker-") if config.rpc_front == "process" else ""
+    # A stop signal from here on is a stop, not a kill: the load may already be reading.
+    stop = asyncio.Event()
+    install_signal_handlers(stop)
     # The load from now, beside the server's start (0.3 s: the RPC front's process starts and says it
     # serves): the allocator's CUDA context and the checkpoint's staging need neither, and the staging
     # must be done by the time the model layer's import is (worker/staging.py).
@@ -230,7 +233,7 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
                 announce(f"memsvc worker: error: {exc}", sys.stderr)
                 return 2
             raise
-        return await _run(core, load, srv, front, address, config, manager, advertise, sec)
+        return await _run(core, load, stop, srv, front, address, config, manager, advertise, sec)
     finally:
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
@@ -279,6 +282,7 @@ async def _end_load(core: WorkerCore, load: asyncio.Future[None]) -> None:
 async def _run(
     core: WorkerCore,
     load: asyncio.Future[None],
+    stop: asyncio.Event,
     srv: Server,
     front: FrontProcess | None,
     address: str,
@@ -295,8 +299,6 @@ async def _run(
     await srv.set_serving(False)
     await srv.set_serving(False, SERVICE_NAME)
     announce(f"memsvc worker {core.worker_id} listening on {address}")
-    stop = asyncio.Event()
-    install_signal_handlers(stop)
     front_lost: list[int] = []
     if front is not None:
 

@@ -2,8 +2,9 @@
 
 Why: ``import torch`` runs ``torch._meta_registrations``, which registers Python "meta" kernels (the
 shape rules of meta and fake tensors, which torch.compile's and torch.export's tracing run on) and
-imports torch's decompositions, primitives and references for them: about a third of the import
-(0.5 of 1.5 s on the development machine, with byte-code; see docs/benchmarks.md for the GPU host).
+imports torch's decompositions, primitives and references for them: a tenth of the import and more
+(torch 2.13 on the development machine: 1.53 s against 1.72 s; on the H100 hosts, torch 2.11, the
+model layer's import 0.12-0.15 s shorter: docs/benchmarks.md, "Start-up: torch's meta registrations").
 On a worker's start that import is the critical path: everything after it (the weights, the
 warm-up) waits, and beside it every other thread competes for the same interpreter lock. A worker
 traces nothing: its steps run torch's C++ (CUDA, CPU) kernels and Triton's, eagerly or replayed from
