@@ -268,9 +268,8 @@ async def _listen(
 
 async def _end_load(core: WorkerCore, load: asyncio.Future[None]) -> None:
     """Stop the load, which the worker will not serve (it is stopping, or its server did not start):
-    its reads end at their next poll; whatever it made is released, if it ends in time (the process
-    exits by :data:`EXIT_GRACE_S` in any case)."""
-    _exit_by(EXIT_GRACE_S)
+    its reads end at their next poll; whatever it made is released, if it ends within the waits here
+    (bounded: :data:`EXIT_GRACE_S` in all)."""
     core.cancel_loads()
     await asyncio.wait({load}, timeout=EXIT_GRACE_S / 2)
     if load.done():  # (it may have ended loaded, in the race with the stop): release what it made
@@ -313,6 +312,7 @@ async def _run(
     either: set[asyncio.Future[Any]] = {load, stopping}
     await asyncio.wait(either, return_when=asyncio.FIRST_COMPLETED)
     if not load.done():  # stopped while loading: the load stops at its next read (or is left behind)
+        _exit_by(EXIT_GRACE_S)
         log.info("stopping while the model loads")
         await _end_load(core, load)
         await stop_servers(0)
