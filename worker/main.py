@@ -28,7 +28,7 @@ from typing import Any
 
 import grpc
 
-from memsvc.errors import InvalidArgument, MemsvcError
+from memsvc.errors import Cancelled, InvalidArgument, MemsvcError
 from memsvc.runtime.auth import Security
 from memsvc.runtime.logs import announce, current_logging
 from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
@@ -41,7 +41,6 @@ from worker.prefetch import CheckpointPrefetch
 from worker.rpc_front import FrontConfig, FrontProcess, drop_ahead
 from worker.servicer import ModelWorkerServicer
 from worker.token_mux import TokenMux
-from worker.torch_import import import_torch
 
 log = logging.getLogger("memsvc.worker")
 EXIT_GRACE_S = 10.0
@@ -85,8 +84,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     the device thread, are made meanwhile: its own on a second thread from the start (read back where
     an earlier start kept it), the kernels' after the imports, while the weights load
     (worker/model/kernels.py's ``hash_ahead``). On CUDA, once torch is in, a third thread makes
-    cuBLAS's first products of the model's shapes (worker/model/first_products.py). torch is imported
-    without its Python meta registrations, which a worker never runs (worker/torch_import.py).
+    cuBLAS's first products of the model's shapes (worker/model/first_products.py).
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
@@ -112,8 +110,8 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
         try:
             try:
                 with collector_paused():
-                    deferred = import_torch()
                     if config.backend != "host":
+                        importlib.import_module("torch")
                         _first_products(config)  # beside the rest of the imports, where there is a GPU
                     for name in MODEL_LAYER:
                         importlib.import_module(name)
@@ -121,8 +119,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                 if prefetch is not None:
                     prefetch.stop()
             t1 = time.perf_counter()
-            later = " (torch's Python meta registrations left until asked for)" if deferred else ""
-            log.info("model layer imported in %.2f s%s", t1 - t0, later)
+            log.info("model layer imported in %.2f s", t1 - t0)
             if hashing is not None:  # Triton is there, and the worker may use it
                 importlib.import_module("triton")  # the hashing thread has it in already, or is importing it
                 log.info("triton imported in %.2f s", time.perf_counter() - t1)
@@ -273,8 +270,9 @@ async def _end_load(core: WorkerCore, load: asyncio.Future[None]) -> None:
     core.cancel_loads()
     await asyncio.wait({load}, timeout=EXIT_GRACE_S / 2)
     if load.done():  # (it may have ended loaded, in the race with the stop): release what it made
-        if not load.cancelled():
-            load.exception()  # retrieved: a failure is the cancellation's
+        failed = None if load.cancelled() else load.exception()
+        if failed is not None and not isinstance(failed, Cancelled):
+            log.debug("the load, ended unserved, had failed: %s", failed)
         await asyncio.wait({asyncio.ensure_future(core.close())}, timeout=EXIT_GRACE_S / 4)
 
 

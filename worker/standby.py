@@ -41,11 +41,9 @@ def prepare(backend: str, device: int) -> str:
     import worker.main  # the server's side: grpc, the servicer, the core
     from worker import rpc_front
     from worker.allocator import resolve_backend
-    from worker.torch_import import import_torch
 
     rpc_front.start_ahead()  # the RPC front's process, its imports done beside these
     with worker.main.collector_paused():
-        import_torch()  # as a worker's start imports it (worker/torch_import.py)
         for name in worker.main.MODEL_LAYER:
             importlib.import_module(name)
     import torch

@@ -71,6 +71,7 @@ def start(model_dir: Path | None, device: int, rows: Sequence[int]) -> bool:
         from worker.model.config import ModelConfig
 
         config = ModelConfig.from_hf(json.loads((model_dir / "config.json").read_text()))
+        shapes, dtype = projection_shapes(config), config.torch_dtype
     except Exception as exc:  # noqa: BLE001 - the load reads the config again and says what is wrong
         log.debug("no first products ahead: %s", exc)
         return False
@@ -79,7 +80,7 @@ def start(model_dir: Path | None, device: int, rows: Sequence[int]) -> bool:
             return False
         _thread = threading.Thread(
             target=_products,
-            args=(projection_shapes(config), config.torch_dtype, device, tuple(rows)),
+            args=(shapes, dtype, device, tuple(rows)),
             name="memsvc-first-products",
             daemon=True,
         )
