@@ -266,7 +266,7 @@ async def _listen(
 async def _end_load(core: WorkerCore, load: asyncio.Future[None]) -> None:
     """Stop the load, which the worker will not serve (it is stopping, or its server did not start):
     its reads end at their next poll; whatever it made is released, if it ends within the waits here
-    (bounded: :data:`EXIT_GRACE_S` in all)."""
+    (both waits together: three quarters of :data:`EXIT_GRACE_S`)."""
     core.cancel_loads()
     await asyncio.wait({load}, timeout=EXIT_GRACE_S / 2)
     if load.done():  # (it may have ended loaded, in the race with the stop): release what it made
