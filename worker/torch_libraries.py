@@ -2,23 +2,28 @@
 
 Why: from spawn to the first token a worker's start is bound by the GIL: ``import torch``, the CLI's
 and the server's imports, Triton's, the tokenizer's load and the warm-up's Python take it in turn
-(docs/benchmarks.md, "Where the time goes"). Of ``import torch``, loading its shared libraries
-(libtorch_cpu and libtorch_cuda with their static registrations, cuBLAS, cuFFT, NCCL and the rest:
-2.5 GB) took 0.9-1.0 s on an H100 host, and both ways torch loads them hold the GIL: ctypes' own
-``dlopen`` (torch/__init__.py's ``_load_global_deps``, the CUDA libraries of the pip wheels) and the
-import of the extension ``torch._C`` (the rest). ``dlopen`` called as a foreign function through ctypes
-releases the GIL, so on a thread started as soon as the command line is read, the loading runs beside
-the CLI's imports and the server's start, and the import then finds its libraries loaded.
+(docs/benchmarks.md, "Where the interpreter lock goes"). Part of ``import torch`` is loading its shared
+libraries (libtorch_cpu and libtorch_cuda with their static registrations, cuBLAS, cuFFT, NCCL and the
+rest: 2.5 GB), and both ways torch loads them hold the GIL: ctypes' own ``dlopen``
+(torch/__init__.py's ``_load_global_deps``, the CUDA libraries of the pip wheels) and the import of
+the extension ``torch._C`` (the rest). On an H100 host, loaded ahead, they took 0.35 s off the import
+that followed (medians of four: 3.54 s against 3.88 s; docs/benchmarks.md, "torch's shared libraries
+loaded ahead"). ``dlopen`` called as a foreign function through ctypes releases the GIL, so on a
+thread started as soon as the command line is read, the loading runs beside the CLI's imports and
+the server's start, and the import then finds its libraries loaded.
 
 What is loaded, and how, is what torch's import loads first anyway: ``libtorch_global_deps`` with
 ``RTLD_GLOBAL`` as torch does, then ``libtorch`` with ``RTLD_LOCAL``, as an extension's dependencies are,
-whose own dependencies their RPATH finds (torch's ``lib`` and the ``nvidia/*/lib`` folders beside it).
+whose own dependencies their RPATH or RUNPATH finds (torch's ``lib`` and the ``nvidia/*/lib`` folders
+beside it).
 Nothing Python-facing is loaded (``libtorch_python``, ``torch._C``): their initialisers are the import's.
 Nothing is preloaded where it could differ from what the import would load:
 
 - where the first ``sys.path`` entry with an ``nvidia`` folder is not the one torch is in: torch loads
   the CUDA libraries from there itself (``_preload_cuda_deps``), so they could be other files than
   those the RPATH finds, two copies of cuBLAS in one process;
+- where a folder of ``LD_LIBRARY_PATH`` holds a library named as one of those CUDA libraries: a
+  RUNPATH, searched after it, would find that folder's;
 - where ``TORCH_USE_RTLD_GLOBAL`` asks torch to load its libraries into the global scope;
 - where torch is imported already, or not installed.
 
@@ -28,6 +33,7 @@ A load that fails is logged (debug) and ends the preload: the import then loads,
 from __future__ import annotations
 
 import ctypes
+import glob
 import importlib.util
 import logging
 import os
@@ -57,12 +63,26 @@ def libraries() -> tuple[tuple[str, int], ...]:
             if os.path.realpath(entry or os.curdir) != site:
                 return ()
             break
+    if _shadowed(site):
+        return ()
     lib = os.path.join(package, "lib")
     wanted = (
         (os.path.join(lib, "libtorch_global_deps.so"), os.RTLD_NOW | os.RTLD_GLOBAL),
         (os.path.join(lib, "libtorch.so"), os.RTLD_NOW | os.RTLD_LOCAL),
     )
     return wanted if all(os.path.isfile(path) for path, _ in wanted) else ()
+
+
+def _shadowed(site: str) -> bool:
+    """Whether a folder of ``LD_LIBRARY_PATH`` holds a library named as one of the CUDA wheels' beside
+    torch (``nvidia/*/lib``): a dependency found through a RUNPATH (torch 2.13's wheels have one;
+    2.11's an RPATH, which comes first) would then be that folder's file, where torch loads the wheel's
+    by its path first."""
+    folders = [folder for folder in os.environ.get("LD_LIBRARY_PATH", "").split(os.pathsep) if folder]
+    if not folders:
+        return False
+    names = {os.path.basename(path) for path in glob.glob(os.path.join(site, "nvidia", "*", "lib", "*.so*"))}
+    return any(os.path.exists(os.path.join(folder, name)) for folder in folders for name in names)
 
 
 def start() -> None:

@@ -142,3 +142,26 @@ from worker import torch_libraries
 print(len(torch_libraries.libraries()))
 """
     assert _child(code).stdout.split() == ["0"]  # the first case here shows the two it names otherwise
+
+
+def test_nothing_is_named_where_ld_library_path_has_a_cuda_wheels_library(tmp_path: Path) -> None:
+    """A site with torch's two libraries and a CUDA wheel's: named, unless a folder of
+    LD_LIBRARY_PATH holds a library of that wheel's name (a RUNPATH would find that one)."""
+    site, shadow, other = tmp_path / "site", tmp_path / "shadow", tmp_path / "other"
+    (site / "torch" / "lib").mkdir(parents=True)
+    (site / "torch" / "__init__.py").write_text("")
+    for name in ("libtorch_global_deps.so", "libtorch.so"):
+        (site / "torch" / "lib" / name).write_bytes(b"")
+    (site / "nvidia" / "cublas" / "lib").mkdir(parents=True)
+    (site / "nvidia" / "cublas" / "lib" / "libcublas.so.13").write_bytes(b"")
+    for folder, name in ((shadow, "libcublas.so.13"), (other, "libsomething.so.1")):
+        folder.mkdir()
+        (folder / name).write_bytes(b"")
+    code = f"""
+import sys
+sys.path.insert(0, {str(site)!r})
+from worker import torch_libraries
+print(" ".join(p.split("/")[-1] for p, _ in torch_libraries.libraries()) or "none")
+"""
+    for path, named in ((f"{other}", "libtorch_global_deps.so libtorch.so"), (f"{other}:{shadow}", "none")):
+        assert _child(code, {"LD_LIBRARY_PATH": path}).stdout.strip() == named
