@@ -15,8 +15,8 @@ timed:
 - ``libtorch``: ``cuda_wheels``, then ``libtorch`` (with libtorch_cpu, libtorch_cuda, c10), through ctypes;
 - ``libtorch_cpu``: ``libtorch_global_deps``, then ``libtorch_cpu`` alone, through ctypes.
 
-The last process of ``plain`` also lists the shared objects mapped after the imports, their sizes,
-and any name mapped from two files. On the GPU machine, from the repository root::
+One more ``plain`` process lists the shared objects mapped after the imports, their sizes, and any
+name mapped from two files. On the GPU machine, from the repository root::
 
     python -m bench.bench_torch_libraries --rounds 4 --out torch_libraries.json
 """
