@@ -26,14 +26,13 @@ from __future__ import annotations
 import argparse
 import json
 import os
-import statistics
 import subprocess
 import sys
 from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
-from bench.bench_startup import REPO_ROOT, _device, _git_commit
+from bench.bench_startup import REPO_ROOT, _device, _git_commit, _median
 
 VARIANTS = ("plain", "global_deps", "cuda_wheels", "libtorch", "libtorch_cpu")
 
@@ -125,7 +124,7 @@ def main(argv: Sequence[str] | None = None) -> int:
             runs[v].append(run_variant(v))
             print(f"[bench_torch_libraries] round {i + 1} {v}: {json.dumps(runs[v][-1])}", flush=True)
     medians = {
-        v: {k: statistics.median(r[k] for r in rs if k in r) for k in rs[0] if isinstance(rs[0][k], float)}
+        v: {k: _median(rs, k) for k in rs[0] if isinstance(rs[0][k], float)}
         for v, rs in runs.items()
         if rs and "error" not in rs[0]
     }
@@ -139,7 +138,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         "inventory": run_variant("plain", inventory=True),
     }
     for v, m in medians.items():
-        print(f"{v:14s} " + "  ".join(f"{k} {x:.3f}" for k, x in m.items()))
+        print(f"{v:14s} " + "  ".join(f"{k} {x:.3f}" for k, x in m.items() if x is not None))
     if args.out:
         args.out.write_text(json.dumps(res, indent=1))
     return 0
