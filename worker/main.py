@@ -34,6 +34,7 @@ from memsvc.runtime.logs import announce, current_logging
 from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
+from worker import torch_libraries
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.model import first_products
@@ -110,6 +111,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
         try:
             try:
                 with collector_paused():
+                    torch_libraries.wait()  # loading since the command line was read (worker/command.py)
                     if config.backend != "host":
                         importlib.import_module("torch")
                         _first_products(config)  # beside the rest of the imports, where there is a GPU
