@@ -78,7 +78,6 @@ MEMSVC = [sys.executable, "-m", "memsvc.cli"]
 _LISTENING = re.compile(r"^memsvc worker \S+ listening on (\S+)$")
 LOG_LINES: dict[str, re.Pattern[str]] = {
     "allocator": re.compile(r"allocator: \w+ backend ready in (?P<s>[\d.]+) s"),
-    "torch_libraries": re.compile(r"torch's shared libraries loaded ahead in (?P<s>[\d.]+) s"),
     "model_layer_imported": re.compile(r"model layer imported in (?P<s>[\d.]+) s"),
     "read_ahead": re.compile(
         r"checkpoint read-ahead: (?P<gb>[\d.]+) GB read of (?P<shards>\d+) shards in (?P<s>[\d.]+) s"
@@ -622,8 +621,6 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
             "first_token_s",
             "weights_loaded_s",
             "model_layer_imported_at_s",
-            "torch_libraries_s",
-            "torch_libraries_at_s",
             "staged_at_s",
             "graphs_done_at_s",
             "graph_capture_s",
@@ -762,8 +759,6 @@ def format_table(res: dict[str, Any]) -> str:
         ("worker: spawn -> listening", wk.get("listening_s_median")),
         ("worker: allocator (CUDA context, pools)", wk.get("allocator_s_median")),
         ("worker: spawn -> checkpoint staged on the device", wk.get("staged_at_s_median")),
-        ("worker: torch's libraries loaded ahead", wk.get("torch_libraries_s_median")),
-        ("worker: spawn -> torch's libraries loaded", wk.get("torch_libraries_at_s_median")),
         ("worker: spawn -> model layer imported", wk.get("model_layer_imported_at_s_median")),
         ("worker: weights load (its log)", wk.get("weights_loaded_s_median")),
         ("worker: model built (KV, weights, the rest)", wk.get("model_built_s_median")),

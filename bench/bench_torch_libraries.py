@@ -1,5 +1,6 @@
 """How much of ``import torch`` is loading its shared libraries, and whether loading them ahead frees
-the GIL (worker/torch_libraries.py says why it matters).
+the GIL: a worker's start is bound by the GIL until its first token (docs/benchmarks.md, "Where the
+interpreter lock goes"), and the import loads them holding it.
 
 Each variant runs in a fresh interpreter, the variants in turn for ``--rounds`` rounds. A variant
 loads some of torch's libraries first, timed, while a Python thread spins beside it (its count of
@@ -12,8 +13,7 @@ timed:
 - ``cuda_wheels``: that, then the CUDA wheels' libraries as torch 2.11's ``_preload_cuda_deps`` loads
   them (its list and order, each from the first ``sys.path`` entry that has it), through ctypes;
 - ``libtorch``: ``cuda_wheels``, then ``libtorch`` (with libtorch_cpu, libtorch_cuda, c10), through ctypes;
-- ``libtorch_cpu``: ``libtorch_global_deps``, then ``libtorch_cpu`` alone, through ctypes;
-- ``worker``: what a worker loads ahead (worker/torch_libraries.py: ``dlopen`` as a foreign call).
+- ``libtorch_cpu``: ``libtorch_global_deps``, then ``libtorch_cpu`` alone, through ctypes.
 
 One more ``plain`` process lists the shared objects mapped after the imports, their sizes, and any
 name mapped from two files. On the GPU machine, from the repository root::
@@ -34,7 +34,7 @@ from typing import Any
 
 from bench.bench_startup import REPO_ROOT, _device, _git_commit, _median
 
-VARIANTS = ("plain", "global_deps", "cuda_wheels", "libtorch", "libtorch_cpu", "worker")
+VARIANTS = ("plain", "global_deps", "cuda_wheels", "libtorch", "libtorch_cpu")
 
 CHILD = r"""
 import ctypes, glob, importlib.util, json, os, sys, threading, time
@@ -51,9 +51,6 @@ WHEELS = [
 ]
 
 def ahead():
-    if variant == "worker":
-        from worker import torch_libraries
-        torch_libraries.start(); torch_libraries.wait(); return
     ctypes.CDLL(os.path.join(lib, "libtorch_global_deps.so"), mode=ctypes.RTLD_GLOBAL)
     if variant == "libtorch_cpu":
         ctypes.CDLL(os.path.join(lib, "libtorch_cpu.so")); return

@@ -37,8 +37,6 @@ KEYS = (
     "first_token_s",
     "serving_s",
     "listening_s",
-    "torch_libraries_at_s",
-    "allocator_at_s",
     "model_layer_imported_at_s",
     "staged_at_s",
     "weights_loaded_at_s",

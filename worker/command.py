@@ -60,9 +60,6 @@ def add_parser(sub: argparse._SubParsersAction) -> None:  # type: ignore[type-ar
 def main(parser: argparse.ArgumentParser, args: argparse.Namespace, reparse: Reparse) -> int:
     """Run the command ``args`` (of ``parser``) says: a standby, prepared then handed its flags, or
     the worker; its exit code."""
-    from worker import torch_libraries
-
-    torch_libraries.start()  # both import torch: its libraries load beside what comes before
     if args.standby:
         return _standby(parser, args, reparse)
     return _serve(parser, args)

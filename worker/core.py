@@ -48,7 +48,6 @@ from memsvc.vocabulary import (
     sleep_acts_on,
     wake_set,
 )
-from worker import torch_libraries
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop, LoopPost
@@ -165,9 +164,7 @@ class WorkerCore:
             # cache and the device has room (worker/staging.py); the first load copies from there
             staging = CheckpointStaging(self.alloc, c.model).start() if c.checkpoint_staging else None
             # After the allocator (its CUDA context made without the GIL): torch meanwhile imports on
-            # worker/main.py's thread, and these wait for what is left of it, or for torch's libraries
-            # where that thread has not begun (worker/torch_libraries.py).
-            torch_libraries.wait()
+            # worker/main.py's thread, and these wait for what is left of it.
             from worker.model import hub
             from worker.model.loader import StreamingLoader
             from worker.model.paged_attention import graphs_supported

@@ -34,7 +34,6 @@ from memsvc.runtime.logs import announce, current_logging
 from memsvc.runtime.serving import Server, install_signal_handlers, run_service, start_server
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
-from worker import torch_libraries
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.model import first_products
@@ -111,9 +110,6 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
         try:
             try:
                 with collector_paused():
-                    if "torch" not in sys.modules:
-                        _text_ahead(config)  # while torch's libraries load without the GIL
-                    torch_libraries.wait()  # loading since the command line was read (worker/command.py)
                     if config.backend != "host":
                         importlib.import_module("torch")
                         _first_products(config)  # beside the rest of the imports, where there is a GPU
@@ -168,19 +164,6 @@ def _first_products(config: WorkerConfig) -> None:
     else:  # the warm-up's generation alone: its prompt's step, then one-row decodes
         rows = (len(WARM_UP_PROMPT), 1)
     first_products.start(cached_dir(config.model), config.device, rows)
-
-
-def _text_ahead(config: WorkerConfig) -> None:
-    """The model's tokenizer and chat template read for the load (worker/model/text.py's
-    ``load_ahead`` says why), where its directory is here already."""
-    from worker.model.hub import cached_dir
-    from worker.model.text import ModelText
-
-    root = cached_dir(config.model)
-    if root is not None:
-        t0 = time.perf_counter()
-        ModelText.load_ahead(root)
-        log.info("model text read ahead in %.2f s", time.perf_counter() - t0)
 
 
 def _hash_triton() -> None:

@@ -39,11 +39,10 @@ def prepare(backend: str, device: int) -> str:
     """Import what a worker's start imports and, on CUDA, make ``device``'s context and start cuBLAS:
     the backend that ``backend`` resolves to (``auto``: cuda where a device is present)."""
     import worker.main  # the server's side: grpc, the servicer, the core
-    from worker import rpc_front, torch_libraries
+    from worker import rpc_front
     from worker.allocator import resolve_backend
 
     rpc_front.start_ahead()  # the RPC front's process, its imports done beside these
-    torch_libraries.wait()  # loading since the command line was read (worker/command.py)
     with worker.main.collector_paused():
         for name in worker.main.MODEL_LAYER:
             importlib.import_module(name)

@@ -370,8 +370,6 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     (run,) = res["worker"]["runs"]
     assert 0 < run["listening_s"] < run["serving_s"] < run["first_token_s"] < run["generate_end_s"]
     assert run["model_layer_imported_at_s"] <= run["serving_s"] and run["weights_loaded_s"] >= 0
-    # torch's libraries were loaded ahead (worker/torch_libraries.py), before the model layer was in
-    assert run["torch_libraries_s"] >= 0 and run["torch_libraries_at_s"] <= run["model_layer_imported_at_s"]
     assert run["exit_code"] == 0 and run["graph_captures"] == []  # the host backend has no graphs
     # the checkpoint was just written, so the page cache holds it: the read-ahead finds it and reads nothing
     assert run["read_ahead_gb"] == 0.0 and run["read_ahead_shards"] == 1 and run["read_ahead_at_s"] <= run["serving_s"]

@@ -16,8 +16,6 @@ chat template (jinja2), read from the model directory as transformers would read
 from __future__ import annotations
 
 import json
-import os
-import threading
 from collections.abc import Mapping, Sequence
 from datetime import datetime
 from pathlib import Path
@@ -40,14 +38,6 @@ CHAT_TEMPLATE_FILE = "chat_template.jinja"
 """Where transformers 5 saves a tokenizer's chat template (older ones put it in tokenizer_config.json)."""
 SPECIAL_TOKENS = ("bos_token", "eos_token", "unk_token", "sep_token", "pad_token", "cls_token", "mask_token")
 """The named special tokens transformers passes to a chat template."""
-TEXT_FILES = (TOKENIZER_FILE, TOKENIZER_CONFIG, CHAT_TEMPLATE_FILE)
-"""What a model directory's text side is read from."""
-
-FileIdentity = tuple[int, int, int, int] | None
-"""A file as :func:`_identities` sees it: device, inode, size and modification time; None where absent."""
-_ahead_lock = threading.Lock()
-_ahead: dict[str, tuple[tuple[FileIdentity, ...], ModelText | None]] = {}
-"""What :meth:`ModelText.load_ahead` read, by directory, until a load takes it (one entry per directory)."""
 
 
 class _GenerationTag(jinja2.ext.Extension):
@@ -99,37 +89,8 @@ class ModelText:
 
     @classmethod
     def load(cls, path: str | Path) -> ModelText | None:
-        """The directory's text side, or None when it has no ``tokenizer.json`` (ids only): what
-        :meth:`load_ahead` read of it, where its files are still those it read, else read now."""
+        """The directory's text side, or None when it has no ``tokenizer.json`` (ids only)."""
         root = Path(path)
-        with _ahead_lock:  # a load ahead still reading: wait for it rather than read twice
-            kept = _ahead.pop(str(root.resolve()), None)
-            _ahead.clear()  # read ahead of another directory (a Hub snapshot since replaced): unused
-        if kept is not None and kept[0] == _identities(root):
-            return kept[1]
-        return cls._read(root)
-
-    @classmethod
-    def load_ahead(cls, path: str | Path) -> None:
-        """Read the directory's text side now, for its first :meth:`load` to take.
-
-        Why: a worker's start is bound by the GIL up to its first token, and reading a tokenizer
-        holds it throughout (``Tokenizer.from_file``: 0.13 s for a 128k-word vocabulary on the
-        development machine). The import thread reads it here while torch's shared libraries load
-        without the GIL (worker/torch_libraries.py), where it has little else to do, instead of the
-        load reading it after ``import torch``. A directory that cannot be read is left to the load,
-        which reports it as it always has."""
-        root = Path(path)
-        with _ahead_lock:
-            try:
-                identities = _identities(root)
-                text = cls._read(root)
-            except (InvalidArgument, OSError):
-                return
-            _ahead[str(root.resolve())] = (identities, text)
-
-    @classmethod
-    def _read(cls, root: Path) -> ModelText | None:
         file = root / TOKENIZER_FILE
         if not file.is_file():
             return None
@@ -211,19 +172,6 @@ def _token_text(value: Any) -> str | None:
     if isinstance(value, dict) and isinstance(value.get("content"), str):
         return str(value["content"])
     return None
-
-
-def _identities(root: Path) -> tuple[FileIdentity, ...]:
-    """The directory's text files as they are now (:data:`FileIdentity`), in :data:`TEXT_FILES`' order."""
-    found: list[FileIdentity] = []
-    for name in TEXT_FILES:
-        try:
-            st = os.stat(root / name)
-        except OSError:  # absent or unreadable: the read says which
-            found.append(None)
-        else:
-            found.append((st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns))
-    return tuple(found)
 
 
 def _chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
