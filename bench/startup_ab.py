@@ -128,7 +128,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     res = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "bench_args": bench_args,
-        "base": {"tree": str(trees["base"][0]), "commit": args.base_commit},
+        "base": {"tree": str(args.base), "commit": args.base_commit},  # as given: no host's absolute path
         "errors": {
             f"{label} round {i + 1}": run["errors"]
             for label, rounds in results.items()
