@@ -32,6 +32,7 @@ from workerproc import WorkerProcess
 from memsvc.runtime.auth import Security
 from memsvc.runtime.rpc_errors import error_info
 from memsvc.runtime.serving import start_server
+from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.rpc_front import SERVICE, FrontConfig, FrontProcess
@@ -78,6 +79,15 @@ def _requests() -> list[worker_pb.GenerateRequest]:
         worker_pb.GenerateRequest(
             prompt_token_ids=[9, 8, 7], max_new_tokens=30, stop_token_ids=[3, 11, 17], ignore_eos=True
         ),
+        # text: the front encodes and decodes it in its own process, the inline worker in its own
+        worker_pb.GenerateRequest(prompt="the front reads the text", max_new_tokens=30, ignore_eos=True),
+        worker_pb.GenerateRequest(
+            messages=[worker_pb.ChatMessage(role="user", content="héllo 😀")], max_new_tokens=20, ignore_eos=True
+        ),
+        worker_pb.GenerateRequest(
+            prompt="stop strings", max_new_tokens=60, stop=["e", "th"], sampling=worker_pb.SamplingParams(seed=3)
+        ),
+        worker_pb.GenerateRequest(prompt_token_ids=[300, 301], max_new_tokens=40, stop_token_ids=[352, 12]),
     ]
 
 
@@ -87,9 +97,11 @@ Answer = tuple[list[int], str, worker_pb.GenerateResponse]
 def _stream(stub: worker_grpc.ModelWorkerServiceStub, request: worker_pb.GenerateRequest) -> Answer:
     messages = list(stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=60))
     assert messages[-1].HasField("done") and not any(m.HasField("done") for m in messages[:-1])
-    assert messages[0].prompt_token_count == len(request.prompt_token_ids)
-    assert all(m.prompt_token_count == 0 for m in messages[1:])
     done = messages[-1].done
+    assert messages[0].prompt_token_count == done.prompt_token_count > 0
+    if request.prompt_token_ids:
+        assert done.prompt_token_count == len(request.prompt_token_ids)
+    assert all(m.prompt_token_count == 0 for m in messages[1:])
     done.ClearField("duration")
     return [t for m in messages for t in m.token_ids], "".join(m.text for m in messages), done
 
@@ -107,6 +119,12 @@ def test_streams_and_unary_answers_are_the_same_through_either_front(fronts: dic
             answers[kind] = (tokens, text, done)
         assert answers["inline"] == answers["process"]
         assert len(answers["process"][0]) > 0
+        if request.prompt or request.messages:
+            assert answers["process"][1], "no text came back"
+        if request.stop:
+            assert answers["process"][2].matched_stop, "the stop strings never matched: the case tests nothing"
+        if 352 in request.stop_token_ids:  # its text is left out, at once in the stream too
+            assert answers["process"][2].finish_reason == common_pb.FINISH_REASON_STOP, "the case tests nothing"
 
 
 def _status(call: object) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
@@ -119,13 +137,17 @@ def _status(call: object) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
 def test_errors_keep_their_status_and_error_info(fronts: dict[str, WorkerProcess]) -> None:
     bad_token = worker_pb.GenerateRequest(prompt_token_ids=[10**9], max_new_tokens=3)
     two_forms = worker_pb.GenerateRequest(prompt_token_ids=[1], prompt="hi", max_new_tokens=3)
+    empty_stop = worker_pb.GenerateRequest(prompt="hi", max_new_tokens=3, stop=[""])  # the front's check
     got: dict[str, list[tuple[grpc.StatusCode, str, str, dict[str, str]]]] = {}
     for kind, worker in fronts.items():
         out = []
-        for request in (bad_token, two_forms):
+        for request in (bad_token, two_forms, empty_stop):
             with pytest.raises(grpc.RpcError) as streamed:
                 list(worker.stub.GenerateStream(worker_pb.GenerateStreamRequest(request=request), timeout=30))
             out.append(_status(streamed.value))
+            with pytest.raises(grpc.RpcError) as unary:
+                worker.stub.Generate(request, timeout=30)
+            out.append(_status(unary.value))
         with pytest.raises(grpc.RpcError) as sleep:
             worker.stub.Sleep(worker_pb.SleepRequest(level=7), timeout=30)  # type: ignore[arg-type]
         out.append(_status(sleep.value))
@@ -134,7 +156,7 @@ def test_errors_keep_their_status_and_error_info(fronts: dict[str, WorkerProcess
         out.append(_status(free.value))
         got[kind] = out
     assert got["inline"] == got["process"]
-    assert [code for code, *_ in got["process"]] == [grpc.StatusCode.INVALID_ARGUMENT] * 3 + [grpc.StatusCode.NOT_FOUND]
+    assert [code for code, *_ in got["process"]] == [grpc.StatusCode.INVALID_ARGUMENT] * 7 + [grpc.StatusCode.NOT_FOUND]
 
 
 def test_a_client_that_leaves_mid_stream_gives_its_blocks_back(fronts: dict[str, WorkerProcess]) -> None:

@@ -157,15 +157,46 @@ def test_a_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> N
     assert "config.json: JSON nested deeper than 32 levels" in line, line
 
 
-def test_a_tokenizer_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> None:
+FRONTS = ["process", "inline"]
+"""Where the model's text is read: the RPC front's process (the default), or the worker's own."""
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_tokenizer_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path, front: str) -> None:
     """tokenizer_config.json is read with the same bounds as config.json (it was a plain json.loads)."""
     from hf_models import text_model
 
     path, _ = text_model(tmp_path)
     depth = 100_000
     (path / "tokenizer_config.json").write_text('{"a": ' + "[" * depth + "]" * depth + "}")
-    line = refused(worker("--model", str(path)))
+    line = refused(worker("--model", str(path), "--rpc-front", front))
     assert "tokenizer_config.json: JSON nested deeper than 32 levels" in line, line
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_tokenizer_that_does_not_read_is_one_line_and_exit_2(tmp_path: Path, front: str) -> None:
+    from hf_models import text_model
+
+    path, _ = text_model(tmp_path)
+    (path / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
+    line = refused(worker("--model", str(path), "--rpc-front", front))
+    assert f"{path / 'tokenizer.json'}: cannot read the tokenizer" in line, line
+
+
+@pytest.mark.parametrize("front", FRONTS)
+def test_a_tokenizer_with_more_tokens_than_the_model_is_one_line_and_exit_2(tmp_path: Path, front: str) -> None:
+    """Its extra ids would index past the embedding: refused at start, not at the first prompt."""
+    from hf_models import text_model
+
+    from worker.model.synthetic_text import synthetic_text
+
+    path, _ = text_model(tmp_path)
+    model_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
+    bigger = synthetic_text(model_vocab + 100)
+    assert bigger is not None
+    bigger.tokenizer.save(str(path / "tokenizer.json"))
+    line = refused(worker("--model", str(path), "--rpc-front", front))
+    assert f"the tokenizer has {model_vocab + 100} tokens, the model only {model_vocab}" in line, line
 
 
 # ---- item 4 (the up-front check): a shard that is not a regular file ----
