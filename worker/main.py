@@ -54,7 +54,8 @@ FRONT_WAIT_LOG_S = 30.0
 """While the worker waits for its RPC front to say it serves (a moment, normally), a warning this often."""
 SERVICE_NAME = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
-"""What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
+"""What the load imports (worker/core.py's _load): torch, numpy, safetensors (not the text's tokenizers and jinja2:
+worker/model/text_source.py)."""
 STARTUP_SWITCH_INTERVAL_S = 0.0005
 """The GIL's switch interval while the model layer imports (Python's default: 5 ms); see import_model_layer."""
 
