@@ -49,7 +49,6 @@ from memsvc.vocabulary import (
     wake_set,
 )
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
-from worker.checkpoint_files import SYNTHETIC_PREFIX
 from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop, LoopPost
 from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
@@ -123,8 +122,8 @@ class WorkerCore:
         """The RPC front's process reads the model's text and serves it (worker/front_text.py); this
         one reads it only for stop strings. Else the load reads it here."""
         self.text_source: concurrent.futures.Future[TextSource] = concurrent.futures.Future()
-        """Where the model's text is, set by the load as soon as it knows: worker/main.py hands it to
-        the RPC front, which reads it while this process loads the model."""
+        """Where the model's text is, set by the load once the model's configuration is read:
+        worker/main.py hands it to the RPC front, which reads it while this process loads the model."""
         self.text_found: concurrent.futures.Future[TextInfo] = concurrent.futures.Future()
         """What the front found there (worker/main.py sets it); the load waits for it, checks it
         against the model, and reports it (with the text in front only)."""
@@ -180,19 +179,10 @@ class WorkerCore:
             # After the allocator (its CUDA context made without the GIL): torch meanwhile imports on
             # worker/main.py's thread, and these wait for what is left of it.
             from worker.model import hub
-
-            # a Hub id: its snapshot, downloaded into the Hub's cache unless there (not bounded: a
-            # download is long and shows its own progress; the Hub's client has its own timeouts)
-            synthetic = c.model.startswith(SYNTHETIC_PREFIX)
-            spec = c.model if synthetic else str(hub.resolve(c.model))
-            if spec != c.model:
-                log.info("model %s: %s", c.model, spec)
-            if not synthetic:  # the front reads the text while the model layer imports (text_in_front)
-                self._tell_text_source(TextSource(directory=spec))
             from worker.model.loader import StreamingLoader
             from worker.model.paged_attention import graphs_supported
             from worker.model.runner import ModelRunner
-            from worker.model.weights import parse_model_spec
+            from worker.model.weights import SYNTHETIC_PREFIX, parse_model_spec
 
             # the loader keeps its staging ring for level-2 wakes and ReloadWeights (allocator memory:
             # pre-faulted and page-locked by native/hostmem.c, counted in host_pinned_bytes)
@@ -200,9 +190,18 @@ class WorkerCore:
             if self._loads_cancelled:
                 self._loader.cancel()
             loader = self._loader
+            # a Hub id: its snapshot, downloaded into the Hub's cache unless there (not bounded: a
+            # download is long and shows its own progress; the Hub's client has its own timeouts)
+            spec = c.model if c.model.startswith(SYNTHETIC_PREFIX) else str(hub.resolve(c.model))
+            if spec != c.model:
+                log.info("model %s: %s", c.model, spec)
             # config and generation config: read bounded as the shards are (a hung mount)
             source = loader.bounded(c.model, lambda: parse_model_spec(spec, seed=c.seed, loader=loader, name=c.model))
-            self._tell_text_source(source.text_once.source)  # a synthetic model's: its vocabulary is known now
+            # The front reads the text from now, beside the rest of the load (0.5 s on an H100: cuBLAS's
+            # first products, the weights, the warm-up). Not earlier: while torch imports, the host's
+            # cores are the import's and the staging's, and reading it then made the first token later.
+            if not self.text_source.done():
+                self.text_source.set_result(source.text_once.source)
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning(
@@ -295,10 +294,6 @@ class WorkerCore:
             p = torch.cuda.get_device_properties(alloc.device)
             return DeviceInfo("cuda", alloc.device, p.name, str(getattr(p, "uuid", "")))
         return DeviceInfo("host", alloc.device, "host memory")
-
-    def _tell_text_source(self, where: TextSource) -> None:
-        if not self.text_source.done():
-            self.text_source.set_result(where)
 
     def _model_text(self, source: ModelSource, loader: StreamingLoader) -> TextInfo:
         """The model's text side, checked against the model: as the front found it (it read it while
