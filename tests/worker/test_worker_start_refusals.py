@@ -158,7 +158,8 @@ def test_a_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> N
 
 
 FRONTS = ["process", "inline"]
-"""Where the model's text is read: the RPC front's process (the default), or the worker's own."""
+"""The RPC front in a process of its own (the default) or in the worker's: a bad text side is the same
+refused start either way."""
 
 
 @pytest.mark.parametrize("front", FRONTS)
