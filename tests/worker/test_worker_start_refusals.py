@@ -11,6 +11,7 @@ import json
 import os
 import subprocess
 import sys
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -157,47 +158,48 @@ def test_a_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path) -> N
     assert "config.json: JSON nested deeper than 32 levels" in line, line
 
 
-FRONTS = ["process", "inline"]
-"""The RPC front in a process of its own (the default) or in the worker's: a bad text side is the same
-refused start either way."""
-
-
-@pytest.mark.parametrize("front", FRONTS)
-def test_a_tokenizer_config_nested_100000_deep_is_one_line_and_exit_2(tmp_path: Path, front: str) -> None:
+def _nested_tokenizer_config(path: Path) -> str:
     """tokenizer_config.json is read with the same bounds as config.json (it was a plain json.loads)."""
-    from hf_models import text_model
-
-    path, _ = text_model(tmp_path)
     depth = 100_000
     (path / "tokenizer_config.json").write_text('{"a": ' + "[" * depth + "]" * depth + "}")
-    line = refused(worker("--model", str(path), "--rpc-front", front))
-    assert "tokenizer_config.json: JSON nested deeper than 32 levels" in line, line
+    return "tokenizer_config.json: JSON nested deeper than 32 levels"
 
 
-@pytest.mark.parametrize("front", FRONTS)
-def test_a_tokenizer_that_does_not_read_is_one_line_and_exit_2(tmp_path: Path, front: str) -> None:
-    from hf_models import text_model
-
-    path, _ = text_model(tmp_path)
+def _unreadable_tokenizer(path: Path) -> str:
     (path / "tokenizer.json").write_text('{"model": "not a tokenizer"}')
-    line = refused(worker("--model", str(path), "--rpc-front", front))
-    assert f"{path / 'tokenizer.json'}: cannot read the tokenizer" in line, line
+    return f"{path / 'tokenizer.json'}: cannot read the tokenizer"
 
 
-@pytest.mark.parametrize("front", FRONTS)
-def test_a_tokenizer_with_more_tokens_than_the_model_is_one_line_and_exit_2(tmp_path: Path, front: str) -> None:
+def _tokenizer_bigger_than_the_model(path: Path) -> str:
     """Its extra ids would index past the embedding: refused at start, not at the first prompt."""
-    from hf_models import text_model
-
     from worker.model.synthetic_text import synthetic_text
 
-    path, _ = text_model(tmp_path)
     model_vocab = json.loads((path / "config.json").read_text())["vocab_size"]
     bigger = synthetic_text(model_vocab + 100)
     assert bigger is not None
     bigger.tokenizer.save(str(path / "tokenizer.json"))
+    return f"the tokenizer has {model_vocab + 100} tokens, the model only {model_vocab}"
+
+
+BAD_TEXT: list[Callable[[Path], str]] = [
+    _nested_tokenizer_config,
+    _unreadable_tokenizer,
+    _tokenizer_bigger_than_the_model,
+]
+"""A text checkpoint spoiled one way each (each returns what the refusal must say)."""
+
+
+@pytest.mark.parametrize("front", ["process", "inline"])  # a bad text side is the same refused start either way
+@pytest.mark.parametrize("spoil", BAD_TEXT, ids=[f.__name__.strip("_") for f in BAD_TEXT])
+def test_a_text_side_it_cannot_use_is_one_line_and_exit_2(
+    tmp_path: Path, spoil: Callable[[Path], str], front: str
+) -> None:
+    from hf_models import text_model
+
+    path, _ = text_model(tmp_path)
+    says = spoil(path)
     line = refused(worker("--model", str(path), "--rpc-front", front))
-    assert f"the tokenizer has {model_vocab + 100} tokens, the model only {model_vocab}" in line, line
+    assert says in line, line
 
 
 # ---- item 4 (the up-front check): a shard that is not a regular file ----
