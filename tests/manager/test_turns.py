@@ -47,6 +47,11 @@ here; the bound is what the starvation broke: there a request waited out its que
 CALL_TIMEOUT = 240.0
 """A bound on a call expected to succeed, not a measure: a Generate alone passed 60 s with two suites on
 the machine's two cores."""
+STREAMS_TIMEOUT = 180.0
+"""One bound on everything a :class:`Streams` waits for, from its alone tokens to its last stream's end
+(each wait gets what is left of it, they do not add up). Its work takes about 2 s on a quiet machine
+and 20 s with both cores kept busy, so only streams that are stuck reach it, and they fail there with
+each one's tokens in the message, well before pytest-timeout's 300 s."""
 
 
 class Pair:
@@ -62,9 +67,9 @@ class Pair:
     def status(self, name: str) -> common_pb.WorkerStatus:
         return self.workers[name].stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status
 
-    def alone(self, name: str, prompt: list[int], n: int) -> list[int]:
+    def alone(self, name: str, prompt: list[int], n: int, timeout: float = CALL_TIMEOUT) -> list[int]:
         req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=n, ignore_eos=True)
-        return list(self.workers[name].stub.Generate(req, timeout=CALL_TIMEOUT).token_ids)
+        return list(self.workers[name].stub.Generate(req, timeout=timeout).token_ids)
 
     def clean(self) -> None:
         """No lease, no paused request, no KV block held, on either worker."""
@@ -124,14 +129,25 @@ def pair(tmp_path: Path) -> Iterator[Pair]:
 
 
 class Streams:
-    """Long greedy GenerateStreams on one worker, each read on a thread of its own."""
+    """Long greedy GenerateStreams on one worker, each read on a thread of its own; every wait, theirs
+    and the test's for them, within one deadline (``STREAMS_TIMEOUT`` from the start)."""
 
-    LENGTH = 1000
-    """New tokens of each: three of them and their prompts fit the device pool (no preemption)."""
+    LENGTH = 256
+    """New tokens of each: three of them and their prompts fit the device pool (no preemption). Long
+    enough that they are still running when the other model takes the device: the tests ask for it once
+    each stream has 3 tokens, and the streams were paused with 6 to 34 (quiet, and with one or both of
+    the machine's two cores kept busy). No longer than that needs: every token is made twice, alone and
+    streamed, the streamed ones in turns with the other model when both are leased (with 1000 the
+    restart test took 35 to 36 s with one core kept busy, with 256 7 to 12 s)."""
+
+    GRACE_S = 5.0
+    """What the readers have past the deadline to record their streams' end (the deadline ends the
+    calls), so that a stream cut off by it fails with its error."""
 
     def __init__(self, pair: Pair, name: str, n: int = 3) -> None:
+        self.deadline = time.monotonic() + STREAMS_TIMEOUT
         self.prompts = [[(7 * i + 3 * j) % 512 for j in range(9 + 21 * i)] for i in range(n)]
-        self.expected = [pair.alone(name, p, self.LENGTH) for p in self.prompts]
+        self.expected = [pair.alone(name, p, self.LENGTH, timeout=self.left()) for p in self.prompts]
         self.out: list[dict[str, Any]] = [{"tokens": [], "done": None, "error": None} for _ in self.prompts]
         stub = pair.workers[name].stub
         self.threads = [
@@ -141,12 +157,17 @@ class Streams:
         for t in self.threads:
             t.start()
         for o in self.out:
-            wait_for(lambda o=o: len(o["tokens"]), lambda k: k >= 3, what=f"{name}'s streams to start", timeout=60)  # type: ignore[misc]
+            tokens = functools.partial(len, o["tokens"])
+            wait_for(tokens, lambda k: k >= 3, what=f"{name}'s streams to start", timeout=self.left())
+
+    def left(self) -> float:
+        """What is left of the deadline (never negative)."""
+        return max(0.0, self.deadline - time.monotonic())
 
     def _read(self, stub: Any, prompt: list[int], out: dict[str, Any]) -> None:
         req = worker_pb.GenerateRequest(prompt_token_ids=prompt, max_new_tokens=self.LENGTH, ignore_eos=True)
         try:
-            for msg in stub.GenerateStream(worker_pb.GenerateStreamRequest(request=req), timeout=120):
+            for msg in stub.GenerateStream(worker_pb.GenerateStreamRequest(request=req), timeout=self.left()):
                 out["tokens"].extend(msg.token_ids)
                 if msg.HasField("done"):
                     out["done"] = list(msg.done.token_ids)
@@ -157,12 +178,14 @@ class Streams:
         return [i for i, o in enumerate(self.out) if o["done"] is None]
 
     def check(self, paused: list[int]) -> None:
-        """Every stream ended with exactly its alone tokens."""
+        """Every stream ended, by the deadline, with exactly its alone tokens."""
+        until = self.deadline + self.GRACE_S
         for t in self.threads:
-            t.join(timeout=120)
-            assert not t.is_alive(), "a stream did not end"
+            t.join(timeout=max(0.0, until - time.monotonic()))
+        counts = [f"{len(o['tokens'])}/{self.LENGTH} tokens, paused: {i in paused}" for i, o in enumerate(self.out)]
+        assert not any(t.is_alive() for t in self.threads), f"a stream did not end: {counts}"
         for i, (o, want) in enumerate(zip(self.out, self.expected, strict=True)):
-            assert o["error"] is None, f"stream {i}: {o['error']}"
+            assert o["error"] is None, f"stream {i} ({counts[i]}): {o['error']}"
             assert o["done"] == want and o["tokens"] == want, f"stream {i} (paused: {i in paused}) changed"
 
 
