@@ -88,6 +88,7 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     "triton_hashed": re.compile(
         r"triton: kernel hashes made in (?P<s>[\d.]+) s \((?P<own_waited>[\d.]+) s of it waiting for Triton's own\)"
     ),
+    "kernels_ahead": re.compile(r"triton: (?P<n>\d+) kept kernels loaded ahead in (?P<s>[\d.]+) s"),
     "first_products": re.compile(r"cuda: (?P<n>\d+) first products made ahead in (?P<s>[\d.]+) s"),
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),

@@ -124,16 +124,13 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                 importlib.import_module("triton")  # the hashing thread has it in already, or is importing it
                 log.info("triton imported in %.2f s", time.perf_counter() - t1)
                 t2 = time.perf_counter()
-                from worker.model.kernels import hash_ahead
+                from worker.model.kernels import load_ahead
 
                 hashing.join()  # Triton's own hash, made beside the imports: its cache then holds it
                 t3 = time.perf_counter()
-                hash_ahead()  # the kernels' own, while the weights load and the warm-up begins
-                log.info(
-                    "triton: kernel hashes made in %.2f s (%.2f s of it waiting for Triton's own)",
-                    time.perf_counter() - t2,
-                    t3 - t2,
-                )
+                # the kernels' own, then those an earlier start of the model compiled, loaded while
+                # the load waits for cuBLAS's first products (worker/model/kept_kernels.py)
+                load_ahead(_model_key(config), config.device, waited=t3 - t2)
         except BaseException:  # noqa: BLE001 - the load's import (or the first kernel launch) reports it
             log.debug("importing the model layer failed; the load reports it", exc_info=True)
         finally:
@@ -164,6 +161,25 @@ def _first_products(config: WorkerConfig) -> None:
     else:  # the warm-up's generation alone: its prompt's step, then one-row decodes
         rows = (len(WARM_UP_PROMPT), 1)
     first_products.start(cached_dir(config.model), config.device, rows)
+
+
+def _model_key(config: WorkerConfig) -> bytes | None:
+    """What names the model's kept kernels (worker/model/kept_kernels.py): its ``config.json``, or a
+    synthetic model's spec. None without a GPU, or where the model is not here yet (a Hub id whose
+    snapshot the load will download)."""
+    from worker.allocator import resolve_backend
+    from worker.model.hub import cached_dir
+    from worker.model.weights import SYNTHETIC_PREFIX
+
+    if resolve_backend(config.backend) != "cuda":
+        return None
+    if config.model.startswith(SYNTHETIC_PREFIX):
+        return config.model.encode()
+    folder = cached_dir(config.model)
+    try:
+        return (folder / "config.json").read_bytes() if folder is not None else None
+    except OSError:
+        return None
 
 
 def _hash_triton() -> None:

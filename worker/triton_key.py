@@ -51,7 +51,7 @@ def keep_triton_key() -> bool:
             return False
         if hasattr(made, "memsvc_read"):  # kept by an earlier call in this process (a standby's)
             return bool(made.memsvc_read)
-        path = kept_path(_cache_dir(triton), triton.__version__, Path(triton.__file__).parent)
+        path = kept_path(cache_dir(triton), triton.__version__, Path(triton.__file__).parent)
         key = _read(path, triton.__version__) if path is not None else None
         read = key is not None
         if key is None:
@@ -100,7 +100,7 @@ def _raise(exc: OSError) -> None:
     raise exc
 
 
-def _cache_dir(triton: Any) -> Path | None:
+def cache_dir(triton: Any) -> Path | None:
     """Triton's cache directory (``TRITON_CACHE_DIR``, else under ``TRITON_HOME`` or the home): where
     its compiled kernels are kept. None where this Triton does not say (its knobs moved)."""
     try:
@@ -137,4 +137,4 @@ def _write(path: Path, key: str) -> None:
             os.unlink(tmp)
 
 
-__all__ = ["KEPT_PREFIX", "keep_triton_key", "kept_path"]
+__all__ = ["KEPT_PREFIX", "cache_dir", "keep_triton_key", "kept_path"]

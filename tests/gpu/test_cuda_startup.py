@@ -109,3 +109,58 @@ def test_the_first_products_are_made_on_a_thread_and_their_scratch_given_back(
     made = len(bucket_sizes(64, 512)) * len(shapes)
     assert any(f"cuda: {made} first products made ahead in" in r.getMessage() for r in caplog.records)
     assert torch.cuda.memory_reserved() - reserved < scratch / 2
+
+
+_KEPT_KERNELS_PROBE = """
+import json, sys
+from pathlib import Path
+from worker.allocator import AllocatorConfig, MemoryAllocator
+from worker.model import kept_kernels, kernels
+from worker.model.runner import ModelRunner
+
+folder = Path(sys.argv[1])
+alloc = MemoryAllocator(AllocatorConfig(backend="cuda", host_chunk_bytes=64 << 20))  # first, as a worker's
+kernels.load_ahead(b"synthetic:small", 0, folder=folder)
+ahead = {f"{k.fn.__name__}: {key}" for k in kernels._ours() for c in k.device_caches.values() for key in c[0]}
+runner = ModelRunner(
+    alloc, "synthetic:small", 512, 16, block_size=16, max_batch=16, cuda_graphs=True, defer_graph_capture=True
+)
+runner.warm_up()
+used = {f"{k.fn.__name__}: {key}" for k in kernels._ours() for c in k.device_caches.values() for key in c[0]}
+print(json.dumps({"ahead": sorted(ahead), "used": sorted(used), "compiled_after": kept_kernels.compiled_after()}))
+"""
+
+
+def _kept_kernels_probe(folder: Path) -> dict[str, object]:
+    env = {**os.environ, "PYTHONPATH": str(ROOT)}
+    out = subprocess.run(
+        [sys.executable, "-c", _KEPT_KERNELS_PROBE, str(folder)],
+        env=env,
+        capture_output=True,
+        text=True,
+        check=True,
+        timeout=600,
+    )
+    answer: dict[str, object] = json.loads(out.stdout.strip().splitlines()[-1])
+    return answer
+
+
+def test_a_start_loads_ahead_every_kernel_the_last_start_of_the_model_compiled(tmp_path: Path) -> None:
+    """worker/model/kept_kernels.py, in two fresh processes: the first has nothing kept, compiles its
+    kernels in the warm-up and keeps their specialisations; the second loads them all ahead, before any
+    launch, and its warm-up then compiles nothing (each launch finds its kernel loaded)."""
+    pytest.importorskip("triton")
+    from worker.model.kept_kernels import KEPT_PREFIX as KERNELS_PREFIX
+    from worker.model.kept_kernels import read_specs
+
+    first = _kept_kernels_probe(tmp_path)
+    assert first["ahead"] == []
+    assert first["used"] and first["compiled_after"] == len(first["used"])  # type: ignore[arg-type]
+    [kept] = [p for p in tmp_path.iterdir() if p.name.startswith(KERNELS_PREFIX)]
+    assert len(read_specs(kept)) == len(first["used"])  # type: ignore[arg-type]
+    written = kept.stat().st_mtime_ns
+    second = _kept_kernels_probe(tmp_path)
+    assert second["ahead"] == second["used"] == first["used"]
+    assert second["compiled_after"] == 0
+    # nothing new to keep: the file is not written again
+    assert [p.name for p in tmp_path.iterdir()] == [kept.name] and kept.stat().st_mtime_ns == written

@@ -18,15 +18,21 @@ their cache slots (RoPE's arithmetic above). tests/gpu/test_cuda_engine.py measu
 from __future__ import annotations
 
 import contextlib
+import logging
 import threading
+import time
+from pathlib import Path
 from typing import Any
 
 import torch
 
 from worker.model.config import ModelConfig
 from worker.model.decoder import Kernels
+from worker.model.kept_kernels import kernels_path, preload
 from worker.model.paged_attention import graphs_supported, next_pow2, torch_paged_decode, triton_paged_decode
 from worker.triton_key import keep_triton_key
+
+log = logging.getLogger("memsvc.worker")
 
 _compiled: dict[str, Any] = {}
 _building = threading.Lock()
@@ -168,15 +174,59 @@ def hash_ahead() -> None:
 
     A second call waits for the first and then finds every hash made: the warm-up calls it before
     its first launch (worker/model/runner.py), so that it waits for the import thread's hashes
-    rather than making them a second time beside it, both on the GIL."""
+    (and its :func:`load_ahead`) rather than making them a second time beside it, both on the GIL."""
     with _hashing:
-        with contextlib.suppress(ImportError):
-            keep_triton_key()  # Triton's own, kept between starts (worker/triton_key.py)
-        from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
+        _hash()
 
-        _kernel("rms_norm")  # builds them all
-        for kernel in (*_compiled.values(), paged_decode_kernel, paged_tile_kernel):
-            kernel.cache_key  # noqa: B018 - a memoised property: the hash is the point
+
+def load_ahead(model: bytes | None, device: int, waited: float = 0.0, folder: Path | None = None) -> None:
+    """:func:`hash_ahead`, then the kernels an earlier start of the model (``model``: its key, e.g. its
+    ``config.json``; None: none) compiled, loaded on CUDA ``device`` (worker/model/kept_kernels.py),
+    kept in ``folder`` (default: Triton's cache directory). Under the hashing lock: the warm-up's
+    :func:`hash_ahead` waits for both, so that no launch compiles what is being loaded. An error is
+    logged: the launches compile as before. ``waited``: the seconds the caller waited for Triton's own
+    hash before (logged with the hashes')."""
+    with _hashing:
+        t0 = time.perf_counter()
+        _hash()
+        log.info(
+            "triton: kernel hashes made in %.2f s (%.2f s of it waiting for Triton's own)",
+            waited + time.perf_counter() - t0,
+            waited,
+        )
+        if model is None:
+            return
+        try:
+            import triton
+            from triton.runtime.jit import get_full_name
+
+            from worker.triton_key import cache_dir
+
+            folder = folder or cache_dir(triton)
+            if folder is None:
+                return
+            ours = {get_full_name(k.fn): k for k in _ours()}
+            with torch.cuda.device(device):
+                capability = torch.cuda.get_device_capability(device)
+                path = kernels_path(folder, triton.__version__, capability, (k.cache_key for k in ours.values()), model)
+                preload(ours, path)
+        except Exception as exc:  # noqa: BLE001 - the warm-up compiles them, as it did before
+            log.info("triton: no kept kernels loaded ahead: %s", exc)
+
+
+def _ours() -> list[Any]:
+    """Our kernels (JITFunctions), made."""
+    from worker.model.paged_kernel import paged_decode_kernel, paged_tile_kernel
+
+    _kernel("rms_norm")  # builds them all
+    return [*_compiled.values(), paged_decode_kernel, paged_tile_kernel]
+
+
+def _hash() -> None:
+    with contextlib.suppress(ImportError):
+        keep_triton_key()  # Triton's own, kept between starts (worker/triton_key.py)
+    for kernel in _ours():
+        kernel.cache_key  # noqa: B018 - a memoised property: the hash is the point
 
 
 def _rows(x: torch.Tensor) -> tuple[int, int, int, int]:
@@ -291,6 +341,7 @@ __all__ = [
     "TORCH_KERNELS",
     "TRITON_KERNELS",
     "kernels_for",
+    "load_ahead",
     "triton_add_rms_norm",
     "triton_rms_norm",
     "triton_rope_store",

@@ -21,7 +21,7 @@ from memsvc.errors import InvalidArgument, WrongState
 from memsvc.runtime.limits import MAX_GENERATE_TOKENS
 from memsvc.vocabulary import CUDA_GRAPHS, KV_CACHE, WEIGHTS, CopyMethod, TagState
 from worker.allocator import MemoryAllocator
-from worker.model import first_products
+from worker.model import first_products, kept_kernels
 from worker.model.config import ModelConfig
 from worker.model.decoder import HostStep, Rope, forward_step, fused_layers
 from worker.model.engine import Engine, check_tokens
@@ -223,6 +223,8 @@ class ModelRunner:
                     t = time.perf_counter()
                     graphs.warm(size)
                     warmed.append(f"{size}:{1e3 * (time.perf_counter() - t):.0f}")
+        if self._kernels is TRITON_KERNELS:
+            kept_kernels.keep()  # what this start compiled, loaded ahead by the next (a file's write)
         end = time.perf_counter()
         # where a start's last second goes (bench/bench_startup.py reads it)
         log.info(
