@@ -40,7 +40,7 @@ openai = pytest.importorskip("openai")
 HOUR = Duration(seconds=3600)
 """The test's leases: they outlast a test however slow the machine (the default TTL is 60 s)."""
 MODELS = ("alpha", "beta")
-SLICE_S = 0.3
+SLICE_S = 0.01
 WAIT_BOUND_S = 30.0
 """A generous bound on one request's wait for its model (slice and swaps are well under a second
 here; the bound is what the starvation broke: there a request waited out its queue timeout)."""
@@ -196,7 +196,17 @@ def test_a_request_for_the_sleeping_model_is_served_while_the_other_is_busy_and_
     through the gateway is answered in full (it used to wait out the queue timeout: 503) while alpha's
     streams are unfinished, so alpha slept for it with them paused. alpha is then woken again for its
     lease, and each stream ends with exactly its alone tokens, none read again; alpha gave up one
-    turn; nothing is left held."""
+    turn; nothing is left held.
+
+    beta is pinned (a time_slice of 0) so that it keeps the device until its request is answered:
+    with the fixture's 0.3 s slice, a machine slow enough that beta's 8 tokens outlast the slice lets
+    alpha's owed wake take the device back mid-request, and beta's owed turn then takes it from alpha
+    a second time (2 turns given up, seen with both cores busy). Only beta's slice changes: alpha's
+    turn is given up as before."""
+    pin = manager_pb.UpdatePolicyRequest(
+        name="workers/beta", policy=manager_pb.Policy(), update_mask=FieldMask(paths=["time_slice"])
+    )
+    assert pair.manager.stub.UpdatePolicy(pin, timeout=10).policy.time_slice.ToNanoseconds() == 0
     recomputed = pair.status("alpha").kv_cache.recomputed_tokens
     held = pair.manager.stub.AcquireWorker(
         manager_pb.AcquireWorkerRequest(name="workers/alpha", holder="test", ttl=HOUR), timeout=60
