@@ -40,7 +40,7 @@ openai = pytest.importorskip("openai")
 HOUR = Duration(seconds=3600)
 """The test's leases: they outlast a test however slow the machine (the default TTL is 60 s)."""
 MODELS = ("alpha", "beta")
-SLICE_S = 0.01
+SLICE_S = 0.3
 WAIT_BOUND_S = 30.0
 """A generous bound on one request's wait for its model (slice and swaps are well under a second
 here; the bound is what the starvation broke: there a request waited out its queue timeout)."""
