@@ -62,6 +62,45 @@ def test_worker_sleep_wake_cycles_do_not_leak(host_reserve: str) -> None:
     assert result["checks"] == dict.fromkeys(result["checks"], True), _explain(result)
 
 
+def _named_thread(name: bytes, started: threading.Event, done: threading.Event) -> None:
+    """A thread whose OS name (what /proc/PID/task/TID/comm says) is ``name``, until ``done``."""
+    import ctypes
+
+    ctypes.CDLL(None, use_errno=True).prctl(15, name, 0, 0, 0)  # PR_SET_NAME
+    started.set()
+    done.wait(30)
+
+
+def test_a_sample_counts_grpcs_pool_threads_apart_from_the_others() -> None:
+    before = bench_leaks.sample()
+    started, done = threading.Event(), threading.Event()
+    thread = threading.Thread(target=_named_thread, args=(bench_leaks.GRPC_POOL_THREAD.encode(), started, done))
+    thread.start()
+    try:
+        assert started.wait(30)
+        during = bench_leaks.sample()
+    finally:
+        done.set()
+        thread.join()
+    assert during["grpc_pool_threads"] == before["grpc_pool_threads"] + 1
+    assert during["threads"] == before["threads"]
+
+
+def test_any_thread_more_after_the_warm_up_fails_and_grpcs_pool_may_grow_within_its_bound() -> None:
+    def run(threads: list[int], pool: list[int]) -> dict[str, bool]:
+        samples = [
+            {"cycle": 10 * i, "fds": 9, "threads": t, "grpc_pool_threads": g, "rss_kib": 1000, "maps": 400}
+            for i, (t, g) in enumerate(zip(threads, pool, strict=True))
+        ]
+        checks: dict[str, bool] = bench_leaks.analyse(samples, warmup=10)["checks"]
+        return checks
+
+    grown = 4 + bench_leaks.GRPC_POOL_TOLERANCE
+    assert all(run([12, 13, 13, 13], [3, 4, 5, grown]).values())  # the pool's growth, within its bound
+    assert run([12, 13, 13, 14], [4, 4, 4, 4])["threads_flat"] is False  # one more of any other thread
+    assert run([12, 13, 13, 13], [4, 4, 5, grown + 1])["grpc_pool_bounded"] is False
+
+
 def test_allocator_sleep_wake_cycles_do_not_leak(tmp_path: Path) -> None:
     """Host reserve 0 and 8 MiB, in a process of their own: the checks read the process's RSS and
     maps, which the test process's other work (earlier tests' caches and threads) moves as well; in
