@@ -60,18 +60,25 @@ GRPC_POOL_TOLERANCE = 4
 KEYS = ("fds", "threads", "grpc_pool_threads", "rss_kib", "maps")
 
 
+def thread_names(pid: int | str = "self") -> list[str]:
+    """A process's threads' names (/proc/PID/task/TID/comm), one per thread."""
+    base = f"/proc/{pid}/task"
+    names = []
+    for task in os.listdir(base):
+        try:
+            with open(f"{base}/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended since the listing: not there
+            pass
+    return names
+
+
 def sample(pid: int | str = "self") -> dict[str, int]:
     """One reading of a process's fds, threads (gRPC's pool's apart), RSS (KiB) and mapping count, from
     /proc."""
     base = f"/proc/{pid}"
     fds = len(os.listdir(f"{base}/fd"))
-    names = []
-    for task in os.listdir(f"{base}/task"):
-        try:
-            with open(f"{base}/task/{task}/comm") as f:
-                names.append(f.read().strip())
-        except OSError:  # the thread ended since the listing: not there
-            pass
+    names = thread_names(pid)
     pool = names.count(GRPC_POOL_THREAD)
     rss = 0
     with open(f"{base}/status") as f:
@@ -181,6 +188,7 @@ def run_worker(
         stub = wp.stub
         stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30)
         samples.append({"cycle": 0, **quiet_sample(pid)})
+        names: dict[int, list[str]] = {}  # each sample's threads, by cycle: which one came, if one did
         for i in range(1, cycles + 1):
             level = common_pb.SLEEP_LEVEL_2 if level2_every and i % level2_every == 0 else common_pb.SLEEP_LEVEL_1
             stub.Sleep(worker_pb.SleepRequest(level=level), timeout=60)
@@ -192,12 +200,14 @@ def run_worker(
             if i % sample_every == 0 or i == cycles:
                 quiet(stub)
                 samples.append({"cycle": i, **quiet_sample(pid)})
+                names[i] = sorted(thread_names(pid))
         st = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
         final_state = st.state == common_pb.WORKER_STATE_AWAKE
         wp.stop()
     result = analyse(samples, warmup)
     result["checks"]["awake_at_end"] = final_state
     result["passed"] = all(result["checks"].values())
+    warm = min((c for c in names if c >= warmup), default=cycles)
     return {
         "variant": "worker",
         "host_reserve": host_reserve,
@@ -206,6 +216,7 @@ def run_worker(
         "level2_every": level2_every,
         "partial_every": partial_every,
         **result,
+        "thread_names": {"after_warmup": names[warm], "end": names[cycles]},
         "series": samples,
     }
 
