@@ -15,7 +15,8 @@ on the GPU machine::
         --model /tmp/ck --repeats 2 --warmup 1 --no-baseline --no-breakdown
 
 Everything after ``--`` goes to both trees' ``bench_startup`` (``--out`` is this tool's). The table
-gives each tree's starts and their medians; the JSON keeps every run of both.
+gives each tree's starts and their medians, then new less base round by round (:data:`PAIRED`); the
+JSON keeps every run of both.
 """
 
 from __future__ import annotations
@@ -35,6 +36,7 @@ from typing import Any
 REPO_ROOT = Path(__file__).resolve().parent.parent
 KEYS = (
     "first_token_s",
+    "after_import_s",
     "serving_s",
     "listening_s",
     "model_layer_imported_at_s",
@@ -44,8 +46,16 @@ KEYS = (
     "warm_up_s",
     "first_vs_later",
 )
-"""What the table compares (``bench_startup``'s per-start fields; a tree that does not log a part
-has none of it)."""
+"""What the table compares (``bench_startup``'s per-start fields, and :data:`DERIVED`; a tree that does
+not log a part has none of it)."""
+DERIVED = {"after_import_s": ("serving_s", "model_layer_imported_at_s")}
+"""Per-start differences of two fields: ``after_import_s``, from the model layer's import to ``SERVING``.
+The import is most of a start and varies most between a host's starts (1.79-2.86 s in one A/B on an
+H100, 2026-12-07), and a change after it shows in this part alone."""
+PAIRED = ("first_token_s", "after_import_s")
+"""What :func:`compare` sets side by side round by round (new less base, medians of each round's starts):
+a host that speeds up or slows down between rounds moves both trees of a round alike, so rounds that
+disagree in sign say the change is within the host's noise."""
 SECTIONS = ("worker", "standby")
 """The starts of ``bench_startup``'s JSON compared: spawns, and starts from a standby (``--standby``)."""
 
@@ -64,6 +74,16 @@ def run_tree(tree: Path, commit: str, bench_args: Sequence[str], out: Path) -> d
     return result
 
 
+def with_derived(run: dict[str, Any]) -> dict[str, Any]:
+    """A start's fields with :data:`DERIVED` added where both of its fields are there."""
+    out = dict(run)
+    for key, (later, earlier) in DERIVED.items():
+        a, b = run.get(later), run.get(earlier)
+        if isinstance(a, int | float) and isinstance(b, int | float):
+            out[key] = a - b
+    return out
+
+
 def medians(runs: Sequence[dict[str, Any]]) -> dict[str, float]:
     """The median of each of :data:`KEYS` over ``runs`` that have it."""
     out = {}
@@ -79,7 +99,7 @@ def compare(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     summary: dict[str, Any] = {}
     for label, rounds in results.items():
         for section in SECTIONS:
-            runs = [run for res in rounds for run in res.get(section, {}).get("runs", [])]
+            runs = [with_derived(run) for res in rounds for run in res.get(section, {}).get("runs", [])]
             if runs:
                 summary.setdefault(section, {})[label] = {
                     "starts": [{k: r.get(k) for k in KEYS} for r in runs],
@@ -88,7 +108,25 @@ def compare(results: dict[str, list[dict[str, Any]]]) -> dict[str, Any]:
     return summary
 
 
-def format_table(summary: dict[str, Any]) -> str:
+def by_round(results: dict[str, list[dict[str, Any]]], section: str) -> dict[str, list[float | None]]:
+    """For each of :data:`PAIRED`: new less base in ``section``, round by round (each the median of the
+    round's starts; None where a round of either tree has none)."""
+
+    def round_median(res: dict[str, Any], key: str) -> float | None:
+        return medians([with_derived(r) for r in res.get(section, {}).get("runs", [])]).get(key)
+
+    out: dict[str, list[float | None]] = {}
+    for key in PAIRED:
+        diffs: list[float | None] = []
+        for base, new in zip(results["base"], results["new"], strict=False):
+            a, b = round_median(base, key), round_median(new, key)
+            diffs.append(None if a is None or b is None else b - a)
+        out[key] = diffs
+    return out
+
+
+def format_table(summary: dict[str, Any], rounds: dict[str, dict[str, list[float | None]]] | None = None) -> str:
+    """The table of :func:`compare`'s ``summary``, each section followed by its ``rounds`` (:func:`by_round`)."""
     lines = []
     for section, trees in summary.items():
         labels = list(trees)
@@ -100,6 +138,9 @@ def format_table(summary: dict[str, Any]) -> str:
                 med = trees[label]["median"].get(key)
                 cells.append("--" if med is None else f"{med:.3f} ({', '.join(f'{v:.2f}' for v in values)})")
             lines.append(f"  {key:28s} " + " | ".join(f"{c:36s}" for c in cells))
+        for key, diffs in (rounds or {}).get(section, {}).items():
+            cells = ["--" if d is None else f"{d:+.2f}" for d in diffs]
+            lines.append(f"  new - base, round by round, {key}: {', '.join(cells)} s")
     return "\n".join(lines)
 
 
@@ -125,6 +166,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 print(f"[startup_ab] round {i + 1}/{args.rounds}: {label} ({tree})", flush=True)
                 results[label].append(run_tree(tree, commit, bench_args, Path(tmp) / f"{label}-{i}.json"))
     summary = compare(results)
+    rounds = {section: by_round(results, section) for section in summary}
     res = {
         "date": datetime.datetime.now(datetime.UTC).isoformat(timespec="seconds"),
         "bench_args": bench_args,
@@ -136,10 +178,11 @@ def main(argv: Sequence[str] | None = None) -> int:
             if run.get("errors")
         },
         "summary": summary,
+        "new_minus_base_by_round": rounds,
         "runs": results,
     }
     Path(args.out).write_text(json.dumps(res, indent=1))
-    print(format_table(summary))
+    print(format_table(summary, rounds))
     print(f"[startup_ab] wrote {args.out}")
     return 1 if res["errors"] else 0
 

@@ -415,5 +415,45 @@ def test_the_side_by_side_startup_bench_runs_both_trees_in_turn(tmp_path: Path) 
         (start,) = res["summary"]["worker"][label]["starts"]
         assert 0 < start["serving_s"] < start["first_token_s"]
         assert res["summary"]["worker"][label]["median"]["first_token_s"] == start["first_token_s"]
+        assert 0 < start["after_import_s"] < start["serving_s"]
+    starts = {label: res["summary"]["worker"][label]["starts"][0] for label in ("base", "new")}
+    rounds = res["new_minus_base_by_round"]["worker"]
+    assert rounds["first_token_s"] == [starts["new"]["first_token_s"] - starts["base"]["first_token_s"]]
     with pytest.raises(SystemExit):
         startup_ab.main(["--base", str(tmp_path / "tiny"), "--", *bench])  # not a source tree
+
+
+def test_the_side_by_side_table_sets_each_rounds_trees_against_each_other() -> None:
+    """bench/startup_ab.py's round-by-round differences: each round's medians, new less base, so a host
+    that slows down in one round shows as rounds that disagree; a round without a part has none."""
+    from bench import startup_ab
+
+    def start(first: float, serving: float, imported: float | None) -> dict[str, float]:
+        run = {"first_token_s": first, "serving_s": serving}
+        return run if imported is None else {**run, "model_layer_imported_at_s": imported}
+
+    def rnd(*starts: dict[str, float]) -> dict[str, object]:
+        return {"worker": {"runs": list(starts)}}
+
+    results = {
+        "base": [
+            rnd(start(3.1, 3.0, 2.4), start(3.3, 3.2, 2.5)),
+            rnd(start(2.3, 2.2, 1.8)),
+            rnd(start(3.0, 2.9, None)),
+        ],
+        "new": [
+            rnd(start(3.0, 2.9, 2.4), start(3.0, 2.9, 2.4)),
+            rnd(start(2.8, 2.7, 2.1)),
+            rnd(start(2.9, 2.8, 2.3)),
+        ],
+    }
+    rounds = startup_ab.by_round(results, "worker")
+    assert rounds["first_token_s"] == pytest.approx([3.0 - 3.2, 2.8 - 2.3, 2.9 - 3.0])
+    # after the import: base's first round 0.6 and 0.7 (median 0.65), new's 0.5; its last round has no import
+    assert rounds["after_import_s"][:2] == pytest.approx([0.5 - 0.65, 0.6 - 0.4])
+    assert rounds["after_import_s"][2] is None
+    summary = startup_ab.compare(results)
+    assert summary["worker"]["new"]["median"]["after_import_s"] == pytest.approx(0.5)
+    table = startup_ab.format_table(summary, {"worker": rounds})
+    assert "new - base, round by round, first_token_s: -0.20, +0.50, -0.10 s" in table
+    assert "new - base, round by round, after_import_s: -0.15, +0.20, -- s" in table
