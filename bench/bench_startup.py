@@ -18,7 +18,11 @@ A. ``memsvc worker --model <dir>``, timed from the spawn (every stdout and stder
 B. A subprocess ``import torch, transformers; AutoModelForCausalLM.from_pretrained(dir,
    dtype=torch.bfloat16, device_map="cuda")`` and one greedy token, timed from its spawn, with its own
    split (import torch, import transformers, from_pretrained, first token).
-C. Once: a subprocess that only imports torch (and initialises CUDA), for the floor both pay.
+C. Once: a subprocess that only imports torch (and initialises CUDA), for the floor both pay; and
+   (unless ``--no-breakdown``) the start's parts, each in a fresh process: the imports, CUDA's start,
+   the allocator alone, a fork's, and the read of the checkpoint's tokenizer, which a worker holds the
+   GIL for on its way to the first token (``--tokenizer bpe`` writes one of a real model's size:
+   bench/bpe_tokenizer.py).
 D. With ``--standby N``: N starts of a standby worker, timed from the hand-off of its flags.
 E. With ``--on-demand N``: ``memsvc up --config`` serving the model with ``[workers] stop_after = 1``
    and a standby; N times, once memsvc up has stopped the worker (no process) and a standby is
@@ -29,6 +33,7 @@ Then medians, the table, and pass/fail against the target. JSON out (``--out``),
 commit (``MEMSVC_COMMIT`` or git) and the flags.
 
     python -m bench.bench_startup --out startup.json                     # 8B on the GPU (writes the checkpoint)
+    python -m bench.bench_startup --tokenizer bpe --out startup.json     # ... with a Llama 3-sized tokenizer
     python -m bench.bench_startup --model /ckpt/llama3-8b-bf16 --repeats 5 --out startup.json
     python -m bench.bench_startup --shape tiny --backend host --repeats 1 --out s.json   # a CPU smoke run
     python -m bench.bench_startup --repeats 0 --no-baseline --no-breakdown --on-demand 3 --out s.json
@@ -166,7 +171,7 @@ print(json.dumps({"import_torch_s": t1 - t0, "cuda_init_s": time.perf_counter() 
 
 PROBE = r"""
 import json, os, sys, time
-mode, backend, layer = sys.argv[1], sys.argv[2], sys.argv[3].split(",")
+mode, backend, layer, model = sys.argv[1], sys.argv[2], sys.argv[3].split(","), sys.argv[4]
 out = {}
 t0 = time.perf_counter()
 if mode == "native":  # the allocator's CUDA context and pools, made natively, torch not imported
@@ -188,6 +193,13 @@ elif mode == "layers":  # what the worker imports, in order, then CUDA through t
         torch.zeros(1, device="cuda"); torch.cuda.synchronize()
     out = {"import_torch_s": t1 - t0, "import_model_layer_s": t2 - t1, "import_triton_s": t3 - t2,
            "cuda_init_s": time.perf_counter() - t3}
+elif mode == "tokenizer":  # the checkpoint's tokenizer read, as the worker's load reads it (GIL held)
+    from tokenizers import Tokenizer
+    t1 = time.perf_counter()
+    path = os.path.join(model, "tokenizer.json")
+    if os.path.exists(path):
+        tokens = Tokenizer.from_file(path).get_vocab_size()
+        out = {"import_tokenizers_s": t1 - t0, "tokenizer_read_s": time.perf_counter() - t1, "tokens": tokens}
 elif mode == "fork":  # a fork server: everything imported, no CUDA; a child forked, CUDA made there
     import importlib, torch
     for name in layer:
@@ -210,8 +222,8 @@ print(json.dumps(out), flush=True)
 """The start-up's parts, each in a fresh process (issue 30's breakdown)."""
 
 
-def probe_run(mode: str, args: argparse.Namespace) -> dict[str, Any]:
-    proc = Spawned(_python(PROBE, mode, args.backend, ",".join(MODEL_LAYER)))
+def probe_run(mode: str, args: argparse.Namespace, model: str) -> dict[str, Any]:
+    proc = Spawned(_python(PROBE, mode, args.backend, ",".join(MODEL_LAYER), model))
     try:
         done, mt = proc.wait_for(re.compile(r"^\{.*\}$"), START_TIMEOUT_S)
         return {"process_s": done, **json.loads(mt.group(0))}
@@ -587,6 +599,11 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not model:
             ckpt = root / f"llama3-{args.shape}-bf16"
             res["checkpoint"] = write_checkpoint(ckpt, args.shape, args.backend)
+            if args.tokenizer == "bpe":  # in place of the word-level one: a real checkpoint's read
+                from bench.bpe_tokenizer import write_bpe_tokenizer
+
+                vocab_size = json.loads((ckpt / "config.json").read_text())["vocab_size"]
+                res["checkpoint"]["tokenizer"] = write_bpe_tokenizer(ckpt, vocab_size)
             model = str(ckpt)
             print(f"[bench_startup] checkpoint: {res['checkpoint']}", flush=True)
         res["model"] = model
@@ -601,7 +618,8 @@ def run(args: argparse.Namespace) -> dict[str, Any]:
         if not args.no_breakdown:
             res["import_torch"] = import_torch_run(args)
             print(f"[bench_startup] import torch: {json.dumps(res['import_torch'])}", flush=True)
-            res["breakdown"] = {mode: probe_run(mode, args) for mode in ("layers", "native", "fork")}
+            modes = ("layers", "native", "fork", "tokenizer")
+            res["breakdown"] = {mode: probe_run(mode, args, model) for mode in modes}
             res["breakdown"]["import_times"] = import_times(args)
             print(f"[bench_startup] breakdown: {json.dumps(res['breakdown'])}", flush=True)
         for i in range(args.warmup):
@@ -790,6 +808,7 @@ def format_table(res: dict[str, Any]) -> str:
         ("probe: CUDA init through torch after them", layers.get("cuda_init_s")),
         ("probe: the allocator alone, no torch", native.get("allocator_s")),
         ("probe: fork of an imported process -> CUDA ready", fork.get("fork_to_cuda_ready_s")),
+        ("probe: the tokenizer's read (tokenizer.json)", bd.get("tokenizer", {}).get("tokenizer_read_s")),
     ]
     rows += [(f"  import {r['package']}", r["cumulative_s"]) for r in bd.get("import_times", [])[:8]]
     sb = res.get("standby", {})
@@ -832,6 +851,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--model", type=Path, default=None, help="a checkpoint directory (default: write one, --shape)")
     ap.add_argument("--shape", default="8b", choices=["8b", "tiny"], help="the checkpoint to write without --model")
+    ap.add_argument(
+        "--tokenizer",
+        default="words",
+        choices=["words", "bpe"],
+        help="the written checkpoint's tokenizer: word-level (one word a token), or a byte-level BPE of the "
+        "model's vocabulary size and about 2.2 merges a token, as Llama 3's (bench/bpe_tokenizer.py)",
+    )
     ap.add_argument("--backend", default="cuda", choices=["cuda", "host"])
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--warmup", type=int, default=1, help="worker starts before the measured ones (not counted)")
@@ -863,6 +889,8 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = ap.parse_args(argv)
     if args.repeats < 0 or args.warmup < 0:
         ap.error("--repeats and --warmup must be >= 0")
+    if args.model is not None and args.tokenizer != "words":
+        ap.error("--tokenizer is the tokenizer of the checkpoint the bench writes: not with --model")
     res = run(args)
     Path(args.out).write_text(json.dumps(res, indent=2, default=str) + "\n")
     print(format_table(res))

@@ -382,12 +382,38 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     parts = res["breakdown"]
     assert parts["layers"]["import_torch_s"] > 0 and parts["layers"]["import_model_layer_s"] > 0
     assert parts["native"]["allocator_s"] >= 0 and parts["fork"]["fork_to_cuda_ready_s"] > 0
+    assert parts["tokenizer"]["tokens"] == 512 and parts["tokenizer"]["tokenizer_read_s"] > 0  # the word-level one
     assert "torch" in [r["package"] for r in parts["import_times"]]
     targets = {t["target"]: t["passed"] for t in res["targets"]}
     assert targets["the same tokens before and after the graphs are captured"] is True
     cold = res["cold"]
     assert cold["read_floor"]["bytes"] > 0 and cold["worker"]["serving_s"] > 0 and cold["serving_vs_read_floor"] > 0
     assert cold["transformers"]["loaded_s"] > 0
+
+
+def test_the_startup_bench_can_write_a_checkpoint_with_a_real_models_kind_of_tokenizer(tmp_path: Path) -> None:
+    """--tokenizer bpe: the checkpoint the bench writes reads as a byte-level BPE of the model's vocabulary
+    (bench/bpe_tokenizer.py), and the worker starts and serves with it."""
+    from tokenizers import Tokenizer
+
+    from bench import bench_startup
+    from bench.bpe_tokenizer import bpe_vocabulary
+
+    out = tmp_path / "startup.json"
+    argv = ["--shape", "tiny", "--backend", "host", "--tokenizer", "bpe", "--dir", str(tmp_path)]
+    argv += ["--repeats", "1", "--warmup", "0", "--kv-blocks", "64", "--no-baseline", "--no-breakdown"]
+    assert bench_startup.main([*argv, "--out", str(out)]) == 0
+    res = json.loads(out.read_text())
+    assert res["errors"] == {}
+    assert res["checkpoint"]["tokenizer"] == {"tokens": 512, "merges": len(bpe_vocabulary(512)[1])}
+    tokenizer = Tokenizer.from_file(str(Path(res["model"]) / "tokenizer.json"))
+    assert tokenizer.get_vocab_size() == 512
+    text = "naïve café, 你好\n"
+    assert tokenizer.decode(tokenizer.encode(text).ids) == text
+    (run,) = res["worker"]["runs"]
+    assert 0 < run["serving_s"] < run["first_token_s"] and run["exit_code"] == 0
+    with pytest.raises(SystemExit):  # a checkpoint of the user's own is not rewritten
+        bench_startup.main(["--model", res["model"], "--tokenizer", "bpe", "--out", str(out)])
 
 
 def test_the_side_by_side_startup_bench_runs_both_trees_in_turn(tmp_path: Path) -> None:
