@@ -98,6 +98,7 @@ LOG_LINES: dict[str, re.Pattern[str]] = {
     "weights_loaded": re.compile(r"weights: [\d.]+ GB from .* in (?P<s>[\d.]+) s"),
     "model_built": re.compile(r"model: built in (?P<s>[\d.]+) s"),
     "warm_up": re.compile(r"warm-up: kernels compiled.* in (?P<s>[\d.]+) s"),
+    "text_waited": re.compile(r"model text: read by the RPC front; waited (?P<s>[\d.]+) s"),
     "warm_up_parts": re.compile(
         r"warm-up parts: hashes waited (?P<hashes>[\d.]+) s, generation (?P<generation>[\d.]+) s, "
         r"capture (?P<capture>[\d.]+) s, buckets warmed (?P<warmed>[\d.]+) s"

@@ -44,6 +44,7 @@ KEYS = (
     "weights_loaded_at_s",
     "weights_loaded_s",
     "warm_up_s",
+    "text_waited_s",
     "first_vs_later",
 )
 """What the table compares (``bench_startup``'s per-start fields, and :data:`DERIVED`; a tree that does

@@ -17,6 +17,8 @@ from memsvc.errors import InvalidArgument, NotFound
 INDEX_FILE = "model.safetensors.index.json"
 """A sharded checkpoint's map of tensor name to file."""
 CONFIG_FILE = "config.json"
+SYNTHETIC_PREFIX = "synthetic:"
+"""A model spec that names a synthetic preset (worker/model/weights.py's SyntheticSource), not a checkpoint."""
 MAX_JSON_BYTES = 64 << 20
 """A checkpoint's JSON files (config, index, generation config) at most: an index of a 400B model is
 a few MiB; more is not a checkpoint, and the whole file is read into memory."""

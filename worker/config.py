@@ -19,7 +19,7 @@ from memsvc.runtime.flags import (
     some_seconds_up_to_an_hour,
 )
 from memsvc.vocabulary import RPC_FRONTS
-from worker.checkpoint_files import CONFIG_FILE
+from worker.checkpoint_files import CONFIG_FILE, SYNTHETIC_PREFIX
 from worker.host_memory import AUTO, parse_prepin, parse_reserve
 from worker.model.hub import is_hub_id
 from worker.model.step_limits import DEFAULT_BLOCK_SIZE, DEFAULT_MAX_BATCH, DEFAULT_MAX_STEP_TOKENS
@@ -157,7 +157,7 @@ class WorkerConfig:
                 raise InvalidArgument(f"--offload-dir {self.offload_dir} is not a directory")
             if not os.access(where, os.W_OK | os.X_OK):
                 raise InvalidArgument(f"--offload-dir {self.offload_dir} is not writable")
-        if self.model.startswith("synthetic:"):
+        if self.model.startswith(SYNTHETIC_PREFIX):
             return
         root = Path(self.model)
         if not root.exists() and is_hub_id(self.model):
@@ -177,7 +177,7 @@ class WorkerConfig:
         the Hub id (without ``@revision``), else the checkpoint directory's name."""
         if self.served_model_name:
             return self.served_model_name
-        if self.model.startswith("synthetic:"):
+        if self.model.startswith(SYNTHETIC_PREFIX):
             return self.model
         if not Path(self.model).exists() and is_hub_id(self.model):
             return self.model.partition("@")[0]

@@ -53,6 +53,7 @@ from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop, LoopPost
 from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
 from worker.host_release import HostRelease
+from worker.model.text_source import TextInfo, TextSource
 from worker.staging import CheckpointStaging
 from worker.state_machine import Job, WorkerStateMachine
 from worker.status import DeviceInfo, Generation, ServedModel, Status, Transition
@@ -65,6 +66,7 @@ if TYPE_CHECKING:
     from worker.model.loader import StreamingLoader
     from worker.model.runner import ModelRunner
     from worker.model.text import ModelText
+    from worker.model.weights import ModelSource
 
 log = logging.getLogger("memsvc.worker")
 
@@ -84,7 +86,9 @@ class WorkerCore:
     within worker/main.py's grace after the drain."""
     ACTIVITY_PUBLISH_S = 0.2
 
-    def __init__(self, config: WorkerConfig, loop: asyncio.AbstractEventLoop) -> None:
+    def __init__(self, config: WorkerConfig, loop: asyncio.AbstractEventLoop, text_in_front: bool = False) -> None:
+        """``text_in_front``: an RPC front in a process of its own reads and serves the model's text
+        (worker/main.py relays :attr:`text_source` and :attr:`text_found` between it and the load)."""
         self.config = config
         self.worker_id = config.resolved_worker_id()
         self.telemetry = TelemetryHub(loop)
@@ -114,6 +118,15 @@ class WorkerCore:
         self._generate_lock = threading.Lock()
         self._generates = 0
         """Generate calls queued or running (bounded by MAX_QUEUED_GENERATES)."""
+        self.text_in_front = text_in_front
+        """The RPC front's process reads the model's text and serves it (worker/front_text.py); this
+        one reads it only for stop strings. Else the load reads it here."""
+        self.text_source: concurrent.futures.Future[TextSource] = concurrent.futures.Future()
+        """Where the model's text is, set by the load once the model's configuration is read:
+        worker/main.py hands it to the RPC front, which reads it while this process loads the model."""
+        self.text_found: concurrent.futures.Future[TextInfo] = concurrent.futures.Future()
+        """What the front found there (worker/main.py sets it); the load waits for it, checks it
+        against the model, and reports it (with the text in front only)."""
 
     def _note_activity(self) -> None:
         """Traffic resets the manager's idle clock; tell telemetry subscribers soon, not at the next
@@ -182,8 +195,13 @@ class WorkerCore:
             spec = c.model if c.model.startswith(SYNTHETIC_PREFIX) else str(hub.resolve(c.model))
             if spec != c.model:
                 log.info("model %s: %s", c.model, spec)
-            # config, tokenizer and generation config: read bounded as the shards are (a hung mount)
+            # config and generation config: read bounded as the shards are (a hung mount)
             source = loader.bounded(c.model, lambda: parse_model_spec(spec, seed=c.seed, loader=loader, name=c.model))
+            # The front reads the text from now, beside the rest of the load (0.5 s on an H100: cuBLAS's
+            # first products, the weights, the warm-up). Not earlier: while torch imports, the host's
+            # cores are the import's and the staging's, and reading it then made the first token later.
+            if not self.text_source.done():
+                self.text_source.set_result(source.text_once.source)
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning(
@@ -209,9 +227,10 @@ class WorkerCore:
             if self.alloc.backend == "cuda":  # the first request must not pay for compiling kernels
                 captured = " and the one-sequence decode captured" if self.runner.graphs is not None else ""
                 log.info("warm-up: kernels compiled%s in %.2f s", captured, self.runner.warm_up())
+            text = self._model_text(source, loader)
             self._host_release = HostRelease(self.alloc, self._device_loop, self._loop, self.runner.engine.last_busy)
             self._device = self._describe_device()
-            self._model_info = self._served_model(c.resolved_served_model_name())
+            self._model_info = self._served_model(c.resolved_served_model_name(), text)
             self._last_memory = self.alloc.stats()
             tags = self._last_memory.tags
             moved = tags[WEIGHTS].allocated_bytes if WEIGHTS in tags else 0
@@ -221,6 +240,8 @@ class WorkerCore:
             self._prepin.request(self._hold_host_memory(), self._unparked, self._repark)
         finally:
             self._sm.release()
+            if not self.text_source.done():  # the load failed before it knew: the front reads nothing
+                self.text_source.cancel()
         # AWAKE only now, with the load's lock released: a client that sees it (a status poll, the
         # watch) and sends a Generate at once must not meet the load still holding the lock
         # ("a transition is pending"), which it did on a loaded machine while the lines above ran
@@ -274,7 +295,25 @@ class WorkerCore:
             return DeviceInfo("cuda", alloc.device, p.name, str(getattr(p, "uuid", "")))
         return DeviceInfo("host", alloc.device, "host memory")
 
-    def _served_model(self, served_model_name: str) -> ServedModel:
+    def _model_text(self, source: ModelSource, loader: StreamingLoader) -> TextInfo:
+        """The model's text side, checked against the model: as the front found it (it read it while
+        this process loaded the model; waited for here, up to ``read_timeout``), or read here."""
+        c = self.config
+        if self.text_in_front:
+            t0 = time.perf_counter()
+            try:
+                text = self.text_found.result(timeout=c.read_timeout)
+            except concurrent.futures.CancelledError:
+                raise Cancelled("the load was cancelled: the worker is stopping") from None
+            except TimeoutError:
+                raise Unavailable(f"the RPC front did not read the model's text in {c.read_timeout:.0f} s") from None
+            log.info("model text: read by the RPC front; waited %.2f s for it", time.perf_counter() - t0)
+        else:  # bounded as the shards are (a hung mount)
+            text = TextInfo.of(loader.bounded(c.model, lambda: source.text))
+        text.check(source.config.vocab_size, source.name)
+        return text
+
+    def _served_model(self, served_model_name: str, text: TextInfo) -> ServedModel:
         """What the loaded model is, for status (fixed until ReloadWeights changes its source)."""
         info = self._model().info()
         return ServedModel(
@@ -287,14 +326,15 @@ class WorkerCore:
             layer_count=info["layer_count"],
             context_length=info["context_length"],
             eos_token_ids=tuple(info["eos_token_ids"]),
-            has_tokenizer=info["has_tokenizer"],
-            has_chat_template=info["has_chat_template"],
+            has_tokenizer=text.has_tokenizer,
+            has_chat_template=text.has_chat_template,
         )
 
     def cancel_loads(self) -> None:
         """End the checkpoint read running now (the load, a level-2 wake, ReloadWeights) and refuse
         later ones: the worker is stopping (any thread)."""
         self._loads_cancelled = True
+        self.text_found.cancel()  # (a no-op once set)
         if self._loader is not None:
             self._loader.cancel()
 

@@ -107,17 +107,24 @@ def _given(request: worker_pb.GenerateRequest, field: str) -> bool:
     return bool(len(value)) if not isinstance(value, str) else bool(value)
 
 
-def completion(g: Generation) -> list[int]:
-    """The tokens whose text a client reads: without the stop token that ended the generation (a
-    stop string's last token stays: its text may begin before the stop string)."""
-    return g.tokens[:-1] if g.finish_reason == FinishReason.STOP and not g.matched_stop else g.tokens
+def answer_text(text: ModelText | None, done: worker_pb.GenerateResponse) -> str:
+    """An answer's text: its tokens' but the stop token that ended it (a stop string's last token
+    stays: its text may begin before the stop string), cut before the stop string that ended it.
+    Made where the text is served: here, or in the RPC front's process (worker/rpc_front.py)."""
+    if text is None:
+        return ""
+    tokens = list(done.token_ids)
+    if done.finish_reason == FinishReason.STOP.proto and not done.matched_stop:
+        tokens = tokens[:-1]
+    whole = text.decode(tokens)
+    return cut_at_stop(whole, [done.matched_stop]) if done.matched_stop else whole
 
 
 def response(g: Generation, sequence_id: str, text: ModelText | None) -> worker_pb.GenerateResponse:
+    """The answer, with its text where ``text`` is given (else the RPC front's process adds it)."""
     d = duration_pb2.Duration()
     d.FromNanoseconds(int(g.seconds * 1e9))
-    whole = text.decode(completion(g)) if text is not None else ""
-    return worker_pb.GenerateResponse(
+    done = worker_pb.GenerateResponse(
         token_ids=g.tokens,
         sequence_id=sequence_id,
         duration=d,
@@ -125,9 +132,10 @@ def response(g: Generation, sequence_id: str, text: ModelText | None) -> worker_
         finish_reason=g.finish_reason.proto,
         prompt_token_count=g.prompt_tokens,
         completion_token_count=len(g.tokens),
-        text=cut_at_stop(whole, [g.matched_stop]) if g.matched_stop else whole,
         matched_stop=g.matched_stop,
     )
+    done.text = answer_text(text, done)
+    return done
 
 
 class StreamedText:
@@ -154,4 +162,4 @@ class StreamedText:
         return whole[self._held.sent :]
 
 
-__all__ = ["StreamedText", "check_request", "completion", "generation_request", "response"]
+__all__ = ["StreamedText", "answer_text", "check_request", "generation_request", "response"]

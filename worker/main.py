@@ -11,6 +11,8 @@ checkpoint in device memory (worker/staging.py), which the native layer does wit
 from __future__ import annotations
 
 import asyncio
+import concurrent.futures
+import contextlib
 import dataclasses
 import gc
 import importlib
@@ -37,6 +39,7 @@ from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.model import first_products
+from worker.model.text_source import TextInfo
 from worker.prefetch import CheckpointPrefetch
 from worker.rpc_front import FrontConfig, FrontProcess, drop_ahead
 from worker.servicer import ModelWorkerServicer
@@ -51,7 +54,8 @@ FRONT_WAIT_LOG_S = 30.0
 """While the worker waits for its RPC front to say it serves (a moment, normally), a warning this often."""
 SERVICE_NAME = worker_pb.DESCRIPTOR.services_by_name["ModelWorkerService"].full_name
 MODEL_LAYER = ("worker.model.runner", "worker.model.weights", "worker.model.paged_attention")
-"""What the load imports (worker/core.py's _load): torch, numpy, safetensors, tokenizers, jinja2."""
+"""What the load imports (worker/core.py's _load): torch, numpy, safetensors (not the text's tokenizers and jinja2:
+worker/model/text_source.py)."""
 STARTUP_SWITCH_INTERVAL_S = 0.0005
 """The GIL's switch interval while the model layer imports (Python's default: 5 ms); see import_model_layer."""
 
@@ -227,9 +231,10 @@ async def serve(
 
 async def _serve(config: WorkerConfig, listen: str, manager: str | None, advertise: str | None, sec: Security) -> int:
     loop = asyncio.get_running_loop()
-    core = WorkerCore(config, loop)
+    in_front = config.rpc_front == "process"
+    core = WorkerCore(config, loop, text_in_front=in_front)
     servicer = ModelWorkerServicer(core)
-    sockets = tempfile.mkdtemp(prefix="memsvc-worker-") if config.rpc_front == "process" else ""
+    sockets = tempfile.mkdtemp(prefix="memsvc-worker-") if in_front else ""
     # A stop signal from here on is a stop, not a kill: the load may already be reading.
     stop = asyncio.Event()
     install_signal_handlers(stop)
@@ -246,10 +251,37 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
                 announce(f"memsvc worker: error: {exc}", sys.stderr)
                 return 2
             raise
-        return await _run(core, load, stop, srv, front, address, config, manager, advertise, sec)
+        relay = asyncio.ensure_future(_text_through(core, front)) if front is not None else None
+        try:
+            return await _run(core, load, stop, srv, front, address, config, manager, advertise, sec)
+        finally:
+            if relay is not None:
+                relay.cancel()
     finally:
         if sockets:
             shutil.rmtree(sockets, ignore_errors=True)
+
+
+async def _text_through(core: WorkerCore, front: FrontProcess) -> None:
+    """The model's text through the RPC front (worker/front_text.py): where it is, to the front as
+    soon as the load knows; what the front found there, to the load, which waits for it."""
+    try:
+        where = await asyncio.wrap_future(core.text_source)
+    except asyncio.CancelledError:
+        if core.text_source.cancelled():  # the load ended before it knew: nothing to read
+            return
+        raise
+    front.tell_text(where)
+    found: TextInfo | BaseException
+    try:
+        found = await front.text_found()
+    except MemsvcError as exc:
+        found = exc
+    with contextlib.suppress(concurrent.futures.InvalidStateError):  # the load was cancelled meanwhile
+        if isinstance(found, BaseException):
+            core.text_found.set_exception(found)
+        else:
+            core.text_found.set_result(found)
 
 
 async def _listen(

@@ -11,10 +11,18 @@ serving them on a unix socket in a directory only its user can enter.
   was; a caller who leaves cancels the inner call.
 - GenerateStream goes through worker/token_mux.py: one stream to the device process carries every
   stream's tokens, a frame per step; this process builds and writes the per-stream messages.
+- The model's text is read and served here (worker/front_text.py): the device process says where it
+  is, as a line on this process's stdin, once it knows; this process reads it and says what it
+  found on its stdout, which the device process's load checks. Generate and GenerateStream then
+  reach the device process with token ids and leave it without text.
 - Health mirrors the device process's; the first time this server answers SERVING it says so on its
   stdout (the device process says "ready" only then). The stop is the device process's to order
   (SIGTERM, or its end closing this process's stdin): this server then drains for the worker's drain
   time and exits, and removes the device process's socket directory if that process was killed.
+
+On stdin, JSON lines: the configuration (:class:`FrontConfig`), then ``{"text": TextSource's fields}``.
+On stdout: ``{"address": ...}`` (or ``{"error": ...}``), ``{"text": {"info": ...} or {"error": ...}}``,
+``{"serving": true}``, in that order (the device process sets SERVING only after the text's line).
 
 :class:`FrontProcess` starts and stops it from the device process.
 """
@@ -38,13 +46,16 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from memsvc.errors import InvalidArgument, Unavailable
+from memsvc.errors import InvalidArgument, MemsvcError, Unavailable
 from memsvc.runtime.auth import Security
 from memsvc.runtime.logs import configure
 from memsvc.runtime.rpc_errors import Context
 from memsvc.runtime.serving import SERVER_OPTIONS, Server, run_service, start_server
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import token_mux
+from worker.front_text import FrontText
+from worker.generate_messages import StreamedText
+from worker.model.text_source import TextInfo, TextSource
 from worker.token_mux import Frame
 
 PARENT_EXIT_S = 30.0
@@ -106,13 +117,14 @@ class DeviceStreams:
             if queue is not None:
                 queue.put_nowait((last, failed))
 
-    def open(self, raw: bytes) -> tuple[int, asyncio.Queue[Any]]:
-        """Start a stream: its id, and the queue its token batches, then its end, arrive on."""
+    def open(self, raw: bytes, device_text: bool) -> tuple[int, asyncio.Queue[Any]]:
+        """Start a stream (``device_text``: the device process makes its text, else this one does):
+        its id, and the queue its token batches, then its end, arrive on."""
         self._connect()
         self._next += 1
         queue: asyncio.Queue[Any] = asyncio.Queue()
         self._queues[self._next] = queue
-        self._outgoing.put_nowait(("open", self._next, raw))
+        self._outgoing.put_nowait(("open", self._next, raw, device_text))
         return self._next, queue
 
     def cancel(self, sid: int) -> None:
@@ -135,9 +147,11 @@ async def _fail(context: Context, failed: token_mux.Failure) -> None:
 class Proxy:
     """The ModelWorkerService's methods, served here for the device process."""
 
-    def __init__(self, channel: grpc.aio.Channel, streams: DeviceStreams) -> None:
+    def __init__(self, channel: grpc.aio.Channel, streams: DeviceStreams, text: FrontText) -> None:
         self._channel = channel
         self._streams = streams
+        self._text = text
+        self._generate_ids: grpc.aio.UnaryUnaryMultiCallable[bytes, bytes] = channel.unary_unary(token_mux.GENERATE)
 
     def register(self, server: grpc.aio.Server) -> None:
         handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {}
@@ -145,6 +159,8 @@ class Proxy:
             path = f"/{SERVICE.full_name}/{method.name}"
             if method.name == "GenerateStream":
                 handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._generate_stream)
+            elif method.name == "Generate":
+                handlers[method.name] = grpc.unary_unary_rpc_method_handler(self._generate(path))
             elif method.server_streaming:
                 handlers[method.name] = grpc.unary_stream_rpc_method_handler(self._pass_stream(path))
             else:
@@ -179,8 +195,33 @@ class Proxy:
 
         return stream
 
+    def _generate(self, path: str) -> Callable[[bytes, Context], Any]:
+        """Generate: its text here once this process has read it, else as it came."""
+        as_it_came = self._pass_unary(path)
+
+        async def generate(raw: bytes, context: Context) -> bytes:
+            if not self._text.serves:
+                return await as_it_came(raw, context)  # type: ignore[no-any-return]
+            try:
+                ids = await self._text.unary(raw)
+                out: bytes = await self._generate_ids(ids, timeout=context.time_remaining())
+                return self._text.answer(out)
+            except MemsvcError as exc:
+                await _fail(context, token_mux.failure(exc))
+            except grpc.aio.AioRpcError as exc:
+                await context.abort(exc.code(), exc.details() or "", tuple(exc.trailing_metadata() or ()))
+            raise AssertionError("abort raises")
+
+        return generate
+
     async def _generate_stream(self, raw: bytes, context: Context) -> AsyncIterator[bytes]:
-        sid, queue = self._streams.open(raw)
+        streamed: StreamedText | None = None
+        if self._text.serves:
+            try:
+                raw, streamed = await self._text.stream(raw)
+            except MemsvcError as exc:
+                await _fail(context, token_mux.failure(exc))
+        sid, queue = self._streams.open(raw, device_text=streamed is None)
         ended = False
         try:
             while not ended:
@@ -190,16 +231,19 @@ class Proxy:
                 ended = _is_end(items[-1])
                 batches = items[:-1] if ended else items
                 if batches:  # one message for every batch that came meanwhile
+                    tokens = [t for ids, _, _ in batches for t in ids]
+                    if streamed is not None:
+                        text = "".join(streamed.push(t) for t in tokens)
+                    else:
+                        text = "".join(text for _, text, _ in batches)
                     message = worker_pb.GenerateStreamResponse(
-                        token_ids=[t for ids, _, _ in batches for t in ids],
-                        text="".join(text for _, text, _ in batches),
-                        prompt_token_count=batches[0][2],
+                        token_ids=tokens, text=text, prompt_token_count=batches[0][2]
                     )
                     yield message.SerializeToString()
             last, failed = items[-1]
             if failed is not None:
                 await _fail(context, failed)
-            yield last
+            yield last if streamed is None else self._text.last(last, streamed)
         finally:
             if not ended:
                 self._streams.cancel(sid)
@@ -242,8 +286,10 @@ async def serve(config: FrontConfig, security: Security) -> int:
     listen, device, drain = config.listen, config.device, config.drain
     channel = grpc.aio.insecure_channel(device, options=SERVER_OPTIONS)
     streams = DeviceStreams(channel)
+    text = FrontText()
     try:
-        srv = await start_server(listen, [Proxy(channel, streams).register], [SERVICE.full_name], security=security)
+        proxy = Proxy(channel, streams, text)
+        srv = await start_server(listen, [proxy.register], [SERVICE.full_name], security=security)
     except InvalidArgument as exc:
         _tell({"error": str(exc)})
         return 2
@@ -255,12 +301,24 @@ async def serve(config: FrontConfig, security: Security) -> int:
         stop.set()
     loop.add_signal_handler(signal.SIGTERM, stop.set)
     loop.add_signal_handler(signal.SIGINT, lambda: None)  # a terminal's Ctrl-C: the device process orders the stop
-    # the device process holds this stdin open: its end (however it ended) ends this process too
-    ended = _EndOfInput(stop)
+    # the device process holds this stdin open: its end (however it ended) ends this process too;
+    # before that, it says there where the model's text is (worker/front_text.py)
+    reading: list[asyncio.Task[None]] = []
+
+    async def read_text(where: TextSource) -> None:
+        _tell({"text": await text.read(where)})
+
+    def told(line: dict[str, Any]) -> None:
+        if isinstance(line.get("text"), dict) and not reading:
+            reading.append(asyncio.ensure_future(read_text(TextSource(**line["text"]))))
+
+    ended = _Input(stop, told)
     await loop.connect_read_pipe(lambda: ended, sys.stdin)
     health = asyncio.ensure_future(_mirror_health(channel, srv))
     await stop.wait()
     health.cancel()
+    for task in reading:
+        task.cancel()
     await srv.set_serving(False)
     await srv.stop(drain)
     streams.close()
@@ -291,10 +349,33 @@ def _tell(line: dict[str, Any]) -> bool:
     return True
 
 
-class _EndOfInput(asyncio.Protocol):
-    def __init__(self, stop: asyncio.Event) -> None:
+class _Input(asyncio.Protocol):
+    """This process's stdin after the configuration's line: JSON lines from the device process
+    (``told``), then its end, which stops this process. (The configuration's line is read before,
+    by :func:`main`: the device process writes the next only after this process said where it
+    listens, so that read takes nothing of it.)"""
+
+    MAX_LINE = 1 << 16
+    """A line from the device process at most (a path, a few fields)."""
+
+    def __init__(self, stop: asyncio.Event, told: Callable[[dict[str, Any]], None]) -> None:
         self._stop = stop
+        self._told = told
+        self._buffer = b""
         self.ended = False
+
+    def data_received(self, data: bytes) -> None:
+        self._buffer += data
+        *lines, self._buffer = self._buffer.split(b"\n")
+        self._buffer = self._buffer[-self.MAX_LINE :]
+        for line in lines:
+            try:
+                parsed = json.loads(line)
+            except ValueError:
+                log.error("the device process said something that is not JSON: %r", line[:200])
+                continue
+            if isinstance(parsed, dict):
+                self._told(parsed)
 
     def connection_lost(self, exc: Exception | None) -> None:
         self.ended = True
@@ -420,6 +501,25 @@ class FrontProcess:
             await process.wait()
             raise InvalidArgument(str(answer.get("error", answer)))
         return cls(process, str(answer["address"]))
+
+    def tell_text(self, where: TextSource) -> None:
+        """Where the model's text is: the front reads it now (see :meth:`text_found`)."""
+        with contextlib.suppress(OSError):  # it exited: text_found says so
+            self._process.write(json.dumps({"text": dataclasses.asdict(where)}).encode() + b"\n")
+
+    async def text_found(self) -> TextInfo:
+        """What the front found where :meth:`tell_text` said: InvalidArgument where the text does
+        not read, Unavailable if the front exited first. Read after :meth:`start`, before
+        :meth:`serving` (one reader of its stdout at a time)."""
+        while line := await self._process.readline():
+            with contextlib.suppress(ValueError):
+                told = json.loads(line)
+                found = told.get("text") if isinstance(told, dict) else None
+                if isinstance(found, dict) and "info" in found:
+                    return TextInfo(**found["info"])
+                if isinstance(found, dict):
+                    raise InvalidArgument(str(found.get("error", found)))
+        raise Unavailable("the RPC front exited before it read the model's text")
 
     async def serving(self) -> bool:
         """Wait until the front answers health checks with SERVING (it mirrors the device process's

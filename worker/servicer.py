@@ -230,22 +230,29 @@ class ModelWorkerServicer(worker_grpc.ModelWorkerServiceServicer):
             raise
 
     async def prepare_stream(
-        self, request: worker_pb.GenerateRequest
+        self, request: worker_pb.GenerateRequest, device_text: bool = True
     ) -> tuple[GenerationRequest, GenerateSlot, StreamedText]:
-        """:meth:`prepare`, and the stream's text (what each token lets it send); the slot is the
-        caller's once this returns."""
+        """:meth:`prepare`, and the stream's text (what each token lets it send; nothing where the
+        RPC front makes it: ``device_text`` false); the slot is the caller's once this returns."""
         spec, slot = await self.prepare(request)
         try:
-            text = self.core.text_or_none()
+            text = self.core.text_or_none() if device_text else None
             return spec, slot, StreamedText(text, spec.stop_set(self.core.eos_token_ids()), spec.stop_strings)
         except BaseException:
             slot.release()
             raise
 
     async def Generate(self, request: worker_pb.GenerateRequest, context: Any) -> worker_pb.GenerateResponse:
+        return await self.generate(request)
+
+    async def generate(
+        self, request: worker_pb.GenerateRequest, device_text: bool = True
+    ) -> worker_pb.GenerateResponse:
+        """Generate; its answer without text where the RPC front makes it (``device_text`` false:
+        worker/token_mux.py's GENERATE)."""
         spec, slot = await self.prepare(request)
         g = await self.core.generate(spec, slot=slot)
-        return response(g, request.sequence_id, self.core.text_or_none())
+        return response(g, request.sequence_id, self.core.text_or_none() if device_text else None)
 
     async def GenerateStream(
         self, request: worker_pb.GenerateStreamRequest, context: Context

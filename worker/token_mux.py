@@ -3,12 +3,15 @@
 With ``--rpc-front process`` (worker/rpc_front.py) the public gRPC server runs in a process of its
 own, so writing a message per token per stream no longer takes the GIL from the device loop. The
 front's GenerateStreams reach the device process over one bidirectional stream on its internal
-socket (:data:`METHOD`): the front sends ``("open", id, GenerateStreamRequest bytes)`` and ``("cancel",
-id)``; the device answers with frames of ``(tokens, ends)``, where ``tokens`` holds ``(id, token ids,
-their text, prompt_token_count)`` for every stream a step (or several, when the front reads slower
-than steps come) gave tokens, and ``ends`` holds ``(id, the final GenerateStreamResponse bytes, None)``
-or ``(id, None, (status code, details, trailing metadata))`` once a stream has ended. The device's
-cost is then one message per step, whatever the number of streams; the front builds their messages.
+socket (:data:`METHOD`): the front sends ``("open", id, GenerateStreamRequest bytes, device_text)``
+and ``("cancel", id)``; the device answers with frames of ``(tokens, ends)``, where ``tokens`` holds
+``(id, token ids, their text, prompt_token_count)`` for every stream a step (or several, when the
+front reads slower than steps come) gave tokens, and ``ends`` holds ``(id, the final
+GenerateStreamResponse bytes, None)`` or ``(id, None, (status code, details, trailing metadata))``
+once a stream has ended. The device's cost is then one message per step, whatever the number of
+streams; the front builds their messages. ``device_text`` false: the front makes the stream's text
+(worker/front_text.py), and the device sends none. :data:`GENERATE` is a unary Generate the same
+way: its answer without text, for the front to add.
 
 A stream runs exactly as the servicer's own GenerateStream does (the same checks, bound, encoding,
 stop rules and text), so both fronts give the same answers. Frames are pickled: both ends are this
@@ -27,8 +30,8 @@ from typing import TYPE_CHECKING, Any, TypeAlias
 import grpc
 from google.protobuf.message import DecodeError
 
-from memsvc.errors import InvalidArgument, MemsvcError
-from memsvc.runtime.rpc_errors import Context, to_status
+from memsvc.errors import MemsvcError
+from memsvc.runtime.rpc_errors import Context, to_status, undecodable
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker.generate_messages import response
 
@@ -42,6 +45,7 @@ log = logging.getLogger("memsvc.worker")
 
 SERVICE = "memsvc.internal.TokenMux"
 METHOD = f"/{SERVICE}/Open"
+GENERATE = f"/{SERVICE}/Generate"
 
 TokenBatch: TypeAlias = tuple[int, list[int], str, int]
 """(stream id, token ids, their text, prompt_token_count: set in a stream's first batch, else 0)."""
@@ -80,8 +84,16 @@ class TokenMux:
         self._servicer = servicer
 
     def register(self, server: grpc.aio.Server) -> None:
-        handler = grpc.stream_stream_rpc_method_handler(self._open, loads, dumps)
-        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, {"Open": handler}),))
+        handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
+            "Open": grpc.stream_stream_rpc_method_handler(self._open, loads, dumps),
+            "Generate": grpc.unary_unary_rpc_method_handler(
+                self._generate, worker_pb.GenerateRequest.FromString, worker_pb.GenerateResponse.SerializeToString
+            ),
+        }
+        server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE, handlers),))
+
+    async def _generate(self, request: worker_pb.GenerateRequest, context: Context) -> worker_pb.GenerateResponse:
+        return await self._servicer.generate(request, device_text=False)
 
     async def _open(self, frames: AsyncIterator[Any], context: Context) -> AsyncIterator[Frame]:
         link = _Link(self._servicer)
@@ -114,8 +126,8 @@ class _Link:
     async def read(self, frames: AsyncIterator[Any]) -> None:
         async for frame in frames:
             if frame[0] == "open":
-                sid, raw = frame[1], frame[2]
-                self._tasks[sid] = asyncio.ensure_future(self._run(sid, raw))
+                sid, raw, device_text = frame[1], frame[2], frame[3]
+                self._tasks[sid] = asyncio.ensure_future(self._run(sid, raw, device_text))
             elif frame[0] == "cancel":
                 task = self._tasks.pop(frame[1], None)
                 if task is not None:
@@ -142,15 +154,15 @@ class _Link:
             task.cancel()
         self._tasks.clear()
 
-    async def _run(self, sid: int, raw: bytes) -> None:
+    async def _run(self, sid: int, raw: bytes, device_text: bool) -> None:
         """One stream, as the servicer's GenerateStream runs it; its end goes into the next frame."""
         try:
             try:
                 request = worker_pb.GenerateStreamRequest.FromString(raw)
             except DecodeError as exc:
-                raise InvalidArgument(f"the request body is not a valid message: {exc}") from exc
-            spec, slot, streamed = await self._servicer.prepare_stream(request.request)
-            text = self._core.text_or_none()
+                raise undecodable(exc) from exc
+            spec, slot, streamed = await self._servicer.prepare_stream(request.request, device_text)
+            text = self._core.text_or_none() if device_text else None
             self._streams[sid] = _Stream(streamed, len(spec.prompt), request.request.sequence_id, text)
             post = self._core.post
 
@@ -207,4 +219,4 @@ class _Link:
         self._ready.set()
 
 
-__all__ = ["METHOD", "SERVICE", "End", "Frame", "TokenBatch", "TokenMux", "dumps", "failure", "loads"]
+__all__ = ["GENERATE", "METHOD", "SERVICE", "End", "Frame", "TokenBatch", "TokenMux", "dumps", "failure", "loads"]

@@ -111,9 +111,15 @@ class _Undecodable:
         self.exc = exc
 
 
+def undecodable(exc: Exception) -> InvalidArgument:
+    """What a request body that is not its message is answered with (by every server of ours, and
+    where a worker's RPC front and device process decode one themselves)."""
+    return InvalidArgument(f"the request body is not a valid message: {exc}")
+
+
 def _check_decoded(request: Any) -> None:
     if isinstance(request, _Undecodable):
-        raise InvalidArgument(f"the request body is not a valid message: {request.exc}")
+        raise undecodable(request.exc)
 
 
 class ErrorMappingInterceptor(grpc.aio.ServerInterceptor):

@@ -79,8 +79,8 @@ def _requests() -> list[worker_pb.GenerateRequest]:
         worker_pb.GenerateRequest(
             prompt_token_ids=[9, 8, 7], max_new_tokens=30, stop_token_ids=[3, 11, 17], ignore_eos=True
         ),
-        # text: prompts and chat in, text out (streamed, whole), stop strings and stop tokens
-        worker_pb.GenerateRequest(prompt="text through either front", max_new_tokens=30, ignore_eos=True),
+        # text: the front encodes and decodes it in its own process, the inline worker in its own
+        worker_pb.GenerateRequest(prompt="the front reads the text", max_new_tokens=30, ignore_eos=True),
         worker_pb.GenerateRequest(
             messages=[worker_pb.ChatMessage(role="user", content="héllo 😀")], max_new_tokens=20, ignore_eos=True
         ),
@@ -137,7 +137,7 @@ def _status(call: object) -> tuple[grpc.StatusCode, str, str, dict[str, str]]:
 def test_errors_keep_their_status_and_error_info(fronts: dict[str, WorkerProcess]) -> None:
     bad_token = worker_pb.GenerateRequest(prompt_token_ids=[10**9], max_new_tokens=3)
     two_forms = worker_pb.GenerateRequest(prompt_token_ids=[1], prompt="hi", max_new_tokens=3)
-    empty_stop = worker_pb.GenerateRequest(prompt="hi", max_new_tokens=3, stop=[""])
+    empty_stop = worker_pb.GenerateRequest(prompt="hi", max_new_tokens=3, stop=[""])  # the front's check
     got: dict[str, list[tuple[grpc.StatusCode, str, str, dict[str, str]]]] = {}
     for kind, worker in fronts.items():
         out = []

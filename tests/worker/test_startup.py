@@ -97,8 +97,8 @@ def test_the_load_starts_beside_the_servers_start_and_ends_released_if_it_cannot
     seen: list[bool] = []
 
     class Recorded(WorkerCore):
-        def __init__(self, *args: object) -> None:
-            super().__init__(*args)  # type: ignore[arg-type]
+        def __init__(self, *args: object, **kwargs: object) -> None:
+            super().__init__(*args, **kwargs)  # type: ignore[arg-type]
             cores.append(self)
 
     async def listen_fails(*args: object) -> None:

@@ -1,19 +1,23 @@
-"""The worker's load in process (host backend, synthetic model): the state reads AWAKE only once the
-load's transition lock is free, so a client that sees AWAKE (a status poll, the telemetry watch) and
-sends a Generate at once is served. A fresh-clone run on a busy 2-core machine met the load still
-holding the lock: the serving bench's first Generate got FAILED_PRECONDITION ("a transition is
-pending")."""
+"""The worker's load in process (host backend): the state reads AWAKE only once the load's transition
+lock is free, so a client that sees AWAKE (a status poll, the telemetry watch) and sends a Generate at
+once is served. A fresh-clone run on a busy 2-core machine met the load still holding the lock: the
+serving bench's first Generate got FAILED_PRECONDITION ("a transition is pending"). And where the
+model's text is read: by the RPC front's process, or by the load."""
 
 from __future__ import annotations
 
 import asyncio
+from pathlib import Path
 
 import pytest
+from hf_models import text_model
 
+from memsvc.errors import MemsvcError
 from memsvc.vocabulary import WorkerState
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
 from worker.model.generation import GenerationRequest
+from worker.model.text_source import TextInfo, TextSource
 from worker.telemetry import Event, StateChange
 
 pytestmark = pytest.mark.asyncio
@@ -44,3 +48,58 @@ async def test_the_state_reads_awake_only_once_the_load_lets_go_of_the_transitio
         assert len(generation.tokens) == 3
     finally:
         await core.close()
+
+
+async def _loaded(text_in_front: bool, model: str = "synthetic:tiny") -> WorkerCore:
+    core = WorkerCore(
+        WorkerConfig(model=model, backend="host", kv_blocks=32, host_kv_blocks=8, host_capacity_bytes=256 << 20),
+        asyncio.get_running_loop(),
+        text_in_front=text_in_front,
+    )
+    if text_in_front:  # what worker/main.py relays between the RPC front and the load
+
+        async def front() -> None:
+            where = await asyncio.wrap_future(core.text_source)
+            core.text_found.set_result(TextInfo.of(where.load()))
+
+        relay = asyncio.ensure_future(front())
+    await core.load()
+    if text_in_front:
+        await relay
+    return core
+
+
+async def test_with_the_text_in_the_front_the_device_process_reads_it_only_for_stop_strings(tmp_path: Path) -> None:
+    """The load tells where the text is and reports what the front found, without reading it; a
+    request with stop strings reads it (they are matched on the engine's thread)."""
+    path, _ = text_model(tmp_path)
+    core = await _loaded(True, str(path))
+    try:
+        source = core.runner.source if core.runner is not None else None
+        assert source is not None
+        assert core.text_source.result() == TextSource(directory=str(path))
+        assert core.status().model is not None and core.status().model.has_chat_template
+        assert not source.text_once._read, "the load read the text the front reads"
+        await core.generate(GenerationRequest([5, 6, 7], 3, ignore_eos=True))
+        assert not source.text_once._read
+        await core.generate(GenerationRequest([5, 6, 7], 3, ignore_eos=True, stop_strings=("zz",)))
+        assert source.text_once._read
+    finally:
+        await core.close()
+
+
+async def test_without_a_front_the_load_reads_the_text_and_a_failed_load_tells_none() -> None:
+    core = await _loaded(False)
+    try:
+        assert core.runner is not None and core.runner.source.text_once._read
+    finally:
+        await core.close()
+    missing = WorkerCore(  # it fails before it knows where the text is: the relay ends, nothing read
+        WorkerConfig(model="synthetic:no-such-preset", backend="host", host_capacity_bytes=256 << 20),
+        asyncio.get_running_loop(),
+        text_in_front=True,
+    )
+    with pytest.raises(MemsvcError):
+        await missing.load()
+    assert missing.text_source.cancelled()
+    await missing.close()

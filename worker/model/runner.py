@@ -50,8 +50,6 @@ class ModelInfo(TypedDict):
     layer_count: int
     context_length: int
     eos_token_ids: list[int]
-    has_tokenizer: bool
-    has_chat_template: bool
     kv_cache: KvStats
     cuda_graph_buckets: list[int]
     """The step graphs' row-count buckets (empty: CUDA graphs off)."""
@@ -376,7 +374,6 @@ class ModelRunner:
     def info(self) -> ModelInfo:
         with self.lock:
             c = self.config
-            text = self.source.text
             return ModelInfo(
                 source=self.source.name,
                 family=c.family,
@@ -387,8 +384,6 @@ class ModelRunner:
                 layer_count=c.num_layers,
                 context_length=c.max_position_embeddings,
                 eos_token_ids=list(self.source.eos_token_ids),
-                has_tokenizer=text is not None,
-                has_chat_template=text is not None and text.has_chat_template,
                 kv_cache=self.kv_cache.stats(),
                 cuda_graph_buckets=list(self.graphs.sizes) if self.graphs is not None else [],
                 cuda_graphs_captured=list(self.graphs.captured) if self.graphs is not None else [],

@@ -17,6 +17,7 @@ import json
 import os
 from collections.abc import Mapping
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 from safetensors.torch import save_file
@@ -24,12 +25,14 @@ from safetensors.torch import save_file
 from memsvc.errors import InvalidArgument
 from memsvc.vocabulary import WEIGHTS
 from worker.allocator import MemoryAllocator
-from worker.checkpoint_files import CONFIG_FILE, read_json
+from worker.checkpoint_files import CONFIG_FILE, SYNTHETIC_PREFIX, read_json
 from worker.model.config import PRESETS, ModelConfig
 from worker.model.generation import read_eos_token_ids
 from worker.model.loader import INDEX_FILE, LoadStats, Progress, StreamingLoader, read_layout
-from worker.model.synthetic_text import synthetic_text
-from worker.model.text import ModelText
+from worker.model.text_source import TextOnce, TextSource
+
+if TYPE_CHECKING:  # the text is read where it is asked for (worker/model/text_source.py), not with the weights
+    from worker.model.text import ModelText
 
 Weights = dict[str, torch.Tensor]
 
@@ -205,9 +208,6 @@ def read_config(path: str | os.PathLike[str]) -> ModelConfig:
     return ModelConfig.from_hf(read_json(Path(path) / CONFIG_FILE))
 
 
-SYNTHETIC_PREFIX = "synthetic:"
-
-
 class ModelSource(abc.ABC):
     """A model's config plus a way to (re)write its weights into existing tensors."""
 
@@ -216,9 +216,14 @@ class ModelSource(abc.ABC):
     config: ModelConfig
     eos_token_ids: tuple[int, ...] = ()
     """Tokens that end a generation (worker/model/generation.py); none for synthetic models."""
-    text: ModelText | None = None
-    """The model's tokenizer and chat template, when its directory has them (a synthetic model's are
-    made for it)."""
+    text_once: TextOnce
+    """The model's tokenizer and chat template, read when first asked for (:attr:`text`)."""
+
+    @property
+    def text(self) -> ModelText | None:
+        """The model's tokenizer and chat template, when its directory has them (a synthetic model's
+        are made for it), read now if no one asked before (worker/model/text_source.py)."""
+        return self.text_once.get()
 
     @abc.abstractmethod
     def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
@@ -248,7 +253,7 @@ class SyntheticSource(ModelSource):
         self.name = SYNTHETIC_PREFIX + preset
         self.config = PRESETS[preset]
         self.seed = seed
-        self.text = synthetic_text(self.config.vocab_size)
+        self.text_once = TextOnce(TextSource(synthetic_vocab=self.config.vocab_size))
 
     def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
         fill_synthetic(weights, self.config, self.seed)
@@ -295,15 +300,11 @@ class CheckpointSource(ModelSource):
                     f"{self.path} is not a checkpoint of the served model's configuration ({diff})",
                     metadata={"path": self.name},
                 )
-            self.eos_token_ids, self.text = same_as.eos_token_ids, same_as.text
+            self.eos_token_ids, self.text_once = same_as.eos_token_ids, same_as.text_once
             self.check()
             return
         self.eos_token_ids = read_eos_token_ids(self.path)
-        self.text = ModelText.load(self.path)
-        if self.text is not None and self.text.vocab_size > self.config.vocab_size:
-            raise InvalidArgument(
-                f"{self.path}: the tokenizer has {self.text.vocab_size} tokens, the model only {self.config.vocab_size}"
-            )
+        self.text_once = TextOnce(TextSource(directory=str(self.path)))
 
     def load_into(self, weights: Mapping[str, torch.Tensor], progress: Progress | None = None) -> None:
         self.loader.load(self.path, weights, weight_shapes(self.config), progress)

@@ -1,0 +1,91 @@
+"""Where a model's text side (worker/model/text.py) is read, and by which process.
+
+Reading a Llama 3 tokenizer takes 0.15-0.2 s with the GIL held (``tokenizers`` parses its 9 MB of
+JSON without letting go of it), and a start-up is bound by the GIL up to its first token
+(docs/benchmarks.md). So the text is read by the process that serves the public RPC: the RPC front's
+process by default (worker/rpc_front.py), whose GIL is not the model's and which is idle while the
+model loads. :class:`TextSource` names it there, as plain values the device process hands over;
+:class:`TextInfo` is what the front found, which the device checks and reports; :class:`TextOnce` is
+the device process's own copy, read only where it must be: to serve text itself (``--rpc-front
+inline``), or to match a request's stop strings on the engine's thread.
+
+No tokenizer or jinja2 here: the device process imports this with its model layer and reads the
+text only when asked.
+"""
+
+from __future__ import annotations
+
+import threading
+from dataclasses import dataclass
+from typing import TYPE_CHECKING
+
+from memsvc.errors import InvalidArgument
+from worker.model.generation import read_eos_token_ids
+
+if TYPE_CHECKING:
+    from worker.model.text import ModelText
+
+
+@dataclass(frozen=True)
+class TextInfo:
+    """What a model's text side is: for status, and for the load's check against the model."""
+
+    has_tokenizer: bool = False
+    has_chat_template: bool = False
+    vocab_size: int = 0
+    """The tokenizer's tokens, added ones included (0 without a tokenizer)."""
+
+    @classmethod
+    def of(cls, text: ModelText | None) -> TextInfo:
+        if text is None:
+            return cls()
+        return cls(True, text.has_chat_template, text.vocab_size)
+
+    def check(self, model_vocab: int, where: str) -> None:
+        """InvalidArgument where the tokenizer has ids the model has no embedding for."""
+        if self.vocab_size > model_vocab:
+            raise InvalidArgument(f"{where}: the tokenizer has {self.vocab_size} tokens, the model only {model_vocab}")
+
+
+@dataclass(frozen=True)
+class TextSource:
+    """A checkpoint directory, or a synthetic model's vocabulary size (worker/model/synthetic_text.py)."""
+
+    directory: str = ""
+    synthetic_vocab: int = 0
+
+    def load(self) -> ModelText | None:
+        """The tokenizer and chat template (None: the directory has no tokenizer); InvalidArgument
+        for a file that does not read."""
+        if self.directory:
+            from worker.model.text import ModelText
+
+            return ModelText.load(self.directory)
+        from worker.model.synthetic_text import synthetic_text
+
+        return synthetic_text(self.synthetic_vocab)
+
+    def eos_token_ids(self) -> tuple[int, ...]:
+        """The tokens that end a generation (a synthetic model has none)."""
+        return read_eos_token_ids(self.directory) if self.directory else ()
+
+
+class TextOnce:
+    """A model's text side, read the first time it is asked for, then kept (any thread: a second
+    caller waits for the first one's read; a read that failed is tried again by the next caller)."""
+
+    def __init__(self, source: TextSource) -> None:
+        self.source = source
+        self._lock = threading.Lock()
+        self._read = False
+        self._text: ModelText | None = None
+
+    def get(self) -> ModelText | None:
+        with self._lock:
+            if not self._read:
+                self._text = self.source.load()
+                self._read = True
+            return self._text
+
+
+__all__ = ["TextInfo", "TextOnce", "TextSource"]
