@@ -1,9 +1,10 @@
 """The model's text in the RPC front's process (worker/rpc_front.py): prompts encoded and answers
 decoded there, so that the device process deals in token ids.
 
-Why: the device process's GIL is the model's. Reading a Llama 3 tokenizer holds it 0.15-0.2 s, on the
-path to a start's first token, and each stream's text, a piece per token per stream, held it at every
-step. The front's process has its own GIL and is idle while the model loads: it reads the text as
+Why: the device process's GIL is the model's. Reading a tokenizer of Llama 3's size holds it
+throughout (0.42 s on an H100 host), on the path to a start's first token: there it put ``SERVING``
+0.40 s later (docs/benchmarks.md). And each stream's text, a piece per token per stream, held it at
+every step. The front's process has its own GIL and is idle while the model loads: it reads the text as
 soon as the device process says where it is (worker/model/text_source.py), and tells what it found,
 which the load checks before the worker serves.
 

@@ -1,8 +1,8 @@
 """Where a model's text side (worker/model/text.py) is read, and by which process.
 
-Reading a Llama 3 tokenizer takes 0.15-0.2 s with the GIL held (``tokenizers`` parses its 9 MB of
-JSON without letting go of it), and a start-up is bound by the GIL up to its first token
-(docs/benchmarks.md). So the text is read by the process that serves the public RPC: the RPC front's
+Reading a tokenizer of Llama 3's size takes 0.42 s on an H100 host with the GIL held (``tokenizers``
+parses its 9 MB of JSON without letting go of it), and a start-up is bound by the GIL up to its first
+token (docs/benchmarks.md). So the text is read by the process that serves the public RPC: the RPC front's
 process by default (worker/rpc_front.py), whose GIL is not the model's and which is idle while the
 model loads. :class:`TextSource` names it there, as plain values the device process hands over;
 :class:`TextInfo` is what the front found, which the device checks and reports; :class:`TextOnce` is
