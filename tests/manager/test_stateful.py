@@ -814,12 +814,16 @@ def test_a_retry_sharing_a_call_is_not_bounded_by_the_first_callers_deadline(env
         sleep = stub.SleepWorker.future(
             manager_pb.SleepWorkerRequest(name=NAME, level=common_pb.SLEEP_LEVEL_1), timeout=LONG_S
         )
+        # Asked of the worker itself: the manager's copy of its status follows the worker's telemetry,
+        # which can come after the Generate has ended (a 2000-token Generate took about 1 s on a
+        # development machine, and the manager's view turned 0.95 s after the worker's).
         wait_for(
-            lambda: get(stub, WID),
-            lambda mw: mw.status.transition_in_progress,
-            timeout=5,
+            lambda: env.worker.stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=10).status,
+            lambda status: status.transition_in_progress or busy.done(),
+            timeout=LONG_S,
             what="the sleep to be accepted by the worker",
         )
+        assert not busy.done(), f"the busy Generate ended before the sleep came: {busy.exception()}"
         req = manager_pb.AcquireWorkerRequest(name=NAME, ttl=LEASE_TTL, request_id="shared-acquire")
         first, retry = (stub.AcquireWorker.future(req, timeout=t) for t in (0.3, LONG_S))
     else:  # the sleep itself waits behind the Generate
