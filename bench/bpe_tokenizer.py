@@ -15,12 +15,22 @@ or three merges (as a real vocabulary's longer tokens are): 128,000 tokens come 
 Every merge's parts and result are in the vocabulary, as ``tokenizers`` requires. Its text is not
 Llama 3's: any text encodes and decodes back (byte-level), in more tokens than a trained vocabulary
 would use.
+
+``bench_startup --tokenizer bpe`` writes its checkpoint with it. For a checkpoint written otherwise
+(one that a side-by-side run's older tree must be given with ``--model``), this puts it in place of
+the checkpoint's tokenizer, at the size its ``config.json`` says::
+
+    python -m bench.bpe_tokenizer /tmp/ck8b
 """
 
 from __future__ import annotations
 
+import argparse
+import json
 import math
 import random
+import sys
+from collections.abc import Sequence
 from pathlib import Path
 
 from tokenizers import Tokenizer, decoders, models, pre_tokenizers
@@ -105,4 +115,20 @@ def _byte_level(vocab: dict[str, int], merges: list[tuple[str, str]]) -> Tokeniz
     return tokenizer
 
 
-__all__ = ["bpe_tokenizer", "bpe_vocabulary", "write_bpe_tokenizer"]
+def main(argv: Sequence[str] | None = None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("checkpoint", type=Path, help="a checkpoint directory: its tokenizer.json is replaced")
+    ap.add_argument("--seed", type=int, default=0)
+    args = ap.parse_args(argv)
+    config = args.checkpoint / "config.json"
+    if not config.is_file():
+        ap.error(f"{args.checkpoint} has no config.json: not a checkpoint")
+    print(json.dumps(write_bpe_tokenizer(args.checkpoint, json.loads(config.read_text())["vocab_size"], args.seed)))
+    return 0
+
+
+__all__ = ["bpe_tokenizer", "bpe_vocabulary", "main", "write_bpe_tokenizer"]
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
 from tokenizers import Tokenizer
 
-from bench.bpe_tokenizer import MAX_TOKENS, MIN_TOKENS, bpe_tokenizer, bpe_vocabulary, write_bpe_tokenizer
+from bench.bpe_tokenizer import MAX_TOKENS, MIN_TOKENS, bpe_tokenizer, bpe_vocabulary, main, write_bpe_tokenizer
 
 
 @pytest.mark.parametrize("size", [MIN_TOKENS, 280, 512, 5000])
@@ -39,3 +40,14 @@ def test_any_text_encodes_and_decodes_back() -> None:
 def test_a_vocabulary_it_cannot_make_is_refused(size: int) -> None:
     with pytest.raises(ValueError, match=f"has 272 to 266496 tokens, not {size}"):
         bpe_vocabulary(size)
+
+
+def test_the_command_replaces_a_checkpoints_tokenizer(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    """``python -m bench.bpe_tokenizer DIR``: the size from DIR's config.json; a directory without one is refused."""
+    (tmp_path / "config.json").write_text(json.dumps({"vocab_size": 1000}))
+    (tmp_path / "tokenizer.json").write_text("a word-level one")
+    assert main([str(tmp_path)]) == 0
+    assert json.loads(capsys.readouterr().out) == {"tokens": 1000, "merges": len(bpe_vocabulary(1000)[1])}
+    assert Tokenizer.from_file(str(tmp_path / "tokenizer.json")).get_vocab_size() == 1000
+    with pytest.raises(SystemExit):
+        main([str(tmp_path / "nothing")])
