@@ -58,6 +58,14 @@ GRPC_POOL_TOLERANCE = 4
 """Threads gRPC's pool may add after the warm-up; a leak grows without bound."""
 
 KEYS = ("fds", "threads", "grpc_pool_threads", "rss_kib", "maps")
+METRIC_CHECKS = {
+    "fds": "fds_flat",
+    "threads": "threads_flat",
+    "grpc_pool_threads": "grpc_pool_bounded",
+    "maps": "maps_bounded",
+    "rss_kib": "rss_slope_small",
+}
+"""Each of :data:`KEYS`' check in :func:`analyse` (RSS has a second one, ``rss_end_bounded``), for the table."""
 
 
 def thread_names(pid: int | str = "self") -> list[str]:
@@ -324,31 +332,14 @@ def format_table(runs: list[dict[str, Any]]) -> str:
     for r in runs:
         for k in KEYS:
             v = r[k]
-            ok = {
-                "fds": "fds_flat",
-                "threads": "threads_flat",
-                "grpc_pool_threads": "grpc_pool_bounded",
-                "maps": "maps_bounded",
-                "rss_kib": "rss_slope_small",
-            }[k]
+            ok = METRIC_CHECKS[k]
             verdict = "ok" if r["checks"][ok] and (k != "rss_kib" or r["checks"]["rss_end_bounded"]) else "GROWTH"
             lines.append(
                 f"{r['variant']:<10}{r['host_reserve']!s:>9}{r['cycles']:>7}  {k:<18}{v['start']:>9}"
                 f"{v['after_warmup']:>9}{v['end']:>9}{v['max']:>9}{v['slope_per_1000']:>12.1f}  {verdict}"
             )
-        others = {
-            k: v
-            for k, v in r["checks"].items()
-            if k
-            not in (
-                "fds_flat",
-                "threads_flat",
-                "grpc_pool_bounded",
-                "maps_bounded",
-                "rss_slope_small",
-                "rss_end_bounded",
-            )
-        }
+        shown = {*METRIC_CHECKS.values(), "rss_end_bounded"}
+        others = {k: v for k, v in r["checks"].items() if k not in shown}
         lines.append(f"{'':<10}{r['seconds']:>8.1f}s  other checks: {others}  -> {'PASS' if r['passed'] else 'FAIL'}")
     return "\n".join(lines)
 

@@ -14,9 +14,11 @@ import torch
 from safetensors.torch import load_file, save_file
 from sharded_checkpoints import CONVERSIONS, PATTERN, destinations, reference, save_sharded, to_convert
 
+from bench.bench_loader import read_once
 from memsvc.errors import MemsvcError
 from worker.allocator import AllocatorConfig, MemoryAllocator
 from worker.model.loader import StreamingLoader
+from worker.prefetch import shard_order
 from worker.staging import CheckpointStaging
 
 MiB = 1 << 20
@@ -60,8 +62,7 @@ def _staged(alloc: MemoryAllocator, path: Path, threads: int = 2) -> CheckpointS
     each try reads the shards back first, and one that found a shard paged out again is tried again
     (three at most). Any other reason not to stage fails here, with the staging's own words."""
     for _ in range(3):
-        for shard in sorted(path.glob("*.safetensors")):
-            shard.read_bytes()
+        read_once(shard_order(str(path)))  # the files the staging stages, through the page cache
         staging = CheckpointStaging(alloc, str(path), threads=threads, margin_bytes=0).start()
         assert staging.wait(60)
         if "page cache" not in staging.why_not:
