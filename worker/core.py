@@ -51,7 +51,7 @@ from memsvc.vocabulary import (
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop, LoopPost
-from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory
+from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory, until_idle
 from worker.host_release import HostRelease
 from worker.model.text_source import TextInfo, TextSource
 from worker.staging import CheckpointStaging
@@ -252,6 +252,28 @@ class WorkerCore:
                 self._device_loop.submit,
                 lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
             )
+        if self.text_in_front:
+            self._loop.call_soon_threadsafe(self._read_decoding_when_idle, self.runner, time.monotonic())
+
+    def _read_decoding_when_idle(self, runner: ModelRunner, since: float) -> None:
+        """Read the model's decoding (what the engine matches stop strings with) on the device loop
+        once the engine has been idle for host_memory's IDLE_S since ``since``: the read holds the
+        GIL (0.06 s at Llama 3's size on the development machine), and the first request with stop
+        strings would otherwise stall every stream for it. A request that comes meanwhile waits for
+        it, as for a graph's capture between steps (on this process's event loop)."""
+        wait = until_idle(lambda: max(runner.engine.last_busy(), since))
+        if wait > 0:
+            self._loop.call_later(wait, self._read_decoding_when_idle, runner, since)
+            return
+
+        def read() -> None:
+            try:
+                runner.source.text_once.decoding()
+            except MemsvcError as exc:  # the first request with stop strings meets it again
+                log.warning("the model's decoding did not read: %s", exc)
+
+        with contextlib.suppress(RuntimeError):  # the worker stopped meanwhile
+            self._device_loop.submit(read)
 
     def _hold_host_memory(self) -> int:
         """Resolve ``auto`` (worker/host_memory.py): set the reserve, start its guard, and return the
@@ -308,6 +330,8 @@ class WorkerCore:
             except TimeoutError:
                 raise Unavailable(f"the RPC front did not read the model's text in {c.read_timeout:.0f} s") from None
             log.info("model text: read by the RPC front; waited %.2f s for it", time.perf_counter() - t0)
+            if text.decoding_file:
+                source.text_once.decode_with(text.decoding_file)
         else:  # bounded as the shards are (a hung mount)
             text = TextInfo.of(loader.bounded(c.model, lambda: source.text))
         text.check(source.config.vocab_size, source.name)

@@ -16,14 +16,17 @@ answer_text). Before the text is read (the model still loading), and for a model
 tokenizer, a request goes on as it came and the device process answers it as it always has.
 
 Stop strings are still matched by the device process's engine, at the token that completes one, so
-the generation ends exactly there; the device reads its own copy of the text for them, the first
-time a request has any (worker/model/text_source.py's TextOnce).
+the generation ends exactly there. It decodes with the tokenizer's decoding alone, which the front
+writes beside the device process's socket as it reads the text (worker/model/text.py's
+``Decoding.only``: a quarter of the whole tokenizer's read) and the device process reads while its
+engine idles after the load (worker/model/text_source.py's TextOnce).
 """
 
 from __future__ import annotations
 
 import asyncio
 import dataclasses
+from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
 from google.protobuf.message import DecodeError, Message
@@ -44,7 +47,12 @@ M = TypeVar("M", bound=Message)
 class FrontText:
     """The model's text as the front holds it: None until read (or when the model has none)."""
 
-    def __init__(self) -> None:
+    DECODING_FILE = "decoding.json"
+
+    def __init__(self, directory: str = "") -> None:
+        """``directory``: where to write the model's decoding for the device process (the device
+        process's socket directory, which it removes as it exits; "": it reads the whole text)."""
+        self._directory = directory
         self._text: ModelText | None = None
         self._eos: frozenset[int] = frozenset()
         self._encoding = 0
@@ -60,7 +68,23 @@ class FrontText:
         except Exception as exc:  # noqa: BLE001 - told to the device process, whose load fails with it
             return {"error": f"{where.directory or 'the model'}: cannot read the model's text ({exc!r})"}
         self._text, self._eos = text, frozenset(eos)
-        return {"info": dataclasses.asdict(TextInfo.of(text))}
+        info = TextInfo.of(text)
+        if text is not None and self._directory:
+            info = dataclasses.replace(info, decoding_file=await asyncio.to_thread(self._write_decoding, text))
+        return {"info": dataclasses.asdict(info)}
+
+    def _write_decoding(self, text: ModelText) -> str:
+        """The model's decoding alone, written for the device process's engine, which matches stop
+        strings with it (worker/model/text_source.py): where, or "" where it could not be written
+        (the engine then reads the whole text)."""
+        file = Path(self._directory, self.DECODING_FILE)
+        part = file.with_suffix(".part")
+        try:
+            part.write_text(text.only())
+            part.replace(file)  # whole or absent, whenever the device process looks
+        except OSError:
+            return ""
+        return str(file)
 
     @property
     def serves(self) -> bool:

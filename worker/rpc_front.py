@@ -286,7 +286,7 @@ async def serve(config: FrontConfig, security: Security) -> int:
     listen, device, drain = config.listen, config.device, config.drain
     channel = grpc.aio.insecure_channel(device, options=SERVER_OPTIONS)
     streams = DeviceStreams(channel)
-    text = FrontText()
+    text = FrontText(config.socket_dir)
     try:
         proxy = Proxy(channel, streams, text)
         srv = await start_server(listen, [proxy.register], [SERVICE.full_name], security=security)

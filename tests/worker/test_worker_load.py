@@ -10,12 +10,14 @@ import asyncio
 from pathlib import Path
 
 import pytest
+from asyncwait import wait_until
 from hf_models import text_model
 
 from memsvc.errors import MemsvcError
-from memsvc.vocabulary import WorkerState
+from memsvc.vocabulary import FinishReason, WorkerState
 from worker.config import WorkerConfig
 from worker.core import WorkerCore
+from worker.front_text import FrontText
 from worker.model.generation import GenerationRequest
 from worker.model.text_source import TextInfo, TextSource
 from worker.telemetry import Event, StateChange
@@ -50,17 +52,18 @@ async def test_the_state_reads_awake_only_once_the_load_lets_go_of_the_transitio
         await core.close()
 
 
-async def _loaded(text_in_front: bool, model: str = "synthetic:tiny") -> WorkerCore:
+async def _loaded(text_in_front: bool, model: str = "synthetic:tiny", front_dir: str = "") -> WorkerCore:
     core = WorkerCore(
         WorkerConfig(model=model, backend="host", kv_blocks=32, host_kv_blocks=8, host_capacity_bytes=256 << 20),
         asyncio.get_running_loop(),
         text_in_front=text_in_front,
     )
-    if text_in_front:  # what worker/main.py relays between the RPC front and the load
+    if text_in_front:  # what worker/main.py relays between the RPC front's reading and the load
 
         async def front() -> None:
             where = await asyncio.wrap_future(core.text_source)
-            core.text_found.set_result(TextInfo.of(where.load()))
+            found = await FrontText(front_dir).read(where)
+            core.text_found.set_result(TextInfo(**found["info"]))
 
         relay = asyncio.ensure_future(front())
     await core.load()
@@ -69,21 +72,47 @@ async def _loaded(text_in_front: bool, model: str = "synthetic:tiny") -> WorkerC
     return core
 
 
-async def test_with_the_text_in_the_front_the_device_process_reads_it_only_for_stop_strings(tmp_path: Path) -> None:
-    """The load tells where the text is and reports what the front found, without reading it; a
-    request with stop strings reads it (they are matched on the engine's thread)."""
-    path, _ = text_model(tmp_path)
-    core = await _loaded(True, str(path))
+async def test_with_the_text_in_the_front_the_device_process_reads_only_its_decoding_while_idle(
+    tmp_path: Path,
+) -> None:
+    """The load tells where the text is and reports what the front found, without reading it. Once
+    the engine idles, the device process reads the decoding alone the front wrote (for stop strings,
+    matched on the engine's thread), never the whole text; a request with stop strings ends at one."""
+    path, reference = text_model(tmp_path)
+    core = await _loaded(True, str(path), str(tmp_path))
     try:
         source = core.runner.source if core.runner is not None else None
         assert source is not None
         assert core.text_source.result() == TextSource(directory=str(path))
         assert core.status().model is not None and core.status().model.has_chat_template
         assert not source.text_once._read, "the load read the text the front reads"
-        await core.generate(GenerationRequest([5, 6, 7], 3, ignore_eos=True))
-        assert not source.text_once._read
-        await core.generate(GenerationRequest([5, 6, 7], 3, ignore_eos=True, stop_strings=("zz",)))
-        assert source.text_once._read
+        await wait_until(lambda: source.text_once._decoding is not None, "the decoding's read while idle", timeout=60)
+        assert (tmp_path / FrontText.DECODING_FILE).is_file()
+        whole = await core.generate(GenerationRequest([5, 6, 7], 12, ignore_eos=True))
+        text = reference.decode(whole.tokens, skip_special_tokens=True)
+        stop = text[len(text) // 2 :][:3]
+        assert stop, text
+        cut = await core.generate(GenerationRequest([5, 6, 7], 12, ignore_eos=True, stop_strings=(stop,)))
+        assert cut.matched_stop == stop and cut.finish_reason == FinishReason.STOP
+        n = len(cut.tokens)  # it ends at the first token whose text holds the stop string, as transformers decodes it
+        assert cut.tokens == whole.tokens[:n]
+        assert stop in reference.decode(cut.tokens, skip_special_tokens=True)
+        assert stop not in reference.decode(cut.tokens[:-1], skip_special_tokens=True)
+        assert not source.text_once._read, "the whole text was read for stop strings"
+    finally:
+        await core.close()
+
+
+async def test_a_front_that_wrote_no_decoding_leaves_the_device_process_to_read_the_whole_text(
+    tmp_path: Path,
+) -> None:
+    path, _ = text_model(tmp_path)
+    core = await _loaded(True, str(path))  # no directory: the front writes nothing
+    try:
+        source = core.runner.source if core.runner is not None else None
+        assert source is not None
+        await wait_until(lambda: source.text_once._read, "the whole text's read while idle", timeout=60)
+        assert (await core.generate(GenerationRequest([5, 6, 7], 3, ignore_eos=True, stop_strings=("zz",)))).tokens
     finally:
         await core.close()
 

@@ -63,7 +63,7 @@ from worker.model.step_limits import DEFAULT_MAX_BATCH, step_tokens
 from worker.stop_strings import StopMatcher
 
 if TYPE_CHECKING:
-    from worker.model.text import ModelText
+    from worker.model.text import Decoding
 
 log = logging.getLogger("memsvc.worker")
 
@@ -171,7 +171,7 @@ class Engine:
         max_position: int,
         eos_token_ids: Callable[[], tuple[int, ...]],
         check_ready: Callable[[], None],
-        text: Callable[[], ModelText | None] = lambda: None,
+        text: Callable[[], Decoding | None] = lambda: None,
         max_batch: int = DEFAULT_MAX_BATCH,
         max_step_tokens: int | None = None,
         max_new_tokens_limit: int = MAX_GENERATE_TOKENS,

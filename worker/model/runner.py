@@ -126,7 +126,7 @@ class ModelRunner:
             self.config.max_position_embeddings,
             lambda: self.source.eos_token_ids,
             lambda: self._check_awake(WEIGHTS, KV_CACHE),
-            lambda: self.source.text,
+            lambda: self.source.text_once.decoding(),
             max_batch,
             max_step_tokens,
             max_new_tokens_limit,

@@ -7,7 +7,8 @@ process by default (worker/rpc_front.py), whose GIL is not the model's and which
 model loads. :class:`TextSource` names it there, as plain values the device process hands over;
 :class:`TextInfo` is what the front found, which the device checks and reports; :class:`TextOnce` is
 the device process's own copy, read only where it must be: to serve text itself (``--rpc-front
-inline``), or to match a request's stop strings on the engine's thread.
+inline``), or to match a request's stop strings on the engine's thread, for which the decoding alone
+the front wrote is enough.
 
 No tokenizer or jinja2 here: the device process imports this with its model layer and reads the
 text only when asked.
@@ -15,6 +16,7 @@ text only when asked.
 
 from __future__ import annotations
 
+import logging
 import threading
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
@@ -23,7 +25,9 @@ from memsvc.errors import InvalidArgument
 from worker.model.generation import read_eos_token_ids
 
 if TYPE_CHECKING:
-    from worker.model.text import ModelText
+    from worker.model.text import Decoding, ModelText
+
+log = logging.getLogger("memsvc.worker")
 
 
 @dataclass(frozen=True)
@@ -34,6 +38,8 @@ class TextInfo:
     has_chat_template: bool = False
     vocab_size: int = 0
     """The tokenizer's tokens, added ones included (0 without a tokenizer)."""
+    decoding_file: str = ""
+    """Where the RPC front wrote the model's decoding alone, for the engine (:meth:`TextOnce.decode_with`)."""
 
     @classmethod
     def of(cls, text: ModelText | None) -> TextInfo:
@@ -72,13 +78,19 @@ class TextSource:
 
 class TextOnce:
     """A model's text side, read the first time it is asked for, then kept (any thread: a second
-    caller waits for the first one's read; a read that failed is tried again by the next caller)."""
+    caller waits for the first one's read; a read that failed is tried again by the next caller).
+
+    The engine asks only for its :meth:`decoding`, to match stop strings: with the text in the RPC
+    front, that is the decoding alone the front wrote (:meth:`decode_with`), a quarter of the whole
+    text's read, which the worker reads while its engine idles after the load (WorkerCore)."""
 
     def __init__(self, source: TextSource) -> None:
         self.source = source
         self._lock = threading.Lock()
         self._read = False
         self._text: ModelText | None = None
+        self._decoding_file = ""
+        self._decoding: Decoding | None = None
 
     def get(self) -> ModelText | None:
         with self._lock:
@@ -86,6 +98,28 @@ class TextOnce:
                 self._text = self.source.load()
                 self._read = True
             return self._text
+
+    def decode_with(self, file: str) -> None:
+        """The model's decoding alone is in ``file`` (worker/model/text.py's ``Decoding.only``):
+        :meth:`decoding` reads that, not the whole text."""
+        with self._lock:
+            self._decoding_file = file
+
+    def decoding(self) -> Decoding | None:
+        """How the model's tokens become text (None: it has no tokenizer): the decoding file's, read
+        the first time, else the whole text's."""
+        with self._lock:
+            if self._decoding is None and self._decoding_file and not self._read:
+                from worker.model.text import Decoding
+
+                try:
+                    self._decoding = Decoding.read(self._decoding_file)
+                except InvalidArgument as exc:  # the front's file is gone: the whole text decodes as well
+                    log.warning("the model's decoding did not read, the whole text is read instead: %s", exc)
+                    self._decoding_file = ""
+            if self._decoding is not None:
+                return self._decoding
+        return self.get()
 
 
 __all__ = ["TextInfo", "TextOnce", "TextSource"]
