@@ -78,10 +78,10 @@ def generation_request(
     request: worker_pb.GenerateRequest, sampling: SamplingParams, text: Callable[[], ModelText]
 ) -> GenerationRequest:
     """The request (already checked: ``sampling`` is what :func:`check_request` returned) with its
-    prompt encoded; ``text()`` is the model's text side (it raises for a model without one).
-    Encoding a long prompt takes a while: the servicer runs this on a thread."""
-    if request.stop:
-        text()  # stop strings are matched against the text: FAILED_PRECONDITION without a tokenizer
+    prompt encoded; ``text()`` is the model's text side (it raises for a model without one), asked
+    for only to encode a prompt: stop strings need the decoding alone, which the engine asks for
+    (worker/model/text_source.py), so a worker whose RPC front encodes does not read the whole text
+    for them. Encoding a long prompt takes a while: the servicer runs this on a thread."""
     if request.prompt:
         prompt = text().encode(request.prompt)
     elif request.messages:

@@ -341,7 +341,8 @@ def test_stop_strings_end_a_kept_sequence_at_the_token_that_completes_them(
 ) -> None:
     """The engine ends a request at the token whose text completes a stop string (not a step later):
     a kept sequence holds exactly the tokens returned, and its continuation is what the whole answer
-    without the stop would have said next."""
+    without the stop would have said next. The worker matched them with the decoding alone that its
+    RPC front wrote (worker/model/text_source.py), never reading the whole tokenizer itself."""
     wp, ref = text_worker
     full = gen(wp.stub, prompt="the quick brown fox", max_new_tokens=40, ignore_eos=True)
     text = ref.decode(list(full.token_ids), skip_special_tokens=True)
@@ -355,6 +356,8 @@ def test_stop_strings_end_a_kept_sequence_at_the_token_that_completes_them(
         assert kept.text == text[: text.find(stop)] and kept.finish_reason == common_pb.FINISH_REASON_STOP
         more = gen(wp.stub, sequence_id="stopped", max_new_tokens=3, ignore_eos=True)
         assert list(more.token_ids) == list(full.token_ids[count : count + 3])
+        said = wp.stderr_text()
+        assert "model text: its decoding read for stop strings" in said and "read whole" not in said, said[-4000:]
     finally:
         wp.stub.FreeSequence(worker_pb.FreeSequenceRequest(sequence_id="stopped"), timeout=10)
 

@@ -18,6 +18,7 @@ from __future__ import annotations
 
 import logging
 import threading
+import time
 from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
@@ -94,10 +95,14 @@ class TextOnce:
 
     def get(self) -> ModelText | None:
         with self._lock:
-            if not self._read:
-                self._text = self.source.load()
-                self._read = True
-            return self._text
+            return self._whole()
+
+    def _whole(self) -> ModelText | None:
+        """(With the lock held.)"""
+        if not self._read:
+            self._text = self.source.load()
+            self._read = True
+        return self._text
 
     def decode_with(self, file: str) -> None:
         """The model's decoding alone is in ``file`` (worker/model/text.py's ``Decoding.only``):
@@ -112,14 +117,21 @@ class TextOnce:
             if self._decoding is None and self._decoding_file and not self._read:
                 from worker.model.text import Decoding
 
+                t0 = time.perf_counter()
                 try:
                     self._decoding = Decoding.read(self._decoding_file)
+                    log.info("model text: its decoding read for stop strings in %.2f s", time.perf_counter() - t0)
                 except InvalidArgument as exc:  # the front's file is gone: the whole text decodes as well
                     log.warning("the model's decoding did not read, the whole text is read instead: %s", exc)
                     self._decoding_file = ""
             if self._decoding is not None:
                 return self._decoding
-        return self.get()
+            if self._read:
+                return self._text
+            t0 = time.perf_counter()
+            text = self._whole()
+            log.info("model text: read whole for stop strings in %.2f s", time.perf_counter() - t0)
+            return text
 
 
 __all__ = ["TextInfo", "TextOnce", "TextSource"]
