@@ -252,7 +252,7 @@ class WorkerCore:
                 self._device_loop.submit,
                 lambda: self.runner is not None and self.state == WorkerState.AWAKE and not self._sm.in_progress,
             )
-        if self.text_in_front:
+        if self.text_in_front and self._model_info.has_tokenizer:
             self._loop.call_soon_threadsafe(self._read_decoding_when_idle, self.runner, time.monotonic())
 
     def _read_decoding_when_idle(self, runner: ModelRunner, since: float) -> None:

@@ -176,8 +176,9 @@ class TextStream:
     ``DecodeStream`` refuses a token whose decoding changes text it already gave out ("Invalid
     prefix"). A SentencePiece decoder's byte fallback does that: it decodes a run of byte tokens
     together, and a run that is not UTF-8 becomes one U+FFFD per byte, so ``<0x0A>`` (a newline,
-    given out) followed by ``<0x80>`` turns the newline into U+FFFD. A model can emit such a run (a
-    random one often does), and the engine matching stop strings failed the whole batch with it.
+    given out) followed by ``<0x80>`` turns the newline into U+FFFD. A model can emit such a run
+    (one with random weights readily does), and the engine matching stop strings failed the whole
+    batch with it.
     Here the stream starts again at that token: what was given out stays, the token's own text comes
     (decoded alone), and the whole answer's text is the whole decoding as always."""
 
