@@ -51,7 +51,15 @@ from memsvc.vocabulary import (
 from worker.allocator import AllocatorConfig, AllocatorStats, MemoryAllocator
 from worker.config import WorkerConfig
 from worker.device_loop import DeviceLoop, LoopPost
-from worker.host_memory import AUTO, BackgroundPrepin, HostReserveGuard, auto_reserve, read_host_memory, until_idle
+from worker.host_memory import (
+    AUTO,
+    IDLE_S,
+    BackgroundPrepin,
+    HostReserveGuard,
+    auto_reserve,
+    read_host_memory,
+    until_idle,
+)
 from worker.host_release import HostRelease
 from worker.model.text_source import TextInfo, TextSource
 from worker.staging import CheckpointStaging
@@ -127,6 +135,17 @@ class WorkerCore:
         self.text_found: concurrent.futures.Future[TextInfo] = concurrent.futures.Future()
         """What the front found there (worker/main.py sets it); the load waits for it, checks it
         against the model, and reports it (with the text in front only)."""
+        self._decoding_file: str | None = None
+        """Where the front wrote the model's decoding alone ("": nowhere), once it says (:meth:`decode_with`)."""
+
+    def decode_with(self, file: str) -> None:
+        """The RPC front wrote the model's decoding alone to ``file`` ("": it wrote none), after the
+        text, which the load waits for: the engine matches stop strings with it
+        (worker/model/text_source.py). On the event loop, whenever it comes: the load hands it over
+        if the model is not built yet."""
+        self._decoding_file = file
+        if file and self.runner is not None:
+            self.runner.source.text_once.decode_with(file)
 
     def _note_activity(self) -> None:
         """Traffic resets the manager's idle clock; tell telemetry subscribers soon, not at the next
@@ -260,8 +279,9 @@ class WorkerCore:
         once the engine has been idle for host_memory's IDLE_S since ``since``: the read holds the
         GIL (0.06 s at Llama 3's size on the development machine), and the first request with stop
         strings would otherwise stall every stream for it. A request that comes meanwhile waits for
-        it, as for a graph's capture between steps (on this process's event loop)."""
-        wait = until_idle(lambda: max(runner.engine.last_busy(), since))
+        it, as for a graph's capture between steps (on this process's event loop). It waits for the
+        front to say where it wrote the decoding, if it has not yet (else the whole text is read)."""
+        wait = IDLE_S if self._decoding_file is None else until_idle(lambda: max(runner.engine.last_busy(), since))
         if wait > 0:
             self._loop.call_later(wait, self._read_decoding_when_idle, runner, since)
             return
@@ -330,8 +350,8 @@ class WorkerCore:
             except TimeoutError:
                 raise Unavailable(f"the RPC front did not read the model's text in {c.read_timeout:.0f} s") from None
             log.info("model text: read by the RPC front; waited %.2f s for it", time.perf_counter() - t0)
-            if text.decoding_file:
-                source.text_once.decode_with(text.decoding_file)
+            if self._decoding_file:  # (else decode_with hands it to the runner when it comes)
+                source.text_once.decode_with(self._decoding_file)
         else:  # bounded as the shards are (a hung mount)
             text = TextInfo.of(loader.bounded(c.model, lambda: source.text))
         text.check(source.config.vocab_size, source.name)

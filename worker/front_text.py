@@ -17,9 +17,9 @@ tokenizer, a request goes on as it came and the device process answers it as it 
 
 Stop strings are still matched by the device process's engine, at the token that completes one, so
 the generation ends exactly there. It decodes with the tokenizer's decoding alone, which the front
-writes beside the device process's socket as it reads the text (worker/model/text.py's
-``Decoding.only``: a quarter of the whole tokenizer's read) and the device process reads while its
-engine idles after the load (worker/model/text_source.py's TextOnce).
+writes beside the device process's socket once it has told what it found (which the load waits for;
+worker/model/text.py's ``Decoding.only``: a quarter of the whole tokenizer's read), and which the
+device process reads while its engine idles after the load (worker/model/text_source.py's TextOnce).
 """
 
 from __future__ import annotations
@@ -68,23 +68,28 @@ class FrontText:
         except Exception as exc:  # noqa: BLE001 - told to the device process, whose load fails with it
             return {"error": f"{where.directory or 'the model'}: cannot read the model's text ({exc!r})"}
         self._text, self._eos = text, frozenset(eos)
-        info = TextInfo.of(text)
-        if text is not None and self._directory:
-            info = dataclasses.replace(info, decoding_file=await asyncio.to_thread(self._write_decoding, text))
-        return {"info": dataclasses.asdict(info)}
+        return {"info": dataclasses.asdict(TextInfo.of(text))}
 
-    def _write_decoding(self, text: ModelText) -> str:
-        """The model's decoding alone, written for the device process's engine, which matches stop
-        strings with it (worker/model/text_source.py): where, or "" where it could not be written
-        (the engine then reads the whole text)."""
-        file = Path(self._directory, self.DECODING_FILE)
-        part = file.with_suffix(".part")
-        try:
-            part.write_text(text.only())
-            part.replace(file)  # whole or absent, whenever the device process looks
-        except OSError:
+    async def write_decoding(self) -> str:
+        """After :meth:`read` (and after the device process was told, which its load waits for):
+        the model's decoding alone, written on a thread for the device process's engine, which
+        matches stop strings with it (worker/model/text_source.py). Where, or "" where there is no
+        text or it could not be written (the engine then reads the whole text)."""
+        text = self._text
+        if text is None or not self._directory:
             return ""
-        return str(file)
+        file = Path(self._directory, self.DECODING_FILE)
+
+        def write() -> str:
+            part = file.with_suffix(".part")
+            try:
+                part.write_text(text.only())
+                part.replace(file)  # whole or absent, whenever the device process looks
+            except OSError:
+                return ""
+            return str(file)
+
+        return await asyncio.to_thread(write)
 
     @property
     def serves(self) -> bool:

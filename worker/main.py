@@ -264,7 +264,8 @@ async def _serve(config: WorkerConfig, listen: str, manager: str | None, adverti
 
 async def _text_through(core: WorkerCore, front: FrontProcess) -> None:
     """The model's text through the RPC front (worker/front_text.py): where it is, to the front as
-    soon as the load knows; what the front found there, to the load, which waits for it."""
+    soon as the load knows; what the front found there, to the load, which waits for it; then the
+    decoding the front wrote for the engine, whenever it says."""
     try:
         where = await asyncio.wrap_future(core.text_source)
     except asyncio.CancelledError:
@@ -282,6 +283,8 @@ async def _text_through(core: WorkerCore, front: FrontProcess) -> None:
             core.text_found.set_exception(found)
         else:
             core.text_found.set_result(found)
+    if not isinstance(found, BaseException):
+        core.decode_with(await front.decoding_written())
 
 
 async def _listen(

@@ -22,7 +22,8 @@ serving them on a unix socket in a directory only its user can enter.
 
 On stdin, JSON lines: the configuration (:class:`FrontConfig`), then ``{"text": TextSource's fields}``.
 On stdout: ``{"address": ...}`` (or ``{"error": ...}``), ``{"text": {"info": ...} or {"error": ...}}``,
-``{"serving": true}``, in that order (the device process sets SERVING only after the text's line).
+``{"serving": true}``, in that order (the device process sets SERVING only after the text's line);
+and ``{"decoding": path}`` after the text's line, before or after the serving one (worker/front_text.py).
 
 :class:`FrontProcess` starts and stops it from the device process.
 """
@@ -306,7 +307,9 @@ async def serve(config: FrontConfig, security: Security) -> int:
     reading: list[asyncio.Task[None]] = []
 
     async def read_text(where: TextSource) -> None:
-        _tell({"text": await text.read(where)})
+        _tell({"text": await text.read(where)})  # the load waits for this line: the decoding's comes after
+        if decoding := await text.write_decoding():
+            _tell({"decoding": decoding})
 
     def told(line: dict[str, Any]) -> None:
         if isinstance(line.get("text"), dict) and not reading:
@@ -478,12 +481,27 @@ class _Child:
             process.send_signal(sig)
 
 
+def _retrieved(future: asyncio.Future[Any]) -> None:
+    if not future.cancelled():
+        future.exception()
+
+
 class FrontProcess:
-    """The front as the device process sees it: started, watched, stopped."""
+    """The front as the device process sees it: started, watched, stopped.
+
+    After its address, what the front says on its stdout is read by one task (:meth:`_listen`) and
+    handed to whoever waits for it: the model's text (:meth:`text_found`), the decoding it wrote for
+    the engine (:meth:`decoding_written`), that it serves (:meth:`serving`)."""
 
     def __init__(self, process: _Child, address: str) -> None:
         self._process = process
         self.address = address
+        loop = asyncio.get_running_loop()
+        self._text: asyncio.Future[TextInfo] = loop.create_future()
+        self._decoding: asyncio.Future[str] = loop.create_future()
+        self._serving: asyncio.Future[bool] = loop.create_future()
+        self._text.add_done_callback(_retrieved)  # a load that failed before it knew asks for none
+        self._listening = asyncio.ensure_future(self._listen())
 
     @classmethod
     async def start(cls, config: FrontConfig) -> FrontProcess:
@@ -502,6 +520,35 @@ class FrontProcess:
             raise InvalidArgument(str(answer.get("error", answer)))
         return cls(process, str(answer["address"]))
 
+    async def _listen(self) -> None:
+        """Read the front's lines until it exits; what it never said is then settled: the text with
+        Unavailable, no decoding (""), not serving."""
+        try:
+            while line := await self._process.readline():
+                with contextlib.suppress(ValueError):
+                    told = json.loads(line)
+                    if isinstance(told, dict):
+                        self._told(told)
+        finally:
+            if not self._text.done():
+                self._text.set_exception(Unavailable("the RPC front exited before it read the model's text"))
+            if not self._decoding.done():
+                self._decoding.set_result("")
+            if not self._serving.done():
+                self._serving.set_result(False)
+
+    def _told(self, told: dict[str, Any]) -> None:
+        found = told.get("text")
+        if isinstance(found, dict) and not self._text.done():
+            if "info" in found:
+                self._text.set_result(TextInfo(**found["info"]))
+            else:
+                self._text.set_exception(InvalidArgument(str(found.get("error", found))))
+        if isinstance(told.get("decoding"), str) and not self._decoding.done():
+            self._decoding.set_result(told["decoding"])
+        if told.get("serving") is True and not self._serving.done():
+            self._serving.set_result(True)
+
     def tell_text(self, where: TextSource) -> None:
         """Where the model's text is: the front reads it now (see :meth:`text_found`)."""
         with contextlib.suppress(OSError):  # it exited: text_found says so
@@ -509,27 +556,18 @@ class FrontProcess:
 
     async def text_found(self) -> TextInfo:
         """What the front found where :meth:`tell_text` said: InvalidArgument where the text does
-        not read, Unavailable if the front exited first. Read after :meth:`start`, before
-        :meth:`serving` (one reader of its stdout at a time)."""
-        while line := await self._process.readline():
-            with contextlib.suppress(ValueError):
-                told = json.loads(line)
-                found = told.get("text") if isinstance(told, dict) else None
-                if isinstance(found, dict) and "info" in found:
-                    return TextInfo(**found["info"])
-                if isinstance(found, dict):
-                    raise InvalidArgument(str(found.get("error", found)))
-        raise Unavailable("the RPC front exited before it read the model's text")
+        not read, Unavailable if the front exited first."""
+        return await asyncio.shield(self._text)
+
+    async def decoding_written(self) -> str:
+        """Where the front wrote the model's decoding alone for the engine, after it told the text
+        (worker/front_text.py); "" where it wrote none or exited first."""
+        return await asyncio.shield(self._decoding)
 
     async def serving(self) -> bool:
         """Wait until the front answers health checks with SERVING (it mirrors the device process's
         health); False if it exited first."""
-        while line := await self._process.readline():  # read here and in start only, never at once
-            with contextlib.suppress(ValueError):
-                told = json.loads(line)
-                if isinstance(told, dict) and told.get("serving") is True:
-                    return True
-        return False
+        return await asyncio.shield(self._serving)
 
     async def wait(self) -> int:
         return await self._process.wait()

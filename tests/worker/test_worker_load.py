@@ -62,8 +62,10 @@ async def _loaded(text_in_front: bool, model: str = "synthetic:tiny", front_dir:
 
         async def front() -> None:
             where = await asyncio.wrap_future(core.text_source)
-            found = await FrontText(front_dir).read(where)
+            text = FrontText(front_dir)
+            found = await text.read(where)
             core.text_found.set_result(TextInfo(**found["info"]))
+            core.decode_with(await text.write_decoding())
 
         relay = asyncio.ensure_future(front())
     await core.load()

@@ -39,8 +39,6 @@ class TextInfo:
     has_chat_template: bool = False
     vocab_size: int = 0
     """The tokenizer's tokens, added ones included (0 without a tokenizer)."""
-    decoding_file: str = ""
-    """Where the RPC front wrote the model's decoding alone, for the engine (:meth:`TextOnce.decode_with`)."""
 
     @classmethod
     def of(cls, text: ModelText | None) -> TextInfo:
