@@ -17,15 +17,20 @@ tokenizer, a request goes on as it came and the device process answers it as it 
 
 Stop strings are still matched by the device process's engine, at the token that completes one, so
 the generation ends exactly there. It decodes with the tokenizer's decoding alone, which the front
-writes beside the device process's socket once it has told what it found (which the load waits for;
-worker/model/text.py's ``Decoding.only``: a quarter of the whole tokenizer's read), and which the
-device process reads while its engine idles after the load (worker/model/text_source.py's TextOnce).
+has written beside the device process's socket, in a process of its own, once it told what it found
+(which the load waits for; worker/model/text.py's ``Decoding.only``: a quarter of the whole
+tokenizer's read; worker/decoding_writer.py), and which the device process reads while its engine
+idles after the load (worker/model/text_source.py's TextOnce).
 """
 
 from __future__ import annotations
 
 import asyncio
+import contextlib
 import dataclasses
+import json
+import logging
+import sys
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -42,6 +47,7 @@ if TYPE_CHECKING:  # tokenizers and jinja2 are imported with the text, on a thre
     from worker.model.text import ModelText
 
 M = TypeVar("M", bound=Message)
+log = logging.getLogger("memsvc.worker.front")
 
 
 class FrontText:
@@ -70,26 +76,37 @@ class FrontText:
         self._text, self._eos = text, frozenset(eos)
         return {"info": dataclasses.asdict(TextInfo.of(text))}
 
-    async def write_decoding(self) -> str:
+    async def write_decoding(self, where: TextSource) -> str:
         """After :meth:`read` (and after the device process was told, which its load waits for):
-        the model's decoding alone, written on a thread for the device process's engine, which
-        matches stop strings with it (worker/model/text_source.py). Where, or "" where there is no
-        text or it could not be written (the engine then reads the whole text)."""
-        text = self._text
-        if text is None or not self._directory:
+        the model's decoding alone, written by a process of its own (worker/decoding_writer.py says
+        why) for the device process's engine, which matches stop strings with it
+        (worker/model/text_source.py). Where, or "" where there is no text or it was not written
+        (the engine then reads the whole text)."""
+        if self._text is None or not self._directory:
             return ""
         file = Path(self._directory, self.DECODING_FILE)
-
-        def write() -> str:
-            part = file.with_suffix(".part")
-            try:
-                part.write_text(text.only())
-                part.replace(file)  # whole or absent, whenever the device process looks
-            except OSError:
-                return ""
-            return str(file)
-
-        return await asyncio.to_thread(write)
+        writer = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "worker.decoding_writer",
+            json.dumps(dataclasses.asdict(where)),
+            str(file),
+            stdin=asyncio.subprocess.DEVNULL,
+            stdout=asyncio.subprocess.DEVNULL,
+            stderr=asyncio.subprocess.PIPE,
+        )
+        try:
+            _, err = await writer.communicate()
+        except asyncio.CancelledError:  # the front stops: so does the writer
+            with contextlib.suppress(ProcessLookupError):
+                writer.kill()
+            raise
+        if writer.returncode != 0:
+            log.warning(
+                "%s", err.decode(errors="replace").strip() or f"the decoding's writer exited {writer.returncode}"
+            )
+            return ""
+        return str(file)
 
     @property
     def serves(self) -> bool:

@@ -308,7 +308,7 @@ async def serve(config: FrontConfig, security: Security) -> int:
 
     async def read_text(where: TextSource) -> None:
         _tell({"text": await text.read(where)})  # the load waits for this line: the decoding's comes after
-        if decoding := await text.write_decoding():
+        if decoding := await text.write_decoding(where):
             _tell({"decoding": decoding})
 
     def told(line: dict[str, Any]) -> None:

@@ -16,6 +16,7 @@ from hf_models import CORPUS, text_model
 from tokenizers import Tokenizer, decoders, models, normalizers, trainers
 
 from memsvc.errors import InvalidArgument
+from worker import decoding_writer
 from worker.model.synthetic_text import synthetic_text
 from worker.model.text import Decoding, ModelText
 
@@ -104,3 +105,20 @@ def test_a_byte_run_that_is_not_utf8_starts_the_stream_again_instead_of_failing(
     clean = _ids(tok, "h", "<0x0A>", "<think>", "h")
     ours = Decoding(tok).stream()
     assert "".join(ours.step(i) for i in clean) == Decoding(tok).decode(clean) == "h\n <think>h"
+
+
+def test_the_writer_process_writes_the_decoding_whole_or_not_at_all(tmp_path: Path) -> None:
+    """worker/decoding_writer.py, as the RPC front runs it: a model's decoding into a file, which
+    reads back and decodes as the model's text does; a model without a tokenizer gets no file."""
+    path, _ = text_model(tmp_path)
+    file = tmp_path / "decoding.json"
+    assert decoding_writer.main([json.dumps({"directory": str(path)}), str(file)]) == 0
+    text = ModelText.load(path)
+    assert text is not None
+    ids = list(range(text.vocab_size))
+    assert Decoding.read(file).decode(ids) == text.decode(ids)
+    assert not file.with_suffix(".part").exists()
+    (tmp_path / "no-tokenizer").mkdir()
+    other = tmp_path / "other.json"
+    assert decoding_writer.main([json.dumps({"directory": str(tmp_path / "no-tokenizer")}), str(other)]) == 1
+    assert not other.exists()

@@ -65,7 +65,7 @@ async def _loaded(text_in_front: bool, model: str = "synthetic:tiny", front_dir:
             text = FrontText(front_dir)
             found = await text.read(where)
             core.text_found.set_result(TextInfo(**found["info"]))
-            core.decode_with(await text.write_decoding())
+            core.decode_with(await text.write_decoding(where))
 
         relay = asyncio.ensure_future(front())
     await core.load()
