@@ -1,13 +1,14 @@
-"""Writes a model's decoding alone (worker/model/text.py's ``Decoding.only``: the tokenizer without
+"""Writes a model's decoding alone (worker/model/text.py's ``decoding_only``: the tokenizer without
 its BPE merges) to a file, in a process of its own: ``python -m worker.decoding_writer SOURCE FILE``,
 ``SOURCE`` a TextSource's fields as JSON. Exit 0 once ``FILE`` is there, whole (written aside, then
-renamed); 1 with the reason on stderr.
+renamed); :data:`NO_TOKENIZER` for a model without one; 1 with the reason on stderr.
 
-Why a process: the RPC front writes this file for the device process's engine, which matches stop
-strings with it (worker/front_text.py). Making it holds a process's GIL for about a quarter of a
-second at Llama 3's size (the whole tokenizer as JSON, parsed), in calls that do not let go of it,
-and the front makes it just as the worker begins to serve: in the front's own process that held up
-the front's first requests. Here it takes another core, and neither the front's GIL nor the model's.
+Why a process: the RPC front has this file written for the device process's engine, which matches
+stop strings with it (worker/front_text.py), beside its own read of the text. Made from the
+checkpoint's ``tokenizer.json`` as JSON (not from a tokenizer read first), it holds a GIL for about
+a quarter of a second at Llama 3's size, in calls that do not let go of it; in the front's process
+that held up the front's first requests. Here it takes another core, and neither the front's GIL nor
+the model's, and it is done before the front's own read of the tokenizer.
 """
 
 from __future__ import annotations
@@ -17,16 +18,36 @@ import sys
 from collections.abc import Sequence
 from pathlib import Path
 
+from worker.checkpoint_files import read_json
 from worker.model.text_source import TextSource
+
+NO_TOKENIZER = 3
+"""The exit status for a model without a tokenizer: nothing to write, nothing wrong."""
+
+
+class NoTokenizer(Exception):
+    """The model has no tokenizer."""
 
 
 def write(where: TextSource, file: Path) -> None:
-    """The decoding of the text at ``where`` into ``file`` (ValueError: the model has no tokenizer)."""
-    text = where.load()
-    if text is None:
-        raise ValueError(f"{where.directory or 'the model'} has no tokenizer")
+    """The decoding of the text at ``where`` into ``file`` (NoTokenizer: the model has none)."""
+    from worker.model.text import TOKENIZER_FILE, decoding_only
+
+    if where.directory:
+        path = Path(where.directory, TOKENIZER_FILE)
+        if not path.is_file():
+            raise NoTokenizer(where.directory)
+        spec = read_json(path)  # bounded: size, depth, a regular file
+        if not isinstance(spec, dict):
+            raise ValueError(f"{path}: expected a JSON object")
+        only = decoding_only(spec)
+    else:
+        text = where.load()
+        if text is None:
+            raise NoTokenizer("the model")
+        only = text.only()
     part = file.with_suffix(".part")
-    part.write_text(text.only())
+    part.write_text(only)
     part.replace(file)  # whole or absent, whenever the device process looks
 
 
@@ -37,7 +58,9 @@ def main(argv: Sequence[str] | None = None) -> int:
         return 2
     try:
         write(TextSource(**json.loads(args[0])), Path(args[1]))
-    except Exception as exc:  # noqa: BLE001 - the front reads the reason and writes no decoding
+    except NoTokenizer:
+        return NO_TOKENIZER
+    except Exception as exc:  # noqa: BLE001 - the front logs the reason and writes no decoding
         print(f"the model's decoding was not written: {exc}", file=sys.stderr)
         return 1
     return 0

@@ -40,6 +40,7 @@ from memsvc.errors import MemsvcError, Overloaded
 from memsvc.runtime.limits import MAX_QUEUED_GENERATES
 from memsvc.runtime.rpc_errors import undecodable
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
+from worker import decoding_writer
 from worker.generate_messages import StreamedText, answer_text, check_request, generation_request
 from worker.model.text_source import TextInfo, TextSource
 
@@ -77,12 +78,11 @@ class FrontText:
         return {"info": dataclasses.asdict(TextInfo.of(text))}
 
     async def write_decoding(self, where: TextSource) -> str:
-        """After :meth:`read` (and after the device process was told, which its load waits for):
-        the model's decoding alone, written by a process of its own (worker/decoding_writer.py says
-        why) for the device process's engine, which matches stop strings with it
-        (worker/model/text_source.py). Where, or "" where there is no text or it was not written
-        (the engine then reads the whole text)."""
-        if self._text is None or not self._directory:
+        """Beside :meth:`read`: the model's decoding alone, written by a process of its own
+        (worker/decoding_writer.py says why) for the device process's engine, which matches stop
+        strings with it (worker/model/text_source.py). Where, or "" where the model has no
+        tokenizer or it was not written (the engine then reads the whole text)."""
+        if not self._directory:
             return ""
         file = Path(self._directory, self.DECODING_FILE)
         writer = await asyncio.create_subprocess_exec(
@@ -101,6 +101,8 @@ class FrontText:
             with contextlib.suppress(ProcessLookupError):
                 writer.kill()
             raise
+        if writer.returncode == decoding_writer.NO_TOKENIZER:
+            return ""
         if writer.returncode != 0:
             log.warning(
                 "%s", err.decode(errors="replace").strip() or f"the decoding's writer exited {writer.returncode}"

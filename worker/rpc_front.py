@@ -307,9 +307,13 @@ async def serve(config: FrontConfig, security: Security) -> int:
     reading: list[asyncio.Task[None]] = []
 
     async def read_text(where: TextSource) -> None:
-        _tell({"text": await text.read(where)})  # the load waits for this line: the decoding's comes after
-        if decoding := await text.write_decoding(where):
-            _tell({"decoding": decoding})
+        writing = asyncio.ensure_future(text.write_decoding(where))  # by a process of its own, beside the read
+        try:
+            _tell({"text": await text.read(where)})  # the load waits for this line: the decoding's comes after
+            if decoding := await writing:
+                _tell({"decoding": decoding})
+        finally:
+            writing.cancel()
 
     def told(line: dict[str, Any]) -> None:
         if isinstance(line.get("text"), dict) and not reading:

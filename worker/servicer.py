@@ -219,6 +219,12 @@ class ModelWorkerServicer(worker_grpc.ModelWorkerServiceServicer):
         telemetry on the loop). The place is held until the encoding ends, even for a caller who left."""
         sampling = check_request(request)
         slot = self.core.reserve_generate()
+        if request.stop:
+            try:
+                await self.core.stop_strings_ready()
+            except BaseException:
+                slot.release()
+                raise
         encoding = asyncio.ensure_future(asyncio.to_thread(generation_request, request, sampling, self.core.text))
         try:
             return await asyncio.shield(encoding), slot

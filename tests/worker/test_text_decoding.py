@@ -108,17 +108,27 @@ def test_a_byte_run_that_is_not_utf8_starts_the_stream_again_instead_of_failing(
 
 
 def test_the_writer_process_writes_the_decoding_whole_or_not_at_all(tmp_path: Path) -> None:
-    """worker/decoding_writer.py, as the RPC front runs it: a model's decoding into a file, which
-    reads back and decodes as the model's text does; a model without a tokenizer gets no file."""
+    """worker/decoding_writer.py, as the RPC front runs it: a model's decoding into a file (from a
+    checkpoint's tokenizer.json as JSON, or a synthetic model's tokenizer), which reads back and
+    decodes every id as the model's text does; a model without a tokenizer gets no file, and says
+    so apart from a failure."""
     path, _ = text_model(tmp_path)
-    file = tmp_path / "decoding.json"
-    assert decoding_writer.main([json.dumps({"directory": str(path)}), str(file)]) == 0
-    text = ModelText.load(path)
-    assert text is not None
-    ids = list(range(text.vocab_size))
-    assert Decoding.read(file).decode(ids) == text.decode(ids)
-    assert not file.with_suffix(".part").exists()
+    synthetic = synthetic_text(4096)
+    assert synthetic is not None
+    loaded = ModelText.load(path)
+    assert loaded is not None
+    for source, text in (({"directory": str(path)}, loaded), ({"synthetic_vocab": 4096}, synthetic)):
+        file = tmp_path / "decoding.json"
+        assert decoding_writer.main([json.dumps(source), str(file)]) == 0
+        ids = list(range(text.vocab_size))
+        assert Decoding.read(file).decode(ids) == text.decode(ids), source
+        assert [Decoding.read(file).decode([i]) for i in ids] == [text.decode([i]) for i in ids], source
+        assert not file.with_suffix(".part").exists()
     (tmp_path / "no-tokenizer").mkdir()
     other = tmp_path / "other.json"
-    assert decoding_writer.main([json.dumps({"directory": str(tmp_path / "no-tokenizer")}), str(other)]) == 1
+    no_tokenizer = json.dumps({"directory": str(tmp_path / "no-tokenizer")})
+    assert decoding_writer.main([no_tokenizer, str(other)]) == decoding_writer.NO_TOKENIZER
+    (tmp_path / "bad").mkdir()
+    (tmp_path / "bad" / "tokenizer.json").write_text("[1, 2]")
+    assert decoding_writer.main([json.dumps({"directory": str(tmp_path / "bad")}), str(other)]) == 1
     assert not other.exists()

@@ -100,12 +100,8 @@ class Decoding:
         return cls(_read_tokenizer(file))
 
     def only(self) -> str:
-        """This tokenizer as JSON without what decoding leaves unused (a BPE's merges)."""
-        spec = json.loads(self.tokenizer.to_str())
-        model = spec.get("model")
-        if isinstance(model, dict) and model.get("type") == "BPE":
-            model["merges"] = []
-        return json.dumps(spec, ensure_ascii=False)
+        """This tokenizer as JSON without what decoding leaves unused (see :func:`decoding_only`)."""
+        return decoding_only(json.loads(self.tokenizer.to_str()))
 
     def decode(self, ids: Sequence[int]) -> str:
         return str(self.tokenizer.decode(list(ids), skip_special_tokens=True))
@@ -195,6 +191,15 @@ class TextStream:
             return str(self._decode.step(self._tokenizer, token) or "")
 
 
+def decoding_only(spec: dict[str, Any]) -> str:
+    """A tokenizer's JSON (``tokenizer.json``'s, parsed) without what decoding leaves unused: a
+    BPE's merges (``spec`` is changed)."""
+    model = spec.get("model")
+    if isinstance(model, dict) and model.get("type") == "BPE":
+        model["merges"] = []
+    return json.dumps(spec, ensure_ascii=False)
+
+
 def _read_tokenizer(file: str | Path) -> Tokenizer:
     try:
         return Tokenizer.from_file(str(file))
@@ -233,4 +238,12 @@ def _chat_template(root: Path, config: Mapping[str, Any]) -> str | None:
     return template if isinstance(template, str) and template else None
 
 
-__all__ = ["CHAT_TEMPLATE_FILE", "TOKENIZER_CONFIG", "TOKENIZER_FILE", "Decoding", "ModelText", "TextStream"]
+__all__ = [
+    "CHAT_TEMPLATE_FILE",
+    "TOKENIZER_CONFIG",
+    "TOKENIZER_FILE",
+    "Decoding",
+    "ModelText",
+    "TextStream",
+    "decoding_only",
+]
