@@ -153,9 +153,9 @@ class WorkerCore:
         """Before a request with stop strings goes to the engine: with the text in the RPC front,
         once the load knows there is a tokenizer, wait until the front has said where the decoding
         is (it is written beside the front's read of the text, and comes soon after it), up to
-        ``read_timeout``. Waiting here holds neither the
-        engine nor the GIL; without it, a request that came first made the engine read the whole
-        text, 0.6 s of every stream's time on an H200 host (docs/benchmarks.md)."""
+        ``read_timeout``. Waiting here holds neither the engine nor the GIL; without it, a request
+        that came first made the engine read the whole text, 0.6 s of every stream's time on the
+        H200 (docs/benchmarks.md)."""
         if self.text_in_front and self._model_info.has_tokenizer and not self._decoding_told.is_set():
             with contextlib.suppress(TimeoutError):  # then the engine reads the whole text
                 await asyncio.wait_for(self._decoding_told.wait(), self.config.read_timeout)
@@ -290,7 +290,7 @@ class WorkerCore:
     def _read_decoding_when_idle(self, runner: ModelRunner, since: float) -> None:
         """Read the model's decoding (what the engine matches stop strings with) on the device loop
         once the engine has been idle for host_memory's IDLE_S since ``since``: the read holds the
-        GIL (0.06 s at Llama 3's size on the development machine), and the first request with stop
+        GIL (0.11-0.15 s at Llama 3's size on the GPU hosts), and the first request with stop
         strings would otherwise stall every stream for it. A request that comes meanwhile waits for
         it, as for a graph's capture between steps (on this process's event loop). It waits for the
         front to say where it wrote the decoding, if it has not yet (else the whole text is read)."""

@@ -16,11 +16,12 @@ answer_text). Before the text is read (the model still loading), and for a model
 tokenizer, a request goes on as it came and the device process answers it as it always has.
 
 Stop strings are still matched by the device process's engine, at the token that completes one, so
-the generation ends exactly there. It decodes with the tokenizer's decoding alone, which the front
-has written beside the device process's socket, in a process of its own, once it told what it found
-(which the load waits for; worker/model/text.py's ``Decoding.only``: a quarter of the whole
-tokenizer's read; worker/decoding_writer.py), and which the device process reads while its engine
-idles after the load (worker/model/text_source.py's TextOnce).
+the generation ends exactly there. It decodes with the tokenizer's decoding alone (the tokenizer
+without its BPE merges: a quarter of the whole one's read), which a process of the front's own
+writes beside the device process's socket while the front reads the text
+(worker/decoding_writer.py); the front says where after it told the text, which the load waits for,
+and the device process reads it while its engine idles after the load
+(worker/model/text_source.py's TextOnce).
 """
 
 from __future__ import annotations

@@ -84,11 +84,11 @@ class Decoding:
 
     Decoding takes each id's token (the model's vocabulary and the added tokens) through the
     tokenizer's decoder; it never uses a BPE's merges, which are most of a large tokenizer's file and
-    of its read. :meth:`only` writes a tokenizer without them, which decodes every id as the whole
-    one does: the RPC front's process hands it to the device process, whose engine decodes to match
-    stop strings (worker/model/text_source.py), and reading it there holds the model's GIL for a
-    quarter of the whole one's read (0.06 s against 0.25 s at Llama 3's size on the development
-    machine).
+    of its read. :func:`decoding_only` writes a tokenizer without them, which decodes every id as the
+    whole one does: the RPC front has it written for the device process (worker/decoding_writer.py),
+    whose engine decodes to match stop strings (worker/model/text_source.py), and reading it there
+    holds the model's GIL for a quarter of the whole one's read (0.06 s against 0.25 s at Llama 3's
+    size on the development machine, 0.11-0.15 s on the GPU hosts).
     """
 
     def __init__(self, tokenizer: Tokenizer) -> None:

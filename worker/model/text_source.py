@@ -103,7 +103,7 @@ class TextOnce:
         return self._text
 
     def decode_with(self, file: str) -> None:
-        """The model's decoding alone is in ``file`` (worker/model/text.py's ``Decoding.only``):
+        """The model's decoding alone is in ``file`` (worker/model/text.py's ``decoding_only``):
         :meth:`decoding` reads that, not the whole text."""
         with self._lock:
             self._decoding_file = file
