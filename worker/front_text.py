@@ -31,7 +31,9 @@ import contextlib
 import dataclasses
 import json
 import logging
+import subprocess
 import sys
+import threading
 from pathlib import Path
 from typing import TYPE_CHECKING, Any, TypeVar
 
@@ -61,6 +63,9 @@ class FrontText:
         """``directory``: where to write the model's decoding for the device process (the device
         process's socket directory, which it removes as it exits; "": it reads the whole text)."""
         self._directory = directory
+        self._writer: subprocess.Popen[bytes] | None = None
+        self._writer_lock = threading.Lock()
+        self._stop_writing = False
         self._text: ModelText | None = None
         self._eos: frozenset[int] = frozenset()
         self._encoding = 0
@@ -82,34 +87,42 @@ class FrontText:
         """Beside :meth:`read`: the model's decoding alone, written by a process of its own
         (worker/decoding_writer.py says why) for the device process's engine, which matches stop
         strings with it (worker/model/text_source.py). Where, or "" where the model has no
-        tokenizer or it was not written (the engine then reads the whole text)."""
+        tokenizer, it was not written, or :meth:`stop_writing` came first (the engine then reads
+        the whole text). The process is waited for on a thread: a loop's child watcher would outlive
+        a front that stops while it runs."""
         if not self._directory:
             return ""
         file = Path(self._directory, self.DECODING_FILE)
-        writer = await asyncio.create_subprocess_exec(
-            sys.executable,
-            "-m",
-            "worker.decoding_writer",
-            json.dumps(dataclasses.asdict(where)),
-            str(file),
-            stdin=asyncio.subprocess.DEVNULL,
-            stdout=asyncio.subprocess.DEVNULL,
-            stderr=asyncio.subprocess.PIPE,
-        )
-        try:
-            _, err = await writer.communicate()
-        except asyncio.CancelledError:  # the front stops: so does the writer
-            with contextlib.suppress(ProcessLookupError):
-                writer.kill()
-            raise
-        if writer.returncode == decoding_writer.NO_TOKENIZER:
+        argv = [sys.executable, "-m", "worker.decoding_writer", json.dumps(dataclasses.asdict(where)), str(file)]
+
+        def write() -> tuple[int, bytes]:
+            with self._writer_lock:
+                if self._stop_writing:
+                    return -1, b""
+                writer = self._writer = subprocess.Popen(
+                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                )
+            with writer:
+                _, err = writer.communicate()
+            return writer.returncode, err
+
+        rc, err = await asyncio.to_thread(write)
+        if rc in (decoding_writer.NO_TOKENIZER, -1) or self._stop_writing:
             return ""
-        if writer.returncode != 0:
-            log.warning(
-                "%s", err.decode(errors="replace").strip() or f"the decoding's writer exited {writer.returncode}"
-            )
+        if rc != 0:
+            log.warning("%s", err.decode(errors="replace").strip() or f"the decoding's writer exited {rc}")
             return ""
         return str(file)
+
+    def stop_writing(self) -> None:
+        """No decoding now: the writer, if it runs, is killed (this process stops, or the text did
+        not read), and none starts after this."""
+        with self._writer_lock:
+            self._stop_writing = True
+            writer = self._writer
+        if writer is not None and writer.poll() is None:
+            with contextlib.suppress(ProcessLookupError):
+                writer.kill()
 
     @property
     def serves(self) -> bool:

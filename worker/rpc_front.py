@@ -308,12 +308,12 @@ async def serve(config: FrontConfig, security: Security) -> int:
 
     async def read_text(where: TextSource) -> None:
         writing = asyncio.ensure_future(text.write_decoding(where))  # by a process of its own, beside the read
-        try:
-            _tell({"text": await text.read(where)})  # the load waits for this line: the decoding's comes after
-            if decoding := await writing:
-                _tell({"decoding": decoding})
-        finally:
-            writing.cancel()
+        found = await text.read(where)
+        _tell({"text": found})  # the load waits for this line: the decoding's comes after
+        if "info" not in found:  # the load fails: no decoding
+            text.stop_writing()
+        if decoding := await writing:
+            _tell({"decoding": decoding})
 
     def told(line: dict[str, Any]) -> None:
         if isinstance(line.get("text"), dict) and not reading:
@@ -326,6 +326,7 @@ async def serve(config: FrontConfig, security: Security) -> int:
     health.cancel()
     for task in reading:
         task.cancel()
+    text.stop_writing()  # a decoding's writer still running ends now (its thread with it)
     await srv.set_serving(False)
     await srv.stop(drain)
     streams.close()
