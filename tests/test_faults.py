@@ -368,6 +368,9 @@ def test_vanished_watchers_are_dropped(cluster: Cluster) -> None:
     (wp,) = cluster.workers_up(mp, ["w1"])
     assert mp.proc is not None and wp.proc is not None
     mgr_proc, worker_proc = mp.proc, wp.proc
+    # the start's last child first: the RPC front's writer of the decoding for stop strings (its
+    # descriptors are the worker's, counted below) has ended once the worker read what it wrote
+    wait_for(wp.stderr_text, lambda said: "its decoding read for stop strings" in said, timeout=60, what="the decoding")
     counts = []
     for _round in range(3):
         base = (open_fds(mp.proc.pid), open_fds(wp.proc.pid))
