@@ -99,9 +99,12 @@ class FrontText:
             with self._writer_lock:
                 if self._stop_writing:
                     return -1, b""
-                writer = self._writer = subprocess.Popen(
-                    argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
-                )
+                try:
+                    writer = self._writer = subprocess.Popen(
+                        argv, stdin=subprocess.DEVNULL, stdout=subprocess.DEVNULL, stderr=subprocess.PIPE
+                    )
+                except OSError as exc:  # no process to be had (EAGAIN, ENOMEM): the whole text it is
+                    return 1, f"the decoding's writer did not start: {exc}".encode()
             with writer:
                 _, err = writer.communicate()
             return writer.returncode, err

@@ -23,7 +23,8 @@ serving them on a unix socket in a directory only its user can enter.
 On stdin, JSON lines: the configuration (:class:`FrontConfig`), then ``{"text": TextSource's fields}``.
 On stdout: ``{"address": ...}`` (or ``{"error": ...}``), ``{"text": {"info": ...} or {"error": ...}}``,
 ``{"serving": true}``, in that order (the device process sets SERVING only after the text's line);
-and ``{"decoding": path}`` after the text's line, before or after the serving one (worker/front_text.py).
+and ``{"decoding": path or ""}`` after the text's line, before or after the serving one
+(worker/front_text.py).
 
 :class:`FrontProcess` starts and stops it from the device process.
 """
@@ -312,8 +313,7 @@ async def serve(config: FrontConfig, security: Security) -> int:
         _tell({"text": found})  # the load waits for this line: the decoding's comes after
         if "info" not in found:  # the load fails: no decoding
             text.stop_writing()
-        if decoding := await writing:
-            _tell({"decoding": decoding})
+        _tell({"decoding": await writing})  # "" too: requests with stop strings wait for this line
 
     def told(line: dict[str, Any]) -> None:
         if isinstance(line.get("text"), dict) and not reading:

@@ -105,14 +105,16 @@ async def test_with_the_text_in_the_front_the_device_process_reads_only_its_deco
         await core.close()
 
 
+@pytest.mark.parametrize("where", ["", "absent"])  # no directory given; one its writer cannot write in
 async def test_a_front_that_wrote_no_decoding_leaves_the_device_process_to_read_the_whole_text(
-    tmp_path: Path,
+    tmp_path: Path, where: str
 ) -> None:
     path, _ = text_model(tmp_path)
-    core = await _loaded(True, str(path))  # no directory: the front writes nothing
+    core = await _loaded(True, str(path), str(tmp_path / where) if where else "")
     try:
         source = core.runner.source if core.runner is not None else None
         assert source is not None
+        await asyncio.wait_for(core.stop_strings_ready(), 60)  # told that there is none: no wait
         await wait_until(lambda: source.text_once._read, "the whole text's read while idle", timeout=60)
         assert (await core.generate(GenerationRequest([5, 6, 7], 3, ignore_eos=True, stop_strings=("zz",)))).tokens
     finally:
