@@ -372,6 +372,16 @@ def _generate_stream(stub: worker_grpc.ModelWorkerServiceStub, prompt: list[int]
     return Streamed(first, end - t0, end - sent, tokens)
 
 
+def serving_at(channel: grpc.Channel, t0: float) -> float | None:
+    """Seconds since ``t0`` to the worker's health saying SERVING, from a Watch opened now (None: the
+    watch ended first)."""
+    health = health_pb2_grpc.HealthStub(channel)
+    for answer in health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=START_TIMEOUT_S):
+        if answer.status == health_pb2.HealthCheckResponse.SERVING:
+            return time.perf_counter() - t0
+    return None
+
+
 def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby: bool = False) -> dict[str, Any]:
     """One ``memsvc worker`` start, timed from its spawn (see the module docstring, A); with
     ``standby``, from the moment a standby that said it is ready is handed the same flags (D)."""
@@ -400,11 +410,8 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
     try:
         out["listening_s"], mt = proc.wait_for(_LISTENING, START_TIMEOUT_S)
         with grpc.insecure_channel(mt.group(1)) as channel:
-            health = health_pb2_grpc.HealthStub(channel)
-            for answer in health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=START_TIMEOUT_S):
-                if answer.status == health_pb2.HealthCheckResponse.SERVING:
-                    out["serving_s"] = time.perf_counter() - proc.t0
-                    break
+            if (serving := serving_at(channel, proc.t0)) is not None:
+                out["serving_s"] = serving
             stub = worker_grpc.ModelWorkerServiceStub(channel)
             status = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status
             if status.state != common_pb.WORKER_STATE_AWAKE:

@@ -41,9 +41,8 @@ from pathlib import Path
 from typing import Any
 
 import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from bench.bench_startup import _LISTENING, MEMSVC, START_TIMEOUT_S, Spawned, _device, _git_commit
+from bench.bench_startup import _LISTENING, MEMSVC, START_TIMEOUT_S, Spawned, _device, _git_commit, serving_at
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from memsvc.v1 import model_worker_service_pb2_grpc as worker_grpc
 
@@ -83,14 +82,6 @@ class Stream:
         return [b - a for a, b in zip(times, times[1:], strict=False) if start <= b <= end]
 
 
-def _serving(channel: grpc.Channel, t0: float) -> float:
-    health = health_pb2_grpc.HealthStub(channel)
-    for answer in health.Watch(health_pb2.HealthCheckRequest(service=""), timeout=START_TIMEOUT_S):
-        if answer.status == health_pb2.HealthCheckResponse.SERVING:
-            return time.perf_counter() - t0
-    raise RuntimeError("the health watch ended before SERVING")
-
-
 def _wait(cond: Any, what: str, timeout: float) -> None:
     deadline = time.monotonic() + timeout
     while not cond():
@@ -109,7 +100,9 @@ def run_case(case: str, args: argparse.Namespace) -> dict[str, Any]:
     try:
         _, mt = proc.wait_for(_LISTENING, START_TIMEOUT_S)
         with grpc.insecure_channel(mt.group(1)) as channel:
-            out["serving_s"] = _serving(channel, proc.t0)
+            out["serving_s"] = serving_at(channel, proc.t0)
+            if out["serving_s"] is None:
+                raise RuntimeError("the health watch ended before SERVING")
             stub = worker_grpc.ModelWorkerServiceStub(channel)
             vocab = stub.GetWorkerStatus(worker_pb.GetWorkerStatusRequest(), timeout=30).status.model.vocab_size
             vocab = min(vocab or 256, 32_000)

@@ -135,9 +135,10 @@ class WorkerCore:
         self.text_found: concurrent.futures.Future[TextInfo] = concurrent.futures.Future()
         """What the front found there (worker/main.py sets it); the load waits for it, checks it
         against the model, and reports it (with the text in front only)."""
-        self._decoding_file: str | None = None
-        """Where the front wrote the model's decoding alone ("": nowhere), once it says (:meth:`decode_with`)."""
+        self._decoding_file = ""
+        """Where the front wrote the model's decoding alone ("": nowhere, or not said yet)."""
         self._decoding_told = asyncio.Event()
+        """The front has said where the decoding is, or that there is none (:meth:`decode_with`)."""
 
     def decode_with(self, file: str) -> None:
         """The RPC front wrote the model's decoding alone to ``file`` ("": it wrote none), after the
@@ -294,7 +295,8 @@ class WorkerCore:
         strings would otherwise stall every stream for it. A request that comes meanwhile waits for
         it, as for a graph's capture between steps (on this process's event loop). It waits for the
         front to say where it wrote the decoding, if it has not yet (else the whole text is read)."""
-        wait = IDLE_S if self._decoding_file is None else until_idle(lambda: max(runner.engine.last_busy(), since))
+        told = self._decoding_told.is_set()
+        wait = until_idle(lambda: max(runner.engine.last_busy(), since)) if told else IDLE_S
         if wait > 0:
             self._loop.call_later(wait, self._read_decoding_when_idle, runner, since)
             return

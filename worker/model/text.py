@@ -96,7 +96,8 @@ class Decoding:
 
     @classmethod
     def read(cls, file: str | Path) -> Decoding:
-        """A tokenizer file's decoding (as :meth:`only` writes one); InvalidArgument where it does not read."""
+        """A tokenizer file's decoding (as :func:`decoding_only` writes one); InvalidArgument where it
+        does not read."""
         return cls(_read_tokenizer(file))
 
     def only(self) -> str:
