@@ -61,6 +61,7 @@ from worker.host_memory import (
     until_idle,
 )
 from worker.host_release import HostRelease
+from worker.model.hub import known_dir
 from worker.model.text_source import TextInfo, TextSource
 from worker.staging import CheckpointStaging
 from worker.state_machine import Job, WorkerStateMachine
@@ -130,8 +131,9 @@ class WorkerCore:
         """The RPC front's process reads the model's text and serves it (worker/front_text.py); this
         one reads it only for stop strings. Else the load reads it here."""
         self.text_source: concurrent.futures.Future[TextSource] = concurrent.futures.Future()
-        """Where the model's text is, set by the load once the model's configuration is read:
-        worker/main.py hands it to the RPC front, which reads it while this process loads the model."""
+        """Where the model's text is, set by the load as it begins (a directory here), else once it has
+        resolved the model: worker/main.py hands it to the RPC front, which reads it while this process
+        loads the model."""
         self.text_found: concurrent.futures.Future[TextInfo] = concurrent.futures.Future()
         """What the front found there (worker/main.py sets it); the load waits for it, checks it
         against the model, and reports it (with the text in front only)."""
@@ -192,6 +194,11 @@ class WorkerCore:
         try:
             c = self.config
             t0 = time.perf_counter()
+            # A checkpoint directory here: the RPC front reads its text from now, beside the whole
+            # load (on a GPU host, torch's import: at a lower priority, worker/background.py). A Hub
+            # id's directory, or a synthetic model's vocabulary, is known once the load resolves it.
+            if self.text_in_front and (here := known_dir(c.model)) is not None:
+                self.text_source.set_result(TextSource(directory=str(here)))
             self.alloc = MemoryAllocator(
                 AllocatorConfig(
                     backend=c.backend,  # type: ignore[arg-type]  # checked by MemoryAllocator
@@ -230,11 +237,10 @@ class WorkerCore:
                 log.info("model %s: %s", c.model, spec)
             # config and generation config: read bounded as the shards are (a hung mount)
             source = loader.bounded(c.model, lambda: parse_model_spec(spec, seed=c.seed, loader=loader, name=c.model))
-            # The front reads the text from now, beside the rest of the load (0.5 s on an H100: cuBLAS's
-            # first products, the weights, the warm-up). Not earlier: while torch imports, the host's
-            # cores are the import's and the staging's, and reading it then made the first token later.
             if not self.text_source.done():
                 self.text_source.set_result(source.text_once.source)
+            elif self.text_source.result() != source.text_once.source:  # known_dir's promise broken
+                raise MemsvcError(f"the RPC front read the text at {self.text_source.result()}, not the model's")
             graphs = c.cuda_graphs and self.alloc.backend == "cuda"
             if graphs and not graphs_supported(source.config):
                 log.warning(

@@ -44,6 +44,7 @@ from memsvc.runtime.limits import MAX_QUEUED_GENERATES
 from memsvc.runtime.rpc_errors import undecodable
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
 from worker import decoding_writer
+from worker.background import in_background
 from worker.generate_messages import StreamedText, answer_text, check_request, generation_request
 from worker.model.text_source import TextInfo, TextSource
 
@@ -72,10 +73,12 @@ class FrontText:
         """Requests whose prompts are being encoded (bounded: each holds its prompt and a thread)."""
 
     async def read(self, where: TextSource) -> dict[str, Any]:
-        """Read the text where the device process said it is, on a thread; what was found, as the
-        line the front tells the device process: ``{"info": TextInfo's fields}`` or ``{"error": why}``."""
+        """Read the text where the device process said it is, on a thread below the start's priority
+        (worker/background.py: told as the load begins, this runs beside torch's import); what was
+        found, as the line the front tells the device process: ``{"info": TextInfo's fields}`` or
+        ``{"error": why}``."""
         try:
-            text, eos = await asyncio.to_thread(lambda: (where.load(), where.eos_token_ids()))
+            text, eos = await in_background(lambda: (where.load(), where.eos_token_ids()), "memsvc-front-text")
         except MemsvcError as exc:
             return {"error": str(exc)}
         except Exception as exc:  # noqa: BLE001 - told to the device process, whose load fails with it
@@ -88,8 +91,9 @@ class FrontText:
         (worker/decoding_writer.py says why) for the device process's engine, which matches stop
         strings with it (worker/model/text_source.py). Where, or "" where the model has no
         tokenizer, it was not written, or :meth:`stop_writing` came first (the engine then reads
-        the whole text). The process is waited for on a thread: a loop's child watcher would outlive
-        a front that stops while it runs."""
+        the whole text). The process is started and waited for on a thread below the start's
+        priority, which it inherits (worker/background.py); a thread, as a loop's child watcher
+        would outlive a front that stops while it runs."""
         if not self._directory:
             return ""
         file = Path(self._directory, self.DECODING_FILE)
@@ -109,7 +113,7 @@ class FrontText:
                 _, err = writer.communicate()
             return writer.returncode, err
 
-        rc, err = await asyncio.to_thread(write)
+        rc, err = await in_background(write, "memsvc-decoding")  # the writer has its priority
         if rc in (decoding_writer.NO_TOKENIZER, -1) or self._stop_writing:
             return ""
         if rc != 0:

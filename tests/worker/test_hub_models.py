@@ -13,6 +13,7 @@ import subprocess
 import sys
 from pathlib import Path
 
+import pytest
 from hf_models import text_model
 from upproc import wait_for
 from workerproc import WorkerProcess
@@ -137,3 +138,20 @@ def test_a_load_on_a_terminal_draws_a_progress_bar_and_a_piped_one_does_not(tmp_
     r.wait(timeout=60)
     r.stderr.close()
     assert b"model: built" in piped and b"loading " not in piped and b"100%" not in piped, piped[-2000:]
+
+
+def test_only_a_directory_here_is_known_before_the_load_resolves_the_model(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """What the RPC front is told as the load begins (worker/core.py) is what resolve returns then;
+    a Hub id (even one the cache holds: the Hub may have a newer snapshot) and a synthetic model's
+    name are known only once the load has resolved them."""
+    from worker.model.hub import known_dir, resolve
+
+    (tmp_path / "synthetic:tiny").mkdir()
+    monkeypatch.chdir(tmp_path)  # where a relative synthetic:tiny would be a directory
+    assert known_dir(str(tmp_path)) == resolve(str(tmp_path)) == tmp_path
+    assert known_dir("synthetic:tiny") is None
+    assert known_dir(REPO) is None
+    (tmp_path / "file").write_text("")
+    assert known_dir(str(tmp_path / "file")) is None

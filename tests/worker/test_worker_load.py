@@ -136,3 +136,18 @@ async def test_without_a_front_the_load_reads_the_text_and_a_failed_load_tells_n
         await missing.load()
     assert missing.text_source.cancelled()
     await missing.close()
+
+
+async def test_a_checkpoint_directory_is_told_to_the_front_as_the_load_begins(tmp_path: Path) -> None:
+    """Before the load reads anything of the model (here a directory without its config.json, which
+    the load then refuses): the front reads the text beside the whole load, at a lower priority
+    (worker/background.py), instead of after torch's import."""
+    core = WorkerCore(
+        WorkerConfig(model=str(tmp_path), backend="host", host_capacity_bytes=256 << 20),
+        asyncio.get_running_loop(),
+        text_in_front=True,
+    )
+    with pytest.raises(MemsvcError, match="config.json"):
+        await core.load()
+    assert core.text_source.result() == TextSource(directory=str(tmp_path))
+    await core.close()

@@ -16,6 +16,7 @@ import re
 from pathlib import Path
 
 from memsvc.errors import InvalidArgument, NotFound
+from worker.checkpoint_files import SYNTHETIC_PREFIX
 
 FILES = [
     "config.json",
@@ -45,6 +46,15 @@ def may_be_local(spec: str) -> bool:
     """Whether ``spec`` may name a checkpoint on this host: a directory, or a Hub id (whose snapshot
     the Hub cache may hold: :func:`cached_dir` looks)."""
     return Path(spec).expanduser().is_dir() or is_hub_id(spec)
+
+
+def known_dir(spec: str) -> Path | None:
+    """The directory :func:`resolve` returns for ``spec`` without asking the Hub: ``spec`` itself, where
+    it is a directory here (and not a synthetic model's name); else None."""
+    if spec.startswith(SYNTHETIC_PREFIX):
+        return None
+    path = Path(spec).expanduser()
+    return path if path.is_dir() else None
 
 
 def cached_dir(spec: str) -> Path | None:
@@ -106,4 +116,4 @@ def resolve(spec: str) -> Path:
         raise InvalidArgument(f"{tried}: {type(exc).__name__}: {exc}", metadata={"model": spec}) from None
 
 
-__all__ = ["FILES", "cached_dir", "is_hub_id", "may_be_local", "resolve"]
+__all__ = ["FILES", "cached_dir", "is_hub_id", "known_dir", "may_be_local", "resolve"]
