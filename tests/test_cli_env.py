@@ -115,6 +115,12 @@ def test_numbers_from_the_environment_are_the_flags_defaults(monkeypatch: pytest
 def test_version() -> None:
     r = run(["--version"])
     assert r.returncode == 0 and r.stdout.strip().startswith("memsvc 0.")
+    # looked up only when asked for: not on a service's way to its start
+    probe = (
+        "import sys; from memsvc import cli; cli.parse(cli.build_parser(), ['worker']); "
+        "print('importlib.metadata' in sys.modules)"
+    )
+    assert subprocess.run([sys.executable, "-c", probe], capture_output=True, text=True, check=True).stdout == "False\n"
 
 
 def test_user_errors_at_start_are_one_line_and_exit_2(tmp_path: Path) -> None:
