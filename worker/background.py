@@ -1,14 +1,13 @@
-"""Start-up work that has time to spare, at a lower CPU priority than the start's critical path.
+"""Work the RPC front does while the device process starts (the model's text, its decoding), at a
+lower CPU priority than the start.
 
-A warm start is bound by the device process's import of the model layer (torch, Triton: 1.2-1.8 s
-of a 2.5-3.2 s start on the GPU hosts, docs/benchmarks.md). Beside it run the checkpoint's staging
-(worker/staging.py: 16 native readers on a 16-core host, needed only once the import is done), the
-RPC front's read of the model's text and its decoding's writer (worker/front_text.py: needed once
-the model is built). On a host whose cores they fill, the import's thread waited for a core behind
-them: a front's read at the same priority made the import 0.2 s slower on an H100 host
-(docs/benchmarks.md, "the model's text in the RPC front's process"). At :data:`BACKGROUND_NICE`
-such work gets a tenth of a core's time where it and a thread of the start wait for the same one,
-and all of any core the start leaves idle.
+Why: the front reads the model's text from the moment the load knows where it is, which for a
+checkpoint directory is at once (worker/core.py). On a GPU host that is while the device process
+imports torch and stages the checkpoint, the start's critical path, whose threads want the host's
+cores then; a read at the same priority made that import 0.2 s slower on an H100 host
+(docs/benchmarks.md, "the model's text in the RPC front's process"). At :data:`BACKGROUND_NICE` the
+read takes a tenth of a core's time where it and a thread of the start wait for the same one, and
+all of any core the start leaves idle.
 """
 
 from __future__ import annotations

@@ -37,7 +37,6 @@ from dataclasses import dataclass
 from typing import TYPE_CHECKING, Any
 
 from memsvc.errors import MemsvcError
-from worker.background import lower_priority
 from worker.checkpoint_files import open_regular, reader_threads
 from worker.page_cache import PageCache
 from worker.prefetch import shard_order
@@ -109,9 +108,6 @@ class CheckpointStaging:
         return self.alloc.stats(wait=False).device_free_bytes >= nbytes + self.margin_bytes
 
     def _run(self) -> None:
-        # below the start's priority, with the native readers it starts: it has until the import's end,
-        # and on a host whose cores it fills it must not take them from the import (worker/background.py)
-        lower_priority()
         t0 = time.perf_counter()
         staged: list[StagedShard] = []
         try:

@@ -17,7 +17,6 @@ from sharded_checkpoints import CONVERSIONS, PATTERN, destinations, reference, s
 from bench.bench_loader import read_once
 from memsvc.errors import MemsvcError
 from worker.allocator import AllocatorConfig, MemoryAllocator
-from worker.background import BACKGROUND_NICE
 from worker.model.loader import StreamingLoader
 from worker.prefetch import shard_order
 from worker.staging import CheckpointStaging
@@ -212,26 +211,3 @@ def test_weights_that_would_not_fit_beside_the_staging_drop_it_first_and_weights
     ref = reference(tmp_path)
     assert all(_equal(dst[n], ref[n]) for n in tensors)
     assert stats.staged_bytes == 0 and stats.read_bytes >= stats.bytes
-
-
-@pytest.mark.skipif(not hasattr(os, "getpriority"), reason="no CPU priorities here")
-def test_the_staging_runs_below_the_start_s_cpu_priority(
-    alloc: MemoryAllocator, tmp_path: Path, monkeypatch: pytest.MonkeyPatch
-) -> None:
-    """It has until the model layer's import ends; on a host whose cores its readers fill, that import
-    must not wait for a core behind them (worker/background.py). The native readers are started by
-    the thread that stages, and take its priority (on Linux a thread's own)."""
-    save_sharded(tmp_path, _tensors())
-    stage_file = alloc.stage_file
-    priorities: list[int] = []
-
-    def recording(*args: object) -> object:
-        priorities.append(os.getpriority(os.PRIO_PROCESS, 0))  # the staging thread's, on Linux
-        return stage_file(*args)  # type: ignore[arg-type]
-
-    monkeypatch.setattr(alloc, "stage_file", recording)
-    before = os.getpriority(os.PRIO_PROCESS, 0)
-    staging = _staged(alloc, tmp_path)
-    assert priorities and set(priorities) == {before + BACKGROUND_NICE}
-    assert os.getpriority(os.PRIO_PROCESS, 0) == before, "the caller's own is as it was"
-    staging.take()
