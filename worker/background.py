@@ -2,12 +2,12 @@
 lower CPU priority than the start.
 
 Why: the front reads the model's text from the moment the load knows where it is, which for a
-checkpoint directory is at once (worker/core.py). On a GPU host that is while the device process
-imports torch and stages the checkpoint, the start's critical path, whose threads want the host's
-cores then; a read at the same priority made that import 0.2 s slower on an H100 host
-(docs/benchmarks.md, "the model's text in the RPC front's process"). At :data:`BACKGROUND_NICE` the
-read takes a tenth of a core's time where it and a thread of the start wait for the same one, and
-all of any core the start leaves idle.
+checkpoint directory is at once (worker/core.py): on a GPU host, while the device process imports
+torch and stages the checkpoint, the start's critical path. Read then at the same priority, in an
+earlier form of the front, the import took 0.2 s longer on an H100 host (docs/benchmarks.md, "the
+model's text in the RPC front's process"; why was not measured). At :data:`BACKGROUND_NICE` the
+read takes a tenth of a core's time where it and a thread of the start wait for the same core, and
+all of any core the start leaves idle: side by side, the import ended no later with it.
 """
 
 from __future__ import annotations
