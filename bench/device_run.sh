@@ -19,6 +19,15 @@ if [ -d .whl ]; then
       && export PYTHONPATH=/tmp/site${PYTHONPATH:+:$PYTHONPATH}
   fi
 fi
+# protobuf's compiled implementation, as users' installs have it: on a lent host (2026-12-07) the
+# services imported another google.protobuf than the carried wheel's, a pure-Python one (every
+# message 8-18x slower; the services now warn of it). A google package of ours that extends its path
+# (pkgutil) puts the carried one first; not yet tried on a GPU host: this prints what it got.
+PB_IMPL='from google.protobuf.internal import api_implementation as a; import google.protobuf as p; print("protobuf", p.__version__, a.Type(), p.__file__)'
+if [ -d /tmp/site/google ] && [ "$(python3 -c "$PB_IMPL" | cut -d' ' -f3)" = python ]; then
+  [ -f /tmp/site/google/__init__.py ] || echo "__path__ = __import__('pkgutil').extend_path(__path__, __name__)" > /tmp/site/google/__init__.py
+fi
+python3 -c "$PB_IMPL"
 nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader
 echo "thp: $(cat /sys/kernel/mm/transparent_hugepage/enabled 2>/dev/null) memlock: $(ulimit -l) cpus: $(nproc)"
 python3 -c "import torch, sys, grpc, numpy, google.protobuf as pb; print('python', sys.version.split()[0], 'torch', torch.__version__, 'grpc', grpc.__version__, 'protobuf', pb.__version__, 'numpy', numpy.__version__)"
