@@ -39,11 +39,13 @@ def lower_priority() -> None:
 async def in_background(fn: Callable[[], T], name: str) -> T:
     """``fn()`` on a thread of its own (named ``name``) at the lower priority: its result, or what it
     raised. A thread of its own, not the loop's executor, whose threads serve other work after and
-    would keep the priority. A caller that stops waiting leaves ``fn`` to finish (a daemon thread);
-    its result then goes nowhere."""
+    would keep the priority. A caller that stops waiting before ``fn`` began has it not run at all;
+    after, leaves it to finish (a daemon thread), its result going nowhere."""
     done: concurrent.futures.Future[T] = concurrent.futures.Future()
 
     def run() -> None:
+        if not done.set_running_or_notify_cancel():  # the caller stopped waiting first
+            return
         lower_priority()
         try:
             result = fn()
