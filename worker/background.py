@@ -27,7 +27,7 @@ BACKGROUND_NICE = 10
 gets about a tenth of a default thread's share of a core both wait for."""
 
 
-def lower_priority() -> None:
+def _lower_priority() -> None:
     """Lower the calling thread's CPU priority by :data:`BACKGROUND_NICE`, for good (an unprivileged
     process cannot raise it again): on Linux, where nice values are per thread, the caller's thread
     alone and the threads and processes it starts from then on. Where the platform has no such call,
@@ -46,7 +46,7 @@ async def in_background(fn: Callable[[], T], name: str) -> T:
     def run() -> None:
         if not done.set_running_or_notify_cancel():  # the caller stopped waiting first
             return
-        lower_priority()
+        _lower_priority()
         try:
             result = fn()
         except BaseException as exc:  # noqa: BLE001 - handed to the caller, which raises it
@@ -58,4 +58,4 @@ async def in_background(fn: Callable[[], T], name: str) -> T:
     return await asyncio.wrap_future(done)
 
 
-__all__ = ["BACKGROUND_NICE", "in_background", "lower_priority"]
+__all__ = ["BACKGROUND_NICE", "in_background"]
