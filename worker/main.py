@@ -85,10 +85,15 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     """Import the model layer (and Triton, where the worker may use it) on a thread, now; the
     checkpoint's read-ahead (``prefetch``) stops once the model layer is in, when the load's own reads
     begin (worker/prefetch.py). Triton's hashes, which its first launch of each kernel would make on
-    the device thread, are made meanwhile: its own on a second thread from the start (read back where
-    an earlier start kept it), the kernels' after the imports, while the weights load
+    the device thread, are made meanwhile: its own on a second thread from the moment torch is in
+    (read back where an earlier start kept it), the kernels' after the imports, while the weights load
     (worker/model/kernels.py's ``hash_ahead``). On CUDA, once torch is in, a third thread makes
     cuBLAS's first products of the model's shapes (worker/model/first_products.py).
+
+    Why Triton's own hash waits for torch: reading it back is mostly importing Triton, which holds the
+    GIL as ``import torch`` does; beside it, it made that import, the start's longest part, as much
+    longer. After it, it runs while the load waits for cuBLAS's first products, which hold the GIL
+    little.
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
@@ -107,7 +112,6 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
         sys.setswitchinterval(STARTUP_SWITCH_INTERVAL_S)
         if importlib.util.find_spec("triton") is not None:
             hashing = threading.Thread(target=_hash_triton, name="memsvc-triton-hash", daemon=True)
-            hashing.start()
 
     def run() -> None:
         t0 = time.perf_counter()
@@ -116,6 +120,8 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                 with collector_paused():
                     if config.backend != "host":
                         importlib.import_module("torch")
+                        if hashing is not None:
+                            hashing.start()
                         _first_products(config)  # beside the rest of the imports, where there is a GPU
                     for name in MODEL_LAYER:
                         importlib.import_module(name)
@@ -124,7 +130,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
                     prefetch.stop()
             t1 = time.perf_counter()
             log.info("model layer imported in %.2f s", t1 - t0)
-            if hashing is not None:  # Triton is there, and the worker may use it
+            if hashing is not None:  # Triton is there, and the worker may use it (torch imported: started)
                 importlib.import_module("triton")  # the hashing thread has it in already, or is importing it
                 log.info("triton imported in %.2f s", time.perf_counter() - t1)
                 t2 = time.perf_counter()
@@ -139,7 +145,7 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
             log.debug("importing the model layer failed; the load reports it", exc_info=True)
         finally:
             # this thread's end is the whole import's (serve() joins it before exiting)
-            if hashing is not None:
+            if hashing is not None and hashing.ident is not None:  # (not started where torch failed)
                 hashing.join()
             first_products.settle()
             sys.setswitchinterval(switch_interval)
@@ -188,9 +194,9 @@ def _model_key(config: WorkerConfig) -> bytes | None:
 
 def _hash_triton() -> None:
     """Triton's key of its own files (worker/model/kernels.py's hash_ahead says why) beside the model
-    layer's imports, read where an earlier start kept it (worker/triton_key.py), else made: it needs
-    Triton alone (importing Triton's modules, whose import locks the import thread waits on if it comes
-    to them first), and making it is mostly reading and hashing Triton's shared library."""
+    layer's imports once torch is in, read where an earlier start kept it (worker/triton_key.py), else
+    made: it needs Triton alone (importing Triton's modules, whose import locks the import thread waits
+    on if it comes to them first), and making it is mostly reading and hashing Triton's shared library."""
     t0 = time.perf_counter()
     try:
         from worker.triton_key import keep_triton_key

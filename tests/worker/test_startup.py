@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import asyncio
 import json
+import os
 import shutil
 import subprocess
 import sys
@@ -56,6 +57,29 @@ def test_the_worker_listens_before_the_model_layer_is_imported() -> None:
     )
     done = subprocess.run([sys.executable, "-c", code], cwd=REPO_ROOT, capture_output=True, text=True, check=True)
     assert json.loads(done.stdout) == []
+
+
+def test_tritons_own_hash_begins_once_torch_is_imported(tmp_path: Path) -> None:
+    """worker/main.py's import thread starts the thread that reads Triton's key back (importing Triton,
+    which holds the GIL) once ``import torch`` is done, not beside it: on an H200 that thread ran 1.1 s
+    beside the import, which it lengthened. A stand-in ``triton`` package makes the worker take that
+    path on this GPU-less host; the recorder takes the real thread's place, so nothing imports it."""
+    (tmp_path / "triton").mkdir()
+    (tmp_path / "triton" / "__init__.py").write_text("")
+    code = (
+        "import json, sys\n"
+        "import worker.main as m\n"
+        "from worker.config import WorkerConfig\n"
+        "seen = []\n"
+        "m._hash_triton = lambda: seen.append('torch' in sys.modules)\n"
+        "m.import_model_layer(WorkerConfig(model='synthetic:tiny', backend='auto')).join()\n"
+        "print(json.dumps(seen))\n"
+    )
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(REPO_ROOT), str(tmp_path)])}
+    done = subprocess.run(
+        [sys.executable, "-c", code], cwd=REPO_ROOT, env=env, capture_output=True, text=True, check=True
+    )
+    assert json.loads(done.stdout) == [True], "the hash began before torch was in (or never)"
 
 
 def test_the_model_layer_imports_without_the_collector_and_leaves_what_it_made_frozen() -> None:
