@@ -103,12 +103,12 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     hashing = None
     switch_interval = sys.getswitchinterval()
     if config.backend != "host":  # cuda, or auto, which is cuda where a GPU is
-        # Beside ``import torch``, which holds the GIL, threads that mostly run without it but take it
-        # back often wait up to the switch interval (5 ms) each time: Triton's own hash where it is
-        # not kept yet (worker/triton_key.py; it takes the GIL back twice per MB of a ~400 MB file)
-        # and cuBLAS's first products (worker/model/first_products.py; several takes per product),
-        # up to seconds in all. A shorter one while the imports run lets them finish beside them;
-        # put back when this thread ends.
+        # Beside the imports, which hold the GIL, threads that mostly run without it but take it back
+        # often wait up to the switch interval (5 ms) each time: Triton's own hash where it is not
+        # kept yet (worker/triton_key.py; it takes the GIL back twice per MB of a ~400 MB file) and
+        # cuBLAS's first products (worker/model/first_products.py; several takes per product), both
+        # from torch's import on, up to seconds in all. A shorter one while this thread runs lets
+        # them finish beside it; put back when it ends.
         sys.setswitchinterval(STARTUP_SWITCH_INTERVAL_S)
         if importlib.util.find_spec("triton") is not None:
             hashing = threading.Thread(target=_hash_triton, name="memsvc-triton-hash", daemon=True)
