@@ -14,7 +14,10 @@ A. ``memsvc worker --model <dir>``, timed from the spawn (every stdout and stder
    say AWAKE); the first token of a GenerateStream sent at SERVING (greedy, ``ignore_eos``); the
    worker's own log lines (the model layer's imports, the weights' load, each CUDA-graph bucket's
    capture, the last one); and once every graph is captured, the same request again, whose tokens
-   must equal the first's (decoded eagerly then, replayed from graphs now).
+   must equal the first's (decoded eagerly then, replayed from graphs now). With ``--thread-states``,
+   its threads are sampled from outside until the first token (bench/thread_states.py), and the run
+   says what its import thread and its main thread were doing over the model layer's import: on a
+   core, or waiting, and for which lock or call.
 B. A subprocess ``import torch, transformers; AutoModelForCausalLM.from_pretrained(dir,
    dtype=torch.bfloat16, device_map="cuda")`` and one greedy token, timed from its spawn, with its own
    split (import torch, import transformers, from_pretrained, first token).
@@ -66,6 +69,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import processes
+from bench.thread_states import ThreadSampler, busiest, summarize
 from memsvc.runtime.bytecode import uncompiled
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
@@ -407,6 +411,7 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
         proc.proc.stdin.close()
     else:
         proc = Spawned([*MEMSVC, "worker", *flags])
+    sampler = ThreadSampler(proc.proc.pid, origin=proc.t0).start() if args.thread_states and not standby else None
     try:
         out["listening_s"], mt = proc.wait_for(_LISTENING, START_TIMEOUT_S)
         with grpc.insecure_channel(mt.group(1)) as channel:
@@ -418,6 +423,9 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
                 raise RuntimeError(f"SERVING, but the worker is {common_pb.WorkerState.Name(status.state)}")
             first = _generate_stream(stub, prompt, proc.t0)
             out.update(first_token_s=first.first_s, generate_end_s=first.end_s, first_generate_s=first.took_s)
+            if sampler is not None:
+                sampler.stop()
+                out.update(_import_states(proc, sampler))
             out["second_generate_s"] = _generate_stream(stub, prompt, proc.t0).took_s
             if args.backend == "cuda" and "--no-cuda-graphs" not in shlex.split(args.worker_args):
                 _, end = proc.wait_for(_GRAPHS_END, GRAPHS_TIMEOUT_S)
@@ -437,8 +445,27 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
         out["graph_captures"] = [{"batch": b, "seconds": s} for b, s in captures]
         out["graph_capture_s"] = sum(s for _, s in captures)
     finally:
+        if sampler is not None:
+            sampler.stop()
         out["exit_code"] = proc.stop()
     return out
+
+
+def _import_states(proc: Spawned, sampler: ThreadSampler) -> dict[str, Any]:
+    """What the import thread (the busiest over the model layer's import, from its log line) and the
+    main thread were doing over that import (bench/thread_states.py), for ``--thread-states``."""
+    hit = proc.found(LOG_LINES["model_layer_imported"])
+    if hit is None:
+        return {}
+    end = hit[0]
+    start = end - float(hit[1].group("s"))
+    tid = busiest(sampler.samples, start, end)
+    if tid is None:
+        return {}
+    return {
+        "import_thread_states": summarize(sampler, tid, start, end),
+        "main_thread_states": summarize(sampler, proc.proc.pid, start, end),
+    }
 
 
 def baseline_run(model: str, args: argparse.Namespace, prompt: list[int]) -> dict[str, Any]:
@@ -892,6 +919,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         help="N requests for the model with no process, through memsvc up (stop_after, a standby)",
     )
     ap.add_argument("--no-breakdown", action="store_true", help="skip the parts measured in fresh processes")
+    ap.add_argument(
+        "--thread-states",
+        action="store_true",
+        help="sample each spawned worker's threads from outside (bench/thread_states.py) and report what its "
+        "import thread and main thread were doing over the model layer's import",
+    )
     ap.add_argument("--dir", type=Path, default=None, help="where to write the checkpoint (default: a temp dir)")
     ap.add_argument("--out", default="startup.json")
     args = ap.parse_args(argv)
