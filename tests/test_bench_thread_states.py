@@ -79,30 +79,10 @@ def test_a_thread_blocked_on_a_lock_and_threads_taking_turns_at_the_gil_are_told
 
 def test_bench_startup_reports_the_import_threads_states(tmp_path: Path) -> None:
     out = tmp_path / "s.json"
-    subprocess.run(
-        [
-            sys.executable,
-            "-m",
-            "bench.bench_startup",
-            "--shape",
-            "tiny",
-            "--backend",
-            "host",
-            "--repeats",
-            "1",
-            "--warmup",
-            "0",
-            "--no-baseline",
-            "--no-breakdown",
-            "--thread-states",
-            "--out",
-            str(out),
-        ],
-        cwd=ROOT,
-        check=True,
-        capture_output=True,
-        timeout=600,
-    )
+    tiny = ["--shape", "tiny", "--backend", "host", "--repeats", "1", "--warmup", "0"]
+    only = ["--no-baseline", "--no-breakdown", "--thread-states", "--out", str(out)]
+    argv = [sys.executable, "-m", "bench.bench_startup", *tiny, *only]
+    subprocess.run(argv, cwd=ROOT, check=True, capture_output=True, timeout=600)
     [run] = json.loads(out.read_text())["worker"]["runs"]
     states = run["import_thread_states"]
     assert states["samples"] > 0 and states["tid"] != run["main_thread_states"]["tid"]
