@@ -91,9 +91,11 @@ def import_model_layer(config: WorkerConfig, prefetch: CheckpointPrefetch | None
     cuBLAS's first products of the model's shapes (worker/model/first_products.py).
 
     Why Triton's own hash waits for torch: reading it back is mostly importing Triton, which holds the
-    GIL as ``import torch`` does; beside it, it made that import, the start's longest part, as much
-    longer. After it, it runs while the load waits for cuBLAS's first products, which hold the GIL
-    little.
+    GIL as ``import torch`` does, so beside it the two took turns and torch's import, the start's
+    longest part, ended later (0.1-0.35 s on an H100 host, docs/benchmarks.md). After it, the hash runs
+    while the load waits for cuBLAS's first products, which hold the GIL little. Where the key is not
+    kept yet (the first start after Triton is installed or upgraded), making it then comes after
+    torch's import too, and that start's warm-up may wait for it.
 
     The load imports the same modules and waits for this thread's imports where they are still
     running (Python's per-module import locks), so a failure here changes nothing: the load's own
