@@ -69,7 +69,7 @@ import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from bench import processes
-from bench.thread_states import ThreadSampler, busiest, summarize
+from bench.thread_states import ThreadSampler, by_cpu, summarize
 from memsvc.runtime.bytecode import uncompiled
 from memsvc.v1 import common_pb2 as common_pb
 from memsvc.v1 import model_worker_service_pb2 as worker_pb
@@ -452,19 +452,21 @@ def worker_run(model: str, args: argparse.Namespace, prompt: list[int], standby:
 
 
 def _import_states(proc: Spawned, sampler: ThreadSampler) -> dict[str, Any]:
-    """What the import thread (the busiest over the model layer's import, from its log line) and the
-    main thread were doing over that import (bench/thread_states.py), for ``--thread-states``."""
+    """What the import thread (the busiest over the model layer's import, from its log line), the main
+    thread and the next busiest threads (the GIL's other takers among them) were doing over that import
+    (bench/thread_states.py), for ``--thread-states``."""
     hit = proc.found(LOG_LINES["model_layer_imported"])
     if hit is None:
         return {}
     end = hit[0]
     start = end - float(hit[1].group("s"))
-    tid = busiest(sampler.samples, start, end)
-    if tid is None:
+    ranked = [tid for tid in by_cpu(sampler.samples, start, end) if tid != proc.proc.pid]
+    if not ranked:
         return {}
     return {
-        "import_thread_states": summarize(sampler, tid, start, end),
+        "import_thread_states": summarize(sampler, ranked[0], start, end),
         "main_thread_states": summarize(sampler, proc.proc.pid, start, end),
+        "other_busiest_threads": [summarize(sampler, tid, start, end) for tid in ranked[1:5]],
     }
 
 

@@ -160,23 +160,27 @@ def where(address: int, maps: list[tuple[int, int, str]]) -> str:
     return "unknown"
 
 
-def busiest(samples: list[Sample], start: float, end: float) -> int | None:
-    """The thread that gained the most CPU between ``start`` and ``end`` (a start's import thread,
-    over its import's window); None where no thread was seen in it."""
+def by_cpu(samples: list[Sample], start: float, end: float) -> list[int]:
+    """The threads seen between ``start`` and ``end``, those that gained the most CPU meanwhile first."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for s in samples:
         if start <= s.at <= end:
             first.setdefault(s.tid, s.cpu_ticks)
             last[s.tid] = s.cpu_ticks
-    if not last:
-        return None
-    return max(last, key=lambda tid: last[tid] - first[tid])
+    return sorted(last, key=lambda tid: first[tid] - last[tid])
+
+
+def busiest(samples: list[Sample], start: float, end: float) -> int | None:
+    """The thread that gained the most CPU between ``start`` and ``end`` (a start's import thread,
+    over its import's window); None where no thread was seen in it."""
+    ranked = by_cpu(samples, start, end)
+    return ranked[0] if ranked else None
 
 
 def summarize(sampler: ThreadSampler, tid: int, start: float, end: float) -> dict[str, Any]:
-    """Thread ``tid``'s samples between ``start`` and ``end``: the share in each state, and the share
-    spent waiting in each call; a ``futex`` is named by the mapping its lock lies in (``futex in
+    """Thread ``tid``'s samples between ``start`` and ``end``: the CPU it gained, the share in each
+    state, and the share spent waiting in each call; a ``futex`` is named by the mapping its lock lies in (``futex in
     libpython3.12.so``: the GIL, or another lock of the runtime; ``futex in ld-linux-x86-64.so.2``: the
     loader's; ``futex in [heap]``: a lock Python or a library allocated)."""
     mine = [s for s in sampler.samples if s.tid == tid and start <= s.at <= end]
@@ -184,6 +188,7 @@ def summarize(sampler: ThreadSampler, tid: int, start: float, end: float) -> dic
     out: dict[str, Any] = {"tid": tid, "samples": n, "window_s": [round(start, 3), round(end, 3)]}
     if not n:
         return out
+    out["cpu_s"] = round((mine[-1].cpu_ticks - mine[0].cpu_ticks) / os.sysconf("SC_CLK_TCK"), 3)
     out["states"] = {k: round(v / n, 3) for k, v in Counter(s.state for s in mine).most_common()}
     waits: Counter[str] = Counter()
     for s in mine:
@@ -197,4 +202,4 @@ def summarize(sampler: ThreadSampler, tid: int, start: float, end: float) -> dic
     return out
 
 
-__all__ = ["Sample", "ThreadSampler", "busiest", "read_maps", "read_sample", "summarize", "where"]
+__all__ = ["Sample", "ThreadSampler", "busiest", "by_cpu", "read_maps", "read_sample", "summarize", "where"]

@@ -86,6 +86,10 @@ def test_bench_startup_reports_the_import_threads_states(tmp_path: Path) -> None
     [run] = json.loads(out.read_text())["worker"]["runs"]
     states = run["import_thread_states"]
     assert states["samples"] > 0 and states["tid"] != run["main_thread_states"]["tid"]
+    assert all(other["tid"] != states["tid"] for other in run["other_busiest_threads"])
+    # the busiest thread over the import: it gained more CPU than any other, and most of the window's
+    assert states["cpu_s"] >= max((o.get("cpu_s", 0) for o in run["other_busiest_threads"]), default=0)
+    assert states["cpu_s"] > 0.2 * (states["window_s"][1] - states["window_s"][0])
     assert abs(sum(states["states"].values()) - 1) < 0.01
     # the import computes most of its window on this host (no other thread of the worker imports beside it)
     assert states["states"].get("R", 0) > 0.5, states
