@@ -61,9 +61,10 @@ def test_the_worker_listens_before_the_model_layer_is_imported() -> None:
 
 def test_tritons_own_hash_begins_once_torch_is_imported(tmp_path: Path) -> None:
     """worker/main.py's import thread starts the thread that reads Triton's key back (importing Triton,
-    which holds the GIL) once ``import torch`` is done, not beside it: on an H200 that thread ran 1.1 s
-    beside the import, which it lengthened. A stand-in ``triton`` package makes the worker take that
-    path on this GPU-less host; the recorder takes the real thread's place, so nothing imports it."""
+    which holds the GIL) once ``import torch`` is done, not beside it: on an H100 host that thread ran
+    1.2 s beside the import, which took 0.1-0.35 s longer for it. A stand-in ``triton`` package makes
+    the worker take that path on this GPU-less host; the recorder takes the real thread's place, so
+    nothing imports it."""
     (tmp_path / "triton").mkdir()
     (tmp_path / "triton" / "__init__.py").write_text("")
     code = (
