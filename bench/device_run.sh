@@ -3,7 +3,8 @@
 # tests), then the allocator benchmark (SKIP_BENCH=1: not), the 8B-shaped reference check against
 # transformers (REFERENCE_8B=1), the line-rate bench (LINE_RATE=1) and the start-up side by side
 # against a base tree (STARTUP_AB_BASE=<dir>, carried: bench/startup_ab.py says how to make one;
-# STARTUP_AB_ROUNDS, default 3). Run
+# STARTUP_AB_ROUNDS, default 3) and what a start's import thread waits for (THREAD_STATES=1:
+# bench_startup --thread-states, bench/thread_states.py). Run
 # from the repo root on the GPU machine, with the built extension (worker/_native.abi3.so), the
 # generated stubs (memsvc/v1) and .whl carried.
 # Usage: bash bench/device_run.sh [extra pytest args]
@@ -42,10 +43,17 @@ fi
 if [ "${LINE_RATE:-0}" = 1 ]; then
   python3 -m bench.bench_line_rate --out "$OUT/line_rate.json" 2>&1 | tee "$OUT/line_rate.log"
 fi
-if [ -n "${STARTUP_AB_BASE:-}" ]; then
+if [ -n "${STARTUP_AB_BASE:-}" ] || [ "${THREAD_STATES:-0}" = 1 ]; then
   # the 8B-shaped checkpoint with a tokenizer of Llama 3's size (a real model's read, bench/bpe_tokenizer.py)
   python3 -c "from pathlib import Path; from bench.bench_gateway import write_checkpoint; write_checkpoint(Path('/tmp/ck8b'), '8b', 'cuda')"
   python3 -m bench.bpe_tokenizer /tmp/ck8b
+fi
+if [ "${THREAD_STATES:-0}" = 1 ]; then
+  python3 -m bench.bench_startup --model /tmp/ck8b --repeats 3 --warmup 1 --no-baseline --no-breakdown --thread-states \
+    --out "$OUT/startup_threads.json" 2>&1 | tail -14 | tee "$OUT/startup_threads.log"
+  python3 -c "import json, sys; [print(json.dumps({k: r.get(k) for k in ('first_token_s', 'import_thread_states', 'main_thread_states', 'other_busiest_threads')})) for r in json.load(open(sys.argv[1]))['worker']['runs']]" "$OUT/startup_threads.json"
+fi
+if [ -n "${STARTUP_AB_BASE:-}" ]; then
   python3 -m bench.startup_ab --base "$STARTUP_AB_BASE" --rounds "${STARTUP_AB_ROUNDS:-3}" --out "$OUT/startup_ab.json" -- \
     --model /tmp/ck8b --repeats 2 --warmup 1 --no-baseline --no-breakdown 2>&1 | tail -14 | tee "$OUT/startup_ab.log"
 fi
