@@ -161,7 +161,8 @@ def where(address: int, maps: list[tuple[int, int, str]]) -> str:
 
 
 def by_cpu(samples: list[Sample], start: float, end: float) -> list[int]:
-    """The threads seen between ``start`` and ``end``, those that gained the most CPU meanwhile first."""
+    """The threads seen between ``start`` and ``end``, those that gained the most CPU meanwhile first
+    (over a start's import, its import thread first)."""
     first: dict[int, int] = {}
     last: dict[int, int] = {}
     for s in samples:
@@ -171,18 +172,11 @@ def by_cpu(samples: list[Sample], start: float, end: float) -> list[int]:
     return sorted(last, key=lambda tid: first[tid] - last[tid])
 
 
-def busiest(samples: list[Sample], start: float, end: float) -> int | None:
-    """The thread that gained the most CPU between ``start`` and ``end`` (a start's import thread,
-    over its import's window); None where no thread was seen in it."""
-    ranked = by_cpu(samples, start, end)
-    return ranked[0] if ranked else None
-
-
 def summarize(sampler: ThreadSampler, tid: int, start: float, end: float) -> dict[str, Any]:
     """Thread ``tid``'s samples between ``start`` and ``end``: the CPU it gained, the share in each
-    state, and the share spent waiting in each call; a ``futex`` is named by the mapping its lock lies in (``futex in
-    libpython3.12.so``: the GIL, or another lock of the runtime; ``futex in ld-linux-x86-64.so.2``: the
-    loader's; ``futex in [heap]``: a lock Python or a library allocated)."""
+    state, and the share spent waiting in each call; a ``futex`` is named by the mapping its lock
+    lies in (``futex in libpython3.12.so``: the GIL, or another lock of the runtime; ``futex in
+    ld-linux-x86-64.so.2``: the loader's; ``futex in [heap]``: a lock Python or a library allocated)."""
     mine = [s for s in sampler.samples if s.tid == tid and start <= s.at <= end]
     n = len(mine)
     out: dict[str, Any] = {"tid": tid, "samples": n, "window_s": [round(start, 3), round(end, 3)]}
@@ -202,4 +196,4 @@ def summarize(sampler: ThreadSampler, tid: int, start: float, end: float) -> dic
     return out
 
 
-__all__ = ["Sample", "ThreadSampler", "busiest", "by_cpu", "read_maps", "read_sample", "summarize", "where"]
+__all__ = ["Sample", "ThreadSampler", "by_cpu", "read_maps", "read_sample", "summarize", "where"]
