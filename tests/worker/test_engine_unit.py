@@ -60,6 +60,16 @@ def concurrently(runner: ModelRunner, reqs: list[GenerationRequest]) -> list[lis
     return results
 
 
+def together(runner: ModelRunner, reqs: list[GenerationRequest]) -> list[list[int]]:
+    """Every request submitted before the first step, then stepped on this thread until all end: they
+    always meet in the engine, which threads released at once (:func:`concurrently`) need not do on
+    a busy machine, where the first can finish before the others submit."""
+    futures = [runner.engine.submit(r) for r in reqs]
+    while not all(f.done() for f in futures):
+        runner.engine.step()
+    return [f.result().tokens for f in futures]
+
+
 def test_preempted_requests_resume_with_their_alone_tokens(alloc: MemoryAllocator) -> None:
     # 12 blocks of 4 tokens: each request needs 13 of its own at the end, so they cannot all run at once
     runner = ModelRunner(alloc, "synthetic:small", 16, 4, block_size=4)
@@ -67,7 +77,7 @@ def test_preempted_requests_resume_with_their_alone_tokens(alloc: MemoryAllocato
     alone = [runner.run(r).tokens for r in reqs]
     assert len({tuple(t) for t in alone}) == len(reqs)
     before = runner.engine.preemptions
-    assert concurrently(runner, reqs) == alone
+    assert together(runner, reqs) == alone
     assert runner.engine.preemptions > before, "the pool was meant to run out"
     assert runner.kv_cache.stats()["device_free_blocks"] == 16 and not runner.kv_cache.sequences
 
@@ -119,10 +129,7 @@ def test_a_burst_of_short_prompts_is_one_paged_step_and_a_long_prompt_is_a_span(
         return run_step(step)
 
     runner.engine._run_step = record
-    futures = [runner.engine.submit(r) for r in short]  # one thread: all of them meet the first step
-    while not all(f.done() for f in futures):
-        runner.engine.step()
-    assert [f.result().tokens for f in futures] == alone[:-1]
+    assert together(runner, short) == alone[:-1]  # one thread: all of them meet the first step
     assert plans[0] == (sum(len(r.prompt) for r in short), True), plans[:3]
     plans.clear()
     assert runner.run(long).tokens == alone[-1]
@@ -202,7 +209,7 @@ def test_up_to_max_new_tokens_ends_where_the_pool_ends(alloc: MemoryAllocator) -
     alone = [runner.run(q).tokens for q in reqs]
     assert [len(t) for t in alone] == [33 - len(q.prompt) for q in reqs]
     before = runner.engine.preemptions
-    assert concurrently(runner, reqs) == alone
+    assert together(runner, reqs) == alone
     assert runner.engine.preemptions > before, "three sequences of a whole pool each were meant to preempt"
     assert runner.kv_cache.stats()["device_free_blocks"] == 8 and not runner.kv_cache.sequences
 
