@@ -32,6 +32,7 @@ from memsvc.runtime.flags import (
 from memsvc.runtime.service_flags import (
     bytecode_flag,
     client_auth_flags,
+    keep_bytecode_before_parsing,
     log_flags,
     security_from_args,
     security_kwargs,
@@ -504,6 +505,7 @@ def _require_extra(parser: argparse.ArgumentParser, command: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
+    kept = keep_bytecode_before_parsing(sys.argv[1:] if argv is None else argv)  # before the parser's imports
     parser = build_parser()
     args = parse(parser, argv)
     _require_extra(parser, args.command)
@@ -512,7 +514,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
         configure(args.log_level, args.log_format)
     if args.command in ("manager", "worker", "gateway"):  # memsvc up passes it to these, each says so
-        use_bytecode_cache(args.bytecode_cache)
+        use_bytecode_cache(args.bytecode_cache, kept)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager
         from memsvc.manager.serve_settings import ServeSettings

@@ -6,8 +6,10 @@ with them before its service starts. memsvc.cli's manager and gateway commands a
 from __future__ import annotations
 
 import argparse
+from collections.abc import Sequence
 from typing import TYPE_CHECKING
 
+from memsvc.runtime.bytecode import default_dir as default_bytecode_dir
 from memsvc.runtime.flags import env
 
 if TYPE_CHECKING:
@@ -64,11 +66,9 @@ def log_flags(p: argparse.ArgumentParser) -> None:
 
 def bytecode_flag(p: argparse.ArgumentParser) -> None:
     """Where a service keeps its compiled modules when the installation keeps none (memsvc.runtime.bytecode)."""
-    from memsvc.runtime.bytecode import default_dir
-
     p.add_argument(
-        "--bytecode-cache",
-        default=env("BYTECODE_CACHE", default_dir()),
+        BYTECODE_FLAG,
+        default=env("BYTECODE_CACHE", default_bytecode_dir()),
         help="directory for the byte-code of modules installed without it that this interpreter may not write "
         "beside them (PYTHONDONTWRITEBYTECODE, a read-only site-packages): later starts import from it; 'off': "
         "compile at every start",
@@ -96,13 +96,51 @@ def security_kwargs(sec: Security) -> dict[str, Security]:
     return {"security": sec} if sec.enabled else {}
 
 
-def use_bytecode_cache(directory: str) -> None:
-    """Before a service's imports: its compiled modules kept between starts where the installation keeps none."""
+BYTECODE_FLAG = "--bytecode-cache"
+SERVICES = ("manager", "worker", "gateway")
+"""The commands that take :data:`BYTECODE_FLAG` (:func:`bytecode_flag`)."""
+
+
+def bytecode_cache_before_parsing(argv: Sequence[str]) -> str | None:
+    """The ``--bytecode-cache`` a service's command line asks for, read before its parser is built: its
+    flag's value, else ``$MEMSVC_BYTECODE_CACHE``, else the default. None for another command, or where
+    only the parser can tell (a prefix of the flag, which argparse accepts, or the flag twice).
+
+    Why: building the parser imports what the flags' choices come from (protobuf's runtime through
+    the vocabulary's enums, the services' settings), and where the installation has no byte-code for
+    them (``PYTHONDONTWRITEBYTECODE``, ``pip install --no-compile``) they were compiled at every start
+    before the cache applied: a worker's, before its model layer's import begins."""
+    command = next((a for a in argv if not a.startswith("-")), None)
+    if command not in SERVICES:
+        return None
+    values = [a.partition("=")[2] for a in argv if a.startswith(BYTECODE_FLAG + "=")]
+    values += [argv[i + 1] for i, a in enumerate(argv[:-1]) if a == BYTECODE_FLAG]
+    named = [a for a in argv if a.startswith("--by")]
+    if len(named) > 1 or len(named) > len(values):  # twice, a prefix, or the flag last without its value
+        return None
+    if values:
+        return values[0]
+    return str(env("BYTECODE_CACHE", default_bytecode_dir()))
+
+
+def keep_bytecode_before_parsing(argv: Sequence[str]) -> str | None:
+    """For a service's command line: its compiled modules kept (memsvc.runtime.bytecode) from before
+    its parser is built, where :func:`bytecode_cache_before_parsing` can tell the directory. Returns
+    the directory kept, for :func:`use_bytecode_cache` to report once logging is set up."""
+    from memsvc.runtime import bytecode
+
+    directory = bytecode_cache_before_parsing(argv)
+    return None if directory is None else bytecode.keep_bytecode(directory)
+
+
+def use_bytecode_cache(directory: str, kept_before: str | None = None) -> None:
+    """Before a service's imports: its compiled modules kept between starts where the installation keeps
+    none (already, in ``kept_before``, where :func:`keep_bytecode_before_parsing` kept them)."""
     import logging
 
     from memsvc.runtime import bytecode
 
-    kept = bytecode.keep_bytecode(directory)
+    kept = kept_before or bytecode.keep_bytecode(directory)
     if kept is not None:
         logging.getLogger("memsvc").info(
             "compiled modules are kept in %s: the installed packages have none and this interpreter does not write "
@@ -112,7 +150,11 @@ def use_bytecode_cache(directory: str) -> None:
 
 
 __all__ = [
+    "BYTECODE_FLAG",
+    "SERVICES",
+    "bytecode_cache_before_parsing",
     "bytecode_flag",
+    "keep_bytecode_before_parsing",
     "client_auth_flags",
     "use_bytecode_cache",
     "log_flags",

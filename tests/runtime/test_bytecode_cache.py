@@ -51,6 +51,17 @@ def _start(site: Path, cache: str, *, extra_env: dict[str, str] | None = None) -
     return done.stdout.splitlines()
 
 
+def _linked(real: Path, dst: Path) -> None:
+    """An installed package's files as links under ``dst``, its byte-code left out: the package as a
+    non-compiling installer leaves it."""
+    for src in real.rglob("*"):
+        if "__pycache__" in src.parts or src.is_dir():
+            continue
+        to = dst / src.relative_to(real)
+        to.parent.mkdir(parents=True, exist_ok=True)
+        to.symlink_to(src)
+
+
 def _pycs(root: Path) -> list[Path]:
     return sorted(root.rglob("*.pyc")) if root.exists() else []
 
@@ -118,14 +129,8 @@ def test_a_service_started_over_packages_without_byte_code_keeps_theirs_in_its_c
     """``memsvc manager`` end to end, its grpc package installed without byte-code (a tree of links to
     the real one's sources, found first on the path): it serves, says where it keeps them, and they
     are there, none beside the sources."""
-    real = Path(grpc.__file__).parent
     site, cache = tmp_path / "site", tmp_path / "cache"
-    for src in real.rglob("*"):
-        if "__pycache__" in src.parts or src.is_dir():
-            continue
-        dst = site / "grpc" / src.relative_to(real)
-        dst.parent.mkdir(parents=True, exist_ok=True)
-        dst.symlink_to(src)
+    _linked(Path(grpc.__file__).parent, site / "grpc")
     env = {
         **{k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"},
         "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
@@ -141,3 +146,46 @@ def test_a_service_started_over_packages_without_byte_code_keeps_theirs_in_its_c
         grpc_pycs = _pycs(cache / (site / "grpc").relative_to(site.anchor))
         assert any(p.name.startswith("__init__.") for p in grpc_pycs), _pycs(cache)[:5]
         assert _pycs(site) == []
+
+
+def test_what_building_a_services_parser_imports_is_kept_too(tmp_path: Path) -> None:
+    """The parser's own imports (protobuf's runtime, through the vocabulary's enums that flags choose
+    from) come before the flags are read: ``--bytecode-cache`` is read from the command line ahead of
+    them, and what they compile lands in the cache. Before, those modules were compiled at every start."""
+    import google.protobuf
+
+    site, cache = tmp_path / "site", tmp_path / "cache"
+    _linked(Path(grpc.__file__).parent, site / "grpc")  # what says the installation has no byte-code
+    _linked(Path(google.protobuf.__file__).parent, site / "google" / "protobuf")
+    env = {
+        **{k: v for k, v in os.environ.items() if k != "PYTHONPYCACHEPREFIX"},
+        "PYTHONPATH": os.pathsep.join([str(site), str(REPO_ROOT), os.environ.get("PYTHONPATH", "")]),
+        "PYTHONDONTWRITEBYTECODE": "1",
+        "MEMSVC_BYTECODE_CACHE": str(cache),  # the flag's default: read ahead as the flag itself is
+    }
+    probe = (
+        "import sys; import memsvc.cli as cli\n"
+        "sys.argv = ['memsvc', 'manager', '--help']\n"
+        "try:\n    cli.main()\nexcept SystemExit:\n    pass\n"
+        "import google.protobuf.descriptor as d; print(d.__file__, d.__cached__)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", probe], env=env, capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr
+    assert done.stdout.split()[-2].startswith(str(site)), "the linked protobuf, without byte-code, was the one imported"
+    pycs = {p.name.split(".")[0] for p in _pycs(cache / (site / "google" / "protobuf").relative_to(site.anchor))}
+    assert {"descriptor", "descriptor_pool"} <= pycs, sorted(pycs)
+    assert _pycs(site) == []
+
+
+def test_the_directory_is_read_ahead_only_where_the_parser_would_give_the_same() -> None:
+    from memsvc.runtime.bytecode import default_dir
+    from memsvc.runtime.service_flags import bytecode_cache_before_parsing as ahead
+
+    assert ahead(["worker", "--model", "m", "--bytecode-cache", "/c"]) == "/c"
+    assert ahead(["manager", "--bytecode-cache=/c"]) == "/c"
+    assert ahead(["gateway"]) == os.environ.get("MEMSVC_BYTECODE_CACHE", default_dir())
+    assert ahead(["status", "--bytecode-cache", "/c"]) is None  # not a service's command
+    assert ahead(["--version"]) is None
+    assert ahead(["worker", "--bytecode", "/c"]) is None  # a prefix argparse accepts: left to the parser
+    assert ahead(["worker", "--bytecode-cache", "/a", "--bytecode-cache", "/b"]) is None
+    assert ahead(["worker", "--bytecode-cache"]) is None  # no value: the parser's usage error
