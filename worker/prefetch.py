@@ -6,9 +6,10 @@ disk). Nothing in the first needs the disk, so the worker reads the checkpoint's
 page cache (window by window, in the order the loader reads them) from its first moment until the
 import is done; the loader then finds those pages cached and reads only the rest from the disk
 (worker/model/loader.py reads resident pages buffered, the others with O_DIRECT). With a warm page
-cache every file is found resident (one ``mincore`` over it) and skipped: no copy, no I/O; a window
-planned is looked at again just before its read (another reader's read may have brought it in);
-where the kernel will not say (a file this process neither owns nor may write), every window is read.
+cache every file is found resident (one ``cachestat``, worker/page_cache.py's ``resident``) and
+skipped: no mapping, no copy, no I/O; a window planned is looked at again just before its read
+(another reader's read may have brought it in); where the kernel will not say (a file this process
+neither owns nor may write), every window is read.
 
 This module imports nothing heavy: it runs while torch is being imported (for a Hub id, finding its
 snapshot imports huggingface_hub, which the load's own lookup imports anyway).
@@ -27,7 +28,7 @@ from pathlib import Path
 from memsvc.errors import InvalidArgument, MemsvcError
 from worker.checkpoint_files import INDEX_FILE, open_regular, read_weight_map
 from worker.model.hub import cached_dir, may_be_local
-from worker.page_cache import PageCache
+from worker.page_cache import PageCache, resident
 
 log = logging.getLogger("memsvc.worker")
 
@@ -110,6 +111,9 @@ class CheckpointPrefetch:
             except MemsvcError:
                 continue
             size = os.fstat(fd).st_size
+            if resident(fd, size):  # a warm page cache: nothing to read, and no mapping to look with
+                os.close(fd)
+                continue
             cache = PageCache(fd, size)
             self._opened.append((fd, cache))
             # One look at the whole file first: on a warm page cache the only one. A look per window

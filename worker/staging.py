@@ -38,7 +38,7 @@ from typing import TYPE_CHECKING, Any
 
 from memsvc.errors import MemsvcError
 from worker.checkpoint_files import open_regular, reader_threads
-from worker.page_cache import PageCache
+from worker.page_cache import resident
 from worker.prefetch import shard_order
 
 if TYPE_CHECKING:
@@ -138,7 +138,7 @@ class CheckpointStaging:
                 fds.append(open_regular(file))
             ids = [file_id(fd) for fd in fds]
             for file, fd, id_ in zip(files, fds, ids, strict=True):
-                if not _resident(fd, id_[2]):
+                if not resident(fd, id_[2]):
                     return f"{file.name} is not wholly in the page cache"
             need = 2 * sum(id_[2] for id_ in ids) + self.margin_bytes
             free = self.alloc.stats(wait=False).device_free_bytes
@@ -156,15 +156,6 @@ class CheckpointStaging:
         finally:
             for fd in fds:
                 os.close(fd)
-
-
-def _resident(fd: int, size: int) -> bool:
-    """Whether the page cache holds every page of the file, where the kernel says so."""
-    cache = PageCache(fd, size)
-    try:
-        return cache.holds(0, size)
-    finally:
-        cache.close()
 
 
 __all__ = ["MARGIN_BYTES", "CheckpointStaging", "FileId", "StagedShard", "file_id"]

@@ -70,3 +70,30 @@ def test_a_stopped_read_ahead_asks_for_nothing_more(tmp_path: Path) -> None:
     prefetch.stop()
     prefetch.start().join(timeout=60)
     assert prefetch.requested == 0
+
+
+def test_a_warm_checkpoint_is_skipped_without_mapping_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """A shard wholly in the page cache is found so by one ``cachestat`` and left: no mapping is made
+    to look at its pages (``mincore`` over 16 GB held the address-space lock that torch's import
+    waits for); where ``cachestat`` cannot say, the mapping looks, as before."""
+    from worker import page_cache, prefetch
+
+    shard = tmp_path / "model.safetensors"
+    shard.write_bytes(os.urandom(8 * MiB))
+    shard.read_bytes()
+    mapped: list[int] = []
+
+    class Recorded(PageCache):
+        def __init__(self, fd: int, size: int) -> None:
+            mapped.append(size)
+            super().__init__(fd, size)
+
+    monkeypatch.setattr(prefetch, "PageCache", Recorded)
+    monkeypatch.setattr(page_cache, "PageCache", Recorded)  # what worker/page_cache.py's resident() falls back on
+    warm = CheckpointPrefetch(str(tmp_path)).start()
+    warm.join(timeout=60)
+    assert (warm.shards, warm.requested, mapped) == (1, 0, [])
+    monkeypatch.setattr(page_cache, "_CACHESTAT", 100_000)  # no such syscall: ENOSYS, as before Linux 6.5
+    old_kernel = CheckpointPrefetch(str(tmp_path)).start()
+    old_kernel.join(timeout=60)
+    assert (old_kernel.requested, mapped) == (0, [8 * MiB])
