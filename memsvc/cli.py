@@ -30,6 +30,7 @@ from memsvc.runtime.flags import (
     settings_from,
 )
 from memsvc.runtime.service_flags import (
+    SERVICES,
     bytecode_flag,
     client_auth_flags,
     keep_bytecode_before_parsing,
@@ -509,11 +510,11 @@ def main(argv: Sequence[str] | None = None) -> int:
     parser = build_parser()
     args = parse(parser, argv)
     _require_extra(parser, args.command)
-    if args.command in ("manager", "worker", "gateway"):
+    if args.command in SERVICES:
         from memsvc.runtime.logs import configure
 
         configure(args.log_level, args.log_format)
-    if args.command in ("manager", "worker", "gateway"):  # memsvc up passes it to these, each says so
+    if args.command in SERVICES:  # memsvc up passes it to these, each says so
         use_bytecode_cache(args.bytecode_cache, kept)
     if args.command == "manager":
         from memsvc.manager.main import run as run_manager

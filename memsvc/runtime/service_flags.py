@@ -98,7 +98,7 @@ def security_kwargs(sec: Security) -> dict[str, Security]:
 
 BYTECODE_FLAG = "--bytecode-cache"
 SERVICES = ("manager", "worker", "gateway")
-"""The commands that take :data:`BYTECODE_FLAG` (:func:`bytecode_flag`)."""
+"""The commands that run a service: each takes these flags (:data:`BYTECODE_FLAG` among them)."""
 
 
 def bytecode_cache_before_parsing(argv: Sequence[str]) -> str | None:
