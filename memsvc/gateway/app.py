@@ -141,10 +141,12 @@ class Gateway:
                 retry_after=RETRY_AFTER_S,
             )
         self.in_flight += 1
+        self.metrics.in_flight.inc()
         try:
             yield
         finally:
             self.in_flight -= 1
+            self.metrics.in_flight.dec()
 
     async def models(self) -> dict[str, list[Served]]:
         try:

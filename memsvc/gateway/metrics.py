@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import os
 
-from prometheus_client import CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram, generate_latest
 from prometheus_client.multiprocess import MultiProcessCollector
 
 from memsvc.runtime.metrics import build_info
@@ -28,6 +28,12 @@ class GatewayMetrics:
             "Requests answered, by model, endpoint and HTTP status",
             ["model", "endpoint", "code"],
             registry=r,
+        )
+        self.in_flight = Gauge(
+            "memsvc_gateway_requests_in_flight",
+            "Completions held now (streaming, waking or queued for room), each one of --max-requests",
+            registry=r,
+            multiprocess_mode="livesum",
         )
         self.queue = Histogram(
             "memsvc_gateway_queue_seconds",

@@ -1029,13 +1029,13 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
             )
             for stream in (False, True)
         ]
-        wait_for(
-            lambda: httpx.post(
-                f"{gw.url}/v1/completions", json={"model": "alpha", "prompt": [1], "max_tokens": 1}, timeout=30
-            ),
-            lambda r: r.status_code == 503,
-            "both clients to be queued",
-        )
+        exe_metrics = [exe, "-s", f"{gw.url}/metrics"]
+
+        def scrape() -> str:
+            return subprocess.run(exe_metrics, capture_output=True, text=True, timeout=30).stdout
+
+        # (the metrics, not a completion, which would take one of the two places while a client came)
+        wait_for(scrape, lambda text: "memsvc_gateway_requests_in_flight 2.0" in text, "both clients to be queued")
         busy = httpx.post(f"{gw.url}/v1/chat/completions", json={"model": "alpha", "messages": MESSAGES}, timeout=30)
         assert busy.status_code == 503 and busy.headers.get("retry-after"), busy.text
         assert busy.json()["error"]["code"] == "overloaded", busy.text
@@ -1044,11 +1044,8 @@ def test_queued_requests_are_bounded_and_one_whose_client_leaves_wakes_nothing(
             p.terminate()
         assert [p.wait(timeout=30) for p in clients] == [-signal.SIGTERM] * 2
         left = 'memsvc_gateway_requests_total{code="499",endpoint="completions",model="beta"} 2.0'
-
-        def scrape() -> str:
-            return subprocess.run([exe, "-s", f"{gw.url}/metrics"], capture_output=True, text=True, timeout=30).stdout
-
         wait_for(scrape, lambda text: left in text, "the gateway to see both clients leave")
+        assert "memsvc_gateway_requests_in_flight 0.0" in scrape()
         mp.stub.ReleaseWorker(manager_pb.ReleaseWorkerRequest(lease_id=held.lease.lease_id), timeout=10)
         time.sleep(2.0)  # eight of the queue's polls
         assert _state_of(mp, "beta") == common_pb.WORKER_STATE_ASLEEP, "beta was woken for clients that had left"
