@@ -64,11 +64,16 @@ def log_flags(p: argparse.ArgumentParser) -> None:
     )
 
 
+def _bytecode_default() -> str:
+    """``--bytecode-cache``'s default: ``$MEMSVC_BYTECODE_CACHE``, else memsvc.runtime.bytecode's."""
+    return env("BYTECODE_CACHE", default_bytecode_dir())
+
+
 def bytecode_flag(p: argparse.ArgumentParser) -> None:
     """Where a service keeps its compiled modules when the installation keeps none (memsvc.runtime.bytecode)."""
     p.add_argument(
         BYTECODE_FLAG,
-        default=env("BYTECODE_CACHE", default_bytecode_dir()),
+        default=_bytecode_default(),
         help="directory for the byte-code of modules installed without it that this interpreter may not write "
         "beside them (PYTHONDONTWRITEBYTECODE, a read-only site-packages): later starts import from it; 'off': "
         "compile at every start",
@@ -120,7 +125,7 @@ def bytecode_cache_before_parsing(argv: Sequence[str]) -> str | None:
         return None
     if values:
         return values[0]
-    return str(env("BYTECODE_CACHE", default_bytecode_dir()))
+    return str(_bytecode_default())
 
 
 def keep_bytecode_before_parsing(argv: Sequence[str]) -> str | None:
