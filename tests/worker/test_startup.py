@@ -394,7 +394,11 @@ def test_the_startup_bench_runs_on_a_tiny_checkpoint(tmp_path: Path) -> None:
     assert res["errors"] == {} and res["commit"]
     (run,) = res["worker"]["runs"]
     assert 0 < run["listening_s"] < run["serving_s"] < run["first_token_s"] < run["generate_end_s"]
-    assert run["model_layer_imported_at_s"] <= run["serving_s"] and run["weights_loaded_s"] >= 0
+    # the import thread began before SERVING; its line saying it ended may come after: the load imports
+    # the same modules (waiting on their import locks) and can reach SERVING before that thread, on a
+    # busy machine, gets the GIL back to log (2.89 s against 2.72 s in a fresh-clone run beside another)
+    began = run["model_layer_imported_at_s"] - run["model_layer_imported_s"]
+    assert 0 < began <= run["serving_s"] and run["weights_loaded_s"] >= 0
     assert run["exit_code"] == 0 and run["graph_captures"] == []  # the host backend has no graphs
     # the checkpoint was just written, so the page cache holds it: the read-ahead finds it and reads nothing
     assert run["read_ahead_gb"] == 0.0 and run["read_ahead_shards"] == 1 and run["read_ahead_at_s"] <= run["serving_s"]
